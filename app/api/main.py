@@ -1,0 +1,49 @@
+"""FastAPI application: thin routes over app.repo and app.services."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from app import __version__
+from app.api.deps import SessionDep
+from app.api.routes import router
+from app.corpus import CorpusError
+from app.repo import Conflict, NotFound
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+app = FastAPI(title="inference-canary", version=__version__,
+              description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired statistics.")
+app.include_router(router, prefix="/api/v1")
+
+
+@app.middleware("http")
+async def limit_body(request: Request, call_next):
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return JSONResponse({"detail": f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}; split the upload"}, status_code=413)
+    return await call_next(request)
+
+
+@app.exception_handler(NotFound)
+async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=404)
+
+
+@app.exception_handler(Conflict)
+async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=409)
+
+
+@app.exception_handler(CorpusError)
+@app.exception_handler(ValueError)
+async def _invalid(_: Request, exc: ValueError) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=422)
+
+
+@app.get("/healthz", tags=["health"])
+def healthz(session: SessionDep) -> dict:
+    session.execute(text("SELECT 1"))
+    return {"status": "ok", "version": __version__}

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.models import OptimizationConfig
+from app.repo import Conflict, NotFound
+from app.schemas import ConfigIn, ConfigOut
+from engines.spec import ConfigNotAvailable
+
+router = APIRouter(tags=["configs"])
+
+
+def _out(c: OptimizationConfig) -> ConfigOut:
+    return ConfigOut(id=c.id, name=c.name, model=c.model.name, baseline=c.is_baseline, spec=c.spec)
+
+
+@router.post("/projects/{project}/configs", status_code=status.HTTP_201_CREATED, response_model=ConfigOut)
+def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> ConfigOut:
+    try:
+        repo.get_config(session, project, body.name)
+        raise Conflict(f"name: config '{body.name}' already exists in project '{project.name}'; pick another name")
+    except NotFound:
+        pass
+    model = repo.get_model(session, project, body.model)
+    spec = body.to_spec()
+    try:
+        spec.check_available()
+    except ConfigNotAvailable as e:
+        raise ValueError(str(e)) from None
+    return _out(repo.upsert_config(session, project, model, body.name, spec.model_dump(), body.baseline))
+
+
+@router.get("/projects/{project}/configs", response_model=list[ConfigOut])
+def list_configs(project: ProjectDep, session: SessionDep) -> list[ConfigOut]:
+    return [_out(c) for c in repo.list_configs(session, project)]
+
+
+@router.get("/projects/{project}/configs/{name}", response_model=ConfigOut)
+def get_config(name: str, project: ProjectDep, session: SessionDep) -> ConfigOut:
+    return _out(repo.get_config(session, project, name))

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+from sqlalchemy import select
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.models import Model, Project
+from app.repo import Conflict
+from app.schemas import ModelIn, ModelOut, ProjectIn, ProjectOut
+from app.services import check_model_path
+
+router = APIRouter(tags=["projects"])
+
+
+@router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut)
+def create_project(body: ProjectIn, session: SessionDep) -> ProjectOut:
+    if session.scalar(select(Project).where(Project.name == body.name)) is not None:
+        raise Conflict(f"name: project '{body.name}' already exists")
+    p = repo.get_or_create_project(session, body.name)
+    return ProjectOut(id=p.id, name=p.name)
+
+
+@router.get("/projects", response_model=list[ProjectOut])
+def list_projects(session: SessionDep) -> list[ProjectOut]:
+    return [ProjectOut(id=p.id, name=p.name) for p in session.scalars(select(Project).order_by(Project.id))]
+
+
+@router.post("/projects/{project}/models", status_code=status.HTTP_201_CREATED, response_model=ModelOut)
+def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> ModelOut:
+    if session.scalar(select(Model).where(Model.project_id == project.id, Model.name == body.name)) is not None:
+        raise Conflict(f"name: model '{body.name}' already exists in project '{project.name}'")
+    check_model_path(body.path, "path")
+    m = repo.upsert_model(session, project, body.name, body.path)
+    return ModelOut(id=m.id, name=m.name, path=m.path)
+
+
+@router.get("/projects/{project}/models", response_model=list[ModelOut])
+def list_models(project: ProjectDep, session: SessionDep) -> list[ModelOut]:
+    rows = session.scalars(select(Model).where(Model.project_id == project.id).order_by(Model.id))
+    return [ModelOut(id=m.id, name=m.name, path=m.path) for m in rows]

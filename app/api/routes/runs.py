@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+from sqlalchemy import func, select
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.dispatch import get_dispatcher
+from app.models import SampleResult
+from app.schemas import RunIn, SamplePage, SampleResultOut
+from app.services import run_summary, start_run
+
+router = APIRouter(tags=["runs"])
+
+
+@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED)
+def create_run(
+    body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
+) -> dict:
+    """Start a run of a suite over configs (baseline included); 200 with the earlier run when
+    the Idempotency-Key was seen before."""
+    run_id, created = start_run(project.name, body.suite, body.configs, get_dispatcher(background=True),
+                                samples=body.samples, seed=body.seed, trigger=body.trigger, idempotency_key=idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return run_summary(session, repo.get_run(session, project, run_id))
+
+
+@router.get("/projects/{project}/runs")
+def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)) -> list[dict]:
+    return [
+        {"run_id": r.id, "status": r.status, "verdict": r.verdict, "trigger": r.trigger, "n_samples": r.n_samples,
+         "created_at": r.created_at.isoformat(), "finished_at": r.finished_at.isoformat() if r.finished_at else None}
+        for r in repo.list_runs(session, project, limit, offset)
+    ]
+
+
+@router.get("/projects/{project}/runs/{run_id}")
+def get_run(run_id: int, project: ProjectDep, session: SessionDep) -> dict:
+    return run_summary(session, repo.get_run(session, project, run_id))
+
+
+@router.get("/projects/{project}/runs/{run_id}/samples", response_model=SamplePage)
+def run_samples(
+    run_id: int, project: ProjectDep, session: SessionDep,
+    config: str | None = None, metric: str | None = None,
+    limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
+) -> SamplePage:
+    run = repo.get_run(session, project, run_id)
+    names = {cr.config_id: cr.config.name for cr in run.config_runs}
+    config_id = None
+    if config is not None:
+        config_id = repo.get_config(session, project, config).id
+    q = select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run.id)
+    if config_id is not None:
+        q = q.where(SampleResult.config_id == config_id)
+    if metric is not None:
+        q = q.where(SampleResult.metric == metric)
+    total = session.scalar(q) or 0
+    rows = repo.sample_results(session, run.id, config_id, metric, limit=limit, offset=offset)
+    items = [SampleResultOut(config=names.get(r.config_id, str(r.config_id)), sample_key=r.sample_key, metric=r.metric,
+                             value=r.value, extra=r.extra) for r in rows]
+    return SamplePage(total=total, offset=offset, limit=limit, items=items)

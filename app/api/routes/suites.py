@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.corpus import SampleIn, load_corpus
+from app.models import Suite
+from app.repo import Conflict, NotFound
+from app.schemas import SuiteIn, SuiteOut
+from app.settings import get_settings
+
+router = APIRouter(tags=["suites"])
+
+
+def _out(s: Suite) -> SuiteOut:
+    return SuiteOut(id=s.id, name=s.name, n_documents=s.n_documents, **{k: s.spec[k] for k in ("samples", "seed", "scorers", "perplexity", "generation")})
+
+
+@router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut)
+def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> SuiteOut:
+    settings = get_settings()
+    try:
+        repo.get_suite(session, project, body.name)
+        raise Conflict(f"name: suite '{body.name}' already exists in project '{project.name}'; pick another name")
+    except NotFound:
+        pass
+    if (body.corpus is None) == (body.documents is None):
+        raise ValueError("corpus, documents: give exactly one — a server-side corpus or the documents inline")
+    if body.documents is not None:
+        if len(body.documents) > settings.max_suite_documents:
+            raise ValueError(f"documents: {len(body.documents)} documents exceed the limit of {settings.max_suite_documents}")
+        seen: set[str] = set()
+        for i, d in enumerate(body.documents):
+            if d.id in seen:
+                raise ValueError(f"documents[{i}].id: duplicate id '{d.id}'; ids must be unique")
+            if len(d.text) > settings.max_document_chars:
+                raise ValueError(f"documents[{i}].text: {len(d.text)} characters exceed the limit of {settings.max_document_chars}")
+            seen.add(d.id)
+        samples = [SampleIn(d.id, d.text, reference=d.reference, contexts=d.contexts, cluster=d.cluster or d.id) for d in body.documents]
+    else:
+        samples = load_corpus(body.corpus, "corpus", settings.max_suite_documents, settings.max_document_chars)
+    if body.samples > len(samples):
+        raise ValueError(f"samples: {body.samples} > {len(samples)} documents; lower samples or add documents")
+    spec = body.model_dump(exclude={"name", "documents"})
+    return _out(repo.upsert_suite(session, project, body.name, spec, samples))
+
+
+@router.get("/projects/{project}/suites", response_model=list[SuiteOut])
+def list_suites(project: ProjectDep, session: SessionDep) -> list[SuiteOut]:
+    return [_out(s) for s in repo.list_suites(session, project)]

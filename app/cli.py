@@ -1,0 +1,223 @@
+"""`canary` command line: demo, serve, worker, run, db, schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="inference-canary: quality canary for optimized LLM inference.")
+db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
+app.add_typer(db_app, name="db")
+console = Console(stderr=True)  # progress and tables on stderr; --json output alone on stdout
+
+DEMO_CONFIG: dict[str, Any] = {
+    "project": "demo",
+    "model": {"name": "pydoc-tiny", "path": "builtin:pydoc-target"},
+    "configs": [
+        {"name": "fp16", "baseline": True, "weights": "fp16"},
+        {"name": "int8", "weights": "int8"},
+        {"name": "int4", "weights": "rtn-int4"},
+    ],
+    "suites": [
+        {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
+         "perplexity": {"window": 256, "stride": 256},
+         "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32}},
+    ],
+}
+
+
+def fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _ensure_zoo() -> None:
+    from engines.zoo import ARTIFACTS, BUILTIN_MODELS
+
+    if all((ARTIFACTS / m / "model.safetensors").is_file() for m in BUILTIN_MODELS):
+        return
+    console.print("[yellow]tiny model zoo not found: building it (about 11 minutes on 2 cores)…[/]")
+    subprocess.run([sys.executable, "-m", "engines.zoo.build", "--out", str(ARTIFACTS)], check=True)
+
+
+def _upgrade_db() -> None:
+    from app.db import upgrade
+
+    upgrade()
+
+
+def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: int | None, as_json: bool, wait: bool) -> dict | None:
+    from app import repo
+    from app.db import session_scope
+    from app.dispatch import InlineDispatcher, get_dispatcher
+    from app.services import apply_config_file, run_summary, start_run
+    from app.settings import get_settings
+
+    with session_scope() as s:
+        apply_config_file(s, cfg)
+    inline = get_settings().execution_mode == "inline"
+    dispatcher = InlineDispatcher(background=True) if inline else get_dispatcher()
+    started = time.perf_counter()
+    run_id, _ = start_run(cfg.project, cfg.suite(suite).name, configs, dispatcher, samples=samples)
+    if not wait:
+        return {"run_id": run_id, "status": "queued"}
+    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=as_json or not console.is_terminal, transient=False) as progress:
+        bars: dict[str, Any] = {}
+        while True:
+            with session_scope() as s:
+                run = repo.get_run(s, repo.get_project(s, cfg.project), run_id)
+                for cr in run.config_runs:
+                    name = cr.config.name
+                    if name not in bars:
+                        bars[name] = progress.add_task(name, total=None)
+                    progress.update(bars[name], completed=cr.progress_done, total=cr.progress_total or None)
+                if run.status in ("done", "failed"):
+                    summary = run_summary(s, run)
+                    break
+            time.sleep(0.5)
+    summary["wall_seconds"] = round(time.perf_counter() - started, 1)
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
+    comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
+    t = Table(title=f"run {summary['run_id']}: baseline {summary['baseline']} — verdict {summary['verdict']}")
+    for col in ("config", "weights", "token ppl", "ppl ratio [95% CI]", "verdict", "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "status"):
+        t.add_column(col, justify="left" if col in ("config", "weights", "verdict", "status") else "right")
+    for c in summary["configs"]:
+        f = summary["figures"].get(c["config"]) or {}
+        r = comps.get((c["config"], "ppl_ratio"))
+        ratio = f"{r['estimate']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["estimate"] is not None else "baseline" if c["config"] == summary["baseline"] else "—"
+        verdict = r["verdict"] if r else ("—" if c["config"] == summary["baseline"] else "missing")
+        color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta"}.get(verdict, "white")
+        fmt = lambda k, spec: format(f[k], spec) if f.get(k) is not None else "—"  # noqa: E731
+        t.add_row(c["config"], c["spec"]["weights"], fmt("token_ppl", ".3f"), ratio, f"[{color}]{verdict}[/]",
+                  fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"), fmt("tokens_per_second", ".0f"),
+                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
+                  c["status"] if not c["error"] else f"failed: {c['error']}")
+    Console().print(t)
+    Console().print(f"verdict: [bold]{summary['verdict']}[/] — {summary['verdict_reason']}", highlight=False)
+
+
+def _json_out(summary: dict) -> None:
+    keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds", "configs"}
+    out = {k: v for k, v in summary.items() if k in keep}
+    out["comparisons"] = [{k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule")} for c in summary["comparisons"]]
+    sys.stdout.write(json.dumps(out) + "\n")
+
+
+@app.command()
+def demo(
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
+    samples: int = typer.Option(100, min=1, help="held-out documents scored per config"),
+    database_url: Optional[str] = typer.Option(None, envvar="CANARY_DATABASE_URL", help="default: sqlite:///canary-demo.db"),
+) -> None:
+    """fp16 vs int8 vs int4 on the tiny Python-documentation model, in-process."""
+    os.environ["CANARY_DATABASE_URL"] = database_url or "sqlite:///canary-demo.db"
+    os.environ.setdefault("CANARY_EXECUTION", "inline")
+    from app.config_file import parse_config
+    from app.settings import get_settings
+
+    get_settings.cache_clear()
+    _ensure_zoo()
+    _upgrade_db()
+    cfg = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]}, "demo config")
+    try:
+        summary = _run_and_wait(cfg, None, None, None, as_json, wait=True)
+    except ValueError as e:
+        fail(str(e))
+    _json_out(summary) if as_json else _print_summary(summary)
+
+
+@app.command()
+def run(
+    file: str = typer.Option("canary.yaml", "-f", "--file", help="config file"),
+    suite: Optional[str] = typer.Option(None, help="suite name (default: the file's first suite)"),
+    configs: Optional[str] = typer.Option(None, help="comma-separated config names (default: all; the baseline is always included)"),
+    samples: Optional[int] = typer.Option(None, min=1, help="override the suite's sample count"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    wait: bool = typer.Option(True, help="wait for the verdict"),
+) -> None:
+    """Apply a config file and run a suite over its configs."""
+    from app.config_file import ConfigFileError, load_config_file
+    from app.corpus import CorpusError
+    from app.repo import NotFound
+
+    try:
+        cfg = load_config_file(file)
+        _upgrade_db()
+        summary = _run_and_wait(cfg, suite, configs.split(",") if configs else None, samples, as_json, wait)
+    except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
+        fail(str(e))
+    if not wait:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    elif as_json:
+        _json_out(summary)
+    else:
+        _print_summary(summary)
+
+
+@app.command()
+def serve(host: str = "127.0.0.1", port: int = 8000, upgrade_db: bool = typer.Option(True, help="run migrations first")) -> None:
+    """Run the API server (OpenAPI docs at /docs)."""
+    import uvicorn
+
+    if upgrade_db:
+        _upgrade_db()
+    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info")
+
+
+@app.command()
+def worker(
+    queues: str = typer.Option("gpu,cpu,default", help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
+    concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
+    beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
+) -> None:
+    """Run a Celery worker (needs CANARY_BROKER_URL)."""
+    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
+           "-c", str(concurrency), "--prefetch-multiplier", "1", "-l", "INFO"]
+    if beat:
+        cmd.append("-B")
+    os.execvp(cmd[0], cmd)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Apply migrations up to REVISION."""
+    from app.db import upgrade
+
+    upgrade(revision=revision)
+    console.print(f"database at revision {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base")) -> None:
+    from app.db import downgrade
+
+    downgrade(revision=revision)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of canary.yaml."""
+    from app.config_file import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The canary.yaml schema: model, optimization configs (one baseline), suites, thresholds,
+channels and schedules. `canary schema` prints its JSON Schema; errors name the field."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engines.spec import ConfigNotAvailable, OptimizationSpec
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
+SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
+AVAILABLE_SCORERS = ("perplexity", "generation")
+
+
+class ConfigFileError(ValueError):
+    """A canary.yaml problem, phrased as 'field: what is wrong; how to fix it'."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = prefix
+        for part in e["loc"]:
+            if isinstance(part, int):
+                loc += f"[{part}]"
+            else:
+                loc += f".{part}" if loc else str(part)
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc or '(file)'}: {msg}")
+    return "\n".join(lines)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelEntry(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    path: str = Field(description="local Hugging Face directory (safetensors), or builtin:pydoc-target")
+
+
+class ConfigEntry(OptimizationSpec):
+    name: str = Field(pattern=NAME_PATTERN)
+    baseline: bool = False
+
+    def to_spec(self) -> OptimizationSpec:
+        return OptimizationSpec.model_validate(self.model_dump(exclude={"name", "baseline"}))
+
+
+class PerplexitySettings(_Strict):
+    window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
+    stride: int | None = Field(None, ge=1, description="tokens between window starts; default = window (disjoint)")
+
+    @model_validator(mode="after")
+    def _stride(self) -> "PerplexitySettings":
+        if self.stride is None:
+            self.stride = self.window
+        if self.stride > self.window:
+            raise ValueError(f"stride {self.stride} > window {self.window}; use a stride ≤ window")
+        return self
+
+
+class GenerationSettings(_Strict):
+    prompts: int = Field(16, ge=0, le=1000, description="documents whose opening is used as a prompt")
+    prompt_words: int = Field(24, ge=1, le=2000)
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+
+
+class SuiteEntry(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    corpus: str = Field(description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
+    samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
+    seed: int = 0
+    scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"])
+    perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+    @field_validator("scorers")
+    @classmethod
+    def _scorers(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if s not in SCORERS:
+                raise ValueError(f"unknown scorer '{s}'; choose from {', '.join(SCORERS)}")
+            if s not in AVAILABLE_SCORERS:
+                raise ValueError(f"scorer '{s}' is not available in this release; available: {', '.join(AVAILABLE_SCORERS)}")
+        if "perplexity" not in v:
+            raise ValueError("the perplexity scorer is required (it is what every comparison pairs on)")
+        return v
+
+
+class Threshold(_Strict):
+    warn: float
+    critical: float | None = None
+    min_n: int = Field(10, ge=1, description="fewer paired samples than this → inconclusive")
+
+
+# Seed thresholds (DESIGN.md §Defaults from the field); direction is a property of the metric.
+METRIC_DIRECTIONS = {
+    "ppl_ratio": "above",
+    "spec_acceptance_rate": "below",
+    "ttft_ms": "above",
+    "kv_cache_usage": "above",
+    "faithfulness": "below",
+}
+
+
+class Thresholds(_Strict):
+    ppl_ratio: Threshold = Threshold(warn=1.15, critical=1.30)
+    spec_acceptance_rate: Threshold = Threshold(warn=0.50, critical=0.30)
+    ttft_ms: Threshold = Threshold(warn=2000, critical=5000)
+    kv_cache_usage: Threshold = Threshold(warn=0.85, critical=0.95)
+    faithfulness: Threshold = Threshold(warn=0.80)
+
+    @model_validator(mode="after")
+    def _order(self) -> "Thresholds":
+        for metric, direction in METRIC_DIRECTIONS.items():
+            t: Threshold = getattr(self, metric)
+            if t.critical is None:
+                continue
+            if (direction == "above" and t.critical < t.warn) or (direction == "below" and t.critical > t.warn):
+                side = "≥" if direction == "above" else "≤"
+                raise ValueError(f"{metric}: critical {t.critical} must be {side} warn {t.warn} (bad is {direction})")
+        return self
+
+
+class ChannelEntry(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
+    url: str = Field(description="webhook URL; may be ${ENV_VAR} so the secret stays out of the file")
+    send_resolved: bool = True
+
+
+class ScheduleEntry(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    cron: str = Field(description="five-field cron expression, UTC, e.g. '0 6 * * *'")
+    suite: str
+    configs: list[str] | Literal["all"] = "all"
+    samples: int | None = Field(None, ge=1)
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, v: str) -> str:
+        if len(v.split()) != 5:
+            raise ValueError(f"'{v}' is not a five-field cron expression (minute hour day month weekday)")
+        return v
+
+
+class CanaryFile(_Strict):
+    project: str = Field("default", pattern=NAME_PATTERN)
+    model: ModelEntry
+    configs: list[ConfigEntry] = Field(min_length=1)
+    suites: list[SuiteEntry] = Field(min_length=1)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    channels: list[ChannelEntry] = Field(default_factory=list)
+    schedules: list[ScheduleEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "CanaryFile":
+        problems = []
+        for kind, items in (("configs", self.configs), ("suites", self.suites), ("channels", self.channels), ("schedules", self.schedules)):
+            seen: dict[str, int] = {}
+            for i, item in enumerate(items):
+                if item.name in seen:
+                    problems.append(f"{kind}[{i}].name: duplicate name '{item.name}' (also {kind}[{seen[item.name]}]); names must be unique")
+                seen.setdefault(item.name, i)
+        baselines = [i for i, c in enumerate(self.configs) if c.baseline]
+        if len(baselines) != 1:
+            where = ", ".join(f"configs[{i}]" for i in baselines) or "none"
+            problems.append(f"configs: exactly one config needs 'baseline: true' (found {where})")
+        for i, c in enumerate(self.configs):
+            try:
+                c.to_spec().check_available()
+            except ConfigNotAvailable as e:
+                problems.append(f"configs[{i}].{e}")
+        suites = {s.name for s in self.suites}
+        configs = {c.name for c in self.configs}
+        for i, s in enumerate(self.schedules):
+            if s.suite not in suites:
+                problems.append(f"schedules[{i}].suite: unknown suite '{s.suite}'; declared suites: {', '.join(sorted(suites))}")
+            if s.configs != "all":
+                for name in s.configs:
+                    if name not in configs:
+                        problems.append(f"schedules[{i}].configs: unknown config '{name}'; declared configs: {', '.join(sorted(configs))}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def baseline(self) -> ConfigEntry:
+        return next(c for c in self.configs if c.baseline)
+
+    def suite(self, name: str | None) -> SuiteEntry:
+        if name is None:
+            return self.suites[0]
+        for s in self.suites:
+            if s.name == name:
+                return s
+        raise ConfigFileError(f"--suite: unknown suite '{name}'; declared suites: {', '.join(s.name for s in self.suites)}")
+
+
+def parse_config(data: object, source: str = "canary.yaml") -> CanaryFile:
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{source}: the top level must be a mapping with model, configs and suites")
+    try:
+        return CanaryFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigFileError(f"{source} is invalid:\n{format_validation_error(e)}") from None
+
+
+def load_config_file(path: str | pathlib.Path) -> CanaryFile:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigFileError(f"config file '{path}' not found; create one from canary.example.yaml")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigFileError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_config(data, str(path))
+
+
+def json_schema() -> dict:
+    return CanaryFile.model_json_schema()

@@ -1,0 +1,68 @@
+"""Read a suite's corpus into samples: builtin:NAME, a .jsonl file or a folder of text files."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+from engines.zoo import ModelPathError, resolve_corpus_path
+
+
+class CorpusError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SampleIn:
+    key: str
+    text: str
+    kind: str = "document"
+    reference: str | None = None
+    contexts: list[str] | None = None
+    cluster: str | None = None
+
+
+def load_corpus(ref: str, field: str = "corpus", max_documents: int = 20000, max_chars: int = 200_000) -> list[SampleIn]:
+    try:
+        path = resolve_corpus_path(ref)
+    except ModelPathError as e:
+        raise CorpusError(f"{field}: {e}") from None
+    if not path.exists():
+        raise CorpusError(f"{field}: '{ref}' does not exist; give builtin:pydoc-heldout, a .jsonl file or a folder of .txt files")
+    samples: list[SampleIn] = []
+    if path.is_dir():
+        for i, f in enumerate(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())):
+            samples.append(SampleIn(key=str(f.relative_to(path)), text=f.read_text(encoding="utf-8")))
+    elif path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"{field}: {path} line {lineno} is not JSON: {e.msg}") from None
+                text = row.get("text") if isinstance(row, dict) else None
+                if not isinstance(text, str):
+                    raise CorpusError(f"{field}: {path} line {lineno} has no string 'text' field")
+                key = str(row.get("id") or row.get("doc_id") or f"line-{lineno}")
+                samples.append(
+                    SampleIn(key=key, text=text, reference=row.get("reference"), contexts=row.get("contexts"),
+                             cluster=row.get("cluster") or key.split("#")[0])
+                )
+    else:
+        raise CorpusError(f"{field}: unsupported corpus '{ref}'; use a .jsonl file or a folder of .txt/.md files")
+    samples = [s for s in samples if s.text.strip()]
+    if not samples:
+        raise CorpusError(f"{field}: corpus '{ref}' has no non-empty documents; add documents with a 'text' field")
+    if len(samples) > max_documents:
+        raise CorpusError(f"{field}: corpus '{ref}' has {len(samples)} documents, above the limit of {max_documents}; split it into suites")
+    keys: set[str] = set()
+    for s in samples:
+        if s.key in keys:
+            raise CorpusError(f"{field}: duplicate document id '{s.key}' in '{ref}'; ids must be unique")
+        if len(s.text) > max_chars:
+            raise CorpusError(f"{field}: document '{s.key}' has {len(s.text)} characters, above the limit of {max_chars}")
+        keys.add(s.key)
+    return samples

@@ -1,0 +1,80 @@
+"""Engine and session factory. SQLite (embedded default) and Postgres (production)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Iterator
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+from app.settings import get_settings
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+@lru_cache
+def get_engine(url: str | None = None) -> Engine:
+    url = url or get_settings().database_url
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(conn, _record):  # noqa: ANN001
+            cur = conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")  # API reads while the worker thread writes
+            cur.close()
+
+        return engine
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+@lru_cache
+def get_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
+    return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str | None = None) -> Iterator[Session]:
+    """A session whose transaction commits on success and rolls back on error."""
+    session = get_sessionmaker(url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> None:
+    """Run Alembic migrations (`canary db upgrade`)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str | None = None, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def alembic_config(url: str | None = None):
+    import pathlib
+
+    from alembic.config import Config
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cfg = Config()
+    cfg.set_main_option("script_location", str(root / "migrations"))
+    cfg.set_main_option("sqlalchemy.url", (url or get_settings().database_url).replace("%", "%%"))
+    return cfg

@@ -1,0 +1,103 @@
+"""Enqueue tasks by name, after the caller's commit.
+
+Production (`execution = celery`): Celery's send_task by name to the task's queue; the API
+process never imports the task code. Embedded default (`inline`): the same task functions,
+resolved by string from workers.tasks (a lazy, registry-style import: the layering
+"workers → app" holds at import time), run in-process — synchronously, or on one background
+thread for the API server.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import threading
+from functools import lru_cache
+from typing import Any, Protocol
+
+from app.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+EXECUTE_CONFIG_RUN = "canary.execute_config_run"
+AGGREGATE_RUN = "canary.aggregate_run"
+RECONCILE = "canary.reconcile"
+# GPU work on its own queue (one process per GPU, prefetch 1); bookkeeping on default.
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "default", RECONCILE: "default"}
+INLINE_TASKS = "workers.tasks:INLINE"  # name → plain function, resolved lazily
+
+
+class Dispatcher(Protocol):
+    def send(self, task: str, *args: Any) -> None: ...
+
+
+class CeleryDispatcher:
+    def __init__(self, settings: Settings):
+        from celery import Celery
+
+        self.client = Celery("canary-client", broker=settings.broker_url, backend=settings.result_backend)
+        self.client.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+
+    def send(self, task: str, *args: Any) -> None:
+        self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"))
+
+
+def _inline_tasks() -> dict:
+    module, attr = INLINE_TASKS.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class InlineDispatcher:
+    """Runs tasks in this process. Tasks sent while a task runs are queued, not nested, so
+    the order matches a broker's: every config-run, then the aggregation it triggers.
+    background=True runs them on one daemon thread (the API server's embedded mode)."""
+
+    def __init__(self, background: bool = False):
+        self.background = background
+        self._queue: queue.Queue[tuple[str, tuple]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def send(self, task: str, *args: Any) -> None:
+        self._queue.put((task, args))
+        if self.background:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="canary-inline", daemon=True)
+                    self._thread.start()
+            return
+        with self._lock:
+            if self._running:  # called from inside a task: the outer drain picks it up
+                return
+            self._running = True
+        try:
+            while not self._queue.empty():
+                self._run_one(*self._queue.get())
+        finally:
+            self._running = False
+
+    def _run_one(self, task: str, args: tuple) -> None:
+        try:
+            _inline_tasks()[task](*args, dispatcher=self)
+        except Exception:  # a task records its own failure; keep going with the rest
+            log.exception("inline task %s%s failed", task, args)
+        finally:
+            self._queue.task_done()
+
+    def _serve(self) -> None:
+        while True:
+            self._run_one(*self._queue.get())
+
+    def join(self) -> None:
+        """Wait until every task sent so far (and those they sent) has run."""
+        self._queue.join()
+
+
+@lru_cache
+def get_dispatcher(background: bool = False) -> Dispatcher:
+    settings = get_settings()
+    if settings.execution_mode == "celery":
+        return CeleryDispatcher(settings)
+    return InlineDispatcher(background=background)

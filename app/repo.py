@@ -1,0 +1,399 @@
+"""Repository functions: the one write path to the database. Routes, the CLI and tasks call
+these; none of them writes rows itself. Functions take a Session and do not commit unless
+their docstring says so — the caller owns the transaction (enqueue only after it commits)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from datetime import datetime, timedelta
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from app.corpus import SampleIn
+from app.models import (
+    AlertRule,
+    Comparison,
+    ConfigRun,
+    Model,
+    OptimizationConfig,
+    Project,
+    Run,
+    SampleResult,
+    Suite,
+    SuiteSample,
+    utcnow,
+)
+
+TERMINAL = ("succeeded", "failed")
+
+
+class NotFound(LookupError):
+    """An object that does not exist in this project (the API answers 404)."""
+
+
+class Conflict(ValueError):
+    """A request that contradicts stored state (the API answers 409)."""
+
+
+def _insert(session: Session):
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert
+
+
+# -- projects, models, configs, suites ----------------------------------------------------------
+def get_or_create_project(session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
+    if project is None:
+        project = Project(name=name)
+        session.add(project)
+        session.flush()
+    return project
+
+
+def get_project(session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
+    if project is None:
+        raise NotFound(f"project '{name}' not found")
+    return project
+
+
+def upsert_model(session: Session, project: Project, name: str, path: str) -> Model:
+    model = session.scalar(select(Model).where(Model.project_id == project.id, Model.name == name))
+    if model is None:
+        model = Model(project_id=project.id, name=name, path=path)
+        session.add(model)
+    else:
+        model.path = path
+    session.flush()
+    return model
+
+
+def get_model(session: Session, project: Project, name: str) -> Model:
+    model = session.scalar(select(Model).where(Model.project_id == project.id, Model.name == name))
+    if model is None:
+        raise NotFound(f"model '{name}' not found in project '{project.name}'")
+    return model
+
+
+def upsert_config(
+    session: Session, project: Project, model: Model, name: str, spec: dict[str, Any], is_baseline: bool
+) -> OptimizationConfig:
+    cfg = session.scalar(
+        select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name)
+    )
+    if cfg is None:
+        cfg = OptimizationConfig(project_id=project.id, model_id=model.id, name=name, spec=spec, is_baseline=is_baseline)
+        session.add(cfg)
+    else:
+        if cfg.model_id != model.id:
+            raise Conflict(f"name: config '{name}' already belongs to another model; choose another name")
+        cfg.spec, cfg.is_baseline = spec, is_baseline
+    session.flush()
+    if is_baseline:  # one baseline per model
+        session.execute(
+            update(OptimizationConfig)
+            .where(OptimizationConfig.model_id == model.id, OptimizationConfig.id != cfg.id)
+            .values(is_baseline=False)
+        )
+    return cfg
+
+
+def list_configs(session: Session, project: Project) -> list[OptimizationConfig]:
+    return list(session.scalars(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id).order_by(OptimizationConfig.id)))
+
+
+def get_config(session: Session, project: Project, name: str) -> OptimizationConfig:
+    cfg = session.scalar(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name))
+    if cfg is None:
+        names = ", ".join(c.name for c in list_configs(session, project)) or "none yet"
+        raise NotFound(f"config '{name}' not found in project '{project.name}' (configs: {names})")
+    return cfg
+
+
+def content_hash(samples: Sequence[SampleIn]) -> str:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(json.dumps([s.key, s.text, s.kind, s.reference, s.contexts, s.cluster]).encode())
+    return h.hexdigest()
+
+
+def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, Any], samples: Sequence[SampleIn]) -> Suite:
+    """Create or update a suite. Its samples are replaced only when their content changed, so
+    applying the same file twice writes nothing; earlier runs keep the sample keys they drew."""
+    digest = content_hash(samples)
+    suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
+    spec = {**spec, "content_hash": digest}
+    if suite is None:
+        suite = Suite(project_id=project.id, name=name, spec=spec, n_documents=len(samples))
+        session.add(suite)
+        session.flush()
+    elif suite.spec.get("content_hash") == digest:
+        suite.spec = spec
+        session.flush()
+        return suite
+    else:
+        suite.spec, suite.n_documents = spec, len(samples)
+        session.execute(delete(SuiteSample).where(SuiteSample.suite_id == suite.id))
+    session.add_all(
+        SuiteSample(suite_id=suite.id, key=s.key, position=i, kind=s.kind, text=s.text,
+                    reference=s.reference, contexts=s.contexts, cluster=s.cluster)
+        for i, s in enumerate(samples)
+    )
+    session.flush()
+    return suite
+
+
+def list_suites(session: Session, project: Project) -> list[Suite]:
+    return list(session.scalars(select(Suite).where(Suite.project_id == project.id).order_by(Suite.id)))
+
+
+def get_suite(session: Session, project: Project, name: str) -> Suite:
+    suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
+    if suite is None:
+        names = ", ".join(s.name for s in list_suites(session, project)) or "none yet"
+        raise NotFound(f"suite '{name}' not found in project '{project.name}' (suites: {names})")
+    return suite
+
+
+def suite_samples(session: Session, suite_id: int, keys: Iterable[str] | None = None) -> list[SuiteSample]:
+    q = select(SuiteSample).where(SuiteSample.suite_id == suite_id).order_by(SuiteSample.position)
+    if keys is not None:
+        q = q.where(SuiteSample.key.in_(list(keys)))
+    return list(session.scalars(q))
+
+
+def set_thresholds(session: Session, project: Project, thresholds: dict[str, dict[str, Any]], directions: dict[str, str]) -> None:
+    """Project-wide rules from the config file (scope: all models and configs)."""
+    for metric, t in thresholds.items():
+        rule = session.scalar(
+            select(AlertRule).where(AlertRule.project_id == project.id, AlertRule.metric == metric,
+                                    AlertRule.model_id.is_(None), AlertRule.config_id.is_(None))
+        )
+        if rule is None:
+            rule = AlertRule(project_id=project.id, metric=metric, direction=directions[metric], warn=t["warn"])
+            session.add(rule)
+        rule.warn, rule.critical, rule.direction = t["warn"], t.get("critical"), directions[metric]
+    session.flush()
+
+
+def threshold_for(session: Session, project_id: int, metric: str, model_id: int, config_id: int) -> AlertRule | None:
+    """The most specific enabled rule: config over model over project."""
+    rules = session.scalars(
+        select(AlertRule).where(
+            AlertRule.project_id == project_id, AlertRule.metric == metric, AlertRule.enabled.is_(True),
+            or_(AlertRule.config_id.is_(None), AlertRule.config_id == config_id),
+            or_(AlertRule.model_id.is_(None), AlertRule.model_id == model_id),
+        )
+    ).all()
+    rules.sort(key=lambda r: (r.config_id is not None, r.model_id is not None), reverse=True)
+    return rules[0] if rules else None
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def draw_samples(keys: Sequence[str], n: int, seed: int) -> list[str]:
+    """n keys drawn without replacement by seed, kept in suite order (reproducible per seed)."""
+    picked = set(random.Random(seed).sample(range(len(keys)), n))
+    return [k for i, k in enumerate(keys) if i in picked]
+
+
+def create_run(
+    session: Session,
+    project: Project,
+    suite: Suite,
+    configs: Sequence[OptimizationConfig],
+    *,
+    n_samples: int | None = None,
+    seed: int | None = None,
+    trigger: str = "manual",
+    idempotency_key: str | None = None,
+) -> tuple[Run, bool]:
+    """Write a Run and one queued ConfigRun per config (the model's baseline always included).
+    Returns (run, created); an existing idempotency key returns the earlier run unchanged."""
+    if idempotency_key:
+        existing = session.scalar(select(Run).where(Run.project_id == project.id, Run.idempotency_key == idempotency_key))
+        if existing is not None:
+            return existing, False
+    if not configs:
+        raise ValueError("configs: name at least one config to run")
+    model_ids = {c.model_id for c in configs}
+    if len(model_ids) != 1:
+        raise ValueError("configs: every config of a run must belong to the same model")
+    model_id = model_ids.pop()
+    baseline = session.scalar(
+        select(OptimizationConfig).where(OptimizationConfig.model_id == model_id, OptimizationConfig.is_baseline.is_(True))
+    )
+    if baseline is None:
+        raise ValueError("configs: the model has no baseline config; mark one config as baseline")
+    ordered = [baseline] + [c for c in configs if c.id != baseline.id]
+    n = n_samples or suite.spec.get("samples", 100)
+    if n > suite.n_documents:
+        raise ValueError(
+            f"samples: {n} > {suite.n_documents} documents in suite '{suite.name}'; lower samples or add documents"
+        )
+    seed = suite.spec.get("seed", 0) if seed is None else seed
+    keys = [s.key for s in suite_samples(session, suite.id)]
+    run = Run(
+        project_id=project.id, suite_id=suite.id, model_id=model_id, baseline_config_id=baseline.id,
+        trigger=trigger, n_samples=n, seed=seed, sample_keys=draw_samples(keys, n, seed),
+        idempotency_key=idempotency_key,
+    )
+    session.add(run)
+    session.flush()
+    now = utcnow()
+    session.add_all(ConfigRun(run_id=run.id, config_id=c.id, enqueued_at=now) for c in ordered)
+    session.flush()
+    return run, True
+
+
+def get_run(session: Session, project: Project, run_id: int) -> Run:
+    run = session.scalar(select(Run).where(Run.id == run_id, Run.project_id == project.id))
+    if run is None:
+        raise NotFound(f"run {run_id} not found in project '{project.name}'")
+    return run
+
+
+def list_runs(session: Session, project: Project, limit: int = 50, offset: int = 0) -> list[Run]:
+    return list(session.scalars(
+        select(Run).where(Run.project_id == project.id).order_by(Run.id.desc()).limit(limit).offset(offset)
+    ))
+
+
+def claim_config_run(session: Session, config_run_id: int, worker: str, lease_seconds: int, max_attempts: int) -> int | None:
+    """Take a queued config-run, or one whose lease expired, and return the new attempt number
+    (the fencing token for every later write), or None when it is not ours to run."""
+    now = utcnow()
+    row = session.execute(
+        update(ConfigRun)
+        .where(
+            ConfigRun.id == config_run_id,
+            ConfigRun.attempt < max_attempts,
+            or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)),
+        )
+        .values(status="running", attempt=ConfigRun.attempt + 1, worker=worker, started_at=now,
+                lease_expires_at=now + timedelta(seconds=lease_seconds), error=None)
+        .returning(ConfigRun.attempt, ConfigRun.run_id)
+    ).first()
+    if row is None:
+        return None
+    session.execute(update(Run).where(Run.id == row.run_id, Run.status == "queued").values(status="running"))
+    return row.attempt
+
+
+def heartbeat(session: Session, config_run_id: int, attempt: int, lease_seconds: int, done: int, total: int) -> bool:
+    """Renew the lease and record progress; False when another attempt has taken over."""
+    res = session.execute(
+        update(ConfigRun)
+        .where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running")
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds), progress_done=done, progress_total=total)
+    )
+    return res.rowcount == 1
+
+
+def write_sample_results(session: Session, run_id: int, config_id: int, rows: Sequence[dict[str, Any]]) -> None:
+    """Idempotent: a redelivered task rewrites the same (run, config, sample, metric) rows."""
+    if not rows:
+        return
+    insert = _insert(session)
+    now = utcnow()
+    stmt = insert(SampleResult).values(
+        [{"run_id": run_id, "config_id": config_id, "created_at": now, **r} for r in rows]
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "config_id", "sample_key", "metric"],
+        set_={"value": stmt.excluded.value, "extra": stmt.excluded.extra},
+    )
+    session.execute(stmt)
+
+
+def finish_config_run(
+    session: Session, config_run_id: int, attempt: int, status: str, *, error: str | None = None,
+    figures: dict[str, Any] | None = None,
+) -> bool:
+    """Fenced: only the attempt that holds the lease may finish it."""
+    assert status in TERMINAL
+    values: dict[str, Any] = {"status": status, "finished_at": utcnow(), "error": error, "lease_expires_at": None}
+    if figures is not None:
+        values["figures"] = figures
+    res = session.execute(
+        update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running").values(**values)
+    )
+    return res.rowcount == 1
+
+
+def fail_config_run(session: Session, config_run_id: int, error: str) -> None:
+    """Mark a config-run failed whatever its attempt (attempts exhausted, or refused at claim)."""
+    session.execute(
+        update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.status.not_in(TERMINAL))
+        .values(status="failed", error=error, finished_at=utcnow(), lease_expires_at=None)
+    )
+
+
+def try_start_aggregation(session: Session, run_id: int) -> bool:
+    """Exactly one caller wins once every config-run is terminal (a conditional UPDATE)."""
+    unfinished = select(func.count()).select_from(ConfigRun).where(
+        ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)
+    ).scalar_subquery()
+    res = session.execute(
+        update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), unfinished == 0).values(status="aggregating")
+    )
+    return res.rowcount == 1
+
+
+def sample_results(session: Session, run_id: int, config_id: int | None = None, metric: str | None = None,
+                   limit: int | None = None, offset: int = 0) -> list[SampleResult]:
+    q = select(SampleResult).where(SampleResult.run_id == run_id)
+    if config_id is not None:
+        q = q.where(SampleResult.config_id == config_id)
+    if metric is not None:
+        q = q.where(SampleResult.metric == metric)
+    q = q.order_by(SampleResult.id).offset(offset)
+    if limit is not None:
+        q = q.limit(limit)
+    return list(session.scalars(q))
+
+
+def write_comparisons(session: Session, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    insert = _insert(session)
+    now = utcnow()
+    stmt = insert(Comparison).values([{"run_id": run_id, "created_at": now, **r} for r in rows])
+    cols = ("estimate", "ci_low", "ci_high", "n", "verdict", "rule", "baseline_value", "candidate_value", "details")
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "config_id", "metric"], set_={c: getattr(stmt.excluded, c) for c in cols}
+    )
+    session.execute(stmt)
+
+
+def comparisons(session: Session, run_id: int) -> list[Comparison]:
+    return list(session.scalars(select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.config_id, Comparison.metric)))
+
+
+def finish_run(session: Session, run_id: int, status: str, verdict: str, reason: str | None) -> None:
+    session.execute(
+        update(Run).where(Run.id == run_id).values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())
+    )
+
+
+def stale_queued_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]:
+    """Queued rows whose message may be lost (the broker is not a database), or running rows
+    whose lease expired; the reconciler re-enqueues them."""
+    now = utcnow()
+    return list(session.scalars(
+        select(ConfigRun).where(or_(
+            and_(ConfigRun.status == "queued", ConfigRun.enqueued_at < older_than),
+            and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now),
+        ))
+    ))
+
+
+def mark_enqueued(session: Session, config_run_ids: Sequence[int]) -> None:
+    if config_run_ids:
+        session.execute(update(ConfigRun).where(ConfigRun.id.in_(list(config_run_ids))).values(enqueued_at=utcnow()))

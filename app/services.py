@@ -1,0 +1,128 @@
+"""Domain operations shared by the API and the CLI: apply a config file, start a run
+(commit, then enqueue), and summarise a run in the shape `--json` and the API return."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sqlalchemy.orm import Session
+
+from app import repo
+from app.config_file import METRIC_DIRECTIONS, CanaryFile
+from app.corpus import load_corpus
+from app.db import session_scope
+from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher
+from app.models import Project, Run
+from app.settings import get_settings
+from engines.zoo import ModelPathError, resolve_model_path
+
+
+def check_model_path(path: str, field: str = "model.path") -> None:
+    if path.startswith(("http://", "https://")):
+        return  # endpoint engines are checked when they arrive
+    try:
+        resolve_model_path(path)
+    except ModelPathError as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
+def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
+    """Upsert everything the file declares. Validates every corpus before writing anything."""
+    settings = get_settings()
+    check_model_path(cfg.model.path)
+    corpora = {}
+    for i, suite in enumerate(cfg.suites):
+        samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents, settings.max_document_chars)
+        if suite.samples > len(samples):
+            raise ValueError(
+                f"suites[{i}].samples: {suite.samples} > {len(samples)} documents in corpus '{suite.corpus}'; "
+                "lower samples or add documents"
+            )
+        corpora[suite.name] = samples
+    project = repo.get_or_create_project(session, cfg.project)
+    model = repo.upsert_model(session, project, cfg.model.name, cfg.model.path)
+    for c in cfg.configs:
+        repo.upsert_config(session, project, model, c.name, c.to_spec().model_dump(), c.baseline)
+    for suite in cfg.suites:
+        repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name])
+    repo.set_thresholds(session, project, cfg.thresholds.model_dump(), METRIC_DIRECTIONS)
+    return project
+
+
+def start_run(
+    project_name: str,
+    suite_name: str,
+    config_names: Sequence[str] | None,
+    dispatcher: Dispatcher,
+    *,
+    samples: int | None = None,
+    seed: int | None = None,
+    trigger: str = "manual",
+    idempotency_key: str | None = None,
+) -> tuple[int, bool]:
+    """Write the run, commit, then enqueue one task per config-run (the broker is not a
+    database: the reconciler re-enqueues rows whose message is lost). Returns (run_id, created)."""
+    settings = get_settings()
+    if samples is not None and samples > settings.max_samples_per_run:
+        raise ValueError(f"samples: {samples} exceeds the limit of {settings.max_samples_per_run} per run")
+    with session_scope() as s:
+        project = repo.get_project(s, project_name)
+        suite = repo.get_suite(s, project, suite_name)
+        if config_names:
+            configs = [repo.get_config(s, project, n) for n in config_names]
+        else:
+            configs = repo.list_configs(s, project)
+        run, created = repo.create_run(s, project, suite, configs, n_samples=samples, seed=seed,
+                                       trigger=trigger, idempotency_key=idempotency_key)
+        run_id = run.id
+        cr_ids = [cr.id for cr in run.config_runs] if created else []
+    for cr_id in cr_ids:
+        dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)
+    return run_id, created
+
+
+def run_summary(session: Session, run: Run) -> dict[str, Any]:
+    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures"}."""
+    crs = list(run.config_runs)
+    names = {cr.config_id: cr.config.name for cr in crs}
+    comps = repo.comparisons(session, run.id)
+    return {
+        "run_id": run.id,
+        "status": run.status,
+        "verdict": run.verdict,
+        "verdict_reason": run.verdict_reason,
+        "baseline": names.get(run.baseline_config_id),
+        "suite_id": run.suite_id,
+        "trigger": run.trigger,
+        "n_samples": run.n_samples,
+        "seed": run.seed,
+        "created_at": run.created_at.isoformat() if run.created_at else None,
+        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+        "configs": [
+            {
+                "config": cr.config.name,
+                "spec": cr.config.spec,
+                "status": cr.status,
+                "attempt": cr.attempt,
+                "progress": {"done": cr.progress_done, "total": cr.progress_total},
+                "error": cr.error,
+            }
+            for cr in crs
+        ],
+        "comparisons": [
+            {
+                "config": names.get(c.config_id, str(c.config_id)),
+                "metric": c.metric,
+                "estimate": c.estimate,
+                "ci_low": c.ci_low,
+                "ci_high": c.ci_high,
+                "n": c.n,
+                "verdict": c.verdict,
+                "rule": c.rule,
+                "baseline_value": c.baseline_value,
+                "candidate_value": c.candidate_value,
+            }
+            for c in comps
+        ],
+        "figures": {cr.config.name: cr.figures for cr in crs if cr.figures},
+    }

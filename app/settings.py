@@ -1,0 +1,39 @@
+"""One Settings object, read from CANARY_* environment variables (and a .env file)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CANARY_", env_file=".env", extra="ignore")
+
+    environment: Literal["dev", "test", "production"] = "dev"
+    # Embedded default: a SQLite file and tasks run in-process. Production: Postgres + Celery.
+    database_url: str = "sqlite:///canary.db"
+    broker_url: str | None = Field(None, description="Redis URL; unset = run tasks in-process")
+    result_backend: str | None = None
+    execution: Literal["inline", "celery"] | None = Field(
+        None, description="task execution; default: celery when broker_url is set, else inline"
+    )
+    # Liveness of GPU work lives in Postgres (REFERENCE.md §8): a lease renewed by heartbeat.
+    lease_seconds: int = 600
+    max_attempts: int = 3
+    requeue_after_seconds: int = 300  # the reconciler re-enqueues config-runs queued longer
+    max_samples_per_run: int = 5000
+    max_suite_documents: int = 20000
+    max_document_chars: int = 200_000
+    dashboard_url: str = "http://localhost:8501"
+
+    @property
+    def execution_mode(self) -> str:
+        return self.execution or ("celery" if self.broker_url else "inline")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,137 @@
+"""The engine protocol: three batch methods over frozen request/result dataclasses
+(the shape of lm-eval-harness's LM interface). Every backend implements it; evals and workers
+depend only on this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """Strided perplexity windows (HF "Perplexity of fixed-length models").
+
+    Each window holds at most ``max_length`` tokens and advances by ``stride``; only the tokens
+    not scored by an earlier window are scored, each with up to max_length − 1 tokens of context.
+    stride == max_length gives disjoint windows (lm-eval's wikitext). Compared configs must use
+    the same WindowSpec, or their perplexities are not comparable.
+    """
+
+    max_length: int = 256
+    stride: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"window max_length must be ≥ 2, got {self.max_length}")
+        if not 1 <= self.stride <= self.max_length:
+            raise ValueError(f"window stride must be in [1, max_length={self.max_length}], got {self.stride}")
+
+
+def strided_windows(n_tokens: int, spec: WindowSpec) -> list[tuple[int, int, int]]:
+    """Windows over seq = [start] + tokens (length n_tokens + 1); targets are seq[1:].
+
+    Returns (begin, end, n_scored): feed seq[begin:end] (≤ max_length tokens); its last n_scored
+    next-token predictions score targets seq[end − n_scored + 1 : end + 1]. Every target is
+    scored exactly once; a target's context is everything in its window before it.
+    """
+    out, prev_end, begin = [], 0, 0
+    while prev_end < n_tokens:
+        end = min(begin + spec.max_length, n_tokens)
+        if end > prev_end:
+            out.append((begin, end, end - prev_end))
+            prev_end = end
+        begin += spec.stride
+    return out
+
+
+@dataclass(frozen=True)
+class RollingRequest:
+    doc_id: str
+    text: str
+    window: WindowSpec = WindowSpec()
+
+
+@dataclass(frozen=True)
+class RollingResult:
+    """Log-probabilities of every token of one document, each scored exactly once."""
+
+    doc_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # natural log p(token_i | context), one per token
+    greedy_ids: tuple[int, ...]  # argmax token at each scored position (top-1 agreement)
+    n_bytes: int  # UTF-8 bytes of the text (byte perplexity)
+    n_words: int  # whitespace-split words (word perplexity, lm-eval's definition)
+
+    @property
+    def nll(self) -> float:
+        return -sum(self.logprobs)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative-decoding counters with vLLM's definitions (REFERENCE.md §3)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float | None:  # accepted draft tokens / draft tokens
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:  # 1 + accepted / drafts (incl. bonus)
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    ttft_ms: float  # request start → first new token available
+    itl_ms: tuple[float, ...]  # time between consecutive new tokens (len = tokens − 1)
+    total_ms: float
+    spec: SpecStats | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / (self.total_ms / 1000) if self.total_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    engine: str
+    model: str
+    weights: str
+    kv_cache: str
+    speculative: str
+    device: str
+    compute_dtype: str
+    parameters: int
+    weight_bytes: int  # bytes the weights take in their stored format (quantized incl. scales)
+    kv_bytes_per_token: int  # all layers, keys + values
+    versions: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]: ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
+
+    def describe(self) -> EngineDescription: ...

@@ -1,0 +1,167 @@
+"""The optimization-config vocabulary: the three axes, the engine that runs them, and which
+engine implements which values today. This is the one place a config's shape is defined; the
+service (app/) validates requests against it, so this module must stay free of torch.
+
+A config is a point on three axes (DESIGN.md §Domain model):
+  weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | awq-int4
+  kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | kivi-4 | kivi-2 |
+               turbo-2 | turbo-2.5 | turbo-3 | turbo-3.5 | turbo-4 | turbo-ip-3
+  speculative  off | draft (draft model + k) | ngram (prompt lookup + k) | eagle
+plus the engine (transformers | reference | vllm | openai) and free-form engine options.
+"""
+
+from __future__ import annotations
+
+from difflib import get_close_matches
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "awq-int4")
+KV_CACHE = (
+    "auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
+    "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3",
+)  # fmt: skip
+SPECULATIVE_METHODS = ("off", "draft", "ngram", "eagle")
+ENGINES = ("transformers", "reference", "vllm", "openai")
+
+# Bits stored per weight element, including the fp16 scale and zero of each group of 128
+# (REFERENCE.md §1: group-wise asymmetric quantization, 2 × 16 bits per 128 weights).
+GROUP_SIZE = 128
+BITS_PER_WEIGHT = {
+    "fp32": 32.0,
+    "fp16": 16.0,
+    "bf16": 16.0,
+    "int8": 8 + 32 / GROUP_SIZE,
+    "rtn-int4": 4 + 32 / GROUP_SIZE,
+    "awq-int4": 4 + 32 / GROUP_SIZE,
+}
+
+# What each engine can run today. Values outside these sets are valid vocabulary but are
+# refused with "not available in this engine" until the engine implements them.
+AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
+    "transformers": {
+        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4"}),
+        "kv_cache": frozenset({"auto"}),
+        "speculative": frozenset({"off"}),
+    },
+    "reference": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
+    "vllm": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
+    "openai": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
+}
+NOT_YET = {
+    "reference": "the reference engine harness (AWQ, compressed KV, speculative decoding)",
+    "vllm": "the vLLM backend",
+    "openai": "the OpenAI-compatible backend",
+}
+
+
+class ConfigNotAvailable(ValueError):
+    """A valid config value that the chosen engine does not implement."""
+
+    def __init__(self, field: str, value: str, engine: str, available: frozenset[str]):
+        self.field = field
+        if field == "engine":
+            msg = (
+                f"engine: '{engine}' is not available in this release (it arrives with "
+                f"{NOT_YET.get(engine, 'a later release')}); use engine 'transformers'"
+            )
+        else:
+            msg = (
+                f"{field}: '{value}' is not available in engine '{engine}'; "
+                f"available there: {', '.join(sorted(available))}"
+            )
+        super().__init__(msg)
+
+
+def did_you_mean(value: str, choices: tuple[str, ...]) -> str:
+    close = get_close_matches(value, choices, n=1)
+    tail = f"did you mean '{close[0]}'? " if close else ""
+    return f"{tail}choose one of: {', '.join(choices)}"
+
+
+class SpecOff(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["off"] = "off"
+
+
+class SpecDraft(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["draft"]
+    draft_model: str = Field(description="path of an HF directory sharing the target's tokenizer, or builtin:NAME")
+    k: int = Field(4, ge=1, le=16, description="draft tokens proposed per target pass")
+
+
+class SpecNgram(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["ngram"]
+    k: int = Field(4, ge=1, le=16)
+    prompt_lookup_max: int = Field(3, ge=1, le=16)
+    prompt_lookup_min: int = Field(1, ge=1, le=16)
+
+
+class SpecEagle(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["eagle"]
+    draft_model: str
+    k: int = Field(4, ge=1, le=16)
+
+
+Speculative = Annotated[Union[SpecOff, SpecDraft, SpecNgram, SpecEagle], Field(discriminator="method")]
+
+
+class OptimizationSpec(BaseModel):
+    """One optimization config: what the engine must run. Stored as JSON on the config row."""
+
+    model_config = ConfigDict(extra="forbid")
+    engine: str = "transformers"
+    weights: str = "fp16"
+    kv_cache: str = "auto"
+    speculative: Speculative = Field(default_factory=SpecOff)
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="engine-specific options, e.g. {'device': 'cpu', 'batch_size': 8}"
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        if v not in ENGINES:
+            raise ValueError(f"unknown engine '{v}'; {did_you_mean(v, ENGINES)}")
+        return v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: str) -> str:
+        if v not in WEIGHTS:
+            raise ValueError(f"unknown weights '{v}'; {did_you_mean(v, WEIGHTS)}")
+        return v
+
+    @field_validator("kv_cache")
+    @classmethod
+    def _kv(cls, v: str) -> str:
+        if v not in KV_CACHE:
+            raise ValueError(f"unknown kv_cache '{v}'; {did_you_mean(v, KV_CACHE)}")
+        return v
+
+    def check_available(self) -> None:
+        """Raise ConfigNotAvailable naming the first axis the engine cannot run."""
+        table = AVAILABLE[self.engine]
+        if not table["weights"]:
+            raise ConfigNotAvailable("engine", self.engine, self.engine, frozenset())
+        for field, value in (
+            ("weights", self.weights),
+            ("kv_cache", self.kv_cache),
+            ("speculative", self.speculative.method),
+        ):
+            if value not in table[field]:
+                raise ConfigNotAvailable(field, value, self.engine, table[field])
+
+    @property
+    def bits_per_weight(self) -> float:
+        return BITS_PER_WEIGHT[self.weights]
+
+    def label(self) -> str:
+        spec = self.speculative.method
+        if spec != "off":
+            spec = f"{spec}-k{self.speculative.k}"
+        return f"{self.engine}:{self.weights}/kv={self.kv_cache}/spec={spec}"

@@ -1,0 +1,1 @@
+"""Scorers and statistics: a pure library (no DB, no Celery, no FastAPI)."""

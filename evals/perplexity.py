@@ -1,0 +1,123 @@
+"""Domain perplexity: token, word and byte perplexity over strided windows, per-document
+negative log-likelihood sums, and the paired ratio candidate / baseline.
+
+Definitions (lm-eval-harness, REFERENCE.md §4), Σ over documents:
+    token_ppl = exp(Σnll / Σtokens)   word_ppl = exp(Σnll / Σwords)   byte_ppl = exp(Σnll / Σbytes)
+    bits_per_byte = Σnll / (Σbytes · ln 2)
+    ppl_ratio = token_ppl(candidate) / token_ppl(baseline) = exp((Σnll_c − Σnll_b) / Σtokens)
+The ratio is paired: both configs score the same documents with the same tokenizer and windows,
+and the bootstrap resamples documents, keeping each document's two NLLs together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from engines.protocol import RollingResult
+from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci
+
+PPL_RATIO_THRESHOLDS = Thresholds(warn=1.15, critical=1.30, direction="above")
+
+
+@dataclass(frozen=True)
+class DocNLL:
+    doc_id: str
+    nll: float  # Σ −log p over the document's tokens, nats
+    n_tokens: int
+    n_words: int
+    n_bytes: int
+
+    @classmethod
+    def from_result(cls, r: RollingResult) -> "DocNLL":
+        return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes)
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    token_ppl: float
+    word_ppl: float
+    byte_ppl: float
+    bits_per_byte: float
+    n_docs: int
+    n_tokens: int
+
+
+def corpus_perplexity(docs: Sequence[DocNLL]) -> Perplexity:
+    if not docs:
+        raise ValueError("no documents to score")
+    nll = sum(d.nll for d in docs)
+    toks = sum(d.n_tokens for d in docs)
+    words = sum(d.n_words for d in docs)
+    nbytes = sum(d.n_bytes for d in docs)
+    return Perplexity(
+        token_ppl=math.exp(nll / toks),
+        word_ppl=math.exp(nll / words) if words else math.nan,
+        byte_ppl=math.exp(nll / nbytes),
+        bits_per_byte=nll / (nbytes * math.log(2)),
+        n_docs=len(docs),
+        n_tokens=toks,
+    )
+
+
+def pair(baseline: Sequence[DocNLL], candidate: Sequence[DocNLL]) -> list[tuple[DocNLL, DocNLL]]:
+    """Documents scored by both configs, in baseline order; token counts must agree."""
+    cand = {d.doc_id: d for d in candidate}
+    pairs = []
+    for b in baseline:
+        c = cand.get(b.doc_id)
+        if c is None:
+            continue
+        if c.n_tokens != b.n_tokens:
+            raise ValueError(
+                f"document '{b.doc_id}' has {b.n_tokens} baseline tokens but {c.n_tokens} candidate tokens; "
+                "token perplexity ratios need the same tokenizer (compare word or byte perplexity instead)"
+            )
+        pairs.append((b, c))
+    return pairs
+
+
+def ppl_ratio(
+    baseline: Sequence[DocNLL],
+    candidate: Sequence[DocNLL],
+    thresholds: Thresholds = PPL_RATIO_THRESHOLDS,
+    *,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> Comparison:
+    pairs = pair(baseline, candidate)
+    n = len(pairs)
+    if n == 0:
+        return Comparison("ppl_ratio", math.nan, math.nan, math.nan, 0, "inconclusive", "no paired documents")
+    nll_b = np.array([b.nll for b, _ in pairs])
+    nll_c = np.array([c.nll for _, c in pairs])
+    toks = np.array([b.n_tokens for b, _ in pairs], dtype=np.float64)
+    diff = nll_c - nll_b
+    estimate = math.exp(diff.sum() / toks.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ diff) / (w @ toks)), n, n_resamples=n_resamples, seed=seed)
+    verdict, rule = decide(estimate, lo, hi, n, thresholds)
+    ppl_b = corpus_perplexity([b for b, _ in pairs])
+    ppl_c = corpus_perplexity([c for _, c in pairs])
+    return Comparison(
+        metric="ppl_ratio",
+        estimate=estimate,
+        ci_low=lo,
+        ci_high=hi,
+        n=n,
+        verdict=verdict,
+        rule=rule,
+        baseline_value=ppl_b.token_ppl,
+        candidate_value=ppl_c.token_ppl,
+        details={
+            "baseline_word_ppl": ppl_b.word_ppl,
+            "candidate_word_ppl": ppl_c.word_ppl,
+            "baseline_byte_ppl": ppl_b.byte_ppl,
+            "candidate_byte_ppl": ppl_c.byte_ppl,
+            "delta_nll_per_token": float(diff.sum() / toks.sum()),
+            "n_tokens": int(toks.sum()),
+            "n_resamples": n_resamples,
+        },
+    )

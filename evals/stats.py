@@ -1,0 +1,120 @@
+"""Statistics for baseline-vs-candidate comparisons (REFERENCE.md §6).
+
+A verdict uses the confidence interval, not the point estimate alone:
+  n < min_n                                        → inconclusive ("too few samples")
+  metric 'above' (higher is worse), thresholds W ≤ C:
+    ci_low ≥ C                                     → critical  (surely past critical)
+    ci_low ≥ W                                     → warn      (surely past warn)
+    ci_high < W                                    → ok        (surely inside warn)
+    otherwise (the CI straddles W)                 → inconclusive
+  metric 'below' (lower is worse) mirrors it: ci_high ≤ C → critical, ci_high ≤ W → warn,
+  ci_low > W → ok, otherwise inconclusive.
+"ok" therefore means the data rule out a regression as large as the warn threshold; a point
+estimate near the threshold with a wide CI is "inconclusive", and the answer is more samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import numpy as np
+
+Verdict = Literal["ok", "warn", "critical", "inconclusive"]
+VERDICT_ORDER = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    warn: float
+    critical: float | None = None
+    direction: Literal["above", "below"] = "above"  # which side of the threshold is bad
+    min_n: int = 10
+
+    def __post_init__(self) -> None:
+        if self.critical is not None:
+            bad = self.critical < self.warn if self.direction == "above" else self.critical > self.warn
+            if bad:
+                raise ValueError(
+                    f"critical={self.critical} must be {'≥' if self.direction == 'above' else '≤'} warn={self.warn} "
+                    f"for a metric that is bad {self.direction} its threshold"
+                )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Candidate vs baseline for one metric, from paired samples."""
+
+    metric: str
+    estimate: float
+    ci_low: float
+    ci_high: float
+    n: int
+    verdict: Verdict
+    rule: str
+    baseline_value: float | None = None
+    candidate_value: float | None = None
+    details: dict = field(default_factory=dict)
+
+
+def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds) -> tuple[Verdict, str]:
+    """Verdict and the rule that produced it (module docstring)."""
+    if n < t.min_n:
+        return "inconclusive", f"n={n} < min_n={t.min_n}: too few samples to decide"
+    if t.direction == "above":
+        if t.critical is not None and ci_low >= t.critical:
+            return "critical", f"CI low {ci_low:.4g} ≥ critical {t.critical:g}"
+        if ci_low >= t.warn:
+            return "warn", f"CI low {ci_low:.4g} ≥ warn {t.warn:g}"
+        if ci_high < t.warn:
+            return "ok", f"CI high {ci_high:.4g} < warn {t.warn:g}"
+        return "inconclusive", f"CI [{ci_low:.4g}, {ci_high:.4g}] straddles warn {t.warn:g}: more samples needed"
+    if t.critical is not None and ci_high <= t.critical:
+        return "critical", f"CI high {ci_high:.4g} ≤ critical {t.critical:g}"
+    if ci_high <= t.warn:
+        return "warn", f"CI high {ci_high:.4g} ≤ warn {t.warn:g}"
+    if ci_low > t.warn:
+        return "ok", f"CI low {ci_low:.4g} > warn {t.warn:g}"
+    return "inconclusive", f"CI [{ci_low:.4g}, {ci_high:.4g}] straddles warn {t.warn:g}: more samples needed"
+
+
+def bootstrap_counts(n: int, n_resamples: int, seed: int) -> np.ndarray:
+    """[n_resamples, n] multiplicities of each sample in each resample (with replacement)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_resamples, n))
+    counts = np.zeros((n_resamples, n), dtype=np.float64)
+    np.add.at(counts, (np.arange(n_resamples)[:, None], idx), 1.0)
+    return counts
+
+
+def paired_bootstrap_ci(
+    statistic: Callable[[np.ndarray], np.ndarray],
+    n: int,
+    *,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> tuple[float, float]:
+    """Percentile CI of ``statistic(weights)`` over resampled samples.
+
+    ``statistic`` receives a [R, n] weight matrix (how often each paired sample appears in each
+    resample) and returns R values; pairing holds because a sample's baseline and candidate
+    values are always resampled together.
+    """
+    if n == 0:
+        return float("nan"), float("nan")
+    values = statistic(bootstrap_counts(n, n_resamples, seed))
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(values, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score interval for a rate (REFERENCE.md §6)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return float(centre - half), float(centre + half)

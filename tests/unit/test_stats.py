@@ -1,0 +1,71 @@
+"""Verdict rules, Wilson intervals and the paired bootstrap, on inputs worked out by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from evals.stats import Thresholds, decide, paired_bootstrap_ci, wilson_interval
+
+ABOVE = Thresholds(warn=1.15, critical=1.30, direction="above", min_n=10)
+BELOW = Thresholds(warn=0.50, critical=0.30, direction="below", min_n=10)
+
+
+@pytest.mark.parametrize(
+    "est,lo,hi,n,expected",
+    [
+        (1.01, 0.99, 1.03, 100, "ok"),  # CI entirely below warn
+        (1.20, 1.16, 1.24, 100, "warn"),  # CI entirely above warn, not above critical
+        (1.40, 1.31, 1.50, 100, "critical"),  # CI entirely above critical
+        (1.25, 1.16, 1.35, 100, "warn"),  # surely past warn, not surely past critical
+        (1.10, 1.02, 1.18, 100, "inconclusive"),  # straddles warn
+        (1.01, 0.99, 1.03, 9, "inconclusive"),  # too few samples, however tight
+    ],
+)
+def test_decide_above(est, lo, hi, n, expected):
+    assert decide(est, lo, hi, n, ABOVE)[0] == expected
+
+
+@pytest.mark.parametrize(
+    "lo,hi,expected",
+    [(0.6, 0.8, "ok"), (0.35, 0.45, "warn"), (0.1, 0.25, "critical"), (0.45, 0.55, "inconclusive")],
+)
+def test_decide_below(lo, hi, expected):
+    assert decide((lo + hi) / 2, lo, hi, 50, BELOW)[0] == expected
+
+
+def test_rule_text_says_why():
+    verdict, rule = decide(1.1, 1.02, 1.18, 100, ABOVE)
+    assert "straddles warn 1.15" in rule
+
+
+def test_thresholds_order_checked():
+    with pytest.raises(ValueError, match="critical"):
+        Thresholds(warn=1.3, critical=1.15, direction="above")
+
+
+def test_wilson_by_hand():
+    # k=8, n=10, z=1.96: centre (0.8 + 0.19208)/1.38416 = 0.71681; half-width 0.22628 → [0.4902, 0.9433]
+    lo, hi = wilson_interval(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4)
+    assert hi == pytest.approx(0.9433, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_bootstrap_of_constant_differences_is_degenerate():
+    d = np.full(20, 0.3)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ d) / w.sum(1), 20)
+    assert lo == pytest.approx(0.3) and hi == pytest.approx(0.3)
+
+
+def test_bootstrap_ci_covers_mean_and_narrows_with_n():
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (25, 400):
+        d = rng.normal(0.1, 1.0, n)
+        lo, hi = paired_bootstrap_ci(lambda w: (w @ d) / w.sum(1), n, seed=3)
+        assert lo < d.mean() < hi
+        widths.append(hi - lo)
+    # width shrinks ≈ 1/√n: 16× the samples → ≈ 4× narrower
+    assert widths[1] < widths[0] / 2.5
+    assert not math.isnan(widths[0])

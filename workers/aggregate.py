@@ -1,0 +1,106 @@
+"""Aggregate a finished run: paired comparisons of every candidate config against the baseline,
+then the run's verdict. Idempotent: comparisons are upserted on (run, config, metric)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from app import repo
+from app.config_file import METRIC_DIRECTIONS, Thresholds as FileThresholds
+from app.db import session_scope
+from app.models import Run
+from evals.perplexity import DocNLL, ppl_ratio
+from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci
+
+DEFAULTS = FileThresholds()
+RUN_VERDICT = {"critical": "fail", "warn": "warn", "inconclusive": "inconclusive", "ok": "pass"}
+SEVERITY = ["ok", "inconclusive", "warn", "critical"]
+
+
+def thresholds(session, run: Run, config_id: int, metric: str) -> Thresholds:
+    rule = repo.threshold_for(session, run.project_id, metric, run.model_id, config_id)
+    default = getattr(DEFAULTS, metric)
+    if rule is None:
+        return Thresholds(default.warn, default.critical, METRIC_DIRECTIONS[metric], default.min_n)
+    return Thresholds(rule.warn, rule.critical, rule.direction, default.min_n)
+
+
+def ttft_comparison(values: list[float], t: Thresholds, seed: int = 0) -> Comparison:
+    """Absolute threshold on the candidate's median TTFT; CI by bootstrap of the median."""
+    n = len(values)
+    if n == 0:
+        return Comparison("ttft_ms", math.nan, math.nan, math.nan, 0, "inconclusive", "no generations")
+    x = np.asarray(values)
+    est = float(np.median(x))
+    order = np.argsort(x)
+    xs = x[order]
+
+    def weighted_median(w: np.ndarray) -> np.ndarray:
+        c = np.cumsum(w[:, order], axis=1)
+        idx = (c >= c[:, -1:] / 2).argmax(axis=1)
+        return xs[idx]
+
+    lo, hi = paired_bootstrap_ci(weighted_median, n, seed=seed)
+    verdict, rule = decide(est, lo, hi, n, t)
+    return Comparison("ttft_ms", est, lo, hi, n, verdict, f"p50 TTFT: {rule}", candidate_value=est)
+
+
+def aggregate_run(run_id: int, dispatcher=None) -> str:
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        if run is None or run.status not in ("aggregating",):
+            return "skipped"
+        crs = list(run.config_runs)
+        base = next(cr for cr in crs if cr.config_id == run.baseline_config_id)
+        failed = [cr for cr in crs if cr.status == "failed"]
+        rows: list[dict] = []
+        if base.status != "succeeded":
+            repo.finish_run(s, run_id, "failed", "error",
+                            f"baseline '{base.config.name}' failed: {base.error}; nothing can be compared")
+            return "error"
+        base_docs = _docs(s, run_id, base.config_id)
+        for cr in crs:
+            if cr.status != "succeeded":
+                continue
+            comps = []
+            if cr.config_id != run.baseline_config_id:
+                comps.append(ppl_ratio(base_docs, _docs(s, run_id, cr.config_id),
+                                       thresholds(s, run, cr.config_id, "ppl_ratio"), seed=run.seed))
+            ttft = [r.value for r in repo.sample_results(s, run_id, cr.config_id, "ttft_ms") if r.value is not None]
+            if ttft:
+                comps.append(ttft_comparison(ttft, thresholds(s, run, cr.config_id, "ttft_ms"), seed=run.seed))
+            for c in comps:
+                rows.append({
+                    "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),
+                    "ci_high": _f(c.ci_high), "n": c.n, "verdict": c.verdict, "rule": c.rule,
+                    "baseline_value": _f(c.baseline_value), "candidate_value": _f(c.candidate_value),
+                    "details": c.details or None,
+                })
+        repo.write_comparisons(s, run_id, rows)
+        worst = max((r["verdict"] for r in rows), key=SEVERITY.index, default="ok")
+        verdict = RUN_VERDICT[worst]
+        reason = _reason(rows, crs)
+        if failed:
+            names = ", ".join(f"'{cr.config.name}' ({cr.error})" for cr in failed)
+            verdict, reason = "incomplete", f"missing results for {names}; {reason}"
+        repo.finish_run(s, run_id, "done", verdict, reason)
+        return verdict
+
+
+def _docs(session, run_id: int, config_id: int) -> list[DocNLL]:
+    return [
+        DocNLL(r.sample_key, r.value, r.extra["n_tokens"], r.extra["n_words"], r.extra["n_bytes"])
+        for r in repo.sample_results(session, run_id, config_id, "nll")
+    ]
+
+
+def _f(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _reason(rows: list[dict], crs) -> str:
+    names = {cr.config_id: cr.config.name for cr in crs}
+    bad = [f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']})" for r in rows if r["verdict"] != "ok"]
+    return "; ".join(bad) if bad else "every comparison is ok"

@@ -1,0 +1,176 @@
+"""Execute one config-run: claim it (lease + fencing attempt), load the engine for its config
+(cached per worker process), score the run's documents and prompts, write raw per-sample
+results idempotently, and hand over to aggregation when the run's last config finishes."""
+
+from __future__ import annotations
+
+import json
+import math
+import logging
+import os
+import socket
+import statistics
+import traceback
+from collections import OrderedDict
+from typing import Any
+
+
+from app import repo
+from app.db import session_scope
+from app.dispatch import AGGREGATE_RUN, Dispatcher
+from app.models import ConfigRun, Run, Suite
+from app.settings import get_settings
+from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_model_path
+
+log = logging.getLogger(__name__)
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
+DOC_BATCH = 8  # documents per engine call; progress, heartbeat and a commit after each
+_ENGINES: OrderedDict[str, Any] = OrderedDict()
+MAX_CACHED_ENGINES = 2  # a GPU holds one or two models at once
+
+
+def get_engine(model_path: str, spec: OptimizationSpec):
+    from engines.registry import load_engine
+
+    key = json.dumps([model_path, spec.model_dump()], sort_keys=True)
+    if key in _ENGINES:
+        _ENGINES.move_to_end(key)
+        return _ENGINES[key]
+    engine = load_engine(model_path, spec)
+    _ENGINES[key] = engine
+    while len(_ENGINES) > MAX_CACHED_ENGINES:
+        _ENGINES.popitem(last=False)
+    return engine
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
+    settings = get_settings()
+    with session_scope() as s:
+        attempt = repo.claim_config_run(s, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
+        if attempt is None:
+            cr = s.get(ConfigRun, config_run_id)
+            if cr is not None and cr.status in ("queued", "running") and cr.attempt >= settings.max_attempts:
+                repo.fail_config_run(s, config_run_id, f"gave up after {cr.attempt} attempts (worker lost each time)")
+                run_id = cr.run_id
+            else:
+                return "skipped"  # finished, or another worker holds a live lease
+        else:
+            cr = s.get(ConfigRun, config_run_id)
+            run = s.get(Run, cr.run_id)
+            suite = s.get(Suite, run.suite_id)
+            job = {
+                "run_id": run.id,
+                "config_id": cr.config_id,
+                "spec": OptimizationSpec.model_validate(cr.config.spec),
+                "model_path": cr.config.model.path,
+                "suite": dict(suite.spec),
+                "samples": [(x.key, x.text) for x in repo.suite_samples(s, suite.id, run.sample_keys)],
+            }
+    if attempt is not None:
+        try:
+            _score(config_run_id, attempt, job, settings)
+            outcome = "succeeded"
+        except Exception as e:  # the config-run fails with its reason; other configs are untouched
+            log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
+            with session_scope() as s:
+                repo.finish_config_run(s, config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}")
+            outcome = "failed"
+        run_id = job["run_id"]
+    else:
+        outcome = "failed"
+    with session_scope() as s:
+        start = repo.try_start_aggregation(s, run_id)
+    if start:  # after the commit: the aggregate task must see every config-run finished
+        dispatcher.send(AGGREGATE_RUN, run_id)
+    return outcome
+
+
+def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
+    spec: OptimizationSpec = job["spec"]
+    engine = get_engine(str(resolve_model_path(job["model_path"])), spec)
+    suite = job["suite"]
+    ppl = suite.get("perplexity", {})
+    window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
+    gen = suite.get("generation", {})
+    scorers = suite.get("scorers", ["perplexity", "generation"])
+    samples = job["samples"]
+    n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
+    total = len(samples) + n_prompts
+    done = 0
+    nll_sum = tokens = 0.0
+    for i in range(0, len(samples), DOC_BATCH):
+        batch = samples[i : i + DOC_BATCH]
+        results = engine.loglikelihood_rolling([RollingRequest(k, t, window) for k, t in batch])
+        rows = []
+        for r in results:
+            nll_sum += r.nll
+            tokens += len(r.token_ids)
+            top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids))
+            rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll,
+                         "extra": {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes, "top1_hits": top1}})
+        done += len(batch)
+        with session_scope() as s:
+            _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
+    ttft, itl, tps, gen_tokens = [], [], [], 0
+    for key, text in samples[:n_prompts]:
+        prompt = " ".join(text.split()[: gen.get("prompt_words", 24)])
+        [g] = engine.generate([GenerationRequest(key, prompt, gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))])
+        ttft.append(g.ttft_ms)
+        itl.extend(g.itl_ms)
+        tps.append(g.tokens_per_second)
+        gen_tokens += len(g.token_ids)
+        row = {"sample_key": key, "metric": "ttft_ms", "value": g.ttft_ms,
+               "extra": {"text": g.text, "n_tokens": len(g.token_ids), "prompt_tokens": g.prompt_tokens,
+                         "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
+        done += 1
+        with session_scope() as s:
+            _write_fenced(s, config_run_id, attempt, job, [row], done, total, settings)
+    d = engine.describe()
+    figures = {
+        "engine": d.engine, "weights": d.weights, "kv_cache": d.kv_cache, "speculative": d.speculative,
+        "device": d.device, "compute_dtype": d.compute_dtype, "parameters": d.parameters,
+        "weight_bytes": d.weight_bytes, "kv_bytes_per_token": d.kv_bytes_per_token, "versions": d.versions,
+        "notes": list(d.notes),
+        "token_ppl": math.exp(nll_sum / tokens) if tokens else None,
+        "n_documents": len(samples), "n_tokens": int(tokens),
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "tbt_ms_mean": statistics.fmean(itl) if itl else None,
+        "tbt_ms_p50": percentile(itl, 50), "tbt_ms_p99": percentile(itl, 99),
+        "tokens_per_second": statistics.fmean(tps) if tps else None,
+        "generated_tokens": gen_tokens, "concurrency": 1,
+    }
+    with session_scope() as s:
+        if not repo.finish_config_run(s, config_run_id, attempt, "succeeded", figures=figures):
+            raise _LostLease(config_run_id, attempt)
+
+
+class _LostLease(RuntimeError):
+    def __init__(self, config_run_id: int, attempt: int):
+        super().__init__(f"config-run {config_run_id}: attempt {attempt} lost its lease to a newer attempt")
+
+
+def _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings) -> None:
+    # Heartbeat first: if a newer attempt holds the run, stop before writing anything.
+    if not repo.heartbeat(s, config_run_id, attempt, settings.lease_seconds, done, total):
+        raise _LostLease(config_run_id, attempt)
+    repo.write_sample_results(s, job["run_id"], job["config_id"], rows)
+
+
+def reset_engine_cache() -> None:
+    _ENGINES.clear()
+
+
+__all__ = ["execute_config_run", "percentile", "reset_engine_cache"]
