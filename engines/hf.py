@@ -24,7 +24,7 @@ from engines.quant import fake_quantize, quantized_bytes
 from engines.spec import OptimizationSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-QUANT_BITS = {"int8": 8, "rtn-int4": 4}
+QUANT_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
 class EngineLoadError(RuntimeError):

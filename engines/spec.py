@@ -3,7 +3,7 @@ engine implements which values today. This is the one place a config's shape is 
 service (app/) validates requests against it, so this module must stay free of torch.
 
 A config is a point on three axes (DESIGN.md §Domain model):
-  weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | awq-int4
+  weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4
   kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | kivi-4 | kivi-2 |
                turbo-2 | turbo-2.5 | turbo-3 | turbo-3.5 | turbo-4 | turbo-ip-3
   speculative  off | draft (draft model + k) | ngram (prompt lookup + k) | eagle
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "awq-int4")
+WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4")
 KV_CACHE = (
     "auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
     "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3",
@@ -34,6 +34,8 @@ BITS_PER_WEIGHT = {
     "bf16": 16.0,
     "int8": 8 + 32 / GROUP_SIZE,
     "rtn-int4": 4 + 32 / GROUP_SIZE,
+    "rtn-int3": 3 + 32 / GROUP_SIZE,
+    "rtn-int2": 2 + 32 / GROUP_SIZE,
     "awq-int4": 4 + 32 / GROUP_SIZE,
 }
 
@@ -41,7 +43,7 @@ BITS_PER_WEIGHT = {
 # refused with "not available in this engine" until the engine implements them.
 AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
     "transformers": {
-        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4"}),
+        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2"}),
         "kv_cache": frozenset({"auto"}),
         "speculative": frozenset({"off"}),
     },
