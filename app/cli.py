@@ -26,12 +26,16 @@ DEMO_CONFIG: dict[str, Any] = {
         {"name": "fp16", "baseline": True, "weights": "fp16"},
         {"name": "int8", "weights": "int8"},
         {"name": "int4", "weights": "rtn-int4"},
+        {"name": "int2", "weights": "rtn-int2"},  # deliberately aggressive: what a caught regression looks like
     ],
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
          "perplexity": {"window": 256, "stride": 256},
          "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32}},
     ],
+    # A strict team's perplexity budget (the seed defaults, 1.15 / 1.30, only catch broken
+    # configs: a tiny model barely notices int4). Printed with the results.
+    "thresholds": {"ppl_ratio": {"warn": 1.01, "critical": 1.03}},
 }
 
 
@@ -90,23 +94,33 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
 
 
 def _print_summary(summary: dict) -> None:
+    out = Console(width=None if Console().is_terminal else 140)
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
-    t = Table(title=f"run {summary['run_id']}: baseline {summary['baseline']} — verdict {summary['verdict']}")
-    for col in ("config", "weights", "token ppl", "ppl ratio [95% CI]", "verdict", "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "status"):
-        t.add_column(col, justify="left" if col in ("config", "weights", "verdict", "status") else "right")
+    t = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
+    for col in ("config", "weights", "token ppl", "ppl ratio", "95% CI", "verdict", "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB"):
+        t.add_column(col, justify="left" if col in ("config", "weights", "verdict") else "right")
+    failures = []
     for c in summary["configs"]:
         f = summary["figures"].get(c["config"]) or {}
         r = comps.get((c["config"], "ppl_ratio"))
-        ratio = f"{r['estimate']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["estimate"] is not None else "baseline" if c["config"] == summary["baseline"] else "—"
-        verdict = r["verdict"] if r else ("—" if c["config"] == summary["baseline"] else "missing")
-        color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta"}.get(verdict, "white")
-        fmt = lambda k, spec: format(f[k], spec) if f.get(k) is not None else "—"  # noqa: E731
-        t.add_row(c["config"], c["spec"]["weights"], fmt("token_ppl", ".3f"), ratio, f"[{color}]{verdict}[/]",
+        is_base = c["config"] == summary["baseline"]
+        ratio = f"{r['estimate']:.4f}" if r and r["estimate"] is not None else ("baseline" if is_base else "—")
+        ci = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["ci_low"] is not None else ""
+        verdict = r["verdict"] if r else ("" if is_base else c["status"])
+        color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta", "failed": "red"}.get(verdict, "white")
+
+        def fmt(key: str, spec: str) -> str:
+            return format(f[key], spec) if f.get(key) is not None else "—"
+
+        t.add_row(c["config"], c["spec"]["weights"], fmt("token_ppl", ".3f"), ratio, ci, f"[{color}]{verdict}[/]",
                   fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"), fmt("tokens_per_second", ".0f"),
-                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
-                  c["status"] if not c["error"] else f"failed: {c['error']}")
-    Console().print(t)
-    Console().print(f"verdict: [bold]{summary['verdict']}[/] — {summary['verdict_reason']}", highlight=False)
+                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—")
+        if c["error"]:
+            failures.append(f"{c['config']}: {c['error']}")
+    out.print(t)
+    for line in failures:
+        out.print(f"[red]failed[/] {line}", highlight=False)
+    out.print(f"verdict: [bold]{summary['verdict']}[/] — {summary['verdict_reason']}", highlight=False)
 
 
 def _json_out(summary: dict) -> None:

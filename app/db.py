@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Iterator
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import MetaData, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -14,12 +14,24 @@ from app.settings import get_settings
 
 
 class Base(DeclarativeBase):
-    pass
+    # Named constraints: identical on SQLite and Postgres, and droppable by later migrations.
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(column_0_label)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+
+
+def get_engine(url: str | None = None) -> Engine:
+    return _engine(url or get_settings().database_url)
 
 
 @lru_cache
-def get_engine(url: str | None = None) -> Engine:
-    url = url or get_settings().database_url
+def _engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -36,8 +48,12 @@ def get_engine(url: str | None = None) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
 
 
-@lru_cache
 def get_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
+    return _sessionmaker(url or get_settings().database_url)
+
+
+@lru_cache
+def _sessionmaker(url: str) -> sessionmaker[Session]:
     return sessionmaker(get_engine(url), expire_on_commit=False)
 
 

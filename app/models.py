@@ -27,6 +27,11 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
 
 
+# References into a project's history (runs, results) are checked at commit, so deleting a
+# whole project cascades cleanly, while deleting one config that still has results is refused.
+DEFERRED = {"deferrable": True, "initially": "DEFERRED"}
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -106,9 +111,9 @@ class Run(TimestampMixin, Base):
     __table_args__ = (UniqueConstraint("project_id", "idempotency_key"), Index("ix_runs_project_created", "project_id", "created_at"))
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=False)
-    suite_id: Mapped[int] = mapped_column(ForeignKey("suites.id"), nullable=False)
-    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"), nullable=False)
-    baseline_config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id"), nullable=False)
+    suite_id: Mapped[int] = mapped_column(ForeignKey("suites.id", **DEFERRED), nullable=False)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", **DEFERRED), nullable=False)
+    baseline_config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
     trigger: Mapped[str] = mapped_column(String(16), nullable=False)  # manual | schedule | gate | alert
     # queued → running → aggregating → done | failed
     status: Mapped[str] = mapped_column(String(16), default="queued", nullable=False)
@@ -130,7 +135,7 @@ class ConfigRun(TimestampMixin, Base):
     __table_args__ = (UniqueConstraint("run_id", "config_id"), Index("ix_config_runs_status", "status"))
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
-    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id"), nullable=False)
+    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
     status: Mapped[str] = mapped_column(String(16), default="queued", nullable=False)  # queued | running | succeeded | failed
     attempt: Mapped[int] = mapped_column(Integer, default=0, nullable=False)
     worker: Mapped[str | None] = mapped_column(String(256))
@@ -153,7 +158,7 @@ class SampleResult(TimestampMixin, Base):
     __table_args__ = (UniqueConstraint("run_id", "config_id", "sample_key", "metric", name="uq_sample_result"),)
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
-    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id"), nullable=False)
+    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
     sample_key: Mapped[str] = mapped_column(String(256), nullable=False)
     metric: Mapped[str] = mapped_column(String(64), nullable=False)
     value: Mapped[float | None] = mapped_column(Float)  # None only with an error in extra
@@ -165,7 +170,7 @@ class Comparison(TimestampMixin, Base):
     __table_args__ = (UniqueConstraint("run_id", "config_id", "metric"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
-    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id"), nullable=False)
+    config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
     metric: Mapped[str] = mapped_column(String(64), nullable=False)
     estimate: Mapped[float | None] = mapped_column(Float)
     ci_low: Mapped[float | None] = mapped_column(Float)
@@ -279,7 +284,7 @@ class Gate(TimestampMixin, Base):
     __table_args__ = (UniqueConstraint("project_id", "idempotency_key"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=False)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), nullable=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", **DEFERRED), nullable=False)
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     candidate: Mapped[str] = mapped_column(String(128), nullable=False)
     baseline: Mapped[str] = mapped_column(String(128), nullable=False)

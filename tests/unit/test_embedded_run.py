@@ -1,0 +1,112 @@
+"""A whole run on the embedded default (SQLite file + in-process tasks), through the same task
+code the Celery workers run, on the real tiny model."""
+
+import math
+
+import pytest
+from sqlalchemy import func, select
+
+from app import repo
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import EXECUTE_CONFIG_RUN, InlineDispatcher
+from app.models import ConfigRun, SampleResult
+from app.services import apply_config_file, run_summary, start_run
+
+CONFIG = {
+    "project": "t",
+    "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+    "configs": [
+        {"name": "fp16", "baseline": True, "weights": "fp16"},
+        {"name": "int4", "weights": "rtn-int4"},
+        # pinned to a GPU, scheduled on a CPU-only worker: fails at engine load
+        {"name": "gpu-only", "weights": "fp16", "engine_options": {"device": "cuda"}},
+    ],
+    "suites": [
+        {"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 12, "seed": 7,
+         "perplexity": {"window": 128, "stride": 64},
+         "generation": {"prompts": 3, "prompt_words": 8, "max_new_tokens": 6}},
+    ],
+}
+
+
+@pytest.fixture
+def finished_run(sqlite_env):
+    with session_scope() as s:
+        apply_config_file(s, parse_config(CONFIG))
+    dispatcher = InlineDispatcher()
+    run_id, created = start_run("t", "s", None, dispatcher)
+    assert created
+    return run_id, dispatcher
+
+
+def test_run_reaches_a_verdict_and_a_failed_config_is_reported(finished_run):
+    run_id, _ = finished_run
+    with session_scope() as s:
+        run = repo.get_run(s, repo.get_project(s, "t"), run_id)
+        summary = run_summary(s, run)
+    assert summary["status"] == "done"
+    status = {c["config"]: c["status"] for c in summary["configs"]}
+    assert status == {"fp16": "succeeded", "int4": "succeeded", "gpu-only": "failed"}
+    failed = next(c for c in summary["configs"] if c["config"] == "gpu-only")
+    assert "engine_options.device" in failed["error"]
+    # The verdict says what is missing; the other configs' results are untouched.
+    assert summary["verdict"] == "incomplete"
+    assert "gpu-only" in summary["verdict_reason"] and "engine_options.device" in summary["verdict_reason"]
+    ratio = next(c for c in summary["comparisons"] if c["config"] == "int4" and c["metric"] == "ppl_ratio")
+    assert ratio["n"] == 12 and ratio["ci_low"] <= ratio["estimate"] <= ratio["ci_high"]
+    f = summary["figures"]["int4"]
+    assert f["weight_bytes"] < summary["figures"]["fp16"]["weight_bytes"] / 2  # embeddings stay 16-bit
+    assert f["ttft_ms_p50"] > 0 and f["tokens_per_second"] > 0
+
+
+def test_stored_ratio_recomputes_from_raw_samples_by_hand(finished_run):
+    run_id, _ = finished_run
+    with session_scope() as s:
+        run = repo.get_run(s, repo.get_project(s, "t"), run_id)
+        ids = {cr.config.name: cr.config_id for cr in run.config_runs}
+        base = {r.sample_key: r for r in repo.sample_results(s, run_id, ids["fp16"], "nll")}
+        cand = {r.sample_key: r for r in repo.sample_results(s, run_id, ids["int4"], "nll")}
+        comp = next(c for c in repo.comparisons(s, run_id) if c.config_id == ids["int4"] and c.metric == "ppl_ratio")
+        assert set(base) == set(cand) == set(run.sample_keys) and len(base) == 12
+        delta = sum(cand[k].value - base[k].value for k in base)
+        tokens = sum(base[k].extra["n_tokens"] for k in base)
+        assert comp.estimate == pytest.approx(math.exp(delta / tokens))
+        ppl_b = math.exp(sum(r.value for r in base.values()) / tokens)
+        assert comp.baseline_value == pytest.approx(ppl_b)
+
+
+def test_redelivered_task_writes_nothing_twice(finished_run):
+    run_id, dispatcher = finished_run
+    with session_scope() as s:
+        before = s.scalar(select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run_id))
+        cr_ids = list(s.scalars(select(ConfigRun.id).where(ConfigRun.run_id == run_id)))
+    assert before == 2 * (12 + 3)  # two configs succeeded: 12 documents + 3 prompts each
+    for cr_id in cr_ids:
+        dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)  # as if the broker redelivered every message
+    with session_scope() as s:
+        after = s.scalar(select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run_id))
+        assert after == before
+        assert repo.get_run(s, repo.get_project(s, "t"), run_id).verdict == "incomplete"
+
+
+def test_same_seed_draws_same_samples(sqlite_env):
+    with session_scope() as s:
+        apply_config_file(s, parse_config(CONFIG))
+        project = repo.get_project(s, "t")
+        suite = repo.get_suite(s, project, "s")
+        configs = [repo.get_config(s, project, "fp16")]
+        a, _ = repo.create_run(s, project, suite, configs, seed=1)
+        b, _ = repo.create_run(s, project, suite, configs, seed=1)
+        c, _ = repo.create_run(s, project, suite, configs, seed=2)
+        assert a.sample_keys == b.sample_keys != c.sample_keys
+
+
+def test_bigger_than_corpus_is_refused_without_writing(sqlite_env):
+    bad = {**CONFIG, "suites": [{**CONFIG["suites"][0], "samples": 100000}]}
+    with pytest.raises(ValueError, match=r"suites\[0\]\.samples: 100000 > \d+ documents"):
+        with session_scope() as s:
+            apply_config_file(s, parse_config(bad))
+    with session_scope() as s:
+        with pytest.raises(repo.NotFound):
+            repo.get_project(s, "t")

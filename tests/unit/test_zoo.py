@@ -1,0 +1,59 @@
+"""The tiny model zoo: loadable by transformers, GQA, sizes, shared tokenizer, clean split,
+and a deterministic build script (smoke-sized here; the full build is ~10 min)."""
+
+import hashlib
+import json
+
+import pytest
+
+from engines.zoo import ARTIFACTS, ModelPathError, resolve_model_path
+from engines.zoo.corpus import is_heldout, read_jsonl
+
+
+def test_target_and_draft_load_with_automodel():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:pydoc-target"))
+    draft = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:pydoc-draft"))
+    n_target = sum(p.numel() for p in target.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    assert type(target).__name__ == "LlamaForCausalLM"
+    assert 3e6 <= n_target <= 10e6 and n_draft < n_target / 3
+    assert target.config.num_key_value_heads < target.config.num_attention_heads  # grouped-query attention
+    tok_t = AutoTokenizer.from_pretrained(resolve_model_path("builtin:pydoc-target"))
+    tok_d = AutoTokenizer.from_pretrained(resolve_model_path("builtin:pydoc-draft"))
+    text = "os.path.join(a, *p)  — Join two or more pathname components."
+    assert tok_t(text)["input_ids"] == tok_d(text)["input_ids"]
+    assert tok_t.decode(tok_t(text)["input_ids"]) == text  # byte-level BPE round-trips
+
+
+def test_manifest_matches_artifacts():
+    manifest = json.loads((ARTIFACTS / "manifest.json").read_text())
+    assert manifest["models"]["pydoc-target"]["parameters"] == 5573888
+    assert manifest["heldout_documents"] == len(read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl"))
+
+
+def test_heldout_split_is_by_source_document():
+    docs = read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")
+    assert len(docs) >= 500  # enough for a weekly suite of 500
+    assert all(is_heldout(d.doc_id) for d in docs)
+    # chunks of one source document land on the same side
+    assert is_heldout("topic:x#3") == is_heldout("topic:x") == is_heldout("topic:x#0")
+
+
+def test_unknown_builtin_and_missing_dir(tmp_path):
+    with pytest.raises(ModelPathError, match="unknown builtin model"):
+        resolve_model_path("builtin:nope")
+    with pytest.raises(ModelPathError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "missing"))
+
+
+def test_build_is_deterministic(tmp_path):
+    from engines.zoo.build import build
+
+    digests = []
+    for out in (tmp_path / "a", tmp_path / "b"):
+        manifest = build(out, steps=2, max_docs=24, log=lambda *_: None)
+        digests.append(hashlib.sha256((out / "pydoc-target" / "model.safetensors").read_bytes()).hexdigest())
+        assert manifest["train_documents"] == 24
+    assert digests[0] == digests[1]
