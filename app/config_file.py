@@ -30,7 +30,7 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
             else:
                 loc += f".{part}" if loc else str(part)
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc or '(file)'}: {msg}")
+        lines.append(f"{loc}: {msg}" if loc else msg)  # cross-field checks name their fields themselves
     return "\n".join(lines)
 
 
@@ -48,7 +48,7 @@ class ConfigEntry(OptimizationSpec):
     baseline: bool = False
 
     def to_spec(self) -> OptimizationSpec:
-        return OptimizationSpec.model_validate(self.model_dump(exclude={"name", "baseline"}))
+        return OptimizationSpec.model_validate(self.model_dump(include=set(OptimizationSpec.model_fields)))
 
 
 class PerplexitySettings(_Strict):

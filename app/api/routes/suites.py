@@ -28,6 +28,8 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
     if (body.corpus is None) == (body.documents is None):
         raise ValueError("corpus, documents: give exactly one — a server-side corpus or the documents inline")
     if body.documents is not None:
+        if not body.documents:
+            raise ValueError("documents: no documents given; send at least one {'id', 'text'}")
         if len(body.documents) > settings.max_suite_documents:
             raise ValueError(f"documents: {len(body.documents)} documents exceed the limit of {settings.max_suite_documents}")
         seen: set[str] = set()

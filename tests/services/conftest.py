@@ -1,0 +1,141 @@
+"""The production shape on this machine: real Postgres, real Redis, a real `celery worker`
+process and the API under uvicorn on loopback. URLs from the environment, local defaults."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, service_unavailable
+
+PG_URL = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pg_database():
+    import psycopg
+
+    base, _, _ = PG_URL.rpartition("/")
+    name = f"canary_svc_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg.connect(f"{base}/postgres", autocommit=True, connect_timeout=5)
+    except Exception as e:  # noqa: BLE001
+        service_unavailable("PostgreSQL", PG_URL, e)
+    admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"{base}/{name}"
+    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    import redis
+
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+        client.ping()
+    except Exception as e:  # noqa: BLE001
+        service_unavailable("Redis", REDIS_URL, e)
+    client.flushdb()
+    yield REDIS_URL
+    client.flushdb()
+
+
+class Stack:
+    def __init__(self, env: dict[str, str], api: str, logs: dict[str, str]):
+        self.env, self.api, self.logs = env, api, logs
+        self.http = httpx.Client(base_url=api, timeout=30)
+
+    def wait_run(self, project: str, run_id: int, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            body = self.http.get(f"/api/v1/projects/{project}/runs/{run_id}").json()
+            if body["status"] in ("done", "failed"):
+                return body
+            time.sleep(0.5)
+        raise AssertionError(f"run {run_id} did not finish in {timeout}s: {body}\n{self.tail('worker')}")
+
+    def tail(self, name: str, n: int = 60) -> str:
+        with open(self.logs[name], encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{open(log).read()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not up after {timeout}s:\n{open(log).read()[-3000:]}")
+
+
+def _wait_log(proc: subprocess.Popen, log: str, marker: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{open(log).read()[-3000:]}")
+        if marker in open(log, encoding="utf-8", errors="replace").read():
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"'{marker}' not logged after {timeout}s:\n{open(log).read()[-3000:]}")
+
+
+def start_worker(env: dict[str, str], log: str, queues: str = "gpu,cpu,default") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
+           "-c", "1", "--prefetch-multiplier", "1", "-l", "INFO", "--without-gossip", "--without-mingle",
+           "-n", f"w{uuid.uuid4().hex[:6]}@%h"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    _wait_log(proc, log, "ready.")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stack(pg_database, redis_url, tmp_path_factory):
+    logs_dir = tmp_path_factory.mktemp("logs")
+    env = {
+        **os.environ,
+        "CANARY_DATABASE_URL": pg_database,
+        "CANARY_BROKER_URL": redis_url,
+        "CANARY_EXECUTION": "celery",
+        "PYTHONUNBUFFERED": "1",
+    }
+    subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)
+    logs = {"worker": str(logs_dir / "worker.log"), "api": str(logs_dir / "api.log")}
+    procs = []
+    try:
+        procs.append(start_worker(env, logs["worker"]))
+        port = _free_port()
+        api = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "app.api.main:app", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=open(logs["api"], "a"), stderr=subprocess.STDOUT,
+        )
+        procs.append(api)
+        _wait_http(f"http://127.0.0.1:{port}/healthz", api, logs["api"])
+        yield Stack(env, f"http://127.0.0.1:{port}", logs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

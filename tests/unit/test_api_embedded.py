@@ -1,0 +1,50 @@
+"""`canary serve` on the embedded default: uvicorn on loopback, SQLite, tasks on the API
+process's background thread. A client drives a run to its verdict over real HTTP."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+from tests.services.conftest import _free_port, _wait_http
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'api.db'}", "CANARY_EXECUTION": "inline"}
+    env.pop("CANARY_BROKER_URL", None)
+    log = str(tmp_path / "api.log")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
+        yield httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30), log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_embedded_server_runs_to_verdict(server):
+    http, log = server
+    assert http.post("/projects", json={"name": "e"}).status_code == 201
+    assert http.post("/projects/e/models", json={"name": "tiny", "path": "builtin:pydoc-target"}).status_code == 201
+    assert http.post("/projects/e/configs", json={"name": "fp16", "model": "tiny", "baseline": True}).status_code == 201
+    assert http.post("/projects/e/configs", json={"name": "int8", "model": "tiny", "weights": "int8"}).status_code == 201
+    docs = [{"id": f"d{i}", "text": f"os.path.join() joins {i} path components intelligently. " * 3} for i in range(10)]
+    r = http.post("/projects/e/suites", json={"name": "s", "documents": docs, "samples": 10, "generation": {"prompts": 1, "max_new_tokens": 3}})
+    assert r.status_code == 201, r.text
+    run = http.post("/projects/e/runs", json={"suite": "s"}).json()
+    deadline = time.monotonic() + 120
+    while run["status"] not in ("done", "failed") and time.monotonic() < deadline:
+        time.sleep(0.3)
+        run = http.get(f"/projects/e/runs/{run['run_id']}").json()
+    assert run["status"] == "done", open(log).read()[-2000:]
+    [ratio] = [c for c in run["comparisons"] if c["metric"] == "ppl_ratio"]
+    assert ratio["config"] == "int8" and ratio["n"] == 10
+    assert run["verdict"] in ("pass", "inconclusive", "warn", "fail")
+    assert http.get("/projects/e/runs").json()[0]["run_id"] == run["run_id"]

@@ -1,0 +1,104 @@
+"""The `canary` CLI as a user runs it: a subprocess, its exit code and its output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+GOOD = yaml.safe_load((ROOT / "canary.example.yaml").read_text())
+
+
+def canary(*args, cwd, env_db):
+    env = {"CANARY_DATABASE_URL": env_db, "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    return lambda *a: canary(*a, cwd=tmp_path, env_db=db)
+
+
+def write(tmp_path, data, name="canary.yaml"):
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(p)
+
+
+def test_schema_is_json_schema(run_cli):
+    r = run_cli("schema")
+    assert r.returncode == 0
+    schema = json.loads(r.stdout)
+    assert {"model", "configs", "suites"} <= set(schema["required"])
+    assert "OptimizationSpec" in json.dumps(schema) or "ConfigEntry" in json.dumps(schema)
+
+
+def variant(**changes):
+    data = json.loads(json.dumps(GOOD))
+    for path, value in changes.items():
+        *head, last = path.split(".")
+        node = data
+        for part in head:
+            node = node[int(part)] if part.isdigit() else node[part]
+        if value is None:
+            del node[int(last) if last.isdigit() else last]
+        elif last.isdigit():
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        ("model: [unclosed", "malformed YAML at line 1"),
+        (variant(**{"configs.2.weights": "int5"}), "configs[2].weights: unknown weights 'int5'; did you mean 'int8'?"),
+        (variant(**{"configs.1.kv_cache": "kivi-2"}), "configs[1].kv_cache: 'kivi-2' is not available in engine 'transformers'"),
+        (variant(**{"configs.2.name": "int8"}), "configs[2].name: duplicate name 'int8'"),
+        (variant(**{"configs.0.baseline": False}), "exactly one config needs 'baseline: true'"),
+        (variant(**{"model.path": "/no/such/model"}), "model.path: model directory '/no/such/model' does not exist"),
+        (variant(**{"suites.0.samples": 9999}), "suites[0].samples: 9999 > "),
+        (variant(**{"suites.0.perplexity": {"window": 64, "stride": 128}}), "stride 128 > window 64"),
+        (variant(**{"schedules.0.suite": "nope"}), "schedules[0].suite: unknown suite 'nope'"),
+        (variant(**{"configs.1.engine": "vllm"}), "configs[1].engine: 'vllm' is not available in this release"),
+    ],
+)
+def test_bad_config_file_is_a_one_line_error_naming_the_field(run_cli, tmp_path, data, needle):
+    r = run_cli("run", "-f", write(tmp_path, data))
+    assert r.returncode == 2, r.stderr
+    assert needle in " ".join(r.stderr.split()), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_empty_corpus_is_refused(run_cli, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    r = run_cli("run", "-f", write(tmp_path, variant(**{"suites.0.corpus": str(tmp_path / "empty.jsonl"), "suites.1": None, "schedules": []})))
+    assert r.returncode == 2 and "suites[0].corpus: corpus" in r.stderr and "no non-empty documents" in r.stderr
+
+
+def test_missing_file(run_cli, tmp_path):
+    r = run_cli("run", "-f", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_run_json_output_on_own_corpus(run_cli, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"id": f"d{i}", "text": f"Return the {i}th item of the sequence. " * (3 + i % 4)}) for i in range(12)]
+    docs.write_text("\n".join(lines))
+    data = variant(**{"suites": [{"name": "mine", "corpus": str(docs), "samples": 12,
+                                  "generation": {"prompts": 2, "max_new_tokens": 4}}],
+                      "schedules": [], "configs": GOOD["configs"][:2]})
+    r = run_cli("run", "-f", write(tmp_path, data), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["baseline"] == "fp16" and out["status"] == "done"
+    [ratio] = [c for c in out["comparisons"] if c["metric"] == "ppl_ratio"]
+    assert set(ratio) == {"config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule"}
+    assert ratio["config"] == "int8" and ratio["n"] == 12
+    assert out["figures"]["int8"]["n_documents"] == 12

@@ -1,0 +1,25 @@
+"""DESIGN.md's dependency direction, enforced: engines ← evals ← workers → app; app and the
+API image never import torch; the dashboard talks HTTP only (contracts in pyproject.toml)."""
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_import_contracts_hold():
+    r = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Contracts: 4 kept, 0 broken" in r.stdout
+
+
+def test_api_app_imports_without_torch():
+    # The API process must start on an image without torch: import it with torch made unimportable.
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        "import app.api.main, app.cli, app.services, app.dispatch\n"
+        "print('ok')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
