@@ -197,10 +197,15 @@ def worker(
     queues: str = typer.Option("gpu,cpu,default", help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
     concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
     beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
+    name: Optional[str] = typer.Option(None, help="node name, e.g. gpu0@%h (default: celery's)"),
 ) -> None:
     """Run a Celery worker (needs CANARY_BROKER_URL)."""
+    if not os.environ.get("CANARY_BROKER_URL"):
+        fail("CANARY_BROKER_URL is not set; a worker needs the Redis broker, e.g. redis://127.0.0.1:6379/0")
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
            "-c", str(concurrency), "--prefetch-multiplier", "1", "-l", "INFO"]
+    if name:
+        cmd += ["-n", name]
     if beat:
         cmd.append("-B")
     os.execvp(cmd[0], cmd)

@@ -100,9 +100,8 @@ def _wait_log(proc: subprocess.Popen, log: str, marker: str, timeout: float = 90
 
 
 def start_worker(env: dict[str, str], log: str, queues: str = "gpu,cpu,default") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
-           "-c", "1", "--prefetch-multiplier", "1", "-l", "INFO", "--without-gossip", "--without-mingle",
-           "-n", f"w{uuid.uuid4().hex[:6]}@%h"]
+    cmd = [sys.executable, "-m", "app.cli", "worker", "--queues", queues, "--concurrency", "1",
+           "--name", f"w{uuid.uuid4().hex[:6]}@%h"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
     _wait_log(proc, log, "ready.")
     return proc

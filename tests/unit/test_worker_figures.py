@@ -1,0 +1,66 @@
+"""Serving figures and the reconciler, on inputs worked out by hand."""
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+
+from app import repo
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import EXECUTE_CONFIG_RUN
+from app.models import ConfigRun, utcnow
+from app.services import apply_config_file
+from evals.stats import Thresholds
+from workers.aggregate import ttft_comparison
+from workers.execute import percentile
+from workers.tasks import reconcile
+
+
+def test_percentile_by_hand():
+    xs = [10.0, 20.0, 30.0, 40.0]
+    assert percentile(xs, 50) == 25.0  # halfway between 20 and 30
+    assert percentile(xs, 99) == pytest.approx(39.7)  # 30 + 0.97 · 10
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_ttft_comparison_by_hand():
+    t = Thresholds(warn=2000, critical=5000, direction="above", min_n=3)
+    c = ttft_comparison([100.0, 300.0, 200.0, 250.0, 150.0], t)
+    assert c.estimate == 200.0 and c.n == 5
+    assert 100.0 <= c.ci_low <= 200.0 <= c.ci_high <= 300.0
+    assert c.verdict == "ok"
+    slow = ttft_comparison([6000.0, 7000.0, 8000.0], t)
+    assert slow.verdict == "critical" and slow.estimate == 7000.0
+    assert ttft_comparison([1.0, 2.0], t).verdict == "inconclusive"  # n < min_n
+
+
+class Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, task, *args):
+        self.sent.append((task, *args))
+
+
+def test_reconciler_requeues_lost_messages_and_expired_leases(sqlite_env):
+    cfg = parse_config({
+        "project": "r", "model": {"name": "m", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "a", "baseline": True}, {"name": "b", "weights": "int8"}, {"name": "c", "weights": "rtn-int4"}],
+        "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 10}],
+    })
+    with session_scope() as s:
+        apply_config_file(s, cfg)
+        project = repo.get_project(s, "r")
+        run, _ = repo.create_run(s, project, repo.get_suite(s, project, "s"), repo.list_configs(s, project))
+        a, b, c = (cr.id for cr in run.config_runs)
+        old = utcnow() - timedelta(hours=1)
+        # a: queued an hour ago, its message lost; b: running but its worker died (lease expired);
+        # c: queued a moment ago — left alone.
+        s.execute(update(ConfigRun).where(ConfigRun.id == a).values(enqueued_at=old))
+        s.execute(update(ConfigRun).where(ConfigRun.id == b).values(status="running", attempt=1, lease_expires_at=old))
+    rec = Recorder()
+    assert reconcile(rec) == 2
+    assert sorted(rec.sent) == [(EXECUTE_CONFIG_RUN, a), (EXECUTE_CONFIG_RUN, b)]
+    assert reconcile(Recorder()) == 1  # a was re-stamped; b's lease is still expired until a worker claims it
