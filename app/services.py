@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from sqlalchemy.orm import Session
@@ -15,6 +16,8 @@ from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher
 from app.models import Project, Run
 from app.settings import get_settings
 from engines.zoo import ModelPathError, resolve_model_path
+
+log = logging.getLogger(__name__)
 
 
 def check_model_path(path: str, field: str = "model.path") -> None:
@@ -77,7 +80,10 @@ def start_run(
         run_id = run.id
         cr_ids = [cr.id for cr in run.config_runs] if created else []
     for cr_id in cr_ids:
-        dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)
+        try:
+            dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)
+        except Exception as e:  # noqa: BLE001 - the rows are committed; the reconciler re-enqueues them
+            log.warning("enqueue of config-run %s failed (%s); the reconciler will retry it", cr_id, e)
     return run_id, created
 
 
