@@ -22,7 +22,9 @@ def get_session() -> Iterator[Session]:
         session.close()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit before the response is sent, so a client that got 201 can read
+# what it wrote on its next request (the default "request" scope commits after sending).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def get_project(project: str, session: SessionDep) -> Project:

@@ -1,0 +1,66 @@
+"""Constraints the write paths rely on: SampleResult's unique key (idempotent upserts) and
+ON DELETE CASCADE from a project."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import delete, func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import IntegrityError
+
+from app.models import ConfigRun, Model, OptimizationConfig, Project, Run, SampleResult, Suite
+
+
+def _key(graph) -> dict:
+    return {"run_id": graph.run.id, "config_id": graph.baseline.id, "sample_key": "doc-0", "metric": "ppl"}
+
+
+def test_sample_result_key_is_unique(db_session, make_graph):
+    graph = make_graph(db_session)
+    db_session.add(SampleResult(**_key(graph), value=1.0))
+    db_session.flush()
+    db_session.add(SampleResult(**_key(graph), value=2.0))
+    with pytest.raises(IntegrityError, match="uq_sample_result"):
+        db_session.flush()
+
+
+def test_sample_result_upsert_keeps_latest_value(db_session, make_graph):
+    graph = make_graph(db_session)
+    for value in (1.0, 2.0, 3.0):  # a redelivered task writes the same key again
+        stmt = insert(SampleResult).values(**_key(graph), value=value, extra={"try": value})
+        stmt = stmt.on_conflict_do_update(
+            constraint="uq_sample_result", set_={"value": stmt.excluded.value, "extra": stmt.excluded.extra}
+        )
+        db_session.execute(stmt)
+    rows = db_session.execute(select(SampleResult.value, SampleResult.extra)).all()
+    assert [tuple(r) for r in rows] == [(3.0, {"try": 3.0})]
+
+
+def _count(session, table) -> int:
+    return session.scalar(select(func.count()).select_from(table))
+
+
+def test_deleting_project_cascades_to_models_configs_suites(db_session, make_graph):
+    doomed = make_graph(db_session, name="doomed", with_run=False)
+    make_graph(db_session, name="kept", with_run=False)
+
+    # Core DELETE: the database must cascade, not the ORM (Project declares no relationships).
+    db_session.execute(delete(Project).where(Project.id == doomed.project.id))
+
+    for table in (Project, Model, OptimizationConfig, Suite):
+        assert _count(db_session, table) == 1, table.__tablename__
+
+
+def test_deleting_project_with_runs_cascades(db_session, make_graph):
+    doomed = make_graph(db_session, name="doomed")
+    make_graph(db_session, name="kept")
+    db_session.add(SampleResult(**_key(doomed), value=1.0))
+    db_session.flush()
+
+    db_session.execute(delete(Project).where(Project.id == doomed.project.id))
+    # The test's transaction is rolled back, never committed: check deferred keys now.
+    db_session.execute(text("SET CONSTRAINTS ALL IMMEDIATE"))
+
+    for table in (Project, Model, OptimizationConfig, Suite, Run, ConfigRun):
+        assert _count(db_session, table) == 1, table.__tablename__
+    assert _count(db_session, SampleResult) == 0
