@@ -43,7 +43,9 @@ def _device(spec: OptimizationSpec) -> torch.device:
 class TransformersEngine:
     def __init__(self, model_path: str, spec: OptimizationSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # the caller shows its own progress
         spec.check_available()
         self.spec = spec
         self.model_path = str(model_path)
