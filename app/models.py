@@ -85,7 +85,10 @@ class Suite(TimestampMixin, Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=False)
     name: Mapped[str] = mapped_column(String(128), nullable=False)
-    spec: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False)  # app.config_file.SuiteSpec
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False)  # app.config_file.SuiteEntry
+    # Content hash of the current samples. Samples are immutable per version: a changed corpus
+    # adds a version, so in-flight runs and history keep scoring the text they drew.
+    version: Mapped[str] = mapped_column(String(64), nullable=False)
     n_documents: Mapped[int] = mapped_column(Integer, default=0, nullable=False)
 
 
@@ -94,9 +97,10 @@ class SuiteSample(Base):
     judge, or a RAG item (question + contexts). ``cluster`` groups samples that share a source."""
 
     __tablename__ = "suite_samples"
-    __table_args__ = (UniqueConstraint("suite_id", "key"),)
+    __table_args__ = (UniqueConstraint("suite_id", "version", "key"),)
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     suite_id: Mapped[int] = mapped_column(ForeignKey("suites.id", ondelete="CASCADE"), nullable=False)
+    version: Mapped[str] = mapped_column(String(64), nullable=False)
     key: Mapped[str] = mapped_column(String(256), nullable=False)
     position: Mapped[int] = mapped_column(Integer, nullable=False)
     kind: Mapped[str] = mapped_column(String(16), default="document", nullable=False)  # document | prompt | rag
@@ -112,6 +116,7 @@ class Run(TimestampMixin, Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=False)
     suite_id: Mapped[int] = mapped_column(ForeignKey("suites.id", **DEFERRED), nullable=False)
+    suite_version: Mapped[str] = mapped_column(String(64), nullable=False)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", **DEFERRED), nullable=False)
     baseline_config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
     trigger: Mapped[str] = mapped_column(String(16), nullable=False)  # manual | schedule | gate | alert
@@ -194,6 +199,7 @@ class AlertRule(TimestampMixin, Base):
     warn: Mapped[float] = mapped_column(Float, nullable=False)
     critical: Mapped[float | None] = mapped_column(Float)
     direction: Mapped[str] = mapped_column(String(8), nullable=False)  # above | below
+    min_n: Mapped[int] = mapped_column(Integer, default=10, nullable=False)  # fewer samples → inconclusive
     for_runs: Mapped[int] = mapped_column(Integer, default=1, nullable=False)  # consecutive runs before firing
     model_id: Mapped[int | None] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
     config_id: Mapped[int | None] = mapped_column(ForeignKey("optimization_configs.id", ondelete="CASCADE"))

@@ -118,6 +118,7 @@ def get_config(session: Session, project: Project, name: str) -> OptimizationCon
 
 
 def content_hash(samples: Sequence[SampleIn]) -> str:
+    """sha256 over the samples in order: the suite version."""
     h = hashlib.sha256()
     for s in samples:
         h.update(json.dumps([s.key, s.text, s.kind, s.reference, s.contexts, s.cluster]).encode())
@@ -125,28 +126,26 @@ def content_hash(samples: Sequence[SampleIn]) -> str:
 
 
 def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, Any], samples: Sequence[SampleIn]) -> Suite:
-    """Create or update a suite. Its samples are replaced only when their content changed, so
-    applying the same file twice writes nothing; earlier runs keep the sample keys they drew."""
-    digest = content_hash(samples)
+    """Create or update a suite. Samples are immutable per content version: a changed corpus
+    adds a version (earlier runs keep the text they drew); the same corpus writes nothing."""
+    version = content_hash(samples)
     suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
-    spec = {**spec, "content_hash": digest}
     if suite is None:
-        suite = Suite(project_id=project.id, name=name, spec=spec, n_documents=len(samples))
+        suite = Suite(project_id=project.id, name=name, spec=spec, version=version, n_documents=len(samples))
         session.add(suite)
         session.flush()
-    elif suite.spec.get("content_hash") == digest:
-        suite.spec = spec
-        session.flush()
-        return suite
     else:
-        suite.spec, suite.n_documents = spec, len(samples)
-        session.execute(delete(SuiteSample).where(SuiteSample.suite_id == suite.id))
-    session.add_all(
-        SuiteSample(suite_id=suite.id, key=s.key, position=i, kind=s.kind, text=s.text,
-                    reference=s.reference, contexts=s.contexts, cluster=s.cluster)
-        for i, s in enumerate(samples)
-    )
-    session.flush()
+        suite.spec, suite.version, suite.n_documents = spec, version, len(samples)
+        session.flush()
+    exists = session.scalar(select(func.count()).select_from(SuiteSample).where(
+        SuiteSample.suite_id == suite.id, SuiteSample.version == version))
+    if not exists:
+        session.add_all(
+            SuiteSample(suite_id=suite.id, version=version, key=s.key, position=i, kind=s.kind, text=s.text,
+                        reference=s.reference, contexts=s.contexts, cluster=s.cluster)
+            for i, s in enumerate(samples)
+        )
+        session.flush()
     return suite
 
 
@@ -162,8 +161,8 @@ def get_suite(session: Session, project: Project, name: str) -> Suite:
     return suite
 
 
-def suite_samples(session: Session, suite_id: int, keys: Iterable[str] | None = None) -> list[SuiteSample]:
-    q = select(SuiteSample).where(SuiteSample.suite_id == suite_id).order_by(SuiteSample.position)
+def suite_samples(session: Session, suite_id: int, version: str, keys: Iterable[str] | None = None) -> list[SuiteSample]:
+    q = select(SuiteSample).where(SuiteSample.suite_id == suite_id, SuiteSample.version == version).order_by(SuiteSample.position)
     if keys is not None:
         q = q.where(SuiteSample.key.in_(list(keys)))
     return list(session.scalars(q))
@@ -180,6 +179,7 @@ def set_thresholds(session: Session, project: Project, thresholds: dict[str, dic
             rule = AlertRule(project_id=project.id, metric=metric, direction=directions[metric], warn=t["warn"])
             session.add(rule)
         rule.warn, rule.critical, rule.direction = t["warn"], t.get("critical"), directions[metric]
+        rule.min_n = t.get("min_n", 10)
     session.flush()
 
 
@@ -215,13 +215,14 @@ def create_run(
     idempotency_key: str | None = None,
 ) -> tuple[Run, bool]:
     """Write a Run and one queued ConfigRun per config (the model's baseline always included).
-    Returns (run, created); an existing idempotency key returns the earlier run unchanged."""
-    if idempotency_key:
-        existing = session.scalar(select(Run).where(Run.project_id == project.id, Run.idempotency_key == idempotency_key))
-        if existing is not None:
-            return existing, False
+    Returns (run, created); a known idempotency key returns the earlier run unchanged, provided
+    the request is the same one."""
     if not configs:
         raise ValueError("configs: name at least one config to run")
+    names = [c.name for c in configs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"configs: {', '.join(dupes)} named more than once; name each config once")
     model_ids = {c.model_id for c in configs}
     if len(model_ids) != 1:
         raise ValueError("configs: every config of a run must belong to the same model")
@@ -233,16 +234,24 @@ def create_run(
         raise ValueError("configs: the model has no baseline config; mark one config as baseline")
     ordered = [baseline] + [c for c in configs if c.id != baseline.id]
     n = n_samples or suite.spec.get("samples", 100)
+    seed = suite.spec.get("seed", 0) if seed is None else seed
+    if idempotency_key:
+        existing = session.scalar(select(Run).where(Run.project_id == project.id, Run.idempotency_key == idempotency_key))
+        if existing is not None:
+            same = (existing.suite_id == suite.id and existing.n_samples == n and existing.seed == seed
+                    and sorted(cr.config_id for cr in existing.config_runs) == sorted(c.id for c in ordered))
+            if not same:
+                raise Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different run request (run {existing.id}); use a new key")
+            return existing, False
     if n > suite.n_documents:
         raise ValueError(
             f"samples: {n} > {suite.n_documents} documents in suite '{suite.name}'; lower samples or add documents"
         )
-    seed = suite.spec.get("seed", 0) if seed is None else seed
-    keys = [s.key for s in suite_samples(session, suite.id)]
+    keys = [s.key for s in suite_samples(session, suite.id, suite.version)]
     run = Run(
-        project_id=project.id, suite_id=suite.id, model_id=model_id, baseline_config_id=baseline.id,
-        trigger=trigger, n_samples=n, seed=seed, sample_keys=draw_samples(keys, n, seed),
-        idempotency_key=idempotency_key,
+        project_id=project.id, suite_id=suite.id, suite_version=suite.version, model_id=model_id,
+        baseline_config_id=baseline.id, trigger=trigger, n_samples=n, seed=seed,
+        sample_keys=draw_samples(keys, n, seed), idempotency_key=idempotency_key,
     )
     session.add(run)
     session.flush()
@@ -327,12 +336,16 @@ def finish_config_run(
     return res.rowcount == 1
 
 
-def fail_config_run(session: Session, config_run_id: int, error: str) -> None:
-    """Mark a config-run failed whatever its attempt (attempts exhausted, or refused at claim)."""
-    session.execute(
-        update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.status.not_in(TERMINAL))
-        .values(status="failed", error=error, finished_at=utcnow(), lease_expires_at=None)
+def give_up_config_run(session: Session, config_run_id: int, max_attempts: int, error: str) -> bool:
+    """Fail a config-run whose attempts are spent, unless an attempt still holds a live lease."""
+    now = utcnow()
+    res = session.execute(
+        update(ConfigRun)
+        .where(ConfigRun.id == config_run_id, ConfigRun.attempt >= max_attempts,
+               or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)))
+        .values(status="failed", error=error, finished_at=now, lease_expires_at=None)
     )
+    return res.rowcount == 1
 
 
 def try_start_aggregation(session: Session, run_id: int) -> bool:
@@ -382,16 +395,31 @@ def finish_run(session: Session, run_id: int, status: str, verdict: str, reason:
     )
 
 
-def stale_queued_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]:
-    """Queued rows whose message may be lost (the broker is not a database), or running rows
-    whose lease expired; the reconciler re-enqueues them."""
+def stale_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]:
+    """Config-runs whose message may be lost (queued, last enqueued before older_than) or whose
+    worker died (running with an expired lease, not re-sent since older_than)."""
     now = utcnow()
     return list(session.scalars(
-        select(ConfigRun).where(or_(
-            and_(ConfigRun.status == "queued", ConfigRun.enqueued_at < older_than),
-            and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now),
-        ))
+        select(ConfigRun).where(
+            ConfigRun.enqueued_at < older_than,
+            or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)),
+        )
     ))
+
+
+def stalled_runs(session: Session, older_than: datetime) -> list[int]:
+    """Runs whose every config-run finished before older_than but whose aggregation never
+    completed: the trigger message was lost, or the process died between the two commits."""
+    unfinished = select(ConfigRun.id).where(ConfigRun.run_id == Run.id, ConfigRun.status.not_in(TERMINAL)).exists()
+    last_finish = select(func.max(ConfigRun.finished_at)).where(ConfigRun.run_id == Run.id).scalar_subquery()
+    return list(session.scalars(
+        select(Run.id).where(Run.status.in_(("queued", "running", "aggregating")), ~unfinished, last_finish < older_than)
+    ))
+
+
+def reopen_aggregation(session: Session, run_id: int) -> None:
+    """Put a stalled run into 'aggregating' (idempotent) so the aggregate task will take it."""
+    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running"))).values(status="aggregating"))
 
 
 def mark_enqueued(session: Session, config_run_ids: Sequence[int]) -> None:

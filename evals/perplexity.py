@@ -6,7 +6,8 @@ Definitions (lm-eval-harness, REFERENCE.md §4), Σ over documents:
     bits_per_byte = Σnll / (Σbytes · ln 2)
     ppl_ratio = token_ppl(candidate) / token_ppl(baseline) = exp((Σnll_c − Σnll_b) / Σtokens)
 The ratio is paired: both configs score the same documents with the same tokenizer and windows,
-and the bootstrap resamples documents, keeping each document's two NLLs together.
+and the bootstrap resamples source documents (clusters of chunks), keeping each document's two
+NLLs together.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ class DocNLL:
     n_tokens: int
     n_words: int
     n_bytes: int
+    cluster: str | None = None  # source document this sample was cut from (clustered bootstrap)
 
     @classmethod
-    def from_result(cls, r: RollingResult) -> "DocNLL":
-        return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes)
+    def from_result(cls, r: RollingResult, cluster: str | None = None) -> "DocNLL":
+        return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, cluster)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,13 @@ def ppl_ratio(
     nll_c = np.array([c.nll for _, c in pairs])
     toks = np.array([b.n_tokens for b, _ in pairs], dtype=np.float64)
     diff = nll_c - nll_b
+    clusters = [b.cluster or b.doc_id for b, _ in pairs]
+    n_clusters = len(set(clusters))
     estimate = math.exp(diff.sum() / toks.sum())
-    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ diff) / (w @ toks)), n, n_resamples=n_resamples, seed=seed)
-    verdict, rule = decide(estimate, lo, hi, n, thresholds)
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ diff) / (w @ toks)), n, clusters=clusters,
+                                 n_resamples=n_resamples, seed=seed)
+    # Independent evidence is per source document: min_n counts clusters, not chunks.
+    verdict, rule = decide(estimate, lo, hi, n_clusters, thresholds)
     ppl_b = corpus_perplexity([b for b, _ in pairs])
     ppl_c = corpus_perplexity([c for _, c in pairs])
     return Comparison(
@@ -118,6 +124,7 @@ def ppl_ratio(
             "candidate_byte_ppl": ppl_c.byte_ppl,
             "delta_nll_per_token": float(diff.sum() / toks.sum()),
             "n_tokens": int(toks.sum()),
+            "n_clusters": n_clusters,
             "n_resamples": n_resamples,
         },
     )

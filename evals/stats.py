@@ -15,8 +15,10 @@ estimate near the threshold with a wide CI is "inconclusive", and the answer is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from statistics import NormalDist
+from typing import Callable, Hashable, Literal, Sequence
 
 import numpy as np
 
@@ -91,6 +93,7 @@ def paired_bootstrap_ci(
     statistic: Callable[[np.ndarray], np.ndarray],
     n: int,
     *,
+    clusters: Sequence[Hashable] | None = None,
     n_resamples: int = 2000,
     seed: int = 0,
     confidence: float = 0.95,
@@ -99,14 +102,33 @@ def paired_bootstrap_ci(
 
     ``statistic`` receives a [R, n] weight matrix (how often each paired sample appears in each
     resample) and returns R values; pairing holds because a sample's baseline and candidate
-    values are always resampled together.
+    values are always resampled together. With ``clusters`` (one label per sample), whole
+    clusters are resampled — samples cut from one source document rise and fall together, and
+    the CI reflects the number of independent sources, not of chunks (REFERENCE.md §6).
     """
     if n == 0:
         return float("nan"), float("nan")
-    values = statistic(bootstrap_counts(n, n_resamples, seed))
+    if clusters is None:
+        weights = bootstrap_counts(n, n_resamples, seed)
+    else:
+        if len(clusters) != n:
+            raise ValueError(f"clusters has {len(clusters)} labels for {n} samples")
+        labels = {c: i for i, c in enumerate(dict.fromkeys(clusters))}
+        index = np.array([labels[c] for c in clusters])
+        weights = bootstrap_counts(len(labels), n_resamples, seed)[:, index]
+    values = statistic(weights)
     alpha = (1 - confidence) / 2
     lo, hi = np.quantile(values, [alpha, 1 - alpha])
     return float(lo), float(hi)
+
+
+def required_n(sd_delta: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Paired samples needed to detect a mean difference ``effect`` with a two-sided test:
+    n = ((z_{1−α/2} + z_power) · σ_Δ / δ)² (REFERENCE.md §6)."""
+    if effect <= 0 or sd_delta < 0:
+        raise ValueError("effect must be > 0 and sd_delta ≥ 0")
+    z = NormalDist().inv_cdf
+    return max(1, math.ceil(((z(1 - alpha / 2) + z(power)) * sd_delta / effect) ** 2))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:

@@ -21,28 +21,28 @@ SEVERITY = ["ok", "inconclusive", "warn", "critical"]
 
 def thresholds(session, run: Run, config_id: int, metric: str) -> Thresholds:
     rule = repo.threshold_for(session, run.project_id, metric, run.model_id, config_id)
-    default = getattr(DEFAULTS, metric)
     if rule is None:
+        default = getattr(DEFAULTS, metric)
         return Thresholds(default.warn, default.critical, METRIC_DIRECTIONS[metric], default.min_n)
-    return Thresholds(rule.warn, rule.critical, rule.direction, default.min_n)
+    return Thresholds(rule.warn, rule.critical, rule.direction, rule.min_n)
 
 
 def ttft_comparison(values: list[float], t: Thresholds, seed: int = 0) -> Comparison:
-    """Absolute threshold on the candidate's median TTFT; CI by bootstrap of the median."""
+    """Absolute threshold on the candidate's median TTFT (the lower median for even n, the same
+    definition for the estimate and every bootstrap resample); CI by bootstrap."""
     n = len(values)
     if n == 0:
         return Comparison("ttft_ms", math.nan, math.nan, math.nan, 0, "inconclusive", "no generations")
-    x = np.asarray(values)
-    est = float(np.median(x))
-    order = np.argsort(x)
+    x = np.asarray(values, dtype=np.float64)
+    order = np.argsort(x, kind="stable")
     xs = x[order]
 
-    def weighted_median(w: np.ndarray) -> np.ndarray:
+    def lower_median(w: np.ndarray) -> np.ndarray:  # w: [R, n] multiplicities
         c = np.cumsum(w[:, order], axis=1)
-        idx = (c >= c[:, -1:] / 2).argmax(axis=1)
-        return xs[idx]
+        return xs[(c >= c[:, -1:] / 2).argmax(axis=1)]
 
-    lo, hi = paired_bootstrap_ci(weighted_median, n, seed=seed)
+    est = float(lower_median(np.ones((1, n)))[0])
+    lo, hi = paired_bootstrap_ci(lower_median, n, seed=seed)
     verdict, rule = decide(est, lo, hi, n, t)
     return Comparison("ttft_ms", est, lo, hi, n, verdict, f"p50 TTFT: {rule}", candidate_value=est)
 
@@ -79,19 +79,23 @@ def aggregate_run(run_id: int, dispatcher=None) -> str:
                     "details": c.details or None,
                 })
         repo.write_comparisons(s, run_id, rows)
+        # A measured critical regression fails the run even when other configs are missing;
+        # otherwise missing results make it incomplete (never a pass by omission).
         worst = max((r["verdict"] for r in rows), key=SEVERITY.index, default="ok")
         verdict = RUN_VERDICT[worst]
         reason = _reason(rows, crs)
         if failed:
             names = ", ".join(f"'{cr.config.name}' ({cr.error})" for cr in failed)
-            verdict, reason = "incomplete", f"missing results for {names}; {reason}"
+            reason = f"missing results for {names}; {reason}"
+            if verdict != "fail":
+                verdict = "incomplete"
         repo.finish_run(s, run_id, "done", verdict, reason)
         return verdict
 
 
 def _docs(session, run_id: int, config_id: int) -> list[DocNLL]:
     return [
-        DocNLL(r.sample_key, r.value, r.extra["n_tokens"], r.extra["n_words"], r.extra["n_bytes"])
+        DocNLL(r.sample_key, r.value, r.extra["n_tokens"], r.extra["n_words"], r.extra["n_bytes"], r.extra.get("cluster"))
         for r in repo.sample_results(session, run_id, config_id, "nll")
     ]
 

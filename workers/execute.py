@@ -58,44 +58,53 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
     settings = get_settings()
-    with session_scope() as s:
+    with session_scope() as s:  # the claim commits on its own, before anything can fail
         attempt = repo.claim_config_run(s, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
+        cr = s.get(ConfigRun, config_run_id)
+        if cr is None:
+            return "skipped"
+        run_id = cr.run_id
         if attempt is None:
-            cr = s.get(ConfigRun, config_run_id)
-            if cr is not None and cr.status in ("queued", "running") and cr.attempt >= settings.max_attempts:
-                repo.fail_config_run(s, config_run_id, f"gave up after {cr.attempt} attempts (worker lost each time)")
-                run_id = cr.run_id
-            else:
+            gave_up = repo.give_up_config_run(
+                s, config_run_id, settings.max_attempts,
+                f"gave up after {cr.attempt} attempts: the worker was lost each time (see worker logs)")
+            if not gave_up:
                 return "skipped"  # finished, or another worker holds a live lease
-        else:
-            cr = s.get(ConfigRun, config_run_id)
-            run = s.get(Run, cr.run_id)
-            suite = s.get(Suite, run.suite_id)
-            job = {
-                "run_id": run.id,
-                "config_id": cr.config_id,
-                "spec": OptimizationSpec.model_validate(cr.config.spec),
-                "model_path": cr.config.model.path,
-                "suite": dict(suite.spec),
-                "samples": [(x.key, x.text) for x in repo.suite_samples(s, suite.id, run.sample_keys)],
-            }
+            outcome = "failed"
     if attempt is not None:
         try:
+            job = _load_job(config_run_id)
             _score(config_run_id, attempt, job, settings)
             outcome = "succeeded"
+        except _LostLease as e:
+            log.warning("%s", e)
+            return "superseded"
         except Exception as e:  # the config-run fails with its reason; other configs are untouched
             log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
             with session_scope() as s:
                 repo.finish_config_run(s, config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}")
             outcome = "failed"
-        run_id = job["run_id"]
-    else:
-        outcome = "failed"
     with session_scope() as s:
         start = repo.try_start_aggregation(s, run_id)
     if start:  # after the commit: the aggregate task must see every config-run finished
         dispatcher.send(AGGREGATE_RUN, run_id)
     return outcome
+
+
+def _load_job(config_run_id: int) -> dict:
+    with session_scope() as s:
+        cr = s.get(ConfigRun, config_run_id)
+        run = s.get(Run, cr.run_id)
+        suite = s.get(Suite, run.suite_id)
+        return {
+            "run_id": run.id,
+            "config_id": cr.config_id,
+            "spec": OptimizationSpec.model_validate(cr.config.spec),
+            "model_path": cr.config.model.path,
+            "suite": dict(suite.spec),
+            "samples": [(x.key, x.text, x.cluster or x.key)
+                        for x in repo.suite_samples(s, suite.id, run.suite_version, run.sample_keys)],
+        }
 
 
 def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
@@ -113,19 +122,20 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     nll_sum = tokens = 0.0
     for i in range(0, len(samples), DOC_BATCH):
         batch = samples[i : i + DOC_BATCH]
-        results = engine.loglikelihood_rolling([RollingRequest(k, t, window) for k, t in batch])
+        results = engine.loglikelihood_rolling([RollingRequest(k, t, window) for k, t, _ in batch])
         rows = []
-        for r in results:
+        for r, (_, _, cluster) in zip(results, batch):
             nll_sum += r.nll
             tokens += len(r.token_ids)
             top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids))
             rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll,
-                         "extra": {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes, "top1_hits": top1}})
+                         "extra": {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes,
+                                   "top1_hits": top1, "cluster": cluster}})
         done += len(batch)
         with session_scope() as s:
             _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
     ttft, itl, tps, gen_tokens = [], [], [], 0
-    for key, text in samples[:n_prompts]:
+    for key, text, _ in samples[:n_prompts]:
         prompt = " ".join(text.split()[: gen.get("prompt_words", 24)])
         [g] = engine.generate([GenerationRequest(key, prompt, gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))])
         ttft.append(g.ttft_ms)

@@ -32,15 +32,24 @@ def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
 
 
 def reconcile(dispatcher: Dispatcher) -> int:
-    """Re-enqueue config-runs whose message may be lost or whose worker died (lease expired)."""
+    """Re-enqueue what the broker may have lost (the broker is not a database): config-runs
+    queued or lease-expired for longer than requeue_after_seconds, and runs whose config-runs
+    all finished but whose aggregation never completed. Every re-send is idempotent."""
     settings = get_settings()
+    cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
     with session_scope() as s:
-        stale = repo.stale_queued_config_runs(s, utcnow() - timedelta(seconds=settings.requeue_after_seconds))
-        ids = [cr.id for cr in stale]
-        repo.mark_enqueued(s, ids)
-    for i in ids:
+        config_runs = [cr.id for cr in repo.stale_config_runs(s, cutoff)]
+        repo.mark_enqueued(s, config_runs)
+        runs = repo.stalled_runs(s, cutoff)
+        for run_id in runs:
+            repo.reopen_aggregation(s, run_id)
+    for i in config_runs:
         dispatcher.send(EXECUTE_CONFIG_RUN, i)
-    return len(ids)
+    for run_id in runs:
+        dispatcher.send(AGGREGATE_RUN, run_id)
+    if config_runs or runs:
+        log.warning("reconciler re-enqueued config-runs %s and aggregation of runs %s", config_runs, runs)
+    return len(config_runs) + len(runs)
 
 
 INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile}

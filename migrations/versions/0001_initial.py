@@ -122,6 +122,7 @@ def upgrade() -> None:
         sa.Column("project_id", sa.Integer(), nullable=False),
         sa.Column("name", sa.String(length=128), nullable=False),
         sa.Column("spec", JSONType, nullable=False),
+        sa.Column("version", sa.String(length=64), nullable=False),
         sa.Column("n_documents", sa.Integer(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(
@@ -182,6 +183,7 @@ def upgrade() -> None:
         "suite_samples",
         sa.Column("id", BigId, nullable=False),
         sa.Column("suite_id", sa.Integer(), nullable=False),
+        sa.Column("version", sa.String(length=64), nullable=False),
         sa.Column("key", sa.String(length=256), nullable=False),
         sa.Column("position", sa.Integer(), nullable=False),
         sa.Column("kind", sa.String(length=16), nullable=False),
@@ -193,7 +195,7 @@ def upgrade() -> None:
             ["suite_id"], ["suites.id"], name=op.f("fk_suite_samples_suite_id_suites"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_suite_samples")),
-        sa.UniqueConstraint("suite_id", "key", name=op.f("uq_suite_samples_suite_id_key")),
+        sa.UniqueConstraint("suite_id", "version", "key", name=op.f("uq_suite_samples_suite_id_version_key")),
     )
     op.create_table(
         "alert_rules",
@@ -203,6 +205,7 @@ def upgrade() -> None:
         sa.Column("warn", sa.Float(), nullable=False),
         sa.Column("critical", sa.Float()),
         sa.Column("direction", sa.String(length=8), nullable=False),
+        sa.Column("min_n", sa.Integer(), nullable=False),
         sa.Column("for_runs", sa.Integer(), nullable=False),
         sa.Column("model_id", sa.Integer()),
         sa.Column("config_id", sa.Integer()),
@@ -230,6 +233,7 @@ def upgrade() -> None:
         sa.Column("id", sa.Integer(), nullable=False),
         sa.Column("project_id", sa.Integer(), nullable=False),
         sa.Column("suite_id", sa.Integer(), nullable=False),
+        sa.Column("suite_version", sa.String(length=64), nullable=False),
         sa.Column("model_id", sa.Integer(), nullable=False),
         sa.Column("baseline_config_id", sa.Integer(), nullable=False),
         sa.Column("trigger", sa.String(length=16), nullable=False),

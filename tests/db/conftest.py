@@ -135,7 +135,7 @@ def _make_graph(session: Session, name: str = "acme", with_run: bool = True) -> 
     session.add(project)
     session.flush()
     model = m.Model(project_id=project.id, name="tiny", path="builtin:tiny")
-    suite = m.Suite(project_id=project.id, name="daily", spec={"samples": 1})
+    suite = m.Suite(project_id=project.id, name="daily", spec={"samples": 1}, version="v1")
     session.add_all([model, suite])
     session.flush()
     baseline = m.OptimizationConfig(
@@ -149,6 +149,7 @@ def _make_graph(session: Session, name: str = "acme", with_run: bool = True) -> 
     graph.run = m.Run(
         project_id=project.id,
         suite_id=suite.id,
+        suite_version="v1",
         model_id=model.id,
         baseline_config_id=baseline.id,
         trigger="manual",

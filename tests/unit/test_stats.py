@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.stats import Thresholds, decide, paired_bootstrap_ci, wilson_interval
+from evals.stats import Thresholds, decide, paired_bootstrap_ci, required_n, wilson_interval
 
 ABOVE = Thresholds(warn=1.15, critical=1.30, direction="above", min_n=10)
 BELOW = Thresholds(warn=0.50, critical=0.30, direction="below", min_n=10)
@@ -69,3 +69,22 @@ def test_bootstrap_ci_covers_mean_and_narrows_with_n():
     # width shrinks ≈ 1/√n: 16× the samples → ≈ 4× narrower
     assert widths[1] < widths[0] / 2.5
     assert not math.isnan(widths[0])
+
+
+def test_clustered_bootstrap_resamples_whole_sources():
+    # Three chunks of source A (Δ = 1 each) and one of source B (Δ = 0). Resampling the two
+    # sources gives only AA → mean 1, AB → (3·1 + 0)/4 = 0.75, BB → 0, each of AA and BB with
+    # probability ¼ — so the 95 % CI is exactly [0, 1]. Chunk-level resampling would be narrower.
+    d = np.array([1.0, 1.0, 1.0, 0.0])
+    stat = lambda w: (w @ d) / w.sum(1)  # noqa: E731
+    assert paired_bootstrap_ci(stat, 4, clusters=["A", "A", "A", "B"]) == (0.0, 1.0)
+    lo, hi = paired_bootstrap_ci(stat, 4)
+    assert lo > 0.0  # unclustered: all four picks being B has probability 1/256
+    with pytest.raises(ValueError, match="labels"):
+        paired_bootstrap_ci(stat, 4, clusters=["A"])
+
+
+def test_required_n_by_hand():
+    # ((1.95996 + 0.84162) · 1 / 0.5)² = 31.4 → 32 paired samples for α = 0.05, power 0.8
+    assert required_n(1.0, 0.5) == 32
+    assert required_n(2.0, 0.5) == 126  # 4× the variance → 4× the samples (125.6 → 126)

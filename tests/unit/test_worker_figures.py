@@ -8,7 +8,7 @@ from sqlalchemy import update
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN
+from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN
 from app.models import ConfigRun, utcnow
 from app.services import apply_config_file
 from evals.stats import Thresholds
@@ -59,8 +59,29 @@ def test_reconciler_requeues_lost_messages_and_expired_leases(sqlite_env):
         # a: queued an hour ago, its message lost; b: running but its worker died (lease expired);
         # c: queued a moment ago — left alone.
         s.execute(update(ConfigRun).where(ConfigRun.id == a).values(enqueued_at=old))
-        s.execute(update(ConfigRun).where(ConfigRun.id == b).values(status="running", attempt=1, lease_expires_at=old))
+        s.execute(update(ConfigRun).where(ConfigRun.id == b).values(status="running", attempt=1, lease_expires_at=old, enqueued_at=old))
     rec = Recorder()
     assert reconcile(rec) == 2
     assert sorted(rec.sent) == [(EXECUTE_CONFIG_RUN, a), (EXECUTE_CONFIG_RUN, b)]
-    assert reconcile(Recorder()) == 1  # a was re-stamped; b's lease is still expired until a worker claims it
+    assert reconcile(Recorder()) == 0  # both were re-stamped: no re-send storm while they wait for a worker
+
+
+def test_reconciler_restarts_a_lost_aggregation(sqlite_env):
+    cfg = parse_config({
+        "project": "r", "model": {"name": "m", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "a", "baseline": True}],
+        "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 10}],
+    })
+    with session_scope() as s:
+        apply_config_file(s, cfg)
+        project = repo.get_project(s, "r")
+        run, _ = repo.create_run(s, project, repo.get_suite(s, project, "s"), repo.list_configs(s, project))
+        run_id = run.id
+        old = utcnow() - timedelta(hours=1)
+        # the worker finished its config-run, then died before the aggregate message went out
+        s.execute(update(ConfigRun).where(ConfigRun.run_id == run_id).values(status="succeeded", finished_at=old))
+    rec = Recorder()
+    assert reconcile(rec) == 1
+    assert rec.sent == [(AGGREGATE_RUN, run_id)]
+    with session_scope() as s:
+        assert repo.get_run(s, repo.get_project(s, "r"), run_id).status == "aggregating"
