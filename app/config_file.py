@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engines.spec import ConfigNotAvailable, OptimizationSpec
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
 SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
 AVAILABLE_SCORERS = ("perplexity", "generation")
 
@@ -75,7 +75,7 @@ class SuiteEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     corpus: str = Field(description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
     samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**31 - 1)
     scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"])
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pathlib
 from dataclasses import dataclass
 
 from engines.zoo import ModelPathError, resolve_corpus_path
@@ -60,6 +59,8 @@ def load_corpus(ref: str, field: str = "corpus", max_documents: int = 20000, max
         raise CorpusError(f"{field}: corpus '{ref}' has {len(samples)} documents, above the limit of {max_documents}; split it into suites")
     keys: set[str] = set()
     for s in samples:
+        if len(s.key) > 256 or (s.cluster and len(s.cluster) > 256):
+            raise CorpusError(f"{field}: document id '{s.key[:40]}…' is longer than 256 characters; shorten it")
         if s.key in keys:
             raise CorpusError(f"{field}: duplicate document id '{s.key}' in '{ref}'; ids must be unique")
         if len(s.text) > max_chars:

@@ -1,15 +1,14 @@
 """Enqueue tasks by name, after the caller's commit.
 
 Production (`execution = celery`): Celery's send_task by name to the task's queue; the API
-process never imports the task code. Embedded default (`inline`): the same task functions,
-resolved by string from workers.tasks (a lazy, registry-style import: the layering
-"workers → app" holds at import time), run in-process — synchronously, or on one background
-thread for the API server.
+process never imports the task code. Embedded default (`inline`): the same task functions, found
+through the package's "inference_canary.tasks" entry point (app/ never names workers/), run
+in-process — synchronously, or on one background thread for the API server.
 """
 
 from __future__ import annotations
 
-import importlib
+from importlib.metadata import entry_points
 import logging
 import queue
 import threading
@@ -25,7 +24,7 @@ AGGREGATE_RUN = "canary.aggregate_run"
 RECONCILE = "canary.reconcile"
 # GPU work on its own queue (one process per GPU, prefetch 1); bookkeeping on default.
 TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "default", RECONCILE: "default"}
-INLINE_TASKS = "workers.tasks:INLINE"  # name → plain function, resolved lazily
+TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 
 
 class Dispatcher(Protocol):
@@ -43,9 +42,15 @@ class CeleryDispatcher:
         self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"))
 
 
+@lru_cache
 def _inline_tasks() -> dict:
-    module, attr = INLINE_TASKS.split(":")
-    return getattr(importlib.import_module(module), attr)
+    found = entry_points(group=TASKS_ENTRY_POINT, name="inline")
+    if not found:
+        raise RuntimeError(
+            f"no '{TASKS_ENTRY_POINT}' entry point: install the project (pip install -e .) to run tasks in-process, "
+            "or set CANARY_BROKER_URL to send them to Celery workers"
+        )
+    return next(iter(found)).load()
 
 
 class InlineDispatcher:

@@ -10,7 +10,7 @@ import random
 from datetime import datetime, timedelta
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.corpus import SampleIn

@@ -49,7 +49,7 @@ class DocumentIn(BaseModel):
     text: str = Field(min_length=1)
     reference: str | None = None
     contexts: list[str] | None = None
-    cluster: str | None = None
+    cluster: str | None = Field(None, max_length=256)
 
 
 class SuiteIn(SuiteEntry):
@@ -73,7 +73,7 @@ class RunIn(BaseModel):
     suite: str
     configs: list[str] | None = Field(None, description="config names; default all; the baseline is always included")
     samples: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
     trigger: str = Field("manual", pattern="^(manual|schedule|gate|alert)$")
 
 

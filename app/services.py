@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Sequence
 
@@ -29,12 +30,30 @@ def check_model_path(path: str, field: str = "model.path") -> None:
         raise ValueError(f"{field}: {e}") from None
 
 
+def model_context(path: str) -> int | None:
+    """max_position_embeddings from a local model's config.json (no torch needed), if known."""
+    try:
+        cfg = json.loads((resolve_model_path(path) / "config.json").read_text())
+    except (ModelPathError, OSError, ValueError):
+        return None
+    ctx = cfg.get("max_position_embeddings")
+    return ctx if isinstance(ctx, int) else None
+
+
+def check_window(suite_spec: dict, model_path: str, field: str = "perplexity.window") -> None:
+    window = suite_spec.get("perplexity", {}).get("window", 256)
+    ctx = model_context(model_path)
+    if ctx is not None and window > ctx:
+        raise ValueError(f"{field}: {window} exceeds the model's context of {ctx} positions; use a window ≤ {ctx}")
+
+
 def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
     """Upsert everything the file declares. Validates every corpus before writing anything."""
     settings = get_settings()
     check_model_path(cfg.model.path)
     corpora = {}
     for i, suite in enumerate(cfg.suites):
+        check_window(suite.model_dump(), cfg.model.path, f"suites[{i}].perplexity.window")
         samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents, settings.max_document_chars)
         if suite.samples > len(samples):
             raise ValueError(
@@ -75,6 +94,8 @@ def start_run(
             configs = [repo.get_config(s, project, n) for n in config_names]
         else:
             configs = repo.list_configs(s, project)
+        for c in configs:
+            check_window(suite.spec, c.model.path)
         run, created = repo.create_run(s, project, suite, configs, n_samples=samples, seed=seed,
                                        trigger=trigger, idempotency_key=idempotency_key)
         run_id = run.id

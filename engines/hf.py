@@ -80,7 +80,11 @@ class TransformersEngine:
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         jobs = []  # (request index, window input ids, n_scored, target ids)
         encoded = []
+        context = self.model.config.max_position_embeddings
         for i, req in enumerate(requests):
+            if req.window.max_length > context:
+                raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
+                                 f"{context} positions; use a window ≤ {context}")
             ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ValueError(f"document '{req.doc_id}' has no tokens")

@@ -51,6 +51,13 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
     "vllm": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
     "openai": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
 }
+# engine_options each engine understands: name → (type, description).
+ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
+    "transformers": {
+        "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
+        "batch_size": (int, "perplexity windows per forward pass (default 8)"),
+    },
+}
 NOT_YET = {
     "reference": "the reference engine harness (AWQ, compressed KV, speculative decoding)",
     "vllm": "the vLLM backend",
@@ -59,11 +66,13 @@ NOT_YET = {
 
 
 class ConfigNotAvailable(ValueError):
-    """A valid config value that the chosen engine does not implement."""
+    """A config value (or engine option) that the chosen engine does not implement."""
 
-    def __init__(self, field: str, value: str, engine: str, available: frozenset[str]):
+    def __init__(self, field: str, value: str, engine: str, available: frozenset[str], message: str | None = None):
         self.field = field
-        if field == "engine":
+        if message:
+            msg = message
+        elif field == "engine":
             msg = (
                 f"engine: '{engine}' is not available in this release (it arrives with "
                 f"{NOT_YET.get(engine, 'a later release')}); use engine 'transformers'"
@@ -150,6 +159,19 @@ class OptimizationSpec(BaseModel):
         table = AVAILABLE[self.engine]
         if not table["weights"]:
             raise ConfigNotAvailable("engine", self.engine, self.engine, frozenset())
+        options = ENGINE_OPTIONS.get(self.engine, {})
+        for key, value in self.engine_options.items():
+            if key not in options:
+                known = ", ".join(sorted(options)) or "none"
+                raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
+                                         message=f"engine_options.{key}: unknown option for engine '{self.engine}'; options: {known}")
+            kind = options[key][0]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
+                                         message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
+            if key == "batch_size" and value < 1:
+                raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
+                                         message=f"engine_options.{key}: must be ≥ 1, got {value}")
         for field, value in (
             ("weights", self.weights),
             ("kv_cache", self.kv_cache),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from app import __version__
 from app.api.deps import SessionDep
@@ -35,6 +36,12 @@ async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
 @app.exception_handler(Conflict)
 async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=409)
+
+
+@app.exception_handler(IntegrityError)
+async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
+    # Two concurrent creates of the same name (or key): the loser of the race gets a 409.
+    return JSONResponse({"detail": "conflict: an object with the same unique name or key was written concurrently; retry"}, status_code=409)
 
 
 @app.exception_handler(CorpusError)
