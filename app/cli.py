@@ -60,7 +60,8 @@ def _upgrade_db() -> None:
     upgrade()
 
 
-def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: int | None, as_json: bool, wait: bool) -> dict | None:
+def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: int | None, as_json: bool, wait: bool,
+                  timeout: float = 3600) -> dict | None:
     from app import repo
     from app.db import session_scope
     from app.dispatch import InlineDispatcher, get_dispatcher
@@ -89,6 +90,9 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
                 if run.status in ("done", "failed"):
                     summary = run_summary(s, run)
                     break
+                if time.perf_counter() - started > timeout:
+                    fail(f"run {run_id} is still {run.status} after {timeout:.0f}s; is a worker consuming the gpu queue? "
+                         f"(`canary worker`); the run goes on and GET /api/v1/projects/{cfg.project}/runs/{run_id} shows it")
             time.sleep(0.5)
     summary["wall_seconds"] = round(time.perf_counter() - started, 1)
     return summary
@@ -135,11 +139,12 @@ def _json_out(summary: dict) -> None:
 def demo(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     samples: int = typer.Option(100, min=1, help="held-out documents scored per config"),
-    database_url: Optional[str] = typer.Option(None, envvar="CANARY_DATABASE_URL", help="default: sqlite:///canary-demo.db"),
+    database_url: str = typer.Option("sqlite:///canary-demo.db", help="where the demo writes (never CANARY_DATABASE_URL)"),
 ) -> None:
-    """fp16 vs int8 vs int4 on the tiny Python-documentation model, in-process."""
-    os.environ["CANARY_DATABASE_URL"] = database_url or "sqlite:///canary-demo.db"
-    os.environ.setdefault("CANARY_EXECUTION", "inline")
+    """fp16 vs int8 vs int4 vs int2 on the tiny Python-documentation model, in-process."""
+    # The demo never follows CANARY_DATABASE_URL: it must not write into a production database.
+    os.environ["CANARY_DATABASE_URL"] = database_url
+    os.environ["CANARY_EXECUTION"] = "inline"
     from app.config_file import parse_config
     from app.settings import get_settings
 
@@ -151,7 +156,11 @@ def demo(
         summary = _run_and_wait(cfg, None, None, None, as_json, wait=True)
     except ValueError as e:
         fail(str(e))
-    _json_out(summary) if as_json else _print_summary(summary)
+    if as_json:
+        _json_out(summary)
+    else:
+        _print_summary(summary)
+        console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs", highlight=False)
 
 
 @app.command()
@@ -162,6 +171,7 @@ def run(
     samples: Optional[int] = typer.Option(None, min=1, help="override the suite's sample count"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     wait: bool = typer.Option(True, help="wait for the verdict"),
+    timeout: float = typer.Option(3600, help="seconds to wait for the verdict"),
 ) -> None:
     """Apply a config file and run a suite over its configs."""
     from app.config_file import ConfigFileError, load_config_file
@@ -171,7 +181,7 @@ def run(
     try:
         cfg = load_config_file(file)
         _upgrade_db()
-        summary = _run_and_wait(cfg, suite, configs.split(",") if configs else None, samples, as_json, wait)
+        summary = _run_and_wait(cfg, suite, configs.split(",") if configs else None, samples, as_json, wait, timeout)
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
     if not wait:

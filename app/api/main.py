@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
@@ -11,11 +15,37 @@ from app import __version__
 from app.api.deps import SessionDep
 from app.api.routes import router
 from app.corpus import CorpusError
+from app.dispatch import RECONCILE, get_dispatcher
+from app.settings import get_settings
 from app.repo import Conflict, NotFound
 
+log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
+RECONCILE_EVERY_SECONDS = 60
 
-app = FastAPI(title="inference-canary", version=__version__,
+
+@asynccontextmanager
+async def lifespan(_: FastAPI):
+    # Embedded default: no Celery beat, so the API process runs the reconciler itself — once at
+    # start (runs left queued by a previous process) and then every minute. With Celery, the
+    # single beat (`canary worker --beat` on one worker) schedules it instead.
+    stop = threading.Event()
+    if get_settings().execution_mode == "inline":
+        def loop() -> None:
+            while True:
+                try:
+                    get_dispatcher(background=True).send(RECONCILE)
+                except Exception:  # noqa: BLE001
+                    log.exception("reconciler could not be scheduled")
+                if stop.wait(RECONCILE_EVERY_SECONDS):
+                    return
+
+        threading.Thread(target=loop, name="canary-reconciler", daemon=True).start()
+    yield
+    stop.set()
+
+
+app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
               description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired statistics.")
 app.include_router(router, prefix="/api/v1")
 

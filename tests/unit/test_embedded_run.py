@@ -2,15 +2,16 @@
 code the Celery workers run, on the real tiny model."""
 
 import math
+from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select, update
 
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, InlineDispatcher
-from app.models import ConfigRun, SampleResult
+from app.models import ConfigRun, Run, SampleResult, utcnow
 from app.services import apply_config_file, run_summary, start_run
 
 CONFIG = {
@@ -78,15 +79,27 @@ def test_stored_ratio_recomputes_from_raw_samples_by_hand(finished_run):
 
 def test_redelivered_task_writes_nothing_twice(finished_run):
     run_id, dispatcher = finished_run
+
+    def snapshot(s):
+        rows = s.scalars(select(SampleResult).where(SampleResult.run_id == run_id)).all()
+        return {(r.config_id, r.sample_key, r.metric): r.value for r in rows if r.metric == "nll"}, len(rows)
+
     with session_scope() as s:
-        before = s.scalar(select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run_id))
-        cr_ids = list(s.scalars(select(ConfigRun.id).where(ConfigRun.run_id == run_id)))
-    assert before == 2 * (12 + 3)  # two configs succeeded: 12 documents + 3 prompts each
-    for cr_id in cr_ids:
-        dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)  # as if the broker redelivered every message
+        before, count = snapshot(s)
+        config_id = repo.get_config(s, repo.get_project(s, "t"), "int4").id
+        int4 = s.scalar(select(ConfigRun).where(ConfigRun.run_id == run_id, ConfigRun.config_id == config_id))
+        # The worker wrote every result, then died before finishing: its lease ran out.
+        s.execute(update(ConfigRun).where(ConfigRun.id == int4.id).values(
+            status="running", finished_at=None, lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.execute(update(Run).where(Run.id == run_id).values(status="running", verdict=None))
+        cr_id = int4.id
+    assert count == 2 * (12 + 3)  # two configs succeeded: 12 documents + 3 prompts each
+    dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)  # the broker redelivers the message
     with session_scope() as s:
-        after = s.scalar(select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run_id))
-        assert after == before
+        after, count_after = snapshot(s)
+        cr = s.get(ConfigRun, cr_id)
+        assert (cr.status, cr.attempt) == ("succeeded", 2)  # it really ran again
+        assert count_after == count and after == pytest.approx(before)  # same rows, same values
         assert repo.get_run(s, repo.get_project(s, "t"), run_id).verdict == "incomplete"
 
 
