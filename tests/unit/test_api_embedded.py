@@ -46,5 +46,6 @@ def test_embedded_server_runs_to_verdict(server):
     assert run["status"] == "done", open(log).read()[-2000:]
     [ratio] = [c for c in run["comparisons"] if c["metric"] == "ppl_ratio"]
     assert ratio["config"] == "int8" and ratio["n"] == 10
-    assert run["verdict"] in ("pass", "inconclusive", "warn", "fail")
+    assert ratio["verdict"] == "ok"  # int8 on 10 documents: the CI sits far inside 1.15
+    assert run["verdict"] == "inconclusive"  # one prompt is too few to decide TTFT
     assert http.get("/projects/e/runs").json()[0]["run_id"] == run["run_id"]
