@@ -4,6 +4,7 @@ channels and schedules. `canary schema` prints its JSON Schema; errors name the 
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Literal
 
 import yaml
@@ -131,8 +132,15 @@ class Thresholds(_Strict):
 class ChannelEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
-    url: str = Field(description="webhook URL; may be ${ENV_VAR} so the secret stays out of the file")
+    url: str = Field(description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
     send_resolved: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", v) or v.startswith(("https://", "http://")):
+            return v
+        raise ValueError("give an http(s) URL or an ${ENV_VAR} reference")
 
 
 class ScheduleEntry(_Strict):

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from app.corpus import SampleIn
 from app.models import (
     AlertRule,
+    Channel,
     Comparison,
     ConfigRun,
     Model,
@@ -23,6 +24,7 @@ from app.models import (
     Project,
     Run,
     SampleResult,
+    Schedule,
     Suite,
     SuiteSample,
     utcnow,
@@ -194,6 +196,30 @@ def threshold_for(session: Session, project_id: int, metric: str, model_id: int,
     ).all()
     rules.sort(key=lambda r: (r.config_id is not None, r.model_id is not None), reverse=True)
     return rules[0] if rules else None
+
+
+def upsert_channel(session: Session, project: Project, name: str, kind: str, url: str, settings: dict[str, Any]) -> Channel:
+    """``url`` may be a ${ENV_VAR} template, expanded only at send time (the secret stays out of the DB)."""
+    ch = session.scalar(select(Channel).where(Channel.project_id == project.id, Channel.name == name))
+    if ch is None:
+        ch = Channel(project_id=project.id, name=name, kind=kind, url=url, settings=settings)
+        session.add(ch)
+    else:
+        ch.kind, ch.url, ch.settings = kind, url, settings
+    session.flush()
+    return ch
+
+
+def upsert_schedule(session: Session, project: Project, name: str, cron: str, suite: Suite,
+                    config_names: list[str], samples: int | None) -> Schedule:
+    sched = session.scalar(select(Schedule).where(Schedule.project_id == project.id, Schedule.name == name))
+    if sched is None:
+        sched = Schedule(project_id=project.id, name=name, cron=cron, suite_id=suite.id, config_names=config_names, samples=samples)
+        session.add(sched)
+    else:
+        sched.cron, sched.suite_id, sched.config_names, sched.samples = cron, suite.id, config_names, samples
+    session.flush()
+    return sched
 
 
 # -- runs -----------------------------------------------------------------------------------------

@@ -68,6 +68,12 @@ def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
     for suite in cfg.suites:
         repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name])
     repo.set_thresholds(session, project, cfg.thresholds.model_dump(), METRIC_DIRECTIONS)
+    for ch in cfg.channels:
+        repo.upsert_channel(session, project, ch.name, ch.kind, ch.url, {"send_resolved": ch.send_resolved})
+    for sched in cfg.schedules:
+        names = [c.name for c in cfg.configs] if sched.configs == "all" else list(sched.configs)
+        repo.upsert_schedule(session, project, sched.name, sched.cron, repo.get_suite(session, project, sched.suite),
+                             names, sched.samples)
     return project
 
 

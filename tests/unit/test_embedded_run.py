@@ -123,3 +123,46 @@ def test_bigger_than_corpus_is_refused_without_writing(sqlite_env):
     with session_scope() as s:
         with pytest.raises(repo.NotFound):
             repo.get_project(s, "t")
+
+
+def test_channels_and_schedules_are_stored_with_secrets_left_as_references(sqlite_env):
+    from app.models import Channel, Schedule
+
+    cfg = {**CONFIG, "channels": [{"name": "oncall", "kind": "slack", "url": "${SLACK_WEBHOOK_URL}"}],
+           "schedules": [{"name": "daily", "cron": "0 6 * * *", "suite": "s"},
+                         {"name": "weekly", "cron": "0 7 * * 1", "suite": "s", "configs": ["int4"], "samples": 12}]}
+    for _ in range(2):  # applying the same file twice changes nothing
+        with session_scope() as s:
+            apply_config_file(s, parse_config(cfg))
+    with session_scope() as s:
+        [ch] = s.scalars(select(Channel)).all()
+        assert (ch.kind, ch.url) == ("slack", "${SLACK_WEBHOOK_URL}")
+        scheds = {x.name: x for x in s.scalars(select(Schedule))}
+        assert scheds["daily"].config_names == ["fp16", "int4", "gpu-only"]
+        assert (scheds["weekly"].config_names, scheds["weekly"].samples) == (["int4"], 12)
+
+
+def test_changed_corpus_adds_a_suite_version_and_old_runs_keep_their_text(sqlite_env, tmp_path):
+    import json
+
+    corpus = tmp_path / "c.jsonl"
+
+    def write(word):
+        corpus.write_text("\n".join(json.dumps({"id": f"d{i}", "text": f"{word} number {i} of the corpus."}) for i in range(10)))
+
+    write("Document")
+    cfg = {**CONFIG, "configs": CONFIG["configs"][:1], "suites": [{"name": "s", "corpus": str(corpus), "samples": 10}]}
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg))
+        project = repo.get_project(s, "t")
+        run, _ = repo.create_run(s, project, repo.get_suite(s, project, "s"), repo.list_configs(s, project))
+        old_version = run.suite_version
+    write("Changed")
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg))
+        suite = repo.get_suite(s, repo.get_project(s, "t"), "s")
+        assert suite.version != old_version
+        old = repo.suite_samples(s, suite.id, old_version)
+        new = repo.suite_samples(s, suite.id, suite.version)
+        assert [x.text.split()[0] for x in old] == ["Document"] * 10
+        assert [x.text.split()[0] for x in new] == ["Changed"] * 10
