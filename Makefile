@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 

@@ -160,7 +160,8 @@ def demo(
         _json_out(summary)
     else:
         _print_summary(summary)
-        console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs", highlight=False)
+        console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs",
+                      highlight=False, soft_wrap=True)
 
 
 @app.command()
