@@ -10,6 +10,7 @@ from engines.spec import OptimizationSpec
 
 BACKENDS = {
     "transformers": "engines.hf:TransformersEngine",
+    "reference": "engines.reference.engine:ReferenceEngine",
 }
 
 

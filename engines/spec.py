@@ -47,7 +47,12 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
         "kv_cache": frozenset({"auto"}),
         "speculative": frozenset({"off"}),
     },
-    "reference": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
+    "reference": {
+        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2"}),
+        "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
+                               "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
+        "speculative": frozenset({"off"}),
+    },
     "vllm": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
     "openai": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
 }
@@ -56,6 +61,11 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     "transformers": {
         "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
         "batch_size": (int, "perplexity windows per forward pass (default 8)"),
+    },
+    "reference": {
+        "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
+        "batch_size": (int, "perplexity windows per forward pass (default 8)"),
+        "concurrency": (int, "generation requests decoded together as one batch (default 1)"),
     },
 }
 NOT_YET = {
@@ -169,7 +179,7 @@ class OptimizationSpec(BaseModel):
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
-            if key == "batch_size" and value < 1:
+            if key in ("batch_size", "concurrency") and value < 1:
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: must be ≥ 1, got {value}")
         for field, value in (

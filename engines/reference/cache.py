@@ -1,0 +1,65 @@
+"""Static KV cache and attention over it.
+
+k, v: [L, B, Hkv, S, D]. A forward pass writes its new keys/values at their slots, then every
+query attends over the slots its mask allows. A lossy KV format (kv.py) decides what a query
+reads back: the stored (compressed) value of a slot, or — inside a format's full-precision
+residual window — the raw one, exactly as it would be at that query's decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.reference.kv import KVFormat
+
+
+class KVCache:
+    def __init__(self, n_layers: int, batch: int, slots: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, fmt: KVFormat):
+        shape = (n_layers, batch, n_kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.fmt = fmt
+        if fmt.lossy:  # what the compressed cache holds, dequantized (see kv.py)
+            self.kq = torch.zeros(shape, dtype=dtype, device=device)
+            self.vq = torch.zeros(shape, dtype=dtype, device=device)
+        self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)  # first real slot per row (left padding)
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S]."""
+        S = mask.shape[-1]
+        self.k[layer][:, :, slots] = k
+        self.v[layer][:, :, slots] = v
+        keys, values = self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+        if not self.fmt.lossy:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # Re-encode the slots this pass can read; per-token formats only need the new ones, but
+        # group formats (KIVI keys: 32 tokens per channel group) need whole groups.
+        kq, vq = self.fmt.encode(keys, values, self.seq_start)
+        self.kq[layer][:, :, :S], self.vq[layer][:, :, :S] = kq, vq
+        # A query at slot t reads slot j compressed iff j < boundary(t): the format's residual
+        # window keeps the most recent slots in full precision.
+        compressed = self._compressed_mask(slots, S)
+        return _two_tier_attention(q, keys, values, kq, vq, mask, compressed)
+
+    def _compressed_mask(self, slots: torch.Tensor, S: int) -> torch.Tensor:
+        # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
+        # iff (j − start) < boundary(n).
+        start = self.seq_start[:, None, None]  # [B, 1, 1]
+        n = slots[None, :, None] - start + 1  # [B, T, 1]
+        bound = self.fmt.boundary(n)  # [B, T, 1] in sequence positions
+        j = torch.arange(S, device=slots.device)[None, None, :] - start  # [B, 1, S]
+        return (j < bound)[:, None]
+
+
+def _two_tier_attention(q, k, v, kq, vq, mask, compressed) -> torch.Tensor:
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    k, v, kq, vq = (x.repeat_interleave(g, dim=1) for x in (k, v, kq, vq))  # [B, H, S, D]
+    scale = 1.0 / D**0.5
+    s_raw = (q @ k.transpose(-1, -2)) * scale
+    s_cmp = (q @ kq.transpose(-1, -2)) * scale
+    scores = torch.where(compressed, s_cmp, s_raw).float().masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    return (p * compressed) @ vq + (p * ~compressed) @ v

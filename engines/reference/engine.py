@@ -1,0 +1,200 @@
+"""The reference engine behind the engine protocol: batched windows for perplexity, batched
+generation at a set concurrency with per-request timings, memory figures."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from engines.protocol import (
+    EngineDescription,
+    GenerationRequest,
+    GenerationResult,
+    RollingRequest,
+    RollingResult,
+    strided_windows,
+)
+from engines.quant import fake_quantize, quantized_bytes
+from engines.reference.cache import KVCache
+from engines.reference.kv import kv_format
+from engines.reference.model import Transformer, load_model
+from engines.spec import OptimizationSpec
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
+
+
+class ReferenceEngine:
+    def __init__(self, model_path: str, spec: OptimizationSpec):
+        from transformers import AutoTokenizer
+
+        spec.check_available()
+        self.spec = spec
+        self.model_path = str(model_path)
+        want = spec.engine_options.get("device")
+        if want and str(want).startswith("cuda") and not torch.cuda.is_available():
+            from engines.hf import EngineLoadError
+
+            raise EngineLoadError(f"engine_options.device: '{want}' requested but this worker has no CUDA device")
+        self.device = torch.device(want or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.batch_size = int(spec.engine_options.get("batch_size", 8))
+        self.concurrency = int(spec.engine_options.get("concurrency", 1))
+        self.dtype = DTYPES.get(spec.weights, torch.float16)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = load_model(self.model_path, torch.float32, "cpu")
+        self.quantized_params = self.quantized_bytes = 0
+        if spec.weights in RTN_BITS:
+            self._rtn(model, RTN_BITS[spec.weights])
+        self.model: Transformer = model.to(device=self.device, dtype=self.dtype)
+        self.args = model.args
+        self.kv = kv_format(spec.kv_cache, self.dtype)
+        tok = self.tokenizer
+        self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+
+    def _rtn(self, model: Transformer, bits: int) -> None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    lin.weight.copy_(fake_quantize(lin.weight, bits))
+                    self.quantized_params += lin.weight.numel()
+                    self.quantized_bytes += quantized_bytes(*lin.weight.shape, bits)
+
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        a = self.args
+        return KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv)
+
+    # -- perplexity --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        jobs, encoded = [], []
+        for i, req in enumerate(requests):
+            if req.window.max_length > self.args.max_seq_len:
+                raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
+                                 f"{self.args.max_seq_len} positions; use a window ≤ {self.args.max_seq_len}")
+            ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"document '{req.doc_id}' has no tokens")
+            encoded.append(ids)
+            seq = [self.start_id] + ids
+            for begin, end, n in strided_windows(len(ids), req.window):
+                jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
+        order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
+        out: dict[int, tuple[list[float], list[int]]] = {}
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s : s + self.batch_size]
+            width = max(len(jobs[j][1]) for j in idx)
+            # right padding: a window's real tokens start at slot 0, so positions equal slots
+            x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx], device=self.device)
+            slots = torch.arange(width, device=self.device)
+            mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
+            cache = self.new_cache(len(idx), width)
+            lsm = torch.log_softmax(self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask).float(), -1)
+            for row, j in enumerate(idx):
+                _, inp, n, tgt = jobs[j]
+                pos = torch.arange(len(inp) - n, len(inp), device=self.device)
+                lp = lsm[row, pos].gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
+                out[j] = (lp.tolist(), lsm[row, pos].argmax(-1).tolist())
+        logprobs = [[] for _ in requests]
+        greedy = [[] for _ in requests]
+        for j, job in enumerate(jobs):
+            logprobs[job[0]].extend(out[j][0])
+            greedy[job[0]].extend(out[j][1])
+        return [
+            RollingResult(req.doc_id, tuple(encoded[i]), tuple(logprobs[i]), tuple(greedy[i]),
+                          len(req.text.encode("utf-8")), len(req.text.split()))
+            for i, req in enumerate(requests)
+        ]
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Requests run `concurrency` at a time as one batch (left-padded prefill, then lockstep
+        decode); each request's TTFT counts from its batch's start."""
+        out: list[GenerationResult] = []
+        for s in range(0, len(requests), self.concurrency):
+            out.extend(self._generate_batch(list(requests[s : s + self.concurrency])))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
+        prompts = [[self.start_id] + self.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
+        B, P = len(reqs), max(len(p) for p in prompts)
+        steps = max(r.max_new_tokens for r in reqs)
+        if P + steps > self.args.max_seq_len:
+            raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({steps}) exceed the model's context of {self.args.max_seq_len}")
+        pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
+        ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
+        total = P + steps
+        cache = self.new_cache(B, total)
+        cache.seq_start = pad.clone()
+        slot = torch.arange(total, device=self.device)
+        # key slot j visible to query slot t iff pad_b ≤ j ≤ t (a padded query sees only itself)
+        visible = (slot[None, None, :] <= slot[None, :, None]) & (slot[None, None, :] >= pad[:, None, None])
+        visible |= torch.eye(total, dtype=torch.bool, device=self.device)[None]
+        gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        tokens: list[list[int]] = [[] for _ in reqs]
+        stamps: list[list[float]] = [[] for _ in reqs]
+        done = [False] * B
+        eos = self.tokenizer.eos_token_id
+        t0 = time.perf_counter()
+        cur, slots = ids, slot[:P]
+        for _ in range(steps):
+            pos = (slots[None, :] - pad[:, None]).clamp(min=0)
+            logits = self.model(cur, pos, slots, cache, visible[:, None, slots][..., : int(slots[-1]) + 1], last_only=True)[:, -1].float()
+            nxt = [self._pick(logits[b], reqs[b], gens[b]) for b in range(B)]
+            sync()
+            now = time.perf_counter()
+            for b in range(B):
+                if not done[b] and len(tokens[b]) < reqs[b].max_new_tokens:
+                    tokens[b].append(nxt[b])
+                    stamps[b].append(now)
+                    done[b] = nxt[b] == eos or len(tokens[b]) >= reqs[b].max_new_tokens
+            if all(done):
+                break
+            slots = slots[-1:] + 1
+            cur = torch.tensor(nxt, device=self.device)[:, None]
+        return [
+            GenerationResult(
+                request_id=r.request_id,
+                text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                token_ids=tuple(tokens[b]),
+                prompt_tokens=len(prompts[b]),
+                ttft_ms=(stamps[b][0] - t0) * 1000,
+                itl_ms=tuple((y - x) * 1000 for x, y in zip(stamps[b], stamps[b][1:])),
+                total_ms=(stamps[b][-1] - t0) * 1000,
+            )
+            for b, r in enumerate(reqs)
+        ]
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:
+        if req.temperature <= 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(torch.softmax(logits / req.temperature, -1), 1, generator=gen))
+
+    # -- description -------------------------------------------------------------------------------
+    def describe(self) -> EngineDescription:
+        import transformers
+
+        a = self.args
+        params = sum(p.numel() for p in self.model.parameters())
+        elt = torch.finfo(self.dtype).bits // 8
+        kb, vb = self.kv.bits_per_element(a.head_dim)
+        per_token_elems = a.n_layers * a.n_kv_heads * a.head_dim
+        return EngineDescription(
+            engine="reference",
+            model=self.model_path,
+            weights=self.spec.weights,
+            kv_cache=self.kv.name,
+            speculative=self.spec.speculative.method,
+            device=str(self.device),
+            compute_dtype=str(self.dtype).removeprefix("torch."),
+            parameters=params,
+            weight_bytes=int((params - self.quantized_params) * elt + self.quantized_bytes),
+            kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
+            versions={"torch": torch.__version__, "transformers": transformers.__version__},
+            notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}",),
+        )

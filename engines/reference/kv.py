@@ -1,0 +1,251 @@
+"""KV-cache formats (REFERENCE.md §2). Each format says what a cache slot holds after it is
+written (``encode``: the dequantized value a kernel would read back), how many leading positions
+of a sequence are held compressed when its length is n (``boundary``: KIVI keeps a recent
+full-precision window; the others compress every slot, the current one included), and its exact
+storage cost (``bits_per_element``, metadata amortized).
+
+The reference engine stores dequantized values (a faithful simulation of the arithmetic); the
+Triton kernels of engines/kernels store the packed codes the bit counts describe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+FP16_BITS = 16
+
+
+class KVFormat:
+    name = "base"
+    lossy = True
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor):
+        """k, v: [B, Hkv, S, D] raw → what the cache holds for them (same shapes)."""
+        raise NotImplementedError
+
+    def boundary(self, n: torch.Tensor) -> torch.Tensor:
+        """Leading positions stored compressed when the sequence holds n tokens."""
+        return n
+
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
+        """(key bits, value bits) per cached element, metadata included."""
+        raise NotImplementedError
+
+
+@dataclass
+class FloatKV(KVFormat):
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self.name = str(self.dtype).removeprefix("torch.")
+        self.lossy = self.dtype != self.compute_dtype
+
+    def encode(self, k, v, seq_start):
+        return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        bits = torch.finfo(self.dtype).bits
+        return float(bits), float(bits)
+
+
+class Fp8KV(KVFormat):
+    """fp8 e4m3 with unit scale (vLLM's kv_cache_dtype="fp8" without calibrated scales)."""
+
+    name = "fp8"
+
+    def encode(self, k, v, seq_start):
+        f8 = torch.float8_e4m3fn
+        return k.float().clamp(-448, 448).to(f8).to(k.dtype), v.float().clamp(-448, 448).to(f8).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        return 8.0, 8.0
+
+
+def minmax_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Asymmetric min-max quantize → dequantize along `dim` (one scale and zero per slice)."""
+    qmax = 2**bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-8) / qmax
+    q = torch.round((x - lo) / scale).clamp(0, qmax)
+    return q * scale + lo
+
+
+class Int8PerTokenKV(KVFormat):
+    """int8 per token: min-max over each (token, head) vector of D channels."""
+
+    name = "int8"
+
+    def encode(self, k, v, seq_start):
+        return minmax_quant(k.float(), 8, -1).to(k.dtype), minmax_quant(v.float(), 8, -1).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        b = 8 + 2 * FP16_BITS / head_dim  # fp16 scale + zero per vector
+        return b, b
+
+
+@dataclass
+class KiviKV(KVFormat):
+    """KIVI (jy-yuan/KIVI): keys per channel over groups of G tokens, values per token over
+    groups of G channels, the most recent R tokens in full precision; older tokens are
+    quantized G at a time once they leave the window."""
+
+    bits: int
+    group: int = 32
+    residual: int = 128
+
+    def __post_init__(self) -> None:
+        self.name = f"kivi-{self.bits}"
+
+    def boundary(self, n):
+        return ((n - self.residual).clamp(min=0) // self.group) * self.group
+
+    def encode(self, k, v, seq_start):
+        kq, vq = k.clone(), v.clone()
+        B, H, S, D = k.shape
+        G = self.group
+        for b in range(B):  # rows start at different slots under left padding
+            s0 = int(seq_start[b])
+            n_groups = (S - s0) // G
+            if n_groups:
+                blk = k[b, :, s0 : s0 + n_groups * G].float().reshape(H, n_groups, G, D)
+                kq[b, :, s0 : s0 + n_groups * G] = minmax_quant(blk, self.bits, 2).reshape(H, n_groups * G, D).to(k.dtype)
+        if D % G == 0:
+            vg = v.float().reshape(B, H, S, D // G, G)
+            vq = minmax_quant(vg, self.bits, -1).reshape(B, H, S, D).to(v.dtype)
+        else:
+            vq = minmax_quant(v.float(), self.bits, -1).to(v.dtype)
+        return kq, vq
+
+    def bits_per_element(self, head_dim):
+        per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
+        return self.bits + per_group, self.bits + per_group
+
+
+# -- TurboQuant ------------------------------------------------------------------------------------
+@lru_cache
+def lloyd_max_gaussian(bits: int, iters: int = 300) -> tuple[float, ...]:
+    """Lloyd-Max centroids for N(0, 1) at 2^bits levels (scale by 1/√d for a coordinate of a
+    rotated unit vector in d dimensions). Centroid of [a, b] is (φ(a) − φ(b)) / (Φ(b) − Φ(a))."""
+    n = 2**bits
+    pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    c = [-2.5 + 5 * (i + 0.5) / n for i in range(n)]
+    for _ in range(iters):
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(c, c[1:])] + [math.inf]
+        c = [(pdf(a) - pdf(b)) / max(cdf(b) - cdf(a), 1e-300) for a, b in zip(edges, edges[1:])]
+    return tuple(c)
+
+
+@lru_cache
+def random_rotation(d: int, seed: int) -> torch.Tensor:
+    """Random orthogonal Π: QR of a Gaussian matrix, signs fixed (TurboQuant paper)."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def turbo_mse(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
+    """TurboQuant-MSE: rotate, snap each coordinate of the unit vector to the Lloyd-Max codebook
+    for N(0, 1/d), keep the norm; returns Πᵀ·c[idx]·‖x‖. x: [..., d]."""
+    d = x.shape[-1]
+    rot = random_rotation(d, seed).to(x.device)
+    xf = x.float()
+    norm = xf.norm(dim=-1, keepdim=True)
+    u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector, coordinates ≈ N(0, 1/d)
+    book = torch.tensor(lloyd_max_gaussian(bits), device=x.device) / math.sqrt(d)
+    idx = (u[..., None] - book).abs().argmin(-1)
+    return (book[idx] @ rot) * norm
+
+
+def qjl_residual(r: torch.Tensor, seed: int) -> torch.Tensor:
+    """1-bit QJL sketch of a residual: ‖r‖·√(π/2)/d · Sᵀ·sign(S·r), S Gaussian d×d; unbiased for ⟨q, r⟩."""
+    d = r.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(d, d, generator=g).to(r.device)
+    signs = torch.sign(r @ S.T)
+    return r.norm(dim=-1, keepdim=True) * math.sqrt(math.pi / 2) / d * (signs @ S)
+
+
+@dataclass
+class TurboKV(KVFormat):
+    """TurboQuant (arXiv 2504.19874). bits may be fractional: the D/4 highest-energy channels
+    (chosen per layer and head from the first tokens written) get ⌈b⌉ bits, the rest ⌊b⌋, each
+    part with its own rotation and norm. inner_product=True: keys use MSE at b−1 bits plus the
+    1-bit QJL residual (unbiased inner products); values stay MSE at b bits."""
+
+    bits: float
+    inner_product: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.name = f"turbo-ip-{self.bits:g}" if self.inner_product else f"turbo-{self.bits:g}"
+        self.fractional = self.bits != int(self.bits)
+        self.outliers: dict[tuple, torch.Tensor] = {}
+
+    def _split(self, x: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        # outlier channels by mean |x| over the first tokens, per (kind, head); fixed thereafter
+        D = x.shape[-1]
+        key = (which, x.shape[1], D)
+        if key not in self.outliers:
+            energy = x.float().abs().mean(dim=(0, 2))  # [Hkv, D]
+            self.outliers[key] = energy.topk(D // 4, dim=-1).indices.sort(-1).values
+        idx = self.outliers[key]  # [Hkv, D/4]
+        mask = torch.zeros(x.shape[1], D, dtype=torch.bool, device=x.device)
+        mask.scatter_(1, idx.to(x.device), True)
+        return mask, idx
+
+    def _mse(self, x: torch.Tensor, which: str, bits: float) -> torch.Tensor:
+        if bits == int(bits):
+            return turbo_mse(x, int(bits), self.seed)
+        mask, _ = self._split(x, which)  # [Hkv, D]
+        out = torch.empty_like(x, dtype=torch.float32)
+        hi_bits, lo_bits = math.ceil(bits), math.floor(bits)
+        for h in range(x.shape[1]):
+            m = mask[h]
+            out[:, h][..., m] = turbo_mse(x[:, h][..., m], hi_bits, self.seed + 1)
+            out[:, h][..., ~m] = turbo_mse(x[:, h][..., ~m], lo_bits, self.seed + 2)
+        return out
+
+    def encode(self, k, v, seq_start):
+        if self.inner_product:
+            k_mse = self._mse(k, "k", self.bits - 1)
+            kq = k_mse + qjl_residual(k.float() - k_mse, self.seed + 3)
+        else:
+            kq = self._mse(k, "k", self.bits)
+        return kq.to(k.dtype), self._mse(v, "v", self.bits).to(v.dtype)
+
+    def code_bits(self, bits: float) -> float:
+        # fractional: D/4 channels at ⌈b⌉, 3D/4 at ⌊b⌋ → ⌊b⌋ + 1/4 code bits per element
+        return math.floor(bits) + 0.25 if bits != int(bits) else float(bits)
+
+    def bits_per_element(self, head_dim):
+        """Exact, norms included. The nominal width (2.5, 3.5) is the total at head_dim 128
+        (REFERENCE.md §2: 32 channels at 3 bits + 96 at 2, plus two fp16 norms = 2.5); with a
+        smaller head_dim the norms cost more per element."""
+        norms = 2 if self.fractional else 1  # one fp16 norm per (sub)vector
+        v_bits = self.code_bits(self.bits) + norms * FP16_BITS / head_dim
+        if self.inner_product:  # b−1 bit MSE codes + 1 QJL sign bit, plus the residual's norm
+            return self.code_bits(self.bits - 1) + 1 + (norms + 1) * FP16_BITS / head_dim, v_bits
+        return v_bits, v_bits
+
+
+def kv_format(name: str, compute_dtype: torch.dtype) -> KVFormat:
+    floats = {"auto": compute_dtype, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    if name in floats:
+        return FloatKV(floats[name], compute_dtype)
+    if name == "fp8":
+        return Fp8KV()
+    if name == "int8":
+        return Int8PerTokenKV()
+    if name.startswith("kivi-"):
+        return KiviKV(int(name.removeprefix("kivi-")))
+    if name.startswith("turbo-ip-"):
+        return TurboKV(float(name.removeprefix("turbo-ip-")), inner_product=True)
+    if name.startswith("turbo-"):
+        return TurboKV(float(name.removeprefix("turbo-")))
+    raise ValueError(f"kv_cache: '{name}' has no format in the reference engine")

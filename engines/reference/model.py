@@ -1,0 +1,208 @@
+"""A readable Llama-family decoder (Llama, Mistral, Qwen2 HF layouts) that loads safetensors
+directly. Module names follow the HF checkpoints, so a state dict loads without remapping.
+
+Shapes: B batch, T new tokens, S cache slots, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    max_seq_len: int
+    tie_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_TYPES:
+            raise ValueError(f"model_type '{mtype}' is not supported by the reference engine; supported: {', '.join(SUPPORTED_TYPES)}")
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers ≥ 5
+        rope.update(cfg.get("rope_scaling") or {})  # transformers 4 layout
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope scaling '{kind}' is not supported by the reference engine; supported: default, linear, llama3")
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=mtype,
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
+            rope_scaling={**rope, "rope_type": kind},
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[D/2] inverse frequencies, with the config's scaling (HF modeling_rope_utils)."""
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling
+    if s["rope_type"] == "linear":
+        inv = inv / s["factor"]
+    elif s["rope_type"] == "llama3":  # Llama 3.1: scale long wavelengths, keep short ones, blend between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+    # pos: [B, T] → cos, sin: [B, 1, T, D] (the two halves repeat, HF's rotate_half convention)
+    freqs = pos.float()[..., None] * inv_freq.to(pos.device)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, cache, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cache.attend(layer, q, k, v, slots, mask)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
+        """ids, pos: [B, T] tokens and their RoPE positions; slots: [T] cache slots they fill;
+        mask: [B, 1, T, S] True where a query may attend a slot. Returns logits [B, T, V]."""
+        h = self.model.embed_tokens(ids)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, i, cache, slots, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h)
+
+
+def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Build the decoder from an HF directory: config.json + *.safetensors (sharded or not)."""
+    from safetensors.torch import load_file
+
+    path = pathlib.Path(path)
+    args = ModelArgs.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in '{path}'")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (args.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in '{path}' does not fit a {args.model_type} decoder: "
+                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if args.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(args)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,109 @@
+"""Known-answer tests for every KV-cache quantizer, on small tensors worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from engines.reference.kv import (
+    Fp8KV,
+    Int8PerTokenKV,
+    KiviKV,
+    TurboKV,
+    kv_format,
+    lloyd_max_gaussian,
+    minmax_quant,
+    qjl_residual,
+    random_rotation,
+    turbo_mse,
+)
+
+
+def test_lloyd_max_codebooks_match_the_paper():
+    # b = 1: ±√(2/π); b = 2: ±0.453, ±1.51 (for N(0, 1); TurboQuant scales them by 1/√d)
+    assert lloyd_max_gaussian(1) == pytest.approx((-math.sqrt(2 / math.pi), math.sqrt(2 / math.pi)), abs=1e-9)
+    assert lloyd_max_gaussian(2) == pytest.approx((-1.5104, -0.4528, 0.4528, 1.5104), abs=1e-4)
+    assert len(lloyd_max_gaussian(3)) == 8 and lloyd_max_gaussian(3)[4] > 0
+
+
+def test_turbo_mse_distortion_matches_the_paper():
+    # Unit vectors in d = 128: MSE ≈ 0.36, 0.117, 0.03, 0.009 for b = 1…4 (TurboQuant Thm. 1)
+    x = torch.randn(2000, 128, generator=torch.Generator().manual_seed(0))
+    x = x / x.norm(dim=-1, keepdim=True)
+    mse = [((turbo_mse(x, b, 0) - x) ** 2).sum(-1).mean().item() for b in (1, 2, 3, 4)]
+    assert mse == pytest.approx([0.36, 0.117, 0.034, 0.0093], rel=0.08)
+
+
+def test_turbo_one_bit_by_hand():
+    # d = 2 with the identity rotation: x = (3, −4), ‖x‖ = 5, u = (0.6, −0.8) → codebook ±0.7979/√2 = ±0.5642
+    # → x̂ = 5 · (0.5642, −0.5642)
+    rot = random_rotation(2, 0)
+    x = torch.tensor([[3.0, -4.0]]) @ rot  # so that the rotated vector is (3, −4)
+    c = math.sqrt(2 / math.pi) / math.sqrt(2)
+    assert (turbo_mse(x, 1, 0) @ rot.T) == pytest.approx(torch.tensor([[5 * c, -5 * c]]), abs=1e-5)
+
+
+def test_rotation_is_orthogonal():
+    r = random_rotation(32, 7)
+    assert torch.allclose(r @ r.T, torch.eye(32), atol=1e-5)
+
+
+def test_qjl_residual_is_unbiased_for_inner_products():
+    g = torch.Generator().manual_seed(1)
+    q, r = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    est = torch.stack([q @ qjl_residual(r[None], seed)[0] for seed in range(400)])
+    se = est.std() / 20
+    assert abs(est.mean() - q @ r) < 4 * se  # unbiased: the mean of 400 sketches sits on ⟨q, r⟩
+
+
+def test_minmax_by_hand():
+    # one slice [0, 1, 2, 3.3] at 2 bits: scale 1.1, levels 0, 1.1, 2.2, 3.3 → 0, 1.1, 2.2, 3.3
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.3]])
+    assert minmax_quant(x, 2, -1) == pytest.approx(torch.tensor([[0.0, 1.1, 2.2, 3.3]]), abs=1e-6)
+
+
+def test_fp8_by_hand():
+    # e4m3 near 0.3: neighbours 0.28125 and 0.3125 → 0.3125; 448 is the largest finite value
+    k = torch.tensor([[[[0.3, 1000.0]]]])
+    kq, _ = Fp8KV().encode(k, k, torch.zeros(1, dtype=torch.long))
+    assert kq.flatten().tolist() == [0.3125, 448.0]
+
+
+def test_int8_per_token_error_bound():
+    k = torch.randn(1, 2, 5, 32)
+    kq, _ = Int8PerTokenKV().encode(k, k, torch.zeros(1, dtype=torch.long))
+    step = (k.amax(-1, keepdim=True) - k.amin(-1, keepdim=True)) / 255
+    assert ((kq - k).abs() <= step / 2 + 1e-6).all()
+
+
+def test_kivi_window_and_groups_by_hand():
+    f = KiviKV(bits=2, group=4, residual=8)
+    # n tokens cached → compressed prefix: floor((n − 8) / 4) · 4
+    assert f.boundary(torch.tensor([5, 8, 11, 12, 15, 16])).tolist() == [0, 0, 0, 4, 4, 8]
+    # keys per channel over groups of 4 tokens: channel 0 of tokens 0..3 = [0, 1, 2, 3] at 2 bits is exact
+    k = torch.zeros(1, 1, 8, 4)
+    k[0, 0, :4, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    kq, _ = f.encode(k, k, torch.zeros(1, dtype=torch.long))
+    assert kq[0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    # a left-padded row groups from its own first token
+    k2 = torch.randn(1, 1, 9, 4)
+    kq2, _ = f.encode(k2, k2, torch.tensor([1]))
+    assert torch.equal(kq2[0, 0, 0], k2[0, 0, 0])  # the pad slot is not part of any group
+
+
+@pytest.mark.parametrize(
+    "name,head_dim,bits",
+    [("fp16", 32, (16, 16)), ("fp8", 32, (8, 8)), ("int8", 32, (9, 9)), ("kivi-4", 32, (5, 5)),
+     ("kivi-2", 128, (3, 3)), ("turbo-3", 128, (3.125, 3.125)), ("turbo-2.5", 128, (2.5, 2.5)),
+     ("turbo-3.5", 128, (3.5, 3.5)), ("turbo-2.5", 32, (3.25, 3.25)), ("turbo-ip-3", 128, (3.25, 3.125))],
+)
+def test_exact_bits_per_element(name, head_dim, bits):
+    # e.g. int8 per token, d = 32: 8 + (16-bit scale + 16-bit zero)/32 = 9;
+    # turbo-2.5, d = 128: 32·3 + 96·2 = 288 code bits + 2 norms · 16 = 320 bits / 128 = 2.5
+    assert kv_format(name, torch.float32).bits_per_element(head_dim) == pytest.approx(bits)
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="kv_cache: 'zip-1'"):
+        kv_format("zip-1", torch.float32)
+    assert TurboKV(2.5).fractional
