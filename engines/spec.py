@@ -51,7 +51,7 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
         "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2"}),
         "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
                                "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
-        "speculative": frozenset({"off"}),
+        "speculative": frozenset({"off", "draft", "ngram"}),
     },
     "vllm": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
     "openai": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},

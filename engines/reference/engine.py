@@ -3,6 +3,8 @@ generation at a set concurrency with per-request timings, memory figures."""
 
 from __future__ import annotations
 
+import json
+import pathlib
 import time
 from typing import Sequence
 
@@ -10,6 +12,7 @@ import torch
 
 from engines.protocol import (
     EngineDescription,
+    SpecStats,
     GenerationRequest,
     GenerationResult,
     RollingRequest,
@@ -20,10 +23,23 @@ from engines.quant import fake_quantize, quantized_bytes
 from engines.reference.cache import KVCache
 from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
+from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
 from engines.spec import OptimizationSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
+
+
+def check_same_tokenizer(target: str | pathlib.Path, draft: str | pathlib.Path) -> None:
+    """A draft model must share the target's vocabulary token for token."""
+    a, b = pathlib.Path(target) / "tokenizer.json", pathlib.Path(draft) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        raise ValueError("speculative.draft_model: both models need a tokenizer.json to check they share a tokenizer")
+    va = json.loads(a.read_text())["model"]["vocab"]
+    vb = json.loads(b.read_text())["model"]["vocab"]
+    if va != vb:
+        raise ValueError(f"speculative.draft_model: '{draft}' has a different tokenizer from the target "
+                         f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
 
 
 class ReferenceEngine:
@@ -52,6 +68,27 @@ class ReferenceEngine:
         self.kv = kv_format(spec.kv_cache, self.dtype)
         tok = self.tokenizer
         self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        self.proposer = self._proposer(spec)
+        self.draft_model: Transformer | None = None
+
+    def _proposer(self, spec: OptimizationSpec):
+        sp = spec.speculative
+        if sp.method == "off":
+            return None
+        if self.concurrency != 1:
+            raise ValueError("engine_options.concurrency: speculative decoding runs one request at a time; use concurrency 1")
+        if sp.method == "ngram":
+            return NgramProposer(sp.k, sp.prompt_lookup_max, sp.prompt_lookup_min)
+        from engines.zoo import resolve_model_path
+
+        draft_path = resolve_model_path(sp.draft_model)
+        check_same_tokenizer(self.model_path, draft_path)
+        self.draft_model = load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype)
+        d = self.draft_model.args
+        return DraftModelProposer(
+            self.draft_model, sp.k,
+            lambda slots: KVCache(d.n_layers, 1, slots, d.n_kv_heads, d.head_dim, self.dtype, self.device, kv_format("auto", self.dtype)),
+        )
 
     def _rtn(self, model: Transformer, bits: int) -> None:
         with torch.no_grad():
@@ -111,7 +148,10 @@ class ReferenceEngine:
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Requests run `concurrency` at a time as one batch (left-padded prefill, then lockstep
-        decode); each request's TTFT counts from its batch's start."""
+        decode); each request's TTFT counts from its batch's start. With speculative decoding,
+        one request at a time."""
+        if self.proposer is not None:
+            return [self._generate_speculative(r) for r in requests]
         out: list[GenerationResult] = []
         for s in range(0, len(requests), self.concurrency):
             out.extend(self._generate_batch(list(requests[s : s + self.concurrency])))
@@ -168,6 +208,72 @@ class ReferenceEngine:
             )
             for b, r in enumerate(reqs)
         ]
+
+    @torch.no_grad()
+    def _generate_speculative(self, req: GenerationRequest) -> GenerationResult:
+        k = self.spec.speculative.k
+        prompt = [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        total = len(prompt) + req.max_new_tokens + k + 1
+        if total > self.args.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of {self.args.max_seq_len}")
+        cache = self.new_cache(1, total)
+        self.proposer.reset(total)
+        gen = torch.Generator(device=self.device).manual_seed(req.seed)
+        eos = self.tokenizer.eos_token_id
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        counters = SpecCounters()
+        t0 = time.perf_counter()
+
+        def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
+            slots = torch.arange(start, start + len(tokens), device=self.device)
+            ids = torch.tensor([tokens], device=self.device)
+            return self.model(ids, slots[None], slots, cache, causal_mask(slots, start + len(tokens)))[0].float()
+
+        first = self._pick(forward(prompt, 0)[-1], req, gen)
+        sync()
+        seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
+        while len(out) < req.max_new_tokens and out[-1] != eos:
+            room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
+            drafts, qs = self.proposer.propose(seq, req.temperature, gen)
+            drafts = drafts[:room]
+            L = len(seq)
+            logits = forward([seq[-1]] + drafts, L - 1)  # position i predicts the token after drafts[:i]
+            new, accepted = [], 0
+            for i, x in enumerate(drafts):
+                if req.temperature <= 0:
+                    t = int(logits[i].argmax())
+                    ok = t == x
+                else:
+                    p = torch.softmax(logits[i] / req.temperature, -1)
+                    q = qs[i] if qs is not None else torch.nn.functional.one_hot(torch.tensor(x), p.numel()).to(p)
+                    ok, t = sample_step(p, q, x, gen)
+                new.append(t)
+                if not ok:
+                    break
+                accepted += 1
+            else:
+                new.append(self._pick(logits[len(drafts)], req, gen))  # bonus token
+            counters.record(len(drafts), accepted, k)
+            if eos in new:
+                new = new[: new.index(eos) + 1]
+            new = new[: req.max_new_tokens - len(out)]
+            seq += new
+            self.proposer.accept(len(seq))
+            sync()
+            now = time.perf_counter()
+            out += new
+            stamps += [now] * len(new)  # tokens verified together arrive together
+        return GenerationResult(
+            request_id=req.request_id,
+            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            token_ids=tuple(out),
+            prompt_tokens=len(prompt),
+            ttft_ms=(stamps[0] - t0) * 1000,
+            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:])),
+            total_ms=(stamps[-1] - t0) * 1000,
+            spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
+                           tuple(counters.accepted_per_position)),
+        )
 
     @staticmethod
     def _pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:

@@ -1,0 +1,105 @@
+"""Speculative decoding: lossless at temperature 0, the target's distribution when sampling,
+and counters with vLLM's definitions."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engines.protocol import GenerationRequest, SpecStats
+from engines.reference.engine import ReferenceEngine
+from engines.reference.speculative import NgramProposer, SpecCounters, sample_step
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_model_path
+from engines.zoo.corpus import read_jsonl
+from engines.zoo import ARTIFACTS
+
+TARGET = str(resolve_model_path("builtin:pydoc-target"))
+PROMPTS = [" ".join(d.text.split()[:20]) for d in read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[:4]]
+
+
+def engine(speculative=None, **kw):
+    return ReferenceEngine(TARGET, OptimizationSpec.model_validate(
+        {"engine": "reference", "weights": "fp32", "speculative": speculative or {"method": "off"}, **kw}))
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    reqs = [GenerationRequest(str(i), p, max_new_tokens=24) for i, p in enumerate(PROMPTS)]
+    return reqs, [g.token_ids for g in engine().generate(reqs)]
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 1},
+    {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3},
+    {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 6},
+    {"method": "ngram", "k": 2, "prompt_lookup_max": 3},
+    {"method": "ngram", "k": 5, "prompt_lookup_max": 2},
+])
+def test_greedy_speculative_equals_plain_decoding(plain_outputs, speculative):
+    reqs, expected = plain_outputs
+    got = engine(speculative).generate(reqs)
+    assert [g.token_ids for g in got] == expected  # token for token
+    stats = [g.spec for g in got]
+    assert sum(s.num_draft_tokens for s in stats) > 0
+    for s in stats:
+        assert 0 <= s.num_accepted_tokens <= s.num_draft_tokens
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    # Small vocabulary: p is the target, q a quite different draft. Draw x ~ q, run the accept /
+    # residual rule, and test the emitted tokens against p with a chi-square test (df = 3).
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    draws = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
+    counts = torch.zeros(4)
+    accepted = 0
+    for x in draws:
+        ok, t = sample_step(p, q, x, gen)
+        counts[t] += 1
+        accepted += ok
+    chi2 = (((counts - n * p) ** 2) / (n * p)).sum().item()
+    assert chi2 < 16.27  # the 0.999 quantile of χ²(3): a wrong rule fails by hundreds
+    # acceptance probability Σ min(p, q) = 0.1 + 0.2 + 0.2 + 0.1 = 0.6
+    assert abs(accepted / n - 0.6) < 0.015
+
+
+def test_sampling_mode_runs_and_is_seeded():
+    e = engine({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3})
+    req = GenerationRequest("s", PROMPTS[0], max_new_tokens=16, temperature=0.8, seed=5)
+    a, b = e.generate([req])[0], e.generate([req])[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) >= 1
+
+
+def test_counters_by_hand():
+    c = SpecCounters()
+    c.record(4, 2, 4)  # 4 drafted, first 2 accepted
+    c.record(4, 4, 4)
+    c.record(3, 0, 4)
+    c.record(0, 0, 4)  # no proposal: not a draft
+    s = SpecStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_position))
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 11, 6)
+    assert s.accepted_per_position == (2, 2, 1, 1)
+    assert s.acceptance_rate == pytest.approx(6 / 11)
+    assert s.mean_acceptance_length == pytest.approx(1 + 6 / 3)
+
+
+def test_ngram_lookup_by_hand():
+    prop = NgramProposer(k=3, n_max=2, n_min=1)
+    # the last two tokens (7, 8) occurred earlier, followed by 9, 1, 7
+    assert prop.propose([7, 8, 9, 1, 7, 8], 0.0, None) == ([9, 1, 7], None)
+    assert prop.propose([1, 2, 3], 0.0, None) == ([], None)
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path):
+    draft = tmp_path / "draft"
+    shutil.copytree(resolve_model_path("builtin:pydoc-draft"), draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {f"x{v}": v for v in tok["model"]["vocab"].values()}
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="speculative.draft_model: .* different tokenizer"):
+        engine({"method": "draft", "draft_model": str(draft), "k": 2})
