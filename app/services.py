@@ -16,7 +16,7 @@ from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher
 from app.models import Project, Run
 from app.settings import get_settings
-from engines.zoo import ModelPathError, resolve_model_path
+from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,21 @@ def check_model_path(path: str, field: str = "model.path") -> None:
         resolve_model_path(path)
     except ModelPathError as e:
         raise ValueError(f"{field}: {e}") from None
+
+
+def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
+    """What config validation can check from the model's files before any GPU time is spent:
+    group-divisible layer widths for int weights, a draft sharing the tokenizer."""
+    if model_path.startswith(("http://", "https://")):
+        return
+    try:
+        if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
+            check_group_divisible(model_path)
+        draft = (spec.get("speculative") or {}).get("draft_model")
+        if draft:
+            check_draft_tokenizer(model_path, draft)
+    except ModelPathError as e:
+        raise ValueError(f"{field}.{e}") from None
 
 
 def model_context(path: str) -> int | None:
@@ -63,6 +78,8 @@ def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
         corpora[suite.name] = samples
     project = repo.get_or_create_project(session, cfg.project)
     model = repo.upsert_model(session, project, cfg.model.name, cfg.model.path)
+    for i, c in enumerate(cfg.configs):
+        check_config_fits_model(c.to_spec().model_dump(), cfg.model.path, f"configs[{i}]")
     for c in cfg.configs:
         repo.upsert_config(session, project, model, c.name, c.to_spec().model_dump(), c.baseline)
     for suite in cfg.suites:

@@ -3,8 +3,6 @@ generation at a set concurrency with per-request timings, memory figures."""
 
 from __future__ import annotations
 
-import json
-import pathlib
 import time
 from typing import Sequence
 
@@ -28,18 +26,6 @@ from engines.spec import OptimizationSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
-
-
-def check_same_tokenizer(target: str | pathlib.Path, draft: str | pathlib.Path) -> None:
-    """A draft model must share the target's vocabulary token for token."""
-    a, b = pathlib.Path(target) / "tokenizer.json", pathlib.Path(draft) / "tokenizer.json"
-    if not (a.is_file() and b.is_file()):
-        raise ValueError("speculative.draft_model: both models need a tokenizer.json to check they share a tokenizer")
-    va = json.loads(a.read_text())["model"]["vocab"]
-    vb = json.loads(b.read_text())["model"]["vocab"]
-    if va != vb:
-        raise ValueError(f"speculative.draft_model: '{draft}' has a different tokenizer from the target "
-                         f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
 
 
 class ReferenceEngine:
@@ -79,10 +65,10 @@ class ReferenceEngine:
             raise ValueError("engine_options.concurrency: speculative decoding runs one request at a time; use concurrency 1")
         if sp.method == "ngram":
             return NgramProposer(sp.k, sp.prompt_lookup_max, sp.prompt_lookup_min)
-        from engines.zoo import resolve_model_path
+        from engines.zoo import check_draft_tokenizer, resolve_model_path
 
         draft_path = resolve_model_path(sp.draft_model)
-        check_same_tokenizer(self.model_path, draft_path)
+        check_draft_tokenizer(self.model_path, str(draft_path))
         self.draft_model = load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype)
         d = self.draft_model.args
         return DraftModelProposer(

@@ -41,3 +41,36 @@ def resolve_corpus_path(ref: str) -> pathlib.Path:
             raise ModelPathError(f"unknown builtin corpus '{name}'; choose one of: {', '.join(BUILTIN_CORPORA)}")
         return BUILTIN_CORPORA[name]
     return pathlib.Path(ref).expanduser()
+
+
+def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
+    """A draft model must share the target's vocabulary token for token (torch-free check)."""
+    import json
+
+    target, draft = resolve_model_path(target_ref), resolve_model_path(draft_ref)
+    a, b = target / "tokenizer.json", draft / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        raise ModelPathError("speculative.draft_model: both models need a tokenizer.json to check they share a tokenizer")
+    va = json.loads(a.read_text())["model"]["vocab"]
+    vb = json.loads(b.read_text())["model"]["vocab"]
+    if va != vb:
+        raise ModelPathError(f"speculative.draft_model: '{draft_ref}' has a different tokenizer from the target "
+                             f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
+
+
+def check_group_divisible(model_ref: str, group: int = 128) -> None:
+    """Group-wise weight quantization needs every linear layer's input width to be a multiple
+    of the group (torch-free: read from config.json)."""
+    import json
+
+    cfg = json.loads((resolve_model_path(model_ref) / "config.json").read_text())
+    heads = cfg.get("num_attention_heads", 1)
+    widths = {
+        "hidden_size": cfg.get("hidden_size", 0),
+        "intermediate_size": cfg.get("intermediate_size", 0),
+        "num_attention_heads × head_dim": heads * (cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads),
+    }
+    for name, width in widths.items():
+        if width % group:
+            raise ModelPathError(f"weights: {name} = {width} is not a multiple of the quantization group {group}; "
+                                 "this model cannot take group-wise int weights")

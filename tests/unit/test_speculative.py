@@ -103,3 +103,8 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="speculative.draft_model: .* different tokenizer"):
         engine({"method": "draft", "draft_model": str(draft), "k": 2})
+    # and at config validation, before any engine loads
+    from app.services import check_config_fits_model
+
+    with pytest.raises(ValueError, match=r"configs\[1\]\.speculative.draft_model: .* different tokenizer"):
+        check_config_fits_model({"speculative": {"method": "draft", "draft_model": str(draft)}}, "builtin:pydoc-target", "configs[1]")

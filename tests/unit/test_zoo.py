@@ -57,3 +57,18 @@ def test_build_is_deterministic(tmp_path):
         digests.append(hashlib.sha256((out / "pydoc-target" / "model.safetensors").read_bytes()).hexdigest())
         assert manifest["train_documents"] == 24
     assert digests[0] == digests[1]
+
+
+def test_int_weights_on_a_ragged_model_are_refused_at_validation(tmp_path):
+    import shutil
+
+    from app.services import check_config_fits_model
+
+    model = tmp_path / "ragged"
+    shutil.copytree(resolve_model_path("builtin:pydoc-target"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["intermediate_size"] = 700  # down_proj's input: 700 is not a multiple of 128
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"configs\[2\]\.weights: intermediate_size = 700 is not a multiple"):
+        check_config_fits_model({"weights": "rtn-int4"}, str(model), "configs[2]")
+    check_config_fits_model({"weights": "fp16"}, str(model), "configs[2]")  # 16-bit weights fit any shape

@@ -7,6 +7,7 @@ from app.api.deps import ProjectDep, SessionDep
 from app.models import OptimizationConfig
 from app.repo import Conflict, NotFound
 from app.schemas import ConfigIn, ConfigOut
+from app.services import check_config_fits_model
 from engines.spec import ConfigNotAvailable
 
 router = APIRouter(tags=["configs"])
@@ -29,6 +30,7 @@ def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> C
         spec.check_available()
     except ConfigNotAvailable as e:
         raise ValueError(str(e)) from None
+    check_config_fits_model(spec.model_dump(), model.path, "config")
     return _out(repo.upsert_config(session, project, model, body.name, spec.model_dump(), body.baseline))
 
 
