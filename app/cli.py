@@ -24,10 +24,21 @@ DEMO_CONFIG: dict[str, Any] = {
     "project": "demo",
     "model": {"name": "pydoc-tiny", "path": "builtin:pydoc-target"},
     "configs": [
-        {"name": "fp16", "baseline": True, "weights": "fp16"},
-        {"name": "int8", "weights": "int8"},
-        {"name": "int4", "weights": "rtn-int4"},
-        {"name": "int2", "weights": "rtn-int2"},  # deliberately aggressive: what a caught regression looks like
+        {"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
+        {"name": "int8", "engine": "reference", "weights": "int8"},
+        {"name": "int4", "engine": "reference", "weights": "rtn-int4"},
+        {"name": "int2", "engine": "reference", "weights": "rtn-int2"},  # deliberately aggressive
+        {"name": "kv-fp8", "engine": "reference", "kv_cache": "fp8"},
+        {"name": "kv-int8", "engine": "reference", "kv_cache": "int8"},
+        {"name": "kv-int2", "engine": "reference", "kv_cache": "int2"},  # naive uniform int2, no window
+        {"name": "kivi-4", "engine": "reference", "kv_cache": "kivi-4"},
+        {"name": "kivi-2", "engine": "reference", "kv_cache": "kivi-2"},
+        {"name": "turbo-3.5", "engine": "reference", "kv_cache": "turbo-3.5"},
+        {"name": "turbo-2.5", "engine": "reference", "kv_cache": "turbo-2.5"},
+        {"name": "turbo-ip-3", "engine": "reference", "kv_cache": "turbo-ip-3"},
+        {"name": "spec-draft-4", "engine": "reference",
+         "speculative": {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 4}},
+        {"name": "spec-ngram-4", "engine": "reference", "speculative": {"method": "ngram", "k": 4}},
     ],
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
@@ -99,11 +110,13 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
 
 
 def _print_summary(summary: dict) -> None:
-    out = Console(width=None if Console().is_terminal else 140)
+    out = Console(width=None if Console().is_terminal else 200)
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
     t = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
-    for col in ("config", "weights", "token ppl", "ppl ratio", "95% CI", "verdict", "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB"):
-        t.add_column(col, justify="left" if col in ("config", "weights", "verdict") else "right")
+    cols = ("config", "weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI", "verdict",
+            "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "KV B/token", "accept")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("config", "weights", "kv cache", "speculative", "verdict") else "right")
     failures = []
     for c in summary["configs"]:
         f = summary["figures"].get(c["config"]) or {}
@@ -113,13 +126,18 @@ def _print_summary(summary: dict) -> None:
         ci = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["ci_low"] is not None else ""
         verdict = r["verdict"] if r else ("" if is_base else c["status"])
         color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta", "failed": "red"}.get(verdict, "white")
+        sp = c["spec"].get("speculative", {})
+        spec_label = "off" if sp.get("method", "off") == "off" else f"{sp['method']} k={sp.get('k')}"
+        acc = (f.get("spec") or {}).get("acceptance_rate")
 
-        def fmt(key: str, spec: str) -> str:
-            return format(f[key], spec) if f.get(key) is not None else "—"
+        def fmt(key: str, fmt_spec: str) -> str:
+            return format(f[key], fmt_spec) if f.get(key) is not None else "—"
 
-        t.add_row(c["config"], c["spec"]["weights"], fmt("token_ppl", ".3f"), ratio, ci, f"[{color}]{verdict}[/]",
+        t.add_row(c["config"], c["spec"]["weights"], f.get("kv_cache") or c["spec"].get("kv_cache", ""), spec_label,
+                  fmt("token_ppl", ".3f"), ratio, ci, f"[{color}]{verdict}[/]",
                   fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"), fmt("tokens_per_second", ".0f"),
-                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—")
+                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
+                  fmt("kv_bytes_per_token", "d"), f"{acc:.2f}" if acc is not None else "")
         if c["error"]:
             failures.append(f"{c['config']}: {c['error']}")
     out.print(t)

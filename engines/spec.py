@@ -4,7 +4,7 @@ service (app/) validates requests against it, so this module must stay free of t
 
 A config is a point on three axes (DESIGN.md §Domain model):
   weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4
-  kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | kivi-4 | kivi-2 |
+  kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | int4 | int2 | kivi-4 | kivi-2 |
                turbo-2 | turbo-2.5 | turbo-3 | turbo-3.5 | turbo-4 | turbo-ip-3
   speculative  off | draft (draft model + k) | ngram (prompt lookup + k) | eagle
 plus the engine (transformers | reference | vllm | openai) and free-form engine options.
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4")
 KV_CACHE = (
-    "auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
+    "auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
     "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3",
 )  # fmt: skip
 SPECULATIVE_METHODS = ("off", "draft", "ngram", "eagle")
@@ -49,7 +49,7 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
     },
     "reference": {
         "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2"}),
-        "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "kivi-4", "kivi-2",
+        "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
                                "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
         "speculative": frozenset({"off", "draft", "ngram"}),
     },

@@ -47,6 +47,20 @@ def ttft_comparison(values: list[float], t: Thresholds, seed: int = 0) -> Compar
     return Comparison("ttft_ms", est, lo, hi, n, verdict, f"p50 TTFT: {rule}", candidate_value=est)
 
 
+def acceptance_comparison(drafted: list[int], accepted: list[int], t: Thresholds, seed: int = 0) -> Comparison:
+    """Spec-decode acceptance rate Σaccepted / Σdraft tokens over the prompts (vLLM's definition),
+    CI by bootstrap over prompts; absolute thresholds (bad below)."""
+    d, a = np.asarray(drafted, dtype=np.float64), np.asarray(accepted, dtype=np.float64)
+    n = len(d)
+    if n == 0 or d.sum() == 0:
+        return Comparison("spec_acceptance_rate", math.nan, math.nan, math.nan, n, "inconclusive", "no draft tokens")
+    est = float(a.sum() / d.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ a) / np.maximum(w @ d, 1e-12), n, seed=seed)
+    verdict, rule = decide(est, lo, hi, n, t)
+    return Comparison("spec_acceptance_rate", est, lo, hi, n, verdict, rule, candidate_value=est,
+                      details={"num_draft_tokens": int(d.sum()), "num_accepted_tokens": int(a.sum())})
+
+
 def aggregate_run(run_id: int, dispatcher=None) -> str:
     with session_scope() as s:
         run = s.get(Run, run_id)
@@ -68,9 +82,13 @@ def aggregate_run(run_id: int, dispatcher=None) -> str:
             if cr.config_id != run.baseline_config_id:
                 comps.append(ppl_ratio(base_docs, _docs(s, run_id, cr.config_id),
                                        thresholds(s, run, cr.config_id, "ppl_ratio"), seed=run.seed))
-            ttft = [r.value for r in repo.sample_results(s, run_id, cr.config_id, "ttft_ms") if r.value is not None]
-            if ttft:
-                comps.append(ttft_comparison(ttft, thresholds(s, run, cr.config_id, "ttft_ms"), seed=run.seed))
+            gens = [r for r in repo.sample_results(s, run_id, cr.config_id, "ttft_ms") if r.value is not None]
+            if gens:
+                comps.append(ttft_comparison([r.value for r in gens], thresholds(s, run, cr.config_id, "ttft_ms"), seed=run.seed))
+            spec = [r.extra["spec"] for r in gens if r.extra and r.extra.get("spec")]
+            if spec:
+                comps.append(acceptance_comparison([x["num_draft_tokens"] for x in spec], [x["num_accepted_tokens"] for x in spec],
+                                                   thresholds(s, run, cr.config_id, "spec_acceptance_rate"), seed=run.seed))
             for c in comps:
                 rows.append({
                     "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),

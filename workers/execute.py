@@ -135,6 +135,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
         with session_scope() as s:
             _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
     ttft, itl, tps, gen_tokens = [], [], [], 0
+    spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
     for key, text, _ in samples[:n_prompts]:
         prompt = " ".join(text.split()[: gen.get("prompt_words", 24)])
         [g] = engine.generate([GenerationRequest(key, prompt, gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))])
@@ -145,6 +146,16 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
         row = {"sample_key": key, "metric": "ttft_ms", "value": g.ttft_ms,
                "extra": {"text": g.text, "n_tokens": len(g.token_ids), "prompt_tokens": g.prompt_tokens,
                          "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
+        if g.spec is not None:
+            row["extra"]["spec"] = {"num_drafts": g.spec.num_drafts, "num_draft_tokens": g.spec.num_draft_tokens,
+                                    "num_accepted_tokens": g.spec.num_accepted_tokens,
+                                    "accepted_per_position": list(g.spec.accepted_per_position)}
+            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                spec_totals[k] += getattr(g.spec, k)
+            per = spec_totals["accepted_per_position"]
+            per.extend([0] * (len(g.spec.accepted_per_position) - len(per)))
+            for i, a in enumerate(g.spec.accepted_per_position):
+                per[i] += a
         done += 1
         with session_scope() as s:
             _write_fenced(s, config_run_id, attempt, job, [row], done, total, settings)
@@ -160,8 +171,16 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
         "tbt_ms_mean": statistics.fmean(itl) if itl else None,
         "tbt_ms_p50": percentile(itl, 50), "tbt_ms_p99": percentile(itl, 99),
         "tokens_per_second": statistics.fmean(tps) if tps else None,
-        "generated_tokens": gen_tokens, "concurrency": 1,
+        "generated_tokens": gen_tokens,
+        "concurrency": int(spec.engine_options.get("concurrency", 1)),
     }
+    if spec_totals["num_drafts"]:
+        # vLLM's definitions: acceptance rate = accepted / draft tokens; mean acceptance length =
+        # 1 + accepted / drafts; per-position rate = accepted at position i / drafts
+        n_drafts, n_tokens, n_acc = (spec_totals[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        figures["spec"] = {**spec_totals, "acceptance_rate": n_acc / n_tokens,
+                           "mean_acceptance_length": 1 + n_acc / n_drafts,
+                           "per_position_rate": [a / n_drafts for a in spec_totals["accepted_per_position"]]}
     with session_scope() as s:
         if not repo.finish_config_run(s, config_run_id, attempt, "succeeded", figures=figures):
             raise _LostLease(config_run_id, attempt)

@@ -42,7 +42,7 @@ class FloatKV(KVFormat):
     compute_dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        self.name = str(self.dtype).removeprefix("torch.")
+        self.name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         self.lossy = self.dtype != self.compute_dtype
 
     def encode(self, k, v, seq_start):
@@ -75,16 +75,22 @@ def minmax_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return q * scale + lo
 
 
-class Int8PerTokenKV(KVFormat):
-    """int8 per token: min-max over each (token, head) vector of D channels."""
+@dataclass
+class IntPerTokenKV(KVFormat):
+    """Uniform int-b per token: min-max over each (token, head) vector of D channels, no
+    full-precision window. int8 is near lossless; int4 and int2 are the naive baselines that
+    KVQuant shows collapse (REFERENCE.md §2)."""
 
-    name = "int8"
+    bits: int = 8
+
+    def __post_init__(self) -> None:
+        self.name = f"int{self.bits}"
 
     def encode(self, k, v, seq_start):
-        return minmax_quant(k.float(), 8, -1).to(k.dtype), minmax_quant(v.float(), 8, -1).to(v.dtype)
+        return minmax_quant(k.float(), self.bits, -1).to(k.dtype), minmax_quant(v.float(), self.bits, -1).to(v.dtype)
 
     def bits_per_element(self, head_dim):
-        b = 8 + 2 * FP16_BITS / head_dim  # fp16 scale + zero per vector
+        b = self.bits + 2 * FP16_BITS / head_dim  # fp16 scale + zero per vector
         return b, b
 
 
@@ -240,8 +246,8 @@ def kv_format(name: str, compute_dtype: torch.dtype) -> KVFormat:
         return FloatKV(floats[name], compute_dtype)
     if name == "fp8":
         return Fp8KV()
-    if name == "int8":
-        return Int8PerTokenKV()
+    if name in ("int8", "int4", "int2"):
+        return IntPerTokenKV(int(name.removeprefix("int")))
     if name.startswith("kivi-"):
         return KiviKV(int(name.removeprefix("kivi-")))
     if name.startswith("turbo-ip-"):

@@ -7,7 +7,7 @@ import torch
 
 from engines.reference.kv import (
     Fp8KV,
-    Int8PerTokenKV,
+    IntPerTokenKV,
     KiviKV,
     TurboKV,
     kv_format,
@@ -71,7 +71,7 @@ def test_fp8_by_hand():
 
 def test_int8_per_token_error_bound():
     k = torch.randn(1, 2, 5, 32)
-    kq, _ = Int8PerTokenKV().encode(k, k, torch.zeros(1, dtype=torch.long))
+    kq, _ = IntPerTokenKV(8).encode(k, k, torch.zeros(1, dtype=torch.long))
     step = (k.amax(-1, keepdim=True) - k.amin(-1, keepdim=True)) / 255
     assert ((kq - k).abs() <= step / 2 + 1e-6).all()
 
@@ -93,7 +93,7 @@ def test_kivi_window_and_groups_by_hand():
 
 @pytest.mark.parametrize(
     "name,head_dim,bits",
-    [("fp16", 32, (16, 16)), ("fp8", 32, (8, 8)), ("int8", 32, (9, 9)), ("kivi-4", 32, (5, 5)),
+    [("fp16", 32, (16, 16)), ("fp8", 32, (8, 8)), ("int8", 32, (9, 9)), ("int2", 32, (3, 3)), ("kivi-4", 32, (5, 5)),
      ("kivi-2", 128, (3, 3)), ("turbo-3", 128, (3.125, 3.125)), ("turbo-2.5", 128, (2.5, 2.5)),
      ("turbo-3.5", 128, (3.5, 3.5)), ("turbo-2.5", 32, (3.25, 3.25)), ("turbo-ip-3", 128, (3.25, 3.125))],
 )

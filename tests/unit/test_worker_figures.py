@@ -85,3 +85,15 @@ def test_reconciler_restarts_a_lost_aggregation(sqlite_env):
     assert rec.sent == [(AGGREGATE_RUN, run_id)]
     with session_scope() as s:
         assert repo.get_run(s, repo.get_project(s, "r"), run_id).status == "aggregating"
+
+
+def test_acceptance_comparison_by_hand():
+    from workers.aggregate import acceptance_comparison
+
+    t = Thresholds(warn=0.5, critical=0.3, direction="below", min_n=3)
+    # 3 prompts: 8/10, 6/10, 4/10 accepted → 18/30 = 0.6; every resample stays within [0.4, 0.8]
+    c = acceptance_comparison([10, 10, 10], [8, 6, 4], t)
+    assert c.estimate == pytest.approx(0.6) and 0.4 <= c.ci_low <= 0.6 <= c.ci_high <= 0.8
+    assert c.verdict == "inconclusive"  # the CI reaches below warn 0.5
+    low = acceptance_comparison([10, 10, 10], [2, 2, 2], t)
+    assert low.estimate == pytest.approx(0.2) and low.verdict == "critical"
