@@ -29,9 +29,10 @@ class KVCache:
     def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S]."""
         S = mask.shape[-1]
-        self.k[layer][:, :, slots] = k
-        self.v[layer][:, :, slots] = v
-        keys, values = self.k[layer][:, :, :S], self.v[layer][:, :, :S]
+        s0 = int(slots[0])
+        self.k[layer, :, :, s0 : s0 + len(slots)] = k  # slots are contiguous
+        self.v[layer, :, :, s0 : s0 + len(slots)] = v
+        keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         if not self.fmt.lossy:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         # Re-encode the slots this pass can read; per-token formats only need the new ones, but

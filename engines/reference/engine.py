@@ -49,7 +49,7 @@ class ReferenceEngine:
         self.quantized_params = self.quantized_bytes = 0
         if spec.weights in RTN_BITS:
             self._rtn(model, RTN_BITS[spec.weights])
-        self.model: Transformer = model.to(device=self.device, dtype=self.dtype)
+        self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
         self.kv = kv_format(spec.kv_cache, self.dtype)
         tok = self.tokenizer
@@ -69,7 +69,7 @@ class ReferenceEngine:
 
         draft_path = resolve_model_path(sp.draft_model)
         check_draft_tokenizer(self.model_path, str(draft_path))
-        self.draft_model = load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype)
+        self.draft_model = load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype).fuse()
         d = self.draft_model.args
         return DraftModelProposer(
             self.draft_model, sp.k,
@@ -90,7 +90,7 @@ class ReferenceEngine:
         return KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv)
 
     # -- perplexity --------------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         jobs, encoded = [], []
         for i, req in enumerate(requests):
@@ -143,7 +143,7 @@ class ReferenceEngine:
             out.extend(self._generate_batch(list(requests[s : s + self.concurrency])))
         return out
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _generate_batch(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         prompts = [[self.start_id] + self.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
         B, P = len(reqs), max(len(p) for p in prompts)
@@ -195,7 +195,7 @@ class ReferenceEngine:
             for b, r in enumerate(reqs)
         ]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _generate_speculative(self, req: GenerationRequest) -> GenerationResult:
         k = self.spec.speculative.k
         prompt = [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]

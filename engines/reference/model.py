@@ -116,13 +116,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # fused after loading (one matmul instead of three)
+
+    def fuse(self) -> None:
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(self.args.dim, sum(m.out_features for m in lins), bias=self.args.attention_bias,
+                          device=self.q_proj.weight.device, dtype=self.q_proj.weight.dtype)
+        fused.weight.data = torch.cat([m.weight.data for m in lins])
+        if self.args.attention_bias:
+            fused.bias.data = torch.cat([m.bias.data for m in lins])
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, layer: int, cache, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = self.args
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cache.attend(layer, q, k, v, slots, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
@@ -134,9 +149,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        self.gate_up_proj.weight.data = w
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -165,6 +191,14 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def fuse(self) -> "Transformer":
+        """Fuse q/k/v and gate/up projections (after any weight quantization: both quantize per
+        output row, so fusing does not change the values)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
