@@ -4,6 +4,7 @@ module never imports torch or an optional backend."""
 from __future__ import annotations
 
 import importlib
+from typing import Sequence
 
 from engines.protocol import Engine
 from engines.spec import OptimizationSpec
@@ -14,10 +15,14 @@ BACKENDS = {
 }
 
 
-def load_engine(model_path: str, spec: OptimizationSpec) -> Engine:
+def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None) -> Engine:
+    """calibration: domain texts for methods that calibrate (AWQ); never the scored samples."""
     spec.check_available()
     target = BACKENDS.get(spec.engine)
     if target is None:  # check_available already refused it; this guards a table mismatch
         raise ValueError(f"engine: '{spec.engine}' has no backend in this release")
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(model_path, spec)
+    engine_cls = getattr(importlib.import_module(module), cls)
+    if spec.weights == "awq-int4":
+        return engine_cls(model_path, spec, calibration=calibration)
+    return engine_cls(model_path, spec)

@@ -48,7 +48,7 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
         "speculative": frozenset({"off"}),
     },
     "reference": {
-        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2"}),
+        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"}),
         "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
                                "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
         "speculative": frozenset({"off", "draft", "ngram"}),
@@ -66,6 +66,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
         "batch_size": (int, "perplexity windows per forward pass (default 8)"),
         "concurrency": (int, "generation requests decoded together as one batch (default 1)"),
+        "calibration_samples": (int, "AWQ calibration windows (default 128)"),
+        "calibration_tokens": (int, "tokens per AWQ calibration window (default min(512, context))"),
     },
 }
 NOT_YET = {
@@ -179,7 +181,7 @@ class OptimizationSpec(BaseModel):
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
-            if key in ("batch_size", "concurrency") and value < 1:
+            if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens") and value < 1:
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: must be ≥ 1, got {value}")
         for field, value in (

@@ -4,6 +4,7 @@ results idempotently, and hand over to aggregation when the run's last config fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import logging
@@ -31,14 +32,15 @@ _ENGINES: OrderedDict[str, Any] = OrderedDict()
 MAX_CACHED_ENGINES = 2  # a GPU holds one or two models at once
 
 
-def get_engine(model_path: str, spec: OptimizationSpec):
+def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] | None = None):
     from engines.registry import load_engine
 
-    key = json.dumps([model_path, spec.model_dump()], sort_keys=True)
+    calib_id = hashlib.sha256("\x00".join(calibration or []).encode()).hexdigest()
+    key = json.dumps([model_path, spec.model_dump(), calib_id], sort_keys=True)
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
-    engine = load_engine(model_path, spec)
+    engine = load_engine(model_path, spec, calibration=calibration)
     _ENGINES[key] = engine
     while len(_ENGINES) > MAX_CACHED_ENGINES:
         _ENGINES.popitem(last=False)
@@ -96,10 +98,16 @@ def _load_job(config_run_id: int) -> dict:
         cr = s.get(ConfigRun, config_run_id)
         run = s.get(Run, cr.run_id)
         suite = s.get(Suite, run.suite_id)
+        spec = OptimizationSpec.model_validate(cr.config.spec)
+        calibration = None
+        if spec.weights == "awq-int4":  # domain text the run does not score: no test leakage
+            scored = set(run.sample_keys)
+            calibration = [x.text for x in repo.suite_samples(s, suite.id, run.suite_version) if x.key not in scored]
         return {
             "run_id": run.id,
             "config_id": cr.config_id,
-            "spec": OptimizationSpec.model_validate(cr.config.spec),
+            "spec": spec,
+            "calibration": calibration,
             "model_path": cr.config.model.path,
             "suite": dict(suite.spec),
             "samples": [(x.key, x.text, x.cluster or x.key)
@@ -109,7 +117,7 @@ def _load_job(config_run_id: int) -> dict:
 
 def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     spec: OptimizationSpec = job["spec"]
-    engine = get_engine(str(resolve_model_path(job["model_path"])), spec)
+    engine = get_engine(str(resolve_model_path(job["model_path"])), spec, job["calibration"])
     suite = job["suite"]
     ppl = suite.get("perplexity", {})
     window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))

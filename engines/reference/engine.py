@@ -29,7 +29,7 @@ RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
 class ReferenceEngine:
-    def __init__(self, model_path: str, spec: OptimizationSpec):
+    def __init__(self, model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None):
         from transformers import AutoTokenizer
 
         spec.check_available()
@@ -45,17 +45,19 @@ class ReferenceEngine:
         self.concurrency = int(spec.engine_options.get("concurrency", 1))
         self.dtype = DTYPES.get(spec.weights, torch.float16)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tok = self.tokenizer
+        self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         model = load_model(self.model_path, torch.float32, "cpu")
         self.quantized_params = self.quantized_bytes = 0
         if spec.weights in RTN_BITS:
             self._rtn(model, RTN_BITS[spec.weights])
+        elif spec.weights == "awq-int4":
+            self._awq(model, calibration)
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
         self.kv = kv_format(spec.kv_cache, self.dtype)
-        tok = self.tokenizer
-        self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-        self.proposer = self._proposer(spec)
         self.draft_model: Transformer | None = None
+        self.proposer = self._proposer(spec)
 
     def _proposer(self, spec: OptimizationSpec):
         sp = spec.speculative
@@ -84,6 +86,30 @@ class ReferenceEngine:
                     lin.weight.copy_(fake_quantize(lin.weight, bits))
                     self.quantized_params += lin.weight.numel()
                     self.quantized_bytes += quantized_bytes(*lin.weight.shape, bits)
+
+    def _awq(self, model: Transformer, calibration: Sequence[str] | None) -> None:
+        """AWQ on domain calibration text: `calibration_samples` windows of `calibration_tokens`
+        (defaults 128 × min(512, context)), cut from the texts joined end to end."""
+        from engines.reference.awq import awq_quantize
+
+        if not calibration:
+            raise ValueError("weights: 'awq-int4' needs calibration text from the domain; the worker passes the "
+                             "suite's documents that the run does not score")
+        n = int(self.spec.engine_options.get("calibration_samples", 128))
+        t = int(self.spec.engine_options.get("calibration_tokens", min(512, model.args.max_seq_len)))
+        ids: list[int] = []
+        for text in calibration:
+            ids += [self.start_id] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= n * t:
+                break
+        n = min(n, len(ids) // t)
+        if n == 0:
+            raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, fewer than one window of {t}")
+        self.calibration_shape = (n, t)
+        packed = awq_quantize(model, torch.tensor(ids[: n * t]).reshape(n, t))
+        for q, _, _ in packed.values():
+            self.quantized_params += q.numel()
+            self.quantized_bytes += quantized_bytes(*q.shape, 4)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args

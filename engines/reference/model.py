@@ -215,6 +215,20 @@ class Transformer(nn.Module):
         return self.lm_head(h)
 
 
+def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
+    """An AutoAWQ / llm-compressor GEMM checkpoint: qweight/qzeros/scales → fp weights."""
+    from engines.reference.awq import dequantize_awq_gemm
+
+    if qcfg.get("quant_method") != "awq" or qcfg.get("bits") != 4 or qcfg.get("version", "gemm").lower() != "gemm":
+        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; the reference engine loads AWQ 4-bit GEMM checkpoints")
+    out = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}
+    for k in state:
+        if k.endswith(".qweight"):
+            mod = k.removesuffix(".qweight")
+            out[f"{mod}.weight"] = dequantize_awq_gemm(state[k], state[f"{mod}.qzeros"], state[f"{mod}.scales"], qcfg.get("group_size", 128))
+    return {k: v.float() for k, v in out.items()}
+
+
 def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
     """Build the decoder from an HF directory: config.json + *.safetensors (sharded or not)."""
     from safetensors.torch import load_file
@@ -227,6 +241,9 @@ def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32, dev
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if qcfg:
+        state = _dequantize_awq_state(state, qcfg, path)
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:

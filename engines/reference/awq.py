@@ -1,0 +1,230 @@
+"""AWQ int4 g128 (Lin et al., arXiv 2306.00978; mit-han-lab/llm-awq auto_scale.py, auto_clip.py)
+and the AutoAWQ GEMM checkpoint layout.
+
+Per decoder layer, on calibration activations X of the *domain* text:
+  scale search — for the groups (input_layernorm → q,k,v judged through the attention block),
+  (post_attention_layernorm → gate,up judged through the MLP), (up_proj → down_proj), and
+  (v_proj → o_proj when their shapes match, i.e. no GQA): s = mean|x|^α, α ∈ {0, 0.05, …, 0.95},
+  clamped ≥ 1e-4 and normalised by √(max s · min s); quantize W·diag(s), divide the input by s,
+  keep the α with the lowest output MSE; fold 1/s into the preceding norm or linear.
+  clip search — per (output row, group) try max ← max₀·(1 − i/20), i = 0…9, keep the one
+  minimising ‖X·Q(clip W) − X·W‖² on ≤ 512 sampled tokens; q_proj and k_proj are skipped.
+Then every decoder linear is quantized group-wise asymmetric INT4 (engines/quant.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.quant import GROUP_SIZE, dequantize_groupwise, fake_quantize, quantize_groupwise
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column held by nibble i of a packed int32
+N_GRID = 20
+MAX_SHRINK = 0.5
+CLIP_TOKENS = 512
+
+
+# -- AutoAWQ GEMM layout ------------------------------------------------------------------------
+def _pack_cols(v: torch.Tensor) -> torch.Tensor:
+    """[rows, out] ints in 0..15 → int32 [rows, out/8], nibble i = column 8c + AWQ_ORDER[i]."""
+    rows, out = v.shape
+    v = v.to(torch.int64).reshape(rows, out // 8, 8)[..., list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (v << shifts).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _unpack_cols(p: torch.Tensor) -> torch.Tensor:
+    rows, cols = p.shape
+    nib = (p.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64)) & 0xF  # [rows, cols, 8]
+    out = torch.empty_like(nib)
+    out[..., list(AWQ_ORDER)] = nib
+    return out.reshape(rows, cols * 8)
+
+
+def pack_awq_gemm(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor):
+    """Ours (q [out, in] uint8, zero/scale [out, in/g]) → AutoAWQ GEMM tensors:
+    qweight int32 [in, out/8], qzeros int32 [in/g, out/8], scales fp16 [in/g, out]."""
+    return _pack_cols(q.T), _pack_cols(zero.round().T), scale.T.contiguous().to(torch.float16)
+
+
+def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
+    """AutoAWQ GEMM tensors → ours: q [out, in], zero [out, in/g], scale [out, in/g]."""
+    return _unpack_cols(qweight).T.to(torch.uint8), _unpack_cols(qzeros).T.float(), scales.T.float()
+
+
+def dequantize_awq_gemm(qweight, qzeros, scales, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """Weight [out, in] = (q − z)·s."""
+    q, zero, scale = unpack_awq_gemm(qweight, qzeros, scales)
+    return dequantize_groupwise(q, scale, zero, group_size)
+
+
+# -- search ---------------------------------------------------------------------------------------
+def _quant_error_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    s = x_mean.pow(alpha).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+@torch.no_grad()
+def search_scale(block, linears: list[nn.Linear], x: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """α grid search. x: block input; inp: the linears' shared input [N, ci]. Returns s [ci]."""
+    x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
+    original = [lin.weight.data.clone() for lin in linears]
+    ref = block(x)
+    best, best_err = None, float("inf")
+    for i in range(N_GRID):
+        s = _quant_error_scales(x_mean, i / N_GRID).to(inp.dtype)
+        for lin, w in zip(linears, original):
+            lin.weight.data = fake_quantize(w * s, 4) / s  # Q(W·diag(s))·diag(s)⁻¹: the input is divided by s
+        err = (block(x) - ref).float().pow(2).mean().item()
+        if err < best_err:
+            best, best_err = s, err
+    for lin, w in zip(linears, original):
+        lin.weight.data = w
+    return best
+
+
+def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
+    """Fold: prev's output (a norm's weight, or a linear's output rows) ÷ s; each linear's input columns × s."""
+    if isinstance(prev, nn.Linear):
+        prev.weight.data.div_(s[:, None])
+        if prev.bias is not None:
+            prev.bias.data.div_(s)
+    else:  # RMSNorm
+        prev.weight.data.div_(s)
+    for lin in linears:
+        lin.weight.data.mul_(s)
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, inp: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """Per (output row, group) clip threshold [co, n_groups, 1] minimising the output MSE."""
+    co, ci = w.shape
+    x = inp.reshape(-1, ci).float()
+    if x.shape[0] > CLIP_TOKENS:
+        x = x[torch.linspace(0, x.shape[0] - 1, CLIP_TOKENS).long()]
+    xg = x.reshape(1, -1, ci // group_size, group_size)  # [1, n, G, g]
+    wg = w.float().reshape(co, 1, ci // group_size, group_size)  # [co, 1, G, g]
+    ref = (xg * wg).sum(-1)  # [co, n, G]
+    max0 = wg.abs().amax(-1, keepdim=True)  # [co, 1, G, 1]
+    best_max, best_err = max0.clone(), torch.full(max0.shape, float("inf"))
+    for i in range(int(MAX_SHRINK * N_GRID)):
+        m = max0 * (1 - i / N_GRID)
+        q = fake_quantize(torch.clamp(wg, -m, m).reshape(co, ci), 4, group_size).reshape(wg.shape)
+        err = ((xg * q).sum(-1) - ref).pow(2).mean(1, keepdim=True)[..., None]  # [co, 1, G, 1]
+        better = err < best_err
+        best_err, best_max = torch.where(better, err, best_err), torch.where(better, m, best_max)
+    return best_max.reshape(co, ci // group_size, 1)
+
+
+def apply_clip(lin: nn.Linear, max_val: torch.Tensor, group_size: int = GROUP_SIZE) -> None:
+    co, ci = lin.weight.shape
+    w = lin.weight.data.reshape(co, ci // group_size, group_size)
+    lin.weight.data = torch.clamp(w, -max_val.to(w.dtype), max_val.to(w.dtype)).reshape(co, ci)
+
+
+@torch.no_grad()
+def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[str, tuple]:
+    """Search AWQ scales and clips layer by layer on `calibration` token ids [N, T], then quantize
+    every decoder linear to INT4 g128. Returns {param name: (q, zero, scale)} for checkpoints."""
+    from engines.reference.cache import KVCache
+    from engines.reference.kv import kv_format
+    from engines.reference.model import rope_cos_sin
+
+    a = model.args
+    N, T = calibration.shape
+    slots = torch.arange(T)
+    pos = slots[None].expand(N, -1)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    dtype = model.model.embed_tokens.weight.dtype
+    cos, sin = rope_cos_sin(model.inv_freq, pos, dtype)
+    h = model.model.embed_tokens(calibration)
+    packed: dict[str, tuple] = {}
+    for li, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        cache = KVCache(1, N, T, a.n_kv_heads, a.head_dim, dtype, h.device, kv_format("auto", dtype))
+
+        def attn_block(x, attn=attn, cache=cache):
+            return attn(x, cos, sin, 0, cache, slots, mask)
+
+        # 1. input_layernorm → q, k, v (judged through the whole attention block)
+        xn = layer.input_layernorm(h)
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        s = search_scale(attn_block, qkv, xn, xn)
+        apply_scale(layer.input_layernorm, qkv, s)
+        xn = layer.input_layernorm(h)
+        # 2. v_proj → o_proj, only without GQA (v's outputs are o's inputs one to one)
+        o_in = _capture_input(attn.o_proj, lambda: attn_block(xn))
+        if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
+            s = search_scale(attn.o_proj, [attn.o_proj], o_in, o_in)
+            apply_scale(attn.v_proj, [attn.o_proj], s)
+            o_in = _capture_input(attn.o_proj, lambda: attn_block(xn))
+        h_mid = h + attn_block(xn)
+        # 3. post_attention_layernorm → gate, up (judged through the MLP)
+        xm = layer.post_attention_layernorm(h_mid)
+        s = search_scale(mlp, [mlp.gate_proj, mlp.up_proj], xm, xm)
+        apply_scale(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s)
+        xm = layer.post_attention_layernorm(h_mid)
+        # 4. up_proj → down_proj
+        down_in = _capture_input(mlp.down_proj, lambda: mlp(xm))
+        s = search_scale(mlp.down_proj, [mlp.down_proj], down_in, down_in)
+        apply_scale(mlp.up_proj, [mlp.down_proj], s)
+        down_in = _capture_input(mlp.down_proj, lambda: mlp(xm))
+        # clipping (q_proj and k_proj are skipped: their errors pass through softmax)
+        for lin, inp in ((attn.v_proj, xn), (attn.o_proj, o_in), (mlp.gate_proj, xm), (mlp.up_proj, xm), (mlp.down_proj, down_in)):
+            apply_clip(lin, search_clip(lin.weight.data, inp))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(attn, name)
+            q, sc, z = quantize_groupwise(lin.weight.data, 4)
+            packed[f"model.layers.{li}.self_attn.{name}"] = (q, z, sc)
+            lin.weight.data = dequantize_groupwise(q, sc, z).to(lin.weight.dtype)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp, name)
+            q, sc, z = quantize_groupwise(lin.weight.data, 4)
+            packed[f"model.layers.{li}.mlp.{name}"] = (q, z, sc)
+            lin.weight.data = dequantize_groupwise(q, sc, z).to(lin.weight.dtype)
+        # the next layer sees this layer's output with its weights quantized, as at inference
+        h = h + attn_block(layer.input_layernorm(h))
+        h = h + mlp(layer.post_attention_layernorm(h))
+        log(f"awq: layer {li} done")
+    return packed
+
+
+def _capture_input(lin: nn.Linear, run) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    hook = lin.register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def save_awq_checkpoint(model, packed: dict[str, tuple], out, source_dir, group_size: int = GROUP_SIZE) -> None:
+    """Write an HF directory whose decoder linears are in the AutoAWQ GEMM layout
+    (`<name>.qweight`, `.qzeros`, `.scales`) with an AWQ quantization_config."""
+    import json
+    import pathlib
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out, source_dir = pathlib.Path(out), pathlib.Path(source_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in model.state_dict().items():
+        mod = name.rsplit(".", 1)[0]
+        if mod in packed or (model.args.tie_embeddings and name == "lm_head.weight"):
+            continue
+        state[name] = t.detach().to(torch.float16).contiguous()
+    for mod, (q, zero, scale) in packed.items():
+        qweight, qzeros, scales = pack_awq_gemm(q, zero, scale)
+        state[f"{mod}.qweight"], state[f"{mod}.qzeros"], state[f"{mod}.scales"] = qweight, qzeros, scales
+    save_file(state, out / "model.safetensors")
+    cfg = json.loads((source_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in source_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)

@@ -1,0 +1,105 @@
+"""AWQ: the AutoAWQ GEMM layout by hand, function-preserving scale folding, the search beating
+RTN where a salient channel exists, and loading a checkpoint written in that layout."""
+
+import pytest
+import torch
+from torch import nn
+
+from engines.quant import dequantize_groupwise, fake_quantize, quantize_groupwise
+from engines.reference.awq import (
+    apply_scale,
+    awq_quantize,
+    dequantize_awq_gemm,
+    pack_awq_gemm,
+    save_awq_checkpoint,
+    search_clip,
+    search_scale,
+    unpack_awq_gemm,
+)
+from engines.protocol import GenerationRequest
+from engines.reference.engine import ReferenceEngine
+from engines.reference.model import RMSNorm, load_model
+from engines.spec import OptimizationSpec
+from engines.zoo import ARTIFACTS, resolve_model_path
+from engines.zoo.corpus import read_jsonl
+
+TARGET = resolve_model_path("builtin:pydoc-target")
+
+
+def test_gemm_packing_order_by_hand():
+    # One input row, 8 output columns holding 0..7. Nibble i holds column [0,2,4,6,1,3,5,7][i]:
+    # Σ v_i·16^i with v = (0,2,4,6,1,3,5,7) = 1966171168.
+    q = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, 128)  # [out=8, in=128]
+    zero, scale = torch.full((8, 1), 3.0), torch.full((8, 1), 0.5)
+    qweight, qzeros, scales = pack_awq_gemm(q, zero, scale)
+    assert qweight.shape == (128, 1) and qweight.dtype == torch.int32
+    assert qweight[0, 0].item() == 1966171168
+    assert qzeros.shape == (1, 1) and scales.shape == (1, 8) and scales.dtype == torch.float16
+    q2, z2, s2 = unpack_awq_gemm(qweight, qzeros, scales)
+    assert torch.equal(q2, q) and torch.equal(z2, zero) and torch.equal(s2, scale)
+    # dequantized (q − z)·s: column c holds (c − 3)·0.5
+    assert dequantize_awq_gemm(qweight, qzeros, scales)[:, 0].tolist() == [(c - 3) * 0.5 for c in range(8)]
+
+
+def test_round_trip_with_high_nibbles_and_negative_int32():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g)
+    q, s, z = quantize_groupwise(w, 4)
+    packed = pack_awq_gemm(q, z, s)
+    q2, z2, s2 = unpack_awq_gemm(*packed)
+    assert torch.equal(q2, q) and torch.equal(z2, z)
+    assert (packed[0] < 0).any()  # nibble 7 ≥ 8 sets the sign bit of the int32
+    assert torch.allclose(s2, s, rtol=1e-3)  # scales are stored in fp16
+
+
+def test_scale_folding_preserves_the_function():
+    torch.manual_seed(0)
+    x = torch.randn(5, 128)
+    norm, lin = RMSNorm(128, 1e-5), nn.Linear(128, 64, bias=False)
+    norm.weight.data = torch.rand(128) + 0.5
+    before = lin(norm(x))
+    apply_scale(norm, [lin], torch.rand(128) + 0.5)
+    assert torch.allclose(lin(norm(x)), before, atol=1e-5)
+    up, down = nn.Linear(128, 256, bias=False), nn.Linear(256, 32, bias=False)
+    before = down(up(x))
+    apply_scale(up, [down], torch.rand(256) + 0.5)
+    assert torch.allclose(down(up(x)), before, atol=1e-4)
+
+
+def test_search_beats_round_to_nearest_on_a_salient_channel():
+    # Channel 0 carries activations 50× the others: AWQ scales its weights up before quantizing.
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    x[:, 0] *= 50
+    lin = nn.Linear(128, 64, bias=False)
+    ref = lin(x)
+    rtn = (x @ fake_quantize(lin.weight.data, 4).T - ref).pow(2).mean()
+    s = search_scale(lin, [lin], x, x)
+    assert s.argmax() == 0
+    awq = (x @ (fake_quantize(lin.weight.data * s, 4) / s).T - ref).pow(2).mean()
+    assert awq < 0.8 * rtn
+    max_val = search_clip(lin.weight.data, x)
+    assert (max_val <= lin.weight.data.abs().reshape(64, 1, 128).amax(-1, keepdim=True) + 1e-6).all()
+
+
+def test_awq_checkpoint_in_autoawq_layout_loads_with_its_dequantized_weights(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    text = " ".join(d.text for d in read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[300:330])
+    cal = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][: 4 * 64]).reshape(4, 64)
+    model = load_model(TARGET)
+    packed = awq_quantize(model, cal)
+    assert len(packed) == 6 * 7
+    save_awq_checkpoint(model, packed, tmp_path / "awq", TARGET)
+    loaded = load_model(tmp_path / "awq")
+    for name, (q, zero, scale) in packed.items():
+        expected = dequantize_groupwise(q, scale.half().float(), zero)  # scales travel in fp16
+        assert torch.equal(loaded.get_submodule(name).weight.float(), expected)
+    e = ReferenceEngine(str(tmp_path / "awq"), OptimizationSpec(engine="reference", weights="fp32"))
+    assert e.generate([GenerationRequest("g", "os.path", 4)])[0].token_ids
+
+
+def test_awq_without_calibration_is_refused():
+    with pytest.raises(ValueError, match="weights: 'awq-int4' needs calibration text"):
+        ReferenceEngine(str(TARGET), OptimizationSpec(engine="reference", weights="awq-int4"))
