@@ -27,6 +27,8 @@ DEMO_CONFIG: dict[str, Any] = {
         {"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
         {"name": "int8", "engine": "reference", "weights": "int8"},
         {"name": "int4", "engine": "reference", "weights": "rtn-int4"},
+        {"name": "awq-int4", "engine": "reference", "weights": "awq-int4",
+         "engine_options": {"calibration_samples": 16, "calibration_tokens": 256}},
         {"name": "int2", "engine": "reference", "weights": "rtn-int2"},  # deliberately aggressive
         {"name": "kv-fp8", "engine": "reference", "kv_cache": "fp8"},
         {"name": "kv-int8", "engine": "reference", "kv_cache": "int8"},

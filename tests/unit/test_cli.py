@@ -102,3 +102,24 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     assert set(ratio) == {"config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule"}
     assert ratio["config"] == "int8" and ratio["n"] == 12
     assert out["figures"]["int8"]["n_documents"] == 12
+
+
+def test_demo_json_covers_every_config(run_cli):
+    from app.cli import DEMO_CONFIG
+
+    r = run_cli("demo", "--json", "--samples", "12")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    names = [c["name"] for c in DEMO_CONFIG["configs"]]
+    assert [c["config"] for c in out["configs"]] == names
+    assert all(c["status"] == "succeeded" for c in out["configs"]), out["configs"]
+    for name in names:
+        f = out["figures"][name]
+        assert f["kv_bytes_per_token"] > 0 and f["weight_bytes"] > 0 and f["ttft_ms_p50"] > 0 and f["ttft_ms_p99"] > 0
+    assert out["figures"]["kivi-2"]["kv_bytes_per_token"] == 6 * 2 * 32 * 6 // 8  # 3 + 3 bits per element
+    assert out["figures"]["awq-int4"]["weight_bytes"] == out["figures"]["int4"]["weight_bytes"]
+    spec = out["figures"]["spec-draft-4"]["spec"]
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] >= 1
+    ratios = {c["config"] for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
+    assert ratios == set(names) - {"fp16"}
+    assert out["verdict"] == "fail"  # the demo's 12 documents (seed 0): int2 weights cost ≈ 6 % perplexity
