@@ -58,7 +58,9 @@ class ModelArgs:
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            # Sliding-window attention (Mistral) is not implemented: cap the context at the window,
+            # where full attention and sliding-window attention agree.
+            max_seq_len=min(cfg.get("max_position_embeddings", 2048), cfg.get("sliding_window") or 1 << 30),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
             rope_scaling={**rope, "rope_type": kind},
