@@ -64,3 +64,11 @@ def _two_tier_attention(q, k, v, kq, vq, mask, compressed) -> torch.Tensor:
     scores = torch.where(compressed, s_cmp, s_raw).float().masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)
     return (p * compressed) @ vq + (p * ~compressed) @ v
+
+
+class NoCache:
+    """A single causal pass with a lossless KV format needs no cache (perplexity windows):
+    attention runs on the new keys and values directly, with the causal SDPA kernel."""
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

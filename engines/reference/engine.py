@@ -18,7 +18,7 @@ from engines.protocol import (
     strided_windows,
 )
 from engines.quant import fake_quantize, quantized_bytes
-from engines.reference.cache import KVCache
+from engines.reference.cache import KVCache, NoCache
 from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
@@ -139,13 +139,14 @@ class ReferenceEngine:
             x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx], device=self.device)
             slots = torch.arange(width, device=self.device)
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
-            cache = self.new_cache(len(idx), width)
-            lsm = torch.log_softmax(self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask).float(), -1)
+            cache = self.new_cache(len(idx), width) if self.kv.lossy else NoCache()
+            logits = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask).float()
+            lse = torch.logsumexp(logits, -1)  # log p = logit − logsumexp: no [B, T, V] log-softmax copy
             for row, j in enumerate(idx):
                 _, inp, n, tgt = jobs[j]
                 pos = torch.arange(len(inp) - n, len(inp), device=self.device)
-                lp = lsm[row, pos].gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
-                out[j] = (lp.tolist(), lsm[row, pos].argmax(-1).tolist())
+                picked = logits[row, pos].gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
+                out[j] = ((picked - lse[row, pos]).tolist(), logits[row, pos].argmax(-1).tolist())
         logprobs = [[] for _ in requests]
         greedy = [[] for _ in requests]
         for j, job in enumerate(jobs):
