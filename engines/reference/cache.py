@@ -35,6 +35,11 @@ class KVCache:
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         if not self.fmt.lossy:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if getattr(self.fmt, "rotated", False):
+            # TurboQuant: ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ — rotate the query once and score against the
+            # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
+            kr, vr, rot = self.fmt.encode_rotated(keys, values)
+            return _rotated_attention(q, kr.to(q.dtype), vr.to(q.dtype), rot.to(q.dtype), mask)
         # Re-encode the slots this pass can read; per-token formats only need the new ones, but
         # group formats (KIVI keys: 32 tokens per channel group) need whole groups.
         kq, vq = self.fmt.encode(keys, values, self.seq_start)
@@ -52,6 +57,12 @@ class KVCache:
         bound = self.fmt.boundary(n)  # [B, T, 1] in sequence positions
         j = torch.arange(S, device=slots.device)[None, None, :] - start  # [B, 1, S]
         return (j < bound)[:, None]
+
+
+def _rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
+    """q: [B, H, T, D]; kr, vr: [B, Hkv, S, D] rotated-domain codes × norms; rot: Π [D, D]."""
+    out_rot = F.scaled_dot_product_attention(q @ rot.T, kr, vr, attn_mask=mask, enable_gqa=True)
+    return out_rot @ rot
 
 
 def _two_tier_attention(q, k, v, kq, vq, mask, compressed) -> torch.Tensor:

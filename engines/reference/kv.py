@@ -155,17 +155,22 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
-def turbo_mse(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
-    """TurboQuant-MSE: rotate, snap each coordinate of the unit vector to the Lloyd-Max codebook
-    for N(0, 1/d), keep the norm; returns Πᵀ·c[idx]·‖x‖. x: [..., d]."""
+def turbo_mse_rotated(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
+    """TurboQuant-MSE in the rotated domain: c[idx]·‖x‖ where idx snaps each coordinate of the
+    rotated unit vector Π·x/‖x‖ (≈ N(0, 1/d)) to the Lloyd-Max codebook. x: [..., d]."""
     d = x.shape[-1]
     rot = random_rotation(d, seed).to(x.device)
     xf = x.float()
     norm = xf.norm(dim=-1, keepdim=True)
-    u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector, coordinates ≈ N(0, 1/d)
+    u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector
     book = torch.tensor(lloyd_max_gaussian(bits), device=x.device) / math.sqrt(d)
     idx = (u[..., None] - book).abs().argmin(-1)
-    return (book[idx] @ rot) * norm
+    return book[idx] * norm
+
+
+def turbo_mse(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
+    """TurboQuant-MSE reconstruction Πᵀ·c[idx]·‖x‖ (rotate back)."""
+    return turbo_mse_rotated(x, bits, seed) @ random_rotation(x.shape[-1], seed).to(x.device)
 
 
 def qjl_residual(r: torch.Tensor, seed: int) -> torch.Tensor:
@@ -216,6 +221,16 @@ class TurboKV(KVFormat):
             out[:, h][..., m] = turbo_mse(x[:, h][..., m], hi_bits, self.seed + 1)
             out[:, h][..., ~m] = turbo_mse(x[:, h][..., ~m], lo_bits, self.seed + 2)
         return out
+
+    @property
+    def rotated(self) -> bool:
+        """Attention can run in the rotated domain: one rotation per layer for all slots."""
+        return not (self.inner_product or self.fractional)
+
+    def encode_rotated(self, k, v):
+        """(Π·k̂, Π·v̂, Π): codes × norms as stored, and the rotation shared by k and v."""
+        rot = random_rotation(k.shape[-1], self.seed).to(k.device)
+        return turbo_mse_rotated(k, int(self.bits), self.seed), turbo_mse_rotated(v, int(self.bits), self.seed), rot
 
     def encode(self, k, v, seq_start):
         if self.inner_product:

@@ -107,3 +107,20 @@ def test_unknown_format():
     with pytest.raises(ValueError, match="kv_cache: 'zip-1'"):
         kv_format("zip-1", torch.float32)
     assert TurboKV(2.5).fractional
+
+
+def test_rotated_domain_attention_equals_attention_over_reconstructions():
+    # ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ and Σ p·Πᵀĉ‖v‖ = Πᵀ Σ p·ĉ‖v‖: same output, no per-slot rotation.
+    import torch.nn.functional as F
+
+    from engines.reference.cache import _rotated_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 5, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g)
+    mask = torch.ones(1, 1, 5, 9, dtype=torch.bool)
+    fmt = TurboKV(3)
+    assert fmt.rotated and not TurboKV(2.5).rotated and not TurboKV(3, inner_product=True).rotated
+    kq, vq = fmt.encode(k, v, torch.zeros(1, dtype=torch.long))
+    expected = F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
+    kr, vr, rot = fmt.encode_rotated(k, v)
+    assert torch.allclose(_rotated_attention(q, kr, vr, rot, mask), expected, atol=1e-5)
