@@ -140,13 +140,14 @@ class ReferenceEngine:
             slots = torch.arange(width, device=self.device)
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
             cache = self.new_cache(len(idx), width) if self.kv.lossy else NoCache()
-            logits = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask).float()
-            lse = torch.logsumexp(logits, -1)  # log p = logit − logsumexp: no [B, T, V] log-softmax copy
+            h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
             for row, j in enumerate(idx):
                 _, inp, n, tgt = jobs[j]
-                pos = torch.arange(len(inp) - n, len(inp), device=self.device)
-                picked = logits[row, pos].gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
-                out[j] = ((picked - lse[row, pos]).tolist(), logits[row, pos].argmax(-1).tolist())
+                # lm_head only on this window's scored positions (no padding), one window at a
+                # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
+                logits = self.model.lm_head(h[row, len(inp) - n : len(inp)]).float()
+                picked = logits.gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
+                out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
         logprobs = [[] for _ in requests]
         greedy = [[] for _ in requests]
         for j, job in enumerate(jobs):

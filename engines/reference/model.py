@@ -203,7 +203,7 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache, mask: torch.Tensor,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, hidden: bool = False) -> torch.Tensor:
         """ids, pos: [B, T] tokens and their RoPE positions; slots: [T] cache slots they fill;
         mask: [B, 1, T, S] True where a query may attend a slot. Returns logits [B, T, V]."""
         h = self.model.embed_tokens(ids)
@@ -214,7 +214,7 @@ class Transformer(nn.Module):
         h = self.model.norm(h)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(h)
+        return h if hidden else self.lm_head(h)  # hidden=True: the caller applies lm_head where needed
 
 
 def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
