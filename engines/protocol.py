@@ -103,7 +103,7 @@ class GenerationResult:
     token_ids: tuple[int, ...]
     prompt_tokens: int
     ttft_ms: float  # request start → first new token available
-    itl_ms: tuple[float, ...]  # time between consecutive new tokens (len = tokens − 1)
+    itl_ms: tuple[float, ...]  # time between consecutive deliveries of new tokens (one per decode step)
     total_ms: float
     spec: SpecStats | None = None
 

@@ -144,29 +144,34 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
             _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
     ttft, itl, tps, gen_tokens = [], [], [], 0
     spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
-    for key, text, _ in samples[:n_prompts]:
-        prompt = " ".join(text.split()[: gen.get("prompt_words", 24)])
-        [g] = engine.generate([GenerationRequest(key, prompt, gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))])
-        ttft.append(g.ttft_ms)
-        itl.extend(g.itl_ms)
-        tps.append(g.tokens_per_second)
-        gen_tokens += len(g.token_ids)
-        row = {"sample_key": key, "metric": "ttft_ms", "value": g.ttft_ms,
-               "extra": {"text": g.text, "n_tokens": len(g.token_ids), "prompt_tokens": g.prompt_tokens,
-                         "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
-        if g.spec is not None:
-            row["extra"]["spec"] = {"num_drafts": g.spec.num_drafts, "num_draft_tokens": g.spec.num_draft_tokens,
-                                    "num_accepted_tokens": g.spec.num_accepted_tokens,
-                                    "accepted_per_position": list(g.spec.accepted_per_position)}
-            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                spec_totals[k] += getattr(g.spec, k)
-            per = spec_totals["accepted_per_position"]
-            per.extend([0] * (len(g.spec.accepted_per_position) - len(per)))
-            for i, a in enumerate(g.spec.accepted_per_position):
-                per[i] += a
-        done += 1
+    requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
+                                  gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
+                for key, text, _ in samples[:n_prompts]]
+    step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
+    for i in range(0, len(requests), step):
+        rows = []
+        for g in engine.generate(requests[i : i + step]):
+            ttft.append(g.ttft_ms)
+            itl.extend(g.itl_ms)
+            tps.append(g.tokens_per_second)
+            gen_tokens += len(g.token_ids)
+            row = {"sample_key": g.request_id, "metric": "ttft_ms", "value": g.ttft_ms,
+                   "extra": {"text": g.text, "n_tokens": len(g.token_ids), "prompt_tokens": g.prompt_tokens,
+                             "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
+            if g.spec is not None:
+                row["extra"]["spec"] = {"num_drafts": g.spec.num_drafts, "num_draft_tokens": g.spec.num_draft_tokens,
+                                        "num_accepted_tokens": g.spec.num_accepted_tokens,
+                                        "accepted_per_position": list(g.spec.accepted_per_position)}
+                for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                    spec_totals[k] += getattr(g.spec, k)
+                per = spec_totals["accepted_per_position"]
+                per.extend([0] * (len(g.spec.accepted_per_position) - len(per)))
+                for j, a in enumerate(g.spec.accepted_per_position):
+                    per[j] += a
+            rows.append(row)
+        done += len(rows)
         with session_scope() as s:
-            _write_fenced(s, config_run_id, attempt, job, [row], done, total, settings)
+            _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
     d = engine.describe()
     figures = {
         "engine": d.engine, "weights": d.weights, "kv_cache": d.kv_cache, "speculative": d.speculative,

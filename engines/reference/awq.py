@@ -148,6 +148,10 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
         def attn_block(x, attn=attn, cache=cache):
             return attn(x, cos, sin, 0, cache, slots, mask)
 
+        # llm-awq: the next layer's input comes from this layer with its original weights
+        h_next = h + attn_block(layer.input_layernorm(h))
+        h_next = h_next + mlp(layer.post_attention_layernorm(h_next))
+
         # 1. input_layernorm → q, k, v (judged through the whole attention block)
         xn = layer.input_layernorm(h)
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -184,9 +188,7 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
             q, sc, z = quantize_groupwise(lin.weight.data, 4)
             packed[f"model.layers.{li}.mlp.{name}"] = (q, z, sc)
             lin.weight.data = dequantize_groupwise(q, sc, z).to(lin.weight.dtype)
-        # the next layer sees this layer's output with its weights quantized, as at inference
-        h = h + attn_block(layer.input_layernorm(h))
-        h = h + mlp(layer.post_attention_layernorm(h))
+        h = h_next
         log(f"awq: layer {li} done")
     return packed
 

@@ -35,28 +35,32 @@ class KVCache:
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         if not self.fmt.lossy:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        if getattr(self.fmt, "rotated", False):
+        if self.fmt.per_token:  # encode each slot once, when it is written
+            kq_new, vq_new = self.fmt.encode(k, v, self.seq_start, layer)
+            self.kq[layer, :, :, s0 : s0 + len(slots)] = kq_new
+            self.vq[layer, :, :, s0 : s0 + len(slots)] = vq_new
+        else:  # KIVI: key groups span tokens, so whole groups are (re)encoded
+            self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, self.seq_start, layer)
+        kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        if self.fmt.rotated:
             # TurboQuant: ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ — rotate the query once and score against the
             # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
-            kr, vr, rot = self.fmt.encode_rotated(keys, values)
-            return _rotated_attention(q, kr.to(q.dtype), vr.to(q.dtype), rot.to(q.dtype), mask)
-        # Re-encode the slots this pass can read; per-token formats only need the new ones, but
-        # group formats (KIVI keys: 32 tokens per channel group) need whole groups.
-        kq, vq = self.fmt.encode(keys, values, self.seq_start)
-        self.kq[layer][:, :, :S], self.vq[layer][:, :, :S] = kq, vq
-        # A query at slot t reads slot j compressed iff j < boundary(t): the format's residual
-        # window keeps the most recent slots in full precision.
-        compressed = self._compressed_mask(slots, S)
-        return _two_tier_attention(q, keys, values, kq, vq, mask, compressed)
+            return _rotated_attention(q, kq, vq, self.fmt.rotation(q.shape[-1], q.device).to(q.dtype), mask)
+        if not self.fmt.windowed:  # every readable slot is compressed, the current one included
+            return F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
+        # A query reads slot j compressed iff j < boundary(n), n = its sequence length: the
+        # format's window keeps recent keys (and values) in full precision.
+        ck = self._compressed_mask(slots, S, self.fmt.boundary_k)
+        cv = self._compressed_mask(slots, S, self.fmt.boundary_v)
+        return _two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
 
-    def _compressed_mask(self, slots: torch.Tensor, S: int) -> torch.Tensor:
+    def _compressed_mask(self, slots: torch.Tensor, S: int, boundary) -> torch.Tensor:
         # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
         # iff (j − start) < boundary(n).
         start = self.seq_start[:, None, None]  # [B, 1, 1]
         n = slots[None, :, None] - start + 1  # [B, T, 1]
-        bound = self.fmt.boundary(n)  # [B, T, 1] in sequence positions
         j = torch.arange(S, device=slots.device)[None, None, :] - start  # [B, 1, S]
-        return (j < bound)[:, None]
+        return (j < boundary(n))[:, None]
 
 
 def _rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
@@ -65,16 +69,17 @@ def _rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
     return out_rot @ rot
 
 
-def _two_tier_attention(q, k, v, kq, vq, mask, compressed) -> torch.Tensor:
+def _two_tier_attention(q, k, v, kq, vq, mask, ck, cv) -> torch.Tensor:
+    """Scores read compressed keys where ck, values mix compressed values where cv."""
     B, H, T, D = q.shape
     g = H // k.shape[1]
     k, v, kq, vq = (x.repeat_interleave(g, dim=1) for x in (k, v, kq, vq))  # [B, H, S, D]
     scale = 1.0 / D**0.5
     s_raw = (q @ k.transpose(-1, -2)) * scale
     s_cmp = (q @ kq.transpose(-1, -2)) * scale
-    scores = torch.where(compressed, s_cmp, s_raw).float().masked_fill(~mask, float("-inf"))
+    scores = torch.where(ck, s_cmp, s_raw).float().masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)
-    return (p * compressed) @ vq + (p * ~compressed) @ v
+    return (p * cv) @ vq + (p * ~cv) @ v
 
 
 class NoCache:

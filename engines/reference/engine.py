@@ -53,9 +53,11 @@ class ReferenceEngine:
             self._rtn(model, RTN_BITS[spec.weights])
         elif spec.weights == "awq-int4":
             self._awq(model, calibration)
+        self.kv = kv_format(spec.kv_cache, self.dtype)
+        if hasattr(self.kv, "calibrate"):
+            self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant)
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
-        self.kv = kv_format(spec.kv_cache, self.dtype)
         self.draft_model: Transformer | None = None
         self.proposer = self._proposer(spec)
 
@@ -276,14 +278,14 @@ class ReferenceEngine:
             sync()
             now = time.perf_counter()
             out += new
-            stamps += [now] * len(new)  # tokens verified together arrive together
+            stamps.append(now)  # the tokens one verification accepts arrive together: one gap per step
         return GenerationResult(
             request_id=req.request_id,
             text=self.tokenizer.decode(out, skip_special_tokens=True),
             token_ids=tuple(out),
             prompt_tokens=len(prompt),
             ttft_ms=(stamps[0] - t0) * 1000,
-            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:])),
+            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:])),  # vLLM: per step, not per token
             total_ms=(stamps[-1] - t0) * 1000,
             spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
                            tuple(counters.accepted_per_position)),

@@ -22,14 +22,24 @@ FP16_BITS = 16
 class KVFormat:
     name = "base"
     lossy = True
+    per_token = True  # each slot encodes on its own: the cache encodes new slots only, once
+    rotated = False  # stored values live in a rotated domain (TurboQuant): attention rotates q once
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
         """k, v: [B, Hkv, S, D] raw → what the cache holds for them (same shapes)."""
         raise NotImplementedError
 
-    def boundary(self, n: torch.Tensor) -> torch.Tensor:
-        """Leading positions stored compressed when the sequence holds n tokens."""
+    def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
+        """Leading key positions held compressed when the sequence holds n tokens (all of them,
+        the current one included, unless the format keeps a full-precision window)."""
         return n
+
+    def boundary_v(self, n: torch.Tensor) -> torch.Tensor:
+        return n
+
+    @property
+    def windowed(self) -> bool:
+        return False
 
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """(key bits, value bits) per cached element, metadata included."""
@@ -45,7 +55,7 @@ class FloatKV(KVFormat):
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         self.lossy = self.dtype != self.compute_dtype
 
-    def encode(self, k, v, seq_start):
+    def encode(self, k, v, seq_start, layer=0):
         return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
 
     def bits_per_element(self, head_dim):
@@ -58,7 +68,7 @@ class Fp8KV(KVFormat):
 
     name = "fp8"
 
-    def encode(self, k, v, seq_start):
+    def encode(self, k, v, seq_start, layer=0):
         f8 = torch.float8_e4m3fn
         return k.float().clamp(-448, 448).to(f8).to(k.dtype), v.float().clamp(-448, 448).to(f8).to(v.dtype)
 
@@ -86,7 +96,7 @@ class IntPerTokenKV(KVFormat):
     def __post_init__(self) -> None:
         self.name = f"int{self.bits}"
 
-    def encode(self, k, v, seq_start):
+    def encode(self, k, v, seq_start, layer=0):
         return minmax_quant(k.float(), self.bits, -1).to(k.dtype), minmax_quant(v.float(), self.bits, -1).to(v.dtype)
 
     def bits_per_element(self, head_dim):
@@ -97,21 +107,30 @@ class IntPerTokenKV(KVFormat):
 @dataclass
 class KiviKV(KVFormat):
     """KIVI (jy-yuan/KIVI): keys per channel over groups of G tokens, values per token over
-    groups of G channels, the most recent R tokens in full precision; older tokens are
-    quantized G at a time once they leave the window."""
+    groups of G channels. Keys wait in a full-precision residual of up to R tokens and are
+    flushed (quantized) R at a time, so 1…R recent keys are full precision; values leave their
+    R-token full-precision window one token at a time."""
 
     bits: int
     group: int = 32
     residual: int = 128
+    per_token = False  # key groups span tokens
 
     def __post_init__(self) -> None:
         self.name = f"kivi-{self.bits}"
 
-    def boundary(self, n):
-        return ((n - self.residual).clamp(min=0) // self.group) * self.group
+    @property
+    def windowed(self) -> bool:
+        return True
 
-    def encode(self, k, v, seq_start):
-        kq, vq = k.clone(), v.clone()
+    def boundary_k(self, n):
+        return ((n - 1).clamp(min=0) // self.residual) * self.residual
+
+    def boundary_v(self, n):
+        return (n - 1 - self.residual).clamp(min=0)
+
+    def encode(self, k, v, seq_start, layer=0):
+        kq = k.clone()
         B, H, S, D = k.shape
         G = self.group
         for b in range(B):  # rows start at different slots under left padding
@@ -128,6 +147,7 @@ class KiviKV(KVFormat):
         return kq, vq
 
     def bits_per_element(self, head_dim):
+        """Quantized part only; the full-precision window (up to R keys, R values) comes on top."""
         per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
         return self.bits + per_group, self.bits + per_group
 
@@ -184,10 +204,12 @@ def qjl_residual(r: torch.Tensor, seed: int) -> torch.Tensor:
 
 @dataclass
 class TurboKV(KVFormat):
-    """TurboQuant (arXiv 2504.19874). bits may be fractional: the D/4 highest-energy channels
-    (chosen per layer and head from the first tokens written) get ⌈b⌉ bits, the rest ⌊b⌋, each
-    part with its own rotation and norm. inner_product=True: keys use MSE at b−1 bits plus the
-    1-bit QJL residual (unbiased inner products); values stay MSE at b bits."""
+    """TurboQuant (arXiv 2504.19874). bits may be fractional: D/4 outlier channels get ⌈b⌉ bits,
+    the rest ⌊b⌋, each part with its own rotation and norm. The outlier channels are fixed per
+    layer and head from the projection weights (``calibrate``: row energy of k_proj — RoPE pairs
+    kept together — and of v_proj), so a token's code never depends on other requests.
+    inner_product=True: keys use MSE at b−1 bits plus the 1-bit QJL residual (unbiased inner
+    products); values stay MSE at b bits."""
 
     bits: float
     inner_product: bool = False
@@ -196,24 +218,35 @@ class TurboKV(KVFormat):
     def __post_init__(self) -> None:
         self.name = f"turbo-ip-{self.bits:g}" if self.inner_product else f"turbo-{self.bits:g}"
         self.fractional = self.bits != int(self.bits)
-        self.outliers: dict[tuple, torch.Tensor] = {}
+        self.rotated = not (self.inner_product or self.fractional)
+        self.outliers: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "k"|"v") → [Hkv, D/4] channel ids
 
-    def _split(self, x: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-        # outlier channels by mean |x| over the first tokens, per (kind, head); fixed thereafter
+    def calibrate(self, model) -> None:
+        """Outlier channels per layer and head from the weights (data-free, order-free)."""
+        if not self.fractional:
+            return
+        a = model.args
+        D, Hkv = a.head_dim, a.n_kv_heads
+        for i, layer in enumerate(model.model.layers):
+            wk = layer.self_attn.k_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)  # [Hkv, D]
+            pair = wk[:, : D // 2] + wk[:, D // 2 :]  # RoPE rotates channel i with i + D/2
+            top = pair.topk(D // 8, dim=-1).indices
+            self.outliers[(i, "k")] = torch.cat([top, top + D // 2], dim=-1).sort(-1).values
+            wv = layer.self_attn.v_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)
+            self.outliers[(i, "v")] = wv.topk(D // 4, dim=-1).indices.sort(-1).values
+
+    def _outlier_mask(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
         D = x.shape[-1]
-        key = (which, x.shape[1], D)
-        if key not in self.outliers:
-            energy = x.float().abs().mean(dim=(0, 2))  # [Hkv, D]
-            self.outliers[key] = energy.topk(D // 4, dim=-1).indices.sort(-1).values
-        idx = self.outliers[key]  # [Hkv, D/4]
+        idx = self.outliers.get((layer, which))
+        if idx is None:  # uncalibrated (a format used on its own): this call's own energy
+            idx = x.float().abs().mean(dim=(0, 2)).topk(D // 4, dim=-1).indices
         mask = torch.zeros(x.shape[1], D, dtype=torch.bool, device=x.device)
-        mask.scatter_(1, idx.to(x.device), True)
-        return mask, idx
+        return mask.scatter_(1, idx.to(x.device), True)
 
-    def _mse(self, x: torch.Tensor, which: str, bits: float) -> torch.Tensor:
+    def _mse(self, x: torch.Tensor, layer: int, which: str, bits: float) -> torch.Tensor:
         if bits == int(bits):
             return turbo_mse(x, int(bits), self.seed)
-        mask, _ = self._split(x, which)  # [Hkv, D]
+        mask = self._outlier_mask(x, layer, which)  # [Hkv, D]
         out = torch.empty_like(x, dtype=torch.float32)
         hi_bits, lo_bits = math.ceil(bits), math.floor(bits)
         for h in range(x.shape[1]):
@@ -222,23 +255,19 @@ class TurboKV(KVFormat):
             out[:, h][..., ~m] = turbo_mse(x[:, h][..., ~m], lo_bits, self.seed + 2)
         return out
 
-    @property
-    def rotated(self) -> bool:
-        """Attention can run in the rotated domain: one rotation per layer for all slots."""
-        return not (self.inner_product or self.fractional)
+    def rotation(self, d: int, device) -> torch.Tensor:
+        return random_rotation(d, self.seed).to(device)
 
-    def encode_rotated(self, k, v):
-        """(Π·k̂, Π·v̂, Π): codes × norms as stored, and the rotation shared by k and v."""
-        rot = random_rotation(k.shape[-1], self.seed).to(k.device)
-        return turbo_mse_rotated(k, int(self.bits), self.seed), turbo_mse_rotated(v, int(self.bits), self.seed), rot
-
-    def encode(self, k, v, seq_start):
+    def encode(self, k, v, seq_start, layer=0):
+        if self.rotated:  # stored in the rotated domain: codes × norms (Π·k̂, Π·v̂)
+            return (turbo_mse_rotated(k, int(self.bits), self.seed).to(k.dtype),
+                    turbo_mse_rotated(v, int(self.bits), self.seed).to(v.dtype))
         if self.inner_product:
-            k_mse = self._mse(k, "k", self.bits - 1)
+            k_mse = self._mse(k, layer, "k", self.bits - 1)
             kq = k_mse + qjl_residual(k.float() - k_mse, self.seed + 3)
         else:
-            kq = self._mse(k, "k", self.bits)
-        return kq.to(k.dtype), self._mse(v, "v", self.bits).to(v.dtype)
+            kq = self._mse(k, layer, "k", self.bits)
+        return kq.to(k.dtype), self._mse(v, layer, "v", self.bits).to(v.dtype)
 
     def code_bits(self, bits: float) -> float:
         # fractional: D/4 channels at ⌈b⌉, 3D/4 at ⌊b⌋ → ⌊b⌋ + 1/4 code bits per element

@@ -60,7 +60,8 @@ class ModelArgs:
             rope_theta=float(theta),
             # Sliding-window attention (Mistral) is not implemented: cap the context at the window,
             # where full attention and sliding-window attention agree.
-            max_seq_len=min(cfg.get("max_position_embeddings", 2048), cfg.get("sliding_window") or 1 << 30),
+            max_seq_len=min(cfg.get("max_position_embeddings", 2048),
+                            (cfg.get("sliding_window") or 1 << 30) if cfg.get("use_sliding_window", True) else 1 << 30),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
             rope_scaling={**rope, "rope_type": kind},
@@ -117,7 +118,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Llama's attention_bias covers o_proj too; Qwen2 biases q, k, v only
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias and args.model_type != "qwen2")
         self.qkv_proj: nn.Linear | None = None  # fused after loading (one matmul instead of three)
 
     def fuse(self) -> None:

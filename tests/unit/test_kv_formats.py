@@ -76,19 +76,47 @@ def test_int8_per_token_error_bound():
     assert ((kq - k).abs() <= step / 2 + 1e-6).all()
 
 
-def test_kivi_window_and_groups_by_hand():
+def test_kivi_windows_by_hand():
     f = KiviKV(bits=2, group=4, residual=8)
-    # n tokens cached → compressed prefix: floor((n − 8) / 4) · 4
-    assert f.boundary(torch.tensor([5, 8, 11, 12, 15, 16])).tolist() == [0, 0, 0, 4, 4, 8]
-    # keys per channel over groups of 4 tokens: channel 0 of tokens 0..3 = [0, 1, 2, 3] at 2 bits is exact
-    k = torch.zeros(1, 1, 8, 4)
-    k[0, 0, :4, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    kq, _ = f.encode(k, k, torch.zeros(1, dtype=torch.long))
-    assert kq[0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    # keys wait in a residual of up to 8 and are flushed 8 at a time: floor((n − 1) / 8) · 8
+    assert f.boundary_k(torch.tensor([5, 8, 9, 16, 17])).tolist() == [0, 0, 8, 8, 16]
+    # values leave an 8-token window one at a time: max(0, n − 1 − 8)
+    assert f.boundary_v(torch.tensor([5, 9, 10, 17])).tolist() == [0, 0, 1, 8]
+
+
+def test_kivi_keys_per_channel_values_per_token_by_hand():
+    f = KiviKV(bits=2, group=4, residual=8)
+    # k[t, c] = t · 10^c over 4 tokens: each channel holds 4 evenly spaced levels, so per-channel
+    # 2-bit groups are exact — per-token groups would not be (token 1 = [1, 10, 100, 1000]).
+    t = torch.arange(4.0)[:, None]
+    k = (t * 10.0 ** torch.arange(4.0)[None, :])[None, None]  # [1, 1, 4 tokens, 4 channels]
+    v = torch.zeros(1, 1, 4, 4)
+    v[0, 0, 1] = torch.tensor([0.0, 1.0, 2.0, 30.0])  # one token: its 4 channels form one group
+    kq, vq = f.encode(k, v, torch.zeros(1, dtype=torch.long))
+    assert torch.allclose(kq, k)
+    # per-token value group at 2 bits: scale 10 → 0, 1, 2, 30 become 0, 0, 0, 30
+    assert vq[0, 0, 1].tolist() == pytest.approx([0.0, 0.0, 0.0, 30.0])
     # a left-padded row groups from its own first token
     k2 = torch.randn(1, 1, 9, 4)
     kq2, _ = f.encode(k2, k2, torch.tensor([1]))
     assert torch.equal(kq2[0, 0, 0], k2[0, 0, 0])  # the pad slot is not part of any group
+
+
+def test_fractional_turbo_outliers_are_fixed_per_layer_and_order_free():
+    from engines.reference.model import load_model
+    from engines.zoo import resolve_model_path
+
+    model = load_model(resolve_model_path("builtin:pydoc-target"))
+    f = TurboKV(2.5)
+    f.calibrate(model)
+    assert len(f.outliers) == 2 * model.args.n_layers
+    idx = f.outliers[(0, "k")]  # [Hkv, D/4], RoPE pairs (i, i + D/2) kept together
+    assert idx.shape == (2, 8) and set((idx[0] % 16).tolist()) == set((idx[0] % 16).tolist()[:4])
+    a, b = torch.randn(1, 2, 6, 32), torch.randn(1, 2, 6, 32)
+    z = torch.zeros(1, dtype=torch.long)
+    first = f.encode(a, a, z, layer=3)[0]
+    f.encode(b, b, z, layer=3)
+    assert torch.equal(f.encode(a, a, z, layer=3)[0], first)  # another request in between changes nothing
 
 
 @pytest.mark.parametrize(
@@ -120,7 +148,6 @@ def test_rotated_domain_attention_equals_attention_over_reconstructions():
     mask = torch.ones(1, 1, 5, 9, dtype=torch.bool)
     fmt = TurboKV(3)
     assert fmt.rotated and not TurboKV(2.5).rotated and not TurboKV(3, inner_product=True).rotated
-    kq, vq = fmt.encode(k, v, torch.zeros(1, dtype=torch.long))
-    expected = F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
-    kr, vr, rot = fmt.encode_rotated(k, v)
-    assert torch.allclose(_rotated_attention(q, kr, vr, rot, mask), expected, atol=1e-5)
+    expected = F.scaled_dot_product_attention(q, turbo_mse(k, 3, 0), turbo_mse(v, 3, 0), attn_mask=mask, enable_gqa=True)
+    kr, vr = fmt.encode(k, v, torch.zeros(1, dtype=torch.long))  # stored: rotated codes × norms
+    assert torch.allclose(_rotated_attention(q, kr, vr, fmt.rotation(32, "cpu"), mask), expected, atol=1e-5)
