@@ -168,6 +168,25 @@ def lloyd_max_gaussian(bits: int, iters: int = 300) -> tuple[float, ...]:
 
 
 @lru_cache
+def lloyd_max_sphere(d: int, bits: int, iters: int = 200, grid: int = 40001) -> tuple[float, ...]:
+    """Lloyd-Max centroids for one coordinate of a uniformly random unit vector in d dimensions,
+    whose exact law is f(x) ∝ (1 − x²)^((d−3)/2) on [−1, 1] (TurboQuant §3; for large d it tends
+    to N(0, 1/d), whose codebook is lloyd_max_gaussian / √d). Numerical, on a fine grid."""
+    if d < 3:
+        raise ValueError(f"head_dim {d} is too small for TurboQuant")
+    x = torch.linspace(-1, 1, grid, dtype=torch.float64)[1:-1]
+    w = (1 - x * x).pow((d - 3) / 2)
+    c = torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64) / math.sqrt(d)  # start from the Gaussian
+    for _ in range(iters):
+        edges = (c[1:] + c[:-1]) / 2
+        cell = torch.bucketize(x, edges)
+        mass = torch.zeros_like(c).index_add_(0, cell, w)
+        c = torch.zeros_like(c).index_add_(0, cell, w * x) / mass.clamp(min=1e-300)
+        c = (c - c.flip(0)) / 2  # the law is symmetric; keep the grid from tilting it
+    return tuple(c.tolist())
+
+
+@lru_cache
 def random_rotation(d: int, seed: int) -> torch.Tensor:
     """Random orthogonal Π: QR of a Gaussian matrix, signs fixed (TurboQuant paper)."""
     g = torch.Generator().manual_seed(seed)
@@ -177,13 +196,13 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
 
 def turbo_mse_rotated(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
     """TurboQuant-MSE in the rotated domain: c[idx]·‖x‖ where idx snaps each coordinate of the
-    rotated unit vector Π·x/‖x‖ (≈ N(0, 1/d)) to the Lloyd-Max codebook. x: [..., d]."""
+    rotated unit vector Π·x/‖x‖ to the Lloyd-Max codebook of its exact law. x: [..., d]."""
     d = x.shape[-1]
     rot = random_rotation(d, seed).to(x.device)
     xf = x.float()
     norm = xf.norm(dim=-1, keepdim=True)
     u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector
-    book = torch.tensor(lloyd_max_gaussian(bits), device=x.device) / math.sqrt(d)
+    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=x.device)
     idx = (u[..., None] - book).abs().argmin(-1)
     return book[idx] * norm
 

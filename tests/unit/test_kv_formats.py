@@ -26,6 +26,19 @@ def test_lloyd_max_codebooks_match_the_paper():
     assert len(lloyd_max_gaussian(3)) == 8 and lloyd_max_gaussian(3)[4] > 0
 
 
+def test_sphere_codebook_is_lloyd_max_for_the_exact_coordinate_law():
+    from engines.reference.kv import lloyd_max_sphere
+
+    # b = 1 on the exact law (1 − x²)^((d−3)/2): the centroid is E|x| = Γ(d/2) / (√π Γ((d+1)/2))
+    d = 32
+    exact = math.gamma(d / 2) / (math.sqrt(math.pi) * math.gamma((d + 1) / 2))
+    assert lloyd_max_sphere(d, 1)[1] == pytest.approx(exact, rel=1e-3)
+    assert lloyd_max_sphere(d, 1)[0] == pytest.approx(-exact, rel=1e-3)
+    # large d tends to the Gaussian codebook / √d (TurboQuant's ±√(2/π)/√d, ±0.453/√d, ±1.51/√d)
+    big = 1024
+    assert [c * math.sqrt(big) for c in lloyd_max_sphere(big, 2)] == pytest.approx(lloyd_max_gaussian(2), rel=1e-2)
+
+
 def test_turbo_mse_distortion_matches_the_paper():
     # Unit vectors in d = 128: MSE ≈ 0.36, 0.117, 0.03, 0.009 for b = 1…4 (TurboQuant Thm. 1)
     x = torch.randn(2000, 128, generator=torch.Generator().manual_seed(0))
@@ -35,12 +48,13 @@ def test_turbo_mse_distortion_matches_the_paper():
 
 
 def test_turbo_one_bit_by_hand():
-    # d = 2 with the identity rotation: x = (3, −4), ‖x‖ = 5, u = (0.6, −0.8) → codebook ±0.7979/√2 = ±0.5642
-    # → x̂ = 5 · (0.5642, −0.5642)
-    rot = random_rotation(2, 0)
-    x = torch.tensor([[3.0, -4.0]]) @ rot  # so that the rotated vector is (3, −4)
-    c = math.sqrt(2 / math.pi) / math.sqrt(2)
-    assert (turbo_mse(x, 1, 0) @ rot.T) == pytest.approx(torch.tensor([[5 * c, -5 * c]]), abs=1e-5)
+    # d = 4, one bit: the exact-law centroid is E|x| = Γ(2) / (√π Γ(2.5)) = 4 / (3π) = 0.42441.
+    # x rotated = (3, −4, 0.5, −0.5), ‖x‖ = 5.0498 → signs (+, −, +, −) → x̂ = 5.0498 · 0.42441 · signs
+    rot = random_rotation(4, 0)
+    xr = torch.tensor([[3.0, -4.0, 0.5, -0.5]])
+    c = 4 / (3 * math.pi) * xr.norm().item()
+    got = turbo_mse(xr @ rot, 1, 0) @ rot.T  # back in the rotated frame
+    assert got == pytest.approx(torch.tensor([[c, -c, c, -c]]), abs=2e-3)
 
 
 def test_rotation_is_orthogonal():
