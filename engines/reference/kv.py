@@ -191,7 +191,7 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
     """Random orthogonal Π: QR of a Gaussian matrix, signs fixed (TurboQuant paper)."""
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float()
+    return (q * torch.sign(torch.diagonal(r))).float().contiguous()  # LAPACK returns column-major
 
 
 def turbo_mse_rotated(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""TurboQuant KV cache on the GPU: quantize-on-write and decode attention in the rotated domain.
+
+Layout of one cached vector (head_dim D, b bits): its rotated unit vector's code indices as b
+bit-planes of 32-channel words — codes [b, D/32] int32, bit k of the code of channel 32w + j is
+bit j of plane k, word w — exactly b bits per element with power-of-two tensor shapes; plus the
+vector's norm (fp32 here; 16 bits in the memory accounting).
+
+quantize_on_write: x [N, D] → (codes [N, b, D/32] int32, norms [N]); the caller rotates nothing.
+decode_attention: q [B, H, D] (one new token per sequence) against the cached codes of keys and
+values [B, Hkv, S, b, D/32] with norms [B, Hkv, S] and per-sequence lengths; the query is rotated
+once (Π·q), scores are taken against codebook values, Σ p·ĉ·‖v‖ accumulates in the rotated
+domain, and the output is rotated back once. GQA: query head h reads kv head h // (H/Hkv).
+Split-K over the sequence: each program reduces a chunk to (max, sum, acc); chunks are combined
+with a log-sum-exp merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engines.reference.kv import lloyd_max_sphere, random_rotation
+
+_kernels: dict[str, object] = {}
+
+
+# -- torch references --------------------------------------------------------------------------
+def pack_bitplanes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """idx [..., D] ints < 2^bits → [..., bits, D/32] int32 bit-planes."""
+    *lead, D = idx.shape
+    lanes = idx.to(torch.int64).reshape(*lead, D // 32, 32)
+    planes = [((lanes >> k) & 1) << torch.arange(32, dtype=torch.int64) for k in range(bits)]
+    words = torch.stack([p.sum(-1) for p in planes], dim=-2)  # [..., bits, D/32]
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    *lead, b, W = codes.shape
+    words = codes.to(torch.int64)[..., None] >> torch.arange(32, dtype=torch.int64)  # [..., b, W, 32]
+    idx = sum(((words[..., k, :, :] & 1) << k) for k in range(bits))
+    return idx.reshape(*lead, W * 32)
+
+
+def quantize_reference(x: torch.Tensor, bits: int, seed: int = 0):
+    d = x.shape[-1]
+    rot = random_rotation(d, seed).to(x.device)
+    xf = x.float()
+    norm = xf.norm(dim=-1)
+    u = (xf / norm[..., None].clamp(min=1e-12)) @ rot.T
+    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=x.device)
+    idx = (u[..., None] - book).abs().argmin(-1)
+    return pack_bitplanes(idx, bits), norm
+
+
+def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rotated-domain values ĉ·‖x‖ [..., D]."""
+    d = codes.shape[-1] * 32
+    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=codes.device)
+    return book[unpack_bitplanes(codes, bits)] * norms[..., None]
+
+
+def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0):
+    B, H, D = q.shape
+    Hkv = k_codes.shape[1]
+    rot = random_rotation(D, seed).to(q.device)
+    kr = dequantize_rotated(k_codes, k_norms, bits)  # [B, Hkv, S, D]
+    vr = dequantize_rotated(v_codes, v_norms, bits)
+    kr, vr = kr.repeat_interleave(H // Hkv, 1), vr.repeat_interleave(H // Hkv, 1)
+    qr = q.float() @ rot.T
+    scores = torch.einsum("bhd,bhsd->bhs", qr, kr) / math.sqrt(D)
+    S = kr.shape[2]
+    valid = torch.arange(S, device=q.device)[None, :] < lengths[:, None]
+    p = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), -1)
+    return (torch.einsum("bhs,bhsd->bhd", p, vr) @ rot).to(q.dtype)
+
+
+# -- Triton ----------------------------------------------------------------------------------------
+def _get():
+    if not _kernels:
+        from engines.kernels import _turbo_kv_triton as k
+
+        _kernels["quantize"], _kernels["attention"] = k.quantize_kernel, k.attention_kernel
+    return _kernels["quantize"], _kernels["attention"]
+
+
+def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 16):
+    """x [N, D] → (codes [N, bits, D/32] int32, norms [N] fp32). D must be a multiple of 32."""
+    N, D = x.shape
+    if D % 32 or D & (D - 1):
+        raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
+    quantize, _ = _get()
+    rot = random_rotation(D, seed).to(x.device).contiguous()  # kernels read raw row-major memory
+    book = torch.tensor(lloyd_max_sphere(D, bits), dtype=torch.float32, device=x.device)
+    codes = torch.empty(N, bits, D // 32, dtype=torch.int32, device=x.device)
+    norms = torch.empty(N, dtype=torch.float32, device=x.device)
+    quantize[(math.ceil(N / block_n),)](x.contiguous().float(), rot, book, codes, norms, N, D=D, BITS=bits, BLOCK_N=block_n)
+    return codes, norms
+
+
+def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,
+                     chunk: int = 64, block_s: int = 16) -> torch.Tensor:
+    """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S]; lengths [B] → [B, H, D]."""
+    B, H, D = q.shape
+    Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    _, attention = _get()
+    rot = random_rotation(D, seed).to(q.device)
+    book = torch.tensor(lloyd_max_sphere(D, bits), dtype=torch.float32, device=q.device)
+    q_rot = (q.float() @ rot.T).contiguous()  # rotate the query once
+    n_chunks = math.ceil(S / chunk)
+    m = torch.empty(B * H, n_chunks, device=q.device)
+    l = torch.empty(B * H, n_chunks, device=q.device)
+    acc = torch.empty(B * H, n_chunks, D, device=q.device)
+    attention[(B * H, n_chunks)](q_rot, k_codes.contiguous(), k_norms.contiguous().float(), v_codes.contiguous(),
+                                 v_norms.contiguous().float(), lengths.to(torch.int32).contiguous(), book,
+                                 m, l, acc, H, Hkv, S, chunk, 1.0 / math.sqrt(D), D=D, BITS=bits, BLOCK_S=block_s)
+    # merge the split-K chunks: out = Σ e^(m_c − M) acc_c / Σ e^(m_c − M) l_c
+    M = m.max(dim=1, keepdim=True).values
+    w = torch.exp(m - M).nan_to_num(0.0)
+    out_rot = (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
+    return (out_rot @ rot).reshape(B, H, D).to(q.dtype)  # rotate back once
