@@ -43,6 +43,8 @@ class KVCache:
             self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, self.seq_start, layer)
         kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
         if self.fmt.rotated:
+            if self._kernel_decode(q, slots):
+                return self._turbo_kernel_attend(layer, q, k, v, slots)
             # TurboQuant: ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ — rotate the query once and score against the
             # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
             return _rotated_attention(q, kq, vq, self.fmt.rotation(q.shape[-1], q.device).to(q.dtype), mask)
@@ -53,6 +55,36 @@ class KVCache:
         ck = self._compressed_mask(slots, S, self.fmt.boundary_k)
         cv = self._compressed_mask(slots, S, self.fmt.boundary_v)
         return _two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
+
+    def _kernel_decode(self, q, slots) -> bool:
+        """Decode steps (one new token, no left padding) run the Triton kernels where kernels run."""
+        from engines.kernels import use_triton
+
+        return q.shape[2] == 1 and not bool(self.seq_start.any()) and q.shape[-1] % 32 == 0 and use_triton(q.device)
+
+    def _turbo_kernel_attend(self, layer: int, q, k, v, slots):
+        """Packed codes written by the quantize-on-write kernel; attention by the decode kernel.
+        The packed cache is filled on first use from the raw keys/values already written."""
+        from engines.kernels.turbo_kv import decode_attention, quantize_on_write
+
+        bits = int(self.fmt.bits)
+        L, B, Hkv, S_max, D = self.k.shape
+        if not hasattr(self, "codes"):
+            self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=q.device)
+            self.norms = torch.zeros(2, L, B, Hkv, S_max, device=q.device)
+            self.packed_upto = [0] * L
+        t = int(slots[-1]) + 1
+        lo = self.packed_upto[layer]
+        for i, x in enumerate((self.k, self.v)):  # pack every slot not packed yet, up to this one
+            new = x[layer, :, :, lo:t].reshape(-1, D)
+            c, n = quantize_on_write(new, bits, self.fmt.seed)
+            self.codes[i, layer, :, :, lo:t] = c.reshape(B, Hkv, t - lo, bits, D // 32)
+            self.norms[i, layer, :, :, lo:t] = n.reshape(B, Hkv, t - lo)
+        self.packed_upto[layer] = t
+        lengths = torch.full((B,), t, device=q.device)
+        out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :t], self.norms[0, layer, :, :, :t],
+                               self.codes[1, layer, :, :, :t], self.norms[1, layer, :, :, :t], lengths, bits, self.fmt.seed)
+        return out[:, :, None].to(q.dtype)
 
     def _compressed_mask(self, slots: torch.Tensor, S: int, boundary) -> torch.Tensor:
         # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
