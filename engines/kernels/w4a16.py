@@ -77,6 +77,32 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+class W4A16Linear(torch.nn.Module):
+    """A linear layer whose int4 weight stays packed (AutoAWQ GEMM layout) and multiplies
+    through w4a16(). Several layers of one input (q, k, v) concatenate along N."""
+
+    def __init__(self, qweight, qzeros, scales, bias=None):
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qzeros", qzeros)
+        self.register_buffer("scales", scales)
+        self.bias = bias
+        self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
+
+    @classmethod
+    def from_parts(cls, parts, bias, device) -> "W4A16Linear":
+        from engines.reference.awq import pack_awq_gemm
+
+        packed = [pack_awq_gemm(q, zero, scale) for q, zero, scale in parts]  # each: [K, N_i/8] …
+        qweight, qzeros, scales = (torch.cat([p[i] for p in packed], dim=1).to(device) for i in range(3))
+        return cls(qweight, qzeros, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = w4a16(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
 def w4a16(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
     """Dispatch: the Triton kernel where kernels run (CUDA, or CANARY_KERNELS=triton), else torch."""
     if use_triton(x.device):

@@ -17,7 +17,7 @@ from engines.protocol import (
     RollingResult,
     strided_windows,
 )
-from engines.quant import fake_quantize, quantized_bytes
+from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
@@ -49,6 +49,7 @@ class ReferenceEngine:
         self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         model = load_model(self.model_path, torch.float32, "cpu")
         self.quantized_params = self.quantized_bytes = 0
+        self.packed: dict[str, tuple] = {}  # int4 layers: (q, zero, scale) for the W4A16 kernels
         if spec.weights in RTN_BITS:
             self._rtn(model, RTN_BITS[spec.weights])
         elif spec.weights == "awq-int4":
@@ -58,6 +59,10 @@ class ReferenceEngine:
             self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant)
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
+        from engines.kernels import use_triton
+
+        if self.packed and use_triton(self.device):
+            self._use_w4a16_kernels()
         self.draft_model: Transformer | None = None
         self.proposer = self._proposer(spec)
 
@@ -82,12 +87,31 @@ class ReferenceEngine:
 
     def _rtn(self, model: Transformer, bits: int) -> None:
         with torch.no_grad():
-            for layer in model.model.layers:
-                for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                    lin.weight.copy_(fake_quantize(lin.weight, bits))
+            for i, layer in enumerate(model.model.layers):
+                for name, lin in (("self_attn.q_proj", layer.self_attn.q_proj), ("self_attn.k_proj", layer.self_attn.k_proj),
+                                  ("self_attn.v_proj", layer.self_attn.v_proj), ("self_attn.o_proj", layer.self_attn.o_proj),
+                                  ("mlp.gate_proj", layer.mlp.gate_proj), ("mlp.up_proj", layer.mlp.up_proj),
+                                  ("mlp.down_proj", layer.mlp.down_proj)):
+                    q, scale, zero = quantize_groupwise(lin.weight, bits)
+                    lin.weight.copy_(dequantize_groupwise(q, scale, zero).to(lin.weight.dtype))
+                    if bits == 4:
+                        self.packed[f"model.layers.{i}.{name}"] = (q, zero, scale)
                     self.quantized_params += lin.weight.numel()
                     self.quantized_bytes += quantized_bytes(*lin.weight.shape, bits)
+
+    def _use_w4a16_kernels(self) -> None:
+        """Where kernels run, int4 linears multiply straight from the packed AutoAWQ layout
+        (engines/kernels/w4a16.py) instead of the dequantized copy."""
+        from engines.kernels.w4a16 import W4A16Linear
+
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [self.packed[f"model.layers.{i}.self_attn.{n}_proj"] for n in ("q", "k", "v")]
+            attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, self.device)
+            attn.o_proj = W4A16Linear.from_parts([self.packed[f"model.layers.{i}.self_attn.o_proj"]], attn.o_proj.bias, self.device)
+            gu = [self.packed[f"model.layers.{i}.mlp.{n}_proj"] for n in ("gate", "up")]
+            mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, self.device)
+            mlp.down_proj = W4A16Linear.from_parts([self.packed[f"model.layers.{i}.mlp.down_proj"]], None, self.device)
 
     def _awq(self, model: Transformer, calibration: Sequence[str] | None) -> None:
         """AWQ on domain calibration text: `calibration_samples` windows of `calibration_tokens`
@@ -109,6 +133,7 @@ class ReferenceEngine:
             raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, fewer than one window of {t}")
         self.calibration_shape = (n, t)
         packed = awq_quantize(model, torch.tensor(ids[: n * t]).reshape(n, t))
+        self.packed = packed
         for q, _, _ in packed.values():
             self.quantized_params += q.numel()
             self.quantized_bytes += quantized_bytes(*q.shape, 4)

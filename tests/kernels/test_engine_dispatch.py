@@ -26,3 +26,22 @@ def test_kernel_and_torch_paths_agree(monkeypatch):
     triton_tokens, triton_calls = generate(monkeypatch, "triton")
     assert torch_calls == 0 and triton_calls == 6 * 4  # 6 layers × 4 decode steps after the prefill
     assert triton_tokens == torch_tokens
+
+
+def test_int4_linears_take_the_w4a16_kernel_when_forced(monkeypatch):
+    import engines.kernels.w4a16 as w4a16_mod
+    from engines.protocol import RollingRequest, WindowSpec
+
+    doc = [RollingRequest("d", "os.path.join(a, *p)\n\nJoin two or more pathname components.", WindowSpec(64, 64))]
+    monkeypatch.setenv("CANARY_KERNELS", "torch")
+    dense = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="rtn-int4")).loglikelihood_rolling(doc)[0]
+    monkeypatch.setenv("CANARY_KERNELS", "triton")
+    calls = []
+    real = w4a16_mod.w4a16_triton
+    monkeypatch.setattr(w4a16_mod, "w4a16_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    e = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="rtn-int4"))
+    assert type(e.model.model.layers[0].mlp.down_proj).__name__ == "W4A16Linear"
+    packed = e.loglikelihood_rolling(doc)[0]
+    assert len(calls) == 6 * 4  # qkv, o, gate_up, down in each of 6 layers
+    # same math; the packed path carries fp16 scales (the AutoAWQ layout), the dense one fp32
+    assert max(abs(a - b) for a, b in zip(packed.logprobs, dense.logprobs)) < 2e-2
