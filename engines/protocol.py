@@ -125,6 +125,10 @@ class EngineDescription:
     weight_bytes: int  # bytes the weights take in their stored format (quantized incl. scales)
     kv_bytes_per_token: int  # all layers, keys + values
     versions: dict[str, str] = field(default_factory=dict)
+    # measured, not computed: what this engine holds in memory (it may keep a dequantized copy)
+    resident_weight_bytes: int | None = None
+    peak_kv_cache_bytes: int | None = None  # largest set of KV buffers allocated so far
+    peak_device_bytes: int | None = None  # torch.cuda.max_memory_allocated, on CUDA
     notes: tuple[str, ...] = ()
 
 

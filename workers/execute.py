@@ -177,6 +177,8 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
         "engine": d.engine, "weights": d.weights, "kv_cache": d.kv_cache, "speculative": d.speculative,
         "device": d.device, "compute_dtype": d.compute_dtype, "parameters": d.parameters,
         "weight_bytes": d.weight_bytes, "kv_bytes_per_token": d.kv_bytes_per_token, "versions": d.versions,
+        "resident_weight_bytes": d.resident_weight_bytes, "peak_kv_cache_bytes": d.peak_kv_cache_bytes,
+        "peak_device_bytes": d.peak_device_bytes,
         "notes": list(d.notes),
         "token_ppl": math.exp(nll_sum / tokens) if tokens else None,
         "n_documents": len(samples), "n_tokens": int(tokens),

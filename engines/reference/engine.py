@@ -59,6 +59,8 @@ class ReferenceEngine:
             self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant)
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.peak_kv_bytes = 0
         from engines.kernels import use_triton
 
         if self.packed and use_triton(self.device):
@@ -140,7 +142,10 @@ class ReferenceEngine:
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
-        return KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv)
+        cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv)
+        held = sum(t.nbytes for t in (cache.k, cache.v, getattr(cache, "kq", None), getattr(cache, "vq", None)) if t is not None)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
+        return cache
 
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -327,8 +332,11 @@ class ReferenceEngine:
         import transformers
 
         a = self.args
-        params = sum(p.numel() for p in self.model.parameters())
+        params = self.n_params
         elt = torch.finfo(self.dtype).bits // 8
+        resident = sum(t.nbytes for t in self.model.state_dict().values())  # tied weights counted once below
+        if a.tie_embeddings:
+            resident -= self.model.lm_head.weight.nbytes
         kb, vb = self.kv.bits_per_element(a.head_dim)
         per_token_elems = a.n_layers * a.n_kv_heads * a.head_dim
         return EngineDescription(
@@ -344,4 +352,7 @@ class ReferenceEngine:
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}",),
+            resident_weight_bytes=int(resident),
+            peak_kv_cache_bytes=int(self.peak_kv_bytes),
+            peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )

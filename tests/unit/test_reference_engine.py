@@ -95,3 +95,16 @@ def test_unsupported_architectures_are_refused():
     with pytest.raises(ValueError, match="rope scaling 'yarn'"):
         ModelArgs.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}, "num_attention_heads": 4,
                            "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "intermediate_size": 8})
+
+
+def test_memory_figures_are_measured_from_what_the_engine_holds():
+    e = ref(weights="rtn-int4", kv_cache="int8")
+    e.loglikelihood_rolling([RollingRequest("d", TEXT, WindowSpec(64, 64))])
+    d = e.describe()
+    # on CPU the engine keeps a dequantized fp16 copy: resident bytes = 2 per parameter, while the
+    # int4 storage format it models is smaller
+    assert d.resident_weight_bytes == 2 * d.parameters > d.weight_bytes
+    # TEXT is 89 tokens → windows of 64 and 25 tokens, batched as 2 rows of width 64; raw k, v
+    # and compressed kq, vq buffers in fp16: 4 × 6 layers × 2 rows × 2 kv heads × 64 × 32 dims × 2 B
+    assert len(e.tokenizer(TEXT, add_special_tokens=False)["input_ids"]) == 89
+    assert d.peak_kv_cache_bytes == 4 * 6 * 2 * 2 * 64 * 32 * 2
