@@ -86,3 +86,46 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
     tl.store(acc_ptr + out * D + rd, acc)
+
+
+@triton.jit
+def fp8_quantize_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # e4m3 with unit scale; saturate to ±448 first (e4m3fn has no infinity)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv), mask=i < n)
+
+
+@triton.jit
+def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H, HKV, S, CHUNK, scale,
+                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # one query head × one chunk of the sequence; keys and values read as fp8 and widened
+    bh, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // (H // HKV)
+    length = tl.load(len_ptr + b)
+    rd = tl.arange(0, D)
+    q = tl.load(q_ptr + bh * D + rd).to(tl.float32)
+    base = (b * HKV + kvh) * S * D
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros((D,), dtype=tl.float32)
+    start = chunk * CHUNK
+    for s0 in range(start, start + CHUNK, BLOCK_S):
+        rs = s0 + tl.arange(0, BLOCK_S)
+        valid = (rs < length) & (rs < S)
+        kt = tl.load(k_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(kt * q[None, :], axis=1) * scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe)
+        alpha = tl.exp(m_i - m_safe)
+        vt = tl.load(v_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = bh * tl.num_programs(1) + chunk
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out * D + rd, acc)

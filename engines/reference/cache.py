@@ -49,6 +49,8 @@ class KVCache:
             # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
             return _rotated_attention(q, kq, vq, self.fmt.rotation(q.shape[-1], q.device).to(q.dtype), mask)
         if not self.fmt.windowed:  # every readable slot is compressed, the current one included
+            if self.fmt.name == "fp8" and self._kernel_decode(q, slots):
+                return self._fp8_kernel_attend(layer, q, slots)
             return F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
         # A query reads slot j compressed iff j < boundary(n), n = its sequence length: the
         # format's window keeps recent keys (and values) in full precision.
@@ -84,6 +86,27 @@ class KVCache:
         lengths = torch.full((B,), t, device=q.device)
         out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :t], self.norms[0, layer, :, :, :t],
                                self.codes[1, layer, :, :, :t], self.norms[1, layer, :, :, :t], lengths, bits, self.fmt.seed)
+        return out[:, :, None].to(q.dtype)
+
+    def _fp8_kernel_attend(self, layer: int, q, slots):
+        """fp8 codes written by the cast kernel; attention by the fp8 decode kernel."""
+        from engines.kernels.fp8_kv import FP8, decode_attention, quantize_on_write, quantize_reference
+
+        # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
+        # off CUDA the cast is torch's, so both paths hold the same codes.
+        cast = quantize_on_write if q.is_cuda else quantize_reference
+
+        if not hasattr(self, "k8"):
+            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=q.device)
+            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=q.device)
+            self.packed_upto = [0] * self.k.shape[0]
+        t = int(slots[-1]) + 1
+        lo = self.packed_upto[layer]
+        self.k8[layer, :, :, lo:t] = cast(self.k[layer, :, :, lo:t])
+        self.v8[layer, :, :, lo:t] = cast(self.v[layer, :, :, lo:t])
+        self.packed_upto[layer] = t
+        lengths = torch.full((q.shape[0],), t, device=q.device)
+        out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :t], self.v8[layer, :, :, :t], lengths)
         return out[:, :, None].to(q.dtype)
 
     def _compressed_mask(self, slots: torch.Tensor, S: int, boundary) -> torch.Tensor:
