@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from engines.device import EngineLoadError, resolve_device
 from engines.protocol import (
     EngineDescription,
     GenerationRequest,
@@ -27,19 +28,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
-class EngineLoadError(RuntimeError):
-    pass
-
-
-def _device(spec: OptimizationSpec) -> torch.device:
-    want = spec.engine_options.get("device")
-    if want is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(want).startswith("cuda") and not torch.cuda.is_available():
-        raise EngineLoadError(f"engine_options.device: '{want}' requested but this worker has no CUDA device")
-    return torch.device(want)
-
-
 class TransformersEngine:
     def __init__(self, model_path: str, spec: OptimizationSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,7 +37,7 @@ class TransformersEngine:
         spec.check_available()
         self.spec = spec
         self.model_path = str(model_path)
-        self.device = _device(spec)
+        self.device = resolve_device(spec)
         self.batch_size = int(spec.engine_options.get("batch_size", 8))
         # Quantized weights compute in fp16 (W8A16 / W4A16), the way their kernels do.
         self.compute_dtype = DTYPES.get(spec.weights, torch.float16)

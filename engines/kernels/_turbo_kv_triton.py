@@ -14,6 +14,17 @@ def _select(idx, book_ptr, LEVELS: tl.constexpr):
     return out
 
 @triton.jit
+def _online_softmax_step(s, vals, m_i, l_i, acc):
+    # one block of scores s [BLOCK_S] (−inf where invalid) and value rows vals [BLOCK_S, D]:
+    # rescale the running (max, sum, accumulator) and add the block
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe)
+    alpha = tl.exp(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * vals, axis=0)
+
+
+@triton.jit
 def quantize_kernel(x_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, N,
                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,15 +84,9 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
         kn = tl.load(kn_ptr + norm_off + rs, mask=valid, other=0.0)
         s = tl.sum(kv * q[None, :], axis=1) * kn * scale
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe)
-        alpha = tl.exp(m_i - m_safe)
         vv = _select(_unpack(vc_ptr, row_off, rs, valid, D, BITS), book_ptr, 2**BITS)
         vn = tl.load(vn_ptr + norm_off + rs, mask=valid, other=0.0)
-        acc = acc * alpha + tl.sum((p * vn)[:, None] * vv, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, vn[:, None] * vv, m_i, l_i, acc)
     out = bh * tl.num_programs(1) + chunk
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)
@@ -117,14 +122,8 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H,
         kt = tl.load(k_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.sum(kt * q[None, :], axis=1) * scale
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe)
-        alpha = tl.exp(m_i - m_safe)
         vt = tl.load(v_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc)
     out = bh * tl.num_programs(1) + chunk
     tl.store(m_ptr + out, m_i)
     tl.store(l_ptr + out, l_i)

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from engines.kernels.turbo_kv import merge_split_k
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -47,6 +49,4 @@ def decode_attention(q, k8, v8, lengths, chunk: int = 64, block_s: int = 16) -> 
     fp8_attention_kernel[(B * H, n_chunks)](q.float().contiguous(), k8.contiguous(), v8.contiguous(),
                                             lengths.to(torch.int32).contiguous(), m, l, acc, H, Hkv, S, chunk,
                                             1.0 / math.sqrt(D), D=D, BLOCK_S=block_s)
-    M = m.max(dim=1, keepdim=True).values
-    w = torch.exp(m - M).nan_to_num(0.0)
-    return ((w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)).reshape(B, H, D).to(q.dtype)
+    return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)

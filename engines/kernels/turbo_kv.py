@@ -76,6 +76,14 @@ def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, b
 
 
 # -- Triton ----------------------------------------------------------------------------------------
+def merge_split_k(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Combine per-chunk (max [R, C], sum [R, C], accumulator [R, C, D]) of an online softmax:
+    out = Σ_c e^(m_c − M)·acc_c / Σ_c e^(m_c − M)·l_c, M = max_c m_c (empty chunks have m = −inf)."""
+    M = m.max(dim=1, keepdim=True).values
+    w = torch.exp(m - M).nan_to_num(0.0)
+    return (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
+
+
 def _get():
     if not _kernels:
         from engines.kernels import _turbo_kv_triton as k
@@ -114,8 +122,4 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, 
     attention[(B * H, n_chunks)](q_rot, k_codes.contiguous(), k_norms.contiguous().float(), v_codes.contiguous(),
                                  v_norms.contiguous().float(), lengths.to(torch.int32).contiguous(), book,
                                  m, l, acc, H, Hkv, S, chunk, 1.0 / math.sqrt(D), D=D, BITS=bits, BLOCK_S=block_s)
-    # merge the split-K chunks: out = Σ e^(m_c − M) acc_c / Σ e^(m_c − M) l_c
-    M = m.max(dim=1, keepdim=True).values
-    w = torch.exp(m - M).nan_to_num(0.0)
-    out_rot = (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
-    return (out_rot @ rot).reshape(B, H, D).to(q.dtype)  # rotate back once
+    return (merge_split_k(m, l, acc) @ rot).reshape(B, H, D).to(q.dtype)  # rotate back once

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from engines.device import resolve_device
 from engines.protocol import (
     EngineDescription,
     SpecStats,
@@ -35,12 +36,7 @@ class ReferenceEngine:
         spec.check_available()
         self.spec = spec
         self.model_path = str(model_path)
-        want = spec.engine_options.get("device")
-        if want and str(want).startswith("cuda") and not torch.cuda.is_available():
-            from engines.hf import EngineLoadError
-
-            raise EngineLoadError(f"engine_options.device: '{want}' requested but this worker has no CUDA device")
-        self.device = torch.device(want or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(spec)
         self.batch_size = int(spec.engine_options.get("batch_size", 8))
         self.concurrency = int(spec.engine_options.get("concurrency", 1))
         self.dtype = DTYPES.get(spec.weights, torch.float16)
