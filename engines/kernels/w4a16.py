@@ -4,6 +4,10 @@ packed 8 per int32 along N in the order [0, 2, 4, 6, 1, 3, 5, 7], scales fp16 pe
 
 Shapes: x [M, K] (fp16 / bf16 / fp32), qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
 scales [K/G, N] → y [M, N] in x's dtype.
+
+Two kernels (_w4a16_triton.py): a skinny GEMV for decode batches (M ≤ 16: CUDA-core reduction,
+split-K so that a 4096-wide layer fills the SMs, bound by the packed weight bytes it streams) and
+a tiled GEMM for prefill (tensor-core dots on dequantized tiles). On CUDA both autotune.
 """
 
 from __future__ import annotations
@@ -19,57 +23,39 @@ def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 
     return (x.float() @ w.T.to(x.device)).to(x.dtype)
 
 
-_kernel = None
+GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) the tiled GEMM
 
 
-def _build():
-    import triton
-    import triton.language as tl
+def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, tune: bool | None = None) -> torch.Tensor:
+    """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M, N, K); without it
+    (the interpreter) a fixed small configuration runs."""
+    from engines.kernels import _w4a16_triton as k
 
-    @triton.jit
-    def w4a16_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
-                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FP32: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # nibble holding column n within its int32: the inverse of AWQ's [0,2,4,6,1,3,5,7]
-        j = rn % 8
-        shift = ((j % 2) * 4 + j // 2) * 4
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            packed = tl.load(qw_ptr + rk[:, None] * (N // 8) + (rn[None, :] // 8),
-                             mask=(rk[:, None] < K) & (rn[None, :] < N), other=0)
-            q = (packed >> shift[None, :]) & 0xF
-            g = rk // GROUP
-            zp = tl.load(qz_ptr + g[:, None] * (N // 8) + (rn[None, :] // 8), mask=(rk[:, None] < K) & (rn[None, :] < N), other=0)
-            z = (zp >> shift[None, :]) & 0xF
-            s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            w = (q - z).to(tl.float32) * s.to(tl.float32)  # [BLOCK_K, BLOCK_N]
-            if FP32:
-                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-            else:
-                acc += tl.dot(x.to(tl.float16), w.to(tl.float16))
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    return w4a16_kernel
-
-
-def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
-                 block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
-    global _kernel
-    if _kernel is None:
-        _kernel = _build()
     M, K = x.shape
     N = qweight.shape[1] * 8
-    if K % group_size or group_size % block_k:
-        raise ValueError(f"K={K} must be a multiple of the group {group_size}, itself a multiple of BLOCK_K={block_k}")
+    if K % group_size:
+        raise ValueError(f"K={K} must be a multiple of the group size {group_size}")
+    tune = x.is_cuda if tune is None else tune
+    x = x.contiguous()
+    args = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
+    if M <= GEMV_MAX_M:
+        m_pad = max(1, 1 << (M - 1).bit_length())
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
+        if tune:
+            grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+            k.autotuned("gemv")[grid](x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad)
+        else:
+            k.gemv_kernel[(triton_cdiv(N, 32), 2)](x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad,
+                                                   BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)
+        return y.to(x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton_cdiv(M, block_m), triton_cdiv(N, block_n))
-    _kernel[grid](x.contiguous(), qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), y, M, N, K,
-                  GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP32=x.dtype == torch.float32)
+    fp32 = x.dtype == torch.float32
+    if tune:
+        grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]), triton_cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        k.autotuned("gemm")[grid](x, *args, y, M, N, K, GROUP=group_size, FP32=fp32)
+    else:
+        k.gemm_kernel[(triton_cdiv(M, 16), triton_cdiv(N, 32))](x, *args, y, M, N, K, GROUP=group_size,
+                                                                 BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, FP32=fp32)
     return y
 
 

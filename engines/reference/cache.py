@@ -39,6 +39,9 @@ class KVCache:
             kq_new, vq_new = self.fmt.encode(k, v, self.seq_start, layer)
             self.kq[layer, :, :, s0 : s0 + len(slots)] = kq_new
             self.vq[layer, :, :, s0 : s0 + len(slots)] = vq_new
+        elif self.fmt.name.startswith("kivi") and self._kernel_decode(q, slots):
+            # the kernel keeps its own packed codes; the next multi-token step re-encodes all groups
+            return self._kivi_kernel_attend(layer, q, slots)
         else:  # KIVI: key groups span tokens, so whole groups are (re)encoded
             self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, self.seq_start, layer)
         kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
@@ -107,6 +110,43 @@ class KVCache:
         self.packed_upto[layer] = t
         lengths = torch.full((q.shape[0],), t, device=q.device)
         out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :t], self.v8[layer, :, :, :t], lengths)
+        return out[:, :, None].to(q.dtype)
+
+    def _kivi_kernel_attend(self, layer: int, q, slots):
+        """KIVI codes written by the quantize-on-write kernels as slots leave the full-precision
+        window (keys in whole flushes, values token by token); attention by the two-tier kernel."""
+        from engines.kernels.kivi_kv import GROUP, decode_attention, quantize_keys, quantize_values
+
+        bits = self.fmt.bits
+        L, B, Hkv, S_max, D = self.k.shape
+        if not hasattr(self, "kivi"):
+            words, groups = D * bits // 32, -(-S_max // GROUP)
+            z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=q.device)  # noqa: E731
+            self.kivi = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
+                         "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP), "vz": z(S_max, D // GROUP)}
+            self.packed_k, self.packed_v = [0] * L, [0] * L
+        c = self.kivi
+        t = int(slots[-1])
+        n = torch.tensor([t + 1], device=q.device)  # the query's sequence length
+        nk, nv = int(self.fmt.boundary_k(n)), int(self.fmt.boundary_v(n))
+        lo = self.packed_k[layer]
+        if nk > lo:  # a flush: whole groups of GROUP tokens
+            codes, scale, zero = quantize_keys(self.k[layer, :, :, lo:nk].reshape(-1, D), bits)
+            n_g = (nk - lo) // GROUP
+            c["kc"][layer, :, :, lo:nk] = codes.reshape(B, Hkv, nk - lo, -1)
+            c["ks"][layer, :, :, lo // GROUP : nk // GROUP] = scale.reshape(B, Hkv, n_g, D)
+            c["kz"][layer, :, :, lo // GROUP : nk // GROUP] = zero.reshape(B, Hkv, n_g, D)
+            self.packed_k[layer] = nk
+        lo = self.packed_v[layer]
+        if nv > lo:
+            codes, scale, zero = quantize_values(self.v[layer, :, :, lo:nv].reshape(-1, D), bits)
+            c["vc"][layer, :, :, lo:nv] = codes.reshape(B, Hkv, nv - lo, -1)
+            c["vs"][layer, :, :, lo:nv] = scale.reshape(B, Hkv, nv - lo, -1)
+            c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
+            self.packed_v[layer] = nv
+        full = lambda x: torch.full((B,), x, device=q.device)  # noqa: E731
+        out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], *(c[key][layer] for key in ("kc", "ks", "kz", "vc", "vs", "vz")),
+                               full(t + 1), full(nk), full(nv), bits)
         return out[:, :, None].to(q.dtype)
 
     def _compressed_mask(self, slots: torch.Tensor, S: int, boundary) -> torch.Tensor:

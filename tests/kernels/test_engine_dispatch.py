@@ -14,13 +14,18 @@ from engines.zoo import resolve_model_path
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 
 
-def generate(monkeypatch, mode, kv_cache, module):
+LONG_PROMPT = ("os.path.join(a, *p)\n\nJoin two or more pathname components, inserting '/' as needed. "
+               "If any component is an absolute path, all previous path components will be discarded. "
+               "An empty last part will result in a path that ends with a separator.\n\n") * 3
+
+
+def generate(monkeypatch, mode, kv_cache, module, prompt="json.dumps()\n\nSerialize"):
     monkeypatch.setenv("CANARY_KERNELS", mode)
     calls = []
     real = module.decode_attention
     monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     e = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache=kv_cache))
-    out = e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=5)])[0].token_ids
+    out = e.generate([GenerationRequest("g", prompt, max_new_tokens=5)])[0].token_ids
     return out, len(calls)
 
 
@@ -29,6 +34,19 @@ def test_kernel_and_torch_paths_agree(monkeypatch, kv_cache, module):
     torch_tokens, torch_calls = generate(monkeypatch, "torch", kv_cache, module)
     triton_tokens, triton_calls = generate(monkeypatch, "triton", kv_cache, module)
     assert torch_calls == 0 and triton_calls == 6 * 4  # 6 layers × 4 decode steps after the prefill
+    assert triton_tokens == torch_tokens
+
+
+def test_kivi_decode_steps_take_the_two_tier_kernel(monkeypatch):
+    # KIVI keeps the last 128 tokens in full precision: a prompt past 130 tokens puts keys
+    # (one flush of 128) and values (token by token) in the compressed tier during decode
+    import engines.kernels.kivi_kv as kivi_kv
+
+    n_prompt = len(ReferenceEngine(TARGET, OptimizationSpec(engine="reference")).tokenizer(LONG_PROMPT)["input_ids"])
+    assert n_prompt > 130
+    torch_tokens, torch_calls = generate(monkeypatch, "torch", "kivi-2", kivi_kv, LONG_PROMPT)
+    triton_tokens, triton_calls = generate(monkeypatch, "triton", "kivi-2", kivi_kv, LONG_PROMPT)
+    assert torch_calls == 0 and triton_calls == 6 * 4
     assert triton_tokens == torch_tokens
 
 

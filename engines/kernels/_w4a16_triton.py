@@ -1,0 +1,93 @@
+"""Triton kernels for W4A16 over the AutoAWQ GEMM layout (see w4a16.py for the layout and API).
+Imported only when a kernel runs. On CUDA the launchers wrap them in @triton.autotune over the
+configurations below (Hopper-sized tiles); the interpreter runs one fixed small configuration."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP: tl.constexpr):
+    # W[rk, rn] = (q − z)·s as fp32 [BLOCK_K, BLOCK_N]; the nibble of column n within its int32
+    # is the inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]
+    j = rn % 8
+    shift = ((j % 2) * 4 + j // 2) * 4
+    mask = (rk[:, None] < K) & (rn[None, :] < N)
+    packed = tl.load(qw_ptr + rk[:, None] * (N // 8) + (rn[None, :] // 8), mask=mask, other=0)
+    g = rk // GROUP
+    zp = tl.load(qz_ptr + g[:, None] * (N // 8) + (rn[None, :] // 8), mask=mask, other=0)
+    s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=mask, other=0.0)
+    q = (packed >> shift[None, :]) & 0xF
+    z = (zp >> shift[None, :]) & 0xF
+    return (q - z).to(tl.float32) * s.to(tl.float32)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
+                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                FP32: tl.constexpr):
+    # prefill: tensor-core dots over [BLOCK_M, BLOCK_K] × [BLOCK_K, BLOCK_N] tiles
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP)
+        if FP32:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
+                GROUP: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K: tl.constexpr):
+    # decode (M ≤ 16): no tensor cores (a dot needs ≥ 16 rows); each program streams a
+    # [K/SPLIT_K, BLOCK_N] slab of packed weights once — the op is bound by those bytes — and
+    # reduces x·W on the CUDA cores. Split-K programs add their partial sums into y (fp32).
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, M_PAD)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * k_per, (pid_k + 1) * k_per, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
+        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP)
+        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+    ptrs = y_ptr + rm[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(ptrs, acc, mask=mask)
+
+
+def gemm_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+                                      (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 128, 8, 3))]
+
+
+def gemv_configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+            for bn, bk, sk, w, st in ((64, 128, 1, 4, 3), (128, 128, 1, 4, 3), (64, 128, 4, 4, 3), (128, 64, 4, 4, 4),
+                                      (128, 128, 8, 4, 3), (256, 64, 8, 8, 4), (64, 256, 16, 4, 3), (128, 128, 16, 8, 3))]
+
+
+_autotuned = {}
+
+
+def autotuned(name: str):
+    """The kernel wrapped in @triton.autotune (CUDA only: the tuner times configs on the device).
+    The gemv's split-K accumulates into y, so the tuner zeroes y before each trial."""
+    if name not in _autotuned:
+        if name == "gemm":
+            _autotuned[name] = triton.autotune(gemm_configs(), key=["M", "N", "K"])(gemm_kernel)
+        else:
+            _autotuned[name] = triton.autotune(gemv_configs(), key=["M_PAD", "N", "K"], reset_to_zero=["y_ptr"])(gemv_kernel)
+    return _autotuned[name]

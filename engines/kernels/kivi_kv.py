@@ -1,0 +1,141 @@
+"""KIVI KV cache on the GPU: min-max quantize-on-write and decode attention over the two tiers.
+
+Layout (head_dim D, b ∈ {2, 4} bits, group G = 32): codes packed 32/b per int32 along the
+channels — codes [.., S, D·b/32] int32, channel c in word c // (32/b) at bit (c % (32/b))·b.
+- keys: per channel over groups of G tokens (KIVI's key outliers live in channels):
+  scale, zero [.., S/G, D] fp32;
+- values: per token over groups of G channels: scale, zero [.., S, D/G] fp32.
+Dequantized x̂ = q·scale + zero (zero is the group minimum), as kv.minmax_quant.
+
+decode_attention reads slot j's key compressed iff j < nk[b] and its value iff j < nv[b] (the
+boundaries of kv.KiviKV), otherwise the full-precision residual k / v [B, Hkv, S, D]; GQA and
+split-K over the sequence as turbo_kv.decode_attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engines.kernels.turbo_kv import merge_split_k
+
+GROUP = 32
+
+
+# -- torch references --------------------------------------------------------------------------
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [..., D] ints < 2^bits → [..., D·bits/32] int32."""
+    per = 32 // bits
+    lanes = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // per, per)
+    words = (lanes << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 32 // bits
+    lanes = (codes.to(torch.int64)[..., None] >> (torch.arange(per, dtype=torch.int64, device=codes.device) * bits)) & (2**bits - 1)
+    return lanes.reshape(*codes.shape[:-1], codes.shape[-1] * per)
+
+
+def _minmax(x: torch.Tensor, bits: int, dim: int):
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-8) / (2**bits - 1)
+    return torch.round((x - lo) / scale).clamp(0, 2**bits - 1), scale, lo
+
+
+def quantize_keys_reference(k: torch.Tensor, bits: int):
+    """k [S, D], S a multiple of G → (codes [S, D·b/32], scale [S/G, D], zero [S/G, D])."""
+    S, D = k.shape
+    q, scale, lo = _minmax(k.float().reshape(S // GROUP, GROUP, D), bits, 1)
+    return pack_codes(q.reshape(S, D), bits), scale[:, 0], lo[:, 0]
+
+
+def quantize_values_reference(v: torch.Tensor, bits: int):
+    """v [N, D] → (codes [N, D·b/32], scale [N, D/G], zero [N, D/G])."""
+    N, D = v.shape
+    q, scale, lo = _minmax(v.float().reshape(N, D // GROUP, GROUP), bits, 2)
+    return pack_codes(q.reshape(N, D), bits), scale[..., 0], lo[..., 0]
+
+
+def dequantize_keys(codes, scale, zero, bits: int) -> torch.Tensor:
+    """codes [.., S, D·b/32], scale/zero [.., ⌈S/G⌉, D] → [.., S, D]."""
+    q = unpack_codes(codes, bits).float()
+    S = q.shape[-2]
+    return q * scale.repeat_interleave(GROUP, -2)[..., :S, :] + zero.repeat_interleave(GROUP, -2)[..., :S, :]
+
+
+def dequantize_values(codes, scale, zero, bits: int) -> torch.Tensor:
+    """codes [.., S, D·b/32], scale/zero [.., S, D/G] → [.., S, D]."""
+    q = unpack_codes(codes, bits).float()
+    return q * scale.repeat_interleave(GROUP, -1) + zero.repeat_interleave(GROUP, -1)
+
+
+def decode_attention_reference(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int) -> torch.Tensor:
+    """q [B, H, D]; k, v [B, Hkv, S, D] full precision; kc/vc codes; ks/kz [B, Hkv, ⌈S/G⌉, D];
+    vs/vz [B, Hkv, S, D/G]; lengths, nk, nv [B] → [B, H, D]."""
+    B, H, D = q.shape
+    S = k.shape[2]
+    j = torch.arange(S, device=q.device)[None, None, :, None]
+    keys = torch.where(j < nk[:, None, None, None], dequantize_keys(kc, ks, kz, bits), k.float())
+    values = torch.where(j < nv[:, None, None, None], dequantize_values(vc, vs, vz, bits), v.float())
+    g = H // k.shape[1]
+    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), keys) / math.sqrt(D)
+    valid = torch.arange(S, device=q.device)[None, :] < lengths[:, None]
+    p = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), -1)
+    return torch.einsum("bhs,bhsd->bhd", p, values).to(q.dtype)
+
+
+# -- Triton launchers ------------------------------------------------------------------------------
+def _check(D: int, bits: int) -> None:
+    if bits not in (2, 4) or D % GROUP or D & (D - 1):
+        raise ValueError(f"KIVI kernels need bits in (2, 4) and a power-of-two head_dim ≥ {GROUP}; got bits={bits}, D={D}")
+
+
+def quantize_keys(k: torch.Tensor, bits: int):
+    """k [S, D], S a multiple of G (KIVI flushes whole token groups) → codes, scale, zero."""
+    from engines.kernels._kivi_kv_triton import quantize_keys_kernel
+
+    S, D = k.shape
+    _check(D, bits)
+    if S % GROUP:
+        raise ValueError(f"keys are quantized in whole groups of {GROUP} tokens; got {S} tokens")
+    codes = torch.empty(S, D * bits // 32, dtype=torch.int32, device=k.device)
+    scale = torch.empty(S // GROUP, D, device=k.device)
+    zero = torch.empty(S // GROUP, D, device=k.device)
+    quantize_keys_kernel[(S // GROUP,)](k.contiguous(), codes, scale, zero, D=D, G=GROUP, BITS=bits)
+    return codes, scale, zero
+
+
+def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
+    """v [N, D] → codes [N, D·b/32], scale [N, D/G], zero [N, D/G]."""
+    from engines.kernels._kivi_kv_triton import quantize_values_kernel
+
+    N, D = v.shape
+    _check(D, bits)
+    codes = torch.empty(N, D * bits // 32, dtype=torch.int32, device=v.device)
+    scale = torch.empty(N, D // GROUP, device=v.device)
+    zero = torch.empty(N, D // GROUP, device=v.device)
+    quantize_values_kernel[(math.ceil(N / block_n),)](v.contiguous(), codes, scale, zero, N, D=D, G=GROUP, BITS=bits, BLOCK_N=block_n)
+    return codes, scale, zero
+
+
+def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int,
+                     chunk: int = 64, block_s: int = 16) -> torch.Tensor:
+    """Shapes as decode_attention_reference."""
+    from engines.kernels._kivi_kv_triton import attention_kernel
+
+    B, H, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    _check(D, bits)
+    n_chunks = math.ceil(S / chunk)
+    m = torch.empty(B * H, n_chunks, device=q.device)
+    l = torch.empty(B * H, n_chunks, device=q.device)
+    acc = torch.empty(B * H, n_chunks, D, device=q.device)
+    i32 = [t.to(torch.int32).contiguous() for t in (lengths, nk, nv)]
+    attention_kernel[(B * H, n_chunks)](q.float().contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(),
+                                        vc.contiguous(), vs.contiguous(), vz.contiguous(), k.contiguous(), v.contiguous(),
+                                        *i32, m, l, acc, H, Hkv, S, ks.shape[2], chunk, 1.0 / math.sqrt(D),
+                                        D=D, G=GROUP, BITS=bits, BLOCK_S=block_s)
+    return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)
