@@ -106,10 +106,15 @@ class GenerationResult:
     itl_ms: tuple[float, ...]  # time between consecutive deliveries of new tokens (one per decode step)
     total_ms: float
     spec: SpecStats | None = None
+    completion_tokens: int | None = None  # when token_ids are not known (an HTTP server's stream)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.token_ids)
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.token_ids) / (self.total_ms / 1000) if self.total_ms > 0 else 0.0
+        return self.n_tokens / (self.total_ms / 1000) if self.total_ms > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from engines.spec import OptimizationSpec
 BACKENDS = {
     "transformers": "engines.hf:TransformersEngine",
     "reference": "engines.reference.engine:ReferenceEngine",
+    "openai": "engines.openai:OpenAIEngine",
+    "vllm": "engines.vllm:VLLMEngine",
 }
 
 

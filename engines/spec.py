@@ -53,8 +53,14 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
                                "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
         "speculative": frozenset({"off", "draft", "ngram"}),
     },
-    "vllm": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
-    "openai": {"weights": frozenset(), "kv_cache": frozenset(), "speculative": frozenset()},
+    # vLLM: what engines/vllm.py maps onto LLM(quantization=, kv_cache_dtype=, speculative_config=)
+    "vllm": {
+        "weights": frozenset({"fp32", "fp16", "bf16", "awq-int4"}),
+        "kv_cache": frozenset({"auto", "fp16", "bf16", "fp8", "turbo-3", "turbo-3.5", "turbo-4"}),
+        "speculative": frozenset({"off", "draft", "ngram", "eagle"}),
+    },
+    # a deployed server: the axes are labels of what it runs (the server decides)
+    "openai": {"weights": frozenset(WEIGHTS), "kv_cache": frozenset(KV_CACHE), "speculative": frozenset(SPECULATIVE_METHODS)},
 }
 # engine_options each engine understands: name → (type, description).
 ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
@@ -69,11 +75,22 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "calibration_samples": (int, "AWQ calibration windows (default 128)"),
         "calibration_tokens": (int, "tokens per AWQ calibration window (default min(512, context))"),
     },
+    "openai": {
+        "base_url": (str, "the server's OpenAI base URL, e.g. http://vllm.internal:8000/v1 (required)"),
+        "metrics_url": (str, "its Prometheus endpoint (default: base_url without /v1, plus /metrics)"),
+        "api_key_env": (str, "name of the environment variable holding the API key (never the key itself)"),
+        "concurrency": (int, "requests in flight at once (default 1)"),
+        "timeout_s": (int, "per-request timeout in seconds (default 60)"),
+    },
+    "vllm": {
+        "tensor_parallel_size": (int, "GPUs per model (default 1)"),
+        "gpu_memory_utilization": (float, "fraction of GPU memory vLLM may take (default 0.9)"),
+        "max_model_len": (int, "context length to allocate for (default: the model's)"),
+        "concurrency": (int, "requests submitted together (default: all of a batch)"),
+    },
 }
 NOT_YET = {
     "reference": "the reference engine harness (AWQ, compressed KV, speculative decoding)",
-    "vllm": "the vLLM backend",
-    "openai": "the OpenAI-compatible backend",
 }
 
 
@@ -171,6 +188,12 @@ class OptimizationSpec(BaseModel):
         table = AVAILABLE[self.engine]
         if not table["weights"]:
             raise ConfigNotAvailable("engine", self.engine, self.engine, frozenset())
+        if self.engine == "openai":
+            url = str(self.engine_options.get("base_url", ""))
+            if not url.startswith(("http://", "https://")):
+                raise ConfigNotAvailable("engine_options.base_url", url, self.engine, frozenset(), message=(
+                    "engine_options.base_url: engine 'openai' needs the server's http(s) base URL, e.g. "
+                    f"http://vllm.internal:8000/v1; got {url!r}"))
         options = ENGINE_OPTIONS.get(self.engine, {})
         for key, value in self.engine_options.items():
             if key not in options:
@@ -181,7 +204,8 @@ class OptimizationSpec(BaseModel):
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
-            if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens") and value < 1:
+            if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens", "timeout_s",
+                       "tensor_parallel_size", "max_model_len") and value < 1:
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: must be ≥ 1, got {value}")
         for field, value in (

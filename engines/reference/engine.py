@@ -4,7 +4,7 @@ generation at a set concurrency with per-request timings, memory figures."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
 from engines.spec import OptimizationSpec
+
+# streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
+OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
@@ -187,20 +190,36 @@ class ReferenceEngine:
             for i, req in enumerate(requests)
         ]
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: Sequence[int]) -> tuple[list[float], list[int]]:
+        """One pass over token ids (the caller's BOS included): log p(ids[i] | ids[:i]) for
+        i ≥ 1 and the greedy token at each of those positions (the server's echo=True path)."""
+        if len(ids) > self.args.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.args.max_seq_len}")
+        x = torch.tensor([list(ids)], device=self.device)
+        slots = torch.arange(len(ids), device=self.device)
+        mask = torch.ones(len(ids), len(ids), dtype=torch.bool, device=self.device).tril()[None, None]
+        cache = self.new_cache(1, len(ids)) if self.kv.lossy else NoCache()
+        h = self.model(x, slots[None], slots, cache, mask, hidden=True)
+        logits = self.model.lm_head(h[0, :-1]).float()
+        picked = logits.gather(-1, x[0, 1:, None]).squeeze(-1)
+        return (picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist()
+
     # -- generation --------------------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest], on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         """Requests run `concurrency` at a time as one batch (left-padded prefill, then lockstep
         decode); each request's TTFT counts from its batch's start. With speculative decoding,
-        one request at a time."""
+        one request at a time. on_tokens(request_id, new token ids, spec counters delta) is
+        called as tokens are produced (the OpenAI-compatible server streams from it)."""
         if self.proposer is not None:
-            return [self._generate_speculative(r) for r in requests]
+            return [self._generate_speculative(r, on_tokens) for r in requests]
         out: list[GenerationResult] = []
         for s in range(0, len(requests), self.concurrency):
-            out.extend(self._generate_batch(list(requests[s : s + self.concurrency])))
+            out.extend(self._generate_batch(list(requests[s : s + self.concurrency]), on_tokens))
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate_batch(self, reqs: list[GenerationRequest], on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         prompts = [[self.start_id] + self.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
         B, P = len(reqs), max(len(p) for p in prompts)
         steps = max(r.max_new_tokens for r in reqs)
@@ -233,6 +252,8 @@ class ReferenceEngine:
                 if not done[b] and len(tokens[b]) < reqs[b].max_new_tokens:
                     tokens[b].append(nxt[b])
                     stamps[b].append(now)
+                    if on_tokens:
+                        on_tokens(reqs[b].request_id, [nxt[b]], None)
                     done[b] = nxt[b] == eos or len(tokens[b]) >= reqs[b].max_new_tokens
             if all(done):
                 break
@@ -252,7 +273,7 @@ class ReferenceEngine:
         ]
 
     @torch.inference_mode()
-    def _generate_speculative(self, req: GenerationRequest) -> GenerationResult:
+    def _generate_speculative(self, req: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
         k = self.spec.speculative.k
         prompt = [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
         total = len(prompt) + req.max_new_tokens + k + 1
@@ -274,6 +295,8 @@ class ReferenceEngine:
         first = self._pick(forward(prompt, 0)[-1], req, gen)
         sync()
         seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
+        if on_tokens:
+            on_tokens(req.request_id, [first], None)
         while len(out) < req.max_new_tokens and out[-1] != eos:
             room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
             drafts, qs = self.proposer.propose(seq, req.temperature, gen)
@@ -305,6 +328,9 @@ class ReferenceEngine:
             now = time.perf_counter()
             out += new
             stamps.append(now)  # the tokens one verification accepts arrive together: one gap per step
+            if on_tokens:
+                step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
+                on_tokens(req.request_id, new, step)
         return GenerationResult(
             request_id=req.request_id,
             text=self.tokenizer.decode(out, skip_special_tokens=True),

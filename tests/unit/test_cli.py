@@ -66,7 +66,8 @@ def variant(**changes):
         (variant(**{"suites.0.samples": 9999}), "suites[0].samples: 9999 > "),
         (variant(**{"suites.0.perplexity": {"window": 64, "stride": 128}}), "stride 128 > window 64"),
         (variant(**{"schedules.0.suite": "nope"}), "schedules[0].suite: unknown suite 'nope'"),
-        (variant(**{"configs.1.engine": "vllm"}), "configs[1].engine: 'vllm' is not available in this release"),
+        (variant(**{"configs.1.engine": "vllm"}), "configs[1].weights: 'int8' is not available in engine 'vllm'"),
+        (variant(**{"configs.1.engine": "openai"}), "configs[1].engine_options.base_url: engine 'openai' needs the server's http(s) base URL"),
     ],
 )
 def test_bad_config_file_is_a_one_line_error_naming_the_field(run_cli, tmp_path, data, needle):

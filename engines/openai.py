@@ -1,0 +1,257 @@
+"""An OpenAI-compatible server as an engine (vLLM, SGLang, TGI, llama.cpp server, Ollama, or
+`canary engine-serve`). The config's weights / kv_cache / speculative are labels of what the
+server runs; the server decides.
+
+- generate: streaming completions at `concurrency` requests in flight; TTFT = request sent →
+  first non-empty text chunk; ITL = gaps between later chunks (one per delivery, like vLLM).
+- loglikelihood_rolling: prompt log-probs through completions `echo=true, logprobs=1,
+  max_tokens=0|1` (REFERENCE.md §7); windows are cut from the server's own tokens (`/tokenize`)
+  so a long document is scored exactly once per token, as on the reference engine.
+- server_stats: a scrape of the server's Prometheus /metrics before and after each generate
+  call (vLLM names): spec-decode counter deltas → acceptance rate; KV-cache usage and queue
+  depth sampled while requests are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from engines.device import EngineLoadError
+from engines.protocol import (
+    EngineDescription,
+    GenerationRequest,
+    GenerationResult,
+    RollingRequest,
+    RollingResult,
+    SpecStats,
+    strided_windows,
+)
+from engines.spec import OptimizationSpec
+
+SPEC_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts_total",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+class EndpointError(EngineLoadError):
+    """The endpoint is unreachable, not OpenAI-compatible, or lacks what a scorer needs."""
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text → {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(samples: dict, name: str, **match: str) -> float | None:
+    vals = [v for (n, labels), v in samples.items() if n == name and all(dict(labels).get(k) == x for k, x in match.items())]
+    return sum(vals) if vals else None
+
+
+def spec_delta(before: dict, after: dict) -> SpecStats | None:
+    """Counter deltas between two scrapes (vLLM: acceptance rate = Δaccepted / Δdraft_tokens)."""
+    d = {}
+    for field, name in SPEC_COUNTERS.items():
+        a, b = metric_sum(after, name), metric_sum(before, name)
+        if a is None:
+            return None
+        d[field] = int(round(a - (b or 0.0)))
+    positions = sorted({int(dict(lab)["position"]) for (n, lab) in after if n == PER_POS and "position" in dict(lab)})
+    per = tuple(int(round((metric_sum(after, PER_POS, position=str(p)) or 0) - (metric_sum(before, PER_POS, position=str(p)) or 0)))
+                for p in positions)
+    return SpecStats(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], per)
+
+
+class OpenAIEngine:
+    def __init__(self, model: str, spec: OptimizationSpec):
+        spec.check_available()
+        opts = spec.engine_options
+        if "base_url" not in opts:
+            raise EndpointError("engine_options.base_url: required for engine 'openai', e.g. http://vllm.internal:8000/v1")
+        self.spec = spec
+        self.model = model
+        self.base_url = str(opts["base_url"]).rstrip("/")
+        self.root = self.base_url.removesuffix("/v1")
+        self.metrics_url = str(opts.get("metrics_url") or self.root + "/metrics")
+        self.concurrency = int(opts.get("concurrency", 1))
+        self.timeout_s = float(opts.get("timeout_s", 60))
+        key = os.environ.get(str(opts["api_key_env"])) if "api_key_env" in opts else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.server_stats: dict = {}
+        self.max_model_len = self._check_model()
+
+    # -- checks ------------------------------------------------------------------------------------
+    def _client(self) -> httpx.Client:
+        return httpx.Client(timeout=self.timeout_s, headers=self.headers, follow_redirects=False)
+
+    def _check_model(self) -> int | None:
+        url = f"{self.base_url}/models"
+        try:
+            with self._client() as c:
+                r = c.get(url)
+        except httpx.HTTPError as e:
+            raise EndpointError(f"engine_options.base_url: {url} is unreachable ({type(e).__name__}: {e})") from e
+        try:
+            served = {m["id"]: m for m in r.json()["data"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise EndpointError(f"engine_options.base_url: {url} answered HTTP {r.status_code} without an OpenAI model "
+                                f"list; is this an OpenAI-compatible server (base_url usually ends in /v1)?") from e
+        if self.model not in served:
+            raise EndpointError(f"model: '{self.model}' is not served at {self.base_url}; it serves: {', '.join(sorted(served)) or 'nothing'}")
+        return served[self.model].get("max_model_len")
+
+    # -- perplexity --------------------------------------------------------------------------------
+    def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        out = []
+        with self._client() as c:
+            for req in requests:
+                seq = self._tokenize(c, req.text)  # [BOS] + the document's tokens
+                ids = seq[1:]
+                if not ids:
+                    raise ValueError(f"document '{req.doc_id}' has no tokens")
+                logprobs: list[float] = []
+                for begin, end, n in strided_windows(len(ids), req.window):
+                    token_lps = self._echo(c, seq[begin:end], req.doc_id)  # [None, lp(seq[begin+1]), …]
+                    logprobs += token_lps[len(token_lps) - n :]
+                out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")), len(req.text.split())))
+        return out
+
+    def _tokenize(self, c: httpx.Client, text: str) -> list[int]:
+        r = c.post(f"{self.root}/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": True})
+        if r.status_code == 404:
+            raise EndpointError(f"{self.root}/tokenize is missing: perplexity over an OpenAI-compatible server needs the "
+                                f"server's tokenizer (vLLM and engine-serve expose /tokenize)")
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    def _echo(self, c: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+        body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+        r = c.post(f"{self.base_url}/completions", json=body)
+        if r.status_code == 400 and "max_tokens" in r.text:  # servers that need at least one new token
+            r = c.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
+        if r.status_code >= 400:
+            raise EndpointError(f"{self.base_url}/completions refused prompt log-probs for document '{doc_id}' "
+                                f"(HTTP {r.status_code}: {_message(r)}); perplexity needs a server that returns them "
+                                f"with echo=true (vLLM does), or drop perplexity from this config's scorers")
+        lps = r.json()["choices"][0].get("logprobs") or {}
+        token_lps = lps.get("token_logprobs")
+        if not token_lps or len(token_lps) < len(prompt_ids):
+            raise EndpointError(f"{self.base_url}/completions returned no prompt log-probs for document '{doc_id}'; "
+                                f"perplexity needs echo=true support")
+        return token_lps[: len(prompt_ids)]
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return asyncio.run(self._generate_all(list(requests)))
+
+    async def _generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, follow_redirects=False) as c:
+            before = await self._scrape(c)
+            sampled = {"kv_cache_usage_perc": [], "num_requests_waiting": [], "num_requests_running": []}
+            done = asyncio.Event()
+
+            async def sample():  # gauges while requests are in flight
+                while not done.is_set():
+                    snap = await self._scrape(c)
+                    for k in sampled:
+                        v = metric_sum(snap, f"vllm:{k}")
+                        if v is not None:
+                            sampled[k].append(v)
+                    try:
+                        await asyncio.wait_for(done.wait(), 0.1)
+                    except TimeoutError:
+                        pass
+
+            sampler = asyncio.create_task(sample()) if before else None
+            sem = asyncio.Semaphore(self.concurrency)
+
+            async def one(req: GenerationRequest) -> GenerationResult:
+                async with sem:
+                    return await self._stream(c, req)
+
+            try:
+                results = await asyncio.gather(*(one(r) for r in requests))
+            finally:
+                done.set()
+                if sampler:
+                    await sampler
+            after = await self._scrape(c)
+        self.server_stats = {
+            "metrics_url": self.metrics_url if before else None,
+            "spec": spec_delta(before, after) if before else None,
+            **{f"max_{k}": (max(v) if v else None) for k, v in sampled.items()},
+        }
+        return results
+
+    async def _scrape(self, c: httpx.AsyncClient) -> dict:
+        try:
+            r = await c.get(self.metrics_url)
+            return parse_metrics(r.text) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    async def _stream(self, c: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
+        body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": req.temperature,
+                "seed": req.seed, "stream": True, "stream_options": {"include_usage": True}}
+        text, stamps, usage = [], [], {}
+        t0 = time.perf_counter()
+        async with c.stream("POST", f"{self.base_url}/completions", json=body) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise EndpointError(f"{self.base_url}/completions: HTTP {r.status_code} for request '{req.request_id}': {_message(r)}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EndpointError(f"{self.base_url}/completions: stream error for '{req.request_id}': {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
+                if piece:
+                    text.append(piece)
+                    stamps.append(time.perf_counter())
+        if not stamps:
+            stamps = [time.perf_counter()]
+        n_out = int(usage.get("completion_tokens") or len(text))
+        return GenerationResult(
+            request_id=req.request_id,
+            text="".join(text),
+            token_ids=(),  # the server's token ids are not streamed; completion_tokens counts them
+            completion_tokens=n_out,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            ttft_ms=(stamps[0] - t0) * 1000,
+            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)),
+            total_ms=(stamps[-1] - t0) * 1000,
+        )
+
+    def describe(self) -> EngineDescription:
+        s = self.spec
+        return EngineDescription(
+            engine="openai", model=self.model, weights=s.weights, kv_cache=s.kv_cache, speculative=s.speculative.method,
+            device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
+            versions={"httpx": httpx.__version__}, notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
+        )
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]

@@ -1,0 +1,124 @@
+"""In-process vLLM (optional extra `vllm`): a config mapped onto `vllm.LLM(...)` arguments.
+
+Mapping (REFERENCE.md §7; vLLM V1):
+  weights      fp16/bf16/fp32 → dtype; awq-int4 → quantization="awq_marlin" (the model path
+               must hold an AWQ checkpoint)
+  kv_cache     auto/fp16/bf16 → "auto"; fp8 → "fp8"; turbo-4 → "turboquant_4bit_nc";
+               turbo-3.5 → "turboquant_k3v4_nc" (3-bit keys, 4-bit values); turbo-3 → "turboquant_3bit_nc"
+  speculative  draft → {"method": "draft_model", "model", "num_speculative_tokens"};
+               ngram → {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max/min"};
+               eagle → {"method": "eagle3", "model", "num_speculative_tokens"}
+Figures: per-request TTFT from RequestOutput.metrics (log stats on), spec-decode counters from
+llm.get_metrics() before and after a batch (counter deltas, as over HTTP).
+
+vLLM cannot be installed on the CI machines of this project: vllm_args() is unit-tested; the
+adapter below follows the documented API and is exercised only where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engines.protocol import (
+    EngineDescription,
+    GenerationRequest,
+    GenerationResult,
+    RollingRequest,
+    RollingResult,
+    SpecStats,
+    strided_windows,
+)
+from engines.spec import OptimizationSpec
+
+DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "awq-int4": "float16"}
+KV_DTYPE = {"auto": "auto", "fp16": "auto", "bf16": "auto", "fp8": "fp8", "turbo-4": "turboquant_4bit_nc",
+            "turbo-3.5": "turboquant_k3v4_nc", "turbo-3": "turboquant_3bit_nc"}
+
+
+def vllm_args(model: str, spec: OptimizationSpec) -> dict:
+    """The keyword arguments of vllm.LLM for this config."""
+    spec.check_available()
+    opts = spec.engine_options
+    args: dict = {"model": model, "dtype": DTYPE[spec.weights], "kv_cache_dtype": KV_DTYPE[spec.kv_cache],
+                  "disable_log_stats": False, "seed": 0}
+    if spec.weights == "awq-int4":
+        args["quantization"] = "awq_marlin"
+    sp = spec.speculative
+    if sp.method == "draft":
+        args["speculative_config"] = {"method": "draft_model", "model": sp.draft_model, "num_speculative_tokens": sp.k}
+    elif sp.method == "ngram":
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": sp.k,
+                                      "prompt_lookup_max": sp.prompt_lookup_max, "prompt_lookup_min": sp.prompt_lookup_min}
+    elif sp.method == "eagle":
+        args["speculative_config"] = {"method": "eagle3", "model": sp.draft_model, "num_speculative_tokens": sp.k}
+    for key in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len"):
+        if key in opts:
+            args[key] = opts[key]
+    return args
+
+
+def spec_counters(metrics) -> dict[str, float]:
+    """Sum vLLM's spec-decode counters from llm.get_metrics() (objects with .name, .value)."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        name = m.name.removesuffix("_total")
+        if name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            out[name] = out.get(name, 0.0) + float(m.value)
+    return out
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, spec: OptimizationSpec):
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            from engines.device import EngineLoadError
+
+            raise EngineLoadError("engine: 'vllm' needs vLLM on this worker: pip install 'inference-canary[vllm]' on a GPU node") from e
+        self.spec = spec
+        self.model_path = model_path
+        self.llm = LLM(**vllm_args(model_path, spec))
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0)
+        out = []
+        for req in requests:
+            ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
+            seq = [self.tokenizer.bos_token_id or self.tokenizer.eos_token_id] + ids
+            logprobs: list[float] = []
+            for begin, end, n in strided_windows(len(ids), req.window):
+                res = self.llm.generate([TokensPrompt(prompt_token_ids=seq[begin:end])], params, use_tqdm=False)[0]
+                lps = [None] + [d[t].logprob for d, t in zip(res.prompt_logprobs[1:], seq[begin + 1 : end], strict=True)]
+                logprobs += lps[len(lps) - n :]
+            out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode()), len(req.text.split())))
+        return out
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        from vllm import SamplingParams
+
+        before = spec_counters(self.llm.get_metrics())
+        params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed) for r in requests]
+        outs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+        after = spec_counters(self.llm.get_metrics())
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        self.server_stats = {"spec": SpecStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),
+                                               int(delta.get("vllm:spec_decode_num_draft_tokens", 0)),
+                                               int(delta.get("vllm:spec_decode_num_accepted_tokens", 0)))
+                             if delta.get("vllm:spec_decode_num_draft_tokens") else None}
+        results = []
+        for r, o in zip(requests, outs, strict=True):
+            m, c = o.metrics, o.outputs[0]
+            ttft = (m.first_token_latency or 0.0) * 1000 if m is not None and hasattr(m, "first_token_latency") else 0.0
+            results.append(GenerationResult(r.request_id, c.text, tuple(c.token_ids), len(o.prompt_token_ids), ttft, (), ttft))
+        return results
+
+    def describe(self) -> EngineDescription:
+        import vllm
+
+        s = self.spec
+        return EngineDescription(engine="vllm", model=self.model_path, weights=s.weights, kv_cache=s.kv_cache,
+                                 speculative=s.speculative.method, device="cuda", compute_dtype=DTYPE[s.weights],
+                                 parameters=0, weight_bytes=0, kv_bytes_per_token=0, versions={"vllm": vllm.__version__})
