@@ -242,6 +242,14 @@ def worker(
     os.execvp(cmd[0], cmd)
 
 
+@app.command("engine-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def engine_serve(ctx: typer.Context) -> None:
+    """Serve the reference engine behind an OpenAI-compatible API with vLLM metric names
+    (options: --model, --served-model-name, --weights, --kv-cache, --speculative, --port; see --help)."""
+    cmd = [sys.executable, "-m", "workers.engine_serve", *ctx.args]
+    os.execvp(cmd[0], cmd)
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Apply migrations up to REVISION."""

@@ -125,7 +125,9 @@ class OpenAIEngine:
                     raise ValueError(f"document '{req.doc_id}' has no tokens")
                 logprobs: list[float] = []
                 for begin, end, n in strided_windows(len(ids), req.window):
-                    token_lps = self._echo(c, seq[begin:end], req.doc_id)  # [None, lp(seq[begin+1]), …]
+                    # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
+                    # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
+                    token_lps = self._echo(c, seq[begin : end + 1], req.doc_id)
                     logprobs += token_lps[len(token_lps) - n :]
                 out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")), len(req.text.split())))
         return out

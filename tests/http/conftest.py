@@ -1,0 +1,55 @@
+"""Real HTTP servers on loopback: `canary engine-serve` processes (the reference engine behind
+an OpenAI-compatible API) and a scripted OpenAI-compatible judge (tests/http/scripted.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine_serve(*args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "engine-serve", "--port", str(port), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine-serve exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("engine-serve did not come up in 120 s")
+
+
+@pytest.fixture(scope="module")
+def engine_serve():
+    proc, base = start_engine_serve("--served-model-name", "pydoc-target")
+    yield base
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def engine_serve_ngram():
+    proc, base = start_engine_serve("--served-model-name", "pydoc-ngram", "--speculative", '{"method": "ngram", "k": 4}',
+                                    "--no-prompt-logprobs")
+    yield base
+    proc.terminate()
+    proc.wait(10)

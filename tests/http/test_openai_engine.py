@@ -1,0 +1,96 @@
+"""engines/openai against `canary engine-serve` over loopback: a real server, real HTTP. Its
+figures are checked against the reference engine run in-process on the same inputs and against
+what the server itself recorded on /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engines.openai import EndpointError, OpenAIEngine, metric_sum, parse_metrics
+from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.reference.engine import ReferenceEngine
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_model_path
+
+TARGET = str(resolve_model_path("builtin:pydoc-target"))
+DOCS = [
+    RollingRequest("join", "os.path.join(a, *p)\n\nJoin two or more pathname components, inserting '/' as needed.", WindowSpec(16, 8)),
+    RollingRequest("dumps", "json.dumps(obj)\n\nSerialize obj to a JSON formatted str.", WindowSpec(64, 64)),
+]
+
+
+def openai_spec(base: str, **opts) -> OptimizationSpec:
+    return OptimizationSpec(engine="openai", weights="fp32", engine_options={"base_url": base + "/v1", **opts})
+
+
+def test_perplexity_over_http_equals_the_in_process_engine(engine_serve):
+    # same model, same tokens, same strided windows (16 wide, stride 8): same log-probs
+    remote = OpenAIEngine("pydoc-target", openai_spec(engine_serve)).loglikelihood_rolling(DOCS)
+    local = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32")).loglikelihood_rolling(DOCS)
+    for r, l in zip(remote, local, strict=True):
+        assert r.token_ids == l.token_ids
+        assert len(r.logprobs) == len(l.token_ids)  # every token scored exactly once
+        assert max(abs(a - b) for a, b in zip(r.logprobs, l.logprobs, strict=True)) < 1e-4
+
+
+def test_streaming_generation_and_ttft_against_the_servers_own_record(engine_serve):
+    engine = OpenAIEngine("pydoc-target", openai_spec(engine_serve, concurrency=2))
+    before = parse_metrics(httpx.get(engine_serve + "/metrics").text)
+    reqs = [GenerationRequest(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(["json.dumps()\n\n", "os.path.join", "re.compile"])]
+    got = engine.generate(reqs)
+    after = parse_metrics(httpx.get(engine_serve + "/metrics").text)
+    local = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32")).generate(reqs)
+    assert [g.text for g in got] == [l.text for l in local]  # greedy: the same text through the server
+    assert [g.n_tokens for g in got] == [len(l.token_ids) for l in local]
+    name = "vllm:time_to_first_token_seconds"
+    n = metric_sum(after, name + "_count") - (metric_sum(before, name + "_count") or 0)
+    server_ttft_ms = (metric_sum(after, name + "_sum") - (metric_sum(before, name + "_sum") or 0)) * 1000
+    client_ttft_ms = sum(g.ttft_ms for g in got)
+    assert n == 3
+    # the client's clock starts before the server's and stops after it: ≥, and by little on loopback
+    assert server_ttft_ms <= client_ttft_ms <= server_ttft_ms + 3 * 250
+    gen_tokens = metric_sum(after, "vllm:generation_tokens_total") - (metric_sum(before, "vllm:generation_tokens_total") or 0)
+    assert gen_tokens == sum(g.n_tokens for g in got)
+    # with two requests in flight and one engine thread, the server reported a queue
+    assert engine.server_stats["max_num_requests_running"] == 1
+
+
+def test_acceptance_rate_from_counter_deltas_matches_the_engine(engine_serve_ngram):
+    spec = OptimizationSpec(engine="reference", weights="fp32", speculative={"method": "ngram", "k": 4})
+    reqs = [GenerationRequest("a", "os.path.join(a, *p)\n\nJoin two or more pathname components. os.path.join", max_new_tokens=24),
+            GenerationRequest("b", "json.dumps(obj)\n\nSerialize obj. json.dumps(obj)\n\nSerialize", max_new_tokens=24)]
+    remote = OpenAIEngine("pydoc-ngram", openai_spec(engine_serve_ngram))
+    remote.generate(reqs)
+    delta = remote.server_stats["spec"]
+    local = ReferenceEngine(TARGET, spec).generate(reqs)
+    want = [sum(r.spec.__getattribute__(k) for r in local) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
+    assert [delta.num_drafts, delta.num_draft_tokens, delta.num_accepted_tokens] == want
+    assert want[1] > 0 and 0 < delta.acceptance_rate <= 1
+    per_pos = [sum(r.spec.accepted_per_position[i] for r in local) for i in range(4)]
+    assert list(delta.accepted_per_position) == per_pos
+
+
+def test_unreachable_endpoint_is_named():
+    with pytest.raises(EndpointError, match=r"engine_options.base_url: http://127.0.0.1:9/v1/models is unreachable"):
+        OpenAIEngine("m", openai_spec("http://127.0.0.1:9"))
+
+
+def test_non_openai_endpoint_and_unknown_model(engine_serve):
+    with pytest.raises(EndpointError, match="without an OpenAI model list"):
+        OpenAIEngine("pydoc-target", OptimizationSpec(engine="openai", engine_options={"base_url": engine_serve + "/health"}))
+    with pytest.raises(EndpointError, match=r"model: 'llama-70b' is not served at .*; it serves: pydoc-target"):
+        OpenAIEngine("llama-70b", openai_spec(engine_serve))
+
+
+def test_server_without_prompt_logprobs_refuses_perplexity_clearly(engine_serve_ngram):
+    engine = OpenAIEngine("pydoc-ngram", openai_spec(engine_serve_ngram))
+    with pytest.raises(EndpointError, match=r"refused prompt log-probs for document 'join' \(HTTP 400: echo with logprobs is not supported"):
+        engine.loglikelihood_rolling(DOCS[:1])
+
+
+def test_config_without_base_url_is_refused_at_the_door():
+    from engines.spec import ConfigNotAvailable
+
+    with pytest.raises(ConfigNotAvailable, match="engine_options.base_url"):
+        OptimizationSpec(engine="openai", engine_options={"base_url": "file:///etc/passwd"}).check_available()
