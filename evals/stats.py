@@ -140,3 +140,38 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
     centre = (p + z * z / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return float(centre - half), float(centre + half)
+
+
+def minimum_detectable_effect(sd_delta: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest mean difference n paired samples detect: δ = (z_{1−α/2} + z_power)·σ_Δ/√n
+    (required_n solved for δ)."""
+    if n < 1:
+        raise ValueError("n must be ≥ 1")
+    z = NormalDist().inv_cdf
+    return (z(1 - alpha / 2) + z(power)) * sd_delta / math.sqrt(n)
+
+
+def paired_mean_difference(
+    baseline: Sequence[float], candidate: Sequence[float], *, clusters: Sequence[Hashable] | None = None,
+    n_resamples: int = 2000, seed: int = 0,
+) -> tuple[float, float, float]:
+    """Mean of (candidate − baseline) over paired samples and its (clustered) bootstrap CI."""
+    if len(baseline) != len(candidate):
+        raise ValueError(f"paired samples: {len(baseline)} baseline values vs {len(candidate)} candidate values")
+    d = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
+    if d.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ d) / w.sum(1), d.size, clusters=clusters, n_resamples=n_resamples, seed=seed)
+    return float(d.mean()), lo, hi
+
+
+def cohen_kappa(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
+    """Agreement of two raters beyond chance: κ = (p_o − p_e) / (1 − p_e), p_e from each rater's
+    label frequencies. 1 = perfect, 0 = chance. NaN when p_e = 1 (one label only)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"cohen_kappa needs two equally long, non-empty label lists; got {len(a)} and {len(b)}")
+    n = len(a)
+    p_o = sum(x == y for x, y in zip(a, b, strict=True)) / n
+    labels = set(a) | set(b)
+    p_e = sum((list(a).count(lab) / n) * (list(b).count(lab) / n) for lab in labels)
+    return float("nan") if p_e == 1 else (p_o - p_e) / (1 - p_e)

@@ -53,3 +53,15 @@ def engine_serve_ngram():
     yield base
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture
+def judge_server():
+    from tests.http.scripted import ScriptedJudge, serve
+
+    judge = ScriptedJudge()
+    port = free_port()
+    server = serve(judge, port)
+    judge.base_url = f"http://127.0.0.1:{port}/v1"
+    yield judge
+    server.should_exit = True
