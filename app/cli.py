@@ -44,8 +44,11 @@ DEMO_CONFIG: dict[str, Any] = {
     ],
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
+         "scorers": ["perplexity", "generation", "faithfulness", "agreement"],
          "perplexity": {"window": 256, "stride": 256},
-         "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32}},
+         "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32},
+         # no judge endpoint in the demo: faithfulness runs the labelled offline approximation
+         "faithfulness": {"method": "offline"}},
     ],
     # A strict team's perplexity budget (the seed defaults, 1.15 / 1.30, only catch broken
     # configs: a tiny model barely notices int4). Printed with the results.
@@ -111,12 +114,19 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
     return summary
 
 
+def metric_cell(comp: dict | None) -> str:
+    if comp is None or comp["estimate"] is None:
+        return "—" if comp is None else f"[magenta]{comp['verdict']}[/]"
+    color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta"}[comp["verdict"]]
+    return f"[{color}]{comp['estimate']:.2f}[/]"
+
+
 def _print_summary(summary: dict) -> None:
     out = Console(width=None if Console().is_terminal else 200)
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
     t = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
     cols = ("config", "weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI", "verdict",
-            "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "KV B/token", "accept")
+            "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "KV B/token", "accept", "faithful", "exact match", "top-1")
     for col in cols:
         t.add_column(col, justify="left" if col in ("config", "weights", "kv cache", "speculative", "verdict") else "right")
     failures = []
@@ -139,19 +149,24 @@ def _print_summary(summary: dict) -> None:
                   fmt("token_ppl", ".3f"), ratio, ci, f"[{color}]{verdict}[/]",
                   fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"), fmt("tokens_per_second", ".0f"),
                   f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
-                  fmt("kv_bytes_per_token", "d"), f"{acc:.2f}" if acc is not None else "")
+                  fmt("kv_bytes_per_token", "d"), f"{acc:.2f}" if acc is not None else "",
+                  *(metric_cell(comps.get((c["config"], m))) for m in ("faithfulness", "exact_match", "top1_agreement")))
         if c["error"]:
             failures.append(f"{c['config']}: {c['error']}")
     out.print(t)
     for line in failures:
         out.print(f"[red]failed[/] {line}", highlight=False)
+    methods = {c.get("details", {}).get("method") for c in summary["comparisons"] if c["metric"] == "faithfulness"} - {None}
+    for m in methods:
+        out.print(f"faithfulness: {m}", highlight=False)
     out.print(f"verdict: [bold]{summary['verdict']}[/] — {summary['verdict_reason']}", highlight=False)
 
 
 def _json_out(summary: dict) -> None:
     keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds", "configs"}
     out = {k: v for k, v in summary.items() if k in keep}
-    out["comparisons"] = [{k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule")} for c in summary["comparisons"]]
+    out["comparisons"] = [{k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")}
+                          for c in summary["comparisons"]]
     sys.stdout.write(json.dumps(out) + "\n")
 
 

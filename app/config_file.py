@@ -14,7 +14,8 @@ from engines.spec import ConfigNotAvailable, OptimizationSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
 SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
-AVAILABLE_SCORERS = ("perplexity", "generation")
+AVAILABLE_SCORERS = SCORERS
+NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
 
 
 class ConfigFileError(ValueError):
@@ -72,6 +73,29 @@ class GenerationSettings(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
 
 
+class JudgeSettings(_Strict):
+    base_url: str | None = Field(None, description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
+    model: str | None = Field(None, description="the judge model's name on that server")
+    api_key_env: str | None = Field(None, description="environment variable holding the judge's API key (never the key itself)")
+    mode: Literal["pairwise", "rubric", "both"] = "pairwise"
+    concurrency: int = Field(4, ge=1, le=64)
+    requests_per_second: float | None = Field(None, gt=0)
+    timeout_s: float = Field(30, gt=0, le=600)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("https://", "http://")):
+            raise ValueError(f"'{v}' is not an http(s) URL; give the judge's base URL, e.g. http://judge.internal:8000/v1")
+        return v
+
+
+class FaithfulnessSettings(_Strict):
+    method: Literal["offline", "judge"] = Field(
+        "offline", description="offline: the labelled all-MiniLM-L6-v2 approximation (no endpoint); judge: the suite's judge")
+    threshold: float = Field(0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
+
+
 class SuiteEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     corpus: str = Field(description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
@@ -80,6 +104,18 @@ class SuiteEntry(_Strict):
     scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"])
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)
+    faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
+
+    @model_validator(mode="after")
+    def _scorer_settings(self) -> "SuiteEntry":
+        for s in NEEDS_GENERATION:
+            if s in self.scorers and "generation" not in self.scorers:
+                raise ValueError(f"scorers: '{s}' scores generated answers; add 'generation' to the suite's scorers")
+        needs_judge = "judge" in self.scorers or ("faithfulness" in self.scorers and self.faithfulness.method == "judge")
+        if needs_judge and not (self.judge.base_url and self.judge.model):
+            raise ValueError("judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and judge.model")
+        return self
 
     @field_validator("scorers")
     @classmethod
@@ -107,6 +143,8 @@ METRIC_DIRECTIONS = {
     "ttft_ms": "above",
     "kv_cache_usage": "above",
     "faithfulness": "below",
+    "judge_win_rate": "below",  # candidate wins + ½ ties vs the baseline; 0.5 = parity
+    "judge_score_delta": "below",  # rubric score, candidate − baseline (1–5 scale)
 }
 
 
@@ -116,6 +154,8 @@ class Thresholds(_Strict):
     ttft_ms: Threshold = Threshold(warn=2000, critical=5000)
     kv_cache_usage: Threshold = Threshold(warn=0.85, critical=0.95)
     faithfulness: Threshold = Threshold(warn=0.80)
+    judge_win_rate: Threshold = Threshold(warn=0.40, critical=0.30)
+    judge_score_delta: Threshold = Threshold(warn=-0.5, critical=-1.0)
 
     @model_validator(mode="after")
     def _order(self) -> "Thresholds":

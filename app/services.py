@@ -171,6 +171,7 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
                 "rule": c.rule,
                 "baseline_value": c.baseline_value,
                 "candidate_value": c.candidate_value,
+                "details": c.details or {},
             }
             for c in comps
         ],

@@ -57,9 +57,11 @@ def _result(sample_id: str, verdicts: list[tuple[str, bool]], method: str, failu
 class OfflineFaithfulness:
     method = OFFLINE_METHOD
 
-    def __init__(self, threshold: float = OFFLINE_THRESHOLD):
+    def __init__(self, threshold: float = OFFLINE_THRESHOLD, cache_size: int = 20000):
         self.threshold = threshold
         self._model = None
+        self._cache: dict[str, object] = {}  # sentence → embedding: every config's answer meets the same contexts
+        self._cache_size = cache_size
 
     def _load(self):
         if self._model is None:
@@ -81,12 +83,20 @@ class OfflineFaithfulness:
     def embed(self, texts: Sequence[str]):
         """Mean-pooled, L2-normalised sentence embeddings [N, 384] (sentence-transformers' recipe)."""
         tok, model, torch = self._load()
+        todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
+        fresh = {}
         with torch.inference_mode():
-            batch = tok(list(texts), padding=True, truncation=True, max_length=256, return_tensors="pt")
-            h = model(**batch).last_hidden_state
-            m = batch["attention_mask"][..., None].float()
-            e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(e, dim=-1)
+            for i in range(0, len(todo), 64):
+                chunk = todo[i : i + 64]
+                batch = tok(chunk, padding=True, truncation=True, max_length=128, return_tensors="pt")
+                h = model(**batch).last_hidden_state
+                m = batch["attention_mask"][..., None].float()
+                e = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
+                if len(self._cache) + len(chunk) > self._cache_size:
+                    self._cache.clear()
+                fresh.update(zip(chunk, e, strict=True))
+                self._cache.update(zip(chunk, e, strict=True))
+        return torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts])
 
     def score(self, sample_id: str, answer: str, contexts: Sequence[str]) -> FaithfulnessResult:
         check_item(sample_id, contexts)

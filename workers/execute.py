@@ -117,12 +117,15 @@ def _load_job(config_run_id: int) -> dict:
 
 def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     spec: OptimizationSpec = job["spec"]
-    engine = get_engine(str(resolve_model_path(job["model_path"])), spec, job["calibration"])
+    # a served model (engine openai) is named, not a path
+    model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
+    engine = get_engine(model, spec, job["calibration"])
     suite = job["suite"]
     ppl = suite.get("perplexity", {})
     window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
     gen = suite.get("generation", {})
     scorers = suite.get("scorers", ["perplexity", "generation"])
+    keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
     samples = job["samples"]
     n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
     total = len(samples) + n_prompts
@@ -136,9 +139,10 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
             nll_sum += r.nll
             tokens += len(r.token_ids)
             top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids))
-            rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll,
-                         "extra": {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes,
-                                   "top1_hits": top1, "cluster": cluster}})
+            extra = {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes, "top1_hits": top1, "cluster": cluster}
+            if keep_ids and r.greedy_ids:
+                extra["greedy_ids"] = list(r.greedy_ids)
+            rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll, "extra": extra})
         done += len(batch)
         with session_scope() as s:
             _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
@@ -147,6 +151,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
                                   gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
                 for key, text, _ in samples[:n_prompts]]
+    prompts = {r.request_id: r.prompt for r in requests}
     step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
     for i in range(0, len(requests), step):
         rows = []
@@ -154,10 +159,12 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
             ttft.append(g.ttft_ms)
             itl.extend(g.itl_ms)
             tps.append(g.tokens_per_second)
-            gen_tokens += len(g.token_ids)
+            gen_tokens += g.n_tokens
             row = {"sample_key": g.request_id, "metric": "ttft_ms", "value": g.ttft_ms,
-                   "extra": {"text": g.text, "n_tokens": len(g.token_ids), "prompt_tokens": g.prompt_tokens,
+                   "extra": {"text": g.text, "prompt": prompts[g.request_id], "n_tokens": g.n_tokens, "prompt_tokens": g.prompt_tokens,
                              "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
+            if keep_ids and g.token_ids:
+                row["extra"]["token_ids"] = list(g.token_ids)
             if g.spec is not None:
                 row["extra"]["spec"] = {"num_drafts": g.spec.num_drafts, "num_draft_tokens": g.spec.num_draft_tokens,
                                         "num_accepted_tokens": g.spec.num_accepted_tokens,
@@ -169,6 +176,13 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
                 for j, a in enumerate(g.spec.accepted_per_position):
                     per[j] += a
             rows.append(row)
+        server_spec = (getattr(engine, "server_stats", None) or {}).get("spec")
+        if server_spec is not None and server_spec.num_draft_tokens:  # a server's counters: per batch, not per request
+            rows[0]["extra"]["spec"] = {"num_drafts": server_spec.num_drafts, "num_draft_tokens": server_spec.num_draft_tokens,
+                                        "num_accepted_tokens": server_spec.num_accepted_tokens,
+                                        "accepted_per_position": list(server_spec.accepted_per_position), "scope": "batch"}
+            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                spec_totals[k] += getattr(server_spec, k)
         done += len(rows)
         with session_scope() as s:
             _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
