@@ -100,7 +100,7 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     out = json.loads(r.stdout)
     assert out["baseline"] == "fp16" and out["status"] == "done"
     [ratio] = [c for c in out["comparisons"] if c["metric"] == "ppl_ratio"]
-    assert set(ratio) == {"config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule"}
+    assert set(ratio) == {"config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details"}
     assert ratio["config"] == "int8" and ratio["n"] == 12
     assert out["figures"]["int8"]["n_documents"] == 12
 
