@@ -134,6 +134,7 @@ class Threshold(_Strict):
     warn: float
     critical: float | None = None
     min_n: int = Field(10, ge=1, description="fewer paired samples than this → inconclusive")
+    for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
 
 
 # Seed thresholds (DESIGN.md §Defaults from the field); direction is a property of the metric.
@@ -174,6 +175,14 @@ class ChannelEntry(_Strict):
     kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
     url: str = Field(description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
     send_resolved: bool = True
+    signing_secret: str | None = Field(None, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
+
+    @field_validator("signing_secret")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", v):
+            raise ValueError("give the secret as an ${ENV_VAR} reference, never the secret itself")
+        return v
 
     @field_validator("url")
     @classmethod

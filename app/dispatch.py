@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 EXECUTE_CONFIG_RUN = "canary.execute_config_run"
 AGGREGATE_RUN = "canary.aggregate_run"
 RECONCILE = "canary.reconcile"
-# GPU work on its own queue (one process per GPU, prefetch 1); bookkeeping on default.
-TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "default", RECONCILE: "default"}
+NOTIFY = "canary.notify"
+# GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 
 

@@ -77,6 +77,10 @@ def upsert_model(session: Session, project: Project, name: str, path: str) -> Mo
     return model
 
 
+def project_name(session: Session, project_id: int) -> str:
+    return session.get(Project, project_id).name
+
+
 def get_model(session: Session, project: Project, name: str) -> Model:
     model = session.scalar(select(Model).where(Model.project_id == project.id, Model.name == name))
     if model is None:
@@ -182,6 +186,7 @@ def set_thresholds(session: Session, project: Project, thresholds: dict[str, dic
             session.add(rule)
         rule.warn, rule.critical, rule.direction = t["warn"], t.get("critical"), directions[metric]
         rule.min_n = t.get("min_n", 10)
+        rule.for_runs = t.get("for_runs", 1)
     session.flush()
 
 

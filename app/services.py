@@ -86,7 +86,10 @@ def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
         repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name])
     repo.set_thresholds(session, project, cfg.thresholds.model_dump(), METRIC_DIRECTIONS)
     for ch in cfg.channels:
-        repo.upsert_channel(session, project, ch.name, ch.kind, ch.url, {"send_resolved": ch.send_resolved})
+        settings = {"send_resolved": ch.send_resolved}
+        if ch.signing_secret:
+            settings["signing_secret"] = ch.signing_secret
+        repo.upsert_channel(session, project, ch.name, ch.kind, ch.url, settings)
     for sched in cfg.schedules:
         names = [c.name for c in cfg.configs] if sched.configs == "all" else list(sched.configs)
         repo.upsert_schedule(session, project, sched.name, sched.cron, repo.get_suite(session, project, sched.suite),

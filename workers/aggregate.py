@@ -9,7 +9,9 @@ import numpy as np
 
 from app import repo
 from app.config_file import METRIC_DIRECTIONS, Thresholds as FileThresholds
+from app.alerts import escalate, evaluate_run
 from app.db import session_scope
+from app.dispatch import NOTIFY
 from app.models import Run
 from evals.agreement import exact_match, top1_agreement
 from evals.perplexity import DocNLL, ppl_ratio
@@ -171,6 +173,8 @@ def agreement_comparisons(s, run: Run, config_id: int, base_cfg: int) -> list[Co
 
 
 def aggregate_run(run_id: int, dispatcher=None) -> str:
+    """Comparisons, the run's verdict, then alert evaluation (and, with a dispatcher, delivery
+    and escalation)."""
     with session_scope() as s:
         run = s.get(Run, run_id)
         if run is None or run.status not in ("aggregating",):
@@ -221,7 +225,20 @@ def aggregate_run(run_id: int, dispatcher=None) -> str:
             if verdict != "fail":
                 verdict = "incomplete"
         repo.finish_run(s, run_id, "done", verdict, reason)
-        return verdict
+        alerts = evaluate_run(s, run)
+    after_commit(run_id, alerts, dispatcher)
+    return verdict
+
+
+def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
+    """Deliver what the evaluation queued and escalate newly firing alerts — after the commit,
+    so the notify task and the escalation run see the rows."""
+    if dispatcher is None:
+        return
+    if alerts["notifications"]:
+        dispatcher.send(NOTIFY)
+    if alerts["escalate"]:
+        escalate(session_scope, run_id, alerts["escalate"], dispatcher)
 
 
 def _docs(session, run_id: int, config_id: int) -> list[DocNLL]:

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from app import repo
 from app.db import session_scope
-from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, RECONCILE, Dispatcher
+from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, Dispatcher
 from app.models import utcnow
 from app.settings import get_settings
 from workers.aggregate import aggregate_run as _aggregate
@@ -23,7 +23,7 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
 
 def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
     try:
-        return _aggregate(run_id)
+        return _aggregate(run_id, dispatcher)
     except Exception as e:
         log.exception("aggregation of run %s failed", run_id)
         with session_scope() as s:
@@ -47,12 +47,26 @@ def reconcile(dispatcher: Dispatcher) -> int:
         dispatcher.send(EXECUTE_CONFIG_RUN, i)
     for run_id in runs:
         dispatcher.send(AGGREGATE_RUN, run_id)
+    with session_scope() as s:  # the outbox: retries that have come due, and rows a crash left behind
+        from app.notify import next_due
+
+        due = next_due(s)
+    if due is not None and due <= utcnow():
+        dispatcher.send(NOTIFY)
     if config_runs or runs:
         log.warning("reconciler re-enqueued config-runs %s and aggregation of runs %s", config_runs, runs)
     return len(config_runs) + len(runs)
 
 
-INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile}
+def notify(dispatcher: Dispatcher | None = None) -> dict:
+    """Deliver the due notifications of the outbox (app/notify.py)."""
+    from app.notify import deliver_due
+
+    with session_scope() as s:
+        return deliver_due(s)
+
+
+INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile, NOTIFY: notify}
 
 
 def _register() -> None:
@@ -65,7 +79,11 @@ def _register() -> None:
 
     @celery_app.task(name=AGGREGATE_RUN)
     def aggregate_task(run_id: int) -> str:
-        return aggregate_run(run_id)
+        return aggregate_run(run_id, get_dispatcher())
+
+    @celery_app.task(name=NOTIFY)
+    def notify_task() -> dict:
+        return notify()
 
     @celery_app.task(name=RECONCILE)
     def reconcile_task() -> int:

@@ -65,3 +65,15 @@ def judge_server():
     judge.base_url = f"http://127.0.0.1:{port}/v1"
     yield judge
     server.should_exit = True
+
+
+@pytest.fixture
+def receiver():
+    from tests.http.receiver import Receiver, serve
+
+    r = Receiver()
+    r.port = free_port()
+    r.server = serve(r, r.port)
+    r.url = f"http://127.0.0.1:{r.port}"
+    yield r
+    r.server.should_exit = True

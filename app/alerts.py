@@ -1,0 +1,125 @@
+"""Evaluate a finished run's comparisons against the alert rules: write Alert transitions, queue
+Notifications in the outbox (idempotent by key), and escalate a newly firing alert to one
+immediate full-suite run of that config. The state machine itself is app/alerting.py."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app import repo
+from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempotency_key, should_notify
+from app.channels import AlertMessage, build
+from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, utcnow
+from app.settings import get_settings
+
+log = logging.getLogger(__name__)
+ACTIVE = ("pending", "firing")
+
+
+def aware(dt: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def _state(a: Alert | None, labels: dict[str, str]) -> AlertState:
+    if a is None:
+        return AlertState(labels)
+    return AlertState(dict(a.labels), a.state, a.consecutive, a.value, *(aware(t) for t in (a.started_at, a.fired_at, a.resolved_at, a.last_notified_at)))
+
+
+def _latest(session: Session, project_id: int, fp: str) -> Alert | None:
+    return session.scalar(select(Alert).where(Alert.project_id == project_id, Alert.fingerprint == fp).order_by(Alert.id.desc()).limit(1))
+
+
+def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dict[str, list]:
+    """Returns {"notifications": [ids], "escalate": [(alert_id, config_name)]}."""
+    now = aware(now or utcnow())
+    names = {cr.config_id: cr.config.name for cr in run.config_runs}
+    model = run.config_runs[0].config.model if run.config_runs else None
+    project_name = repo.project_name(session, run.project_id)
+    baseline = names.get(run.baseline_config_id, "baseline")
+    channels = list(session.scalars(select(Channel).where(Channel.project_id == run.project_id, Channel.enabled.is_(True))))
+    silences = [SilenceRule(tuple(s.matchers), aware(s.starts_at), aware(s.ends_at))
+                for s in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
+    comps = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
+    touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
+    for c in comps:
+        if c.config_id == run.baseline_config_id or (c.details or {}).get("informational"):
+            continue
+        rule = repo.threshold_for(session, run.project_id, c.metric, run.model_id, c.config_id)
+        if rule is None or not rule.enabled:
+            continue
+        for severity in ("warn", "critical") if rule.critical is not None else ("warn",):
+            labels = {"project": project_name, "model": model.name if model else "", "config": names[c.config_id],
+                      "metric": c.metric, "severity": severity}
+            fp = fingerprint(labels)
+            row = _latest(session, run.project_id, fp)
+            prev = _state(row, labels)
+            new, transition = evaluate(prev, c.verdict, c.estimate, rule.for_runs, now)
+            if transition in ("pending", "firing") and (row is None or row.state in ("resolved", "inactive")):
+                row = Alert(project_id=run.project_id, rule_id=rule.id, fingerprint=fp, labels=labels, state=new.state,
+                            severity=severity, started_at=new.started_at)
+                session.add(row)
+            if row is None:
+                continue
+            row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
+            row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
+            row.annotations = {"rule": c.rule, "ci": f"[{c.ci_low}, {c.ci_high}]", "n": str(c.n)}
+            touched.append((row, new, transition, c))
+    session.flush()
+    firing = [st for _, st, _, _ in touched if st.state == "firing"]
+    notification_ids, escalate = [], []
+    settings = get_settings()
+    for row, st, transition, c in touched:
+        for ch in channels:
+            kind = should_notify(st, transition, now, send_resolved=(ch.settings or {}).get("send_resolved", True),
+                                 silences=silences, others=firing)
+            if kind is None:
+                continue
+            key = idempotency_key(ch.id, st, kind, now)
+            if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is not None:
+                continue
+            msg = AlertMessage(status=kind, labels=dict(st.labels), fingerprint=st.fingerprint, estimate=c.estimate, ci_low=c.ci_low,
+                               ci_high=c.ci_high, n=c.n, baseline=baseline, baseline_value=c.baseline_value,
+                               candidate_value=c.candidate_value, rule=c.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
+                               starts_at=st.fired_at or st.started_at or now, ends_at=st.resolved_at if kind == "resolved" else None)
+            n = Notification(channel_id=ch.id, alert_id=row.id, idempotency_key=key, payload=build(ch.kind, msg), status="pending")
+            session.add(n)
+            session.flush()
+            notification_ids.append(n.id)
+            row.last_notified_at = now
+        if transition == "firing" and row.escalation_run_id is None and run.trigger != "alert":
+            escalate.append((row.id, st.labels["config"]))
+    return {"notifications": notification_ids, "escalate": escalate}
+
+
+def escalate(session_factory, run_id: int, escalations: list[tuple[int, str]], dispatcher) -> list[int]:
+    """One immediate full-suite run per newly firing alert (trigger 'alert'); the alert keeps its
+    run id, so a later evaluation of the same firing never escalates twice."""
+    from app.services import start_run
+
+    started = []
+    with session_factory() as s:
+        run = s.get(Run, run_id)
+        suite = s.get(Suite, run.suite_id)
+        project = repo.project_name(s, run.project_id)
+        full = len(repo.suite_samples(s, suite.id, run.suite_version))
+        suite_name = suite.name
+    for alert_id, config in escalations:
+        with session_factory() as s:
+            if s.get(Alert, alert_id).escalation_run_id is not None:
+                continue
+        new_run, _ = start_run(project, suite_name, [config], dispatcher,
+                               samples=min(full, get_settings().max_samples_per_run), trigger="alert",
+                               idempotency_key=f"escalation-{alert_id}")
+        with session_factory() as s:
+            s.get(Alert, alert_id).escalation_run_id = new_run
+        started.append(new_run)
+    return started
+
+
+__all__ = ["ACTIVE", "AlertRule", "escalate", "evaluate_run"]

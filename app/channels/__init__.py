@@ -1,0 +1,56 @@
+"""Alert channels: one file per destination, each turning an AlertMessage into the body its
+receiver expects (REFERENCE.md §9). Delivery, retries and pacing live in app/notify.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class AlertMessage:
+    status: str  # firing | resolved
+    labels: dict[str, str]  # project, model, config, metric, severity
+    fingerprint: str
+    estimate: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+    baseline: str  # the baseline config's name
+    baseline_value: float | None
+    candidate_value: float | None
+    rule: str  # the verdict rule that fired
+    run_id: int
+    dashboard_url: str
+    starts_at: datetime
+    ends_at: datetime | None = None
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def severity(self) -> str:
+        return self.labels.get("severity", "warn")
+
+    def headline(self) -> str:
+        l = self.labels
+        state = "RESOLVED" if self.status == "resolved" else f"FIRING {self.severity}"
+        return f"[{state}] {l.get('config')} {l.get('metric')} on {l.get('model')} ({l.get('project')})"
+
+    def detail(self) -> str:
+        """What regressed and by how much, with its CI, baseline vs candidate."""
+        def f(x):
+            return "—" if x is None else f"{x:.4g}"
+        return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, n={self.n}); "
+                f"baseline {self.baseline}: {f(self.baseline_value)}, candidate {self.labels.get('config')}: {f(self.candidate_value)}. "
+                f"Rule: {self.rule}. Run {self.run_id}.")
+
+    def link(self) -> str:
+        return f"{self.dashboard_url.rstrip('/')}/?page=run&run_id={self.run_id}"
+
+
+KINDS = ("slack", "teams", "discord", "webhook", "alertmanager")
+
+
+def build(kind: str, msg: AlertMessage) -> dict | list:
+    from app.channels import alertmanager, discord, slack, teams, webhook
+
+    return {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}[kind].payload(msg)

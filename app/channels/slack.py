@@ -1,0 +1,24 @@
+"""Slack incoming webhook: {"text", "blocks"}; success is HTTP 200 with body "ok"; about one
+message per second per webhook, 429 with Retry-After above that."""
+
+from __future__ import annotations
+
+from app.channels import AlertMessage
+
+PACE_PER_SECOND = 1.0
+
+
+def payload(msg: AlertMessage) -> dict:
+    emoji = ":large_green_circle:" if msg.status == "resolved" else (":red_circle:" if msg.severity == "critical" else ":large_orange_circle:")
+    return {
+        "text": f"{msg.headline()}: {msg.detail()}",  # the notification / fallback text
+        "blocks": [
+            {"type": "header", "text": {"type": "plain_text", "text": msg.headline()[:150]}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"{emoji} {msg.detail()}"}},
+            {"type": "actions", "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": msg.link()}]},
+        ],
+    }
+
+
+def succeeded(status: int, body: str) -> bool:
+    return status == 200 and body.strip() == "ok"

@@ -1,0 +1,151 @@
+"""Deliver the notification outbox: at-least-once, one Idempotency-Key per notification.
+
+Each due row is posted to its channel; 2xx (Slack: 200 "ok") marks it sent. 429 and 5xx, and
+timeouts or refused connections, are retried with exponential backoff and ±50 % jitter, honouring
+Retry-After; any other 4xx is final ("dead", with the receiver's answer) — and a Discord 404
+disables the channel (its webhook was deleted). After max_attempts a row is dead too. Sends to one
+channel are paced (Slack ≈ 1/s, Teams ≤ 4/s). Nothing is lost while a receiver is down: the row
+stays pending with its next attempt time, and the next pass (beat, or the embedded reconciler)
+picks it up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from email.utils import parsedate_to_datetime
+
+import httpx
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.channels import alertmanager, discord, slack, teams, webhook
+from app.models import Channel, Notification, utcnow
+
+log = logging.getLogger(__name__)
+MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}
+MAX_ATTEMPTS = 8
+BACKOFF_S = 2.0
+MAX_BACKOFF_S = 600.0
+ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+class ChannelConfigError(ValueError):
+    pass
+
+
+def resolve(value: str, channel: str, field: str) -> str:
+    """A literal, or ${ENV_VAR} read at send time (the secret stays out of the database)."""
+    m = ENV_REF.match(value or "")
+    if not m:
+        return value
+    got = os.environ.get(m.group(1))
+    if not got:
+        raise ChannelConfigError(f"channel '{channel}': {field} refers to ${{{m.group(1)}}}, which is not set in the worker's environment")
+    return got
+
+
+def retry_after_s(r: httpx.Response) -> float | None:
+    v = r.headers.get("Retry-After")
+    if v is None:
+        return None
+    try:
+        return max(0.0, float(v))
+    except ValueError:
+        try:
+            return max(0.0, parsedate_to_datetime(v).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, float | None, str]:
+    """One attempt: ("sent" | "retry" | "dead" | "disable", retry-after seconds, what happened)."""
+    mod = MODULES[channel.kind]
+    try:
+        url = resolve(channel.url, channel.name, "url")
+        secret = resolve((channel.settings or {}).get("signing_secret", ""), channel.name, "signing_secret")
+    except ChannelConfigError as e:
+        return "retry", None, str(e)  # an operator can set the variable; the row waits
+    url = mod.url(url) if hasattr(mod, "url") else url
+    body = json.dumps(n.payload, separators=(",", ":")).encode()
+    headers = {"Content-Type": "application/json", "Idempotency-Key": n.idempotency_key}
+    if channel.kind == "webhook" and secret:
+        headers[webhook.SIGNATURE_HEADER] = webhook.signature(secret, body)
+    try:
+        r = http.post(url, content=body, headers=headers)
+    except httpx.TimeoutException:
+        return "retry", None, "timed out"
+    except httpx.HTTPError as e:
+        return "retry", None, f"unreachable ({type(e).__name__})"
+    if mod.succeeded(r.status_code, r.text):
+        return "sent", None, f"HTTP {r.status_code}"
+    what = f"HTTP {r.status_code}: {r.text[:200]}"
+    if r.status_code == 429 or r.status_code >= 500:
+        return "retry", retry_after_s(r), what
+    if r.status_code in getattr(mod, "DISABLE_ON", ()):
+        return "disable", None, what
+    return "dead", None, what
+
+
+def backoff_s(attempts: int) -> float:
+    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
+
+
+def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Client | None = None,
+                sleep: Callable[[float], None] = time.sleep, max_attempts: int = MAX_ATTEMPTS, limit: int = 500) -> dict[str, int]:
+    """Post every due pending notification once; returns counts by outcome."""
+    now = now or utcnow()
+    q = (select(Notification).where(Notification.status == "pending")
+         .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
+         .order_by(Notification.id).limit(limit))
+    if session.bind.dialect.name == "postgresql":
+        q = q.with_for_update(skip_locked=True)  # two notifiers never post the same row at once
+    rows = list(session.scalars(q))
+    counts = {"sent": 0, "retry": 0, "dead": 0}
+    own = http is None
+    http = http or httpx.Client(timeout=10.0, follow_redirects=False)
+    last_post: dict[int, float] = {}
+    try:
+        for n in rows:
+            channel = session.get(Channel, n.channel_id)
+            if channel is None or not channel.enabled:
+                n.status, n.last_error = "dead", "channel disabled or deleted"
+                counts["dead"] += 1
+                continue
+            pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
+            wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
+            if wait > 0:
+                sleep(wait)
+            outcome, retry_after, what = post(http, channel, n)
+            last_post[channel.id] = time.monotonic()
+            n.attempts += 1
+            n.last_error = None if outcome == "sent" else what
+            if outcome == "sent":
+                n.status, n.sent_at = "sent", utcnow()
+                counts["sent"] += 1
+            elif outcome == "retry" and n.attempts < max_attempts:
+                n.next_attempt_at = now + timedelta(seconds=retry_after if retry_after is not None else backoff_s(n.attempts))
+                counts["retry"] += 1
+            else:
+                if outcome == "disable":
+                    channel.enabled = False
+                    what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
+                n.status, n.last_error = "dead", (what if outcome != "retry" else f"gave up after {n.attempts} attempts: {what}")
+                counts["dead"] += 1
+                log.warning("notification %s to channel '%s' is dead: %s", n.id, channel.name, n.last_error)
+            session.commit()  # each outcome is durable before the next post
+    finally:
+        if own:
+            http.close()
+    return counts
+
+
+def next_due(session: Session) -> datetime | None:
+    return session.scalar(select(Notification.next_attempt_at).where(Notification.status == "pending")
+                          .order_by(Notification.next_attempt_at).limit(1))

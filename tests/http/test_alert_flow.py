@@ -1,0 +1,81 @@
+"""From a run to a chat message: a regression fires an alert whose notification reaches a real
+receiver once; re-evaluating the same run sends nothing twice; the firing escalates to one
+immediate full-suite run of that config; a later clean run resolves the alert."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import select
+
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import InlineDispatcher
+from app.models import Alert, Notification, Run
+from app.services import apply_config_file, start_run
+from engines.zoo import resolve_corpus_path
+
+
+def cfg(url: str, corpus: str, int2_weights: str = "rtn-int2") -> dict:
+    return {
+        "project": "p",
+        "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "fp32", "baseline": True, "engine": "reference", "weights": "fp32"},
+                    {"name": "cand", "engine": "reference", "weights": int2_weights}],
+        "suites": [{"name": "s", "corpus": corpus, "samples": 10, "seed": 1, "scorers": ["perplexity"],
+                    "perplexity": {"window": 64}}],
+        "thresholds": {"ppl_ratio": {"warn": 1.01, "critical": 1.03}},
+        "channels": [{"name": "hook", "kind": "webhook", "url": url}],
+    }
+
+
+def small_corpus(tmp_path) -> str:
+    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:12]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receiver, tmp_path):
+    corpus = small_corpus(tmp_path)
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg(receiver.url + "/hook", corpus)))
+    d = InlineDispatcher()
+    run_id, _ = start_run("p", "s", None, d)
+    # int2 is critical: the warn and the critical alert both fire; the critical one inhibits the
+    # warn one, so exactly one message goes out
+    delivered = receiver.delivered()
+    assert len(delivered) == 1
+    body = json.loads(delivered[0]["body"])
+    assert body["version"] == "4" and body["status"] == "firing"
+    labels = body["alerts"][0]["labels"]
+    assert labels == {"project": "p", "model": "tiny", "config": "cand", "metric": "ppl_ratio", "severity": "critical"}
+    assert "95% CI" in body["alerts"][0]["annotations"]["description"]
+    with session_scope() as s:
+        alerts = {a.severity: a for a in s.scalars(select(Alert))}
+        assert {a.state for a in alerts.values()} == {"firing"}
+        escalation = alerts["critical"].escalation_run_id
+        assert escalation is not None and alerts["warn"].escalation_run_id is not None
+        runs = list(s.scalars(select(Run).order_by(Run.id)))
+        # one escalation per newly firing alert, each a full-suite run of that config (12 documents)
+        assert [(r.trigger, r.n_samples) for r in runs] == [("manual", 10), ("alert", 12), ("alert", 12)]
+        assert all(r.status == "done" for r in runs)
+        n_notifications = s.query(Notification).count()
+    # re-evaluating the first run (a retried aggregation) queues and sends nothing new
+    from app.alerts import evaluate_run
+
+    with session_scope() as s:
+        again = evaluate_run(s, s.get(Run, run_id))
+    assert again["notifications"] == [] and len(receiver.delivered()) == 1
+    with session_scope() as s:
+        assert s.query(Notification).count() == n_notifications
+    # the escalation runs were evaluated too: still firing, nothing re-sent within repeat_interval
+    # now the candidate is fixed: a clean run resolves both alerts and one resolved message goes out
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg(receiver.url + "/hook", corpus, int2_weights="fp32")))
+    start_run("p", "s", None, d)
+    bodies = [json.loads(r["body"]) for r in receiver.delivered()]
+    assert [b["status"] for b in bodies] == ["firing", "resolved"]
+    assert bodies[1]["alerts"][0]["labels"]["severity"] == "critical"  # only what was announced resolves
+    with session_scope() as s:
+        assert {a.state for a in s.scalars(select(Alert))} == {"resolved"}

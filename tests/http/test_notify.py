@@ -1,0 +1,180 @@
+"""Outbox delivery against a real HTTP receiver on loopback with scripted answers (200, 429 +
+Retry-After, 500, 400, 404, a timeout, down then back): exactly one delivery per idempotency
+key, retries timed as specified, nothing lost. The clock of the retry schedule is passed in."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from app.db import session_scope
+from app.models import Channel, Notification, Project, utcnow
+from app.notify import deliver_due
+
+
+def add(kind: str, url: str, n: int = 1, **settings) -> tuple[int, list[int]]:
+    with session_scope() as s:
+        p = s.query(Project).filter_by(name="p").one_or_none() or Project(name="p")
+        s.add(p)
+        s.flush()
+        ch = Channel(project_id=p.id, name=f"{kind}-{len(s.query(Channel).all())}", kind=kind, url=url, settings=settings or None)
+        s.add(ch)
+        s.flush()
+        ids = []
+        for i in range(n):
+            row = Notification(channel_id=ch.id, idempotency_key=f"key-{ch.id}-{i}", payload={"text": f"alert {i}"}, status="pending")
+            s.add(row)
+            s.flush()
+            ids.append(row.id)
+        return ch.id, ids
+
+
+def deliver(now=None, **kw) -> dict:
+    with session_scope() as s, httpx.Client(timeout=kw.pop("timeout", 2.0)) as http:
+        return deliver_due(s, now=now or utcnow(), http=http, sleep=kw.pop("sleep", lambda _: None), **kw)
+
+
+def row(nid: int) -> Notification:
+    with session_scope() as s:
+        n = s.get(Notification, nid)
+        s.expunge(n)
+        return n
+
+
+def test_delivered_once_with_idempotency_key_and_signature(sqlite_env, receiver, monkeypatch):
+    monkeypatch.setenv("HOOK_SECRET", "s3cret")
+    _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${HOOK_SECRET}")
+    assert deliver() == {"sent": 1, "retry": 0, "dead": 0}
+    assert deliver() == {"sent": 0, "retry": 0, "dead": 0}  # sent rows are never posted again
+    (req,) = receiver.requests
+    assert req["headers"]["idempotency-key"] == row(nid).idempotency_key
+    want = "sha256=" + hmac.new(b"s3cret", req["body"], hashlib.sha256).hexdigest()
+    assert req["headers"]["x-canary-signature"] == want
+    assert json.loads(req["body"]) == {"text": "alert 0"}
+
+
+def test_429_waits_exactly_retry_after(sqlite_env, receiver):
+    receiver.script = [{"status": 429, "retry_after": "7"}]
+    _, (nid,) = add("webhook", receiver.url)
+    t0 = utcnow()
+    assert deliver(now=t0)["retry"] == 1
+    n = row(nid)
+    assert n.attempts == 1 and "HTTP 429" in n.last_error
+    assert abs((n.next_attempt_at.replace(tzinfo=None) - t0.replace(tzinfo=None)).total_seconds() - 7) < 1e-3
+    assert deliver(now=t0 + timedelta(seconds=6))["sent"] == 0  # not due yet
+    assert deliver(now=t0 + timedelta(seconds=7))["sent"] == 1
+    assert len(receiver.delivered()) == 1 and row(nid).status == "sent"
+
+
+def test_5xx_backs_off_exponentially_with_jitter_then_gives_up(sqlite_env, receiver):
+    receiver.script = [{"status": 500}] * 3
+    _, (nid,) = add("webhook", receiver.url)
+    t = utcnow()
+    waits = []
+    for attempt in (1, 2, 3):
+        assert deliver(now=t, max_attempts=3)["dead" if attempt == 3 else "retry"] == 1
+        n = row(nid)
+        if attempt < 3:
+            waits.append((n.next_attempt_at.replace(tzinfo=None) - t.replace(tzinfo=None)).total_seconds())
+            t = n.next_attempt_at
+    # 2 s then 4 s, each ±50 %
+    assert 1.0 <= waits[0] <= 3.0 and 2.0 <= waits[1] <= 6.0
+    n = row(nid)
+    assert n.status == "dead" and n.last_error.startswith("gave up after 3 attempts: HTTP 500")
+    assert len(receiver.requests) == 3
+
+
+def test_other_4xx_is_final(sqlite_env, receiver):
+    receiver.script = [{"status": 400}]
+    _, (nid,) = add("webhook", receiver.url)
+    assert deliver()["dead"] == 1
+    assert deliver()["dead"] == 0 and len(receiver.requests) == 1
+    assert row(nid).last_error == "HTTP 400: scripted 400"
+
+
+def test_a_timeout_is_retried(sqlite_env, receiver):
+    receiver.script = [{"sleep": 1.5}]
+    _, (nid,) = add("webhook", receiver.url)
+    t = utcnow()
+    assert deliver(now=t, timeout=0.5)["retry"] == 1 and row(nid).last_error == "timed out"
+    assert deliver(now=row(nid).next_attempt_at)["sent"] == 1
+
+
+def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_env, receiver):
+    from tests.http.conftest import free_port
+    from tests.http.receiver import Receiver, serve
+
+    port = free_port()
+    _, ids = add("webhook", f"http://127.0.0.1:{port}/hook", n=3)
+    t = utcnow()
+    assert deliver(now=t)["retry"] == 3  # connection refused: all three wait
+    assert {row(i).status for i in ids} == {"pending"}
+    back = Receiver()
+    server = serve(back, port)
+    try:
+        later = t + timedelta(minutes=5)
+        assert deliver(now=later)["sent"] == 3
+        assert deliver(now=later + timedelta(minutes=5))["sent"] == 0
+    finally:
+        server.should_exit = True
+    keys = [r["headers"]["idempotency-key"] for r in back.requests]
+    assert sorted(keys) == sorted(row(i).idempotency_key for i in ids) and len(set(keys)) == 3
+
+
+def test_slack_needs_ok_and_is_paced_one_per_second(sqlite_env, receiver):
+    _, ids = add("slack", receiver.url + "/services/T/B/X", n=3)
+    slept = []
+    assert deliver(sleep=slept.append)["sent"] == 3
+    assert len(slept) == 2 and all(0.9 <= x <= 1.0 for x in slept)  # the 2nd and 3rd wait out the second
+
+
+def test_discord_404_disables_the_channel(sqlite_env, receiver):
+    receiver.script = [{"status": 404}]
+    cid, ids = add("discord", receiver.url + "/api/webhooks/1/tok", n=2)
+    counts = deliver()
+    assert counts["dead"] == 2 and len(receiver.requests) == 1  # the second is not even tried
+    assert receiver.requests[0]["query"] == "wait=true"
+    with session_scope() as s:
+        assert s.get(Channel, cid).enabled is False
+
+
+def test_unset_secret_reference_waits_for_the_operator(sqlite_env, receiver, monkeypatch):
+    monkeypatch.delenv("NOPE_URL", raising=False)
+    _, (nid,) = add("webhook", "${NOPE_URL}")
+    assert deliver()["retry"] == 1
+    assert "refers to ${NOPE_URL}, which is not set" in row(nid).last_error
+    monkeypatch.setenv("NOPE_URL", receiver.url)
+    assert deliver(now=row(nid).next_attempt_at)["sent"] == 1
+
+
+@pytest.mark.parametrize("kind", ["slack", "teams", "discord", "webhook", "alertmanager"])
+def test_payload_shapes(kind):
+    from datetime import UTC, datetime
+
+    from app.channels import AlertMessage, build
+
+    msg = AlertMessage("firing", {"project": "p", "model": "m", "config": "int4", "metric": "ppl_ratio", "severity": "critical"},
+                       "fp1", 1.0574, 1.0497, 1.066, 100, "fp16", 110.76, 117.12, "CI low 1.05 ≥ critical 1.03", 7,
+                       "http://dash", datetime(2026, 1, 1, tzinfo=UTC))
+    p = build(kind, msg)
+    text = json.dumps(p, ensure_ascii=False)
+    assert "ppl_ratio" in text and "1.057" in text and "1.05–1.066" in text and "fp16" in text and "run_id=7" in text
+    if kind == "slack":
+        assert set(p) == {"text", "blocks"}
+    if kind == "teams":
+        card = p["attachments"][0]
+        assert p["type"] == "message" and card["contentType"] == "application/vnd.microsoft.card.adaptive"
+        assert card["content"]["type"] == "AdaptiveCard" and card["content"]["version"] == "1.2"
+        assert len(text.encode()) < 28 * 1024
+    if kind == "discord":
+        assert len(p["content"]) <= 2000 and p["allowed_mentions"] == {"parse": []}
+    if kind == "webhook":
+        assert p["version"] == "4" and p["status"] == "firing"
+        assert set(p["alerts"][0]) >= {"labels", "annotations", "startsAt", "endsAt", "fingerprint"}
+    if kind == "alertmanager":
+        assert p[0]["labels"]["alertname"] == "canary_ppl_ratio" and "endsAt" not in p[0]
