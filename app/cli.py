@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import os
 import subprocess
 import sys
@@ -255,6 +256,74 @@ def worker(
     if beat:
         cmd.append("-B")
     os.execvp(cmd[0], cmd)
+
+
+@app.command()
+def gate(
+    candidate: str = typer.Option(..., help="the config to deploy"),
+    suite: str = typer.Option(..., help="the suite to run it on"),
+    project: str = typer.Option("default", help="project name"),
+    baseline: Optional[str] = typer.Option(None, help="the model's baseline config (checked; default: the model's)"),
+    samples: Optional[int] = typer.Option(None, help="samples (default: the suite's)"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for the durable verdict"),
+    timeout: float = typer.Option(3600, help="seconds to wait before exiting 2"),
+    warn_exit_code: int = typer.Option(0, help="exit code for a warn verdict (0 lets the deploy go on, 1 blocks it)"),
+    inconclusive: str = typer.Option("warn", help="gate verdict when the data cannot decide: pass, warn or fail"),
+    summary_md: Optional[pathlib.Path] = typer.Option(None, help="write a markdown summary (for a PR comment) here"),
+    idempotency_key: Optional[str] = typer.Option(None, envvar="CANARY_GATE_KEY",
+                                                  help="a retried CI step with the same key gets the same gate (e.g. the commit SHA)"),
+    api: str = typer.Option("http://127.0.0.1:8000", envvar="CANARY_API_URL", help="the canary API"),
+    api_key: Optional[str] = typer.Option(None, envvar="CANARY_API_KEY", help="a read-write API key"),
+    as_json: bool = typer.Option(False, "--json", help="print the gate as JSON"),
+) -> None:
+    """Pre-deploy gate: exit 0 pass, 1 fail, 2 error; warn exits with --warn-exit-code."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if idempotency_key:
+        headers["Idempotency-Key"] = idempotency_key
+    body = {"candidate": candidate, "suite": suite, "baseline": baseline, "samples": samples, "inconclusive": inconclusive}
+    base = f"{api.rstrip('/')}/api/v1/projects/{project}/gates"
+    try:
+        with httpx.Client(timeout=30, headers=headers) as http:
+            r = http.post(base, json={k: v for k, v in body.items() if v is not None})
+            if r.status_code >= 400:
+                fail(f"gate refused (HTTP {r.status_code}): {_detail(r)}")
+            g = r.json()
+            started = time.monotonic()
+            while wait and g["verdict"] is None:
+                if time.monotonic() - started > timeout:
+                    _gate_out(g, summary_md, as_json)
+                    fail(f"gate {g['gate_id']} has no verdict after {timeout:.0f}s (run {g['run_id']} is {g['run_status']}); "
+                         f"it goes on, and the same --idempotency-key picks it up again")
+                time.sleep(2)
+                r = http.get(f"{base}/{g['gate_id']}")
+                if r.status_code >= 400:
+                    fail(f"reading gate {g['gate_id']} failed (HTTP {r.status_code}): {_detail(r)}")
+                g = r.json()
+    except httpx.HTTPError as e:
+        fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL")
+    _gate_out(g, summary_md, as_json)
+    code = {"pass": 0, "fail": 1, "warn": warn_exit_code, "error": 2, None: 0}[g["verdict"]]
+    raise typer.Exit(code)
+
+
+def _detail(r) -> str:
+    try:
+        d = r.json().get("detail")
+        return d if isinstance(d, str) else json.dumps(d)
+    except ValueError:
+        return r.text[:300]
+
+
+def _gate_out(g: dict, summary_md, as_json: bool) -> None:
+    if summary_md:
+        summary_md.write_text(g["summary_markdown"], encoding="utf-8")
+    if as_json:
+        sys.stdout.write(json.dumps(g) + "\n")
+    else:
+        console.print(f"gate {g['gate_id']}: [bold]{g['verdict'] or 'pending'}[/] — candidate {g['candidate']} vs "
+                      f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {g['reason'] or ''}", highlight=False)
 
 
 @app.command("engine-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

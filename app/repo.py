@@ -424,6 +424,10 @@ def finish_run(session: Session, run_id: int, status: str, verdict: str, reason:
     session.execute(
         update(Run).where(Run.id == run_id).values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())
     )
+    session.flush()
+    from app.gates import decide
+
+    decide(session, run_id)  # a gate on this run takes its durable verdict in the same transaction
 
 
 def stale_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]:

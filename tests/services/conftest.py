@@ -129,7 +129,9 @@ def stack(pg_database, redis_url, tmp_path_factory):
         )
         procs.append(api)
         _wait_http(f"http://127.0.0.1:{port}/healthz", api, logs["api"])
-        yield Stack(env, f"http://127.0.0.1:{port}", logs)
+        st = Stack(env, f"http://127.0.0.1:{port}", logs)
+        st.procs = procs  # [worker, api]: tests may restart the worker
+        yield st
     finally:
         for p in procs:
             p.terminate()

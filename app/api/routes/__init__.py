@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from app.api.routes import configs, projects, runs, suites
+from app.api.routes import alerting, configs, gates, projects, runs, suites
 
 router = APIRouter()
-for module in (projects, configs, suites, runs):
+for module in (projects, configs, suites, runs, gates, alerting):
     router.include_router(module.router)

@@ -1,0 +1,151 @@
+"""Alert rules (thresholds per project, model or config), alerts and silences."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from fastapi import APIRouter, Query, status
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy import select
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.config_file import METRIC_DIRECTIONS
+from app.models import Alert, AlertRule, Silence, utcnow
+
+router = APIRouter(tags=["alerts"])
+
+
+class RuleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    metric: str = Field(description=f"one of: {', '.join(METRIC_DIRECTIONS)}")
+    warn: float
+    critical: float | None = None
+    min_n: int = Field(10, ge=1)
+    for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before firing")
+    model: str | None = Field(None, description="narrow the rule to one model")
+    config: str | None = Field(None, description="narrow the rule to one config")
+    enabled: bool = True
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        if v not in METRIC_DIRECTIONS:
+            raise ValueError(f"unknown metric '{v}'; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _order(self) -> RuleIn:
+        d = METRIC_DIRECTIONS[self.metric]
+        if self.critical is not None and ((d == "above" and self.critical < self.warn) or (d == "below" and self.critical > self.warn)):
+            raise ValueError(f"critical {self.critical} must be {'≥' if d == 'above' else '≤'} warn {self.warn}: {self.metric} is bad {d}")
+        return self
+
+
+def rule_out(r: AlertRule) -> dict:
+    return {"id": r.id, "metric": r.metric, "warn": r.warn, "critical": r.critical, "direction": r.direction, "min_n": r.min_n,
+            "for_runs": r.for_runs, "model_id": r.model_id, "config_id": r.config_id, "enabled": r.enabled}
+
+
+@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK)
+def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
+    """Create or replace the rule for (metric, model, config); config beats model beats project."""
+    model_id = repo.get_model(session, project, body.model).id if body.model else None
+    config_id = repo.get_config(session, project, body.config).id if body.config else None
+    rule = session.scalar(select(AlertRule).where(
+        AlertRule.project_id == project.id, AlertRule.metric == body.metric,
+        AlertRule.model_id.is_(None) if model_id is None else AlertRule.model_id == model_id,
+        AlertRule.config_id.is_(None) if config_id is None else AlertRule.config_id == config_id))
+    if rule is None:
+        rule = AlertRule(project_id=project.id, metric=body.metric, direction=METRIC_DIRECTIONS[body.metric], warn=body.warn,
+                         model_id=model_id, config_id=config_id)
+        session.add(rule)
+    rule.warn, rule.critical, rule.min_n, rule.for_runs, rule.enabled = body.warn, body.critical, body.min_n, body.for_runs, body.enabled
+    session.flush()
+    return rule_out(rule)
+
+
+@router.get("/projects/{project}/alert-rules")
+def list_rules(project: ProjectDep, session: SessionDep) -> list[dict]:
+    return [rule_out(r) for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id).order_by(AlertRule.id))]
+
+
+def alert_out(a: Alert) -> dict:
+    iso = lambda t: t.isoformat() if t else None  # noqa: E731
+    return {"id": a.id, "fingerprint": a.fingerprint, "labels": a.labels, "annotations": a.annotations, "state": a.state,
+            "severity": a.severity, "value": a.value, "consecutive": a.consecutive, "run_id": a.run_id,
+            "started_at": iso(a.started_at), "fired_at": iso(a.fired_at), "resolved_at": iso(a.resolved_at),
+            "last_notified_at": iso(a.last_notified_at), "escalation_run_id": a.escalation_run_id}
+
+
+@router.get("/projects/{project}/alerts")
+def list_alerts(project: ProjectDep, session: SessionDep, state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
+                limit: int = Query(100, ge=1, le=1000)) -> list[dict]:
+    q = select(Alert).where(Alert.project_id == project.id)
+    if state:
+        q = q.where(Alert.state == state)
+    return [alert_out(a) for a in session.scalars(q.order_by(Alert.id.desc()).limit(limit))]
+
+
+class Matcher(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    value: str = Field(max_length=256)
+    isRegex: bool = False  # noqa: N815 - Alertmanager's field name
+
+
+class SilenceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    matchers: list[Matcher] = Field(min_length=1, max_length=16)
+    starts_at: datetime | None = None
+    ends_at: datetime | None = None
+    duration_minutes: int | None = Field(None, ge=1, le=60 * 24 * 90)
+    author: str = Field(min_length=1, max_length=128)
+    comment: str = Field(min_length=1, max_length=2000)
+
+    @model_validator(mode="after")
+    def _window(self) -> SilenceIn:
+        if (self.ends_at is None) == (self.duration_minutes is None):
+            raise ValueError("give either ends_at or duration_minutes")
+        return self
+
+
+def silence_out(s: Silence) -> dict:
+    return {"id": s.id, "matchers": s.matchers, "starts_at": s.starts_at.isoformat(), "ends_at": s.ends_at.isoformat(),
+            "author": s.author, "comment": s.comment}
+
+
+@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED)
+def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) -> dict:
+    import re
+
+    for m in body.matchers:
+        if m.isRegex:
+            try:
+                re.compile(m.value)
+            except re.error as e:
+                raise ValueError(f"matchers: '{m.value}' is not a valid regular expression ({e})") from None
+    start = body.starts_at or utcnow()
+    end = body.ends_at or start + timedelta(minutes=body.duration_minutes)
+    if end <= start:
+        raise ValueError("ends_at must be after starts_at")
+    s = Silence(project_id=project.id, matchers=[{"name": m.name, "value": m.value, "isRegex": str(m.isRegex).lower()} for m in body.matchers],
+                starts_at=start, ends_at=end, author=body.author, comment=body.comment)
+    session.add(s)
+    session.flush()
+    return silence_out(s)
+
+
+@router.get("/projects/{project}/silences")
+def list_silences(project: ProjectDep, session: SessionDep) -> list[dict]:
+    return [silence_out(s) for s in session.scalars(select(Silence).where(Silence.project_id == project.id).order_by(Silence.id.desc()))]
+
+
+@router.delete("/projects/{project}/silences/{silence_id}")
+def expire_silence(silence_id: int, project: ProjectDep, session: SessionDep) -> dict:
+    """Expire a silence now (its history stays)."""
+    s = session.get(Silence, silence_id)
+    if s is None or s.project_id != project.id:
+        raise repo.NotFound(f"silence {silence_id} not found in project '{project.name}'")
+    s.ends_at = min(s.ends_at, utcnow())
+    return silence_out(s)

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Response, status
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.dispatch import get_dispatcher
+from app.gates import check_request, find_gate, record_gate, summary_markdown
+from app.models import Gate
+from app.services import run_summary, start_run
+from app.settings import get_settings
+
+router = APIRouter(tags=["gates"])
+
+
+class GateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    candidate: str = Field(description="the config to deploy")
+    baseline: str | None = Field(None, description="must be the candidate model's baseline config (checked)")
+    suite: str
+    samples: int | None = Field(None, ge=1)
+    inconclusive: Literal["pass", "warn", "fail"] = Field("warn", description="gate verdict when the data cannot decide")
+
+
+def gate_out(session, project, gate: Gate) -> dict:
+    summary = run_summary(session, repo.get_run(session, project, gate.run_id))
+    return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
+            "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
+            "run_status": summary["status"], "run_verdict": summary["verdict"], "reason": summary["verdict_reason"],
+            "idempotency_key": gate.idempotency_key, "created_at": gate.created_at.isoformat() if gate.created_at else None,
+            "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url),
+            "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
+
+
+@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED)
+def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
+                idempotency_key: Annotated[str | None, Header(max_length=128)] = None) -> dict:
+    """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
+    existing = find_gate(session, project, idempotency_key)
+    if existing is not None:
+        if (existing.candidate, existing.policy and existing.policy.get("suite")) != (body.candidate, body.suite):
+            raise repo.Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different gate (gate {existing.id}); use a new key")
+        response.status_code = status.HTTP_200_OK
+        return gate_out(session, project, existing)
+    baseline = check_request(session, project, body.candidate, body.baseline, body.suite)
+    run_id, _ = start_run(project.name, body.suite, [body.candidate], get_dispatcher(background=True), samples=body.samples,
+                          trigger="gate", idempotency_key=f"gate:{idempotency_key}" if idempotency_key else None)
+    gate = record_gate(session, project, run_id, body.candidate, baseline, {"inconclusive": body.inconclusive, "suite": body.suite},
+                       idempotency_key)
+    session.commit()
+    # a run that finished before the gate row existed (inline, tiny suites) is decided now
+    from app.gates import decide
+
+    decide(session, run_id)
+    return gate_out(session, project, gate)
+
+
+@router.get("/projects/{project}/gates/{gate_id}")
+def get_gate(gate_id: int, project: ProjectDep, session: SessionDep) -> dict:
+    gate = session.get(Gate, gate_id)
+    if gate is None or gate.project_id != project.id:
+        raise repo.NotFound(f"gate {gate_id} not found in project '{project.name}'")
+    return gate_out(session, project, gate)
+
+
+@router.get("/projects/{project}/gates")
+def list_gates(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500)) -> list[dict]:
+    gates = session.scalars(select(Gate).where(Gate.project_id == project.id).order_by(Gate.id.desc()).limit(limit))
+    return [{"gate_id": g.id, "candidate": g.candidate, "baseline": g.baseline, "verdict": g.verdict, "run_id": g.run_id,
+             "created_at": g.created_at.isoformat() if g.created_at else None,
+             "decided_at": g.decided_at.isoformat() if g.decided_at else None} for g in gates]

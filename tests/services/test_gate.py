@@ -1,0 +1,92 @@
+"""The pre-deploy gate against the real stack (API under uvicorn, a Celery worker process,
+Postgres, Redis), driven by the `canary gate` CLI as CI would: pass, warn and fail on the tiny
+model, the exit codes, the idempotency key, and the verdict surviving a worker restart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.services.conftest import start_worker
+
+P = "/api/v1/projects/gate"
+
+
+@pytest.fixture(scope="module")
+def project(stack):
+    http = stack.http
+    assert http.post("/api/v1/projects", json={"name": "gate"}).status_code == 201
+    assert http.post(f"{P}/models", json={"name": "tiny", "path": "builtin:pydoc-target"}).status_code == 201
+    for body in (
+        {"name": "fp32", "model": "tiny", "baseline": True, "engine": "reference", "weights": "fp32"},
+        {"name": "fp32-copy", "model": "tiny", "engine": "reference", "weights": "fp32"},  # identical: passes
+        {"name": "int2", "model": "tiny", "engine": "reference", "weights": "rtn-int2"},  # +5.7 % perplexity
+        {"name": "kv-int2", "model": "tiny", "engine": "reference", "kv_cache": "int2"},  # likewise
+    ):
+        assert http.post(f"{P}/configs", json=body).status_code == 201
+    assert http.post(f"{P}/suites", json={"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 12, "seed": 5,
+                                          "scorers": ["perplexity"], "perplexity": {"window": 64}}).status_code == 201
+    # per-config budgets: int2 lands between warn and critical, kv-int2 past critical
+    for rule in ({"metric": "ppl_ratio", "warn": 1.02, "critical": 1.5, "config": "int2"},
+                 {"metric": "ppl_ratio", "warn": 1.01, "critical": 1.03, "config": "kv-int2"}):
+        r = http.put(f"{P}/alert-rules", json=rule)
+        assert r.status_code == 200, r.text
+    return "gate"
+
+
+def gate(stack, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", "gate", "--api", stack.api, "--project", "gate", "--suite", "s", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=stack.env)
+
+
+def test_pass_warn_fail_and_exit_codes(stack, project, tmp_path):
+    ok = gate(stack, "--candidate", "fp32-copy", "--summary-md", str(tmp_path / "pass.md"))
+    assert ok.returncode == 0, ok.stderr
+    assert "gate" in ok.stderr and "pass" in ok.stderr
+    md = (tmp_path / "pass.md").read_text()
+    assert "gate: **pass**" in md and "| ppl_ratio | 1 |" in md
+    warn = gate(stack, "--candidate", "int2", "--json")
+    assert warn.returncode == 0  # warn lets the deploy go on by default…
+    import json
+
+    g = json.loads(warn.stdout)
+    assert g["verdict"] == "warn" and g["comparisons"][0]["verdict"] == "warn"
+    strict = gate(stack, "--candidate", "int2", "--warn-exit-code", "1")
+    assert strict.returncode == 1  # …and blocks it when CI says so
+    bad = gate(stack, "--candidate", "kv-int2", "--summary-md", str(tmp_path / "fail.md"))
+    assert bad.returncode == 1 and "fail" in bad.stderr
+    assert "gate: **fail**" in (tmp_path / "fail.md").read_text()
+
+
+def test_bad_gate_requests_exit_2_naming_the_field(stack, project):
+    missing = gate(stack, "--candidate", "no-such-config")
+    assert missing.returncode == 2 and "no-such-config" in missing.stderr and "HTTP 404" in missing.stderr
+    base = gate(stack, "--candidate", "int2", "--baseline", "fp32-copy")
+    assert base.returncode == 2 and "baseline: 'fp32-copy' is not the baseline of model 'tiny'" in base.stderr
+    down = subprocess.run([sys.executable, "-m", "app.cli", "gate", "--api", "http://127.0.0.1:9", "--candidate", "int2", "--suite", "s"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 2 and "unreachable" in down.stderr
+
+
+def test_idempotency_key_and_a_worker_restart(stack, project):
+    first = gate(stack, "--candidate", "kv-int2", "--idempotency-key", "sha-abc123", "--json", "--no-wait")
+    assert first.returncode == 0  # no verdict yet with --no-wait
+    import json
+
+    g1 = json.loads(first.stdout)
+    # the worker restarts while (or after) the gate's run is in flight
+    old = stack.procs[0]
+    old.terminate()
+    old.wait(60)
+    stack.procs[0] = start_worker(stack.env, stack.logs["worker"])
+    again = gate(stack, "--candidate", "kv-int2", "--idempotency-key", "sha-abc123", "--json")
+    g2 = json.loads(again.stdout)
+    assert again.returncode == 1 and g2["verdict"] == "fail"
+    assert (g2["gate_id"], g2["run_id"]) == (g1["gate_id"], g1["run_id"])  # the same gate, not a second run
+    runs = stack.http.get(f"{P}/runs").json()
+    assert sum(r["trigger"] == "gate" for r in runs) == 5  # 4 gates above + this one
+    listed = stack.http.get(f"{P}/gates").json()
+    assert listed[0]["gate_id"] == g1["gate_id"] and listed[0]["verdict"] == "fail"
