@@ -192,6 +192,14 @@ class ChannelEntry(_Strict):
         raise ValueError("give an http(s) URL or an ${ENV_VAR} reference")
 
 
+def check_cron(v: str) -> str:
+    from croniter import croniter
+
+    if len(v.split()) != 5 or not croniter.is_valid(v):
+        raise ValueError(f"'{v}' is not a valid five-field cron expression (minute hour day-of-month month day-of-week), e.g. '0 6 * * *'")
+    return v
+
+
 class ScheduleEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     cron: str = Field(description="five-field cron expression, UTC, e.g. '0 6 * * *'")
@@ -202,9 +210,7 @@ class ScheduleEntry(_Strict):
     @field_validator("cron")
     @classmethod
     def _cron(cls, v: str) -> str:
-        if len(v.split()) != 5:
-            raise ValueError(f"'{v}' is not a five-field cron expression (minute hour day month weekday)")
-        return v
+        return check_cron(v)
 
 
 class CanaryFile(_Strict):

@@ -23,8 +23,9 @@ EXECUTE_CONFIG_RUN = "canary.execute_config_run"
 AGGREGATE_RUN = "canary.aggregate_run"
 RECONCILE = "canary.reconcile"
 NOTIFY = "canary.notify"
+TICK_SCHEDULES = "canary.tick_schedules"
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
-TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default"}
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 
 

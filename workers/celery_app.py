@@ -32,5 +32,7 @@ celery_app.conf.update(
     task_default_queue="default",
     task_ignore_result=True,
     worker_hijack_root_logger=False,
-    beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": 60.0}},
+    # exactly one beat (`canary worker --beat` on one worker); schedules are exactly-once per slot anyway
+    beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": 60.0},
+                   "tick-schedules": {"task": "canary.tick_schedules", "schedule": 60.0}},
 )

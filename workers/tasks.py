@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from app import repo
 from app.db import session_scope
-from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, Dispatcher
+from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, TICK_SCHEDULES, Dispatcher
 from app.models import utcnow
 from app.settings import get_settings
 from workers.aggregate import aggregate_run as _aggregate
@@ -66,7 +66,15 @@ def notify(dispatcher: Dispatcher | None = None) -> dict:
         return deliver_due(s)
 
 
-INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile, NOTIFY: notify}
+def tick_schedules(dispatcher: Dispatcher) -> list[int]:
+    """Start the runs of schedules whose latest cron slot has not run (app/schedules.py)."""
+    from app.schedules import tick
+
+    return tick(session_scope, dispatcher)
+
+
+INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile, NOTIFY: notify,
+          TICK_SCHEDULES: tick_schedules}
 
 
 def _register() -> None:
@@ -80,6 +88,10 @@ def _register() -> None:
     @celery_app.task(name=AGGREGATE_RUN)
     def aggregate_task(run_id: int) -> str:
         return aggregate_run(run_id, get_dispatcher())
+
+    @celery_app.task(name=TICK_SCHEDULES)
+    def tick_task() -> list[int]:
+        return tick_schedules(get_dispatcher())
 
     @celery_app.task(name=NOTIFY)
     def notify_task() -> dict:

@@ -15,7 +15,7 @@ from app import __version__
 from app.api.deps import SessionDep
 from app.api.routes import router
 from app.corpus import CorpusError
-from app.dispatch import RECONCILE, get_dispatcher
+from app.dispatch import RECONCILE, TICK_SCHEDULES, get_dispatcher
 from app.settings import get_settings
 from app.repo import Conflict, NotFound
 
@@ -35,6 +35,7 @@ async def lifespan(_: FastAPI):
             while True:
                 try:
                     get_dispatcher(background=True).send(RECONCILE)
+                    get_dispatcher(background=True).send(TICK_SCHEDULES)
                 except Exception:  # noqa: BLE001
                     log.exception("reconciler could not be scheduled")
                 if stop.wait(RECONCILE_EVERY_SECONDS):

@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from app.api.routes import alerting, configs, gates, projects, runs, suites
+from app.api.routes import alerting, configs, gates, projects, runs, schedules, suites
 
 router = APIRouter()
-for module in (projects, configs, suites, runs, gates, alerting):
+for module in (projects, configs, suites, runs, gates, alerting, schedules):
     router.include_router(module.router)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, status
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy import select
+
+from app import repo
+from app.api.deps import ProjectDep, SessionDep
+from app.config_file import NAME_PATTERN, check_cron
+from app.models import Schedule
+from app.schedules import latest_slot
+
+router = APIRouter(tags=["schedules"])
+
+
+class ScheduleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME_PATTERN)
+    cron: str = Field(description="five-field cron expression in UTC, e.g. '0 6 * * *' (daily) or '0 3 * * 0' (weekly)")
+    suite: str
+    configs: list[str] = Field(default_factory=list, description="empty = every config of the project")
+    samples: int | None = Field(None, ge=1)
+    enabled: bool = True
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, v: str) -> str:
+        return check_cron(v)
+
+
+def out(s: Schedule) -> dict:
+    from croniter import croniter
+
+    from app.models import utcnow
+
+    return {"id": s.id, "name": s.name, "cron": s.cron, "suite_id": s.suite_id, "configs": s.config_names, "samples": s.samples,
+            "enabled": s.enabled, "last_slot_at": s.last_slot_at.isoformat() if s.last_slot_at else None,
+            "next_slot_at": croniter(s.cron, latest_slot(s.cron, utcnow())).get_next(type(utcnow())).isoformat()}
+
+
+@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK)
+def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> dict:
+    suite = repo.get_suite(session, project, body.suite)
+    for name in body.configs:
+        repo.get_config(session, project, name)  # 404 naming an unknown config
+    s = repo.upsert_schedule(session, project, body.name, body.cron, suite, body.configs, body.samples)
+    s.enabled = body.enabled
+    return out(s)
+
+
+@router.get("/projects/{project}/schedules")
+def list_schedules(project: ProjectDep, session: SessionDep) -> list[dict]:
+    return [out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id).order_by(Schedule.id))]

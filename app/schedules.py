@@ -1,0 +1,65 @@
+"""Scheduled evals (daily ≈ 100 samples, weekly ≥ 500): one beat sends `canary.tick_schedules`
+every minute; each tick starts the run of every schedule whose latest cron slot has not run.
+
+Exactly once per slot, even with two beats or a retried tick: the slot is claimed by a
+compare-and-set on `last_slot_at` and the run carries the idempotency key
+`schedule:<id>:<slot>`. After beat was down, only the latest missed slot runs — once — not one
+run per missed tick. A new schedule starts at its next slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+
+from croniter import croniter
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app import repo
+from app.models import Schedule, Suite, utcnow
+
+log = logging.getLogger(__name__)
+
+
+def latest_slot(cron: str, now: datetime) -> datetime:
+    """The most recent slot at or before now (UTC)."""
+    now = now if now.tzinfo else now.replace(tzinfo=UTC)
+    # get_prev is strictly before its start: start a second later so a slot equal to now counts
+    return croniter(cron, now + timedelta(seconds=1)).get_prev(datetime).replace(fold=0)
+
+
+def claim_due(session: Session, now: datetime | None = None) -> list[tuple[int, str, str, list[str], int | None, str]]:
+    """Claim every due slot; returns (schedule id, project, suite, configs, samples, slot iso) to start."""
+    now = now or utcnow()
+    due = []
+    for s in session.scalars(select(Schedule).where(Schedule.enabled.is_(True))):
+        slot = latest_slot(s.cron, now)
+        last = s.last_slot_at.replace(tzinfo=UTC) if s.last_slot_at is not None and s.last_slot_at.tzinfo is None else s.last_slot_at
+        if last is not None and slot <= last:
+            continue
+        # compare-and-set: a second beat (or a retried tick) that read the same row loses here
+        cond = Schedule.last_slot_at.is_(None) if s.last_slot_at is None else Schedule.last_slot_at == s.last_slot_at
+        won = session.execute(update(Schedule).where(Schedule.id == s.id, cond).values(last_slot_at=slot)).rowcount == 1
+        if not won or last is None:  # lost the race, or first sight of a new schedule: wait for the next slot
+            continue
+        suite = session.get(Suite, s.suite_id)
+        due.append((s.id, repo.project_name(session, s.project_id), suite.name, list(s.config_names), s.samples, slot.isoformat()))
+    session.commit()
+    return due
+
+
+def tick(session_factory, dispatcher, now: datetime | None = None) -> list[int]:
+    from app.services import start_run
+
+    with session_factory() as s:
+        due = claim_due(s, now)
+    started = []
+    for sched_id, project, suite, configs, samples, slot in due:
+        try:
+            run_id, _ = start_run(project, suite, configs or None, dispatcher, samples=samples, trigger="schedule",
+                                  idempotency_key=f"schedule:{sched_id}:{slot}")
+            started.append(run_id)
+        except Exception:  # one broken schedule must not stop the others
+            log.exception("schedule %s could not start its run for slot %s", sched_id, slot)
+    return started
