@@ -7,7 +7,7 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
@@ -79,6 +79,24 @@ async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
 @app.exception_handler(ValueError)
 async def _invalid(_: Request, exc: ValueError) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=422)
+
+
+_registry = None
+
+
+@app.get("/metrics", tags=["health"], include_in_schema=False)
+def metrics() -> Response:
+    """Prometheus exposition: service and canary metrics, read from the database (app/metrics.py)."""
+    global _registry
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    from app.db import session_scope
+    from app.metrics import CanaryCollector
+
+    if _registry is None:
+        _registry = CollectorRegistry()
+        _registry.register(CanaryCollector(session_scope))
+    return Response(generate_latest(_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @app.get("/healthz", tags=["health"])

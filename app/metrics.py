@@ -1,0 +1,108 @@
+"""Prometheus /metrics for the API, read from Postgres at scrape time (the database is the source
+of truth; nothing is lost when an API process restarts).
+
+Service metrics:
+  canary_runs{project,status}                       runs by status
+  canary_config_runs_queued / _running              GPU queue depth and work in flight
+  canary_notifications_pending                      outbox backlog
+  canary_config_run_duration_seconds (histogram)    config-run wall time, last 24 h
+Canary metrics per model and config, from each config's latest finished run:
+  canary_ppl_ratio, canary_judge_win_rate, canary_faithfulness, canary_spec_acceptance_rate,
+  canary_exact_match, canary_top1_agreement          {project,model,config} + _ci_low / _ci_high
+  canary_ttft_ms{quantile="0.5"|"0.99"}, canary_tokens_per_second, canary_kv_bytes_per_token
+  canary_verdict{project,model,config,metric}        0 ok, 1 inconclusive, 2 warn, 3 critical
+  canary_alerts_firing{project,severity}
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from app.models import Alert, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
+
+COMPARISON_GAUGES = ("ppl_ratio", "judge_win_rate", "faithfulness", "spec_acceptance_rate", "exact_match", "top1_agreement")
+VERDICT_VALUE = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
+DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
+
+
+class CanaryCollector(Collector):
+    def __init__(self, session_factory):
+        self.session_factory = session_factory
+
+    def collect(self):
+        with self.session_factory() as s:
+            yield from self._service(s)
+            yield from self._canary(s)
+
+    def _service(self, s):
+        runs = GaugeMetricFamily("canary_runs", "Runs by status", labels=["project", "status"])
+        for project, status, n in s.execute(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id)
+                                            .group_by(Project.name, Run.status)):
+            runs.add_metric([project, status], n)
+        yield runs
+        for status in ("queued", "running"):
+            n = s.scalar(select(func.count()).select_from(ConfigRun).where(ConfigRun.status == status)) or 0
+            yield GaugeMetricFamily(f"canary_config_runs_{status}", f"Config-runs {status}", value=n)
+        pending = s.scalar(select(func.count()).select_from(Notification).where(Notification.status == "pending")) or 0
+        yield GaugeMetricFamily("canary_notifications_pending", "Notifications waiting in the outbox", value=pending)
+        since = utcnow() - timedelta(hours=24)
+        durations = [(f - st).total_seconds() for st, f in s.execute(
+            select(ConfigRun.started_at, ConfigRun.finished_at).where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)))]
+        buckets = [(str(b), sum(d <= b for d in durations)) for b in DURATION_BUCKETS] + [("+Inf", len(durations))]
+        yield HistogramMetricFamily("canary_config_run_duration_seconds", "Config-run wall time over the last 24 h",
+                                    buckets=buckets, sum_value=sum(durations))
+        firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
+        for project, sev, n in s.execute(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
+                                         .where(Alert.state == "firing").group_by(Project.name, Alert.severity)):
+            firing.add_metric([project, sev], n)
+        yield firing
+
+    def _canary(self, s):
+        # each config's latest finished (done) run that included it
+        latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
+                  .join(Run, Run.id == ConfigRun.run_id).where(Run.status == "done", ConfigRun.status == "succeeded")
+                  .group_by(ConfigRun.config_id).subquery())
+        rows = s.execute(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
+                         .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
+                         .join(Model, Model.id == OptimizationConfig.model_id)
+                         .join(Project, Project.id == Model.project_id)).all()
+        gauges = {m: GaugeMetricFamily(f"canary_{m}", f"Latest {m} vs baseline", labels=["project", "model", "config"]) for m in COMPARISON_GAUGES}
+        bounds = {(m, side): GaugeMetricFamily(f"canary_{m}_ci_{side}", f"95% CI {side} of canary_{m}", labels=["project", "model", "config"])
+                  for m in COMPARISON_GAUGES for side in ("low", "high")}
+        verdict = GaugeMetricFamily("canary_verdict", "0 ok, 1 inconclusive, 2 warn, 3 critical", labels=["project", "model", "config", "metric"])
+        ttft = GaugeMetricFamily("canary_ttft_ms", "Time to first token (ms)", labels=["project", "model", "config", "quantile"])
+        tps = GaugeMetricFamily("canary_tokens_per_second", "Decode tokens per second", labels=["project", "model", "config"])
+        kvb = GaugeMetricFamily("canary_kv_bytes_per_token", "KV-cache bytes per token", labels=["project", "model", "config"])
+        by_run: dict[int, list] = {}
+        for config_id, run_id, config, model, project in rows:
+            by_run.setdefault(run_id, []).append((config_id, config, model, project))
+        for run_id, configs in by_run.items():
+            comps = {(c.config_id, c.metric): c for c in s.scalars(select(Comparison).where(Comparison.run_id == run_id))}
+            figures = {cr.config_id: cr.figures or {} for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))}
+            for config_id, config, model, project in configs:
+                labels = [project, model, config]
+                for m in COMPARISON_GAUGES:
+                    c = comps.get((config_id, m))
+                    if c is not None and c.estimate is not None:
+                        gauges[m].add_metric(labels, c.estimate)
+                        if c.ci_low is not None:
+                            bounds[(m, "low")].add_metric(labels, c.ci_low)
+                            bounds[(m, "high")].add_metric(labels, c.ci_high)
+                for (cid, metric), c in comps.items():
+                    if cid == config_id:
+                        verdict.add_metric(labels + [metric], VERDICT_VALUE.get(c.verdict, 1))
+                f = figures.get(config_id, {})
+                for q, key in (("0.5", "ttft_ms_p50"), ("0.99", "ttft_ms_p99")):
+                    if f.get(key) is not None:
+                        ttft.add_metric(labels + [q], f[key])
+                if f.get("tokens_per_second") is not None:
+                    tps.add_metric(labels, f["tokens_per_second"])
+                if f.get("kv_bytes_per_token") is not None:
+                    kvb.add_metric(labels, f["kv_bytes_per_token"])
+        yield from gauges.values()
+        yield from bounds.values()
+        yield from (verdict, ttft, tps, kvb)

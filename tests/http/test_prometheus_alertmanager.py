@@ -1,0 +1,138 @@
+"""Integration with the real thing: a canary alert pushed to a real Alertmanager (Debian's
+prometheus-alertmanager) and read back from its API v2; a real Prometheus scraping the API's
+/metrics and evaluating deploy/prometheus/canary-rules.yml. Without the binaries these skip
+loudly — under CI=true they fail (.ci/run installs them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import uvicorn
+
+from app.channels import AlertMessage, build
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import InlineDispatcher
+from app.models import Channel, Comparison, Notification, Project
+from app.notify import deliver_due
+from app.services import apply_config_file, start_run
+from tests.conftest import ROOT
+from tests.http.conftest import free_port
+from tests.http.test_alert_flow import cfg, small_corpus
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (Debian: apt-get install prometheus prometheus-alertmanager)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI=true: {msg}", pytrace=False)
+        pytest.skip(f"SKIPPED LOUDLY: {msg}")
+    return path
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    exe = binary("prometheus-alertmanager")
+    port = free_port()
+    conf = tmp_path / "am.yml"
+    conf.write_text("route:\n  receiver: 'null'\nreceivers:\n  - name: 'null'\n")
+    proc = subprocess.Popen([exe, f"--config.file={conf}", f"--storage.path={tmp_path / 'am-data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/-/ready", proc)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_alert_reaches_a_real_alertmanager(sqlite_env, alertmanager):
+    msg = AlertMessage("firing", {"project": "p", "model": "tiny", "config": "int4", "metric": "ppl_ratio", "severity": "critical"},
+                       "fp", 1.0574, 1.0497, 1.066, 100, "fp16", 110.76, 117.12, "CI low 1.05 ≥ critical 1.03", 3,
+                       "http://dash", datetime.now(UTC))
+    with session_scope() as s:
+        p = Project(name="p")
+        s.add(p)
+        s.flush()
+        ch = Channel(project_id=p.id, name="am", kind="alertmanager", url=alertmanager)
+        s.add(ch)
+        s.flush()
+        s.add(Notification(channel_id=ch.id, idempotency_key="k1", payload=build("alertmanager", msg), status="pending"))
+    with session_scope() as s:
+        assert deliver_due(s)["sent"] == 1
+    alerts = httpx.get(alertmanager + "/api/v2/alerts").json()
+    assert len(alerts) == 1
+    a = alerts[0]
+    assert a["labels"] == {"alertname": "canary_ppl_ratio", "project": "p", "model": "tiny", "config": "int4",
+                           "metric": "ppl_ratio", "severity": "critical"}
+    assert a["status"]["state"] == "active" and "95% CI 1.05–1.066" in a["annotations"]["description"]
+
+
+def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, receiver):
+    exe = binary("prometheus")
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg(receiver.url, small_corpus(tmp_path))))
+    start_run("p", "s", ["cand"], InlineDispatcher())
+    with session_scope() as s:
+        # the latest run's figure is exposed (the critical alert escalated to a full-suite run)
+        comp = max((c for c in s.query(Comparison).all() if c.metric == "ppl_ratio"), key=lambda c: c.run_id)
+        want = comp.estimate
+    from app.api.main import app
+
+    api_port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    prom_port = free_port()
+    conf = tmp_path / "prometheus.yml"
+    conf.write_text(json.dumps({  # JSON is YAML
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ROOT / "deploy/prometheus/canary-rules.yml")],
+        "scrape_configs": [{"job_name": "canary", "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]}],
+    }))
+    proc = subprocess.Popen([exe, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prom = f"http://127.0.0.1:{prom_port}"
+    try:
+        wait_ready(prom + "/-/ready", proc)
+        deadline = time.time() + 60
+        got, firing = None, []
+        while time.time() < deadline and (got is None or not firing):
+            r = httpx.get(prom + "/api/v1/query", params={"query": 'canary_ppl_ratio{config="cand"}'}).json()
+            if r["data"]["result"]:
+                got = float(r["data"]["result"][0]["value"][1])
+            alerts = httpx.get(prom + "/api/v1/alerts").json()["data"]["alerts"]
+            firing = [a for a in alerts if a["labels"]["alertname"] == "CanaryRegressionCritical" and a["state"] == "firing"]
+            time.sleep(0.5)
+        assert got == pytest.approx(want, rel=1e-12)  # the stored comparison, through a real scrape
+        assert firing and firing[0]["labels"]["config"] == "cand" and firing[0]["labels"]["metric"] == "ppl_ratio"
+        text = httpx.get(f"http://127.0.0.1:{api_port}/metrics").text
+        for name in ("canary_runs{", "canary_config_runs_queued", "canary_config_run_duration_seconds_bucket",
+                     "canary_verdict{", "# TYPE canary_ttft_ms gauge", "canary_alerts_firing{"):
+            assert name in text
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        server.should_exit = True
