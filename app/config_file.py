@@ -150,6 +150,15 @@ METRIC_DIRECTIONS = {
 
 
 class Thresholds(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data):
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in METRIC_DIRECTIONS]
+            if unknown:
+                raise ValueError(f"unknown metric '{unknown[0]}'; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+        return data
+
     ppl_ratio: Threshold = Threshold(warn=1.15, critical=1.30)
     spec_acceptance_rate: Threshold = Threshold(warn=0.50, critical=0.30)
     ttft_ms: Threshold = Threshold(warn=2000, critical=5000)

@@ -111,7 +111,9 @@ class SilenceIn(BaseModel):
 
 
 def silence_out(s: Silence) -> dict:
-    return {"id": s.id, "matchers": s.matchers, "starts_at": s.starts_at.isoformat(), "ends_at": s.ends_at.isoformat(),
+    from app.alerts import aware
+
+    return {"id": s.id, "matchers": s.matchers, "starts_at": aware(s.starts_at).isoformat(), "ends_at": aware(s.ends_at).isoformat(),
             "author": s.author, "comment": s.comment}
 
 
@@ -147,5 +149,7 @@ def expire_silence(silence_id: int, project: ProjectDep, session: SessionDep) ->
     s = session.get(Silence, silence_id)
     if s is None or s.project_id != project.id:
         raise repo.NotFound(f"silence {silence_id} not found in project '{project.name}'")
-    s.ends_at = min(s.ends_at, utcnow())
+    from app.alerts import aware
+
+    s.ends_at = min(aware(s.ends_at), utcnow())
     return silence_out(s)

@@ -1,0 +1,58 @@
+"""Alerting endpoints over real HTTP on the embedded default: bad input is a 4xx naming the
+field, channel URLs are masked, silences can be created and expired."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_api_embedded import server  # noqa: F401 - the uvicorn fixture
+
+
+@pytest.fixture
+def project(server):  # noqa: F811
+    http, _ = server
+    assert http.post("/projects", json={"name": "a"}).status_code == 201
+    assert http.post("/projects/a/models", json={"name": "tiny", "path": "builtin:pydoc-target"}).status_code == 201
+    assert http.post("/projects/a/configs", json={"name": "fp16", "model": "tiny", "baseline": True}).status_code == 201
+    docs = [{"id": f"d{i}", "text": f"os.path.join() joins {i} path components. " * 3} for i in range(10)]
+    assert http.post("/projects/a/suites", json={"name": "s", "documents": docs, "samples": 10}).status_code == 201
+    return http
+
+
+@pytest.mark.parametrize("path,body,field,needle", [
+    ("/projects/a/channels", {"name": "c", "kind": "slack", "url": "ftp://hooks.example/x"}, "url", "is not an http(s) URL"),
+    ("/projects/a/channels", {"name": "c", "kind": "pager", "url": "https://x"}, "kind", "slack"),
+    ("/projects/a/channels", {"name": "c", "kind": "webhook", "url": "https://x", "signing_secret": "hunter2"}, "signing_secret", "ENV_VAR"),
+    ("/projects/a/alert-rules", {"metric": "perplexity", "warn": 1.1}, "metric", "unknown metric 'perplexity'"),
+    ("/projects/a/alert-rules", {"metric": "ppl_ratio", "warn": 1.3, "critical": 1.1}, None, "critical 1.1 must be ≥ warn 1.3"),
+    ("/projects/a/schedules", {"name": "d", "cron": "0 25 * * *", "suite": "s"}, "cron", "not a valid five-field cron expression"),
+])
+def test_bad_alerting_input_is_a_422_naming_the_field(project, path, body, field, needle):
+    r = project.put(path, json=body)
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any((field is None or field in d["loc"]) and needle in d["msg"] for d in detail), detail
+
+
+def test_unknown_names_are_404(project):
+    r = project.post("/projects/a/gates", json={"candidate": "nope", "suite": "s"})
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+    r = project.put("/projects/a/schedules", json={"name": "d", "cron": "0 6 * * *", "suite": "s", "configs": ["ghost"]})
+    assert r.status_code == 404 and "ghost" in r.json()["detail"]
+
+
+def test_channel_urls_are_masked_and_silences_expire(project):
+    r = project.put("/projects/a/channels", json={"name": "ops", "kind": "slack", "url": "https://hooks.slack.test/services/T0/B0/SECRETTOKEN"})
+    assert r.status_code == 200 and r.json()["url"] == "https://hooks.slack.test/***"
+    assert "SECRETTOKEN" not in project.get("/projects/a/channels").text
+    r = project.post("/projects/a/silences", json={"matchers": [{"name": "config", "value": "int.*", "isRegex": True}],
+                                                   "duration_minutes": 60, "author": "ana", "comment": "known int4 regression"})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    expired = project.delete(f"/projects/a/silences/{sid}").json()
+    assert expired["ends_at"] <= project.get("/projects/a/silences").json()[0]["ends_at"]
+    bad = project.post("/projects/a/silences", json={"matchers": [{"name": "config", "value": "(", "isRegex": True}],
+                                                     "duration_minutes": 5, "author": "a", "comment": "c"})
+    assert bad.status_code == 422 and "not a valid regular expression" in bad.json()["detail"]
+    rule = project.put("/projects/a/alert-rules", json={"metric": "ppl_ratio", "warn": 1.02, "critical": 1.05, "for_runs": 2, "config": "fp16"})
+    assert rule.status_code == 200 and rule.json()["for_runs"] == 2
