@@ -88,6 +88,11 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
     with session_scope() as s:
         apply_config_file(s, cfg)
     inline = get_settings().execution_mode == "inline"
+    if inline:
+        # a one-shot CLI run ends with its run: escalation runs belong to a running service
+        # (canary serve, or workers), so this process does not start them
+        os.environ["CANARY_ESCALATION"] = "false"
+        get_settings.cache_clear()
     dispatcher = InlineDispatcher(background=True) if inline else get_dispatcher()
     started = time.perf_counter()
     run_id, _ = start_run(cfg.project, cfg.suite(suite).name, configs, dispatcher, samples=samples)
@@ -111,6 +116,8 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
                     fail(f"run {run_id} is still {run.status} after {timeout:.0f}s; is a worker consuming the gpu queue? "
                          f"(`canary worker`); the run goes on and GET /api/v1/projects/{cfg.project}/runs/{run_id} shows it")
             time.sleep(0.5)
+    if inline:
+        dispatcher.drain(60)  # notifications the aggregation queued: let them go out before exiting
     summary["wall_seconds"] = round(time.perf_counter() - started, 1)
     return summary
 

@@ -97,6 +97,15 @@ class InlineDispatcher:
         while True:
             self._run_one(*self._queue.get())
 
+    def drain(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for every task sent so far; True when none is left."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not self._queue.unfinished_tasks
+
     def join(self) -> None:
         """Wait until every task sent so far (and those they sent) has run."""
         self._queue.join()

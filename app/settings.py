@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     max_suite_documents: int = 20000
     max_document_chars: int = 200_000
     dashboard_url: str = "http://localhost:8501"
+    # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
+    escalation: bool = True
 
     @property
     def execution_mode(self) -> str:

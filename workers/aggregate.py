@@ -12,6 +12,7 @@ from app.config_file import METRIC_DIRECTIONS, Thresholds as FileThresholds
 from app.alerts import escalate, evaluate_run
 from app.db import session_scope
 from app.dispatch import NOTIFY
+from app.settings import get_settings
 from app.models import Run
 from evals.agreement import exact_match, top1_agreement
 from evals.perplexity import DocNLL, ppl_ratio
@@ -237,7 +238,7 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
         return
     if alerts["notifications"]:
         dispatcher.send(NOTIFY)
-    if alerts["escalate"]:
+    if alerts["escalate"] and get_settings().escalation:
         escalate(session_scope, run_id, alerts["escalate"], dispatcher)
 
 

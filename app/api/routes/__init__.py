@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from app.api.routes import alerting, channels, configs, gates, projects, runs, schedules, suites
+from app.api.routes import alerting, channels, configs, gates, projects, runs, schedules, suites, views
 
 router = APIRouter()
-for module in (projects, configs, suites, runs, gates, alerting, schedules, channels):
+for module in (projects, configs, suites, runs, gates, alerting, schedules, channels, views):
     router.include_router(module.router)
