@@ -42,5 +42,5 @@ def render(api, project: str, params) -> None:
                 row["checked"] = "no finished run"
             rows.append(row)
         df = pd.DataFrame(rows)
-        st.dataframe(style_verdicts(df, verdicts), hide_index=True, width="stretch")
+        st.table(style_verdicts(df, verdicts).hide(axis="index"))
     st.caption("Cells are coloured by their threshold state: green ok, orange warn, red critical, grey inconclusive (CI-based verdicts).")

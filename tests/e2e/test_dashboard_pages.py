@@ -34,7 +34,7 @@ def test_overview_shows_every_config_coloured_by_state(seeded_api, monkeypatch):
 
     at = page(seeded_api, monkeypatch, "Overview")
     assert at.title[0].value == "Inference quality overview"
-    df = frames(at)[0].data if hasattr(frames(at)[0], "data") else frames(at)[0]
+    df = at.table[0].value  # an HTML table, coloured by verdict
     assert {"fp32 (baseline)", "int8", "int2", "spec-ngram"} <= set(df["config"])
     over = httpx.get(seeded_api["url"] + "/api/v1/projects/dash/overview").json()
     int2 = next(c for c in over["models"]["tiny"] if c["config"] == "int2")

@@ -1,0 +1,86 @@
+"""End to end in a real browser: the seeded API, `streamlit run dashboard/app.py`, and headless
+Chromium (Debian's chromium + chromium-driver; .ci/run installs them) opening every page,
+checking its content and saving a screenshot (under the test's temporary folder, or
+CANARY_SCREENSHOTS when set)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.services.conftest import _free_port, _wait_http
+
+PAGES = {
+    "Overview": ["Inference quality overview", "int2", "Next scheduled check"],
+    "Compare": ["Compare configs", "Quality lost vs speed and memory gained"],
+    "Trends": ["Trends", "Shaded: 95% CI"],
+    "Alerts": ["Alerts", "Firing (", "Silences", "needs a write key"],
+    "Run+detail": ["Run detail", "Rank samples by"],
+    "Gates": ["CI gates"],
+}
+
+
+def chrome():
+    exe, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not exe or not driver:
+        msg = "chromium / chromedriver are not installed (Debian: apt-get install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI=true: {msg}", pytrace=False)
+        pytest.skip(f"SKIPPED LOUDLY: {msg}")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = exe
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+@pytest.fixture(scope="module")
+def dashboard(seeded_api, tmp_path_factory):
+    port = _free_port()
+    log = str(tmp_path_factory.mktemp("st") / "streamlit.log")
+    env = {**os.environ, "CANARY_API_URL": seeded_api["url"]}
+    env.pop("CANARY_DASHBOARD_WRITE_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard/app.py"), "--server.port", str(port),
+                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_every_page_in_headless_chromium(dashboard, tmp_path):
+    shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    browser = chrome()
+    try:
+        for page, needles in PAGES.items():
+            browser.get(f"{dashboard}/?page={page}&project=dash")
+            deadline = time.time() + 60
+            text = ""
+            while time.time() < deadline:
+                text = browser.find_element("tag name", "body").text
+                if all(n in text for n in needles) and "Running..." not in text:
+                    break
+                time.sleep(0.5)
+            time.sleep(1)  # let charts finish drawing before the screenshot
+            path = shots / f"{page.replace('+', '-').lower()}.png"
+            browser.save_screenshot(str(path))
+            missing = [n for n in needles if n not in text]
+            assert not missing, f"{page}: missing {missing}; page text: {text[:1500]}"
+            assert "Traceback" not in text and "Error" not in text.split("\n")[0]
+            assert path.stat().st_size > 10_000
+    finally:
+        browser.quit()
