@@ -7,7 +7,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import VERDICT_ICON, fmt
+from dashboard.views.common import fmt, style_verdict_column
 
 
 def render(api, project: str, params) -> None:
@@ -24,8 +24,7 @@ def render(api, project: str, params) -> None:
         st.info("This run has no comparisons.")
         return
     comps["CI"] = [f"[{fmt(a)}, {fmt(b)}]" for a, b in zip(comps["ci_low"], comps["ci_high"], strict=True)]
-    comps["verdict"] = [f"{VERDICT_ICON.get(v, '')} {v}" for v in comps["verdict"]]
-    st.dataframe(comps[["config", "metric", "estimate", "CI", "n", "verdict", "rule"]], hide_index=True, width="stretch")
+    st.dataframe(style_verdict_column(comps[["config", "metric", "estimate", "CI", "n", "verdict", "rule"]]), hide_index=True, width="stretch")
     base = run["baseline"]
     f = run["figures"]
     bf = f.get(base) or {}

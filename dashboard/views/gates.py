@@ -6,19 +6,17 @@ import pandas as pd
 import streamlit as st
 
 
-
-
 def render(api, project: str, params) -> None:
     st.title("CI gates")
     gates = api.get(f"/projects/{project}/gates")
     if not gates:
         st.info("No gate has run yet. CI calls `canary gate …` (see deploy/ci/github-actions-gate.yml).")
         return
-    icon = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "🛑"}
-    st.dataframe(pd.DataFrame([{"gate": g["gate_id"], "verdict": f"{icon.get(g['verdict'], '⏳')} {g['verdict'] or 'pending'}",
-                                "candidate": g["candidate"], "baseline": g["baseline"],
-                                "run": f"?page=Run+detail&project={project}&run_id={g['run_id']}",
-                                "started": (g["created_at"] or "")[:19], "decided": (g["decided_at"] or "")[:19]} for g in gates]),
+    colors = {"pass": "#c8e6c9", "warn": "#ffe0b2", "fail": "#ffcdd2", "error": "#ffcdd2"}
+    df = pd.DataFrame([{"gate": g["gate_id"], "verdict": g["verdict"] or "pending", "candidate": g["candidate"], "baseline": g["baseline"],
+                        "run": f"?page=Run+detail&project={project}&run_id={g['run_id']}",
+                        "started": (g["created_at"] or "")[:19], "decided": (g["decided_at"] or "")[:19]} for g in gates])
+    st.dataframe(df.style.apply(lambda col: [f"background-color: {colors.get(v, '')}" for v in col], subset=["verdict"]),
                  hide_index=True, width="stretch",
                  column_config={"run": st.column_config.LinkColumn("run", display_text=r"run_id=(\d+)")})
 

@@ -18,19 +18,21 @@ def render(api, project: str, params) -> None:
         st.info(f"No {metric} comparisons yet.")
         return
     pts["at"] = pd.to_datetime(pts["at"])
-    line = alt.Chart(pts).mark_line(point=True).encode(x="at:T", y=alt.Y("estimate:Q", scale=alt.Scale(zero=False)), color="config:N",
+    line = alt.Chart(pts).mark_line(point=True).encode(x=alt.X("at:T", title="run"), y=alt.Y("estimate:Q", title=metric, scale=alt.Scale(zero=False)),
+                                                        color="config:N",
                                                         tooltip=["config", "run_id", "estimate", "ci_low", "ci_high", "verdict"])
-    band = alt.Chart(pts).mark_area(opacity=0.15).encode(x="at:T", y="ci_low:Q", y2="ci_high:Q", color="config:N")
+    band = alt.Chart(pts).mark_area(opacity=0.15).encode(x=alt.X("at:T", title="run"), y=alt.Y("ci_low:Q", title=metric), y2="ci_high:Q",
+                                                         color="config:N")
     layers = [band, line]
     project_rule = next((r for r in data["thresholds"] if r["config_id"] is None and r["model_id"] is None), None)
     if project_rule:
         for level, color in (("warn", "#ef6c00"), ("critical", "#c62828")):
             if project_rule.get(level) is not None:
                 layers.append(alt.Chart(pd.DataFrame({"y": [project_rule[level]], "level": [level]}))
-                              .mark_rule(strokeDash=[6, 4], color=color).encode(y="y:Q", tooltip=["level", "y"]))
+                              .mark_rule(strokeDash=[6, 4], color=color).encode(y=alt.Y("y:Q", title=metric), tooltip=["level", "y"]))
     alerts = pd.DataFrame(data["alerts"])
     if not alerts.empty:
         alerts["fired_at"] = pd.to_datetime(alerts["fired_at"])
-        layers.append(alt.Chart(alerts).mark_rule(color="#c62828", opacity=0.5).encode(x="fired_at:T", tooltip=["config", "severity", "state"]))
+        layers.append(alt.Chart(alerts).mark_rule(color="#c62828", opacity=0.5).encode(x=alt.X("fired_at:T", title="run"), tooltip=["config", "severity", "state"]))
     st.altair_chart(alt.layer(*layers), width="stretch")
     st.caption("Shaded: 95% CI. Dashed: project warn / critical thresholds. Red verticals: alerts firing.")
