@@ -81,7 +81,9 @@ def test_idempotency_key_and_a_worker_restart(stack, project):
     old = stack.procs[0]
     old.terminate()
     old.wait(60)
-    stack.procs[0] = start_worker(stack.env, stack.logs["worker"])
+    # the new worker runs the (single) beat, whose reconciler re-enqueues a config-run whose
+    # message went down with the old worker (requeue after 5 s here instead of 5 min)
+    stack.procs[0] = start_worker({**stack.env, "CANARY_REQUEUE_AFTER_SECONDS": "5"}, stack.logs["worker"], beat=True)
     again = gate(stack, "--candidate", "kv-int2", "--idempotency-key", "sha-abc123", "--json")
     g2 = json.loads(again.stdout)
     assert again.returncode == 1 and g2["verdict"] == "fail"

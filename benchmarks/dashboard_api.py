@@ -1,0 +1,174 @@
+"""p50 / p95 latency of the API calls behind each dashboard page with about 1 million sample
+results in Postgres (goal: p95 < 300 ms). Seeds a scratch database (COPY), serves the API with
+uvicorn on loopback, times each call over real HTTP, drops the database. One JSON line.
+
+    python benchmarks/dashboard_api.py [--runs 400] [--samples 210] [--repeats 40]
+    (CANARY_BENCH_PG = admin URL of the server, default postgresql://postgres@127.0.0.1:5432/postgres)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import psycopg  # noqa: E402
+
+CONFIGS = ["fp16", "int8", "awq-int4", "kv-fp8", "kivi-2", "turbo-3"]
+NOW = "2026-01-01 00:00:00+00"
+METRICS = ("ppl_ratio", "ttft_ms", "exact_match", "top1_agreement")
+
+
+def copy(cur, table: str, cols: list[str], rows) -> None:
+    buf = io.StringIO()
+    for r in rows:
+        buf.write("\t".join("\\N" if v is None else str(v) for v in r) + "\n")
+    buf.seek(0)
+    with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as cp:
+        cp.write(buf.read())
+
+
+def seed(url: str, n_runs: int, n_samples: int) -> int:
+    rng = random.Random(0)
+    with psycopg.connect(url, autocommit=False) as conn, conn.cursor() as cur:
+        cur.execute("INSERT INTO projects (name, created_at) VALUES ('bench', now()) RETURNING id")
+        pid = cur.fetchone()[0]
+        cur.execute("INSERT INTO models (project_id, name, path, created_at) VALUES (%s, 'm', 'builtin:pydoc-target', now()) RETURNING id", (pid,))
+        mid = cur.fetchone()[0]
+        cids = []
+        for i, name in enumerate(CONFIGS):
+            cur.execute("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
+                        "VALUES (%s, %s, %s, %s, %s, now()) RETURNING id", (pid, mid, name, json.dumps({"engine": "reference"}), i == 0))
+            cids.append(cur.fetchone()[0])
+        cur.execute("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
+                    "VALUES (%s, 's', %s, 'v1', %s, now()) RETURNING id", (pid, json.dumps({"samples": n_samples}), n_samples))
+        sid = cur.fetchone()[0]
+        keys = [f"doc-{i}" for i in range(n_samples)]
+        copy(cur, "suite_samples", ["suite_id", "version", "key", "position", "kind", "text"],
+             ((sid, "v1", k, i, "document", "text of " + k) for i, k in enumerate(keys)))
+        run_rows, cr_rows, comp_rows, sr = [], [], [], []
+        cur.execute("SELECT nextval('runs_id_seq')")
+        first = cur.fetchone()[0]
+        for r in range(n_runs):
+            rid = first + r
+            run_rows.append((rid, pid, sid, "v1", mid, cids[0], "schedule", "done", "pass", n_samples, 0, json.dumps(keys[:3])))
+        cur.executemany("INSERT INTO runs (id, project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, verdict, "
+                        "n_samples, seed, sample_keys, created_at, finished_at) VALUES "
+                        "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, now(), now())", [x[:12] for x in run_rows])
+        cur.execute("SELECT setval('runs_id_seq', %s)", (first + n_runs,))
+        figs = json.dumps({"token_ppl": 110.7, "ttft_ms_p50": 12.0, "ttft_ms_p99": 30.0, "tokens_per_second": 550.0,
+                           "kv_bytes_per_token": 1536, "weight_bytes": 11_000_000})
+        for r in range(n_runs):
+            rid = first + r
+            for cid in cids:
+                cr_rows.append((rid, cid, "succeeded", 1, figs, "now() - interval '1 hour'"))
+                if cid != cids[0]:
+                    for m in METRICS:
+                        e = 1 + rng.random() * 0.02
+                        comp_rows.append((rid, cid, m, e, e - 0.005, e + 0.005, n_samples, "ok", "CI high < warn"))
+                for k in keys:
+                    v = 2.0 + rng.random()
+                    sr.append((rid, cid, k, "nll", v, '{"n_tokens": 200, "n_words": 40, "n_bytes": 900}', NOW))
+                    if len(sr) >= 200_000:
+                        copy(cur, "sample_results", ["run_id", "config_id", "sample_key", "metric", "value", "extra", "created_at"], sr)
+                        sr.clear()
+        copy(cur, "sample_results", ["run_id", "config_id", "sample_key", "metric", "value", "extra", "created_at"], sr)
+        cur.executemany("INSERT INTO config_runs (run_id, config_id, status, attempt, figures, progress_done, progress_total, "
+                        "started_at, finished_at, created_at) VALUES (%s, %s, %s, %s, %s, 0, 0, now(), now(), now())",
+                        [x[:5] for x in cr_rows])
+        cur.executemany("INSERT INTO comparisons (run_id, config_id, metric, estimate, ci_low, ci_high, n, verdict, rule, created_at) "
+                        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, now())", comp_rows)
+        cur.execute("SELECT count(*) FROM sample_results")
+        n = cur.fetchone()[0]
+        conn.commit()
+        cur.execute("ANALYZE")
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=400)
+    ap.add_argument("--samples", type=int, default=420)
+    ap.add_argument("--repeats", type=int, default=40)
+    args = ap.parse_args()
+    admin = os.environ.get("CANARY_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+    name = f"canary_bench_{uuid.uuid4().hex[:8]}"
+    base = admin.rpartition("/")[0]
+    url = f"{base}/{name}"
+    with psycopg.connect(admin, autocommit=True) as a:
+        a.execute(f'CREATE DATABASE "{name}"')
+    try:
+        os.environ["CANARY_DATABASE_URL"] = url
+        os.environ["CANARY_EXECUTION"] = "celery"  # no in-process reconciler: only the reads are timed
+        os.environ.setdefault("CANARY_BROKER_URL", "redis://127.0.0.1:6379/14")
+        from app.db import upgrade
+
+        upgrade(url)
+        t0 = time.perf_counter()
+        n = seed(url, args.runs, args.samples)
+        seed_s = time.perf_counter() - t0
+        import uvicorn
+
+        from app.api.main import app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1/projects/bench", timeout=60)
+        last = http.get("/runs", params={"limit": 1}).json()[0]["run_id"]
+        calls = {
+            "overview": ("/overview", {}),
+            "compare: runs list": ("/runs", {"limit": 100}),
+            "compare: run summary": (f"/runs/{last}", {}),
+            "trends: ppl_ratio": ("/trends", {"metric": "ppl_ratio"}),
+            "alerts": ("/alerts", {}),
+            "alerts: silences": ("/silences", {}),
+            "run detail: worst samples": (f"/runs/{last}/worst", {"config": "kivi-2", "metric": "nll", "limit": 20}),
+            "run detail: sample page": (f"/runs/{last}/samples", {"config": "kivi-2", "limit": 100}),
+            "gates": ("/gates", {}),
+        }
+        out = {}
+        for label, (path, params) in calls.items():
+            assert http.get(path, params=params).status_code == 200, path
+            ms = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                r = http.get(path, params=params)
+                ms.append((time.perf_counter() - t) * 1000)
+                r.raise_for_status()
+            ms.sort()
+            out[label] = {"p50_ms": round(statistics.median(ms), 1), "p95_ms": round(ms[int(0.95 * (len(ms) - 1))], 1)}
+        worst = max(v["p95_ms"] for v in out.values())
+        print(json.dumps({"benchmark": "dashboard_api", "sample_results": n, "runs": args.runs, "configs": len(CONFIGS),
+                          "seed_seconds": round(seed_s, 1), "calls": out, "worst_p95_ms": worst, "goal_p95_ms": 300,
+                          "meets_goal": worst < 300}))
+        server.should_exit = True
+    finally:
+        from app.db import get_engine
+
+        try:
+            get_engine().dispose()
+        except Exception:  # noqa: BLE001
+            pass
+        with psycopg.connect(admin, autocommit=True) as a:
+            a.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()
