@@ -64,8 +64,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                 row = Alert(project_id=run.project_id, rule_id=rule.id, fingerprint=fp, labels=labels, state=new.state,
                             severity=severity, started_at=new.started_at)
                 session.add(row)
-            if row is None:
-                continue
+            if row is None or (transition is None and row.state not in ACTIVE):
+                continue  # a resolved or inactive episode keeps the run and annotations it ended with
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
             row.annotations = {"rule": c.rule, "ci": f"[{c.ci_low}, {c.ci_high}]", "n": str(c.n)}

@@ -61,6 +61,8 @@ def find_gate(session: Session, project: Project, idempotency_key: str | None) -
 def decide(session: Session, run_id: int) -> None:
     """Called when a run finishes: its gate (if any) takes its durable verdict."""
     run = session.get(Run, run_id)
+    if run is None or run.verdict is None:
+        return  # still running: no verdict, no decided_at
     for gate in session.scalars(select(Gate).where(Gate.run_id == run_id, Gate.verdict.is_(None))):
         gate.verdict = gate_verdict(run.verdict, gate.policy)
         gate.decided_at = utcnow()

@@ -5,7 +5,7 @@ Service metrics:
   canary_runs{project,status}                       runs by status
   canary_config_runs_queued / _running              GPU queue depth and work in flight
   canary_notifications_pending                      outbox backlog
-  canary_config_run_duration_seconds (histogram)    config-run wall time, last 24 h
+  canary_config_run_duration_seconds{quantile}      config-run wall time over the last 24 h
 Canary metrics per model and config, from each config's latest finished run:
   canary_ppl_ratio, canary_judge_win_rate, canary_faithfulness, canary_spec_acceptance_rate,
   canary_exact_match, canary_top1_agreement          {project,model,config} + _ci_low / _ci_high
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
@@ -26,7 +26,6 @@ from app.models import Alert, Comparison, ConfigRun, Model, Notification, Optimi
 
 COMPARISON_GAUGES = ("ppl_ratio", "judge_win_rate", "faithfulness", "spec_acceptance_rate", "exact_match", "top1_agreement")
 VERDICT_VALUE = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
-DURATION_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
 
 
 class CanaryCollector(Collector):
@@ -52,9 +51,15 @@ class CanaryCollector(Collector):
         since = utcnow() - timedelta(hours=24)
         durations = [(f - st).total_seconds() for st, f in s.execute(
             select(ConfigRun.started_at, ConfigRun.finished_at).where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)))]
-        buckets = [(str(b), sum(d <= b for d in durations)) for b in DURATION_BUCKETS] + [("+Inf", len(durations))]
-        yield HistogramMetricFamily("canary_config_run_duration_seconds", "Config-run wall time over the last 24 h",
-                                    buckets=buckets, sum_value=sum(durations))
+        # a window, not a counter: exported as quantile gauges (a histogram whose counts shrink as
+        # the window slides would read as counter resets to rate() and histogram_quantile())
+        q = GaugeMetricFamily("canary_config_run_duration_seconds", "Config-run wall time over the last 24 h", labels=["quantile"])
+        durations.sort()
+        for quant in (0.5, 0.95, 1.0):
+            if durations:
+                q.add_metric([str(quant)], durations[min(len(durations) - 1, int(quant * (len(durations) - 1) + 0.5))])
+        yield q
+        yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h", value=len(durations))
         firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
         for project, sev, n in s.execute(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
                                          .where(Alert.state == "firing").group_by(Project.name, Alert.severity)):

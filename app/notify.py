@@ -103,20 +103,31 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
     now = now or utcnow()
     q = (select(Notification).where(Notification.status == "pending")
          .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
-         .order_by(Notification.id).limit(limit))
+         .order_by(Notification.id).limit(1))
     if session.bind.dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)  # two notifiers never post the same row at once
-    rows = list(session.scalars(q))
+        # one row per transaction, locked until its outcome commits: a second notifier skips it
+        q = q.with_for_update(skip_locked=True)
+
+    def rows():
+        seen: set[int] = set()
+        for _ in range(limit):
+            n = session.scalars(q.where(Notification.id.not_in(seen)) if seen else q).first()
+            if n is None:
+                return
+            seen.add(n.id)
+            yield n
+
     counts = {"sent": 0, "retry": 0, "dead": 0}
     own = http is None
     http = http or httpx.Client(timeout=10.0, follow_redirects=False)
     last_post: dict[int, float] = {}
     try:
-        for n in rows:
+        for n in rows():
             channel = session.get(Channel, n.channel_id)
             if channel is None or not channel.enabled:
                 n.status, n.last_error = "dead", "channel disabled or deleted"
                 counts["dead"] += 1
+                session.commit()
                 continue
             pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
             wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()

@@ -29,8 +29,9 @@ def latest_slot(cron: str, now: datetime) -> datetime:
     return croniter(cron, now + timedelta(seconds=1)).get_prev(datetime).replace(fold=0)
 
 
-def claim_due(session: Session, now: datetime | None = None) -> list[tuple[int, str, str, list[str], int | None, str]]:
-    """Claim every due slot; returns (schedule id, project, suite, configs, samples, slot iso) to start."""
+def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
+    """Claim every due slot; returns (schedule id, project, suite, configs, samples, slot iso,
+    previous slot, claimed slot) to start."""
     now = now or utcnow()
     due = []
     for s in session.scalars(select(Schedule).where(Schedule.enabled.is_(True))):
@@ -44,7 +45,8 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple[int, 
         if not won or last is None:  # lost the race, or first sight of a new schedule: wait for the next slot
             continue
         suite = session.get(Suite, s.suite_id)
-        due.append((s.id, repo.project_name(session, s.project_id), suite.name, list(s.config_names), s.samples, slot.isoformat()))
+        due.append((s.id, repo.project_name(session, s.project_id), suite.name, list(s.config_names), s.samples, slot.isoformat(),
+                    s.last_slot_at, slot))
     session.commit()
     return due
 
@@ -55,11 +57,13 @@ def tick(session_factory, dispatcher, now: datetime | None = None) -> list[int]:
     with session_factory() as s:
         due = claim_due(s, now)
     started = []
-    for sched_id, project, suite, configs, samples, slot in due:
+    for sched_id, project, suite, configs, samples, slot, previous, claimed in due:
         try:
             run_id, _ = start_run(project, suite, configs or None, dispatcher, samples=samples, trigger="schedule",
                                   idempotency_key=f"schedule:{sched_id}:{slot}")
             started.append(run_id)
         except Exception:  # one broken schedule must not stop the others
-            log.exception("schedule %s could not start its run for slot %s", sched_id, slot)
+            log.exception("schedule %s could not start its run for slot %s; the next tick retries it", sched_id, slot)
+            with session_factory() as s:  # give the slot back (compare-and-set: only if still ours)
+                s.execute(update(Schedule).where(Schedule.id == sched_id, Schedule.last_slot_at == claimed).values(last_slot_at=previous))
     return started

@@ -59,6 +59,7 @@ class OfflineFaithfulness:
 
     def __init__(self, threshold: float = OFFLINE_THRESHOLD, cache_size: int = 20000):
         self.threshold = threshold
+        self.method = f"offline-approximation: all-MiniLM-L6-v2 cosine ≥ {threshold}"
         self._model = None
         self._cache: dict[str, object] = {}  # sentence → embedding: every config's answer meets the same contexts
         self._cache_size = cache_size
@@ -84,6 +85,9 @@ class OfflineFaithfulness:
         """Mean-pooled, L2-normalised sentence embeddings [N, 384] (sentence-transformers' recipe)."""
         tok, model, torch = self._load()
         todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
+        if len(self._cache) + len(todo) > self._cache_size:  # make room first: this call's texts all come back
+            self._cache.clear()
+            todo = list(dict.fromkeys(texts))
         fresh = {}
         with torch.inference_mode():
             for i in range(0, len(todo), 64):
@@ -92,8 +96,6 @@ class OfflineFaithfulness:
                 h = model(**batch).last_hidden_state
                 m = batch["attention_mask"][..., None].float()
                 e = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
-                if len(self._cache) + len(chunk) > self._cache_size:
-                    self._cache.clear()
                 fresh.update(zip(chunk, e, strict=True))
                 self._cache.update(zip(chunk, e, strict=True))
         return torch.stack([fresh[t] if t in fresh else self._cache[t] for t in texts])
@@ -146,7 +148,7 @@ class JudgeFaithfulness:
 
         def verdicts(d: dict) -> list[bool]:
             v = d["verdicts"]
-            if not isinstance(v, list) or len(v) != len(found) or not all(isinstance(x.get("supported"), bool) for x in v):
+            if not isinstance(v, list) or len(v) != len(found) or not all(isinstance(x, dict) and isinstance(x.get("supported"), bool) for x in v):
                 raise ValueError(f"expected {len(found)} verdicts with boolean 'supported'")
             return [x["supported"] for x in v]
 

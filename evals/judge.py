@@ -146,7 +146,7 @@ class JudgeClient:
             if wait is None:
                 base = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2**retry)
                 wait = base * random.uniform(0.5, 1.5)
-            self._sleep(wait)
+            self._sleep(min(wait, self.cfg.max_backoff_s))  # a Retry-After of an hour does not stall a run
         raise JudgeError(f"judge {url} failed after {self.cfg.max_http_retries + 1} attempts: {last}")
 
     def _reply(self, r: httpx.Response, url: str) -> ChatReply:

@@ -113,7 +113,7 @@ def scorer_comparisons(s, run: Run, cr, base_cfg: int, failed: dict[str, str]) -
     if "judge" in failed and not is_base:
         out.append(Comparison("judge_win_rate", math.nan, math.nan, math.nan, 0, "inconclusive", f"scorer 'judge' failed: {failed['judge']}"))
     pw = repo.sample_results(s, run.id, cr.config_id, "judge_pairwise")
-    if pw and not is_base:
+    if pw and not is_base and "judge" not in failed:
         judged = [r for r in pw if r.value is not None]
         consistent = [r.extra.get("consistent") for r in judged]
         out.append(mean_comparison(
@@ -122,7 +122,7 @@ def scorer_comparisons(s, run: Run, cr, base_cfg: int, failed: dict[str, str]) -
             details={"parse_failures": len(pw) - len(judged), "ties": sum(r.value == 0.5 for r in judged),
                      "position_consistency": (sum(bool(c) for c in consistent) / len(consistent)) if consistent else None}))
     rub = {r.sample_key: r for r in repo.sample_results(s, run.id, cr.config_id, "judge_score")}
-    if rub and not is_base:
+    if rub and not is_base and "judge" not in failed:
         base_rub = {r.sample_key: r for r in repo.sample_results(s, run.id, base_cfg, "judge_score")}
         keys = [k for k in rub if rub[k].value is not None and k in base_rub and base_rub[k].value is not None]
         b, c = [base_rub[k].value for k in keys], [rub[k].value for k in keys]

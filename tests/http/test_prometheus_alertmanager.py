@@ -129,7 +129,7 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
         assert got == pytest.approx(want, rel=1e-12)  # the stored comparison, through a real scrape
         assert firing and firing[0]["labels"]["config"] == "cand" and firing[0]["labels"]["metric"] == "ppl_ratio"
         text = httpx.get(f"http://127.0.0.1:{api_port}/metrics").text
-        for name in ("canary_runs{", "canary_config_runs_queued", "canary_config_run_duration_seconds_bucket",
+        for name in ("canary_runs{", "canary_config_runs_queued", "canary_config_run_duration_seconds{quantile=",
                      "canary_verdict{", "# TYPE canary_ttft_ms gauge", "canary_alerts_firing{"):
             assert name in text
     finally:

@@ -45,6 +45,10 @@ def test_channel_urls_are_masked_and_silences_expire(project):
     r = project.put("/projects/a/channels", json={"name": "ops", "kind": "slack", "url": "https://hooks.slack.test/services/T0/B0/SECRETTOKEN"})
     assert r.status_code == 200 and r.json()["url"] == "https://hooks.slack.test/***"
     assert "SECRETTOKEN" not in project.get("/projects/a/channels").text
+    r = project.put("/projects/a/channels", json={"name": "q", "kind": "webhook", "url": "https://user:pw@hooks.test:8443?token=QTOKEN",
+                                                  "signing_secret": "${HOOK_SECRET}"})
+    assert r.json()["url"] == "https://hooks.test:8443/***" and r.json()["signing_secret_set"] is True
+    assert "QTOKEN" not in project.get("/projects/a/channels").text and "pw@" not in project.get("/projects/a/channels").text
     r = project.post("/projects/a/silences", json={"matchers": [{"name": "config", "value": "int.*", "isRegex": True}],
                                                    "duration_minutes": 60, "author": "ana", "comment": "known int4 regression"})
     assert r.status_code == 201, r.text

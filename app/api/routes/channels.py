@@ -44,17 +44,25 @@ class ChannelIn(BaseModel):
 
 
 def mask(url: str) -> str:
-    """Scheme and host stay readable; the path (where webhook tokens live) does not."""
+    """Only scheme and host stay readable: path, query and user info (where webhook tokens and
+    passwords live) never leave the server."""
     if re.fullmatch(ENV_REF, url):
         return url
-    m = re.match(r"^([a-zA-Z][\w+.-]*://[^/]+)(/.*)?$", url)
-    return f"{m.group(1)}/***" if m and m.group(2) else (m.group(1) if m else "***")
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        return "***"
+    return f"{u.scheme}://{host}{port}/***" if u.scheme and host else "***"
 
 
 def out(c: Channel) -> dict:
     settings = c.settings or {}
     return {"id": c.id, "name": c.name, "kind": c.kind, "url": mask(c.url), "send_resolved": settings.get("send_resolved", True),
-            "signing_secret": settings.get("signing_secret"), "enabled": c.enabled}
+            "signing_secret_set": bool(settings.get("signing_secret")), "enabled": c.enabled}
 
 
 @router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK)

@@ -38,7 +38,7 @@ def gate_out(session, project, gate: Gate) -> dict:
 
 @router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED)
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
-                idempotency_key: Annotated[str | None, Header(max_length=128)] = None) -> dict:
+                idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
     """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
     existing = find_gate(session, project, idempotency_key)
     if existing is not None:

@@ -87,6 +87,14 @@ def worst_samples(run_id: int, project: ProjectDep, session: SessionDep, config:
     NLL / lower score is worse), with both sides' raw values and extras."""
     run = repo.get_run(session, project, run_id)
     cand_id = repo.get_config(session, project, config).id
+    if metric == "judge_pairwise":  # judged against the baseline already: 0 = baseline won, ½ tie, 1 candidate won
+        rows = session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.config_id == cand_id,
+                                                          SampleResult.metric == metric, SampleResult.value.is_not(None))
+                               .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
+        return {"run_id": run.id, "config": config, "metric": metric, "items": [
+            {"sample_key": r.sample_key, "delta": 0.5 - r.value, "baseline_value": 0.5, "candidate_value": r.value,
+             "baseline_extra": None, "candidate_extra": r.extra, "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})}
+            for r in rows]}
     b, c = aliased(SampleResult), aliased(SampleResult)
     lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
     delta = (b.value - c.value) if lower_is_worse else (c.value - b.value)
@@ -95,14 +103,19 @@ def worst_samples(run_id: int, project: ProjectDep, session: SessionDep, config:
                                                         b.config_id == run.baseline_config_id))
         .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None), b.value.is_not(None))
         .order_by(delta.desc()).limit(limit)).all()
-    gens = {}
-    keys = [row[0].sample_key for row in rows]
+    gens = _outputs(session, run, cand_id, [row[0].sample_key for row in rows])
+    return {"run_id": run.id, "config": config, "metric": metric, "items": [
+        {"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
+         "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})} for cr, br, d in rows]}
+
+
+def _outputs(session, run, cand_id: int, keys: list[str]) -> dict:
+    """Generations, judge verdicts and faithfulness statements of both sides, by sample."""
+    gens: dict = {}
     if keys:
         for r in session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.metric.in_(
                 ("ttft_ms", "judge_pairwise", "faithfulness")), SampleResult.sample_key.in_(keys),
                 SampleResult.config_id.in_((cand_id, run.baseline_config_id)))):
             side = "candidate" if r.config_id == cand_id else "baseline"
             gens.setdefault(r.sample_key, {}).setdefault(side, {})[r.metric] = r.extra
-    return {"run_id": run.id, "config": config, "metric": metric, "items": [
-        {"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
-         "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})} for cr, br, d in rows]}
+    return gens
