@@ -27,6 +27,9 @@ def sqlite_env(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'canary.db'}"
     monkeypatch.setenv("CANARY_DATABASE_URL", url)
     monkeypatch.setenv("CANARY_EXECUTION", "inline")
+    # a firing alert would start a full-suite run (526 documents) inside the test: only the
+    # escalation tests turn it back on
+    monkeypatch.setenv("CANARY_ESCALATION", "false")
     monkeypatch.delenv("CANARY_BROKER_URL", raising=False)
     get_settings.cache_clear()
     upgrade(url)

@@ -36,7 +36,11 @@ def small_corpus(tmp_path) -> str:
     return str(path)
 
 
-def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receiver, tmp_path):
+def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receiver, tmp_path, monkeypatch):
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_ESCALATION", "true")
+    get_settings.cache_clear()
     corpus = small_corpus(tmp_path)
     with session_scope() as s:
         apply_config_file(s, parse_config(cfg(receiver.url + "/hook", corpus)))
