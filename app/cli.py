@@ -18,7 +18,9 @@ from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inference-canary: quality canary for optimized LLM inference.")
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys (scoped to a project; only a hash is stored).")
 app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
 console = Console(stderr=True)  # progress and tables on stderr; --json output alone on stdout
 
 DEMO_CONFIG: dict[str, Any] = {
@@ -339,6 +341,52 @@ def engine_serve(ctx: typer.Context) -> None:
     (options: --model, --served-model-name, --weights, --kv-cache, --speculative, --port; see --help)."""
     cmd = [sys.executable, "-m", "workers.engine_serve", *ctx.args]
     os.execvp(cmd[0], cmd)
+
+
+@keys_app.command("create")
+def keys_create(project: str = typer.Option(..., help="the project the key opens (created if missing)"),
+                name: str = typer.Option("default", help="a label for the key"),
+                read_only: bool = typer.Option(False, "--read-only", help="GET only (dashboards)")) -> None:
+    """Create a key and print it once (it cannot be shown again)."""
+    from app.auth import create_key
+    from app.db import session_scope
+
+    _upgrade_db()
+    with session_scope() as s:
+        row, key = create_key(s, project, name, read_only)
+        key_id, scope = row.id, row.scope
+    console.print(f"key {key_id} for project '{project}' ({'read-only' if scope == 'read' else 'read-write'}); store it now:", highlight=False)
+    sys.stdout.write(key + "\n")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: int = typer.Argument(..., help="the key's id (from `canary keys list`)")) -> None:
+    """Revoke a key: it stops working at once."""
+    from app.auth import revoke_key
+    from app.db import session_scope
+    from app.repo import NotFound
+
+    try:
+        with session_scope() as s:
+            revoke_key(s, key_id)
+    except NotFound as e:
+        fail(str(e))
+    console.print(f"key {key_id} revoked")
+
+
+@keys_app.command("list")
+def keys_list(project: str = typer.Option(..., help="project name")) -> None:
+    """List a project's keys (id, name, scope, revoked) — never the keys themselves."""
+    from sqlalchemy import select
+
+    from app import repo
+    from app.db import session_scope
+    from app.models import ApiKey
+
+    with session_scope() as s:
+        p = repo.get_project(s, project)
+        for k in s.scalars(select(ApiKey).where(ApiKey.project_id == p.id).order_by(ApiKey.id)):
+            sys.stdout.write(f"{k.id}\t{k.name}\t{k.scope}\t{'revoked ' + k.revoked_at.isoformat() if k.revoked_at else 'active'}\n")
 
 
 @db_app.command("upgrade")

@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     dashboard_url: str = "http://localhost:8501"
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True
+    # API keys: required in production (default), optional elsewhere; a key that is sent is
+    # always checked
+    require_api_keys: bool | None = None
+
+    @property
+    def auth_required(self) -> bool:
+        return self.require_api_keys if self.require_api_keys is not None else self.environment == "production"
 
     @property
     def execution_mode(self) -> str:

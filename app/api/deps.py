@@ -2,12 +2,14 @@ from __future__ import annotations
 
 from typing import Annotated, Iterator
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from app import repo
+from app.auth import Forbidden, authenticate
 from app.db import get_sessionmaker
-from app.models import Project
+from app.models import ApiKey, Project
+from app.settings import get_settings
 
 
 def get_session() -> Iterator[Session]:
@@ -27,7 +29,21 @@ def get_session() -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
-def get_project(project: str, session: SessionDep) -> Project:
+def get_key(request: Request, session: SessionDep) -> ApiKey | None:
+    return authenticate(session, request.headers.get("authorization"), get_settings().auth_required)
+
+
+KeyDep = Annotated[ApiKey | None, Depends(get_key)]
+READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def get_project(project: str, request: Request, session: SessionDep, key: KeyDep) -> Project:
+    if key is not None:
+        owned = session.get(Project, key.project_id)
+        if owned is None or owned.name != project:
+            raise repo.NotFound(f"project '{project}' not found")  # the same answer as for a project that does not exist
+        if request.method not in READ_METHODS and key.scope != "write":
+            raise Forbidden(f"this API key is read-only; {request.method} needs a read-write key of project '{project}'")
     return repo.get_project(session, project)
 
 

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app import __version__
 from app.api.deps import SessionDep
+from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
 from app.corpus import CorpusError
 from app.dispatch import RECONCILE, TICK_SCHEDULES, get_dispatcher
@@ -57,6 +58,16 @@ async def limit_body(request: Request, call_next):
     if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
         return JSONResponse({"detail": f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}; split the upload"}, status_code=413)
     return await call_next(request)
+
+
+@app.exception_handler(Unauthorized)
+async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+@app.exception_handler(Forbidden)
+async def _forbidden(_: Request, exc: Forbidden) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=403)
 
 
 @app.exception_handler(NotFound)

@@ -4,7 +4,8 @@ from fastapi import APIRouter, status
 from sqlalchemy import select
 
 from app import repo
-from app.api.deps import ProjectDep, SessionDep
+from app.api.deps import KeyDep, ProjectDep, SessionDep
+from app.auth import Forbidden
 from app.models import Model, Project
 from app.repo import Conflict
 from app.schemas import ModelIn, ModelOut, ProjectIn, ProjectOut
@@ -14,7 +15,10 @@ router = APIRouter(tags=["projects"])
 
 
 @router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut)
-def create_project(body: ProjectIn, session: SessionDep) -> ProjectOut:
+def create_project(body: ProjectIn, session: SessionDep, key: KeyDep) -> ProjectOut:
+    if key is not None:
+        raise Forbidden("API keys are scoped to one project and cannot create projects; an operator runs "
+                        "`canary keys create --project NAME` (which creates it) or `canary run -f canary.yaml`")
     if session.scalar(select(Project).where(Project.name == body.name)) is not None:
         raise Conflict(f"name: project '{body.name}' already exists")
     p = repo.get_or_create_project(session, body.name)
@@ -22,8 +26,11 @@ def create_project(body: ProjectIn, session: SessionDep) -> ProjectOut:
 
 
 @router.get("/projects", response_model=list[ProjectOut])
-def list_projects(session: SessionDep) -> list[ProjectOut]:
-    return [ProjectOut(id=p.id, name=p.name) for p in session.scalars(select(Project).order_by(Project.id))]
+def list_projects(session: SessionDep, key: KeyDep) -> list[ProjectOut]:
+    q = select(Project).order_by(Project.id)
+    if key is not None:
+        q = q.where(Project.id == key.project_id)  # a key sees its own project only
+    return [ProjectOut(id=p.id, name=p.name) for p in session.scalars(q)]
 
 
 @router.post("/projects/{project}/models", status_code=status.HTTP_201_CREATED, response_model=ModelOut)

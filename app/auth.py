@@ -1,0 +1,59 @@
+"""API keys (REFERENCE.md §10): 256 random bits, shown once, stored only as a SHA-256 hash,
+scoped to one project, read-only or read-write, revocable. A key of project A asking for
+project B's objects gets the same 404 as a project that does not exist."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app import repo
+from app.models import ApiKey, utcnow
+
+PREFIX = "cnry_"
+
+
+class Unauthorized(Exception):
+    pass
+
+
+class Forbidden(Exception):
+    pass
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(session: Session, project_name: str, name: str, read_only: bool) -> tuple[ApiKey, str]:
+    project = repo.get_or_create_project(session, project_name)
+    key = PREFIX + secrets.token_urlsafe(32)  # 256 bits
+    row = ApiKey(project_id=project.id, name=name, key_hash=hash_key(key), scope="read" if read_only else "write")
+    session.add(row)
+    session.flush()
+    return row, key
+
+
+def revoke_key(session: Session, key_id: int) -> ApiKey:
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        raise repo.NotFound(f"API key {key_id} not found")
+    row.revoked_at = row.revoked_at or utcnow()
+    return row
+
+
+def authenticate(session: Session, authorization: str | None, required: bool) -> ApiKey | None:
+    if not authorization:
+        if required:
+            raise Unauthorized("send 'Authorization: Bearer <API key>'; an operator creates one with `canary keys create --project NAME`")
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("the Authorization header must be 'Bearer <API key>'")
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token.strip())))
+    if row is None or row.revoked_at is not None:
+        raise Unauthorized("invalid or revoked API key")
+    return row
