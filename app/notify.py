@@ -73,6 +73,12 @@ def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, fl
     except ChannelConfigError as e:
         return "retry", None, str(e)  # an operator can set the variable; the row waits
     url = mod.url(url) if hasattr(mod, "url") else url
+    from app.ssrf import UnsafeURL, check_url
+
+    try:
+        check_url(url, f"channel '{channel.name}' url")
+    except UnsafeURL as e:
+        return "dead", None, f"refused: {e}"
     body = json.dumps(n.payload, separators=(",", ":")).encode()
     headers = {"Content-Type": "application/json", "Idempotency-Key": n.idempotency_key}
     if channel.kind == "webhook" and secret:

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # API keys: required in production (default), optional elsewhere; a key that is sent is
     # always checked
     require_api_keys: bool | None = None
+    # hosts outbound URLs (webhooks, engines, judges) may reach although they resolve to
+    # non-public addresses, e.g. "alertmanager.internal,10.0.0.5" (app/ssrf.py)
+    url_allowlist: str = ""
 
     @property
     def auth_required(self) -> bool:

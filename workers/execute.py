@@ -118,6 +118,10 @@ def _load_job(config_run_id: int) -> dict:
 def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     spec: OptimizationSpec = job["spec"]
     # a served model (engine openai) is named, not a path
+    if spec.engine == "openai":
+        from app.ssrf import check_url
+
+        check_url(str(spec.engine_options.get("base_url", "")), "engine_options.base_url")
     model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
     engine = get_engine(model, spec, job["calibration"])
     suite = job["suite"]

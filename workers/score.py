@@ -20,6 +20,9 @@ _OFFLINE: dict[float, OfflineFaithfulness] = {}  # the embedder loads once per p
 
 
 def judge_client(settings: dict) -> JudgeClient:
+    from app.ssrf import check_url
+
+    check_url(settings["base_url"], "judge.base_url")
     key_env = settings.get("api_key_env")
     return JudgeClient(JudgeConfig(
         base_url=settings["base_url"], model=settings["model"], api_key=os.environ.get(key_env) if key_env else None,
@@ -40,12 +43,12 @@ def score_run(session, run: Run) -> dict[str, str]:
     if "faithfulness" in scorers:
         try:
             _faithfulness(session, run, suite.spec, samples, gens)
-        except (JudgeError, MissingContexts, RuntimeError) as e:
+        except (JudgeError, MissingContexts, RuntimeError, ValueError) as e:
             failed["faithfulness"] = str(e)
     if "judge" in scorers:
         try:
             _judge(session, run, suite.spec, samples, gens)
-        except JudgeError as e:
+        except (JudgeError, ValueError) as e:  # ValueError: the SSRF policy refused the judge URL
             failed["judge"] = str(e)
     return failed
 

@@ -178,3 +178,26 @@ def test_payload_shapes(kind):
         assert set(p["alerts"][0]) >= {"labels", "annotations", "startsAt", "endsAt", "fingerprint"}
     if kind == "alertmanager":
         assert p[0]["labels"]["alertname"] == "canary_ppl_ratio" and "endsAt" not in p[0]
+
+
+def test_send_time_check_refuses_without_posting(sqlite_env, receiver, monkeypatch):
+    from app.db import session_scope
+    from app.models import Channel, Notification, Project
+    from app.notify import deliver_due
+    from app.settings import get_settings
+
+    with session_scope() as s:
+        p = Project(name="p")
+        s.add(p)
+        s.flush()
+        ch = Channel(project_id=p.id, name="hook", kind="webhook", url=receiver.url + "/x")
+        s.add(ch)
+        s.flush()
+        s.add(Notification(channel_id=ch.id, idempotency_key="k", payload={"a": 1}, status="pending"))
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "")  # loopback no longer allow-listed when the row is sent
+    get_settings.cache_clear()
+    with session_scope() as s:
+        assert deliver_due(s)["dead"] == 1
+        n = s.query(Notification).one()
+        assert n.last_error.startswith("refused: channel 'hook' url: host '127.0.0.1' resolves to loopback")
+    assert receiver.requests == []

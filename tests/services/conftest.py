@@ -115,7 +115,8 @@ def stack(pg_database, redis_url, tmp_path_factory):
         "CANARY_DATABASE_URL": pg_database,
         "CANARY_BROKER_URL": redis_url,
         "CANARY_EXECUTION": "celery",
-        "CANARY_ESCALATION": "false",  # escalation runs (full suites) are tested on the embedded default
+        "CANARY_ESCALATION": "false",
+        "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost",  # escalation runs (full suites) are tested on the embedded default
         "PYTHONUNBUFFERED": "1",
     }
     subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)

@@ -16,7 +16,8 @@ from tests.services.conftest import _free_port, _wait_http
 @pytest.fixture
 def server(tmp_path):
     port = _free_port()
-    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'api.db'}", "CANARY_EXECUTION": "inline"}
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'api.db'}", "CANARY_EXECUTION": "inline",
+           "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost,hooks.slack.test,hooks.test"}  # test hosts that do not resolve
     env.pop("CANARY_BROKER_URL", None)
     log = str(tmp_path / "api.log")
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,

@@ -67,6 +67,10 @@ def out(c: Channel) -> dict:
 
 @router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK)
 def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> dict:
+    from app.ssrf import check_url
+
+    if not re.fullmatch(ENV_REF, body.url):
+        check_url(body.url, "url")  # again at every send: DNS may change
     settings = {"send_resolved": body.send_resolved}
     if body.signing_secret:
         settings["signing_secret"] = body.signing_secret
