@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     # hosts outbound URLs (webhooks, engines, judges) may reach although they resolve to
     # non-public addresses, e.g. "alertmanager.internal,10.0.0.5" (app/ssrf.py)
     url_allowlist: str = ""
+    # requests per minute per API key (or per client address without a key); 0 = unlimited
+    rate_limit_per_minute: int = 600
 
     @property
     def auth_required(self) -> bool:

@@ -112,6 +112,7 @@ def main() -> None:
     try:
         os.environ["CANARY_DATABASE_URL"] = url
         os.environ["CANARY_EXECUTION"] = "celery"  # no in-process reconciler: only the reads are timed
+        os.environ["CANARY_RATE_LIMIT_PER_MINUTE"] = "0"  # time the queries, not the limiter
         os.environ.setdefault("CANARY_BROKER_URL", "redis://127.0.0.1:6379/14")
         from app.db import upgrade
 

@@ -52,6 +52,48 @@ app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
 app.include_router(router, prefix="/api/v1")
 
 
+class RateLimiter:
+    """A token bucket per API key (per client address without one), in this process: a burst of
+    `per_minute` requests, refilled at per_minute / 60 per second. Several API replicas each
+    hold their own buckets (put a shared limiter in front for a global limit)."""
+
+    def __init__(self):
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, who: str, per_minute: int, now: float) -> float:
+        """0 when the request may pass, else seconds until a token is available."""
+        rate = per_minute / 60.0
+        with self.lock:
+            tokens, last = self.buckets.get(who, (float(per_minute), now))
+            tokens = min(float(per_minute), tokens + (now - last) * rate)
+            if tokens >= 1:
+                self.buckets[who] = (tokens - 1, now)
+                return 0.0
+            self.buckets[who] = (tokens, now)
+            return (1 - tokens) / rate
+
+
+limiter = RateLimiter()
+
+
+@app.middleware("http")
+async def rate_limit(request: Request, call_next):
+    import hashlib
+    import math
+    import time
+
+    per_minute = get_settings().rate_limit_per_minute
+    if per_minute > 0 and request.url.path.startswith("/api/"):
+        auth = request.headers.get("authorization") or ""
+        who = "key:" + hashlib.sha256(auth.encode()).hexdigest() if auth else "ip:" + (request.client.host if request.client else "?")
+        wait = limiter.take(who, per_minute, time.monotonic())
+        if wait > 0:
+            return JSONResponse({"detail": f"rate limit of {per_minute} requests per minute exceeded; retry after {math.ceil(wait)} s"},
+                                status_code=429, headers={"Retry-After": str(math.ceil(wait))})
+    return await call_next(request)
+
+
 @app.middleware("http")
 async def limit_body(request: Request, call_next):
     length = request.headers.get("content-length")

@@ -96,3 +96,27 @@ def test_only_hashes_are_stored_and_revocation_is_immediate(secured):
     assert cli(secured["env"], "keys", "revoke", key_id).returncode == 0
     assert secured["client"](keys[("a", False)]).get("/projects/a/runs").status_code == 401
     assert cli(secured["env"], "keys", "revoke", "999").returncode == 2
+
+
+def test_rate_limit_per_key_answers_429_with_retry_after(tmp_path):
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", "CANARY_EXECUTION": "inline",
+           "CANARY_RATE_LIMIT_PER_MINUTE": "5"}
+    env.pop("CANARY_BROKER_URL", None)
+    port = _free_port()
+    log = str(tmp_path / "api.log")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
+        one = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"Authorization": "Bearer k1"})
+        other = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"Authorization": "Bearer k2"})
+        codes = [one.get("/projects").status_code for _ in range(6)]
+        # keys are not required here, but a key that is sent is checked (401) and limited by key
+        assert codes[:5] == [401] * 5 and codes[5] == 429
+        r = one.get("/projects")
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 12 and "5 requests per minute" in r.json()["detail"]
+        assert other.get("/projects").status_code == 401  # another key has its own bucket
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200  # probes are never limited
+    finally:
+        proc.terminate()
+        proc.wait(20)
