@@ -4,7 +4,7 @@ Imported only when a kernel runs."""
 import triton
 import triton.language as tl
 
-from engines.kernels._turbo_kv_triton import _online_softmax_step
+from engines.kernels._turbo_kv_triton import _online_softmax_step, _split_k_program, _store_split_k
 
 
 @triton.jit
@@ -67,9 +67,7 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
     # one query head × one chunk of the sequence. Slot j's key is read compressed iff j < nk,
     # its value iff j < nv; otherwise from the full-precision residual (k_ptr / v_ptr). Masked
     # loads: each slot's bytes come from one tier only.
-    bh, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // (H // HKV)
+    bh, chunk, b, kvh = _split_k_program(H, HKV)
     length, nk, nv = tl.load(len_ptr + b), tl.load(nk_ptr + b), tl.load(nv_ptr + b)
     rd = tl.arange(0, D)
     q = tl.load(q_ptr + bh * D + rd).to(tl.float32)
@@ -97,7 +95,4 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
         vraw = tl.load(v_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~cv)[:, None], other=0.0)
         vt = tl.where(cv[:, None], vdq, vraw.to(tl.float32))
         m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc)
-    out = bh * tl.num_programs(1) + chunk
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out * D + rd, acc)
+    _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D)

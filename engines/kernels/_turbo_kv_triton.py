@@ -25,6 +25,23 @@ def _online_softmax_step(s, vals, m_i, l_i, acc):
 
 
 @triton.jit
+def _split_k_program(H, HKV):
+    # decode attention grid (B·H, chunks): this program's (query row, chunk, batch, kv head); GQA
+    bh, chunk = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    return bh, chunk, b, h // (H // HKV)
+
+
+@triton.jit
+def _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D: tl.constexpr):
+    # this chunk's partial (max, sum, accumulator), merged on the host by merge_split_k
+    out = bh * tl.num_programs(1) + chunk
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out * D + tl.arange(0, D), acc)
+
+
+@triton.jit
 def quantize_kernel(x_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, N,
                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,9 +82,7 @@ def _unpack(codes_ptr, row_off, rs, mask_s, D: tl.constexpr, BITS: tl.constexpr)
 def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
                      m_ptr, l_ptr, acc_ptr, H, HKV, S, CHUNK, scale,
                      D: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    bh, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // (H // HKV)
+    bh, chunk, b, kvh = _split_k_program(H, HKV)
     length = tl.load(len_ptr + b)
     rd = tl.arange(0, D)
     q = tl.load(q_ptr + bh * D + rd).to(tl.float32)  # rotated query
@@ -87,10 +102,7 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
         vv = _select(_unpack(vc_ptr, row_off, rs, valid, D, BITS), book_ptr, 2**BITS)
         vn = tl.load(vn_ptr + norm_off + rs, mask=valid, other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, vn[:, None] * vv, m_i, l_i, acc)
-    out = bh * tl.num_programs(1) + chunk
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out * D + rd, acc)
+    _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D)
 
 
 @triton.jit
@@ -105,9 +117,7 @@ def fp8_quantize_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H, HKV, S, CHUNK, scale,
                          D: tl.constexpr, BLOCK_S: tl.constexpr):
     # one query head × one chunk of the sequence; keys and values read as fp8 and widened
-    bh, chunk = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // (H // HKV)
+    bh, chunk, b, kvh = _split_k_program(H, HKV)
     length = tl.load(len_ptr + b)
     rd = tl.arange(0, D)
     q = tl.load(q_ptr + bh * D + rd).to(tl.float32)
@@ -124,7 +134,4 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H,
         s = tl.where(valid, s, float("-inf"))
         vt = tl.load(v_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc)
-    out = bh * tl.num_programs(1) + chunk
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out * D + rd, acc)
+    _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D)
