@@ -5,7 +5,7 @@ immediate full-suite run of that config. The state machine itself is app/alertin
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,16 +13,11 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempotency_key, should_notify
 from app.channels import AlertMessage, build
-from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, utcnow
+from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
 from app.settings import get_settings
 
 log = logging.getLogger(__name__)
 ACTIVE = ("pending", "firing")
-
-
-def aware(dt: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; every stored time is UTC."""
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
 
 
 def _state(a: Alert | None, labels: dict[str, str]) -> AlertState:

@@ -182,23 +182,27 @@ class Thresholds(_Strict):
 class ChannelEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
-    url: str = Field(description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
+    url: str = Field(max_length=2048, description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
     send_resolved: bool = True
     signing_secret: str | None = Field(None, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
 
     @field_validator("signing_secret")
     @classmethod
     def _secret(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", v):
-            raise ValueError("give the secret as an ${ENV_VAR} reference, never the secret itself")
+        from app.ssrf import ENV_REF
+
+        if v is not None and not ENV_REF.fullmatch(v):
+            raise ValueError("give the signing secret as an ${ENV_VAR} reference, never the secret itself")
         return v
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", v) or v.startswith(("https://", "http://")):
+        from app.ssrf import ENV_REF, mask_url
+
+        if ENV_REF.fullmatch(v) or re.match(r"^https?://[^\s/]+", v):
             return v
-        raise ValueError("give an http(s) URL or an ${ENV_VAR} reference")
+        raise ValueError(f"'{mask_url(v)}' is not an http(s) URL or an ${{ENV_VAR}} reference")
 
 
 def check_cron(v: str) -> str:

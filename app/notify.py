@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -27,13 +26,13 @@ from sqlalchemy.orm import Session
 
 from app.channels import alertmanager, discord, slack, teams, webhook
 from app.models import Channel, Notification, utcnow
+from app.ssrf import ENV_REF
 
 log = logging.getLogger(__name__)
 MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}
 MAX_ATTEMPTS = 8
 BACKOFF_S = 2.0
 MAX_BACKOFF_S = 600.0
-ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 
 
 class ChannelConfigError(ValueError):
@@ -42,7 +41,7 @@ class ChannelConfigError(ValueError):
 
 def resolve(value: str, channel: str, field: str) -> str:
     """A literal, or ${ENV_VAR} read at send time (the secret stays out of the database)."""
-    m = ENV_REF.match(value or "")
+    m = ENV_REF.fullmatch(value or "")
     if not m:
         return value
     got = os.environ.get(m.group(1))

@@ -203,8 +203,14 @@ def threshold_for(session: Session, project_id: int, metric: str, model_id: int,
     return rules[0] if rules else None
 
 
-def upsert_channel(session: Session, project: Project, name: str, kind: str, url: str, settings: dict[str, Any]) -> Channel:
-    """``url`` may be a ${ENV_VAR} template, expanded only at send time (the secret stays out of the DB)."""
+def upsert_channel(session: Session, project: Project, name: str, kind: str, url: str, settings: dict[str, Any],
+                   field: str = "url") -> Channel:
+    """``url`` may be a ${ENV_VAR} template, expanded only at send time (the secret stays out of
+    the DB); a literal URL must pass the outbound URL policy now, and again at every send."""
+    from app.ssrf import ENV_REF, check_url
+
+    if not ENV_REF.fullmatch(url):
+        check_url(url, field)
     ch = session.scalar(select(Channel).where(Channel.project_id == project.id, Channel.name == name))
     if ch is None:
         ch = Channel(project_id=project.id, name=name, kind=kind, url=url, settings=settings)

@@ -10,21 +10,21 @@ run per missed tick. A new schedule starts at its next slot.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from croniter import croniter
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app import repo
-from app.models import Schedule, Suite, utcnow
+from app.models import Schedule, Suite, aware, utcnow
 
 log = logging.getLogger(__name__)
 
 
 def latest_slot(cron: str, now: datetime) -> datetime:
     """The most recent slot at or before now (UTC)."""
-    now = now if now.tzinfo else now.replace(tzinfo=UTC)
+    now = aware(now)
     # get_prev is strictly before its start: start a second later so a slot equal to now counts
     return croniter(cron, now + timedelta(seconds=1)).get_prev(datetime).replace(fold=0)
 
@@ -36,7 +36,7 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
     due = []
     for s in session.scalars(select(Schedule).where(Schedule.enabled.is_(True))):
         slot = latest_slot(s.cron, now)
-        last = s.last_slot_at.replace(tzinfo=UTC) if s.last_slot_at is not None and s.last_slot_at.tzinfo is None else s.last_slot_at
+        last = aware(s.last_slot_at)
         if last is not None and slot <= last:
             continue
         # compare-and-set: a second beat (or a retried tick) that read the same row loses here

@@ -11,10 +11,26 @@ judged as such. Redirects are never followed by the clients that use these URLs.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
 CGNAT = ipaddress.ip_network("100.64.0.0/10")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${VAR}: a secret read from the environment at send time
+
+
+def mask_url(url: str) -> str:
+    """Only scheme and host stay readable: path, query and user info (where webhook tokens and
+    passwords live) never leave the server, in responses or in error messages."""
+    if ENV_REF.fullmatch(url):
+        return url
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        return "***"
+    return f"{u.scheme}://{host}{port}/***" if u.scheme and host else "***"
 
 
 class UnsafeURL(ValueError):

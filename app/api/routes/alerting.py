@@ -11,7 +11,7 @@ from sqlalchemy import select
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
 from app.config_file import METRIC_DIRECTIONS
-from app.models import Alert, AlertRule, Silence, utcnow
+from app.models import Alert, AlertRule, Silence, aware, utcnow
 
 router = APIRouter(tags=["alerts"])
 
@@ -111,8 +111,6 @@ class SilenceIn(BaseModel):
 
 
 def silence_out(s: Silence) -> dict:
-    from app.alerts import aware
-
     return {"id": s.id, "matchers": s.matchers, "starts_at": aware(s.starts_at).isoformat(), "ends_at": aware(s.ends_at).isoformat(),
             "author": s.author, "comment": s.comment}
 
@@ -149,7 +147,5 @@ def expire_silence(silence_id: int, project: ProjectDep, session: SessionDep) ->
     s = session.get(Silence, silence_id)
     if s is None or s.project_id != project.id:
         raise repo.NotFound(f"silence {silence_id} not found in project '{project.name}'")
-    from app.alerts import aware
-
     s.ends_at = min(aware(s.ends_at), utcnow())
     return silence_out(s)
