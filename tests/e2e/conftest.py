@@ -16,7 +16,7 @@ import yaml
 
 from engines.zoo import resolve_corpus_path
 from tests.conftest import ROOT
-from tests.services.conftest import _free_port, _wait_http
+from tests.loopback import canary_serve
 
 
 def seed_config(corpus: str) -> dict:
@@ -47,13 +47,7 @@ def seeded_api(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp / "canary.yaml"), "--json"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode in (0, 1), r.stderr[-3000:]  # a failing verdict is expected: int2 is critical
-    port = _free_port()
-    log = str(tmp / "api.log")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--no-upgrade-db"], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(base + "/healthz", proc, log)
+    with canary_serve(env, str(tmp / "api.log"), "--no-upgrade-db") as base:
         http = httpx.Client(base_url=base + "/api/v1", timeout=60)
         g = http.post("/projects/dash/gates", json={"candidate": "int8", "suite": "s"}, headers={"Idempotency-Key": "seed"}).json()
         deadline = time.time() + 300
@@ -65,6 +59,3 @@ def seeded_api(tmp_path_factory):
                                                        "author": "ana", "comment": "int8 is being re-calibrated"})
         assert s.status_code == 201
         yield {"url": base, "env": env, "tmp": tmp, "gate": g}
-    finally:
-        proc.terminate()
-        proc.wait(20)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.services.conftest import _free_port, _wait_http
+from tests.loopback import free_port, wait_http
 
 PAGES = {
     "Overview": ["Inference quality overview", "int2", "Next scheduled check"],
@@ -46,7 +46,7 @@ def chrome():
 
 @pytest.fixture(scope="module")
 def dashboard(seeded_api, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = str(tmp_path_factory.mktemp("st") / "streamlit.log")
     env = {**os.environ, "CANARY_API_URL": seeded_api["url"]}
     env.pop("CANARY_DASHBOARD_WRITE_KEY", None)
@@ -54,7 +54,7 @@ def dashboard(seeded_api, tmp_path_factory):
                              "--server.headless", "true", "--browser.gatherUsageStats", "false"],
                             cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

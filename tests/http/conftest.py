@@ -3,7 +3,6 @@ an OpenAI-compatible API) and a scripted OpenAI-compatible judge (tests/http/scr
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,12 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.loopback import free_port, serve_in_thread
 
 
 def start_engine_serve(*args: str) -> tuple[subprocess.Popen, str]:
@@ -57,11 +51,11 @@ def engine_serve_ngram():
 
 @pytest.fixture
 def judge_server():
-    from tests.http.scripted import ScriptedJudge, serve
+    from tests.http.scripted import ScriptedJudge
 
     judge = ScriptedJudge()
     port = free_port()
-    server = serve(judge, port)
+    server = serve_in_thread(judge.app, port)
     judge.base_url = f"http://127.0.0.1:{port}/v1"
     yield judge
     server.should_exit = True
@@ -69,11 +63,11 @@ def judge_server():
 
 @pytest.fixture
 def receiver():
-    from tests.http.receiver import Receiver, serve
+    from tests.http.receiver import Receiver
 
     r = Receiver()
     r.port = free_port()
-    r.server = serve(r, r.port)
+    r.server = serve_in_thread(r.app, r.port)
     r.url = f"http://127.0.0.1:{r.port}"
     yield r
     r.server.should_exit = True

@@ -5,10 +5,8 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
@@ -36,12 +34,3 @@ class Receiver:
 
     def delivered(self) -> list[dict]:
         return [r for r in self.requests if r["answered"] == 200]
-
-
-def serve(receiver: Receiver, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(receiver.app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    return server

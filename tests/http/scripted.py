@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import re
-import threading
 import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -83,15 +81,3 @@ class ScriptedJudge:
         return {"id": "x", "object": "chat.completion", "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": len(text.split()), "total_tokens": 0}}
-
-
-def serve(judge: ScriptedJudge, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(judge.app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    return server
-
-
-

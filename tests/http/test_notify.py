@@ -106,8 +106,8 @@ def test_a_timeout_is_retried(sqlite_env, receiver):
 
 
 def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_env, receiver):
-    from tests.http.conftest import free_port
-    from tests.http.receiver import Receiver, serve
+    from tests.http.receiver import Receiver
+    from tests.loopback import free_port, serve_in_thread
 
     port = free_port()
     _, ids = add("webhook", f"http://127.0.0.1:{port}/hook", n=3)
@@ -115,7 +115,7 @@ def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_
     assert deliver(now=t)["retry"] == 3  # connection refused: all three wait
     assert {row(i).status for i in ids} == {"pending"}
     back = Receiver()
-    server = serve(back, port)
+    server = serve_in_thread(back.app, port)
     try:
         later = t + timedelta(minutes=5)
         assert deliver(now=later)["sent"] == 3

@@ -9,13 +9,11 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-import uvicorn
 
 from app.channels import AlertMessage, build
 from app.config_file import parse_config
@@ -25,7 +23,7 @@ from app.models import Channel, Comparison, Notification, Project
 from app.notify import deliver_due
 from app.services import apply_config_file, start_run
 from tests.conftest import ROOT
-from tests.http.conftest import free_port
+from tests.loopback import free_port, serve_in_thread, wait_http
 from tests.http.test_alert_flow import cfg, small_corpus
 
 
@@ -39,31 +37,18 @@ def binary(name: str) -> str:
     return path
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited: {proc.stdout.read()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout}s")
-
-
 @pytest.fixture
 def alertmanager(tmp_path):
     exe = binary("prometheus-alertmanager")
     port = free_port()
     conf = tmp_path / "am.yml"
     conf.write_text("route:\n  receiver: 'null'\nreceivers:\n  - name: 'null'\n")
+    log = str(tmp_path / "am.log")
     proc = subprocess.Popen([exe, f"--config.file={conf}", f"--storage.path={tmp_path / 'am-data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url + "/-/ready", proc)
+    wait_http(url + "/-/ready", proc, log)
     yield url
     proc.terminate()
     proc.wait(10)
@@ -103,8 +88,7 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
     from app.api.main import app
 
     api_port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    server = serve_in_thread(app, api_port)
     prom_port = free_port()
     conf = tmp_path / "prometheus.yml"
     conf.write_text(json.dumps({  # JSON is YAML
@@ -113,10 +97,11 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
         "scrape_configs": [{"job_name": "canary", "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]}],
     }))
     proc = subprocess.Popen([exe, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=open(tmp_path / "prom.log", "w"),
+                            stderr=subprocess.STDOUT)
     prom = f"http://127.0.0.1:{prom_port}"
     try:
-        wait_ready(prom + "/-/ready", proc)
+        wait_http(prom + "/-/ready", proc, str(tmp_path / "prom.log"))
         deadline = time.time() + 60
         got, firing = None, []
         while time.time() < deadline and (got is None or not firing):

@@ -4,7 +4,6 @@ process and the API under uvicorn on loopback. URLs from the environment, local 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, service_unavailable
+from tests.loopback import free_port, wait_http
 
 PG_URL = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -74,20 +68,6 @@ class Stack:
             return "".join(f.readlines()[-n:])
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}:\n{open(log).read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not up after {timeout}s:\n{open(log).read()[-3000:]}")
-
-
 def _wait_log(proc: subprocess.Popen, log: str, marker: str, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,13 +104,13 @@ def stack(pg_database, redis_url, tmp_path_factory):
     procs = []
     try:
         procs.append(start_worker(env, logs["worker"]))
-        port = _free_port()
+        port = free_port()
         api = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "app.api.main:app", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, env=env, stdout=open(logs["api"], "a"), stderr=subprocess.STDOUT,
         )
         procs.append(api)
-        _wait_http(f"http://127.0.0.1:{port}/healthz", api, logs["api"])
+        wait_http(f"http://127.0.0.1:{port}/healthz", api, logs["api"])
         st = Stack(env, f"http://127.0.0.1:{port}", logs)
         st.procs = procs  # [worker, api]: tests may restart the worker
         yield st

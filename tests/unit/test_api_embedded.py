@@ -2,32 +2,22 @@
 process's background thread. A client drives a run to its verdict over real HTTP."""
 
 import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import ROOT
-from tests.services.conftest import _free_port, _wait_http
+from tests.loopback import canary_serve
 
 
 @pytest.fixture
 def server(tmp_path):
-    port = _free_port()
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'api.db'}", "CANARY_EXECUTION": "inline",
            "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost,hooks.slack.test,hooks.test"}  # test hosts that do not resolve
     env.pop("CANARY_BROKER_URL", None)
     log = str(tmp_path / "api.log")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-        yield httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", timeout=30), log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with canary_serve(env, log) as base:
+        yield httpx.Client(base_url=f"{base}/api/v1", timeout=30), log
 
 
 def test_embedded_server_runs_to_verdict(server):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT
-from tests.services.conftest import _free_port, _wait_http
+from tests.loopback import canary_serve
 
 
 def cli(env, *args) -> subprocess.CompletedProcess:
@@ -31,13 +31,8 @@ def secured(tmp_path_factory):
         r = cli(env, "keys", "create", "--project", project, *([flag] if flag else []))
         assert r.returncode == 0, r.stderr
         keys[(project, flag is None)] = r.stdout.strip()
-    port = _free_port()
-    log = str(tmp / "api.log")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-        base = f"http://127.0.0.1:{port}/api/v1"
+    with canary_serve(env, str(tmp / "api.log")) as root:
+        base = f"{root}/api/v1"
 
         def client(key):
             return httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -50,9 +45,6 @@ def secured(tmp_path_factory):
         run = b.post("/projects/b/runs", json={"suite": "s"})
         assert run.status_code == 202, run.text
         yield {"client": client, "keys": keys, "env": env, "db": tmp / "k.db", "run_id": run.json()["run_id"]}
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 B_ROUTES = ["/projects/b/models", "/projects/b/configs", "/projects/b/suites", "/projects/b/runs", "/projects/b/runs/{run}",
@@ -102,21 +94,13 @@ def test_rate_limit_per_key_answers_429_with_retry_after(tmp_path):
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", "CANARY_EXECUTION": "inline",
            "CANARY_RATE_LIMIT_PER_MINUTE": "5"}
     env.pop("CANARY_BROKER_URL", None)
-    port = _free_port()
-    log = str(tmp_path / "api.log")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-        one = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"Authorization": "Bearer k1"})
-        other = httpx.Client(base_url=f"http://127.0.0.1:{port}/api/v1", headers={"Authorization": "Bearer k2"})
+    with canary_serve(env, str(tmp_path / "api.log")) as root:
+        one = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": "Bearer k1"})
+        other = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": "Bearer k2"})
         codes = [one.get("/projects").status_code for _ in range(6)]
         # keys are not required here, but a key that is sent is checked (401) and limited by key
         assert codes[:5] == [401] * 5 and codes[5] == 429
         r = one.get("/projects")
         assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 12 and "5 requests per minute" in r.json()["detail"]
         assert other.get("/projects").status_code == 401  # another key has its own bucket
-        assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200  # probes are never limited
-    finally:
-        proc.terminate()
-        proc.wait(20)
+        assert httpx.get(f"{root}/healthz").status_code == 200  # probes are never limited
