@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterator
+from typing import Iterator, TypeVar
 
-from sqlalchemy import MetaData, create_engine, event
+from sqlalchemy import MetaData, create_engine, event, exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -55,6 +58,37 @@ def get_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
 @lru_cache
 def _sessionmaker(url: str) -> sessionmaker[Session]:
     return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def is_transient(e: BaseException) -> bool:
+    """The database could not be reached or dropped the connection (a restart, a failover, a
+    network blip): the same transaction may succeed when tried again. Constraint violations and
+    programming errors are not transient."""
+    return isinstance(e, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError)) or bool(
+        getattr(e, "connection_invalidated", False))
+
+
+def retry_transient(fn: Callable[[], T], what: str, deadline_s: float | None = None,
+                    sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call fn, which runs one whole transaction of its own (a session_scope), again while the
+    database is unreachable, with backoff from 0.5 s to 5 s, for up to deadline_s seconds
+    (settings.db_retry_seconds); then re-raise. A failed transaction rolled back entirely, so
+    running it again is safe."""
+    deadline = time.monotonic() + (get_settings().db_retry_seconds if deadline_s is None else deadline_s)
+    delay = 0.5
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not is_transient(e) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: database unavailable (%s); retrying in %.1f s", what, type(e).__name__, delay)
+            sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 @contextmanager

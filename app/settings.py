@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     lease_seconds: int = 600
     max_attempts: int = 3
     requeue_after_seconds: int = 300  # the reconciler re-enqueues config-runs queued longer
+    reconcile_seconds: float = 60.0  # how often beat runs the reconciler
+    # how long a worker keeps retrying a write while the database is unreachable (a restart or
+    # failover) before it leaves the config-run to the reconciler
+    db_retry_seconds: float = 120.0
     max_samples_per_run: int = 5000
     max_suite_documents: int = 20000
     max_document_chars: int = 200_000

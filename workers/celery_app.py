@@ -33,6 +33,6 @@ celery_app.conf.update(
     task_ignore_result=True,
     worker_hijack_root_logger=False,
     # exactly one beat (`canary worker --beat` on one worker); schedules are exactly-once per slot anyway
-    beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": 60.0},
+    beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": settings.reconcile_seconds},
                    "tick-schedules": {"task": "canary.tick_schedules", "schedule": 60.0}},
 )

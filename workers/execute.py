@@ -17,7 +17,7 @@ from typing import Any
 
 
 from app import repo
-from app.db import session_scope
+from app.db import is_transient, retry_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, Dispatcher
 from app.models import ConfigRun, Run, Suite
 from app.settings import get_settings
@@ -60,37 +60,57 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
     settings = get_settings()
-    with session_scope() as s:  # the claim commits on its own, before anything can fail
-        attempt = repo.claim_config_run(s, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
-        cr = s.get(ConfigRun, config_run_id)
-        if cr is None:
-            return "skipped"
-        run_id = cr.run_id
-        if attempt is None:
-            gave_up = repo.give_up_config_run(
-                s, config_run_id, settings.max_attempts,
-                f"gave up after {cr.attempt} attempts: the worker was lost each time (see worker logs)")
-            if not gave_up:
-                return "skipped"  # finished, or another worker holds a live lease
-            outcome = "failed"
+
+    def claim() -> tuple[int | None, int | None, bool]:
+        with session_scope() as s:  # the claim commits on its own, before anything can fail
+            attempt = repo.claim_config_run(s, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
+            cr = s.get(ConfigRun, config_run_id)
+            if cr is None or attempt is not None:
+                return attempt, cr and cr.run_id, False
+            return None, cr.run_id, repo.give_up_config_run(s, config_run_id, settings.max_attempts, give_up_reason(cr))
+
+    attempt, run_id, gave_up = retry_transient(claim, f"claim config-run {config_run_id}")
+    if run_id is None or (attempt is None and not gave_up):
+        return "skipped"  # gone, finished, or another worker holds a live lease
+    outcome = "failed"
     if attempt is not None:
         try:
-            job = _load_job(config_run_id)
+            job = retry_transient(lambda: _load_job(config_run_id), f"load config-run {config_run_id}")
             _score(config_run_id, attempt, job, settings)
             outcome = "succeeded"
         except _LostLease as e:
             log.warning("%s", e)
             return "superseded"
-        except Exception as e:  # the config-run fails with its reason; other configs are untouched
+        except Exception as e:
+            if is_transient(e):  # the database stayed away: the lease runs out and the reconciler re-sends it
+                log.error("config-run %s attempt %s interrupted, the database is unreachable: %s", config_run_id, attempt, e)
+                return "interrupted"
+            # the config-run fails with its reason; other configs are untouched
             log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
-            with session_scope() as s:
-                repo.finish_config_run(s, config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}")
-            outcome = "failed"
-    with session_scope() as s:
-        start = repo.try_start_aggregation(s, run_id)
-    if start:  # after the commit: the aggregate task must see every config-run finished
-        dispatcher.send(AGGREGATE_RUN, run_id)
+            retry_transient(lambda: _finish(config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}"),
+                            f"record the failure of config-run {config_run_id}")
+    if retry_transient(lambda: _try_start_aggregation(run_id), f"aggregation trigger of run {run_id}"):
+        dispatcher.send(AGGREGATE_RUN, run_id)  # after the commit: the task must see every config-run finished
     return outcome
+
+
+def give_up_reason(cr: ConfigRun) -> str:
+    """Why a config-run is abandoned (a poison job): every attempt took the lease and then stopped
+    renewing it — the worker process died (killed, out of memory, a crash in native code) or hung."""
+    when = cr.lease_expires_at.strftime("%Y-%m-%d %H:%M:%S UTC") if cr.lease_expires_at else "an unknown time"
+    return (f"gave up after {cr.attempt} attempts: each worker stopped renewing its lease without reporting an error "
+            f"(killed, out of memory, or hung); the last, attempt {cr.attempt} on {cr.worker or 'an unknown worker'}, "
+            f"went silent before {when} — see that worker's log; raise CANARY_MAX_ATTEMPTS only once the cause is fixed")
+
+
+def _try_start_aggregation(run_id: int) -> bool:
+    with session_scope() as s:
+        return repo.try_start_aggregation(s, run_id)
+
+
+def _finish(config_run_id: int, attempt: int, status: str, **kw) -> bool:
+    with session_scope() as s:
+        return repo.finish_config_run(s, config_run_id, attempt, status, **kw)
 
 
 def _load_job(config_run_id: int) -> dict:
@@ -148,8 +168,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
                 extra["greedy_ids"] = list(r.greedy_ids)
             rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll, "extra": extra})
         done += len(batch)
-        with session_scope() as s:
-            _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
+        _write_fenced(config_run_id, attempt, job, rows, done, total, settings)
     ttft, itl, tps, gen_tokens = [], [], [], 0
     spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
     requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
@@ -188,8 +207,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
             for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 spec_totals[k] += getattr(server_spec, k)
         done += len(rows)
-        with session_scope() as s:
-            _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings)
+        _write_fenced(config_run_id, attempt, job, rows, done, total, settings)
     d = engine.describe()
     figures = {
         "engine": d.engine, "weights": d.weights, "kv_cache": d.kv_cache, "speculative": d.speculative,
@@ -214,9 +232,9 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
         figures["spec"] = {**spec_totals, "acceptance_rate": n_acc / n_tokens,
                            "mean_acceptance_length": 1 + n_acc / n_drafts,
                            "per_position_rate": [a / n_drafts for a in spec_totals["accepted_per_position"]]}
-    with session_scope() as s:
-        if not repo.finish_config_run(s, config_run_id, attempt, "succeeded", figures=figures):
-            raise _LostLease(config_run_id, attempt)
+    if not retry_transient(lambda: _finish(config_run_id, attempt, "succeeded", figures=figures),
+                           f"finish config-run {config_run_id}"):
+        raise _LostLease(config_run_id, attempt)
 
 
 class _LostLease(RuntimeError):
@@ -224,11 +242,18 @@ class _LostLease(RuntimeError):
         super().__init__(f"config-run {config_run_id}: attempt {attempt} lost its lease to a newer attempt")
 
 
-def _write_fenced(s, config_run_id, attempt, job, rows, done, total, settings) -> None:
-    # Heartbeat first: if a newer attempt holds the run, stop before writing anything.
-    if not repo.heartbeat(s, config_run_id, attempt, settings.lease_seconds, done, total):
+def _write_fenced(config_run_id, attempt, job, rows, done, total, settings) -> None:
+    """One transaction: renew the lease (fenced by the attempt number), then write the rows. If
+    a newer attempt holds the run, nothing is written. Retried while the database is away."""
+    def write() -> bool:
+        with session_scope() as s:
+            if not repo.heartbeat(s, config_run_id, attempt, settings.lease_seconds, done, total):
+                return False
+            repo.write_sample_results(s, job["run_id"], job["config_id"], rows)
+            return True
+
+    if not retry_transient(write, f"write results of config-run {config_run_id}"):
         raise _LostLease(config_run_id, attempt)
-    repo.write_sample_results(s, job["run_id"], job["config_id"], rows)
 
 
 def reset_engine_cache() -> None:

@@ -7,7 +7,7 @@ import logging
 from datetime import timedelta
 
 from app import repo
-from app.db import session_scope
+from app.db import is_transient, retry_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, TICK_SCHEDULES, Dispatcher
 from app.models import utcnow
 from app.settings import get_settings
@@ -22,9 +22,14 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
 
 
 def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
+    # Idempotent (comparisons are upserted, the run's status gates a second pass), so a pass cut
+    # off by a database restart simply runs again.
     try:
-        return _aggregate(run_id, dispatcher)
+        return retry_transient(lambda: _aggregate(run_id, dispatcher), f"aggregate run {run_id}")
     except Exception as e:
+        if is_transient(e):  # still unreachable: the run stays 'aggregating' and the reconciler re-sends it
+            log.error("aggregation of run %s interrupted, the database is unreachable: %s", run_id, e)
+            return "interrupted"
         log.exception("aggregation of run %s failed", run_id)
         with session_scope() as s:
             repo.finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}")

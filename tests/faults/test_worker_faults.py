@@ -1,0 +1,148 @@
+"""Workers die, hang, and lose their broker or database in the middle of a config-run; every run
+still completes with exactly the results its suite asks for — none missing, none twice — and a
+worker that comes back after its lease expired cannot write over its successor's work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.faults.conftest import LEASE_SECONDS, check_results, record, seed_project, start_run
+
+
+def half_done(st, run_id):
+    """The first config-run that has written some, but not all, of its results."""
+    return st.wait_for("a config-run in the middle of its work", lambda: next(
+        (c for c in st.config_runs(run_id) if c["status"] == "running" and 0 < (c["done"] or 0) < (c["total"] or 0)), None))
+
+
+def worker_group(cr: dict) -> int:
+    """The process group of the worker that holds a config-run (its id is host:pid of the pool child)."""
+    return os.getpgid(int(cr["worker"].rsplit(":", 1)[1]))
+
+
+def assert_complete(st, run_id, fault, note=""):
+    run = st.wait_run(run_id)
+    crs = st.config_runs(run_id)
+    lost, dup = check_results(st, run_id, tuple(c["config"] for c in crs))
+    completed = int(run["status"] == "done" and all(c["status"] == "succeeded" for c in crs))
+    record(fault, 1, completed, lost, dup, note)
+    assert run["status"] == "done", run
+    assert [c["status"] for c in crs] == ["succeeded"] * len(crs), crs
+    assert (lost, dup) == (0, 0)
+    assert run["verdict"] in ("pass", "warn", "fail", "inconclusive")
+    return run, crs
+
+
+def test_kill_9_a_worker_mid_config_run(fault_stack):
+    st = fault_stack
+    seed_project(st)
+    a = st.start_worker("gpu-a")
+    run_id = start_run(st)
+    victim = half_done(st, run_id)
+    assert worker_group(victim) == a.pid
+    st.signal_worker("gpu-a", signal.SIGKILL)  # main process and pool child: a node lost
+    b = st.start_worker("gpu-b")
+    _, crs = assert_complete(st, run_id, "kill -9 worker mid config-run",
+                             f"killed at {victim['done']}/{victim['total']}; attempt 2 on the new worker")
+    taken = next(c for c in crs if c["id"] == victim["id"])
+    # the lease ran out, the reconciler re-sent it, and the new worker's attempt 2 finished it
+    assert taken["attempt"] == 2 and worker_group(taken) == b.pid
+
+
+def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
+    st = fault_stack
+    seed_project(st)
+    a = st.start_worker("gpu-a")
+    run_id = start_run(st)
+    victim = half_done(st, run_id)
+    # Stop it between transactions: stopped inside one, it would hold the row lock and nobody
+    # could take over (safe, but not the fault under test).
+    for _ in range(50):
+        st.signal_worker("gpu-a", signal.SIGSTOP)
+        if not st.sql("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                      "AND state LIKE 'idle in transaction%%'"):
+            break
+        st.signal_worker("gpu-a", signal.SIGCONT)
+        time.sleep(0.05)
+    stopped = time.monotonic()
+    victim = next(c for c in st.config_runs(run_id) if c["id"] == victim["id"])
+    b = st.start_worker("gpu-b")
+    run, crs = assert_complete(st, run_id, "SIGSTOP worker past its lease, then SIGCONT",
+                               f"stopped at {victim['done']}/{victim['total']}; the stale attempt's write refused")
+    taken = next(c for c in crs if c["id"] == victim["id"])
+    assert taken["attempt"] == victim["attempt"] + 1 and worker_group(taken) == b.pid
+    assert time.monotonic() - stopped > LEASE_SECONDS  # taken over only once the lease had expired
+    before = st.sql("SELECT config_id, sample_key, metric, value, extra::text FROM sample_results WHERE run_id = %s "
+                    "ORDER BY 1, 2, 3", run_id)
+    st.signal_worker("gpu-a", signal.SIGCONT)
+    # the old attempt wakes up, finishes the batch it was computing, and its fenced write is refused
+    st.wait_for("the stale worker to be fenced", lambda: f"attempt {victim['attempt']} lost its lease" in st.tail("gpu-a", 400),
+                timeout=60)
+    after = st.sql("SELECT config_id, sample_key, metric, value, extra::text FROM sample_results WHERE run_id = %s "
+                   "ORDER BY 1, 2, 3", run_id)
+    assert after == before
+    assert [(c["status"], c["attempt"]) for c in st.config_runs(run_id)] == [(c["status"], c["attempt"]) for c in crs]
+    assert a.poll() is None  # the stale worker lives on and takes new work
+
+
+def test_redis_restart_with_a_run_in_flight(fault_stack):
+    st = fault_stack
+    seed_project(st)
+    st.start_worker("gpu-a")
+    run_id = start_run(st)
+    victim = half_done(st, run_id)
+    st.redis.stop()  # no persistence: every queued message is gone
+    time.sleep(3)
+    st.redis.start()
+    assert_complete(st, run_id, "restart Redis (no persistence) mid-run",
+                    f"down 3 s at {victim['done']}/{victim['total']}; lost messages re-sent by the reconciler")
+
+
+def test_postgres_restart_mid_run(fault_stack):
+    st = fault_stack
+    seed_project(st)
+    st.start_worker("gpu-a")
+    run_id = start_run(st)
+    victim = half_done(st, run_id)
+    st.pg.stop()  # fast shutdown: every connection is terminated
+    time.sleep(3)
+    st.pg.start()
+    _, crs = assert_complete(st, run_id, "restart Postgres mid-run",
+                             f"down 3 s at {victim['done']}/{victim['total']}; writes retried")
+    assert next(c for c in crs if c["id"] == victim["id"])["attempt"] == 1  # retried in place, nothing redone
+
+
+@pytest.mark.parametrize("fault_stack", [{"CANARY_MAX_ATTEMPTS": "2"}], indirect=True)
+def test_a_poison_config_run_stops_after_max_attempts_and_says_why(fault_stack):
+    st = fault_stack
+    seed_project(st)
+    st.start_worker("gpu-1")
+    run_id = start_run(st)
+    victim = half_done(st, run_id)
+    st.signal_worker("gpu-1", signal.SIGKILL)
+    second = st.start_worker("gpu-2")
+    st.wait_for("the second attempt to be under way", lambda: next(
+        (c for c in st.config_runs(run_id) if c["id"] == victim["id"] and c["attempt"] == 2 and (c["done"] or 0) > 0
+         and worker_group(c) == second.pid), None))
+    st.signal_worker("gpu-2", signal.SIGKILL)  # the job kills every worker that takes it
+    st.start_worker("gpu-3")
+    run = st.wait_run(run_id)
+    crs = {c["id"]: c for c in st.config_runs(run_id)}
+    poisoned = crs[victim["id"]]
+    assert poisoned["status"] == "failed" and poisoned["attempt"] == 2
+    assert "gave up after 2 attempts" in poisoned["error"] and "stopped renewing its lease" in poisoned["error"]
+    assert poisoned["worker"] in poisoned["error"]  # names the last worker, whose log holds the cause
+    # the run ends with a verdict that says why, instead of looping
+    if poisoned["config"] == "fp16":
+        assert run["status"] == "failed" and "baseline 'fp16' failed: gave up after 2 attempts" in run["verdict_reason"]
+    else:
+        assert run["verdict"] == "incomplete" and poisoned["config"] in run["verdict_reason"]
+    others = [c for c in crs.values() if c["id"] != victim["id"]]
+    lost, dup = check_results(st, run_id, tuple(c["config"] for c in others))
+    record("poison job (worker killed on every attempt)", 1, 1, lost, dup,
+           "stopped after CANARY_MAX_ATTEMPTS=2 with the reason; the other config complete")
+    assert all(c["status"] == "succeeded" for c in others) and (lost, dup) == (0, 0)
