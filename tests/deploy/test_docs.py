@@ -238,3 +238,19 @@ def test_doc_links_resolve():
             if re.match(r"^[a-z]+://", target):
                 continue
             assert (path.parent / target).exists(), f"{path.relative_to(ROOT)}: link to {target} does not resolve"
+
+
+def test_celery_settings_in_the_docs_are_the_code_s():
+    """gpu-cluster.md's table of Celery reliability settings matches workers/celery_app.py."""
+    from workers.celery_app import celery_app
+
+    conf = celery_app.conf
+    actual = {"task_acks_late": conf.task_acks_late, "task_reject_on_worker_lost": conf.task_reject_on_worker_lost,
+              "worker_prefetch_multiplier": conf.worker_prefetch_multiplier, "task_time_limit": conf.task_time_limit,
+              "task_soft_time_limit": conf.task_soft_time_limit,
+              "visibility_timeout": conf.broker_transport_options["visibility_timeout"],
+              "broker_connection_retry_on_startup": conf.broker_connection_retry_on_startup}
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)`", (DOCS_DIR / "gpu-cluster.md").read_text(), re.M)}
+    for key, value in actual.items():
+        assert rows.get(key) == str(value), f"docs/gpu-cluster.md says {key} = {rows.get(key)}, workers/celery_app.py {value}"
+    assert conf.accept_content == ["json"]
