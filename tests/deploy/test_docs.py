@@ -250,7 +250,7 @@ def test_celery_settings_in_the_docs_are_the_code_s():
               "task_soft_time_limit": conf.task_soft_time_limit,
               "visibility_timeout": conf.broker_transport_options["visibility_timeout"],
               "broker_connection_retry_on_startup": conf.broker_connection_retry_on_startup}
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)`", (DOCS_DIR / "gpu-cluster.md").read_text(), re.M)}
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]+)`", (DOCS_DIR / "gpu-cluster.md").read_text(), re.MULTILINE)}
     for key, value in actual.items():
         assert rows.get(key) == str(value), f"docs/gpu-cluster.md says {key} = {rows.get(key)}, workers/celery_app.py {value}"
     assert conf.accept_content == ["json"]
