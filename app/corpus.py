@@ -24,6 +24,15 @@ class SampleIn:
 
 def load_corpus(ref: str, field: str = "corpus", max_documents: int = 20000, max_chars: int = 200_000) -> list[SampleIn]:
     try:
+        return _load_corpus(ref, field, max_documents, max_chars)
+    except (OSError, UnicodeDecodeError) as e:  # a name too long, no permission, not UTF-8: a 422 naming the field
+        shown = ref if len(ref) <= 80 else ref[:77] + "..."
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CorpusError(f"{field}: corpus '{shown}' cannot be read ({why}); give a readable UTF-8 .jsonl file or folder") from None
+
+
+def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> list[SampleIn]:
+    try:
         path = resolve_corpus_path(ref)
     except ModelPathError as e:
         raise CorpusError(f"{field}: {e}") from None

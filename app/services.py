@@ -21,6 +21,12 @@ from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divis
 log = logging.getLogger(__name__)
 
 
+def _unusable_path(field: str, path: str, e: OSError) -> ValueError:
+    """A path the OS refuses (too long, a component not a directory, no permission): a 422 naming the field."""
+    shown = path if len(path) <= 80 else path[:77] + "..."
+    return ValueError(f"{field}: '{shown}' is not a usable path ({e.strerror or e}); give a local directory or builtin:NAME")
+
+
 def check_model_path(path: str, field: str = "model.path") -> None:
     if path.startswith(("http://", "https://")):
         return  # endpoint engines are checked when they arrive
@@ -28,6 +34,8 @@ def check_model_path(path: str, field: str = "model.path") -> None:
         resolve_model_path(path)
     except ModelPathError as e:
         raise ValueError(f"{field}: {e}") from None
+    except OSError as e:
+        raise _unusable_path(field, path, e) from None
 
 
 def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
@@ -35,14 +43,16 @@ def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
     group-divisible layer widths for int weights, a draft sharing the tokenizer."""
     if model_path.startswith(("http://", "https://")):
         return
+    draft = (spec.get("speculative") or {}).get("draft_model")
     try:
         if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
             check_group_divisible(model_path)
-        draft = (spec.get("speculative") or {}).get("draft_model")
         if draft:
             check_draft_tokenizer(model_path, draft)
     except ModelPathError as e:
         raise ValueError(f"{field}.{e}") from None
+    except OSError as e:
+        raise _unusable_path(f"{field}.speculative.draft_model" if draft else f"{field}.model", draft or model_path, e) from None
 
 
 def model_context(path: str) -> int | None:
