@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engines.spec import ConfigNotAvailable, OptimizationSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
+# a reference to a stored name (suite, config, model): bounded like the columns that hold names
+NameRef = Annotated[str, Field(min_length=1, max_length=128)]
+DB_INT_MAX = 2**31 - 1  # the largest count or id an INTEGER column holds (PostgreSQL)
 SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
 AVAILABLE_SCORERS = SCORERS
 NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
@@ -37,7 +40,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and ±Infinity (which JSON parsers accept) are never a threshold or a setting
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelEntry(_Strict):
@@ -74,9 +78,11 @@ class GenerationSettings(_Strict):
 
 
 class JudgeSettings(_Strict):
-    base_url: str | None = Field(None, description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
-    model: str | None = Field(None, description="the judge model's name on that server")
-    api_key_env: str | None = Field(None, description="environment variable holding the judge's API key (never the key itself)")
+    base_url: str | None = Field(None, max_length=2048,
+                                 description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
+    model: str | None = Field(None, max_length=256, description="the judge model's name on that server")
+    api_key_env: str | None = Field(None, max_length=256,
+                                    description="environment variable holding the judge's API key (never the key itself)")
     mode: Literal["pairwise", "rubric", "both"] = "pairwise"
     concurrency: int = Field(4, ge=1, le=64)
     requests_per_second: float | None = Field(None, gt=0)
@@ -101,7 +107,7 @@ class SuiteEntry(_Strict):
     corpus: str = Field(description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
     samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"])
+    scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     judge: JudgeSettings = Field(default_factory=JudgeSettings)
@@ -133,7 +139,7 @@ class SuiteEntry(_Strict):
 class Threshold(_Strict):
     warn: float
     critical: float | None = None
-    min_n: int = Field(10, ge=1, description="fewer paired samples than this → inconclusive")
+    min_n: int = Field(10, ge=1, le=DB_INT_MAX, description="fewer paired samples than this → inconclusive")
     for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
 
 
@@ -184,7 +190,7 @@ class ChannelEntry(_Strict):
     kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
     url: str = Field(max_length=2048, description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
     send_resolved: bool = True
-    signing_secret: str | None = Field(None, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
+    signing_secret: str | None = Field(None, max_length=256, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
 
     @field_validator("signing_secret")
     @classmethod
@@ -218,7 +224,7 @@ class ScheduleEntry(_Strict):
     cron: str = Field(description="five-field cron expression, UTC, e.g. '0 6 * * *'")
     suite: str
     configs: list[str] | Literal["all"] = "all"
-    samples: int | None = Field(None, ge=1)
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX)
 
     @field_validator("cron")
     @classmethod
