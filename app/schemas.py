@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.config_file import NAME_PATTERN, ConfigEntry, GenerationSettings, PerplexitySettings, SuiteEntry
+from app.config_file import DB_INT_MAX, NAME_PATTERN, ConfigEntry, GenerationSettings, NameRef, PerplexitySettings, SuiteEntry
 
 
 class ProjectIn(BaseModel):
@@ -32,7 +32,7 @@ class ModelOut(BaseModel):
 
 
 class ConfigIn(ConfigEntry):
-    model: str = Field(description="name of a model in this project")
+    model: NameRef = Field(description="name of a model in this project")
 
 
 class ConfigOut(BaseModel):
@@ -48,12 +48,12 @@ class DocumentIn(BaseModel):
     id: str = Field(min_length=1, max_length=256)
     text: str = Field(min_length=1)
     reference: str | None = None
-    contexts: list[str] | None = None
+    contexts: list[str] | None = Field(None, max_length=256)
     cluster: str | None = Field(None, max_length=256)
 
 
 class SuiteIn(SuiteEntry):
-    corpus: str | None = Field(None, description="server-side corpus (builtin:pydoc-heldout); or send documents")
+    corpus: str | None = Field(None, max_length=4096, description="server-side corpus (builtin:pydoc-heldout); or send documents")
     documents: list[DocumentIn] | None = Field(None, description="the suite's documents inline")
 
 
@@ -70,9 +70,9 @@ class SuiteOut(BaseModel):
 
 class RunIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    suite: str
-    configs: list[str] | None = Field(None, description="config names; default all; the baseline is always included")
-    samples: int | None = Field(None, ge=1)
+    suite: NameRef
+    configs: list[NameRef] | None = Field(None, max_length=256, description="config names; default all; the baseline is always included")
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX, description="documents drawn; at most the server's samples-per-run limit")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     trigger: str = Field("manual", pattern="^(manual|schedule|gate|alert)$")
 
@@ -90,3 +90,42 @@ class SamplePage(BaseModel):
     offset: int
     limit: int
     items: list[SampleResultOut]
+
+
+class ErrorOut(BaseModel):
+    detail: str = Field(description="what is wrong, naming the field, and how to fix it")
+
+
+class FieldErrorOut(BaseModel):
+    model_config = ConfigDict(extra="allow")  # pydantic adds input and ctx
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorOut(BaseModel):
+    detail: str | list[FieldErrorOut] = Field(
+        description="one error per field when the request does not match the schema; one message naming the field(s) "
+                    "when a check across fields or against stored objects fails")
+
+
+_ERRORS = {
+    400: "the body could not be parsed (not UTF-8 text); send a JSON document",
+    401: "no API key, or an invalid or revoked one (keys are required in production)",
+    403: "the API key is read-only, or may not do this",
+    404: "the project, or a named object in it, does not exist (or belongs to another project than the key's)",
+    409: "an object with this name or Idempotency-Key exists already, or was written concurrently",
+    413: "the request body exceeds the size limit",
+    422: "invalid input; the detail names the field and the fix",
+    429: "the per-key rate limit is exceeded",
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+    429: {"Retry-After": {"description": "seconds until a request may pass", "schema": {"type": "string"}}},
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` for the error answers a route (or router) gives."""
+    return {code: {"model": ValidationErrorOut if code == 422 else ErrorOut, "description": _ERRORS[code],
+                   **({"headers": _HEADERS[code]} if code in _HEADERS else {})} for code in codes}

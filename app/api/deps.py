@@ -2,11 +2,12 @@ from __future__ import annotations
 
 from typing import Annotated, Iterator
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
 from app import repo
 from app.auth import Forbidden, authenticate
+from app.config_file import DB_INT_MAX
 from app.db import get_sessionmaker
 from app.models import ApiKey, Project
 from app.settings import get_settings
@@ -34,6 +35,8 @@ def get_key(request: Request, session: SessionDep) -> ApiKey | None:
 
 
 KeyDep = Annotated[ApiKey | None, Depends(get_key)]
+# a run, gate or silence id in a path: bounded like the INTEGER column it is looked up in (422, not a DB overflow)
+RowId = Annotated[int, Path(ge=1, le=DB_INT_MAX)]
 READ_METHODS = ("GET", "HEAD", "OPTIONS")
 
 

@@ -7,6 +7,8 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
@@ -19,6 +21,7 @@ from app.corpus import CorpusError
 from app.dispatch import RECONCILE, TICK_SCHEDULES, get_dispatcher
 from app.settings import get_settings
 from app.repo import Conflict, NotFound
+from app.schemas import error_responses
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -49,7 +52,8 @@ async def lifespan(_: FastAPI):
 
 app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
               description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired statistics.")
-app.include_router(router, prefix="/api/v1")
+# every /api route can answer these (auth, body limit, validation, rate limit); routers add their own
+app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429))
 
 
 class RateLimiter:
@@ -126,6 +130,14 @@ async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
 async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
     # Two concurrent creates of the same name (or key): the loser of the race gets a 409.
     return JSONResponse({"detail": "conflict: an object with the same unique name or key was written concurrently; retry"}, status_code=409)
+
+
+@app.exception_handler(RequestValidationError)
+async def _request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    try:
+        return await request_validation_exception_handler(request, exc)
+    except ValueError:  # the input held NaN or Infinity, which JSON cannot carry back: name the fields without it
+        return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]}, status_code=422)
 
 
 @app.exception_handler(CorpusError)

@@ -9,22 +9,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sqlalchemy import select
 
 from app import repo
-from app.api.deps import ProjectDep, SessionDep
-from app.config_file import METRIC_DIRECTIONS
+from app.api.deps import ProjectDep, RowId, SessionDep
+from app.config_file import DB_INT_MAX, METRIC_DIRECTIONS, NameRef
 from app.models import Alert, AlertRule, Silence, aware, utcnow
+from app.schemas import error_responses
 
-router = APIRouter(tags=["alerts"])
+router = APIRouter(tags=["alerts"], responses=error_responses(404))
 
 
 class RuleIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN / Infinity are never a threshold
     metric: str = Field(description=f"one of: {', '.join(METRIC_DIRECTIONS)}")
     warn: float
     critical: float | None = None
-    min_n: int = Field(10, ge=1)
+    min_n: int = Field(10, ge=1, le=DB_INT_MAX)
     for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before firing")
-    model: str | None = Field(None, description="narrow the rule to one model")
-    config: str | None = Field(None, description="narrow the rule to one config")
+    model: NameRef | None = Field(None, description="narrow the rule to one model")
+    config: NameRef | None = Field(None, description="narrow the rule to one config")
     enabled: bool = True
 
     @field_validator("metric")
@@ -47,7 +48,7 @@ def rule_out(r: AlertRule) -> dict:
             "for_runs": r.for_runs, "model_id": r.model_id, "config_id": r.config_id, "enabled": r.enabled}
 
 
-@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK)
+@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
 def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
     """Create or replace the rule for (metric, model, config); config beats model beats project."""
     model_id = repo.get_model(session, project, body.model).id if body.model else None
@@ -115,7 +116,7 @@ def silence_out(s: Silence) -> dict:
             "author": s.author, "comment": s.comment}
 
 
-@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED)
+@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED, responses=error_responses(400, 403, 409))
 def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) -> dict:
     import re
 
@@ -125,8 +126,11 @@ def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) ->
                 re.compile(m.value)
             except re.error as e:
                 raise ValueError(f"matchers: '{m.value}' is not a valid regular expression ({e})") from None
-    start = body.starts_at or utcnow()
-    end = body.ends_at or start + timedelta(minutes=body.duration_minutes)
+    start = aware(body.starts_at) or utcnow()  # a time without a zone is UTC, as every stored time
+    try:
+        end = aware(body.ends_at) or start + timedelta(minutes=body.duration_minutes)
+    except OverflowError:
+        raise ValueError("duration_minutes: starts_at + duration_minutes is past the year 9999; give an earlier starts_at") from None
     if end <= start:
         raise ValueError("ends_at must be after starts_at")
     s = Silence(project_id=project.id, matchers=[{"name": m.name, "value": m.value, "isRegex": str(m.isRegex).lower()} for m in body.matchers],
@@ -141,8 +145,8 @@ def list_silences(project: ProjectDep, session: SessionDep) -> list[dict]:
     return [silence_out(s) for s in session.scalars(select(Silence).where(Silence.project_id == project.id).order_by(Silence.id.desc()))]
 
 
-@router.delete("/projects/{project}/silences/{silence_id}")
-def expire_silence(silence_id: int, project: ProjectDep, session: SessionDep) -> dict:
+@router.delete("/projects/{project}/silences/{silence_id}", responses=error_responses(403))
+def expire_silence(silence_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     """Expire a silence now (its history stays)."""
     s = session.get(Silence, silence_id)
     if s is None or s.project_id != project.id:

@@ -11,9 +11,10 @@ from app import repo
 from app.api.deps import ProjectDep, SessionDep
 from app.config_file import ChannelEntry
 from app.models import Channel
+from app.schemas import error_responses
 from app.ssrf import mask_url
 
-router = APIRouter(tags=["channels"])
+router = APIRouter(tags=["channels"], responses=error_responses(404))
 
 
 class ChannelIn(ChannelEntry):
@@ -26,7 +27,7 @@ def out(c: Channel) -> dict:
             "signing_secret_set": bool(settings.get("signing_secret")), "enabled": c.enabled}
 
 
-@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK)
+@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
 def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> dict:
     settings = {"send_resolved": body.send_resolved}
     if body.signing_secret:

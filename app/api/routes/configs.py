@@ -6,18 +6,19 @@ from app import repo
 from app.api.deps import ProjectDep, SessionDep
 from app.models import OptimizationConfig
 from app.repo import Conflict, NotFound
-from app.schemas import ConfigIn, ConfigOut
+from app.schemas import ConfigIn, ConfigOut, error_responses
 from app.services import check_config_fits_model
 from engines.spec import ConfigNotAvailable
 
-router = APIRouter(tags=["configs"])
+router = APIRouter(tags=["configs"], responses=error_responses(404))
 
 
 def _out(c: OptimizationConfig) -> ConfigOut:
     return ConfigOut(id=c.id, name=c.name, model=c.model.name, baseline=c.is_baseline, spec=c.spec)
 
 
-@router.post("/projects/{project}/configs", status_code=status.HTTP_201_CREATED, response_model=ConfigOut)
+@router.post("/projects/{project}/configs", status_code=status.HTTP_201_CREATED, response_model=ConfigOut,
+             responses=error_responses(400, 403, 409))
 def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> ConfigOut:
     try:
         repo.get_config(session, project, body.name)

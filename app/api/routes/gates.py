@@ -7,22 +7,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from app import repo
-from app.api.deps import ProjectDep, SessionDep
+from app.api.deps import ProjectDep, RowId, SessionDep
+from app.config_file import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
 from app.gates import check_request, find_gate, record_gate, summary_markdown
 from app.models import Gate
+from app.schemas import error_responses
 from app.services import run_summary, start_run
 from app.settings import get_settings
 
-router = APIRouter(tags=["gates"])
+router = APIRouter(tags=["gates"], responses=error_responses(404))
 
 
 class GateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    candidate: str = Field(description="the config to deploy")
-    baseline: str | None = Field(None, description="must be the candidate model's baseline config (checked)")
-    suite: str
-    samples: int | None = Field(None, ge=1)
+    candidate: NameRef = Field(description="the config to deploy")
+    baseline: NameRef | None = Field(None, description="must be the candidate model's baseline config (checked)")
+    suite: NameRef
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX)
     inconclusive: Literal["pass", "warn", "fail"] = Field("warn", description="gate verdict when the data cannot decide")
 
 
@@ -36,7 +38,7 @@ def gate_out(session, project, gate: Gate) -> dict:
             "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
 
 
-@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED)
+@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, responses=error_responses(400, 403, 409))
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
     """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
@@ -60,7 +62,7 @@ def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response
 
 
 @router.get("/projects/{project}/gates/{gate_id}")
-def get_gate(gate_id: int, project: ProjectDep, session: SessionDep) -> dict:
+def get_gate(gate_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     gate = session.get(Gate, gate_id)
     if gate is None or gate.project_id != project.id:
         raise repo.NotFound(f"gate {gate_id} not found in project '{project.name}'")

@@ -8,13 +8,13 @@ from app.api.deps import KeyDep, ProjectDep, SessionDep
 from app.auth import Forbidden
 from app.models import Model, Project
 from app.repo import Conflict
-from app.schemas import ModelIn, ModelOut, ProjectIn, ProjectOut
+from app.schemas import ModelIn, ModelOut, ProjectIn, ProjectOut, error_responses
 from app.services import check_model_path
 
 router = APIRouter(tags=["projects"])
 
 
-@router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut)
+@router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut, responses=error_responses(400, 403, 409))
 def create_project(body: ProjectIn, session: SessionDep, key: KeyDep) -> ProjectOut:
     if key is not None:
         raise Forbidden("API keys are scoped to one project and cannot create projects; an operator runs "
@@ -33,7 +33,8 @@ def list_projects(session: SessionDep, key: KeyDep) -> list[ProjectOut]:
     return [ProjectOut(id=p.id, name=p.name) for p in session.scalars(q)]
 
 
-@router.post("/projects/{project}/models", status_code=status.HTTP_201_CREATED, response_model=ModelOut)
+@router.post("/projects/{project}/models", status_code=status.HTTP_201_CREATED, response_model=ModelOut,
+             responses=error_responses(400, 403, 404, 409))
 def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> ModelOut:
     if session.scalar(select(Model).where(Model.project_id == project.id, Model.name == body.name)) is not None:
         raise Conflict(f"name: model '{body.name}' already exists in project '{project.name}'")
@@ -42,7 +43,7 @@ def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> Mod
     return ModelOut(id=m.id, name=m.name, path=m.path)
 
 
-@router.get("/projects/{project}/models", response_model=list[ModelOut])
+@router.get("/projects/{project}/models", response_model=list[ModelOut], responses=error_responses(404))
 def list_models(project: ProjectDep, session: SessionDep) -> list[ModelOut]:
     rows = session.scalars(select(Model).where(Model.project_id == project.id).order_by(Model.id))
     return [ModelOut(id=m.id, name=m.name, path=m.path) for m in rows]

@@ -6,16 +6,17 @@ from fastapi import APIRouter, Header, Query, Response, status
 from sqlalchemy import func, select
 
 from app import repo
-from app.api.deps import ProjectDep, SessionDep
+from app.api.deps import ProjectDep, RowId, SessionDep
+from app.config_file import DB_INT_MAX
 from app.dispatch import get_dispatcher
 from app.models import SampleResult
-from app.schemas import RunIn, SamplePage, SampleResultOut
+from app.schemas import RunIn, SamplePage, SampleResultOut, error_responses
 from app.services import run_summary, start_run
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(tags=["runs"], responses=error_responses(404))
 
 
-@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED)
+@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED, responses=error_responses(400, 403, 409))
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
@@ -30,7 +31,8 @@ def create_run(
 
 
 @router.get("/projects/{project}/runs")
-def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)) -> list[dict]:
+def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500),
+              offset: int = Query(0, ge=0, le=DB_INT_MAX)) -> list[dict]:
     return [
         {"run_id": r.id, "status": r.status, "verdict": r.verdict, "trigger": r.trigger, "n_samples": r.n_samples,
          "created_at": r.created_at.isoformat(), "finished_at": r.finished_at.isoformat() if r.finished_at else None}
@@ -39,15 +41,15 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
 
 
 @router.get("/projects/{project}/runs/{run_id}")
-def get_run(run_id: int, project: ProjectDep, session: SessionDep) -> dict:
+def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return run_summary(session, repo.get_run(session, project, run_id))
 
 
 @router.get("/projects/{project}/runs/{run_id}/samples", response_model=SamplePage)
 def run_samples(
-    run_id: int, project: ProjectDep, session: SessionDep,
-    config: str | None = None, metric: str | None = None,
-    limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0),
+    run_id: RowId, project: ProjectDep, session: SessionDep,
+    config: str | None = Query(None, max_length=128), metric: str | None = Query(None, max_length=64),
+    limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=DB_INT_MAX),
 ) -> SamplePage:
     run = repo.get_run(session, project, run_id)
     names = {cr.config_id: cr.config.name for cr in run.config_runs}

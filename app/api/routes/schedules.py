@@ -6,20 +6,22 @@ from sqlalchemy import select
 
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
-from app.config_file import NAME_PATTERN, check_cron
+from app.config_file import DB_INT_MAX, NAME_PATTERN, NameRef, check_cron
 from app.models import Schedule
 from app.schedules import latest_slot
+from app.schemas import error_responses
+from app.settings import get_settings
 
-router = APIRouter(tags=["schedules"])
+router = APIRouter(tags=["schedules"], responses=error_responses(404))
 
 
 class ScheduleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=NAME_PATTERN)
     cron: str = Field(description="five-field cron expression in UTC, e.g. '0 6 * * *' (daily) or '0 3 * * 0' (weekly)")
-    suite: str
-    configs: list[str] = Field(default_factory=list, description="empty = every config of the project")
-    samples: int | None = Field(None, ge=1)
+    suite: NameRef
+    configs: list[NameRef] = Field(default_factory=list, max_length=256, description="empty = every config of the project")
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX, description="documents drawn; at most the server's samples-per-run limit")
     enabled: bool = True
 
     @field_validator("cron")
@@ -38,8 +40,11 @@ def out(s: Schedule) -> dict:
             "next_slot_at": croniter(s.cron, latest_slot(s.cron, utcnow())).get_next(type(utcnow())).isoformat()}
 
 
-@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK)
+@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
 def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> dict:
+    limit = get_settings().max_samples_per_run
+    if body.samples is not None and body.samples > limit:  # refused now, not at every scheduled slot
+        raise ValueError(f"samples: {body.samples} exceeds the limit of {limit} per run")
     suite = repo.get_suite(session, project, body.suite)
     for name in body.configs:
         repo.get_config(session, project, name)  # 404 naming an unknown config

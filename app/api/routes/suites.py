@@ -7,17 +7,18 @@ from app.api.deps import ProjectDep, SessionDep
 from app.corpus import SampleIn, load_corpus
 from app.models import Suite
 from app.repo import Conflict, NotFound
-from app.schemas import SuiteIn, SuiteOut
+from app.schemas import SuiteIn, SuiteOut, error_responses
 from app.settings import get_settings
 
-router = APIRouter(tags=["suites"])
+router = APIRouter(tags=["suites"], responses=error_responses(404))
 
 
 def _out(s: Suite) -> SuiteOut:
     return SuiteOut(id=s.id, name=s.name, n_documents=s.n_documents, **{k: s.spec[k] for k in ("samples", "seed", "scorers", "perplexity", "generation")})
 
 
-@router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut)
+@router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut,
+             responses=error_responses(400, 403, 409))
 def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> SuiteOut:
     settings = get_settings()
     try:
@@ -38,9 +39,17 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
                 raise ValueError(f"documents[{i}].id: duplicate id '{d.id}'; ids must be unique")
             if len(d.text) > settings.max_document_chars:
                 raise ValueError(f"documents[{i}].text: {len(d.text)} characters exceed the limit of {settings.max_document_chars}")
+            extra = len(d.reference or "") + sum(len(c) for c in d.contexts or ())
+            if extra > settings.max_document_chars:
+                raise ValueError(f"documents[{i}].reference, contexts: {extra} characters together exceed the limit of "
+                                 f"{settings.max_document_chars}")
             seen.add(d.id)
         samples = [SampleIn(d.id, d.text, reference=d.reference, contexts=d.contexts, cluster=d.cluster or d.id) for d in body.documents]
     else:
+        if not body.corpus.startswith("builtin:"):  # API clients may not make the server read its own files
+            raise ValueError(f"corpus: over the API the server reads builtin corpora only (builtin:pydoc-heldout), not "
+                             f"'{body.corpus[:80]}'; send the documents inline in 'documents', or name the file in canary.yaml "
+                             "and apply it with `canary run -f`")
         samples = load_corpus(body.corpus, "corpus", settings.max_suite_documents, settings.max_document_chars)
     if body.samples > len(samples):
         raise ValueError(f"samples: {body.samples} > {len(samples)} documents; lower samples or add documents")

@@ -8,10 +8,11 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
 
 from app import repo
-from app.api.deps import ProjectDep, SessionDep
+from app.api.deps import ProjectDep, RowId, SessionDep
 from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Run, SampleResult, Schedule
+from app.schemas import error_responses
 
-router = APIRouter(tags=["views"])
+router = APIRouter(tags=["views"], responses=error_responses(404))
 
 
 def iso(t):
@@ -59,7 +60,7 @@ def overview(project: ProjectDep, session: SessionDep) -> dict:
 
 @router.get("/projects/{project}/trends")
 def trends(project: ProjectDep, session: SessionDep, metric: str = Query("ppl_ratio", max_length=64),
-           config: str | None = None, limit: int = Query(200, ge=1, le=2000)) -> dict:
+           config: str | None = Query(None, max_length=128), limit: int = Query(200, ge=1, le=2000)) -> dict:
     """A metric over time per config (newest `limit` comparisons), with the thresholds that
     apply and the alerts that fired on it."""
     q = (select(Comparison, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
@@ -81,7 +82,7 @@ def trends(project: ProjectDep, session: SessionDep, metric: str = Query("ppl_ra
 
 
 @router.get("/projects/{project}/runs/{run_id}/worst")
-def worst_samples(run_id: int, project: ProjectDep, session: SessionDep, config: str = Query(...),
+def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, config: str = Query(..., max_length=128),
                   metric: str = Query("nll", max_length=64), limit: int = Query(20, ge=1, le=200)) -> dict:
     """The candidate's samples that regressed most against the baseline on one metric (higher
     NLL / lower score is worse), with both sides' raw values and extras."""
