@@ -16,6 +16,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.ssrf import hide_url_logs
+
+hide_url_logs()
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inference-canary: quality canary for optimized LLM inference.")
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (scoped to a project; only a hash is stored).")

@@ -25,7 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.channels import alertmanager, discord, slack, teams, webhook
-from app.models import Channel, Notification, utcnow
+from app.models import Channel, Notification, aware, utcnow
 from app.ssrf import ENV_REF
 
 log = logging.getLogger(__name__)
@@ -163,5 +163,9 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
 
 
 def next_due(session: Session) -> datetime | None:
-    return session.scalar(select(Notification.next_attempt_at).where(Notification.status == "pending")
-                          .order_by(Notification.next_attempt_at).limit(1))
+    """When the earliest pending notification is due; a row never tried yet (a crash between its
+    commit and the first send) has no next attempt time and is due now."""
+    pending = select(Notification.next_attempt_at).where(Notification.status == "pending")
+    if session.scalar(pending.where(Notification.next_attempt_at.is_(None)).limit(1).exists().select()):
+        return utcnow()
+    return aware(session.scalar(pending.order_by(Notification.next_attempt_at).limit(1)))

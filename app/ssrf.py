@@ -11,6 +11,7 @@ judged as such. Redirects are never followed by the clients that use these URLs.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import socket
 from urllib.parse import urlsplit
@@ -83,3 +84,10 @@ def check_url(url: str, field: str = "url", resolve=socket.getaddrinfo) -> str:
             raise UnsafeURL(f"{field}: host '{host}' resolves to {why} address {ip}; outbound requests go to public "
                             f"addresses only (an operator can allow-list the host in CANARY_URL_ALLOWLIST)")
     return url
+
+
+def hide_url_logs() -> None:
+    """httpx logs every request's full URL at INFO, and a webhook URL is a secret (its path or
+    query holds the token): keep those loggers at WARNING in every process of the service."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -7,8 +7,10 @@ from celery import Celery
 
 from app.dispatch import TASK_QUEUES
 from app.settings import get_settings
+from app.ssrf import hide_url_logs
 
 settings = get_settings()
+hide_url_logs()
 TIME_LIMIT = 4 * 3600  # hard limit for one config-run
 SOFT_TIME_LIMIT = TIME_LIMIT - 300
 VISIBILITY_TIMEOUT = TIME_LIMIT + 1800  # > time limit, or Redis redelivers running tasks

@@ -20,10 +20,12 @@ from app.api.routes import router
 from app.corpus import CorpusError
 from app.dispatch import RECONCILE, TICK_SCHEDULES, get_dispatcher
 from app.settings import get_settings
+from app.ssrf import hide_url_logs
 from app.repo import Conflict, NotFound
 from app.schemas import error_responses
 
 log = logging.getLogger(__name__)
+hide_url_logs()
 MAX_BODY_BYTES = 64 * 1024 * 1024
 RECONCILE_EVERY_SECONDS = 60
 

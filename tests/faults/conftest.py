@@ -155,10 +155,16 @@ class FaultStack:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    responses: list[str] | None = None  # set to a list to keep every API response (headers and body)
 
     @property
     def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.api, timeout=30, headers=self.headers)
+        def keep(r: httpx.Response) -> None:
+            if self.responses is not None:
+                r.read()
+                self.responses.append(f"{dict(r.headers)}\n{r.text}")
+
+        return httpx.Client(base_url=self.api, timeout=30, headers=self.headers, event_hooks={"response": [keep]})
 
     def start_worker(self, name: str, queues: str = "gpu", beat: bool = False) -> subprocess.Popen:
         """A `canary worker` in its own process group (main process + one pool child)."""
@@ -291,11 +297,11 @@ SAMPLES, PROMPTS = 64, 4
 
 def seed_project(st: FaultStack, candidates: tuple[str, ...] = ("int8",)) -> None:
     """Project 'faults': the tiny model, an fp16 baseline and candidates (named after their
-    weights), and a suite of 64
-    documents (8 engine calls of 8 documents: a config-run takes several seconds, so faults land
-    in the middle of it) plus 4 generations."""
+    weights), and a suite of 64 documents (8 engine calls of 8 documents: a config-run takes
+    several seconds, so faults land in the middle of it) plus 4 generations."""
     http = st.http
-    assert http.post("/api/v1/projects", json={"name": "faults"}).status_code in (201, 409)  # 409: made with its key
+    if not st.headers:  # with keys required, `canary keys create` made the project
+        assert http.post("/api/v1/projects", json={"name": "faults"}).status_code == 201
     P = "/api/v1/projects/faults"
     assert http.post(f"{P}/models", json={"name": "tiny", "path": "builtin:pydoc-target"}).status_code == 201
     for body in ({"name": "fp16", "model": "tiny", "baseline": True, "weights": "fp16"},

@@ -201,3 +201,19 @@ def test_send_time_check_refuses_without_posting(sqlite_env, receiver, monkeypat
         n = s.query(Notification).one()
         assert n.last_error.startswith("refused: channel 'hook' url: host '127.0.0.1' resolves to loopback")
     assert receiver.requests == []
+
+
+def test_a_never_tried_notification_is_due_for_the_reconciler(sqlite_env):
+    # A crash between the outbox commit and the first send leaves a pending row with no next
+    # attempt time: the reconciler must see it as due now, or it would wait forever.
+    from app.notify import next_due
+
+    with session_scope() as s:
+        assert next_due(s) is None
+    before = utcnow()
+    _, (nid,) = add("webhook", "http://127.0.0.1:9/hook")
+    with session_scope() as s:
+        assert before <= next_due(s) <= utcnow()
+        s.get(Notification, nid).next_attempt_at = before + timedelta(hours=1)
+    with session_scope() as s:
+        assert next_due(s) == before + timedelta(hours=1)
