@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Iterator, TypeVar
 
-from sqlalchemy import MetaData, create_engine, event, exc
+from sqlalchemy import MetaData, create_engine, event, exc, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -36,7 +36,7 @@ def get_engine(url: str | None = None) -> Engine:
 @lru_cache
 def _engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):  # noqa: ANN001
@@ -48,7 +48,8 @@ def _engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    # hide_parameters: an error's text (logged, or stored as a run's reason) never carries values
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, hide_parameters=True)
 
 
 def get_sessionmaker(url: str | None = None) -> sessionmaker[Session]:
@@ -64,12 +65,27 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+# SQLSTATEs worth a retry: connection exceptions (class 08), the server shutting down or
+# restarting (57P01-57P03), serialization failures and deadlocks (40001, 40P01)
+_TRANSIENT_SQLSTATES = {"57P01", "57P02", "57P03", "40001", "40P01"}
+
+
 def is_transient(e: BaseException) -> bool:
     """The database could not be reached or dropped the connection (a restart, a failover, a
-    network blip): the same transaction may succeed when tried again. Constraint violations and
+    network blip), or a lock conflict aborted the transaction: the same transaction may succeed
+    when tried again. Constraint violations, a missing table, a statement timeout and
     programming errors are not transient."""
-    return isinstance(e, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError)) or bool(
-        getattr(e, "connection_invalidated", False))
+    if getattr(e, "connection_invalidated", False) or isinstance(e, exc.DisconnectionError):
+        return True
+    if not isinstance(e, (exc.OperationalError, exc.InterfaceError)):
+        return False
+    orig = getattr(e, "orig", None)
+    state = getattr(orig, "sqlstate", None)
+    if state:
+        return state.startswith("08") or state in _TRANSIENT_SQLSTATES
+    if type(orig).__module__.startswith("sqlite3"):
+        return "locked" in str(orig) or "busy" in str(orig)
+    return True  # no SQLSTATE: the client could not connect or lost the connection
 
 
 def retry_transient(fn: Callable[[], T], what: str, deadline_s: float | None = None,
@@ -89,6 +105,30 @@ def retry_transient(fn: Callable[[], T], what: str, deadline_s: float | None = N
             log.warning("%s: database unavailable (%s); retrying in %.1f s", what, type(e).__name__, delay)
             sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+@contextmanager
+def advisory_lock(namespace: int, key: int, url: str | None = None) -> Iterator[bool]:
+    """Try to take a Postgres session-level advisory lock on (namespace, key) for the duration of
+    the block; yields whether it is held. It lives on its own connection, so it spans the many
+    short transactions of a long task, and dies with the process (the server releases it when
+    the connection closes). SQLite (the embedded default, one process): always held."""
+    engine = get_engine(url)
+    if engine.dialect.name != "postgresql":
+        yield True
+        return
+    with engine.connect() as conn:
+        held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:n, :k)"), {"n": namespace, "k": key}).scalar())
+        conn.commit()
+        try:
+            yield held
+        finally:
+            if held:
+                try:
+                    conn.execute(text("SELECT pg_advisory_unlock(:n, :k)"), {"n": namespace, "k": key})
+                    conn.commit()
+                except Exception:  # noqa: BLE001 - a dead connection: never pool it, the lock went with it
+                    conn.invalidate()
 
 
 @contextmanager

@@ -426,14 +426,30 @@ def comparisons(session: Session, run_id: int) -> list[Comparison]:
     return list(session.scalars(select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.config_id, Comparison.metric)))
 
 
-def finish_run(session: Session, run_id: int, status: str, verdict: str, reason: str | None) -> None:
-    session.execute(
-        update(Run).where(Run.id == run_id).values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())
-    )
+AGGREGATION_LOCK = 0x63616E61  # advisory-lock namespace of run aggregations
+
+
+def aggregation_lock(run_id: int):
+    """Held by the one aggregation pass of a run (app.db.advisory_lock)."""
+    from app.db import advisory_lock
+
+    return advisory_lock(AGGREGATION_LOCK, run_id)
+
+
+def finish_run(session: Session, run_id: int, status: str, verdict: str, reason: str | None,
+               only_if: Sequence[str] | None = None) -> bool:
+    """Record the run's outcome; with only_if, only while the run is in one of those states (an
+    error path must not overwrite a verdict that another pass already wrote)."""
+    q = update(Run).where(Run.id == run_id)
+    if only_if is not None:
+        q = q.where(Run.status.in_(list(only_if)))
+    if session.execute(q.values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())).rowcount == 0:
+        return False
     session.flush()
     from app.gates import decide
 
     decide(session, run_id)  # a gate on this run takes its durable verdict in the same transaction
+    return True
 
 
 def stale_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]:

@@ -176,10 +176,27 @@ def agreement_comparisons(s, run: Run, config_id: int, base_cfg: int) -> list[Co
 def aggregate_run(run_id: int, dispatcher=None) -> str:
     """Comparisons, the run's verdict, then alert evaluation (and, with a dispatcher, delivery
     and escalation)."""
+    verdict, alerts = aggregate_pass(run_id)
+    if alerts is not None:
+        after_commit(run_id, alerts, dispatcher)
+    return verdict
+
+
+def aggregate_pass(run_id: int) -> tuple[str, dict | None]:
+    """One aggregation pass, under the run's aggregation lock: a second pass that the reconciler
+    sends while this one still scores (a long judge pass) finds it held and skips. Returns the
+    verdict and the alert evaluation, None when nothing was evaluated."""
+    with repo.aggregation_lock(run_id) as held:
+        if not held:
+            return "skipped", None
+        return _aggregate_pass(run_id)
+
+
+def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
     with session_scope() as s:
         run = s.get(Run, run_id)
         if run is None or run.status not in ("aggregating",):
-            return "skipped"
+            return "skipped", None
         crs = list(run.config_runs)
         base = next(cr for cr in crs if cr.config_id == run.baseline_config_id)
         failed = [cr for cr in crs if cr.status == "failed"]
@@ -187,7 +204,7 @@ def aggregate_run(run_id: int, dispatcher=None) -> str:
         if base.status != "succeeded":
             repo.finish_run(s, run_id, "failed", "error",
                             f"baseline '{base.config.name}' failed: {base.error}; nothing can be compared")
-            return "error"
+            return "error", None
         from workers.score import score_run
 
         failed_scorers = score_run(s, run)  # judge / faithfulness on this (CPU) worker; failures reported per scorer
@@ -227,8 +244,7 @@ def aggregate_run(run_id: int, dispatcher=None) -> str:
                 verdict = "incomplete"
         repo.finish_run(s, run_id, "done", verdict, reason)
         alerts = evaluate_run(s, run)
-    after_commit(run_id, alerts, dispatcher)
-    return verdict
+    return verdict, alerts
 
 
 def after_commit(run_id: int, alerts: dict, dispatcher) -> None:

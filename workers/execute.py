@@ -12,6 +12,7 @@ import os
 import socket
 import statistics
 import traceback
+from datetime import timezone
 from collections import OrderedDict
 from typing import Any
 
@@ -19,7 +20,7 @@ from typing import Any
 from app import repo
 from app.db import is_transient, retry_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, Dispatcher
-from app.models import ConfigRun, Run, Suite
+from app.models import ConfigRun, Run, Suite, aware
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.spec import OptimizationSpec
@@ -67,6 +68,10 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
             cr = s.get(ConfigRun, config_run_id)
             if cr is None or attempt is not None:
                 return attempt, cr and cr.run_id, False
+            if cr.status == "running" and cr.worker == WORKER_ID:
+                # our own claim, whose commit was in doubt when the connection dropped (this
+                # process runs one task at a time, so a running row in its name is this task's)
+                return cr.attempt, cr.run_id, False
             return None, cr.run_id, repo.give_up_config_run(s, config_run_id, settings.max_attempts, give_up_reason(cr))
 
     attempt, run_id, gave_up = retry_transient(claim, f"claim config-run {config_run_id}")
@@ -83,7 +88,8 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
             return "superseded"
         except Exception as e:
             if is_transient(e):  # the database stayed away: the lease runs out and the reconciler re-sends it
-                log.error("config-run %s attempt %s interrupted, the database is unreachable: %s", config_run_id, attempt, e)
+                log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)", config_run_id, attempt,
+                          type(e).__name__)
                 return "interrupted"
             # the config-run fails with its reason; other configs are untouched
             log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
@@ -97,7 +103,8 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
 def give_up_reason(cr: ConfigRun) -> str:
     """Why a config-run is abandoned (a poison job): every attempt took the lease and then stopped
     renewing it — the worker process died (killed, out of memory, a crash in native code) or hung."""
-    when = cr.lease_expires_at.strftime("%Y-%m-%d %H:%M:%S UTC") if cr.lease_expires_at else "an unknown time"
+    when = (aware(cr.lease_expires_at).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if cr.lease_expires_at else "an unknown time")
     return (f"gave up after {cr.attempt} attempts: each worker stopped renewing its lease without reporting an error "
             f"(killed, out of memory, or hung); the last, attempt {cr.attempt} on {cr.worker or 'an unknown worker'}, "
             f"went silent before {when} — see that worker's log; raise CANARY_MAX_ATTEMPTS only once the cause is fixed")
@@ -109,8 +116,13 @@ def _try_start_aggregation(run_id: int) -> bool:
 
 
 def _finish(config_run_id: int, attempt: int, status: str, **kw) -> bool:
+    """Fenced by the attempt; True also when this attempt already finished it with that status
+    (a retry after a commit whose acknowledgement was lost with the connection)."""
     with session_scope() as s:
-        return repo.finish_config_run(s, config_run_id, attempt, status, **kw)
+        if repo.finish_config_run(s, config_run_id, attempt, status, **kw):
+            return True
+        cr = s.get(ConfigRun, config_run_id)
+        return cr is not None and cr.attempt == attempt and cr.status == status
 
 
 def _load_job(config_run_id: int) -> dict:

@@ -11,7 +11,7 @@ from app.db import is_transient, retry_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, TICK_SCHEDULES, Dispatcher
 from app.models import utcnow
 from app.settings import get_settings
-from workers.aggregate import aggregate_run as _aggregate
+from workers.aggregate import after_commit, aggregate_pass
 from workers.execute import execute_config_run as _execute
 
 log = logging.getLogger(__name__)
@@ -23,17 +23,21 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
 
 def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
     # Idempotent (comparisons are upserted, the run's status gates a second pass), so a pass cut
-    # off by a database restart simply runs again.
+    # off by a database restart simply runs again. Delivery and escalation come after, outside
+    # the retry and the error path: neither may run twice or overwrite the verdict.
     try:
-        return retry_transient(lambda: _aggregate(run_id, dispatcher), f"aggregate run {run_id}")
+        verdict, alerts = retry_transient(lambda: aggregate_pass(run_id), f"aggregate run {run_id}")
     except Exception as e:
         if is_transient(e):  # still unreachable: the run stays 'aggregating' and the reconciler re-sends it
-            log.error("aggregation of run %s interrupted, the database is unreachable: %s", run_id, e)
+            log.error("aggregation of run %s interrupted, the database is unreachable: %s", run_id, type(e).__name__)
             return "interrupted"
         log.exception("aggregation of run %s failed", run_id)
         with session_scope() as s:
-            repo.finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}")
+            repo.finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}", only_if=("aggregating",))
         raise
+    if alerts is not None:
+        after_commit(run_id, alerts, dispatcher)
+    return verdict
 
 
 def reconcile(dispatcher: Dispatcher) -> int:

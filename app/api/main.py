@@ -7,7 +7,6 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
@@ -27,13 +26,12 @@ from app.schemas import error_responses
 log = logging.getLogger(__name__)
 hide_url_logs()
 MAX_BODY_BYTES = 64 * 1024 * 1024
-RECONCILE_EVERY_SECONDS = 60
 
 
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     # Embedded default: no Celery beat, so the API process runs the reconciler itself — once at
-    # start (runs left queued by a previous process) and then every minute. With Celery, the
+    # start (runs left queued by a previous process) and then every CANARY_RECONCILE_SECONDS. With Celery, the
     # single beat (`canary worker --beat` on one worker) schedules it instead.
     stop = threading.Event()
     if get_settings().execution_mode == "inline":
@@ -44,7 +42,7 @@ async def lifespan(_: FastAPI):
                     get_dispatcher(background=True).send(TICK_SCHEDULES)
                 except Exception:  # noqa: BLE001
                     log.exception("reconciler could not be scheduled")
-                if stop.wait(RECONCILE_EVERY_SECONDS):
+                if stop.wait(get_settings().reconcile_seconds):
                     return
 
         threading.Thread(target=loop, name="canary-reconciler", daemon=True).start()
@@ -136,10 +134,9 @@ async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    try:
-        return await request_validation_exception_handler(request, exc)
-    except ValueError:  # the input held NaN or Infinity, which JSON cannot carry back: name the fields without it
-        return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]}, status_code=422)
+    # Name the field and what is wrong, never echo the input: a rejected channel body carries its
+    # webhook URL and signing secret, and NaN or Infinity cannot be written back as JSON anyway.
+    return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]}, status_code=422)
 
 
 @app.exception_handler(CorpusError)

@@ -106,3 +106,16 @@ def test_aggregation_trigger_has_one_winner(engine, graph):
     assert sorted(results) == [False, False, False, True]
     with Session(engine) as s:
         assert s.scalar(select(func.count()).select_from(ConfigRun)) == 1
+
+
+def test_one_aggregation_pass_per_run_holds_the_lock(make_database, monkeypatch):
+    # A second pass (the reconciler re-sending a run whose judge pass is slow) finds the run's
+    # advisory lock held and skips; the lock goes with its connection when the pass ends.
+    from app.db import advisory_lock
+
+    url = make_database()
+    with advisory_lock(1, 42, url) as first:
+        with advisory_lock(1, 42, url) as second, advisory_lock(1, 43, url) as other_run:
+            assert (first, second, other_run) == (True, False, True)
+    with advisory_lock(1, 42, url) as again:
+        assert again

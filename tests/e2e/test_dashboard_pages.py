@@ -90,3 +90,40 @@ def test_api_down_is_a_message_not_a_stack_trace(monkeypatch, url, needle):
     at = AppTest.from_file(APP, default_timeout=30).run()
     assert not at.exception
     assert needle in at.error[0].value
+
+
+def test_with_keys_required_the_dashboard_reads_with_a_read_only_key(seeded_api, monkeypatch, tmp_path):
+    """The production shape: the API requires keys; the dashboard holds a read-only key, which
+    reads every page but cannot silence; without a key it says which setting to fix."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.loopback import canary_serve
+
+    env = {**seeded_api["env"], "CANARY_REQUIRE_API_KEYS": "true"}
+    out = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--project", "dash", "--read-only", "--name", "dashboard"],
+                         cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
+    key = out.strip().splitlines()[-1]
+    with canary_serve(env, str(tmp_path / "api.log"), "--no-upgrade-db") as base:
+        monkeypatch.delenv("CANARY_DASHBOARD_WRITE_KEY", raising=False)
+        monkeypatch.setenv("CANARY_API_URL", base)
+        monkeypatch.delenv("CANARY_API_KEY", raising=False)
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception and "refused the dashboard's key; set CANARY_API_KEY" in at.error[0].value
+
+        monkeypatch.setenv("CANARY_API_KEY", key)
+        at = AppTest.from_file(APP, default_timeout=60).run()
+        assert not at.exception and not at.error
+        assert "int2" in set(at.table[0].value["config"])
+        at.sidebar.radio[0].set_value("Alerts").run()
+        assert not at.exception and not at.error
+        assert any("needs a write key" in i.value for i in at.info)
+
+        # the key is read-only: handed to the dashboard as its write key, a silence is refused
+        monkeypatch.setenv("CANARY_DASHBOARD_WRITE_KEY", key)
+        from dashboard.client import Api, ApiError
+
+        with pytest.raises(ApiError, match="refused the dashboard's key"):
+            Api().post("/projects/dash/silences", {"matchers": [{"name": "config", "value": "int2"}], "duration_minutes": 5,
+                                                   "author": "ana", "comment": "x"})

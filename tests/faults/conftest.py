@@ -171,8 +171,8 @@ class FaultStack:
         log = self.logs.setdefault(name, os.path.join(self.dir, f"{name}.log"))
         cmd = [sys.executable, "-m", "app.cli", "worker", "--queues", queues, "--concurrency", "1",
                "--name", f"{name}-{uuid.uuid4().hex[:4]}@%h"] + (["--beat"] if beat else [])
-        proc = subprocess.Popen(cmd, cwd=self.dir, env=self.env, stdout=open(log, "a"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=self.dir, env={**self.env, "PGAPPNAME": name}, stdout=open(log, "a"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         deadline = time.monotonic() + 120
         while "ready." not in self.tail(name, 400):
@@ -200,9 +200,10 @@ class FaultStack:
             return conn.execute(query, args).fetchall()
 
     def config_runs(self, run_id: int) -> list[dict]:
-        rows = self.sql("SELECT cr.id, c.name, cr.status, cr.attempt, cr.worker, cr.progress_done, cr.progress_total, cr.error "
+        rows = self.sql("SELECT cr.id, c.name, cr.status, cr.attempt, cr.worker, cr.progress_done, cr.progress_total, cr.error, "
+                        "cr.started_at, cr.lease_expires_at "
                         "FROM config_runs cr JOIN optimization_configs c ON c.id = cr.config_id WHERE cr.run_id = %s ORDER BY cr.id", run_id)
-        keys = ("id", "config", "status", "attempt", "worker", "done", "total", "error")
+        keys = ("id", "config", "status", "attempt", "worker", "done", "total", "error", "started_at", "lease_expires_at")
         return [dict(zip(keys, r)) for r in rows]
 
     def wait_for(self, what: str, predicate, timeout: float = 180, interval: float = 0.2):
@@ -321,7 +322,10 @@ def start_run(st: FaultStack) -> int:
 
 
 def check_results(st: FaultStack, run_id: int, configs: tuple[str, ...] = ("fp16", "int8")) -> tuple[int, int]:
-    """(lost, duplicates) of the run's per-sample results against what the suite asks for."""
+    """(lost, duplicates) of the run's per-sample results against what the suite asks for.
+    Duplicates are rows beyond one per (config, sample, metric) — which the unique key and the
+    upsert rule out — plus config-runs finished more than once: every worker log together must
+    show exactly one successful execution per config-run."""
     counts = st.result_counts(run_id)
     lost = dup = 0
     for c in configs:
@@ -329,7 +333,9 @@ def check_results(st: FaultStack, run_id: int, configs: tuple[str, ...] = ("fp16
             rows, distinct = counts.get((c, metric), (0, 0))
             lost += max(0, want - distinct)
             dup += rows - distinct
-    return lost, dup
+    finishes = sum(st.tail(name, 100_000).count(": 'succeeded'") for name in st.logs if name != "api")
+    finished = len([c for c in st.config_runs(run_id) if c["status"] == "succeeded"])
+    return lost, dup + max(0, finishes - finished)
 
 
 def record(fault: str, attempted: int, completed: int, lost: int, duplicates: int, note: str = "") -> None:

@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from tests.faults.conftest import LEASE_SECONDS, check_results, record, seed_project, start_run
+from tests.faults.conftest import check_results, record, seed_project, start_run
 
 
 def half_done(st, run_id):
     """The first config-run that has written some, but not all, of its results."""
     return st.wait_for("a config-run in the middle of its work", lambda: next(
-        (c for c in st.config_runs(run_id) if c["status"] == "running" and 0 < (c["done"] or 0) < (c["total"] or 0)), None))
+        (c for c in st.config_runs(run_id) if c["status"] == "running" and 0 < (c["done"] or 0) <= (c["total"] or 0) / 2), None),
+        interval=0.1)
 
 
 def worker_group(cr: dict) -> int:
@@ -60,22 +61,24 @@ def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
     run_id = start_run(st)
     victim = half_done(st, run_id)
     # Stop it between transactions: stopped inside one, it would hold the row lock and nobody
-    # could take over (safe, but not the fault under test).
+    # could take over (safe, but not the fault under test). Its connections carry its name.
     for _ in range(50):
         st.signal_worker("gpu-a", signal.SIGSTOP)
-        if not st.sql("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
-                      "AND state LIKE 'idle in transaction%%'"):
+        time.sleep(0.2)
+        if not st.sql("SELECT 1 FROM pg_stat_activity WHERE application_name = 'gpu-a' AND xact_start IS NOT NULL"):
             break
         st.signal_worker("gpu-a", signal.SIGCONT)
         time.sleep(0.05)
-    stopped = time.monotonic()
+    else:
+        pytest.fail("could not stop the worker between two transactions in 50 tries")
     victim = next(c for c in st.config_runs(run_id) if c["id"] == victim["id"])
+    assert victim["status"] == "running" and victim["done"] < victim["total"]
     b = st.start_worker("gpu-b")
     run, crs = assert_complete(st, run_id, "SIGSTOP worker past its lease, then SIGCONT",
                                f"stopped at {victim['done']}/{victim['total']}; the stale attempt's write refused")
     taken = next(c for c in crs if c["id"] == victim["id"])
     assert taken["attempt"] == victim["attempt"] + 1 and worker_group(taken) == b.pid
-    assert time.monotonic() - stopped > LEASE_SECONDS  # taken over only once the lease had expired
+    assert taken["started_at"] >= victim["lease_expires_at"]  # taken over only once the stopped worker's lease expired
     before = st.sql("SELECT config_id, sample_key, metric, value, extra::text FROM sample_results WHERE run_id = %s "
                     "ORDER BY 1, 2, 3", run_id)
     st.signal_worker("gpu-a", signal.SIGCONT)
@@ -100,6 +103,8 @@ def test_redis_restart_with_a_run_in_flight(fault_stack):
     st.redis.start()
     assert_complete(st, run_id, "restart Redis (no persistence) mid-run",
                     f"down 3 s at {victim['done']}/{victim['total']}; lost messages re-sent by the reconciler")
+    # the other config-run's message was lost with Redis: only the reconciler can have re-sent it
+    assert "reconciler re-enqueued config-runs" in st.tail("bookkeeper", 100_000)
 
 
 def test_postgres_restart_mid_run(fault_stack):
@@ -114,6 +119,7 @@ def test_postgres_restart_mid_run(fault_stack):
     _, crs = assert_complete(st, run_id, "restart Postgres mid-run",
                              f"down 3 s at {victim['done']}/{victim['total']}; writes retried")
     assert next(c for c in crs if c["id"] == victim["id"])["attempt"] == 1  # retried in place, nothing redone
+    assert "database unavailable" in st.tail("gpu-a", 100_000)  # the outage was met, not slept through
 
 
 @pytest.mark.parametrize("fault_stack", [{"CANARY_MAX_ATTEMPTS": "2"}], indirect=True)

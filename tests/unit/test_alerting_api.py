@@ -60,3 +60,11 @@ def test_channel_urls_are_masked_and_silences_expire(project):
     assert bad.status_code == 422 and "not a valid regular expression" in bad.json()["detail"]
     rule = project.put("/projects/a/alert-rules", json={"metric": "ppl_ratio", "warn": 1.02, "critical": 1.05, "for_runs": 2, "config": "fp16"})
     assert rule.status_code == 200 and rule.json()["for_runs"] == 2
+
+
+def test_a_rejected_channel_body_is_not_echoed(project):
+    # FastAPI's default 422 repeats the input; a channel body carries its webhook URL and secret
+    r = project.put("/projects/a/channels", json={"name": "c", "kind": "pager", "url": "https://hooks.test/T0/ECHOTOKEN",
+                                                  "signing_secret": "${S}", "extra": "ECHOSECRET"})
+    assert r.status_code == 422 and {"kind", "extra"} <= {d["loc"][-1] for d in r.json()["detail"]}
+    assert "ECHOTOKEN" not in r.text and "ECHOSECRET" not in r.text
