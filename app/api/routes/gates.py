@@ -38,7 +38,8 @@ def gate_out(session, project, gate: Gate) -> dict:
             "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
 
 
-@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, responses=error_responses(400, 403, 409))
+@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED,
+             responses={200: {"description": "the gate already started with this Idempotency-Key"}, **error_responses(400, 403, 409)})
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
     """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""

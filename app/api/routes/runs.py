@@ -16,7 +16,8 @@ from app.services import run_summary, start_run
 router = APIRouter(tags=["runs"], responses=error_responses(404))
 
 
-@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED, responses=error_responses(400, 403, 409))
+@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED,
+             responses={200: {"description": "the run already started with this Idempotency-Key"}, **error_responses(400, 403, 409)})
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
