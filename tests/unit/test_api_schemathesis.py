@@ -62,8 +62,38 @@ class RecordingDispatcher:
         self.sent.append((task, *args))
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def database_url(request, tmp_path_factory):
+    """The embedded default's SQLite file, or a fresh database on the test PostgreSQL server
+    (which, unlike SQLite, enforces column lengths and integer ranges)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('schemathesis') / 'canary.db'}"
+        return
+    import os
+    import uuid
+
+    import psycopg
+
+    from tests.conftest import service_unavailable
+
+    server = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+    base, _, _ = server.rpartition("/")
+    name = f"canary_fuzz_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg.connect(f"{base}/postgres", autocommit=True, connect_timeout=5)
+    except Exception as e:  # noqa: BLE001
+        service_unavailable("PostgreSQL", server, e)
+    admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"{base}/{name}"
+    from app.db import get_engine
+
+    get_engine(f"{base}/{name}").dispose()
+    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory):
+def seeded(database_url):
     from fastapi.testclient import TestClient
 
     from app.db import upgrade
@@ -71,7 +101,9 @@ def seeded(tmp_path_factory):
     from app.services import start_run
     from app.settings import get_settings
 
-    url = f"sqlite:///{tmp_path_factory.mktemp('schemathesis') / 'canary.db'}"
+    url = database_url
+    for counter in (CASES, STATUSES, FUZZ_TIME, SEEDED):
+        counter.clear()
     dispatcher = RecordingDispatcher()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CANARY_DATABASE_URL", url)
@@ -116,7 +148,7 @@ def seeded(tmp_path_factory):
     get_settings.cache_clear()
     sent = collections.Counter(task for task, *_ in dispatcher.sent)
     fuzz_s = FUZZ_TIME.get("end", 0.0) - FUZZ_TIME.get("start", 0.0)
-    print(f"\nschemathesis: {len(CASES)} operations, {sum(CASES.values())} cases, {EXAMPLES} fuzzed examples per operation "
+    print(f"\nschemathesis on {url.split(':')[0]}: {len(CASES)} operations, {sum(CASES.values())} cases, {EXAMPLES} fuzzed examples per operation "
           f"and mode (plus coverage cases) in {fuzz_s:.1f} s; seeding with one real run: {seed_run_s:.1f} s; "
           f"config-runs enqueued by fuzzed runs and gates, never executed: {sent[EXECUTE_CONFIG_RUN]}")
     print("  status codes: " + ", ".join(f"{code}: {n}" for code, n in sorted(STATUSES.items())))
