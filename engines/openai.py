@@ -86,6 +86,7 @@ class OpenAIEngine:
         self.model = model
         self.base_url = str(opts["base_url"]).rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
+        self.shown = redact_url(self.base_url)  # errors end up in a config-run's reason, shown by the API
         self.metrics_url = str(opts.get("metrics_url") or self.root + "/metrics")
         self.concurrency = int(opts.get("concurrency", 1))
         self.timeout_s = float(opts.get("timeout_s", 60))
@@ -104,14 +105,15 @@ class OpenAIEngine:
             with self._client() as c:
                 r = c.get(url)
         except httpx.HTTPError as e:
-            raise EndpointError(f"engine_options.base_url: {url} is unreachable ({type(e).__name__}: {e})") from e
+            raise EndpointError(f"engine_options.base_url: {redact_url(url)} is unreachable "
+                                f"({type(e).__name__}: {str(e).replace(self.base_url, self.shown)})") from e
         try:
             served = {m["id"]: m for m in r.json()["data"]}
         except (ValueError, KeyError, TypeError) as e:
-            raise EndpointError(f"engine_options.base_url: {url} answered HTTP {r.status_code} without an OpenAI model "
+            raise EndpointError(f"engine_options.base_url: {redact_url(url)} answered HTTP {r.status_code} without an OpenAI model "
                                 f"list; is this an OpenAI-compatible server (base_url usually ends in /v1)?") from e
         if self.model not in served:
-            raise EndpointError(f"model: '{self.model}' is not served at {self.base_url}; it serves: {', '.join(sorted(served)) or 'nothing'}")
+            raise EndpointError(f"model: '{self.model}' is not served at {self.shown}; it serves: {', '.join(sorted(served)) or 'nothing'}")
         return served[self.model].get("max_model_len")
 
     # -- perplexity --------------------------------------------------------------------------------
@@ -135,9 +137,10 @@ class OpenAIEngine:
     def _tokenize(self, c: httpx.Client, text: str) -> list[int]:
         r = c.post(f"{self.root}/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": True})
         if r.status_code == 404:
-            raise EndpointError(f"{self.root}/tokenize is missing: perplexity over an OpenAI-compatible server needs the "
+            raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an OpenAI-compatible server needs the "
                                 f"server's tokenizer (vLLM and engine-serve expose /tokenize)")
-        r.raise_for_status()
+        if r.is_error:
+            raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {r.status_code}: {_message(r)}")
         return list(r.json()["tokens"])
 
     def _echo(self, c: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
@@ -146,13 +149,13 @@ class OpenAIEngine:
         if r.status_code == 400 and "max_tokens" in r.text:  # servers that need at least one new token
             r = c.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
         if r.status_code >= 400:
-            raise EndpointError(f"{self.base_url}/completions refused prompt log-probs for document '{doc_id}' "
+            raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
                                 f"(HTTP {r.status_code}: {_message(r)}); perplexity needs a server that returns them "
                                 f"with echo=true (vLLM does), or drop perplexity from this config's scorers")
         lps = r.json()["choices"][0].get("logprobs") or {}
         token_lps = lps.get("token_logprobs")
         if not token_lps or len(token_lps) < len(prompt_ids):
-            raise EndpointError(f"{self.base_url}/completions returned no prompt log-probs for document '{doc_id}'; "
+            raise EndpointError(f"{self.shown}/completions returned no prompt log-probs for document '{doc_id}'; "
                                 f"perplexity needs echo=true support")
         return token_lps[: len(prompt_ids)]
 
@@ -193,7 +196,7 @@ class OpenAIEngine:
                     await sampler
             after = await self._scrape(c)
         self.server_stats = {
-            "metrics_url": self.metrics_url if before else None,
+            "metrics_url": redact_url(self.metrics_url) if before else None,
             "spec": spec_delta(before, after) if before else None,
             **{f"max_{k}": (max(v) if v else None) for k, v in sampled.items()},
         }
@@ -214,7 +217,7 @@ class OpenAIEngine:
         async with c.stream("POST", f"{self.base_url}/completions", json=body) as r:
             if r.status_code >= 400:
                 await r.aread()
-                raise EndpointError(f"{self.base_url}/completions: HTTP {r.status_code} for request '{req.request_id}': {_message(r)}")
+                raise EndpointError(f"{self.shown}/completions: HTTP {r.status_code} for request '{req.request_id}': {_message(r)}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -223,7 +226,7 @@ class OpenAIEngine:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise EndpointError(f"{self.base_url}/completions: stream error for '{req.request_id}': {chunk['error']}")
+                    raise EndpointError(f"{self.shown}/completions: stream error for '{req.request_id}': {chunk['error']}")
                 usage = chunk.get("usage") or usage
                 piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
                 if piece:
@@ -250,6 +253,16 @@ class OpenAIEngine:
             device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
             versions={"httpx": httpx.__version__}, notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
         )
+
+
+def redact_url(url: str) -> str:
+    """The URL without what may be a credential: user:password@ and the query string."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def _message(r: httpx.Response) -> str:

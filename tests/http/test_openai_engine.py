@@ -77,6 +77,14 @@ def test_unreachable_endpoint_is_named():
         OpenAIEngine("m", openai_spec("http://127.0.0.1:9"))
 
 
+def test_errors_never_carry_url_credentials():
+    # an error becomes the config-run's reason, which the API shows: no password, no query token
+    with pytest.raises(EndpointError) as e:
+        OpenAIEngine("m", OptimizationSpec(engine="openai", engine_options={"base_url": "http://ops:PASSWORD1@127.0.0.1:9/v1?token=QTOKEN1"}))
+    assert "base_url: http://127.0.0.1:9/v1" in str(e.value) and "unreachable" in str(e.value)
+    assert "PASSWORD1" not in str(e.value) and "QTOKEN1" not in str(e.value)
+
+
 def test_non_openai_endpoint_and_unknown_model(engine_serve):
     with pytest.raises(EndpointError, match="without an OpenAI model list"):
         OpenAIEngine("pydoc-target", OptimizationSpec(engine="openai", engine_options={"base_url": engine_serve + "/health"}))
