@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.faults.conftest import check_results, record, seed_project, start_run
+from tests.faults.conftest import check_results, double_finishes, record, seed_project, start_run
 
 
 def half_done(st, run_id):
@@ -25,29 +25,42 @@ def worker_group(cr: dict) -> int:
     return os.getpgid(int(cr["worker"].rsplit(":", 1)[1]))
 
 
-def assert_complete(st, run_id, fault, note=""):
-    run = st.wait_run(run_id)
-    crs = st.config_runs(run_id)
-    lost, dup = check_results(st, run_id, tuple(c["config"] for c in crs))
-    completed = int(run["status"] == "done" and all(c["status"] == "succeeded" for c in crs))
-    record(fault, 1, completed, lost, dup, note)
-    assert run["status"] == "done", run
-    assert [c["status"] for c in crs] == ["succeeded"] * len(crs), crs
+def assert_complete(st, run_ids, fault, note=""):
+    """Every run finished with every config-run succeeded exactly once and every result present
+    once; records the fault's row for the table. Returns the config-runs of each run."""
+    runs, all_crs, lost, dup = [], [], 0, 0
+    for run_id in run_ids:
+        runs.append(st.wait_run(run_id))
+        crs = st.config_runs(run_id)
+        all_crs.append(crs)
+        l, d = check_results(st, run_id, tuple(c["config"] for c in crs))
+        lost, dup = lost + l, dup + d
+    dup += double_finishes(st, sum(c["status"] == "succeeded" for crs in all_crs for c in crs))
+    completed = sum(run["status"] == "done" and all(c["status"] == "succeeded" for c in crs) for run, crs in zip(runs, all_crs))
+    record(fault, len(run_ids), completed, lost, dup, note)
+    for run, crs in zip(runs, all_crs):
+        assert run["status"] == "done", run
+        assert [c["status"] for c in crs] == ["succeeded"] * len(crs), crs
+        assert run["verdict"] in ("pass", "warn", "fail", "inconclusive")
     assert (lost, dup) == (0, 0)
-    assert run["verdict"] in ("pass", "warn", "fail", "inconclusive")
-    return run, crs
+    return [c for crs in all_crs for c in crs]
+
+
+def start_runs(st):
+    """Two runs: the first is in flight when the fault strikes, the second waits in the queue."""
+    return [start_run(st), start_run(st)]
 
 
 def test_kill_9_a_worker_mid_config_run(fault_stack):
     st = fault_stack
     seed_project(st)
     a = st.start_worker("gpu-a")
-    run_id = start_run(st)
-    victim = half_done(st, run_id)
+    run_ids = start_runs(st)
+    victim = half_done(st, run_ids[0])
     assert worker_group(victim) == a.pid
     st.signal_worker("gpu-a", signal.SIGKILL)  # main process and pool child: a node lost
     b = st.start_worker("gpu-b")
-    _, crs = assert_complete(st, run_id, "kill -9 worker mid config-run",
+    crs = assert_complete(st, run_ids, "kill -9 worker mid config-run",
                              f"killed at {victim['done']}/{victim['total']}; attempt 2 on the new worker")
     taken = next(c for c in crs if c["id"] == victim["id"])
     # the lease ran out, the reconciler re-sent it, and the new worker's attempt 2 finished it
@@ -58,7 +71,8 @@ def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
     st = fault_stack
     seed_project(st)
     a = st.start_worker("gpu-a")
-    run_id = start_run(st)
+    run_ids = start_runs(st)
+    run_id = run_ids[0]
     victim = half_done(st, run_id)
     # Stop it between transactions: stopped inside one, it would hold the row lock and nobody
     # could take over (safe, but not the fault under test). Its connections carry its name.
@@ -74,13 +88,14 @@ def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
     victim = next(c for c in st.config_runs(run_id) if c["id"] == victim["id"])
     assert victim["status"] == "running" and victim["done"] < victim["total"]
     b = st.start_worker("gpu-b")
-    run, crs = assert_complete(st, run_id, "SIGSTOP worker past its lease, then SIGCONT",
+    crs = assert_complete(st, run_ids, "SIGSTOP worker past its lease, then SIGCONT",
                                f"stopped at {victim['done']}/{victim['total']}; the stale attempt's write refused")
     taken = next(c for c in crs if c["id"] == victim["id"])
     assert taken["attempt"] == victim["attempt"] + 1 and worker_group(taken) == b.pid
     assert taken["started_at"] >= victim["lease_expires_at"]  # taken over only once the stopped worker's lease expired
     before = st.sql("SELECT config_id, sample_key, metric, value, extra::text FROM sample_results WHERE run_id = %s "
                     "ORDER BY 1, 2, 3", run_id)
+    state = [(c["status"], c["attempt"], c["worker"]) for c in st.config_runs(run_id)]
     st.signal_worker("gpu-a", signal.SIGCONT)
     # the old attempt wakes up, finishes the batch it was computing, and its fenced write is refused
     st.wait_for("the stale worker to be fenced", lambda: f"attempt {victim['attempt']} lost its lease" in st.tail("gpu-a", 400),
@@ -88,7 +103,7 @@ def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
     after = st.sql("SELECT config_id, sample_key, metric, value, extra::text FROM sample_results WHERE run_id = %s "
                    "ORDER BY 1, 2, 3", run_id)
     assert after == before
-    assert [(c["status"], c["attempt"]) for c in st.config_runs(run_id)] == [(c["status"], c["attempt"]) for c in crs]
+    assert [(c["status"], c["attempt"], c["worker"]) for c in st.config_runs(run_id)] == state
     assert a.poll() is None  # the stale worker lives on and takes new work
 
 
@@ -96,12 +111,12 @@ def test_redis_restart_with_a_run_in_flight(fault_stack):
     st = fault_stack
     seed_project(st)
     st.start_worker("gpu-a")
-    run_id = start_run(st)
-    victim = half_done(st, run_id)
+    run_ids = start_runs(st)
+    victim = half_done(st, run_ids[0])
     st.redis.stop()  # no persistence: every queued message is gone
     time.sleep(3)
     st.redis.start()
-    assert_complete(st, run_id, "restart Redis (no persistence) mid-run",
+    assert_complete(st, run_ids, "restart Redis (no persistence) mid-run",
                     f"down 3 s at {victim['done']}/{victim['total']}; lost messages re-sent by the reconciler")
     # the other config-run's message was lost with Redis: only the reconciler can have re-sent it
     assert "reconciler re-enqueued config-runs" in st.tail("bookkeeper", 100_000)
@@ -111,12 +126,12 @@ def test_postgres_restart_mid_run(fault_stack):
     st = fault_stack
     seed_project(st)
     st.start_worker("gpu-a")
-    run_id = start_run(st)
-    victim = half_done(st, run_id)
+    run_ids = start_runs(st)
+    victim = half_done(st, run_ids[0])
     st.pg.stop()  # fast shutdown: every connection is terminated
     time.sleep(3)
     st.pg.start()
-    _, crs = assert_complete(st, run_id, "restart Postgres mid-run",
+    crs = assert_complete(st, run_ids, "restart Postgres mid-run",
                              f"down 3 s at {victim['done']}/{victim['total']}; writes retried")
     assert next(c for c in crs if c["id"] == victim["id"])["attempt"] == 1  # retried in place, nothing redone
     assert "database unavailable" in st.tail("gpu-a", 100_000)  # the outage was met, not slept through
@@ -149,6 +164,7 @@ def test_a_poison_config_run_stops_after_max_attempts_and_says_why(fault_stack):
         assert run["verdict"] == "incomplete" and poisoned["config"] in run["verdict_reason"]
     others = [c for c in crs.values() if c["id"] != victim["id"]]
     lost, dup = check_results(st, run_id, tuple(c["config"] for c in others))
+    dup += double_finishes(st, len(others))
     record("poison job (worker killed on every attempt)", 1, 1, lost, dup,
            "stopped after CANARY_MAX_ATTEMPTS=2 with the reason; the other config complete")
     assert all(c["status"] == "succeeded" for c in others) and (lost, dup) == (0, 0)
