@@ -3,8 +3,10 @@ outside CI a missing service skips loudly, under CI=true it fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import uuid
 
 import pytest
 
@@ -16,6 +18,30 @@ def service_unavailable(what: str, url: str, err: Exception) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI=true: {msg}", pytrace=False)
     pytest.skip(f"SKIPPED LOUDLY: {msg}")
+
+
+@contextlib.contextmanager
+def throwaway_pg_database(server_url: str, prefix: str):
+    """A new database on the PostgreSQL server of server_url (…/any_db); yields its URL and drops
+    it (WITH FORCE) at exit. An unreachable server skips loudly, or fails under CI."""
+    import psycopg
+
+    base, _, _ = server_url.rpartition("/")
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+    def admin():  # a connection per statement: the server may restart in between (tests/faults)
+        return psycopg.connect(f"{base}/postgres", autocommit=True, connect_timeout=5)
+
+    try:
+        with admin() as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as e:
+        service_unavailable("PostgreSQL", server_url, e)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

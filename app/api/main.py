@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 
 from app import __version__
 from app.api.deps import SessionDep
@@ -124,6 +124,14 @@ async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
 @app.exception_handler(Conflict)
 async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=409)
+
+
+@app.exception_handler(DataError)
+async def _unstorable(_: Request, exc: DataError) -> JSONResponse:
+    # PostgreSQL refuses what SQLite stores: a NUL character (\u0000) in a string, a number out of
+    # a column's range. The transaction rolled back; nothing was stored.
+    return JSONResponse({"detail": f"a value cannot be stored ({type(exc.orig).__name__}): remove NUL characters "
+                                   "(\\u0000) from strings and keep numbers within range"}, status_code=422)
 
 
 @app.exception_handler(IntegrityError)

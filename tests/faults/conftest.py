@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, throwaway_pg_database
 from tests.loopback import free_port, wait_http
 
 LEASE_SECONDS = 8
@@ -251,17 +251,18 @@ def _stop(proc: subprocess.Popen) -> None:
 def fault_stack(pg_server, redis_server, request):
     """A fresh database and an empty broker; the API and one bookkeeping worker (queues cpu and
     default, and the single beat: reconciler, notifications). Tests start their GPU workers."""
-    import psycopg
     import redis
 
-    db = f"faults_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_server.url(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{db}"')
-    redis.Redis.from_url(redis_server.url).flushall()
+    with throwaway_pg_database(pg_server.url(), "faults") as db_url:
+        redis.Redis.from_url(redis_server.url).flushall()
+        yield from _fault_stack(pg_server, redis_server, db_url, getattr(request, "param", {}))
+
+
+def _fault_stack(pg_server, redis_server, db_url, overrides):
     workdir = tempfile.mkdtemp(prefix="canary-faults-")
     env = {
         **os.environ,
-        "CANARY_DATABASE_URL": pg_server.url(db),
+        "CANARY_DATABASE_URL": db_url,
         "CANARY_BROKER_URL": redis_server.url,
         "CANARY_EXECUTION": "celery",
         "CANARY_ESCALATION": "false",
@@ -271,12 +272,12 @@ def fault_stack(pg_server, redis_server, request):
         "CANARY_RECONCILE_SECONDS": "2",
         "CANARY_DB_RETRY_SECONDS": "60",
         "PYTHONUNBUFFERED": "1",
-        **getattr(request, "param", {}),
+        **overrides,
     }
     subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)
     port = free_port()
     st = FaultStack(env=env, api=f"http://127.0.0.1:{port}", dir=workdir, pg=pg_server, redis=redis_server,
-                    db_url=pg_server.url(db))
+                    db_url=db_url)
     st.logs["api"] = os.path.join(workdir, "api.log")
     try:
         st.procs["api"] = subprocess.Popen(
@@ -288,8 +289,6 @@ def fault_stack(pg_server, redis_server, request):
     finally:
         for proc in st.procs.values():
             _stop(proc)
-        with psycopg.connect(pg_server.url(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
         shutil.rmtree(workdir, ignore_errors=True)
 
 

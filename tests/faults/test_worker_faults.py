@@ -107,15 +107,21 @@ def test_sigstop_past_the_lease_then_sigcont_is_fenced(fault_stack):
     assert a.poll() is None  # the stale worker lives on and takes new work
 
 
-def test_redis_restart_with_a_run_in_flight(fault_stack):
-    st = fault_stack
+def restart_mid_run(st, server):
+    """Two runs on one worker; when the first is half done, the server is down for 3 s."""
     seed_project(st)
     st.start_worker("gpu-a")
     run_ids = start_runs(st)
     victim = half_done(st, run_ids[0])
-    st.redis.stop()  # no persistence: every queued message is gone
+    server.stop()
     time.sleep(3)
-    st.redis.start()
+    server.start()
+    return run_ids, victim
+
+
+def test_redis_restart_with_a_run_in_flight(fault_stack):
+    st = fault_stack
+    run_ids, victim = restart_mid_run(st, st.redis)  # no persistence: every queued message is gone
     assert_complete(st, run_ids, "restart Redis (no persistence) mid-run",
                     f"down 3 s at {victim['done']}/{victim['total']}; lost messages re-sent by the reconciler")
     # the other config-run's message was lost with Redis: only the reconciler can have re-sent it
@@ -124,13 +130,7 @@ def test_redis_restart_with_a_run_in_flight(fault_stack):
 
 def test_postgres_restart_mid_run(fault_stack):
     st = fault_stack
-    seed_project(st)
-    st.start_worker("gpu-a")
-    run_ids = start_runs(st)
-    victim = half_done(st, run_ids[0])
-    st.pg.stop()  # fast shutdown: every connection is terminated
-    time.sleep(3)
-    st.pg.start()
+    run_ids, victim = restart_mid_run(st, st.pg)  # fast shutdown: every connection is terminated
     crs = assert_complete(st, run_ids, "restart Postgres mid-run",
                              f"down 3 s at {victim['done']}/{victim['total']}; writes retried")
     assert next(c for c in crs if c["id"] == victim["id"])["attempt"] == 1  # retried in place, nothing redone

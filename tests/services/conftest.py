@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import ROOT, service_unavailable
+from tests.conftest import ROOT, service_unavailable, throwaway_pg_database
 from tests.loopback import free_port, wait_http
 
 PG_URL = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -21,18 +21,8 @@ REDIS_URL = os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 @pytest.fixture(scope="session")
 def pg_database():
-    import psycopg
-
-    base, _, _ = PG_URL.rpartition("/")
-    name = f"canary_svc_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = psycopg.connect(f"{base}/postgres", autocommit=True, connect_timeout=5)
-    except Exception as e:  # noqa: BLE001
-        service_unavailable("PostgreSQL", PG_URL, e)
-    admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{base}/{name}"
-    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.close()
+    with throwaway_pg_database(PG_URL, "canary_svc") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -70,26 +70,14 @@ def database_url(request, tmp_path_factory):
         yield f"sqlite:///{tmp_path_factory.mktemp('schemathesis') / 'canary.db'}"
         return
     import os
-    import uuid
 
-    import psycopg
-
-    from tests.conftest import service_unavailable
-
-    server = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
-    base, _, _ = server.rpartition("/")
-    name = f"canary_fuzz_{uuid.uuid4().hex[:10]}"
-    try:
-        admin = psycopg.connect(f"{base}/postgres", autocommit=True, connect_timeout=5)
-    except Exception as e:  # noqa: BLE001
-        service_unavailable("PostgreSQL", server, e)
-    admin.execute(f'CREATE DATABASE "{name}"')
-    yield f"{base}/{name}"
     from app.db import get_engine
+    from tests.conftest import throwaway_pg_database
 
-    get_engine(f"{base}/{name}").dispose()
-    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.close()
+    with throwaway_pg_database(os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+                               "canary_fuzz") as url:
+        yield url
+        get_engine(url).dispose()
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +260,18 @@ def test_silence_times_without_a_zone_are_utc(seeded):
     r = http.post(f"{P}/silences", json={**SILENCE, "starts_at": "2030-01-01T00:00:00", "ends_at": "2030-01-02T00:00:00Z"})
     assert r.status_code == 201, r.text  # was a 500: a naive and an aware datetime cannot be compared
     assert (r.json()["starts_at"], r.json()["ends_at"]) == ("2030-01-01T00:00:00+00:00", "2030-01-02T00:00:00+00:00")
+
+
+def test_a_nul_character_is_a_4xx_on_every_backend(seeded):
+    # PostgreSQL cannot store U+0000 in text or JSON (SQLite can): it was a 500 there
+    http = seeded["http"]
+    before = http.get(f"{P}/silences").json()
+    r = http.post(f"{P}/silences", json={**SILENCE, "duration_minutes": 60, "matchers": [{"name": "config", "value": "int8\u0000"}]})
+    assert r.status_code in (201, 422), r.text
+    if r.status_code == 422:
+        assert "NUL" in r.text and http.get(f"{P}/silences").json() == before
+    else:
+        http.delete(f"{P}/silences/{r.json()['id']}")
 
 
 def test_body_that_is_not_utf8_is_a_documented_400(seeded):
