@@ -28,7 +28,7 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """q [..., D] ints < 2^bits → [..., D·bits/32] int32."""
     per = 32 // bits
     lanes = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // per, per)
-    words = (lanes << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
+    words = (lanes << (torch.arange(per, dtype=torch.int64, device=q.device) * bits)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 

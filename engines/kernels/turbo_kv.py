@@ -25,45 +25,56 @@ from engines.reference.kv import lloyd_max_sphere, random_rotation
 _kernels: dict[str, object] = {}
 
 
+_constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rotation_and_codebook(d: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Π [d, d] and the Lloyd-Max codebook [2^bits] on `device`, made once per (d, bits, seed,
+    device): a decode step must not pay a host-to-device copy (or a QR) per layer."""
+    key = (d, bits, seed, str(device))
+    if key not in _constants:
+        _constants[key] = (random_rotation(d, seed).to(device).contiguous(),  # kernels read row-major memory
+                           torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=device))
+    return _constants[key]
+
+
 # -- torch references --------------------------------------------------------------------------
 def pack_bitplanes(idx: torch.Tensor, bits: int) -> torch.Tensor:
     """idx [..., D] ints < 2^bits → [..., bits, D/32] int32 bit-planes."""
     *lead, D = idx.shape
     lanes = idx.to(torch.int64).reshape(*lead, D // 32, 32)
-    planes = [((lanes >> k) & 1) << torch.arange(32, dtype=torch.int64) for k in range(bits)]
+    planes = [((lanes >> k) & 1) << torch.arange(32, dtype=torch.int64, device=idx.device) for k in range(bits)]
     words = torch.stack([p.sum(-1) for p in planes], dim=-2)  # [..., bits, D/32]
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def unpack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     *lead, b, W = codes.shape
-    words = codes.to(torch.int64)[..., None] >> torch.arange(32, dtype=torch.int64)  # [..., b, W, 32]
+    words = codes.to(torch.int64)[..., None] >> torch.arange(32, dtype=torch.int64, device=codes.device)  # [..., b, W, 32]
     idx = sum(((words[..., k, :, :] & 1) << k) for k in range(bits))
     return idx.reshape(*lead, W * 32)
 
 
 def quantize_reference(x: torch.Tensor, bits: int, seed: int = 0):
     d = x.shape[-1]
-    rot = random_rotation(d, seed).to(x.device)
+    rot, book = rotation_and_codebook(d, bits, seed, x.device)
     xf = x.float()
     norm = xf.norm(dim=-1)
     u = (xf / norm[..., None].clamp(min=1e-12)) @ rot.T
-    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=x.device)
     idx = (u[..., None] - book).abs().argmin(-1)
     return pack_bitplanes(idx, bits), norm
 
 
 def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, bits: int) -> torch.Tensor:
     """Rotated-domain values ĉ·‖x‖ [..., D]."""
-    d = codes.shape[-1] * 32
-    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=codes.device)
+    _, book = rotation_and_codebook(codes.shape[-1] * 32, bits, 0, codes.device)
     return book[unpack_bitplanes(codes, bits)] * norms[..., None]
 
 
 def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0):
     B, H, D = q.shape
     Hkv = k_codes.shape[1]
-    rot = random_rotation(D, seed).to(q.device)
+    rot, _ = rotation_and_codebook(D, bits, seed, q.device)
     kr = dequantize_rotated(k_codes, k_norms, bits)  # [B, Hkv, S, D]
     vr = dequantize_rotated(v_codes, v_norms, bits)
     kr, vr = kr.repeat_interleave(H // Hkv, 1), vr.repeat_interleave(H // Hkv, 1)
@@ -98,8 +109,7 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 
     if D % 32 or D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
     quantize, _ = _get()
-    rot = random_rotation(D, seed).to(x.device).contiguous()  # kernels read raw row-major memory
-    book = torch.tensor(lloyd_max_sphere(D, bits), dtype=torch.float32, device=x.device)
+    rot, book = rotation_and_codebook(D, bits, seed, x.device)
     codes = torch.empty(N, bits, D // 32, dtype=torch.int32, device=x.device)
     norms = torch.empty(N, dtype=torch.float32, device=x.device)
     quantize[(math.ceil(N / block_n),)](x.contiguous().float(), rot, book, codes, norms, N, D=D, BITS=bits, BLOCK_N=block_n)
@@ -112,8 +122,7 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, 
     B, H, D = q.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
     _, attention = _get()
-    rot = random_rotation(D, seed).to(q.device)
-    book = torch.tensor(lloyd_max_sphere(D, bits), dtype=torch.float32, device=q.device)
+    rot, book = rotation_and_codebook(D, bits, seed, q.device)
     q_rot = (q.float() @ rot.T).contiguous()  # rotate the query once
     n_chunks = math.ceil(S / chunk)
     m = torch.empty(B * H, n_chunks, device=q.device)

@@ -30,14 +30,14 @@ def _pack_cols(v: torch.Tensor) -> torch.Tensor:
     """[rows, out] ints in 0..15 → int32 [rows, out/8], nibble i = column 8c + AWQ_ORDER[i]."""
     rows, out = v.shape
     v = v.to(torch.int64).reshape(rows, out // 8, 8)[..., list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=v.device)
     packed = (v << shifts).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _unpack_cols(p: torch.Tensor) -> torch.Tensor:
     rows, cols = p.shape
-    nib = (p.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64)) & 0xF  # [rows, cols, 8]
+    nib = (p.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64, device=p.device)) & 0xF  # [rows, cols, 8]
     out = torch.empty_like(nib)
     out[..., list(AWQ_ORDER)] = nib
     return out.reshape(rows, cols * 8)
@@ -103,12 +103,12 @@ def search_clip(w: torch.Tensor, inp: torch.Tensor, group_size: int = GROUP_SIZE
     co, ci = w.shape
     x = inp.reshape(-1, ci).float()
     if x.shape[0] > CLIP_TOKENS:
-        x = x[torch.linspace(0, x.shape[0] - 1, CLIP_TOKENS).long()]
+        x = x[torch.linspace(0, x.shape[0] - 1, CLIP_TOKENS, device=x.device).long()]
     xg = x.reshape(1, -1, ci // group_size, group_size)  # [1, n, G, g]
     wg = w.float().reshape(co, 1, ci // group_size, group_size)  # [co, 1, G, g]
     ref = (xg * wg).sum(-1)  # [co, n, G]
     max0 = wg.abs().amax(-1, keepdim=True)  # [co, 1, G, 1]
-    best_max, best_err = max0.clone(), torch.full(max0.shape, float("inf"))
+    best_max, best_err = max0.clone(), torch.full(max0.shape, float("inf"), device=w.device)
     for i in range(int(MAX_SHRINK * N_GRID)):
         m = max0 * (1 - i / N_GRID)
         q = fake_quantize(torch.clamp(wg, -m, m).reshape(co, ci), 4, group_size).reshape(wg.shape)
@@ -134,9 +134,9 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
 
     a = model.args
     N, T = calibration.shape
-    slots = torch.arange(T)
+    slots = torch.arange(T, device=calibration.device)
     pos = slots[None].expand(N, -1)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    mask = torch.ones(T, T, dtype=torch.bool, device=calibration.device).tril()[None, None]
     dtype = model.model.embed_tokens.weight.dtype
     cos, sin = rope_cos_sin(model.inv_freq, pos, dtype)
     h = model.model.embed_tokens(calibration)

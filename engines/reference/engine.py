@@ -310,7 +310,7 @@ class ReferenceEngine:
                     ok = t == x
                 else:
                     p = torch.softmax(logits[i] / req.temperature, -1)
-                    q = qs[i] if qs is not None else torch.nn.functional.one_hot(torch.tensor(x), p.numel()).to(p)
+                    q = qs[i] if qs is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p)
                     ok, t = sample_step(p, q, x, gen)
                 new.append(t)
                 if not ok:

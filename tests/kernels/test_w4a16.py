@@ -41,7 +41,14 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv("CANARY_KERNELS", "auto")
     assert not use_triton("cpu") and use_triton("cuda:0")
     monkeypatch.setenv("CANARY_KERNELS", "triton")
-    assert use_triton("cpu")  # the interpreter is on in this folder's conftest on CPU hosts
+    assert use_triton("cuda:0")
+    # forcing Triton onto CPU tensors needs the interpreter: on a CPU-only host this folder's
+    # conftest turns it on; on a CUDA host it is off and the dispatcher says how to turn it on
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        use_triton("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton("cpu")
     monkeypatch.setenv("CANARY_KERNELS", "fast")
     with pytest.raises(ValueError, match="CANARY_KERNELS: 'fast'"):
         use_triton("cpu")
@@ -59,3 +66,13 @@ def test_dispatcher_takes_the_forced_path(monkeypatch):
     monkeypatch.setenv("CANARY_KERNELS", "torch")
     w4a16(x, qweight, qzeros, scales)
     assert calls == ["triton"]
+
+
+def test_auto_dispatch_follows_this_host(monkeypatch):
+    """The default device an engine picks takes the kernels exactly when this host has CUDA."""
+    from engines.device import resolve_device
+    from engines.spec import OptimizationSpec
+
+    monkeypatch.setenv("CANARY_KERNELS", "auto")
+    device = resolve_device(OptimizationSpec(engine="reference"))
+    assert use_triton(device) == torch.cuda.is_available() == (device.type == "cuda")
