@@ -216,6 +216,15 @@ def check_cron(v: str) -> str:
 
     if len(v.split()) != 5 or not croniter.is_valid(v):
         raise ValueError(f"'{v}' is not a valid five-field cron expression (minute hour day-of-month month day-of-week), e.g. '0 6 * * *'")
+    from datetime import datetime, timezone
+
+    now = datetime.now(timezone.utc)
+    try:  # croniter looks ahead (and back) 50 years: a slot that never comes, e.g. February 30
+        croniter(v, now).get_next(datetime)
+        croniter(v, now).get_prev(datetime)
+    except (ValueError, OverflowError):
+        raise ValueError(f"'{v}' never fires (no date matches it, e.g. February 30 or April 31); give a day-of-month that "
+                         "exists in the month(s)") from None
     return v
 
 
@@ -240,6 +249,18 @@ class CanaryFile(_Strict):
     thresholds: Thresholds = Field(default_factory=Thresholds)
     channels: list[ChannelEntry] = Field(default_factory=list)
     schedules: list[ScheduleEntry] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counts(cls, data):
+        """More entries than the limits (settings) are refused before any entry is validated."""
+        if isinstance(data, dict):
+            for field, n, limit in list_limits():
+                items = data.get(field)
+                if isinstance(items, list) and len(items) > limit:
+                    raise ValueError(f"{field}: {len(items)} entries exceed the limit of {limit} (setting CANARY_{n}); "
+                                     "split the file or raise the limit")
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "CanaryFile":
@@ -294,17 +315,101 @@ def parse_config(data: object, source: str = "canary.yaml") -> CanaryFile:
         raise ConfigFileError(f"{source} is invalid:\n{format_validation_error(e)}") from None
 
 
-def load_config_file(path: str | pathlib.Path) -> CanaryFile:
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigFileError(f"config file '{path}' not found; create one from canary.example.yaml")
+def list_limits() -> list[tuple[str, str, int]]:
+    """(field, setting name, limit) for the top-level lists of a config file."""
+    from app.settings import get_settings
+
+    st = get_settings()
+    return [("configs", "MAX_CONFIGS", st.max_configs), ("suites", "MAX_SUITES", st.max_suites),
+            ("channels", "MAX_CHANNELS", st.max_channels), ("schedules", "MAX_SCHEDULES", st.max_schedules)]
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that stops early, before the work grows with the input: at a nesting depth
+    over max_config_depth (deep nesting would otherwise end in a RecursionError), at more than
+    max_config_values values (aliases counted as expanded, so an alias bomb stops too), and at
+    the first entry past a top-level list's limit (a 200,000-config file stops at config 201)."""
+
+    def __init__(self, stream):
+        from app.settings import get_settings
+
+        super().__init__(stream)
+        st = get_settings()
+        self.max_depth, self.max_values = st.max_config_depth, st.max_config_values
+        self.list_limits = {field: (name, limit) for field, name, limit in list_limits()}
+        self.path: list = []  # the key or index of every node being composed, root first
+        self.values = 0
+        self.anchored: dict[str, int] = {}  # anchor → values under it
+
+    def _where(self) -> str:
+        mark = self.peek_event().start_mark
+        return f" (line {mark.line + 1})" if mark else ""
+
+    def compose_node(self, parent, index):
+        key = index.value if isinstance(index, yaml.ScalarNode) else index
+        if len(self.path) >= self.max_depth:
+            raise ConfigFileError(f"nesting deeper than {self.max_depth} levels{self._where()}; the limit is the setting "
+                                  "CANARY_MAX_CONFIG_DEPTH")
+        if isinstance(parent, yaml.SequenceNode) and len(self.path) == 2 and self.path[-1] in self.list_limits:
+            name, limit = self.list_limits[self.path[-1]]
+            if index >= limit:
+                raise ConfigFileError(f"{self.path[-1]}: more than {limit} entries{self._where()}; the limit is {limit} "
+                                      f"(setting CANARY_{name}); split the file or raise the limit")
+        event = self.peek_event()
+        start = self.values
+        self.values += self.anchored.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
+        if self.values > self.max_values:
+            raise ConfigFileError(f"more than {self.max_values} values{self._where()}; the limit is the setting "
+                                  "CANARY_MAX_CONFIG_VALUES")
+        self.path.append(key)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.path.pop()
+        if not isinstance(event, yaml.AliasEvent) and getattr(event, "anchor", None):
+            self.anchored[event.anchor] = self.values - start
+        return node
+
+
+def load_config_text(text: str, source: str) -> CanaryFile:
+    """Parse and validate a config file's text; `source` names it in errors."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader with bounds
+    except ConfigFileError as e:
+        raise ConfigFileError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigFileError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
-    return parse_config(data, str(path))
+        raise ConfigFileError(f"{source}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_config(data, source)
+
+
+def load_config_file(path: str | pathlib.Path) -> CanaryFile:
+    """A config file, or standard input for '-'. Files over max_config_file_bytes are refused unread."""
+    import sys
+
+    from app.settings import get_settings
+
+    limit = get_settings().max_config_file_bytes
+    too_big = f"is larger than {limit} bytes, the limit (setting CANARY_MAX_CONFIG_FILE_BYTES)"
+    if str(path) == "-":
+        raw = sys.stdin.buffer.read(limit + 1)
+        source = "<stdin>"
+        if len(raw) > limit:
+            raise ConfigFileError(f"{source} {too_big}")
+    else:
+        path = pathlib.Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigFileError(f"config file '{path}' not found; create one from canary.example.yaml")
+        if path.stat().st_size > limit:
+            raise ConfigFileError(f"{source} {too_big}")
+        raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"{source}: not UTF-8 text (byte {e.start})") from None
+    return load_config_text(text, source)
 
 
 def json_schema() -> dict:

@@ -21,10 +21,12 @@ from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divis
 log = logging.getLogger(__name__)
 
 
-def _unusable_path(field: str, path: str, e: OSError) -> ValueError:
-    """A path the OS refuses (too long, a component not a directory, no permission): a 422 naming the field."""
+def _unusable_model_path(field: str, path: str) -> ValueError:
+    """One answer for every local path that is not a model directory — missing, no config.json, not
+    a directory, unreadable, too long — so that the API does not tell what exists on its host."""
     shown = path if len(path) <= 80 else path[:77] + "..."
-    return ValueError(f"{field}: '{shown}' is not a usable path ({e.strerror or e}); give a local directory or builtin:NAME")
+    return ValueError(f"{field}: '{shown}' is not a usable path to a model directory on the server (a local Hugging Face "
+                      "directory with config.json); give one, or builtin:pydoc-target")
 
 
 def check_model_path(path: str, field: str = "model.path") -> None:
@@ -33,9 +35,11 @@ def check_model_path(path: str, field: str = "model.path") -> None:
     try:
         resolve_model_path(path)
     except ModelPathError as e:
-        raise ValueError(f"{field}: {e}") from None
-    except OSError as e:
-        raise _unusable_path(field, path, e) from None
+        if path.startswith("builtin:"):  # the zoo's own names: nothing on the host is revealed
+            raise ValueError(f"{field}: {e}") from None
+        raise _unusable_model_path(field, path) from None
+    except OSError:
+        raise _unusable_model_path(field, path) from None
 
 
 def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
@@ -44,6 +48,9 @@ def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
     if model_path.startswith(("http://", "https://")):
         return
     draft = (spec.get("speculative") or {}).get("draft_model")
+    check_model_path(model_path, f"{field}.model")
+    if draft:
+        check_model_path(draft, f"{field}.speculative.draft_model")
     try:
         if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
             check_group_divisible(model_path)
@@ -51,8 +58,8 @@ def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
             check_draft_tokenizer(model_path, draft)
     except ModelPathError as e:
         raise ValueError(f"{field}.{e}") from None
-    except OSError as e:
-        raise _unusable_path(f"{field}.speculative.draft_model" if draft else f"{field}.model", draft or model_path, e) from None
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or not the JSON expected: the same answer as a missing directory
+        raise _unusable_model_path(f"{field}.speculative.draft_model" if draft else f"{field}.model", draft or model_path) from None
 
 
 def model_context(path: str) -> int | None:
@@ -72,6 +79,24 @@ def check_window(suite_spec: dict, model_path: str, field: str = "perplexity.win
         raise ValueError(f"{field}: {window} exceeds the model's context of {ctx} positions; use a window ≤ {ctx}")
 
 
+def check_project_room(session: Session, project: Project, kind: str, names: Sequence[str], field: str | None = None) -> None:
+    """A project holds at most the settings' number of configs, suites, channels and schedules:
+    adding `names` (new ones count, existing ones are updates) past it is refused, naming the
+    field and the limit."""
+    from sqlalchemy import select
+
+    from app.models import Channel, OptimizationConfig, Schedule, Suite
+
+    table, setting = {"configs": (OptimizationConfig, "max_configs"), "suites": (Suite, "max_suites"),
+                      "channels": (Channel, "max_channels"), "schedules": (Schedule, "max_schedules")}[kind]
+    limit = getattr(get_settings(), setting)
+    existing = set(session.scalars(select(table.name).where(table.project_id == project.id)))
+    total = len(existing | set(names))
+    if total > limit:
+        raise ValueError(f"{field or kind}: project '{project.name}' would hold {total} {kind}, over the limit of {limit} "
+                         f"(setting CANARY_{setting.upper()})")
+
+
 def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
     """Upsert everything the file declares. Validates every corpus before writing anything."""
     settings = get_settings()
@@ -87,6 +112,8 @@ def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
             )
         corpora[suite.name] = samples
     project = repo.get_or_create_project(session, cfg.project)
+    for kind in ("configs", "suites", "channels", "schedules"):  # with what the project holds already
+        check_project_room(session, project, kind, [item.name for item in getattr(cfg, kind)])
     model = repo.upsert_model(session, project, cfg.model.name, cfg.model.path)
     for i, c in enumerate(cfg.configs):
         check_config_fits_model(c.to_spec().model_dump(), cfg.model.path, f"configs[{i}]")

@@ -31,6 +31,15 @@ class Settings(BaseSettings):
     max_samples_per_run: int = 5000
     max_suite_documents: int = 20000
     max_document_chars: int = 200_000
+    # bounds on one canary.yaml (`canary run -f`) and on what the API stores per project: more
+    # entries are refused with an error naming the field and the limit
+    max_configs: int = Field(200, ge=1, description="optimization configs per file / per project")
+    max_suites: int = Field(50, ge=1, description="suites per file / per project")
+    max_channels: int = Field(50, ge=1, description="alert channels per file / per project")
+    max_schedules: int = Field(100, ge=1, description="schedules per file / per project")
+    max_config_file_bytes: int = Field(1024 * 1024, ge=1024, description="size of a config file")
+    max_config_depth: int = Field(32, ge=4, description="YAML nesting depth of a config file")
+    max_config_values: int = Field(50_000, ge=100, description="YAML values (scalars, lists, mappings, aliases expanded) in a config file")
     dashboard_url: str = "http://localhost:8501"
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True

@@ -66,6 +66,15 @@ grep -F "configs[1].weights: unknown weights 'int5'" errors.txt
 Secrets never go into the file: channel URLs and signing secrets are written as `${ENV_VAR}`
 and read from the environment of the worker that sends; judge keys are named by `api_key_env`.
 
+Limits: a file holds at most 200 configs, 50 suites, 50 channels and 100 schedules
+(`CANARY_MAX_CONFIGS`, `CANARY_MAX_SUITES`, `CANARY_MAX_CHANNELS`, `CANARY_MAX_SCHEDULES`; a
+project over the API the same), is at most 1 MiB (`CANARY_MAX_CONFIG_FILE_BYTES`), nests at most
+32 levels deep and holds at most 50,000 YAML values, aliases counted expanded
+(`CANARY_MAX_CONFIG_DEPTH`, `CANARY_MAX_CONFIG_VALUES`). The file is read only up to the first
+entry past a limit, and the one-line error names the field and the setting. `canary run -f -`
+reads the file from standard input. A schedule's `cron` must fire: `0 0 30 2 *` (February 30)
+is an error naming `schedules[i].cron`.
+
 """
 
 

@@ -62,7 +62,7 @@ def variant(**changes):
         (variant(**{"configs.1.kv_cache": "kivi-2"}), "configs[1].kv_cache: 'kivi-2' is not available in engine 'transformers'"),
         (variant(**{"configs.2.name": "int8"}), "configs[2].name: duplicate name 'int8'"),
         (variant(**{"configs.0.baseline": False}), "exactly one config needs 'baseline: true'"),
-        (variant(**{"model.path": "/no/such/model"}), "model.path: model directory '/no/such/model' does not exist"),
+        (variant(**{"model.path": "/no/such/model"}), "model.path: '/no/such/model' is not a usable path to a model directory on the server"),
         (variant(**{"suites.0.samples": 9999}), "suites[0].samples: 9999 > "),
         (variant(**{"suites.0.perplexity": {"window": 64, "stride": 128}}), "stride 128 > window 64"),
         (variant(**{"schedules.0.suite": "nope"}), "schedules[0].suite: unknown suite 'nope'"),

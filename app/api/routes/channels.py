@@ -12,6 +12,7 @@ from app.api.deps import ProjectDep, SessionDep
 from app.config_file import ChannelEntry
 from app.models import Channel
 from app.schemas import error_responses
+from app.services import check_project_room
 from app.ssrf import mask_url
 
 router = APIRouter(tags=["channels"], responses=error_responses(404))
@@ -32,6 +33,7 @@ def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> di
     settings = {"send_resolved": body.send_resolved}
     if body.signing_secret:
         settings["signing_secret"] = body.signing_secret
+    check_project_room(session, project, "channels", [body.name], "name")
     c = repo.upsert_channel(session, project, body.name, body.kind, body.url, settings)
     c.enabled = body.enabled
     return out(c)

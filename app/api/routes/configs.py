@@ -7,7 +7,7 @@ from app.api.deps import ProjectDep, SessionDep
 from app.models import OptimizationConfig
 from app.repo import Conflict, NotFound
 from app.schemas import ConfigIn, ConfigOut, error_responses
-from app.services import check_config_fits_model
+from app.services import check_config_fits_model, check_project_room
 from engines.spec import ConfigNotAvailable
 
 router = APIRouter(tags=["configs"], responses=error_responses(404))
@@ -25,6 +25,7 @@ def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> C
         raise Conflict(f"name: config '{body.name}' already exists in project '{project.name}'; pick another name")
     except NotFound:
         pass
+    check_project_room(session, project, "configs", [body.name], "name")
     model = repo.get_model(session, project, body.model)
     spec = body.to_spec()
     try:

@@ -10,6 +10,7 @@ from app.config_file import DB_INT_MAX, NAME_PATTERN, NameRef, check_cron
 from app.models import Schedule
 from app.schedules import latest_slot
 from app.schemas import error_responses
+from app.services import check_project_room
 from app.settings import get_settings
 
 router = APIRouter(tags=["schedules"], responses=error_responses(404))
@@ -48,6 +49,7 @@ def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> 
     suite = repo.get_suite(session, project, body.suite)
     for name in body.configs:
         repo.get_config(session, project, name)  # 404 naming an unknown config
+    check_project_room(session, project, "schedules", [body.name], "name")
     s = repo.upsert_schedule(session, project, body.name, body.cron, suite, body.configs, body.samples)
     s.enabled = body.enabled
     return out(s)

@@ -8,6 +8,7 @@ from app.corpus import SampleIn, load_corpus
 from app.models import Suite
 from app.repo import Conflict, NotFound
 from app.schemas import SuiteIn, SuiteOut, error_responses
+from app.services import check_project_room
 from app.settings import get_settings
 
 router = APIRouter(tags=["suites"], responses=error_responses(404))
@@ -26,6 +27,7 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
         raise Conflict(f"name: suite '{body.name}' already exists in project '{project.name}'; pick another name")
     except NotFound:
         pass
+    check_project_room(session, project, "suites", [body.name], "name")
     if (body.corpus is None) == (body.documents is None):
         raise ValueError("corpus, documents: give exactly one — a server-side corpus or the documents inline")
     if body.documents is not None:
