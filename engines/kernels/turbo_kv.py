@@ -20,22 +20,14 @@ import math
 
 import torch
 
-from engines.reference.kv import lloyd_max_sphere, random_rotation
+from engines.reference.kv import codebook_on, rotation_on
 
 _kernels: dict[str, object] = {}
 
 
-_constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def rotation_and_codebook(d: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Π [d, d] and the Lloyd-Max codebook [2^bits] on `device`, made once per (d, bits, seed,
-    device): a decode step must not pay a host-to-device copy (or a QR) per layer."""
-    key = (d, bits, seed, str(device))
-    if key not in _constants:
-        _constants[key] = (random_rotation(d, seed).to(device).contiguous(),  # kernels read row-major memory
-                           torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=device))
-    return _constants[key]
+    """Π [d, d] and the Lloyd-Max codebook [2^bits] on `device`, made once per device."""
+    return rotation_on(d, seed, device), codebook_on(d, bits, device)
 
 
 # -- torch references --------------------------------------------------------------------------

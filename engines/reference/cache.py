@@ -1,7 +1,9 @@
 """Static KV cache and attention over it.
 
 k, v: [L, B, Hkv, S, D]. A forward pass writes its new keys/values at their slots, then every
-query attends over the slots its mask allows. A lossy KV format (kv.py) decides what a query
+query attends over the slots its mask allows. Writes go through `index_copy_` at a slot tensor
+and reads span the mask's width, so a decode step with a fixed-width mask has static shapes and
+no host sync (engines/reference/decode.py captures it as a CUDA graph). A lossy KV format (kv.py) decides what a query
 reads back: the stored (compressed) value of a slot, or — inside a format's full-precision
 residual window — the raw one, exactly as it would be at that query's decode step.
 """
@@ -24,21 +26,37 @@ class KVCache:
         if fmt.lossy:  # what the compressed cache holds, dequantized (see kv.py)
             self.kq = torch.zeros(shape, dtype=dtype, device=device)
             self.vq = torch.zeros(shape, dtype=dtype, device=device)
-        self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)  # first real slot per row (left padding)
+        self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S]."""
-        S = mask.shape[-1]
-        s0 = int(slots[0])
-        self.k[layer, :, :, s0 : s0 + len(slots)] = k  # slots are contiguous
-        self.v[layer, :, :, s0 : s0 + len(slots)] = v
+    @property
+    def seq_start(self) -> torch.Tensor:
+        """[B] first real slot per row (left padding)."""
+        return self._seq_start
+
+    @seq_start.setter
+    def seq_start(self, value: torch.Tensor) -> None:
+        self._seq_start = value
+        self.left_padded = bool(value.any())  # read once here, never inside a decode step
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
+        for a first pass over slots 0…T−1 with no padding (causal over the new tokens)."""
+        S = mask.shape[-1] if mask is not None else len(slots)
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        if mask is None and not self.fmt.lossy:  # prefill: causal flash / memory-efficient SDPA, no mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if mask is None:
+            mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[None, None]
         if not self.fmt.lossy:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if self._packs_codes(q):  # the kernels' packed cache is written as slots are
+            self._write_codes(layer, k, v, slots)
         if self.fmt.per_token:  # encode each slot once, when it is written
             kq_new, vq_new = self.fmt.encode(k, v, self.seq_start, layer)
-            self.kq[layer, :, :, s0 : s0 + len(slots)] = kq_new
-            self.vq[layer, :, :, s0 : s0 + len(slots)] = vq_new
+            self.kq[layer].index_copy_(2, slots, kq_new)
+            self.vq[layer].index_copy_(2, slots, vq_new)
         elif self.fmt.name.startswith("kivi") and self._kernel_decode(q, slots):
             # the kernel keeps its own packed codes; the next multi-token step re-encodes all groups
             return self._kivi_kernel_attend(layer, q, slots)
@@ -47,13 +65,13 @@ class KVCache:
         kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
         if self.fmt.rotated:
             if self._kernel_decode(q, slots):
-                return self._turbo_kernel_attend(layer, q, k, v, slots)
+                return self._turbo_kernel_attend(layer, q, slots, S)
             # TurboQuant: ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ — rotate the query once and score against the
             # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
             return _rotated_attention(q, kq, vq, self.fmt.rotation(q.shape[-1], q.device).to(q.dtype), mask)
         if not self.fmt.windowed:  # every readable slot is compressed, the current one included
             if self.fmt.name == "fp8" and self._kernel_decode(q, slots):
-                return self._fp8_kernel_attend(layer, q, slots)
+                return self._fp8_kernel_attend(layer, q, slots, S)
             return F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
         # A query reads slot j compressed iff j < boundary(n), n = its sequence length: the
         # format's window keeps recent keys (and values) in full precision.
@@ -65,51 +83,60 @@ class KVCache:
         """Decode steps (one new token, no left padding) run the Triton kernels where kernels run."""
         from engines.kernels import use_triton
 
-        return q.shape[2] == 1 and not bool(self.seq_start.any()) and q.shape[-1] % 32 == 0 and use_triton(q.device)
+        return q.shape[2] == 1 and not self.left_padded and q.shape[-1] % 32 == 0 and use_triton(q.device)
 
-    def _turbo_kernel_attend(self, layer: int, q, k, v, slots):
-        """Packed codes written by the quantize-on-write kernel; attention by the decode kernel.
-        The packed cache is filled on first use from the raw keys/values already written."""
-        from engines.kernels.turbo_kv import decode_attention, quantize_on_write
+    def _packs_codes(self, q) -> bool:
+        """TurboQuant (rotated) and fp8 keep a packed cache for the decode kernels where they run."""
+        from engines.kernels import use_triton
 
-        bits = int(self.fmt.bits)
+        return (self.fmt.rotated or self.fmt.name == "fp8") and q.shape[-1] % 32 == 0 and use_triton(q.device)
+
+    def _write_codes(self, layer: int, k, v, slots) -> None:
+        """Quantize-on-write of the new slots into the packed cache (TurboQuant bit-planes and
+        norms by the Triton kernel; fp8 by the cast kernel on CUDA, torch's cast elsewhere)."""
         L, B, Hkv, S_max, D = self.k.shape
-        if not hasattr(self, "codes"):
-            self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=q.device)
-            self.norms = torch.zeros(2, L, B, Hkv, S_max, device=q.device)
-            self.packed_upto = [0] * L
-        t = int(slots[-1]) + 1
-        lo = self.packed_upto[layer]
-        for i, x in enumerate((self.k, self.v)):  # pack every slot not packed yet, up to this one
-            new = x[layer, :, :, lo:t].reshape(-1, D)
-            c, n = quantize_on_write(new, bits, self.fmt.seed)
-            self.codes[i, layer, :, :, lo:t] = c.reshape(B, Hkv, t - lo, bits, D // 32)
-            self.norms[i, layer, :, :, lo:t] = n.reshape(B, Hkv, t - lo)
-        self.packed_upto[layer] = t
-        lengths = torch.full((B,), t, device=q.device)
-        out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :t], self.norms[0, layer, :, :, :t],
-                               self.codes[1, layer, :, :, :t], self.norms[1, layer, :, :, :t], lengths, bits, self.fmt.seed)
-        return out[:, :, None].to(q.dtype)
+        T = len(slots)
+        if self.fmt.rotated:
+            from engines.kernels.turbo_kv import quantize_on_write
 
-    def _fp8_kernel_attend(self, layer: int, q, slots):
-        """fp8 codes written by the cast kernel; attention by the fp8 decode kernel."""
-        from engines.kernels.fp8_kv import FP8, decode_attention, quantize_on_write, quantize_reference
+            bits = int(self.fmt.bits)
+            if not hasattr(self, "codes"):
+                self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
+                self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
+            for i, x in enumerate((k, v)):
+                c, n = quantize_on_write(x.reshape(-1, D), bits, self.fmt.seed)
+                self.codes[i, layer].index_copy_(2, slots, c.reshape(B, Hkv, T, bits, D // 32))
+                self.norms[i, layer].index_copy_(2, slots, n.reshape(B, Hkv, T))
+            return
+        from engines.kernels.fp8_kv import FP8, quantize_on_write, quantize_reference
 
         # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
         # off CUDA the cast is torch's, so both paths hold the same codes.
-        cast = quantize_on_write if q.is_cuda else quantize_reference
-
+        cast = quantize_on_write if k.is_cuda else quantize_reference
         if not hasattr(self, "k8"):
-            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=q.device)
-            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=q.device)
-            self.packed_upto = [0] * self.k.shape[0]
-        t = int(slots[-1]) + 1
-        lo = self.packed_upto[layer]
-        self.k8[layer, :, :, lo:t] = cast(self.k[layer, :, :, lo:t])
-        self.v8[layer, :, :, lo:t] = cast(self.v[layer, :, :, lo:t])
-        self.packed_upto[layer] = t
-        lengths = torch.full((q.shape[0],), t, device=q.device)
-        out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :t], self.v8[layer, :, :, :t], lengths)
+            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=k.device)
+            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=k.device)
+        # index_copy_ has no fp8 kernels: write the codes' bytes
+        self.k8[layer].view(torch.uint8).index_copy_(2, slots, cast(k).view(torch.uint8))
+        self.v8[layer].view(torch.uint8).index_copy_(2, slots, cast(v).view(torch.uint8))
+
+    def _lengths(self, q, slots) -> torch.Tensor:
+        return (slots[-1:] + 1).expand(q.shape[0]).contiguous()  # [B] sequence lengths, on the device
+
+    def _turbo_kernel_attend(self, layer: int, q, slots, S: int):
+        """Attention by the decode kernel over the packed codes of the first S slots."""
+        from engines.kernels.turbo_kv import decode_attention
+
+        out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S],
+                               self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S], self._lengths(q, slots),
+                               int(self.fmt.bits), self.fmt.seed)
+        return out[:, :, None].to(q.dtype)
+
+    def _fp8_kernel_attend(self, layer: int, q, slots, S: int):
+        """Attention by the fp8 decode kernel over the first S slots."""
+        from engines.kernels.fp8_kv import decode_attention
+
+        out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :S], self.v8[layer, :, :, :S], self._lengths(q, slots))
         return out[:, :, None].to(q.dtype)
 
     def _kivi_kernel_attend(self, layer: int, q, slots):

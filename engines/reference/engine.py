@@ -20,6 +20,7 @@ from engines.protocol import (
 )
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
+from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
@@ -60,6 +61,7 @@ class ReferenceEngine:
         self.args = model.args
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.peak_kv_bytes = 0
+        self.decode_graphs = "not run yet"  # whether decode steps replayed a CUDA graph, or why not
         from engines.kernels import use_triton
 
         if self.packed and use_triton(self.device):
@@ -141,7 +143,15 @@ class ReferenceEngine:
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
-        cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv)
+        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv))
+
+    def decoder(self, batch: int, slots: int) -> Decoder:
+        """The static decode loop (engines/reference/decode.py) over a fresh cache."""
+        d = Decoder(self.model, self.kv, batch, slots, self.device, self.dtype, self.spec.engine_options.get("cuda_graphs"))
+        self._track(d.cache)
+        return d
+
+    def _track(self, cache: KVCache) -> KVCache:
         held = sum(t.nbytes for t in (cache.k, cache.v, getattr(cache, "kq", None), getattr(cache, "vq", None)) if t is not None)
         self.peak_kv_bytes = max(self.peak_kv_bytes, held)
         return cache
@@ -227,26 +237,22 @@ class ReferenceEngine:
             raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({steps}) exceed the model's context of {self.args.max_seq_len}")
         pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
         ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
-        total = P + steps
-        cache = self.new_cache(B, total)
-        cache.seq_start = pad.clone()
-        slot = torch.arange(total, device=self.device)
-        # key slot j visible to query slot t iff pad_b ≤ j ≤ t (a padded query sees only itself)
-        visible = (slot[None, None, :] <= slot[None, :, None]) & (slot[None, None, :] >= pad[:, None, None])
-        visible |= torch.eye(total, dtype=torch.bool, device=self.device)[None]
+        decoder = self.decoder(B, P + steps)
         gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        greedy = all(r.temperature <= 0 for r in reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
         stamps: list[list[float]] = [[] for _ in reqs]
         done = [False] * B
         eos = self.tokenizer.eos_token_id
         t0 = time.perf_counter()
-        cur, slots = ids, slot[:P]
-        for _ in range(steps):
-            pos = (slots[None, :] - pad[:, None]).clamp(min=0)
-            logits = self.model(cur, pos, slots, cache, visible[:, None, slots][..., : int(slots[-1]) + 1], last_only=True)[:, -1].float()
-            nxt = [self._pick(logits[b], reqs[b], gens[b]) for b in range(B)]
-            sync()
+        logits = decoder.prefill(ids, pad)
+        for step in range(steps):
+            if greedy:  # the pick stays on the device; reading it out is the step's one host sync
+                nxt_dev = logits.argmax(-1)
+                nxt = nxt_dev.tolist()
+            else:
+                nxt = [self._pick(logits[b].float(), reqs[b], gens[b]) for b in range(B)]
+                nxt_dev = torch.tensor(nxt, device=self.device)
             now = time.perf_counter()
             for b in range(B):
                 if not done[b] and len(tokens[b]) < reqs[b].max_new_tokens:
@@ -255,10 +261,10 @@ class ReferenceEngine:
                     if on_tokens:
                         on_tokens(reqs[b].request_id, [nxt[b]], None)
                     done[b] = nxt[b] == eos or len(tokens[b]) >= reqs[b].max_new_tokens
-            if all(done):
+            if all(done) or step == steps - 1:
                 break
-            slots = slots[-1:] + 1
-            cur = torch.tensor(nxt, device=self.device)[:, None]
+            logits = decoder.step(nxt_dev)
+        self.decode_graphs = decoder.graphs_reason
         return [
             GenerationResult(
                 request_id=r.request_id,

@@ -194,22 +194,41 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float().contiguous()  # LAPACK returns column-major
 
 
+_on_device: dict[tuple, torch.Tensor] = {}
+
+
+def rotation_on(d: int, seed: int, device) -> torch.Tensor:
+    """Π on `device`, made once per device: a decode step pays no QR and no host-to-device copy
+    (a copy from host memory would also break CUDA-graph capture)."""
+    key = ("rotation", d, seed, str(device))
+    if key not in _on_device:
+        _on_device[key] = random_rotation(d, seed).to(device).contiguous()
+    return _on_device[key]
+
+
+def codebook_on(d: int, bits: int, device) -> torch.Tensor:
+    """The Lloyd-Max codebook [2^bits] for dimension d on `device`, made once per device."""
+    key = ("codebook", d, bits, str(device))
+    if key not in _on_device:
+        _on_device[key] = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=device)
+    return _on_device[key]
+
+
 def turbo_mse_rotated(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
     """TurboQuant-MSE in the rotated domain: c[idx]·‖x‖ where idx snaps each coordinate of the
     rotated unit vector Π·x/‖x‖ to the Lloyd-Max codebook of its exact law. x: [..., d]."""
     d = x.shape[-1]
-    rot = random_rotation(d, seed).to(x.device)
+    rot, book = rotation_on(d, seed, x.device), codebook_on(d, bits, x.device)
     xf = x.float()
     norm = xf.norm(dim=-1, keepdim=True)
     u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector
-    book = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=x.device)
     idx = (u[..., None] - book).abs().argmin(-1)
     return book[idx] * norm
 
 
 def turbo_mse(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
     """TurboQuant-MSE reconstruction Πᵀ·c[idx]·‖x‖ (rotate back)."""
-    return turbo_mse_rotated(x, bits, seed) @ random_rotation(x.shape[-1], seed).to(x.device)
+    return turbo_mse_rotated(x, bits, seed) @ rotation_on(x.shape[-1], seed, x.device)
 
 
 def qjl_residual(r: torch.Tensor, seed: int) -> torch.Tensor:
@@ -275,7 +294,7 @@ class TurboKV(KVFormat):
         return out
 
     def rotation(self, d: int, device) -> torch.Tensor:
-        return random_rotation(d, self.seed).to(device)
+        return rotation_on(d, self.seed, device)
 
     def encode(self, k, v, seq_start, layer=0):
         if self.rotated:  # stored in the rotated domain: codes × norms (Π·k̂, Π·v̂)

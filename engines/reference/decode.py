@@ -1,0 +1,141 @@
+"""The decode loop, built the way gpt-fast builds one.
+
+- The KV cache, the positions and the slot index are preallocated; a decode step reads the
+  whole static cache under a mask computed on the device from the slot index, so every step has
+  the same shapes and allocates nothing the host has to wait for.
+- Prefill without left padding and with a lossless cache runs causal SDPA (flash or memory-
+  efficient) on the new keys with no mask; with padding, a mask as wide as the prompt.
+- On CUDA the decode step is captured once as a CUDA graph and replayed (REFERENCE.md §12: eager
+  decoding at batch 1 is bound by kernel launches, not by the GPU). A format whose step needs the
+  host (KIVI re-encodes whole token groups; fractional TurboQuant picks channels by mask) runs
+  eagerly, and so does any step whose capture fails; `graphs_reason` says why.
+- The only host sync a caller needs per step is reading the chosen token out.
+
+Shapes: B batch, P prompt tokens, S cache slots, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engines.reference.cache import KVCache
+from engines.reference.kv import KVFormat
+
+
+def _sdpa_backends(device: torch.device):
+    """On CUDA, keep SDPA off the cuDNN backend: its per-call plan costs ~1.2 ms of host time
+    (REFERENCE.md §12); flash and memory-efficient attention take static shapes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def graph_safe(fmt: KVFormat) -> str | None:
+    """None when a decode step over `fmt` can be captured as a CUDA graph, else why not."""
+    if fmt.windowed:
+        return f"kv_cache {fmt.name}: whole token groups are re-encoded on the host's schedule"
+    if getattr(fmt, "fractional", False) or getattr(fmt, "inner_product", False):
+        return f"kv_cache {fmt.name}: per-channel selection has data-dependent shapes"
+    return None
+
+
+class Decoder:
+    """Prefill once, then one token per step for a batch of B sequences in a static cache.
+
+    model: a fused engines.reference.model.Transformer; fmt: the KV format; slots: prompt width +
+    new tokens. graphs: capture the decode step as a CUDA graph (default: on CUDA)."""
+
+    def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None):
+        a = model.args
+        self.model, self.fmt, self.batch, self.slots = model, fmt, batch, slots
+        self.device = torch.device(device)
+        self.cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, dtype, self.device, fmt)
+        self.j = torch.arange(slots, device=self.device)  # [S] slot ids
+        self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] first real slot per row
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # [B, 1] the step's input
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] the slot the step writes
+        self.next_slot = 0  # the same, on the host, for bounds checks only
+        want = self.device.type == "cuda" if graphs is None else graphs
+        why_not = graph_safe(fmt)
+        if want and self.device.type != "cuda":
+            why_not = "CUDA graphs need a CUDA device"
+        self.graphs_wanted = want and why_not is None
+        self.graphs_reason = why_not if want else "off"
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_logits: torch.Tensor | None = None
+
+    @property
+    def graphs_active(self) -> bool:
+        return self.graph is not None
+
+    def prefill(self, ids: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, P] (left-padded where pad [B] > 0) → logits [B, V] of the last position."""
+        P = ids.shape[1]
+        if P > self.slots:
+            raise ValueError(f"prompt of {P} tokens does not fit a cache of {self.slots} slots")
+        if pad is not None:
+            self.pad.copy_(pad)
+        self.cache.seq_start = self.pad.clone()
+        slots = self.j[:P]
+        pos = (slots[None, :] - self.pad[:, None]).clamp(min=0)  # [B, P]
+        mask = None  # causal over the new tokens
+        if self.cache.left_padded or self.fmt.lossy:
+            # key j visible to query t iff pad_b ≤ j ≤ t (a padded query sees only itself)
+            jj, tt = slots[None, None, :], slots[None, :, None]
+            mask = ((jj <= tt) & (jj >= self.pad[:, None, None])) | (jj == tt)  # [B, P, P]
+            mask = mask[:, None]
+        with _sdpa_backends(self.device):
+            logits = self.model(ids, pos, slots, self.cache, mask, last_only=True)[:, -1]
+        self.slot.fill_(P)
+        self.next_slot = P
+        return logits
+
+    def _step(self) -> torch.Tensor:
+        """One decode step on the static buffers: tokens [B, 1] at self.slot → logits [B, V]."""
+        pos = (self.slot[None, :] - self.pad[:, None]).clamp(min=0)  # [B, 1]
+        mask = (self.j[None, :] <= self.slot) & (self.j[None, :] >= self.pad[:, None])  # [B, S]
+        with _sdpa_backends(self.device):
+            return self.model(self.tokens, pos, self.slot, self.cache, mask[:, None, None], last_only=True)[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (on the device) → logits [B, V] of the next position."""
+        if self.next_slot >= self.slots:
+            raise ValueError(f"the cache's {self.slots} slots are full")
+        self.tokens.copy_(tokens.reshape(self.batch, 1))
+        if self.graphs_wanted and self.graph is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.graph_logits
+        else:
+            logits = self._step()
+        self.slot.add_(1)
+        self.next_slot += 1
+        return logits
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (Triton autotuning and lazily made buffers happen here),
+        then capture one step. A step rewrites the same slot with the same values, so the warm-up
+        steps change nothing the real step would not. A capture that fails leaves the decoder
+        eager, with the reason in graphs_reason."""
+        self.graphs_wanted = False
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.graph_logits = self._step()
+            self.graph = graph
+            self.graphs_reason = "captured"
+        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+            self.graph, self.graph_logits = None, None
+            self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"
+            torch.cuda.synchronize()

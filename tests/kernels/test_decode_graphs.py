@@ -1,0 +1,27 @@
+"""On CUDA the reference engine's decode step replays a CUDA graph (engines/reference/decode.py)
+and picks the same tokens as eager decoding. GPU only: `make gpu-report` runs it."""
+
+import pytest
+import torch
+
+from engines.protocol import GenerationRequest
+from engines.reference.engine import ReferenceEngine
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_model_path
+
+TARGET = str(resolve_model_path("builtin:pydoc-target"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run it with make gpu-report")
+@pytest.mark.parametrize("kv_cache", ["fp16", "fp8", "turbo-3"])
+def test_cuda_graph_replay_matches_eager_decoding(kv_cache):
+    spec = lambda graphs: OptimizationSpec(engine="reference", weights="fp16", kv_cache=kv_cache,  # noqa: E731
+                                           engine_options={"device": "cuda", "cuda_graphs": graphs})
+    req = [GenerationRequest("g", "os.path.join(a, *p)\n\nJoin two", max_new_tokens=16)]
+    eager = ReferenceEngine(TARGET, spec(False))
+    graphed = ReferenceEngine(TARGET, spec(True))
+    want = eager.generate(req)[0].token_ids
+    got = graphed.generate(req)[0].token_ids
+    assert graphed.decode_graphs == "captured", graphed.decode_graphs
+    assert got == want

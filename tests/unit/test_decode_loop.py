@@ -1,0 +1,78 @@
+"""The static decode loop (engines/reference/decode.py) against a full recompute, on the tiny
+built-in model: a step reads the whole preallocated cache under a device-side mask, and must
+pick exactly the tokens that a fresh causal pass over the whole sequence picks."""
+
+import pytest
+import torch
+
+from engines.protocol import GenerationRequest
+from engines.reference.cache import NoCache
+from engines.reference.decode import Decoder, graph_safe
+from engines.reference.engine import ReferenceEngine
+from engines.reference.kv import kv_format
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_model_path
+
+TARGET = str(resolve_model_path("builtin:pydoc-target"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", engine_options={"device": "cpu"}))
+
+
+def recompute_greedy(model, ids: list[int], n: int) -> list[int]:
+    """No cache at all: one causal pass over the whole sequence per new token."""
+    seq = list(ids)
+    for _ in range(n):
+        x = torch.tensor([seq])
+        pos = torch.arange(len(seq))
+        seq.append(int(model(x, pos[None], pos, NoCache(), None, last_only=True)[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@torch.inference_mode()
+def test_static_steps_pick_what_a_full_recompute_picks(engine):
+    prompt = [engine.start_id] + engine.tokenizer("os.path.join(a, *p)\n\nJoin", add_special_tokens=False)["input_ids"]
+    n = 12
+    d = Decoder(engine.model, engine.kv, 1, len(prompt) + n, "cpu", torch.float32)
+    logits = d.prefill(torch.tensor([prompt]))
+    got = []
+    for _ in range(n):
+        tok = logits.argmax(-1)
+        got.append(int(tok))
+        if len(got) < n:
+            logits = d.step(tok)
+    assert got == recompute_greedy(engine.model, prompt, n)
+    assert d.next_slot == len(prompt) + n - 1 and int(d.slot) == d.next_slot
+    assert not d.graphs_active and d.graphs_reason == "off"  # CPU: eager
+
+
+@torch.inference_mode()
+def test_left_padded_rows_decode_as_they_would_alone(engine):
+    texts = ["json.dumps()\n\nSerialize", "Return the absolute value of the argument."]
+    alone = [engine.generate([GenerationRequest(f"r{i}", t, max_new_tokens=8)])[0].token_ids for i, t in enumerate(texts)]
+    engine.concurrency = 2
+    try:
+        together = [r.token_ids for r in engine.generate([GenerationRequest(f"r{i}", t, max_new_tokens=8) for i, t in enumerate(texts)])]
+    finally:
+        engine.concurrency = 1
+    assert together == alone
+
+
+def test_a_full_cache_is_refused(engine):
+    d = Decoder(engine.model, engine.kv, 1, 4, "cpu", torch.float32)
+    d.prefill(torch.tensor([[engine.start_id] * 4]))
+    with pytest.raises(ValueError, match="4 slots are full"):
+        d.step(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("name,capturable", [("fp16", True), ("fp8", True), ("int8", True), ("turbo-3", True),
+                                             ("kivi-2", False), ("turbo-2.5", False), ("turbo-ip-3", False)])
+def test_which_formats_replay_as_a_cuda_graph(name, capturable):
+    assert (graph_safe(kv_format(name, torch.float16)) is None) == capturable
+
+
+def test_graphs_asked_for_on_cpu_say_why_not(engine):
+    d = Decoder(engine.model, engine.kv, 1, 8, "cpu", torch.float32, graphs=True)
+    assert not d.graphs_wanted and d.graphs_reason == "CUDA graphs need a CUDA device"
