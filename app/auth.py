@@ -1,5 +1,5 @@
 """API keys (REFERENCE.md §10): 256 random bits, shown once, stored only as a SHA-256 hash,
-scoped to one project, read-only or read-write, revocable. A key of project A asking for
+scoped to one project, read-only, read-write or metrics-only, revocable. A key of project A asking for
 project B's objects gets the same 404 as a project that does not exist."""
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ from app import repo
 from app.models import ApiKey, utcnow
 
 PREFIX = "cnry_"
+# read: GET on its project; write: everything on its project; metrics: GET /metrics with its
+# project's figures only; metrics-all: GET /metrics with every project's figures (an operator's
+# Prometheus). Metrics keys open no /api route.
+SCOPES = ("read", "write", "metrics", "metrics-all")
+METRICS_SCOPES = ("metrics", "metrics-all")
 
 
 class Unauthorized(Exception):
@@ -28,10 +33,12 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(session: Session, project_name: str, name: str, read_only: bool) -> tuple[ApiKey, str]:
+def create_key(session: Session, project_name: str, name: str, scope: str = "write") -> tuple[ApiKey, str]:
+    if scope not in SCOPES:
+        raise ValueError(f"scope: one of {', '.join(SCOPES)}")
     project = repo.get_or_create_project(session, project_name)
     key = PREFIX + secrets.token_urlsafe(32)  # 256 bits
-    row = ApiKey(project_id=project.id, name=name, key_hash=hash_key(key), scope="read" if read_only else "write")
+    row = ApiKey(project_id=project.id, name=name, key_hash=hash_key(key), scope=scope)
     session.add(row)
     session.flush()
     return row, key

@@ -349,16 +349,25 @@ def engine_serve(ctx: typer.Context) -> None:
 @keys_app.command("create")
 def keys_create(project: str = typer.Option(..., help="the project the key opens (created if missing)"),
                 name: str = typer.Option("default", help="a label for the key"),
-                read_only: bool = typer.Option(False, "--read-only", help="GET only (dashboards)")) -> None:
+                read_only: bool = typer.Option(False, "--read-only", help="GET only (dashboards); the same as --scope read"),
+                scope: Optional[str] = typer.Option(None, help="read | write (default) | metrics (GET /metrics, this project's "
+                                                    "figures) | metrics-all (GET /metrics, every project's: an operator's Prometheus)")) -> None:
     """Create a key and print it once (it cannot be shown again)."""
-    from app.auth import create_key
+    from app.auth import SCOPES, create_key
     from app.db import session_scope
 
+    if read_only and scope not in (None, "read"):
+        fail(f"--read-only and --scope {scope} contradict each other")
+    scope = scope or ("read" if read_only else "write")
+    if scope not in SCOPES:
+        fail(f"--scope must be one of {', '.join(SCOPES)}")
     _upgrade_db()
     with session_scope() as s:
-        row, key = create_key(s, project, name, read_only)
+        row, key = create_key(s, project, name, scope)
         key_id, scope = row.id, row.scope
-    console.print(f"key {key_id} for project '{project}' ({'read-only' if scope == 'read' else 'read-write'}); store it now:", highlight=False)
+    what = {"read": "read-only", "write": "read-write", "metrics": "/metrics of this project only",
+            "metrics-all": "/metrics of every project"}[scope]
+    console.print(f"key {key_id} for project '{project}' ({what}); store it now:", highlight=False)
     sys.stdout.write(key + "\n")
 
 

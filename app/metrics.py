@@ -1,6 +1,11 @@
 """Prometheus /metrics for the API, read from Postgres at scrape time (the database is the source
 of truth; nothing is lost when an API process restarts).
 
+Who sees what: without a key, only figures with no project in them (build info, the API
+process's own figures, the rate limiter's bucket counts). A key with the `metrics` scope adds
+the figures below for its own project; one with `metrics-all` (an operator's Prometheus) adds
+them for every project. Other keys get 403, an unknown key 401 (docs/api.md).
+
 Service metrics:
   canary_runs{project,status}                       runs by status
   canary_config_runs_queued / _running              GPU queue depth and work in flight
@@ -22,15 +27,19 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from app.models import Alert, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
+from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
 
 COMPARISON_GAUGES = ("ppl_ratio", "judge_win_rate", "faithfulness", "spec_acceptance_rate", "exact_match", "top1_agreement")
 VERDICT_VALUE = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
 
 
 class CanaryCollector(Collector):
-    def __init__(self, session_factory):
+    def __init__(self, session_factory, project_id: int | None = None):
         self.session_factory = session_factory
+        self.project_id = project_id  # None: every project
+
+    def _mine(self, q, project_column):
+        return q if self.project_id is None else q.where(project_column == self.project_id)
 
     def collect(self):
         with self.session_factory() as s:
@@ -39,18 +48,21 @@ class CanaryCollector(Collector):
 
     def _service(self, s):
         runs = GaugeMetricFamily("canary_runs", "Runs by status", labels=["project", "status"])
-        for project, status, n in s.execute(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id)
-                                            .group_by(Project.name, Run.status)):
+        for project, status, n in s.execute(self._mine(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id),
+                                                       Run.project_id).group_by(Project.name, Run.status)):
             runs.add_metric([project, status], n)
         yield runs
         for status in ("queued", "running"):
-            n = s.scalar(select(func.count()).select_from(ConfigRun).where(ConfigRun.status == status)) or 0
+            n = s.scalar(self._mine(select(func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
+                                    .where(ConfigRun.status == status), Run.project_id)) or 0
             yield GaugeMetricFamily(f"canary_config_runs_{status}", f"Config-runs {status}", value=n)
-        pending = s.scalar(select(func.count()).select_from(Notification).where(Notification.status == "pending")) or 0
+        pending = s.scalar(self._mine(select(func.count()).select_from(Notification).join(Channel, Channel.id == Notification.channel_id)
+                                      .where(Notification.status == "pending"), Channel.project_id)) or 0
         yield GaugeMetricFamily("canary_notifications_pending", "Notifications waiting in the outbox", value=pending)
         since = utcnow() - timedelta(hours=24)
-        durations = [(f - st).total_seconds() for st, f in s.execute(
-            select(ConfigRun.started_at, ConfigRun.finished_at).where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)))]
+        durations = [(f - st).total_seconds() for st, f in s.execute(self._mine(
+            select(ConfigRun.started_at, ConfigRun.finished_at).join(Run, Run.id == ConfigRun.run_id)
+            .where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)), Run.project_id))]
         # a window, not a counter: exported as quantile gauges (a histogram whose counts shrink as
         # the window slides would read as counter resets to rate() and histogram_quantile())
         q = GaugeMetricFamily("canary_config_run_duration_seconds", "Config-run wall time over the last 24 h", labels=["quantile"])
@@ -61,8 +73,8 @@ class CanaryCollector(Collector):
         yield q
         yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h", value=len(durations))
         firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
-        for project, sev, n in s.execute(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
-                                         .where(Alert.state == "firing").group_by(Project.name, Alert.severity)):
+        for project, sev, n in s.execute(self._mine(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
+                                                    .where(Alert.state == "firing"), Alert.project_id).group_by(Project.name, Alert.severity)):
             firing.add_metric([project, sev], n)
         yield firing
 
@@ -71,10 +83,10 @@ class CanaryCollector(Collector):
         latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
                   .join(Run, Run.id == ConfigRun.run_id).where(Run.status == "done", ConfigRun.status == "succeeded")
                   .group_by(ConfigRun.config_id).subquery())
-        rows = s.execute(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
-                         .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
-                         .join(Model, Model.id == OptimizationConfig.model_id)
-                         .join(Project, Project.id == Model.project_id)).all()
+        rows = s.execute(self._mine(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
+                                    .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
+                                    .join(Model, Model.id == OptimizationConfig.model_id)
+                                    .join(Project, Project.id == Model.project_id), Project.id)).all()
         gauges = {m: GaugeMetricFamily(f"canary_{m}", f"Latest {m} vs baseline", labels=["project", "model", "config"]) for m in COMPARISON_GAUGES}
         bounds = {(m, side): GaugeMetricFamily(f"canary_{m}_ci_{side}", f"95% CI {side} of canary_{m}", labels=["project", "model", "config"])
                   for m in COMPARISON_GAUGES for side in ("low", "high")}
@@ -111,3 +123,24 @@ class CanaryCollector(Collector):
         yield from gauges.values()
         yield from bounds.values()
         yield from (verdict, ttft, tps, kvb)
+
+
+class PublicCollector(Collector):
+    """Figures with no project in them, shown without a key: the build and the API process's
+    rate-limit bucket counts (app/api/limits.py)."""
+
+    def __init__(self, version: str, buckets: dict[str, tuple[int, int]]):
+        self.version = version
+        self.buckets = buckets  # kind -> (entries, cap)
+
+    def collect(self):
+        info = GaugeMetricFamily("canary_build_info", "The API's version", labels=["version"])
+        info.add_metric([self.version], 1)
+        yield info
+        n = GaugeMetricFamily("canary_rate_limit_buckets", "Rate-limit buckets held by this API process", labels=["kind"])
+        cap = GaugeMetricFamily("canary_rate_limit_buckets_max", "The most rate-limit buckets this API process holds", labels=["kind"])
+        for kind, (entries, most) in self.buckets.items():
+            n.add_metric([kind], entries)
+            cap.add_metric([kind], most)
+        yield n
+        yield cap

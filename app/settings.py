@@ -49,8 +49,16 @@ class Settings(BaseSettings):
     # hosts outbound URLs (webhooks, engines, judges) may reach although they resolve to
     # non-public addresses, e.g. "alertmanager.internal,10.0.0.5" (app/ssrf.py)
     url_allowlist: str = ""
-    # requests per minute per API key (or per client address without a key); 0 = unlimited
+    # requests per minute per API key id (or per client address without a key), per API replica;
+    # 0 = unlimited (app/api/limits.py)
     rate_limit_per_minute: int = 600
+    # failed authentications (missing, malformed, unknown or revoked key) per minute per client
+    # address; past it, that address gets 429 before its key is looked up; 0 = unlimited
+    rate_limit_auth_failures_per_minute: int = 30
+    # how many rate-limit buckets each replica keeps (least recently used go first)
+    rate_limit_max_buckets: int = 10000
+    # request bodies are cut off with 413 past this many bytes received (chunked bodies too)
+    max_body_bytes: int = 64 * 1024 * 1024
 
     @property
     def auth_required(self) -> bool:

@@ -47,14 +47,21 @@ def serve_in_thread(app, port: int) -> uvicorn.Server:
 
 
 @contextlib.contextmanager
-def canary_serve(env: dict[str, str], log: str, *args: str):
-    """`canary serve` on a free port with `env`; yields the base URL (http://127.0.0.1:PORT)."""
+def canary_serve_process(env: dict[str, str], log: str, *args: str):
+    """`canary serve` on a free port with `env`; yields (base URL http://127.0.0.1:PORT, the process)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@contextlib.contextmanager
+def canary_serve(env: dict[str, str], log: str, *args: str):
+    """`canary serve` on a free port with `env`; yields the base URL (http://127.0.0.1:PORT)."""
+    with canary_serve_process(env, log, *args) as (url, _):
+        yield url

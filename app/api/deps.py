@@ -6,7 +6,8 @@ from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
 from app import repo
-from app.auth import Forbidden, authenticate
+from app.api import limits
+from app.auth import Forbidden, Unauthorized, authenticate
 from app.config_file import DB_INT_MAX
 from app.db import get_sessionmaker
 from app.models import ApiKey, Project
@@ -31,7 +32,22 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def get_key(request: Request, session: SessionDep) -> ApiKey | None:
-    return authenticate(session, request.headers.get("authorization"), get_settings().auth_required)
+    """The request's API key, checked, and one token from its rate-limit bucket: keyed on the
+    key's id (whitespace or case variants of one key share it), or on the client address when
+    no key is sent. A failed authentication also takes from the address's failure bucket, and an
+    address whose failure bucket is empty gets 429 before its key is looked up."""
+    address = limits.client_address(request)
+    limits.check_auth_failures(address)
+    try:
+        key = authenticate(session, request.headers.get("authorization"), get_settings().auth_required)
+    except Unauthorized:
+        limits.record_auth_failure(address)
+        raise
+    limits.take_request(("key", key.id) if key is not None else ("address", address))
+    if key is not None and key.scope not in ("read", "write"):
+        raise Forbidden(f"this API key has the '{key.scope}' scope: it reads /metrics only; the API needs a read-only "
+                        "or read-write key (`canary keys create --project P [--read-only]`)")
+    return key
 
 
 KeyDep = Annotated[ApiKey | None, Depends(get_key)]

@@ -6,14 +6,15 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, IntegrityError
 
 from app import __version__
-from app.api.deps import SessionDep
+from app.api.deps import SessionDep, get_key
+from app.api.limits import BodyLimit, RateLimited
 from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
 from app.corpus import CorpusError
@@ -25,7 +26,6 @@ from app.schemas import error_responses
 
 log = logging.getLogger(__name__)
 hide_url_logs()
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 @asynccontextmanager
@@ -53,57 +53,17 @@ async def lifespan(_: FastAPI):
 app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
               description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired statistics.")
 # every /api route can answer these (auth, body limit, validation, rate limit); routers add their own
-app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429))
+# get_key on every route: it checks the key and takes from the rate-limit buckets (app/api/limits.py)
+app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429), dependencies=[Depends(get_key)])
 
 
-class RateLimiter:
-    """A token bucket per API key (per client address without one), in this process: a burst of
-    `per_minute` requests, refilled at per_minute / 60 per second. Several API replicas each
-    hold their own buckets (put a shared limiter in front for a global limit)."""
-
-    def __init__(self):
-        self.buckets: dict[str, tuple[float, float]] = {}
-        self.lock = threading.Lock()
-
-    def take(self, who: str, per_minute: int, now: float) -> float:
-        """0 when the request may pass, else seconds until a token is available."""
-        rate = per_minute / 60.0
-        with self.lock:
-            tokens, last = self.buckets.get(who, (float(per_minute), now))
-            tokens = min(float(per_minute), tokens + (now - last) * rate)
-            if tokens >= 1:
-                self.buckets[who] = (tokens - 1, now)
-                return 0.0
-            self.buckets[who] = (tokens, now)
-            return (1 - tokens) / rate
+# outermost: bodies are counted as they arrive, before routing and before the key is checked
+app.add_middleware(BodyLimit)
 
 
-limiter = RateLimiter()
-
-
-@app.middleware("http")
-async def rate_limit(request: Request, call_next):
-    import hashlib
-    import math
-    import time
-
-    per_minute = get_settings().rate_limit_per_minute
-    if per_minute > 0 and request.url.path.startswith("/api/"):
-        auth = request.headers.get("authorization") or ""
-        who = "key:" + hashlib.sha256(auth.encode()).hexdigest() if auth else "ip:" + (request.client.host if request.client else "?")
-        wait = limiter.take(who, per_minute, time.monotonic())
-        if wait > 0:
-            return JSONResponse({"detail": f"rate limit of {per_minute} requests per minute exceeded; retry after {math.ceil(wait)} s"},
-                                status_code=429, headers={"Retry-After": str(math.ceil(wait))})
-    return await call_next(request)
-
-
-@app.middleware("http")
-async def limit_body(request: Request, call_next):
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return JSONResponse({"detail": f"body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}; split the upload"}, status_code=413)
-    return await call_next(request)
+@app.exception_handler(RateLimited)
+async def _rate_limited(_: Request, exc: RateLimited) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after)})
 
 
 @app.exception_handler(Unauthorized)
@@ -153,22 +113,41 @@ async def _invalid(_: Request, exc: ValueError) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=422)
 
 
-_registry = None
-
-
 @app.get("/metrics", tags=["health"], include_in_schema=False)
-def metrics() -> Response:
-    """Prometheus exposition: service and canary metrics, read from the database (app/metrics.py)."""
-    global _registry
+def metrics(request: Request) -> Response:
+    """Prometheus exposition (app/metrics.py). Without a key: only figures with no project in them.
+    With a `metrics` key: its project's figures too; with a `metrics-all` key: every project's.
+    Prometheus sends the key with `authorization: {credentials_file: …}` (docs/api.md)."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
+    from app.api import limits
+    from app.auth import METRICS_SCOPES, authenticate
     from app.db import session_scope
-    from app.metrics import CanaryCollector
+    from app.metrics import CanaryCollector, PublicCollector
 
-    if _registry is None:
-        _registry = CollectorRegistry()
-        _registry.register(CanaryCollector(session_scope))
-    return Response(generate_latest(_registry), media_type=CONTENT_TYPE_LATEST)
+    registry = CollectorRegistry()
+    for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        collector(registry=registry)
+    registry.register(PublicCollector(__version__, {"requests": (len(limits.requests), limits.requests.max_entries),
+                                                    "auth_failures": (len(limits.auth_failures), limits.auth_failures.max_entries)}))
+    authorization = request.headers.get("authorization")
+    if authorization:
+        address = limits.client_address(request)
+        limits.check_auth_failures(address)
+        try:
+            with session_scope() as s:
+                key = authenticate(s, authorization, True)
+                key_id, scope, project_id = key.id, key.scope, key.project_id
+        except Unauthorized:
+            limits.record_auth_failure(address)
+            raise
+        limits.take_request(("key", key_id))
+        if scope not in METRICS_SCOPES:
+            raise Forbidden("/metrics with a key needs one with the metrics scope: an operator runs "
+                            "`canary keys create --project P --scope metrics` (or --scope metrics-all for every project)")
+        registry.register(CanaryCollector(session_scope, None if scope == "metrics-all" else project_id))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @app.get("/healthz", tags=["health"])

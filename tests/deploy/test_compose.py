@@ -129,6 +129,11 @@ def test_prometheus_scrapes_the_api_and_loads_the_rules(config):
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert "api:8000" in targets
+    api_job = next(job for job in prom["scrape_configs"] if "api:8000" in job["static_configs"][0]["targets"])
+    # /metrics shows projects' figures only to a metrics key, sent from a compose secret
+    assert api_job["authorization"]["credentials_file"] == "/run/secrets/canary_metrics_key"
+    assert "canary_metrics_key" in config["services"]["prometheus"]["secrets"][0]["source"]
+    assert config["secrets"]["canary_metrics_key"]["environment"] == "PROMETHEUS_CANARY_METRICS_KEY"
     assert prom["rule_files"] == ["canary-rules.yml"]
     assert prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
     mounts = {v["target"]: v["source"] for v in config["services"]["prometheus"]["volumes"] if v["type"] == "bind"}
@@ -140,9 +145,19 @@ def test_prometheus_scrapes_the_api_and_loads_the_rules(config):
     ("promtool", ["check", "config", "deploy/prometheus/prometheus.yml"], "prometheus"),  # and the rules it loads
     ("amtool", ["check-config", "deploy/alertmanager/alertmanager.yml"], "prometheus-alertmanager"),
 ], ids=["promtool", "amtool"])
-def test_prometheus_tools_accept_the_files(tool, args, package):
+def test_prometheus_tools_accept_the_files(tool, args, package, tmp_path):
     path = shutil.which(tool)
     if not path:
         missing(tool, f"Debian package {package}; .ci/run installs it")
+    if tool == "promtool":
+        # promtool opens the metrics-key file the scrape sends (a compose secret in the
+        # container): check a copy that points at a stand-in, next to the rules it loads
+        key_file = "/run/secrets/canary_metrics_key"
+        text = (ROOT / args[-1]).read_text()
+        assert f"credentials_file: {key_file}" in text
+        (tmp_path / "key").write_text("cnry_stand-in\n")
+        (tmp_path / "prometheus.yml").write_text(text.replace(key_file, str(tmp_path / "key")))
+        shutil.copy(ROOT / "deploy/prometheus/canary-rules.yml", tmp_path / "canary-rules.yml")
+        args = [*args[:-1], str(tmp_path / "prometheus.yml")]
     r = subprocess.run([path, *args], capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
+from app.auth import create_key
 from app.channels import AlertMessage, build
 from app.config_file import parse_config
 from app.db import session_scope
@@ -77,6 +78,9 @@ def test_alert_reaches_a_real_alertmanager(sqlite_env, alertmanager):
 
 
 def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, receiver):
+    """Prometheus sends a metrics key with `authorization: {credentials_file: …}` (as
+    deploy/prometheus/prometheus.yml does); a second job scraping without credentials is up too
+    but ingests no project's data."""
     exe = binary("prometheus")
     with session_scope() as s:
         apply_config_file(s, parse_config(cfg(receiver.url, small_corpus(tmp_path))))
@@ -85,38 +89,62 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
         # the latest run's figure is exposed (the critical alert escalated to a full-suite run)
         comp = max((c for c in s.query(Comparison).all() if c.metric == "ppl_ratio"), key=lambda c: c.run_id)
         want = comp.estimate
+        _, key = create_key(s, "p", "prometheus", "metrics")
+        _, other_key = create_key(s, "other", "prometheus", "metrics")  # another project's metrics key sees none of p
+    (tmp_path / "metrics.key").write_text(key + "\n")
+    (tmp_path / "other.key").write_text(other_key + "\n")
     from app.api.main import app
 
     api_port = free_port()
     server = serve_in_thread(app, api_port)
     prom_port = free_port()
     conf = tmp_path / "prometheus.yml"
+    target = {"static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]}
     conf.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ROOT / "deploy/prometheus/canary-rules.yml")],
-        "scrape_configs": [{"job_name": "canary", "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]}],
+        "scrape_configs": [
+            {"job_name": "canary", "authorization": {"type": "Bearer", "credentials_file": str(tmp_path / "metrics.key")}, **target},
+            {"job_name": "other", "authorization": {"type": "Bearer", "credentials_file": str(tmp_path / "other.key")}, **target},
+            {"job_name": "anonymous", **target},
+        ],
     }))
     proc = subprocess.Popen([exe, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=open(tmp_path / "prom.log", "w"),
                             stderr=subprocess.STDOUT)
     prom = f"http://127.0.0.1:{prom_port}"
+
+    def query(q: str) -> list:
+        return httpx.get(prom + "/api/v1/query", params={"query": q}).json()["data"]["result"]
+
     try:
         wait_http(prom + "/-/ready", proc, str(tmp_path / "prom.log"))
         deadline = time.time() + 60
-        got, firing = None, []
-        while time.time() < deadline and (got is None or not firing):
-            r = httpx.get(prom + "/api/v1/query", params={"query": 'canary_ppl_ratio{config="cand"}'}).json()
-            if r["data"]["result"]:
-                got = float(r["data"]["result"][0]["value"][1])
+        got, firing, up = None, [], {}
+        while time.time() < deadline and (got is None or not firing or len(up) < 3 or query('canary_build_info{job="anonymous"}') == []):
+            r = query('canary_ppl_ratio{job="canary",config="cand"}')
+            if r:
+                got = float(r[0]["value"][1])
             alerts = httpx.get(prom + "/api/v1/alerts").json()["data"]["alerts"]
             firing = [a for a in alerts if a["labels"]["alertname"] == "CanaryRegressionCritical" and a["state"] == "firing"]
+            up = {x["metric"]["job"]: x["value"][1] for x in query("up")}
             time.sleep(0.5)
+        assert up == {"canary": "1", "other": "1", "anonymous": "1"}, up  # every target scraped
         assert got == pytest.approx(want, rel=1e-12)  # the stored comparison, through a real scrape
         assert firing and firing[0]["labels"]["config"] == "cand" and firing[0]["labels"]["metric"] == "ppl_ratio"
-        text = httpx.get(f"http://127.0.0.1:{api_port}/metrics").text
+        # without credentials, and with another project's key: nothing of project p is ingested
+        leaked = {job: query(f'{{job="{job}",project="p"}}') for job in ("anonymous", "other")}
+        anon = {x["metric"]["__name__"] for x in query('{job="anonymous",__name__=~"canary_.*"}')}
+        print(f"\nscrapes: up {up}; canary_ppl_ratio via the metrics key {got}; series of project p without a key "
+              f"{len(leaked['anonymous'])}, with another project's key {len(leaked['other'])}; canary_* names without a key {sorted(anon)}")
+        assert leaked == {"anonymous": [], "other": []}
+        assert anon == {"canary_build_info", "canary_rate_limit_buckets", "canary_rate_limit_buckets_max"}
+        text = httpx.get(f"http://127.0.0.1:{api_port}/metrics", headers={"Authorization": f"Bearer {key}"}).text
         for name in ("canary_runs{", "canary_config_runs_queued", "canary_config_run_duration_seconds{quantile=",
                      "canary_verdict{", "# TYPE canary_ttft_ms gauge", "canary_alerts_firing{"):
             assert name in text
+        plain = httpx.get(f"http://127.0.0.1:{api_port}/metrics").text
+        assert 'project="p"' not in plain and "canary_runs" not in plain and "process_cpu_seconds_total" in plain
     finally:
         proc.terminate()
         proc.wait(10)

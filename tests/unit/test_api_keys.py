@@ -94,13 +94,40 @@ def test_rate_limit_per_key_answers_429_with_retry_after(tmp_path):
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}", "CANARY_EXECUTION": "inline",
            "CANARY_RATE_LIMIT_PER_MINUTE": "5"}
     env.pop("CANARY_BROKER_URL", None)
+    k1, k2 = (cli(env, "keys", "create", "--project", p).stdout.strip() for p in ("p1", "p2"))
     with canary_serve(env, str(tmp_path / "api.log")) as root:
-        one = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": "Bearer k1"})
-        other = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": "Bearer k2"})
+        one = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": f"Bearer {k1}"})
+        other = httpx.Client(base_url=f"{root}/api/v1", headers={"Authorization": f"Bearer {k2}"})
         codes = [one.get("/projects").status_code for _ in range(6)]
-        # keys are not required here, but a key that is sent is checked (401) and limited by key
-        assert codes[:5] == [401] * 5 and codes[5] == 429
+        assert codes[:5] == [200] * 5 and codes[5] == 429
         r = one.get("/projects")
         assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 12 and "5 requests per minute" in r.json()["detail"]
-        assert other.get("/projects").status_code == 401  # another key has its own bucket
+        assert other.get("/projects").status_code == 200  # another key has its own bucket
+        # keys are not required here, but a key that is sent is checked (401)
+        assert httpx.get(f"{root}/api/v1/projects", headers={"Authorization": "Bearer k1"}).status_code == 401
         assert httpx.get(f"{root}/healthz").status_code == 200  # probes are never limited
+
+
+def test_metrics_keys_read_metrics_only(secured):
+    """`--scope metrics` shows its own project's figures on /metrics, `--scope metrics-all` every
+    project's; without a key /metrics has no project in it; metrics keys open no /api route and
+    other keys do not open /metrics."""
+    env, root = secured["env"], str(secured["client"](None).base_url).removesuffix("/api/v1/")
+    mine = cli(env, "keys", "create", "--project", "a", "--scope", "metrics").stdout.strip()
+    everyone = cli(env, "keys", "create", "--project", "ops", "--scope", "metrics-all").stdout.strip()
+    assert cli(env, "keys", "create", "--project", "a", "--scope", "admin").returncode == 2
+
+    def scrape(key):
+        return httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+    assert 'project="b"' not in scrape(mine).text and "canary_config_runs_queued" in scrape(mine).text
+    assert 'canary_runs{project="b"' in scrape(everyone).text
+    anonymous = scrape(None)
+    assert anonymous.status_code == 200 and "project=" not in anonymous.text and "canary_build_info" in anonymous.text
+    assert scrape("cnry_not-a-key").status_code == 401
+    r = scrape(secured["keys"][("b", True)])
+    assert r.status_code == 403 and "--scope metrics" in r.json()["detail"]
+    r = secured["client"](mine).get("/projects/a/runs")
+    assert r.status_code == 403 and "/metrics only" in r.json()["detail"]
+    listing = cli(env, "keys", "list", "--project", "a").stdout
+    assert "\tmetrics\tactive" in listing

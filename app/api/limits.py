@@ -1,0 +1,196 @@
+"""Request limits of the API (REFERENCE.md §10), all held in this API process.
+
+- Body size: a pure ASGI wrapper around the whole app counts the bytes actually received
+  (chunked bodies carry no Content-Length, and a Content-Length can lie) and answers 413 as soon
+  as the count passes CANARY_MAX_BODY_BYTES — before routing and before the key is checked, so
+  an unauthenticated client cannot make the API buffer more than the limit.
+- Request rate: a token bucket per API key *id* (after the key is parsed and checked, so
+  whitespace or case variants of one key share its bucket), or per client address when no key
+  is sent and none is required.
+- Failed authentication: a separate bucket per client address; when it is empty, requests from
+  that address get 429 before their key is even looked up.
+- The bucket maps are bounded (least recently used entries go first; entries idle long enough
+  to be full again are dropped before any other).
+
+Several API replicas each hold their own buckets: the limits are per replica (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+
+from starlette.requests import Request
+
+from app.settings import get_settings
+
+
+class RateLimited(Exception):
+    def __init__(self, detail: str, retry_after: float):
+        super().__init__(detail)
+        self.retry_after = max(1, math.ceil(retry_after))
+
+
+class TokenBuckets:
+    """Token buckets keyed by any hashable, at most `max_entries` of them (LRU). A bucket holds a
+    burst of `per_minute` tokens, refilled at per_minute / 60 per second."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self.buckets: OrderedDict[object, tuple[float, float, int]] = OrderedDict()  # who -> (tokens, last, per_minute)
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @staticmethod
+    def _refill(entry: tuple[float, float, int], now: float) -> float:
+        tokens, last, per_minute = entry
+        return min(float(per_minute), tokens + (now - last) * per_minute / 60.0)
+
+    def _get(self, who: object, per_minute: int, now: float) -> float:
+        entry = self.buckets.get(who)
+        if entry is None:
+            return float(per_minute)
+        self.buckets.move_to_end(who)
+        return self._refill(entry, now)
+
+    def _put(self, who: object, tokens: float, per_minute: int, now: float) -> None:
+        if who not in self.buckets and len(self.buckets) >= max(1, self.max_entries):
+            self._make_room(now)
+        self.buckets[who] = (tokens, now, per_minute)
+        self.buckets.move_to_end(who)
+
+    def _make_room(self, now: float) -> None:
+        # entries that have refilled completely carry no state: drop them (oldest first); if the
+        # map is still full, the least recently used entry goes
+        for who in [w for w, e in self.buckets.items() if self._refill(e, now) >= e[2]]:
+            del self.buckets[who]
+        while len(self.buckets) >= max(1, self.max_entries):
+            self.buckets.popitem(last=False)
+
+    def take(self, who: object, per_minute: int, now: float | None = None) -> float:
+        """Take a token: 0 when the request may pass, else seconds until one is available."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            tokens = self._get(who, per_minute, now)
+            if tokens >= 1:
+                self._put(who, tokens - 1, per_minute, now)
+                return 0.0
+            self._put(who, tokens, per_minute, now)
+            return (1 - tokens) * 60.0 / per_minute
+
+    def wait(self, who: object, per_minute: int, now: float | None = None) -> float:
+        """Seconds until `who` has a token (0 = has one now); takes nothing."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            entry = self.buckets.get(who)
+            tokens = float(per_minute) if entry is None else self._refill(entry, now)
+            return 0.0 if tokens >= 1 else (1 - tokens) * 60.0 / per_minute
+
+
+requests = TokenBuckets(get_settings().rate_limit_max_buckets)
+auth_failures = TokenBuckets(get_settings().rate_limit_max_buckets)
+
+
+def client_address(request: Request) -> str:
+    # the peer address as uvicorn sees it (behind a reverse proxy: run uvicorn with
+    # --proxy-headers and --forwarded-allow-ips so that this is the client's, not the proxy's)
+    return request.client.host if request.client else "?"
+
+
+def check_auth_failures(address: str) -> None:
+    """429 for an address whose failed-authentication bucket is empty (before any key lookup)."""
+    per_minute = get_settings().rate_limit_auth_failures_per_minute
+    if per_minute > 0:
+        auth_failures.max_entries = get_settings().rate_limit_max_buckets
+        wait = auth_failures.wait(address, per_minute)
+        if wait > 0:
+            raise RateLimited(f"too many failed authentications from this address (limit {per_minute} per minute, "
+                              f"CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE); retry after {math.ceil(wait)} s with a valid key", wait)
+
+
+def record_auth_failure(address: str) -> None:
+    per_minute = get_settings().rate_limit_auth_failures_per_minute
+    if per_minute > 0:
+        auth_failures.take(address, per_minute)
+
+
+def take_request(who: object) -> None:
+    """429 when `who` (("key", id) or ("address", host)) has used up its requests per minute."""
+    per_minute = get_settings().rate_limit_per_minute
+    if per_minute > 0:
+        requests.max_entries = get_settings().rate_limit_max_buckets
+        wait = requests.take(who, per_minute)
+        if wait > 0:
+            raise RateLimited(f"rate limit of {per_minute} requests per minute exceeded; retry after {math.ceil(wait)} s", wait)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Pure ASGI middleware: at most `max_bytes` (default: CANARY_MAX_BODY_BYTES) of request body
+    reach the app. A declared Content-Length over the limit is refused without reading; otherwise
+    the bytes received are counted, and the first chunk past the limit ends the request with 413
+    (whatever the app was about to answer is dropped)."""
+
+    def __init__(self, app, max_bytes: int | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes if self.max_bytes is not None else get_settings().max_body_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
+                await self._refuse(send, limit)
+                return
+        received = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive():
+            nonlocal received, exceeded
+            if exceeded:
+                raise BodyTooLarge(limit)
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    exceeded = True
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if exceeded and not started:
+                return  # the app's answer to a body cut short (a 400 or 500): the 413 replaces it
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded:
+                raise
+        if exceeded and not started:
+            await self._refuse(send, limit)
+
+    @staticmethod
+    async def _refuse(send, limit: int) -> None:
+        import json
+
+        body = json.dumps({"detail": f"request body exceeds the limit of {limit} bytes: send a smaller body (split a suite's "
+                                     "documents over several suites, or name a server-side corpus) or have the operator raise "
+                                     "CANARY_MAX_BODY_BYTES"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
