@@ -294,9 +294,12 @@ class ReferenceEngine:
         t0 = time.perf_counter()
 
         def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
+            # the verify pass reads the whole static cache (a mask as wide as it), so its shapes
+            # depend only on how many tokens it checks; the unpadded lossless prefill needs no mask
             slots = torch.arange(start, start + len(tokens), device=self.device)
             ids = torch.tensor([tokens], device=self.device)
-            return self.model(ids, slots[None], slots, cache, causal_mask(slots, start + len(tokens)))[0].float()
+            mask = None if start == 0 and not self.kv.lossy else causal_mask(slots, total)
+            return self.model(ids, slots[None], slots, cache, mask)[0].float()
 
         first = self._pick(forward(prompt, 0)[-1], req, gen)
         sync()
@@ -379,7 +382,7 @@ class ReferenceEngine:
             weight_bytes=int((params - self.quantized_params) * elt + self.quantized_bytes),
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
-            notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}",),
+            notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}"),
             resident_weight_bytes=int(resident),
             peak_kv_cache_bytes=int(self.peak_kv_bytes),
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,

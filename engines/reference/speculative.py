@@ -89,7 +89,7 @@ class DraftModelProposer:
         dev = self.cache.k.device
         slots = torch.arange(start, start + len(tokens), device=dev)
         ids = torch.tensor([tokens], device=dev)
-        logits = self.model(ids, slots[None], slots, self.cache, causal_mask(slots, start + len(tokens)), last_only=True)
+        logits = self.model(ids, slots[None], slots, self.cache, causal_mask(slots, self.slots_total), last_only=True)
         return logits[0, -1].float()
 
     def propose(self, seq: list[int], temperature: float, gen) -> tuple[list[int], list[torch.Tensor] | None]:
