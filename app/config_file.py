@@ -56,6 +56,15 @@ class ConfigEntry(OptimizationSpec):
     def to_spec(self) -> OptimizationSpec:
         return OptimizationSpec.model_validate(self.model_dump(include=set(OptimizationSpec.model_fields)))
 
+    @field_validator("engine_options")
+    @classmethod
+    def _secret_name(cls, v: dict) -> dict:
+        from app.ssrf import check_secret_name
+
+        if isinstance(v, dict) and v.get("api_key_env") is not None:
+            check_secret_name(str(v["api_key_env"]), "api_key_env")
+        return v
+
 
 class PerplexitySettings(_Strict):
     window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
@@ -94,6 +103,13 @@ class JudgeSettings(_Strict):
         if v is not None and not v.startswith(("https://", "http://")):
             raise ValueError(f"'{v}' is not an http(s) URL; give the judge's base URL, e.g. http://judge.internal:8000/v1")
         return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _secret_name(cls, v: str | None) -> str | None:
+        from app.ssrf import check_secret_name
+
+        return None if v is None else check_secret_name(v, "api_key_env")
 
 
 class FaithfulnessSettings(_Strict):
@@ -195,20 +211,29 @@ class ChannelEntry(_Strict):
     @field_validator("signing_secret")
     @classmethod
     def _secret(cls, v: str | None) -> str | None:
-        from app.ssrf import ENV_REF
+        from app.ssrf import ENV_REF, check_secret_ref
 
         if v is not None and not ENV_REF.fullmatch(v):
             raise ValueError("give the signing secret as an ${ENV_VAR} reference, never the secret itself")
-        return v
+        return check_secret_ref(v, "signing_secret")
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        from app.ssrf import ENV_REF, mask_url
+        from app.settings import get_settings
+        from app.ssrf import ENV_REF, check_secret_ref, has_credentials, mask_url
 
-        if ENV_REF.fullmatch(v) or re.match(r"^https?://[^\s/]+", v):
-            return v
-        raise ValueError(f"'{mask_url(v)}' is not an http(s) URL or an ${{ENV_VAR}} reference")
+        if ENV_REF.fullmatch(v):
+            return check_secret_ref(v, "url")
+        if not re.match(r"^https?://[^\s/]+", v):
+            raise ValueError(f"'{mask_url(v)}' is not an http(s) URL or an ${{ENV_VAR}} reference")
+        secret = has_credentials(v)
+        if secret and get_settings().environment == "production":
+            prefix = get_settings().secret_env_prefix or "CANARY_SECRET_"
+            raise ValueError(f"'{mask_url(v)}' carries a credential ({secret}), which would be stored in plain text; in production "
+                             f"give the URL as an ${{ENV_VAR}} reference, e.g. ${{{prefix}SLACK_WEBHOOK_URL}}, set in the workers' "
+                             "environment")
+        return v
 
 
 def check_cron(v: str) -> str:

@@ -26,7 +26,14 @@ from sqlalchemy.orm import Session
 
 from app.channels import alertmanager, discord, slack, teams, webhook
 from app.models import Channel, Notification, aware, utcnow
-from app.ssrf import ENV_REF
+from app.ssrf import (
+    ENV_REF,
+    PinnedTransport,
+    SecretNotAllowed,
+    UnsafeURL,
+    check_secret_name,
+    check_url,
+)
 
 log = logging.getLogger(__name__)
 MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}
@@ -40,11 +47,13 @@ class ChannelConfigError(ValueError):
 
 
 def resolve(value: str, channel: str, field: str) -> str:
-    """A literal, or ${ENV_VAR} read at send time (the secret stays out of the database)."""
+    """A literal, or ${ENV_VAR} read at send time (the secret stays out of the database) — only
+    from a variable on the operator's secret allow-list (SecretNotAllowed otherwise, also for
+    rows stored before the allow-list existed)."""
     m = ENV_REF.fullmatch(value or "")
     if not m:
         return value
-    got = os.environ.get(m.group(1))
+    got = os.environ.get(check_secret_name(m.group(1), f"channel '{channel}': {field}"))
     if not got:
         raise ChannelConfigError(f"channel '{channel}': {field} refers to ${{{m.group(1)}}}, which is not set in the worker's environment")
     return got
@@ -71,9 +80,9 @@ def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, fl
         secret = resolve((channel.settings or {}).get("signing_secret", ""), channel.name, "signing_secret")
     except ChannelConfigError as e:
         return "retry", None, str(e)  # an operator can set the variable; the row waits
+    except SecretNotAllowed as e:
+        return "dead", None, f"refused: {e}"
     url = mod.url(url) if hasattr(mod, "url") else url
-    from app.ssrf import UnsafeURL, check_url
-
     try:
         check_url(url, f"channel '{channel.name}' url")
     except UnsafeURL as e:
@@ -84,6 +93,8 @@ def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, fl
         headers[webhook.SIGNATURE_HEADER] = webhook.signature(secret, body)
     try:
         r = http.post(url, content=body, headers=headers)
+    except UnsafeURL as e:  # the pinned transport's own check, at connect time
+        return "dead", None, f"refused: {e}"
     except httpx.TimeoutException:
         return "retry", None, "timed out"
     except httpx.HTTPError as e:
@@ -124,7 +135,8 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
 
     counts = {"sent": 0, "retry": 0, "dead": 0}
     own = http is None
-    http = http or httpx.Client(timeout=10.0, follow_redirects=False)
+    # the transport checks each URL again and connects to the address it checked
+    http = http or httpx.Client(timeout=10.0, follow_redirects=False, transport=PinnedTransport("channel url"))
     last_post: dict[int, float] = {}
     try:
         for n in rows():

@@ -89,8 +89,14 @@ def get_model(session: Session, project: Project, name: str) -> Model:
 
 
 def upsert_config(
-    session: Session, project: Project, model: Model, name: str, spec: dict[str, Any], is_baseline: bool
+    session: Session, project: Project, model: Model, name: str, spec: dict[str, Any], is_baseline: bool,
+    field: str = "engine_options",
 ) -> OptimizationConfig:
+    """The engine's URLs must pass the outbound URL policy and its api_key_env name an allowed
+    secret now (and again when a worker uses them)."""
+    from app.ssrf import check_engine_options
+
+    check_engine_options(spec.get("engine_options"), field)
     cfg = session.scalar(
         select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name)
     )
@@ -131,9 +137,14 @@ def content_hash(samples: Sequence[SampleIn]) -> str:
     return h.hexdigest()
 
 
-def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, Any], samples: Sequence[SampleIn]) -> Suite:
+def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, Any], samples: Sequence[SampleIn],
+                 field: str = "judge") -> Suite:
     """Create or update a suite. Samples are immutable per content version: a changed corpus
-    adds a version (earlier runs keep the text they drew); the same corpus writes nothing."""
+    adds a version (earlier runs keep the text they drew); the same corpus writes nothing. The
+    judge's URL and key name pass the outbound policy first."""
+    from app.ssrf import check_judge
+
+    check_judge(spec.get("judge"), field)
     version = content_hash(samples)
     suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
     if suite is None:

@@ -16,6 +16,7 @@ from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher
 from app.models import Project, Run
 from app.settings import get_settings
+from app.ssrf import public_spec
 from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,11 @@ def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
     model = repo.upsert_model(session, project, cfg.model.name, cfg.model.path)
     for i, c in enumerate(cfg.configs):
         check_config_fits_model(c.to_spec().model_dump(), cfg.model.path, f"configs[{i}]")
-    for c in cfg.configs:
-        repo.upsert_config(session, project, model, c.name, c.to_spec().model_dump(), c.baseline)
-    for suite in cfg.suites:
-        repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name])
+    for i, c in enumerate(cfg.configs):
+        repo.upsert_config(session, project, model, c.name, c.to_spec().model_dump(), c.baseline, field=f"configs[{i}].engine_options")
+    for i, suite in enumerate(cfg.suites):
+        repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name],
+                          field=f"suites[{i}].judge")
     repo.set_thresholds(session, project, cfg.thresholds.model_dump(), METRIC_DIRECTIONS)
     for i, ch in enumerate(cfg.channels):
         settings = {"send_resolved": ch.send_resolved}
@@ -191,7 +193,7 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
         "configs": [
             {
                 "config": cr.config.name,
-                "spec": cr.config.spec,
+                "spec": public_spec(cr.config.spec),
                 "status": cr.status,
                 "attempt": cr.attempt,
                 "progress": {"done": cr.progress_done, "total": cr.progress_total},

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     # hosts outbound URLs (webhooks, engines, judges) may reach although they resolve to
     # non-public addresses, e.g. "alertmanager.internal,10.0.0.5" (app/ssrf.py)
     url_allowlist: str = ""
+    # the only environment variables a configuration may name as a secret (engine and judge
+    # api_key_env, a channel's ${VAR}): names with this prefix, plus those listed (comma-separated)
+    secret_env_prefix: str = "CANARY_SECRET_"
+    secret_env_names: str = ""
     # requests per minute per API key id (or per client address without a key), per API replica;
     # 0 = unlimited (app/api/limits.py)
     rate_limit_per_minute: int = 600

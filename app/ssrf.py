@@ -1,22 +1,41 @@
-"""Outbound URL policy (REFERENCE.md §10): webhook, engine and judge URLs are checked when they
-are created and again right before each request. Only http(s); every address the host resolves
-to (A and AAAA) must be public — no loopback, private, link-local (169.254.169.254), CGNAT
-(100.64/10), unique-local (fd00::/8), multicast, reserved or unspecified addresses, and an
-IPv4-mapped IPv6 address is judged by its IPv4 — unless the host is on the operator's
-allow-list (CANARY_URL_ALLOWLIST, comma-separated host names or IPs; the tests list loopback).
-Numeric tricks (127.1, 2130706433, 0x7f000001) resolve to the addresses they stand for and are
-judged as such. Redirects are never followed by the clients that use these URLs.
+"""Outbound URL policy (REFERENCE.md §10): webhook, engine, metrics and judge URLs are checked
+when they are created and again at send time. Only http(s); every address the host resolves to
+(A and AAAA) must be public — no loopback, private, link-local (169.254.169.254), CGNAT
+(100.64/10), unique-local (fd00::/8), multicast, reserved or unspecified addresses. IPv6 forms
+that embed an IPv4 address are judged by the address they embed: IPv4-mapped (::ffff:0:0/96),
+6to4 (2002::/16), NAT64 (64:ff9b::/96) and Teredo (2001::/32, the client's address) — unless
+the host is on the operator's allow-list (CANARY_URL_ALLOWLIST, comma-separated host names or
+IPs; the tests list loopback). Numeric tricks (127.1, 2130706433, 0x7f000001) resolve to the
+addresses they stand for and are judged as such. Redirects are never followed by the clients
+that use these URLs.
+
+At send time the check runs inside an httpx transport (`PinnedTransport`,
+`AsyncPinnedTransport`): it resolves and checks the host, then connects to the address it
+checked (the Host header and TLS SNI / certificate name stay the original host's), so a DNS
+answer cannot change between the check and the connect.
+
+Secrets named by configuration — `api_key_env` of engines and judges, a channel's `${VAR}` — come
+only from the operator's allow-list of variable names (CANARY_SECRET_ENV_PREFIX, default
+CANARY_SECRET_, and CANARY_SECRET_ENV_NAMES): otherwise a tenant could name the worker's
+database URL and have it sent as a Bearer token (`check_secret_name`, `read_secret`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
 import socket
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+
+import httpx
 
 CGNAT = ipaddress.ip_network("100.64.0.0/10")
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052 well-known prefix: the last 32 bits are the IPv4 address
+NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215 local-use translation: never a public destination
+SIXTOFOUR = ipaddress.ip_network("2002::/16")
+TEREDO = ipaddress.ip_network("2001::/32")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${VAR}: a secret read from the environment at send time
 
 
@@ -31,33 +50,93 @@ def mask_url(url: str) -> str:
         port = f":{u.port}" if u.port else ""
     except ValueError:
         return "***"
+    host = f"[{host}]" if ":" in host else host
     return f"{u.scheme}://{host}{port}/***" if u.scheme and host else "***"
+
+
+def mask_userinfo(url: str) -> str:
+    """The URL with its user:password@ replaced by ***@ (the rest, path and query, kept): for URLs
+    that are configuration rather than secrets, such as an engine's base_url."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return "***"
+    if u.username is None and u.password is None:
+        return url
+    return url.replace(u.netloc, "***@" + u.netloc.rpartition("@")[2], 1)
+
+
+def has_credentials(url: str) -> str | None:
+    """What in a literal URL looks like a credential (user info, a token in the path or query), or None."""
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return None
+    if u.username or u.password:
+        return "user:password@"
+    if u.query:
+        return "a query string"
+    # webhook tokens live in the path: Slack /services/T/B/X, Discord /api/webhooks/id/token,
+    # Teams …/IncomingWebhook/…; any path segment of 16+ token characters counts
+    if any(re.fullmatch(r"[A-Za-z0-9_\-+=.~%]{16,}", unquote(seg) or "") for seg in u.path.split("/")) or \
+            u.path.startswith(("/services/", "/api/webhooks/")):
+        return "a token in the path"
+    return None
 
 
 class UnsafeURL(ValueError):
     pass
 
 
+class SecretNotAllowed(ValueError):
+    pass
+
+
 def allowlist() -> set[str]:
     from app.settings import get_settings
 
-    return {h.strip().lower() for h in (get_settings().url_allowlist or "").split(",") if h.strip()}
+    return {h.strip().lower().strip("[]") for h in (get_settings().url_allowlist or "").split(",") if h.strip()}
 
 
-def _bad(ip: ipaddress._BaseAddress) -> str | None:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return _bad(ip.ipv4_mapped)
-    for attr, what in (("is_loopback", "loopback"), ("is_unspecified", "unspecified"), ("is_link_local", "link-local"),
-                       ("is_private", "private"), ("is_multicast", "multicast"), ("is_reserved", "reserved")):
-        if getattr(ip, attr):
-            return what
-    if isinstance(ip, ipaddress.IPv4Address) and ip in CGNAT:
-        return "carrier-grade NAT"
+def embedded_ipv4(ip: ipaddress._BaseAddress) -> tuple[ipaddress.IPv4Address, str] | None:
+    """The IPv4 address an IPv6 address stands for, with the form's name, or None."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped, "IPv4-mapped"
+    if ip in SIXTOFOUR:
+        return ip.sixtofour, "6to4"
+    if ip in NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "NAT64"
+    if ip in TEREDO:
+        return ip.teredo[1], "Teredo"  # the client's address (stored XOR 0xffffffff)
     return None
 
 
-def check_url(url: str, field: str = "url", resolve=socket.getaddrinfo) -> str:
-    """The URL unchanged, or UnsafeURL naming the field and the reason."""
+def _bad(ip: ipaddress._BaseAddress) -> str | None:
+    """Why the address is no public destination ("loopback address 127.0.0.1 (embedded in 6to4
+    address 2002:7f00:1::)"), or None."""
+    inner = embedded_ipv4(ip)
+    if inner is not None:
+        why = _bad(inner[0])
+        if why:
+            return f"{why} (embedded in {inner[1]} address {ip})"
+    if isinstance(ip, ipaddress.IPv6Address) and ip in NAT64_LOCAL:
+        return f"local-use NAT64 address {ip}"
+    for attr, what in (("is_loopback", "loopback"), ("is_unspecified", "unspecified"), ("is_link_local", "link-local"),
+                       ("is_private", "private"), ("is_multicast", "multicast"), ("is_reserved", "reserved")):
+        if getattr(ip, attr):
+            return f"{what} address {ip}"
+    if isinstance(ip, ipaddress.IPv4Address) and ip in CGNAT:
+        return f"carrier-grade NAT address {ip}"
+    return None
+
+
+def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, list[str] | None]:
+    """(host, the addresses it may be reached at) — None for an allow-listed host name, which is
+    connected to as named — or UnsafeURL naming the field and the reason."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -70,20 +149,134 @@ def check_url(url: str, field: str = "url", resolve=socket.getaddrinfo) -> str:
         raise UnsafeURL(f"{field}: the URL has no host")
     allowed = allowlist()
     if host.lower() in allowed:
-        return url
+        return host, None
     try:
-        infos = resolve(host, port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
+        infos = (resolve or socket.getaddrinfo)(host, port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as e:
         raise UnsafeURL(f"{field}: host '{host}' does not resolve ({e})") from None
+    ips: list[str] = []
     for info in infos:
         ip = ipaddress.ip_address(info[4][0].split("%")[0])
-        if str(ip) in allowed:
-            continue
-        why = _bad(ip)
-        if why:
-            raise UnsafeURL(f"{field}: host '{host}' resolves to {why} address {ip}; outbound requests go to public "
-                            f"addresses only (an operator can allow-list the host in CANARY_URL_ALLOWLIST)")
+        if str(ip) not in allowed:
+            why = _bad(ip)
+            if why:
+                raise UnsafeURL(f"{field}: host '{host}' resolves to {why}; outbound requests go to public "
+                                f"addresses only (an operator can allow-list the host in CANARY_URL_ALLOWLIST)")
+        if str(ip) not in ips:
+            ips.append(str(ip))
+    if not ips:
+        raise UnsafeURL(f"{field}: host '{host}' resolves to no address")
+    return host, ips
+
+
+def check_url(url: str, field: str = "url", resolve=None) -> str:
+    """The URL unchanged, or UnsafeURL naming the field and the reason."""
+    resolve_checked(url, field, resolve)
     return url
+
+
+# -- secrets named by configuration ---------------------------------------------------------------
+def _secret_policy() -> tuple[str, set[str], set[str]]:
+    from app.settings import Settings, get_settings
+
+    s = get_settings()
+    own = {f"CANARY_{name.upper()}" for name in Settings.model_fields}  # the service's own settings are never a tenant's secret
+    return s.secret_env_prefix or "", {n.strip() for n in (s.secret_env_names or "").split(",") if n.strip()}, own
+
+
+def secret_allowed(name: str) -> bool:
+    prefix, names, own = _secret_policy()
+    if name in own:
+        return False
+    return name in names or bool(prefix and name.startswith(prefix) and len(name) > len(prefix))
+
+
+def check_secret_name(name: str, field: str) -> str:
+    """The name unchanged, or SecretNotAllowed naming the field and how to fix it."""
+    if not secret_allowed(name):
+        prefix, _, _ = _secret_policy()
+        how = (f"name a variable that starts with {prefix} (e.g. {prefix}{name.removeprefix(prefix) or 'KEY'})"
+               if prefix else "name a listed variable")
+        raise SecretNotAllowed(f"{field}: '{name}' is not an allowed secret variable; secrets are read only from variables "
+                               f"the operator allows: {how}, or have the operator add '{name}' to CANARY_SECRET_ENV_NAMES")
+    return name
+
+
+def check_secret_ref(value: str | None, field: str) -> str | None:
+    """A ${VAR} reference names an allowed variable (a literal passes unchanged)."""
+    m = ENV_REF.fullmatch(value or "")
+    if m:
+        check_secret_name(m.group(1), field)
+    return value
+
+
+def read_secret(name: str, field: str) -> str | None:
+    """The value of an allowed secret variable (None when unset); SecretNotAllowed otherwise — the
+    check at use time, for rows stored before the allow-list existed."""
+    return os.environ.get(check_secret_name(name, field))
+
+
+# -- checks of stored configuration, at create -----------------------------------------------------
+def check_engine_options(opts: dict | None, field: str = "engine_options") -> None:
+    opts = opts or {}
+    for key in ("base_url", "metrics_url"):
+        if opts.get(key) is not None:
+            check_url(str(opts[key]), f"{field}.{key}")
+    if opts.get("api_key_env") is not None:
+        check_secret_name(str(opts["api_key_env"]), f"{field}.api_key_env")
+
+
+def check_judge(judge: dict | None, field: str = "judge") -> None:
+    judge = judge or {}
+    if judge.get("base_url") is not None:
+        check_url(str(judge["base_url"]), f"{field}.base_url")
+    if judge.get("api_key_env") is not None:
+        check_secret_name(str(judge["api_key_env"]), f"{field}.api_key_env")
+
+
+# -- the check at send time, with the checked address pinned ----------------------------------------
+class _Pins:
+    """Per transport: the address each (scheme, host, port) was checked at, reused for every
+    request of the transport's life (one client, one batch of requests)."""
+
+    def __init__(self, field: str, resolve=None):
+        self.field, self.resolve = field, resolve
+        self.pins: dict[tuple[str, str, int | None], str | None] = {}
+
+    def prepare(self, request: httpx.Request) -> httpx.Request:
+        url = request.url
+        key = (url.scheme, url.host, url.port)
+        if key not in self.pins:
+            _, ips = resolve_checked(str(url), self.field, self.resolve)
+            self.pins[key] = ips[0] if ips else None
+        ip = self.pins[key]
+        if ip is None or ip == url.host:  # allow-listed by name, or already the address
+            return request
+        request.url = url.copy_with(host=ip)  # the Host header keeps the name
+        if url.scheme == "https":  # SNI and the certificate check use the name, not the address
+            request.extensions = {**request.extensions, "sni_hostname": url.host}
+        return request
+
+
+class PinnedTransport(httpx.HTTPTransport):
+    """An httpx transport that checks every request's URL against the policy and connects to the
+    address it checked. ``field`` names the URL in the UnsafeURL it raises."""
+
+    def __init__(self, field: str = "url", resolve=None, **kw):
+        super().__init__(**kw)
+        self._pins = _Pins(field, resolve)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return super().handle_request(self._pins.prepare(request))
+
+
+class AsyncPinnedTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, field: str = "url", resolve=None, **kw):
+        super().__init__(**kw)
+        self._pins = _Pins(field, resolve)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await super().handle_async_request(self._pins.prepare(request))
 
 
 def hide_url_logs() -> None:
@@ -91,3 +284,11 @@ def hide_url_logs() -> None:
     query holds the token): keep those loggers at WARNING in every process of the service."""
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def public_spec(spec: dict | None) -> dict | None:
+    """A stored config spec as responses show it: URLs in engine_options without user:password@."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("engine_options"), dict):
+        return spec
+    opts = {k: mask_userinfo(v) if isinstance(v, str) else v for k, v in spec["engine_options"].items()}
+    return {**spec, "engine_options": opts}

@@ -64,7 +64,13 @@ grep -F "configs[1].weights: unknown weights 'int5'" errors.txt
 ```
 
 Secrets never go into the file: channel URLs and signing secrets are written as `${ENV_VAR}`
-and read from the environment of the worker that sends; judge keys are named by `api_key_env`.
+and read from the environment of the worker that sends; judge and engine keys are named by
+`api_key_env`. Only variables the operator allows may be named: `CANARY_SECRET_…` (the prefix is
+`CANARY_SECRET_ENV_PREFIX`) or those listed in `CANARY_SECRET_ENV_NAMES`; any other name is an
+error naming the field. With `CANARY_ENVIRONMENT=production` a literal channel URL carrying a
+credential (user info, a query string, a token in the path) is refused. Every URL — engine
+`base_url` and `metrics_url`, judge `base_url`, channel `url` — must resolve to public addresses
+(or be on `CANARY_URL_ALLOWLIST`), checked when the file is applied and again at send time.
 
 Limits: a file holds at most 200 configs, 50 suites, 50 channels and 100 schedules
 (`CANARY_MAX_CONFIGS`, `CANARY_MAX_SUITES`, `CANARY_MAX_CHANNELS`, `CANARY_MAX_SCHEDULES`; a

@@ -18,7 +18,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -77,8 +77,16 @@ def spec_delta(before: dict, after: dict) -> SpecStats | None:
 
 
 class OpenAIEngine:
-    def __init__(self, model: str, spec: OptimizationSpec):
+    """``transport`` / ``async_transport``: factories of the httpx transports every request goes
+    through (the service passes ones that check each URL against its outbound policy and pin the
+    checked address); ``secret``: how api_key_env is read (the service passes one that refuses
+    variables off its allow-list). The defaults are plain httpx and os.environ, for library use."""
+
+    def __init__(self, model: str, spec: OptimizationSpec, *, transport: Callable[[], httpx.BaseTransport] | None = None,
+                 async_transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+                 secret: Callable[[str], str | None] = os.environ.get):
         spec.check_available()
+        self._transport, self._async_transport = transport, async_transport
         opts = spec.engine_options
         if "base_url" not in opts:
             raise EndpointError("engine_options.base_url: required for engine 'openai', e.g. http://vllm.internal:8000/v1")
@@ -90,14 +98,17 @@ class OpenAIEngine:
         self.metrics_url = str(opts.get("metrics_url") or self.root + "/metrics")
         self.concurrency = int(opts.get("concurrency", 1))
         self.timeout_s = float(opts.get("timeout_s", 60))
-        key = os.environ.get(str(opts["api_key_env"])) if "api_key_env" in opts else None
+        key = secret(str(opts["api_key_env"])) if "api_key_env" in opts else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # the key goes to the server's own origin only, never to a metrics_url elsewhere
+        self.metrics_headers = self.headers if _origin(self.metrics_url) == _origin(self.base_url) else {}
         self.server_stats: dict = {}
         self.max_model_len = self._check_model()
 
     # -- checks ------------------------------------------------------------------------------------
     def _client(self) -> httpx.Client:
-        return httpx.Client(timeout=self.timeout_s, headers=self.headers, follow_redirects=False)
+        return httpx.Client(timeout=self.timeout_s, headers=self.headers, follow_redirects=False,
+                            transport=self._transport() if self._transport else None)
 
     def _check_model(self) -> int | None:
         url = f"{self.base_url}/models"
@@ -164,7 +175,8 @@ class OpenAIEngine:
         return asyncio.run(self._generate_all(list(requests)))
 
     async def _generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, follow_redirects=False) as c:
+        async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False,
+                                     transport=self._async_transport() if self._async_transport else None) as c:
             before = await self._scrape(c)
             sampled = {"kv_cache_usage_perc": [], "num_requests_waiting": [], "num_requests_running": []}
             done = asyncio.Event()
@@ -204,7 +216,7 @@ class OpenAIEngine:
 
     async def _scrape(self, c: httpx.AsyncClient) -> dict:
         try:
-            r = await c.get(self.metrics_url)
+            r = await c.get(self.metrics_url, headers=self.metrics_headers)
             return parse_metrics(r.text) if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}
@@ -214,7 +226,7 @@ class OpenAIEngine:
                 "seed": req.seed, "stream": True, "stream_options": {"include_usage": True}}
         text, stamps, usage = [], [], {}
         t0 = time.perf_counter()
-        async with c.stream("POST", f"{self.base_url}/completions", json=body) as r:
+        async with c.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as r:
             if r.status_code >= 400:
                 await r.aread()
                 raise EndpointError(f"{self.shown}/completions: HTTP {r.status_code} for request '{req.request_id}': {_message(r)}")
@@ -253,6 +265,14 @@ class OpenAIEngine:
             device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
             versions={"httpx": httpx.__version__}, notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
         )
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    try:
+        u = httpx.URL(url)
+    except httpx.InvalidURL:
+        return ("", url, None)
+    return (u.scheme, u.host, u.port)
 
 
 def redact_url(url: str) -> str:

@@ -17,8 +17,9 @@ BACKENDS = {
 }
 
 
-def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None) -> Engine:
-    """calibration: domain texts for methods that calibrate (AWQ); never the scored samples."""
+def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None, **options) -> Engine:
+    """calibration: domain texts for methods that calibrate (AWQ); never the scored samples.
+    options: keyword arguments for the backend (openai: transport factories and a secret reader)."""
     spec.check_available()
     target = BACKENDS.get(spec.engine)
     if target is None:  # check_available already refused it; this guards a table mismatch
@@ -26,5 +27,5 @@ def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[s
     module, cls = target.split(":")
     engine_cls = getattr(importlib.import_module(module), cls)
     if spec.weights == "awq-int4":
-        return engine_cls(model_path, spec, calibration=calibration)
-    return engine_cls(model_path, spec)
+        return engine_cls(model_path, spec, calibration=calibration, **options)
+    return engine_cls(model_path, spec, **options)

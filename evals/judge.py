@@ -68,7 +68,11 @@ class Usage:
 
 
 class JudgeClient:
-    def __init__(self, cfg: JudgeConfig, cache: dict | None = None, sleep: Callable[[float], None] = time.sleep):
+    """``transport``: the httpx transport requests go through (the service passes one that checks
+    the URL against its outbound policy and pins the checked address); default plain httpx."""
+
+    def __init__(self, cfg: JudgeConfig, cache: dict | None = None, sleep: Callable[[float], None] = time.sleep,
+                 transport: httpx.BaseTransport | None = None):
         self.cfg = cfg
         self.cache: dict[str, ChatReply] = cache if cache is not None else {}
         self.usage = Usage()
@@ -76,7 +80,7 @@ class JudgeClient:
         self._lock = threading.Lock()
         self._next_start = 0.0
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        self.http = httpx.Client(timeout=cfg.timeout_s, headers=headers, follow_redirects=False)
+        self.http = httpx.Client(timeout=cfg.timeout_s, headers=headers, follow_redirects=False, transport=transport)
 
     def close(self) -> None:
         self.http.close()
@@ -133,12 +137,12 @@ class JudgeClient:
                 last = f"unreachable ({type(e).__name__})"
             else:
                 if r.status_code == 200:
-                    return self._reply(r, url)
+                    return self._reply(r, _shown(url))
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
                 if r.status_code == 429 or r.status_code >= 500:
                     wait = _retry_after(r)
                 else:
-                    raise JudgeError(f"judge {url} refused the request ({last}); not retried")
+                    raise JudgeError(f"judge {_shown(url)} refused the request ({last}); not retried")
             if retry == self.cfg.max_http_retries:
                 break
             with self._lock:
@@ -147,7 +151,7 @@ class JudgeClient:
                 base = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2**retry)
                 wait = base * random.uniform(0.5, 1.5)
             self._sleep(min(wait, self.cfg.max_backoff_s))  # a Retry-After of an hour does not stall a run
-        raise JudgeError(f"judge {url} failed after {self.cfg.max_http_retries + 1} attempts: {last}")
+        raise JudgeError(f"judge {_shown(url)} failed after {self.cfg.max_http_retries + 1} attempts: {last}")
 
     def _reply(self, r: httpx.Response, url: str) -> ChatReply:
         try:
@@ -370,3 +374,13 @@ def agreement_with_humans(judge_labels: Sequence, human_labels: Sequence) -> dic
         return {"n": 0, "kappa": None, "raw_agreement": None}
     j, h = zip(*pairs, strict=True)
     return {"n": len(pairs), "kappa": cohen_kappa(j, h), "raw_agreement": sum(a == b for a, b in pairs) / len(pairs)}
+
+
+def _shown(url: str) -> str:
+    """The endpoint as errors name it (they reach the API as a scorer's reason): without
+    user:password@ and the query string, where credentials live."""
+    try:
+        u = httpx.URL(url)
+    except httpx.InvalidURL:
+        return "(invalid URL)"
+    return str(u.copy_with(userinfo=b"", query=None))

@@ -41,7 +41,9 @@ def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] |
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
-    engine = load_engine(model_path, spec, calibration=calibration)
+    from workers.outbound import engine_options
+
+    engine = load_engine(model_path, spec, calibration=calibration, **engine_options(spec))
     _ENGINES[key] = engine
     while len(_ENGINES) > MAX_CACHED_ENGINES:
         _ENGINES.popitem(last=False)
@@ -150,10 +152,10 @@ def _load_job(config_run_id: int) -> dict:
 def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     spec: OptimizationSpec = job["spec"]
     # a served model (engine openai) is named, not a path
-    if spec.engine == "openai":
-        from app.ssrf import check_url
+    if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
+        from workers.outbound import check_engine
 
-        check_url(str(spec.engine_options.get("base_url", "")), "engine_options.base_url")
+        check_engine(spec)
     model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
     engine = get_engine(model, spec, job["calibration"])
     suite = job["suite"]

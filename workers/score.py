@@ -7,7 +7,6 @@ results stand."""
 from __future__ import annotations
 
 import logging
-import os
 
 from app import repo
 from app.models import Run, Suite
@@ -20,14 +19,15 @@ _OFFLINE: dict[float, OfflineFaithfulness] = {}  # the embedder loads once per p
 
 
 def judge_client(settings: dict) -> JudgeClient:
-    from app.ssrf import check_url
+    """The judge's URL and key name pass the outbound policy again here, at use; every request
+    then goes through a transport that checks the URL and pins the address it checked."""
+    from workers.outbound import judge_http
 
-    check_url(settings["base_url"], "judge.base_url")
-    key_env = settings.get("api_key_env")
+    key, transport = judge_http(settings)
     return JudgeClient(JudgeConfig(
-        base_url=settings["base_url"], model=settings["model"], api_key=os.environ.get(key_env) if key_env else None,
+        base_url=settings["base_url"], model=settings["model"], api_key=key,
         concurrency=settings.get("concurrency", 4), requests_per_second=settings.get("requests_per_second"),
-        timeout_s=settings.get("timeout_s", 30)))
+        timeout_s=settings.get("timeout_s", 30)), transport=transport)
 
 
 def score_run(session, run: Run) -> dict[str, str]:

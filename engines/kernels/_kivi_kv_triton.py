@@ -77,7 +77,7 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
     start = chunk * CHUNK
-    for s0 in range(start, start + CHUNK, BLOCK_S):
+    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         ck, cv = valid & (rs < nk), valid & (rs < nv)

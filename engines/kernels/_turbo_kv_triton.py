@@ -92,7 +92,7 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
     start = chunk * CHUNK
-    for s0 in range(start, start + CHUNK, BLOCK_S):
+    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         kv = _select(_unpack(kc_ptr, row_off, rs, valid, D, BITS), book_ptr, 2**BITS)
@@ -126,7 +126,7 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H,
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
     start = chunk * CHUNK
-    for s0 in range(start, start + CHUNK, BLOCK_S):
+    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         kt = tl.load(k_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)

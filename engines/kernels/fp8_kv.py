@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import merge_split_k
+from engines.kernels.turbo_kv import default_block_s, merge_split_k, split_k_chunk
 
 FP8 = torch.float8_e4m3fn
 
@@ -37,11 +37,14 @@ def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def decode_attention(q, k8, v8, lengths, chunk: int = 64, block_s: int = 16) -> torch.Tensor:
+def decode_attention(q, k8, v8, lengths, chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8; lengths [B] → [B, H, D] (chunk: turbo_kv.split_k_chunk)."""
     from engines.kernels._turbo_kv_triton import fp8_attention_kernel
 
     B, H, D = q.shape
     Hkv, S = k8.shape[1], k8.shape[2]
+    block_s = block_s or default_block_s(q.device)
+    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
     n_chunks = math.ceil(S / chunk)
     m = torch.empty(B * H, n_chunks, device=q.device)
     l = torch.empty(B * H, n_chunks, device=q.device)

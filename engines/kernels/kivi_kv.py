@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import merge_split_k
+from engines.kernels.turbo_kv import default_block_s, merge_split_k, split_k_chunk
 
 GROUP = 32
 
@@ -122,12 +122,14 @@ def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
 
 
 def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int,
-                     chunk: int = 64, block_s: int = 16) -> torch.Tensor:
-    """Shapes as decode_attention_reference."""
+                     chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
+    """Shapes as decode_attention_reference (chunk: turbo_kv.split_k_chunk)."""
     from engines.kernels._kivi_kv_triton import attention_kernel
 
     B, H, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    block_s = block_s or default_block_s(q.device)
+    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
     _check(D, bits)
     n_chunks = math.ceil(S / chunk)
     m = torch.empty(B * H, n_chunks, device=q.device)

@@ -87,6 +87,20 @@ def merge_split_k(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.
     return (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
 
 
+def split_k_chunk(S: int, rows: int, device, block_s: int) -> int:
+    """Tokens per split-K program of a decode-attention kernel. At batch 1 the grid has only
+    B·H rows (32 for Llama-3-8B): the sequence is split so that rows × chunks ≈ 4 programs per SM
+    (528 on an H100's 132), and no more — each chunk writes a [D] partial that merge_split_k
+    reads back, so tiny chunks would add traffic in proportion to S."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
+    n_chunks = max(1, min(math.ceil(S / block_s), math.ceil(4 * sms / rows)))
+    return math.ceil(math.ceil(S / n_chunks) / block_s) * block_s
+
+
+def default_block_s(device) -> int:
+    return 64 if torch.device(device).type == "cuda" else 16  # the interpreter runs small tiles faster
+
+
 def _get():
     if not _kernels:
         from engines.kernels import _turbo_kv_triton as k
@@ -109,10 +123,13 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 
 
 
 def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,
-                     chunk: int = 64, block_s: int = 16) -> torch.Tensor:
-    """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S]; lengths [B] → [B, H, D]."""
+                     chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S]; lengths [B] → [B, H, D].
+    chunk: tokens per split-K program (default split_k_chunk)."""
     B, H, D = q.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
+    block_s = block_s or default_block_s(q.device)
+    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
     _, attention = _get()
     rot, book = rotation_and_codebook(D, bits, seed, q.device)
     q_rot = (q.float() @ rot.T).contiguous()  # rotate the query once

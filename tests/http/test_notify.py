@@ -47,8 +47,8 @@ def row(nid: int) -> Notification:
 
 
 def test_delivered_once_with_idempotency_key_and_signature(sqlite_env, receiver, monkeypatch):
-    monkeypatch.setenv("HOOK_SECRET", "s3cret")
-    _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${HOOK_SECRET}")
+    monkeypatch.setenv("CANARY_SECRET_HOOK", "s3cret")
+    _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${CANARY_SECRET_HOOK}")
     assert deliver() == {"sent": 1, "retry": 0, "dead": 0}
     assert deliver() == {"sent": 0, "retry": 0, "dead": 0}  # sent rows are never posted again
     (req,) = receiver.requests
@@ -144,11 +144,11 @@ def test_discord_404_disables_the_channel(sqlite_env, receiver):
 
 
 def test_unset_secret_reference_waits_for_the_operator(sqlite_env, receiver, monkeypatch):
-    monkeypatch.delenv("NOPE_URL", raising=False)
-    _, (nid,) = add("webhook", "${NOPE_URL}")
+    monkeypatch.delenv("CANARY_SECRET_NOPE_URL", raising=False)
+    _, (nid,) = add("webhook", "${CANARY_SECRET_NOPE_URL}")
     assert deliver()["retry"] == 1
-    assert "refers to ${NOPE_URL}, which is not set" in row(nid).last_error
-    monkeypatch.setenv("NOPE_URL", receiver.url)
+    assert "refers to ${CANARY_SECRET_NOPE_URL}, which is not set" in row(nid).last_error
+    monkeypatch.setenv("CANARY_SECRET_NOPE_URL", receiver.url)
     assert deliver(now=row(nid).next_attempt_at)["sent"] == 1
 
 

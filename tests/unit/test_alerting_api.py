@@ -46,7 +46,7 @@ def test_channel_urls_are_masked_and_silences_expire(project):
     assert r.status_code == 200 and r.json()["url"] == "https://hooks.slack.test/***"
     assert "SECRETTOKEN" not in project.get("/projects/a/channels").text
     r = project.put("/projects/a/channels", json={"name": "q", "kind": "webhook", "url": "https://user:pw@hooks.test:8443?token=QTOKEN",
-                                                  "signing_secret": "${HOOK_SECRET}"})
+                                                  "signing_secret": "${CANARY_SECRET_HOOK}"})
     assert r.json()["url"] == "https://hooks.test:8443/***" and r.json()["signing_secret_set"] is True
     assert "QTOKEN" not in project.get("/projects/a/channels").text and "pw@" not in project.get("/projects/a/channels").text
     r = project.post("/projects/a/silences", json={"matchers": [{"name": "config", "value": "int.*", "isRegex": True}],
@@ -65,6 +65,6 @@ def test_channel_urls_are_masked_and_silences_expire(project):
 def test_a_rejected_channel_body_is_not_echoed(project):
     # FastAPI's default 422 repeats the input; a channel body carries its webhook URL and secret
     r = project.put("/projects/a/channels", json={"name": "c", "kind": "pager", "url": "https://hooks.test/T0/ECHOTOKEN",
-                                                  "signing_secret": "${S}", "extra": "ECHOSECRET"})
+                                                  "signing_secret": "${CANARY_SECRET_S}", "extra": "ECHOSECRET"})
     assert r.status_code == 422 and {"kind", "extra"} <= {d["loc"][-1] for d in r.json()["detail"]}
     assert "ECHOTOKEN" not in r.text and "ECHOSECRET" not in r.text

@@ -4,6 +4,7 @@ the operator allow-list. (The check at send time: tests/http/test_notify.py.)"""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -70,3 +71,79 @@ def test_allow_list(monkeypatch):
     with pytest.raises(UnsafeURL):
         check_url("http://other.internal", resolve=fake_dns("10.0.0.6"))
     get_settings.cache_clear()
+
+
+# -- IPv6 forms that embed an IPv4 address (REFERENCE.md §10): unwrapped before the checks ----------
+EMBEDDED = [
+    ("http://[2002:a9fe:a9fe::]/", "link-local address 169.254.169.254 (embedded in 6to4"),
+    ("http://[2002:7f00:1::]/", "loopback address 127.0.0.1 (embedded in 6to4"),
+    ("http://[2002:a00:1::]/", "private address 10.0.0.1 (embedded in 6to4"),
+    ("http://[64:ff9b::a9fe:a9fe]/", "link-local address 169.254.169.254 (embedded in NAT64"),
+    ("http://[64:ff9b::7f00:1]/", "loopback address 127.0.0.1 (embedded in NAT64"),
+    ("http://[64:ff9b:1::a00:1]/", "local-use NAT64"),
+    # Teredo: the client's IPv4 is the last 32 bits XOR 0xffffffff
+    ("http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/", "loopback address 127.0.0.1 (embedded in Teredo"),
+    ("http://[2001:0:4136:e378:8000:63bf:5601:5601]/", "link-local address 169.254.169.254 (embedded in Teredo"),
+    ("http://[::ffff:169.254.169.254]/", "link-local address 169.254.169.254 (embedded in IPv4-mapped"),
+]
+
+
+@pytest.mark.parametrize("url,why", EMBEDDED)
+def test_embedded_ipv4_is_unwrapped(url, why, monkeypatch):
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "")
+    from app.settings import get_settings
+
+    get_settings.cache_clear()
+    with pytest.raises(UnsafeURL, match=re.escape(why)):
+        check_url(url, "engine_options.base_url")
+    get_settings.cache_clear()
+
+
+def test_a_6to4_address_of_a_public_ipv4_passes(monkeypatch):
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "")
+    from app.settings import get_settings
+
+    get_settings.cache_clear()
+    assert check_url("http://[2002:808:808::]/v1")  # 8.8.8.8 inside
+    get_settings.cache_clear()
+
+
+# -- secret names: only from the operator's allow-list ---------------------------------------------
+def test_secret_names_come_from_the_allow_list_only(monkeypatch):
+    from app.settings import get_settings
+    from app.ssrf import SecretNotAllowed, check_secret_name, check_secret_ref, read_secret
+
+    monkeypatch.setenv("CANARY_SECRET_ENV_NAMES", "VLLM_API_KEY")
+    monkeypatch.setenv("CANARY_SECRET_JUDGE", "judge-key")
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    get_settings.cache_clear()
+    try:
+        assert check_secret_name("CANARY_SECRET_JUDGE", "judge.api_key_env") == "CANARY_SECRET_JUDGE"
+        assert read_secret("CANARY_SECRET_JUDGE", "judge.api_key_env") == "judge-key"
+        assert read_secret("VLLM_API_KEY", "engine_options.api_key_env") == "vllm-key"  # listed explicitly
+        assert check_secret_ref("https://hooks.example.com/x", "url") == "https://hooks.example.com/x"  # a literal is no name
+        for name in ("CANARY_DATABASE_URL", "CANARY_BROKER_URL", "DATABASE_URL", "HOME", "AWS_SECRET_ACCESS_KEY",
+                     "CANARY_SECRET_", "CANARY_SECRET_ENV_NAMES", "canary_secret_x"):
+            with pytest.raises(SecretNotAllowed, match=r"engine_options.api_key_env: '.*' is not an allowed secret variable.*CANARY_SECRET_"):
+                read_secret(name, "engine_options.api_key_env")
+        with pytest.raises(SecretNotAllowed, match=r"channels\[0\].url: 'CANARY_DATABASE_URL'"):
+            check_secret_ref("${CANARY_DATABASE_URL}", "channels[0].url")
+    finally:
+        get_settings.cache_clear()
+
+
+def test_credentials_in_urls_are_recognised_and_masked():
+    from app.ssrf import has_credentials, mask_url, mask_userinfo, public_spec
+
+    assert has_credentials("https://ops:pw@hooks.example.com/x") == "user:password@"
+    assert has_credentials("https://hooks.example.com/x?token=abc") == "a query string"
+    assert has_credentials("https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXXXXXXXXXXXXXX") == "a token in the path"
+    assert has_credentials("https://discord.com/api/webhooks/1/abc") == "a token in the path"
+    assert has_credentials("http://alertmanager:9093") is None
+    assert has_credentials("https://hooks.example.com/alerts") is None
+    assert mask_userinfo("http://ops:PASSWORD@vllm:8000/v1") == "http://***@vllm:8000/v1"
+    assert mask_userinfo("http://vllm:8000/v1") == "http://vllm:8000/v1"
+    assert mask_url("http://ops:pw@[::1]:8000/v1?k=1") == "http://[::1]:8000/***"
+    spec = {"engine": "openai", "engine_options": {"base_url": "http://u:PW@e/v1", "metrics_url": "http://u:PW@e/metrics", "concurrency": 2}}
+    assert "PW" not in str(public_spec(spec)) and public_spec(spec)["engine_options"]["concurrency"] == 2
+    assert "PW" in spec["engine_options"]["base_url"]  # the stored spec is untouched

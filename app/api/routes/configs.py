@@ -7,6 +7,7 @@ from app.api.deps import ProjectDep, SessionDep
 from app.models import OptimizationConfig
 from app.repo import Conflict, NotFound
 from app.schemas import ConfigIn, ConfigOut, error_responses
+from app.ssrf import public_spec
 from app.services import check_config_fits_model, check_project_room
 from engines.spec import ConfigNotAvailable
 
@@ -14,7 +15,8 @@ router = APIRouter(tags=["configs"], responses=error_responses(404))
 
 
 def _out(c: OptimizationConfig) -> ConfigOut:
-    return ConfigOut(id=c.id, name=c.name, model=c.model.name, baseline=c.is_baseline, spec=c.spec)
+    # an engine URL may carry user:password@: never echoed
+    return ConfigOut(id=c.id, name=c.name, model=c.model.name, baseline=c.is_baseline, spec=public_spec(c.spec))
 
 
 @router.post("/projects/{project}/configs", status_code=status.HTTP_201_CREATED, response_model=ConfigOut,

@@ -10,6 +10,7 @@ from app.models import Model, Project
 from app.repo import Conflict
 from app.schemas import ModelIn, ModelOut, ProjectIn, ProjectOut, error_responses
 from app.services import check_model_path
+from app.ssrf import mask_userinfo
 
 router = APIRouter(tags=["projects"])
 
@@ -40,10 +41,10 @@ def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> Mod
         raise Conflict(f"name: model '{body.name}' already exists in project '{project.name}'")
     check_model_path(body.path, "path")
     m = repo.upsert_model(session, project, body.name, body.path)
-    return ModelOut(id=m.id, name=m.name, path=m.path)
+    return ModelOut(id=m.id, name=m.name, path=mask_userinfo(m.path))
 
 
 @router.get("/projects/{project}/models", response_model=list[ModelOut], responses=error_responses(404))
 def list_models(project: ProjectDep, session: SessionDep) -> list[ModelOut]:
     rows = session.scalars(select(Model).where(Model.project_id == project.id).order_by(Model.id))
-    return [ModelOut(id=m.id, name=m.name, path=m.path) for m in rows]
+    return [ModelOut(id=m.id, name=m.name, path=mask_userinfo(m.path)) for m in rows]

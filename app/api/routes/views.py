@@ -11,6 +11,7 @@ from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Run, SampleResult, Schedule
 from app.schemas import error_responses
+from app.ssrf import public_spec
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
 
@@ -47,7 +48,7 @@ def overview(project: ProjectDep, session: SessionDep) -> dict:
     for cfg, run_id in rows:
         run = runs.get(run_id)
         models.setdefault(cfg.model.name, []).append({
-            "config": cfg.name, "baseline": cfg.is_baseline, "spec": cfg.spec, "run_id": run_id,
+            "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
             "checked_at": iso(run.finished_at) if run else None,
             "comparisons": comps.get((run_id, cfg.id), {}), "figures": figures.get((run_id, cfg.id), {})})
     from app.api.routes.schedules import out as schedule_out
