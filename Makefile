@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-.PHONY: install demo test serve
+.PHONY: install demo test serve gpu-report
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -22,3 +22,12 @@ test: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve
+
+# The GPU report (README "GPU report"): the kernel tests on CUDA plus benchmarks/kernels.py, one
+# JSON object. No .venv needed: it runs on .venv's python when there is one, else python3 (a GPU
+# image with torch, Triton, transformers and pytest); `make gpu-report PY=python3` picks one.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+BENCH_ARGS ?=
+
+gpu-report:
+	@$(GPU_PY) benchmarks/gpu_report.py $(BENCH_ARGS)

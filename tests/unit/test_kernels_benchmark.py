@@ -1,0 +1,90 @@
+"""benchmarks/kernels.py without a GPU: `--help` runs nothing; without CUDA it says why and exits 0;
+the CPU smoke run (tiny shapes, kernels on the Triton interpreter, 1 repeat) prints one JSON
+object whose kernel-vs-reference checks all hold, whose decode matches transformers' generate on
+the same weights, and whose every timed figure carries its spread; a failed check exits 1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "kernels.py"
+
+
+def run(*argv: str, code: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("CANARY_KERNELS", None)
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, str(SCRIPT), *argv]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def last_json(p: subprocess.CompletedProcess) -> dict:
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_help_prints_usage_and_runs_nothing():
+    code = (f"import runpy, sys\nsys.argv = [{str(SCRIPT)!r}, '--help']\n"
+            f"try:\n    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'torch' not in sys.modules, '--help imported torch'\nprint('HELP-ONLY')")
+    p = run(code=code)
+    assert p.returncode == 0, p.stderr
+    assert "usage: benchmarks/kernels.py" in p.stdout and "--repeats" in p.stdout and "--long-context" in p.stdout
+    assert p.stdout.strip().endswith("HELP-ONLY")  # no JSON: nothing was measured
+
+
+def test_cpu_without_smoke_is_refused():
+    p = run("--device", "cpu")
+    assert p.returncode == 2 and "--smoke" in p.stderr and p.stdout == ""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+def test_no_cuda_skips_with_a_reason():
+    p = run()
+    assert p.returncode == 0, p.stderr
+    assert "no CUDA device" in last_json(p)["skipped"]
+
+
+def test_cpu_smoke_checks_hold_and_figures_have_spread():
+    p = run("--device", "cpu", "--smoke")
+    assert p.returncode == 0, p.stderr[-4000:]
+    d = last_json(p)
+    assert d["smoke"] and d["triton_interpreter"] and d["errors"] == {}
+    assert d["all_checks_equal"] and {c["check"].split()[0] for c in d["checks"]} == {"w4a16", "turbo3", "kivi2", "fp8"}
+    assert all(c["equal"] and c["max_abs_error"] <= c["tolerance"] for c in d["checks"])
+    assert {(r["K"], r["N"], r["batch"]) for r in d["w4a16"]} == {(128, 64, 1), (128, 64, 16)}
+    for r in d["w4a16"]:
+        assert set(r["w4a16_ms"]) == set(r["torch_fp16_ms"]) == {"median", "min", "max", "repeats"}
+        assert r["speedup_vs_fp16"]["target"] and r["speedup_vs_fp16"]["meets_target"] is None  # smoke says nothing
+    att = d["decode_attention"][0]
+    assert all(att[k]["equal_to_reference"] and "median" in att[k]["ms"] for k in ("turbo3", "kivi2", "fp8"))
+    dec = d["decode_8b"]
+    got = {(c["weights"], c["kv_cache"], c["context"]) for c in dec["configs"]}
+    assert got == {("fp16", kv, 16) for kv in ("fp16", "fp8", "kivi-2", "turbo-3")} | {
+        ("fp16", kv, 32) for kv in ("fp16", "turbo-3", "kivi-2")} | {("rtn-int4", kv, 16) for kv in ("fp16", "turbo-3")}
+    assert all(c["tokens_same_every_run"] and "median" in c["decode_tok_s"] for c in dec["configs"])
+    fp16 = next(c for c in dec["configs"] if c["kv_cache"] == "fp16" and c["context"] == 16 and c["weights"] == "fp16")
+    assert fp16["bandwidth_bound"]["tok_s"] > 0 and "150 tok/s" in fp16["target"]["target"]
+    peer = dec["transformers_generate"]["eager_dynamic_cache"]
+    assert peer["agreement_with_ours_fp16"]["prefill_top1_equal"]
+    assert peer["agreement_with_ours_fp16"]["tokens_identical"], peer
+    tiny = d["tiny_model"]
+    if "skipped" not in tiny:  # needs pydantic (the GPU image may lack it)
+        assert set(tiny["weights"]) == {"fp16", "rtn-int4"}
+        assert all("median" in tiny["weights"][w]["cpu"]["decode_tok_s"] for w in tiny["weights"])
+
+
+def test_a_failed_check_exits_1_after_printing_the_json():
+    code = (f"import sys\nsys.argv = ['kernels.py', '--device', 'cpu', '--smoke', '--skip', 'attention', 'decode', 'tiny']\n"
+            "import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('bench_kernels', {str(SCRIPT)!r})\n"
+            "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+            "real = m.check\nm.check = lambda *a, **k: {**real(*a, **k), 'equal': False}\nsys.exit(m.main())")
+    p = run(code=code)
+    assert p.returncode == 1, p.stderr[-4000:]
+    d = last_json(p)
+    assert d["all_checks_equal"] is False and len(d["checks"]) == 2
