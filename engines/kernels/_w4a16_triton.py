@@ -46,21 +46,43 @@ def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
 def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
                 GROUP: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K: tl.constexpr):
-    # decode (M ≤ 16): no tensor cores (a dot needs ≥ 16 rows); each program streams a
-    # [K/SPLIT_K, BLOCK_N] slab of packed weights once — the op is bound by those bytes — and
-    # reduces x·W on the CUDA cores. Split-K programs add their partial sums into y (fp32).
+    # decode (M ≤ 16), bound by the packed weight bytes it streams: each program reads its
+    # [K/SPLIT_K, BLOCK_N/8] slab of int32 words once, as contiguous rows (vectorized loads),
+    # and unpacks the 8 nibbles of each word in registers. Columns stay in the packed order
+    # (nibble i of word c holds column 8c + AWQ_ORDER[i]): scales and the output are addressed
+    # through that permutation, so no nibble is reordered. A BLOCK_K tile lies inside one
+    # quantization group (GROUP % BLOCK_K == 0): zeros and scales are read once per tile.
+    # Split-K programs add their partial sums into y (fp32).
+    W: tl.constexpr = BLOCK_N // 8
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, M_PAD)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = pid_n * W + tl.arange(0, W)  # packed word columns [W]
+    lane = tl.arange(0, 8)
+    shift = lane * 4
+    col = tl.reshape(rw[:, None] * 8 + ((lane % 4) * 2 + lane // 4)[None, :], (BLOCK_N,))  # AWQ_ORDER[i] = 2(i%4) + i//4
+    word_ok = rw < N // 8
+    col_ok = col < N
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    for k0 in range(pid_k * k_per, (pid_k + 1) * k_per, BLOCK_K):
+    for k0 in range(pid_k * k_per, tl.minimum((pid_k + 1) * k_per, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
-        w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP)
-        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
-    ptrs = y_ptr + rm[:, None] * N + rn[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        packed = tl.load(qw_ptr + rk[:, None] * (N // 8) + rw[None, :], mask=(rk[:, None] < K) & word_ok[None, :], other=0)
+        q = tl.reshape((packed[:, :, None] >> shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
+        g = k0 // GROUP
+        zp = tl.load(qz_ptr + g * (N // 8) + rw, mask=word_ok, other=0)
+        z = tl.reshape((zp[:, None] >> shift[None, :]) & 0xF, (BLOCK_N,))
+        sc = tl.load(s_ptr + g * N + col, mask=col_ok, other=0.0).to(tl.float32)
+        w = (q - z[None, :]).to(tl.float32) * sc[None, :]  # [BLOCK_K, BLOCK_N]
+        if M_PAD >= 16:  # a whole decode batch: tensor cores
+            if x.dtype == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    ptrs = y_ptr + rm[:, None] * N + col[None, :]
+    mask = (rm[:, None] < M) & col_ok[None, :]
     if SPLIT_K == 1:
         tl.store(ptrs, acc, mask=mask)
     else:
@@ -74,9 +96,13 @@ def gemm_configs():
 
 
 def gemv_configs():
+    # Hopper: 132 SMs. At batch 1 a 4096-wide layer has only 4096 / BLOCK_N column blocks, so
+    # split-K multiplies the programs (N=4096, BLOCK_N=128: 32 blocks × SPLIT_K 8 = 256 programs);
+    # BLOCK_K divides the group size 128 so that a tile's zeros and scales are one row.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-            for bn, bk, sk, w, st in ((64, 128, 1, 4, 3), (128, 128, 1, 4, 3), (64, 128, 4, 4, 3), (128, 64, 4, 4, 4),
-                                      (128, 128, 8, 4, 3), (256, 64, 8, 8, 4), (64, 256, 16, 4, 3), (128, 128, 16, 8, 3))]
+            for bn, bk, sk, w, st in ((128, 128, 1, 4, 3), (256, 128, 1, 8, 3), (128, 128, 4, 4, 3), (128, 64, 4, 4, 4),
+                                      (128, 128, 8, 4, 3), (256, 64, 8, 8, 4), (64, 128, 16, 4, 3), (128, 128, 16, 8, 3),
+                                      (256, 128, 16, 8, 4), (512, 64, 8, 8, 4), (128, 32, 32, 4, 4))]
 
 
 _autotuned = {}

@@ -5,8 +5,9 @@ packed 8 per int32 along N in the order [0, 2, 4, 6, 1, 3, 5, 7], scales fp16 pe
 Shapes: x [M, K] (fp16 / bf16 / fp32), qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
 scales [K/G, N] → y [M, N] in x's dtype.
 
-Two kernels (_w4a16_triton.py): a skinny GEMV for decode batches (M ≤ 16: CUDA-core reduction,
-split-K so that a 4096-wide layer fills the SMs, bound by the packed weight bytes it streams) and
+Two kernels (_w4a16_triton.py): a skinny GEMV for decode batches (M ≤ 16: each packed word read
+once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
+rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
 a tiled GEMM for prefill (tensor-core dots on dequantized tiles). On CUDA both autotune.
 """
 
@@ -35,6 +36,8 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     N = qweight.shape[1] * 8
     if K % group_size:
         raise ValueError(f"K={K} must be a multiple of the group size {group_size}")
+    if M <= GEMV_MAX_M and group_size % (128 if tune or (tune is None and x.is_cuda) else 32):
+        raise ValueError(f"the W4A16 GEMV reads a tile's zeros and scales once: group size {group_size} must be a multiple of its K tile (128 when tuned)")
     tune = x.is_cuda if tune is None else tune
     x = x.contiguous()
     args = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
