@@ -16,6 +16,7 @@ with a log-sum-exp merge.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -92,9 +93,14 @@ def split_k_chunk(S: int, rows: int, device, block_s: int) -> int:
     B·H rows (32 for Llama-3-8B): the sequence is split so that rows × chunks ≈ 4 programs per SM
     (528 on an H100's 132), and no more — each chunk writes a [D] partial that merge_split_k
     reads back, so tiny chunks would add traffic in proportion to S."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 4
+    sms = _sm_count(str(device)) if torch.device(device).type == "cuda" else 4
     n_chunks = max(1, min(math.ceil(S / block_s), math.ceil(4 * sms / rows)))
     return math.ceil(math.ceil(S / n_chunks) / block_s) * block_s
+
+
+@functools.lru_cache
+def _sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_block_s(device) -> int:

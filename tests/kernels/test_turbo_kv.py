@@ -75,7 +75,9 @@ def test_split_k_fills_the_sms_without_tiny_chunks(monkeypatch, S, rows, sms, wa
         multi_processor_count = sms
 
     monkeypatch.setattr(turbo.torch.cuda, "get_device_properties", lambda d: Props)
+    turbo._sm_count.cache_clear()
     block_s = 64
     chunk = turbo.split_k_chunk(S, rows, "cuda", block_s)
     assert chunk % block_s == 0
     assert -(-S // chunk) == want_chunks
+    turbo._sm_count.cache_clear()
