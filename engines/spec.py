@@ -74,6 +74,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "concurrency": (int, "generation requests decoded together as one batch (default 1)"),
         "calibration_samples": (int, "AWQ calibration windows (default 128)"),
         "calibration_tokens": (int, "tokens per AWQ calibration window (default min(512, context))"),
+        "cuda_graphs": (bool, "replay each decode step as a CUDA graph (default: true on CUDA)"),
     },
     "openai": {
         "base_url": (str, "the server's OpenAI base URL, e.g. http://vllm.internal:8000/v1 (required)"),
@@ -201,7 +202,7 @@ class OptimizationSpec(BaseModel):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: unknown option for engine '{self.engine}'; options: {known}")
             kind = options[key][0]
-            if not isinstance(value, kind) or isinstance(value, bool):
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
             if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens", "timeout_s",

@@ -76,3 +76,13 @@ def test_which_formats_replay_as_a_cuda_graph(name, capturable):
 def test_graphs_asked_for_on_cpu_say_why_not(engine):
     d = Decoder(engine.model, engine.kv, 1, 8, "cpu", torch.float32, graphs=True)
     assert not d.graphs_wanted and d.graphs_reason == "CUDA graphs need a CUDA device"
+
+
+def test_cuda_graphs_option_takes_a_bool_only():
+    from engines.spec import ConfigNotAvailable
+
+    OptimizationSpec(engine="reference", engine_options={"cuda_graphs": False}).check_available()
+    with pytest.raises(ConfigNotAvailable, match="engine_options.cuda_graphs: expected bool"):
+        OptimizationSpec(engine="reference", engine_options={"cuda_graphs": "yes"}).check_available()
+    with pytest.raises(ConfigNotAvailable, match="engine_options.batch_size: expected int"):
+        OptimizationSpec(engine="reference", engine_options={"batch_size": True}).check_available()
