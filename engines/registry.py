@@ -26,6 +26,6 @@ def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[s
         raise ValueError(f"engine: '{spec.engine}' has no backend in this release")
     module, cls = target.split(":")
     engine_cls = getattr(importlib.import_module(module), cls)
-    if spec.weights == "awq-int4":
+    if spec.weights == "awq-int4" and spec.engine == "reference":  # the one backend that quantizes itself
         return engine_cls(model_path, spec, calibration=calibration, **options)
     return engine_cls(model_path, spec, **options)

@@ -108,3 +108,16 @@ def test_memory_figures_are_measured_from_what_the_engine_holds():
     # and compressed kq, vq buffers in fp16: 4 × 6 layers × 2 rows × 2 kv heads × 64 × 32 dims × 2 B
     assert len(e.tokenizer(TEXT, add_special_tokens=False)["input_ids"]) == 89
     assert d.peak_kv_cache_bytes == 4 * 6 * 2 * 2 * 64 * 32 * 2
+
+
+def test_an_openai_config_labelled_awq_loads_without_calibration():
+    # the server runs AWQ itself: calibration text is only for the engine that quantizes
+    from engines.openai import OpenAIEngine
+
+    from engines.openai import EndpointError
+
+    spec = OptimizationSpec(engine="openai", weights="awq-int4", engine_options={"base_url": "http://vllm.invalid:8000/v1"})
+    # the constructor gets as far as asking the (unresolvable) server, not a TypeError on calibration=
+    with pytest.raises(EndpointError, match="unreachable"):
+        load_engine("served-model", spec, calibration=["text"])
+    assert OpenAIEngine.__init__.__kwdefaults__ is not None and "calibration" not in OpenAIEngine.__init__.__kwdefaults__
