@@ -343,12 +343,28 @@ def claim_config_run(session: Session, config_run_id: int, worker: str, lease_se
     return row.attempt
 
 
-def heartbeat(session: Session, config_run_id: int, attempt: int, lease_seconds: int, done: int, total: int) -> bool:
-    """Renew the lease and record progress; False when another attempt has taken over."""
+def heartbeat(session: Session, config_run_id: int, attempt: int, lease_seconds: float,
+              done: int | None = None, total: int | None = None) -> bool:
+    """Renew the lease, and record progress when given; False when another attempt has taken
+    over (or the config-run is no longer running)."""
+    values: dict[str, Any] = {"lease_expires_at": utcnow() + timedelta(seconds=lease_seconds)}
+    if done is not None:
+        values.update(progress_done=done, progress_total=total)
     res = session.execute(
         update(ConfigRun)
         .where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running")
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds), progress_done=done, progress_total=total)
+        .values(**values)
+    )
+    return res.rowcount == 1
+
+
+def release_lease(session: Session, config_run_id: int, attempt: int, note: str) -> bool:
+    """An attempt that stops working on a config-run while its process lives lets go of the
+    lease at once and says why in `error` (the next claim clears it; a give-up quotes it)."""
+    res = session.execute(
+        update(ConfigRun)
+        .where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running")
+        .values(lease_expires_at=utcnow(), error=note)
     )
     return res.rowcount == 1
 

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import statistics
+import threading
 import traceback
 from datetime import timezone
 from collections import OrderedDict
@@ -28,7 +29,7 @@ from engines.zoo import resolve_model_path
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
-DOC_BATCH = 8  # documents per engine call; progress, heartbeat and a commit after each
+DOC_BATCH = 8  # documents per engine call; progress and a commit after each (the lease: LeaseKeeper)
 _ENGINES: OrderedDict[str, Any] = OrderedDict()
 MAX_CACHED_ENGINES = 2  # a GPU holds one or two models at once
 
@@ -81,35 +82,141 @@ def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
         return "skipped"  # gone, finished, or another worker holds a live lease
     outcome = "failed"
     if attempt is not None:
-        try:
-            job = retry_transient(lambda: _load_job(config_run_id), f"load config-run {config_run_id}")
-            _score(config_run_id, attempt, job, settings)
-            outcome = "succeeded"
-        except _LostLease as e:
-            log.warning("%s", e)
-            return "superseded"
-        except Exception as e:
-            if is_transient(e):  # the database stayed away: the lease runs out and the reconciler re-sends it
-                log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)", config_run_id, attempt,
-                          type(e).__name__)
-                return "interrupted"
-            # the config-run fails with its reason; other configs are untouched
-            log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
-            retry_transient(lambda: _finish(config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}"),
-                            f"record the failure of config-run {config_run_id}")
+        # the lease is renewed from here on by a thread of this process, whatever the task is
+        # doing (model load, calibration, a long batch), until the attempt ends
+        with LeaseKeeper(config_run_id, attempt, settings.lease_seconds) as lease:
+            try:
+                job = retry_transient(lambda: _load_job(config_run_id), f"load config-run {config_run_id}")
+                _score(config_run_id, attempt, job, settings, lease)
+                outcome = "succeeded"
+            except _LostLease as e:
+                log.warning("%s", e)
+                return "superseded"
+            except Exception as e:
+                if is_transient(e):  # the database stayed away: the reconciler re-sends it once the lease is free
+                    log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)", config_run_id,
+                              attempt, type(e).__name__)
+                    lease.stop()
+                    _note_interruption(config_run_id, attempt, settings,
+                                       f"the database was unreachable for longer than CANARY_DB_RETRY_SECONDS "
+                                       f"({settings.db_retry_seconds:g} s; {type(e).__name__})")
+                    return "interrupted"
+                # the config-run fails with its reason; other configs are untouched
+                log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
+                retry_transient(lambda: _finish(config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}"),
+                                f"record the failure of config-run {config_run_id}")
     if retry_transient(lambda: _try_start_aggregation(run_id), f"aggregation trigger of run {run_id}"):
         dispatcher.send(AGGREGATE_RUN, run_id)  # after the commit: the task must see every config-run finished
     return outcome
 
 
+INTERRUPTED = "attempt {attempt} interrupted: "  # how an attempt that let go of its lease says why (in `error`)
+
+
 def give_up_reason(cr: ConfigRun) -> str:
-    """Why a config-run is abandoned (a poison job): every attempt took the lease and then stopped
-    renewing it — the worker process died (killed, out of memory, a crash in native code) or hung."""
+    """Why a config-run is abandoned once its attempts are spent. Its last attempt either said why
+    it let go (an interruption it recorded, e.g. the database was unreachable for longer than the
+    retry window), or it stopped renewing its lease without a word: the heartbeat thread renews
+    it for as long as the worker process lives, however slow the work, so a silent lease means
+    the process died (killed, out of memory, a crash in native code) or was frozen."""
+    worker = cr.worker or "an unknown worker"
+    note = INTERRUPTED.format(attempt=cr.attempt)
+    if cr.error and cr.error.startswith(note):
+        return (f"gave up after {cr.attempt} attempts, all spent; the last, attempt {cr.attempt} on {worker}, was "
+                f"interrupted: {cr.error[len(note):]} — the worker was alive; fix that cause, then start a new run")
     when = (aware(cr.lease_expires_at).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
             if cr.lease_expires_at else "an unknown time")
-    return (f"gave up after {cr.attempt} attempts: each worker stopped renewing its lease without reporting an error "
-            f"(killed, out of memory, or hung); the last, attempt {cr.attempt} on {cr.worker or 'an unknown worker'}, "
-            f"went silent before {when} — see that worker's log; raise CANARY_MAX_ATTEMPTS only once the cause is fixed")
+    where = (f"after {cr.progress_done}/{cr.progress_total} results" if cr.progress_done
+             else "before its first results were written (model load or calibration)")
+    return (f"gave up after {cr.attempt} attempts: the last, attempt {cr.attempt} on {worker}, stopped renewing its "
+            f"lease without reporting an error (process killed, out of memory, or hung) {where}, its lease expiring at "
+            f"{when}; a live worker's heartbeat renews it however slow the work, so see that worker's log; raise "
+            f"CANARY_MAX_ATTEMPTS only once the cause is fixed")
+
+
+class LeaseKeeper:
+    """The heartbeat of one attempt: a daemon thread with its own database sessions renews the
+    config-run's lease every lease/3 seconds, fenced by the attempt number, from the claim until
+    the attempt ends — through the model load, calibration and every batch, however long they
+    take. It dies with its process, so only a worker that is gone or frozen (SIGSTOP, a stalled
+    VM: every thread stops) lets its lease run out and is taken over. A transient database error
+    is retried at the next beat (within the lease, two more tries); once another attempt holds
+    the config-run, `lost` is set and the thread ends — the task stops at its next check or its
+    next fenced write. A main thread hung inside a live process keeps its lease until Celery's
+    hard time limit kills the process."""
+
+    def __init__(self, config_run_id: int, attempt: int, lease_seconds: float, period: float | None = None):
+        self.config_run_id, self.attempt, self.lease_seconds = config_run_id, attempt, lease_seconds
+        self.period = period if period is not None else max(lease_seconds / 3, 0.05)
+        self.lost = threading.Event()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{config_run_id}-{attempt}", daemon=True)
+
+    def __enter__(self) -> "LeaseKeeper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(self.period, 1.0))
+
+    def check(self) -> None:
+        """Raise _LostLease once a newer attempt holds the config-run (before more GPU work)."""
+        if self.lost.is_set():
+            raise _LostLease(self.config_run_id, self.attempt)
+
+    def renew(self) -> bool:
+        with session_scope() as s:
+            return repo.heartbeat(s, self.config_run_id, self.attempt, self.lease_seconds)
+
+    def _run(self) -> None:
+        wait = self.period
+        while not self._stop.wait(wait):
+            wait = self.period
+            try:
+                held = self.renew()
+            except Exception as e:  # noqa: BLE001 - the heartbeat must outlive a database outage
+                wait = min(self.period, 1.0)
+                if is_transient(e):
+                    log.warning("lease of config-run %s attempt %s: database unavailable (%s); retrying in %.1f s",
+                                self.config_run_id, self.attempt, type(e).__name__, wait)
+                else:
+                    log.exception("lease of config-run %s attempt %s: renewal failed", self.config_run_id, self.attempt)
+                continue
+            if self._stop.is_set():
+                return  # the attempt ended while the renewal was in flight (a finished row matches no lease)
+            if not held:
+                self.lost.set()
+                log.warning("config-run %s: attempt %s lost its lease to a newer attempt (heartbeat)",
+                            self.config_run_id, self.attempt)
+                return
+            self.beats += 1
+
+
+def _note_interruption(config_run_id: int, attempt: int, settings, why: str) -> None:
+    """An attempt that lets go of a config-run while its process lives says why, and frees the
+    lease so the reconciler re-sends it without waiting for the lease to run out. The database
+    was just unreachable, so a daemon thread keeps trying for one lease's length; the note is
+    fenced by the attempt (a later claim clears it) and names the cause if the config-run is
+    given up."""
+    def write() -> bool:
+        with session_scope() as s:
+            return repo.release_lease(s, config_run_id, attempt, INTERRUPTED.format(attempt=attempt) + why)
+
+    def keep_trying() -> None:
+        try:
+            retry_transient(write, f"note the interruption of config-run {config_run_id}",
+                            deadline_s=max(settings.lease_seconds, settings.db_retry_seconds))
+        except Exception as e:  # noqa: BLE001 - best effort: the lease runs out on its own
+            log.warning("config-run %s attempt %s: could not note its interruption (%s)", config_run_id, attempt,
+                        type(e).__name__)
+
+    threading.Thread(target=keep_trying, name=f"release-{config_run_id}-{attempt}", daemon=True).start()
 
 
 def _try_start_aggregation(run_id: int) -> bool:
@@ -149,7 +256,8 @@ def _load_job(config_run_id: int) -> dict:
         }
 
 
-def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
+def _score(config_run_id: int, attempt: int, job: dict, settings, lease: LeaseKeeper | None = None) -> None:
+    check_lease = lease.check if lease is not None else (lambda: None)
     spec: OptimizationSpec = job["spec"]
     # a served model (engine openai) is named, not a path
     if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
@@ -171,6 +279,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     nll_sum = tokens = 0.0
     for i in range(0, len(samples), DOC_BATCH):
         batch = samples[i : i + DOC_BATCH]
+        check_lease()
         results = engine.loglikelihood_rolling([RollingRequest(k, t, window) for k, t, _ in batch])
         rows = []
         for r, (_, _, cluster) in zip(results, batch):
@@ -192,6 +301,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings) -> None:
     step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
     for i in range(0, len(requests), step):
         rows = []
+        check_lease()
         for g in engine.generate(requests[i : i + step]):
             ttft.append(g.ttft_ms)
             itl.extend(g.itl_ms)
@@ -257,8 +367,9 @@ class _LostLease(RuntimeError):
 
 
 def _write_fenced(config_run_id, attempt, job, rows, done, total, settings) -> None:
-    """One transaction: renew the lease (fenced by the attempt number), then write the rows. If
-    a newer attempt holds the run, nothing is written. Retried while the database is away."""
+    """One transaction: record progress and renew the lease (fenced by the attempt number), then
+    write the rows. If a newer attempt holds the run, nothing is written. Retried while the
+    database is away."""
     def write() -> bool:
         with session_scope() as s:
             if not repo.heartbeat(s, config_run_id, attempt, settings.lease_seconds, done, total):

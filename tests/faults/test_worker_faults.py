@@ -168,3 +168,34 @@ def test_a_poison_config_run_stops_after_max_attempts_and_says_why(fault_stack):
     record("poison job (worker killed on every attempt)", 1, 1, lost, dup,
            "stopped after CANARY_MAX_ATTEMPTS=2 with the reason; the other config complete")
     assert all(c["status"] == "succeeded" for c in others) and (lost, dup) == (0, 0)
+
+
+SLOW_GPU = {"CANARY_LEASE_SECONDS": "3", "CANARY_TEST_LOAD_DELAY_S": "5", "CANARY_TEST_BATCH_DELAY_S": "4",
+            "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(os.path.dirname(__file__), "slow_gpu"),
+                                                        os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.parametrize("fault_stack", [SLOW_GPU], indirect=True)
+def test_two_live_workers_with_batches_longer_than_the_lease(fault_stack):
+    """A slow GPU is not a dead one: with a 3 s lease, a 5 s model load and 4 s per batch (the
+    test-only tests/faults/slow_gpu), the heartbeat keeps each attempt's lease while its process
+    lives, so the other live worker never takes over and no config-run is given up."""
+    st = fault_stack
+    seed_project(st)
+    st.start_worker("gpu-a")
+    st.start_worker("gpu-b")
+    run_ids = start_runs(st)
+    for run_id in run_ids:
+        st.wait_run(run_id, timeout=400)
+    crs = [c for run_id in run_ids for c in st.config_runs(run_id)]
+    logs = "".join(st.tail(name, 100_000) for name in ("gpu-a", "gpu-b"))
+    taken_over = sum(c["attempt"] - 1 for c in crs)
+    given_up = sum("gave up" in (c["error"] or "") for c in crs)
+    note = (f"3 s lease, 5 s load, 4 s batches: {len(crs)} config-runs, {taken_over} taken over, {given_up} given up, "
+            f"{logs.count('lost its lease')} attempts fenced")
+    for c in crs:
+        print(c["config"], c["status"], "attempt", c["attempt"], f"{c['done']}/{c['total']}", c["error"])
+    assert_complete(st, run_ids, "2 live workers, batches longer than lease", note)
+    assert (taken_over, given_up) == (0, 0), crs
+    assert "lost its lease" not in logs
+    assert len({worker_group(c) for c in crs}) == 2  # both workers took work
