@@ -128,13 +128,17 @@ def take_request(who: object) -> None:
             raise RateLimited(f"rate limit of {per_minute} requests per minute exceeded; retry after {math.ceil(wait)} s", wait)
 
 
+UNAUTHENTICATED_MAX_BYTES = 64 * 1024
+
+
 class BodyTooLarge(Exception):
     pass
 
 
 class BodyLimit:
     """Pure ASGI middleware: at most `max_bytes` (default: CANARY_MAX_BODY_BYTES) of request body
-    reach the app. A declared Content-Length over the limit is refused without reading; otherwise
+    reach the app — and at most UNAUTHENTICATED_MAX_BYTES from a request with no Authorization
+    header where keys are required. A declared Content-Length over the limit is refused without reading; otherwise
     the bytes received are counted, and the first chunk past the limit ends the request with 413
     (whatever the app was about to answer is dropped)."""
 
@@ -146,7 +150,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_bytes if self.max_bytes is not None else get_settings().max_body_bytes
+        settings = get_settings()
+        limit = self.max_bytes if self.max_bytes is not None else settings.max_body_bytes
+        if settings.auth_required and not any(name == b"authorization" for name, _ in scope.get("headers", ())):
+            # no key where one is required: the answer is a 401 whatever the body holds, so at most
+            # a small body is read before it (an unauthenticated client costs the API ~nothing)
+            limit = min(limit, UNAUTHENTICATED_MAX_BYTES)
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
                 await self._refuse(send, limit)
