@@ -384,8 +384,8 @@ def build_models(a, device: str, with_hf: bool):
 def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats: int) -> dict:
     """Greedy batch-1 decode through the Decoder: run 0 warms up (autotuning, graph capture,
     compilation) and is not counted; each counted run is a fresh Decoder: TTFT = prefill + the
-    first token's argmax (one sync to read it), then one untimed step (a decoder may capture its
-    graph there), then new − 2 timed steps with no host sync inside."""
+    first token's argmax (one sync to read it), then one untimed step, then new − 2 timed steps
+    with no host sync inside. The Decoder captures its graph in prepare(), before the clock."""
     import torch
 
     from engines.reference.decode import Decoder
@@ -395,6 +395,7 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     ttft, tps, step_ms, tokens, graphs, graphs_reason, prefill_logits = [], [], [], [], None, None, None
     for r in range(repeats + 1):
         dec = Decoder(model, kv_format(kv, torch.float16), 1, P + new, torch.device(device), torch.float16)
+        dec.prepare()  # graph capture (where it applies) before the clock, as the engine does
         out = torch.empty(new, dtype=torch.long, device=device)
         clock.sync()
         t0 = time.perf_counter()

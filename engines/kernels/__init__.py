@@ -7,6 +7,7 @@ Importing this package never imports Triton; the kernel modules do, on first use
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -27,3 +28,14 @@ def use_triton(device) -> bool:
             raise RuntimeError("CANARY_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 (the Triton interpreter)")
         return True
     return str(device).startswith("cuda")
+
+
+@functools.lru_cache
+def fp8_native(device: str) -> bool:
+    """Whether Triton's fp8 (e4m3) type compiles for `device`: CUDA compute capability ≥ 8.9
+    (Ada, Hopper; an A100 refuses it), or the interpreter on CPU."""
+    if not device.startswith("cuda"):
+        return True
+    import torch
+
+    return torch.cuda.get_device_capability(device) >= (8, 9)

@@ -28,7 +28,7 @@ def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.const
 def quantize_keys_kernel(k_ptr, codes_ptr, scale_ptr, zero_ptr,
                          D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
     # one program per group of G tokens: min-max per channel over the group (KIVI keys)
-    grp = tl.program_id(0)
+    grp = tl.program_id(0).to(tl.int64)  # rows·D can pass 2^31
     rs = grp * G + tl.arange(0, G)
     rd = tl.arange(0, D)
     x = tl.load(k_ptr + rs[:, None] * D + rd[None, :]).to(tl.float32)  # [G, D]
@@ -45,7 +45,7 @@ def quantize_keys_kernel(k_ptr, codes_ptr, scale_ptr, zero_ptr,
 def quantize_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N,
                            D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program per BLOCK_N tokens: min-max per token over each group of G channels (KIVI values)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rd = tl.arange(0, D)
     x = tl.load(v_ptr + rn[:, None] * D + rd[None, :], mask=rn[:, None] < N, other=0.0).to(tl.float32)
     xg = tl.reshape(x, (BLOCK_N, D // G, G))

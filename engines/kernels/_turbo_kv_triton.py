@@ -27,9 +27,10 @@ def _online_softmax_step(s, vals, m_i, l_i, acc):
 @triton.jit
 def _split_k_program(H, HKV):
     # decode attention grid (B·H, chunks): this program's (query row, chunk, batch, kv head); GQA
+    # b and the kv head in int64: offsets like (b·HKV + kvh)·S·D pass 2^31 at batch 16 × 128K
     bh, chunk = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    return bh, chunk, b, h // (H // HKV)
+    return bh, chunk, b.to(tl.int64), (h // (H // HKV)).to(tl.int64)
 
 
 @triton.jit
@@ -44,7 +45,7 @@ def _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D: tl.conste
 @triton.jit
 def quantize_kernel(x_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, N,
                     D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows·D can pass 2^31
     rd = tl.arange(0, D)
     x = tl.load(x_ptr + rn[:, None] * D + rd[None, :], mask=rn[:, None] < N, other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
@@ -108,7 +109,7 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
 @triton.jit
 def fp8_quantize_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # e4m3 with unit scale; saturate to ±448 first (e4m3fn has no infinity)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv), mask=i < n)
 

@@ -50,7 +50,7 @@ class KVCache:
         if mask is None:
             mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[None, None]
         if not self.fmt.lossy:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            return masked_gqa_attention(q, keys, values, mask)
         if self._packs_codes(q):  # the kernels' packed cache is written as slots are
             self._write_codes(layer, k, v, slots)
         if self.fmt.per_token:  # encode each slot once, when it is written
@@ -72,7 +72,7 @@ class KVCache:
         if not self.fmt.windowed:  # every readable slot is compressed, the current one included
             if self.fmt.name == "fp8" and self._kernel_decode(q, slots):
                 return self._fp8_kernel_attend(layer, q, slots, S)
-            return F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, enable_gqa=True)
+            return masked_gqa_attention(q, kq, vq, mask)
         # A query reads slot j compressed iff j < boundary(n), n = its sequence length: the
         # format's window keeps recent keys (and values) in full precision.
         ck = self._compressed_mask(slots, S, self.fmt.boundary_k)
@@ -80,16 +80,28 @@ class KVCache:
         return _two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
 
     def _kernel_decode(self, q, slots) -> bool:
-        """Decode steps (one new token, no left padding) run the Triton kernels where kernels run."""
+        """Decode steps (one new token, no left padding) run the Triton kernels where they run."""
+        if q.shape[2] != 1 or self.left_padded:
+            return False
+        return self._kernels_fit(q) if self.fmt.name.startswith("kivi") else self._packs_codes(q)
+
+    @staticmethod
+    def _kernels_fit(q) -> bool:
+        """Kernels run for this device (engines/kernels.use_triton) and their packed layouts fit
+        the head_dim: a power of two from 32 to 128; other shapes take the torch path."""
         from engines.kernels import use_triton
 
-        return q.shape[2] == 1 and not self.left_padded and q.shape[-1] % 32 == 0 and use_triton(q.device)
+        D = q.shape[-1]
+        return 32 <= D <= 128 and D & (D - 1) == 0 and use_triton(q.device)
 
     def _packs_codes(self, q) -> bool:
-        """TurboQuant (rotated) and fp8 keep a packed cache for the decode kernels where they run."""
-        from engines.kernels import use_triton
+        """TurboQuant (rotated) and fp8 keep a packed cache for the decode kernels where they run
+        (fp8 where the GPU has the type: compute capability ≥ 8.9)."""
+        from engines.kernels import fp8_native
 
-        return (self.fmt.rotated or self.fmt.name == "fp8") and q.shape[-1] % 32 == 0 and use_triton(q.device)
+        if not self._kernels_fit(q):
+            return False
+        return self.fmt.rotated or (self.fmt.name == "fp8" and fp8_native(str(q.device)))
 
     def _write_codes(self, layer: int, k, v, slots) -> None:
         """Quantize-on-write of the new slots into the packed cache (TurboQuant bit-planes and
@@ -185,9 +197,25 @@ class KVCache:
         return (j < boundary(n))[:, None]
 
 
+def masked_gqa_attention(q, k, v, mask) -> torch.Tensor:
+    """SDPA with a mask under grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D];
+    mask: [B, 1, T, S]. The G = H/Hkv query heads that share a kv head are folded into the query
+    length ([B, Hkv, G·T, D]), so SDPA sees equal head counts: flash and memory-efficient
+    attention refuse `enable_gqa` with a mask, and the math fallback would copy K and V to every
+    query head (in fp32) on each decode step."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    if H == Hkv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    G = H // Hkv
+    folded = q.reshape(B, Hkv, G * T, D)  # query head h = kv head h // G, then group member h % G
+    m = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=m).reshape(B, H, T, D)
+
+
 def _rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
     """q: [B, H, T, D]; kr, vr: [B, Hkv, S, D] rotated-domain codes × norms; rot: Π [D, D]."""
-    out_rot = F.scaled_dot_product_attention(q @ rot.T, kr, vr, attn_mask=mask, enable_gqa=True)
+    out_rot = masked_gqa_attention(q @ rot.T, kr, vr, mask)
     return out_rot @ rot
 
 

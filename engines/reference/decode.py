@@ -6,9 +6,12 @@
 - Prefill without left padding and with a lossless cache runs causal SDPA (flash or memory-
   efficient) on the new keys with no mask; with padding, a mask as wide as the prompt.
 - On CUDA the decode step is captured once as a CUDA graph and replayed (REFERENCE.md §12: eager
-  decoding at batch 1 is bound by kernel launches, not by the GPU). A format whose step needs the
-  host (KIVI re-encodes whole token groups; fractional TurboQuant picks channels by mask) runs
-  eagerly, and so does any step whose capture fails; `graphs_reason` says why.
+  decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
+  before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
+  the sequence reaches that slot, whose real step overwrites them before reading. A format whose
+  step needs the host (KIVI re-encodes whole token groups; fractional TurboQuant picks channels by
+  mask) runs eagerly, and so does any step whose capture failed (remembered per process, per
+  format and batch, so it is not retried); `graphs_reason` says why.
 - The only host sync a caller needs per step is reading the chosen token out.
 
 Shapes: B batch, P prompt tokens, S cache slots, V vocabulary.
@@ -43,6 +46,9 @@ def graph_safe(fmt: KVFormat) -> str | None:
     return None
 
 
+_failed_captures: dict[tuple, str] = {}  # (format, batch, device) → why the capture failed
+
+
 class Decoder:
     """Prefill once, then one token per step for a batch of B sequences in a static cache.
 
@@ -63,8 +69,11 @@ class Decoder:
         why_not = graph_safe(fmt)
         if want and self.device.type != "cuda":
             why_not = "CUDA graphs need a CUDA device"
+        self._key = (fmt.name, batch, str(self.device))
+        if want and why_not is None and self._key in _failed_captures:
+            why_not = _failed_captures[self._key]
         self.graphs_wanted = want and why_not is None
-        self.graphs_reason = why_not if want else "off"
+        self.graphs_reason = (why_not or "wanted, not captured yet") if want else "off"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
 
@@ -72,13 +81,28 @@ class Decoder:
     def graphs_active(self) -> bool:
         return self.graph is not None
 
+    def prepare(self, pad: torch.Tensor | None = None) -> None:
+        """Set the rows' left padding [B] and, where graphs are wanted, capture the decode step
+        now (warm-up, Triton autotuning and the capture stay out of the caller's timings)."""
+        if pad is None:
+            self.pad.zero_()
+        else:
+            self.pad.copy_(pad)
+        self.cache.seq_start = self.pad.clone()  # the kernel-or-SDPA choice a captured step freezes
+        if self.graphs_wanted and self.graph is None:
+            self.slot.fill_(self.slots - 1)
+            self._capture()
+
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [B, P] (left-padded where pad [B] > 0) → logits [B, V] of the last position."""
+        """ids [B, P] (left-padded where pad [B] > 0; default: the padding given to prepare, or
+        none) → logits [B, V] of the last position."""
         P = ids.shape[1]
         if P > self.slots:
             raise ValueError(f"prompt of {P} tokens does not fit a cache of {self.slots} slots")
-        if pad is not None:
+        if pad is not None and (self.graph is None or torch.equal(pad.to(self.pad), self.pad)):
             self.pad.copy_(pad)
+        elif pad is not None:
+            raise ValueError("prefill: the padding differs from the one the decode step was captured with (prepare)")
         self.cache.seq_start = self.pad.clone()
         slots = self.j[:P]
         pos = (slots[None, :] - self.pad[:, None]).clamp(min=0)  # [B, P]
@@ -102,14 +126,16 @@ class Decoder:
             return self.model(self.tokens, pos, self.slot, self.cache, mask[:, None, None], last_only=True)[:, -1]
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (on the device) → logits [B, V] of the next position."""
+        """tokens [B] (on the device) → logits [B, V] of the next position. With a CUDA graph the
+        same output tensor is rewritten by every step: use it before the next one."""
         if self.next_slot >= self.slots:
             raise ValueError(f"the cache's {self.slots} slots are full")
         self.tokens.copy_(tokens.reshape(self.batch, 1))
         if self.graphs_wanted and self.graph is None:
             self._capture()
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.device):
+                self.graph.replay()
             logits = self.graph_logits
         else:
             logits = self._step()
@@ -121,21 +147,30 @@ class Decoder:
         """Warm up on a side stream (Triton autotuning and lazily made buffers happen here),
         then capture one step. A step rewrites the same slot with the same values, so the warm-up
         steps change nothing the real step would not. A capture that fails leaves the decoder
-        eager, with the reason in graphs_reason."""
+        eager, with the reason in graphs_reason, the caller's stream restored, and the failure
+        remembered so that later decoders of the same format and batch do not try again."""
         self.graphs_wanted = False
-        try:
+        with torch.cuda.device(self.device):
+            caller = torch.cuda.current_stream()
             stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.graph_logits = self._step()
-            self.graph = graph
-            self.graphs_reason = "captured"
-        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
-            self.graph, self.graph_logits = None, None
-            self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"
-            torch.cuda.synchronize()
+            try:
+                stream.wait_stream(caller)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._step()
+                caller.wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    self.graph_logits = self._step()
+                self.graph = graph
+                self.graphs_reason = "captured"
+            except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+                self.graph, self.graph_logits = None, None
+                self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"[:500]
+                _failed_captures[self._key] = self.graphs_reason
+            finally:
+                torch.cuda.set_stream(caller)  # torch.cuda.graph leaves its stream current when capture_end raises
+            try:
+                caller.synchronize()
+            except Exception:  # noqa: BLE001
+                pass

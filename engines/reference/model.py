@@ -196,6 +196,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # RoPE frequencies stay fp32 whatever dtype the weights are cast to: in fp16 they put
+        # 0.3 rad of phase error on position 2K and 5 rad on 32K (bf16 ~8× worse)
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.args).to(self.inv_freq.device)
+        return self
+
     def fuse(self) -> "Transformer":
         """Fuse q/k/v and gate/up projections (after any weight quantization: both quantize per
         output row, so fusing does not change the values)."""

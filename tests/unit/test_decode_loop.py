@@ -86,3 +86,31 @@ def test_cuda_graphs_option_takes_a_bool_only():
         OptimizationSpec(engine="reference", engine_options={"cuda_graphs": "yes"}).check_available()
     with pytest.raises(ConfigNotAvailable, match="engine_options.batch_size: expected int"):
         OptimizationSpec(engine="reference", engine_options={"batch_size": True}).check_available()
+
+
+def test_folded_gqa_attention_equals_sdpa_with_gqa():
+    # the G query heads of a kv head folded into the query length: the same attention
+    from engines.reference.cache import masked_gqa_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, S, D = 2, 8, 2, 3, 11, 16
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    mask = torch.rand(B, 1, T, S, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(masked_gqa_attention(q, k, v, mask), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(masked_gqa_attention(q, k, v, mask[:1]), torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:1], enable_gqa=True), rtol=1e-5, atol=1e-6)  # a mask broadcast over the batch
+
+
+@torch.inference_mode()
+def test_prepare_fixes_the_padding_that_prefill_uses(engine):
+    d = Decoder(engine.model, engine.kv, 2, 12, "cpu", torch.float32)
+    d.prepare(torch.tensor([2, 0]))
+    assert d.cache.left_padded and d.pad.tolist() == [2, 0]
+    ids = torch.tensor([[engine.start_id] * 2 + [5, 6, 7], [engine.start_id, 5, 6, 7, 8]])
+    d.prefill(ids)  # no pad given: the prepared one
+    assert d.pad.tolist() == [2, 0] and d.next_slot == 5
+    fresh = Decoder(engine.model, engine.kv, 1, 8, "cpu", torch.float32)
+    fresh.prepare()
+    assert fresh.pad.tolist() == [0] and not fresh.cache.left_padded

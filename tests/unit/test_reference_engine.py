@@ -121,3 +121,15 @@ def test_an_openai_config_labelled_awq_loads_without_calibration():
     with pytest.raises(EndpointError, match="unreachable"):
         load_engine("served-model", spec, calibration=["text"])
     assert OpenAIEngine.__init__.__kwdefaults__ is not None and "calibration" not in OpenAIEngine.__init__.__kwdefaults__
+
+
+def test_rope_frequencies_stay_fp32_when_the_weights_are_cast():
+    # cast to fp16 they drift by 0.3 rad at position 2K (the engine casts with model.to(dtype))
+    import torch
+
+    from engines.reference.model import load_model, rope_inv_freq
+
+    model = load_model(TARGET, torch.float32).to(torch.float16)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, rope_inv_freq(model.args))
