@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import default_block_s, merge_split_k, split_k_chunk
+from engines.kernels.turbo_kv import ATTENTION_WARPS, default_block_s, merge_split_k, split_k_chunk
 
 FP8 = torch.float8_e4m3fn
 
@@ -51,5 +51,5 @@ def decode_attention(q, k8, v8, lengths, chunk: int | None = None, block_s: int 
     acc = torch.empty(B * H, n_chunks, D, device=q.device)
     fp8_attention_kernel[(B * H, n_chunks)](q.float().contiguous(), k8.contiguous(), v8.contiguous(),
                                             lengths.to(torch.int32).contiguous(), m, l, acc, H, Hkv, S, chunk,
-                                            1.0 / math.sqrt(D), D=D, BLOCK_S=block_s)
+                                            1.0 / math.sqrt(D), D=D, BLOCK_S=block_s, num_warps=ATTENTION_WARPS)
     return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import default_block_s, merge_split_k, split_k_chunk
+from engines.kernels.turbo_kv import ATTENTION_WARPS, default_block_s, merge_split_k, split_k_chunk
 
 GROUP = 32
 
@@ -139,5 +139,5 @@ def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int
     attention_kernel[(B * H, n_chunks)](q.float().contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(),
                                         vc.contiguous(), vs.contiguous(), vz.contiguous(), k.contiguous(), v.contiguous(),
                                         *i32, m, l, acc, H, Hkv, S, ks.shape[2], chunk, 1.0 / math.sqrt(D),
-                                        D=D, G=GROUP, BITS=bits, BLOCK_S=block_s)
+                                        D=D, G=GROUP, BITS=bits, BLOCK_S=block_s, num_warps=ATTENTION_WARPS)
     return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)

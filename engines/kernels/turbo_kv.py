@@ -103,6 +103,11 @@ def _sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# 8 warps: at 64-token tiles and head_dim 128 the decode-attention kernels spill registers with 4
+# (benchmarks/kernel_resources.py, sm_90)
+ATTENTION_WARPS = 8
+
+
 def default_block_s(device) -> int:
     return 64 if torch.device(device).type == "cuda" else 16  # the interpreter runs small tiles faster
 
@@ -145,5 +150,6 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, 
     acc = torch.empty(B * H, n_chunks, D, device=q.device)
     attention[(B * H, n_chunks)](q_rot, k_codes.contiguous(), k_norms.contiguous().float(), v_codes.contiguous(),
                                  v_norms.contiguous().float(), lengths.to(torch.int32).contiguous(), book,
-                                 m, l, acc, H, Hkv, S, chunk, 1.0 / math.sqrt(D), D=D, BITS=bits, BLOCK_S=block_s)
+                                 m, l, acc, H, Hkv, S, chunk, 1.0 / math.sqrt(D), D=D, BITS=bits, BLOCK_S=block_s,
+                                 num_warps=ATTENTION_WARPS)
     return (merge_split_k(m, l, acc) @ rot).reshape(B, H, D).to(q.dtype)  # rotate back once

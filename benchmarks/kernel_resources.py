@@ -1,0 +1,97 @@
+"""Registers, stack (spills) and shared memory of every Triton kernel configuration, compiled
+ahead of time for a GPU target — no GPU needed. One JSON object.
+
+The W4A16 GEMV's autotune configurations (engines/kernels/_w4a16_triton.py gemv_configs) at each
+decode batch padding (M_PAD 1, 4, 8, 16), and the TurboQuant / fp8 / KIVI decode-attention and
+quantize kernels at head_dim 128, are compiled with the installed Triton for `--arch` (default 90,
+Hopper) and read back with the cuobjdump that ships with Triton. A kernel that spills (stack > 0)
+or needs more shared memory than the SM has runs, but slowly: the GEMV and attention
+configurations are chosen so that none does (the TurboQuant quantize-on-write kernel, one small
+program per decode step, still spills). Triton's version is printed: a GPU machine's Triton may
+allocate differently.
+
+    python benchmarks/kernel_resources.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200, 80 = A100)")
+    args = ap.parse_args()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engines.kernels import _kivi_kv_triton as kivi
+    from engines.kernels import _turbo_kv_triton as turbo
+    from engines.kernels import _w4a16_triton as w4a16
+    from engines.kernels.turbo_kv import ATTENTION_WARPS
+
+    target = GPUTarget("cuda", args.arch, 32)
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out: dict = {"benchmark": "kernel_resources", "triton": triton.__version__, "arch": f"sm_{args.arch}", "kernels": []}
+
+    def compile_one(fn, sig: dict, consts: dict, options: dict, label: str) -> None:
+        full = {name: ("constexpr" if name in consts else sig[name]) for name in fn.arg_names}
+        row: dict = {"kernel": fn.__name__, "config": label}
+        try:
+            k = triton.compile(ASTSource(fn, full, consts), target=target, options=options)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+            row.update(registers=int(m.group(1)), stack_bytes=int(m.group(2)), shared_bytes=int(m.group(3)) + int(k.metadata.shared))
+        except Exception as e:  # noqa: BLE001 — a config that does not compile is a finding, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
+        out["kernels"].append(row)
+
+    gemv_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
+    for m_pad in (1, 4, 8, 16):
+        for c in w4a16.gemv_configs():
+            kw = c.kwargs
+            compile_one(w4a16.gemv_kernel, gemv_sig, dict(GROUP=128, M_PAD=m_pad, **kw),
+                        dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                        f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
+                        f"warps={c.num_warps} stages={c.num_stages}")
+    attn_sig = dict(q_ptr="*fp32", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i32",
+                    book_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32", S="i32",
+                    CHUNK="i32", scale="fp32")
+    warps = {"num_warps": ATTENTION_WARPS}  # as the launchers run them
+    for bits in (2, 3, 4):
+        compile_one(turbo.attention_kernel, attn_sig, dict(D=128, BITS=bits, BLOCK_S=64), warps, f"D=128 bits={bits} BLOCK_S=64")
+        compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
+                                                norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
+                    f"D=128 bits={bits} BLOCK_N=16")
+    compile_one(turbo.fp8_attention_kernel, dict(q_ptr="*fp32", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i32",
+                                                 m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32",
+                                                 S="i32", CHUNK="i32", scale="fp32"), dict(D=128, BLOCK_S=64), warps, "D=128 BLOCK_S=64")
+    kivi_sig = dict(q_ptr="*fp32", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
+                    vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i32", nk_ptr="*i32", nv_ptr="*i32",
+                    m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32", S="i32", SG="i32", CHUNK="i32",
+                    scale="fp32")
+    for bits in (2, 4):
+        compile_one(kivi.attention_kernel, kivi_sig, dict(D=128, G=32, BITS=bits, BLOCK_S=64), warps, f"D=128 bits={bits} BLOCK_S=64")
+    rows = out["kernels"]
+    out["summary"] = {"compiled": sum("error" not in r for r in rows), "failed": sum("error" in r for r in rows),
+                      "spilling": [f"{r['kernel']} {r['config']} ({r['stack_bytes']} B)" for r in rows if r.get("stack_bytes")]}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    sys.exit(main())
