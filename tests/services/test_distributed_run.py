@@ -71,7 +71,7 @@ def test_idempotency_key_returns_the_same_run(stack, project):
         ("/configs", {"name": "x", "model": "tiny", "kv_cache": "kivi-2"}, 422, "not available in engine 'transformers'"),
         ("/configs", {"name": "int4", "model": "tiny", "weights": "rtn-int4"}, 409, "already exists"),
         ("/configs", {"name": "x", "model": "nope"}, 404, "model 'nope' not found"),
-        ("/models", {"name": "m2", "path": "/does/not/exist"}, 422, "path: model directory"),
+        ("/models", {"name": "m2", "path": "/does/not/exist"}, 422, "is not a usable path to a model directory"),
         ("/suites", {"name": "big", "corpus": "builtin:pydoc-heldout", "samples": 100000}, 422, "samples: 100000 >"),
         ("/suites", {"name": "empty", "documents": [], "samples": 1}, 422, "no documents"),
         ("/suites", {"name": "dup", "documents": [{"id": "a", "text": "x"}, {"id": "a", "text": "y"}], "samples": 1}, 422, "duplicate id 'a'"),
