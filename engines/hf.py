@@ -8,7 +8,9 @@ The project's own engine with real kernels is `reference` (engines/reference, a 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import cast
 
 import torch
 
@@ -50,8 +52,9 @@ class TransformersEngine:
         self.quantized_params = 0
         if spec.weights in QUANT_BITS:
             self._quantize(model, QUANT_BITS[spec.weights])
-        self.model = model.to(device=self.device, dtype=self.compute_dtype).eval()
-        self.start_id = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+        self.model = model.to(device=self.device, dtype=self.compute_dtype).eval()  # type: ignore[call-arg]  # transformers' wrapped .to
+        bos = self.tokenizer.bos_token_id
+        self.start_id = bos if bos is not None else self.tokenizer.eos_token_id
 
     def _quantize(self, model: torch.nn.Module, bits: int) -> None:
         # Linear layers inside the decoder blocks; embeddings and lm_head stay in 16 bits (as in AWQ).
@@ -92,16 +95,16 @@ class TransformersEngine:
             x = torch.tensor([c[1] + [pad] * (width - len(c[1])) for c in chunk], device=self.device)
             logits = self.model(input_ids=x).logits.float()  # [B, T, V]; right padding is invisible to causal attention
             lsm = torch.log_softmax(logits, dim=-1)
-            for row, (j, c) in enumerate(zip(order[s : s + self.batch_size], chunk)):
+            for row, (j, c) in enumerate(zip(order[s : s + self.batch_size], chunk, strict=True)):
                 _, inp, n, tgt = c
                 pos = torch.arange(len(inp) - n, len(inp), device=self.device)
                 t = torch.tensor(tgt, device=self.device)
                 lp = lsm[row, pos].gather(-1, t[:, None]).squeeze(-1)
                 results[j] = (lp.tolist(), lsm[row, pos].argmax(-1).tolist())
         for j, (i, *_rest) in enumerate(jobs):  # jobs are in document then window order
-            lp, g = results[j]
-            logprobs[i].extend(lp)
-            greedy[i].extend(g)
+            window_lps, window_greedy = results[j]
+            logprobs[i].extend(window_lps)
+            greedy[i].extend(window_greedy)
         return [
             RollingResult(
                 doc_id=req.doc_id,
@@ -142,10 +145,10 @@ class TransformersEngine:
                 break
             x = torch.tensor([[nxt]], device=self.device)
         ttft = (stamps[0] - t0) * 1000
-        itl = tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:]))
+        itl = tuple((b - a) * 1000 for a, b in pairwise(stamps))
         return GenerationResult(
             request_id=req.request_id,
-            text=self.tokenizer.decode(out_ids, skip_special_tokens=True),
+            text=cast(str, self.tokenizer.decode(out_ids, skip_special_tokens=True)),  # one sequence: one str
             token_ids=tuple(out_ids),
             prompt_tokens=len(ids) + 1,
             ttft_ms=ttft,
@@ -169,14 +172,15 @@ class TransformersEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elt  # keys + values, compute dtype
-        notes = ()
+        notes: tuple[str, ...] = ()
         if self.spec.weights in QUANT_BITS:
             notes = ("weights quantized round-to-nearest and dequantized at load; speed is fp16 speed",)
         return EngineDescription(
             engine="transformers",
             model=self.model_path,
             weights=self.spec.weights,
-            kv_cache=self.spec.kv_cache if self.spec.kv_cache != "auto" else str(self.compute_dtype).removeprefix("torch."),
+            kv_cache=(self.spec.kv_cache if self.spec.kv_cache != "auto"
+                      else str(self.compute_dtype).removeprefix("torch.")),
             speculative=self.spec.speculative.method,
             device=str(self.device),
             compute_dtype=str(self.compute_dtype).removeprefix("torch."),

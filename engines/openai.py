@@ -19,6 +19,8 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from itertools import pairwise
+from typing import cast
 
 import httpx
 
@@ -58,7 +60,8 @@ def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 def metric_sum(samples: dict, name: str, **match: str) -> float | None:
-    vals = [v for (n, labels), v in samples.items() if n == name and all(dict(labels).get(k) == x for k, x in match.items())]
+    vals = [v for (n, labels), v in samples.items()
+            if n == name and all(dict(labels).get(k) == x for k, x in match.items())]
     return sum(vals) if vals else None
 
 
@@ -71,7 +74,8 @@ def spec_delta(before: dict, after: dict) -> SpecStats | None:
             return None
         d[field] = int(round(a - (b or 0.0)))
     positions = sorted({int(dict(lab)["position"]) for (n, lab) in after if n == PER_POS and "position" in dict(lab)})
-    per = tuple(int(round((metric_sum(after, PER_POS, position=str(p)) or 0) - (metric_sum(before, PER_POS, position=str(p)) or 0)))
+    per = tuple(int(round((metric_sum(after, PER_POS, position=str(p)) or 0)
+                          - (metric_sum(before, PER_POS, position=str(p)) or 0)))
                 for p in positions)
     return SpecStats(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], per)
 
@@ -82,7 +86,8 @@ class OpenAIEngine:
     checked address); ``secret``: how api_key_env is read (the service passes one that refuses
     variables off its allow-list). The defaults are plain httpx and os.environ, for library use."""
 
-    def __init__(self, model: str, spec: OptimizationSpec, *, transport: Callable[[], httpx.BaseTransport] | None = None,
+    def __init__(self, model: str, spec: OptimizationSpec, *,
+                 transport: Callable[[], httpx.BaseTransport] | None = None,
                  async_transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
                  secret: Callable[[str], str | None] = os.environ.get):
         spec.check_available()
@@ -121,10 +126,12 @@ class OpenAIEngine:
         try:
             served = {m["id"]: m for m in r.json()["data"]}
         except (ValueError, KeyError, TypeError) as e:
-            raise EndpointError(f"engine_options.base_url: {redact_url(url)} answered HTTP {r.status_code} without an OpenAI model "
-                                f"list; is this an OpenAI-compatible server (base_url usually ends in /v1)?") from e
+            raise EndpointError(f"engine_options.base_url: {redact_url(url)} answered HTTP {r.status_code} "
+                                f"without an OpenAI model list; is this an OpenAI-compatible server "
+                                f"(base_url usually ends in /v1)?") from e
         if self.model not in served:
-            raise EndpointError(f"model: '{self.model}' is not served at {self.shown}; it serves: {', '.join(sorted(served)) or 'nothing'}")
+            raise EndpointError(f"model: '{self.model}' is not served at {self.shown}; "
+                                f"it serves: {', '.join(sorted(served)) or 'nothing'}")
         return served[self.model].get("max_model_len")
 
     # -- perplexity --------------------------------------------------------------------------------
@@ -141,21 +148,24 @@ class OpenAIEngine:
                     # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
                     # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
                     token_lps = self._echo(c, seq[begin : end + 1], req.doc_id)
-                    logprobs += token_lps[len(token_lps) - n :]
-                out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")), len(req.text.split())))
+                    logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
+                out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
+                                         len(req.text.encode("utf-8")), len(req.text.split())))
         return out
 
     def _tokenize(self, c: httpx.Client, text: str) -> list[int]:
         r = c.post(f"{self.root}/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": True})
         if r.status_code == 404:
-            raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an OpenAI-compatible server needs the "
-                                f"server's tokenizer (vLLM and engine-serve expose /tokenize)")
+            raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
+                                f"OpenAI-compatible server needs the server's tokenizer "
+                                f"(vLLM and engine-serve expose /tokenize)")
         if r.is_error:
             raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {r.status_code}: {_message(r)}")
         return list(r.json()["tokens"])
 
     def _echo(self, c: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
-        body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+        body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0,
+                "temperature": 0}
         r = c.post(f"{self.base_url}/completions", json=body)
         if r.status_code == 400 and "max_tokens" in r.text:  # servers that need at least one new token
             r = c.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
@@ -178,7 +188,8 @@ class OpenAIEngine:
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False,
                                      transport=self._async_transport() if self._async_transport else None) as c:
             before = await self._scrape(c)
-            sampled = {"kv_cache_usage_perc": [], "num_requests_waiting": [], "num_requests_running": []}
+            sampled: dict[str, list[float]] = {"kv_cache_usage_perc": [], "num_requests_waiting": [],
+                                               "num_requests_running": []}
             done = asyncio.Event()
 
             async def sample():  # gauges while requests are in flight
@@ -222,14 +233,18 @@ class OpenAIEngine:
             return {}
 
     async def _stream(self, c: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
-        body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens, "temperature": req.temperature,
-                "seed": req.seed, "stream": True, "stream_options": {"include_usage": True}}
-        text, stamps, usage = [], [], {}
+        body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
+                "temperature": req.temperature, "seed": req.seed, "stream": True,
+                "stream_options": {"include_usage": True}}
+        text: list[str] = []
+        stamps: list[float] = []
+        usage: dict = {}
         t0 = time.perf_counter()
         async with c.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as r:
             if r.status_code >= 400:
                 await r.aread()
-                raise EndpointError(f"{self.shown}/completions: HTTP {r.status_code} for request '{req.request_id}': {_message(r)}")
+                raise EndpointError(f"{self.shown}/completions: HTTP {r.status_code} "
+                                    f"for request '{req.request_id}': {_message(r)}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -238,7 +253,8 @@ class OpenAIEngine:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise EndpointError(f"{self.shown}/completions: stream error for '{req.request_id}': {chunk['error']}")
+                    raise EndpointError(f"{self.shown}/completions: stream error for '{req.request_id}': "
+                                        f"{chunk['error']}")
                 usage = chunk.get("usage") or usage
                 piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
                 if piece:
@@ -254,7 +270,7 @@ class OpenAIEngine:
             completion_tokens=n_out,
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             ttft_ms=(stamps[0] - t0) * 1000,
-            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)),
+            itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),
             total_ms=(stamps[-1] - t0) * 1000,
         )
 
@@ -263,7 +279,8 @@ class OpenAIEngine:
         return EngineDescription(
             engine="openai", model=self.model, weights=s.weights, kv_cache=s.kv_cache, speculative=s.speculative.method,
             device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
-            versions={"httpx": httpx.__version__}, notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
+            versions={"httpx": httpx.__version__},
+            notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
         )
 
 

@@ -35,7 +35,8 @@ def dequantize_groupwise(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """ŵ in w's dtype: the exact values an INT-b kernel would multiply with."""
-    return dequantize_groupwise(*quantize_groupwise(w, bits, group_size), group_size).to(w.dtype)
+    q, scale, zero = quantize_groupwise(w, bits, group_size)
+    return dequantize_groupwise(q, scale, zero, group_size).to(w.dtype)
 
 
 def quantized_bytes(out_f: int, in_f: int, bits: int, group_size: int = GROUP_SIZE) -> int:

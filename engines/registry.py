@@ -4,7 +4,7 @@ module never imports torch or an optional backend."""
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from engines.protocol import Engine
 from engines.spec import OptimizationSpec

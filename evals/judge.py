@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
 
@@ -163,7 +164,8 @@ class JudgeClient:
         content = ((choice.get("logprobs") or {}).get("content")) or None
         top = None
         if content:
-            top = tuple(tuple((alt["token"], float(alt["logprob"])) for alt in (tok.get("top_logprobs") or [])) for tok in content)
+            top = tuple(tuple((alt["token"], float(alt["logprob"])) for alt in (tok.get("top_logprobs") or []))
+                        for tok in content)
         usage = data.get("usage") or {}
         pt, ct = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
         with self._lock:
@@ -261,8 +263,11 @@ def _winner(d: dict) -> tuple[str, str]:
 
 def pairwise(client: JudgeClient, sample_id: str, question: str, baseline: str, candidate: str,
              reference: str | None = None) -> PairwiseVerdict:
-    ref = f"\nA reference answer is given; an answer that contradicts it is wrong.\n\nReference answer:\n{reference}" if reference else ""
-    verdicts, reasons, failures = [], [], 0
+    ref = (f"\nA reference answer is given; an answer that contradicts it is wrong.\n\nReference answer:\n{reference}"
+           if reference else "")
+    verdicts: list[str | None] = []
+    reasons: list[str] = []
+    failures = 0
     for a, b, a_is in ((baseline, candidate, "baseline"), (candidate, baseline, "candidate")):
         msg = [{"role": "user", "content": PAIRWISE_PROMPT.format(reference=ref, question=question, a=a, b=b)}]
         parsed, _, f = client.ask_json(msg, _winner)
@@ -274,10 +279,12 @@ def pairwise(client: JudgeClient, sample_id: str, question: str, baseline: str, 
         other = "candidate" if a_is == "baseline" else "baseline"
         verdicts.append({"A": a_is, "B": other, "TIE": "tie"}[w])
         reasons.append(reason)
+    both = (verdicts[0], verdicts[1])  # one verdict per order
     if None in verdicts:
-        return PairwiseVerdict(sample_id, "parse_failure", None, tuple(verdicts), failures, " | ".join(reasons))
+        return PairwiseVerdict(sample_id, "parse_failure", None, both, failures, " | ".join(reasons))
     consistent = verdicts[0] == verdicts[1]
-    return PairwiseVerdict(sample_id, verdicts[0] if consistent else "tie", consistent, tuple(verdicts), failures, " | ".join(reasons))
+    winner = cast(str, verdicts[0]) if consistent else "tie"  # not None: checked above
+    return PairwiseVerdict(sample_id, winner, consistent, both, failures, " | ".join(reasons))
 
 
 @dataclass(frozen=True)
@@ -302,7 +309,8 @@ def summarize_pairwise(verdicts: Sequence[PairwiseVerdict]) -> PairwiseSummary:
     ties = n - cw - bw
     rate = (cw + ties / 2) / n if n else None
     ci = wilson_interval(round(cw + ties / 2), n) if n else (float("nan"), float("nan"))
-    return PairwiseSummary(n, cw, bw, ties, len(verdicts) - n, (sum(bool(v.consistent) for v in judged) / n) if n else None, rate, ci)
+    position_consistency = (sum(bool(v.consistent) for v in judged) / n) if n else None
+    return PairwiseSummary(n, cw, bw, ties, len(verdicts) - n, position_consistency, rate, ci)
 
 
 # -- rubric ----------------------------------------------------------------------------------------
@@ -345,7 +353,7 @@ def probability_weighted(top: tuple[tuple[tuple[str, float], ...], ...] | None, 
     for alts in top:
         if not alts or str(stated) not in {t.strip() for t, _ in alts[:1]}:
             continue
-        probs = {}
+        probs: dict[int, float] = {}
         for tok, lp in alts:
             t = tok.strip()
             if t in {"1", "2", "3", "4", "5"} and math.exp(lp) >= 0.01:
@@ -355,7 +363,8 @@ def probability_weighted(top: tuple[tuple[tuple[str, float], ...], ...] | None, 
     return None
 
 
-def rubric(client: JudgeClient, sample_id: str, question: str, answer: str, reference: str | None = None) -> RubricScore:
+def rubric(client: JudgeClient, sample_id: str, question: str, answer: str,
+           reference: str | None = None) -> RubricScore:
     ref = f"\nGrade against this reference answer:\n{reference}" if reference else ""
     msg = [{"role": "user", "content": RUBRIC_PROMPT.format(reference=ref, question=question, answer=answer)}]
     parsed, reply, failures = client.ask_json(msg, _score, logprobs=True)

@@ -13,8 +13,8 @@ NLLs together.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class DocNLL:
     cluster: str | None = None  # source document this sample was cut from (clustered bootstrap)
 
     @classmethod
-    def from_result(cls, r: RollingResult, cluster: str | None = None) -> "DocNLL":
+    def from_result(cls, r: RollingResult, cluster: str | None = None) -> DocNLL:
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, cluster)
 
 

@@ -16,9 +16,10 @@ estimate near the threshold with a wide CI is "inconclusive", and the answer is 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Callable, Hashable, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -161,7 +162,8 @@ def paired_mean_difference(
     d = np.asarray(candidate, dtype=float) - np.asarray(baseline, dtype=float)
     if d.size == 0:
         return float("nan"), float("nan"), float("nan")
-    lo, hi = paired_bootstrap_ci(lambda w: (w @ d) / w.sum(1), d.size, clusters=clusters, n_resamples=n_resamples, seed=seed)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ d) / w.sum(1), d.size, clusters=clusters, n_resamples=n_resamples,
+                                 seed=seed)
     return float(d.mean()), lo, hi
 
 

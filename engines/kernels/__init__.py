@@ -25,7 +25,8 @@ def use_triton(device) -> bool:
         return False
     if mode == "triton":
         if str(device).startswith("cpu") and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("CANARY_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 (the Triton interpreter)")
+            raise RuntimeError("CANARY_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 "
+                               "(the Triton interpreter)")
         return True
     return str(device).startswith("cuda")
 

@@ -20,7 +20,8 @@ def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.const
     # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] (float)
     PER: tl.constexpr = 32 // BITS
     rd = tl.arange(0, D)
-    words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + (rd // PER)[None, :], mask=mask_s[:, None], other=0)
+    words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + (rd // PER)[None, :],
+                    mask=mask_s[:, None], other=0)
     return ((words >> ((rd % PER) * BITS)[None, :]) & (2**BITS - 1)).to(tl.float32)
 
 
@@ -84,14 +85,16 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
         # keys: per channel scale/zero of the slot's token group [SG = ⌈S/G⌉, D]
         kq = _unpack_rows(kc_ptr, code_off, rs, ck, BITS, D)
         koff = (head * SG + rs // G)[:, None] * D + rd[None, :]
-        kdq = kq * tl.load(ks_ptr + koff, mask=ck[:, None], other=0.0) + tl.load(kz_ptr + koff, mask=ck[:, None], other=0.0)
+        kdq = (kq * tl.load(ks_ptr + koff, mask=ck[:, None], other=0.0)
+               + tl.load(kz_ptr + koff, mask=ck[:, None], other=0.0))
         kraw = tl.load(k_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~ck)[:, None], other=0.0)
         kt = tl.where(ck[:, None], kdq, kraw.to(tl.float32))
         s = tl.where(valid, tl.sum(kt * q[None, :], axis=1) * scale, float("-inf"))
         # values: per token scale/zero of each group of G channels [S, D/G]
         vq = _unpack_rows(vc_ptr, code_off, rs, cv, BITS, D)
         voff = (head * S + rs)[:, None] * (D // G) + (rd // G)[None, :]
-        vdq = vq * tl.load(vs_ptr + voff, mask=cv[:, None], other=0.0) + tl.load(vz_ptr + voff, mask=cv[:, None], other=0.0)
+        vdq = (vq * tl.load(vs_ptr + voff, mask=cv[:, None], other=0.0)
+               + tl.load(vz_ptr + voff, mask=cv[:, None], other=0.0))
         vraw = tl.load(v_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~cv)[:, None], other=0.0)
         vt = tl.where(cv[:, None], vdq, vraw.to(tl.float32))
         m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc)

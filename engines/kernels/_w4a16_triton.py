@@ -39,7 +39,8 @@ def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -59,7 +60,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
     rw = pid_n * W + tl.arange(0, W)  # packed word columns [W]
     lane = tl.arange(0, 8)
     shift = lane * 4
-    col = tl.reshape(rw[:, None] * 8 + ((lane % 4) * 2 + lane // 4)[None, :], (BLOCK_N,))  # AWQ_ORDER[i] = 2(i%4) + i//4
+    # AWQ_ORDER[i] = 2(i%4) + i//4
+    col = tl.reshape(rw[:, None] * 8 + ((lane % 4) * 2 + lane // 4)[None, :], (BLOCK_N,))
     word_ok = rw < N // 8
     col_ok = col < N
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -67,7 +69,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
     for k0 in range(pid_k * k_per, tl.minimum((pid_k + 1) * k_per, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        packed = tl.load(qw_ptr + rk[:, None] * (N // 8) + rw[None, :], mask=(rk[:, None] < K) & word_ok[None, :], other=0)
+        packed = tl.load(qw_ptr + rk[:, None] * (N // 8) + rw[None, :],
+                         mask=(rk[:, None] < K) & word_ok[None, :], other=0)
         q = tl.reshape((packed[:, :, None] >> shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         zp = tl.load(qz_ptr + g * (N // 8) + rw, mask=word_ok, other=0)
@@ -93,8 +96,9 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
 
 def gemm_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
-                                      (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 128, 8, 3))]
+            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+                                      (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                                      (64, 256, 128, 8, 3))]
 
 
 def gemv_configs():
@@ -109,7 +113,7 @@ def gemv_configs():
                                       (256, 32, 16, 8, 4), (128, 32, 32, 4, 4))]
 
 
-_autotuned = {}
+_autotuned: dict[str, object] = {}
 
 
 def autotuned(name: str):
@@ -119,5 +123,6 @@ def autotuned(name: str):
         if name == "gemm":
             _autotuned[name] = triton.autotune(gemm_configs(), key=["M", "N", "K"])(gemm_kernel)
         else:
-            _autotuned[name] = triton.autotune(gemv_configs(), key=["M_PAD", "N", "K"], reset_to_zero=["y_ptr"])(gemv_kernel)
+            _autotuned[name] = triton.autotune(gemv_configs(), key=["M_PAD", "N", "K"],
+                                               reset_to_zero=["y_ptr"])(gemv_kernel)
     return _autotuned[name]

@@ -34,7 +34,8 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
-    lanes = (codes.to(torch.int64)[..., None] >> (torch.arange(per, dtype=torch.int64, device=codes.device) * bits)) & (2**bits - 1)
+    shifts = torch.arange(per, dtype=torch.int64, device=codes.device) * bits
+    lanes = (codes.to(torch.int64)[..., None] >> shifts) & (2**bits - 1)
     return lanes.reshape(*codes.shape[:-1], codes.shape[-1] * per)
 
 
@@ -90,7 +91,8 @@ def decode_attention_reference(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv,
 # -- Triton launchers ------------------------------------------------------------------------------
 def _check(D: int, bits: int) -> None:
     if bits not in (2, 4) or D % GROUP or D & (D - 1):
-        raise ValueError(f"KIVI kernels need bits in (2, 4) and a power-of-two head_dim ≥ {GROUP}; got bits={bits}, D={D}")
+        raise ValueError(f"KIVI kernels need bits in (2, 4) and a power-of-two head_dim ≥ {GROUP}; "
+                         f"got bits={bits}, D={D}")
 
 
 def quantize_keys(k: torch.Tensor, bits: int):
@@ -117,7 +119,8 @@ def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
     codes = torch.empty(N, D * bits // 32, dtype=torch.int32, device=v.device)
     scale = torch.empty(N, D // GROUP, device=v.device)
     zero = torch.empty(N, D // GROUP, device=v.device)
-    quantize_values_kernel[(math.ceil(N / block_n),)](v.contiguous(), codes, scale, zero, N, D=D, G=GROUP, BITS=bits, BLOCK_N=block_n)
+    quantize_values_kernel[(math.ceil(N / block_n),)](v.contiguous(), codes, scale, zero, N,
+                                                      D=D, G=GROUP, BITS=bits, BLOCK_N=block_n)
     return codes, scale, zero
 
 
@@ -137,7 +140,8 @@ def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int
     acc = torch.empty(B * H, n_chunks, D, device=q.device)
     i32 = [t.to(torch.int32).contiguous() for t in (lengths, nk, nv)]
     attention_kernel[(B * H, n_chunks)](q.float().contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(),
-                                        vc.contiguous(), vs.contiguous(), vz.contiguous(), k.contiguous(), v.contiguous(),
+                                        vc.contiguous(), vs.contiguous(), vz.contiguous(),
+                                        k.contiguous(), v.contiguous(),
                                         *i32, m, l, acc, H, Hkv, S, ks.shape[2], chunk, 1.0 / math.sqrt(D),
                                         D=D, G=GROUP, BITS=bits, BLOCK_S=block_s, num_warps=ATTENTION_WARPS)
     return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)

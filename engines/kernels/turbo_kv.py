@@ -43,9 +43,10 @@ def pack_bitplanes(idx: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     *lead, b, W = codes.shape
-    words = codes.to(torch.int64)[..., None] >> torch.arange(32, dtype=torch.int64, device=codes.device)  # [..., b, W, 32]
+    # words: [..., b, W, 32]
+    words = codes.to(torch.int64)[..., None] >> torch.arange(32, dtype=torch.int64, device=codes.device)
     idx = sum(((words[..., k, :, :] & 1) << k) for k in range(bits))
-    return idx.reshape(*lead, W * 32)
+    return idx.reshape(*lead, W * 32)  # type: ignore[union-attr]  # bits ≥ 1, so the sum is a tensor
 
 
 def quantize_reference(x: torch.Tensor, bits: int, seed: int = 0):
@@ -129,7 +130,8 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 
     rot, book = rotation_and_codebook(D, bits, seed, x.device)
     codes = torch.empty(N, bits, D // 32, dtype=torch.int32, device=x.device)
     norms = torch.empty(N, dtype=torch.float32, device=x.device)
-    quantize[(math.ceil(N / block_n),)](x.contiguous().float(), rot, book, codes, norms, N, D=D, BITS=bits, BLOCK_N=block_n)
+    quantize[(math.ceil(N / block_n),)](x.contiguous().float(), rot, book, codes, norms, N,
+                                        D=D, BITS=bits, BLOCK_N=block_n)
     return codes, norms
 
 

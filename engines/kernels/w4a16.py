@@ -27,7 +27,8 @@ def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 
 GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) the tiled GEMM
 
 
-def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128, tune: bool | None = None) -> torch.Tensor:
+def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
+                 tune: bool | None = None) -> torch.Tensor:
     """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M, N, K); without it
     (the interpreter) a fixed small configuration runs."""
     from engines.kernels import _w4a16_triton as k
@@ -37,7 +38,8 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     if K % group_size:
         raise ValueError(f"K={K} must be a multiple of the group size {group_size}")
     if M <= GEMV_MAX_M and group_size % (128 if tune or (tune is None and x.is_cuda) else 32):
-        raise ValueError(f"the W4A16 GEMV reads a tile's zeros and scales once: group size {group_size} must be a multiple of its K tile (128 when tuned)")
+        raise ValueError(f"the W4A16 GEMV reads a tile's zeros and scales once: group size {group_size} "
+                         "must be a multiple of its K tile (128 when tuned)")
     tune = x.is_cuda if tune is None else tune
     x = x.contiguous()
     args = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
@@ -79,7 +81,7 @@ class W4A16Linear(torch.nn.Module):
         self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
 
     @classmethod
-    def from_parts(cls, parts, bias, device) -> "W4A16Linear":
+    def from_parts(cls, parts, bias, device) -> W4A16Linear:
         from engines.reference.awq import pack_awq_gemm
 
         packed = [pack_awq_gemm(q, zero, scale) for q, zero, scale in parts]  # each: [K, N_i/8] …

@@ -14,6 +14,9 @@ Then every decoder linear is quantized group-wise asymmetric INT4 (engines/quant
 
 from __future__ import annotations
 
+from functools import partial
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -37,7 +40,8 @@ def _pack_cols(v: torch.Tensor) -> torch.Tensor:
 
 def _unpack_cols(p: torch.Tensor) -> torch.Tensor:
     rows, cols = p.shape
-    nib = (p.to(torch.int64)[..., None] >> torch.arange(0, 32, 4, dtype=torch.int64, device=p.device)) & 0xF  # [rows, cols, 8]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=p.device)
+    nib = (p.to(torch.int64)[..., None] >> shifts) & 0xF  # [rows, cols, 8]
     out = torch.empty_like(nib)
     out[..., list(AWQ_ORDER)] = nib
     return out.reshape(rows, cols * 8)
@@ -72,17 +76,18 @@ def search_scale(block, linears: list[nn.Linear], x: torch.Tensor, inp: torch.Te
     x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
     original = [lin.weight.data.clone() for lin in linears]
     ref = block(x)
-    best, best_err = None, float("inf")
+    best: torch.Tensor | None = None
+    best_err = float("inf")
     for i in range(N_GRID):
         s = _quant_error_scales(x_mean, i / N_GRID).to(inp.dtype)
-        for lin, w in zip(linears, original):
+        for lin, w in zip(linears, original, strict=True):
             lin.weight.data = fake_quantize(w * s, 4) / s  # Q(W·diag(s))·diag(s)⁻¹: the input is divided by s
         err = (block(x) - ref).float().pow(2).mean().item()
         if err < best_err:
             best, best_err = s, err
-    for lin, w in zip(linears, original):
+    for lin, w in zip(linears, original, strict=True):
         lin.weight.data = w
-    return best
+    return best  # type: ignore[return-value]  # None only if every grid point's error is NaN
 
 
 def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
@@ -92,7 +97,7 @@ def apply_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> N
         if prev.bias is not None:
             prev.bias.data.div_(s)
     else:  # RMSNorm
-        prev.weight.data.div_(s)
+        cast(torch.Tensor, prev.weight).data.div_(s)
     for lin in linears:
         lin.weight.data.mul_(s)
 
@@ -159,11 +164,11 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
         apply_scale(layer.input_layernorm, qkv, s)
         xn = layer.input_layernorm(h)
         # 2. v_proj → o_proj, only without GQA (v's outputs are o's inputs one to one)
-        o_in = _capture_input(attn.o_proj, lambda: attn_block(xn))
+        o_in = _capture_input(attn.o_proj, partial(attn_block, xn))
         if attn.v_proj.weight.shape == attn.o_proj.weight.shape:
             s = search_scale(attn.o_proj, [attn.o_proj], o_in, o_in)
             apply_scale(attn.v_proj, [attn.o_proj], s)
-            o_in = _capture_input(attn.o_proj, lambda: attn_block(xn))
+            o_in = _capture_input(attn.o_proj, partial(attn_block, xn))
         h_mid = h + attn_block(xn)
         # 3. post_attention_layernorm → gate, up (judged through the MLP)
         xm = layer.post_attention_layernorm(h_mid)
@@ -171,12 +176,13 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
         apply_scale(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], s)
         xm = layer.post_attention_layernorm(h_mid)
         # 4. up_proj → down_proj
-        down_in = _capture_input(mlp.down_proj, lambda: mlp(xm))
+        down_in = _capture_input(mlp.down_proj, partial(mlp, xm))
         s = search_scale(mlp.down_proj, [mlp.down_proj], down_in, down_in)
         apply_scale(mlp.up_proj, [mlp.down_proj], s)
-        down_in = _capture_input(mlp.down_proj, lambda: mlp(xm))
+        down_in = _capture_input(mlp.down_proj, partial(mlp, xm))
         # clipping (q_proj and k_proj are skipped: their errors pass through softmax)
-        for lin, inp in ((attn.v_proj, xn), (attn.o_proj, o_in), (mlp.gate_proj, xm), (mlp.up_proj, xm), (mlp.down_proj, down_in)):
+        for lin, inp in ((attn.v_proj, xn), (attn.o_proj, o_in), (mlp.gate_proj, xm), (mlp.up_proj, xm),
+                         (mlp.down_proj, down_in)):
             apply_clip(lin, search_clip(lin.weight.data, inp))
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(attn, name)
@@ -225,7 +231,8 @@ def save_awq_checkpoint(model, packed: dict[str, tuple], out, source_dir, group_
         state[f"{mod}.qweight"], state[f"{mod}.qzeros"], state[f"{mod}.scales"] = qweight, qzeros, scales
     save_file(state, out / "model.safetensors")
     cfg = json.loads((source_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
+                                  "zero_point": True}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in source_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":

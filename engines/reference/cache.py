@@ -10,10 +10,12 @@ residual window — the raw one, exactly as it would be at that query's decode s
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
-from engines.reference.kv import KVFormat
+from engines.reference.kv import KiviKV, KVFormat, TurboKV
 
 
 class KVCache:
@@ -68,7 +70,8 @@ class KVCache:
                 return self._turbo_kernel_attend(layer, q, slots, S)
             # TurboQuant: ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ — rotate the query once and score against the
             # stored codes; accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once.
-            return _rotated_attention(q, kq, vq, self.fmt.rotation(q.shape[-1], q.device).to(q.dtype), mask)
+            rotation = cast(TurboKV, self.fmt).rotation(q.shape[-1], q.device)  # rotated: TurboQuant
+            return _rotated_attention(q, kq, vq, rotation.to(q.dtype), mask)
         if not self.fmt.windowed:  # every readable slot is compressed, the current one included
             if self.fmt.name == "fp8" and self._kernel_decode(q, slots):
                 return self._fp8_kernel_attend(layer, q, slots, S)
@@ -109,14 +112,15 @@ class KVCache:
         L, B, Hkv, S_max, D = self.k.shape
         T = len(slots)
         if self.fmt.rotated:
-            from engines.kernels.turbo_kv import quantize_on_write
+            from engines.kernels.turbo_kv import quantize_on_write as turbo_quantize_on_write
 
-            bits = int(self.fmt.bits)
+            turbo = cast(TurboKV, self.fmt)  # rotated: TurboQuant
+            bits = int(turbo.bits)
             if not hasattr(self, "codes"):
                 self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
                 self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
             for i, x in enumerate((k, v)):
-                c, n = quantize_on_write(x.reshape(-1, D), bits, self.fmt.seed)
+                c, n = turbo_quantize_on_write(x.reshape(-1, D), bits, turbo.seed)
                 self.codes[i, layer].index_copy_(2, slots, c.reshape(B, Hkv, T, bits, D // 32))
                 self.norms[i, layer].index_copy_(2, slots, n.reshape(B, Hkv, T))
             return
@@ -124,13 +128,13 @@ class KVCache:
 
         # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
         # off CUDA the cast is torch's, so both paths hold the same codes.
-        cast = quantize_on_write if k.is_cuda else quantize_reference
+        to_fp8 = quantize_on_write if k.is_cuda else quantize_reference
         if not hasattr(self, "k8"):
             self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=k.device)
             self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=k.device)
         # index_copy_ has no fp8 kernels: write the codes' bytes
-        self.k8[layer].view(torch.uint8).index_copy_(2, slots, cast(k).view(torch.uint8))
-        self.v8[layer].view(torch.uint8).index_copy_(2, slots, cast(v).view(torch.uint8))
+        self.k8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(k).view(torch.uint8))
+        self.v8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(v).view(torch.uint8))
 
     def _lengths(self, q, slots) -> torch.Tensor:
         return (slots[-1:] + 1).expand(q.shape[0]).contiguous()  # [B] sequence lengths, on the device
@@ -141,7 +145,7 @@ class KVCache:
 
         out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S],
                                self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S], self._lengths(q, slots),
-                               int(self.fmt.bits), self.fmt.seed)
+                               int(cast(TurboKV, self.fmt).bits), cast(TurboKV, self.fmt).seed)
         return out[:, :, None].to(q.dtype)
 
     def _fp8_kernel_attend(self, layer: int, q, slots, S: int):
@@ -156,13 +160,14 @@ class KVCache:
         window (keys in whole flushes, values token by token); attention by the two-tier kernel."""
         from engines.kernels.kivi_kv import GROUP, decode_attention, quantize_keys, quantize_values
 
-        bits = self.fmt.bits
+        bits = cast(KiviKV, self.fmt).bits
         L, B, Hkv, S_max, D = self.k.shape
         if not hasattr(self, "kivi"):
             words, groups = D * bits // 32, -(-S_max // GROUP)
             z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=q.device)  # noqa: E731
             self.kivi = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
-                         "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP), "vz": z(S_max, D // GROUP)}
+                         "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP),
+                         "vz": z(S_max, D // GROUP)}
             self.packed_k, self.packed_v = [0] * L, [0] * L
         c = self.kivi
         t = int(slots[-1])
@@ -184,8 +189,9 @@ class KVCache:
             c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
             self.packed_v[layer] = nv
         full = lambda x: torch.full((B,), x, device=q.device)  # noqa: E731
-        out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], *(c[key][layer] for key in ("kc", "ks", "kz", "vc", "vs", "vz")),
-                               full(t + 1), full(nk), full(nv), bits)
+        out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer],
+                               c["kc"][layer], c["ks"][layer], c["kz"][layer], c["vc"][layer], c["vs"][layer],
+                               c["vz"][layer], full(t + 1), full(nk), full(nv), bits)
         return out[:, :, None].to(q.dtype)
 
     def _compressed_mask(self, slots: torch.Tensor, S: int, boundary) -> torch.Tensor:

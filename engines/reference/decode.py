@@ -20,6 +20,7 @@ Shapes: B batch, P prompt tokens, S cache slots, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 
@@ -136,7 +137,7 @@ class Decoder:
         if self.graph is not None:
             with torch.cuda.device(self.device):
                 self.graph.replay()
-            logits = self.graph_logits
+            logits = cast(torch.Tensor, self.graph_logits)  # set by the capture with the graph
         else:
             logits = self._step()
         self.slot.add_(1)

@@ -4,25 +4,27 @@ generation at a set concurrency with per-request timings, memory figures."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import pairwise
+from typing import Any, cast
 
 import torch
 
 from engines.device import resolve_device
 from engines.protocol import (
     EngineDescription,
-    SpecStats,
     GenerationRequest,
     GenerationResult,
     RollingRequest,
     RollingResult,
+    SpecStats,
     strided_windows,
 )
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
-from engines.reference.model import Transformer, load_model
+from engines.reference.model import DecoderLayer, Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
 from engines.spec import OptimizationSpec
 
@@ -74,7 +76,8 @@ class ReferenceEngine:
         if sp.method == "off":
             return None
         if self.concurrency != 1:
-            raise ValueError("engine_options.concurrency: speculative decoding runs one request at a time; use concurrency 1")
+            raise ValueError("engine_options.concurrency: speculative decoding runs one request at a time; "
+                             "use concurrency 1")
         if sp.method == "ngram":
             return NgramProposer(sp.k, sp.prompt_lookup_max, sp.prompt_lookup_min)
         from engines.zoo import check_draft_tokenizer, resolve_model_path
@@ -85,14 +88,17 @@ class ReferenceEngine:
         d = self.draft_model.args
         return DraftModelProposer(
             self.draft_model, sp.k,
-            lambda slots: KVCache(d.n_layers, 1, slots, d.n_kv_heads, d.head_dim, self.dtype, self.device, kv_format("auto", self.dtype)),
+            lambda slots: KVCache(d.n_layers, 1, slots, d.n_kv_heads, d.head_dim, self.dtype, self.device,
+                                  kv_format("auto", self.dtype)),
         )
 
     def _rtn(self, model: Transformer, bits: int) -> None:
         with torch.no_grad():
-            for i, layer in enumerate(model.model.layers):
-                for name, lin in (("self_attn.q_proj", layer.self_attn.q_proj), ("self_attn.k_proj", layer.self_attn.k_proj),
-                                  ("self_attn.v_proj", layer.self_attn.v_proj), ("self_attn.o_proj", layer.self_attn.o_proj),
+            for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
+                for name, lin in (("self_attn.q_proj", layer.self_attn.q_proj),
+                                  ("self_attn.k_proj", layer.self_attn.k_proj),
+                                  ("self_attn.v_proj", layer.self_attn.v_proj),
+                                  ("self_attn.o_proj", layer.self_attn.o_proj),
                                   ("mlp.gate_proj", layer.mlp.gate_proj), ("mlp.up_proj", layer.mlp.up_proj),
                                   ("mlp.down_proj", layer.mlp.down_proj)):
                     q, scale, zero = quantize_groupwise(lin.weight, bits)
@@ -100,18 +106,21 @@ class ReferenceEngine:
                     if bits == 4:
                         self.packed[f"model.layers.{i}.{name}"] = (q, zero, scale)
                     self.quantized_params += lin.weight.numel()
-                    self.quantized_bytes += quantized_bytes(*lin.weight.shape, bits)
+                    out_f, in_f = lin.weight.shape
+                    self.quantized_bytes += quantized_bytes(out_f, in_f, bits)
 
     def _use_w4a16_kernels(self) -> None:
         """Where kernels run, int4 linears multiply straight from the packed AutoAWQ layout
         (engines/kernels/w4a16.py) instead of the dequantized copy."""
         from engines.kernels.w4a16 import W4A16Linear
 
-        for i, layer in enumerate(self.model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.model.layers)):
+            # W4A16Linear takes nn.Linear's place (the same forward), which the model's annotations do not allow
+            attn, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)
             qkv = [self.packed[f"model.layers.{i}.self_attn.{n}_proj"] for n in ("q", "k", "v")]
             attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, self.device)
-            attn.o_proj = W4A16Linear.from_parts([self.packed[f"model.layers.{i}.self_attn.o_proj"]], attn.o_proj.bias, self.device)
+            o = [self.packed[f"model.layers.{i}.self_attn.o_proj"]]
+            attn.o_proj = W4A16Linear.from_parts(o, attn.o_proj.bias, self.device)
             gu = [self.packed[f"model.layers.{i}.mlp.{n}_proj"] for n in ("gate", "up")]
             mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, self.device)
             mlp.down_proj = W4A16Linear.from_parts([self.packed[f"model.layers.{i}.mlp.down_proj"]], None, self.device)
@@ -133,26 +142,31 @@ class ReferenceEngine:
                 break
         n = min(n, len(ids) // t)
         if n == 0:
-            raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, fewer than one window of {t}")
+            raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, "
+                             f"fewer than one window of {t}")
         self.calibration_shape = (n, t)
         packed = awq_quantize(model, torch.tensor(ids[: n * t]).reshape(n, t))
         self.packed = packed
         for q, _, _ in packed.values():
             self.quantized_params += q.numel()
-            self.quantized_bytes += quantized_bytes(*q.shape, 4)
+            out_f, in_f = q.shape
+            self.quantized_bytes += quantized_bytes(out_f, in_f, 4)
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
-        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device, self.kv))
+        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device,
+                                   self.kv))
 
     def decoder(self, batch: int, slots: int) -> Decoder:
         """The static decode loop (engines/reference/decode.py) over a fresh cache."""
-        d = Decoder(self.model, self.kv, batch, slots, self.device, self.dtype, self.spec.engine_options.get("cuda_graphs"))
+        d = Decoder(self.model, self.kv, batch, slots, self.device, self.dtype,
+                    self.spec.engine_options.get("cuda_graphs"))
         self._track(d.cache)
         return d
 
     def _track(self, cache: KVCache) -> KVCache:
-        held = sum(t.nbytes for t in (cache.k, cache.v, getattr(cache, "kq", None), getattr(cache, "vq", None)) if t is not None)
+        buffers = (cache.k, cache.v, getattr(cache, "kq", None), getattr(cache, "vq", None))
+        held = sum(t.nbytes for t in buffers if t is not None)
         self.peak_kv_bytes = max(self.peak_kv_bytes, held)
         return cache
 
@@ -177,7 +191,8 @@ class ReferenceEngine:
             idx = order[s : s + self.batch_size]
             width = max(len(jobs[j][1]) for j in idx)
             # right padding: a window's real tokens start at slot 0, so positions equal slots
-            x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx], device=self.device)
+            x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx],
+                             device=self.device)
             slots = torch.arange(width, device=self.device)
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
             cache = self.new_cache(len(idx), width) if self.kv.lossy else NoCache()
@@ -189,8 +204,8 @@ class ReferenceEngine:
                 logits = self.model.lm_head(h[row, len(inp) - n : len(inp)]).float()
                 picked = logits.gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
                 out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
-        logprobs = [[] for _ in requests]
-        greedy = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        greedy: list[list[int]] = [[] for _ in requests]
         for j, job in enumerate(jobs):
             logprobs[job[0]].extend(out[j][0])
             greedy[job[0]].extend(out[j][1])
@@ -216,7 +231,8 @@ class ReferenceEngine:
         return (picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist()
 
     # -- generation --------------------------------------------------------------------------------
-    def generate(self, requests: Sequence[GenerationRequest], on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         """Requests run `concurrency` at a time as one batch (left-padded prefill, then lockstep
         decode); each request's TTFT counts from its batch's start. With speculative decoding,
         one request at a time. on_tokens(request_id, new token ids, spec counters delta) is
@@ -229,12 +245,14 @@ class ReferenceEngine:
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenerationRequest], on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+    def _generate_batch(self, reqs: list[GenerationRequest],
+                        on_tokens: OnTokens | None = None) -> list[GenerationResult]:
         prompts = [[self.start_id] + self.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
         B, P = len(reqs), max(len(p) for p in prompts)
         steps = max(r.max_new_tokens for r in reqs)
         if P + steps > self.args.max_seq_len:
-            raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({steps}) exceed the model's context of {self.args.max_seq_len}")
+            raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({steps}) exceed the model's context of "
+                             f"{self.args.max_seq_len}")
         pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
         ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
         decoder = self.decoder(B, P + steps)
@@ -269,11 +287,11 @@ class ReferenceEngine:
         return [
             GenerationResult(
                 request_id=r.request_id,
-                text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                text=cast(str, self.tokenizer.decode(tokens[b], skip_special_tokens=True)),  # one sequence: one str
                 token_ids=tuple(tokens[b]),
                 prompt_tokens=len(prompts[b]),
                 ttft_ms=(stamps[b][0] - t0) * 1000,
-                itl_ms=tuple((y - x) * 1000 for x, y in zip(stamps[b], stamps[b][1:])),
+                itl_ms=tuple((y - x) * 1000 for x, y in pairwise(stamps[b])),
                 total_ms=(stamps[b][-1] - t0) * 1000,
             )
             for b, r in enumerate(reqs)
@@ -281,11 +299,12 @@ class ReferenceEngine:
 
     @torch.inference_mode()
     def _generate_speculative(self, req: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
-        k = self.spec.speculative.k
+        k = self.spec.speculative.k  # type: ignore[union-attr]  # a proposer exists, so not "off"
         prompt = [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
         total = len(prompt) + req.max_new_tokens + k + 1
         if total > self.args.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of {self.args.max_seq_len}")
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of "
+                             f"{self.args.max_seq_len}")
         cache = self.new_cache(1, total)
         self.proposer.reset(total)
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
@@ -320,7 +339,8 @@ class ReferenceEngine:
                     ok = t == x
                 else:
                     p = torch.softmax(logits[i] / req.temperature, -1)
-                    q = qs[i] if qs is not None else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p)
+                    q = (qs[i] if qs is not None
+                         else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p))
                     ok, t = sample_step(p, q, x, gen)
                 new.append(t)
                 if not ok:
@@ -339,15 +359,16 @@ class ReferenceEngine:
             out += new
             stamps.append(now)  # the tokens one verification accepts arrive together: one gap per step
             if on_tokens:
-                step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
+                step = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k)))
+                        if drafts else None)
                 on_tokens(req.request_id, new, step)
         return GenerationResult(
             request_id=req.request_id,
-            text=self.tokenizer.decode(out, skip_special_tokens=True),
+            text=cast(str, self.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
             token_ids=tuple(out),
             prompt_tokens=len(prompt),
             ttft_ms=(stamps[0] - t0) * 1000,
-            itl_ms=tuple((b - a) * 1000 for a, b in zip(stamps, stamps[1:])),  # vLLM: per step, not per token
+            itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),  # vLLM: per step, not per token
             total_ms=(stamps[-1] - t0) * 1000,
             spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
                            tuple(counters.accepted_per_position)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import torch
 
@@ -138,7 +139,8 @@ class KiviKV(KVFormat):
             n_groups = (S - s0) // G
             if n_groups:
                 blk = k[b, :, s0 : s0 + n_groups * G].float().reshape(H, n_groups, G, D)
-                kq[b, :, s0 : s0 + n_groups * G] = minmax_quant(blk, self.bits, 2).reshape(H, n_groups * G, D).to(k.dtype)
+                kq[b, :, s0 : s0 + n_groups * G] = (minmax_quant(blk, self.bits, 2)
+                                                    .reshape(H, n_groups * G, D).to(k.dtype))
         if D % G == 0:
             vg = v.float().reshape(B, H, S, D // G, G)
             vq = minmax_quant(vg, self.bits, -1).reshape(B, H, S, D).to(v.dtype)
@@ -162,8 +164,8 @@ def lloyd_max_gaussian(bits: int, iters: int = 300) -> tuple[float, ...]:
     cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
     c = [-2.5 + 5 * (i + 0.5) / n for i in range(n)]
     for _ in range(iters):
-        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(c, c[1:])] + [math.inf]
-        c = [(pdf(a) - pdf(b)) / max(cdf(b) - cdf(a), 1e-300) for a, b in zip(edges, edges[1:])]
+        edges = [-math.inf] + [(a + b) / 2 for a, b in pairwise(c)] + [math.inf]
+        c = [(pdf(a) - pdf(b)) / max(cdf(b) - cdf(a), 1e-300) for a, b in pairwise(edges)]
     return tuple(c)
 
 

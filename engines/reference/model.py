@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +38,18 @@ class ModelArgs:
     rope_scaling: dict = field(default_factory=dict)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelArgs":
+    def from_hf(cls, cfg: dict) -> ModelArgs:
         mtype = cfg.get("model_type")
         if mtype not in SUPPORTED_TYPES:
-            raise ValueError(f"model_type '{mtype}' is not supported by the reference engine; supported: {', '.join(SUPPORTED_TYPES)}")
+            raise ValueError(f"model_type '{mtype}' is not supported by the reference engine; "
+                             f"supported: {', '.join(SUPPORTED_TYPES)}")
         rope = dict(cfg.get("rope_parameters") or {})  # transformers ≥ 5
         rope.update(cfg.get("rope_scaling") or {})  # transformers 4 layout
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope scaling '{kind}' is not supported by the reference engine; supported: default, linear, llama3")
+            raise ValueError(f"rope scaling '{kind}' is not supported by the reference engine; "
+                             "supported: default, linear, llama3")
         n_heads = cfg["num_attention_heads"]
         return cls(
             model_type=mtype,
@@ -136,7 +140,8 @@ class Attention(nn.Module):
         a = self.args
         B, T, _ = x.shape
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], -1)
+            q, k, v = self.qkv_proj(x).split(
+                [a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # [B, H, T, D]
@@ -187,6 +192,8 @@ class Backbone(nn.Module):
 
 
 class Transformer(nn.Module):
+    inv_freq: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -203,10 +210,10 @@ class Transformer(nn.Module):
         self.inv_freq = rope_inv_freq(self.args).to(self.inv_freq.device)
         return self
 
-    def fuse(self) -> "Transformer":
+    def fuse(self) -> Transformer:
         """Fuse q/k/v and gate/up projections (after any weight quantization: both quantize per
         output row, so fusing does not change the values)."""
-        for layer in self.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self
@@ -217,7 +224,7 @@ class Transformer(nn.Module):
         mask: [B, 1, T, S] True where a query may attend a slot. Returns logits [B, T, V]."""
         h = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(self.inv_freq, pos, h.dtype)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, i, cache, slots, mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
@@ -231,16 +238,19 @@ def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
     from engines.reference.awq import dequantize_awq_gemm
 
     if qcfg.get("quant_method") != "awq" or qcfg.get("bits") != 4 or qcfg.get("version", "gemm").lower() != "gemm":
-        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; the reference engine loads AWQ 4-bit GEMM checkpoints")
+        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; "
+                         "the reference engine loads AWQ 4-bit GEMM checkpoints")
     out = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}
     for k in state:
         if k.endswith(".qweight"):
             mod = k.removesuffix(".qweight")
-            out[f"{mod}.weight"] = dequantize_awq_gemm(state[k], state[f"{mod}.qzeros"], state[f"{mod}.scales"], qcfg.get("group_size", 128))
+            out[f"{mod}.weight"] = dequantize_awq_gemm(state[k], state[f"{mod}.qzeros"], state[f"{mod}.scales"],
+                                                       qcfg.get("group_size", 128))
     return {k: v.float() for k, v in out.items()}
 
 
-def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> Transformer:
     """Build the decoder from an HF directory: config.json + *.safetensors (sharded or not)."""
     from safetensors.torch import load_file
 

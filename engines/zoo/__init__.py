@@ -28,7 +28,8 @@ def resolve_model_path(ref: str) -> pathlib.Path:
         return path
     path = pathlib.Path(ref).expanduser()
     if not path.is_dir():
-        raise ModelPathError(f"model directory '{ref}' does not exist; give a local HF directory or builtin:pydoc-target")
+        raise ModelPathError(f"model directory '{ref}' does not exist; "
+                             "give a local HF directory or builtin:pydoc-target")
     if not (path / "config.json").is_file():
         raise ModelPathError(f"model directory '{ref}' has no config.json; it must be a Hugging Face model directory")
     return path
@@ -50,7 +51,8 @@ def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
     target, draft = resolve_model_path(target_ref), resolve_model_path(draft_ref)
     a, b = target / "tokenizer.json", draft / "tokenizer.json"
     if not (a.is_file() and b.is_file()):
-        raise ModelPathError("speculative.draft_model: both models need a tokenizer.json to check they share a tokenizer")
+        raise ModelPathError("speculative.draft_model: both models need a tokenizer.json "
+                             "to check they share a tokenizer")
     va = json.loads(a.read_text())["model"]["vocab"]
     vb = json.loads(b.read_text())["model"]["vocab"]
     if va != vb:

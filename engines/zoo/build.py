@@ -84,7 +84,7 @@ def train_model(arch: Arch, stream, eos_id: int, out: pathlib.Path, steps: int |
         num_attention_heads=arch.num_attention_heads,
         num_key_value_heads=arch.num_key_value_heads,
         max_position_embeddings=MAX_POSITIONS,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # taken through **kwargs (transformers 5 stubs omit it)
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         bos_token_id=eos_id,
