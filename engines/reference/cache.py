@@ -30,6 +30,13 @@ class KVCache:
             self.vq = torch.zeros(shape, dtype=dtype, device=device)
         self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)
 
+    def nbytes(self) -> int:
+        """Bytes held: the raw and dequantized caches, and any packed buffers of the kernels."""
+        tensors = [self.k, self.v, getattr(self, "kq", None), getattr(self, "vq", None), getattr(self, "codes", None),
+                   getattr(self, "norms", None), getattr(self, "k8", None), getattr(self, "v8", None),
+                   *getattr(self, "kivi", {}).values()]
+        return sum(t.nbytes for t in tensors if t is not None)
+
     @property
     def seq_start(self) -> torch.Tensor:
         """[B] first real slot per row (left padding)."""

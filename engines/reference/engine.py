@@ -165,9 +165,9 @@ class ReferenceEngine:
         return d
 
     def _track(self, cache: KVCache) -> KVCache:
-        buffers = (cache.k, cache.v, getattr(cache, "kq", None), getattr(cache, "vq", None))
-        held = sum(t.nbytes for t in buffers if t is not None)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
+        """Count a cache's buffers toward peak_kv_bytes: when it is made, and again after use
+        (the kernels' packed buffers are made on first use)."""
+        self.peak_kv_bytes = max(self.peak_kv_bytes, cache.nbytes())
         return cache
 
     # -- perplexity --------------------------------------------------------------------------------
@@ -197,6 +197,8 @@ class ReferenceEngine:
             mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
             cache = self.new_cache(len(idx), width) if self.kv.lossy else NoCache()
             h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
+            if isinstance(cache, KVCache):
+                self._track(cache)
             for row, j in enumerate(idx):
                 _, inp, n, tgt = jobs[j]
                 # lm_head only on this window's scored positions (no padding), one window at a
@@ -284,6 +286,7 @@ class ReferenceEngine:
                 break
             logits = decoder.step(nxt_dev)
         self.decode_graphs = decoder.graphs_reason
+        self._track(decoder.cache)
         return [
             GenerationResult(
                 request_id=r.request_id,

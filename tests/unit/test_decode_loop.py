@@ -114,3 +114,11 @@ def test_prepare_fixes_the_padding_that_prefill_uses(engine):
     fresh = Decoder(engine.model, engine.kv, 1, 8, "cpu", torch.float32)
     fresh.prepare()
     assert fresh.pad.tolist() == [0] and not fresh.cache.left_padded
+
+
+def test_peak_kv_bytes_count_the_kernels_packed_buffers_too(engine):
+    # the packed TurboQuant codes are made on first use; a cache that holds them counts them
+    d = Decoder(engine.model, kv_format("turbo-3", torch.float32), 1, 64, "cpu", torch.float32)
+    before = d.cache.nbytes()
+    d.cache.codes = torch.zeros(2, 6, 1, 2, 64, 3, 1, dtype=torch.int32)
+    assert d.cache.nbytes() == before + d.cache.codes.nbytes
