@@ -77,8 +77,9 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
-    start = chunk * CHUNK
-    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
+    # tiles dealt round-robin (program c takes tiles c, c + n, …): every program has work at any
+    # length, not only when the sequence fills the static cache; none past the length
+    for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         ck, cv = valid & (rs < nk), valid & (rs < nv)

@@ -92,8 +92,9 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr,
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
-    start = chunk * CHUNK
-    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
+    # tiles dealt round-robin (program c takes tiles c, c + n, …): every program has work at any
+    # length, not only when the sequence fills the static cache; none past the length
+    for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         kv = _select(_unpack(kc_ptr, row_off, rs, valid, D, BITS), book_ptr, 2**BITS)
@@ -126,8 +127,9 @@ def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, H,
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros((D,), dtype=tl.float32)
-    start = chunk * CHUNK
-    for s0 in range(start, tl.minimum(start + CHUNK, length), BLOCK_S):  # no work past the length
+    # tiles dealt round-robin (program c takes tiles c, c + n, …): every program has work at any
+    # length, not only when the sequence fills the static cache; none past the length
+    for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = (rs < length) & (rs < S)
         kt = tl.load(k_ptr + base + rs[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)

@@ -90,7 +90,9 @@ def merge_split_k(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.
 
 
 def split_k_chunk(S: int, rows: int, device, block_s: int) -> int:
-    """Tokens per split-K program of a decode-attention kernel. At batch 1 the grid has only
+    """Tokens per split-K program of a decode-attention kernel, which sets the number of programs
+    along the sequence (⌈S / chunk⌉); the kernels deal BLOCK_S tiles to them round-robin, so the
+    work is even at any length below S. At batch 1 the grid has only
     B·H rows (32 for Llama-3-8B): the sequence is split so that rows × chunks ≈ 4 programs per SM
     (528 on an H100's 132), and no more — each chunk writes a [D] partial that merge_split_k
     reads back, so tiny chunks would add traffic in proportion to S."""
