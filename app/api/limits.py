@@ -101,15 +101,21 @@ def client_address(request: Request) -> str:
     return request.client.host if request.client else "?"
 
 
+def _limit(buckets: TokenBuckets, who: object, per_minute: int, take: bool, message: str) -> None:
+    """Raise RateLimited(message + the wait) when `who` has no token in `buckets` (taking one if
+    `take`); per_minute 0 turns the limit off."""
+    if per_minute > 0:
+        buckets.max_entries = get_settings().rate_limit_max_buckets
+        wait = buckets.take(who, per_minute) if take else buckets.wait(who, per_minute)
+        if wait > 0:
+            raise RateLimited(message.format(per_minute=per_minute, wait=math.ceil(wait)), wait)
+
+
 def check_auth_failures(address: str) -> None:
     """429 for an address whose failed-authentication bucket is empty (before any key lookup)."""
-    per_minute = get_settings().rate_limit_auth_failures_per_minute
-    if per_minute > 0:
-        auth_failures.max_entries = get_settings().rate_limit_max_buckets
-        wait = auth_failures.wait(address, per_minute)
-        if wait > 0:
-            raise RateLimited(f"too many failed authentications from this address (limit {per_minute} per minute, "
-                              f"CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE); retry after {math.ceil(wait)} s with a valid key", wait)
+    _limit(auth_failures, address, get_settings().rate_limit_auth_failures_per_minute, False,
+           "too many failed authentications from this address (limit {per_minute} per minute, "
+           "CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE); retry after {wait} s with a valid key")
 
 
 def record_auth_failure(address: str) -> None:
@@ -120,12 +126,8 @@ def record_auth_failure(address: str) -> None:
 
 def take_request(who: object) -> None:
     """429 when `who` (("key", id) or ("address", host)) has used up its requests per minute."""
-    per_minute = get_settings().rate_limit_per_minute
-    if per_minute > 0:
-        requests.max_entries = get_settings().rate_limit_max_buckets
-        wait = requests.take(who, per_minute)
-        if wait > 0:
-            raise RateLimited(f"rate limit of {per_minute} requests per minute exceeded; retry after {math.ceil(wait)} s", wait)
+    _limit(requests, who, get_settings().rate_limit_per_minute, True,
+           "rate limit of {per_minute} requests per minute exceeded; retry after {wait} s")
 
 
 UNAUTHENTICATED_MAX_BYTES = 64 * 1024

@@ -34,12 +34,17 @@ REFUSED = [
 
 @pytest.mark.parametrize("url,why", REFUSED)
 def test_refused(url, why, monkeypatch):
+    assert_refused(url, "channels[0].url", why, monkeypatch)
+
+
+def assert_refused(url: str, field: str, pattern: str, monkeypatch) -> None:
+    """check_url refuses url with no allow-list, with a reason matching the regex `pattern`."""
     monkeypatch.setenv("CANARY_URL_ALLOWLIST", "")
     from app.settings import get_settings
 
     get_settings.cache_clear()
-    with pytest.raises(UnsafeURL, match=why):
-        check_url(url, "channels[0].url")
+    with pytest.raises(UnsafeURL, match=pattern):
+        check_url(url, field)
     get_settings.cache_clear()
 
 
@@ -90,13 +95,7 @@ EMBEDDED = [
 
 @pytest.mark.parametrize("url,why", EMBEDDED)
 def test_embedded_ipv4_is_unwrapped(url, why, monkeypatch):
-    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "")
-    from app.settings import get_settings
-
-    get_settings.cache_clear()
-    with pytest.raises(UnsafeURL, match=re.escape(why)):
-        check_url(url, "engine_options.base_url")
-    get_settings.cache_clear()
+    assert_refused(url, "engine_options.base_url", re.escape(why), monkeypatch)
 
 
 def test_a_6to4_address_of_a_public_ipv4_passes(monkeypatch):
