@@ -162,6 +162,10 @@ class TransformersEngine:
         return [self._generate_one(r) for r in requests]
 
     # -- description -----------------------------------------------------------------------------
+    def server_stats(self) -> None:
+        """In-process: no serving process reports figures of its own."""
+        return None
+
     def describe(self) -> EngineDescription:
         import transformers
 

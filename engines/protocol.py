@@ -96,6 +96,19 @@ class SpecStats:
     def mean_acceptance_length(self) -> float | None:  # 1 + accepted / drafts (incl. bonus)
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
+    @property
+    def per_position_rate(self) -> tuple[float, ...]:  # accepted at draft position i / drafts
+        return tuple(a / self.num_drafts for a in self.accepted_per_position) if self.num_drafts else ()
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        """Counters of two spans of work (requests, batches): every total adds, position by position."""
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + (0,) * (n - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + (0,) * (n - len(other.accepted_per_position))
+        return SpecStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                         self.num_accepted_tokens + other.num_accepted_tokens,
+                         tuple(a + b for a, b in zip(mine, theirs)))
+
 
 @dataclass(frozen=True)
 class GenerationResult:
@@ -135,7 +148,23 @@ class EngineDescription:
     resident_weight_bytes: int | None = None
     peak_kv_cache_bytes: int | None = None  # largest set of KV buffers allocated so far
     peak_device_bytes: int | None = None  # torch.cuda.max_memory_allocated, on CUDA
+    # peak fraction (0–1) of the allocated KV cache in use: tokens held / token slots allocated;
+    # None where the engine cannot know it (a remote server reports it in ServerStats instead)
+    kv_cache_usage: float | None = None
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """What a serving process reported about itself while the last generate() call ran, read from
+    its Prometheus /metrics (vLLM's names): counter deltas and gauge peaks. Any other traffic on
+    that server is counted too. None where the server does not report a figure."""
+
+    metrics_url: str | None = None  # where they were read, without credentials
+    spec: SpecStats | None = None  # vllm:spec_decode_* counter deltas over the call
+    max_kv_cache_usage: float | None = None  # vllm:kv_cache_usage_perc (0–1), highest sample
+    max_num_requests_waiting: float | None = None  # vllm:num_requests_waiting, highest sample
+    max_num_requests_running: float | None = None  # vllm:num_requests_running, highest sample
 
 
 @runtime_checkable
@@ -145,3 +174,7 @@ class Engine(Protocol):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]: ...
 
     def describe(self) -> EngineDescription: ...
+
+    def server_stats(self) -> ServerStats | None:
+        """The server's own figures over the last generate() call; None for an in-process engine."""
+        ...

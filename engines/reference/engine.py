@@ -384,6 +384,10 @@ class ReferenceEngine:
         return int(torch.multinomial(torch.softmax(logits / req.temperature, -1), 1, generator=gen))
 
     # -- description -------------------------------------------------------------------------------
+    def server_stats(self) -> None:
+        """In-process: no serving process reports figures of its own."""
+        return None
+
     def describe(self) -> EngineDescription:
         import transformers
 
