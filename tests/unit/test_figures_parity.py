@@ -1,0 +1,71 @@
+"""Moving the metrics, comparisons and sample records to one home each (issue 16) changed no
+figure: the demo's suite over a few of its configs, on a small sample, stores the comparisons and
+figures recorded from the code before the move (tests/unit/data/demo_parity.json).
+
+Timing figures (TTFT, time between tokens, tokens/s) vary from run to run and are left out;
+every other stored estimate, CI, n and verdict must agree to 1e-6 relative. Record again (only
+when a figure is meant to change, and say why in the commit) with
+    CANARY_RECORD_PARITY=1 python -m pytest tests/unit/test_figures_parity.py
+"""
+
+import json
+import math
+import os
+import pathlib
+
+import pytest
+
+from app.cli import DEMO_CONFIG
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import InlineDispatcher
+from app.services import apply_config_file, run_summary, start_run
+from app import repo
+
+GOLDEN = pathlib.Path(__file__).parent / "data" / "demo_parity.json"
+CONFIGS = ("fp16", "int4", "kivi-2", "turbo-3.5", "spec-draft-4")
+SAMPLES = 6
+TIMING = {"ttft_ms"}  # comparisons of wall-clock figures
+FIGURE_KEYS = ("token_ppl", "n_documents", "n_tokens", "weight_bytes", "kv_bytes_per_token", "parameters", "generated_tokens",
+               "peak_kv_cache_bytes", "spec")
+
+
+def _demo_subset_summary() -> dict:
+    cfg = {**DEMO_CONFIG, "configs": [c for c in DEMO_CONFIG["configs"] if c["name"] in CONFIGS],
+           "suites": [{**DEMO_CONFIG["suites"][0], "samples": SAMPLES}]}
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg))
+    run_id, _ = start_run("demo", "pydoc-daily", None, InlineDispatcher())
+    with session_scope() as s:
+        summary = run_summary(s, repo.get_run(s, repo.get_project(s, "demo"), run_id))
+    comparisons = sorted(({k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict")}
+                          for c in summary["comparisons"] if c["metric"] not in TIMING),
+                         key=lambda c: (c["config"], c["metric"]))
+    figures = {name: {k: f.get(k) for k in FIGURE_KEYS} for name, f in sorted(summary["figures"].items())}
+    return {"verdict": summary["verdict"], "comparisons": comparisons, "figures": figures}
+
+
+def _close(a, b, path: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}.{k}: missing on one side" for k in set(a) ^ set(b)]
+        return out + [e for k in set(a) & set(b) for e in _close(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items, recorded {len(b)}"]
+        return [e for i, (x, y) in enumerate(zip(a, b)) for e in _close(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return [] if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) else [f"{path}: {a!r}, recorded {b!r}"]
+    return [] if a == b else [f"{path}: {a!r}, recorded {b!r}"]
+
+
+def test_the_demo_suite_stores_the_recorded_comparisons_and_figures(sqlite_env):
+    got = json.loads(json.dumps(_demo_subset_summary()))  # stored as JSON: tuples become lists
+    if os.environ.get("CANARY_RECORD_PARITY"):
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"recorded {GOLDEN.name}")
+    want = json.loads(GOLDEN.read_text())
+    # metrics added since the recording (a new row in evals/metrics.py) are checked by their own tests
+    recorded = {(c["config"], c["metric"]) for c in want["comparisons"]}
+    got["comparisons"] = [c for c in got["comparisons"] if (c["config"], c["metric"]) in recorded]
+    problems = _close(got, want, "summary")
+    assert not problems, "\n".join(problems)
