@@ -201,17 +201,25 @@ def set_thresholds(session: Session, project: Project, thresholds: dict[str, dic
     session.flush()
 
 
+def alert_rules(session: Session, project_id: int, model_id: int) -> list[AlertRule]:
+    """The enabled rules that can apply to a model's configs (project-wide, the model's, its configs')."""
+    return list(session.scalars(
+        select(AlertRule).where(AlertRule.project_id == project_id, AlertRule.enabled.is_(True),
+                                or_(AlertRule.model_id.is_(None), AlertRule.model_id == model_id))
+        .order_by(AlertRule.id)
+    ))
+
+
+def most_specific_rule(rules: Sequence[AlertRule], metric: str, config_id: int) -> AlertRule | None:
+    """Of a model's rules, the most specific one for a config's metric: config over model over project."""
+    mine = [r for r in rules if r.metric == metric and r.config_id in (None, config_id)]
+    mine.sort(key=lambda r: (r.config_id is not None, r.model_id is not None), reverse=True)
+    return mine[0] if mine else None
+
+
 def threshold_for(session: Session, project_id: int, metric: str, model_id: int, config_id: int) -> AlertRule | None:
     """The most specific enabled rule: config over model over project."""
-    rules = session.scalars(
-        select(AlertRule).where(
-            AlertRule.project_id == project_id, AlertRule.metric == metric, AlertRule.enabled.is_(True),
-            or_(AlertRule.config_id.is_(None), AlertRule.config_id == config_id),
-            or_(AlertRule.model_id.is_(None), AlertRule.model_id == model_id),
-        )
-    ).all()
-    rules.sort(key=lambda r: (r.config_id is not None, r.model_id is not None), reverse=True)
-    return rules[0] if rules else None
+    return most_specific_rule(alert_rules(session, project_id, model_id), metric, config_id)
 
 
 def upsert_channel(session: Session, project: Project, name: str, kind: str, url: str, settings: dict[str, Any],
@@ -436,6 +444,13 @@ def sample_results(session: Session, run_id: int, config_id: int | None = None, 
     return list(session.scalars(q))
 
 
+def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, float | None, dict | None]]:
+    """Every sample result of a run as (config_id, metric, sample_key, value, extra), in storage order."""
+    return [tuple(row) for row in session.execute(  # type: ignore[misc]
+        select(SampleResult.config_id, SampleResult.metric, SampleResult.sample_key, SampleResult.value, SampleResult.extra)
+        .where(SampleResult.run_id == run_id).order_by(SampleResult.id))]
+
+
 def write_comparisons(session: Session, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
     if not rows:
         return
@@ -472,10 +487,7 @@ def finish_run(session: Session, run_id: int, status: str, verdict: str, reason:
         q = q.where(Run.status.in_(list(only_if)))
     if session.execute(q.values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())).rowcount == 0:
         return False
-    session.flush()
-    from app.gates import decide
-
-    decide(session, run_id)  # a gate on this run takes its durable verdict in the same transaction
+    session.flush()  # the caller decides a gate on this run in the same transaction (app.gates.decide)
     return True
 
 

@@ -107,7 +107,7 @@ class SpecStats:
         theirs = other.accepted_per_position + (0,) * (n - len(other.accepted_per_position))
         return SpecStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
                          self.num_accepted_tokens + other.num_accepted_tokens,
-                         tuple(a + b for a, b in zip(mine, theirs)))
+                         tuple(a + b for a, b in zip(mine, theirs, strict=True)))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
+from evals.records import DocRecord, GenerationRecord, spec_to_json
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -285,11 +286,7 @@ def _score(config_run_id: int, attempt: int, job: dict, settings, lease: LeaseKe
         for r, (_, _, cluster) in zip(results, batch):
             nll_sum += r.nll
             tokens += len(r.token_ids)
-            top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids))
-            extra = {"n_tokens": len(r.token_ids), "n_words": r.n_words, "n_bytes": r.n_bytes, "top1_hits": top1, "cluster": cluster}
-            if keep_ids and r.greedy_ids:
-                extra["greedy_ids"] = list(r.greedy_ids)
-            rows.append({"sample_key": r.doc_id, "metric": "nll", "value": r.nll, "extra": extra})
+            rows.append(DocRecord.from_result(r, cluster, keep_ids).to_row())
         done += len(batch)
         _write_fenced(config_run_id, attempt, job, rows, done, total, settings)
     ttft, itl, tps, gen_tokens = [], [], [], 0
@@ -307,15 +304,8 @@ def _score(config_run_id: int, attempt: int, job: dict, settings, lease: LeaseKe
             itl.extend(g.itl_ms)
             tps.append(g.tokens_per_second)
             gen_tokens += g.n_tokens
-            row = {"sample_key": g.request_id, "metric": "ttft_ms", "value": g.ttft_ms,
-                   "extra": {"text": g.text, "prompt": prompts[g.request_id], "n_tokens": g.n_tokens, "prompt_tokens": g.prompt_tokens,
-                             "itl_ms": [round(x, 3) for x in g.itl_ms], "tokens_per_second": g.tokens_per_second}}
-            if keep_ids and g.token_ids:
-                row["extra"]["token_ids"] = list(g.token_ids)
+            row = GenerationRecord.from_result(g, prompts[g.request_id], keep_ids).to_row()
             if g.spec is not None:
-                row["extra"]["spec"] = {"num_drafts": g.spec.num_drafts, "num_draft_tokens": g.spec.num_draft_tokens,
-                                        "num_accepted_tokens": g.spec.num_accepted_tokens,
-                                        "accepted_per_position": list(g.spec.accepted_per_position)}
                 for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                     spec_totals[k] += getattr(g.spec, k)
                 per = spec_totals["accepted_per_position"]
@@ -323,11 +313,10 @@ def _score(config_run_id: int, attempt: int, job: dict, settings, lease: LeaseKe
                 for j, a in enumerate(g.spec.accepted_per_position):
                     per[j] += a
             rows.append(row)
-        server_spec = (getattr(engine, "server_stats", None) or {}).get("spec")
+        server = engine.server_stats()  # a serving process's own counters over this batch (None in-process)
+        server_spec = server.spec if server is not None else None
         if server_spec is not None and server_spec.num_draft_tokens:  # a server's counters: per batch, not per request
-            rows[0]["extra"]["spec"] = {"num_drafts": server_spec.num_drafts, "num_draft_tokens": server_spec.num_draft_tokens,
-                                        "num_accepted_tokens": server_spec.num_accepted_tokens,
-                                        "accepted_per_position": list(server_spec.accepted_per_position), "scope": "batch"}
+            rows[0]["extra"]["spec"] = spec_to_json(server_spec) | {"scope": "batch"}  # GenerationRecord.spec_scope
             for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                 spec_totals[k] += getattr(server_spec, k)
         done += len(rows)

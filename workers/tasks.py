@@ -11,7 +11,7 @@ from app.db import is_transient, retry_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, TICK_SCHEDULES, Dispatcher
 from app.models import utcnow
 from app.settings import get_settings
-from workers.aggregate import after_commit, aggregate_pass
+from workers.aggregate import after_commit, aggregate_pass, finish_run
 from workers.execute import execute_config_run as _execute
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
             return "interrupted"
         log.exception("aggregation of run %s failed", run_id)
         with session_scope() as s:
-            repo.finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}", only_if=("aggregating",))
+            finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}", only_if=("aggregating",))
         raise
     if alerts is not None:
         after_commit(run_id, alerts, dispatcher)

@@ -35,7 +35,7 @@ def render(api, project: str, params) -> None:
             outs = item["outputs"]
             left, right = st.columns(2)
             for col, side, name in ((left, "baseline", run["baseline"]), (right, "candidate", config)):
-                gen = (outs.get(side) or {}).get("ttft_ms") or {}
+                gen = (outs.get(side) or {}).get("generation") or {}
                 col.markdown(f"**{side}: {name}**")
                 col.code(gen.get("text", "(no generation)"), language=None)
             judge = (outs.get("candidate") or {}).get("judge_pairwise")

@@ -327,7 +327,7 @@ def check_results(st: FaultStack, run_id: int, configs: tuple[str, ...] = ("fp16
     counts = st.result_counts(run_id)
     lost = dup = 0
     for c in configs:
-        for metric, want in (("nll", SAMPLES), ("ttft_ms", PROMPTS)):
+        for metric, want in (("nll", SAMPLES), ("generation", PROMPTS)):
             rows, distinct = counts.get((c, metric), (0, 0))
             lost += max(0, want - distinct)
             dup += rows - distinct

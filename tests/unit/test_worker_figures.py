@@ -12,7 +12,7 @@ from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN
 from app.models import ConfigRun, utcnow
 from app.services import apply_config_file
 from evals.stats import Thresholds
-from workers.aggregate import ttft_comparison
+from evals.compare import ttft_comparison
 from workers.execute import percentile
 from workers.tasks import reconcile
 
@@ -88,7 +88,7 @@ def test_reconciler_restarts_a_lost_aggregation(sqlite_env):
 
 
 def test_acceptance_comparison_by_hand():
-    from workers.aggregate import acceptance_comparison
+    from evals.compare import acceptance_comparison
 
     t = Thresholds(warn=0.5, critical=0.3, direction="below", min_n=3)
     # 3 prompts: 8/10, 6/10, 4/10 accepted → 18/30 = 0.6; every resample stays within [0.4, 0.8]

@@ -116,7 +116,7 @@ def _outputs(session, run, cand_id: int, keys: list[str]) -> dict:
     gens: dict = {}
     if keys:
         for r in session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.metric.in_(
-                ("ttft_ms", "judge_pairwise", "faithfulness")), SampleResult.sample_key.in_(keys),
+                ("generation", "judge_pairwise", "faithfulness")), SampleResult.sample_key.in_(keys),
                 SampleResult.config_id.in_((cand_id, run.baseline_config_id)))):
             side = "candidate" if r.config_id == cand_id else "baseline"
             gens.setdefault(r.sample_key, {}).setdefault(side, {})[r.metric] = r.extra

@@ -1,0 +1,175 @@
+"""Every comparison of a candidate config with its baseline: plain values in, a `Comparison` out
+(evals/stats.py decides the verdict from the CI). Each function implements one comparison kind
+of the metric table (evals/metrics.py); the aggregation (workers/aggregate.py) only feeds them the
+run's typed records.
+
+    metric                comparison         function
+    ppl_ratio             paired_ratio       evals.perplexity.ppl_ratio
+    ttft_ms               percentile         ttft_comparison
+    spec_acceptance_rate  rate               acceptance_comparison
+    kv_cache_usage        peak               peak_comparison
+    faithfulness          mean               faithfulness_comparison
+    judge_win_rate        mean               judge_win_rate_comparison
+    judge_score_delta     paired_difference  judge_score_delta_comparison
+    exact_match           rate (no gate)     exact_match_comparison
+    top1_agreement        mean (no gate)     top1_agreement_comparison
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from evals.agreement import exact_match, top1_agreement
+from evals.perplexity import ppl_ratio
+from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
+from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
+
+__all__ = ["acceptance_comparison", "exact_match_comparison", "faithfulness_comparison", "informational",
+           "judge_score_delta_comparison", "judge_win_rate_comparison", "mean_comparison", "peak_comparison",
+           "ppl_ratio", "top1_agreement_comparison", "ttft_comparison", "unscored"]
+
+
+def unscored(metric: str, why: str) -> Comparison:
+    """A metric that could not be computed: inconclusive, with the reason."""
+    return Comparison(metric, math.nan, math.nan, math.nan, 0, "inconclusive", why)
+
+
+def ttft_comparison(values: Sequence[float], t: Thresholds, seed: int = 0) -> Comparison:
+    """Absolute threshold on the candidate's median TTFT (the lower median for even n, the same
+    definition for the estimate and every bootstrap resample); CI by bootstrap."""
+    n = len(values)
+    if n == 0:
+        return unscored("ttft_ms", "no generations")
+    x = np.asarray(values, dtype=np.float64)
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+
+    def lower_median(w: np.ndarray) -> np.ndarray:  # w: [R, n] multiplicities
+        c = np.cumsum(w[:, order], axis=1)
+        return xs[(c >= c[:, -1:] / 2).argmax(axis=1)]
+
+    est = float(lower_median(np.ones((1, n)))[0])
+    lo, hi = paired_bootstrap_ci(lower_median, n, seed=seed)
+    verdict, rule = decide(est, lo, hi, n, t)
+    return Comparison("ttft_ms", est, lo, hi, n, verdict, f"p50 TTFT: {rule}", candidate_value=est)
+
+
+def acceptance_comparison(drafted: Sequence[int], accepted: Sequence[int], t: Thresholds, seed: int = 0) -> Comparison:
+    """Spec-decode acceptance rate Σaccepted / Σdraft tokens over the prompts (vLLM's definition),
+    CI by bootstrap over prompts; absolute thresholds (bad below)."""
+    d, a = np.asarray(drafted, dtype=np.float64), np.asarray(accepted, dtype=np.float64)
+    n = len(d)
+    if n == 0 or d.sum() == 0:
+        return Comparison("spec_acceptance_rate", math.nan, math.nan, math.nan, n, "inconclusive", "no draft tokens")
+    est = float(a.sum() / d.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ a) / np.maximum(w @ d, 1e-12), n, seed=seed)
+    verdict, rule = decide(est, lo, hi, n, t)
+    return Comparison("spec_acceptance_rate", est, lo, hi, n, verdict, rule, candidate_value=est,
+                      details={"num_draft_tokens": int(d.sum()), "num_accepted_tokens": int(a.sum())})
+
+
+def peak_comparison(metric: str, peak: float | None, t: Thresholds, source: str) -> Comparison:
+    """One reading (a peak over the config-run) against absolute thresholds: no sampling, so the
+    interval is the value itself and n is 1."""
+    if peak is None or math.isnan(peak):
+        return unscored(metric, f"not reported: {source}")
+    verdict, rule = decide(peak, peak, peak, 1, t)
+    return Comparison(metric, peak, peak, peak, 1, verdict, f"peak {rule}", candidate_value=peak,
+                      details={"source": source})
+
+
+def informational(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw) -> Comparison:
+    """A metric reported with its CI but no threshold (agreement): never 'ok' on too few samples."""
+    if n < min_n:
+        why = f"n={n} < min_n={min_n}: too few samples to decide"
+        return Comparison(metric, est, lo, hi, n, "inconclusive", why, **kw)
+    return Comparison(metric, est, lo, hi, n, "ok", "reported: no threshold on this metric", **kw)
+
+
+def mean_comparison(metric: str, values: Sequence[float], clusters: Sequence, t: Thresholds, seed: int,
+                    baseline_value: float | None = None, details: dict | None = None) -> Comparison:
+    """Mean of per-sample values with a (clustered) bootstrap CI, against absolute thresholds."""
+    n = len(values)
+    if n == 0:
+        return Comparison(metric, math.nan, math.nan, math.nan, 0, "inconclusive", "no scored samples",
+                          details=details or {})
+    x = np.asarray(values, dtype=np.float64)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ x) / w.sum(1), n, clusters=list(clusters), seed=seed)
+    est = float(x.mean())
+    verdict, rule = decide(est, lo, hi, n, t)
+    return Comparison(metric, est, lo, hi, n, verdict, rule, baseline_value=baseline_value, candidate_value=est,
+                      details=details or {})
+
+
+def faithfulness_comparison(candidate: Sequence[FaithfulnessRecord], baseline: Sequence[FaithfulnessRecord],
+                            t: Thresholds, seed: int) -> Comparison:
+    """Mean faithfulness of the candidate's scored answers; the offline approximation is reported
+    with its CI but never judged against the threshold (a cosine heuristic is no gate)."""
+    scored = [r for r in candidate if r.score is not None]
+    base_vals = [r.score for r in baseline if r.score is not None]
+    method = candidate[0].method if candidate else ""
+    details = {"method": method, "no_statements": sum(r.outcome == "no_statements" for r in candidate),
+               "parse_failures": sum(r.outcome == "parse_failure" for r in candidate)}
+    base_value = float(np.mean(base_vals)) if base_vals else None
+    comp = mean_comparison("faithfulness", [r.score for r in scored if r.score is not None],
+                           [r.cluster for r in scored], t, seed, baseline_value=base_value, details=details)
+    if not method.startswith("offline"):
+        return comp
+    comp = informational("faithfulness", comp.estimate, comp.ci_low, comp.ci_high, comp.n, baseline_value=base_value,
+                         candidate_value=comp.estimate, details={**details, "informational": True})
+    return Comparison(**{**comp.__dict__, "rule": comp.rule.replace(
+        "reported: no threshold on this metric", "offline approximation: reported, not judged against the threshold")})
+
+
+def judge_win_rate_comparison(verdicts: Sequence[PairwiseRecord], t: Thresholds, seed: int) -> Comparison:
+    """Candidate wins + ½ ties over the prompts the judge could decide; parse failures counted, never scored."""
+    judged = [r for r in verdicts if r.value is not None]
+    consistent = [r.consistent for r in judged]
+    return mean_comparison(
+        "judge_win_rate", [r.value for r in judged if r.value is not None], [r.cluster for r in judged], t, seed,
+        baseline_value=0.5,
+        details={"parse_failures": len(verdicts) - len(judged), "ties": sum(r.value == 0.5 for r in judged),
+                 "position_consistency": (sum(bool(c) for c in consistent) / len(consistent)) if consistent else None})
+
+
+def judge_score_delta_comparison(candidate: dict[str, RubricRecord], baseline: dict[str, RubricRecord],
+                                 t: Thresholds, seed: int) -> Comparison | None:
+    """Rubric score candidate − baseline on prompts both sides were scored on (None: no pair)."""
+    keys = [k for k, r in candidate.items() if r.score is not None and k in baseline and baseline[k].score is not None]
+    if not keys:
+        return None
+    b = [float(baseline[k].score) for k in keys]  # type: ignore[arg-type]
+    c = [float(candidate[k].score) for k in keys]  # type: ignore[arg-type]
+    est, lo, hi = paired_mean_difference(b, c, clusters=[candidate[k].cluster for k in keys], seed=seed)
+    verdict, rule = decide(est, lo, hi, len(keys), t)
+    return Comparison("judge_score_delta", est, lo, hi, len(keys), verdict, rule, baseline_value=float(np.mean(b)),
+                      candidate_value=float(np.mean(c)), details={"parse_failures": len(candidate) - len(keys)})
+
+
+def exact_match_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
+                           min_n: int = 10) -> Comparison | None:
+    """Share of prompts whose output equals the baseline's (token ids where known, else text); Wilson CI."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys:
+        return None
+    em = exact_match([baseline[k].sequence for k in keys], [candidate[k].sequence for k in keys])
+    rate = em.rate if em.rate is not None else math.nan
+    return informational("exact_match", rate, em.ci[0], em.ci[1], em.n, min_n=min_n, baseline_value=1.0,
+                         candidate_value=em.rate, details={"matches": em.matches,
+                                                           "mean_first_divergence": em.mean_first_divergence})
+
+
+def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,
+                              min_n: int = 10) -> Comparison | None:
+    """Per-document share of positions whose argmax token matches the baseline's, averaged with a
+    clustered bootstrap CI. pairs: (baseline greedy ids, candidate greedy ids, cluster)."""
+    rates = [top1_agreement(b, c) for b, c, _ in pairs]
+    if not rates:
+        return None
+    x = np.asarray(rates)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ x) / w.sum(1), len(x), clusters=[cl for _, _, cl in pairs], seed=seed)
+    return informational("top1_agreement", float(x.mean()), lo, hi, len(x), min_n=min_n, baseline_value=1.0,
+                         candidate_value=float(x.mean()))

@@ -1,0 +1,142 @@
+"""The metric table: one row per comparison metric, the one place a metric's identity lives
+(in the manner of lm-eval's `register_metric`: a metric describes itself).
+
+Everything else derives from it: the thresholds a canary.yaml accepts and their defaults
+(app/config_file.py), the alert rules the API accepts, the Prometheus gauges (app/metrics.py),
+the API's catalogue (GET /api/v1/metrics) that the dashboard reads for its columns, the
+Prometheus alerting rules file (`canary alert-rules`), and the verdict order used by the
+statistics, the aggregation and the exporters.
+
+Torch-free and numpy-free: app/ imports it (the API image stays small).
+
+Adding a metric: its row here, its producer (the engine or scorer that measures it and the
+comparison in evals/compare.py) and its test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Direction = Literal["above", "below"]  # the side of the threshold that is bad
+# how a candidate is compared:
+#   paired_ratio       candidate / baseline over paired samples (CI by paired bootstrap)
+#   paired_difference  candidate − baseline over paired samples (CI by paired bootstrap)
+#   rate               Σ successes / Σ trials of the candidate alone (CI by bootstrap or Wilson)
+#   mean               mean of per-sample scores of the candidate alone (clustered bootstrap CI)
+#   percentile         a percentile of the candidate's per-request values (bootstrap CI)
+#   peak               the largest value seen during the candidate's config-run (no CI: one reading)
+ComparisonKind = Literal["paired_ratio", "paired_difference", "rate", "mean", "percentile", "peak"]
+
+# verdicts from best to worst; a run's verdict is its worst gated comparison's
+VERDICTS = ("ok", "inconclusive", "warn", "critical")
+VERDICT_ORDER = {v: i for i, v in enumerate(VERDICTS)}
+RUN_VERDICT = {"ok": "pass", "inconclusive": "inconclusive", "warn": "warn", "critical": "fail"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    label: str  # short column heading (dashboard, summaries)
+    unit: str  # "ratio", "fraction", "ms", "points"
+    direction: Direction
+    comparison: ComparisonKind
+    producer: str  # the suite scorer that measures it (perplexity, generation, judge, faithfulness, agreement)
+    definition: str  # one line, with its source
+    gated: bool = True  # False: reported with its CI, no threshold, no say in the verdict
+    warn: float | None = None  # seed thresholds (DESIGN.md §Defaults from the field)
+    critical: float | None = None
+    min_n: int = 10  # fewer paired samples than this → inconclusive
+    fmt: str = ".4f"  # display format of the estimate
+    baseline_compared: bool = False  # also computed for the baseline against its own absolute thresholds
+
+    def __post_init__(self) -> None:
+        if self.gated and self.warn is None:
+            raise ValueError(f"metric {self.name}: a gated metric needs a seed warn threshold")
+        if self.warn is not None and self.critical is not None:
+            bad = self.critical < self.warn if self.direction == "above" else self.critical > self.warn
+            if bad:
+                raise ValueError(f"metric {self.name}: critical {self.critical} is on the good side of warn "
+                                 f"{self.warn}")
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.direction == "below"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "higher_is_better": self.higher_is_better}
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(metric: Metric) -> Metric:
+    if metric.name in METRICS:
+        raise ValueError(f"metric {metric.name} is registered twice")
+    METRICS[metric.name] = metric
+    return metric
+
+
+register_metric(Metric(
+    "ppl_ratio", "ppl ratio", "ratio", "above", "paired_ratio", "perplexity",
+    "exp(ΣNLL_c/Σtokens) ÷ exp(ΣNLL_b/Σtokens) over the same documents; CI by paired bootstrap over documents "
+    "(REFERENCE.md §Perplexity; lm-eval's token perplexity)",
+    warn=1.15, critical=1.30))
+register_metric(Metric(
+    "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
+    "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
+    "num_draft_tokens); CI by bootstrap over prompts",
+    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True))
+register_metric(Metric(
+    "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
+    "median time to first token of the candidate's prompts (lower median for even n), against an absolute budget; "
+    "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
+    warn=2000, critical=5000, fmt=".1f", baseline_compared=True))
+register_metric(Metric(
+    "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
+    "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "
+    "slots allocated, or the highest vllm:kv_cache_usage_perc an OpenAI-compatible server reported",
+    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True))
+register_metric(Metric(
+    "faithfulness", "faithful", "fraction", "below", "mean", "faithfulness",
+    "share of an answer's statements supported by its contexts, averaged over RAG items (RAGAS faithfulness); "
+    "clustered bootstrap CI",
+    warn=0.80, fmt=".2f", baseline_compared=True))
+register_metric(Metric(
+    "judge_win_rate", "judge win", "fraction", "below", "mean", "judge",
+    "candidate wins + ½ ties against the baseline, a win counted only when both answer orders agree "
+    "(MT-Bench pairwise with position swap); 0.5 = parity",
+    warn=0.40, critical=0.30, fmt=".2f"))
+register_metric(Metric(
+    "judge_score_delta", "judge Δ", "points", "below", "paired_difference", "judge",
+    "rubric score (1–5) of the candidate minus the baseline's on the same prompts (MT-Bench single-answer grading); "
+    "paired bootstrap CI",
+    warn=-0.5, critical=-1.0, fmt="+.2f"))
+register_metric(Metric(
+    "exact_match", "exact match", "fraction", "below", "rate", "agreement",
+    "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",
+    gated=False, fmt=".2f"))
+register_metric(Metric(
+    "top1_agreement", "top-1 agree", "fraction", "below", "mean", "agreement",
+    "share of document positions where the candidate's argmax token equals the baseline's; clustered bootstrap CI",
+    gated=False, fmt=".3f"))
+
+
+def gated_metrics() -> dict[str, Metric]:
+    """The metrics that take thresholds (canary.yaml `thresholds`, alert rules) and decide verdicts."""
+    return {name: m for name, m in METRICS.items() if m.gated}
+
+
+def get_metric(name: str) -> Metric:
+    """The row for `name`; an unknown name is a KeyError that lists the known ones (with a guess)."""
+    if name in METRICS:
+        return METRICS[name]
+    from difflib import get_close_matches
+
+    guess = get_close_matches(name, METRICS, n=1)
+    hint = f"did you mean '{guess[0]}'? " if guess else ""
+    raise KeyError(f"unknown metric '{name}'; {hint}known metrics: {', '.join(METRICS)}")
+
+
+def worst_verdict(verdicts) -> str:
+    return max(verdicts, key=VERDICT_ORDER.__getitem__, default="ok")

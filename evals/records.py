@@ -1,0 +1,257 @@
+"""Typed sample records: what an engine or a scorer produced for one sample, as stored in the
+sample_results table (one row per run × config × sample × record kind, `metric` naming the kind).
+
+Each record is the one writer and the one reader of its row: `to_row()` gives
+{"sample_key", "metric", "value", "extra"}, `from_row(sample_key, value, extra)` reads one back,
+and `read_row` picks the record by the row's kind. Nothing else reads a row's `extra` JSON by key.
+
+    kind            record              value            what extra holds
+    nll             DocRecord           Σ −log p (nats)  token/word/byte counts, top-1 hits, cluster, greedy ids
+    generation      GenerationRecord    TTFT (ms)        prompt, text, token counts and ids, ITL, tok/s, spec counters
+    judge_pairwise  PairwiseRecord      1 / ½ / 0        winner, per-order verdicts, consistency, rationale
+    judge_score     RubricRecord        score 1–5        stated and probability-weighted scores, rationale
+    faithfulness    FaithfulnessRecord  fraction 0–1     outcome, method, statements and whether each is supported
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from engines.protocol import GenerationResult, RollingResult, SpecStats
+from evals.perplexity import DocNLL
+
+
+def _spec_from(extra: Mapping[str, Any] | None) -> SpecStats | None:
+    if not extra:
+        return None
+    return SpecStats(int(extra["num_drafts"]), int(extra["num_draft_tokens"]), int(extra["num_accepted_tokens"]),
+                     tuple(int(a) for a in extra.get("accepted_per_position") or ()))
+
+
+def spec_to_json(spec: SpecStats) -> dict[str, Any]:
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": list(spec.accepted_per_position)}
+
+
+@dataclass(frozen=True)
+class DocRecord:
+    """One document's rolling log-likelihood (perplexity, top-1 agreement)."""
+
+    KIND: ClassVar[str] = "nll"
+    sample_key: str
+    nll: float  # Σ −log p over the document's tokens, nats
+    n_tokens: int
+    n_words: int
+    n_bytes: int
+    top1_hits: int = 0  # positions where the argmax token is the document's token
+    cluster: str | None = None  # documents that share a source are resampled together
+    greedy_ids: tuple[int, ...] = ()  # argmax token per position, kept when the suite scores agreement
+
+    @classmethod
+    def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool) -> DocRecord:
+        top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
+        return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
+                   tuple(r.greedy_ids) if keep_ids else ())
+
+    def to_row(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
+                                 "top1_hits": self.top1_hits, "cluster": self.cluster}
+        if self.greedy_ids:
+            extra["greedy_ids"] = list(self.greedy_ids)
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> DocRecord:
+        e = extra or {}
+        nll = float(value) if value is not None else float("nan")
+        return cls(sample_key, nll, int(e["n_tokens"]), int(e["n_words"]), int(e["n_bytes"]),
+                   int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()))
+
+    def doc_nll(self) -> DocNLL:
+        return DocNLL(self.sample_key, self.nll, self.n_tokens, self.n_words, self.n_bytes, self.cluster)
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One prompt's generation with its timings. `spec` holds the speculative-decoding counters:
+    per request from an in-process engine, or (spec_scope 'batch') a server's counter deltas over
+    the whole batch, stored on the batch's first request."""
+
+    KIND: ClassVar[str] = "generation"
+    sample_key: str
+    ttft_ms: float | None
+    prompt: str
+    text: str
+    n_tokens: int
+    prompt_tokens: int
+    itl_ms: tuple[float, ...] = ()
+    tokens_per_second: float | None = None
+    token_ids: tuple[int, ...] = ()  # kept when the suite scores agreement
+    spec: SpecStats | None = None
+    spec_scope: str = "request"  # "request" or "batch"
+
+    @classmethod
+    def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool) -> GenerationRecord:
+        return cls(g.request_id, g.ttft_ms, prompt, g.text, g.n_tokens, g.prompt_tokens,
+                   tuple(round(x, 3) for x in g.itl_ms), g.tokens_per_second,
+                   tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec)
+
+    @property
+    def sequence(self) -> Sequence[int] | str:
+        """What agreement compares: token ids where the engine knows them, else the text (an HTTP stream)."""
+        return self.token_ids or self.text
+
+    def to_row(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"text": self.text, "prompt": self.prompt, "n_tokens": self.n_tokens,
+                                 "prompt_tokens": self.prompt_tokens, "itl_ms": list(self.itl_ms),
+                                 "tokens_per_second": self.tokens_per_second}
+        if self.token_ids:
+            extra["token_ids"] = list(self.token_ids)
+        if self.spec is not None:
+            extra["spec"] = spec_to_json(self.spec) | ({"scope": "batch"} if self.spec_scope == "batch" else {})
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> GenerationRecord:
+        e = extra or {}
+        spec = e.get("spec")
+        return cls(sample_key, value, e.get("prompt", ""), e.get("text", ""), int(e.get("n_tokens") or 0),
+                   int(e.get("prompt_tokens") or 0), tuple(e.get("itl_ms") or ()), e.get("tokens_per_second"),
+                   tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"))
+
+
+@dataclass(frozen=True)
+class PairwiseRecord:
+    """The judge's pairwise verdict on candidate vs baseline for one prompt (value: 1 candidate
+    won, ½ tie, 0 baseline won; None when the judge's replies could not be parsed)."""
+
+    KIND: ClassVar[str] = "judge_pairwise"
+    WIN_VALUE: ClassVar[dict[str, float]] = {"candidate": 1.0, "tie": 0.5, "baseline": 0.0}
+    sample_key: str
+    winner: str | None
+    consistent: bool | None
+    orders: tuple[Any, ...] = ()
+    parse_failures: int = 0
+    rationale: str | None = None
+    cluster: str | None = None
+
+    @property
+    def value(self) -> float | None:
+        return self.WIN_VALUE.get(self.winner) if self.winner is not None else None
+
+    def to_row(self) -> dict[str, Any]:
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.value,
+                "extra": {"winner": self.winner, "consistent": self.consistent, "orders": list(self.orders),
+                          "parse_failures": self.parse_failures, "rationale": self.rationale, "cluster": self.cluster}}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> PairwiseRecord:
+        e = extra or {}
+        return cls(sample_key, e.get("winner"), e.get("consistent"), tuple(e.get("orders") or ()),
+                   int(e.get("parse_failures") or 0), e.get("rationale"), e.get("cluster"))
+
+
+@dataclass(frozen=True)
+class RubricRecord:
+    """The judge's single-answer rubric score (1–5) of one config's answer to one prompt."""
+
+    KIND: ClassVar[str] = "judge_score"
+    sample_key: str
+    score: float | None
+    stated: float | None = None
+    weighted: float | None = None
+    parse_failures: int = 0
+    rationale: str | None = None
+    cluster: str | None = None
+
+    def to_row(self) -> dict[str, Any]:
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.score,
+                "extra": {"stated": self.stated, "weighted": self.weighted, "parse_failures": self.parse_failures,
+                          "rationale": self.rationale, "cluster": self.cluster,
+                          "outcome": "scored" if self.score is not None else "parse_failure"}}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> RubricRecord:
+        e = extra or {}
+        return cls(sample_key, value, e.get("stated"), e.get("weighted"), int(e.get("parse_failures") or 0),
+                   e.get("rationale"), e.get("cluster"))
+
+
+@dataclass(frozen=True)
+class FaithfulnessRecord:
+    """Faithfulness of one answer to its contexts: the share of its statements they support."""
+
+    KIND: ClassVar[str] = "faithfulness"
+    sample_key: str
+    score: float | None
+    outcome: str  # scored | no_statements | parse_failure
+    method: str  # "judge" or "offline …" (the labelled approximation)
+    parse_failures: int = 0
+    statements: tuple[tuple[str, bool], ...] = ()
+    cluster: str | None = None
+
+    def to_row(self) -> dict[str, Any]:
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.score,
+                "extra": {"outcome": self.outcome, "method": self.method, "parse_failures": self.parse_failures,
+                          "statements": [{"statement": st, "supported": ok} for st, ok in self.statements],
+                          "cluster": self.cluster}}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> FaithfulnessRecord:
+        e = extra or {}
+        return cls(sample_key, value, e.get("outcome") or "", e.get("method") or "", int(e.get("parse_failures") or 0),
+                   tuple((s["statement"], bool(s["supported"])) for s in e.get("statements") or ()), e.get("cluster"))
+
+
+Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord
+RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, PairwiseRecord, RubricRecord,
+                                                      FaithfulnessRecord)}
+
+
+def read_row(kind: str, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> Record:
+    """The typed record of a stored row; an unknown kind is an error naming it."""
+    try:
+        cls = RECORDS[kind]
+    except KeyError:
+        raise ValueError(f"sample_results.metric: unknown record kind '{kind}'; known: {', '.join(RECORDS)}") from None
+    record: Record = cls.from_row(sample_key, value, extra)
+    return record
+
+
+@dataclass
+class ConfigRecords:
+    """One config's records in a run, by kind and sample key (in the order they were stored)."""
+
+    docs: dict[str, DocRecord]
+    generations: dict[str, GenerationRecord]
+    pairwise: dict[str, PairwiseRecord]
+    rubric: dict[str, RubricRecord]
+    faithfulness: dict[str, FaithfulnessRecord]
+
+    @classmethod
+    def empty(cls) -> ConfigRecords:
+        return cls({}, {}, {}, {}, {})
+
+    def add(self, record: Record) -> None:
+        tables: dict[type, dict[str, Any]] = {
+            DocRecord: self.docs, GenerationRecord: self.generations, PairwiseRecord: self.pairwise,
+            RubricRecord: self.rubric, FaithfulnessRecord: self.faithfulness}
+        tables[type(record)][record.sample_key] = record
+
+
+class RunRecords(dict[int, ConfigRecords]):
+    """A run's records by config id, read once by the aggregation (a missing config reads as empty)."""
+
+    def __missing__(self, config_id: int) -> ConfigRecords:
+        self[config_id] = ConfigRecords.empty()
+        return self[config_id]
+
+    @classmethod
+    def from_rows(cls, rows) -> RunRecords:
+        """rows: (config_id, kind, sample_key, value, extra) in storage order."""
+        table = cls()
+        for config_id, kind, sample_key, value, extra in rows:
+            table[config_id].add(read_row(kind, sample_key, value, extra))
+        return table
