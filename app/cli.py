@@ -425,6 +425,14 @@ def schema() -> None:
     sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
 
 
+@app.command("alert-rules")
+def alert_rules() -> None:
+    """Print the Prometheus alerting rules written from the metric table (deploy/prometheus/canary-rules.yml)."""
+    from app.prometheus_rules import render
+
+    sys.stdout.write(render())
+
+
 def main() -> None:
     app()
 

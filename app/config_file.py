@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pathlib
 import re
+from difflib import get_close_matches
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from engines.spec import ConfigNotAvailable, OptimizationSpec
+from evals.metrics import METRICS, Metric, gated_metrics
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
 # a reference to a stored name (suite, config, model): bounded like the columns that hold names
@@ -159,38 +161,28 @@ class Threshold(_Strict):
     for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
 
 
-# Seed thresholds (DESIGN.md §Defaults from the field); direction is a property of the metric.
-METRIC_DIRECTIONS = {
-    "ppl_ratio": "above",
-    "spec_acceptance_rate": "below",
-    "ttft_ms": "above",
-    "kv_cache_usage": "above",
-    "faithfulness": "below",
-    "judge_win_rate": "below",  # candidate wins + ½ ties vs the baseline; 0.5 = parity
-    "judge_score_delta": "below",  # rubric score, candidate − baseline (1–5 scale)
-}
+# The metrics that take thresholds, their directions and seed defaults: evals/metrics.py, the one table.
+METRIC_DIRECTIONS = {name: m.direction for name, m in gated_metrics().items()}
 
 
-class Thresholds(_Strict):
+class _ThresholdsBase(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _known(cls, data):
         if isinstance(data, dict):
-            unknown = [k for k in data if k not in METRIC_DIRECTIONS]
-            if unknown:
-                raise ValueError(f"unknown metric '{unknown[0]}'; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+            for k in data:
+                if k in METRIC_DIRECTIONS:
+                    continue
+                if k in METRICS:
+                    raise ValueError(f"'{k}' is informational (reported with its CI, no say in the verdict) and takes no "
+                                     f"threshold; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+                guess = get_close_matches(str(k), METRIC_DIRECTIONS, n=1)
+                hint = f"did you mean '{guess[0]}'? " if guess else ""
+                raise ValueError(f"unknown metric '{k}'; {hint}thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
         return data
 
-    ppl_ratio: Threshold = Threshold(warn=1.15, critical=1.30)
-    spec_acceptance_rate: Threshold = Threshold(warn=0.50, critical=0.30)
-    ttft_ms: Threshold = Threshold(warn=2000, critical=5000)
-    kv_cache_usage: Threshold = Threshold(warn=0.85, critical=0.95)
-    faithfulness: Threshold = Threshold(warn=0.80)
-    judge_win_rate: Threshold = Threshold(warn=0.40, critical=0.30)
-    judge_score_delta: Threshold = Threshold(warn=-0.5, critical=-1.0)
-
     @model_validator(mode="after")
-    def _order(self) -> "Thresholds":
+    def _order(self):
         for metric, direction in METRIC_DIRECTIONS.items():
             t: Threshold = getattr(self, metric)
             if t.critical is None:
@@ -199,6 +191,18 @@ class Thresholds(_Strict):
                 side = "≥" if direction == "above" else "≤"
                 raise ValueError(f"{metric}: critical {t.critical} must be {side} warn {t.warn} (bad is {direction})")
         return self
+
+
+def _threshold_field(m: Metric):
+    seed = Threshold(warn=m.warn, critical=m.critical, min_n=m.min_n)
+    bad = "above" if m.direction == "above" else "below"
+    return (Threshold, Field(default_factory=seed.model_copy,
+                             description=f"{m.definition} Unit: {m.unit}; bad {bad} the threshold."))
+
+
+# one field per gated metric of the table, with its seed thresholds as the default
+Thresholds = create_model("Thresholds", __base__=_ThresholdsBase,
+                          **{name: _threshold_field(m) for name, m in gated_metrics().items()})
 
 
 class ChannelEntry(_Strict):
@@ -305,6 +309,13 @@ class CanaryFile(_Strict):
                 c.to_spec().check_available()
             except ConfigNotAvailable as e:
                 problems.append(f"configs[{i}].{e}")
+        # a threshold on a metric that no suite produces could never fire: refused, naming it
+        scorers = {scorer for suite in self.suites for scorer in suite.scorers}
+        for name in sorted(self.thresholds.model_fields_set):
+            producer = METRICS[name].producer
+            if producer not in scorers:
+                problems.append(f"thresholds.{name}: no suite runs the '{producer}' scorer, which produces {name}, so this "
+                                f"threshold could never apply; add '{producer}' to a suite's scorers or remove the threshold")
         suites = {s.name for s in self.suites}
         configs = {c.name for c in self.configs}
         for i, s in enumerate(self.schedules):

@@ -12,8 +12,8 @@ Service metrics:
   canary_notifications_pending                      outbox backlog
   canary_config_run_duration_seconds{quantile}      config-run wall time over the last 24 h
 Canary metrics per model and config, from each config's latest finished run:
-  canary_ppl_ratio, canary_judge_win_rate, canary_faithfulness, canary_spec_acceptance_rate,
-  canary_exact_match, canary_top1_agreement          {project,model,config} + _ci_low / _ci_high
+  canary_<metric> for every metric of the table (evals/metrics.py) but ttft_ms, whose figure is
+  the one below: canary_ppl_ratio, canary_judge_win_rate, …  {project,model,config} + _ci_low / _ci_high
   canary_ttft_ms{quantile="0.5"|"0.99"}, canary_tokens_per_second, canary_kv_bytes_per_token
   canary_verdict{project,model,config,metric}        0 ok, 1 inconclusive, 2 warn, 3 critical
   canary_alerts_firing{project,severity}
@@ -28,9 +28,12 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
+from evals.metrics import METRICS, VERDICT_ORDER, VERDICTS
 
-COMPARISON_GAUGES = ("ppl_ratio", "judge_win_rate", "faithfulness", "spec_acceptance_rate", "exact_match", "top1_agreement")
-VERDICT_VALUE = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
+# every metric of the table is a gauge with its CI; TTFT is exported from the config-run's
+# figures instead (p50 and p99, canary_ttft_ms below)
+COMPARISON_GAUGES = tuple(name for name in METRICS if name != "ttft_ms")
+VERDICT_HELP = ", ".join(f"{i} {v}" for i, v in enumerate(VERDICTS))
 
 
 class CanaryCollector(Collector):
@@ -87,10 +90,11 @@ class CanaryCollector(Collector):
                                     .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
                                     .join(Model, Model.id == OptimizationConfig.model_id)
                                     .join(Project, Project.id == Model.project_id), Project.id)).all()
-        gauges = {m: GaugeMetricFamily(f"canary_{m}", f"Latest {m} vs baseline", labels=["project", "model", "config"]) for m in COMPARISON_GAUGES}
+        gauges = {m: GaugeMetricFamily(f"canary_{m}", f"Latest {m} vs baseline ({METRICS[m].unit})", labels=["project", "model", "config"])
+                  for m in COMPARISON_GAUGES}
         bounds = {(m, side): GaugeMetricFamily(f"canary_{m}_ci_{side}", f"95% CI {side} of canary_{m}", labels=["project", "model", "config"])
                   for m in COMPARISON_GAUGES for side in ("low", "high")}
-        verdict = GaugeMetricFamily("canary_verdict", "0 ok, 1 inconclusive, 2 warn, 3 critical", labels=["project", "model", "config", "metric"])
+        verdict = GaugeMetricFamily("canary_verdict", VERDICT_HELP, labels=["project", "model", "config", "metric"])
         ttft = GaugeMetricFamily("canary_ttft_ms", "Time to first token (ms)", labels=["project", "model", "config", "quantile"])
         tps = GaugeMetricFamily("canary_tokens_per_second", "Decode tokens per second", labels=["project", "model", "config"])
         kvb = GaugeMetricFamily("canary_kv_bytes_per_token", "KV-cache bytes per token", labels=["project", "model", "config"])
@@ -111,7 +115,7 @@ class CanaryCollector(Collector):
                             bounds[(m, "high")].add_metric(labels, c.ci_high)
                 for (cid, metric), c in comps.items():
                     if cid == config_id:
-                        verdict.add_metric(labels + [metric], VERDICT_VALUE.get(c.verdict, 1))
+                        verdict.add_metric(labels + [metric], VERDICT_ORDER.get(c.verdict, 1))
                 f = figures.get(config_id, {})
                 for q, key in (("0.5", "ttft_ms_p50"), ("0.99", "ttft_ms_p99")):
                     if f.get(key) is not None:

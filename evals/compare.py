@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -76,7 +77,8 @@ def peak_comparison(metric: str, peak: float | None, t: Thresholds, source: str)
     interval is the value itself and n is 1."""
     if peak is None or math.isnan(peak):
         return unscored(metric, f"not reported: {source}")
-    verdict, rule = decide(peak, peak, peak, 1, t)
+    # min_n counts samples, and a peak is one reading by nature: it does not apply
+    verdict, rule = decide(peak, peak, peak, 1, replace(t, min_n=1))
     return Comparison(metric, peak, peak, peak, 1, verdict, f"peak {rule}", candidate_value=peak,
                       details={"source": source})
 

@@ -49,6 +49,7 @@ class Metric:
     min_n: int = 10  # fewer paired samples than this → inconclusive
     fmt: str = ".4f"  # display format of the estimate
     baseline_compared: bool = False  # also computed for the baseline against its own absolute thresholds
+    alert: str = ""  # the Prometheus alert on its seed warn threshold (canary alert-rules); default from the name
 
     def __post_init__(self) -> None:
         if self.gated and self.warn is None:
@@ -58,6 +59,10 @@ class Metric:
             if bad:
                 raise ValueError(f"metric {self.name}: critical {self.critical} is on the good side of warn "
                                  f"{self.warn}")
+
+        if not self.alert:
+            camel = "".join(part.capitalize() for part in self.name.split("_"))
+            object.__setattr__(self, "alert", f"Canary{camel}{'High' if self.direction == 'above' else 'Low'}")
 
     @property
     def higher_is_better(self) -> bool:
@@ -81,17 +86,17 @@ register_metric(Metric(
     "ppl_ratio", "ppl ratio", "ratio", "above", "paired_ratio", "perplexity",
     "exp(ΣNLL_c/Σtokens) ÷ exp(ΣNLL_b/Σtokens) over the same documents; CI by paired bootstrap over documents "
     "(REFERENCE.md §Perplexity; lm-eval's token perplexity)",
-    warn=1.15, critical=1.30))
+    warn=1.15, critical=1.30, alert="CanaryPerplexityRatioHigh"))
 register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",
-    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True))
+    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow"))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
     "median time to first token of the candidate's prompts (lower median for even n), against an absolute budget; "
     "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
-    warn=2000, critical=5000, fmt=".1f", baseline_compared=True))
+    warn=2000, critical=5000, fmt=".1f", baseline_compared=True, alert="CanaryTTFTHigh"))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
     "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "

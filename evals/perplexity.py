@@ -21,7 +21,7 @@ import numpy as np
 from engines.protocol import RollingResult
 from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci
 
-PPL_RATIO_THRESHOLDS = Thresholds(warn=1.15, critical=1.30, direction="above")
+PPL_RATIO_THRESHOLDS = Thresholds.seed("ppl_ratio")
 
 
 @dataclass(frozen=True)

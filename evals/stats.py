@@ -24,7 +24,6 @@ from typing import Literal
 import numpy as np
 
 Verdict = Literal["ok", "warn", "critical", "inconclusive"]
-VERDICT_ORDER = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3}
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,14 @@ class Thresholds:
     critical: float | None = None
     direction: Literal["above", "below"] = "above"  # which side of the threshold is bad
     min_n: int = 10
+
+    @classmethod
+    def seed(cls, metric: str) -> Thresholds:
+        """The metric table's seed thresholds for `metric` (evals/metrics.py)."""
+        from evals.metrics import METRICS
+
+        m = METRICS[metric]
+        return cls(m.warn if m.warn is not None else math.nan, m.critical, m.direction, m.min_n)
 
     def __post_init__(self) -> None:
         if self.critical is not None:

@@ -30,8 +30,7 @@ class RunThresholds:
     def __call__(self, config_id: int, metric: str) -> Thresholds:
         rule = repo.most_specific_rule(self.rules, metric, config_id)
         if rule is None:
-            m = METRICS[metric]
-            return Thresholds(m.warn if m.warn is not None else math.nan, m.critical, m.direction, m.min_n)
+            return Thresholds.seed(metric)
         return Thresholds(rule.warn, rule.critical, rule.direction, rule.min_n)
 
 

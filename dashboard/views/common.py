@@ -4,6 +4,11 @@ from __future__ import annotations
 VERDICT_COLORS = {"ok": "#c8e6c9", "warn": "#ffe0b2", "critical": "#ffcdd2", "inconclusive": "#eeeeee"}
 
 
+def catalogue(api) -> list[dict]:
+    """The metric catalogue (GET /metrics: evals/metrics.py's table), in display order."""
+    return api.get("/metrics")["metrics"]
+
+
 def fmt(x, spec: str = ".4g") -> str:
     return "—" if x is None else format(x, spec)
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import fmt, style_verdicts
-
-COLUMNS = [("ppl_ratio", "ppl ratio", ".4f"), ("judge_win_rate", "judge win", ".2f"), ("faithfulness", "faithful", ".2f"),
-           ("spec_acceptance_rate", "accept", ".2f"), ("ttft_ms", "TTFT p50 ms", ".1f")]
+from dashboard.views.common import catalogue, fmt, style_verdicts
 
 
 def render(api, project: str, params) -> None:
@@ -20,6 +17,8 @@ def render(api, project: str, params) -> None:
     if not data["models"]:
         st.info("No models in this project yet.")
         return
+    # one column per gated metric of the catalogue; a metric no config has a figure for is left out
+    columns = [(m["name"], m["label"], m["fmt"]) for m in catalogue(api) if m["gated"]]
     for model, configs in data["models"].items():
         st.subheader(f"Model {model}")
         rows, verdicts = [], {}
@@ -32,7 +31,7 @@ def render(api, project: str, params) -> None:
                    "TTFT p99 ms": fmt(f.get("ttft_ms_p99"), ".1f"), "tok/s": fmt(f.get("tokens_per_second"), ".0f"),
                    "KV B/token": fmt(f.get("kv_bytes_per_token"), "d"),
                    "checked": (c["checked_at"] or "never")[:19]}
-            for key, label, spec in COLUMNS:
+            for key, label, spec in columns:
                 comp = comps.get(key)
                 value = comp.get("estimate") if comp else (f.get("ttft_ms_p50") if key == "ttft_ms" else None)
                 row[label] = fmt(value, spec)
@@ -42,5 +41,7 @@ def render(api, project: str, params) -> None:
                 row["checked"] = "no finished run"
             rows.append(row)
         df = pd.DataFrame(rows)
+        empty = [label for label in verdicts if (df[label] == "—").all()]
+        df = df.drop(columns=empty + [verdicts.pop(label) for label in empty])
         st.table(style_verdicts(df, verdicts).hide(axis="index"))
     st.caption("Cells are coloured by their threshold state: green ok, orange warn, red critical, grey inconclusive (CI-based verdicts).")

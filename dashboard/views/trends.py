@@ -6,12 +6,12 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-METRICS = ["ppl_ratio", "spec_acceptance_rate", "ttft_ms", "judge_win_rate", "faithfulness", "exact_match", "top1_agreement"]
+from dashboard.views.common import catalogue
 
 
 def render(api, project: str, params) -> None:
     st.title("Trends")
-    metric = st.selectbox("Metric", METRICS, key="metric")
+    metric = st.selectbox("Metric", [m["name"] for m in catalogue(api)], key="metric")
     data = api.get(f"/projects/{project}/trends", metric=metric)
     pts = pd.DataFrame(data["points"])
     if pts.empty:

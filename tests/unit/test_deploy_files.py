@@ -29,3 +29,21 @@ def test_prometheus_rules_parse():
     if promtool:
         r = subprocess.run([promtool, "check", "rules", str(ROOT / "deploy/prometheus/canary-rules.yml")], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_prometheus_rules_are_written_from_the_metric_table():
+    """The committed rules file is what `canary alert-rules` writes from evals/metrics.py, with one
+    seed-threshold rule per gated metric on the gauge app/metrics.py exports for it."""
+    from app.metrics import COMPARISON_GAUGES
+    from app.prometheus_rules import render
+    from evals.metrics import gated_metrics
+
+    assert (ROOT / "deploy/prometheus/canary-rules.yml").read_text() == render(), \
+        "regenerate: canary alert-rules > deploy/prometheus/canary-rules.yml"
+    rules = {r["alert"]: r for g in yaml.safe_load(render())["groups"] for r in g["rules"]}
+    for name, m in gated_metrics().items():
+        expr = rules[m.alert]["expr"]
+        gauge = "canary_ttft_ms" if name == "ttft_ms" else f"canary_{name}_ci_{'low' if m.direction == 'above' else 'high'}"
+        assert expr.startswith(gauge) and expr.endswith(f"{'>' if m.direction == 'above' else '<'} {m.warn:g}"), expr
+        assert name == "ttft_ms" or name in COMPARISON_GAUGES
+    assert rules["CanaryPerplexityRatioHigh"]["expr"] == "canary_ppl_ratio_ci_low > 1.15"  # worked by hand from the seed row

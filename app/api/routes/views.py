@@ -3,6 +3,8 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Query
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
@@ -12,8 +14,10 @@ from app.api.deps import ProjectDep, RowId, SessionDep
 from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Run, SampleResult, Schedule
 from app.schemas import error_responses
 from app.ssrf import public_spec
+from evals.metrics import METRICS
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
+MetricName = Literal[tuple(METRICS)]  # type: ignore[valid-type]  # the catalogue's names: another is a 422 naming them
 
 
 def iso(t):
@@ -60,7 +64,8 @@ def overview(project: ProjectDep, session: SessionDep) -> dict:
 
 
 @router.get("/projects/{project}/trends")
-def trends(project: ProjectDep, session: SessionDep, metric: str = Query("ppl_ratio", max_length=64),
+def trends(project: ProjectDep, session: SessionDep,
+           metric: MetricName = Query("ppl_ratio", description="a metric of the catalogue (GET /metrics)"),
            config: str | None = Query(None, max_length=128), limit: int = Query(200, ge=1, le=2000)) -> dict:
     """A metric over time per config (newest `limit` comparisons), with the thresholds that
     apply and the alerts that fired on it."""

@@ -1,0 +1,67 @@
+"""The Prometheus alerting rules file (deploy/prometheus/canary-rules.yml), written from the metric
+table (evals/metrics.py): `canary alert-rules > deploy/prometheus/canary-rules.yml`. A test holds
+the committed file to what this writes, so a new metric's rule comes with its row.
+
+Two kinds of rule: canary_verdict (the canary's own CI-based verdict under each metric's
+thresholds, project rules included: alert on it), and one rule per gated metric on its raw gauge
+against the seed warn threshold, for teams that alert from Prometheus alone."""
+
+from __future__ import annotations
+
+import yaml
+
+from evals.metrics import VERDICT_ORDER, Metric, gated_metrics
+
+HEADER = """\
+# Prometheus alerting rules for teams that alert from Prometheus instead of the canary's own
+# channels. They read the canary API's /metrics (app/metrics.py). canary_verdict already applies
+# each metric's thresholds and confidence intervals (2 = warn, 3 = critical): alert on it rather
+# than re-implementing thresholds here; the raw figures are there for dashboards.
+# Written by `canary alert-rules` from the metric table (evals/metrics.py): do not edit by hand.
+"""
+
+
+def _verdict_rule(level: str, severity: str, summary: str, description: str) -> dict:
+    return {"alert": f"CanaryRegression{level.capitalize()}", "expr": f"canary_verdict == {VERDICT_ORDER[level]}",
+            "for": "0m", "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description}}
+
+
+def _metric_rule(m: Metric) -> dict:
+    if m.name == "ttft_ms":  # exported from the config-run's figures as quantiles, not as a comparison gauge
+        expr, shown = f'canary_ttft_ms{{quantile="0.5"}} > {m.warn:g}', "p50"
+    elif m.direction == "above":  # surely past warn: the CI's low end is
+        expr, shown = f"canary_{m.name}_ci_low > {m.warn:g}", "CI low"
+    else:
+        expr, shown = f"canary_{m.name}_ci_high < {m.warn:g}", "CI high"
+    side = "above" if m.direction == "above" else "below"
+    return {"alert": m.alert, "expr": expr, "for": "0m", "labels": {"severity": "warning"},
+            "annotations": {"summary": f"{{{{ $labels.config }}}} {m.name} {{{{ $value }}}} ({shown}) {side} {m.warn:g} "
+                                       f"on {{{{ $labels.model }}}}",
+                            "description": f"Seed warn threshold {m.warn:g} ({m.unit}). {m.definition}."}}
+
+
+SERVICE_RULES = [
+    {"alert": "CanaryQueueBacklog", "expr": "canary_config_runs_queued > 50", "for": "30m", "labels": {"severity": "warning"},
+     "annotations": {"summary": "{{ $value }} config-runs queued for 30 min: are the GPU workers up?",
+                     "description": "See the runbook: workers consuming the gpu queue, broker reachability."}},
+    {"alert": "CanaryNotificationsStuck", "expr": "canary_notifications_pending > 0", "for": "1h",
+     "labels": {"severity": "warning"},
+     "annotations": {"summary": "{{ $value }} notifications undelivered for an hour",
+                     "description": "A chat webhook is down or rate-limiting; the outbox retries with backoff."}},
+]
+
+
+def render() -> str:
+    rules = [
+        _verdict_rule("critical", "critical", "{{ $labels.config }} {{ $labels.metric }} is critical on {{ $labels.model }}",
+                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its critical "
+                      "threshold (CI-based verdict)."),
+        _verdict_rule("warn", "warning", "{{ $labels.config }} {{ $labels.metric }} is past warn on {{ $labels.model }}",
+                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its warn threshold."),
+        *(_metric_rule(m) for m in gated_metrics().values()),
+        *SERVICE_RULES,
+    ]
+    body = yaml.safe_dump({"groups": [{"name": "inference-canary", "rules": rules}]}, sort_keys=False, allow_unicode=True,
+                          width=1000)
+    return HEADER + body
