@@ -4,6 +4,9 @@ Production (`execution = celery`): Celery's send_task by name to the task's queu
 process never imports the task code. Embedded default (`inline`): the same task functions, found
 through the package's "inference_canary.tasks" entry point (app/ never names workers/), run
 in-process — synchronously, or on one background thread for the API server.
+
+Both stamp the enqueue time (a message header, ENQUEUED_AT_HEADER, under Celery; the keyword
+argument `enqueued_at` in-process) for the workers' time-in-queue histogram (workers/base.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from importlib.metadata import entry_points
 import logging
 import queue
 import threading
+import time
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -27,6 +31,7 @@ TICK_SCHEDULES = "canary.tick_schedules"
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
 TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
+ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
 
 
 class Dispatcher(Protocol):
@@ -41,7 +46,8 @@ class CeleryDispatcher:
         self.client.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
 
     def send(self, task: str, *args: Any) -> None:
-        self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"))
+        self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"),
+                              headers={ENQUEUED_AT_HEADER: time.time()})
 
 
 @lru_cache
@@ -62,13 +68,13 @@ class InlineDispatcher:
 
     def __init__(self, background: bool = False):
         self.background = background
-        self._queue: queue.Queue[tuple[str, tuple]] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, tuple, float]] = queue.Queue()  # (task, args, enqueued at)
         self._lock = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
 
     def send(self, task: str, *args: Any) -> None:
-        self._queue.put((task, args))
+        self._queue.put((task, args, time.time()))
         if self.background:
             with self._lock:
                 if self._thread is None:
@@ -85,9 +91,9 @@ class InlineDispatcher:
         finally:
             self._running = False
 
-    def _run_one(self, task: str, args: tuple) -> None:
+    def _run_one(self, task: str, args: tuple, enqueued_at: float) -> None:
         try:
-            _inline_tasks()[task](*args, dispatcher=self)
+            _inline_tasks()[task](*args, dispatcher=self, enqueued_at=enqueued_at)
         except Exception:  # a task records its own failure; keep going with the rest
             log.exception("inline task %s%s failed", task, args)
         finally:
@@ -99,8 +105,6 @@ class InlineDispatcher:
 
     def drain(self, timeout: float) -> bool:
         """Wait up to timeout seconds for every task sent so far; True when none is left."""
-        import time
-
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -1,32 +1,32 @@
 """Execute one config-run: claim it (lease + fencing attempt), load the engine for its config
-(cached per worker process), score the run's documents and prompts, write raw per-sample
+(cached per worker process), run it over the run's documents and prompts, write raw per-sample
 results idempotently, and hand over to aggregation when the run's last config finishes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import logging
+import math
 import os
 import socket
 import statistics
 import threading
 import traceback
-from datetime import timezone
 from collections import OrderedDict
+from datetime import timezone
 from typing import Any
 
-
 from app import repo
-from app.db import is_transient, retry_transient, session_scope
-from app.dispatch import AGGREGATE_RUN, Dispatcher
+from app.db import is_transient, session_scope
+from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher
 from app.models import ConfigRun, Run, Suite, aware
 from app.settings import get_settings
-from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.protocol import EngineDescription, GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
 from evals.records import DocRecord, GenerationRecord, spec_to_json
+from workers.base import BaseTask
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -63,76 +63,210 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
-    settings = get_settings()
+class ExecuteConfigRun(BaseTask):
+    """One config-run on this worker's GPU. Its result says what became of it: succeeded,
+    failed (recorded on the config-run), interrupted (the database stayed away; the reconciler
+    re-sends it), superseded (a newer attempt holds it) or skipped (gone, finished, or leased)."""
 
-    def claim() -> tuple[int | None, int | None, bool]:
-        with session_scope() as s:  # the claim commits on its own, before anything can fail
-            attempt = repo.claim_config_run(s, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
-            cr = s.get(ConfigRun, config_run_id)
-            if cr is None or attempt is not None:
-                return attempt, cr and cr.run_id, False
-            if cr.status == "running" and cr.worker == WORKER_ID:
-                # our own claim, whose commit was in doubt when the connection dropped (this
-                # process runs one task at a time, so a running row in its name is this task's)
-                return cr.attempt, cr.run_id, False
-            return None, cr.run_id, repo.give_up_config_run(s, config_run_id, settings.max_attempts, give_up_reason(cr))
+    name = EXECUTE_CONFIG_RUN
+    failure_results = frozenset({"failed", "interrupted"})
 
-    attempt, run_id, gave_up = retry_transient(claim, f"claim config-run {config_run_id}")
-    if run_id is None or (attempt is None and not gave_up):
-        return "skipped"  # gone, finished, or another worker holds a live lease
-    outcome = "failed"
-    if attempt is not None:
-        # the lease is renewed from here on by a thread of this process, whatever the task is
-        # doing (model load, calibration, a long batch), until the attempt ends
-        with LeaseKeeper(config_run_id, attempt, settings.lease_seconds) as lease:
+    def run_impl(self, config_run_id: int, *, dispatcher: Dispatcher) -> str:
+        settings = get_settings()
+        # the claim commits on its own, before anything can fail
+        attempt, run_id, gave_up = self.transaction(lambda session: _claim(session, config_run_id, settings),
+                                                    f"claim config-run {config_run_id}")
+        if run_id is None or (attempt is None and not gave_up):
+            return "skipped"  # gone, finished, or another worker holds a live lease
+        outcome = "failed"
+        if attempt is not None:
+            # the lease is renewed from here on by a thread of this process, whatever the task is
+            # doing (model load, calibration, a long batch), until the attempt ends
+            with LeaseKeeper(config_run_id, attempt, settings.lease_seconds) as lease:
+                try:
+                    job = self.transaction(lambda session: _load_job(session, config_run_id),
+                                           f"load config-run {config_run_id}")
+                    self._run_engine(config_run_id, attempt, job, settings, lease)
+                    outcome = "succeeded"
+                except _LostLease as e:
+                    log.warning("%s", e)
+                    return "superseded"
+                except Exception as e:
+                    if is_transient(e):  # the database stayed away: the reconciler re-sends it once the lease is free
+                        log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)",
+                                  config_run_id, attempt, type(e).__name__)
+                        lease.stop()
+                        self._note_interruption(config_run_id, attempt, settings,
+                                                f"the database was unreachable for longer than CANARY_DB_RETRY_SECONDS "
+                                                f"({settings.db_retry_seconds:g} s; {type(e).__name__})")
+                        return "interrupted"
+                    # the config-run fails with its reason; other configs are untouched
+                    log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
+                    reason = f"{type(e).__name__}: {e}"
+                    self.transaction(lambda session: _finish(session, config_run_id, attempt, "failed", error=reason),
+                                     f"record the failure of config-run {config_run_id}")
+        if self.transaction(lambda session: repo.try_start_aggregation(session, run_id),
+                            f"aggregation trigger of run {run_id}"):
+            dispatcher.send(AGGREGATE_RUN, run_id)  # after the commit: the task must see every config-run finished
+        return outcome
+
+    def _note_interruption(self, config_run_id: int, attempt: int, settings, why: str) -> None:
+        """An attempt that lets go of a config-run while its process lives says why, and frees the
+        lease so the reconciler re-sends it without waiting for the lease to run out. The database
+        was just unreachable, so a daemon thread keeps trying for one lease's length; the note is
+        fenced by the attempt (a later claim clears it) and names the cause if the config-run is
+        given up."""
+        def release(session) -> bool:
+            return repo.release_lease(session, config_run_id, attempt, INTERRUPTED.format(attempt=attempt) + why)
+
+        def keep_trying() -> None:
             try:
-                job = retry_transient(lambda: _load_job(config_run_id), f"load config-run {config_run_id}")
-                _score(config_run_id, attempt, job, settings, lease)
-                outcome = "succeeded"
-            except _LostLease as e:
-                log.warning("%s", e)
-                return "superseded"
-            except Exception as e:
-                if is_transient(e):  # the database stayed away: the reconciler re-sends it once the lease is free
-                    log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)", config_run_id,
-                              attempt, type(e).__name__)
-                    lease.stop()
-                    _note_interruption(config_run_id, attempt, settings,
-                                       f"the database was unreachable for longer than CANARY_DB_RETRY_SECONDS "
-                                       f"({settings.db_retry_seconds:g} s; {type(e).__name__})")
-                    return "interrupted"
-                # the config-run fails with its reason; other configs are untouched
-                log.error("config-run %s failed: %s", config_run_id, traceback.format_exc())
-                retry_transient(lambda: _finish(config_run_id, attempt, "failed", error=f"{type(e).__name__}: {e}"),
-                                f"record the failure of config-run {config_run_id}")
-    if retry_transient(lambda: _try_start_aggregation(run_id), f"aggregation trigger of run {run_id}"):
-        dispatcher.send(AGGREGATE_RUN, run_id)  # after the commit: the task must see every config-run finished
-    return outcome
+                self.transaction(release, f"note the interruption of config-run {config_run_id}",
+                                 deadline_s=max(settings.lease_seconds, settings.db_retry_seconds))
+            except Exception as e:  # noqa: BLE001 - best effort: the lease runs out on its own
+                log.warning("config-run %s attempt %s: could not note its interruption (%s)", config_run_id, attempt,
+                            type(e).__name__)
+
+        threading.Thread(target=keep_trying, name=f"release-{config_run_id}-{attempt}", daemon=True).start()
+
+    def _run_engine(self, config_run_id: int, attempt: int, job: dict, settings,
+                    lease: LeaseKeeper | None = None) -> None:
+        """Run the config's engine over the run's documents (log-likelihoods) and prompts
+        (generations), writing each batch's rows fenced by the attempt, then finish the config-run
+        with its serving and memory figures."""
+        check_lease = lease.check if lease is not None else (lambda: None)
+        spec: OptimizationSpec = job["spec"]
+        # a served model (engine openai) is named, not a path
+        if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
+            from workers.outbound import check_engine
+
+            check_engine(spec)
+        model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
+        engine = get_engine(model, spec, job["calibration"])
+        suite = job["suite"]
+        ppl = suite.get("perplexity", {})
+        window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
+        gen = suite.get("generation", {})
+        scorers = suite.get("scorers", ["perplexity", "generation"])
+        keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
+        samples = job["samples"]
+        n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
+        total = len(samples) + n_prompts
+        done = 0
+        nll_sum = n_tokens = 0.0
+        for i in range(0, len(samples), DOC_BATCH):
+            batch = samples[i : i + DOC_BATCH]
+            check_lease()
+            results = engine.loglikelihood_rolling([RollingRequest(key, text, window) for key, text, _ in batch])
+            rows = []
+            for doc, (_, _, cluster) in zip(results, batch, strict=True):
+                nll_sum += doc.nll
+                n_tokens += len(doc.token_ids)
+                rows.append(DocRecord.from_result(doc, cluster, keep_ids).to_row())
+            done += len(batch)
+            self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
+        ttft, itl, tps, gen_tokens = [], [], [], 0
+        spec_decode = SpecStats()  # requests' own counters plus servers' per-batch counters
+        server_stats: list[ServerStats] = []  # one per batch, from an engine that runs in a server
+        requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
+                                      gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
+                    for key, text, _ in samples[:n_prompts]]
+        prompts = {request.request_id: request.prompt for request in requests}
+        step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
+        for i in range(0, len(requests), step):
+            rows = []
+            check_lease()
+            for generation in engine.generate(requests[i : i + step]):
+                ttft.append(generation.ttft_ms)
+                itl.extend(generation.itl_ms)
+                tps.append(generation.tokens_per_second)
+                gen_tokens += generation.n_tokens
+                if generation.spec is not None:
+                    spec_decode += generation.spec
+                rows.append(GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids).to_row())
+            server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
+            if server is not None:
+                server_stats.append(server)
+                # a server's counters are per batch, not per request (GenerationRecord.spec_scope)
+                if server.spec is not None and server.spec.num_draft_tokens:
+                    rows[0]["extra"]["spec"] = spec_to_json(server.spec) | {"scope": "batch"}
+                    spec_decode += server.spec
+            done += len(rows)
+            self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
+        description = engine.describe()
+        figures = {
+            **_description_figures(description),
+            "token_ppl": math.exp(nll_sum / n_tokens) if n_tokens else None,
+            "n_documents": len(samples), "n_tokens": int(n_tokens),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+            "tbt_ms_mean": statistics.fmean(itl) if itl else None,
+            "tbt_ms_p50": percentile(itl, 50), "tbt_ms_p99": percentile(itl, 99),
+            "tokens_per_second": statistics.fmean(tps) if tps else None,
+            "generated_tokens": gen_tokens,
+            "concurrency": int(spec.engine_options.get("concurrency", 1)),
+            # peak over the run: the engine's own, or the highest a server reported while it ran
+            "kv_cache_usage": _peak([description.kv_cache_usage,
+                                     *(batch.max_kv_cache_usage for batch in server_stats)]),
+        }
+        if server_stats:
+            figures["server"] = _server_figures(server_stats)
+        if spec_decode.num_drafts:
+            figures["spec"] = _spec_figures(spec_decode)
+        if not self.transaction(lambda session: _finish(session, config_run_id, attempt, "succeeded", figures=figures),
+                                f"finish config-run {config_run_id}"):
+            raise _LostLease(config_run_id, attempt)
+
+    def _write_fenced(self, config_run_id, attempt, job, rows, done, total, settings) -> None:
+        """One transaction: record progress and renew the lease (fenced by the attempt number), then
+        write the rows. If a newer attempt holds the run, nothing is written. Retried as a unit
+        while the database is away."""
+        def write(session) -> bool:
+            if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, done, total):
+                return False
+            repo.write_sample_results(session, job["run_id"], job["config_id"], rows)
+            return True
+
+        if not self.transaction(write, f"write results of config-run {config_run_id}"):
+            raise _LostLease(config_run_id, attempt)
+
+
+def _claim(session, config_run_id: int, settings) -> tuple[int | None, int | None, bool]:
+    """(the attempt number this worker now holds, the run, whether the config-run was given up)."""
+    attempt = repo.claim_config_run(session, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
+    config_run = session.get(ConfigRun, config_run_id)
+    if config_run is None or attempt is not None:
+        return attempt, config_run and config_run.run_id, False
+    if config_run.status == "running" and config_run.worker == WORKER_ID:
+        # our own claim, whose commit was in doubt when the connection dropped (this
+        # process runs one task at a time, so a running row in its name is this task's)
+        return config_run.attempt, config_run.run_id, False
+    return None, config_run.run_id, repo.give_up_config_run(session, config_run_id, settings.max_attempts,
+                                                             give_up_reason(config_run))
 
 
 INTERRUPTED = "attempt {attempt} interrupted: "  # how an attempt that let go of its lease says why (in `error`)
 
 
-def give_up_reason(cr: ConfigRun) -> str:
+def give_up_reason(config_run: ConfigRun) -> str:
     """Why a config-run is abandoned once its attempts are spent. Its last attempt either said why
     it let go (an interruption it recorded, e.g. the database was unreachable for longer than the
     retry window), or it stopped renewing its lease without a word: the heartbeat thread renews
     it for as long as the worker process lives, however slow the work, so a silent lease means
     the process died (killed, out of memory, a crash in native code) or was frozen."""
-    worker = cr.worker or "an unknown worker"
-    note = INTERRUPTED.format(attempt=cr.attempt)
-    if cr.error and cr.error.startswith(note):
-        return (f"gave up after {cr.attempt} attempts, all spent; the last, attempt {cr.attempt} on {worker}, was "
-                f"interrupted: {cr.error[len(note):]} — the worker was alive; fix that cause, then start a new run")
-    when = (aware(cr.lease_expires_at).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-            if cr.lease_expires_at else "an unknown time")
-    where = (f"after {cr.progress_done}/{cr.progress_total} results" if cr.progress_done
+    worker = config_run.worker or "an unknown worker"
+    note = INTERRUPTED.format(attempt=config_run.attempt)
+    if config_run.error and config_run.error.startswith(note):
+        return (f"gave up after {config_run.attempt} attempts, all spent; the last, attempt {config_run.attempt} on "
+                f"{worker}, was interrupted: {config_run.error[len(note):]} — the worker was alive; fix that cause, "
+                f"then start a new run")
+    when = (aware(config_run.lease_expires_at).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if config_run.lease_expires_at else "an unknown time")
+    where = (f"after {config_run.progress_done}/{config_run.progress_total} results" if config_run.progress_done
              else "before its first results were written (model load or calibration)")
-    return (f"gave up after {cr.attempt} attempts: the last, attempt {cr.attempt} on {worker}, stopped renewing its "
-            f"lease without reporting an error (process killed, out of memory, or hung) {where}, its lease expiring at "
-            f"{when}; a live worker's heartbeat renews it however slow the work, so see that worker's log; raise "
-            f"CANARY_MAX_ATTEMPTS only once the cause is fixed")
+    return (f"gave up after {config_run.attempt} attempts: the last, attempt {config_run.attempt} on {worker}, "
+            f"stopped renewing its lease without reporting an error (process killed, out of memory, or hung) {where}, "
+            f"its lease expiring at {when}; a live worker's heartbeat renews it however slow the work, so see that "
+            f"worker's log; raise CANARY_MAX_ATTEMPTS only once the cause is fixed")
 
 
 class LeaseKeeper:
@@ -154,7 +288,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{config_run_id}-{attempt}", daemon=True)
 
-    def __enter__(self) -> "LeaseKeeper":
+    def __enter__(self) -> LeaseKeeper:
         self._thread.start()
         return self
 
@@ -172,8 +306,8 @@ class LeaseKeeper:
             raise _LostLease(self.config_run_id, self.attempt)
 
     def renew(self) -> bool:
-        with session_scope() as s:
-            return repo.heartbeat(s, self.config_run_id, self.attempt, self.lease_seconds)
+        with session_scope() as session:
+            return repo.heartbeat(session, self.config_run_id, self.attempt, self.lease_seconds)
 
     def _run(self) -> None:
         wait = self.period
@@ -199,155 +333,70 @@ class LeaseKeeper:
             self.beats += 1
 
 
-def _note_interruption(config_run_id: int, attempt: int, settings, why: str) -> None:
-    """An attempt that lets go of a config-run while its process lives says why, and frees the
-    lease so the reconciler re-sends it without waiting for the lease to run out. The database
-    was just unreachable, so a daemon thread keeps trying for one lease's length; the note is
-    fenced by the attempt (a later claim clears it) and names the cause if the config-run is
-    given up."""
-    def write() -> bool:
-        with session_scope() as s:
-            return repo.release_lease(s, config_run_id, attempt, INTERRUPTED.format(attempt=attempt) + why)
-
-    def keep_trying() -> None:
-        try:
-            retry_transient(write, f"note the interruption of config-run {config_run_id}",
-                            deadline_s=max(settings.lease_seconds, settings.db_retry_seconds))
-        except Exception as e:  # noqa: BLE001 - best effort: the lease runs out on its own
-            log.warning("config-run %s attempt %s: could not note its interruption (%s)", config_run_id, attempt,
-                        type(e).__name__)
-
-    threading.Thread(target=keep_trying, name=f"release-{config_run_id}-{attempt}", daemon=True).start()
-
-
-def _try_start_aggregation(run_id: int) -> bool:
-    with session_scope() as s:
-        return repo.try_start_aggregation(s, run_id)
-
-
-def _finish(config_run_id: int, attempt: int, status: str, **kw) -> bool:
+def _finish(session, config_run_id: int, attempt: int, status: str, **kw) -> bool:
     """Fenced by the attempt; True also when this attempt already finished it with that status
     (a retry after a commit whose acknowledgement was lost with the connection)."""
-    with session_scope() as s:
-        if repo.finish_config_run(s, config_run_id, attempt, status, **kw):
-            return True
-        cr = s.get(ConfigRun, config_run_id)
-        return cr is not None and cr.attempt == attempt and cr.status == status
+    if repo.finish_config_run(session, config_run_id, attempt, status, **kw):
+        return True
+    config_run = session.get(ConfigRun, config_run_id)
+    return config_run is not None and config_run.attempt == attempt and config_run.status == status
 
 
-def _load_job(config_run_id: int) -> dict:
-    with session_scope() as s:
-        cr = s.get(ConfigRun, config_run_id)
-        run = s.get(Run, cr.run_id)
-        suite = s.get(Suite, run.suite_id)
-        spec = OptimizationSpec.model_validate(cr.config.spec)
-        calibration = None
-        if spec.weights == "awq-int4":  # domain text the run does not score: no test leakage
-            scored = set(run.sample_keys)
-            calibration = [x.text for x in repo.suite_samples(s, suite.id, run.suite_version) if x.key not in scored]
-        return {
-            "run_id": run.id,
-            "config_id": cr.config_id,
-            "spec": spec,
-            "calibration": calibration,
-            "model_path": cr.config.model.path,
-            "suite": dict(suite.spec),
-            "samples": [(x.key, x.text, x.cluster or x.key)
-                        for x in repo.suite_samples(s, suite.id, run.suite_version, run.sample_keys)],
-        }
-
-
-def _score(config_run_id: int, attempt: int, job: dict, settings, lease: LeaseKeeper | None = None) -> None:
-    check_lease = lease.check if lease is not None else (lambda: None)
-    spec: OptimizationSpec = job["spec"]
-    # a served model (engine openai) is named, not a path
-    if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
-        from workers.outbound import check_engine
-
-        check_engine(spec)
-    model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
-    engine = get_engine(model, spec, job["calibration"])
-    suite = job["suite"]
-    ppl = suite.get("perplexity", {})
-    window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
-    gen = suite.get("generation", {})
-    scorers = suite.get("scorers", ["perplexity", "generation"])
-    keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
-    samples = job["samples"]
-    n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
-    total = len(samples) + n_prompts
-    done = 0
-    nll_sum = tokens = 0.0
-    for i in range(0, len(samples), DOC_BATCH):
-        batch = samples[i : i + DOC_BATCH]
-        check_lease()
-        results = engine.loglikelihood_rolling([RollingRequest(k, t, window) for k, t, _ in batch])
-        rows = []
-        for r, (_, _, cluster) in zip(results, batch):
-            nll_sum += r.nll
-            tokens += len(r.token_ids)
-            rows.append(DocRecord.from_result(r, cluster, keep_ids).to_row())
-        done += len(batch)
-        _write_fenced(config_run_id, attempt, job, rows, done, total, settings)
-    ttft, itl, tps, gen_tokens = [], [], [], 0
-    spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
-    requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
-                                  gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
-                for key, text, _ in samples[:n_prompts]]
-    prompts = {r.request_id: r.prompt for r in requests}
-    step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
-    for i in range(0, len(requests), step):
-        rows = []
-        check_lease()
-        for g in engine.generate(requests[i : i + step]):
-            ttft.append(g.ttft_ms)
-            itl.extend(g.itl_ms)
-            tps.append(g.tokens_per_second)
-            gen_tokens += g.n_tokens
-            row = GenerationRecord.from_result(g, prompts[g.request_id], keep_ids).to_row()
-            if g.spec is not None:
-                for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                    spec_totals[k] += getattr(g.spec, k)
-                per = spec_totals["accepted_per_position"]
-                per.extend([0] * (len(g.spec.accepted_per_position) - len(per)))
-                for j, a in enumerate(g.spec.accepted_per_position):
-                    per[j] += a
-            rows.append(row)
-        server = engine.server_stats()  # a serving process's own counters over this batch (None in-process)
-        server_spec = server.spec if server is not None else None
-        if server_spec is not None and server_spec.num_draft_tokens:  # a server's counters: per batch, not per request
-            rows[0]["extra"]["spec"] = spec_to_json(server_spec) | {"scope": "batch"}  # GenerationRecord.spec_scope
-            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                spec_totals[k] += getattr(server_spec, k)
-        done += len(rows)
-        _write_fenced(config_run_id, attempt, job, rows, done, total, settings)
-    d = engine.describe()
-    figures = {
-        "engine": d.engine, "weights": d.weights, "kv_cache": d.kv_cache, "speculative": d.speculative,
-        "device": d.device, "compute_dtype": d.compute_dtype, "parameters": d.parameters,
-        "weight_bytes": d.weight_bytes, "kv_bytes_per_token": d.kv_bytes_per_token, "versions": d.versions,
-        "resident_weight_bytes": d.resident_weight_bytes, "peak_kv_cache_bytes": d.peak_kv_cache_bytes,
-        "peak_device_bytes": d.peak_device_bytes,
-        "notes": list(d.notes),
-        "token_ppl": math.exp(nll_sum / tokens) if tokens else None,
-        "n_documents": len(samples), "n_tokens": int(tokens),
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-        "tbt_ms_mean": statistics.fmean(itl) if itl else None,
-        "tbt_ms_p50": percentile(itl, 50), "tbt_ms_p99": percentile(itl, 99),
-        "tokens_per_second": statistics.fmean(tps) if tps else None,
-        "generated_tokens": gen_tokens,
-        "concurrency": int(spec.engine_options.get("concurrency", 1)),
+def _load_job(session, config_run_id: int) -> dict:
+    config_run = session.get(ConfigRun, config_run_id)
+    run = session.get(Run, config_run.run_id)
+    suite = session.get(Suite, run.suite_id)
+    spec = OptimizationSpec.model_validate(config_run.config.spec)
+    calibration = None
+    if spec.weights == "awq-int4":  # domain text the run does not score: no test leakage
+        scored = set(run.sample_keys)
+        calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
+                       if sample.key not in scored]
+    return {
+        "run_id": run.id,
+        "config_id": config_run.config_id,
+        "spec": spec,
+        "calibration": calibration,
+        "model_path": config_run.config.model.path,
+        "suite": dict(suite.spec),
+        "samples": [(sample.key, sample.text, sample.cluster or sample.key)
+                    for sample in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)],
     }
-    if spec_totals["num_drafts"]:
-        # vLLM's definitions: acceptance rate = accepted / draft tokens; mean acceptance length =
-        # 1 + accepted / drafts; per-position rate = accepted at position i / drafts
-        n_drafts, n_tokens, n_acc = (spec_totals[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
-        figures["spec"] = {**spec_totals, "acceptance_rate": n_acc / n_tokens,
-                           "mean_acceptance_length": 1 + n_acc / n_drafts,
-                           "per_position_rate": [a / n_drafts for a in spec_totals["accepted_per_position"]]}
-    if not retry_transient(lambda: _finish(config_run_id, attempt, "succeeded", figures=figures),
-                           f"finish config-run {config_run_id}"):
-        raise _LostLease(config_run_id, attempt)
+
+
+def _description_figures(description: EngineDescription) -> dict:
+    return {
+        "engine": description.engine, "weights": description.weights, "kv_cache": description.kv_cache,
+        "speculative": description.speculative, "device": description.device,
+        "compute_dtype": description.compute_dtype, "parameters": description.parameters,
+        "weight_bytes": description.weight_bytes, "kv_bytes_per_token": description.kv_bytes_per_token,
+        "versions": description.versions, "resident_weight_bytes": description.resident_weight_bytes,
+        "peak_kv_cache_bytes": description.peak_kv_cache_bytes, "peak_device_bytes": description.peak_device_bytes,
+        "notes": list(description.notes),
+    }
+
+
+def _spec_figures(spec_decode: SpecStats) -> dict:
+    """The run's spec-decode counters and the figures derived from them (SpecStats: vLLM's
+    definitions — acceptance rate = accepted / draft tokens, mean acceptance length = 1 +
+    accepted / drafts, per-position rate = accepted at position i / drafts)."""
+    return spec_to_json(spec_decode) | {"acceptance_rate": spec_decode.acceptance_rate,
+                                        "mean_acceptance_length": spec_decode.mean_acceptance_length,
+                                        "per_position_rate": list(spec_decode.per_position_rate)}
+
+
+def _server_figures(server_stats: list[ServerStats]) -> dict:
+    """A serving process's own gauges, each at its peak over the run's generate calls."""
+    return {"metrics_url": server_stats[-1].metrics_url,
+            "max_kv_cache_usage": _peak([batch.max_kv_cache_usage for batch in server_stats]),
+            "max_num_requests_waiting": _peak([batch.max_num_requests_waiting for batch in server_stats]),
+            "max_num_requests_running": _peak([batch.max_num_requests_running for batch in server_stats])}
+
+
+def _peak(values: list[float | None]) -> float | None:
+    """The highest known value; None when no source knew it."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 class _LostLease(RuntimeError):
@@ -355,23 +404,10 @@ class _LostLease(RuntimeError):
         super().__init__(f"config-run {config_run_id}: attempt {attempt} lost its lease to a newer attempt")
 
 
-def _write_fenced(config_run_id, attempt, job, rows, done, total, settings) -> None:
-    """One transaction: record progress and renew the lease (fenced by the attempt number), then
-    write the rows. If a newer attempt holds the run, nothing is written. Retried while the
-    database is away."""
-    def write() -> bool:
-        with session_scope() as s:
-            if not repo.heartbeat(s, config_run_id, attempt, settings.lease_seconds, done, total):
-                return False
-            repo.write_sample_results(s, job["run_id"], job["config_id"], rows)
-            return True
-
-    if not retry_transient(write, f"write results of config-run {config_run_id}"):
-        raise _LostLease(config_run_id, attempt)
-
-
 def reset_engine_cache() -> None:
     _ENGINES.clear()
 
+
+execute_config_run = ExecuteConfigRun()
 
 __all__ = ["execute_config_run", "percentile", "reset_engine_cache"]

@@ -1,5 +1,6 @@
-"""Tasks take IDs, never payloads. Each task is a plain function (run in-process by the
-embedded default through INLINE) wrapped as a Celery task by name (run by workers)."""
+"""Tasks take IDs, never payloads. Each task is one BaseTask instance (workers/base.py: sessions,
+retries, metrics, time in queue), run in-process by the embedded default through INLINE and
+registered by name as a Celery task for the workers."""
 
 from __future__ import annotations
 
@@ -7,108 +8,130 @@ import logging
 from datetime import timedelta
 
 from app import repo
-from app.db import is_transient, retry_transient, session_scope
-from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, NOTIFY, RECONCILE, TICK_SCHEDULES, Dispatcher
+from app.db import is_transient
+from app.dispatch import (
+    AGGREGATE_RUN,
+    ENQUEUED_AT_HEADER,
+    EXECUTE_CONFIG_RUN,
+    NOTIFY,
+    RECONCILE,
+    TICK_SCHEDULES,
+    Dispatcher,
+)
 from app.models import utcnow
 from app.settings import get_settings
 from workers.aggregate import after_commit, aggregate_pass, finish_run
-from workers.execute import execute_config_run as _execute
+from workers.base import BaseTask
+from workers.execute import execute_config_run
 
 log = logging.getLogger(__name__)
 
 
-def execute_config_run(config_run_id: int, dispatcher: Dispatcher) -> str:
-    return _execute(config_run_id, dispatcher)
+class AggregateRun(BaseTask):
+    name = AGGREGATE_RUN
+    failure_results = frozenset({"interrupted"})
+
+    def run_impl(self, run_id: int, *, dispatcher: Dispatcher | None = None) -> str:
+        # Idempotent (comparisons are upserted, the run's status gates a second pass), so a pass cut
+        # off by a database restart simply runs again. Delivery and escalation come after, outside
+        # the retry and the error path: neither may run twice or overwrite the verdict.
+        try:
+            verdict, alerts = self.retry(lambda: aggregate_pass(run_id), f"aggregate run {run_id}")
+        except Exception as e:
+            if is_transient(e):  # still unreachable: the run stays 'aggregating' and the reconciler re-sends it
+                log.error("aggregation of run %s interrupted, the database is unreachable: %s", run_id,
+                          type(e).__name__)
+                return "interrupted"
+            log.exception("aggregation of run %s failed", run_id)
+            with self.session() as session:
+                finish_run(session, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}",
+                           only_if=("aggregating",))
+            raise
+        if alerts is not None:
+            after_commit(run_id, alerts, dispatcher)
+        return verdict
 
 
-def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
-    # Idempotent (comparisons are upserted, the run's status gates a second pass), so a pass cut
-    # off by a database restart simply runs again. Delivery and escalation come after, outside
-    # the retry and the error path: neither may run twice or overwrite the verdict.
-    try:
-        verdict, alerts = retry_transient(lambda: aggregate_pass(run_id), f"aggregate run {run_id}")
-    except Exception as e:
-        if is_transient(e):  # still unreachable: the run stays 'aggregating' and the reconciler re-sends it
-            log.error("aggregation of run %s interrupted, the database is unreachable: %s", run_id, type(e).__name__)
-            return "interrupted"
-        log.exception("aggregation of run %s failed", run_id)
-        with session_scope() as s:
-            finish_run(s, run_id, "failed", "error", f"aggregation failed: {type(e).__name__}: {e}", only_if=("aggregating",))
-        raise
-    if alerts is not None:
-        after_commit(run_id, alerts, dispatcher)
-    return verdict
-
-
-def reconcile(dispatcher: Dispatcher) -> int:
+class Reconcile(BaseTask):
     """Re-enqueue what the broker may have lost (the broker is not a database): config-runs
     queued or lease-expired for longer than requeue_after_seconds, and runs whose config-runs
-    all finished but whose aggregation never completed. Every re-send is idempotent."""
-    settings = get_settings()
-    cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
-    with session_scope() as s:
-        config_runs = [cr.id for cr in repo.stale_config_runs(s, cutoff)]
-        repo.mark_enqueued(s, config_runs)
-        runs = repo.stalled_runs(s, cutoff)
-        for run_id in runs:
-            repo.reopen_aggregation(s, run_id)
-    for i in config_runs:
-        dispatcher.send(EXECUTE_CONFIG_RUN, i)
-    for run_id in runs:
-        dispatcher.send(AGGREGATE_RUN, run_id)
-    with session_scope() as s:  # the outbox: retries that have come due, and rows a crash left behind
-        from app.notify import next_due
+    all finished but whose aggregation never completed. Every re-send is idempotent. Not
+    retried: the beat runs it again within reconcile_seconds."""
 
-        due = next_due(s)
-    if due is not None and due <= utcnow():
-        dispatcher.send(NOTIFY)
-    if config_runs or runs:
-        log.warning("reconciler re-enqueued config-runs %s and aggregation of runs %s", config_runs, runs)
-    return len(config_runs) + len(runs)
+    name = RECONCILE
+
+    def run_impl(self, *, dispatcher: Dispatcher) -> int:
+        settings = get_settings()
+        cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
+        with self.session() as session:
+            config_run_ids = [config_run.id for config_run in repo.stale_config_runs(session, cutoff)]
+            repo.mark_enqueued(session, config_run_ids)
+            run_ids = repo.stalled_runs(session, cutoff)
+            for run_id in run_ids:
+                repo.reopen_aggregation(session, run_id)
+        for config_run_id in config_run_ids:
+            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id)
+        for run_id in run_ids:
+            dispatcher.send(AGGREGATE_RUN, run_id)
+        with self.session() as session:  # the outbox: retries that have come due, and rows a crash left behind
+            from app.notify import next_due
+
+            due = next_due(session)
+        if due is not None and due <= utcnow():
+            dispatcher.send(NOTIFY)
+        if config_run_ids or run_ids:
+            log.warning("reconciler re-enqueued config-runs %s and aggregation of runs %s", config_run_ids, run_ids)
+        return len(config_run_ids) + len(run_ids)
 
 
-def notify(dispatcher: Dispatcher | None = None) -> dict:
+class Notify(BaseTask):
     """Deliver the due notifications of the outbox (app/notify.py)."""
-    from app.notify import deliver_due
 
-    with session_scope() as s:
-        return deliver_due(s)
+    name = NOTIFY
+
+    def run_impl(self, *, dispatcher: Dispatcher | None = None) -> dict:
+        from app.notify import deliver_due
+
+        with self.session() as session:
+            return deliver_due(session)
 
 
-def tick_schedules(dispatcher: Dispatcher) -> list[int]:
+class TickSchedules(BaseTask):
     """Start the runs of schedules whose latest cron slot has not run (app/schedules.py)."""
-    from app.schedules import tick
 
-    return tick(session_scope, dispatcher)
+    name = TICK_SCHEDULES
+
+    def run_impl(self, *, dispatcher: Dispatcher) -> list[int]:
+        from app.schedules import tick
+
+        return tick(self.session, dispatcher)
 
 
-INLINE = {EXECUTE_CONFIG_RUN: execute_config_run, AGGREGATE_RUN: aggregate_run, RECONCILE: reconcile, NOTIFY: notify,
-          TICK_SCHEDULES: tick_schedules}
+aggregate_run = AggregateRun()
+reconcile = Reconcile()
+notify = Notify()
+tick_schedules = TickSchedules()
+
+INLINE: dict[str, BaseTask] = {task.name: task for task in (execute_config_run, aggregate_run, reconcile, notify,
+                                                            tick_schedules)}
 
 
 def _register() -> None:
+    """Each task of INLINE as a Celery task of the same name; the sender's enqueue time comes in a
+    message header (app/dispatch.py CeleryDispatcher)."""
     from app.dispatch import get_dispatcher
     from workers.celery_app import celery_app
 
-    @celery_app.task(name=EXECUTE_CONFIG_RUN)
-    def execute_task(config_run_id: int) -> str:
-        return execute_config_run(config_run_id, get_dispatcher())
+    def register(task: BaseTask) -> None:
+        def run(celery_task, *args):
+            request = celery_task.request
+            enqueued_at = getattr(request, ENQUEUED_AT_HEADER, None) or (request.headers or {}).get(ENQUEUED_AT_HEADER)
+            return task(*args, dispatcher=get_dispatcher(), enqueued_at=enqueued_at)
 
-    @celery_app.task(name=AGGREGATE_RUN)
-    def aggregate_task(run_id: int) -> str:
-        return aggregate_run(run_id, get_dispatcher())
+        celery_app.task(name=task.name, bind=True)(run)
 
-    @celery_app.task(name=TICK_SCHEDULES)
-    def tick_task() -> list[int]:
-        return tick_schedules(get_dispatcher())
-
-    @celery_app.task(name=NOTIFY)
-    def notify_task() -> dict:
-        return notify()
-
-    @celery_app.task(name=RECONCILE)
-    def reconcile_task() -> int:
-        return reconcile(get_dispatcher())
+    for task in INLINE.values():
+        register(task)
 
 
 try:  # Celery is a hard dependency, but the embedded default must not need a broker to import

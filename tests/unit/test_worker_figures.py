@@ -61,9 +61,9 @@ def test_reconciler_requeues_lost_messages_and_expired_leases(sqlite_env):
         s.execute(update(ConfigRun).where(ConfigRun.id == a).values(enqueued_at=old))
         s.execute(update(ConfigRun).where(ConfigRun.id == b).values(status="running", attempt=1, lease_expires_at=old, enqueued_at=old))
     rec = Recorder()
-    assert reconcile(rec) == 2
+    assert reconcile(dispatcher=rec) == 2
     assert sorted(rec.sent) == [(EXECUTE_CONFIG_RUN, a), (EXECUTE_CONFIG_RUN, b)]
-    assert reconcile(Recorder()) == 0  # both were re-stamped: no re-send storm while they wait for a worker
+    assert reconcile(dispatcher=Recorder()) == 0  # both were re-stamped: no re-send storm while they wait for a worker
 
 
 def test_reconciler_restarts_a_lost_aggregation(sqlite_env):
@@ -81,7 +81,7 @@ def test_reconciler_restarts_a_lost_aggregation(sqlite_env):
         # the worker finished its config-run, then died before the aggregate message went out
         s.execute(update(ConfigRun).where(ConfigRun.run_id == run_id).values(status="succeeded", finished_at=old))
     rec = Recorder()
-    assert reconcile(rec) == 1
+    assert reconcile(dispatcher=rec) == 1
     assert rec.sent == [(AGGREGATE_RUN, run_id)]
     with session_scope() as s:
         assert repo.get_run(s, repo.get_project(s, "r"), run_id).status == "aggregating"
