@@ -174,8 +174,7 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[li
     import torch.nn.functional as F
 
     from engines.kernels.w4a16 import w4a16_reference, w4a16_triton
-    from engines.quant import quantize_groupwise
-    from engines.reference.awq import pack_awq_gemm
+    from engines.quant import pack_awq_gemm, quantize_groupwise
 
     shapes = ((128, 64),) if args.smoke else ((4096, 4096), (4096, 14336), (14336, 4096))
     batches = (1, 16)

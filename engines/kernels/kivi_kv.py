@@ -5,7 +5,7 @@ channels — codes [.., S, D·b/32] int32, channel c in word c // (32/b) at bit 
 - keys: per channel over groups of G tokens (KIVI's key outliers live in channels):
   scale, zero [.., S/G, D] fp32;
 - values: per token over groups of G channels: scale, zero [.., S, D/G] fp32.
-Dequantized x̂ = q·scale + zero (zero is the group minimum), as kv.minmax_quant.
+Dequantized x̂ = q·scale + zero (zero is the group minimum), as engines.quant.minmax_quant.
 
 decode_attention reads slot j's key compressed iff j < nk[b] and its value iff j < nv[b] (the
 boundaries of kv.KiviKV), otherwise the full-precision residual k / v [B, Hkv, S, D]; GQA and

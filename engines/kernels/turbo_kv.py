@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from engines.reference.kv import codebook_on, rotation_on
+from engines.quant import codebook_on, rotation_on
 
 _kernels: dict[str, object] = {}
 

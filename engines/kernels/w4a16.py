@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engines.kernels import use_triton
-from engines.reference.awq import dequantize_awq_gemm
+from engines.quant import dequantize_awq_gemm, pack_awq_gemm
 
 
 def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
@@ -82,8 +82,6 @@ class W4A16Linear(torch.nn.Module):
 
     @classmethod
     def from_parts(cls, parts, bias, device) -> W4A16Linear:
-        from engines.reference.awq import pack_awq_gemm
-
         packed = [pack_awq_gemm(q, zero, scale) for q, zero, scale in parts]  # each: [K, N_i/8] …
         qweight, qzeros, scales = (torch.cat([p[i] for p in packed], dim=1).to(device) for i in range(3))
         return cls(qweight, qzeros, scales, bias)

@@ -4,6 +4,8 @@ Per (output row, group of 128 input columns):
     s = (max − min) / (2^b − 1),  z = clamp(−round(min / s), 0, 2^b − 1)
     q = clamp(round(w / s) + z, 0, 2^b − 1),  ŵ = (q − z) · s
 b = 4 is the quantizer AWQ and RTN-int4 share; b = 8 gives int8 with the same grouping.
+minmax_quant is the same min-max rule along any one axis, returned dequantized: the KV formats'
+per-token and KIVI groups (REFERENCE.md §2).
 """
 
 from __future__ import annotations
@@ -43,3 +45,12 @@ def quantized_bytes(out_f: int, in_f: int, bits: int, group_size: int = GROUP_SI
     """Storage of a packed INT-b weight with one fp16 scale and one fp16 zero per group."""
     groups = out_f * (in_f // group_size)
     return out_f * in_f * bits // 8 + groups * 2 * 2
+
+
+def minmax_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Asymmetric min-max quantize → dequantize along `dim` (one scale and zero per slice)."""
+    qmax = 2**bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-8) / qmax
+    q = torch.round((x - lo) / scale).clamp(0, qmax)
+    return q * scale + lo

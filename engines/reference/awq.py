@@ -1,5 +1,5 @@
 """AWQ int4 g128 (Lin et al., arXiv 2306.00978; mit-han-lab/llm-awq auto_scale.py, auto_clip.py)
-and the AutoAWQ GEMM checkpoint layout.
+and the AutoAWQ GEMM checkpoint it writes.
 
 Per decoder layer, on calibration activations X of the *domain* text:
   scale search — for the groups (input_layernorm → q,k,v judged through the attention block),
@@ -9,7 +9,8 @@ Per decoder layer, on calibration activations X of the *domain* text:
   keep the α with the lowest output MSE; fold 1/s into the preceding norm or linear.
   clip search — per (output row, group) try max ← max₀·(1 − i/20), i = 0…9, keep the one
   minimising ‖X·Q(clip W) − X·W‖² on ≤ 512 sampled tokens; q_proj and k_proj are skipped.
-Then every decoder linear is quantized group-wise asymmetric INT4 (engines/quant.py).
+Then every decoder linear is quantized group-wise asymmetric INT4 (engines/quant/minmax.py) and
+written in the AutoAWQ GEMM layout (engines/quant/awq_gemm.py).
 """
 
 from __future__ import annotations
@@ -20,48 +21,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from engines.quant import GROUP_SIZE, dequantize_groupwise, fake_quantize, quantize_groupwise
+from engines.quant import GROUP_SIZE, dequantize_groupwise, fake_quantize, pack_awq_gemm, quantize_groupwise
+from engines.reference.cache import KVCache
+from engines.reference.kv import kv_format
+from engines.reference.model import rope_cos_sin
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column held by nibble i of a packed int32
 N_GRID = 20
 MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
-
-
-# -- AutoAWQ GEMM layout ------------------------------------------------------------------------
-def _pack_cols(v: torch.Tensor) -> torch.Tensor:
-    """[rows, out] ints in 0..15 → int32 [rows, out/8], nibble i = column 8c + AWQ_ORDER[i]."""
-    rows, out = v.shape
-    v = v.to(torch.int64).reshape(rows, out // 8, 8)[..., list(AWQ_ORDER)]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=v.device)
-    packed = (v << shifts).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def _unpack_cols(p: torch.Tensor) -> torch.Tensor:
-    rows, cols = p.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=p.device)
-    nib = (p.to(torch.int64)[..., None] >> shifts) & 0xF  # [rows, cols, 8]
-    out = torch.empty_like(nib)
-    out[..., list(AWQ_ORDER)] = nib
-    return out.reshape(rows, cols * 8)
-
-
-def pack_awq_gemm(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor):
-    """Ours (q [out, in] uint8, zero/scale [out, in/g]) → AutoAWQ GEMM tensors:
-    qweight int32 [in, out/8], qzeros int32 [in/g, out/8], scales fp16 [in/g, out]."""
-    return _pack_cols(q.T), _pack_cols(zero.round().T), scale.T.contiguous().to(torch.float16)
-
-
-def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
-    """AutoAWQ GEMM tensors → ours: q [out, in], zero [out, in/g], scale [out, in/g]."""
-    return _unpack_cols(qweight).T.to(torch.uint8), _unpack_cols(qzeros).T.float(), scales.T.float()
-
-
-def dequantize_awq_gemm(qweight, qzeros, scales, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """Weight [out, in] = (q − z)·s."""
-    q, zero, scale = unpack_awq_gemm(qweight, qzeros, scales)
-    return dequantize_groupwise(q, scale, zero, group_size)
 
 
 # -- search ---------------------------------------------------------------------------------------
@@ -133,10 +100,6 @@ def apply_clip(lin: nn.Linear, max_val: torch.Tensor, group_size: int = GROUP_SI
 def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[str, tuple]:
     """Search AWQ scales and clips layer by layer on `calibration` token ids [N, T], then quantize
     every decoder linear to INT4 g128. Returns {param name: (q, zero, scale)} for checkpoints."""
-    from engines.reference.cache import KVCache
-    from engines.reference.kv import kv_format
-    from engines.reference.model import rope_cos_sin
-
     a = model.args
     N, T = calibration.shape
     slots = torch.arange(T, device=calibration.device)

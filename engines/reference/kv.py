@@ -4,18 +4,26 @@ of a sequence are held compressed when its length is n (``boundary``: KIVI keeps
 full-precision window; the others compress every slot, the current one included), and its exact
 storage cost (``bits_per_element``, metadata amortized).
 
-The reference engine stores dequantized values (a faithful simulation of the arithmetic); the
-Triton kernels of engines/kernels store the packed codes the bit counts describe.
+Each format also owns its storage in a cache (``new_store``): the buffers it keeps beside the
+cache's raw keys and values, how new slots are written into them, and the attention a query runs
+over them. The reference engine stores dequantized values (a faithful simulation of the
+arithmetic); where the Triton kernels of engines/kernels run, a format also keeps the packed
+codes the bit counts describe and its decode steps (one new token per row, no left padding) read
+those. engines/reference/cache.py holds only slots and masks: a new format is a class here.
+
+Shapes: L layers, B batch, H query heads, Hkv key/value heads, T new tokens, S slots, D head dim.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from itertools import pairwise
 
 import torch
+
+from engines.kernels import fp8_native, use_triton
+from engines.quant import minmax_quant, qjl_residual, rotation_on, turbo_mse, turbo_mse_rotated
+from engines.reference.attention import masked_gqa_attention, rotated_attention, two_tier_attention
 
 FP16_BITS = 16
 
@@ -23,7 +31,6 @@ FP16_BITS = 16
 class KVFormat:
     name = "base"
     lossy = True
-    per_token = True  # each slot encodes on its own: the cache encodes new slots only, once
     rotated = False  # stored values live in a rotated domain (TurboQuant): attention rotates q once
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
@@ -45,6 +52,66 @@ class KVFormat:
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """(key bits, value bits) per cached element, metadata included."""
         raise NotImplementedError
+
+    def new_store(self, k: torch.Tensor, v: torch.Tensor) -> KVStore:
+        """This format's storage in a cache whose raw keys and values are k, v [L, B, Hkv, S, D]:
+        a lossless format reads them as they are; a lossy one each slot's dequantized value."""
+        return DequantizedStore(self, k, v) if self.lossy else KVStore(self, k, v)
+
+
+# -- storage ---------------------------------------------------------------------------------------
+class KVStore:
+    """What a cache holds for its format beside the raw keys and values k, v [L, B, Hkv, S, D]
+    (which the cache writes first), and the attention over it. Lossless: the raw values."""
+
+    def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
+        self.fmt, self.k, self.v = fmt, k, v
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Tensors held beside the raw cache, counted in the cache's bytes."""
+        return []
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor, seq_start: torch.Tensor,
+               decode_step: bool) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
+        mask: [B, 1, T, S]; seq_start: [B] first real slot per row; decode_step: one new token
+        per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
+        S = mask.shape[-1]
+        return masked_gqa_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], mask)
+
+
+class DequantizedStore(KVStore):
+    """A lossy format whose slots encode on their own: each slot's dequantized value, encoded
+    once when the slot is written; every readable slot is read compressed, the current one too."""
+
+    def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
+        super().__init__(fmt, k, v)
+        self.kq, self.vq = torch.zeros_like(k), torch.zeros_like(v)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.kq, self.vq]
+
+    def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+        kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)
+        self.kq[layer].index_copy_(2, slots, kq_new)
+        self.vq[layer].index_copy_(2, slots, vq_new)
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+
+
+def kernels_fit(q: torch.Tensor) -> bool:
+    """Kernels run for this device (engines/kernels.use_triton) and their packed layouts fit
+    the head_dim: a power of two from 32 to 128; other shapes take the torch path."""
+    D = q.shape[-1]
+    return 32 <= D <= 128 and D & (D - 1) == 0 and use_triton(q.device)
+
+
+def _lengths(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[B] sequence lengths of a decode step, on the device (no host sync)."""
+    return (slots[-1:] + 1).expand(q.shape[0]).contiguous()
 
 
 @dataclass
@@ -76,14 +143,48 @@ class Fp8KV(KVFormat):
     def bits_per_element(self, head_dim):
         return 8.0, 8.0
 
+    def new_store(self, k, v) -> KVStore:
+        return Fp8Store(self, k, v)
 
-def minmax_quant(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Asymmetric min-max quantize → dequantize along `dim` (one scale and zero per slice)."""
-    qmax = 2**bits - 1
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale = (hi - lo).clamp(min=1e-8) / qmax
-    q = torch.round((x - lo) / scale).clamp(0, qmax)
-    return q * scale + lo
+
+class Fp8Store(DequantizedStore):
+    """Where the kernels run and the GPU has the type (fp8_native: compute capability ≥ 8.9),
+    also the fp8 codes k8, v8 [L, B, Hkv, S, D], written as slots are (made on first use);
+    decode steps read them with the fp8 decode kernel."""
+
+    k8: torch.Tensor | None = None
+    v8: torch.Tensor | None = None
+
+    def buffers(self):
+        return [*super().buffers(), *(t for t in (self.k8, self.v8) if t is not None)]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        codes = self._write_codes(layer, k, v, slots) if kernels_fit(q) and fp8_native(str(q.device)) else None
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        if decode_step and codes is not None:
+            from engines.kernels.fp8_kv import decode_attention
+
+            k8, v8 = codes
+            out = decode_attention(q[:, :, 0], k8[layer, :, :, :S], v8[layer, :, :, :S], _lengths(q, slots))
+            return out[:, :, None].to(q.dtype)
+        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+
+    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-on-write of the new slots (the cast kernel on CUDA, torch's cast elsewhere)
+        → the whole code buffers k8, v8."""
+        from engines.kernels.fp8_kv import FP8, quantize_on_write, quantize_reference
+
+        # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
+        # off CUDA the cast is torch's, so both paths hold the same codes.
+        to_fp8 = quantize_on_write if k.is_cuda else quantize_reference
+        if self.k8 is None or self.v8 is None:
+            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=k.device)
+            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=k.device)
+        # index_copy_ has no fp8 kernels: write the codes' bytes
+        self.k8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(k).view(torch.uint8))
+        self.v8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(v).view(torch.uint8))
+        return self.k8, self.v8
 
 
 @dataclass
@@ -115,7 +216,6 @@ class KiviKV(KVFormat):
     bits: int
     group: int = 32
     residual: int = 128
-    per_token = False  # key groups span tokens
 
     def __post_init__(self) -> None:
         self.name = f"kivi-{self.bits}"
@@ -153,95 +253,88 @@ class KiviKV(KVFormat):
         per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
         return self.bits + per_group, self.bits + per_group
 
-
-# -- TurboQuant ------------------------------------------------------------------------------------
-@lru_cache
-def lloyd_max_gaussian(bits: int, iters: int = 300) -> tuple[float, ...]:
-    """Lloyd-Max centroids for N(0, 1) at 2^bits levels (scale by 1/√d for a coordinate of a
-    rotated unit vector in d dimensions). Centroid of [a, b] is (φ(a) − φ(b)) / (Φ(b) − Φ(a))."""
-    n = 2**bits
-    pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
-    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
-    c = [-2.5 + 5 * (i + 0.5) / n for i in range(n)]
-    for _ in range(iters):
-        edges = [-math.inf] + [(a + b) / 2 for a, b in pairwise(c)] + [math.inf]
-        c = [(pdf(a) - pdf(b)) / max(cdf(b) - cdf(a), 1e-300) for a, b in pairwise(edges)]
-    return tuple(c)
+    def new_store(self, k, v) -> KVStore:
+        return KiviStore(self, k, v)
 
 
-@lru_cache
-def lloyd_max_sphere(d: int, bits: int, iters: int = 200, grid: int = 40001) -> tuple[float, ...]:
-    """Lloyd-Max centroids for one coordinate of a uniformly random unit vector in d dimensions,
-    whose exact law is f(x) ∝ (1 − x²)^((d−3)/2) on [−1, 1] (TurboQuant §3; for large d it tends
-    to N(0, 1/d), whose codebook is lloyd_max_gaussian / √d). Numerical, on a fine grid."""
-    if d < 3:
-        raise ValueError(f"head_dim {d} is too small for TurboQuant")
-    x = torch.linspace(-1, 1, grid, dtype=torch.float64)[1:-1]
-    w = (1 - x * x).pow((d - 3) / 2)
-    c = torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64) / math.sqrt(d)  # start from the Gaussian
-    for _ in range(iters):
-        edges = (c[1:] + c[:-1]) / 2
-        cell = torch.bucketize(x, edges)
-        mass = torch.zeros_like(c).index_add_(0, cell, w)
-        c = torch.zeros_like(c).index_add_(0, cell, w * x) / mass.clamp(min=1e-300)
-        c = (c - c.flip(0)) / 2  # the law is symmetric; keep the grid from tilting it
-    return tuple(c.tolist())
+class KiviStore(DequantizedStore):
+    """Key groups span tokens, so a pass re-encodes whole groups of the slots it reads, and a
+    query reads slot j compressed iff j < boundary(n), n its sequence length (two-tier attention).
+    Decode steps where the kernels run take the two-tier kernel instead, over packed codes written
+    as slots leave the full-precision window (made on first use; the next multi-token pass
+    re-encodes all groups)."""
+
+    fmt: KiviKV
+
+    def __init__(self, fmt: KiviKV, k, v):
+        super().__init__(fmt, k, v)
+        self.packed: dict[str, torch.Tensor] = {}
+        L = k.shape[0]
+        self.packed_k, self.packed_v = [0] * L, [0] * L  # per layer: leading slots whose codes are written
+
+    def buffers(self):
+        return [*super().buffers(), *self.packed.values()]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        if decode_step and kernels_fit(q):
+            return self._kernel_attend(layer, q, slots)
+        S = mask.shape[-1]
+        keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, seq_start, layer)
+        kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        ck = _compressed_mask(slots, S, seq_start, self.fmt.boundary_k)
+        cv = _compressed_mask(slots, S, seq_start, self.fmt.boundary_v)
+        return two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
+
+    def _kernel_attend(self, layer: int, q, slots):
+        """KIVI codes written by the quantize-on-write kernels as slots leave the full-precision
+        window (keys in whole flushes, values token by token); attention by the two-tier kernel."""
+        from engines.kernels.kivi_kv import GROUP, decode_attention, quantize_keys, quantize_values
+
+        bits = self.fmt.bits
+        L, B, Hkv, S_max, D = self.k.shape
+        if not self.packed:
+            words, groups = D * bits // 32, -(-S_max // GROUP)
+            z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=q.device)  # noqa: E731
+            self.packed = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
+                           "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP),
+                           "vz": z(S_max, D // GROUP)}
+        c = self.packed
+        t = int(slots[-1])
+        n = torch.tensor([t + 1], device=q.device)  # the query's sequence length
+        nk, nv = int(self.fmt.boundary_k(n)), int(self.fmt.boundary_v(n))
+        lo = self.packed_k[layer]
+        if nk > lo:  # a flush: whole groups of GROUP tokens
+            codes, scale, zero = quantize_keys(self.k[layer, :, :, lo:nk].reshape(-1, D), bits)
+            n_g = (nk - lo) // GROUP
+            c["kc"][layer, :, :, lo:nk] = codes.reshape(B, Hkv, nk - lo, -1)
+            c["ks"][layer, :, :, lo // GROUP : nk // GROUP] = scale.reshape(B, Hkv, n_g, D)
+            c["kz"][layer, :, :, lo // GROUP : nk // GROUP] = zero.reshape(B, Hkv, n_g, D)
+            self.packed_k[layer] = nk
+        lo = self.packed_v[layer]
+        if nv > lo:
+            codes, scale, zero = quantize_values(self.v[layer, :, :, lo:nv].reshape(-1, D), bits)
+            c["vc"][layer, :, :, lo:nv] = codes.reshape(B, Hkv, nv - lo, -1)
+            c["vs"][layer, :, :, lo:nv] = scale.reshape(B, Hkv, nv - lo, -1)
+            c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
+            self.packed_v[layer] = nv
+        full = lambda x: torch.full((B,), x, device=q.device)  # noqa: E731
+        out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer],
+                               c["kc"][layer], c["ks"][layer], c["kz"][layer], c["vc"][layer], c["vs"][layer],
+                               c["vz"][layer], full(t + 1), full(nk), full(nv), bits)
+        return out[:, :, None].to(q.dtype)
 
 
-@lru_cache
-def random_rotation(d: int, seed: int) -> torch.Tensor:
-    """Random orthogonal Π: QR of a Gaussian matrix, signs fixed (TurboQuant paper)."""
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float().contiguous()  # LAPACK returns column-major
+def _compressed_mask(slots: torch.Tensor, S: int, seq_start: torch.Tensor, boundary) -> torch.Tensor:
+    # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
+    # iff (j − start) < boundary(n).
+    start = seq_start[:, None, None]  # [B, 1, 1]
+    n = slots[None, :, None] - start + 1  # [B, T, 1]
+    j = torch.arange(S, device=slots.device)[None, None, :] - start  # [B, 1, S]
+    return (j < boundary(n))[:, None]
 
 
-_on_device: dict[tuple, torch.Tensor] = {}
-
-
-def rotation_on(d: int, seed: int, device) -> torch.Tensor:
-    """Π on `device`, made once per device: a decode step pays no QR and no host-to-device copy
-    (a copy from host memory would also break CUDA-graph capture)."""
-    key = ("rotation", d, seed, str(device))
-    if key not in _on_device:
-        _on_device[key] = random_rotation(d, seed).to(device).contiguous()
-    return _on_device[key]
-
-
-def codebook_on(d: int, bits: int, device) -> torch.Tensor:
-    """The Lloyd-Max codebook [2^bits] for dimension d on `device`, made once per device."""
-    key = ("codebook", d, bits, str(device))
-    if key not in _on_device:
-        _on_device[key] = torch.tensor(lloyd_max_sphere(d, bits), dtype=torch.float32, device=device)
-    return _on_device[key]
-
-
-def turbo_mse_rotated(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
-    """TurboQuant-MSE in the rotated domain: c[idx]·‖x‖ where idx snaps each coordinate of the
-    rotated unit vector Π·x/‖x‖ to the Lloyd-Max codebook of its exact law. x: [..., d]."""
-    d = x.shape[-1]
-    rot, book = rotation_on(d, seed, x.device), codebook_on(d, bits, x.device)
-    xf = x.float()
-    norm = xf.norm(dim=-1, keepdim=True)
-    u = (xf / norm.clamp(min=1e-12)) @ rot.T  # rotated unit vector
-    idx = (u[..., None] - book).abs().argmin(-1)
-    return book[idx] * norm
-
-
-def turbo_mse(x: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
-    """TurboQuant-MSE reconstruction Πᵀ·c[idx]·‖x‖ (rotate back)."""
-    return turbo_mse_rotated(x, bits, seed) @ rotation_on(x.shape[-1], seed, x.device)
-
-
-def qjl_residual(r: torch.Tensor, seed: int) -> torch.Tensor:
-    """1-bit QJL sketch of a residual: ‖r‖·√(π/2)/d · Sᵀ·sign(S·r), S Gaussian d×d; unbiased for ⟨q, r⟩."""
-    d = r.shape[-1]
-    g = torch.Generator().manual_seed(seed)
-    S = torch.randn(d, d, generator=g).to(r.device)
-    signs = torch.sign(r @ S.T)
-    return r.norm(dim=-1, keepdim=True) * math.sqrt(math.pi / 2) / d * (signs @ S)
-
-
+# -- TurboQuant (codebooks and rotation: engines/quant/turbo.py) ----------------------------------
 @dataclass
 class TurboKV(KVFormat):
     """TurboQuant (arXiv 2504.19874). bits may be fractional: D/4 outlier channels get ⌈b⌉ bits,
@@ -309,6 +402,9 @@ class TurboKV(KVFormat):
             kq = self._mse(k, layer, "k", self.bits)
         return kq.to(k.dtype), self._mse(v, layer, "v", self.bits).to(v.dtype)
 
+    def new_store(self, k, v) -> KVStore:
+        return RotatedTurboStore(self, k, v) if self.rotated else DequantizedStore(self, k, v)
+
     def code_bits(self, bits: float) -> float:
         # fractional: D/4 channels at ⌈b⌉, 3D/4 at ⌊b⌋ → ⌊b⌋ + 1/4 code bits per element
         return math.floor(bits) + 0.25 if bits != int(bits) else float(bits)
@@ -322,6 +418,53 @@ class TurboKV(KVFormat):
         if self.inner_product:  # b−1 bit MSE codes + 1 QJL sign bit, plus the residual's norm
             return self.code_bits(self.bits - 1) + 1 + (norms + 1) * FP16_BITS / head_dim, v_bits
         return v_bits, v_bits
+
+
+class RotatedTurboStore(DequantizedStore):
+    """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
+    attention rotates the query once (rotated_attention). Where the kernels run, also the packed
+    codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py) and
+    norms [2, L, B, Hkv, S] fp32, written as slots are (made on first use); decode steps read them
+    with the TurboQuant decode kernel."""
+
+    fmt: TurboKV
+    codes: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+
+    def buffers(self):
+        return [*super().buffers(), *(t for t in (self.codes, self.norms) if t is not None)]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        packed = self._write_codes(layer, k, v, slots) if kernels_fit(q) else None
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        if decode_step and packed is not None:
+            from engines.kernels.turbo_kv import decode_attention
+
+            codes, norms = packed
+            out = decode_attention(q[:, :, 0], codes[0, layer, :, :, :S], norms[0, layer, :, :, :S],
+                                   codes[1, layer, :, :, :S], norms[1, layer, :, :, :S], _lengths(q, slots),
+                                   int(self.fmt.bits), self.fmt.seed)
+            return out[:, :, None].to(q.dtype)
+        rotation = self.fmt.rotation(q.shape[-1], q.device)
+        return rotated_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], rotation.to(q.dtype), mask)
+
+    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-on-write of the new slots (bit-planes and norms by the Triton kernel) → the
+        whole code and norm buffers."""
+        from engines.kernels.turbo_kv import quantize_on_write
+
+        L, B, Hkv, S_max, D = self.k.shape
+        T = len(slots)
+        bits = int(self.fmt.bits)
+        if self.codes is None or self.norms is None:
+            self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
+            self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
+        for i, x in enumerate((k, v)):
+            c, n = quantize_on_write(x.reshape(-1, D), bits, self.fmt.seed)
+            self.codes[i, layer].index_copy_(2, slots, c.reshape(B, Hkv, T, bits, D // 32))
+            self.norms[i, layer].index_copy_(2, slots, n.reshape(B, Hkv, T))
+        return self.codes, self.norms
 
 
 def kv_format(name: str, compute_dtype: torch.dtype) -> KVFormat:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.quant import dequantize_awq_gemm
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -235,8 +237,6 @@ class Transformer(nn.Module):
 
 def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
     """An AutoAWQ / llm-compressor GEMM checkpoint: qweight/qzeros/scales → fp weights."""
-    from engines.reference.awq import dequantize_awq_gemm
-
     if qcfg.get("quant_method") != "awq" or qcfg.get("bits") != 4 or qcfg.get("version", "gemm").lower() != "gemm":
         raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; "
                          "the reference engine loads AWQ 4-bit GEMM checkpoints")

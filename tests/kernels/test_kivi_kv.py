@@ -18,7 +18,7 @@ from engines.kernels.kivi_kv import (
     quantize_values_reference,
     unpack_codes,
 )
-from engines.reference.kv import minmax_quant
+from engines.quant import minmax_quant
 
 
 def test_code_packing_by_hand():

@@ -10,7 +10,7 @@ import torch
 
 from engines.kernels import fp8_kv, kivi_kv, turbo_kv
 from engines.kernels.w4a16 import w4a16_reference
-from engines.quant import dequantize_groupwise, fake_quantize, quantize_groupwise
+from engines.quant import awq_gemm, dequantize_groupwise, fake_quantize, quantize_groupwise
 from engines.reference import awq
 
 META = torch.device("meta")
@@ -59,10 +59,10 @@ CASES = {
     "quant.quantize_groupwise": (lambda: quantize_groupwise(m(32, 256), 4)[0], (32, 256)),
     "quant.dequantize_groupwise": (lambda: dequantize_groupwise(ints(32, 256, dtype=torch.uint8), m(32, 2), m(32, 2)), (32, 256)),
     "quant.fake_quantize": (lambda: fake_quantize(m(32, 256), 4), (32, 256)),
-    "awq._pack_cols": (lambda: awq._pack_cols(ints(256, 32, dtype=torch.uint8)), (256, 4)),
-    "awq._unpack_cols": (lambda: awq._unpack_cols(ints(256, 4)), (256, 32)),
-    "awq.pack_awq_gemm": (lambda: awq.pack_awq_gemm(ints(32, 256, dtype=torch.uint8), m(32, 2), m(32, 2))[0], (256, 4)),
-    "awq.dequantize_awq_gemm": (lambda: awq.dequantize_awq_gemm(ints(256, 4), ints(2, 4), m(2, 32, dtype=torch.float16)), (32, 256)),
+    "awq_gemm._pack_cols": (lambda: awq_gemm._pack_cols(ints(256, 32, dtype=torch.uint8)), (256, 4)),
+    "awq_gemm._unpack_cols": (lambda: awq_gemm._unpack_cols(ints(256, 4)), (256, 32)),
+    "awq_gemm.pack_awq_gemm": (lambda: awq_gemm.pack_awq_gemm(ints(32, 256, dtype=torch.uint8), m(32, 2), m(32, 2))[0], (256, 4)),
+    "awq_gemm.dequantize_awq_gemm": (lambda: awq_gemm.dequantize_awq_gemm(ints(256, 4), ints(2, 4), m(2, 32, dtype=torch.float16)), (32, 256)),
     "awq.search_clip": (lambda: awq.search_clip(m(32, 256), m(16, 256)), (32, 2, 1)),
     "w4a16_reference": (lambda: w4a16_reference(m(3, 256, dtype=torch.float16), ints(256, 4), ints(2, 4),
                                                 m(2, 32, dtype=torch.float16)), (3, 32)),

@@ -13,7 +13,7 @@ from engines.kernels.turbo_kv import (
     quantize_reference,
     unpack_bitplanes,
 )
-from engines.reference.kv import turbo_mse_rotated
+from engines.quant import turbo_mse_rotated
 
 
 def test_bitplane_packing_by_hand():

@@ -7,8 +7,7 @@ import torch
 
 from engines.kernels import use_triton
 from engines.kernels.w4a16 import w4a16, w4a16_reference, w4a16_triton
-from engines.quant import quantize_groupwise
-from engines.reference.awq import pack_awq_gemm
+from engines.quant import pack_awq_gemm, quantize_groupwise
 
 
 def make(N, K, seed=0):

@@ -5,17 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from engines.quant import dequantize_groupwise, fake_quantize, quantize_groupwise
-from engines.reference.awq import (
-    apply_scale,
-    awq_quantize,
+from engines.quant import (
     dequantize_awq_gemm,
+    dequantize_groupwise,
+    fake_quantize,
     pack_awq_gemm,
-    save_awq_checkpoint,
-    search_clip,
-    search_scale,
+    quantize_groupwise,
     unpack_awq_gemm,
 )
+from engines.reference.awq import apply_scale, awq_quantize, save_awq_checkpoint, search_clip, search_scale
 from engines.protocol import GenerationRequest
 from engines.reference.engine import ReferenceEngine
 from engines.reference.model import RMSNorm, load_model

@@ -90,7 +90,7 @@ def test_cuda_graphs_option_takes_a_bool_only():
 
 def test_folded_gqa_attention_equals_sdpa_with_gqa():
     # the G query heads of a kv head folded into the query length: the same attention
-    from engines.reference.cache import masked_gqa_attention
+    from engines.reference.attention import masked_gqa_attention
 
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, T, S, D = 2, 8, 2, 3, 11, 16
@@ -120,5 +120,5 @@ def test_peak_kv_bytes_count_the_kernels_packed_buffers_too(engine):
     # the packed TurboQuant codes are made on first use; a cache that holds them counts them
     d = Decoder(engine.model, kv_format("turbo-3", torch.float32), 1, 64, "cpu", torch.float32)
     before = d.cache.nbytes()
-    d.cache.codes = torch.zeros(2, 6, 1, 2, 64, 3, 1, dtype=torch.int32)
-    assert d.cache.nbytes() == before + d.cache.codes.nbytes
+    d.cache.store.codes = torch.zeros(2, 6, 1, 2, 64, 3, 1, dtype=torch.int32)
+    assert d.cache.nbytes() == before + d.cache.store.codes.nbytes

@@ -5,18 +5,8 @@ import math
 import pytest
 import torch
 
-from engines.reference.kv import (
-    Fp8KV,
-    IntPerTokenKV,
-    KiviKV,
-    TurboKV,
-    kv_format,
-    lloyd_max_gaussian,
-    minmax_quant,
-    qjl_residual,
-    random_rotation,
-    turbo_mse,
-)
+from engines.quant import lloyd_max_gaussian, minmax_quant, qjl_residual, random_rotation, turbo_mse
+from engines.reference.kv import Fp8KV, IntPerTokenKV, KiviKV, TurboKV, kv_format
 
 
 def test_lloyd_max_codebooks_match_the_paper():
@@ -27,7 +17,7 @@ def test_lloyd_max_codebooks_match_the_paper():
 
 
 def test_sphere_codebook_is_lloyd_max_for_the_exact_coordinate_law():
-    from engines.reference.kv import lloyd_max_sphere
+    from engines.quant import lloyd_max_sphere
 
     # b = 1 on the exact law (1 − x²)^((d−3)/2): the centroid is E|x| = Γ(d/2) / (√π Γ((d+1)/2))
     d = 32
@@ -155,7 +145,7 @@ def test_rotated_domain_attention_equals_attention_over_reconstructions():
     # ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ and Σ p·Πᵀĉ‖v‖ = Πᵀ Σ p·ĉ‖v‖: same output, no per-slot rotation.
     import torch.nn.functional as F
 
-    from engines.reference.cache import _rotated_attention
+    from engines.reference.attention import rotated_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 5, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g)
@@ -164,4 +154,4 @@ def test_rotated_domain_attention_equals_attention_over_reconstructions():
     assert fmt.rotated and not TurboKV(2.5).rotated and not TurboKV(3, inner_product=True).rotated
     expected = F.scaled_dot_product_attention(q, turbo_mse(k, 3, 0), turbo_mse(v, 3, 0), attn_mask=mask, enable_gqa=True)
     kr, vr = fmt.encode(k, v, torch.zeros(1, dtype=torch.long))  # stored: rotated codes × norms
-    assert torch.allclose(_rotated_attention(q, kr, vr, fmt.rotation(32, "cpu"), mask), expected, atol=1e-5)
+    assert torch.allclose(rotated_attention(q, kr, vr, fmt.rotation(32, "cpu"), mask), expected, atol=1e-5)
