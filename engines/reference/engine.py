@@ -63,6 +63,7 @@ class ReferenceEngine:
         self.args = model.args
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.peak_kv_bytes = 0
+        self.peak_kv_usage: float | None = None  # see _track_usage; None until a cache has held a token
         self.decode_graphs = "not run yet"  # whether decode steps replayed a CUDA graph, or why not
         from engines.kernels import use_triton
 
@@ -170,6 +171,16 @@ class ReferenceEngine:
         self.peak_kv_bytes = max(self.peak_kv_bytes, cache.nbytes())
         return cache
 
+    def _track_usage(self, tokens_held: int, token_slots: int) -> None:
+        """kv_cache_usage: the peak, over every KV cache this engine allocated, of the token
+        positions it held (rows × positions written: prompt + generated; a left- or right-padding
+        slot is written but holds no request's token, so it is not counted) over the token slots
+        it allocated (rows × static width). Speculative decoding: the target cache's high-water
+        mark (drafts written for verification count, rejected or not); the draft model's own
+        cache (as wide as the target's, one per request) counts as one more cache."""
+        usage = tokens_held / token_slots
+        self.peak_kv_usage = usage if self.peak_kv_usage is None else max(self.peak_kv_usage, usage)
+
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
@@ -199,6 +210,7 @@ class ReferenceEngine:
             h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
             if isinstance(cache, KVCache):
                 self._track(cache)
+                self._track_usage(sum(len(jobs[j][1]) for j in idx), cache.token_slots)
             for row, j in enumerate(idx):
                 _, inp, n, tgt = jobs[j]
                 # lm_head only on this window's scored positions (no padding), one window at a
@@ -228,6 +240,8 @@ class ReferenceEngine:
         mask = torch.ones(len(ids), len(ids), dtype=torch.bool, device=self.device).tril()[None, None]
         cache = self.new_cache(1, len(ids)) if self.kv.lossy else NoCache()
         h = self.model(x, slots[None], slots, cache, mask, hidden=True)
+        if isinstance(cache, KVCache):
+            self._track_usage(len(ids), cache.token_slots)
         logits = self.model.lm_head(h[0, :-1]).float()
         picked = logits.gather(-1, x[0, 1:, None]).squeeze(-1)
         return (picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist()
@@ -287,6 +301,8 @@ class ReferenceEngine:
             logits = decoder.step(nxt_dev)
         self.decode_graphs = decoder.graphs_reason
         self._track(decoder.cache)
+        # every row: its prompt (no padding), then one slot per decode step (the last token picked is never written)
+        self._track_usage(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache.token_slots)
         return [
             GenerationResult(
                 request_id=r.request_id,
@@ -314,14 +330,17 @@ class ReferenceEngine:
         eos = self.tokenizer.eos_token_id
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         counters = SpecCounters()
+        held = 0  # the target cache's high-water mark: slots written so far
         t0 = time.perf_counter()
 
         def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
+            nonlocal held
             # the verify pass reads the whole static cache (a mask as wide as it), so its shapes
             # depend only on how many tokens it checks; the unpadded lossless prefill needs no mask
             slots = torch.arange(start, start + len(tokens), device=self.device)
             ids = torch.tensor([tokens], device=self.device)
             mask = None if start == 0 and not self.kv.lossy else causal_mask(slots, total)
+            held = max(held, start + len(tokens))
             return self.model(ids, slots[None], slots, cache, mask)[0].float()
 
         first = self._pick(forward(prompt, 0)[-1], req, gen)
@@ -365,6 +384,9 @@ class ReferenceEngine:
                 step = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k)))
                         if drafts else None)
                 on_tokens(req.request_id, new, step)
+        self._track_usage(held, cache.token_slots)
+        if isinstance(self.proposer, DraftModelProposer):
+            self._track_usage(self.proposer.held, self.proposer.cache.token_slots)
         return GenerationResult(
             request_id=req.request_id,
             text=cast(str, self.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
@@ -414,5 +436,6 @@ class ReferenceEngine:
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}"),
             resident_weight_bytes=int(resident),
             peak_kv_cache_bytes=int(self.peak_kv_bytes),
+            kv_cache_usage=self.peak_kv_usage,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )

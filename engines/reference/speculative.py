@@ -84,11 +84,13 @@ class DraftModelProposer:
         self.cache: KVCache = self.new_cache(total_slots)
         self.valid = 0  # leading tokens of the sequence whose K/V the draft cache holds
         self.slots_total = total_slots
+        self.held = 0  # high-water mark: slots written so far (stale drafts included)
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         dev = self.cache.k.device
         slots = torch.arange(start, start + len(tokens), device=dev)
         ids = torch.tensor([tokens], device=dev)
+        self.held = max(self.held, start + len(tokens))
         logits = self.model(ids, slots[None], slots, self.cache, causal_mask(slots, self.slots_total), last_only=True)
         return logits[0, -1].float()
 
