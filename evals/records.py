@@ -1,6 +1,7 @@
 """Typed sample records: what an engine or a scorer produced for one sample, as stored in the
 sample_results table (one row per run × config × sample × record kind, `metric` naming the kind).
 
+Plain dataclasses with no numpy or torch, so the API (app/) reads the same records it serves.
 Each record is the one writer and the one reader of its row: `to_row()` gives
 {"sample_key", "metric", "value", "extra"}, `from_row(sample_key, value, extra)` reads one back,
 and `read_row` picks the record by the row's kind. Nothing else reads a row's `extra` JSON by key.
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from engines.protocol import GenerationResult, RollingResult, SpecStats
-from evals.perplexity import DocNLL
 
 
 def _spec_from(extra: Mapping[str, Any] | None) -> SpecStats | None:
@@ -68,9 +68,6 @@ class DocRecord:
         nll = float(value) if value is not None else float("nan")
         return cls(sample_key, nll, int(e["n_tokens"]), int(e["n_words"]), int(e["n_bytes"]),
                    int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()))
-
-    def doc_nll(self) -> DocNLL:
-        return DocNLL(self.sample_key, self.nll, self.n_tokens, self.n_words, self.n_bytes, self.cluster)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
 from evals import compare
 from evals.metrics import METRICS, RUN_VERDICT, worst_verdict
+from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunRecords
 from evals.stats import Comparison, Thresholds
 
@@ -42,8 +43,7 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
     is_base = config_id == base_id
     out: list[Comparison] = []
     if not is_base:
-        out.append(compare.ppl_ratio([d.doc_nll() for d in base.docs.values()], [d.doc_nll() for d in mine.docs.values()],
-                                     thresholds(config_id, "ppl_ratio"), seed=seed))
+        out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"), seed=seed))
     gens = [g for g in mine.generations.values() if g.ttft_ms is not None]
     if gens:
         out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],
@@ -173,6 +173,10 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
         dispatcher.send(NOTIFY)
     if alerts["escalate"] and get_settings().escalation:
         escalate(session_scope, run_id, alerts["escalate"], dispatcher)
+
+
+def _doc_nlls(records: ConfigRecords) -> list[DocNLL]:
+    return [DocNLL(d.sample_key, d.nll, d.n_tokens, d.n_words, d.n_bytes, d.cluster) for d in records.docs.values()]
 
 
 def _informational(row: dict) -> bool:

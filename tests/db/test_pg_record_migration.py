@@ -59,7 +59,7 @@ def test_generation_rows_move_to_their_own_kind_and_back(make_database):
         assert gen.spec.accepted_per_position == (2, 1, 0, 0) and gen.spec_scope == "request"
         assert gen.to_row()["extra"] == OLD_GENERATION  # the record writes the layout it reads
         doc = read_row("nll", "d0", *after[("d0", "nll")])
-        assert isinstance(doc, DocRecord) and doc.to_row()["extra"] == OLD_DOC and doc.doc_nll().n_tokens == 10
+        assert isinstance(doc, DocRecord) and doc.to_row()["extra"] == OLD_DOC and doc.n_tokens == 10
 
         downgrade(url, "0001")
         assert _rows(engine) == before
