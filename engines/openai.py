@@ -31,6 +31,7 @@ from engines.protocol import (
     GenerationResult,
     RollingRequest,
     RollingResult,
+    ServerStats,
     SpecStats,
     strided_windows,
 )
@@ -54,8 +55,8 @@ def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
     out = {}
     for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
 
 
@@ -107,7 +108,7 @@ class OpenAIEngine:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         # the key goes to the server's own origin only, never to a metrics_url elsewhere
         self.metrics_headers = self.headers if _origin(self.metrics_url) == _origin(self.base_url) else {}
-        self.server_stats: dict = {}
+        self._server_stats: ServerStats | None = None  # over the last generate call
         self.max_model_len = self._check_model()
 
     # -- checks ------------------------------------------------------------------------------------
@@ -118,15 +119,15 @@ class OpenAIEngine:
     def _check_model(self) -> int | None:
         url = f"{self.base_url}/models"
         try:
-            with self._client() as c:
-                r = c.get(url)
+            with self._client() as client:
+                response = client.get(url)
         except httpx.HTTPError as e:
             raise EndpointError(f"engine_options.base_url: {redact_url(url)} is unreachable "
                                 f"({type(e).__name__}: {str(e).replace(self.base_url, self.shown)})") from e
         try:
-            served = {m["id"]: m for m in r.json()["data"]}
+            served = {model["id"]: model for model in response.json()["data"]}
         except (ValueError, KeyError, TypeError) as e:
-            raise EndpointError(f"engine_options.base_url: {redact_url(url)} answered HTTP {r.status_code} "
+            raise EndpointError(f"engine_options.base_url: {redact_url(url)} answered HTTP {response.status_code} "
                                 f"without an OpenAI model list; is this an OpenAI-compatible server "
                                 f"(base_url usually ends in /v1)?") from e
         if self.model not in served:
@@ -137,9 +138,9 @@ class OpenAIEngine:
     # -- perplexity --------------------------------------------------------------------------------
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         out = []
-        with self._client() as c:
+        with self._client() as client:
             for req in requests:
-                seq = self._tokenize(c, req.text)  # [BOS] + the document's tokens
+                seq = self._tokenize(client, req.text)  # [BOS] + the document's tokens
                 ids = seq[1:]
                 if not ids:
                     raise ValueError(f"document '{req.doc_id}' has no tokens")
@@ -147,33 +148,35 @@ class OpenAIEngine:
                 for begin, end, n in strided_windows(len(ids), req.window):
                     # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
                     # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
-                    token_lps = self._echo(c, seq[begin : end + 1], req.doc_id)
+                    token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
                     logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
                 out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
                                          len(req.text.encode("utf-8")), len(req.text.split())))
         return out
 
-    def _tokenize(self, c: httpx.Client, text: str) -> list[int]:
-        r = c.post(f"{self.root}/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": True})
-        if r.status_code == 404:
+    def _tokenize(self, client: httpx.Client, text: str) -> list[int]:
+        response = client.post(f"{self.root}/tokenize",
+                               json={"model": self.model, "prompt": text, "add_special_tokens": True})
+        if response.status_code == 404:
             raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
                                 f"OpenAI-compatible server needs the server's tokenizer "
                                 f"(vLLM and engine-serve expose /tokenize)")
-        if r.is_error:
-            raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {r.status_code}: {_message(r)}")
-        return list(r.json()["tokens"])
+        if response.is_error:
+            raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {response.status_code}: {_message(response)}")
+        return list(response.json()["tokens"])
 
-    def _echo(self, c: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
         body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0,
                 "temperature": 0}
-        r = c.post(f"{self.base_url}/completions", json=body)
-        if r.status_code == 400 and "max_tokens" in r.text:  # servers that need at least one new token
-            r = c.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
-        if r.status_code >= 400:
+        response = client.post(f"{self.base_url}/completions", json=body)
+        if response.status_code == 400 and "max_tokens" in response.text:  # servers that need at least one new token
+            response = client.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
+        if response.status_code >= 400:
             raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
-                                f"(HTTP {r.status_code}: {_message(r)}); perplexity needs a server that returns them "
-                                f"with echo=true (vLLM does), or drop perplexity from this config's scorers")
-        lps = r.json()["choices"][0].get("logprobs") or {}
+                                f"(HTTP {response.status_code}: {_message(response)}); perplexity needs a server "
+                                f"that returns them with echo=true (vLLM does), or drop perplexity from this "
+                                f"config's scorers")
+        lps = response.json()["choices"][0].get("logprobs") or {}
         token_lps = lps.get("token_logprobs")
         if not token_lps or len(token_lps) < len(prompt_ids):
             raise EndpointError(f"{self.shown}/completions returned no prompt log-probs for document '{doc_id}'; "
@@ -186,15 +189,15 @@ class OpenAIEngine:
 
     async def _generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False,
-                                     transport=self._async_transport() if self._async_transport else None) as c:
-            before = await self._scrape(c)
+                                     transport=self._async_transport() if self._async_transport else None) as client:
+            before = await self._scrape(client)
             sampled: dict[str, list[float]] = {"kv_cache_usage_perc": [], "num_requests_waiting": [],
                                                "num_requests_running": []}
             done = asyncio.Event()
 
             async def sample():  # gauges while requests are in flight
                 while not done.is_set():
-                    snap = await self._scrape(c)
+                    snap = await self._scrape(client)
                     for k in sampled:
                         v = metric_sum(snap, f"vllm:{k}")
                         if v is not None:
@@ -209,30 +212,34 @@ class OpenAIEngine:
 
             async def one(req: GenerationRequest) -> GenerationResult:
                 async with sem:
-                    return await self._stream(c, req)
+                    return await self._stream(client, req)
 
             try:
-                results = await asyncio.gather(*(one(r) for r in requests))
+                results = await asyncio.gather(*(one(request) for request in requests))
             finally:
                 done.set()
                 if sampler:
                     await sampler
-            after = await self._scrape(c)
-        self.server_stats = {
-            "metrics_url": redact_url(self.metrics_url) if before else None,
-            "spec": spec_delta(before, after) if before else None,
-            **{f"max_{k}": (max(v) if v else None) for k, v in sampled.items()},
-        }
+            after = await self._scrape(client)
+        peak = {name: (max(values) if values else None) for name, values in sampled.items()}
+        self._server_stats = ServerStats(metrics_url=redact_url(self.metrics_url) if before else None,
+                                         spec=spec_delta(before, after) if before else None,
+                                         max_kv_cache_usage=peak["kv_cache_usage_perc"],
+                                         max_num_requests_waiting=peak["num_requests_waiting"],
+                                         max_num_requests_running=peak["num_requests_running"])
         return results
 
-    async def _scrape(self, c: httpx.AsyncClient) -> dict:
+    def server_stats(self) -> ServerStats | None:
+        return self._server_stats
+
+    async def _scrape(self, client: httpx.AsyncClient) -> dict:
         try:
-            r = await c.get(self.metrics_url, headers=self.metrics_headers)
-            return parse_metrics(r.text) if r.status_code == 200 else {}
+            response = await client.get(self.metrics_url, headers=self.metrics_headers)
+            return parse_metrics(response.text) if response.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}
 
-    async def _stream(self, c: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
+    async def _stream(self, client: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
                 "temperature": req.temperature, "seed": req.seed, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -240,12 +247,12 @@ class OpenAIEngine:
         stamps: list[float] = []
         usage: dict = {}
         t0 = time.perf_counter()
-        async with c.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as r:
-            if r.status_code >= 400:
-                await r.aread()
-                raise EndpointError(f"{self.shown}/completions: HTTP {r.status_code} "
-                                    f"for request '{req.request_id}': {_message(r)}")
-            async for line in r.aiter_lines():
+        async with client.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise EndpointError(f"{self.shown}/completions: HTTP {response.status_code} "
+                                    f"for request '{req.request_id}': {_message(response)}")
+            async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -275,9 +282,10 @@ class OpenAIEngine:
         )
 
     def describe(self) -> EngineDescription:
-        s = self.spec
+        spec = self.spec
         return EngineDescription(
-            engine="openai", model=self.model, weights=s.weights, kv_cache=s.kv_cache, speculative=s.speculative.method,
+            engine="openai", model=self.model, weights=spec.weights, kv_cache=spec.kv_cache,
+            speculative=spec.speculative.method,
             device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
             versions={"httpx": httpx.__version__},
             notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
@@ -302,8 +310,8 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def _message(r: httpx.Response) -> str:
+def _message(response: httpx.Response) -> str:
     try:
-        return str(r.json()["error"]["message"])
+        return str(response.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return r.text[:200]
+        return response.text[:200]

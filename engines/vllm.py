@@ -25,6 +25,7 @@ from engines.protocol import (
     GenerationResult,
     RollingRequest,
     RollingResult,
+    ServerStats,
     SpecStats,
     strided_windows,
 )
@@ -61,10 +62,10 @@ def vllm_args(model: str, spec: OptimizationSpec) -> dict:
 def spec_counters(metrics) -> dict[str, float]:
     """Sum vLLM's spec-decode counters from llm.get_metrics() (objects with .name, .value)."""
     out: dict[str, float] = {}
-    for m in metrics:
-        name = m.name.removesuffix("_total")
-        if name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
-            out[name] = out.get(name, 0.0) + float(m.value)
+    for metric in metrics:
+        name = metric.name.removesuffix("_total")
+        if name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            out[name] = out.get(name, 0.0) + float(metric.value)
     return out
 
 
@@ -81,6 +82,7 @@ class VLLMEngine:
         self.model_path = model_path
         self.llm = LLM(**vllm_args(model_path, spec))
         self.tokenizer = self.llm.get_tokenizer()
+        self._server_stats: ServerStats | None = None  # over the last generate call
 
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         from vllm import SamplingParams, TokensPrompt
@@ -104,27 +106,35 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         before = spec_counters(self.llm.get_metrics())
-        params = [SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed) for r in requests]
-        outs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+        params = [SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature, seed=request.seed)
+                  for request in requests]
+        outputs = self.llm.generate([request.prompt for request in requests], params, use_tqdm=False)
         after = spec_counters(self.llm.get_metrics())
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        self.server_stats = {"spec": SpecStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),
-                                               int(delta.get("vllm:spec_decode_num_draft_tokens", 0)),
-                                               int(delta.get("vllm:spec_decode_num_accepted_tokens", 0)))
-                             if delta.get("vllm:spec_decode_num_draft_tokens") else None}
+        spec = (SpecStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),
+                          int(delta.get("vllm:spec_decode_num_draft_tokens", 0)),
+                          int(delta.get("vllm:spec_decode_num_accepted_tokens", 0)))
+                if delta.get("vllm:spec_decode_num_draft_tokens") else None)
+        self._server_stats = ServerStats(spec=spec)
         results = []
-        for r, o in zip(requests, outs, strict=True):
-            m, c = o.metrics, o.outputs[0]
-            ttft = (m.first_token_latency or 0.0) * 1000 if m is not None and hasattr(m, "first_token_latency") else 0.0
-            results.append(GenerationResult(r.request_id, c.text, tuple(c.token_ids), len(o.prompt_token_ids),
+        for request, output in zip(requests, outputs, strict=True):
+            metrics, completion = output.metrics, output.outputs[0]
+            ttft = ((metrics.first_token_latency or 0.0) * 1000
+                    if metrics is not None and hasattr(metrics, "first_token_latency") else 0.0)
+            results.append(GenerationResult(request.request_id, completion.text, tuple(completion.token_ids),
+                                            len(output.prompt_token_ids),
                                             ttft, (), ttft))
         return results
+
+    def server_stats(self) -> ServerStats | None:
+        """The in-process engine's spec-decode counter deltas over the last generate call."""
+        return self._server_stats
 
     def describe(self) -> EngineDescription:
         import vllm
 
-        s = self.spec
-        return EngineDescription(engine="vllm", model=self.model_path, weights=s.weights, kv_cache=s.kv_cache,
-                                 speculative=s.speculative.method, device="cuda", compute_dtype=DTYPE[s.weights],
+        spec = self.spec
+        return EngineDescription(engine="vllm", model=self.model_path, weights=spec.weights, kv_cache=spec.kv_cache,
+                                 speculative=spec.speculative.method, device="cuda", compute_dtype=DTYPE[spec.weights],
                                  parameters=0, weight_bytes=0, kv_bytes_per_token=0,
                                  versions={"vllm": vllm.__version__})

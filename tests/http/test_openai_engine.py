@@ -53,8 +53,8 @@ def test_streaming_generation_and_ttft_against_the_servers_own_record(engine_ser
     gen_tokens = metric_sum(after, "vllm:generation_tokens_total") - (metric_sum(before, "vllm:generation_tokens_total") or 0)
     assert gen_tokens == sum(g.n_tokens for g in got)
     # gauges are sampled every 0.1 s while requests are in flight (short requests may slip between)
-    assert engine.server_stats["metrics_url"] == engine_serve + "/metrics"
-    assert engine.server_stats["max_num_requests_running"] in (0.0, 1.0)  # one engine thread: never more than one
+    assert engine.server_stats().metrics_url == engine_serve + "/metrics"
+    assert engine.server_stats().max_num_requests_running in (0.0, 1.0)  # one engine thread: never more than one
 
 
 def test_acceptance_rate_from_counter_deltas_matches_the_engine(engine_serve_ngram):
@@ -63,7 +63,7 @@ def test_acceptance_rate_from_counter_deltas_matches_the_engine(engine_serve_ngr
             GenerationRequest("b", "json.dumps(obj)\n\nSerialize obj. json.dumps(obj)\n\nSerialize", max_new_tokens=24)]
     remote = OpenAIEngine("pydoc-ngram", openai_spec(engine_serve_ngram))
     remote.generate(reqs)
-    delta = remote.server_stats["spec"]
+    delta = remote.server_stats().spec
     local = ReferenceEngine(TARGET, spec).generate(reqs)
     want = [sum(r.spec.__getattribute__(k) for r in local) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
     assert [delta.num_drafts, delta.num_draft_tokens, delta.num_accepted_tokens] == want
