@@ -342,7 +342,7 @@ def _gate_out(g: dict, summary_md, as_json: bool) -> None:
 def engine_serve(ctx: typer.Context) -> None:
     """Serve the reference engine behind an OpenAI-compatible API with vLLM metric names
     (options: --model, --served-model-name, --weights, --kv-cache, --speculative, --port; see --help)."""
-    cmd = [sys.executable, "-m", "workers.engine_serve", *ctx.args]
+    cmd = [sys.executable, "-m", "workers.engine_server", *ctx.args]
     os.execvp(cmd[0], cmd)
 
 

@@ -1,0 +1,3 @@
+from workers.engine_server.app import main
+
+main()

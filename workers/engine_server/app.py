@@ -1,0 +1,72 @@
+"""The app factory and the `canary engine-serve` command line (options: --help)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from workers.engine_server.engine_thread import EngineServer
+from workers.engine_server.errors import error, param_of
+from workers.engine_server.routes import router
+
+
+def build_app(server: EngineServer) -> FastAPI:
+    app = FastAPI(title="canary engine-serve", version="1")
+    app.state.engine_server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return error(400, f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', 'decode error')} "
+                              f"at position {first['loc'][-1]})")
+        param = param_of(first.get("loc", ()))
+        if param is None:  # no body, or not an object: a list, a string, a form
+            return error(400, "the body must be a JSON object (Content-Type: application/json)")
+        msg = "; ".join(f"{param_of(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errs[:5])
+        return error(400, msg, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code,
+                                                                                              "HTTPError")
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)  # a bug answers JSON, never a dropped connection
+    async def crashed(_request: Request, exc: Exception) -> JSONResponse:
+        return error(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+
+    app.include_router(router)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from engines.registry import load_engine
+    from engines.spec import OptimizationSpec
+    from engines.zoo import resolve_model_path
+
+    ap = argparse.ArgumentParser(prog="canary engine-serve",
+                                 description="the reference engine behind an OpenAI-compatible API")
+    ap.add_argument("--model", default="builtin:pydoc-target", help="builtin:<zoo name> or an HF directory")
+    ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model value)")
+    ap.add_argument("--weights", default="fp32")
+    ap.add_argument("--kv-cache", default="auto")
+    ap.add_argument("--speculative", default="off", help='"off" or a JSON object, e.g. {"method": "ngram", "k": 4}')
+    ap.add_argument("--no-prompt-logprobs", action="store_true",
+                    help="refuse echo=true (like servers without prompt log-probs)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8100)
+    args = ap.parse_args(argv)
+    speculative = {"method": "off"} if args.speculative == "off" else json.loads(args.speculative)
+    spec = OptimizationSpec(engine="reference", weights=args.weights, kv_cache=args.kv_cache, speculative=speculative)
+    engine = load_engine(str(resolve_model_path(args.model)), spec)
+    server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")

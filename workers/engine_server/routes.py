@@ -1,0 +1,213 @@
+"""The OpenAI-compatible routes. Each reads the EngineServer from the app (ServerDep); every
+refusal is a response in vLLM's error shape (errors.py), never an exception."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engines.protocol import GenerationRequest
+from workers.engine_server.engine_thread import EngineServer, Job
+from workers.engine_server.errors import error
+from workers.engine_server.schemas import ChatIn, CompletionIn, SamplingIn, TokenizeIn
+
+
+def get_server(request: Request) -> EngineServer:
+    return request.app.state.engine_server
+
+
+ServerDep = Annotated[EngineServer, Depends(get_server)]
+router = APIRouter()
+
+
+@router.get("/health")
+def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/v1/models")
+def models(server: ServerDep) -> dict:
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "inference-canary",
+                                        "max_model_len": server.max_model_len}]}
+
+
+@router.get("/metrics")
+def metrics(server: ServerDep) -> Response:
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeIn, server: ServerDep):
+    if (bad := check_model(server, body.model, required=False)) is not None:
+        return bad
+    ids = server.engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+    if body.add_special_tokens:
+        ids = [server.engine.start_id] + ids
+    return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionIn, server: ServerDep):
+    if (bad := check_model(server, body.model)) is not None:
+        return bad
+    if body.echo:
+        return await echo_logprobs(server, body)
+    if not isinstance(body.prompt, str):
+        return error(400, "prompt must be a string (token-id prompts are accepted with echo=true)", param="prompt")
+    if body.logprobs is not None:
+        return error(400, "logprobs of generated tokens are not supported by this server yet (prompt log-probs are: "
+                          "echo=true, max_tokens 0)", param="logprobs")
+    request = generation_request(server, body, body.prompt, body.max_tokens, "prompt")
+    if isinstance(request, JSONResponse):
+        return request
+    return await respond(server, server.submit(request), body, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatIn, server: ServerDep):
+    if (bad := check_model(server, body.model)) is not None:
+        return bad
+    # the tiny zoo has no chat template: a plain transcript
+    prompt = "".join(f"{message.role}: {message.text()}\n" for message in body.messages) + "assistant:"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request = generation_request(server, body, prompt, max_tokens, "messages")
+    if isinstance(request, JSONResponse):
+        return request
+    return await respond(server, server.submit(request), body, chat=True)
+
+
+def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
+    if (model is not None or required) and model != server.model_name:
+        return error(404, f"The model `{model}` does not exist. This server serves `{server.model_name}`.",
+                     "NotFoundError", "model")
+    return None
+
+
+def too_long(server: EngineServer, n_prompt: int, max_tokens: int, param: str) -> JSONResponse | None:
+    ctx, spec_extra = server.max_model_len, server.speculative_extra_tokens
+    if n_prompt + max_tokens + spec_extra > ctx:
+        extra = f" (+{spec_extra} for speculative decoding)" if spec_extra else ""
+        return error(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                          f"{n_prompt + max_tokens + spec_extra} tokens ({n_prompt} in the prompt, {max_tokens} in the "
+                          f"completion{extra}). Please reduce the length of the prompt or the completion.", param=param)
+    return None
+
+
+def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_tokens: int | None,
+                       param: str) -> GenerationRequest | JSONResponse:
+    if (bad := body.unsupported()) is not None:
+        return error(400, bad[1], param=bad[0])
+    max_tokens = 16 if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        return error(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if (bad := too_long(server, server.n_prompt_tokens(prompt), max_tokens, param)) is not None:
+        return bad
+    temperature = 1.0 if body.temperature is None else body.temperature
+    return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63))
+
+
+async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:
+    """Prompt log-probs (echo=true, max_tokens 0 or 1): [None, lp(token 1), …] over the prompt."""
+    if not server.prompt_logprobs:
+        return error(400, "echo with logprobs is not supported by this server", param="echo")
+    if body.max_tokens not in (0, 1) or body.logprobs is None or body.stream:
+        return error(400, "echo=true is served for prompt log-probs only: logprobs ≥ 0, max_tokens 0 or 1, no stream",
+                     param="echo")
+    if (bad := body.unsupported()) is not None:
+        return error(400, bad[1], param=bad[0])
+    prompt, ctx, vocab = body.prompt, server.max_model_len, server.vocab_size
+    if isinstance(prompt, str):
+        ids = [server.engine.start_id] + server.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        ids = prompt
+        bad_ids = [i for i in ids if not 0 <= i < vocab]
+        if bad_ids:
+            return error(400, f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0 to {vocab - 1})",
+                         param="prompt")
+    if len(ids) > ctx:
+        return error(400, f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                          f"{len(ids)} tokens. Please reduce the length of the prompt.", param="prompt")
+    job = server.submit(None, prompt_ids=ids)
+    kind, payload = await job.events.get()
+    if kind == "invalid":
+        return error(400, payload, param="prompt")
+    if kind == "error":
+        return error(500, payload, "InternalServerError")
+    lps, _ = payload
+    tokens = server.token_strings(ids)
+    offsets, pos = [], 0
+    for token in tokens:
+        offsets.append(pos)
+        pos += len(token)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name,
+            "choices": [{"index": 0, "text": "".join(tokens), "finish_reason": "length",
+                         "logprobs": {"tokens": tokens, "token_logprobs": [None] + lps, "text_offset": offsets,
+                                      "top_logprobs": None}}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+
+
+async def respond(server: EngineServer, job: Job, body: SamplingIn, chat: bool):
+    """The generation as one response, or as server-sent events with `stream`."""
+    name = server.model_name
+    rid = ("chatcmpl-" if chat else "cmpl-") + job.request.request_id
+    obj = "chat.completion" if chat else "text_completion"
+    eos_id = server.engine.tokenizer.eos_token_id
+
+    def choice(text: str, finish: str | None, delta: bool) -> dict:
+        if chat:
+            return {"index": 0, ("delta" if delta else "message"): {"role": "assistant", "content": text},
+                    "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def usage(result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
+                "total_tokens": result.prompt_tokens + len(result.token_ids)}
+
+    if body.stream:
+        # the first event decides the status: a refusal before any token is still a 400
+        first = await job.events.get()
+        if first[0] in ("invalid", "error"):
+            return (error(400, first[1], param="prompt") if first[0] == "invalid"
+                    else error(500, first[1], "InternalServerError"))
+
+        async def events():
+            event = first
+            while True:
+                kind, payload = event
+                if kind == "tokens":
+                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name,
+                             "choices": [choice(server.decode(payload), None, True)]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                elif kind == "done":
+                    finish = "stop" if payload.token_ids and payload.token_ids[-1] == eos_id else "length"
+                    final = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name,
+                             "choices": [choice("", finish, True)], "usage": usage(payload)}
+                    yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
+                    return
+                else:
+                    code = 400 if kind == "invalid" else 500
+                    kind_name = "BadRequestError" if code == 400 else "InternalServerError"
+                    failure = {"error": {"message": payload, "type": kind_name, "param": None, "code": code}}
+                    yield f"data: {json.dumps(failure)}\n\n"
+                    return
+                event = await job.events.get()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    while True:
+        kind, payload = await job.events.get()
+        if kind == "done":
+            break
+        if kind == "invalid":
+            return error(400, payload, param="prompt")
+        if kind == "error":
+            return error(500, payload, "InternalServerError")
+    finish = "stop" if payload.token_ids and payload.token_ids[-1] == eos_id else "length"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": name,
+            "choices": [choice(payload.text, finish, False)], "usage": usage(payload)}
