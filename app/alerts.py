@@ -33,28 +33,29 @@ def _latest(session: Session, project_id: int, fp: str) -> Alert | None:
 def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dict[str, list]:
     """Returns {"notifications": [ids], "escalate": [(alert_id, config_name)]}."""
     now = aware(now or utcnow())
-    names = {cr.config_id: cr.config.name for cr in run.config_runs}
+    names = {config_run.config_id: config_run.config.name for config_run in run.config_runs}
     model = run.config_runs[0].config.model if run.config_runs else None
     project_name = repo.project_name(session, run.project_id)
     baseline = names.get(run.baseline_config_id, "baseline")
     channels = list(session.scalars(select(Channel).where(Channel.project_id == run.project_id, Channel.enabled.is_(True))))
-    silences = [SilenceRule(tuple(s.matchers), aware(s.starts_at), aware(s.ends_at))
-                for s in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
-    comps = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
+    silences = [SilenceRule(tuple(silence.matchers), aware(silence.starts_at), aware(silence.ends_at))
+                for silence in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
+    comparisons = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
+    rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
     touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
-    for c in comps:
-        if c.config_id == run.baseline_config_id or (c.details or {}).get("informational"):
+    for comparison in comparisons:
+        if comparison.config_id == run.baseline_config_id or (comparison.details or {}).get("informational"):
             continue
-        rule = repo.threshold_for(session, run.project_id, c.metric, run.model_id, c.config_id)
+        rule = repo.most_specific_rule(rules, comparison.metric, comparison.config_id)
         if rule is None or not rule.enabled:
             continue
         for severity in ("warn", "critical") if rule.critical is not None else ("warn",):
-            labels = {"project": project_name, "model": model.name if model else "", "config": names[c.config_id],
-                      "metric": c.metric, "severity": severity}
+            labels = {"project": project_name, "model": model.name if model else "", "config": names[comparison.config_id],
+                      "metric": comparison.metric, "severity": severity}
             fp = fingerprint(labels)
             row = _latest(session, run.project_id, fp)
             prev = _state(row, labels)
-            new, transition = evaluate(prev, c.verdict, c.estimate, rule.for_runs, now)
+            new, transition = evaluate(prev, comparison.verdict, comparison.estimate, rule.for_runs, now)
             if transition in ("pending", "firing") and (row is None or row.state in ("resolved", "inactive")):
                 row = Alert(project_id=run.project_id, rule_id=rule.id, fingerprint=fp, labels=labels, state=new.state,
                             severity=severity, started_at=new.started_at)
@@ -63,29 +64,32 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                 continue  # a resolved or inactive episode keeps the run and annotations it ended with
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
-            row.annotations = {"rule": c.rule, "ci": f"[{c.ci_low}, {c.ci_high}]", "n": str(c.n)}
-            touched.append((row, new, transition, c))
+            row.annotations = {"rule": comparison.rule, "ci": f"[{comparison.ci_low}, {comparison.ci_high}]",
+                               "n": str(comparison.n)}
+            touched.append((row, new, transition, comparison))
     session.flush()
     firing = [st for _, st, _, _ in touched if st.state == "firing"]
     notification_ids, escalate = [], []
     settings = get_settings()
-    for row, st, transition, c in touched:
-        for ch in channels:
-            kind = should_notify(st, transition, now, send_resolved=(ch.settings or {}).get("send_resolved", True),
+    for row, st, transition, comparison in touched:
+        for channel in channels:
+            kind = should_notify(st, transition, now, send_resolved=(channel.settings or {}).get("send_resolved", True),
                                  silences=silences, others=firing)
             if kind is None:
                 continue
-            key = idempotency_key(ch.id, st, kind, now)
+            key = idempotency_key(channel.id, st, kind, now)
             if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is not None:
                 continue
-            msg = AlertMessage(status=kind, labels=dict(st.labels), fingerprint=st.fingerprint, estimate=c.estimate, ci_low=c.ci_low,
-                               ci_high=c.ci_high, n=c.n, baseline=baseline, baseline_value=c.baseline_value,
-                               candidate_value=c.candidate_value, rule=c.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
+            msg = AlertMessage(status=kind, labels=dict(st.labels), fingerprint=st.fingerprint, estimate=comparison.estimate,
+                               ci_low=comparison.ci_low, ci_high=comparison.ci_high, n=comparison.n, baseline=baseline,
+                               baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
+                               rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
                                starts_at=st.fired_at or st.started_at or now, ends_at=st.resolved_at if kind == "resolved" else None)
-            n = Notification(channel_id=ch.id, alert_id=row.id, idempotency_key=key, payload=build(ch.kind, msg), status="pending")
-            session.add(n)
+            notification = Notification(channel_id=channel.id, alert_id=row.id, idempotency_key=key,
+                                        payload=build(channel.kind, msg), status="pending")
+            session.add(notification)
             session.flush()
-            notification_ids.append(n.id)
+            notification_ids.append(notification.id)
             row.last_notified_at = now
         if transition == "firing" and row.escalation_run_id is None and run.trigger != "alert":
             escalate.append((row.id, st.labels["config"]))
@@ -98,21 +102,21 @@ def escalate(session_factory, run_id: int, escalations: list[tuple[int, str]], d
     from app.services import start_run
 
     started = []
-    with session_factory() as s:
-        run = s.get(Run, run_id)
-        suite = s.get(Suite, run.suite_id)
-        project = repo.project_name(s, run.project_id)
-        full = len(repo.suite_samples(s, suite.id, run.suite_version))
+    with session_factory() as session:
+        run = session.get(Run, run_id)
+        suite = session.get(Suite, run.suite_id)
+        project = repo.project_name(session, run.project_id)
+        full = len(repo.suite_samples(session, suite.id, run.suite_version))
         suite_name = suite.name
     for alert_id, config in escalations:
-        with session_factory() as s:
-            if s.get(Alert, alert_id).escalation_run_id is not None:
+        with session_factory() as session:
+            if session.get(Alert, alert_id).escalation_run_id is not None:
                 continue
         new_run, _ = start_run(project, suite_name, [config], dispatcher,
                                samples=min(full, get_settings().max_samples_per_run), trigger="alert",
                                idempotency_key=f"escalation-{alert_id}")
-        with session_factory() as s:
-            s.get(Alert, alert_id).escalation_run_id = new_run
+        with session_factory() as session:
+            session.get(Alert, alert_id).escalation_run_id = new_run
         started.append(new_run)
     return started
 
