@@ -45,25 +45,25 @@ class CanaryCollector(Collector):
         return q if self.project_id is None else q.where(project_column == self.project_id)
 
     def collect(self):
-        with self.session_factory() as s:
-            yield from self._service(s)
-            yield from self._canary(s)
+        with self.session_factory() as session:
+            yield from self._service(session)
+            yield from self._canary(session)
 
-    def _service(self, s):
+    def _service(self, session):
         runs = GaugeMetricFamily("canary_runs", "Runs by status", labels=["project", "status"])
-        for project, status, n in s.execute(self._mine(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id),
+        for project, status, n in session.execute(self._mine(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id),
                                                        Run.project_id).group_by(Project.name, Run.status)):
             runs.add_metric([project, status], n)
         yield runs
         for status in ("queued", "running"):
-            n = s.scalar(self._mine(select(func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
+            n = session.scalar(self._mine(select(func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
                                     .where(ConfigRun.status == status), Run.project_id)) or 0
             yield GaugeMetricFamily(f"canary_config_runs_{status}", f"Config-runs {status}", value=n)
-        pending = s.scalar(self._mine(select(func.count()).select_from(Notification).join(Channel, Channel.id == Notification.channel_id)
+        pending = session.scalar(self._mine(select(func.count()).select_from(Notification).join(Channel, Channel.id == Notification.channel_id)
                                       .where(Notification.status == "pending"), Channel.project_id)) or 0
         yield GaugeMetricFamily("canary_notifications_pending", "Notifications waiting in the outbox", value=pending)
         since = utcnow() - timedelta(hours=24)
-        durations = [(f - st).total_seconds() for st, f in s.execute(self._mine(
+        durations = [(f - st).total_seconds() for st, f in session.execute(self._mine(
             select(ConfigRun.started_at, ConfigRun.finished_at).join(Run, Run.id == ConfigRun.run_id)
             .where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)), Run.project_id))]
         # a window, not a counter: exported as quantile gauges (a histogram whose counts shrink as
@@ -76,17 +76,17 @@ class CanaryCollector(Collector):
         yield q
         yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h", value=len(durations))
         firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
-        for project, sev, n in s.execute(self._mine(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
+        for project, sev, n in session.execute(self._mine(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
                                                     .where(Alert.state == "firing"), Alert.project_id).group_by(Project.name, Alert.severity)):
             firing.add_metric([project, sev], n)
         yield firing
 
-    def _canary(self, s):
+    def _canary(self, session):
         # each config's latest finished (done) run that included it
         latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
                   .join(Run, Run.id == ConfigRun.run_id).where(Run.status == "done", ConfigRun.status == "succeeded")
                   .group_by(ConfigRun.config_id).subquery())
-        rows = s.execute(self._mine(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
+        rows = session.execute(self._mine(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
                                     .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
                                     .join(Model, Model.id == OptimizationConfig.model_id)
                                     .join(Project, Project.id == Model.project_id), Project.id)).all()
@@ -102,20 +102,21 @@ class CanaryCollector(Collector):
         for config_id, run_id, config, model, project in rows:
             by_run.setdefault(run_id, []).append((config_id, config, model, project))
         for run_id, configs in by_run.items():
-            comps = {(c.config_id, c.metric): c for c in s.scalars(select(Comparison).where(Comparison.run_id == run_id))}
-            figures = {cr.config_id: cr.figures or {} for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))}
+            comps = {(row.config_id, row.metric): row for row in session.scalars(select(Comparison).where(Comparison.run_id == run_id))}
+            figures = {config_run.config_id: config_run.figures or {}
+                       for config_run in session.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))}
             for config_id, config, model, project in configs:
                 labels = [project, model, config]
                 for m in COMPARISON_GAUGES:
-                    c = comps.get((config_id, m))
-                    if c is not None and c.estimate is not None:
-                        gauges[m].add_metric(labels, c.estimate)
-                        if c.ci_low is not None:
-                            bounds[(m, "low")].add_metric(labels, c.ci_low)
-                            bounds[(m, "high")].add_metric(labels, c.ci_high)
-                for (cid, metric), c in comps.items():
-                    if cid == config_id:
-                        verdict.add_metric(labels + [metric], VERDICT_ORDER.get(c.verdict, 1))
+                    comparison = comps.get((config_id, m))
+                    if comparison is not None and comparison.estimate is not None:
+                        gauges[m].add_metric(labels, comparison.estimate)
+                        if comparison.ci_low is not None:
+                            bounds[(m, "low")].add_metric(labels, comparison.ci_low)
+                            bounds[(m, "high")].add_metric(labels, comparison.ci_high)
+                for (compared_config, metric), comparison in comps.items():
+                    if compared_config == config_id:
+                        verdict.add_metric(labels + [metric], VERDICT_ORDER.get(comparison.verdict, 1))
                 f = figures.get(config_id, {})
                 for q, key in (("0.5", "ttft_ms_p50"), ("0.99", "ttft_ms_p99")):
                     if f.get(key) is not None:
