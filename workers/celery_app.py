@@ -1,9 +1,17 @@
 """The Celery app. Reliability settings follow REFERENCE.md §8: late acks, reject on worker
-loss, prefetch 1 for long GPU tasks, JSON only, and visibility_timeout > time limits > job."""
+loss, prefetch 1 for long GPU tasks, JSON only, and visibility_timeout > time limits > job.
+
+CANARY_WORKER_METRICS_PORT=<port>: each worker process serves its task series (workers/base.py)
+at http://<host>:<port>/metrics, or on the next free port of the 32 that follow when another
+process of the node holds it (one process per GPU)."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 from celery import Celery
+from celery.signals import worker_process_init
 
 from app.dispatch import TASK_QUEUES
 from app.settings import get_settings
@@ -38,3 +46,21 @@ celery_app.conf.update(
     beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": settings.reconcile_seconds},
                    "tick-schedules": {"task": "canary.tick_schedules", "schedule": 60.0}},
 )
+
+
+@worker_process_init.connect
+def serve_metrics(**_kwargs) -> None:
+    port = os.environ.get("CANARY_WORKER_METRICS_PORT")
+    if not port:
+        return
+    from prometheus_client import start_http_server
+
+    for candidate in range(int(port), int(port) + 32):
+        try:
+            start_http_server(candidate)
+        except OSError:  # taken by a sibling process
+            continue
+        logging.getLogger(__name__).info("task metrics of process %s on :%s/metrics", os.getpid(), candidate)
+        return
+    logging.getLogger(__name__).warning("CANARY_WORKER_METRICS_PORT=%s: ports %s-%s are all taken; no task metrics",
+                                        port, port, int(port) + 31)

@@ -2,6 +2,7 @@
 over Redis, with results in Postgres."""
 
 import os
+import re
 
 import pytest
 
@@ -42,6 +43,11 @@ def test_run_reaches_verdict_in_the_worker_process(stack, project):
     assert ratio["verdict"] in ("ok", "warn", "critical", "inconclusive")
     # The work ran in the Celery worker, not in the API process.
     assert "canary.execute_config_run" in stack.tail("worker", 400)
+    # time in queue from the enqueue time the API stamped on each message (workers/base.py): one
+    # worker process runs the three config-runs one after the other, so the later ones waited
+    waits = [float(w) for w in re.findall(r"canary\.execute_config_run\[\d+\] started after ([0-9.]+) s in queue",
+                                          stack.tail("worker", 400))]
+    assert len(waits) >= 3 and max(waits) >= 1.0, waits
     assert run["figures"]["int4"]["weight_bytes"] < run["figures"]["fp16"]["weight_bytes"]
 
     page = stack.http.get(f"{P}/runs/{run['run_id']}/samples", params={"config": "int4", "metric": "nll", "limit": 5}).json()
