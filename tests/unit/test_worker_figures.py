@@ -97,3 +97,30 @@ def test_acceptance_comparison_by_hand():
     assert c.verdict == "inconclusive"  # the CI reaches below warn 0.5
     low = acceptance_comparison([10, 10, 10], [2, 2, 2], t)
     assert low.estimate == pytest.approx(0.2) and low.verdict == "critical"
+
+
+def test_a_reference_config_stores_the_engines_peak_kv_cache_usage(sqlite_env):
+    """The in-process engine knows its own KV cache (EngineDescription.kv_cache_usage, tested by
+    hand in the engine's tests); the config-run stores that peak, and no server figures."""
+    from app.dispatch import InlineDispatcher
+    from app.services import start_run
+    from workers.execute import _ENGINES, reset_engine_cache
+
+    cfg = parse_config({
+        "project": "kv", "model": {"name": "m", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "fp32", "baseline": True, "engine": "reference", "weights": "fp32"}],
+        "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 3, "perplexity": {"window": 64},
+                    "generation": {"prompts": 2, "prompt_words": 8, "max_new_tokens": 8}}],
+    })
+    with session_scope() as s:
+        apply_config_file(s, cfg)
+    reset_engine_cache()  # a fresh engine: its peak is this config-run's
+    run_id, _ = start_run("kv", "s", None, InlineDispatcher())
+    (engine,) = _ENGINES.values()
+    with session_scope() as s:
+        (config_run,) = repo.get_run(s, repo.get_project(s, "kv"), run_id).config_runs
+        figures = config_run.figures
+    assert config_run.status == "succeeded", config_run.error
+    assert figures["kv_cache_usage"] == engine.describe().kv_cache_usage
+    assert 0 < figures["kv_cache_usage"] <= 1
+    assert "server" not in figures
