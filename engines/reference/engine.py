@@ -171,14 +171,17 @@ class ReferenceEngine:
         self.peak_kv_bytes = max(self.peak_kv_bytes, cache.nbytes())
         return cache
 
-    def _track_usage(self, tokens_held: int, token_slots: int) -> None:
+    def _track_usage(self, tokens_held: int, cache: KVCache, context: int | None = None) -> None:
         """kv_cache_usage: the peak, over every KV cache this engine allocated, of the token
         positions it held (rows × positions written: prompt + generated; a left- or right-padding
-        slot is written but holds no request's token, so it is not counted) over the token slots
-        it allocated (rows × static width). Speculative decoding: the target cache's high-water
-        mark (drafts written for verification count, rejected or not); the draft model's own
-        cache (as wide as the target's, one per request) counts as one more cache."""
-        usage = tokens_held / token_slots
+        slot is written but holds no request's token, so it is not counted) over what a server
+        would reserve for those rows: each row's full context (the model's max_seq_len), as vLLM
+        sizes a sequence's blocks up to max_model_len. The engine itself allocates just the width a
+        batch needs, so held over allocated would read ~1.0 for every batch and say nothing.
+        Speculative decoding: the target cache's high-water mark (drafts written for verification
+        count, rejected or not); the draft model's own cache counts as one more cache."""
+        rows = cache.k.shape[1]  # k: [L, B, H_kv, S, D]
+        usage = tokens_held / (rows * (context or self.args.max_seq_len))
         self.peak_kv_usage = usage if self.peak_kv_usage is None else max(self.peak_kv_usage, usage)
 
     # -- perplexity --------------------------------------------------------------------------------
@@ -210,7 +213,7 @@ class ReferenceEngine:
             h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
             if isinstance(cache, KVCache):
                 self._track(cache)
-                self._track_usage(sum(len(jobs[j][1]) for j in idx), cache.token_slots)
+                self._track_usage(sum(len(jobs[j][1]) for j in idx), cache)
             for row, j in enumerate(idx):
                 _, inp, n, tgt = jobs[j]
                 # lm_head only on this window's scored positions (no padding), one window at a
@@ -241,7 +244,7 @@ class ReferenceEngine:
         cache = self.new_cache(1, len(ids)) if self.kv.lossy else NoCache()
         h = self.model(x, slots[None], slots, cache, mask, hidden=True)
         if isinstance(cache, KVCache):
-            self._track_usage(len(ids), cache.token_slots)
+            self._track_usage(len(ids), cache)
         logits = self.model.lm_head(h[0, :-1]).float()
         picked = logits.gather(-1, x[0, 1:, None]).squeeze(-1)
         return (picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist()
@@ -302,7 +305,7 @@ class ReferenceEngine:
         self.decode_graphs = decoder.graphs_reason
         self._track(decoder.cache)
         # every row: its prompt (no padding), then one slot per decode step (the last token picked is never written)
-        self._track_usage(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache.token_slots)
+        self._track_usage(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache)
         return [
             GenerationResult(
                 request_id=r.request_id,
@@ -384,9 +387,9 @@ class ReferenceEngine:
                 step = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k)))
                         if drafts else None)
                 on_tokens(req.request_id, new, step)
-        self._track_usage(held, cache.token_slots)
+        self._track_usage(held, cache)
         if isinstance(self.proposer, DraftModelProposer):
-            self._track_usage(self.proposer.held, self.proposer.cache.token_slots)
+            self._track_usage(self.proposer.held, self.proposer.cache, self.proposer.model.args.max_seq_len)
         return GenerationResult(
             request_id=req.request_id,
             text=cast(str, self.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str

@@ -110,25 +110,30 @@ def test_memory_figures_are_measured_from_what_the_engine_holds():
     assert d.peak_kv_cache_bytes == 4 * 6 * 2 * 2 * 64 * 32 * 2
 
 
-def test_kv_cache_usage_is_the_peak_share_of_allocated_token_slots_holding_tokens():
+def test_kv_cache_usage_is_the_peak_share_of_a_full_context_cache_holding_tokens():
+    # the tiny model's context is 1024 positions: a server reserves that much per sequence
     e = ref(weights="fp32", kv_cache="int8")
+    assert e.args.max_seq_len == 1024
     assert e.describe().kv_cache_usage is None  # no cache has held a token yet
-    # perplexity: TEXT is 89 tokens → windows of 64 and 25 tokens in 2 rows of width 64 (right padding
-    # holds no token): 89 / 128
+    # perplexity: TEXT is 89 tokens → windows of 64 and 25 tokens in 2 rows (right padding holds no
+    # token): 89 / (2 × 1024)
     e.loglikelihood_rolling([RollingRequest("d", TEXT, WindowSpec(64, 64))])
-    assert e.describe().kv_cache_usage == 89 / 128
-    # generation: a 12-token prompt (BOS included) and 8 new tokens in a static cache of 12 + 8 slots;
-    # the prompt fills 12, each of the 7 decode steps one more (the 8th token is never written): 19 / 20
-    g = e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])[0]
+    assert e.describe().kv_cache_usage == 89 / 2048
+    # generation: a 12-token prompt (BOS included) and 8 new tokens; the prompt fills 12 positions,
+    # each of the 7 decode steps one more (the 8th token is never written): 19 / 1024
+    g1 = ref(weights="fp32", kv_cache="int8")
+    g = g1.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])[0]
     assert (g.prompt_tokens, len(g.token_ids)) == (12, 8)
-    assert e.describe().kv_cache_usage == 19 / 20  # the peak over both caches
-    # a batch of two: prompts of 4 and 12 tokens left-padded to 12, max_new_tokens 6 and 4 → 2 rows of
-    # 12 + 6 slots; 5 decode steps write one slot per row each (padding holds no token): (4 + 12 + 2 × 5) / 36
+    assert g1.describe().kv_cache_usage == 19 / 1024
+    e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])
+    assert e.describe().kv_cache_usage == 89 / 2048  # the peak over both caches
+    # a batch of two: prompts of 4 and 12 tokens left-padded to 12, max_new_tokens 6 and 4; 5 decode
+    # steps write one position per row each (padding holds no token): (4 + 12 + 2 × 5) / (2 × 1024)
     b = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", engine_options={"concurrency": 2}))
     out = b.generate([GenerationRequest("a", "os.path", max_new_tokens=6),
                       GenerationRequest("b", "json.dumps()\n\nSerialize", max_new_tokens=4)])
     assert [(r.prompt_tokens, len(r.token_ids)) for r in out] == [(4, 6), (12, 4)]
-    assert b.describe().kv_cache_usage == 26 / 36
+    assert b.describe().kv_cache_usage == 26 / 2048
 
 
 def test_an_openai_config_labelled_awq_loads_without_calibration():
