@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from itertools import pairwise
 from typing import Any, cast
 
@@ -33,6 +34,9 @@ OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
+
+
+SAMPLING_EPS = 1e-5  # vLLM's: temperatures below it sample greedily
 
 
 class ReferenceEngine:
@@ -256,6 +260,9 @@ class ReferenceEngine:
         decode); each request's TTFT counts from its batch's start. With speculative decoding,
         one request at a time. on_tokens(request_id, new token ids, spec counters delta) is
         called as tokens are produced (the OpenAI-compatible server streams from it)."""
+        # vLLM's rule (SamplingParams, _SAMPLING_EPS): a temperature under 1e-5 is greedy. Dividing
+        # logits by 3e-300 overflows to ±inf and softmax to NaN; the limit of softmax(x / T) is the argmax.
+        requests = [replace(r, temperature=0.0) if r.temperature < SAMPLING_EPS else r for r in requests]
         if self.proposer is not None:
             return [self._generate_speculative(r, on_tokens) for r in requests]
         out: list[GenerationResult] = []

@@ -159,3 +159,12 @@ def test_rope_frequencies_stay_fp32_when_the_weights_are_cast():
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float16
     assert model.inv_freq.dtype == torch.float32
     assert torch.equal(model.inv_freq, rope_inv_freq(model.args))
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    # 3e-300 and 5e-324 overflow logits / T to ±inf (softmax NaN, a 500 at engine-serve before):
+    # below vLLM's 1e-5 the engine picks the argmax, the limit of softmax(x / T) as T → 0
+    e = ref(weights="fp32")
+    greedy = e.generate([GenerationRequest("g", "json.dumps()", max_new_tokens=6)])[0].token_ids
+    for t in (3e-300, 5e-324, 9e-6):
+        assert e.generate([GenerationRequest("g", "json.dumps()", max_new_tokens=6, temperature=t)])[0].token_ids == greedy
