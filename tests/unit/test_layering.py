@@ -11,10 +11,8 @@ def test_import_contracts_hold():
     r = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    import tomllib
-
-    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    assert f"Contracts: {len(contracts)} kept, 0 broken" in r.stdout
+    contracts = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
+    assert f"Contracts: {contracts} kept, 0 broken" in r.stdout
 
 
 def test_api_app_imports_without_torch():
