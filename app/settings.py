@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     requeue_after_seconds: int = 300  # the reconciler re-enqueues config-runs queued longer
     reconcile_seconds: float = 60.0  # how often beat runs the reconciler
+    # each Celery worker process serves its task counters (workers/base.py) on the first free port
+    # of the 32 from here, for Prometheus; unset: not served
+    worker_metrics_port: int | None = Field(None, ge=1, le=65535 - 31)
     # how long a worker keeps retrying a write while the database is unreachable (a restart or
     # failover) before it leaves the config-run to the reconciler
     db_retry_seconds: float = 120.0

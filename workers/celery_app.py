@@ -50,7 +50,7 @@ celery_app.conf.update(
 
 @worker_process_init.connect
 def serve_metrics(**_kwargs) -> None:
-    port = os.environ.get("CANARY_WORKER_METRICS_PORT")
+    port = get_settings().worker_metrics_port
     if not port:
         return
     from prometheus_client import start_http_server
