@@ -48,9 +48,10 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
     if gens:
         out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],
                                            thresholds(config_id, "ttft_ms"), seed=seed))
-    spec = [g.spec for g in gens if g.spec is not None]
-    if spec:
-        out.append(compare.acceptance_comparison([x.num_draft_tokens for x in spec], [x.num_accepted_tokens for x in spec],
+    spec_stats = [g.spec for g in gens if g.spec is not None]
+    if spec_stats:
+        out.append(compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
+                                                 [x.num_accepted_tokens for x in spec_stats],
                                                  thresholds(config_id, "spec_acceptance_rate"), seed=seed))
     usage = (cr.figures or {}).get("kv_cache_usage")
     if usage is not None:  # an engine that cannot tell says nothing, rather than 'inconclusive'

@@ -91,7 +91,7 @@ class ExecuteConfigRun(BaseTask):
                 except _LostLease as e:
                     log.warning("%s", e)
                     return "superseded"
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every failure of an attempt is recorded on the config-run
                     if is_transient(e):  # the database stayed away: the reconciler re-sends it once the lease is free
                         log.error("config-run %s attempt %s interrupted, the database is unreachable (%s)",
                                   config_run_id, attempt, type(e).__name__)
@@ -315,7 +315,7 @@ class LeaseKeeper:
             wait = self.period
             try:
                 held = self.renew()
-            except Exception as e:  # noqa: BLE001 - the heartbeat must outlive a database outage
+            except Exception as e:
                 wait = min(self.period, 1.0)
                 if is_transient(e):
                     log.warning("lease of config-run %s attempt %s: database unavailable (%s); retrying in %.1f s",

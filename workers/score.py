@@ -79,14 +79,16 @@ def _faithfulness(session, run: Run, spec: dict, samples: dict, gens: dict[int, 
                 if key in have:
                     continue
                 sample = samples[key]
-                contexts = sample.contexts if sample.contexts is not None else [sample.text]  # a document is its own context
+                # a document is its own context
+                contexts = sample.contexts if sample.contexts is not None else [sample.text]
                 question = sample.text if sample.kind == "rag" else gen.prompt
                 if isinstance(scorer, JudgeFaithfulness):
                     res = scorer.score(key, gen.text, contexts, question)
                 else:
                     res = scorer.score(key, gen.text, contexts)
+                statements = tuple((st, bool(ok)) for st, ok in res.statements)
                 records.append(FaithfulnessRecord(key, res.score, res.outcome, res.method, res.parse_failures,
-                                                  tuple((st, bool(ok)) for st, ok in res.statements), sample.cluster or key))
+                                                  statements, sample.cluster or key))
             _store(session, run, config_id, records, table)
     finally:
         if client:
