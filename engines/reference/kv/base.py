@@ -1,0 +1,97 @@
+"""The format interface (KVFormat) and the storage every format builds on: KVStore (the raw
+slots) and DequantizedStore (dequantized values beside them)."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.kernels import use_triton
+from engines.reference.attention import masked_gqa_attention
+
+FP16_BITS = 16
+
+
+class KVFormat:
+    name = "base"
+    lossy = True
+    rotated = False  # stored values live in a rotated domain (TurboQuant): attention rotates q once
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
+        """k, v: [B, Hkv, S, D] raw → what the cache holds for them (same shapes)."""
+        raise NotImplementedError
+
+    def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
+        """Leading key positions held compressed when the sequence holds n tokens (all of them,
+        the current one included, unless the format keeps a full-precision window)."""
+        return n
+
+    def boundary_v(self, n: torch.Tensor) -> torch.Tensor:
+        return n
+
+    @property
+    def windowed(self) -> bool:
+        return False
+
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
+        """(key bits, value bits) per cached element, metadata included."""
+        raise NotImplementedError
+
+    def new_store(self, k: torch.Tensor, v: torch.Tensor) -> KVStore:
+        """This format's storage in a cache whose raw keys and values are k, v [L, B, Hkv, S, D]:
+        a lossless format reads them as they are; a lossy one each slot's dequantized value."""
+        return DequantizedStore(self, k, v) if self.lossy else KVStore(self, k, v)
+
+
+# -- storage ---------------------------------------------------------------------------------------
+class KVStore:
+    """What a cache holds for its format beside the raw keys and values k, v [L, B, Hkv, S, D]
+    (which the cache writes first), and the attention over it. Lossless: the raw values."""
+
+    def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
+        self.fmt, self.k, self.v = fmt, k, v
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Tensors held beside the raw cache, counted in the cache's bytes."""
+        return []
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor, seq_start: torch.Tensor,
+               decode_step: bool) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
+        mask: [B, 1, T, S]; seq_start: [B] first real slot per row; decode_step: one new token
+        per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
+        S = mask.shape[-1]
+        return masked_gqa_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], mask)
+
+
+class DequantizedStore(KVStore):
+    """A lossy format whose slots encode on their own: each slot's dequantized value, encoded
+    once when the slot is written; every readable slot is read compressed, the current one too."""
+
+    def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
+        super().__init__(fmt, k, v)
+        self.kq, self.vq = torch.zeros_like(k), torch.zeros_like(v)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.kq, self.vq]
+
+    def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+        kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)
+        self.kq[layer].index_copy_(2, slots, kq_new)
+        self.vq[layer].index_copy_(2, slots, vq_new)
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+
+
+def kernels_fit(q: torch.Tensor) -> bool:
+    """Kernels run for this device (engines/kernels.use_triton) and their packed layouts fit
+    the head_dim: a power of two from 32 to 128; other shapes take the torch path."""
+    D = q.shape[-1]
+    return 32 <= D <= 128 and D & (D - 1) == 0 and use_triton(q.device)
+
+
+def decode_lengths(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[B] sequence lengths of a decode step, on the device (no host sync)."""
+    return (slots[-1:] + 1).expand(q.shape[0]).contiguous()

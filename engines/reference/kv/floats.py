@@ -1,0 +1,104 @@
+"""Float formats (fp16, bf16, fp32, fp8 e4m3) and uniform per-token integers (int8, int4, int2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.kernels import fp8_native
+from engines.quant import minmax_quant
+from engines.reference.attention import masked_gqa_attention
+from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
+
+
+@dataclass
+class FloatKV(KVFormat):
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self.name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
+        self.lossy = self.dtype != self.compute_dtype
+
+    def encode(self, k, v, seq_start, layer=0):
+        return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        bits = torch.finfo(self.dtype).bits
+        return float(bits), float(bits)
+
+
+class Fp8KV(KVFormat):
+    """fp8 e4m3 with unit scale (vLLM's kv_cache_dtype="fp8" without calibrated scales)."""
+
+    name = "fp8"
+
+    def encode(self, k, v, seq_start, layer=0):
+        f8 = torch.float8_e4m3fn
+        return k.float().clamp(-448, 448).to(f8).to(k.dtype), v.float().clamp(-448, 448).to(f8).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        return 8.0, 8.0
+
+    def new_store(self, k, v) -> KVStore:
+        return Fp8Store(self, k, v)
+
+
+class Fp8Store(DequantizedStore):
+    """Where the kernels run and the GPU has the type (fp8_native: compute capability ≥ 8.9),
+    also the fp8 codes k8, v8 [L, B, Hkv, S, D], written as slots are (made on first use);
+    decode steps read them with the fp8 decode kernel."""
+
+    k8: torch.Tensor | None = None
+    v8: torch.Tensor | None = None
+
+    def buffers(self):
+        return [*super().buffers(), *(t for t in (self.k8, self.v8) if t is not None)]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        codes = self._write_codes(layer, k, v, slots) if kernels_fit(q) and fp8_native(str(q.device)) else None
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        if decode_step and codes is not None:
+            from engines.kernels.fp8_kv import decode_attention
+
+            k8, v8 = codes
+            out = decode_attention(q[:, :, 0], k8[layer, :, :, :S], v8[layer, :, :, :S], decode_lengths(q, slots))
+            return out[:, :, None].to(q.dtype)
+        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+
+    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-on-write of the new slots (the cast kernel on CUDA, torch's cast elsewhere)
+        → the whole code buffers k8, v8."""
+        from engines.kernels.fp8_kv import FP8, quantize_on_write, quantize_reference
+
+        # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
+        # off CUDA the cast is torch's, so both paths hold the same codes.
+        to_fp8 = quantize_on_write if k.is_cuda else quantize_reference
+        if self.k8 is None or self.v8 is None:
+            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=k.device)
+            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=k.device)
+        # index_copy_ has no fp8 kernels: write the codes' bytes
+        self.k8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(k).view(torch.uint8))
+        self.v8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(v).view(torch.uint8))
+        return self.k8, self.v8
+
+
+@dataclass
+class IntPerTokenKV(KVFormat):
+    """Uniform int-b per token: min-max over each (token, head) vector of D channels, no
+    full-precision window. int8 is near lossless; int4 and int2 are the naive baselines that
+    KVQuant shows collapse (REFERENCE.md §2)."""
+
+    bits: int = 8
+
+    def __post_init__(self) -> None:
+        self.name = f"int{self.bits}"
+
+    def encode(self, k, v, seq_start, layer=0):
+        return minmax_quant(k.float(), self.bits, -1).to(k.dtype), minmax_quant(v.float(), self.bits, -1).to(v.dtype)
+
+    def bits_per_element(self, head_dim):
+        b = self.bits + 2 * FP16_BITS / head_dim  # fp16 scale + zero per vector
+        return b, b

@@ -1,0 +1,139 @@
+"""KIVI (jy-yuan/KIVI): per-channel keys and per-token values, with a full-precision recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.quant import minmax_quant
+from engines.reference.attention import two_tier_attention
+from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
+
+
+@dataclass
+class KiviKV(KVFormat):
+    """KIVI (jy-yuan/KIVI): keys per channel over groups of G tokens, values per token over
+    groups of G channels. Keys wait in a full-precision residual of up to R tokens and are
+    flushed (quantized) R at a time, so 1…R recent keys are full precision; values leave their
+    R-token full-precision window one token at a time."""
+
+    bits: int
+    group: int = 32
+    residual: int = 128
+
+    def __post_init__(self) -> None:
+        self.name = f"kivi-{self.bits}"
+
+    @property
+    def windowed(self) -> bool:
+        return True
+
+    def boundary_k(self, n):
+        return ((n - 1).clamp(min=0) // self.residual) * self.residual
+
+    def boundary_v(self, n):
+        return (n - 1 - self.residual).clamp(min=0)
+
+    def encode(self, k, v, seq_start, layer=0):
+        kq = k.clone()
+        B, H, S, D = k.shape
+        G = self.group
+        for b in range(B):  # rows start at different slots under left padding
+            s0 = int(seq_start[b])
+            n_groups = (S - s0) // G
+            if n_groups:
+                blk = k[b, :, s0 : s0 + n_groups * G].float().reshape(H, n_groups, G, D)
+                kq[b, :, s0 : s0 + n_groups * G] = (minmax_quant(blk, self.bits, 2)
+                                                    .reshape(H, n_groups * G, D).to(k.dtype))
+        if D % G == 0:
+            vg = v.float().reshape(B, H, S, D // G, G)
+            vq = minmax_quant(vg, self.bits, -1).reshape(B, H, S, D).to(v.dtype)
+        else:
+            vq = minmax_quant(v.float(), self.bits, -1).to(v.dtype)
+        return kq, vq
+
+    def bits_per_element(self, head_dim):
+        """Quantized part only; the full-precision window (up to R keys, R values) comes on top."""
+        per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
+        return self.bits + per_group, self.bits + per_group
+
+    def new_store(self, k, v) -> KVStore:
+        return KiviStore(self, k, v)
+
+
+class KiviStore(DequantizedStore):
+    """Key groups span tokens, so a pass re-encodes whole groups of the slots it reads, and a
+    query reads slot j compressed iff j < boundary(n), n its sequence length (two-tier attention).
+    Decode steps where the kernels run take the two-tier kernel instead, over packed codes written
+    as slots leave the full-precision window (made on first use; the next multi-token pass
+    re-encodes all groups)."""
+
+    fmt: KiviKV
+
+    def __init__(self, fmt: KiviKV, k, v):
+        super().__init__(fmt, k, v)
+        self.packed: dict[str, torch.Tensor] = {}
+        L = k.shape[0]
+        self.packed_k, self.packed_v = [0] * L, [0] * L  # per layer: leading slots whose codes are written
+
+    def buffers(self):
+        return [*super().buffers(), *self.packed.values()]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        if decode_step and kernels_fit(q):
+            return self._kernel_attend(layer, q, slots)
+        S = mask.shape[-1]
+        keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, seq_start, layer)
+        kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        ck = _compressed_mask(slots, S, seq_start, self.fmt.boundary_k)
+        cv = _compressed_mask(slots, S, seq_start, self.fmt.boundary_v)
+        return two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
+
+    def _kernel_attend(self, layer: int, q, slots):
+        """KIVI codes written by the quantize-on-write kernels as slots leave the full-precision
+        window (keys in whole flushes, values token by token); attention by the two-tier kernel."""
+        from engines.kernels.kivi_kv import GROUP, decode_attention, quantize_keys, quantize_values
+
+        bits = self.fmt.bits
+        L, B, Hkv, S_max, D = self.k.shape
+        if not self.packed:
+            words, groups = D * bits // 32, -(-S_max // GROUP)
+            z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=q.device)  # noqa: E731
+            self.packed = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
+                           "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP),
+                           "vz": z(S_max, D // GROUP)}
+        c = self.packed
+        t = int(slots[-1])
+        n = torch.tensor([t + 1], device=q.device)  # the query's sequence length
+        nk, nv = int(self.fmt.boundary_k(n)), int(self.fmt.boundary_v(n))
+        lo = self.packed_k[layer]
+        if nk > lo:  # a flush: whole groups of GROUP tokens
+            codes, scale, zero = quantize_keys(self.k[layer, :, :, lo:nk].reshape(-1, D), bits)
+            n_g = (nk - lo) // GROUP
+            c["kc"][layer, :, :, lo:nk] = codes.reshape(B, Hkv, nk - lo, -1)
+            c["ks"][layer, :, :, lo // GROUP : nk // GROUP] = scale.reshape(B, Hkv, n_g, D)
+            c["kz"][layer, :, :, lo // GROUP : nk // GROUP] = zero.reshape(B, Hkv, n_g, D)
+            self.packed_k[layer] = nk
+        lo = self.packed_v[layer]
+        if nv > lo:
+            codes, scale, zero = quantize_values(self.v[layer, :, :, lo:nv].reshape(-1, D), bits)
+            c["vc"][layer, :, :, lo:nv] = codes.reshape(B, Hkv, nv - lo, -1)
+            c["vs"][layer, :, :, lo:nv] = scale.reshape(B, Hkv, nv - lo, -1)
+            c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
+            self.packed_v[layer] = nv
+        full = lambda x: torch.full((B,), x, device=q.device)  # noqa: E731
+        out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer],
+                               c["kc"][layer], c["ks"][layer], c["kz"][layer], c["vc"][layer], c["vs"][layer],
+                               c["vz"][layer], full(t + 1), full(nk), full(nv), bits)
+        return out[:, :, None].to(q.dtype)
+
+
+def _compressed_mask(slots: torch.Tensor, S: int, seq_start: torch.Tensor, boundary) -> torch.Tensor:
+    # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
+    # iff (j − start) < boundary(n).
+    start = seq_start[:, None, None]  # [B, 1, 1]
+    n = slots[None, :, None] - start + 1  # [B, T, 1]
+    j = torch.arange(S, device=slots.device)[None, None, :] - start  # [B, 1, S]
+    return (j < boundary(n))[:, None]

@@ -1,0 +1,145 @@
+"""TurboQuant (arXiv 2504.19874): a random rotation, then Lloyd-Max codes per channel."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engines.quant import qjl_residual, rotation_on, turbo_mse, turbo_mse_rotated
+from engines.reference.attention import rotated_attention
+from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
+
+
+# -- TurboQuant (codebooks and rotation: engines/quant/turbo.py) ----------------------------------
+@dataclass
+class TurboKV(KVFormat):
+    """TurboQuant (arXiv 2504.19874). bits may be fractional: D/4 outlier channels get ⌈b⌉ bits,
+    the rest ⌊b⌋, each part with its own rotation and norm. The outlier channels are fixed per
+    layer and head from the projection weights (``calibrate``: row energy of k_proj — RoPE pairs
+    kept together — and of v_proj), so a token's code never depends on other requests.
+    inner_product=True: keys use MSE at b−1 bits plus the 1-bit QJL residual (unbiased inner
+    products); values stay MSE at b bits."""
+
+    bits: float
+    inner_product: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.name = f"turbo-ip-{self.bits:g}" if self.inner_product else f"turbo-{self.bits:g}"
+        self.fractional = self.bits != int(self.bits)
+        self.rotated = not (self.inner_product or self.fractional)
+        self.outliers: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "k"|"v") → [Hkv, D/4] channel ids
+
+    def calibrate(self, model) -> None:
+        """Outlier channels per layer and head from the weights (data-free, order-free)."""
+        if not self.fractional:
+            return
+        a = model.args
+        D, Hkv = a.head_dim, a.n_kv_heads
+        for i, layer in enumerate(model.model.layers):
+            wk = layer.self_attn.k_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)  # [Hkv, D]
+            pair = wk[:, : D // 2] + wk[:, D // 2 :]  # RoPE rotates channel i with i + D/2
+            top = pair.topk(D // 8, dim=-1).indices
+            self.outliers[(i, "k")] = torch.cat([top, top + D // 2], dim=-1).sort(-1).values
+            wv = layer.self_attn.v_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)
+            self.outliers[(i, "v")] = wv.topk(D // 4, dim=-1).indices.sort(-1).values
+
+    def _outlier_mask(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        D = x.shape[-1]
+        idx = self.outliers.get((layer, which))
+        if idx is None:  # uncalibrated (a format used on its own): this call's own energy
+            idx = x.float().abs().mean(dim=(0, 2)).topk(D // 4, dim=-1).indices
+        mask = torch.zeros(x.shape[1], D, dtype=torch.bool, device=x.device)
+        return mask.scatter_(1, idx.to(x.device), True)
+
+    def _mse(self, x: torch.Tensor, layer: int, which: str, bits: float) -> torch.Tensor:
+        if bits == int(bits):
+            return turbo_mse(x, int(bits), self.seed)
+        mask = self._outlier_mask(x, layer, which)  # [Hkv, D]
+        out = torch.empty_like(x, dtype=torch.float32)
+        hi_bits, lo_bits = math.ceil(bits), math.floor(bits)
+        for h in range(x.shape[1]):
+            m = mask[h]
+            out[:, h][..., m] = turbo_mse(x[:, h][..., m], hi_bits, self.seed + 1)
+            out[:, h][..., ~m] = turbo_mse(x[:, h][..., ~m], lo_bits, self.seed + 2)
+        return out
+
+    def rotation(self, d: int, device) -> torch.Tensor:
+        return rotation_on(d, self.seed, device)
+
+    def encode(self, k, v, seq_start, layer=0):
+        if self.rotated:  # stored in the rotated domain: codes × norms (Π·k̂, Π·v̂)
+            return (turbo_mse_rotated(k, int(self.bits), self.seed).to(k.dtype),
+                    turbo_mse_rotated(v, int(self.bits), self.seed).to(v.dtype))
+        if self.inner_product:
+            k_mse = self._mse(k, layer, "k", self.bits - 1)
+            kq = k_mse + qjl_residual(k.float() - k_mse, self.seed + 3)
+        else:
+            kq = self._mse(k, layer, "k", self.bits)
+        return kq.to(k.dtype), self._mse(v, layer, "v", self.bits).to(v.dtype)
+
+    def new_store(self, k, v) -> KVStore:
+        return RotatedTurboStore(self, k, v) if self.rotated else DequantizedStore(self, k, v)
+
+    def code_bits(self, bits: float) -> float:
+        # fractional: D/4 channels at ⌈b⌉, 3D/4 at ⌊b⌋ → ⌊b⌋ + 1/4 code bits per element
+        return math.floor(bits) + 0.25 if bits != int(bits) else float(bits)
+
+    def bits_per_element(self, head_dim):
+        """Exact, norms included. The nominal width (2.5, 3.5) is the total at head_dim 128
+        (REFERENCE.md §2: 32 channels at 3 bits + 96 at 2, plus two fp16 norms = 2.5); with a
+        smaller head_dim the norms cost more per element."""
+        norms = 2 if self.fractional else 1  # one fp16 norm per (sub)vector
+        v_bits = self.code_bits(self.bits) + norms * FP16_BITS / head_dim
+        if self.inner_product:  # b−1 bit MSE codes + 1 QJL sign bit, plus the residual's norm
+            return self.code_bits(self.bits - 1) + 1 + (norms + 1) * FP16_BITS / head_dim, v_bits
+        return v_bits, v_bits
+
+
+class RotatedTurboStore(DequantizedStore):
+    """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
+    attention rotates the query once (rotated_attention). Where the kernels run, also the packed
+    codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py) and
+    norms [2, L, B, Hkv, S] fp32, written as slots are (made on first use); decode steps read them
+    with the TurboQuant decode kernel."""
+
+    fmt: TurboKV
+    codes: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+
+    def buffers(self):
+        return [*super().buffers(), *(t for t in (self.codes, self.norms) if t is not None)]
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        packed = self._write_codes(layer, k, v, slots) if kernels_fit(q) else None
+        self.write(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        if decode_step and packed is not None:
+            from engines.kernels.turbo_kv import decode_attention
+
+            codes, norms = packed
+            out = decode_attention(q[:, :, 0], codes[0, layer, :, :, :S], norms[0, layer, :, :, :S],
+                                   codes[1, layer, :, :, :S], norms[1, layer, :, :, :S], decode_lengths(q, slots),
+                                   int(self.fmt.bits), self.fmt.seed)
+            return out[:, :, None].to(q.dtype)
+        rotation = self.fmt.rotation(q.shape[-1], q.device)
+        return rotated_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], rotation.to(q.dtype), mask)
+
+    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize-on-write of the new slots (bit-planes and norms by the Triton kernel) → the
+        whole code and norm buffers."""
+        from engines.kernels.turbo_kv import quantize_on_write
+
+        L, B, Hkv, S_max, D = self.k.shape
+        T = len(slots)
+        bits = int(self.fmt.bits)
+        if self.codes is None or self.norms is None:
+            self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
+            self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
+        for i, x in enumerate((k, v)):
+            c, n = quantize_on_write(x.reshape(-1, D), bits, self.fmt.seed)
+            self.codes[i, layer].index_copy_(2, slots, c.reshape(B, Hkv, T, bits, D // 32))
+            self.norms[i, layer].index_copy_(2, slots, n.reshape(B, Hkv, T))
+        return self.codes, self.norms
