@@ -40,11 +40,7 @@ def _sdpa_backends(device: torch.device):
 
 def graph_safe(fmt: KVFormat) -> str | None:
     """None when a decode step over `fmt` can be captured as a CUDA graph, else why not."""
-    if fmt.windowed:
-        return f"kv_cache {fmt.name}: whole token groups are re-encoded on the host's schedule"
-    if getattr(fmt, "fractional", False) or getattr(fmt, "inner_product", False):
-        return f"kv_cache {fmt.name}: per-channel selection has data-dependent shapes"
-    return None
+    return fmt.graph_blocker
 
 
 _failed_captures: dict[tuple, str] = {}  # (format, batch, device) → why the capture failed

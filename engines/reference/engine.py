@@ -61,8 +61,7 @@ class ReferenceEngine:
         elif spec.weights == "awq-int4":
             self._awq(model, calibration)
         self.kv = kv_format(spec.kv_cache, self.dtype)
-        if hasattr(self.kv, "calibrate"):
-            self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant)
+        self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant), else nothing
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
         self.args = model.args
         self.n_params = sum(p.numel() for p in self.model.parameters())

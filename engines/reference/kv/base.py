@@ -32,6 +32,16 @@ class KVFormat:
     def windowed(self) -> bool:
         return False
 
+    @property
+    def graph_blocker(self) -> str | None:
+        """Why a decode step over this format cannot be captured as a CUDA graph, or None."""
+        if self.windowed:
+            return f"kv_cache {self.name}: whole token groups are re-encoded on the host's schedule"
+        return None
+
+    def calibrate(self, model) -> None:
+        """Choices a format makes from the model's weights before use (fractional TurboQuant's outlier channels)."""
+
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """(key bits, value bits) per cached element, metadata included."""
         raise NotImplementedError

@@ -32,6 +32,12 @@ class TurboKV(KVFormat):
         self.rotated = not (self.inner_product or self.fractional)
         self.outliers: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "k"|"v") → [Hkv, D/4] channel ids
 
+    @property
+    def graph_blocker(self) -> str | None:
+        if self.fractional or self.inner_product:
+            return f"kv_cache {self.name}: per-channel selection has data-dependent shapes"
+        return None
+
     def calibrate(self, model) -> None:
         """Outlier channels per layer and head from the weights (data-free, order-free)."""
         if not self.fractional:
