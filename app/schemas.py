@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from app.config_file import DB_INT_MAX, NAME_PATTERN, ConfigEntry, GenerationSettings, NameRef, PerplexitySettings, SuiteEntry
+from evals.metrics import VERDICTS
+from evals.records import RunFigures
+
+Verdict = Literal[VERDICTS]  # type: ignore[valid-type]  # the metric table's verdicts, best to worst
+RunVerdict = Literal["pass", "warn", "fail", "inconclusive", "incomplete", "error"]
+Time = str  # ISO 8601 with its UTC offset, as stored
 
 
 class ProjectIn(BaseModel):
@@ -90,6 +96,71 @@ class SamplePage(BaseModel):
     offset: int
     limit: int
     items: list[SampleResultOut]
+
+
+# A config-run's figures: the fields of evals.records.RunFigures, each optional (a run stored by an
+# older version lacks newer ones), and any other key the engine reported kept as it is.
+FiguresOut = create_model(
+    "FiguresOut", __config__=ConfigDict(extra="allow"),
+    **{name: (kind | None, None) for name, kind in get_type_hints(RunFigures).items()},  # type: ignore[call-overload]
+)
+
+
+class ProgressOut(BaseModel):
+    done: int | None = Field(description="documents and prompts scored so far")
+    total: int | None
+
+
+class RunConfigOut(BaseModel):
+    config: str
+    spec: dict[str, Any] = Field(description="the config's optimizations (credentials in URLs masked)")
+    status: str = Field(description="queued | running | succeeded | failed | cancelled")
+    attempt: int
+    progress: ProgressOut
+    error: str | None
+
+
+class ComparisonOut(BaseModel):
+    """Candidate vs baseline on one metric (evals.stats.Comparison, named by config)."""
+
+    config: str
+    metric: str = Field(description="a name of the metric catalogue (GET /metrics)")
+    estimate: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int = Field(description="paired samples behind the estimate")
+    verdict: Verdict
+    rule: str = Field(description="the threshold test that gave the verdict, in words")
+    baseline_value: float | None
+    candidate_value: float | None
+    details: dict[str, Any]
+
+
+class RunOut(BaseModel):
+    run_id: int
+    status: str = Field(description="queued | running | aggregating | done | failed | cancelled")
+    verdict: RunVerdict | None = Field(description="the worst gated comparison's, once done")
+    verdict_reason: str | None
+    baseline: str | None
+    suite_id: int
+    trigger: str
+    n_samples: int
+    seed: int
+    created_at: Time | None
+    finished_at: Time | None
+    configs: list[RunConfigOut]
+    comparisons: list[ComparisonOut]
+    figures: dict[str, FiguresOut] = Field(description="per config name")  # type: ignore[valid-type]
+
+
+class RunListItem(BaseModel):
+    run_id: int
+    status: str
+    verdict: RunVerdict | None
+    trigger: str
+    n_samples: int
+    created_at: Time
+    finished_at: Time | None
 
 
 class ErrorOut(BaseModel):

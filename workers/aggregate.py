@@ -17,7 +17,7 @@ from app.settings import get_settings
 from evals import compare
 from evals.metrics import METRICS, RUN_VERDICT, worst_verdict
 from evals.perplexity import DocNLL
-from evals.records import ConfigRecords, RunRecords
+from evals.records import ConfigRecords, RunFigures, RunRecords
 from evals.stats import Comparison, Thresholds
 
 
@@ -53,7 +53,7 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         out.append(compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
                                                  [x.num_accepted_tokens for x in spec_stats],
                                                  thresholds(config_id, "spec_acceptance_rate"), seed=seed))
-    usage = (cr.figures or {}).get("kv_cache_usage")
+    usage = RunFigures.from_json(cr.figures).kv_cache_usage if cr.figures else None
     if usage is not None:  # an engine that cannot tell says nothing, rather than 'inconclusive'
         out.append(compare.peak_comparison("kv_cache_usage", usage, thresholds(config_id, "kv_cache_usage"),
                                            "peak over the config-run"))

@@ -22,10 +22,10 @@ from app.db import is_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher
 from app.models import ConfigRun, Run, Suite, aware
 from app.settings import get_settings
-from engines.protocol import EngineDescription, GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
+from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
-from evals.records import DocRecord, GenerationRecord, spec_to_json
+from evals.records import DocRecord, GenerationRecord, RunFigures, ServerFigures, SpecFigures, spec_to_json
 from workers.base import BaseTask
 
 log = logging.getLogger(__name__)
@@ -194,24 +194,27 @@ class ExecuteConfigRun(BaseTask):
             done += len(rows)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         description = engine.describe()
-        figures = {
-            **_description_figures(description),
-            "token_ppl": math.exp(nll_sum / n_tokens) if n_tokens else None,
-            "n_documents": len(samples), "n_tokens": int(n_tokens),
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-            "tbt_ms_mean": statistics.fmean(itl) if itl else None,
-            "tbt_ms_p50": percentile(itl, 50), "tbt_ms_p99": percentile(itl, 99),
-            "tokens_per_second": statistics.fmean(tps) if tps else None,
-            "generated_tokens": gen_tokens,
-            "concurrency": int(spec.engine_options.get("concurrency", 1)),
+        figures = RunFigures(
+            engine=description.engine, weights=description.weights, kv_cache=description.kv_cache,
+            speculative=description.speculative, device=description.device, compute_dtype=description.compute_dtype,
+            parameters=description.parameters, weight_bytes=description.weight_bytes,
+            kv_bytes_per_token=description.kv_bytes_per_token, versions=dict(description.versions),
+            resident_weight_bytes=description.resident_weight_bytes,
+            peak_kv_cache_bytes=description.peak_kv_cache_bytes, peak_device_bytes=description.peak_device_bytes,
+            notes=list(description.notes),
+            token_ppl=math.exp(nll_sum / n_tokens) if n_tokens else None,
+            n_documents=len(samples), n_tokens=int(n_tokens),
+            ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
+            tbt_ms_mean=statistics.fmean(itl) if itl else None,
+            tbt_ms_p50=percentile(itl, 50), tbt_ms_p99=percentile(itl, 99),
+            tokens_per_second=statistics.fmean(tps) if tps else None,
+            generated_tokens=gen_tokens,
+            concurrency=int(spec.engine_options.get("concurrency", 1)),
             # peak over the run: the engine's own, or the highest a server reported while it ran
-            "kv_cache_usage": _peak([description.kv_cache_usage,
-                                     *(batch.max_kv_cache_usage for batch in server_stats)]),
-        }
-        if server_stats:
-            figures["server"] = _server_figures(server_stats)
-        if spec_decode.num_drafts:
-            figures["spec"] = _spec_figures(spec_decode)
+            kv_cache_usage=_peak([description.kv_cache_usage, *(batch.max_kv_cache_usage for batch in server_stats)]),
+            server=_server_figures(server_stats) if server_stats else None,
+            spec=SpecFigures.from_stats(spec_decode) if spec_decode.num_drafts else None,
+        ).to_json()
         if not self.transaction(lambda session: _finish(session, config_run_id, attempt, "succeeded", figures=figures),
                                 f"finish config-run {config_run_id}"):
             raise _LostLease(config_run_id, attempt)
@@ -364,33 +367,12 @@ def _load_job(session, config_run_id: int) -> dict:
     }
 
 
-def _description_figures(description: EngineDescription) -> dict:
-    return {
-        "engine": description.engine, "weights": description.weights, "kv_cache": description.kv_cache,
-        "speculative": description.speculative, "device": description.device,
-        "compute_dtype": description.compute_dtype, "parameters": description.parameters,
-        "weight_bytes": description.weight_bytes, "kv_bytes_per_token": description.kv_bytes_per_token,
-        "versions": description.versions, "resident_weight_bytes": description.resident_weight_bytes,
-        "peak_kv_cache_bytes": description.peak_kv_cache_bytes, "peak_device_bytes": description.peak_device_bytes,
-        "notes": list(description.notes),
-    }
-
-
-def _spec_figures(spec_decode: SpecStats) -> dict:
-    """The run's spec-decode counters and the figures derived from them (SpecStats: vLLM's
-    definitions — acceptance rate = accepted / draft tokens, mean acceptance length = 1 +
-    accepted / drafts, per-position rate = accepted at position i / drafts)."""
-    return spec_to_json(spec_decode) | {"acceptance_rate": spec_decode.acceptance_rate,
-                                        "mean_acceptance_length": spec_decode.mean_acceptance_length,
-                                        "per_position_rate": list(spec_decode.per_position_rate)}
-
-
-def _server_figures(server_stats: list[ServerStats]) -> dict:
+def _server_figures(server_stats: list[ServerStats]) -> ServerFigures:
     """A serving process's own gauges, each at its peak over the run's generate calls."""
-    return {"metrics_url": server_stats[-1].metrics_url,
-            "max_kv_cache_usage": _peak([batch.max_kv_cache_usage for batch in server_stats]),
-            "max_num_requests_waiting": _peak([batch.max_num_requests_waiting for batch in server_stats]),
-            "max_num_requests_running": _peak([batch.max_num_requests_running for batch in server_stats])}
+    return ServerFigures(metrics_url=server_stats[-1].metrics_url,
+                         max_kv_cache_usage=_peak([batch.max_kv_cache_usage for batch in server_stats]),
+                         max_num_requests_waiting=_peak([batch.max_num_requests_waiting for batch in server_stats]),
+                         max_num_requests_running=_peak([batch.max_num_requests_running for batch in server_stats]))
 
 
 def _peak(values: list[float | None]) -> float | None:

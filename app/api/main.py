@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, IntegrityError
 
@@ -150,7 +152,12 @@ def metrics(request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@app.get("/healthz", tags=["health"])
-def healthz(session: SessionDep) -> dict:
+class HealthOut(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+@app.get("/healthz", tags=["health"], response_model=HealthOut)
+def healthz(session: SessionDep) -> HealthOut:
     session.execute(text("SELECT 1"))
-    return {"status": "ok", "version": __version__}
+    return HealthOut(status="ok", version=__version__)

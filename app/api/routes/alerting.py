@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Literal
 
 from fastapi import APIRouter, Query, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -12,7 +13,7 @@ from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX, METRIC_DIRECTIONS, NameRef
 from app.models import Alert, AlertRule, Silence, aware, utcnow
-from app.schemas import error_responses
+from app.schemas import Time, error_responses
 
 router = APIRouter(tags=["alerts"], responses=error_responses(404))
 
@@ -43,12 +44,25 @@ class RuleIn(BaseModel):
         return self
 
 
+class RuleOut(BaseModel):
+    id: int
+    metric: str
+    warn: float
+    critical: float | None
+    direction: str = Field(description="above | below: the side of the threshold that is bad")
+    min_n: int
+    for_runs: int
+    model_id: int | None = Field(description="null: every model")
+    config_id: int | None = Field(description="null: every config")
+    enabled: bool
+
+
 def rule_out(r: AlertRule) -> dict:
     return {"id": r.id, "metric": r.metric, "warn": r.warn, "critical": r.critical, "direction": r.direction, "min_n": r.min_n,
             "for_runs": r.for_runs, "model_id": r.model_id, "config_id": r.config_id, "enabled": r.enabled}
 
 
-@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK, response_model=RuleOut, responses=error_responses(400, 403, 409))
 def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
     """Create or replace the rule for (metric, model, config); config beats model beats project."""
     model_id = repo.get_model(session, project, body.model).id if body.model else None
@@ -66,9 +80,26 @@ def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
     return rule_out(rule)
 
 
-@router.get("/projects/{project}/alert-rules")
+@router.get("/projects/{project}/alert-rules", response_model=list[RuleOut])
 def list_rules(project: ProjectDep, session: SessionDep) -> list[dict]:
     return [rule_out(r) for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id).order_by(AlertRule.id))]
+
+
+class AlertOut(BaseModel):
+    id: int
+    fingerprint: str
+    labels: dict[str, str] = Field(description="alertname, project, model, config, metric, severity")
+    annotations: dict[str, str] | None = Field(description="summary, description, runbook_url, dashboard_url")
+    state: Literal["pending", "firing", "resolved", "inactive"]
+    severity: str
+    value: float | None
+    consecutive: int = Field(description="breaching runs in a row")
+    run_id: int | None
+    started_at: Time | None
+    fired_at: Time | None
+    resolved_at: Time | None
+    last_notified_at: Time | None
+    escalation_run_id: int | None
 
 
 def alert_out(a: Alert) -> dict:
@@ -79,7 +110,7 @@ def alert_out(a: Alert) -> dict:
             "last_notified_at": iso(a.last_notified_at), "escalation_run_id": a.escalation_run_id}
 
 
-@router.get("/projects/{project}/alerts")
+@router.get("/projects/{project}/alerts", response_model=list[AlertOut])
 def list_alerts(project: ProjectDep, session: SessionDep, state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
                 limit: int = Query(100, ge=1, le=1000)) -> list[dict]:
     q = select(Alert).where(Alert.project_id == project.id)
@@ -111,12 +142,21 @@ class SilenceIn(BaseModel):
         return self
 
 
+class SilenceOut(BaseModel):
+    id: int
+    matchers: list[dict[str, str]] = Field(description="name, value, isRegex ('true' | 'false'): Alertmanager's shape")
+    starts_at: Time
+    ends_at: Time
+    author: str
+    comment: str
+
+
 def silence_out(s: Silence) -> dict:
     return {"id": s.id, "matchers": s.matchers, "starts_at": aware(s.starts_at).isoformat(), "ends_at": aware(s.ends_at).isoformat(),
             "author": s.author, "comment": s.comment}
 
 
-@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED, responses=error_responses(400, 403, 409))
+@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED, response_model=SilenceOut, responses=error_responses(400, 403, 409))
 def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) -> dict:
     import re
 
@@ -140,12 +180,12 @@ def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) ->
     return silence_out(s)
 
 
-@router.get("/projects/{project}/silences")
+@router.get("/projects/{project}/silences", response_model=list[SilenceOut])
 def list_silences(project: ProjectDep, session: SessionDep) -> list[dict]:
     return [silence_out(s) for s in session.scalars(select(Silence).where(Silence.project_id == project.id).order_by(Silence.id.desc()))]
 
 
-@router.delete("/projects/{project}/silences/{silence_id}", responses=error_responses(403))
+@router.delete("/projects/{project}/silences/{silence_id}", response_model=SilenceOut, responses=error_responses(403))
 def expire_silence(silence_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     """Expire a silence now (its history stays)."""
     s = session.get(Silence, silence_id)

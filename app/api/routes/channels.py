@@ -3,8 +3,8 @@ it masked, and `${ENV_VAR}` references keep it out of the database altogether.""
 
 from __future__ import annotations
 
-
 from fastapi import APIRouter, status
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 
 from app import repo
@@ -22,13 +22,23 @@ class ChannelIn(ChannelEntry):
     enabled: bool = True
 
 
+class ChannelOut(BaseModel):
+    id: int
+    name: str
+    kind: str
+    url: str = Field(description="masked: the token part is never shown")
+    send_resolved: bool
+    signing_secret_set: bool
+    enabled: bool
+
+
 def out(c: Channel) -> dict:
     settings = c.settings or {}
     return {"id": c.id, "name": c.name, "kind": c.kind, "url": mask_url(c.url), "send_resolved": settings.get("send_resolved", True),
             "signing_secret_set": bool(settings.get("signing_secret")), "enabled": c.enabled}
 
 
-@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut, responses=error_responses(400, 403, 409))
 def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> dict:
     settings = {"send_resolved": body.send_resolved}
     if body.signing_secret:
@@ -39,6 +49,6 @@ def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> di
     return out(c)
 
 
-@router.get("/projects/{project}/channels")
+@router.get("/projects/{project}/channels", response_model=list[ChannelOut])
 def list_channels(project: ProjectDep, session: SessionDep) -> list[dict]:
     return [out(c) for c in session.scalars(select(Channel).where(Channel.project_id == project.id).order_by(Channel.id))]

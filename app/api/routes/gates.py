@@ -12,7 +12,7 @@ from app.config_file import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
 from app.gates import check_request, find_gate, record_gate, summary_markdown
 from app.models import Gate
-from app.schemas import error_responses
+from app.schemas import ComparisonOut, RunVerdict, Time, error_responses
 from app.services import run_summary, start_run
 from app.settings import get_settings
 
@@ -28,6 +28,25 @@ class GateIn(BaseModel):
     inconclusive: Literal["pass", "warn", "fail"] = Field("warn", description="gate verdict when the data cannot decide")
 
 
+class GateListItem(BaseModel):
+    gate_id: int
+    candidate: str
+    baseline: str
+    verdict: Literal["pass", "warn", "fail", "error"] | None = Field(description="null while the run goes on")
+    run_id: int
+    created_at: Time | None
+    decided_at: Time | None
+
+
+class GateOut(GateListItem):
+    run_status: str
+    run_verdict: RunVerdict | None
+    reason: str | None = Field(description="the run's verdict reason")
+    idempotency_key: str | None
+    summary_markdown: str = Field(description="the gate's result as a pull-request comment")
+    comparisons: list[ComparisonOut] = Field(description="the candidate's")
+
+
 def gate_out(session, project, gate: Gate) -> dict:
     summary = run_summary(session, repo.get_run(session, project, gate.run_id))
     return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
@@ -38,8 +57,8 @@ def gate_out(session, project, gate: Gate) -> dict:
             "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
 
 
-@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED,
-             responses={200: {"description": "the gate already started with this Idempotency-Key"}, **error_responses(400, 403, 409)})
+@router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, response_model=GateOut,
+             responses={200: {"description": "the gate already started with this Idempotency-Key", "model": GateOut}, **error_responses(400, 403, 409)})
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
     """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
@@ -62,7 +81,7 @@ def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response
     return gate_out(session, project, gate)
 
 
-@router.get("/projects/{project}/gates/{gate_id}")
+@router.get("/projects/{project}/gates/{gate_id}", response_model=GateOut)
 def get_gate(gate_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     gate = session.get(Gate, gate_id)
     if gate is None or gate.project_id != project.id:
@@ -70,7 +89,7 @@ def get_gate(gate_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return gate_out(session, project, gate)
 
 
-@router.get("/projects/{project}/gates")
+@router.get("/projects/{project}/gates", response_model=list[GateListItem])
 def list_gates(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500)) -> list[dict]:
     gates = session.scalars(select(Gate).where(Gate.project_id == project.id).order_by(Gate.id.desc()).limit(limit))
     return [{"gate_id": g.id, "candidate": g.candidate, "baseline": g.baseline, "verdict": g.verdict, "run_id": g.run_id,

@@ -10,14 +10,14 @@ from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX
 from app.dispatch import get_dispatcher
 from app.models import SampleResult
-from app.schemas import RunIn, SamplePage, SampleResultOut, error_responses
+from app.schemas import RunIn, RunListItem, RunOut, SamplePage, SampleResultOut, error_responses
 from app.services import run_summary, start_run
 
 router = APIRouter(tags=["runs"], responses=error_responses(404))
 
 
-@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED,
-             responses={200: {"description": "the run already started with this Idempotency-Key"}, **error_responses(400, 403, 409)})
+@router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED, response_model=RunOut,
+             responses={200: {"description": "the run already started with this Idempotency-Key", "model": RunOut}, **error_responses(400, 403, 409)})
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
@@ -31,7 +31,7 @@ def create_run(
     return run_summary(session, repo.get_run(session, project, run_id))
 
 
-@router.get("/projects/{project}/runs")
+@router.get("/projects/{project}/runs", response_model=list[RunListItem])
 def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500),
               offset: int = Query(0, ge=0, le=DB_INT_MAX)) -> list[dict]:
     return [
@@ -41,7 +41,7 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
     ]
 
 
-@router.get("/projects/{project}/runs/{run_id}")
+@router.get("/projects/{project}/runs/{run_id}", response_model=RunOut)
 def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return run_summary(session, repo.get_run(session, project, run_id))
 

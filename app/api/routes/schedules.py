@@ -9,7 +9,7 @@ from app.api.deps import ProjectDep, SessionDep
 from app.config_file import DB_INT_MAX, NAME_PATTERN, NameRef, check_cron
 from app.models import Schedule
 from app.schedules import latest_slot
-from app.schemas import error_responses
+from app.schemas import Time, error_responses
 from app.services import check_project_room
 from app.settings import get_settings
 
@@ -31,6 +31,18 @@ class ScheduleIn(BaseModel):
         return check_cron(v)
 
 
+class ScheduleOut(BaseModel):
+    id: int
+    name: str
+    cron: str
+    suite_id: int
+    configs: list[str] = Field(description="empty: every config of the project")
+    samples: int | None
+    enabled: bool
+    last_slot_at: Time | None
+    next_slot_at: Time
+
+
 def out(s: Schedule) -> dict:
     from croniter import croniter
 
@@ -41,7 +53,7 @@ def out(s: Schedule) -> dict:
             "next_slot_at": croniter(s.cron, latest_slot(s.cron, utcnow())).get_next(type(utcnow())).isoformat()}
 
 
-@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, response_model=ScheduleOut, responses=error_responses(400, 403, 409))
 def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> dict:
     limit = get_settings().max_samples_per_run
     if body.samples is not None and body.samples > limit:  # refused now, not at every scheduled slot
@@ -55,6 +67,6 @@ def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> 
     return out(s)
 
 
-@router.get("/projects/{project}/schedules")
+@router.get("/projects/{project}/schedules", response_model=list[ScheduleOut])
 def list_schedules(project: ProjectDep, session: SessionDep) -> list[dict]:
     return [out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id).order_by(Schedule.id))]

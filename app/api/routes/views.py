@@ -3,16 +3,18 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Run, SampleResult, Schedule
-from app.schemas import error_responses
+from app.api.routes.schedules import ScheduleOut
+from app.schemas import FiguresOut, Time, Verdict, error_responses
 from app.ssrf import public_spec
 from evals.metrics import METRICS
 
@@ -20,11 +22,92 @@ router = APIRouter(tags=["views"], responses=error_responses(404))
 MetricName = Literal[tuple(METRICS)]  # type: ignore[valid-type]  # the catalogue's names: another is a 422 naming them
 
 
+class ComparisonCell(BaseModel):
+    estimate: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+    verdict: Verdict
+    rule: str
+    baseline_value: float | None
+    candidate_value: float | None
+
+
+class OverviewConfig(BaseModel):
+    config: str
+    baseline: bool
+    spec: dict[str, Any]
+    run_id: int | None = Field(description="the config's latest finished run; null: never measured")
+    checked_at: Time | None
+    comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
+    figures: FiguresOut  # type: ignore[valid-type]
+
+
+class OverviewOut(BaseModel):
+    project: str
+    models: dict[str, list[OverviewConfig]] = Field(description="by model name")
+    last_check_at: Time | None
+    next_check_at: Time | None
+    schedules: list[ScheduleOut]
+
+
+class TrendPoint(BaseModel):
+    config: str
+    run_id: int
+    at: Time
+    estimate: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+    verdict: Verdict
+
+
+class TrendThreshold(BaseModel):
+    warn: float
+    critical: float | None
+    direction: str
+    config_id: int | None
+    model_id: int | None
+
+
+class TrendAlert(BaseModel):
+    config: str | None
+    severity: str
+    state: str
+    fired_at: Time | None
+    resolved_at: Time | None
+    run_id: int | None
+
+
+class TrendsOut(BaseModel):
+    metric: str
+    points: list[TrendPoint] = Field(description="oldest first")
+    thresholds: list[TrendThreshold]
+    alerts: list[TrendAlert]
+
+
+class WorstSample(BaseModel):
+    sample_key: str
+    delta: float = Field(description="how much worse the candidate is on this sample (in the metric's unit)")
+    baseline_value: float | None
+    candidate_value: float | None
+    baseline_extra: dict[str, Any] | None
+    candidate_extra: dict[str, Any] | None
+    outputs: dict[str, dict[str, Any]] = Field(description="per side (baseline, candidate): generation, judge and faithfulness extras")
+
+
+class WorstOut(BaseModel):
+    run_id: int
+    config: str
+    metric: str
+    items: list[WorstSample]
+
+
 def iso(t):
     return t.isoformat() if t else None
 
 
-@router.get("/projects/{project}/overview")
+@router.get("/projects/{project}/overview", response_model=OverviewOut)
 def overview(project: ProjectDep, session: SessionDep) -> dict:
     """Per model, each config's latest finished run: comparisons (estimate, CI, verdict) and
     serving figures; when the last check ran and when the next is scheduled."""
@@ -63,7 +146,7 @@ def overview(project: ProjectDep, session: SessionDep) -> dict:
             "next_check_at": min((s["next_slot_at"] for s in schedules), default=None), "schedules": schedules}
 
 
-@router.get("/projects/{project}/trends")
+@router.get("/projects/{project}/trends", response_model=TrendsOut)
 def trends(project: ProjectDep, session: SessionDep,
            metric: MetricName = Query("ppl_ratio", description="a metric of the catalogue (GET /metrics)"),
            config: str | None = Query(None, max_length=128), limit: int = Query(200, ge=1, le=2000)) -> dict:
@@ -87,7 +170,7 @@ def trends(project: ProjectDep, session: SessionDep,
     return {"metric": metric, "points": points, "thresholds": rules, "alerts": alerts}
 
 
-@router.get("/projects/{project}/runs/{run_id}/worst")
+@router.get("/projects/{project}/runs/{run_id}/worst", response_model=WorstOut)
 def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, config: str = Query(..., max_length=128),
                   metric: str = Query("nll", max_length=64), limit: int = Query(20, ge=1, le=200)) -> dict:
     """The candidate's samples that regressed most against the baseline on one metric (higher
