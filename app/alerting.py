@@ -8,8 +8,9 @@ with the same labels except `severity`, like two Prometheus rules.
     inactive ──true──▶ pending ──true for `for_runs` consecutive runs──▶ firing ──false──▶ resolved
         ▲                 │false (no notification)                          │true
         └─────────────────┘                                                 └─ stays firing
-A `for_runs` of 1 fires on the first run. An inconclusive comparison is "no data": the state and
-the consecutive count stay as they were.
+A `for_runs` of 1 fires on the first run. An inconclusive comparison, or a measurement error (a
+figure that cannot be right, evals/sanity.py), is "no data": the state and the consecutive count
+stay as they were.
 
 Notifications (per channel): send when an alert starts firing; while it keeps firing, again only
 after repeat_interval; send its resolution if the channel has send_resolved; never while it is
@@ -24,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+
+from evals.metrics import NO_DATA_VERDICTS
 
 REPEAT_INTERVAL = timedelta(hours=4)  # Alertmanager's default
 SEVERITY_VERDICTS = {"warn": ("warn", "critical"), "critical": ("critical",)}
@@ -52,7 +55,7 @@ class AlertState:
 def evaluate(prev: AlertState, verdict: str, value: float | None, for_runs: int, now: datetime) -> tuple[AlertState, str | None]:
     """Next state after one run's comparison verdict; the second item names the transition
     ("pending", "firing", "resolved", "inactive") or is None when nothing changed."""
-    if verdict == "inconclusive":
+    if verdict in NO_DATA_VERDICTS:
         return prev, None
     true = verdict in SEVERITY_VERDICTS[prev.labels["severity"]]
     s = prev.state

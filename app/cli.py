@@ -19,6 +19,11 @@ from rich.table import Table
 from app.ssrf import hide_url_logs
 
 hide_url_logs()
+
+# the terminal colour of a verdict (comparisons) or a run verdict / config-run status
+VERDICT_COLORS = {"ok": "green", "pass": "green", "warn": "yellow", "critical": "red", "fail": "red", "failed": "red",
+                  "inconclusive": "magenta", "measurement_error": "magenta", "incomplete": "magenta", "error": "red"}
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inference-canary: quality canary for optimized LLM inference.")
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (scoped to a project; only a hash is stored).")
@@ -130,7 +135,7 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
 def metric_cell(comp: dict | None) -> str:
     if comp is None or comp["estimate"] is None:
         return "—" if comp is None else f"[magenta]{comp['verdict']}[/]"
-    color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta"}[comp["verdict"]]
+    color = VERDICT_COLORS.get(comp["verdict"], "white")
     return f"[{color}]{comp['estimate']:.2f}[/]"
 
 
@@ -150,7 +155,7 @@ def _print_summary(summary: dict) -> None:
         ratio = f"{r['estimate']:.4f}" if r and r["estimate"] is not None else ("baseline" if is_base else "—")
         ci = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["ci_low"] is not None else ""
         verdict = r["verdict"] if r else ("" if is_base else c["status"])
-        color = {"ok": "green", "warn": "yellow", "critical": "red", "inconclusive": "magenta", "failed": "red"}.get(verdict, "white")
+        color = VERDICT_COLORS.get(verdict, "white")
         sp = c["spec"].get("speculative", {})
         spec_label = "off" if sp.get("method", "off") == "off" else f"{sp['method']} k={sp.get('k')}"
         acc = (f.get("spec") or {}).get("acceptance_rate")

@@ -28,12 +28,12 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
-from evals.metrics import METRICS, VERDICT_ORDER, VERDICTS
+from evals.metrics import METRICS, VERDICT_CODES, VERDICTS
 
 # every metric of the table is a gauge with its CI; TTFT is exported from the config-run's
 # figures instead (p50 and p99, canary_ttft_ms below)
 COMPARISON_GAUGES = tuple(name for name in METRICS if name != "ttft_ms")
-VERDICT_HELP = ", ".join(f"{i} {v}" for i, v in enumerate(VERDICTS))
+VERDICT_HELP = ", ".join(f"{VERDICT_CODES[v]} {v}" for v in VERDICTS)
 
 
 class CanaryCollector(Collector):
@@ -116,7 +116,7 @@ class CanaryCollector(Collector):
                             bounds[(m, "high")].add_metric(labels, comparison.ci_high)
                 for (compared_config, metric), comparison in comps.items():
                     if compared_config == config_id:
-                        verdict.add_metric(labels + [metric], VERDICT_ORDER.get(comparison.verdict, 1))
+                        verdict.add_metric(labels + [metric], VERDICT_CODES.get(comparison.verdict, 1))
                 f = figures.get(config_id, {})
                 for q, key in (("0.5", "ttft_ms_p50"), ("0.99", "ttft_ms_p99")):
                     if f.get(key) is not None:

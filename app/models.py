@@ -186,7 +186,7 @@ class Comparison(TimestampMixin, Base):
     ci_low: Mapped[float | None] = mapped_column(Float)
     ci_high: Mapped[float | None] = mapped_column(Float)
     n: Mapped[int] = mapped_column(Integer, nullable=False)
-    verdict: Mapped[str] = mapped_column(String(16), nullable=False)  # ok | warn | critical | inconclusive
+    verdict: Mapped[str] = mapped_column(String(32), nullable=False)  # evals.metrics.VERDICTS
     rule: Mapped[str] = mapped_column(Text, nullable=False)
     baseline_value: Mapped[float | None] = mapped_column(Float)
     candidate_value: Mapped[float | None] = mapped_column(Float)

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import yaml
 
-from evals.metrics import VERDICT_ORDER, Metric, gated_metrics
+from evals.metrics import VERDICT_CODES, Metric, gated_metrics
 
 HEADER = """\
 # Prometheus alerting rules for teams that alert from Prometheus instead of the canary's own
 # channels. They read the canary API's /metrics (app/metrics.py). canary_verdict already applies
-# each metric's thresholds and confidence intervals (2 = warn, 3 = critical): alert on it rather
-# than re-implementing thresholds here; the raw figures are there for dashboards.
+# each metric's thresholds and confidence intervals (2 = warn, 3 = critical, 4 = measurement
+# error): alert on it rather than re-implementing thresholds here; the raw figures are there for
+# dashboards.
 # Written by `canary alert-rules` from the metric table (evals/metrics.py): do not edit by hand.
 """
 
 
-def _verdict_rule(level: str, severity: str, summary: str, description: str) -> dict:
-    return {"alert": f"CanaryRegression{level.capitalize()}", "expr": f"canary_verdict == {VERDICT_ORDER[level]}",
+def _verdict_rule(level: str, severity: str, summary: str, description: str, alert: str = "") -> dict:
+    return {"alert": alert or f"CanaryRegression{level.capitalize()}", "expr": f"canary_verdict == {VERDICT_CODES[level]}",
             "for": "0m", "labels": {"severity": severity},
             "annotations": {"summary": summary, "description": description}}
 
@@ -59,6 +60,11 @@ def render() -> str:
                       "threshold (CI-based verdict)."),
         _verdict_rule("warn", "warning", "{{ $labels.config }} {{ $labels.metric }} is past warn on {{ $labels.model }}",
                       "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its warn threshold."),
+        _verdict_rule("measurement_error", "warning",
+                      "{{ $labels.config }} {{ $labels.metric }} cannot be measured on {{ $labels.model }}",
+                      "The latest canary run found a figure that cannot be right (all-zero or NaN log-probs, an estimate "
+                      "outside the metric's range, spec-decode counters moved by other traffic): the run is incomplete "
+                      "and the gate does not pass.", alert="CanaryMeasurementError"),
         *(_metric_rule(m) for m in gated_metrics().values()),
         *SERVICE_RULES,
     ]

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily (SamplingParams._SAMPLING_EPS)
+
 
 @dataclass(frozen=True)
 class WindowSpec:

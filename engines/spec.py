@@ -163,6 +163,11 @@ class OptimizationSpec(BaseModel):
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="engine-specific options, e.g. {'device': 'cpu', 'batch_size': 8}"
     )
+    lossless: bool | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="true: this config computes what the baseline computes, so its greedy outputs must equal the "
+                    "baseline's (gated on lossless_exact_match); false: never; unset: decided from the axes "
+                    "(same weights and KV cache as the baseline, whatever the engine or speculative decoding)")
 
     @field_validator("engine")
     @classmethod
@@ -229,3 +234,24 @@ class OptimizationSpec(BaseModel):
         if not isinstance(sp, SpecOff):
             spec = f"{spec}-k{sp.k}"
         return f"{self.engine}:{self.weights}/kv={self.kv_cache}/spec={spec}"
+
+
+FLOAT_WEIGHTS = ("fp32", "fp16", "bf16")
+
+
+def _kv_format(spec: OptimizationSpec) -> str:
+    """The KV cache as stored: 'auto' keeps a float model's own dtype."""
+    if spec.kv_cache == "auto" and spec.weights in FLOAT_WEIGHTS:
+        return spec.weights
+    return spec.kv_cache
+
+
+def lossless_against(candidate: OptimizationSpec, baseline: OptimizationSpec) -> bool:
+    """Whether the candidate should produce the baseline's greedy outputs token for token: it says
+    so (`lossless`), or it keeps the baseline's weights and KV cache and changes only how they are
+    served (the engine, its options, speculative decoding with greedy verification). A change of
+    float precision (fp32 against an fp16 baseline) is not lossless by this rule: near-ties may
+    flip; a team that holds it exact says `lossless: true`."""
+    if candidate.lossless is not None:
+        return candidate.lossless
+    return candidate.weights == baseline.weights and _kv_format(candidate) == _kv_format(baseline)

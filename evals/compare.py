@@ -11,6 +11,7 @@ run's typed records.
     faithfulness          mean               faithfulness_comparison
     judge_win_rate        mean               judge_win_rate_comparison
     judge_score_delta     paired_difference  judge_score_delta_comparison
+    lossless_exact_match  rate (exact)       lossless_exact_comparison
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     top1_agreement_comparison
 """
@@ -23,14 +24,26 @@ from dataclasses import replace
 
 import numpy as np
 
-from evals.agreement import exact_match, top1_agreement
+from evals.agreement import exact_match, first_divergence, top1_agreement
 from evals.perplexity import ppl_ratio
 from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
-from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
+from evals.stats import Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
 
-__all__ = ["acceptance_comparison", "exact_match_comparison", "faithfulness_comparison", "informational",
-           "judge_score_delta_comparison", "judge_win_rate_comparison", "mean_comparison", "peak_comparison",
-           "ppl_ratio", "top1_agreement_comparison", "ttft_comparison", "unscored"]
+__all__ = [
+    "acceptance_comparison",
+    "exact_match_comparison",
+    "faithfulness_comparison",
+    "informational",
+    "judge_score_delta_comparison",
+    "judge_win_rate_comparison",
+    "lossless_exact_comparison",
+    "mean_comparison",
+    "peak_comparison",
+    "ppl_ratio",
+    "top1_agreement_comparison",
+    "ttft_comparison",
+    "unscored",
+]
 
 
 def unscored(metric: str, why: str) -> Comparison:
@@ -151,17 +164,59 @@ def judge_score_delta_comparison(candidate: dict[str, RubricRecord], baseline: d
                       candidate_value=float(np.mean(c)), details={"parse_failures": len(candidate) - len(keys)})
 
 
+def _paired_outputs(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
+                    keys: list[str]) -> tuple[list, list]:
+    """Both sides' outputs in a form they share: token ids where both engines gave them, else the
+    texts (an HTTP stream gives text only; ids never equal a string)."""
+    ids = all(candidate[k].token_ids and baseline[k].token_ids for k in keys)
+    pick = (lambda g: g.token_ids) if ids else (lambda g: g.text)
+    return [pick(baseline[k]) for k in keys], [pick(candidate[k]) for k in keys]
+
+
 def exact_match_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
                            min_n: int = 10) -> Comparison | None:
     """Share of prompts whose output equals the baseline's (token ids where known, else text); Wilson CI."""
     keys = [k for k in candidate if k in baseline]
     if not keys:
         return None
-    em = exact_match([baseline[k].sequence for k in keys], [candidate[k].sequence for k in keys])
+    b, c = _paired_outputs(candidate, baseline, keys)
+    em = exact_match(b, c)
     rate = em.rate if em.rate is not None else math.nan
     return informational("exact_match", rate, em.ci[0], em.ci[1], em.n, min_n=min_n, baseline_value=1.0,
                          candidate_value=em.rate, details={"matches": em.matches,
                                                            "mean_first_divergence": em.mean_first_divergence})
+
+
+def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
+                              t: Thresholds) -> Comparison | None:
+    """A lossless config's greedy outputs against the baseline's: exactness is the claim, so any
+    divergence is a defect, not noise (at least warn when the share is below `warn`, 1.0 by
+    default), and critical when the Wilson interval's top is at or below `critical`. Every
+    mismatch is listed with its first divergent position (token index, or character where the
+    engine gives text only)."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys:
+        return None
+    b, c = _paired_outputs(candidate, baseline, keys)
+    em = exact_match(b, c)
+    lo, hi = em.ci
+    rate = em.rate if em.rate is not None else math.nan
+    divergence = {k: first_divergence(x, y) for k, x, y in zip(keys, b, c, strict=True)}
+    mismatches = {k: d for k, d in divergence.items() if d is not None}
+    details = {"matches": em.matches, "first_divergence": mismatches}
+    verdict: Verdict
+    if em.n < t.min_n:
+        verdict, rule = "inconclusive", f"n={em.n} < min_n={t.min_n}: too few samples to decide"
+    elif t.critical is not None and hi <= t.critical:
+        verdict = "critical"
+        rule = f"{em.n - em.matches} of {em.n} outputs diverge; Wilson high {hi:.4g} ≤ critical {t.critical:g}"
+    elif rate < t.warn:
+        verdict = "warn"
+        rule = f"{em.n - em.matches} of {em.n} outputs diverge from the baseline's; lossless should be exact"
+    else:
+        verdict, rule = "ok", f"{em.matches} of {em.n} outputs identical to the baseline's"
+    return Comparison("lossless_exact_match", rate, lo, hi, em.n, verdict, rule,
+                      baseline_value=1.0, candidate_value=em.rate, details=details)
 
 
 def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,

@@ -28,10 +28,15 @@ Direction = Literal["above", "below"]  # the side of the threshold that is bad
 #   peak               the largest value seen during the candidate's config-run (no CI: one reading)
 ComparisonKind = Literal["paired_ratio", "paired_difference", "rate", "mean", "percentile", "peak"]
 
-# verdicts from best to worst; a run's verdict is its worst gated comparison's
-VERDICTS = ("ok", "inconclusive", "warn", "critical")
+# verdicts from best to worst; a run's verdict is its worst gated comparison's. measurement_error:
+# the figure cannot be right (evals/sanity.py), so it decides nothing but keeps the run from passing
+VERDICTS = ("ok", "inconclusive", "warn", "measurement_error", "critical")
 VERDICT_ORDER = {v: i for i, v in enumerate(VERDICTS)}
-RUN_VERDICT = {"ok": "pass", "inconclusive": "inconclusive", "warn": "warn", "critical": "fail"}
+RUN_VERDICT = {"ok": "pass", "inconclusive": "inconclusive", "warn": "warn", "measurement_error": "incomplete",
+               "critical": "fail"}
+NO_DATA_VERDICTS = ("inconclusive", "measurement_error")  # an alert's state stays as it was
+# the number each verdict exports as (canary_verdict): stable, a new verdict takes the next number
+VERDICT_CODES = {"ok": 0, "inconclusive": 1, "warn": 2, "critical": 3, "measurement_error": 4}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,8 @@ class Metric:
     fmt: str = ".4f"  # display format of the estimate
     baseline_compared: bool = False  # also computed for the baseline against its own absolute thresholds
     alert: str = ""  # the Prometheus alert on its seed warn threshold (canary alert-rules); default from the name
+    # the range a correct measurement falls in; an estimate outside it is a measurement_error (evals/sanity.py)
+    valid: tuple[float | None, float | None] = (None, None)
 
     def __post_init__(self) -> None:
         if self.gated and self.warn is None:
@@ -86,45 +93,53 @@ register_metric(Metric(
     "ppl_ratio", "ppl ratio", "ratio", "above", "paired_ratio", "perplexity",
     "exp(ΣNLL_c/Σtokens) ÷ exp(ΣNLL_b/Σtokens) over the same documents; CI by paired bootstrap over documents "
     "(REFERENCE.md §Perplexity; lm-eval's token perplexity)",
-    warn=1.15, critical=1.30, alert="CanaryPerplexityRatioHigh"))
+    warn=1.15, critical=1.30, alert="CanaryPerplexityRatioHigh",
+    # compressing a model does not make it 10 % better at its own baseline's text: below that, a side is broken
+    valid=(0.9, None)))
 register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",
-    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow"))
+    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1)))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
     "median time to first token of the candidate's prompts (lower median for even n), against an absolute budget; "
     "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
-    warn=2000, critical=5000, fmt=".1f", baseline_compared=True, alert="CanaryTTFTHigh"))
+    warn=2000, critical=5000, fmt=".1f", baseline_compared=True, alert="CanaryTTFTHigh", valid=(0, None)))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
     "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "
     "slots allocated, or the highest vllm:kv_cache_usage_perc an OpenAI-compatible server reported",
-    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True))
+    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1)))
 register_metric(Metric(
     "faithfulness", "faithful", "fraction", "below", "mean", "faithfulness",
     "share of an answer's statements supported by its contexts, averaged over RAG items (RAGAS faithfulness); "
     "clustered bootstrap CI",
-    warn=0.80, fmt=".2f", baseline_compared=True))
+    warn=0.80, fmt=".2f", baseline_compared=True, valid=(0, 1)))
 register_metric(Metric(
     "judge_win_rate", "judge win", "fraction", "below", "mean", "judge",
     "candidate wins + ½ ties against the baseline, a win counted only when both answer orders agree "
     "(MT-Bench pairwise with position swap); 0.5 = parity",
-    warn=0.40, critical=0.30, fmt=".2f"))
+    warn=0.40, critical=0.30, fmt=".2f", valid=(0, 1)))
 register_metric(Metric(
     "judge_score_delta", "judge Δ", "points", "below", "paired_difference", "judge",
     "rubric score (1–5) of the candidate minus the baseline's on the same prompts (MT-Bench single-answer grading); "
     "paired bootstrap CI",
-    warn=-0.5, critical=-1.0, fmt="+.2f"))
+    warn=-0.5, critical=-1.0, fmt="+.2f", valid=(-4, 4)))
+register_metric(Metric(
+    "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
+    "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
+    "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "
+    "Wilson interval's top is at or below critical",
+    warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged"))
 register_metric(Metric(
     "exact_match", "exact match", "fraction", "below", "rate", "agreement",
     "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",
-    gated=False, fmt=".2f"))
+    gated=False, fmt=".2f", valid=(0, 1)))
 register_metric(Metric(
     "top1_agreement", "top-1 agree", "fraction", "below", "mean", "agreement",
     "share of document positions where the candidate's argmax token equals the baseline's; clustered bootstrap CI",
-    gated=False, fmt=".3f"))
+    gated=False, fmt=".3f", valid=(0, 1)))
 
 
 def gated_metrics() -> dict[str, Metric]:

@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-Verdict = Literal["ok", "warn", "critical", "inconclusive"]
+Verdict = Literal["ok", "warn", "critical", "inconclusive", "measurement_error"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from app.dispatch import NOTIFY
 from app.gates import decide as decide_gate
 from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
-from evals import compare
+from engines.protocol import SAMPLING_EPS
+from engines.spec import OptimizationSpec, lossless_against
+from evals import compare, sanity
 from evals.metrics import METRICS, RUN_VERDICT, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
@@ -36,29 +38,56 @@ class RunThresholds:
 
 
 def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: RunThresholds,
-                       failed_scorers: dict[str, str], scorers: list[str]) -> list[Comparison]:
-    """Every comparison of one config (the baseline included, for the metrics judged on their own)."""
+                       failed_scorers: dict[str, str], scorers: list[str], greedy: bool = False) -> list[Comparison]:
+    """Every comparison of one config (the baseline included, for the metrics judged on their own).
+    greedy: the suite generates greedily, so a lossless config's outputs must equal the baseline's."""
     config_id, base_id, seed = cr.config_id, run.baseline_config_id, run.seed
     mine, base = table[config_id], table[base_id]
     is_base = config_id == base_id
     out: list[Comparison] = []
     if not is_base:
-        out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"), seed=seed))
+        broken = _logprob_problem(mine, base)
+        if broken:  # NaN or impossible log-probs: no ratio is computed from them
+            out.append(sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), broken))
+        else:
+            out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"),
+                                         seed=seed))
     gens = [g for g in mine.generations.values() if g.ttft_ms is not None]
     if gens:
         out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],
                                            thresholds(config_id, "ttft_ms"), seed=seed))
     spec_stats = [g.spec for g in gens if g.spec is not None]
     if spec_stats:
-        out.append(compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
-                                                 [x.num_accepted_tokens for x in spec_stats],
-                                                 thresholds(config_id, "spec_acceptance_rate"), seed=seed))
+        acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
+                                                   [x.num_accepted_tokens for x in spec_stats],
+                                                   thresholds(config_id, "spec_acceptance_rate"), seed=seed)
+        out.append(sanity.checked(acceptance, sanity.spec_counter_problem(list(mine.generations.values()))))
     usage = RunFigures.from_json(cr.figures).kv_cache_usage if cr.figures else None
     if usage is not None:  # an engine that cannot tell says nothing, rather than 'inconclusive'
         out.append(compare.peak_comparison("kv_cache_usage", usage, thresholds(config_id, "kv_cache_usage"),
                                            "peak over the config-run"))
+    if not is_base and greedy and _lossless(run, cr):
+        exact = compare.lossless_exact_comparison(mine.generations, base.generations,
+                                                  thresholds(config_id, "lossless_exact_match"))
+        out += [exact] if exact else []
     out += scorer_comparisons(run, config_id, mine, base, thresholds, failed_scorers, scorers)
-    return out
+    return [sanity.checked(c) for c in out]  # an estimate outside its metric's valid range is no result
+
+
+def _lossless(run: Run, cr: ConfigRun) -> bool:
+    """A config whose greedy outputs must equal the baseline's (engines.spec.lossless_against)."""
+    base = next(c for c in run.config_runs if c.config_id == run.baseline_config_id)
+    return lossless_against(OptimizationSpec.model_validate(cr.config.spec),
+                            OptimizationSpec.model_validate(base.config.spec))
+
+
+def _logprob_problem(mine: ConfigRecords, base: ConfigRecords) -> str | None:
+    """The first side whose prompt log-probs cannot be right, named (evals/sanity.py)."""
+    for side, records in (("candidate", mine), ("baseline", base)):
+        problem = sanity.logprob_problem(list(records.docs.values()), f"the {side}'s")
+        if problem:
+            return problem
+    return None
 
 
 def scorer_comparisons(run: Run, config_id: int, mine: ConfigRecords, base: ConfigRecords, thresholds: RunThresholds,
@@ -137,13 +166,15 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         table = RunRecords.from_rows(repo.sample_rows(session, run_id))  # the run's records, read once
         suite = session.get(Suite, run.suite_id)
         scorers = list((suite.spec if suite else {}).get("scorers", []))
+        temperature = float(((suite.spec if suite else {}).get("generation") or {}).get("temperature", 0.0))
         failed_scorers = score_run(session, run, table)  # judge / faithfulness on this (CPU) worker, added to the table
         thresholds = RunThresholds(repo.alert_rules(session, run.project_id, run.model_id))
         rows: list[dict] = []
         for cr in config_runs:
             if cr.status != "succeeded":
                 continue
-            for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers):
+            for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers,
+                                        greedy=temperature < SAMPLING_EPS):
                 rows.append({
                     "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),
                     "ci_high": _f(c.ci_high), "n": c.n, "verdict": c.verdict, "rule": c.rule,

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 # colour carries the threshold state (no emoji: a headless browser's fonts may lack them)
-VERDICT_COLORS = {"ok": "#c8e6c9", "warn": "#ffe0b2", "critical": "#ffcdd2", "inconclusive": "#eeeeee"}
+VERDICT_COLORS = {"ok": "#c8e6c9", "warn": "#ffe0b2", "critical": "#ffcdd2", "inconclusive": "#eeeeee",
+                  "measurement_error": "#e1bee7"}  # purple: the figure cannot be right (a broken measurement)
 
 
 def catalogue(api) -> list[dict]:

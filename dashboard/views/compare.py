@@ -43,8 +43,8 @@ def render(api, project: str, params) -> None:
         axis = st.radio("Gain", ["speed gain ×", "memory saved %"], horizontal=True)
         chart = (alt.Chart(pd.DataFrame(points)).mark_circle(size=120)
                  .encode(x=alt.X(axis), y=alt.Y("quality loss %"), tooltip=list(points[0]),
-                         color=alt.Color("verdict", scale=alt.Scale(domain=["ok", "warn", "critical", "inconclusive"],
-                                                                   range=["#2e7d32", "#ef6c00", "#c62828", "#9e9e9e"])))
+                         color=alt.Color("verdict", scale=alt.Scale(domain=["ok", "warn", "critical", "inconclusive", "measurement_error"],
+                                                                   range=["#2e7d32", "#ef6c00", "#c62828", "#9e9e9e", "#7b1fa2"])))
                  + alt.Chart(pd.DataFrame(points)).mark_text(dy=-12).encode(x=axis, y="quality loss %", text="config"))
         st.altair_chart(chart, width="stretch")
         st.caption("Memory = weight bytes + KV bytes for a 512-token context. Up and left is worse; down and right is the win.")

@@ -44,4 +44,5 @@ def render(api, project: str, params) -> None:
         empty = [label for label in verdicts if (df[label] == "—").all()]
         df = df.drop(columns=empty + [verdicts.pop(label) for label in empty])
         st.table(style_verdicts(df, verdicts).hide(axis="index"))
-    st.caption("Cells are coloured by their threshold state: green ok, orange warn, red critical, grey inconclusive (CI-based verdicts).")
+    st.caption("Cells are coloured by their threshold state: green ok, orange warn, red critical, grey inconclusive (CI-based verdicts), "
+               "purple measurement error (a figure that cannot be right: the run is incomplete).")

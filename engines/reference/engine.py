@@ -13,6 +13,7 @@ import torch
 
 from engines.device import resolve_device
 from engines.protocol import (
+    SAMPLING_EPS,
     EngineDescription,
     GenerationRequest,
     GenerationResult,
@@ -36,7 +37,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
-SAMPLING_EPS = 1e-5  # vLLM's: temperatures below it sample greedily
 
 
 class ReferenceEngine:

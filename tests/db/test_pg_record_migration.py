@@ -1,12 +1,17 @@
-"""Revision 0002 on PostgreSQL with rows as the schema before it wrote them: a generation stored
-under metric 'ttft_ms' becomes a 'generation' record that GenerationRecord reads back whole, other
-rows are untouched, and the downgrade restores the old layout."""
+"""Revisions on PostgreSQL with rows as the schema before them wrote them.
+
+0002: a generation stored under metric 'ttft_ms' becomes a 'generation' record that
+GenerationRecord reads back whole, other rows are untouched, and the downgrade restores the old
+layout. 0003: a comparison's verdict widens to hold 'measurement_error' (too long before it);
+the downgrade reads one as 'inconclusive'."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from sqlalchemy import create_engine, pool, text
+from sqlalchemy.exc import DataError
 
 from app.db import downgrade, upgrade
 from evals.records import DocRecord, GenerationRecord, read_row
@@ -63,5 +68,44 @@ def test_generation_rows_move_to_their_own_kind_and_back(make_database):
 
         downgrade(url, "0001")
         assert _rows(engine) == before
+    finally:
+        engine.dispose()
+
+
+def test_comparison_verdicts_widen_for_measurement_error_and_back(make_database):
+    url = make_database(migrate=False)
+    upgrade(url, "0002")
+    engine = create_engine(url, poolclass=pool.NullPool)
+    insert = ("INSERT INTO comparisons (run_id, config_id, metric, estimate, ci_low, ci_high, n, verdict, rule, created_at) "
+              "VALUES (:r, :c, :m, 1.2, 1.1, 1.3, 12, :v, 'x', now())")
+    try:
+        with engine.begin() as conn:
+            run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
+            project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
+            model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
+                        p=project)
+            config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
+                         "VALUES (:p, :m, 'int8', '{}', false, now()) RETURNING id", p=project, m=model)
+            suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
+                        "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
+            run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
+                         "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
+                         "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
+            conn.execute(text(insert), {"r": run_id, "c": config, "m": "ppl_ratio", "v": "critical"})
+        with pytest.raises(DataError), engine.begin() as conn:  # the old width refuses the new verdict
+            conn.execute(text(insert), {"r": run_id, "c": config, "m": "ttft_ms", "v": "measurement_error"})
+
+        upgrade(url, "head")
+        with engine.begin() as conn:
+            conn.execute(text(insert), {"r": run_id, "c": config, "m": "ttft_ms", "v": "measurement_error"})
+
+        def verdicts() -> dict:
+            with engine.connect() as conn:
+                return dict(conn.execute(text("SELECT metric, verdict FROM comparisons")).all())
+
+        assert verdicts() == {"ppl_ratio": "critical", "ttft_ms": "measurement_error"}
+
+        downgrade(url, "0002")
+        assert verdicts() == {"ppl_ratio": "critical", "ttft_ms": "inconclusive"}
     finally:
         engine.dispose()

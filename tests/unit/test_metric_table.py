@@ -66,9 +66,9 @@ def test_unknown_metric_lookup_guesses():
 
 
 def test_verdict_order_and_run_verdicts():
-    assert VERDICTS == ("ok", "inconclusive", "warn", "critical")
+    assert VERDICTS == ("ok", "inconclusive", "warn", "measurement_error", "critical")
     assert worst_verdict(["ok", "warn", "inconclusive"]) == "warn" and worst_verdict([]) == "ok"
-    assert [RUN_VERDICT[v] for v in VERDICTS] == ["pass", "inconclusive", "warn", "fail"]
+    assert [RUN_VERDICT[v] for v in VERDICTS] == ["pass", "inconclusive", "warn", "incomplete", "fail"]
 
 
 @pytest.mark.parametrize(("peak", "verdict"), [(0.5, "ok"), (0.85, "warn"), (0.9, "warn"), (0.95, "critical"), (0.99, "critical")])

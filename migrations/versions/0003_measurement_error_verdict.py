@@ -1,0 +1,31 @@
+"""A comparison's verdict may be `measurement_error` (evals/sanity.py: a figure that cannot be
+right), 17 characters: comparisons.verdict widens from 16 to 32. Existing rows are unchanged.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-11-24
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("comparisons") as batch:
+        batch.alter_column("verdict", type_=sa.String(32), existing_type=sa.String(16), existing_nullable=False)
+
+
+def downgrade() -> None:
+    # a measurement_error does not fit the old width: it reads as inconclusive there (no data)
+    op.execute(sa.text("UPDATE comparisons SET verdict = 'inconclusive' WHERE verdict = 'measurement_error'"))
+    with op.batch_alter_table("comparisons") as batch:
+        batch.alter_column("verdict", type_=sa.String(16), existing_type=sa.String(32), existing_nullable=False)
