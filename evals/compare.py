@@ -11,6 +11,7 @@ run's typed records.
     faithfulness          mean               faithfulness_comparison
     judge_win_rate        mean               judge_win_rate_comparison
     judge_score_delta     paired_difference  judge_score_delta_comparison
+    gen_nll_ratio         paired_ratio       gen_nll_ratio_comparison
     lossless_exact_match  rate (exact)       lossless_exact_comparison
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     top1_agreement_comparison
@@ -162,6 +163,30 @@ def judge_score_delta_comparison(candidate: dict[str, RubricRecord], baseline: d
     verdict, rule = decide(est, lo, hi, len(keys), t)
     return Comparison("judge_score_delta", est, lo, hi, len(keys), verdict, rule, baseline_value=float(np.mean(b)),
                       candidate_value=float(np.mean(c)), details={"parse_failures": len(candidate) - len(keys)})
+
+
+def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
+                             t: Thresholds, seed: int = 0) -> Comparison:
+    """The candidate's outputs against the baseline's own, both scored by the baseline model after
+    the same prompts (GenerationRecord.baseline_nll): the ratio of their perplexities, paired by
+    prompt, CI by paired bootstrap over prompts. Outputs differ in length, so each side is its own
+    Σ NLL / Σ tokens."""
+    keys = [k for k, g in candidate.items() if g.baseline_nll is not None and g.baseline_nll_tokens
+            and (b := baseline.get(k)) is not None and b.baseline_nll is not None and b.baseline_nll_tokens]
+    if not keys:
+        return unscored("gen_nll_ratio", "no output of both sides was scored by the baseline model")
+    nll_c = np.array([candidate[k].baseline_nll for k in keys], dtype=np.float64)
+    tok_c = np.array([candidate[k].baseline_nll_tokens for k in keys], dtype=np.float64)
+    nll_b = np.array([baseline[k].baseline_nll for k in keys], dtype=np.float64)
+    tok_b = np.array([baseline[k].baseline_nll_tokens for k in keys], dtype=np.float64)
+    rate_c, rate_b = nll_c.sum() / tok_c.sum(), nll_b.sum() / tok_b.sum()
+    estimate = math.exp(rate_c - rate_b)
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ nll_c) / (w @ tok_c) - (w @ nll_b) / (w @ tok_b)), len(keys),
+                                 seed=seed)
+    verdict, rule = decide(estimate, lo, hi, len(keys), t)
+    return Comparison("gen_nll_ratio", estimate, lo, hi, len(keys), verdict, rule, baseline_value=math.exp(rate_b),
+                      candidate_value=math.exp(rate_c),
+                      details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c})
 
 
 def _paired_outputs(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],

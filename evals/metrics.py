@@ -127,6 +127,12 @@ register_metric(Metric(
     "paired bootstrap CI",
     warn=-0.5, critical=-1.0, fmt="+.2f", valid=(-4, 4)))
 register_metric(Metric(
+    "gen_nll_ratio", "gen NLL ratio", "ratio", "above", "paired_ratio", "generation",
+    "perplexity of the candidate's outputs ÷ that of the baseline's own outputs, both scored teacher-forced by the "
+    "baseline model after the same prompts: exp(ΣNLL_c/Σtokens_c − ΣNLL_b/Σtokens_b); paired bootstrap over prompts. "
+    "Garbled or off-distribution text fails it while prompt log-probs stay exact",
+    warn=1.15, critical=1.30, valid=(0.5, None), alert="CanaryGenerationNLLRatioHigh"))
+register_metric(Metric(
     "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
     "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
     "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "

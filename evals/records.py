@@ -92,6 +92,10 @@ class GenerationRecord:
     token_ids: tuple[int, ...] = ()  # kept when the suite scores agreement
     spec: SpecStats | None = None
     spec_scope: str = "request"  # "request" or "batch"
+    # the output scored by the run's baseline model, teacher-forced after the prompt (gen_nll_ratio):
+    # Σ −log p of its tokens and how many there were; None where the baseline engine could not score it
+    baseline_nll: float | None = None
+    baseline_nll_tokens: int | None = None
 
     @classmethod
     def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool) -> GenerationRecord:
@@ -112,6 +116,8 @@ class GenerationRecord:
             extra["token_ids"] = list(self.token_ids)
         if self.spec is not None:
             extra["spec"] = spec_to_json(self.spec) | ({"scope": "batch"} if self.spec_scope == "batch" else {})
+        if self.baseline_nll is not None:
+            extra["baseline_nll"], extra["baseline_nll_tokens"] = self.baseline_nll, self.baseline_nll_tokens
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
 
     @classmethod
@@ -120,7 +126,8 @@ class GenerationRecord:
         spec = e.get("spec")
         return cls(sample_key, value, e.get("prompt", ""), e.get("text", ""), int(e.get("n_tokens") or 0),
                    int(e.get("prompt_tokens") or 0), tuple(e.get("itl_ms") or ()), e.get("tokens_per_second"),
-                   tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"))
+                   tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"),
+                   e.get("baseline_nll"), e.get("baseline_nll_tokens"))
 
 
 @dataclass(frozen=True)
@@ -320,11 +327,12 @@ class RunFigures:
     kv_cache_usage: float | None  # peak 0–1: the engine's own, or the highest its server reported
     server: ServerFigures | None = None
     spec: SpecFigures | None = None
+    baseline_scoring_error: str | None = None  # why the baseline model could not score these outputs
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
-        for section in ("server", "spec"):
+        for section in ("server", "spec", "baseline_scoring_error"):
             if out[section] is None:
                 del out[section]
         return out

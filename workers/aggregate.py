@@ -66,6 +66,14 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
     if usage is not None:  # an engine that cannot tell says nothing, rather than 'inconclusive'
         out.append(compare.peak_comparison("kv_cache_usage", usage, thresholds(config_id, "kv_cache_usage"),
                                            "peak over the config-run"))
+    if not is_base and gens:
+        scoring_error = RunFigures.from_json(cr.figures).baseline_scoring_error if cr.figures else None
+        if scoring_error:
+            why = f"the baseline model could not score outputs: {scoring_error}"
+            out.append(compare.unscored("gen_nll_ratio", why))
+        else:
+            out.append(compare.gen_nll_ratio_comparison(mine.generations, base.generations,
+                                                        thresholds(config_id, "gen_nll_ratio"), seed=seed))
     if not is_base and greedy and _lossless(run, cr):
         exact = compare.lossless_exact_comparison(mine.generations, base.generations,
                                                   thresholds(config_id, "lossless_exact_match"))

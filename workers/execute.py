@@ -14,13 +14,14 @@ import statistics
 import threading
 import traceback
 from collections import OrderedDict
+from dataclasses import replace
 from datetime import timezone
 from typing import Any
 
 from app import repo
 from app.db import is_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher
-from app.models import ConfigRun, Run, Suite, aware
+from app.models import ConfigRun, OptimizationConfig, Run, Suite, aware
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
@@ -173,17 +174,22 @@ class ExecuteConfigRun(BaseTask):
                     for key, text, _ in samples[:n_prompts]]
         prompts = {request.request_id: request.prompt for request in requests}
         step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
+        judge = _baseline_scorer(engine, job) if requests else None  # the baseline model scores every config's outputs
         for i in range(0, len(requests), step):
             rows = []
             check_lease()
-            for generation in engine.generate(requests[i : i + step]):
+            generations = engine.generate(requests[i : i + step])
+            scored = judge.score(generations, prompts, window) if judge is not None else {}
+            for generation in generations:
                 ttft.append(generation.ttft_ms)
                 itl.extend(generation.itl_ms)
                 tps.append(generation.tokens_per_second)
                 gen_tokens += generation.n_tokens
                 if generation.spec is not None:
                     spec_decode += generation.spec
-                rows.append(GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids).to_row())
+                record = GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids)
+                nll, n = scored.get(generation.request_id, (None, None))
+                rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n).to_row())
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
             if server is not None:
                 server_stats.append(server)
@@ -214,6 +220,7 @@ class ExecuteConfigRun(BaseTask):
             kv_cache_usage=_peak([description.kv_cache_usage, *(batch.max_kv_cache_usage for batch in server_stats)]),
             server=_server_figures(server_stats) if server_stats else None,
             spec=SpecFigures.from_stats(spec_decode) if spec_decode.num_drafts else None,
+            baseline_scoring_error=judge.error if judge is not None else None,
         ).to_json()
         if not self.transaction(lambda session: _finish(session, config_run_id, attempt, "succeeded", figures=figures),
                                 f"finish config-run {config_run_id}"):
@@ -355,16 +362,66 @@ def _load_job(session, config_run_id: int) -> dict:
         scored = set(run.sample_keys)
         calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
                        if sample.key not in scored]
+    baseline = session.get(OptimizationConfig, run.baseline_config_id)
     return {
         "run_id": run.id,
         "config_id": config_run.config_id,
         "spec": spec,
+        "baseline_spec": OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
         "calibration": calibration,
         "model_path": config_run.config.model.path,
         "suite": dict(suite.spec),
         "samples": [(sample.key, sample.text, sample.cluster or sample.key)
                     for sample in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)],
     }
+
+
+class _BaselineScorer:
+    """The run's baseline model scoring generated text teacher-forced (gen_nll_ratio): the NLL of
+    an output is that of prompt + output minus that of the prompt alone, both by the engine's
+    rolling log-likelihood (echo log-probs over HTTP), so it needs no new engine method. An
+    engine that cannot score text (a server without prompt log-probs) scores nothing, once, and
+    the run says so instead of failing the config-run."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.error: str | None = None
+
+    def score(self, generations, prompts: dict[str, str], window: WindowSpec) -> dict[str, tuple[float, int]]:
+        if self.error is not None:
+            return {}
+        requests = []
+        for generation in generations:
+            prompt = prompts[generation.request_id]
+            requests += [RollingRequest(f"{generation.request_id}\x00full", prompt + generation.text, window),
+                         RollingRequest(f"{generation.request_id}\x00prompt", prompt, window)]
+        try:
+            results = {result.doc_id: result for result in self.engine.loglikelihood_rolling(requests)}
+        except Exception as e:  # noqa: BLE001 - the generations stand; only this figure is missing
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("the baseline engine cannot score generated text, no gen_nll_ratio: %s", self.error)
+            return {}
+        out = {}
+        for generation in generations:
+            full, prompt = results[f"{generation.request_id}\x00full"], results[f"{generation.request_id}\x00prompt"]
+            n = len(full.token_ids) - len(prompt.token_ids)
+            if n > 0:
+                out[generation.request_id] = (full.nll - prompt.nll, n)
+        return out
+
+
+def _baseline_scorer(engine, job: dict) -> _BaselineScorer:
+    """The engine's own for the baseline config; else the baseline config's engine (cached beside
+    this one: a second model in memory while the run's configs execute)."""
+    baseline: OptimizationSpec = job["baseline_spec"]
+    if baseline == job["spec"]:
+        return _BaselineScorer(engine)
+    if baseline.engine == "openai":
+        from workers.outbound import check_engine
+
+        check_engine(baseline)
+        return _BaselineScorer(get_engine(job["model_path"], baseline))
+    return _BaselineScorer(get_engine(str(resolve_model_path(job["model_path"])), baseline))
 
 
 def _server_figures(server_stats: list[ServerStats]) -> ServerFigures:

@@ -1,10 +1,13 @@
 """A perturbing OpenAI-compatible proxy on loopback, for seeding faults through the public
 interface: every request goes to the upstream server (`canary engine-serve`) as it is, and the
-JSON answer of a non-streaming POST /v1/completions passes through `fault` on its way back.
-Streaming answers and every other route (/v1/models, /metrics) pass through untouched."""
+answer of POST /v1/completions passes through a fault on its way back: `fault` on a JSON answer
+(prompt log-probs), `stream_fault` on each event of a streamed one (generated text; the stream is
+read whole, then re-sent). Every other route (/v1/models, /metrics) passes through untouched."""
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Callable
 
 import httpx
@@ -19,7 +22,24 @@ def zero_logprobs(answer: dict) -> dict:
     return answer
 
 
-def proxy_app(upstream: str, fault: Callable[[dict], dict]) -> FastAPI:
+def garble(rate: float, seed: int = 0) -> Callable[[dict], dict]:
+    """Each streamed piece of generated text replaced, with probability `rate`, by as many random
+    letters: a sampler or detokenizer bug after verification. Prompt log-probs are untouched."""
+    rng = random.Random(seed)
+
+    def fault(event: dict) -> dict:
+        for choice in event.get("choices", []):
+            text = choice.get("text") or ""
+            if text.strip() and rng.random() < rate:
+                choice["text"] = (" " if text.startswith(" ") else "") + "".join(
+                    rng.choice("qxzjvkw") for _ in range(max(1, len(text.strip()))))
+        return event
+
+    return fault
+
+
+def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
+              stream_fault: Callable[[dict], dict] = lambda x: x) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=120)
 
@@ -28,12 +48,17 @@ def proxy_app(upstream: str, fault: Callable[[dict], dict]) -> FastAPI:
         body = await request.body()
         answer = await client.request(request.method, "/" + path, content=body,
                                       headers={"content-type": request.headers.get("content-type", "application/json")})
-        content = answer.content
-        if (path == "v1/completions" and answer.status_code == 200
-                and answer.headers.get("content-type", "").startswith("application/json")):
-            import json
-
-            content = json.dumps(fault(answer.json())).encode()
-        return Response(content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
+        content, kind = answer.content, answer.headers.get("content-type", "")
+        if path == "v1/completions" and answer.status_code == 200:
+            if kind.startswith("application/json"):
+                content = json.dumps(fault(answer.json())).encode()
+            elif kind.startswith("text/event-stream"):
+                events = []
+                for line in answer.text.split("\n"):
+                    if line.startswith("data: {"):
+                        line = "data: " + json.dumps(stream_fault(json.loads(line[len("data: "):])))
+                    events.append(line)
+                content = "\n".join(events).encode()
+        return Response(content, status_code=answer.status_code, media_type=kind or None)
 
     return app
