@@ -86,6 +86,8 @@ class GenerationSettings(_Strict):
     prompt_words: int = Field(24, ge=1, le=2000)
     max_new_tokens: int = Field(32, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
+    paired_timing: bool = Field(True, description="a candidate's run also times the baseline on the same prompts, "
+                                                  "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)")
 
 
 class JudgeSettings(_Strict):

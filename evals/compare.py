@@ -12,6 +12,8 @@ run's typed records.
     judge_win_rate        mean               judge_win_rate_comparison
     judge_score_delta     paired_difference  judge_score_delta_comparison
     gen_nll_ratio         paired_ratio       gen_nll_ratio_comparison
+    ttft_ratio            paired_ratio       paired_timing_ratio
+    tpot_ratio            paired_ratio       paired_timing_ratio
     lossless_exact_match  rate (exact)       lossless_exact_comparison
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     top1_agreement_comparison
@@ -163,6 +165,21 @@ def judge_score_delta_comparison(candidate: dict[str, RubricRecord], baseline: d
     verdict, rule = decide(est, lo, hi, len(keys), t)
     return Comparison("judge_score_delta", est, lo, hi, len(keys), verdict, rule, baseline_value=float(np.mean(b)),
                       candidate_value=float(np.mean(c)), details={"parse_failures": len(candidate) - len(keys)})
+
+
+def paired_timing_ratio(metric: str, pairs: Sequence[tuple[float, float]], t: Thresholds, seed: int = 0) -> Comparison:
+    """(candidate, baseline) timings of the same prompts, taken back to back: the geometric mean of
+    the per-prompt ratios (a latency is skewed; a log ratio is not), CI by paired bootstrap."""
+    kept = [(c, b) for c, b in pairs if c > 0 and b > 0]
+    if not kept:
+        return unscored(metric, "no prompt timed on both sides")
+    logs = np.log(np.array([c / b for c, b in kept], dtype=np.float64))
+    estimate = float(np.exp(logs.mean()))
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ logs) / w.sum(1)), len(kept), seed=seed)
+    verdict, rule = decide(estimate, lo, hi, len(kept), t)
+    cand, base = np.array([c for c, _ in kept]), np.array([b for _, b in kept])
+    return Comparison(metric, estimate, lo, hi, len(kept), verdict, rule, baseline_value=float(np.median(base)),
+                      candidate_value=float(np.median(cand)), details={"median_ms": "baseline_value / candidate_value"})
 
 
 def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],

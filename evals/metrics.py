@@ -103,9 +103,21 @@ register_metric(Metric(
     warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1)))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
-    "median time to first token of the candidate's prompts (lower median for even n), against an absolute budget; "
+    "median time to first token of the candidate's prompts (lower median for even n), against an absolute service "
+    "budget (the baseline is not judged on it; ttft_ratio compares the two); "
     "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
-    warn=2000, critical=5000, fmt=".1f", baseline_compared=True, alert="CanaryTTFTHigh", valid=(0, None)))
+    warn=2000, critical=5000, fmt=".1f", alert="CanaryTTFTHigh", valid=(0, None)))
+register_metric(Metric(
+    "ttft_ratio", "TTFT ratio", "ratio", "above", "paired_ratio", "generation",
+    "geometric mean over prompts of the candidate's time to first token ÷ the baseline's, both timed on the same "
+    "prompt back to back in alternating order within the candidate's run, so host load cancels out; "
+    "paired bootstrap CI",
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTTFTRatioHigh"))
+register_metric(Metric(
+    "tpot_ratio", "TPOT ratio", "ratio", "above", "paired_ratio", "generation",
+    "geometric mean over prompts of the candidate's time per output token (mean time between tokens after the "
+    "first) ÷ the baseline's, timed as for ttft_ratio; paired bootstrap CI",
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTPOTRatioHigh"))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
     "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "

@@ -96,6 +96,14 @@ class GenerationRecord:
     # Σ −log p of its tokens and how many there were; None where the baseline engine could not score it
     baseline_nll: float | None = None
     baseline_nll_tokens: int | None = None
+    # the baseline engine timed on the same prompt right before or after this one (ttft_ratio, tpot_ratio)
+    paired_baseline_ttft_ms: float | None = None
+    paired_baseline_tpot_ms: float | None = None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first: the mean time between tokens."""
+        return sum(self.itl_ms) / len(self.itl_ms) if self.itl_ms else None
 
     @classmethod
     def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool) -> GenerationRecord:
@@ -118,6 +126,9 @@ class GenerationRecord:
             extra["spec"] = spec_to_json(self.spec) | ({"scope": "batch"} if self.spec_scope == "batch" else {})
         if self.baseline_nll is not None:
             extra["baseline_nll"], extra["baseline_nll_tokens"] = self.baseline_nll, self.baseline_nll_tokens
+        if self.paired_baseline_ttft_ms is not None:
+            extra["paired_baseline"] = {"ttft_ms": self.paired_baseline_ttft_ms,
+                                        "tpot_ms": self.paired_baseline_tpot_ms}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
 
     @classmethod
@@ -127,7 +138,8 @@ class GenerationRecord:
         return cls(sample_key, value, e.get("prompt", ""), e.get("text", ""), int(e.get("n_tokens") or 0),
                    int(e.get("prompt_tokens") or 0), tuple(e.get("itl_ms") or ()), e.get("tokens_per_second"),
                    tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"),
-                   e.get("baseline_nll"), e.get("baseline_nll_tokens"))
+                   e.get("baseline_nll"), e.get("baseline_nll_tokens"),
+                   (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"))
 
 
 @dataclass(frozen=True)

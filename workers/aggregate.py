@@ -53,9 +53,17 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
             out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"),
                                          seed=seed))
     gens = [g for g in mine.generations.values() if g.ttft_ms is not None]
-    if gens:
+    if gens and not is_base:  # a service budget on the candidate; the baseline's own speed is the reference
         out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],
                                            thresholds(config_id, "ttft_ms"), seed=seed))
+    timed = [g for g in gens if g.paired_baseline_ttft_ms is not None and g.ttft_ms is not None]
+    if timed and not is_base:
+        out.append(compare.paired_timing_ratio("ttft_ratio", [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in timed],
+                                               thresholds(config_id, "ttft_ratio"), seed=seed))
+        tpot = [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in timed
+                if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
+        if tpot:
+            out.append(compare.paired_timing_ratio("tpot_ratio", tpot, thresholds(config_id, "tpot_ratio"), seed=seed))
     spec_stats = [g.spec for g in gens if g.spec is not None]
     if spec_stats:
         acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],

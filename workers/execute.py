@@ -175,10 +175,19 @@ class ExecuteConfigRun(BaseTask):
         prompts = {request.request_id: request.prompt for request in requests}
         step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
         judge = _baseline_scorer(engine, job) if requests else None  # the baseline model scores every config's outputs
-        for i in range(0, len(requests), step):
+        # a candidate's prompts also run on the baseline engine, batch by batch, in alternating order
+        # (ABBA): the paired timings that ttft_ratio and tpot_ratio compare
+        paired = judge is not None and judge.engine is not engine and gen.get("paired_timing", True)
+        for batch_number, i in enumerate(range(0, len(requests), step)):
             rows = []
             check_lease()
-            generations = engine.generate(requests[i : i + step])
+            batch = requests[i : i + step]
+            baseline_timing: dict[str, tuple[float, float | None]] = {}
+            if paired and batch_number % 2 == 0:
+                baseline_timing = _timings(judge.engine.generate(batch))
+            generations = engine.generate(batch)
+            if paired and batch_number % 2 == 1:
+                baseline_timing = _timings(judge.engine.generate(batch))
             scored = judge.score(generations, prompts, window) if judge is not None else {}
             for generation in generations:
                 ttft.append(generation.ttft_ms)
@@ -189,7 +198,9 @@ class ExecuteConfigRun(BaseTask):
                     spec_decode += generation.spec
                 record = GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids)
                 nll, n = scored.get(generation.request_id, (None, None))
-                rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n).to_row())
+                base_ttft, base_tpot = baseline_timing.get(generation.request_id, (None, None))
+                rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n, paired_baseline_ttft_ms=base_ttft,
+                                    paired_baseline_tpot_ms=base_tpot).to_row())
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
             if server is not None:
                 server_stats.append(server)
@@ -408,6 +419,11 @@ class _BaselineScorer:
             if n > 0:
                 out[generation.request_id] = (full.nll - prompt.nll, n)
         return out
+
+
+def _timings(generations) -> dict[str, tuple[float, float | None]]:
+    """(TTFT, time per output token after the first) of each request, in ms."""
+    return {g.request_id: (g.ttft_ms, sum(g.itl_ms) / len(g.itl_ms) if g.itl_ms else None) for g in generations}
 
 
 def _baseline_scorer(engine, job: dict) -> _BaselineScorer:

@@ -2,16 +2,20 @@
 interface: every request goes to the upstream server (`canary engine-serve`) as it is, and the
 answer of POST /v1/completions passes through a fault on its way back: `fault` on a JSON answer
 (prompt log-probs), `stream_fault` on each event of a streamed one (generated text; the stream is
-read whole, then re-sent). Every other route (/v1/models, /metrics) passes through untouched."""
+read whole, then re-sent). `delay_ms` holds each streamed completion that long before sending it
+upstream, then streams the answer through as it comes: a TTFT regression of exactly that much.
+Every other route (/v1/models, /metrics) passes through untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Callable
 
 import httpx
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 
 def zero_logprobs(answer: dict) -> dict:
@@ -39,13 +43,28 @@ def garble(rate: float, seed: int = 0) -> Callable[[dict], dict]:
 
 
 def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
-              stream_fault: Callable[[dict], dict] = lambda x: x) -> FastAPI:
+              stream_fault: Callable[[dict], dict] = lambda x: x, delay_ms: float = 0.0) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=120)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if delay_ms and path == "v1/completions" and json.loads(body or b"{}").get("stream"):
+            await asyncio.sleep(delay_ms / 1000)
+            upstream_request = client.build_request("POST", "/" + path, content=body, headers=headers)
+            answer = await client.send(upstream_request, stream=True)
+
+            async def relay():
+                try:
+                    async for chunk in answer.aiter_raw():
+                        yield chunk
+                finally:
+                    await answer.aclose()
+
+            return StreamingResponse(relay(), status_code=answer.status_code,
+                                     media_type=answer.headers.get("content-type"))
         answer = await client.request(request.method, "/" + path, content=body,
                                       headers={"content-type": request.headers.get("content-type", "application/json")})
         content, kind = answer.content, answer.headers.get("content-type", "")

@@ -6,7 +6,10 @@ baseline that talks to the same server directly.
   It is a measurement_error naming the check; the run is incomplete and a gate does not pass.
 - Generated text garbled after the model (a sampler or detokenizer bug) leaves the prompt
   log-probs exact, so the perplexity ratio is 1. The baseline model scoring the outputs
-  (gen_nll_ratio) and the lossless exact match (same weights, same KV) both catch it."""
+  (gen_nll_ratio) and the lossless exact match (same weights, same KV) both catch it.
+- A TTFT regression of +80 ms on a server whose p50 is about 100 ms stays far inside the absolute
+  budget (2000 ms), but the paired ttft_ratio flags it at the default number of prompts, while
+  tpot_ratio, which the delay does not touch, stays near 1."""
 
 from __future__ import annotations
 
@@ -96,3 +99,31 @@ def test_garbled_output_with_exact_prompt_logprobs_is_caught_by_what_reads_the_t
     exact = got["lossless_exact_match"]  # same weights and KV as the baseline: its outputs must be identical
     assert exact["verdict"] in ("warn", "critical") and exact["details"]["first_divergence"], exact
     assert summary["verdict"] == "fail"
+
+
+def test_an_80_ms_ttft_regression_is_flagged_by_the_paired_ratio(sqlite_env, engine_serve):
+    proxies = [_proxy(proxy_app(engine_serve, delay_ms=delay)) for delay in (90, 170)]  # ~100 ms p50, then +80 ms
+    base_url, slow_url = (next(p) for p in proxies)
+    try:
+        served = {"engine": "openai", "weights": "fp32"}
+        cfg = {
+            "project": "ttft", "model": {"name": "served", "path": MODEL},
+            "configs": [{"name": "served", "baseline": True, **served, "engine_options": {"base_url": base_url + "/v1"}},
+                        {"name": "slower", **served, "engine_options": {"base_url": slow_url + "/v1"}}],
+            # the default number of prompts (16); short outputs keep the test quick
+            "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 16, "seed": 4,
+                        "perplexity": {"window": 64}, "generation": {"prompt_words": 8, "max_new_tokens": 4}}],
+        }
+        summary = _run(cfg)
+    finally:
+        for p in proxies:
+            next(p, None)
+    got = {c["metric"]: c for c in summary["comparisons"] if c["config"] == "slower"}
+    assert got["ttft_ms"]["verdict"] == "ok"  # p50 ≈ 180 ms is far inside the 2000 ms budget
+    ratio = got["ttft_ratio"]
+    assert ratio["n"] == 16 and ratio["baseline_value"] >= 90 and ratio["candidate_value"] >= 170, ratio
+    assert ratio["ci_low"] > 1.0 and 1.2 < ratio["estimate"] < 3.0, ratio  # surely slower, by about 80 ms in 100
+    if ratio["baseline_value"] <= 130:  # the scenario asked for (a busy host adds its own ms to both sides)
+        assert ratio["verdict"] in ("warn", "critical"), ratio
+    assert got["tpot_ratio"]["ci_low"] < 1.25  # the delay is before the first token only
+    assert not any(c["metric"] in ("ttft_ms", "ttft_ratio") for c in summary["comparisons"] if c["config"] == "served")

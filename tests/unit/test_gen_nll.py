@@ -49,3 +49,17 @@ def test_the_score_travels_with_the_generation_row():
     assert (row["extra"]["baseline_nll"], row["extra"]["baseline_nll_tokens"]) == (2.5, 4)
     assert read_row("generation", "p0", row["value"], row["extra"]) == g
     assert "baseline_nll" not in scored([None])["p0"].to_row()["extra"]  # older rows read back as unscored
+
+
+def test_paired_timing_ratio_is_the_geometric_mean_of_per_prompt_ratios():
+    from evals.compare import paired_timing_ratio
+
+    t = Thresholds.seed("ttft_ratio")  # warn 1.25, critical 1.5
+    # ratios 2 and 0.5 alternate: geometric mean exactly 1 (an arithmetic mean would say 1.25)
+    c = paired_timing_ratio("ttft_ratio", [(200.0, 100.0), (50.0, 100.0)] * 5, t)
+    assert c.estimate == pytest.approx(1.0) and c.n == 10
+    assert (c.baseline_value, c.candidate_value) == (100.0, 125.0)  # medians in ms
+    # +80 ms on every prompt of a 100 ms baseline: ratio 1.8, no spread → critical
+    slow = paired_timing_ratio("ttft_ratio", [(180.0, 100.0)] * 16, t)
+    assert slow.estimate == pytest.approx(1.8) and slow.ci_low == pytest.approx(1.8) and slow.verdict == "critical"
+    assert paired_timing_ratio("tpot_ratio", [(0.0, 5.0)], t).verdict == "inconclusive"  # no usable pair
