@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
-BUILTIN_MODELS = ("pydoc-target", "pydoc-draft")
+BUILTIN_MODELS = ("pydoc-target", "pydoc-draft", "pydoc-outlier")
 BUILTIN_CORPORA = {"pydoc-heldout": ARTIFACTS / "pydoc-heldout.jsonl"}
 
 

@@ -175,6 +175,10 @@ def build(out: pathlib.Path, steps: int | None = None, max_docs: int | None = No
             "heldout_token_perplexity": round(ppl, 3),
         }
         log(f"{arch.name}: held-out token perplexity {ppl:.3f}")
+    from engines.zoo.outliers import derive
+
+    derive(out / TARGET.name, out / "pydoc-outlier")  # the same function with outlier channels
+    log("pydoc-outlier: derived from pydoc-target (engines/zoo/outliers.py)")
     manifest["build_seconds"] = round(time.time() - t0, 1)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

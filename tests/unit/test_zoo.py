@@ -72,3 +72,44 @@ def test_int_weights_on_a_ragged_model_are_refused_at_validation(tmp_path):
     with pytest.raises(ValueError, match=r"configs\[2\]\.weights: intermediate_size = 700 is not a multiple"):
         check_config_fits_model({"weights": "rtn-int4"}, str(model), "configs[2]")
     check_config_fits_model({"weights": "fp16"}, str(model), "configs[2]")  # 16-bit weights fit any shape
+
+
+def test_the_outlier_variant_computes_the_same_function_with_outlier_channels():
+    """pydoc-outlier (engines/zoo/outliers.py) is pydoc-target rescaled by powers of two: the same
+    logits bit for bit, with salient activation channels and key outlier channels."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engines.reference.cache import NoCache
+    from engines.reference.model import load_model
+    from engines.zoo.outliers import KEY_SCALE, SALIENT_CHANNELS, SALIENT_SCALE, add_outliers
+
+    target, outlier = resolve_model_path("builtin:pydoc-target"), resolve_model_path("builtin:pydoc-outlier")
+    # the committed artifact is what the derivation gives
+    derived = add_outliers(load_file(target / "model.safetensors"), json.loads((target / "config.json").read_text()))
+    stored = load_file(outlier / "model.safetensors")
+    assert set(derived) == set(stored) and all(torch.equal(derived[k], stored[k]) for k in stored)
+
+    ids = torch.tensor([[0, 88, 581, 1933, 14, 1009, 14, 3584, 8, 65, 12, 280, 9, 221, 845, 1129, 1839, 344]])
+    slots = torch.arange(ids.shape[1])
+    mask = torch.ones(len(slots), len(slots), dtype=torch.bool).tril()[None, None]
+    outs, keys, normed = [], [], []
+    for path in (target, outlier):
+        model = load_model(str(path), torch.float32, "cpu")
+        layer0 = model.model.layers[0]
+        hooks = [layer0.self_attn.k_proj.register_forward_hook(lambda m, i, o: keys.append(o.detach())),
+                 layer0.input_layernorm.register_forward_hook(lambda m, i, o: normed.append(o.detach()))]
+        with torch.inference_mode():
+            outs.append(model(ids, slots[None], slots, NoCache(), mask))
+        for h in hooks:
+            h.remove()
+    assert torch.equal(outs[0], outs[1])  # power-of-two scales: every product is exact
+
+    def ratio(x):  # max over channels of max |x| ÷ the channels' median
+        ch = x[0].abs().amax(0)
+        return (ch.max() / ch.median()).item()
+
+    # the norm's output (what q, k, v see) and the keys carry channels tens of times the median
+    assert ratio(normed[1]) > 10 * ratio(normed[0]) and ratio(normed[1]) > 20
+    assert ratio(keys[1]) > 5 * ratio(keys[0]) and ratio(keys[1]) > 10
+    assert (SALIENT_SCALE, KEY_SCALE, SALIENT_CHANNELS) == (64.0, 32.0, 8)  # the README's figures are for these
