@@ -33,7 +33,9 @@ console = Console(stderr=True)  # progress and tables on stderr; --json output a
 
 DEMO_CONFIG: dict[str, Any] = {
     "project": "demo",
-    "model": {"name": "pydoc-tiny", "path": "builtin:pydoc-target"},
+    # the tiny target with the activation and key outlier channels real LLMs have, at the same
+    # function (engines/zoo/outliers.py): what AWQ, KIVI and TurboQuant are for shows on it
+    "model": {"name": "pydoc-outlier", "path": "builtin:pydoc-outlier"},
     "configs": [
         {"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
         {"name": "int8", "engine": "reference", "weights": "int8"},
@@ -56,7 +58,8 @@ DEMO_CONFIG: dict[str, Any] = {
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
          "scorers": ["perplexity", "generation", "faithfulness", "agreement"],
-         "perplexity": {"window": 256, "stride": 256},
+         # dotted names and dunders: the term NLL ratio scores their tokens apart (term_nll_ratio)
+         "perplexity": {"window": 256, "stride": 256, "terms": ["builtin:python-identifiers"]},
          "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32},
          # no judge endpoint in the demo: faithfulness runs the labelled offline approximation
          "faithfulness": {"method": "offline"}},

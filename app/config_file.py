@@ -71,6 +71,21 @@ class ConfigEntry(OptimizationSpec):
 class PerplexitySettings(_Strict):
     window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
     stride: int | None = Field(None, ge=1, description="tokens between window starts; default = window (disjoint)")
+    terms: list[str] = Field(default_factory=list, max_length=1000, description=(
+        "domain terms whose tokens are also scored apart (term_nll_ratio): a literal term as written, "
+        "'re:<regex>', or 'builtin:python-identifiers'"))
+
+    @field_validator("terms")
+    @classmethod
+    def _terms(cls, v: list[str]) -> list[str]:
+        from evals.terms import compile_terms
+
+        for i, entry in enumerate(v):
+            try:
+                compile_terms([entry])
+            except ValueError as e:
+                raise ValueError(f"terms[{i}]: {e}") from e
+        return v
 
     @model_validator(mode="after")
     def _stride(self) -> "PerplexitySettings":
@@ -318,6 +333,13 @@ class CanaryFile(_Strict):
             if producer not in scorers:
                 problems.append(f"thresholds.{name}: no suite runs the '{producer}' scorer, which produces {name}, so this "
                                 f"threshold could never apply; add '{producer}' to a suite's scorers or remove the threshold")
+        if "spec_acceptance_rate" in self.thresholds.model_fields_set and all(
+                c.speculative.method == "off" for c in self.configs):
+            problems.append("thresholds.spec_acceptance_rate: no config uses speculative decoding, so this threshold "
+                            "could never apply; add a config with `speculative` or remove the threshold")
+        if "term_nll_ratio" in self.thresholds.model_fields_set and not any(s.perplexity.terms for s in self.suites):
+            problems.append("thresholds.term_nll_ratio: no suite lists perplexity.terms, so this threshold could never "
+                            "apply; add terms to a suite (e.g. ['builtin:python-identifiers']) or remove the threshold")
         suites = {s.name for s in self.suites}
         configs = {c.name for c in self.configs}
         for i, s in enumerate(self.schedules):

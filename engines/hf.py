@@ -22,6 +22,7 @@ from engines.protocol import (
     RollingRequest,
     RollingResult,
     strided_windows,
+    tokenize_with_spans,
 )
 from engines.quant import fake_quantize, quantized_bytes
 from engines.spec import OptimizationSpec
@@ -70,15 +71,16 @@ class TransformersEngine:
     @torch.no_grad()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         jobs = []  # (request index, window input ids, n_scored, target ids)
-        encoded = []
+        encoded, spans = [], []
         context = self.model.config.max_position_embeddings
         for i, req in enumerate(requests):
             if req.window.max_length > context:
                 raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
                                  f"{context} positions; use a window ≤ {context}")
-            ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
+            ids, offsets = tokenize_with_spans(self.tokenizer, req.text)
             if not ids:
                 raise ValueError(f"document '{req.doc_id}' has no tokens")
+            spans.append(offsets)
             seq = [self.start_id] + ids
             encoded.append(ids)
             for begin, end, n in strided_windows(len(ids), req.window):
@@ -113,6 +115,7 @@ class TransformersEngine:
                 greedy_ids=tuple(greedy[i]),
                 n_bytes=len(req.text.encode("utf-8")),
                 n_words=len(req.text.split()),
+                char_spans=spans[i],
             )
             for i, req in enumerate(requests)
         ]
@@ -165,6 +168,9 @@ class TransformersEngine:
     def server_stats(self) -> None:
         """In-process: no serving process reports figures of its own."""
         return None
+
+    def reset_peaks(self) -> None:
+        """Nothing to reset: this engine reports no peaks."""
 
     def describe(self) -> EngineDescription:
         import transformers

@@ -232,6 +232,9 @@ class OpenAIEngine:
     def server_stats(self) -> ServerStats | None:
         return self._server_stats
 
+    def reset_peaks(self) -> None:
+        """Nothing to reset: the server's gauges are sampled per generate call."""
+
     async def _scrape(self, client: httpx.AsyncClient) -> dict:
         try:
             response = await client.get(self.metrics_url, headers=self.metrics_headers)

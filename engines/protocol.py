@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily (SamplingParams._SAMPLING_EPS)
 
@@ -66,10 +66,23 @@ class RollingResult:
     greedy_ids: tuple[int, ...]  # argmax token at each scored position (top-1 agreement)
     n_bytes: int  # UTF-8 bytes of the text (byte perplexity)
     n_words: int  # whitespace-split words (word perplexity, lm-eval's definition)
+    # each token's [start, end) characters in the document (domain-term NLL, evals/terms.py); empty
+    # where the engine cannot place its tokens in the text (an HTTP server's tokenizer)
+    char_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def nll(self) -> float:
         return -sum(self.logprobs)
+
+
+def tokenize_with_spans(tokenizer: Any, text: str) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """A document's token ids (no special tokens) and each token's [start, end) characters; no spans
+    where the tokenizer cannot give offsets (a slow tokenizer)."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # slow (Python) tokenizers have no offsets
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), ()
+    return list(encoded["input_ids"]), tuple((int(a), int(b)) for a, b in encoded["offset_mapping"])
 
 
 @dataclass(frozen=True)
@@ -179,4 +192,9 @@ class Engine(Protocol):
 
     def server_stats(self) -> ServerStats | None:
         """The server's own figures over the last generate() call; None for an in-process engine."""
+        ...
+
+    def reset_peaks(self) -> None:
+        """Start a new measurement window: the peaks describe() reports (KV cache bytes and usage,
+        device memory) count from here. A cached engine serves many config-runs; each reports its own."""
         ...

@@ -83,6 +83,9 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "api_key_env": (str, "name of the environment variable holding the API key (never the key itself)"),
         "concurrency": (int, "requests in flight at once (default 1)"),
         "timeout_s": (int, "per-request timeout in seconds (default 60)"),
+        "dedicated_server": (bool, "true: the server serves only the canary while it runs, so its spec-decode "
+                                   "counter deltas are the run's acceptance (default false: they are reported in "
+                                   "figures.server, flagged when other traffic moved them, and not judged)"),
     },
     "vllm": {
         "tensor_parallel_size": (int, "GPUs per model (default 1)"),

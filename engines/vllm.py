@@ -28,6 +28,7 @@ from engines.protocol import (
     ServerStats,
     SpecStats,
     strided_windows,
+    tokenize_with_spans,
 )
 from engines.spec import OptimizationSpec
 
@@ -90,7 +91,7 @@ class VLLMEngine:
         params = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0)
         out = []
         for req in requests:
-            ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
+            ids, spans = tokenize_with_spans(self.tokenizer, req.text)
             seq = [self.tokenizer.bos_token_id or self.tokenizer.eos_token_id] + ids
             logprobs: list[float] = []
             for begin, end, n in strided_windows(len(ids), req.window):
@@ -99,7 +100,7 @@ class VLLMEngine:
                                 for d, t in zip(res.prompt_logprobs[1:], seq[begin + 1 : end], strict=True)]
                 logprobs += lps[len(lps) - n :]
             out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
-                                     len(req.text.encode()), len(req.text.split())))
+                                     len(req.text.encode()), len(req.text.split()), spans))
         return out
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -129,6 +130,9 @@ class VLLMEngine:
     def server_stats(self) -> ServerStats | None:
         """The in-process engine's spec-decode counter deltas over the last generate call."""
         return self._server_stats
+
+    def reset_peaks(self) -> None:
+        """Nothing to reset: vLLM's figures are read per generate call."""
 
     def describe(self) -> EngineDescription:
         import vllm

@@ -12,6 +12,7 @@ run's typed records.
     judge_win_rate        mean               judge_win_rate_comparison
     judge_score_delta     paired_difference  judge_score_delta_comparison
     gen_nll_ratio         paired_ratio       gen_nll_ratio_comparison
+    term_nll_ratio        paired_ratio       term_nll_ratio_comparison
     ttft_ratio            paired_ratio       paired_timing_ratio
     tpot_ratio            paired_ratio       paired_timing_ratio
     lossless_exact_match  rate (exact)       lossless_exact_comparison
@@ -24,12 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 
 from evals.agreement import exact_match, first_divergence, top1_agreement
 from evals.perplexity import ppl_ratio
-from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
+from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
 from evals.stats import Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "mean_comparison",
     "peak_comparison",
     "ppl_ratio",
+    "term_nll_ratio_comparison",
     "top1_agreement_comparison",
     "ttft_comparison",
     "unscored",
@@ -204,6 +207,39 @@ def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: d
     return Comparison("gen_nll_ratio", estimate, lo, hi, len(keys), verdict, rule, baseline_value=math.exp(rate_b),
                       candidate_value=math.exp(rate_c),
                       details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c})
+
+
+def term_nll_ratio_comparison(candidate: dict[str, DocRecord], baseline: dict[str, DocRecord], t: Thresholds,
+                              seed: int = 0) -> Comparison:
+    """The perplexity ratio restricted to the suite's domain-term tokens (evals/terms.py):
+    exp((Σ term NLL_c − Σ term NLL_b) / Σ term tokens) over the documents that hold a term, both
+    sides scoring the same tokens; CI by paired bootstrap over source documents (min_n counts them)."""
+    missing = [side for side, docs in (("candidate", candidate), ("baseline", baseline))
+               if docs and all(d.term_tokens is None for d in docs.values())]
+    if missing:
+        return unscored("term_nll_ratio", f"the {' and '.join(missing)}'s engine did not place its tokens in the text "
+                                          f"(an HTTP server gives no token offsets), so no term tokens were scored")
+    keys = [k for k, b in baseline.items() if b.term_tokens and (c := candidate.get(k)) is not None
+            and c.term_tokens is not None]
+    unequal = [k for k in keys if candidate[k].term_tokens != baseline[k].term_tokens]
+    if unequal:
+        return unscored("term_nll_ratio", f"document '{unequal[0]}' has {baseline[unequal[0]].term_tokens} baseline "
+                                          f"term tokens but {candidate[unequal[0]].term_tokens} candidate term tokens; "
+                                          f"the ratio needs the same tokenizer on both sides")
+    if not keys:
+        return unscored("term_nll_ratio", "no scored document contains one of the suite's terms")
+    diff = np.array([cast(float, candidate[k].term_nll) - cast(float, baseline[k].term_nll) for k in keys])
+    toks = np.array([baseline[k].term_tokens for k in keys], dtype=np.float64)
+    clusters = [baseline[k].cluster or k for k in keys]
+    estimate = math.exp(diff.sum() / toks.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ diff) / (w @ toks)), len(keys), clusters=clusters, seed=seed)
+    verdict, rule = decide(estimate, lo, hi, len(set(clusters)), t)
+    base_nll = sum(cast(float, baseline[k].term_nll) for k in keys)
+    return Comparison("term_nll_ratio", estimate, lo, hi, len(keys), verdict, rule,
+                      baseline_value=math.exp(base_nll / toks.sum()),
+                      candidate_value=math.exp((base_nll + diff.sum()) / toks.sum()),
+                      details={"term_tokens": int(toks.sum()), "n_clusters": len(set(clusters)),
+                               "delta_nll_per_term_token": float(diff.sum() / toks.sum())})
 
 
 def _paired_outputs(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],

@@ -145,6 +145,13 @@ register_metric(Metric(
     "Garbled or off-distribution text fails it while prompt log-probs stay exact",
     warn=1.15, critical=1.30, valid=(0.5, None), alert="CanaryGenerationNLLRatioHigh"))
 register_metric(Metric(
+    "term_nll_ratio", "term NLL ratio", "ratio", "above", "paired_ratio", "perplexity",
+    "the perplexity ratio over only the tokens that overlap the suite's domain terms (perplexity.terms): "
+    "exp((ΣNLL_c − ΣNLL_b) / Σterm tokens) over the same documents; a loss on rare domain tokens that "
+    "whole-document perplexity averages away (a model that stops citing 'IFRS 9.3.1.1' and says 'IFRS 9'); "
+    "paired bootstrap over documents",
+    warn=1.15, critical=1.30, valid=(0.9, None), alert="CanaryDomainTermNLLRatioHigh"))
+register_metric(Metric(
     "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
     "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
     "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "

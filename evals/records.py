@@ -7,7 +7,8 @@ Each record is the one writer and the one reader of its row: `to_row()` gives
 and `read_row` picks the record by the row's kind. Nothing else reads a row's `extra` JSON by key.
 
     kind            record              value            what extra holds
-    nll             DocRecord           Σ −log p (nats)  token/word/byte counts, top-1 hits, cluster, greedy ids
+    nll             DocRecord           Σ −log p (nats)  token/word/byte counts, top-1 hits, cluster, greedy ids,
+                                                         domain-term NLL and token count
     generation      GenerationRecord    TTFT (ms)        prompt, text, token counts and ids, ITL, tok/s, spec counters
     judge_pairwise  PairwiseRecord      1 / ½ / 0        winner, per-order verdicts, consistency, rationale
     judge_score     RubricRecord        score 1–5        stated and probability-weighted scores, rationale
@@ -52,26 +53,36 @@ class DocRecord:
     top1_hits: int = 0  # positions where the argmax token is the document's token
     cluster: str | None = None  # documents that share a source are resampled together
     greedy_ids: tuple[int, ...] = ()  # argmax token per position, kept when the suite scores agreement
+    # the suite's domain terms (evals/terms.py): Σ −log p over the tokens that overlap one, and their
+    # count; None when the suite lists no terms or the engine cannot place its tokens in the text
+    term_nll: float | None = None
+    term_tokens: int | None = None
 
     @classmethod
-    def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool) -> DocRecord:
+    def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool,
+                    terms: tuple[float, int] | None = None) -> DocRecord:
         top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
-                   tuple(r.greedy_ids) if keep_ids else ())
+                   tuple(r.greedy_ids) if keep_ids else (), *(terms or (None, None)))
 
     def to_row(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
                                  "top1_hits": self.top1_hits, "cluster": self.cluster}
         if self.greedy_ids:
             extra["greedy_ids"] = list(self.greedy_ids)
+        if self.term_tokens is not None:
+            extra["term_nll"], extra["term_tokens"] = self.term_nll, self.term_tokens
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
 
     @classmethod
     def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> DocRecord:
         e = extra or {}
         nll = float(value) if value is not None else float("nan")
+        term_tokens = e.get("term_tokens")
         return cls(sample_key, nll, int(e["n_tokens"]), int(e["n_words"]), int(e["n_bytes"]),
-                   int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()))
+                   int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()),
+                   float(e["term_nll"]) if term_tokens is not None else None,
+                   int(term_tokens) if term_tokens is not None else None)
 
 
 @dataclass(frozen=True)
@@ -305,6 +316,12 @@ class ServerFigures:
     max_kv_cache_usage: float | None
     max_num_requests_waiting: float | None
     max_num_requests_running: float | None
+    # spec-decode counter deltas over the run's generate calls, and how they were used: judged as the
+    # run's acceptance only on a dedicated server (engine_options.dedicated_server)
+    spec: SpecFigures | None = None
+    dedicated: bool = False
+    # batches whose counters moved more than the canary's own requests could explain
+    foreign_traffic_batches: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,7 +371,10 @@ class RunFigures:
         """The stored form back; a field that an older version did not store reads as None."""
         values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
         if values["server"] is not None:
-            values["server"] = ServerFigures(**values["server"])
+            server = dict(values["server"])
+            if server.get("spec") is not None:
+                server["spec"] = SpecFigures(**server["spec"])
+            values["server"] = ServerFigures(**server)
         if values["spec"] is not None:
             values["spec"] = SpecFigures(**values["spec"])
         return cls(**values)

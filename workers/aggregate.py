@@ -52,6 +52,10 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         else:
             out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"),
                                          seed=seed))
+            if any(d.term_tokens is not None for d in (*mine.docs.values(), *base.docs.values())):
+                # the suite lists domain terms: their tokens' loss, which the whole documents average away
+                out.append(compare.term_nll_ratio_comparison(mine.docs, base.docs,
+                                                             thresholds(config_id, "term_nll_ratio"), seed=seed))
     gens = [g for g in mine.generations.values() if g.ttft_ms is not None]
     if gens and not is_base:  # a service budget on the candidate; the baseline's own speed is the reference
         out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],

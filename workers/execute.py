@@ -27,6 +27,7 @@ from engines.protocol import GenerationRequest, RollingRequest, ServerStats, Spe
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
 from evals.records import DocRecord, GenerationRecord, RunFigures, ServerFigures, SpecFigures, spec_to_json
+from evals.terms import compile_terms, term_nll
 from workers.base import BaseTask
 
 log = logging.getLogger(__name__)
@@ -144,11 +145,13 @@ class ExecuteConfigRun(BaseTask):
             check_engine(spec)
         model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
         engine = get_engine(model, spec, job["calibration"])
+        engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
         suite = job["suite"]
         ppl = suite.get("perplexity", {})
         window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
         gen = suite.get("generation", {})
         scorers = suite.get("scorers", ["perplexity", "generation"])
+        term_pattern = compile_terms(ppl.get("terms") or [])  # the suite's domain terms (term_nll_ratio)
         keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
         samples = job["samples"]
         n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
@@ -160,15 +163,18 @@ class ExecuteConfigRun(BaseTask):
             check_lease()
             results = engine.loglikelihood_rolling([RollingRequest(key, text, window) for key, text, _ in batch])
             rows = []
-            for doc, (_, _, cluster) in zip(results, batch, strict=True):
+            for doc, (_, text, cluster) in zip(results, batch, strict=True):
                 nll_sum += doc.nll
                 n_tokens += len(doc.token_ids)
-                rows.append(DocRecord.from_result(doc, cluster, keep_ids).to_row())
+                terms = term_nll(text, doc.logprobs, doc.char_spans, term_pattern) if term_pattern else None
+                rows.append(DocRecord.from_result(doc, cluster, keep_ids, terms).to_row())
             done += len(batch)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         ttft, itl, tps, gen_tokens = [], [], [], 0
         spec_decode = SpecStats()  # requests' own counters plus servers' per-batch counters
         server_stats: list[ServerStats] = []  # one per batch, from an engine that runs in a server
+        server_spec, foreign = SpecStats(), 0  # a server's spec-decode counter deltas; batches others moved
+        dedicated = bool(spec.engine_options.get("dedicated_server", False))
         requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
                                       gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
                     for key, text, _ in samples[:n_prompts]]
@@ -204,10 +210,14 @@ class ExecuteConfigRun(BaseTask):
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
             if server is not None:
                 server_stats.append(server)
-                # a server's counters are per batch, not per request (GenerationRecord.spec_scope)
                 if server.spec is not None and server.spec.num_draft_tokens:
-                    rows[0]["extra"]["spec"] = spec_to_json(server.spec) | {"scope": "batch"}
-                    spec_decode += server.spec
+                    server_spec += server.spec
+                    # more drafts or accepted tokens than the batch generated: someone else's requests
+                    ours = sum(generation.n_tokens for generation in generations)
+                    foreign += int(server.spec.num_drafts > ours or server.spec.num_accepted_tokens > ours)
+                    if dedicated:  # a server's counters are per batch, not per request (GenerationRecord.spec_scope)
+                        rows[0]["extra"]["spec"] = spec_to_json(server.spec) | {"scope": "batch"}
+                        spec_decode += server.spec
             done += len(rows)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         description = engine.describe()
@@ -229,7 +239,7 @@ class ExecuteConfigRun(BaseTask):
             concurrency=int(spec.engine_options.get("concurrency", 1)),
             # peak over the run: the engine's own, or the highest a server reported while it ran
             kv_cache_usage=_peak([description.kv_cache_usage, *(batch.max_kv_cache_usage for batch in server_stats)]),
-            server=_server_figures(server_stats) if server_stats else None,
+            server=_server_figures(server_stats, server_spec, dedicated, foreign) if server_stats else None,
             spec=SpecFigures.from_stats(spec_decode) if spec_decode.num_drafts else None,
             baseline_scoring_error=judge.error if judge is not None else None,
         ).to_json()
@@ -440,12 +450,15 @@ def _baseline_scorer(engine, job: dict) -> _BaselineScorer:
     return _BaselineScorer(get_engine(str(resolve_model_path(job["model_path"])), baseline))
 
 
-def _server_figures(server_stats: list[ServerStats]) -> ServerFigures:
-    """A serving process's own gauges, each at its peak over the run's generate calls."""
+def _server_figures(server_stats: list[ServerStats], spec: SpecStats, dedicated: bool, foreign: int) -> ServerFigures:
+    """A serving process's own gauges, each at its peak over the run's generate calls, and its
+    spec-decode counter deltas summed over them."""
     return ServerFigures(metrics_url=server_stats[-1].metrics_url,
                          max_kv_cache_usage=_peak([batch.max_kv_cache_usage for batch in server_stats]),
                          max_num_requests_waiting=_peak([batch.max_num_requests_waiting for batch in server_stats]),
-                         max_num_requests_running=_peak([batch.max_num_requests_running for batch in server_stats]))
+                         max_num_requests_running=_peak([batch.max_num_requests_running for batch in server_stats]),
+                         spec=SpecFigures.from_stats(spec) if spec.num_drafts else None, dedicated=dedicated,
+                         foreign_traffic_batches=foreign)
 
 
 def _peak(values: list[float | None]) -> float | None:

@@ -21,6 +21,7 @@ from engines.protocol import (
     RollingResult,
     SpecStats,
     strided_windows,
+    tokenize_with_spans,
 )
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
@@ -190,12 +191,13 @@ class ReferenceEngine:
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
-        jobs, encoded = [], []
+        jobs, encoded, spans = [], [], []
         for i, req in enumerate(requests):
             if req.window.max_length > self.args.max_seq_len:
                 raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
                                  f"{self.args.max_seq_len} positions; use a window ≤ {self.args.max_seq_len}")
-            ids = self.tokenizer(req.text, add_special_tokens=False)["input_ids"]
+            ids, offsets = tokenize_with_spans(self.tokenizer, req.text)
+            spans.append(offsets)
             if not ids:
                 raise ValueError(f"document '{req.doc_id}' has no tokens")
             encoded.append(ids)
@@ -231,7 +233,7 @@ class ReferenceEngine:
             greedy[job[0]].extend(out[j][1])
         return [
             RollingResult(req.doc_id, tuple(encoded[i]), tuple(logprobs[i]), tuple(greedy[i]),
-                          len(req.text.encode("utf-8")), len(req.text.split()))
+                          len(req.text.encode("utf-8")), len(req.text.split()), spans[i])
             for i, req in enumerate(requests)
         ]
 
@@ -418,6 +420,12 @@ class ReferenceEngine:
     def server_stats(self) -> None:
         """In-process: no serving process reports figures of its own."""
         return None
+
+    def reset_peaks(self) -> None:
+        self.peak_kv_bytes = 0
+        self.peak_kv_usage = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def describe(self) -> EngineDescription:
         import transformers

@@ -1,9 +1,10 @@
 """A perturbing OpenAI-compatible proxy on loopback, for seeding faults through the public
 interface: every request goes to the upstream server (`canary engine-serve`) as it is, and the
 answer of POST /v1/completions passes through a fault on its way back: `fault` on a JSON answer
-(prompt log-probs), `stream_fault` on each event of a streamed one (generated text; the stream is
-read whole, then re-sent). `delay_ms` holds each streamed completion that long before sending it
-upstream, then streams the answer through as it comes: a TTFT regression of exactly that much.
+(prompt log-probs), `stream_fault` on each event of a streamed one (generated text), relayed
+event by event as the upstream sends it so that the client sees the server's timing. `delay_ms`
+holds each streamed completion that long before sending it upstream: a TTFT regression of
+exactly that much (and the proxy's own hop, which a baseline behind an identity proxy shares).
 Every other route (/v1/models, /metrics) passes through untouched."""
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ def zero_logprobs(answer: dict) -> dict:
         lp = choice.get("logprobs") or {}
         lp["token_logprobs"] = [None if x is None else 0.0 for x in lp.get("token_logprobs") or []]
     return answer
+
+
+def shift_logprobs(nats: float) -> Callable[[dict], dict]:
+    """Every prompt token's log-prob lowered by `nats`: a candidate whose perplexity is exactly
+    exp(nats) times the baseline's (a known-size quality loss)."""
+
+    def fault(answer: dict) -> dict:
+        for choice in answer.get("choices", []):
+            lp = choice.get("logprobs") or {}
+            lp["token_logprobs"] = [None if x is None else x - nats for x in lp.get("token_logprobs") or []]
+        return answer
+
+    return fault
 
 
 def garble(rate: float, seed: int = 0) -> Callable[[dict], dict]:
@@ -51,15 +65,26 @@ def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        if delay_ms and path == "v1/completions" and json.loads(body or b"{}").get("stream"):
-            await asyncio.sleep(delay_ms / 1000)
+        if path == "v1/completions" and json.loads(body or b"{}").get("stream"):
+            # streamed through as the upstream sends it, event by event, so that the timing the
+            # client sees is the server's (plus `delay_ms` before the first byte)
+            if delay_ms:
+                await asyncio.sleep(delay_ms / 1000)
             upstream_request = client.build_request("POST", "/" + path, content=body, headers=headers)
             answer = await client.send(upstream_request, stream=True)
 
             async def relay():
+                pending = ""
                 try:
-                    async for chunk in answer.aiter_raw():
-                        yield chunk
+                    async for text in answer.aiter_text():
+                        pending += text
+                        while "\n" in pending:
+                            line, pending = pending.split("\n", 1)
+                            if line.startswith("data: {"):
+                                line = "data: " + json.dumps(stream_fault(json.loads(line[len("data: "):])))
+                            yield (line + "\n").encode()
+                    if pending:
+                        yield pending.encode()
                 finally:
                     await answer.aclose()
 
@@ -71,13 +96,6 @@ def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
         if path == "v1/completions" and answer.status_code == 200:
             if kind.startswith("application/json"):
                 content = json.dumps(fault(answer.json())).encode()
-            elif kind.startswith("text/event-stream"):
-                events = []
-                for line in answer.text.split("\n"):
-                    if line.startswith("data: {"):
-                        line = "data: " + json.dumps(stream_fault(json.loads(line[len("data: "):])))
-                    events.append(line)
-                content = "\n".join(events).encode()
         return Response(content, status_code=answer.status_code, media_type=kind or None)
 
     return app

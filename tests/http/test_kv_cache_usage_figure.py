@@ -59,6 +59,7 @@ def test_an_openai_config_stores_the_servers_peak_kv_cache_usage(sqlite_env, ser
     # the openai engine does not know its server's memory: the figure is the server's peak
     assert figures["server"] == {"metrics_url": engine_serve + "/metrics", "max_kv_cache_usage": usage,
                                  "max_num_requests_waiting": figures["server"]["max_num_requests_waiting"],
+                                 "spec": None, "dedicated": False, "foreign_traffic_batches": 0,
                                  "max_num_requests_running": 1.0}
     # concurrency 2: the client holds at most two requests at the server (for a moment, both queued)
     assert figures["server"]["max_num_requests_waiting"] in (0.0, 1.0, 2.0)

@@ -34,6 +34,8 @@ def test_the_config_files_thresholds_are_the_tables_gated_rows_with_their_seeds(
     # the suite runs no judge: nothing would ever produce judge_win_rate
     ({"judge_win_rate": {"warn": 0.45}}, "thresholds.judge_win_rate: no suite runs the 'judge' scorer"),
     ({"faithfulness": {"warn": 0.7}}, "thresholds.faithfulness: no suite runs the 'faithfulness' scorer"),
+    # no config decodes speculatively: nothing would ever produce an acceptance rate
+    ({"spec_acceptance_rate": {"warn": 0.6}}, "thresholds.spec_acceptance_rate: no config uses speculative decoding"),
 ])
 def test_a_threshold_that_could_never_apply_is_refused_naming_it(thresholds, message):
     with pytest.raises(ConfigFileError) as err:

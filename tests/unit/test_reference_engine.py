@@ -127,6 +127,11 @@ def test_kv_cache_usage_is_the_peak_share_of_a_full_context_cache_holding_tokens
     assert g1.describe().kv_cache_usage == 19 / 1024
     e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])
     assert e.describe().kv_cache_usage == 89 / 2048  # the peak over both caches
+    # the engine is cached across config-runs: each run's window starts from nothing
+    e.reset_peaks()
+    assert e.describe().kv_cache_usage is None and e.describe().peak_kv_cache_bytes == 0
+    e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])
+    assert e.describe().kv_cache_usage == 19 / 1024  # this window's peak, not the earlier 89 / 2048
     # a batch of two: prompts of 4 and 12 tokens left-padded to 12, max_new_tokens 6 and 4; 5 decode
     # steps write one position per row each (padding holds no token): (4 + 12 + 2 × 5) / (2 × 1024)
     b = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", engine_options={"concurrency": 2}))
