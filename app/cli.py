@@ -346,7 +346,8 @@ def _gate_out(g: dict, summary_md, as_json: bool) -> None:
                       f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {g['reason'] or ''}", highlight=False)
 
 
-@app.command("engine-serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("engine-serve", add_help_option=False,  # --help reaches the server's own parser, which lists its options
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def engine_serve(ctx: typer.Context) -> None:
     """Serve the reference engine behind an OpenAI-compatible API with vLLM metric names
     (options: --model, --served-model-name, --weights, --kv-cache, --speculative, --port; see --help)."""

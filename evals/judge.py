@@ -210,20 +210,17 @@ def _retry_after(r: httpx.Response) -> float | None:
 
 
 def extract_json(text: str) -> dict:
-    """The first JSON object in a reply (models wrap it in prose or ``` fences)."""
+    """The first JSON object in a reply (models wrap it in prose or ``` fences). Each '{' is tried
+    with the JSON decoder itself, so braces inside the object's strings ("uses {x}") are text."""
+    decoder = json.JSONDecoder()
     start = text.find("{")
     while start != -1:
-        depth = 0
-        for i in range(start, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                try:
-                    value = json.loads(text[start : i + 1])
-                except json.JSONDecodeError:
-                    break
-                if isinstance(value, dict):
-                    return value
-                break
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict):
+            return value
         start = text.find("{", start + 1)
     raise ValueError(f"no JSON object in judge reply: {text[:120]!r}")
 

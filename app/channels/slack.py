@@ -6,6 +6,12 @@ from __future__ import annotations
 from app.channels import AlertMessage
 
 PACE_PER_SECOND = 1.0
+SECTION_LIMIT = 3000  # characters of a section block's text; Slack refuses the message above it
+HEADER_LIMIT = 150  # characters of a header block's plain text
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def payload(msg: AlertMessage) -> dict:
@@ -13,8 +19,8 @@ def payload(msg: AlertMessage) -> dict:
     return {
         "text": f"{msg.headline()}: {msg.detail()}",  # the notification / fallback text
         "blocks": [
-            {"type": "header", "text": {"type": "plain_text", "text": msg.headline()[:150]}},
-            {"type": "section", "text": {"type": "mrkdwn", "text": f"{emoji} {msg.detail()}"}},
+            {"type": "header", "text": {"type": "plain_text", "text": _cut(msg.headline(), HEADER_LIMIT)}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": _cut(f"{emoji} {msg.detail()}", SECTION_LIMIT)}},
             {"type": "actions", "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": msg.link()}]},
         ],
     }

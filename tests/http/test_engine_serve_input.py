@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -246,3 +248,25 @@ def test_fuzzed_bodies_never_get_a_5xx(engine_serve):
     print("  status codes: " + ", ".join(f"{code}: {n}" for code, n in sorted(statuses.items())) + f"; 5xx: {len(server_errors)}")
     assert not server_errors, server_errors[:5]
     assert statuses[200] > 0 and statuses[400] > 0  # both sides of the validation were reached
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--weights", "int5"], "argument --weights: invalid choice: 'int5' (choose from 'fp32', 'fp16'"),
+    (["--speculative", "{bad"], "--speculative: not JSON"),
+    (["--speculative", '{"method": "ngram", "k": 0}'], "--speculative: ngram.k: Input should be greater than or equal to 1"),
+    (["--model", "builtin:nope"], "--model: unknown builtin model 'nope'; choose one of: pydoc-target"),
+])
+def test_a_bad_flag_is_one_line_naming_it(args, message):
+    r = subprocess.run([sys.executable, "-m", "app.cli", "engine-serve", *args], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"canary engine-serve: error: {message}"), r.stderr
+
+
+def test_help_lists_the_servers_options():
+    r = subprocess.run([sys.executable, "-m", "app.cli", "engine-serve", "--help"], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0
+    for flag in ("--model", "--served-model-name", "--weights", "--kv-cache", "--speculative", "--port"):
+        assert flag in r.stdout
+    assert "awq-int4" in r.stdout and "turbo-3.5" in r.stdout  # the formats it takes

@@ -217,3 +217,18 @@ def test_a_never_tried_notification_is_due_for_the_reconciler(sqlite_env):
         s.get(Notification, nid).next_attempt_at = before + timedelta(hours=1)
     with session_scope() as s:
         assert next_due(s) == before + timedelta(hours=1)
+
+
+def test_a_long_slack_section_is_cut_to_slacks_limit():
+    from datetime import UTC, datetime
+
+    from app.channels import AlertMessage, build
+    from app.channels.slack import SECTION_LIMIT
+
+    rule = "CI low 1.05 ≥ critical 1.03; " * 200  # a verdict reason of 6000 characters
+    msg = AlertMessage("firing", {"project": "p", "model": "m", "config": "int4", "metric": "ppl_ratio",
+                                  "severity": "critical"}, "fp1", 1.0574, 1.0497, 1.066, 100, "fp16", 110.76, 117.12,
+                       rule, 7, "http://dash", datetime(2026, 1, 1, tzinfo=UTC))
+    section = build("slack", msg)["blocks"][1]["text"]["text"]
+    assert len(section) == SECTION_LIMIT == 3000 and section.endswith("…")
+    assert section.startswith(":red_circle: ppl_ratio = 1.057")  # the figure itself survives the cut

@@ -48,25 +48,41 @@ def build_app(server: EngineServer) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
+    from pydantic import ValidationError
 
     from engines.registry import load_engine
-    from engines.spec import OptimizationSpec
-    from engines.zoo import resolve_model_path
+    from engines.spec import KV_CACHE, WEIGHTS, OptimizationSpec
+    from engines.zoo import ModelPathError, resolve_model_path
 
     ap = argparse.ArgumentParser(prog="canary engine-serve",
                                  description="the reference engine behind an OpenAI-compatible API")
     ap.add_argument("--model", default="builtin:pydoc-target", help="builtin:<zoo name> or an HF directory")
     ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the --model value)")
-    ap.add_argument("--weights", default="fp32")
-    ap.add_argument("--kv-cache", default="auto")
+    ap.add_argument("--weights", default="fp32", choices=WEIGHTS, metavar="WEIGHTS",
+                    help=f"weight format (default fp32): {', '.join(WEIGHTS)}")
+    ap.add_argument("--kv-cache", default="auto", choices=KV_CACHE, metavar="KV_CACHE",
+                    help=f"KV cache format (default auto: the weights' dtype): {', '.join(KV_CACHE)}")
     ap.add_argument("--speculative", default="off", help='"off" or a JSON object, e.g. {"method": "ngram", "k": 4}')
     ap.add_argument("--no-prompt-logprobs", action="store_true",
                     help="refuse echo=true (like servers without prompt log-probs)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     args = ap.parse_args(argv)
-    speculative = {"method": "off"} if args.speculative == "off" else json.loads(args.speculative)
-    spec = OptimizationSpec(engine="reference", weights=args.weights, kv_cache=args.kv_cache, speculative=speculative)
-    engine = load_engine(str(resolve_model_path(args.model)), spec)
+    try:
+        speculative = {"method": "off"} if args.speculative == "off" else json.loads(args.speculative)
+        spec = OptimizationSpec(engine="reference", weights=args.weights, kv_cache=args.kv_cache,
+                                speculative=speculative)
+        path = resolve_model_path(args.model)
+    except json.JSONDecodeError as e:
+        ap.error(f"--speculative: not JSON ({e.msg}); give \"off\" or e.g. '{{\"method\": \"ngram\", \"k\": 4}}'")
+    except ValidationError as e:
+        first = e.errors()[0]
+        ap.error(f"--speculative: {'.'.join(str(x) for x in first['loc'][1:])}: {first['msg']}")
+    except ModelPathError as e:
+        ap.error(f"--model: {e}")
+    try:
+        engine = load_engine(str(path), spec)
+    except ValueError as e:  # a format this machine cannot run, AWQ without calibration text, …
+        ap.error(str(e).splitlines()[0])
     server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
