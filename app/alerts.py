@@ -4,8 +4,9 @@ immediate full-suite run of that config. The state machine itself is app/alertin
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -84,7 +85,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                ci_low=comparison.ci_low, ci_high=comparison.ci_high, n=comparison.n, baseline=baseline,
                                baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
                                rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
-                               starts_at=st.fired_at or st.started_at or now, ends_at=st.resolved_at if kind == "resolved" else None)
+                               starts_at=st.fired_at or st.started_at or now,
+                               ends_at=st.resolved_at if kind == "resolved" else alertmanager_ends_at(channel, now))
             notification = Notification(channel_id=channel.id, alert_id=row.id, idempotency_key=key,
                                         payload=build(channel.kind, msg), status="pending")
             session.add(notification)
@@ -121,4 +123,48 @@ def escalate(session_factory, run_id: int, escalations: list[tuple[int, str]], d
     return started
 
 
-__all__ = ["ACTIVE", "AlertRule", "escalate", "evaluate_run"]
+def alertmanager_ends_at(channel: Channel, now: datetime) -> datetime | None:
+    """A firing alert's endsAt for an Alertmanager channel: 4 resend intervals ahead (as Prometheus
+    sets it), so it stays active while the refresher re-sends it and resolves on its own only if
+    the canary stops. Other channels take no endsAt for a firing alert."""
+    if channel.kind != "alertmanager":
+        return None
+    return now + timedelta(seconds=4 * get_settings().alertmanager_resend_seconds)
+
+
+def refresh_alertmanager(session: Session, now: datetime | None = None) -> list[int]:
+    """Re-send every firing alert to each Alertmanager channel that was told of it, with endsAt
+    moved ahead (Alertmanager resolves an alert whose endsAt passed, or after resolve_timeout —
+    5 minutes — when none was given). One notification per (channel, alert, resend slot); returns
+    the ids queued. The payload is the last one the channel was sent for the alert."""
+    now = aware(now or utcnow())
+    interval = get_settings().alertmanager_resend_seconds
+    slot = int(now.timestamp() // interval)
+    queued = []
+    channels = session.scalars(select(Channel).where(Channel.kind == "alertmanager", Channel.enabled.is_(True)))
+    for channel in channels:
+        silences = [SilenceRule(tuple(silence.matchers), aware(silence.starts_at), aware(silence.ends_at))
+                    for silence in session.scalars(select(Silence).where(Silence.project_id == channel.project_id))]
+        firing = list(session.scalars(select(Alert).where(Alert.project_id == channel.project_id,
+                                                          Alert.state == "firing")))
+        for alert in firing:
+            if any(silence.mutes(alert.labels, now) for silence in silences):
+                continue  # a silence here mutes it; the last endsAt lets it lapse in Alertmanager
+            last = session.scalar(select(Notification).where(Notification.channel_id == channel.id,
+                                                             Notification.alert_id == alert.id)
+                                  .order_by(Notification.id.desc()).limit(1))
+            if last is None or not isinstance(last.payload, list) or not last.payload:
+                continue  # never announced on this channel (inhibited, or muted when it fired)
+            key = hashlib.sha256(f"{channel.id}|{alert.id}|refresh|{slot}".encode()).hexdigest()[:40]
+            if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is not None:
+                continue
+            payload = [{**last.payload[0], "endsAt": (now + timedelta(seconds=4 * interval)).isoformat()}]
+            notification = Notification(channel_id=channel.id, alert_id=alert.id, idempotency_key=key,
+                                        payload=payload, status="pending")
+            session.add(notification)
+            session.flush()
+            queued.append(notification.id)
+    return queued
+
+
+__all__ = ["ACTIVE", "AlertRule", "escalate", "evaluate_run", "refresh_alertmanager"]

@@ -28,8 +28,10 @@ AGGREGATE_RUN = "canary.aggregate_run"
 RECONCILE = "canary.reconcile"
 NOTIFY = "canary.notify"
 TICK_SCHEDULES = "canary.tick_schedules"
+REFRESH_ALERTS = "canary.refresh_alerts"
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
-TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default"}
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default",
+               REFRESH_ALERTS: "default"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
 

@@ -44,7 +44,9 @@ celery_app.conf.update(
     worker_hijack_root_logger=False,
     # exactly one beat (`canary worker --beat` on one worker); schedules are exactly-once per slot anyway
     beat_schedule={"reconcile": {"task": "canary.reconcile", "schedule": settings.reconcile_seconds},
-                   "tick-schedules": {"task": "canary.tick_schedules", "schedule": 60.0}},
+                   "tick-schedules": {"task": "canary.tick_schedules", "schedule": 60.0},
+                   "refresh-alerts": {"task": "canary.refresh_alerts",
+                                      "schedule": settings.alertmanager_resend_seconds}},
 )
 
 

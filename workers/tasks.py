@@ -15,6 +15,7 @@ from app.dispatch import (
     EXECUTE_CONFIG_RUN,
     NOTIFY,
     RECONCILE,
+    REFRESH_ALERTS,
     TICK_SCHEDULES,
     Dispatcher,
 )
@@ -107,13 +108,32 @@ class TickSchedules(BaseTask):
         return tick(self.session, dispatcher)
 
 
+class RefreshAlerts(BaseTask):
+    """Re-send firing alerts to Alertmanager channels with endsAt moved ahead, then deliver them
+    (app/alerts.py refresh_alertmanager): Alertmanager keeps them active while the canary fires."""
+
+    name = REFRESH_ALERTS
+
+    def run_impl(self, *, dispatcher: Dispatcher | None = None) -> dict:
+        from app.alerts import refresh_alertmanager
+        from app.notify import deliver_due
+
+        with self.session() as session:
+            queued = refresh_alertmanager(session)
+        if not queued:
+            return {"queued": 0}
+        with self.session() as session:
+            return {"queued": len(queued), **deliver_due(session)}
+
+
 aggregate_run = AggregateRun()
 reconcile = Reconcile()
 notify = Notify()
 tick_schedules = TickSchedules()
+refresh_alerts = RefreshAlerts()
 
 INLINE: dict[str, BaseTask] = {task.name: task for task in (execute_config_run, aggregate_run, reconcile, notify,
-                                                            tick_schedules)}
+                                                            tick_schedules, refresh_alerts)}
 
 
 def _register() -> None:

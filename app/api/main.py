@@ -20,7 +20,7 @@ from app.api.limits import BodyLimit, RateLimited
 from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
 from app.corpus import CorpusError
-from app.dispatch import RECONCILE, TICK_SCHEDULES, get_dispatcher
+from app.dispatch import RECONCILE, REFRESH_ALERTS, TICK_SCHEDULES, get_dispatcher
 from app.settings import get_settings
 from app.ssrf import hide_url_logs
 from app.repo import Conflict, NotFound
@@ -47,7 +47,15 @@ async def lifespan(_: FastAPI):
                 if stop.wait(get_settings().reconcile_seconds):
                     return
 
+        def refresher() -> None:  # Alertmanager resolves a firing alert that is not re-sent
+            while not stop.wait(get_settings().alertmanager_resend_seconds):
+                try:
+                    get_dispatcher(background=True).send(REFRESH_ALERTS)
+                except Exception:  # noqa: BLE001
+                    log.exception("alert refresh could not be scheduled")
+
         threading.Thread(target=loop, name="canary-reconciler", daemon=True).start()
+        threading.Thread(target=refresher, name="canary-alert-refresh", daemon=True).start()
     yield
     stop.set()
 

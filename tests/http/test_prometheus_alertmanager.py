@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -149,3 +149,46 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
         proc.terminate()
         proc.wait(10)
         server.should_exit = True
+
+
+def test_a_firing_alert_stays_active_in_alertmanager_past_its_endsat_until_the_canary_resolves_it(
+        sqlite_env, alertmanager, tmp_path, monkeypatch):
+    """Alertmanager resolves an alert whose endsAt has passed (or, with none, after resolve_timeout,
+    5 minutes). The canary sends endsAt 4 resend intervals ahead and re-sends firing alerts every
+    interval (the canary.refresh_alerts task), so the alert stays active across several intervals —
+    here 1 s, compressed from the default 60 s — and goes when the canary sends its resolution."""
+    from app.dispatch import REFRESH_ALERTS
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_ALERTMANAGER_RESEND_SECONDS", "1")
+    get_settings.cache_clear()
+    corpus = small_corpus(tmp_path)
+
+    def run(weights: str) -> None:
+        config = cfg("", corpus, int2_weights=weights)
+        config["channels"] = [{"name": "am", "kind": "alertmanager", "url": alertmanager}]
+        with session_scope() as s:
+            apply_config_file(s, parse_config(config))
+        start_run("p", "s", None, InlineDispatcher())
+
+    def active() -> list[dict]:
+        return [a for a in httpx.get(alertmanager + "/api/v2/alerts").json() if a["status"]["state"] == "active"]
+
+    run("rtn-int2")  # critical: the critical alert fires (and inhibits the warn one)
+    (first,) = active()
+    assert first["labels"]["alertname"] == "canary_ppl_ratio" and first["labels"]["severity"] == "critical"
+    first_ends = datetime.fromisoformat(first["endsAt"].replace("Z", "+00:00"))
+    assert 2 < (first_ends - datetime.now(UTC)).total_seconds() <= 4.5  # 4 intervals ahead, not open-ended
+    dispatcher = InlineDispatcher()
+    while datetime.now(UTC) < first_ends + timedelta(seconds=3):  # well past the first endsAt
+        dispatcher.send(REFRESH_ALERTS)
+        time.sleep(0.5)
+    (still,) = active()
+    assert still["fingerprint"] == first["fingerprint"]
+    assert datetime.fromisoformat(still["endsAt"].replace("Z", "+00:00")) > first_ends + timedelta(seconds=3)
+    with session_scope() as s:  # one re-send per interval, each delivered
+        refreshes = s.query(Notification).filter(Notification.payload.isnot(None)).count()
+        assert 5 <= refreshes <= 20 and s.query(Notification).filter(Notification.status != "sent").count() == 0
+
+    run("fp32")  # the regression is gone: the canary resolves the alert and says so
+    assert active() == []
