@@ -10,11 +10,13 @@ Service metrics:
   canary_runs{project,status}                       runs by status
   canary_config_runs_queued / _running              GPU queue depth and work in flight
   canary_notifications_pending                      outbox backlog
-  canary_config_run_duration_seconds{quantile}      config-run wall time over the last 24 h
+  canary_config_run_duration_seconds                 a summary: {quantile} over the last 24 h's config-runs,
+                                                    _count and _sum over every finished config-run
 Canary metrics per model and config, from each config's latest finished run:
   canary_<metric> for every metric of the table (evals/metrics.py) but ttft_ms, whose figure is
   the one below: canary_ppl_ratio, canary_judge_win_rate, …  {project,model,config} + _ci_low / _ci_high
-  canary_ttft_ms{quantile="0.5"|"0.99"}, canary_tokens_per_second, canary_kv_bytes_per_token
+  canary_ttft_p50_seconds, canary_ttft_p99_seconds (the latest run's percentiles, in seconds: a
+  run's figure, not a summary of observations), canary_tokens_per_second, canary_kv_bytes_per_token
   canary_verdict{project,model,config,metric}        0 ok, 1 inconclusive, 2 warn, 3 critical
   canary_alerts_firing{project,severity}
 """
@@ -23,15 +25,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, utcnow
+from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, aware, utcnow
 from evals.metrics import METRICS, VERDICT_CODES, VERDICTS
 
 # every metric of the table is a gauge with its CI; TTFT is exported from the config-run's
-# figures instead (p50 and p99, canary_ttft_ms below)
+# figures instead (p50 and p99 in seconds, canary_ttft_p50_seconds below)
 COMPARISON_GAUGES = tuple(name for name in METRICS if name != "ttft_ms")
 VERDICT_HELP = ", ".join(f"{VERDICT_CODES[v]} {v}" for v in VERDICTS)
 
@@ -63,17 +65,26 @@ class CanaryCollector(Collector):
                                       .where(Notification.status == "pending"), Channel.project_id)) or 0
         yield GaugeMetricFamily("canary_notifications_pending", "Notifications waiting in the outbox", value=pending)
         since = utcnow() - timedelta(hours=24)
-        durations = [(f - st).total_seconds() for st, f in session.execute(self._mine(
-            select(ConfigRun.started_at, ConfigRun.finished_at).join(Run, Run.id == ConfigRun.run_id)
-            .where(ConfigRun.finished_at >= since, ConfigRun.started_at.is_not(None)), Run.project_id))]
-        # a window, not a counter: exported as quantile gauges (a histogram whose counts shrink as
-        # the window slides would read as counter resets to rate() and histogram_quantile())
-        q = GaugeMetricFamily("canary_config_run_duration_seconds", "Config-run wall time over the last 24 h", labels=["quantile"])
+        finished = self._mine(select(ConfigRun.started_at, ConfigRun.finished_at).join(Run, Run.id == ConfigRun.run_id)
+                              .where(ConfigRun.finished_at.is_not(None), ConfigRun.started_at.is_not(None)), Run.project_id)
+        durations, total, count = [], 0.0, 0
+        for started, ended in session.execute(finished):
+            seconds = (ended - started).total_seconds()
+            total, count = total + seconds, count + 1
+            if aware(ended) >= since:
+                durations.append(seconds)
+        # a summary: quantiles over a sliding window (the last 24 h), _count and _sum over every
+        # finished config-run, so that rate() of them is the mean duration
+        summary = Metric("canary_config_run_duration_seconds", "Config-run wall time (quantiles over the last 24 h)",
+                         "summary")
         durations.sort()
         for quant in (0.5, 0.95, 1.0):
             if durations:
-                q.add_metric([str(quant)], durations[min(len(durations) - 1, int(quant * (len(durations) - 1) + 0.5))])
-        yield q
+                summary.add_sample("canary_config_run_duration_seconds", {"quantile": str(quant)},
+                                   durations[min(len(durations) - 1, int(quant * (len(durations) - 1) + 0.5))])
+        summary.add_sample("canary_config_run_duration_seconds_count", {}, count)
+        summary.add_sample("canary_config_run_duration_seconds_sum", {}, total)
+        yield summary
         yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h", value=len(durations))
         firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
         for project, sev, n in session.execute(self._mine(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
@@ -95,7 +106,8 @@ class CanaryCollector(Collector):
         bounds = {(m, side): GaugeMetricFamily(f"canary_{m}_ci_{side}", f"95% CI {side} of canary_{m}", labels=["project", "model", "config"])
                   for m in COMPARISON_GAUGES for side in ("low", "high")}
         verdict = GaugeMetricFamily("canary_verdict", VERDICT_HELP, labels=["project", "model", "config", "metric"])
-        ttft = GaugeMetricFamily("canary_ttft_ms", "Time to first token (ms)", labels=["project", "model", "config", "quantile"])
+        ttft = {q: GaugeMetricFamily(f"canary_ttft_{q}_seconds", f"Time to first token, {q} of the latest run (s)",
+                                     labels=["project", "model", "config"]) for q in ("p50", "p99")}
         tps = GaugeMetricFamily("canary_tokens_per_second", "Decode tokens per second", labels=["project", "model", "config"])
         kvb = GaugeMetricFamily("canary_kv_bytes_per_token", "KV-cache bytes per token", labels=["project", "model", "config"])
         by_run: dict[int, list] = {}
@@ -118,16 +130,16 @@ class CanaryCollector(Collector):
                     if compared_config == config_id:
                         verdict.add_metric(labels + [metric], VERDICT_CODES.get(comparison.verdict, 1))
                 f = figures.get(config_id, {})
-                for q, key in (("0.5", "ttft_ms_p50"), ("0.99", "ttft_ms_p99")):
-                    if f.get(key) is not None:
-                        ttft.add_metric(labels + [q], f[key])
+                for q in ("p50", "p99"):
+                    if f.get(f"ttft_ms_{q}") is not None:
+                        ttft[q].add_metric(labels, f[f"ttft_ms_{q}"] / 1000)
                 if f.get("tokens_per_second") is not None:
                     tps.add_metric(labels, f["tokens_per_second"])
                 if f.get("kv_bytes_per_token") is not None:
                     kvb.add_metric(labels, f["kv_bytes_per_token"])
         yield from gauges.values()
         yield from bounds.values()
-        yield from (verdict, ttft, tps, kvb)
+        yield from (verdict, *ttft.values(), tps, kvb)
 
 
 class PublicCollector(Collector):

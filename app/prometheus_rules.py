@@ -29,8 +29,8 @@ def _verdict_rule(level: str, severity: str, summary: str, description: str, ale
 
 
 def _metric_rule(m: Metric) -> dict:
-    if m.name == "ttft_ms":  # exported from the config-run's figures as quantiles, not as a comparison gauge
-        expr, shown = f'canary_ttft_ms{{quantile="0.5"}} > {m.warn:g}', "p50"
+    if m.name == "ttft_ms":  # exported from the config-run's figures in seconds, not as a comparison gauge
+        expr, shown = f"canary_ttft_p50_seconds > {m.warn / 1000:g}", "p50 s"
     elif m.direction == "above":  # surely past warn: the CI's low end is
         expr, shown = f"canary_{m.name}_ci_low > {m.warn:g}", "CI low"
     else:

@@ -141,7 +141,7 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
         assert anon == {"canary_build_info", "canary_rate_limit_buckets", "canary_rate_limit_buckets_max"}
         text = httpx.get(f"http://127.0.0.1:{api_port}/metrics", headers={"Authorization": f"Bearer {key}"}).text
         for name in ("canary_runs{", "canary_config_runs_queued", "canary_config_run_duration_seconds{quantile=",
-                     "canary_verdict{", "# TYPE canary_ttft_ms gauge", "canary_alerts_firing{"):
+                     "canary_verdict{", "# TYPE canary_ttft_p50_seconds gauge", "canary_alerts_firing{"):
             assert name in text
         plain = httpx.get(f"http://127.0.0.1:{api_port}/metrics").text
         assert 'project="p"' not in plain and "canary_runs" not in plain and "process_cpu_seconds_total" in plain
@@ -192,3 +192,25 @@ def test_a_firing_alert_stays_active_in_alertmanager_past_its_endsat_until_the_c
 
     run("fp32")  # the regression is gone: the canary resolves the alert and says so
     assert active() == []
+
+
+def test_promtool_finds_nothing_to_lint_in_metrics(sqlite_env, tmp_path, receiver):
+    """The API's /metrics after a run with generation figures, through `promtool check metrics`
+    (Prometheus' own linter: base units, no reserved labels on gauges, summaries complete)."""
+    from fastapi.testclient import TestClient
+
+    from app.api.main import app
+
+    exe = binary("promtool")
+    config = cfg(receiver.url, small_corpus(tmp_path))
+    config["suites"][0]["scorers"] = ["perplexity", "generation"]
+    config["suites"][0]["generation"] = {"prompts": 4, "prompt_words": 6, "max_new_tokens": 4}
+    with session_scope() as s:
+        apply_config_file(s, parse_config(config))
+        _, key = create_key(s, "p", "prometheus", "metrics")
+    start_run("p", "s", None, InlineDispatcher())
+    text = TestClient(app).get("/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    assert "canary_ppl_ratio{" in text and "canary_ttft_p50_seconds{" in text
+    assert "# TYPE canary_config_run_duration_seconds summary" in text and "canary_config_run_duration_seconds_count " in text
+    r = subprocess.run([exe, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
