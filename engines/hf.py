@@ -21,6 +21,7 @@ from engines.protocol import (
     GenerationResult,
     RollingRequest,
     RollingResult,
+    count_words,
     strided_windows,
     tokenize_with_spans,
 )
@@ -114,7 +115,7 @@ class TransformersEngine:
                 logprobs=tuple(logprobs[i]),
                 greedy_ids=tuple(greedy[i]),
                 n_bytes=len(req.text.encode("utf-8")),
-                n_words=len(req.text.split()),
+                n_words=count_words(req.text),
                 char_spans=spans[i],
             )
             for i, req in enumerate(requests)

@@ -33,6 +33,7 @@ from engines.protocol import (
     RollingResult,
     ServerStats,
     SpecStats,
+    count_words,
     strided_windows,
 )
 from engines.spec import OptimizationSpec
@@ -151,7 +152,7 @@ class OpenAIEngine:
                     token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
                     logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
                 out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
-                                         len(req.text.encode("utf-8")), len(req.text.split())))
+                                         len(req.text.encode("utf-8")), count_words(req.text)))
         return out
 
     def _tokenize(self, client: httpx.Client, text: str) -> list[int]:

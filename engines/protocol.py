@@ -5,6 +5,7 @@ depend only on this file.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +19,8 @@ class WindowSpec:
 
     Each window holds at most ``max_length`` tokens and advances by ``stride``; only the tokens
     not scored by an earlier window are scored, each with up to max_length − 1 tokens of context.
-    stride == max_length gives disjoint windows (lm-eval's wikitext). Compared configs must use
+    The last window reaches back to a full window of context, as lm-eval's rolling windows do.
+    stride == max_length gives lm-eval's disjoint windows (loglikelihood_rolling). Compared configs must use
     the same WindowSpec, or their perplexities are not comparable.
     """
 
@@ -43,10 +45,18 @@ def strided_windows(n_tokens: int, spec: WindowSpec) -> list[tuple[int, int, int
     while prev_end < n_tokens:
         end = min(begin + spec.max_length, n_tokens)
         if end > prev_end:
-            out.append((begin, end, end - prev_end))
+            # a short last window starts earlier, so that its targets have a full window of context
+            # (lm-eval's get_rolling_token_windows); earlier windows start where the stride puts them
+            out.append((max(0, end - spec.max_length), end, end - prev_end))
             prev_end = end
         begin += spec.stride
     return out
+
+
+def count_words(text: str) -> int:
+    r"""Words for word perplexity, as lm-eval counts them: len(re.split(r"\s+", text)) (leading or
+    trailing whitespace counts one empty word, as there)."""
+    return len(re.split(r"\s+", text))
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class RollingResult:
     logprobs: tuple[float, ...]  # natural log p(token_i | context), one per token
     greedy_ids: tuple[int, ...]  # argmax token at each scored position (top-1 agreement)
     n_bytes: int  # UTF-8 bytes of the text (byte perplexity)
-    n_words: int  # whitespace-split words (word perplexity, lm-eval's definition)
+    n_words: int  # words (word perplexity): count_words, lm-eval's definition
     # each token's [start, end) characters in the document (domain-term NLL, evals/terms.py); empty
     # where the engine cannot place its tokens in the text (an HTTP server's tokenizer)
     char_spans: tuple[tuple[int, int], ...] = ()
@@ -83,6 +93,19 @@ def tokenize_with_spans(tokenizer: Any, text: str) -> tuple[list[int], tuple[tup
     except NotImplementedError:  # slow (Python) tokenizers have no offsets
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), ()
     return list(encoded["input_ids"]), tuple((int(a), int(b)) for a, b in encoded["offset_mapping"])
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """What an OpenAI echo needs of one pass over a prompt's token ids (BOS first): log p of each
+    token after the first, the top alternatives at each position (top[t]: the most likely tokens
+    after ids[:t + 1], so the last entry is for the token after the prompt), and the greedy next
+    token with its log-prob."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    next_token: int
+    next_logprob: float
 
 
 @dataclass(frozen=True)

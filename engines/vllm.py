@@ -27,6 +27,7 @@ from engines.protocol import (
     RollingResult,
     ServerStats,
     SpecStats,
+    count_words,
     strided_windows,
     tokenize_with_spans,
 )
@@ -100,7 +101,7 @@ class VLLMEngine:
                                 for d, t in zip(res.prompt_logprobs[1:], seq[begin + 1 : end], strict=True)]
                 logprobs += lps[len(lps) - n :]
             out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
-                                     len(req.text.encode()), len(req.text.split()), spans))
+                                     len(req.text.encode()), count_words(req.text), spans))
         return out
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -17,9 +17,11 @@ from engines.protocol import (
     EngineDescription,
     GenerationRequest,
     GenerationResult,
+    PromptScores,
     RollingRequest,
     RollingResult,
     SpecStats,
+    count_words,
     strided_windows,
     tokenize_with_spans,
 )
@@ -233,14 +235,15 @@ class ReferenceEngine:
             greedy[job[0]].extend(out[j][1])
         return [
             RollingResult(req.doc_id, tuple(encoded[i]), tuple(logprobs[i]), tuple(greedy[i]),
-                          len(req.text.encode("utf-8")), len(req.text.split()), spans[i])
+                          len(req.text.encode("utf-8")), count_words(req.text), spans[i])
             for i, req in enumerate(requests)
         ]
 
     @torch.inference_mode()
-    def prompt_logprobs(self, ids: Sequence[int]) -> tuple[list[float], list[int]]:
-        """One pass over token ids (the caller's BOS included): log p(ids[i] | ids[:i]) for
-        i ≥ 1 and the greedy token at each of those positions (the server's echo=True path)."""
+    def prompt_logprobs(self, ids: Sequence[int], top_k: int = 0) -> PromptScores:
+        """One pass over token ids (the caller's BOS included): log p(ids[i] | ids[:i]) for i ≥ 1,
+        the `top_k` most likely tokens with their log-probs at each of those positions and after
+        the last (the server's echo=True path, OpenAI's top_logprobs), and the greedy next token."""
         if len(ids) > self.args.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens; this model's context is {self.args.max_seq_len}")
         x = torch.tensor([list(ids)], device=self.device)
@@ -250,9 +253,14 @@ class ReferenceEngine:
         h = self.model(x, slots[None], slots, cache, mask, hidden=True)
         if isinstance(cache, KVCache):
             self._track_usage(len(ids), cache)
-        logits = self.model.lm_head(h[0, :-1]).float()
-        picked = logits.gather(-1, x[0, 1:, None]).squeeze(-1)
-        return (picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist()
+        logprobs = torch.log_softmax(self.model.lm_head(h[0]).float(), -1)  # [T, V]: position t predicts t + 1
+        picked = logprobs[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
+        top: list[list[tuple[int, float]]] = []
+        if top_k:
+            values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), -1)
+            top = [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
+        next_logprob, next_token = logprobs[-1].max(-1)
+        return PromptScores(picked.tolist(), top, int(next_token), float(next_logprob))
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest],

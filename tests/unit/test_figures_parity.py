@@ -3,7 +3,10 @@ figure: the demo's suite over a few of its configs, on a small sample, stores th
 figures recorded from the code before the move (tests/unit/data/demo_parity.json).
 
 Timing figures (TTFT, time between tokens, tokens/s) vary from run to run and are left out;
-every other stored estimate, CI, n and verdict must agree to 1e-6 relative. Record again (only
+every other stored estimate, CI, n and verdict must agree to 1e-4 relative: the demo's fp16
+configs compute in half precision on the CPU, whose results differ between CPUs by about 2e-5
+(the same commit read fp16 token perplexity 98.0014 on one machine and 97.9994 on another), while
+a change in what is computed moves them by far more (the last window's context: 2e-2). Record again (only
 when a figure is meant to change, and say why in the commit) with
     CANARY_RECORD_PARITY=1 python -m pytest tests/unit/test_figures_parity.py
 """
@@ -25,7 +28,7 @@ from app import repo
 GOLDEN = pathlib.Path(__file__).parent / "data" / "demo_parity.json"
 CONFIGS = ("fp16", "int4", "kivi-2", "turbo-3.5", "spec-draft-4")
 SAMPLES = 6
-TIMING = {"ttft_ms"}  # comparisons of wall-clock figures
+TIMING = {"ttft_ms", "ttft_ratio", "tpot_ratio"}  # comparisons of wall-clock figures
 FIGURE_KEYS = ("token_ppl", "n_documents", "n_tokens", "weight_bytes", "kv_bytes_per_token", "parameters", "generated_tokens",
                "peak_kv_cache_bytes", "spec")
 
@@ -56,7 +59,7 @@ def _close(a, b, path: str) -> list[str]:
             return [f"{path}: {len(a)} items, recorded {len(b)}"]
         return [e for i, (x, y) in enumerate(zip(a, b)) for e in _close(x, y, f"{path}[{i}]")]
     if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
-        return [] if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) else [f"{path}: {a!r}, recorded {b!r}"]
+        return [] if math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12) else [f"{path}: {a!r}, recorded {b!r}"]
     return [] if a == b else [f"{path}: {a!r}, recorded {b!r}"]
 
 

@@ -13,8 +13,10 @@ def targets(windows):
 
 
 def test_disjoint_windows_by_hand():
-    # seq = [start, t1..t10]; window 4 feeds seq[0:4] and scores t1..t4, then seq[4:8] → t5..t8, seq[8:10] → t9, t10
-    assert strided_windows(10, WindowSpec(4, 4)) == [(0, 4, 4), (4, 8, 4), (8, 10, 2)]
+    # seq = [start, t1..t10]; window 4 feeds seq[0:4] and scores t1..t4, then seq[4:8] → t5..t8; the last
+    # window scores t9, t10 with a full window of context, seq[6:10] = t6..t9, as lm-eval's rolling windows
+    # do (get_rolling_token_windows: input token_list[end − max_len − 1 : end − 1]), not seq[8:10]
+    assert strided_windows(10, WindowSpec(4, 4)) == [(0, 4, 4), (4, 8, 4), (6, 10, 2)]
 
 
 def test_strided_windows_by_hand():

@@ -22,6 +22,7 @@ class Job:
     events: asyncio.Queue
     arrived: float
     prompt_ids: list[int] | None = None  # echo: score these instead of generating
+    top_k: int = 0  # echo: alternatives per position (OpenAI's logprobs)
     stamps: list[float] = field(default_factory=list)
 
 
@@ -50,8 +51,10 @@ class EngineServer:
             metrics.running.labels(name).inc()
             try:
                 if job.prompt_ids is not None:
-                    lps, greedy = self.engine.prompt_logprobs(job.prompt_ids)
-                    self._emit(job, ("scored", (lps, greedy)))
+                    scores = self.engine.prompt_logprobs(job.prompt_ids, job.top_k)
+                    metrics.prompt_tokens.labels(name).inc(len(job.prompt_ids))  # echo requests count too
+                    metrics.e2e.labels(name).observe(time.perf_counter() - job.arrived)
+                    self._emit(job, ("scored", scores))
                 else:
                     self._generate(job)
             except ValueError as e:  # the engine refuses this input (e.g. over the context): the client's error, a 400
@@ -94,9 +97,9 @@ class EngineServer:
     def _emit(job: Job, event) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
-    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None) -> Job:
+    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
         job = Job(request or GenerationRequest("echo", ""), asyncio.get_running_loop(), asyncio.Queue(),
-                  time.perf_counter(), prompt_ids)
+                  time.perf_counter(), prompt_ids, top_k)
         self.metrics.waiting.labels(self.model_name).inc()
         self.jobs.put(job)
         return job

@@ -59,7 +59,8 @@ async def completions(body: CompletionIn, server: ServerDep):
     if body.echo:
         return await echo_logprobs(server, body)
     if not isinstance(body.prompt, str):
-        return error(400, "prompt must be a string (token-id prompts are accepted with echo=true)", param="prompt")
+        return error(400, "generation takes one string prompt (token-id prompts and batches of prompts are accepted "
+                          "with echo=true, for prompt log-probs)", param="prompt")
     if body.logprobs is not None:
         return error(400, "logprobs of generated tokens are not supported by this server yet (prompt log-probs are: "
                           "echo=true, max_tokens 0)", param="logprobs")
@@ -113,44 +114,65 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
 
 
 async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:
-    """Prompt log-probs (echo=true, max_tokens 0 or 1): [None, lp(token 1), …] over the prompt."""
+    """Prompt log-probs, vLLM's echo semantics: for each prompt of the batch, [None, lp(token 1), …]
+    over the prompt, `top_logprobs` with the `logprobs` most likely tokens at each position, and
+    with max_tokens 1 the greedy next token appended (text, token, log-prob and alternatives), as
+    OpenAI and vLLM append one; max_tokens 0 gives the prompt alone."""
     if not server.prompt_logprobs:
         return error(400, "echo with logprobs is not supported by this server", param="echo")
     if body.max_tokens not in (0, 1) or body.logprobs is None or body.stream:
-        return error(400, "echo=true is served for prompt log-probs only: logprobs ≥ 0, max_tokens 0 or 1, no stream",
-                     param="echo")
+        return error(400, "echo=true is served for prompt log-probs only: logprobs ≥ 0, max_tokens 0 (the prompt) or 1 "
+                          "(the prompt and the greedy next token), no stream", param="echo")
+    if body.max_tokens == 1 and body.temperature not in (None, 0.0):
+        return error(400, "echo with max_tokens 1 appends the greedy next token; set temperature 0",
+                     param="temperature")
     if (bad := body.unsupported()) is not None:
         return error(400, bad[1], param=bad[0])
-    prompt, ctx, vocab = body.prompt, server.max_model_len, server.vocab_size
-    if isinstance(prompt, str):
-        ids = [server.engine.start_id] + server.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    else:
-        ids = prompt
-        bad_ids = [i for i in ids if not 0 <= i < vocab]
-        if bad_ids:
-            return error(400, f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0 to {vocab - 1})",
-                         param="prompt")
-    if len(ids) > ctx:
-        return error(400, f"This model's maximum context length is {ctx} tokens. However, your prompt has "
-                          f"{len(ids)} tokens. Please reduce the length of the prompt.", param="prompt")
-    job = server.submit(None, prompt_ids=ids)
-    kind, payload = await job.events.get()
-    if kind == "invalid":
-        return error(400, payload, param="prompt")
-    if kind == "error":
-        return error(500, payload, "InternalServerError")
-    lps, _ = payload
-    tokens = server.token_strings(ids)
-    offsets, pos = [], 0
-    for token in tokens:
-        offsets.append(pos)
-        pos += len(token)
+    ctx, vocab, append = server.max_model_len, server.vocab_size, body.max_tokens == 1
+    batch: list[list[int]] = []
+    for index, prompt in enumerate(body.prompts()):
+        where = "prompt" if len(body.prompts()) == 1 else f"prompt[{index}]"
+        if isinstance(prompt, str):
+            ids = [server.engine.start_id] + server.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = prompt
+            bad_ids = [i for i in ids if not 0 <= i < vocab]
+            if bad_ids:
+                return error(400, f"{where}: token id {bad_ids[0]} is out of vocabulary (valid ids: 0 to {vocab - 1})",
+                             param="prompt")
+        if len(ids) + append > ctx:
+            return error(400, f"This model's maximum context length is {ctx} tokens. However, {where} has "
+                              f"{len(ids)} tokens{' and asks for 1 more' if append else ''}. Please reduce the length "
+                              f"of the prompt.", param="prompt")
+        batch.append(ids)
+    choices, prompt_tokens = [], 0
+    for index, ids in enumerate(batch):
+        job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
+        kind, scores = await job.events.get()
+        if kind == "invalid":
+            return error(400, scores, param="prompt")
+        if kind == "error":
+            return error(500, scores, "InternalServerError")
+        token_ids = ids + [scores.next_token] if append else ids
+        token_lps = [None, *scores.logprobs] + ([scores.next_logprob] if append else [])
+        tokens = server.token_strings(token_ids)
+        offsets, pos = [], 0
+        for token in tokens:
+            offsets.append(pos)
+            pos += len(token)
+        top = None
+        if body.logprobs:  # top[t] holds the alternatives for the token at position t + 1
+            top = [None] + [{server.token_strings([t])[0]: lp for t, lp in alternatives}
+                            for alternatives in scores.top[: len(token_ids) - 1]]
+        choices.append({"index": index, "text": "".join(tokens), "finish_reason": "length",
+                        "logprobs": {"tokens": tokens, "token_logprobs": token_lps, "text_offset": offsets,
+                                     "top_logprobs": top}})
+        prompt_tokens += len(ids)
+    completion_tokens = len(batch) if append else 0
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name,
-            "choices": [{"index": 0, "text": "".join(tokens), "finish_reason": "length",
-                         "logprobs": {"tokens": tokens, "token_logprobs": [None] + lps, "text_offset": offsets,
-                                      "top_logprobs": None}}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+            "model": server.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 async def respond(server: EngineServer, job: Job, body: SamplingIn, chat: bool):

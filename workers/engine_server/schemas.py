@@ -61,11 +61,19 @@ class SamplingIn(_In):
 
 
 class CompletionIn(SamplingIn):
-    prompt: Text | TokenIds
+    # one prompt, or a batch (what lm-eval's local-completions sends): one choice per prompt
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=256)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=256)]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a string or a token-id list alone is a batch of one."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.best_of not in (None, 1):
