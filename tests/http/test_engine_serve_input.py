@@ -270,3 +270,26 @@ def test_help_lists_the_servers_options():
     for flag in ("--model", "--served-model-name", "--weights", "--kv-cache", "--speculative", "--port"):
         assert flag in r.stdout
     assert "awq-int4" in r.stdout and "turbo-3.5" in r.stdout  # the formats it takes
+
+
+def test_echo_of_a_batch_with_the_next_token_appended_as_vllm_does(client):
+    """What lm-eval's local-completions sends for log-likelihoods: token-id prompts in a batch,
+    echo, logprobs 1, max_tokens 1 (it drops the last position, the generated token)."""
+    out = client.completions.create(model=MODEL, prompt=[[0, 88, 581, 1933], [0, 14]], echo=True, logprobs=2,
+                                    max_tokens=1, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 2
+    for choice, n in zip(out.choices, (4, 2), strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1  # the prompt + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for position in range(1, n + 1):
+            top = lp.top_logprobs[position]
+            assert 1 <= len(top) <= 2 and max(top.values()) >= lp.token_logprobs[position] - 1e-6
+        # the appended token is the greedy one: its log-prob is the best of its alternatives
+        assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()))
+    # without the appended token, the same prompt log-probs
+    bare = client.completions.create(model=MODEL, prompt=[0, 88, 581, 1933], echo=True, logprobs=0, max_tokens=0)
+    assert bare.choices[0].logprobs.token_logprobs == pytest.approx(out.choices[0].logprobs.token_logprobs[:4])
+    with pytest.raises(openai.BadRequestError) as err:  # a sampled next token is not what echo serves
+        client.completions.create(model=MODEL, prompt=[0, 14], echo=True, logprobs=1, max_tokens=1, temperature=0.7)
+    assert err.value.body["param"] == "temperature"
