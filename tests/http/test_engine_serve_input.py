@@ -293,3 +293,17 @@ def test_echo_of_a_batch_with_the_next_token_appended_as_vllm_does(client):
     with pytest.raises(openai.BadRequestError) as err:  # a sampled next token is not what echo serves
         client.completions.create(model=MODEL, prompt=[0, 14], echo=True, logprobs=1, max_tokens=1, temperature=0.7)
     assert err.value.body["param"] == "temperature"
+
+
+def test_model_retrieve_version_tokenizer_info_and_detokenize(client, engine_serve):
+    assert client.models.retrieve(MODEL).id == MODEL  # the SDK's GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(engine_serve + "/version").json()["version"]
+    info = httpx.get(engine_serve + "/tokenizer_info").json()
+    assert info["vocab_size"] == 4096 and info["model_max_length"] == 1024
+    ids = httpx.post(engine_serve + "/tokenize", json={"prompt": "os.path.join", "add_special_tokens": False}).json()
+    back = httpx.post(engine_serve + "/detokenize", json={"model": MODEL, "tokens": ids["tokens"]})
+    assert back.json() == {"prompt": "os.path.join"}  # byte-level BPE round-trips
+    bad = httpx.post(engine_serve + "/detokenize", json={"tokens": [5, 99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engines.protocol import GenerationRequest
 from workers.engine_server.engine_thread import EngineServer, Job
 from workers.engine_server.errors import error
-from workers.engine_server.schemas import ChatIn, CompletionIn, SamplingIn, TokenizeIn
+from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 
 
 def get_server(request: Request) -> EngineServer:
@@ -35,6 +35,41 @@ def health() -> Response:
 def models(server: ServerDep) -> dict:
     return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "inference-canary",
                                         "max_model_len": server.max_model_len}]}
+
+
+@router.get("/v1/models/{model_id:path}")
+def model(model_id: str, server: ServerDep):
+    if model_id != server.model_name:
+        return error(404, f"The model `{model_id}` does not exist. This server serves `{server.model_name}`.",
+                     "NotFoundError", "model")
+    return {"id": server.model_name, "object": "model", "owned_by": "inference-canary",
+            "max_model_len": server.max_model_len}
+
+
+@router.get("/version")
+def version() -> dict:
+    from importlib.metadata import version as installed
+
+    return {"version": installed("inference-canary")}
+
+
+@router.get("/tokenizer_info")
+def tokenizer_info(server: ServerDep) -> dict:
+    tok = server.engine.tokenizer
+    return {"tokenizer_class": type(tok).__name__, "vocab_size": server.vocab_size,
+            "model_max_length": server.max_model_len, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "add_bos_token": True}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeIn, server: ServerDep):
+    if (bad := check_model(server, body.model, required=False)) is not None:
+        return bad
+    bad_ids = [i for i in body.tokens if not 0 <= i < server.vocab_size]
+    if bad_ids:
+        return error(400, f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0 to {server.vocab_size - 1})",
+                     param="tokens")
+    return {"prompt": server.engine.tokenizer.decode(body.tokens)}
 
 
 @router.get("/metrics")

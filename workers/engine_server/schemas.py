@@ -111,6 +111,11 @@ class ChatIn(SamplingIn):
         return self
 
 
+class DetokenizeIn(_In):
+    model: str | None = Field(None, max_length=1024)
+    tokens: Annotated[list[Annotated[int, Field(ge=-INT64, le=INT64)]], Field(max_length=1 << 20)]
+
+
 class TokenizeIn(_In):
     model: str | None = Field(None, max_length=1024)
     prompt: Text
