@@ -52,9 +52,7 @@ BAD_COMPLETIONS = [
     ({"seed": 2**70}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     # range-valid, but not implemented by the reference engine yet: refused, never ignored
-    ({"n": 2}, "n"),
     ({"top_p": 0.5}, "top_p"),
-    ({"stop": "\n"}, "stop"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logit_bias": {"50": 10}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
@@ -307,3 +305,42 @@ def test_model_retrieve_version_tokenizer_info_and_detokenize(client, engine_ser
     assert back.json() == {"prompt": "os.path.join"}  # byte-level BPE round-trips
     bad = httpx.post(engine_serve + "/detokenize", json={"tokens": [5, 99999]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_stop_strings_and_token_ids_cut_the_text_as_vllm_does(client, engine_serve):
+    full = client.completions.create(model=MODEL, prompt="os.path.join(a, b)\n\nJoin", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    assert len(text) > 6
+    stop = text[3:6]  # a piece from inside the greedy continuation
+    cut = client.completions.create(model=MODEL, prompt="os.path.join(a, b)\n\nJoin", max_tokens=24, temperature=0,
+                                    stop=[stop, "never appears"])
+    expected = text[: text.find(stop)]
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.model_extra is not None and cut.choices[0].model_extra["stop_reason"] == stop
+    # streamed: the same text, held back where a stop string may begin, never past it
+    pieces, finish = [], None
+    for chunk in client.completions.create(model=MODEL, prompt="os.path.join(a, b)\n\nJoin", max_tokens=24,
+                                           temperature=0, stop=stop, stream=True):
+        for c in chunk.choices:
+            pieces.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == expected and finish == "stop"
+    # a stop token id: the text ends before that token
+    ids = httpx.post(engine_serve + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    by_id = client.completions.create(model=MODEL, prompt="os.path.join(a, b)\n\nJoin", max_tokens=24, temperature=0,
+                                      extra_body={"stop_token_ids": [ids[2]]})
+    assert by_id.choices[0].finish_reason == "stop" and text.startswith(by_id.choices[0].text)
+    assert len(by_id.choices[0].text) < len(text) and by_id.choices[0].model_extra["stop_reason"] == ids[2]
+
+
+def test_n_choices_each_with_its_own_seed(client):
+    greedy = client.completions.create(model=MODEL, prompt="json.dumps", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1  # greedy: the same three times
+    sampled = client.completions.create(model=MODEL, prompt="json.dumps", max_tokens=12, temperature=1.5, n=4, seed=7)
+    assert len({c.text for c in sampled.choices}) > 1 and sampled.usage.completion_tokens <= 48
+    again = client.completions.create(model=MODEL, prompt="json.dumps", max_tokens=12, temperature=1.5, n=4, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # seeded: reproducible
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "os.path"}], max_tokens=4,
+                                          n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]

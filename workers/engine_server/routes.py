@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -16,6 +17,7 @@ from engines.protocol import GenerationRequest
 from workers.engine_server.engine_thread import EngineServer, Job
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
+from workers.engine_server.stops import StopScanner
 
 
 def get_server(request: Request) -> EngineServer:
@@ -102,7 +104,7 @@ async def completions(body: CompletionIn, server: ServerDep):
     request = generation_request(server, body, body.prompt, body.max_tokens, "prompt")
     if isinstance(request, JSONResponse):
         return request
-    return await respond(server, server.submit(request), body, chat=False)
+    return await respond(server, submit_choices(server, request, body), body, chat=False)
 
 
 @router.post("/v1/chat/completions")
@@ -115,7 +117,14 @@ async def chat(body: ChatIn, server: ServerDep):
     request = generation_request(server, body, prompt, max_tokens, "messages")
     if isinstance(request, JSONResponse):
         return request
-    return await respond(server, server.submit(request), body, chat=True)
+    return await respond(server, submit_choices(server, request, body), body, chat=True)
+
+
+def submit_choices(server: EngineServer, request: GenerationRequest, body: SamplingIn) -> list[Job]:
+    """`n` choices of one request, each its own engine job; choice i samples with seed + i."""
+    return [server.submit(replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
+                                  seed=(request.seed + i) % (2**63)))
+            for i in range(body.n or 1)]
 
 
 def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
@@ -210,61 +219,98 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONRespons
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def respond(server: EngineServer, job: Job, body: SamplingIn, chat: bool):
-    """The generation as one response, or as server-sent events with `stream`."""
+async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat: bool):
+    """The `n` generations as one response, or as server-sent events with `stream` (the choices one
+    after another, each chunk naming its index), cut at `stop` / `stop_token_ids` (stops.py)."""
     name = server.model_name
-    rid = ("chatcmpl-" if chat else "cmpl-") + job.request.request_id
+    rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.request_id
     obj = "chat.completion" if chat else "text_completion"
     eos_id = server.engine.tokenizer.eos_token_id
+    stopping = bool(body.stops() or body.stop_token_ids)
 
-    def choice(text: str, finish: str | None, delta: bool) -> dict:
+    def scanner() -> StopScanner | None:
+        return StopScanner(body.stops(), body.stop_token_ids or [], server.decode) if stopping else None
+
+    def choice(index: int, text: str, finish: str | None, delta: bool, stop_reason=None) -> dict:
         if chat:
-            return {"index": 0, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                    "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            out = {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
+                   "finish_reason": finish, "logprobs": None}
+        else:
+            out = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        if finish is not None:
+            out["stop_reason"] = stop_reason  # vLLM: the stop string or token id, None at EOS or the length
+        return out
 
-    def usage(result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
-                "total_tokens": result.prompt_tokens + len(result.token_ids)}
+    def finish_of(result) -> str:
+        return "stop" if result.token_ids and result.token_ids[-1] == eos_id else "length"
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def failure(kind: str, payload: str) -> JSONResponse:
+        return error(400, payload, param="prompt") if kind == "invalid" else error(500, payload, "InternalServerError")
 
     if body.stream:
         # the first event decides the status: a refusal before any token is still a 400
-        first = await job.events.get()
+        first = await jobs[0].events.get()
         if first[0] in ("invalid", "error"):
-            return (error(400, first[1], param="prompt") if first[0] == "invalid"
-                    else error(500, first[1], "InternalServerError"))
+            return failure(*first)
 
         async def events():
-            event = first
-            while True:
-                kind, payload = event
-                if kind == "tokens":
-                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name,
-                             "choices": [choice(server.decode(payload), None, True)]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                elif kind == "done":
-                    finish = "stop" if payload.token_ids and payload.token_ids[-1] == eos_id else "length"
-                    final = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name,
-                             "choices": [choice("", finish, True)], "usage": usage(payload)}
-                    yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
-                    return
-                else:
-                    code = 400 if kind == "invalid" else 500
-                    kind_name = "BadRequestError" if code == 400 else "InternalServerError"
-                    failure = {"error": {"message": payload, "type": kind_name, "param": None, "code": code}}
-                    yield f"data: {json.dumps(failure)}\n\n"
-                    return
-                event = await job.events.get()
+            prompt_tokens = completion_tokens = 0
+            for index, job in enumerate(jobs):
+                scan = scanner()
+                event = first if index == 0 else await job.events.get()
+                while True:
+                    kind, payload = event
+                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name}
+                    if kind == "tokens":
+                        text, stopped = scan.feed(payload) if scan is not None else (server.decode(payload), False)
+                        if text:
+                            yield f"data: {json.dumps({**chunk, 'choices': [choice(index, text, None, True)]})}\n\n"
+                        if stopped:  # the engine may go on to max_tokens; the client has its answer
+                            completion_tokens += len(scan.ids)
+                            final = choice(index, "", "stop", True, scan.reason)
+                            yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
+                            prompt_tokens += server.n_prompt_tokens(job.request.prompt)
+                            break
+                    elif kind == "done":
+                        rest = scan.finish() if scan is not None else ""
+                        if rest:
+                            yield f"data: {json.dumps({**chunk, 'choices': [choice(index, rest, None, True)]})}\n\n"
+                        final = choice(index, "", finish_of(payload), True)
+                        yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
+                        prompt_tokens += payload.prompt_tokens
+                        completion_tokens += len(payload.token_ids)
+                        break
+                    else:
+                        code = 400 if kind == "invalid" else 500
+                        kind_name = "BadRequestError" if code == 400 else "InternalServerError"
+                        failed = {"error": {"message": payload, "type": kind_name, "param": None, "code": code}}
+                        yield f"data: {json.dumps(failed)}\n\n"
+                        return
+                    event = await job.events.get()
+            last = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens)}
+            yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-    while True:
-        kind, payload = await job.events.get()
-        if kind == "done":
-            break
-        if kind == "invalid":
-            return error(400, payload, param="prompt")
-        if kind == "error":
-            return error(500, payload, "InternalServerError")
-    finish = "stop" if payload.token_ids and payload.token_ids[-1] == eos_id else "length"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": name,
-            "choices": [choice(payload.text, finish, False)], "usage": usage(payload)}
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for index, job in enumerate(jobs):
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "done":
+                break
+            if kind in ("invalid", "error"):
+                return failure(kind, payload)
+        scan = scanner()
+        if scan is not None and scan.feed(payload.token_ids)[1]:
+            choices.append(choice(index, scan.text(), "stop", False, scan.reason))
+            completion_tokens += len(scan.ids)
+        else:
+            choices.append(choice(index, payload.text, finish_of(payload), False))
+            completion_tokens += len(payload.token_ids)
+        prompt_tokens += payload.prompt_tokens
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}

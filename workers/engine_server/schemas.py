@@ -35,6 +35,7 @@ class SamplingIn(_In):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1, le=128)
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64)]], Field(max_length=64)] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[Annotated[str, Field(max_length=32)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
@@ -44,12 +45,13 @@ class SamplingIn(_In):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=1024)
 
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a parameter this server cannot honour yet."""
         checks = [
-            ("n", self.n not in (None, 1), "n > 1 (several choices)"),
             ("top_p", self.top_p not in (None, 1.0), "top_p < 1 (nucleus sampling)"),
-            ("stop", bool(self.stop), "stop sequences"),
             ("presence_penalty", self.presence_penalty not in (None, 0.0), "presence_penalty"),
             ("frequency_penalty", self.frequency_penalty not in (None, 0.0), "frequency_penalty"),
             ("logit_bias", bool(self.logit_bias), "logit_bias"),
