@@ -178,11 +178,12 @@ def main() -> None:
         false_alarms = [t for t in null_trials if t["flagged"]]
         for row in rows:
             print(json.dumps(row), flush=True)
-        reliable = {}  # per fault class, the smallest size flagged in every trial (sizes above it too)
-        for kind in dict.fromkeys(r["fault"] for r in rows):
+        reliable: dict[str, float | str | None] = {}  # per class, the smallest size flagged in every trial
+        for kind in dict.fromkeys(r["fault"] for r in rows):  # (and every size above it); a sizeless fault: yes/no
             sizes = sorted((r for r in rows if r["fault"] == kind), key=lambda r: r["size"] or 0)
             caught = [r["size"] for i, r in enumerate(sizes) if all(x["detected"] == x["trials"] for x in sizes[i:])]
-            reliable[kind] = caught[0] if caught else None
+            reliable[kind] = ("always" if caught else "not always") if sizes[0]["size"] is None else (
+                caught[0] if caught else None)
         print(json.dumps({"benchmark": "detection", "smallest_reliably_caught": reliable,
                           "null_trials": len(null_trials), "false_alarms": len(false_alarms),
                           "false_alarm_rate": round(len(false_alarms) / len(null_trials), 4) if null_trials else None,
