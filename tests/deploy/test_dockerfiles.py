@@ -4,6 +4,7 @@ stack absent; every image runs as a non-root user, pins its base image and has a
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -112,3 +113,19 @@ def test_api_runs_without_the_model_stack(tmp_path):
     r = subprocess.run([sys.executable, "-c", API_WITHOUT_TORCH.format(blocked=sorted(MODEL_STACK))], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_the_api_image_copies_every_project_package_the_api_imports():
+    """The API image installs only the directories its Dockerfile COPYs: every module of this
+    repository that the API and the CLI load must come from one of them (app reads the metric
+    table, the records and the term lists from evals/)."""
+    copied = {m.group(1).rstrip("/") for m in re.finditer(r"^COPY (?!--)(\S+) \./", (ROOT / "deploy/docker/Dockerfile.api")
+                                                            .read_text(), re.M)}
+    code = ("import sys, app.api.main, app.cli\n"
+            "print('\\n'.join(sorted({m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)})))")
+    r = subprocess.run([sys.executable, "-c", BLOCK_MODEL_STACK.format(blocked=sorted(MODEL_STACK)) + code], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    mine = {pathlib.Path(f).resolve().relative_to(ROOT).parts[0] for f in r.stdout.split()
+            if pathlib.Path(f).resolve().is_relative_to(ROOT) and ".venv" not in f}
+    assert mine and mine <= copied, f"the API imports from {sorted(mine - copied)}, which Dockerfile.api does not COPY"
