@@ -344,3 +344,51 @@ def test_n_choices_each_with_its_own_seed(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "os.path"}], max_tokens=4,
                                           n=2, temperature=0)
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_metrics_carry_vllm_v1_names_types_labels_and_buckets(client, engine_serve):
+    """As vLLM V1's PrometheusStatLogger writes them: every series labelled model_name and engine,
+    requests counted by finish reason (echo requests too), the phase histograms with vLLM's buckets,
+    and the cache config as an info gauge."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(engine_serve + "/metrics").text)}
+
+    def total(families: dict, name: str, sample: str, **labels) -> float:
+        return sum(s.value for s in families[name].samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt="json.dumps", max_tokens=3, temperature=0)
+    client.completions.create(model=MODEL, prompt=[0, 14, 88], echo=True, logprobs=0, max_tokens=0)
+    after = scrape()
+    kinds = {"vllm:request_success": "counter", "vllm:request_prompt_tokens": "histogram",
+             "vllm:request_generation_tokens": "histogram", "vllm:iteration_tokens_total": "histogram",
+             "vllm:request_queue_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+             "vllm:request_decode_time_seconds": "histogram", "vllm:request_inference_time_seconds": "histogram",
+             "vllm:e2e_request_latency_seconds": "histogram", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:time_per_output_token_seconds": "histogram", "vllm:request_params_max_tokens": "histogram",
+             "vllm:request_params_n": "histogram", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:num_requests_running": "gauge", "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge"}
+    for name, kind in kinds.items():
+        assert after[name].type == kind, name
+        assert all(s.labels.get("engine") == "0" for s in after[name].samples), name
+        assert name == "vllm:cache_config_info" or all(s.labels.get("model_name") == MODEL
+                                                      for s in after[name].samples), name
+    # two requests finished: the generation and the echo, each its reason
+    done = (total(after, "vllm:request_success", "vllm:request_success_total")
+            - total(before, "vllm:request_success", "vllm:request_success_total"))
+    assert done == 2
+    assert {s.labels["finished_reason"] for s in after["vllm:request_success"].samples} >= {"stop", "length", "abort"}
+    echo_prompt = 3
+    grown = (total(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+             - total(before, "vllm:prompt_tokens", "vllm:prompt_tokens_total"))
+    assert grown >= echo_prompt + 2  # the echo's 3 tokens count, with the generation's prompt
+    ttft_buckets = [s.labels["le"] for s in after["vllm:time_to_first_token_seconds"].samples
+                    if s.name.endswith("_bucket")]
+    assert ttft_buckets[-4:] == ["160.0", "640.0", "2560.0", "+Inf"]  # vLLM's TTFT buckets
+    prompt_buckets = [s.labels["le"] for s in after["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert prompt_buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "+Inf"]
+    (info,) = after["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["cache_dtype"] == "auto"

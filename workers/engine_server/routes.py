@@ -122,6 +122,7 @@ async def chat(body: ChatIn, server: ServerDep):
 
 def submit_choices(server: EngineServer, request: GenerationRequest, body: SamplingIn) -> list[Job]:
     """`n` choices of one request, each its own engine job; choice i samples with seed + i."""
+    server.metrics.params_n.observe(body.n or 1)
     return [server.submit(replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
                                   seed=(request.seed + i) % (2**63)))
             for i in range(body.n or 1)]
