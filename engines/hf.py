@@ -26,6 +26,7 @@ from engines.protocol import (
     tokenize_with_spans,
 )
 from engines.quant import fake_quantize, quantized_bytes
+from engines.sampling import sampling_probs
 from engines.spec import OptimizationSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -138,7 +139,7 @@ class TransformersEngine:
             past = out.past_key_values
             logits = out.logits[0, -1].float()
             if req.temperature > 0:
-                probs = torch.softmax(logits / req.temperature, -1)
+                probs = sampling_probs(logits, req.temperature, req.top_p, req.top_k)
                 nxt = int(torch.multinomial(probs, 1, generator=gen))
             else:
                 nxt = int(logits.argmax())

@@ -246,6 +246,7 @@ class OpenAIEngine:
     async def _stream(self, client: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
                 "temperature": req.temperature, "seed": req.seed, "stream": True,
+                **({"top_p": req.top_p} if req.top_p < 1 else {}), **({"top_k": req.top_k} if req.top_k > 0 else {}),
                 "stream_options": {"include_usage": True}}
         text: list[str] = []
         stamps: list[float] = []

@@ -115,6 +115,8 @@ class GenerationRequest:
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
+    top_p: float = 1.0  # nucleus sampling (engines/sampling.py); 1 = off
+    top_k: int = 0  # the k most likely tokens only; 0 = all
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         before = spec_counters(self.llm.get_metrics())
-        params = [SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature, seed=request.seed)
+        params = [SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature, seed=request.seed,
+                                 top_p=request.top_p, top_k=request.top_k or -1)
                   for request in requests]
         outputs = self.llm.generate([request.prompt for request in requests], params, use_tqdm=False)
         after = spec_counters(self.llm.get_metrics())

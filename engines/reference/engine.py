@@ -31,6 +31,7 @@ from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import DecoderLayer, Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
+from engines.sampling import sampling_probs
 from engines.spec import OptimizationSpec
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
@@ -379,7 +380,7 @@ class ReferenceEngine:
                     t = int(logits[i].argmax())
                     ok = t == x
                 else:
-                    p = torch.softmax(logits[i] / req.temperature, -1)
+                    p = sampling_probs(logits[i], req.temperature, req.top_p, req.top_k)
                     q = (qs[i] if qs is not None
                          else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p))
                     ok, t = sample_step(p, q, x, gen)
@@ -422,7 +423,7 @@ class ReferenceEngine:
     def _pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:
         if req.temperature <= 0:
             return int(logits.argmax())
-        return int(torch.multinomial(torch.softmax(logits / req.temperature, -1), 1, generator=gen))
+        return int(torch.multinomial(sampling_probs(logits, req.temperature, req.top_p, req.top_k), 1, generator=gen))
 
     # -- description -------------------------------------------------------------------------------
     def server_stats(self) -> None:

@@ -52,7 +52,7 @@ BAD_COMPLETIONS = [
     ({"seed": 2**70}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     # range-valid, but not implemented by the reference engine yet: refused, never ignored
-    ({"top_p": 0.5}, "top_p"),
+    ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logit_bias": {"50": 10}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
@@ -392,3 +392,22 @@ def test_metrics_carry_vllm_v1_names_types_labels_and_buckets(client, engine_ser
     assert prompt_buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "+Inf"]
     (info,) = after["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["cache_dtype"] == "auto"
+
+
+def test_top_k_and_top_p_sample_only_among_the_tokens_they_keep(client, engine_serve):
+    """vLLM's sampler order: temperature, then top-k, then top-p (engines/sampling.py). With top_k 1,
+    or a nucleus so small that it holds only the most likely token, sampling is greedy; with top_k 3
+    every first token is one of the three most likely after the prompt (from echo's top_logprobs)."""
+    prompt = "os.path.join(a, b)\n\nJoin"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.5, seed=1,
+                                    extra_body={"top_k": 1}).choices[0].text
+    tiny = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.5, seed=1,
+                                     top_p=1e-6).choices[0].text
+    assert one == greedy == tiny
+    ids = httpx.post(engine_serve + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    scored = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=3, max_tokens=1, temperature=0)
+    top3 = set(scored.choices[0].logprobs.top_logprobs[-1])  # the three most likely next tokens, as text
+    firsts = {client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=2.0, seed=seed,
+                                        extra_body={"top_k": 3}).choices[0].text for seed in range(40)}
+    assert firsts <= top3 and len(firsts) >= 2  # sampled, and only among the three

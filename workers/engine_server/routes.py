@@ -155,7 +155,8 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
     if (bad := too_long(server, server.n_prompt_tokens(prompt), max_tokens, param)) is not None:
         return bad
     temperature = 1.0 if body.temperature is None else body.temperature
-    return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63))
+    return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63),
+                             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0))
 
 
 async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:

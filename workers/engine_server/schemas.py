@@ -33,6 +33,7 @@ class SamplingIn(_In):
     max_tokens: int | None = Field(None, ge=0, le=INT64)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)  # vLLM's: -1 or 0 = every token
     n: int | None = Field(None, ge=1, le=128)
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64)]], Field(max_length=64)] | None = None
@@ -51,7 +52,6 @@ class SamplingIn(_In):
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a parameter this server cannot honour yet."""
         checks = [
-            ("top_p", self.top_p not in (None, 1.0), "top_p < 1 (nucleus sampling)"),
             ("presence_penalty", self.presence_penalty not in (None, 0.0), "presence_penalty"),
             ("frequency_penalty", self.frequency_penalty not in (None, 0.0), "frequency_penalty"),
             ("logit_bias", bool(self.logit_bias), "logit_bias"),

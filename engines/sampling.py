@@ -1,0 +1,25 @@
+"""The sampling distribution of one decode step, as vLLM's sampler builds it: logits ÷ temperature,
+then top-k (keep the k most likely tokens; 0 or -1: all), then top-p (keep the smallest set of the
+most likely tokens whose probability reaches top_p; the most likely token always stays), then
+renormalise. Greedy decoding (temperature 0) never comes here.
+
+Speculative decoding verifies drafts against this filtered target distribution, so what it emits
+follows the same law as plain sampling with the same parameters."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """[V] logits → [V] probabilities of the next token."""
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if 0 < top_k < probs.numel():
+        kth = probs.topk(top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        ordered, index = probs.sort(descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the tokens more likely than each one
+        keep = before < top_p * ordered.sum()  # the first token always (nothing is before it)
+        probs = torch.zeros_like(probs).scatter(-1, index, torch.where(keep, ordered, torch.zeros_like(ordered)))
+    return probs / probs.sum()
