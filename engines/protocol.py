@@ -117,6 +117,9 @@ class GenerationRequest:
     seed: int = 0
     top_p: float = 1.0  # nucleus sampling (engines/sampling.py); 1 = off
     top_k: int = 0  # the k most likely tokens only; 0 = all
+    # log-probs of the generated tokens (the model's distribution, before temperature and filters),
+    # each with this many most likely alternatives; None: not wanted
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ class GenerationResult:
     total_ms: float
     spec: SpecStats | None = None
     completion_tokens: int | None = None  # when token_ids are not known (an HTTP server's stream)
+    # per generated token, when the request asked: (log p(token), ((alternative id, log p), …))
+    token_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
     @property
     def n_tokens(self) -> int:

@@ -23,3 +23,14 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
         keep = before < top_p * ordered.sum()  # the first token always (nothing is before it)
         probs = torch.zeros_like(probs).scatter(-1, index, torch.where(keep, ordered, torch.zeros_like(ordered)))
     return probs / probs.sum()
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """log p(token) under the model's own distribution (before temperature and filters, as vLLM
+    reports it by default) and the `top` most likely tokens with theirs."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, index = logprobs.topk(min(top, logprobs.numel()))
+        alternatives = tuple(zip(index.tolist(), values.tolist(), strict=True))
+    return float(logprobs[token]), alternatives

@@ -31,7 +31,7 @@ from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import DecoderLayer, Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
-from engines.sampling import sampling_probs
+from engines.sampling import sampling_probs, token_logprob
 from engines.spec import OptimizationSpec
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
@@ -297,6 +297,7 @@ class ReferenceEngine:
         greedy = all(r.temperature <= 0 for r in reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
         stamps: list[list[float]] = [[] for _ in reqs]
+        scored: list[list[tuple[float, tuple[tuple[int, float], ...]]]] = [[] for _ in reqs]
         done = [False] * B
         eos = self.tokenizer.eos_token_id
         t0 = time.perf_counter()
@@ -313,6 +314,8 @@ class ReferenceEngine:
                 if not done[b] and len(tokens[b]) < reqs[b].max_new_tokens:
                     tokens[b].append(nxt[b])
                     stamps[b].append(now)
+                    if (want := reqs[b].logprobs) is not None:
+                        scored[b].append(token_logprob(logits[b], nxt[b], want))
                     if on_tokens:
                         on_tokens(reqs[b].request_id, [nxt[b]], None)
                     done[b] = nxt[b] == eos or len(tokens[b]) >= reqs[b].max_new_tokens
@@ -332,6 +335,7 @@ class ReferenceEngine:
                 ttft_ms=(stamps[b][0] - t0) * 1000,
                 itl_ms=tuple((y - x) * 1000 for x, y in pairwise(stamps[b])),
                 total_ms=(stamps[b][-1] - t0) * 1000,
+                token_logprobs=tuple(scored[b]),
             )
             for b, r in enumerate(reqs)
         ]
@@ -363,9 +367,12 @@ class ReferenceEngine:
             held = max(held, start + len(tokens))
             return self.model(ids, slots[None], slots, cache, mask)[0].float()
 
-        first = self._pick(forward(prompt, 0)[-1], req, gen)
+        first_logits = forward(prompt, 0)[-1]
+        first = self._pick(first_logits, req, gen)
         sync()
         seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
+        want = req.logprobs
+        scored = [token_logprob(first_logits, first, want)] if want is not None else []
         if on_tokens:
             on_tokens(req.request_id, [first], None)
         while len(out) < req.max_new_tokens and out[-1] != eos:
@@ -394,6 +401,8 @@ class ReferenceEngine:
             if eos in new:
                 new = new[: new.index(eos) + 1]
             new = new[: req.max_new_tokens - len(out)]
+            if want is not None:  # the i-th new token was picked from the verification's i-th row
+                scored += [token_logprob(logits[i], t, want) for i, t in enumerate(new)]
             seq += new
             self.proposer.accept(len(seq))
             sync()
@@ -417,6 +426,7 @@ class ReferenceEngine:
             total_ms=(stamps[-1] - t0) * 1000,
             spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
                            tuple(counters.accepted_per_position)),
+            token_logprobs=tuple(scored),
         )
 
     @staticmethod

@@ -56,7 +56,7 @@ BAD_COMPLETIONS = [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logit_bias": {"50": 10}}, "logit_bias"),
     ({"best_of": 3}, "best_of"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 2, "stream": True}, "logprobs"),
     ({"extra_body": {"no_such_parameter": 1}}, "no_such_parameter"),
 ]
 
@@ -116,7 +116,7 @@ def test_unknown_model_is_a_404_and_good_requests_still_work(client):
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 4
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "os.path"}]}],
                                           max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=5)
-    assert chat.choices[0].message.role == "assistant" and chat.choices[0].logprobs is None
+    assert chat.choices[0].message.role == "assistant" and len(chat.choices[0].logprobs.content[0].top_logprobs) == 5
     streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="json.dumps", max_tokens=4,
                                                                             temperature=0, stream=True) if c.choices)
     assert streamed == done.choices[0].text
@@ -411,3 +411,25 @@ def test_top_k_and_top_p_sample_only_among_the_tokens_they_keep(client, engine_s
     firsts = {client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=2.0, seed=seed,
                                         extra_body={"top_k": 3}).choices[0].text for seed in range(40)}
     assert firsts <= top3 and len(firsts) >= 2  # sampled, and only among the three
+
+
+def test_generated_tokens_log_probs_agree_with_scoring_the_same_tokens(client, engine_serve):
+    """logprobs on a completion (and on chat) give each generated token's log-prob under the model;
+    scoring prompt + output teacher-forced (echo) gives the same numbers."""
+    prompt = "os.path.join(a, b)\n\nJoin"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 and "".join(lp.tokens) == out.text
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and token_lp == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the best one
+    prompt_ids = httpx.post(engine_serve + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    out_ids = httpx.post(engine_serve + "/tokenize", json={"prompt": out.text, "add_special_tokens": False}).json()
+    echo = client.completions.create(model=MODEL, prompt=prompt_ids + out_ids["tokens"], echo=True, logprobs=0,
+                                     max_tokens=0).choices[0].logprobs.token_logprobs
+    if len(out_ids["tokens"]) == 6:  # the text re-tokenizes to the same tokens (byte-level BPE, almost always)
+        assert echo[len(prompt_ids):] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "os.path"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 3 and "".join(c.token for c in content) == chat.message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 and c.bytes == list(c.token.encode()) for c in content)

@@ -98,10 +98,7 @@ async def completions(body: CompletionIn, server: ServerDep):
     if not isinstance(body.prompt, str):
         return error(400, "generation takes one string prompt (token-id prompts and batches of prompts are accepted "
                           "with echo=true, for prompt log-probs)", param="prompt")
-    if body.logprobs is not None:
-        return error(400, "logprobs of generated tokens are not supported by this server yet (prompt log-probs are: "
-                          "echo=true, max_tokens 0)", param="logprobs")
-    request = generation_request(server, body, body.prompt, body.max_tokens, "prompt")
+    request = generation_request(server, body, body.prompt, body.max_tokens, "prompt", body.logprobs)
     if isinstance(request, JSONResponse):
         return request
     return await respond(server, submit_choices(server, request, body), body, chat=False)
@@ -114,7 +111,8 @@ async def chat(body: ChatIn, server: ServerDep):
     # the tiny zoo has no chat template: a plain transcript
     prompt = "".join(f"{message.role}: {message.text()}\n" for message in body.messages) + "assistant:"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = generation_request(server, body, prompt, max_tokens, "messages")
+    request = generation_request(server, body, prompt, max_tokens, "messages",
+                                 (body.top_logprobs or 0) if body.logprobs else None)
     if isinstance(request, JSONResponse):
         return request
     return await respond(server, submit_choices(server, request, body), body, chat=True)
@@ -146,9 +144,12 @@ def too_long(server: EngineServer, n_prompt: int, max_tokens: int, param: str) -
 
 
 def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_tokens: int | None,
-                       param: str) -> GenerationRequest | JSONResponse:
+                       param: str, logprobs: int | None = None) -> GenerationRequest | JSONResponse:
     if (bad := body.unsupported()) is not None:
         return error(400, bad[1], param=bad[0])
+    if logprobs is not None and body.stream:
+        return error(400, "logprobs of generated tokens are returned without stream only; drop `stream` or "
+                          "`logprobs`", param="logprobs")
     max_tokens = 16 if max_tokens is None else max_tokens
     if max_tokens < 1:
         return error(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -156,7 +157,8 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
         return bad
     temperature = 1.0 if body.temperature is None else body.temperature
     return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63),
-                             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0))
+                             top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+                             logprobs=logprobs)
 
 
 async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:
@@ -309,10 +311,35 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
         scan = scanner()
         if scan is not None and scan.feed(payload.token_ids)[1]:
             choices.append(choice(index, scan.text(), "stop", False, scan.reason))
-            completion_tokens += len(scan.ids)
+            kept = len(scan.ids)
         else:
             choices.append(choice(index, payload.text, finish_of(payload), False))
-            completion_tokens += len(payload.token_ids)
+            kept = len(payload.token_ids)
+        if job.request.logprobs is not None:
+            choices[-1]["logprobs"] = generated_logprobs(server, payload, kept, chat)
+        completion_tokens += kept
         prompt_tokens += payload.prompt_tokens
     return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def generated_logprobs(server: EngineServer, result, kept: int, chat: bool) -> dict:
+    """The generated tokens' log-probs in OpenAI's shape: for a completion, {tokens, token_logprobs,
+    top_logprobs, text_offset}; for chat, {content: [{token, logprob, bytes, top_logprobs}]}."""
+    ids = list(result.token_ids[:kept])
+    scored = result.token_logprobs[:kept]
+    strings = server.token_strings(ids)
+    if chat:
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(text, lp), "top_logprobs": [entry(server.token_strings([t])[0], x)
+                                                                  for t, x in top]}
+                            for text, (lp, top) in zip(strings, scored, strict=True)]}
+    offsets, pos = [], 0
+    for text in strings:
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": strings, "token_logprobs": [lp for lp, _ in scored],
+            "top_logprobs": [{server.token_strings([t])[0]: x for t, x in top} for _, top in scored],
+            "text_offset": offsets}

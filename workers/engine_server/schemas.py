@@ -102,7 +102,7 @@ class ChatMessage(_In):
 class ChatIn(SamplingIn):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_completion_tokens: int | None = Field(None, ge=0, le=INT64)
-    # accepted for judges that ask for them; answered with logprobs: null (not produced yet)
+    # the generated tokens' log-probs, with top_logprobs alternatives each (not with stream)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
