@@ -26,7 +26,7 @@ from engines.protocol import (
     tokenize_with_spans,
 )
 from engines.quant import fake_quantize, quantized_bytes
-from engines.sampling import sampling_probs
+from engines.sampling import adjust_logits, sampling_probs
 from engines.spec import OptimizationSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -137,7 +137,8 @@ class TransformersEngine:
         for _ in range(req.max_new_tokens):
             out = self.model(input_ids=x, past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[0, -1].float()
+            logits = adjust_logits(out.logits[0, -1].float(), out_ids, req.presence_penalty, req.frequency_penalty,
+                                   req.logit_bias)
             if req.temperature > 0:
                 probs = sampling_probs(logits, req.temperature, req.top_p, req.top_k)
                 nxt = int(torch.multinomial(probs, 1, generator=gen))

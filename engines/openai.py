@@ -247,6 +247,9 @@ class OpenAIEngine:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
                 "temperature": req.temperature, "seed": req.seed, "stream": True,
                 **({"top_p": req.top_p} if req.top_p < 1 else {}), **({"top_k": req.top_k} if req.top_k > 0 else {}),
+                **({"presence_penalty": req.presence_penalty} if req.presence_penalty else {}),
+                **({"frequency_penalty": req.frequency_penalty} if req.frequency_penalty else {}),
+                **({"logit_bias": {str(t): b for t, b in req.logit_bias}} if req.logit_bias else {}),
                 "stream_options": {"include_usage": True}}
         text: list[str] = []
         stamps: list[float] = []

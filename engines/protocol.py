@@ -120,6 +120,15 @@ class GenerationRequest:
     # log-probs of the generated tokens (the model's distribution, before temperature and filters),
     # each with this many most likely alternatives; None: not wanted
     logprobs: int | None = None
+    # OpenAI's presence_penalty, frequency_penalty and logit_bias ((token id, bias), …): engines/sampling.py
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits are changed before picking (a greedy pick is then no plain argmax)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)

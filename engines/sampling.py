@@ -34,3 +34,20 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> tuple[float, tu
         values, index = logprobs.topk(min(top, logprobs.numel()))
         alternatives = tuple(zip(index.tolist(), values.tolist(), strict=True))
     return float(logprobs[token]), alternatives
+
+
+def adjust_logits(logits: torch.Tensor, generated: list[int], presence: float = 0.0, frequency: float = 0.0,
+                  bias: tuple[tuple[int, float], ...] = ()) -> torch.Tensor:
+    """The logits a sampler picks from, as vLLM adjusts them before temperature: `bias` (OpenAI's
+    logit_bias) added, then each token already generated lowered by `presence` once and by
+    `frequency` per time it appeared (OpenAI's presence_penalty and frequency_penalty, over the
+    output only). The log-probs a server reports stay the model's own."""
+    if not (bias or (generated and (presence or frequency))):
+        return logits
+    out = logits.float().clone()
+    for token, value in bias:
+        out[token] += value
+    if generated and (presence or frequency):
+        ids, counts = torch.tensor(generated, device=out.device).unique(return_counts=True)
+        out[ids] -= presence + frequency * counts.to(out.dtype)
+    return out

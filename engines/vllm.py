@@ -109,7 +109,10 @@ class VLLMEngine:
 
         before = spec_counters(self.llm.get_metrics())
         params = [SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature, seed=request.seed,
-                                 top_p=request.top_p, top_k=request.top_k or -1)
+                                 top_p=request.top_p, top_k=request.top_k or -1,
+                                 presence_penalty=request.presence_penalty,
+                                 frequency_penalty=request.frequency_penalty,
+                                 logit_bias=dict(request.logit_bias) or None)
                   for request in requests]
         outputs = self.llm.generate([request.prompt for request in requests], params, use_tqdm=False)
         after = spec_counters(self.llm.get_metrics())

@@ -31,7 +31,7 @@ from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import DecoderLayer, Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
-from engines.sampling import sampling_probs, token_logprob
+from engines.sampling import adjust_logits, sampling_probs, token_logprob
 from engines.spec import OptimizationSpec
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
@@ -294,7 +294,7 @@ class ReferenceEngine:
         decoder = self.decoder(B, P + steps)
         decoder.prepare(pad)  # on CUDA: the decode step's graph is captured here, before the clock starts
         gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
-        greedy = all(r.temperature <= 0 for r in reqs)
+        greedy = all(r.temperature <= 0 and not r.adjusted for r in reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
         stamps: list[list[float]] = [[] for _ in reqs]
         scored: list[list[tuple[float, tuple[tuple[int, float], ...]]]] = [[] for _ in reqs]
@@ -307,7 +307,7 @@ class ReferenceEngine:
                 nxt_dev = logits.argmax(-1)
                 nxt = nxt_dev.tolist()
             else:
-                nxt = [self._pick(logits[b].float(), reqs[b], gens[b]) for b in range(B)]
+                nxt = [self._pick(self._adjust(logits[b], reqs[b], tokens[b]), reqs[b], gens[b]) for b in range(B)]
                 nxt_dev = torch.tensor(nxt, device=self.device)
             now = time.perf_counter()
             for b in range(B):
@@ -368,7 +368,7 @@ class ReferenceEngine:
             return self.model(ids, slots[None], slots, cache, mask)[0].float()
 
         first_logits = forward(prompt, 0)[-1]
-        first = self._pick(first_logits, req, gen)
+        first = self._pick(self._adjust(first_logits, req, []), req, gen)
         sync()
         seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
         want = req.logprobs
@@ -381,13 +381,15 @@ class ReferenceEngine:
             drafts = drafts[:room]
             L = len(seq)
             logits = forward([seq[-1]] + drafts, L - 1)  # position i predicts the token after drafts[:i]
-            new, accepted = [], 0
+            new: list[int] = []
+            accepted = 0
             for i, x in enumerate(drafts):
+                row = self._adjust(logits[i], req, out + new)  # penalties count the drafts accepted so far
                 if req.temperature <= 0:
-                    t = int(logits[i].argmax())
+                    t = int(row.argmax())
                     ok = t == x
                 else:
-                    p = sampling_probs(logits[i], req.temperature, req.top_p, req.top_k)
+                    p = sampling_probs(row, req.temperature, req.top_p, req.top_k)
                     q = (qs[i] if qs is not None
                          else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p))
                     ok, t = sample_step(p, q, x, gen)
@@ -396,7 +398,7 @@ class ReferenceEngine:
                     break
                 accepted += 1
             else:
-                new.append(self._pick(logits[len(drafts)], req, gen))  # bonus token
+                new.append(self._pick(self._adjust(logits[len(drafts)], req, out + new), req, gen))  # bonus token
             counters.record(len(drafts), accepted, k)
             if eos in new:
                 new = new[: new.index(eos) + 1]
@@ -428,6 +430,10 @@ class ReferenceEngine:
                            tuple(counters.accepted_per_position)),
             token_logprobs=tuple(scored),
         )
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, req: GenerationRequest, generated: list[int]) -> torch.Tensor:
+        return adjust_logits(logits, generated, req.presence_penalty, req.frequency_penalty, req.logit_bias)
 
     @staticmethod
     def _pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:

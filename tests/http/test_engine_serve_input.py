@@ -53,8 +53,8 @@ BAD_COMPLETIONS = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     # range-valid, but not implemented by the reference engine yet: refused, never ignored
     ({"extra_body": {"top_k": -2}}, "top_k"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ({"logit_bias": {"x": 10}}, "logit_bias"),  # keys are token ids
+    ({"logit_bias": {"99999": 10}}, "logit_bias"),  # … of this model's vocabulary
     ({"best_of": 3}, "best_of"),
     ({"logprobs": 2, "stream": True}, "logprobs"),
     ({"extra_body": {"no_such_parameter": 1}}, "no_such_parameter"),
@@ -433,3 +433,29 @@ def test_generated_tokens_log_probs_agree_with_scoring_the_same_tokens(client, e
     content = chat.logprobs.content
     assert len(content) == 3 and "".join(c.token for c in content) == chat.message.content
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 and c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_logit_bias_and_penalties_change_what_is_picked(client):
+    prompt = "os.path.join(a, b)\n\nJoin"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    # +100 on one token: greedy picks it every time
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={"281": 100}, logprobs=0).choices[0]
+    assert len(set(forced.logprobs.tokens)) == 1 and forced.text == forced.logprobs.tokens[0] * 4
+    # a long greedy run of the tiny model repeats itself; a frequency penalty breaks the repetition
+    long = client.completions.create(model=MODEL, prompt="json", max_tokens=40, temperature=0, logprobs=0).choices[0]
+    penalised = client.completions.create(model=MODEL, prompt="json", max_tokens=40, temperature=0, logprobs=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0).choices[0]
+    repeats = len(long.logprobs.tokens) - len(set(long.logprobs.tokens))
+    assert repeats > 0 and penalised.text != long.text
+    assert len(penalised.logprobs.tokens) - len(set(penalised.logprobs.tokens)) < repeats
+    # −100 on every token the plain run picked: none of them comes first
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(i): -100 for i in ids_of(client, plain.choices[0].text)})
+    assert banned.choices[0].text != first
+
+
+def ids_of(client, text: str) -> list[int]:
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    return httpx.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]

@@ -39,3 +39,13 @@ def test_top_k_then_top_p():
     # top-k 3 leaves 0.5, 0.2, 0.15 (renormalised: 0.588, 0.235, 0.176); top-p 0.7 of that keeps two
     probs = sampling_probs(LOGITS, 1.0, top_p=0.7, top_k=3)
     assert probs.tolist() == pytest.approx([0.5 / 0.7, 0.2 / 0.7, 0, 0, 0])
+
+
+def test_logit_bias_then_presence_and_frequency_penalties_by_hand():
+    from engines.sampling import adjust_logits
+
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    # token 1 generated twice, token 3 once: −(presence + frequency × count)
+    out = adjust_logits(logits, [1, 3, 1], presence=0.5, frequency=0.25, bias=((0, 10.0),))
+    assert out.tolist() == pytest.approx([11.0, 2.0 - 0.5 - 0.5, 3.0, 4.0 - 0.5 - 0.25])
+    assert adjust_logits(logits, [1, 3]) is logits  # nothing asked: the logits as they are

@@ -147,6 +147,12 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
                        param: str, logprobs: int | None = None) -> GenerationRequest | JSONResponse:
     if (bad := body.unsupported()) is not None:
         return error(400, bad[1], param=bad[0])
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < server.vocab_size:
+            return error(400, f"logit_bias: '{key}' is not a token id of this model (0 to {server.vocab_size - 1}); "
+                              f"keys are token ids as strings, as /tokenize gives them", param="logit_bias")
+        bias.append((int(key), value))
     if logprobs is not None and body.stream:
         return error(400, "logprobs of generated tokens are returned without stream only; drop `stream` or "
                           "`logprobs`", param="logprobs")
@@ -158,7 +164,8 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
     temperature = 1.0 if body.temperature is None else body.temperature
     return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63),
                              top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
-                             logprobs=logprobs)
+                             logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
+                             frequency_penalty=body.frequency_penalty or 0.0, logit_bias=tuple(bias))
 
 
 async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:

@@ -1,6 +1,6 @@
 """The engine server's request models: the OpenAI fields, range-checked. Unknown fields are refused
-(a 400 naming them) rather than silently ignored; sampling parameters the engine does not
-implement yet are refused when set to anything but their neutral value (`unsupported`)."""
+(a 400 naming them) rather than silently ignored; a parameter the engine does not implement is
+refused when set to anything but its neutral value (`unsupported`: best_of and suffix today)."""
 
 from __future__ import annotations
 
@@ -50,15 +50,8 @@ class SamplingIn(_In):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a parameter this server cannot honour yet."""
-        checks = [
-            ("presence_penalty", self.presence_penalty not in (None, 0.0), "presence_penalty"),
-            ("frequency_penalty", self.frequency_penalty not in (None, 0.0), "frequency_penalty"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias"),
-        ]
-        for param, bad, what in checks:
-            if bad:
-                return param, f"{what} is not supported by this server yet; leave `{param}` unset"
+        """(param, message) for a parameter this server cannot honour yet: every sampling parameter
+        it accepts is honoured now (completions refine this with best_of and suffix)."""
         return None
 
 
