@@ -459,3 +459,14 @@ def test_logit_bias_and_penalties_change_what_is_picked(client):
 def ids_of(client, text: str) -> list[int]:
     root = str(client.base_url).removesuffix("/").removesuffix("/v1")
     return httpx.post(root + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_a_batch_of_text_prompts_gives_each_prompts_choices_in_order(client):
+    one = [client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0).choices[0].text
+           for p in ("json.dumps", "os.path")]
+    batch = client.completions.create(model=MODEL, prompt=["json.dumps", "os.path"], max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [one[0], one[0], one[1], one[1]]
+    with pytest.raises(openai.BadRequestError) as err:  # token ids generate only with echo
+        client.completions.create(model=MODEL, prompt=[[0, 14], [0, 88]], max_tokens=3)
+    assert err.value.body["param"] == "prompt"

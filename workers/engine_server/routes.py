@@ -95,13 +95,19 @@ async def completions(body: CompletionIn, server: ServerDep):
         return bad
     if body.echo:
         return await echo_logprobs(server, body)
-    if not isinstance(body.prompt, str):
-        return error(400, "generation takes one string prompt (token-id prompts and batches of prompts are accepted "
-                          "with echo=true, for prompt log-probs)", param="prompt")
-    request = generation_request(server, body, body.prompt, body.max_tokens, "prompt", body.logprobs)
-    if isinstance(request, JSONResponse):
-        return request
-    return await respond(server, submit_choices(server, request, body), body, chat=False)
+    prompts = body.prompts()
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        return error(400, "generation takes text prompts, one or a batch (token-id prompts are accepted with "
+                          "echo=true, for prompt log-probs)", param="prompt")
+    requests = []
+    for prompt in prompts:  # every prompt is checked before any is run
+        request = generation_request(server, body, str(prompt), body.max_tokens, "prompt", body.logprobs)
+        if isinstance(request, JSONResponse):
+            return request
+        requests.append(request)
+    # OpenAI's order: prompt by prompt, each prompt's n choices together
+    return await respond(server, [job for request in requests for job in submit_choices(server, request, body)],
+                         body, chat=False)
 
 
 @router.post("/v1/chat/completions")
