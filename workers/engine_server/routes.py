@@ -217,10 +217,7 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONRespons
         token_ids = ids + [scores.next_token] if append else ids
         token_lps = [None, *scores.logprobs] + ([scores.next_logprob] if append else [])
         tokens = server.token_strings(token_ids)
-        offsets, pos = [], 0
-        for token in tokens:
-            offsets.append(pos)
-            pos += len(token)
+        offsets = text_offsets(tokens)
         top = None
         if body.logprobs:  # top[t] holds the alternatives for the token at position t + 1
             top = [None] + [{server.token_strings([t])[0]: lp for t, lp in alternatives}
@@ -349,10 +346,15 @@ def generated_logprobs(server: EngineServer, result, kept: int, chat: bool) -> d
         return {"content": [{**entry(text, lp), "top_logprobs": [entry(server.token_strings([t])[0], x)
                                                                   for t, x in top]}
                             for text, (lp, top) in zip(strings, scored, strict=True)]}
-    offsets, pos = [], 0
-    for text in strings:
-        offsets.append(pos)
-        pos += len(text)
     return {"tokens": strings, "token_logprobs": [lp for lp, _ in scored],
             "top_logprobs": [{server.token_strings([t])[0]: x for t, x in top} for _, top in scored],
-            "text_offset": offsets}
+            "text_offset": text_offsets(strings)}
+
+
+def text_offsets(tokens: list[str]) -> list[int]:
+    """OpenAI's text_offset: where each token's text starts in the tokens' text joined."""
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return offsets
