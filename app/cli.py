@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import os
+import pathlib
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from app.ssrf import hide_url_logs
@@ -24,11 +24,18 @@ hide_url_logs()
 VERDICT_COLORS = {"ok": "green", "pass": "green", "warn": "yellow", "critical": "red", "fail": "red", "failed": "red",
                   "inconclusive": "magenta", "measurement_error": "magenta", "incomplete": "magenta", "error": "red"}
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="inference-canary: quality canary for optimized LLM inference.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="inference-canary: quality canary for optimized LLM inference.")
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (scoped to a project; only a hash is stored).")
+runs_app = typer.Typer(no_args_is_help=True, help="Read runs: list, show.")
+alerts_app = typer.Typer(no_args_is_help=True, help="Read alerts: list.")
+gates_app = typer.Typer(no_args_is_help=True, help="Read CI gates: list, show.")
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+app.add_typer(runs_app, name="runs")
+app.add_typer(alerts_app, name="alerts")
+app.add_typer(gates_app, name="gates")
 console = Console(stderr=True)  # progress and tables on stderr; --json output alone on stdout
 
 DEMO_CONFIG: dict[str, Any] = {
@@ -84,6 +91,102 @@ def _ensure_zoo() -> None:
     subprocess.run([sys.executable, "-m", "engines.zoo.build", "--out", str(ARTIFACTS)], check=True)
 
 
+def _ago(seconds: float) -> str:
+    """A duration as a person reads it in a log: 42s, 3m05s, 1h02m."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _log(line: str) -> None:
+    sys.stderr.write(f"canary: {line}\n")
+    sys.stderr.flush()
+
+
+class RunWatch:
+    """How a waiting command shows a run moving. On a terminal: a bar per config with its ETA.
+    Without one (CI logs, nohup, `make demo | tee`): one stderr line when the run starts, one per
+    config as it finishes, and a heartbeat line whenever `heartbeat` seconds pass without one."""
+
+    def __init__(self, run_id: int, heartbeat: float, bars: bool, clock=time.monotonic):
+        self.run_id, self.heartbeat, self.bars, self.clock = run_id, heartbeat, bars, clock
+        self.progress = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not bars,
+                                 transient=False)
+        self.tasks: dict[str, Any] = {}
+        self.finished: set[str] = set()
+        self.started = self.last_line = clock()
+        self.announced = False
+
+    def __enter__(self) -> RunWatch:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def say(self, line: str) -> None:
+        self.last_line = self.clock()
+        if not self.bars:
+            _log(line)
+
+    def update(self, run) -> None:
+        crs = list(run.config_runs)
+        elapsed = self.clock() - self.started
+        if not self.announced:
+            self.announced = True
+            self.say(f"run {run.id} started: {len(crs)} configs, {run.n_samples} samples each; "
+                     f"a line per finished config, a heartbeat every {self.heartbeat:.0f}s")
+        for cr in crs:
+            name = cr.config.name
+            if self.bars:
+                if name not in self.tasks:
+                    self.tasks[name] = self.progress.add_task(name, total=None)
+                self.progress.update(self.tasks[name], completed=cr.progress_done, total=cr.progress_total or None)
+            if cr.status in ("succeeded", "failed") and name not in self.finished:
+                self.finished.add(name)
+                why = f": {cr.error.splitlines()[0][:200]}" if cr.status == "failed" and cr.error else ""
+                self.say(f"{name} {cr.status} ({len(self.finished)}/{len(crs)} configs done, "
+                         f"{_ago(elapsed)} elapsed){why}")
+        if self.clock() - self.last_line >= self.heartbeat:
+            self.say(self.heartbeat_line(crs, elapsed))
+
+    def heartbeat_line(self, crs, elapsed: float) -> str:
+        """`run 7 running: 1/3 configs done; int8 40/100; 1m30s elapsed, about 2m15s left`. The
+        estimate counts a config's progress as the fraction of its items done."""
+        done = sum(1.0 if cr.status in ("succeeded", "failed") else
+                   (cr.progress_done / cr.progress_total if cr.progress_total else 0.0) for cr in crs)
+        moving = [f"{cr.config.name} {cr.progress_done}/{cr.progress_total}" for cr in crs
+                  if cr.status == "running" and cr.progress_total]
+        left = f", about {_ago(elapsed * (len(crs) - done) / done)} left" if done > 0 else ""
+        return (f"run {self.run_id} running: {len(self.finished)}/{len(crs)} configs done"
+                f"{'; ' + ', '.join(moving) if moving else ''}; {_ago(elapsed)} elapsed{left}")
+
+
+def _warn_if_nothing_executes(run_id: int, inline: bool) -> None:
+    """--no-wait queues a run and exits: say so when nothing will execute it."""
+    if inline:
+        _log(f"warning: run {run_id} is queued, but on the embedded default (no CANARY_BROKER_URL) tasks run "
+             f"inside the command that queued them, and this one exits now; `canary serve` on the same database "
+             f"picks queued runs up (its reconciler, within a few minutes), or drop --no-wait")
+        return
+    from app.dispatch import CeleryDispatcher
+    from app.settings import get_settings
+
+    try:
+        answered = CeleryDispatcher(get_settings()).client.control.ping(timeout=2.0)
+    except Exception as e:  # noqa: BLE001 - a failed ping is a warning, not an error: the run is queued
+        answered, why = [], f" ({type(e).__name__})"
+    else:
+        why = ""
+    if not answered:
+        _log(f"warning: run {run_id} is queued, but no Celery worker answered a ping on the broker{why}; "
+             f"it waits until `canary worker` runs")
+
+
 def _upgrade_db() -> None:
     from app.db import upgrade
 
@@ -91,16 +194,21 @@ def _upgrade_db() -> None:
 
 
 def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: int | None, as_json: bool, wait: bool,
-                  timeout: float = 3600) -> dict | None:
+                  timeout: float = 3600, heartbeat: float = 30) -> dict | None:
     from app import repo
     from app.db import session_scope
     from app.dispatch import InlineDispatcher, get_dispatcher
     from app.services import apply_config_file, run_summary, start_run
     from app.settings import get_settings
 
+    inline = get_settings().execution_mode == "inline"
+    if not inline:  # a broker that cannot be reached is an error now, not a run that waits forever
+        from kombu import Connection
+
+        with Connection(get_settings().broker_url, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1, timeout=3)
     with session_scope() as s:
         apply_config_file(s, cfg)
-    inline = get_settings().execution_mode == "inline"
     if inline:
         # a one-shot CLI run ends with its run: escalation runs belong to a running service
         # (canary serve, or workers), so this process does not start them
@@ -110,24 +218,21 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
     started = time.perf_counter()
     run_id, _ = start_run(cfg.project, cfg.suite(suite).name, configs, dispatcher, samples=samples)
     if not wait:
+        _warn_if_nothing_executes(run_id, inline)
         return {"run_id": run_id, "status": "queued"}
-    with Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=as_json or not console.is_terminal, transient=False) as progress:
-        bars: dict[str, Any] = {}
+    watch = RunWatch(run_id, heartbeat, bars=console.is_terminal and not as_json)
+    with watch:
         while True:
             with session_scope() as s:
                 run = repo.get_run(s, repo.get_project(s, cfg.project), run_id)
-                for cr in run.config_runs:
-                    name = cr.config.name
-                    if name not in bars:
-                        bars[name] = progress.add_task(name, total=None)
-                    progress.update(bars[name], completed=cr.progress_done, total=cr.progress_total or None)
+                watch.update(run)
                 if run.status in ("done", "failed"):
                     summary = run_summary(s, run)
                     break
                 if time.perf_counter() - started > timeout:
-                    fail(f"run {run_id} is still {run.status} after {timeout:.0f}s; is a worker consuming the gpu queue? "
-                         f"(`canary worker`); the run goes on and GET /api/v1/projects/{cfg.project}/runs/{run_id} shows it")
+                    fail(f"run {run_id} is still {run.status} after {timeout:.0f}s; is a worker consuming the gpu "
+                         f"queue? (`canary worker`); the run goes on and "
+                         f"GET /api/v1/projects/{cfg.project}/runs/{run_id} shows it")
             time.sleep(0.5)
     if inline:
         dispatcher.drain(60)  # notifications the aggregation queued: let them go out before exiting
@@ -142,14 +247,31 @@ def metric_cell(comp: dict | None) -> str:
     return f"[{color}]{comp['estimate']:.2f}[/]"
 
 
-def _print_summary(summary: dict) -> None:
-    out = Console(width=None if Console().is_terminal else 200)
+def worst_comparison(comps: list[dict]) -> dict | None:
+    """The config's comparison that decides its standing: the worst verdict among its gated
+    metrics (informational ones never decide), ppl_ratio first among equals."""
+    from evals.metrics import METRICS, VERDICT_ORDER
+
+    gated = [c for c in comps
+             if c["metric"] in METRICS and METRICS[c["metric"]].gated and c["verdict"] in VERDICT_ORDER]
+    return max(gated, key=lambda c: (VERDICT_ORDER[c["verdict"]], c["metric"] == "ppl_ratio"), default=None)
+
+
+def _print_summary(summary: dict, wide: bool = False) -> None:
+    """The run's table on stdout. By default five columns that fit an 80-column terminal: config,
+    perplexity ratio with its CI, the config's worst verdict (naming the metric when it is not
+    the ratio), tok/s and KV bytes per token; --wide adds weights, KV cache, speculative settings,
+    TTFT/TBT, weight MB, acceptance, faithfulness, exact match and top-1 agreement."""
+    out = Console(width=None if Console().is_terminal else (250 if wide else 120))
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
     t = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
-    cols = ("config", "weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI", "verdict",
-            "TTFT p50 ms", "TBT p50 ms", "tok/s", "weights MB", "KV B/token", "accept", "faithful", "exact match", "top-1")
+    cols = ["config", "ppl ratio [95% CI]", "verdict", "tok/s", "KV B/token"]
+    if wide:
+        cols[1:2] = ["weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI"]
+        cols += ["TTFT p50 ms", "TBT p50 ms", "weights MB", "accept", "faithful", "exact match", "top-1"]
     for col in cols:
-        t.add_column(col, justify="left" if col in ("config", "weights", "kv cache", "speculative", "verdict") else "right")
+        left = col in ("config", "weights", "kv cache", "speculative", "verdict")
+        t.add_column(col, justify="left" if left else "right")
     failures = []
     for c in summary["configs"]:
         f = summary["figures"].get(c["config"]) or {}
@@ -157,47 +279,83 @@ def _print_summary(summary: dict) -> None:
         is_base = c["config"] == summary["baseline"]
         ratio = f"{r['estimate']:.4f}" if r and r["estimate"] is not None else ("baseline" if is_base else "—")
         ci = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["ci_low"] is not None else ""
-        verdict = r["verdict"] if r else ("" if is_base else c["status"])
+        worst = worst_comparison([x for x in summary["comparisons"] if x["config"] == c["config"]])
+        verdict = worst["verdict"] if worst else ("" if is_base or c["status"] == "succeeded" else c["status"])
         color = VERDICT_COLORS.get(verdict, "white")
-        sp = c["spec"].get("speculative", {})
-        spec_label = "off" if sp.get("method", "off") == "off" else f"{sp['method']} k={sp.get('k')}"
-        acc = (f.get("spec") or {}).get("acceptance_rate")
+        because = f" ({worst['metric']})" if worst and worst["metric"] != "ppl_ratio" and verdict != "ok" else ""
 
-        def fmt(key: str, fmt_spec: str) -> str:
+        def fmt(key: str, fmt_spec: str, f: dict = f) -> str:
             return format(f[key], fmt_spec) if f.get(key) is not None else "—"
 
-        t.add_row(c["config"], c["spec"]["weights"], f.get("kv_cache") or c["spec"].get("kv_cache", ""), spec_label,
-                  fmt("token_ppl", ".3f"), ratio, ci, f"[{color}]{verdict}[/]",
-                  fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"), fmt("tokens_per_second", ".0f"),
-                  f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
-                  fmt("kv_bytes_per_token", "d"), f"{acc:.2f}" if acc is not None else "",
-                  *(metric_cell(comps.get((c["config"], m))) for m in ("faithfulness", "exact_match", "top1_agreement")))
+        row = [c["config"]]
+        if wide:
+            sp = c["spec"].get("speculative", {})
+            spec_label = "off" if sp.get("method", "off") == "off" else f"{sp['method']} k={sp.get('k')}"
+            row += [c["spec"]["weights"], f.get("kv_cache") or c["spec"].get("kv_cache", ""), spec_label,
+                    fmt("token_ppl", ".3f"), ratio, ci]
+        else:
+            row.append(f"{ratio} {ci}".strip())
+        row += [f"[{color}]{verdict}[/]{escape(because)}", fmt("tokens_per_second", ".0f"),
+                fmt("kv_bytes_per_token", "d")]
+        if wide:
+            acc = (f.get("spec") or {}).get("acceptance_rate")
+            row += [fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"),
+                    f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
+                    f"{acc:.2f}" if acc is not None else "",
+                    *(metric_cell(comps.get((c["config"], m)))
+                      for m in ("faithfulness", "exact_match", "top1_agreement"))]
+        t.add_row(*row)
         if c["error"]:
             failures.append(f"{c['config']}: {c['error']}")
     out.print(t)
     for line in failures:
-        out.print(f"[red]failed[/] {line}", highlight=False)
-    methods = {c.get("details", {}).get("method") for c in summary["comparisons"] if c["metric"] == "faithfulness"} - {None}
+        out.print(f"[red]failed[/] {escape(line)}", highlight=False)
+    methods = {c.get("details", {}).get("method")
+               for c in summary["comparisons"] if c["metric"] == "faithfulness"} - {None}
     for m in methods:
         out.print(f"faithfulness: {m}", highlight=False)
-    out.print(f"verdict: [bold]{summary['verdict']}[/] — {summary['verdict_reason']}", highlight=False)
+    if not wide:
+        out.print("more columns (TTFT, TBT, weights, acceptance, faithfulness, exact match): --wide; "
+                  "every figure: --json",
+                  highlight=False, style="dim")
+    out.print(f"verdict: [bold]{summary['verdict']}[/] — {escape(summary['verdict_reason'] or '')}", highlight=False)
 
 
 def _json_out(summary: dict) -> None:
-    keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds", "configs"}
+    keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds",
+            "configs"}
     out = {k: v for k, v in summary.items() if k in keep}
-    out["comparisons"] = [{k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")}
+    fields = ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")
+    out["comparisons"] = [{k: c[k] for k in fields}
                           for c in summary["comparisons"]]
     sys.stdout.write(json.dumps(out) + "\n")
+
+
+FAIL_ON = ("fail", "warn", "never")
+
+
+def run_exit_code(verdict: str | None, fail_on: str = "fail") -> int:
+    """`canary run`'s exit status for a run verdict: 1 for fail, incomplete and error (the run
+    cannot vouch for the configs); warn and inconclusive exit 1 only with --fail-on warn;
+    --fail-on never always exits 0. Exit 2 is kept for a command that could not run."""
+    if fail_on == "never" or verdict == "pass":
+        return 0
+    if verdict in ("warn", "inconclusive"):
+        return 1 if fail_on == "warn" else 0
+    return 1
 
 
 @app.command()
 def demo(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     samples: int = typer.Option(100, min=1, help="held-out documents scored per config"),
-    database_url: str = typer.Option("sqlite:///canary-demo.db", help="where the demo writes (never CANARY_DATABASE_URL)"),
+    database_url: str = typer.Option("sqlite:///canary-demo.db",
+                                     help="where the demo writes (never CANARY_DATABASE_URL)"),
+    wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
+    heartbeat: float = typer.Option(30, min=1, help="without a terminal: seconds between progress lines on stderr"),
 ) -> None:
-    """fp16 vs int8 vs int4 vs int2 on the tiny Python-documentation model, in-process."""
+    """fp16 vs int8 vs int4 vs int2 … on the tiny Python-documentation model, in-process. Exits 0
+    whatever the verdict: some of its configs are broken on purpose."""
     # The demo never follows CANARY_DATABASE_URL: it must not write into a production database.
     os.environ["CANARY_DATABASE_URL"] = database_url
     os.environ["CANARY_EXECUTION"] = "inline"
@@ -209,13 +367,13 @@ def demo(
     _upgrade_db()
     cfg = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]}, "demo config")
     try:
-        summary = _run_and_wait(cfg, None, None, None, as_json, wait=True)
+        summary = _run_and_wait(cfg, None, None, None, as_json, wait=True, heartbeat=heartbeat)
     except ValueError as e:
         fail(str(e))
     if as_json:
         _json_out(summary)
     else:
-        _print_summary(summary)
+        _print_summary(summary, wide)
         console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs",
                       highlight=False, soft_wrap=True)
 
@@ -223,34 +381,46 @@ def demo(
 @app.command()
 def run(
     file: str = typer.Option("canary.yaml", "-f", "--file", help="config file"),
-    suite: Optional[str] = typer.Option(None, help="suite name (default: the file's first suite)"),
-    configs: Optional[str] = typer.Option(None, help="comma-separated config names (default: all; the baseline is always included)"),
-    samples: Optional[int] = typer.Option(None, min=1, help="override the suite's sample count"),
+    suite: str | None = typer.Option(None, help="suite name (default: the file's first suite)"),
+    configs: str | None = typer.Option(None, help="comma-separated config names (default: all; the baseline is "
+                                                  "always included)"),
+    samples: int | None = typer.Option(None, min=1, help="override the suite's sample count"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     wait: bool = typer.Option(True, help="wait for the verdict"),
     timeout: float = typer.Option(3600, help="seconds to wait for the verdict"),
+    fail_on: str = typer.Option("fail", help="the lowest run verdict that exits 1: fail, warn (also inconclusive) "
+                                             "or never"),
+    wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
+    heartbeat: float = typer.Option(30, min=1, help="without a terminal: seconds between progress lines on stderr"),
 ) -> None:
-    """Apply a config file and run a suite over its configs."""
+    """Apply a config file and run a suite over its configs. Exit 0 on pass (and on warn or
+    inconclusive unless --fail-on warn), 1 on fail or incomplete, 2 when it cannot run."""
     from app.config_file import ConfigFileError, load_config_file
     from app.corpus import CorpusError
     from app.repo import NotFound
 
+    if fail_on not in FAIL_ON:
+        fail(f"--fail-on must be one of {', '.join(FAIL_ON)}, not '{fail_on}'")
     try:
         cfg = load_config_file(file)
         _upgrade_db()
-        summary = _run_and_wait(cfg, suite, configs.split(",") if configs else None, samples, as_json, wait, timeout)
+        names = configs.split(",") if configs else None
+        summary = _run_and_wait(cfg, suite, names, samples, as_json, wait, timeout, heartbeat)
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
     if not wait:
         sys.stdout.write(json.dumps(summary) + "\n")
-    elif as_json:
+        return
+    if as_json:
         _json_out(summary)
     else:
-        _print_summary(summary)
+        _print_summary(summary, wide)
+    raise typer.Exit(run_exit_code(summary["verdict"], fail_on))
 
 
 @app.command()
-def serve(host: str = "127.0.0.1", port: int = 8000, upgrade_db: bool = typer.Option(True, help="run migrations first")) -> None:
+def serve(host: str = "127.0.0.1", port: int = 8000,
+          upgrade_db: bool = typer.Option(True, help="run migrations first")) -> None:
     """Run the API server (OpenAPI docs at /docs)."""
     import uvicorn
 
@@ -261,10 +431,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, upgrade_db: bool = typer.Op
 
 @app.command()
 def worker(
-    queues: str = typer.Option("gpu,cpu,default", help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
+    queues: str = typer.Option("gpu,cpu,default",
+                               help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
     concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
     beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
-    name: Optional[str] = typer.Option(None, help="node name, e.g. gpu0@%h (default: celery's)"),
+    name: str | None = typer.Option(None, help="node name, e.g. gpu0@%h (default: celery's)"),
 ) -> None:
     """Run a Celery worker (needs CANARY_BROKER_URL)."""
     if not os.environ.get("CANARY_BROKER_URL"):
@@ -283,49 +454,100 @@ def gate(
     candidate: str = typer.Option(..., help="the config to deploy"),
     suite: str = typer.Option(..., help="the suite to run it on"),
     project: str = typer.Option("default", help="project name"),
-    baseline: Optional[str] = typer.Option(None, help="the model's baseline config (checked; default: the model's)"),
-    samples: Optional[int] = typer.Option(None, help="samples (default: the suite's)"),
+    baseline: str | None = typer.Option(None, help="the model's baseline config (checked; default: the model's)"),
+    samples: int | None = typer.Option(None, help="samples (default: the suite's)"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for the durable verdict"),
-    timeout: float = typer.Option(3600, help="seconds to wait before exiting 2"),
+    timeout: float = typer.Option(3600, help="seconds to wait for a verdict before exiting with --error-exit-code"),
     warn_exit_code: int = typer.Option(0, help="exit code for a warn verdict (0 lets the deploy go on, 1 blocks it)"),
+    error_exit_code: int = typer.Option(2, help="exit code when the gate cannot decide: an error verdict, the API "
+                                        "unreachable past --retry-for, or --timeout (0 lets the deploy go on)"),
     inconclusive: str = typer.Option("warn", help="gate verdict when the data cannot decide: pass, warn or fail"),
-    summary_md: Optional[pathlib.Path] = typer.Option(None, help="write a markdown summary (for a PR comment) here"),
-    idempotency_key: Optional[str] = typer.Option(None, envvar="CANARY_GATE_KEY",
-                                                  help="a retried CI step with the same key gets the same gate (e.g. the commit SHA)"),
+    summary_md: pathlib.Path | None = typer.Option(None, help="write a markdown summary (for a PR comment) here; "
+                                                      "with $GITHUB_STEP_SUMMARY set it is also appended there"),
+    idempotency_key: str | None = typer.Option(None, envvar="CANARY_GATE_KEY",
+                                                  help="a retried CI step with the same key gets the same gate "
+                                                       "(e.g. the commit SHA)"),
+    heartbeat: float = typer.Option(30, min=1, help="seconds between 'still waiting' lines on stderr"),
+    retry_for: float = typer.Option(600, min=0, help="seconds a poll keeps retrying (with backoff) through connection "
+                                    "errors and 5xx answers, e.g. while the API restarts"),
     api: str = typer.Option("http://127.0.0.1:8000", envvar="CANARY_API_URL", help="the canary API"),
-    api_key: Optional[str] = typer.Option(None, envvar="CANARY_API_KEY", help="a read-write API key"),
+    api_key: str | None = typer.Option(None, envvar="CANARY_API_KEY", help="a read-write API key"),
     as_json: bool = typer.Option(False, "--json", help="print the gate as JSON"),
 ) -> None:
-    """Pre-deploy gate: exit 0 pass, 1 fail, 2 error; warn exits with --warn-exit-code."""
+    """Pre-deploy gate: exit 0 pass, 1 fail, 2 bad request; warn exits with --warn-exit-code, an
+    undecidable gate (error verdict, API gone, timeout) with --error-exit-code."""
+    import uuid
+
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    if idempotency_key:
-        headers["Idempotency-Key"] = idempotency_key
-    body = {"candidate": candidate, "suite": suite, "baseline": baseline, "samples": samples, "inconclusive": inconclusive}
+    # the key makes the POST safe to retry: without one, a retried POST would start a second gate
+    headers = {"Idempotency-Key": idempotency_key or f"cli-{uuid.uuid4()}"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    body = {"candidate": candidate, "suite": suite, "baseline": baseline, "samples": samples,
+            "inconclusive": inconclusive}
     base = f"{api.rstrip('/')}/api/v1/projects/{project}/gates"
-    try:
-        with httpx.Client(timeout=30, headers=headers) as http:
-            r = http.post(base, json={k: v for k, v in body.items() if v is not None})
+    started = last_line = time.monotonic()
+    with httpx.Client(timeout=30, headers=headers) as http:
+        try:
+            r = _call(http, "POST", base, min(retry_for, 15), json={k: v for k, v in body.items() if v is not None})
+        except httpx.TransportError as e:
+            fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL",
+                 error_exit_code)
+        if r.status_code >= 500:
+            fail(f"the canary API failed to start the gate (HTTP {r.status_code}): {_detail(r)}", error_exit_code)
+        if r.status_code >= 400:
+            fail(f"gate refused (HTTP {r.status_code}): {_detail(r)}")
+        g = r.json()
+        _log(f"gate {g['gate_id']}: {candidate} vs {g['baseline']} on suite {suite}, run {g['run_id']}"
+             + ("; waiting for the verdict" if wait and g["verdict"] is None else ""))
+        while wait and g["verdict"] is None:
+            now = time.monotonic()
+            if now - started > timeout:
+                _gate_out(g, summary_md, as_json, step_summary=True)
+                fail(f"gate {g['gate_id']} has no verdict after {timeout:.0f}s (run {g['run_id']} is "
+                     f"{g['run_status']}); it goes on, and the same --idempotency-key picks it up again",
+                     error_exit_code)
+            if now - last_line >= heartbeat:
+                last_line = now
+                _log(f"gate {g['gate_id']} still waiting: run {g['run_id']} is {g['run_status']}, "
+                     f"{_ago(now - started)} elapsed")
+            time.sleep(min(2.0, heartbeat))
+            try:
+                r = _call(http, "GET", f"{base}/{g['gate_id']}", retry_for)
+            except httpx.TransportError as e:
+                fail(f"the canary API at {api} stayed unreachable for {retry_for:.0f}s ({type(e).__name__}); gate "
+                     f"{g['gate_id']} goes on, and the same --idempotency-key picks it up again", error_exit_code)
             if r.status_code >= 400:
-                fail(f"gate refused (HTTP {r.status_code}): {_detail(r)}")
+                fail(f"reading gate {g['gate_id']} failed (HTTP {r.status_code}): {_detail(r)}",
+                     error_exit_code if r.status_code >= 500 else 2)
             g = r.json()
-            started = time.monotonic()
-            while wait and g["verdict"] is None:
-                if time.monotonic() - started > timeout:
-                    _gate_out(g, summary_md, as_json)
-                    fail(f"gate {g['gate_id']} has no verdict after {timeout:.0f}s (run {g['run_id']} is {g['run_status']}); "
-                         f"it goes on, and the same --idempotency-key picks it up again")
-                time.sleep(2)
-                r = http.get(f"{base}/{g['gate_id']}")
-                if r.status_code >= 400:
-                    fail(f"reading gate {g['gate_id']} failed (HTTP {r.status_code}): {_detail(r)}")
-                g = r.json()
-    except httpx.HTTPError as e:
-        fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL")
-    _gate_out(g, summary_md, as_json)
-    code = {"pass": 0, "fail": 1, "warn": warn_exit_code, "error": 2, None: 0}[g["verdict"]]
-    raise typer.Exit(code)
+    _gate_out(g, summary_md, as_json, step_summary=True)
+    raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[g["verdict"]])
+
+
+def _call(http, method: str, url: str, retry_for: float, **kw):
+    """One API request, retried with exponential backoff (1, 2, 4 … 30 s) through connection
+    errors and 5xx answers for up to retry_for seconds; the last answer (or error) is the result."""
+    import httpx
+
+    deadline, delay = time.monotonic() + retry_for, 1.0
+    while True:
+        try:
+            r = http.request(method, url, **kw)
+            if r.status_code < 500:
+                return r
+            why = f"HTTP {r.status_code}"
+        except httpx.TransportError as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            why = type(e).__name__
+        else:
+            if time.monotonic() + delay > deadline:
+                return r
+        _log(f"{method} {url} failed ({why}); retrying in {delay:.0f}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 30.0)
 
 
 def _detail(r) -> str:
@@ -336,14 +558,18 @@ def _detail(r) -> str:
         return r.text[:300]
 
 
-def _gate_out(g: dict, summary_md, as_json: bool) -> None:
+def _gate_out(g: dict, summary_md, as_json: bool, step_summary: bool = False) -> None:
     if summary_md:
         summary_md.write_text(g["summary_markdown"], encoding="utf-8")
+    if step_summary and os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:  # GitHub Actions' job summary
+            f.write(g["summary_markdown"].rstrip("\n") + "\n\n")
     if as_json:
         sys.stdout.write(json.dumps(g) + "\n")
     else:
         console.print(f"gate {g['gate_id']}: [bold]{g['verdict'] or 'pending'}[/] — candidate {g['candidate']} vs "
-                      f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {g['reason'] or ''}", highlight=False)
+                      f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {escape(g['reason'] or '')}",
+                      highlight=False, soft_wrap=True)
 
 
 @app.command("engine-serve", add_help_option=False,  # --help reaches the server's own parser, which lists its options
@@ -358,9 +584,11 @@ def engine_serve(ctx: typer.Context) -> None:
 @keys_app.command("create")
 def keys_create(project: str = typer.Option(..., help="the project the key opens (created if missing)"),
                 name: str = typer.Option("default", help="a label for the key"),
-                read_only: bool = typer.Option(False, "--read-only", help="GET only (dashboards); the same as --scope read"),
-                scope: Optional[str] = typer.Option(None, help="read | write (default) | metrics (GET /metrics, this project's "
-                                                    "figures) | metrics-all (GET /metrics, every project's: an operator's Prometheus)")) -> None:
+                read_only: bool = typer.Option(False, "--read-only",
+                                               help="GET only (dashboards); the same as --scope read"),
+                scope: str | None = typer.Option(None, help="read | write (default) | metrics (GET /metrics, this "
+                                                 "project's figures) | metrics-all (GET /metrics, every project's: "
+                                                 "an operator's Prometheus)")) -> None:
     """Create a key and print it once (it cannot be shown again)."""
     from app.auth import SCOPES, create_key
     from app.db import session_scope
@@ -407,7 +635,126 @@ def keys_list(project: str = typer.Option(..., help="project name")) -> None:
     with session_scope() as s:
         p = repo.get_project(s, project)
         for k in s.scalars(select(ApiKey).where(ApiKey.project_id == p.id).order_by(ApiKey.id)):
-            sys.stdout.write(f"{k.id}\t{k.name}\t{k.scope}\t{'revoked ' + k.revoked_at.isoformat() if k.revoked_at else 'active'}\n")
+            state = "revoked " + k.revoked_at.isoformat() if k.revoked_at else "active"
+            sys.stdout.write(f"{k.id}\t{k.name}\t{k.scope}\t{state}\n")
+
+
+PROJECT = typer.Option("default", "--project", "-p", envvar="CANARY_PROJECT", help="project name")
+AS_JSON = typer.Option(False, "--json", help="print JSON on stdout instead of a table")
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*(escape(str(x)) if x is not None else "—" for x in row))
+    Console(width=None if Console().is_terminal else 160).print(t)
+
+
+def _when(iso: str | None) -> str:
+    return iso[:19].replace("T", " ") if iso else "—"
+
+
+@runs_app.command("list")
+def runs_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=500), as_json: bool = AS_JSON) -> None:
+    """The project's newest runs: id, suite, trigger, status, verdict, samples, times."""
+    from app import repo
+    from app.db import session_scope
+    from app.models import Suite
+
+    with session_scope() as s:
+        p = repo.get_project(s, project)
+        items = [{"run_id": r.id, "suite": (s.get(Suite, r.suite_id) or Suite(name="?")).name, "trigger": r.trigger,
+                  "status": r.status, "verdict": r.verdict, "n_samples": r.n_samples,
+                  "created_at": r.created_at.isoformat() if r.created_at else None,
+                  "finished_at": r.finished_at.isoformat() if r.finished_at else None}
+                 for r in repo.list_runs(s, p, limit)]
+    if as_json:
+        sys.stdout.write(json.dumps(items) + "\n")
+        return
+    _table(f"runs of project '{project}' (newest first)",
+           ["run", "suite", "trigger", "status", "verdict", "samples", "created", "finished"],
+           [[i["run_id"], i["suite"], i["trigger"], i["status"], i["verdict"], i["n_samples"], _when(i["created_at"]),
+             _when(i["finished_at"])] for i in items])
+
+
+@runs_app.command("show")
+def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary runs list`)"), project: str = PROJECT,
+              wide: bool = typer.Option(False, "--wide", help="every column"), as_json: bool = AS_JSON) -> None:
+    """One run: its table (as `canary run` prints it) and verdict, or every figure with --json."""
+    from app import repo
+    from app.db import session_scope
+    from app.services import run_summary
+
+    with session_scope() as s:
+        summary = run_summary(s, repo.get_run(s, repo.get_project(s, project), run_id))
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    elif summary["status"] != "done":
+        console.print(f"run {run_id} is {summary['status']}: " + ", ".join(
+            f"{c['config']} {c['status']} {c['progress']['done']}/{c['progress']['total']}"
+            for c in summary["configs"]),
+            highlight=False)
+    else:
+        _print_summary(summary, wide)
+
+
+@alerts_app.command("list")
+def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, help="pending | firing | resolved"),
+                limit: int = typer.Option(50, min=1, max=1000), as_json: bool = AS_JSON) -> None:
+    """The project's alerts, newest first (as GET /api/v1/projects/{project}/alerts serves them)."""
+    from app import repo
+    from app.api.routes.alerting import list_alerts
+    from app.db import session_scope
+
+    if state not in (None, "pending", "firing", "resolved", "inactive"):
+        fail(f"--state must be pending, firing or resolved, not '{state}'")
+    with session_scope() as s:
+        items = list_alerts(repo.get_project(s, project), s, state=state, limit=limit)
+    if as_json:
+        sys.stdout.write(json.dumps(items) + "\n")
+        return
+    _table(f"alerts of project '{project}' (newest first)",
+           ["id", "state", "severity", "config", "metric", "value", "run", "fired", "resolved"],
+           [[a["id"], a["state"], a["severity"], a["labels"].get("config"), a["labels"].get("metric"),
+             f"{a['value']:.4g}" if a["value"] is not None else None, a["run_id"], _when(a["fired_at"]),
+             _when(a["resolved_at"])] for a in items])
+
+
+@gates_app.command("list")
+def gates_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=500), as_json: bool = AS_JSON) -> None:
+    """The project's newest CI gates: candidate, baseline, verdict, run."""
+    from app import repo
+    from app.api.routes.gates import list_gates
+    from app.db import session_scope
+
+    with session_scope() as s:
+        items = list_gates(repo.get_project(s, project), s, limit=limit)
+    if as_json:
+        sys.stdout.write(json.dumps(items) + "\n")
+        return
+    _table(f"gates of project '{project}' (newest first)",
+           ["gate", "candidate", "baseline", "verdict", "run", "created", "decided"],
+           [[g["gate_id"], g["candidate"], g["baseline"], g["verdict"] or "pending", g["run_id"],
+             _when(g["created_at"]), _when(g["decided_at"])] for g in items])
+
+
+@gates_app.command("show")
+def gates_show(gate_id: int = typer.Argument(..., help="the gate's id (from `canary gates list`)"),
+               project: str = PROJECT, as_json: bool = AS_JSON) -> None:
+    """One gate: its verdict line and its markdown summary, or the whole gate with --json."""
+    from app import repo
+    from app.api.routes.gates import get_gate
+    from app.db import session_scope
+
+    with session_scope() as s:
+        g = get_gate(gate_id, repo.get_project(s, project), s)
+    if as_json:
+        sys.stdout.write(json.dumps(g) + "\n")
+        return
+    _gate_out(g, None, False)
+    sys.stdout.write(g["summary_markdown"] + "\n")
 
 
 @db_app.command("upgrade")
@@ -442,8 +789,53 @@ def alert_rules() -> None:
     sys.stdout.write(render())
 
 
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, help="print the version and exit")) -> None:
+    if version:
+        from app import __version__
+
+        sys.stdout.write(f"inference-canary {__version__}\n")
+        raise typer.Exit(0)
+
+
+def _service_error(e: BaseException) -> str | None:
+    """A one-line message for a database or broker that cannot be reached, else None."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    from app.settings import get_settings
+
+    first = (str(getattr(e, "orig", None) or e).strip().splitlines() or [""])[0][:200]
+    if isinstance(e, (OperationalError, InterfaceError)):
+        from app.ssrf import mask_userinfo
+
+        where = mask_userinfo(get_settings().database_url)
+        return f"the database at {where} is unreachable ({first}); start it, or set CANARY_DATABASE_URL"
+    try:
+        from kombu.exceptions import OperationalError as BrokerError
+    except ImportError:  # kombu comes with celery
+        return None
+    if isinstance(e, BrokerError):
+        from app.ssrf import mask_userinfo
+
+        return (f"the broker at {mask_userinfo(get_settings().broker_url or '')} is unreachable ({first}); "
+                f"start Redis, or set CANARY_BROKER_URL (unset: the embedded default runs tasks in-process)")
+    return None
+
+
 def main() -> None:
-    app()
+    from app.repo import NotFound
+
+    try:
+        app()
+    except NotFound as e:  # a project, run, gate or config named on the command line that is not there
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except Exception as e:  # only an unreachable service is turned into one line; the rest re-raises
+        msg = _service_error(e)
+        if msg is None:
+            raise
+        console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import numpy as np
 from evals.agreement import exact_match, first_divergence, top1_agreement
 from evals.perplexity import ppl_ratio
 from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
-from evals.stats import Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
+from evals.stats import TOO_FEW, Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
 
 __all__ = [
     "acceptance_comparison",
@@ -105,7 +105,7 @@ def peak_comparison(metric: str, peak: float | None, t: Thresholds, source: str)
 def informational(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw) -> Comparison:
     """A metric reported with its CI but no threshold (agreement): never 'ok' on too few samples."""
     if n < min_n:
-        why = f"n={n} < min_n={min_n}: too few samples to decide"
+        why = f"n={n} < min_n={min_n}: {TOO_FEW}"
         return Comparison(metric, est, lo, hi, n, "inconclusive", why, **kw)
     return Comparison(metric, est, lo, hi, n, "ok", "reported: no threshold on this metric", **kw)
 
@@ -284,7 +284,7 @@ def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: 
     details = {"matches": em.matches, "first_divergence": mismatches}
     verdict: Verdict
     if em.n < t.min_n:
-        verdict, rule = "inconclusive", f"n={em.n} < min_n={t.min_n}: too few samples to decide"
+        verdict, rule = "inconclusive", f"n={em.n} < min_n={t.min_n}: {TOO_FEW}"
     elif t.critical is not None and hi <= t.critical:
         verdict = "critical"
         rule = f"{em.n - em.matches} of {em.n} outputs diverge; Wilson high {hi:.4g} ≤ critical {t.critical:g}"

@@ -25,6 +25,8 @@ import numpy as np
 
 Verdict = Literal["ok", "warn", "critical", "inconclusive", "measurement_error"]
 
+TOO_FEW = "too few samples to decide"  # the rule of an inconclusive comparison below min_n (run reasons group them)
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -70,7 +72,7 @@ class Comparison:
 def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds) -> tuple[Verdict, str]:
     """Verdict and the rule that produced it (module docstring)."""
     if n < t.min_n:
-        return "inconclusive", f"n={n} < min_n={t.min_n}: too few samples to decide"
+        return "inconclusive", f"n={n} < min_n={t.min_n}: {TOO_FEW}"
     if t.direction == "above":
         if t.critical is not None and ci_low >= t.critical:
             return "critical", f"CI low {ci_low:.4g} ≥ critical {t.critical:g}"

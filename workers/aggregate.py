@@ -17,10 +17,10 @@ from app.settings import get_settings
 from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
 from evals import compare, sanity
-from evals.metrics import METRICS, RUN_VERDICT, worst_verdict
+from evals.metrics import METRICS, RUN_VERDICT, VERDICT_ORDER, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
-from evals.stats import Comparison, Thresholds
+from evals.stats import TOO_FEW, Comparison, Thresholds
 
 
 class RunThresholds:
@@ -240,7 +240,17 @@ def _f(x):
 
 
 def _reason(rows: list[dict], config_runs) -> str:
+    """The run verdict's reason, worst first: each breaching comparison with its rule, then the
+    comparisons that had too few samples to decide, in one clause (`int8 ttft_ratio, gen_nll_ratio`)."""
     names = {cr.config_id: cr.config.name for cr in config_runs}
-    bad = [f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']})" for r in rows
-           if r["verdict"] != "ok" and not _informational(r)]
-    return "; ".join(bad) if bad else "every comparison is ok"
+    notable = sorted((r for r in rows if r["verdict"] != "ok" and not _informational(r)),
+                     key=lambda r: -VERDICT_ORDER[r["verdict"]])
+    parts, few = [], {}
+    for r in notable:
+        if r["verdict"] == "inconclusive" and TOO_FEW in (r["rule"] or ""):
+            few.setdefault(names[r["config_id"]], []).append(r["metric"])
+        else:
+            parts.append(f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']})")
+    if few:
+        parts.append(f"{TOO_FEW} (n < min_n): " + "; ".join(f"{c} {', '.join(ms)}" for c, ms in few.items()))
+    return "; ".join(parts) if parts else "every comparison is ok"

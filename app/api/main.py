@@ -10,12 +10,12 @@ from typing import Literal
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import text
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from app import __version__
-from app.api.deps import SessionDep, get_key
+from app.api.deps import get_key
 from app.api.limits import BodyLimit, RateLimited
 from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
@@ -161,11 +161,40 @@ def metrics(request: Request) -> Response:
 
 
 class HealthOut(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "unavailable"]
     version: str
+    down: dict[str, str] = Field(default_factory=dict, description="what cannot be reached (database, broker) and why")
 
 
-@app.get("/healthz", tags=["health"], response_model=HealthOut)
-def healthz(session: SessionDep) -> HealthOut:
-    session.execute(text("SELECT 1"))
-    return HealthOut(status="ok", version=__version__)
+def _first_line(e: BaseException) -> str:
+    return (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+@app.get("/healthz", tags=["health"], response_model=HealthOut, responses={503: {"model": HealthOut}})
+def healthz() -> Response:
+    """200 when the database (and, with Celery, the broker) answers; else a JSON 503 naming what is down."""
+    from app.db import get_engine
+
+    down = {}
+    try:
+        with get_engine().connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001 - any failure to reach it is "down", with its reason
+        down["database"] = _first_line(e)
+    settings = get_settings()
+    if settings.execution_mode == "celery" and settings.broker_url:
+        from kombu import Connection
+
+        try:
+            with Connection(settings.broker_url, connect_timeout=2) as conn:
+                conn.ensure_connection(max_retries=1, timeout=2)
+        except Exception as e:  # noqa: BLE001
+            down["broker"] = _first_line(e)
+    body = HealthOut(status="unavailable" if down else "ok", version=__version__, down=down)
+    return JSONResponse(body.model_dump(), status_code=503 if down else 200)
+
+
+@app.exception_handler(OperationalError)
+async def _database_down(_: Request, exc: OperationalError) -> JSONResponse:
+    log.error("database unavailable: %s", _first_line(exc))
+    return JSONResponse({"detail": "the database is unavailable; GET /healthz says what is down"}, status_code=503)

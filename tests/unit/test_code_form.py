@@ -11,7 +11,9 @@ import tempfile
 from tests.conftest import ROOT
 
 GATED = ["engines", "evals"]
-RUFF_ONLY = ["workers"]  # ruff clean too; mypy not yet (it follows workers' imports into app/, which is untyped)
+# ruff clean too; mypy not yet (it follows workers' imports into app/, which is untyped). The rest of
+# app/ and dashboard/ join file by file as they are cleaned.
+RUFF_ONLY = ["workers", "app/cli.py"]
 
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
