@@ -1,8 +1,25 @@
+"""What every page shares: the verdict colours, the metric catalogue, and the pure helpers that
+turn the API's figures into the text a page shows (each computed by hand in
+tests/unit/test_dashboard_format.py)."""
+
 from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
 
 # colour carries the threshold state (no emoji: a headless browser's fonts may lack them)
 VERDICT_COLORS = {"ok": "#c8e6c9", "warn": "#ffe0b2", "critical": "#ffcdd2", "inconclusive": "#eeeeee",
                   "measurement_error": "#e1bee7"}  # purple: the figure cannot be right (a broken measurement)
+# the same states as marks on a chart (darker: a point or a line, not a cell background)
+VERDICT_MARKS = {"ok": "#2e7d32", "warn": "#ef6c00", "critical": "#c62828", "inconclusive": "#9e9e9e",
+                 "measurement_error": "#7b1fa2"}
+# configs on a chart: blues, teals, browns and pinks — none of them reads as a verdict colour
+CONFIG_COLORS = ["#1f77b4", "#17becf", "#8c564b", "#e377c2", "#393b79", "#637939", "#5254a3", "#843c39", "#3182bd",
+                 "#bcbd22"]
+# worst first: a broken measurement ranks above warn (it may hide anything), inconclusive above ok
+WORST_FIRST = ("critical", "measurement_error", "warn", "inconclusive", "ok")
+BREACHING = ("warn", "critical")
+SPARK = "▁▂▃▄▅▆▇█"
 
 
 def catalogue(api) -> list[dict]:
@@ -14,6 +31,100 @@ def fmt(x, spec: str = ".4g") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def verdict_rank(verdict: str | None) -> int:
+    """0 for critical … 4 for ok; no verdict (never measured, the baseline) ranks last."""
+    return WORST_FIRST.index(verdict) if verdict in WORST_FIRST else len(WORST_FIRST)
+
+
+def worst_verdict(verdicts) -> str | None:
+    ranked = sorted((v for v in verdicts if v), key=verdict_rank)
+    return ranked[0] if ranked else None
+
+
+def worst_first(rows: list[dict]) -> list[dict]:
+    """Rows with "verdict" (the row's worst) and "ppl_ratio" (an estimate or None), worst first:
+    by verdict, then by the larger perplexity ratio; the baseline ("baseline": True) last."""
+    return sorted(rows, key=lambda r: (bool(r.get("baseline")), verdict_rank(r.get("verdict")),
+                                       -(r["ppl_ratio"] if r.get("ppl_ratio") is not None else -math.inf)))
+
+
+def _signed(x: float, digits: int) -> str:
+    s = f"{x:+.{digits}f}"
+    return "+0" + s[2:] if s.startswith("-0") and float(s) == 0 else s  # no "-0.0"
+
+
+def pct_change(estimate: float | None, low: float | None = None, high: float | None = None, digits: int = 1) -> str:
+    """A ratio as its % change with the CI in the same unit: 1.045 [1.024, 1.066] → "+4.5% [+2.4, +6.6]"."""
+    if estimate is None:
+        return "—"
+    text = f"{_signed((estimate - 1) * 100, digits)}%"
+    if low is not None and high is not None:
+        text += f" [{_signed((low - 1) * 100, digits)}, {_signed((high - 1) * 100, digits)}]"
+    return text
+
+
+def metric_cell(unit: str, spec: str, estimate: float | None, low: float | None = None,
+                high: float | None = None) -> str:
+    """One comparison as a cell: ratios as % change, fractions as %, milliseconds and points as
+    themselves, each followed by its 95% CI in the same unit."""
+    if estimate is None:
+        return "—"
+    if unit == "ratio":
+        return pct_change(estimate, low, high)
+    ci = low is not None and high is not None
+    if unit == "fraction":
+        return f"{estimate * 100:.0f}%" + (f" [{low * 100:.0f}, {high * 100:.0f}]" if ci else "")
+    if unit == "ms":
+        return f"{estimate:.0f} ms" + (f" [{low:.0f}, {high:.0f}]" if ci else "")
+    return format(estimate, spec) + (f" [{format(low, spec)}, {format(high, spec)}]" if ci else "")
+
+
+def parse_time(t: str | None) -> datetime | None:
+    """The API's ISO times; a time without an offset is UTC (as stored)."""
+    if not t:
+        return None
+    d = datetime.fromisoformat(t)
+    return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
+
+
+def human_time(t: str | None, now: datetime | None = None, never: str = "never") -> str:
+    """'just now', '5 minutes ago', '2 hours ago', '3 days ago', 'in 4 hours' (whole units, rounded down)."""
+    when = parse_time(t)
+    if when is None:
+        return never
+    seconds = ((now or datetime.now(timezone.utc)) - when).total_seconds()
+    past, s = seconds >= 0, abs(seconds)
+    if s < 60:
+        return "just now" if past else "in under a minute"
+    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):
+        if s >= size:
+            n = int(s // size)
+            text = f"{n} {unit}{'s' if n != 1 else ''}"
+            return f"{text} ago" if past else f"in {text}"
+    raise AssertionError("unreachable")
+
+
+def sparkline(values: list[float | None]) -> str:
+    """A text trend, oldest first: each value as one of ▁…█ between the series' min and max (a
+    flat series is a flat middle line; a missing value is a gap)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    if high - low < 1e-12:
+        return "".join(SPARK[3] if v is not None else " " for v in values)
+    steps = len(SPARK) - 1  # half a step rounds up
+    return "".join(" " if v is None else SPARK[math.floor((v - low) / (high - low) * steps + 0.5)] for v in values)
+
+
+def doc_ppl_ratio(candidate_nll: float | None, baseline_nll: float | None, tokens: int | None) -> float | None:
+    """One document's perplexity ratio from the two NLL sums over its same tokens:
+    exp((NLL_c − NLL_b) / tokens)."""
+    if candidate_nll is None or baseline_nll is None or not tokens:
+        return None
+    return math.exp((candidate_nll - baseline_nll) / tokens)
+
+
 def style_verdicts(df, verdict_cols: dict[str, str]):
     """Colour each displayed column by the verdict in its twin column; the twins are not shown."""
     shown = df.drop(columns=list(set(verdict_cols.values())))
@@ -21,8 +132,8 @@ def style_verdicts(df, verdict_cols: dict[str, str]):
     def colour(frame):
         css = frame.copy().astype(str)
         for c in frame.columns:
-            css[c] = [f"background-color: {VERDICT_COLORS.get(v, '')}" if c in verdict_cols and VERDICT_COLORS.get(v) else ""
-                      for v in (df[verdict_cols[c]] if c in verdict_cols else [""] * len(frame))]
+            twins = df[verdict_cols[c]] if c in verdict_cols else [""] * len(frame)
+            css[c] = [f"background-color: {VERDICT_COLORS[v]}" if v in VERDICT_COLORS else "" for v in twins]
         return css
 
     return shown.style.apply(colour, axis=None)
@@ -30,3 +141,42 @@ def style_verdicts(df, verdict_cols: dict[str, str]):
 
 def style_verdict_column(df, column: str = "verdict"):
     return df.style.apply(lambda col: [f"background-color: {VERDICT_COLORS.get(v, '')}" for v in col], subset=[column])
+
+
+def y_domain(values, rel_pad: float = 0.1, min_span: float = 0.01) -> list[float]:
+    """A chart's y range that shows every value with a margin; a single value (or a flat series)
+    gets a span of ±min_span × |value| around it (at least min_span), not an axis of ".309"s."""
+    known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not known:
+        return [0.0, 1.0]
+    low, high = min(known), max(known)
+    span = high - low
+    if span < 1e-12:
+        half = max(abs(low) * min_span, min_span)
+        return [low - half, high + half]
+    return [low - span * rel_pad, high + span * rel_pad]
+
+
+def label_offsets(xs: list[float], ys: list[float], labels: list[str], x_range: list[float] | None = None,
+                  y_range: list[float] | None = None, width: float = 700, height: float = 380, char_px: float = 7,
+                  line_px: float = 15) -> list[float]:
+    """A vertical offset (px) per point label so that no two labels overlap: each label, top to
+    bottom, takes the first of above / below / further above / further below that is clear of
+    the labels already placed (boxes estimated from the text's length on axes of the given ranges,
+    by default the points' own span, at the chart's size)."""
+    def px(values, size, span):
+        low, high = span or (min(values), max(values))
+        return [size / 2 if high - low < 1e-12 else (v - low) / (high - low) * size for v in values]
+
+    x_px, y_px = px(xs, width, x_range), px(ys, height, y_range)
+    placed: list[tuple[float, float, float]] = []  # (centre x, centre y, half width), y grows downwards
+    offsets = [0.0] * len(xs)
+    for i in sorted(range(len(xs)), key=lambda k: -y_px[k]):
+        half = len(labels[i]) * char_px / 2
+        for dy in (-14, 16, -30, 32, -46, 48):
+            cx, cy = x_px[i], height - y_px[i] + dy
+            if all(abs(cx - px_) >= half + h or abs(cy - py_) >= line_px for px_, py_, h in placed):
+                break
+        placed.append((cx, cy, half))
+        offsets[i] = dy
+    return offsets

@@ -1,5 +1,6 @@
-"""Compare: baseline vs candidates on one run — estimates, CIs and verdicts per metric, and the
-trade-off being decided: quality lost against speed and memory gained."""
+"""Compare: one run's configs side by side — one row per config, worst first, each metric as
+"% change [95% CI]" coloured by its threshold state — and the trade-off being decided: quality
+lost (with its CI) against speed or memory gained."""
 
 from __future__ import annotations
 
@@ -7,7 +8,46 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import fmt, style_verdict_column
+from dashboard.views.common import VERDICT_MARKS, human_time, label_offsets, style_verdicts, y_domain
+from dashboard.views.overview import config_rows, frame
+
+
+def trade_off_points(run: dict) -> list[dict]:
+    """Per candidate with a perplexity ratio: quality loss % with its CI; speed gain × as the
+    inverse of the paired TPOT ratio with its CI (tokens/s ratio, no CI, when not measured);
+    memory saved % for a 512-token context. The baseline is the origin (0 %, 1×, 0 %)."""
+    figures, base = run["figures"], run["baseline"]
+    bf = figures.get(base) or {}
+
+    def memory(f):
+        return (f.get("weight_bytes") or 0) + 512 * (f.get("kv_bytes_per_token") or 0)
+
+    out = [{"config": f"{base} (baseline)", "loss": 0.0, "loss_low": 0.0, "loss_high": 0.0, "speed": 1.0,
+            "speed_low": 1.0, "speed_high": 1.0, "memory": 0.0, "verdict": "baseline", "speed_sure": True}]
+    for c in run["configs"]:
+        name = c["config"]
+        comps = {x["metric"]: x for x in run["comparisons"] if x["config"] == name}
+        ppl, tpot, f = comps.get("ppl_ratio"), comps.get("tpot_ratio"), figures.get(name) or {}
+        if name == base or not ppl or ppl["estimate"] is None:
+            continue
+        if tpot and tpot["estimate"]:
+            speed = 1 / tpot["estimate"]
+            low, high = speed, speed
+            if tpot["ci_low"] and tpot["ci_high"]:
+                low, high = 1 / tpot["ci_high"], 1 / tpot["ci_low"]
+            sure = tpot["verdict"] != "inconclusive"
+        elif bf.get("tokens_per_second") and f.get("tokens_per_second"):
+            speed = low = high = f["tokens_per_second"] / bf["tokens_per_second"]
+            sure = False  # one reading each, no CI
+        else:
+            speed = low = high = None
+            sure = False
+        out.append({"config": name, "loss": (ppl["estimate"] - 1) * 100,
+                    "loss_low": (ppl["ci_low"] - 1) * 100 if ppl["ci_low"] is not None else None,
+                    "loss_high": (ppl["ci_high"] - 1) * 100 if ppl["ci_high"] is not None else None,
+                    "speed": speed, "speed_low": low, "speed_high": high, "speed_sure": sure,
+                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl["verdict"]})
+    return out
 
 
 def render(api, project: str, params) -> None:
@@ -16,35 +56,70 @@ def render(api, project: str, params) -> None:
     if not runs:
         st.info("No finished runs yet.")
         return
-    labels = {f"run {r['run_id']} · {r['trigger']} · {r['verdict']} · {r['created_at'][:16]}": r["run_id"] for r in runs}
-    run_id = labels[st.selectbox("Run", list(labels))]
+    by_id = {r["run_id"]: r for r in runs}
+    ids = list(by_id)
+    asked = str(params.get("run_id", ""))
+    def label(i: int) -> str:
+        return f"run {i} · {by_id[i]['trigger']} · {by_id[i]['verdict']} · {human_time(by_id[i]['created_at'])}"
+
+    run_id = st.selectbox("Run", ids, index=ids.index(int(asked)) if asked.isdigit() and int(asked) in ids else 0,
+                          key="compare_run", format_func=label)
     run = api.get(f"/projects/{project}/runs/{run_id}")
-    comps = pd.DataFrame(run["comparisons"])
-    if comps.empty:
+    if not run["comparisons"]:
         st.info("This run has no comparisons.")
         return
-    comps["CI"] = [f"[{fmt(a)}, {fmt(b)}]" for a, b in zip(comps["ci_low"], comps["ci_high"], strict=True)]
-    st.dataframe(style_verdict_column(comps[["config", "metric", "estimate", "CI", "n", "verdict", "rule"]]), hide_index=True, width="stretch")
-    base = run["baseline"]
-    f = run["figures"]
-    bf = f.get(base) or {}
-    points = []
-    for c in run["configs"]:
-        name, fig = c["config"], f.get(c["config"]) or {}
-        ratio = next((x for x in run["comparisons"] if x["config"] == name and x["metric"] == "ppl_ratio"), None)
-        if name == base or ratio is None or not bf.get("tokens_per_second") or not fig.get("tokens_per_second"):
-            continue
-        points.append({"config": name, "quality loss %": (ratio["estimate"] - 1) * 100, "verdict": ratio["verdict"],
-                       "speed gain ×": fig["tokens_per_second"] / bf["tokens_per_second"],
-                       "memory saved %": 100 * (1 - (fig.get("weight_bytes", 0) + 512 * fig.get("kv_bytes_per_token", 0))
-                                                / max(1, bf.get("weight_bytes", 0) + 512 * bf.get("kv_bytes_per_token", 0)))})
-    if points:
-        st.subheader("Quality lost vs speed and memory gained")
-        axis = st.radio("Gain", ["speed gain ×", "memory saved %"], horizontal=True)
-        chart = (alt.Chart(pd.DataFrame(points)).mark_circle(size=120)
-                 .encode(x=alt.X(axis), y=alt.Y("quality loss %"), tooltip=list(points[0]),
-                         color=alt.Color("verdict", scale=alt.Scale(domain=["ok", "warn", "critical", "inconclusive", "measurement_error"],
-                                                                   range=["#2e7d32", "#ef6c00", "#c62828", "#9e9e9e", "#7b1fa2"])))
-                 + alt.Chart(pd.DataFrame(points)).mark_text(dy=-12).encode(x=axis, y="quality loss %", text="config"))
-        st.altair_chart(chart, width="stretch")
-        st.caption("Memory = weight bytes + KV bytes for a 512-token context. Up and left is worse; down and right is the win.")
+    suites = {s["id"]: s["name"] for s in api.get(f"/projects/{project}/suites")}
+    suite = suites.get(run["suite_id"], "?")
+    st.caption(f"Suite {suite} · {run['n_samples']} samples · baseline {run['baseline']} · verdict {run['verdict']}")
+    metrics = sorted((m for m in api.get("/metrics")["metrics"] if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")
+    configs = [{"config": c["config"], "baseline": c["config"] == run["baseline"], "run_id": run_id, "checked_at": None,
+                "comparisons": {x["metric"]: x for x in run["comparisons"] if x["config"] == c["config"]},
+                "figures": run["figures"].get(c["config"]) or {}} for c in run["configs"]]
+    df, twins = frame(config_rows(configs, metrics), metrics)
+    st.table(style_verdicts(df.drop(columns=["checked"], errors="ignore"), twins).hide(axis="index"))
+
+    points = trade_off_points(run)
+    if len(points) < 2:
+        return
+    st.subheader("Quality lost vs speed and memory gained")
+    axis = st.radio("Gain", ["speed gain ×", "memory saved %"], horizontal=True)
+    x_field = "speed" if axis.startswith("speed") else "memory"
+    pts = pd.DataFrame([p for p in points if p[x_field] is not None])
+    thresholds = api.get(f"/projects/{project}/trends", metric="ppl_ratio", suite=suite, limit=1)["thresholds"]
+    rule = next((r for r in thresholds if r["config"] is None), None)
+    levels = [(lvl, (rule[lvl] - 1) * 100) for lvl in ("warn", "critical") if rule and rule.get(lvl) is not None]
+    y_range = y_domain([*pts["loss_low"], *pts["loss_high"], *pts["loss"], *(v for _, v in levels)])
+    spread = ("speed_low", "speed_high") if x_field == "speed" else (x_field,)
+    x_range = y_domain([v for col in spread for v in pts[col]])
+    y_scale, x_scale = alt.Scale(domain=y_range), alt.Scale(domain=x_range)
+    pts["dy"] = label_offsets(list(pts[x_field]), list(pts["loss"]), list(pts["config"]), x_range, y_range)
+    x = alt.X(f"{x_field}:Q", title=axis, scale=x_scale)
+    y = alt.Y("loss:Q", title="quality loss: ppl ratio as % change", scale=y_scale)
+    colour = alt.Color("verdict:N", scale=alt.Scale(domain=[*VERDICT_MARKS, "baseline"],
+                                                    range=[*VERDICT_MARKS.values(), "#000000"]))
+    base = alt.Chart(pts)
+    layers = [base.mark_rule(strokeWidth=2).encode(x=x, y=alt.Y("loss_low:Q", scale=y_scale), y2="loss_high:Q",
+                                                   color=colour)]
+    if x_field == "speed":  # horizontal CI bars; dashed where the speed comparison is inconclusive
+        dash = alt.StrokeDash("speed_sure:N", legend=None,
+                              scale=alt.Scale(domain=[True, False], range=[[1, 0], [4, 3]]))
+        layers += [base.mark_rule(strokeWidth=2).encode(x=alt.X("speed_low:Q", scale=x_scale), x2="speed_high:Q", y=y,
+                                                         color=colour, strokeDash=dash)]
+    layers += [base.mark_point(size=140, filled=True).encode(
+        x=x, y=y, color=colour, tooltip=["config", "loss", "loss_low", "loss_high", "speed", "speed_low", "speed_high",
+                                         "memory", "verdict"],
+        shape=alt.Shape("speed_sure:N", legend=alt.Legend(title="speed sure"),
+                        scale=alt.Scale(domain=[True, False], range=["circle", "diamond"])))]
+    for dy in sorted(set(pts["dy"])):  # Vega-Lite's dy is per mark, not per datum
+        layers.append(alt.Chart(pts[pts["dy"] == dy]).mark_text(dy=dy, fontSize=12).encode(x=x, y=y, text="config"))
+    for level, value in levels:
+        line = alt.Chart(pd.DataFrame({"y": [value], "label": [f"{level} +{value:.1f}%"]}))
+        layers += [line.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[level])
+                   .encode(y=alt.Y("y:Q", scale=y_scale)),
+                   line.mark_text(align="left", dx=4, dy=-6, color=VERDICT_MARKS[level])
+                   .encode(y=alt.Y("y:Q", scale=y_scale), x=alt.value(0), text="label")]
+    st.altair_chart(alt.layer(*layers).properties(height=420), width="stretch")
+    st.caption("Colour: the perplexity ratio's verdict. Vertical bars: 95% CI of the perplexity ratio; horizontal "
+               "bars: 95% CI of the speed gain (1 / paired TPOT ratio), dashed and the point a diamond where that "
+               "comparison is inconclusive. Dashed lines: the project's warn / critical thresholds. Memory = weight "
+               "bytes + KV bytes for a 512-token context. Up is worse; right is the win.")

@@ -1,48 +1,135 @@
-"""Overview: per model, every config's current standing against its baseline and thresholds."""
+"""Overview: on one suite, which config regressed, by how much, how surely and since when — per
+model, one row per config, worst first, each metric as "% change [95% CI]" coloured by its
+threshold state."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import catalogue, fmt, style_verdicts
+from dashboard.views.common import (
+    BREACHING,
+    fmt,
+    human_time,
+    metric_cell,
+    pct_change,
+    sparkline,
+    style_verdicts,
+    worst_first,
+    worst_verdict,
+)
+
+
+def suite_choice(api, project: str, params, path: str, **query) -> dict:
+    """Read `path` for the suite chosen on the page (or ?suite=, else the API's default: the
+    scheduled suite) and draw the suite selector; returns the API's answer for that suite."""
+    asked = st.session_state.get("suite") or params.get("suite")
+    data = api.get(path, suite=asked, **query)
+    suites = data["suites"] or ([data["suite"]] if data["suite"] else [])
+    if suites:
+        st.selectbox("Suite", suites, index=suites.index(data["suite"]) if data["suite"] in suites else 0, key="suite",
+                     help="Only runs of this suite are shown: a smoke gate never mixes with the daily suite.")
+    return data
+
+
+def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict]:
+    """One row per config (worst first) with a text cell and a verdict per gated metric."""
+    rows = []
+    for c in configs:
+        comps, f = c["comparisons"], c["figures"]
+        gated = [comps[m["name"]] for m in metrics if m["name"] in comps]
+        verdict = worst_verdict(x["verdict"] for x in gated)
+        ppl = comps.get("ppl_ratio") or {}
+        docs = ppl.get("n")
+        prompts = max((comps[m["name"]]["n"] for m in metrics if m["producer"] == "generation" and m["name"] in comps
+                       and m["comparison"] != "peak"), default=None)  # a peak is one reading, not n prompts
+        breach = c.get("breaching_metric")
+        row = {"config": c["config"] + (" (baseline)" if c["baseline"] else ""), "baseline": c["baseline"],
+               "verdict": verdict or ("not measured" if c["run_id"] is None else ""), "ppl_ratio": ppl.get("estimate"),
+               "breaching since": (f"{human_time(c['breaching_since'], now)} ({_label(metrics, breach)})"
+                                   if breach and c.get("breaching_since") else ""),
+               "cells": {}, "n docs": fmt(docs, "d"), "n prompts": fmt(prompts, "d"),
+               "ppl trend": sparkline([p["estimate"] for p in c.get("ppl_history") or []])
+               if len(c.get("ppl_history") or []) > 1 else "",
+               "tok/s": fmt(f.get("tokens_per_second"), ".0f"), "KV B/token": fmt(f.get("kv_bytes_per_token"), "d"),
+               "checked": human_time(c["checked_at"], now, never="never")}
+        for m in metrics:
+            comp = comps.get(m["name"])
+            ci = ("ci_low", "ci_high") if m["comparison"] != "peak" else ()  # a peak has no CI: one reading
+            text = metric_cell(m["unit"], m["fmt"], *(comp.get(k) for k in ("estimate", *ci))) if comp else "—"
+            row["cells"][m["label"]] = (text, comp["verdict"] if comp else "")
+        rows.append(row)
+    return worst_first(rows)
+
+
+def _label(metrics: list[dict], name: str | None) -> str:
+    return next((m["label"] for m in metrics if m["name"] == name), name or "")
+
+
+def frame(rows: list[dict], metrics: list[dict]):
+    """The table as shown (columns empty throughout left out) and its verdict twins for colouring."""
+    table, twins = [], {"verdict": "_verdict"}
+    for r in rows:
+        out = {"config": r["config"], "verdict": r["verdict"], "_verdict": r["verdict"],
+               "breaching since": r["breaching since"]}
+        for label, (text, verdict) in r["cells"].items():
+            out[label], out[f"_{label}"] = text, verdict
+            twins[label] = f"_{label}"
+        for k in ("n docs", "n prompts", "ppl trend", "tok/s", "KV B/token", "checked"):
+            out[k] = r[k]
+        table.append(out)
+    df = pd.DataFrame(table)
+    empty = [c for c in df.columns if not c.startswith("_") and df[c].isin(["—", ""]).all()]
+    for c in empty:
+        if c in twins:
+            df = df.drop(columns=[twins.pop(c)])
+    return df.drop(columns=empty), twins
+
+
+def headline(model: str, rows: list[dict], metrics: list[dict]) -> tuple[str, str | None]:
+    """The answer in one line: which configs breach, on what, by how much and since when."""
+    bad = [r for r in rows if r["verdict"] in BREACHING or r["verdict"] == "measurement_error"]
+    if not bad:
+        measured = [r for r in rows if not r["baseline"] and r["verdict"] not in ("", "not measured")]
+        unsure = [r["config"] for r in measured if r["verdict"] == "inconclusive"]
+        text = f"{model}: no config breaches a threshold" + (f" ({', '.join(unsure)} inconclusive)" if unsure else "")
+        return text, None
+    parts = []
+    for r in bad:
+        cells = [(label, text) for label, (text, v) in r["cells"].items() if v == r["verdict"]]
+        what = ", ".join(f"{label} {text}" for label, text in cells[:2])
+        since = f", since {r['breaching since'].split(' (')[0]}" if r["breaching since"] else ""
+        parts.append(f"**{r['config']}** {r['verdict']} ({what}{since})")
+    return f"{model}: " + "; ".join(parts), worst_verdict(r["verdict"] for r in bad)
 
 
 def render(api, project: str, params) -> None:
     st.title("Inference quality overview")
-    data = api.get(f"/projects/{project}/overview")
-    c1, c2 = st.columns(2)
-    c1.metric("Last check", data["last_check_at"] or "never")
-    c2.metric("Next scheduled check", data["next_check_at"] or "no schedule")
+    top = st.columns([2, 1, 1])
+    with top[0]:
+        data = suite_choice(api, project, params, f"/projects/{project}/overview")
+    top[1].metric("Last check", human_time(data["last_check_at"]),
+                  help=f"the suite's last finished run: {data['last_check_at'] or 'none'} (UTC)")
+    top[2].metric("Next scheduled check", human_time(data["next_check_at"], never="not scheduled"),
+                  help=f"{data['next_check_at'] or 'no enabled schedule runs this suite'} (UTC)")
     if not data["models"]:
         st.info("No models in this project yet.")
         return
-    # one column per gated metric of the catalogue; a metric no config has a figure for is left out
-    columns = [(m["name"], m["label"], m["fmt"]) for m in catalogue(api) if m["gated"]]
+    # the gated metrics of the catalogue, the perplexity ratio first
+    metrics = sorted((m for m in api.get("/metrics")["metrics"] if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")
     for model, configs in data["models"].items():
+        rows = config_rows(configs, metrics)
+        base = next((c for c in configs if c["baseline"]), None)
+        ppl = next((c["comparisons"]["ppl_ratio"] for c in configs if "ppl_ratio" in c["comparisons"]), None)
         st.subheader(f"Model {model}")
-        rows, verdicts = [], {}
-        for c in configs:
-            comps, f = c["comparisons"], c["figures"]
-            base_ppl = (comps.get("ppl_ratio") or {}).get("baseline_value")
-            row = {"config": c["config"] + (" (baseline)" if c["baseline"] else ""),
-                   "domain ppl": fmt(f.get("token_ppl"), ".3f"),
-                   "% vs baseline": fmt(((comps["ppl_ratio"]["estimate"] - 1) * 100) if comps.get("ppl_ratio") and comps["ppl_ratio"]["estimate"] is not None else None, "+.2f"),
-                   "TTFT p99 ms": fmt(f.get("ttft_ms_p99"), ".1f"), "tok/s": fmt(f.get("tokens_per_second"), ".0f"),
-                   "KV B/token": fmt(f.get("kv_bytes_per_token"), "d"),
-                   "checked": (c["checked_at"] or "never")[:19]}
-            for key, label, spec in columns:
-                comp = comps.get(key)
-                value = comp.get("estimate") if comp else (f.get("ttft_ms_p50") if key == "ttft_ms" else None)
-                row[label] = fmt(value, spec)
-                row[f"_{key}"] = comp.get("verdict") if comp else ""
-                verdicts[label] = f"_{key}"
-            if base_ppl is None and not c["baseline"] and not comps:
-                row["checked"] = "no finished run"
-            rows.append(row)
-        df = pd.DataFrame(rows)
-        empty = [label for label in verdicts if (df[label] == "—").all()]
-        df = df.drop(columns=empty + [verdicts.pop(label) for label in empty])
-        st.table(style_verdicts(df, verdicts).hide(axis="index"))
-    st.caption("Cells are coloured by their threshold state: green ok, orange warn, red critical, grey inconclusive (CI-based verdicts), "
-               "purple measurement error (a figure that cannot be right: the run is incomplete).")
+        text, worst = headline(model, rows, metrics)
+        {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
+        if base and ppl:
+            st.caption(f"Baseline {base['config']}: domain perplexity {fmt(ppl['baseline_value'], '.3f')} on suite "
+                       f"{data['suite']} (n = {ppl['n']} documents). Ratios are shown as % change against it.")
+        df, twins = frame(rows, metrics)
+        st.table(style_verdicts(df, twins).hide(axis="index"))
+    st.caption("Each cell: the estimate and its 95% CI, coloured by its threshold state: green ok, orange warn, "
+               "red critical, grey inconclusive (the CI straddles a threshold or too few samples), purple measurement "
+               "error (a figure that cannot be right). Ratios as % change vs the baseline; rates as %. ppl trend: the "
+               f"perplexity ratio over the suite's recent runs, oldest first; {pct_change(1.0)} is parity.")

@@ -1,11 +1,61 @@
-"""Run detail: per-sample drill-down — worst regressions first, baseline and candidate outputs
-side by side, judge rationale and faithfulness statements."""
+"""Run detail: what breached in one run, and the samples behind it — the worst candidate first,
+its worst documents as perplexity ratios, baseline and candidate outputs side by side, judge
+rationale and faithfulness statements."""
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import fmt
+from dashboard.views.common import (
+    BREACHING,
+    doc_ppl_ratio,
+    fmt,
+    human_time,
+    metric_cell,
+    pct_change,
+    style_verdict_column,
+    worst_first,
+    worst_verdict,
+)
+
+SAMPLE_METRICS = ["nll", "faithfulness", "judge_pairwise", "judge_score"]
+
+
+def comparison_rows(run: dict, metrics: dict[str, dict]) -> tuple[list[dict], list[dict]]:
+    """The run's comparisons as rows, breaching (and broken) first, then the rest; left out: the
+    baseline against itself and metrics that are only reported (no threshold, no say)."""
+    shown = []
+    for c in run["comparisons"]:
+        m = metrics.get(c["metric"])
+        if c["config"] == run["baseline"] or m is None or not m["gated"]:
+            continue
+        ci = () if m["comparison"] == "peak" else (c["ci_low"], c["ci_high"])
+        cell = metric_cell(m["unit"], m["fmt"], c["estimate"], *ci)
+        shown.append({"config": c["config"], "metric": m["label"], "change [95% CI]": cell,
+                      "n": c["n"], "verdict": c["verdict"], "why": c["rule"] or "",
+                      "ppl_ratio": c["estimate"] if c["metric"] == "ppl_ratio" else None})
+    shown = worst_first(shown)
+    breaching = [r for r in shown if r["verdict"] in (*BREACHING, "measurement_error")]
+    return breaching, [r for r in shown if r not in breaching]
+
+
+def candidates_worst_first(run: dict, metrics: dict[str, dict]) -> list[str]:
+    """Candidates by their worst gated verdict, then by the larger perplexity ratio."""
+    rows = []
+    for c in run["configs"]:
+        if c["config"] == run["baseline"]:
+            continue
+        comps = [x for x in run["comparisons"]
+                 if x["config"] == c["config"] and (metrics.get(x["metric"]) or {}).get("gated")]
+        ppl = next((x["estimate"] for x in comps if x["metric"] == "ppl_ratio"), None)
+        rows.append({"config": c["config"], "verdict": worst_verdict(x["verdict"] for x in comps), "ppl_ratio": ppl})
+    return [r["config"] for r in worst_first(rows)]
+
+
+def _table(rows: list[dict]):
+    df = pd.DataFrame(rows).drop(columns=["ppl_ratio"])
+    return style_verdict_column(df).hide(axis="index")
 
 
 def render(api, project: str, params) -> None:
@@ -15,22 +65,58 @@ def render(api, project: str, params) -> None:
         st.info("No runs yet.")
         return
     ids = [r["run_id"] for r in runs]
-    wanted = int(params["run_id"]) if str(params.get("run_id", "")).isdigit() and int(params["run_id"]) in ids else ids[0]
-    run_id = st.selectbox("Run", ids, index=ids.index(wanted), key="run")
+    by_id = {r["run_id"]: r for r in runs}
+    asked = str(params.get("run_id", ""))
+    wanted = int(asked) if asked.isdigit() and int(asked) in ids else ids[0]
+
+    def label(i: int) -> str:
+        r = by_id[i]
+        return f"run {i} · {r['trigger']} · {r['verdict'] or r['status']} · {human_time(r['created_at'])}"
+
+    run_id = st.selectbox("Run", ids, index=ids.index(wanted), key="run", format_func=label)
     run = api.get(f"/projects/{project}/runs/{run_id}")
-    st.write(f"**{run['status']}** · verdict **{run['verdict'] or '—'}** · {run['verdict_reason'] or ''}")
-    candidates = [c["config"] for c in run["configs"] if c["config"] != run["baseline"]]
+    suites = {s["id"]: s["name"] for s in api.get(f"/projects/{project}/suites")}
+    metrics = {m["name"]: m for m in api.get("/metrics")["metrics"]}
+    suite = suites.get(run["suite_id"], "?")
+    st.markdown(f"**Verdict {run['verdict'] or '—'}** ({run['status']}) · suite **{suite}** · "
+                f"{run['n_samples']} samples · {run['trigger']} · started {human_time(run['created_at'])}, "
+                f"baseline {run['baseline']}")
+    breaching, rest = comparison_rows(run, metrics)
+    if breaching:
+        st.subheader(f"Breaching ({len(breaching)})")
+        st.table(_table(breaching))
+    else:
+        st.success("No comparison breaches a threshold in this run.")
+    if rest:
+        with st.expander(f"Other comparisons ({len(rest)}: ok or inconclusive)"):
+            st.table(_table(rest))
+    candidates = candidates_worst_first(run, metrics)
     if not candidates:
         st.info("This run has only the baseline.")
         return
-    config = st.selectbox("Candidate", candidates, key="candidate")
-    metric = st.selectbox("Rank samples by", ["nll", "faithfulness", "judge_pairwise", "judge_score"])
-    worst = api.get(f"/projects/{project}/runs/{run_id}/worst", config=config, metric=metric, limit=20)
-    if not worst["items"]:
+    st.subheader("Worst samples")
+    config = st.selectbox("Candidate (worst first)", candidates, key=f"candidate-{run_id}")  # per run: the worst
+    metric = st.selectbox("Rank samples by", SAMPLE_METRICS, key="sample_metric",
+                          format_func=lambda m: "document perplexity ratio" if m == "nll" else m)
+    worst = api.get(f"/projects/{project}/runs/{run_id}/worst", config=config, metric=metric,
+                    limit=200 if metric == "nll" else 20)
+    items = worst["items"]
+    if not items:
         st.info(f"No paired {metric} samples for {config} in this run.")
         return
-    for item in worst["items"]:
-        head = f"{item['sample_key']} — Δ {fmt(item['delta'], '+.4g')} (baseline {fmt(item['baseline_value'])}, candidate {fmt(item['candidate_value'])})"
+    if metric == "nll":  # per document: exp((NLL_c − NLL_b) / tokens), the ratio the run's ppl_ratio pools
+        for item in items:
+            item["ratio"] = doc_ppl_ratio(item["candidate_value"], item["baseline_value"],
+                                          (item["baseline_extra"] or {}).get("n_tokens"))
+        items = sorted(items, key=lambda i: -(i["ratio"] or 0))[:20]
+    for item in items:
+        if metric == "nll":
+            tokens = (item["baseline_extra"] or {}).get("n_tokens")
+            head = (f"{item['sample_key']} — perplexity ×{fmt(item['ratio'], '.3f')} ({pct_change(item['ratio'])}) "
+                    f"over {tokens} tokens")
+        else:
+            head = (f"{item['sample_key']} — Δ {fmt(item['delta'], '+.4g')} (baseline {fmt(item['baseline_value'])}, "
+                    f"candidate {fmt(item['candidate_value'])})")
         with st.expander(head):
             outs = item["outputs"]
             left, right = st.columns(2)
@@ -40,9 +126,12 @@ def render(api, project: str, params) -> None:
                 col.code(gen.get("text", "(no generation)"), language=None)
             judge = (outs.get("candidate") or {}).get("judge_pairwise")
             if judge:
-                st.markdown(f"**Judge:** {judge.get('winner')} (orders {judge.get('orders')}) — {judge.get('rationale', '')}")
+                st.markdown(f"**Judge:** {judge.get('winner')} (orders {judge.get('orders')}) — "
+                            f"{judge.get('rationale', '')}")
             faith = (outs.get("candidate") or {}).get("faithfulness")
             if faith:
                 st.markdown(f"**Faithfulness** ({faith.get('method')}):")
                 for s in faith.get("statements", []):
                     st.markdown(f"- {'✅' if s['supported'] else '❌'} {s['statement']}")
+    with st.expander("Verdict reason, as stored"):
+        st.text(run["verdict_reason"] or "—")

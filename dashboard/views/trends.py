@@ -1,4 +1,5 @@
-"""Trends: a metric over time per config, with warn/critical bands and alert markers."""
+"""Trends: a metric over one suite's runs per config, with its 95% CI, the warn/critical
+thresholds that apply to each config, and the alerts that fired (named by config)."""
 
 from __future__ import annotations
 
@@ -6,33 +7,82 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import catalogue
+from dashboard.views.common import CONFIG_COLORS, VERDICT_MARKS, catalogue, y_domain
+from dashboard.views.overview import suite_choice
+
+SHAPES = {"ok": "circle", "inconclusive": "diamond", "warn": "triangle-up", "critical": "square",
+          "measurement_error": "cross"}  # the verdict as a point's shape: colour is the config's
+
+
+def threshold_lines(thresholds: list[dict], configs: list[str]) -> list[dict]:
+    """One line per (rule, level): a rule scoped to a config is drawn for that config only (and
+    only when it is shown); a project or model rule is drawn once, labelled 'all configs'."""
+    lines = []
+    for r in thresholds:
+        if r["config"] is not None and r["config"] not in configs:
+            continue
+        for level in ("warn", "critical"):
+            if r.get(level) is not None:
+                lines.append({"y": r[level], "level": level, "config": r["config"] or "all configs",
+                              "label": f"{r['config'] or 'all'} {level} {r[level]:g}"})
+    return lines
 
 
 def render(api, project: str, params) -> None:
     st.title("Trends")
-    metric = st.selectbox("Metric", [m["name"] for m in catalogue(api)], key="metric")
-    data = api.get(f"/projects/{project}/trends", metric=metric)
+    top = st.columns([1, 1, 2])
+    with top[0]:
+        data = suite_choice(api, project, params, f"/projects/{project}/trends", metric="ppl_ratio")
+    metric = top[1].selectbox("Metric", [m["name"] for m in catalogue(api)], key="metric")
+    if metric != data["metric"]:
+        data = api.get(f"/projects/{project}/trends", metric=metric, suite=data["suite"])
     pts = pd.DataFrame(data["points"])
     if pts.empty:
-        st.info(f"No {metric} comparisons yet.")
+        st.info(f"No {metric} comparisons on suite {data['suite']} yet.")
         return
-    pts["at"] = pd.to_datetime(pts["at"])
-    line = alt.Chart(pts).mark_line(point=True).encode(x=alt.X("at:T", title="run"), y=alt.Y("estimate:Q", title=metric, scale=alt.Scale(zero=False)),
-                                                        color="config:N",
-                                                        tooltip=["config", "run_id", "estimate", "ci_low", "ci_high", "verdict"])
-    band = alt.Chart(pts).mark_area(opacity=0.15).encode(x=alt.X("at:T", title="run"), y=alt.Y("ci_low:Q", title=metric), y2="ci_high:Q",
-                                                         color="config:N")
-    layers = [band, line]
-    project_rule = next((r for r in data["thresholds"] if r["config_id"] is None and r["model_id"] is None), None)
-    if project_rule:
-        for level, color in (("warn", "#ef6c00"), ("critical", "#c62828")):
-            if project_rule.get(level) is not None:
-                layers.append(alt.Chart(pd.DataFrame({"y": [project_rule[level]], "level": [level]}))
-                              .mark_rule(strokeDash=[6, 4], color=color).encode(y=alt.Y("y:Q", title=metric), tooltip=["level", "y"]))
+    all_configs = sorted(pts["config"].unique())
+    shown = top[2].multiselect("Configs", all_configs, default=all_configs, key=f"configs-{data['suite']}-{metric}")
+    pts = pts[pts["config"].isin(shown)]
+    if pts.empty:
+        st.info("Pick at least one config.")
+        return
+    pts["run"] = [f"#{r} {str(t)[5:16].replace('T', ' ')}" for r, t in zip(pts["run_id"], pts["at"], strict=True)]
+    order = list(dict.fromkeys(pts.sort_values("run_id")["run"]))
+    lines = threshold_lines(data["thresholds"], shown)
+    scale = alt.Scale(domain=y_domain([*pts["estimate"], *pts["ci_low"], *pts["ci_high"], *(x["y"] for x in lines)]))
+    colour = alt.Color("config:N", scale=alt.Scale(domain=all_configs, range=CONFIG_COLORS[:len(all_configs)]))
+    x = alt.X("run:O", sort=order, title="run (id, UTC start)", axis=alt.Axis(labelAngle=0))
+    y = alt.Y("estimate:Q", title=metric, scale=scale)
+    tooltip = ["config", "run_id", "at", "estimate", "ci_low", "ci_high", "n", "verdict"]
+    base = alt.Chart(pts)
+    ci = alt.Y("ci_low:Q", scale=scale, title=metric)
+    shape = alt.Shape("verdict:N", scale=alt.Scale(domain=list(SHAPES), range=list(SHAPES.values())))
+    layers = [base.mark_rule(opacity=0.5, strokeWidth=2).encode(x=x, y=ci, y2="ci_high:Q", color=colour),
+              base.mark_line().encode(x=x, y=y, color=colour),
+              base.mark_point(size=90, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip)]
+    for line in lines:  # one layer each, in the threshold's own colour: no second colour legend
+        one = alt.Chart(pd.DataFrame([line]))
+        layers += [one.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[line["level"]])
+                   .encode(y=alt.Y("y:Q", scale=scale), tooltip=["label"]),
+                   one.mark_text(align="left", dx=4, dy=-6, fontSize=11, color=VERDICT_MARKS[line["level"]])
+                   .encode(y=alt.Y("y:Q", scale=scale), x=alt.value(0), text="label")]
     alerts = pd.DataFrame(data["alerts"])
     if not alerts.empty:
-        alerts["fired_at"] = pd.to_datetime(alerts["fired_at"])
-        layers.append(alt.Chart(alerts).mark_rule(color="#c62828", opacity=0.5).encode(x=alt.X("fired_at:T", title="run"), tooltip=["config", "severity", "state"]))
-    st.altair_chart(alt.layer(*layers), width="stretch")
-    st.caption("Shaded: 95% CI. Dashed: project warn / critical thresholds. Red verticals: alerts firing.")
+        alerts = alerts[alerts["config"].isin(shown) & alerts["run_id"].isin(pts["run_id"])]
+    if not alerts.empty:
+        labels = dict(zip(pts["run_id"], pts["run"], strict=False))
+        # one marker per run: every config and severity that fired on it, named
+        named = (alerts.assign(what=[f"{c} {s}" for c, s in zip(alerts["config"], alerts["severity"], strict=True)])
+                 .groupby("run_id")["what"].agg(lambda w: ", ".join(sorted(set(w)))).reset_index())
+        named["run"] = [labels[r] for r in named["run_id"]]
+        named["label"] = "alert: " + named["what"]
+        marks = alt.Chart(named)
+        layers += [marks.mark_rule(color=VERDICT_MARKS["critical"], opacity=0.35, strokeWidth=3)
+                   .encode(x=x, tooltip=["label"]),
+                   marks.mark_text(angle=270, align="right", baseline="bottom", dy=-4, y=4, fontSize=11,
+                                   color=VERDICT_MARKS["critical"]).encode(x=x, text="label")]
+    st.altair_chart(alt.layer(*layers).properties(height=420), width="stretch")
+    st.caption(f"Suite {data['suite']} only. Points: the estimate, shaped by verdict (circle ok, diamond "
+               "inconclusive, triangle warn, square critical, cross measurement error); vertical bars: 95% CI. "
+               "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "
+               "Red verticals: alerts that fired, named by config.")

@@ -1,5 +1,6 @@
 """A seeded API for the dashboard tests: `canary run -f` on the embedded default (a real run of
-the tiny model with an alert that fires and escalates), then `canary serve` on loopback, a CI
+the tiny model with an alert that fires and escalates, then a cheap run of a second suite,
+"smoke", so that pages can be checked for mixing suites), then `canary serve` on loopback, a CI
 gate through the API and a silence. Both the AppTest tests and the browser test read it."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from engines.zoo import resolve_corpus_path
 from tests.conftest import ROOT
 from tests.loopback import canary_serve
 
+SMOKE = "smoke"
+
 
 def seed_config(corpus: str) -> dict:
     return {
@@ -26,36 +29,50 @@ def seed_config(corpus: str) -> dict:
         "configs": [{"name": "fp32", "baseline": True, "engine": "reference", "weights": "fp32"},
                     {"name": "int8", "engine": "reference", "weights": "int8"},
                     {"name": "int2", "engine": "reference", "weights": "rtn-int2"},
-                    {"name": "spec-ngram", "engine": "reference", "weights": "fp32", "speculative": {"method": "ngram", "k": 4}}],
+                    {"name": "spec-ngram", "engine": "reference", "weights": "fp32",
+                     "speculative": {"method": "ngram", "k": 4}}],
         "suites": [{"name": "s", "corpus": corpus, "samples": 12, "seed": 2,
                     "scorers": ["perplexity", "generation", "agreement", "faithfulness"],
-                    "perplexity": {"window": 64}, "generation": {"prompts": 10, "prompt_words": 8, "max_new_tokens": 8}}],
+                    "perplexity": {"window": 64},
+                    "generation": {"prompts": 10, "prompt_words": 8, "max_new_tokens": 8}},
+                   # the second suite: perplexity only on 4 documents, run last over fp32 and int8 (a few seconds)
+                   {"name": SMOKE, "corpus": corpus, "samples": 4, "seed": 3, "scorers": ["perplexity"],
+                    "perplexity": {"window": 64}}],
         "thresholds": {"ppl_ratio": {"warn": 1.01, "critical": 1.03}},
         "schedules": [{"name": "daily", "cron": "0 6 * * *", "suite": "s"}],
     }
 
 
-@pytest.fixture(scope="session")
-def seeded_api(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dash")
+def seed(tmp) -> dict:
+    """The seeded database under `tmp` (two `canary run`s); returns the environment that serves it."""
     lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:14]
     (tmp / "corpus.jsonl").write_text("\n".join(lines))
     (tmp / "canary.yaml").write_text(yaml.safe_dump(seed_config(str(tmp / "corpus.jsonl"))))
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp / 'dash.db'}", "CANARY_EXECUTION": "inline",
            "CANARY_DASHBOARD_URL": "http://127.0.0.1:8501"}
     env.pop("CANARY_BROKER_URL", None)
-    r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp / "canary.yaml"), "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode in (0, 1), r.stderr[-3000:]  # a failing verdict is expected: int2 is critical
+    for extra in ([], ["--suite", SMOKE, "--configs", "fp32,int8"]):
+        r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp / "canary.yaml"), "--json", *extra],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode in (0, 1), r.stderr[-3000:]  # a failing verdict is expected: int2 is critical
+    return env
+
+
+@pytest.fixture(scope="session")
+def seeded_api(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dash")
+    env = seed(tmp)
     with canary_serve(env, str(tmp / "api.log"), "--no-upgrade-db") as base:
         http = httpx.Client(base_url=base + "/api/v1", timeout=60)
-        g = http.post("/projects/dash/gates", json={"candidate": "int8", "suite": "s"}, headers={"Idempotency-Key": "seed"}).json()
+        g = http.post("/projects/dash/gates", json={"candidate": "int8", "suite": "s"},
+                      headers={"Idempotency-Key": "seed"}).json()
         deadline = time.time() + 300
         while g["verdict"] is None and time.time() < deadline:
             time.sleep(1)
             g = http.get(f"/projects/dash/gates/{g['gate_id']}").json()
         assert g["verdict"] is not None, json.dumps(g)[:2000]
-        s = http.post("/projects/dash/silences", json={"matchers": [{"name": "config", "value": "int8"}], "duration_minutes": 120,
-                                                       "author": "ana", "comment": "int8 is being re-calibrated"})
+        s = http.post("/projects/dash/silences", json={"matchers": [{"name": "config", "value": "int8"}],
+                                                       "duration_minutes": 120, "author": "ana",
+                                                       "comment": "int8 is being re-calibrated"})
         assert s.status_code == 201
         yield {"url": base, "env": env, "tmp": tmp, "gate": g}

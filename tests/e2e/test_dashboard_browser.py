@@ -18,11 +18,11 @@ from tests.conftest import ROOT
 from tests.loopback import free_port, wait_http
 
 PAGES = {
-    "Overview": ["Inference quality overview", "int2", "Next scheduled check"],
+    "Overview": ["Inference quality overview", "int2", "Next scheduled check", "breaching since", "ppl ratio"],
     "Compare": ["Compare configs", "Quality lost vs speed and memory gained"],
-    "Trends": ["Trends", "Shaded: 95% CI"],
+    "Trends": ["Trends", "Suite s only", "alert: int2"],
     "Alerts": ["Alerts", "Firing (", "Silences", "needs a write key"],
-    "Run+detail": ["Run detail", "Rank samples by"],
+    "Run+detail&run_id=1": ["Run detail", "Breaching (", "Rank samples by"],  # the seeded run of every config
     "Gates": ["CI gates"],
 }
 
@@ -39,7 +39,7 @@ def chrome():
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = exe
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1100"):
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1300"):
         opts.add_argument(a)
     return webdriver.Chrome(service=Service(driver), options=opts)
 
@@ -50,7 +50,8 @@ def dashboard(seeded_api, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("st") / "streamlit.log")
     env = {**os.environ, "CANARY_API_URL": seeded_api["url"]}
     env.pop("CANARY_DASHBOARD_WRITE_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard/app.py"), "--server.port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(ROOT / "dashboard/app.py"),
+                             "--server.port", str(port),
                              "--server.headless", "true", "--browser.gatherUsageStats", "false"],
                             cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
@@ -76,11 +77,14 @@ def test_every_page_in_headless_chromium(dashboard, tmp_path):
                     break
                 time.sleep(0.5)
             time.sleep(1)  # let charts finish drawing before the screenshot
-            path = shots / f"{page.replace('+', '-').lower()}.png"
+            path = shots / f"{page.split('&')[0].replace('+', '-').lower()}.png"
             browser.save_screenshot(str(path))
             missing = [n for n in needles if n not in text]
             assert not missing, f"{page}: missing {missing}; page text: {text[:1500]}"
             assert "Traceback" not in text and "Error" not in text.split("\n")[0]
             assert path.stat().st_size > 10_000
+            if page == "Overview":  # the answer at the top: the critical config first, with its CI
+                first = browser.find_elements("css selector", "table tbody tr")[0].text
+                assert first.startswith("int2") and "critical" in first and "% [" in first, first
     finally:
         browser.quit()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from dashboard.views.common import doc_ppl_ratio, human_time, pct_change
 from tests.conftest import ROOT
+from tests.e2e.conftest import SMOKE
 
 APP = str(ROOT / "dashboard/app.py")
 
@@ -29,34 +31,133 @@ def frames(at) -> list:
     return [d.value for d in at.dataframe]
 
 
-def test_overview_shows_every_config_coloured_by_state(seeded_api, monkeypatch):
+def api(seeded_api, path: str, **params):
     import httpx
 
+    r = httpx.get(f"{seeded_api['url']}/api/v1/projects/dash{path}", params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def suite_runs(seeded_api) -> dict[str, set[int]]:
+    """Run ids by suite name, from the API's own run records."""
+    ids = {s["id"]: s["name"] for s in api(seeded_api, "/suites")}
+    out: dict[str, set[int]] = {}
+    for r in api(seeded_api, "/runs"):
+        out.setdefault(ids[api(seeded_api, f"/runs/{r['run_id']}")["suite_id"]], set()).add(r["run_id"])
+    return out
+
+
+def test_overview_and_trends_never_mix_suites(seeded_api):
+    """The smoke suite ran last, yet the default is the scheduled suite; each view's figures come
+    from its suite's runs only, and an unknown suite is a 404 naming the project's suites."""
+    runs = suite_runs(seeded_api)
+    assert runs.keys() == {"s", SMOKE}
+    daily = api(seeded_api, "/overview")
+    assert daily["suite"] == "s" and daily["suites"] == ["s", SMOKE] and daily["next_check_at"]
+    assert {c["run_id"] for c in daily["models"]["tiny"]} <= runs["s"]
+    smoke = api(seeded_api, "/overview", suite=SMOKE)
+    measured = {c["config"]: c for c in smoke["models"]["tiny"] if c["run_id"] is not None}
+    assert set(measured) == {"fp32", "int8"} and {c["run_id"] for c in measured.values()} <= runs[SMOKE]
+    assert set(measured["int8"]["comparisons"]) == {"ppl_ratio"}  # the smoke suite scores perplexity only
+    assert smoke["next_check_at"] is None  # no schedule runs the smoke suite
+    for suite in ("s", SMOKE):
+        points = api(seeded_api, "/trends", metric="ppl_ratio", suite=suite)["points"]
+        assert points and {p["run_id"] for p in points} <= runs[suite]
+    assert api(seeded_api, "/trends")["suite"] == "s"
+    import httpx
+
+    r = httpx.get(f"{seeded_api['url']}/api/v1/projects/dash/overview", params={"suite": "nightly"})
+    assert r.status_code == 404 and "suites: s, smoke" in r.text
+
+
+def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Overview")
     assert at.title[0].value == "Inference quality overview"
-    df = at.table[0].value  # an HTML table, coloured by verdict
-    assert {"fp32 (baseline)", "int8", "int2", "spec-ngram"} <= set(df["config"])
-    over = httpx.get(seeded_api["url"] + "/api/v1/projects/dash/overview").json()
+    assert at.selectbox(key="suite").value == "s"  # the scheduled suite, although smoke ran last
+    over = api(seeded_api, "/overview")
     int2 = next(c for c in over["models"]["tiny"] if c["config"] == "int2")
-    row = df[df["config"] == "int2"].iloc[0]
-    assert row["ppl ratio"] == format(int2["comparisons"]["ppl_ratio"]["estimate"], ".4f")
-    assert int2["comparisons"]["ppl_ratio"]["verdict"] == "critical"
-    assert at.metric[1].value != "no schedule"  # the daily schedule's next slot
+    ppl = int2["comparisons"]["ppl_ratio"]
+    assert ppl["verdict"] == "critical"
+    df = at.table[0].value  # an HTML table, coloured by verdict
+    assert df["config"].iloc[0] == "int2" and df["config"].iloc[-1] == "fp32 (baseline)"
+    assert list(df["verdict"])[:2] == ["critical", "critical"]  # int2, then spec-ngram (acceptance), by ppl ratio
+    row, cell = df.iloc[0], pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])  # "+5.8% [+4.4, +8.7]"
+    assert row["ppl ratio"] == cell
+    assert list(df.columns[:4]) == ["config", "verdict", "breaching since", "ppl ratio"]  # ppl ratio first
+    assert row["breaching since"] == f"{human_time(int2['breaching_since'])} (ppl ratio)"
+    assert row["n docs"] == str(ppl["n"])
+    assert "lossless EM" in df.columns and "judge win" not in df.columns  # no judge in the suite: left out
+    assert "int2" in at.error[0].value and cell in at.error[0].value  # the headline names it, with its CI
+    last, nxt = at.metric[0].value, at.metric[1].value
+    assert last.endswith("ago") or last == "just now"
+    assert nxt.startswith("in ")  # the daily schedule's next slot, in human time
+
+    at.selectbox(key="suite").set_value(SMOKE).run()
+    df = at.table[0].value
+    smoke = api(seeded_api, "/overview", suite=SMOKE)
+    int8 = next(c for c in smoke["models"]["tiny"] if c["config"] == "int8")["comparisons"]["ppl_ratio"]
+    cell = pct_change(int8["estimate"], int8["ci_low"], int8["ci_high"])
+    assert df[df["config"] == "int8"].iloc[0]["ppl ratio"] == cell
+    assert set(df[df["verdict"] == "not measured"]["config"]) == {"int2", "spec-ngram"}
+    assert at.metric[1].value == "not scheduled"
 
 
-def test_compare_lists_comparisons_with_cis(seeded_api, monkeypatch):
-    at = page(seeded_api, monkeypatch, "Compare")
-    df = frames(at)[0]
-    assert {"ppl_ratio", "ttft_ms", "exact_match", "top1_agreement"} <= set(df["metric"])
-    assert all(ci.startswith("[") for ci in df["CI"])
-    assert at.subheader[0].value == "Quality lost vs speed and memory gained"
+def chart_data(at) -> list:
+    """The data frames behind the page's Altair charts (Arrow IPC in the chart's message)."""
+    import pyarrow as pa
+
+    return [pa.ipc.open_stream(d.data.data).read_all().to_pandas()
+            for chart in at.get("vega_lite_chart") for d in chart.proto.datasets]
 
 
-def test_trends_and_its_empty_state(seeded_api, monkeypatch):
+def test_trends_one_suite_named_alerts_config_filter_and_empty_state(seeded_api, monkeypatch):
+    runs = suite_runs(seeded_api)
     at = page(seeded_api, monkeypatch, "Trends")
-    assert not at.info  # ppl_ratio has points
-    at.selectbox(key="metric").set_value("judge_win_rate").run()  # no judge in the seeded suite
-    assert "No judge_win_rate comparisons yet." in at.info[0].value
+    assert not at.info and at.selectbox(key="suite").value == "s"
+    frames_ = chart_data(at)
+    points = next(f for f in frames_ if "estimate" in f.columns)
+    assert set(points["run_id"]) <= runs["s"] and {"int2", "int8"} <= set(points["config"])
+    alerts = next(f for f in frames_ if "label" in f.columns and f["label"].str.startswith("alert: ").all())
+    assert any("int2 critical" in label for label in alerts["label"])  # the marker names its config
+    lines = [f for f in frames_ if "level" in f.columns]
+    assert {"all warn 1.01", "all critical 1.03"} <= {x for f in lines for x in f["label"]}
+    # the config filter: only int8 is drawn
+    at.multiselect(key="configs-s-ppl_ratio").set_value(["int8"]).run()
+    points = next(f for f in chart_data(at) if "estimate" in f.columns)
+    assert set(points["config"]) == {"int8"}
+    # suite B: only its own runs, never a point of suite A
+    at.selectbox(key="suite").set_value(SMOKE).run()
+    points = next(f for f in chart_data(at) if "estimate" in f.columns)
+    assert set(points["run_id"]) <= runs[SMOKE] and set(points["config"]) == {"int8"}
+    spec = at.get("vega_lite_chart")[0].proto.spec
+    import json
+
+    low, high = json.loads(spec)["layer"][0]["encoding"]["y"]["scale"]["domain"]
+    assert high - low < 0.1 and low < points["estimate"].iloc[0] < high  # one point: an axis around it, not ".309"s
+    at.selectbox(key="metric").set_value("judge_win_rate").run()  # no judge in either seeded suite
+    assert "No judge_win_rate comparisons on suite smoke yet." in at.info[0].value
+
+
+def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, monkeypatch):
+    at = page(seeded_api, monkeypatch, "Compare")
+    first = min(r["run_id"] for r in api(seeded_api, "/runs"))
+    at.selectbox(key="compare_run").set_value(first).run()
+    df = at.table[0].value
+    assert list(df["config"]) == ["int2", "spec-ngram", "int8", "fp32 (baseline)"]  # worst first
+    run = api(seeded_api, f"/runs/{first}")
+    ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
+    assert df.iloc[0]["ppl ratio"] == pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])
+    assert at.subheader[0].value == "Quality lost vs speed and memory gained"
+    data = chart_data(at)
+    points = next(f for f in data if "loss" in f.columns and "dy" in f.columns and len(f) == 4)
+    base = points[points["verdict"] == "baseline"].iloc[0]
+    assert (base["loss"], base["speed"]) == (0.0, 1.0)  # the baseline point at the origin
+    int2 = points[points["config"] == "int2"].iloc[0]
+    assert int2["loss_low"] == pytest.approx((ppl["ci_low"] - 1) * 100)  # the error bar is the CI
+    labels = {tuple(r) for r in points[["speed", "loss", "dy"]].itertuples(index=False)}
+    assert len(labels) == 4  # no two labels at the same place
+    assert {"warn +1.0%", "critical +3.0%"} <= {x for f in data if "label" in f.columns for x in f["label"]}
 
 
 def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
@@ -67,14 +168,26 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     assert any("needs a write key" in i.value for i in at.info)
 
 
-def test_run_detail_worst_samples_first_side_by_side(seeded_api, monkeypatch):
+def test_run_detail_opens_on_the_worst_candidate_breaches_first(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Run detail")
-    at.selectbox(key="run").set_value(min(at.selectbox(key="run").options, key=int)).run()  # the seeded run, not the gate's
-    at.selectbox(key="candidate").set_value("int2").run()
-    exps = at.expander
-    assert exps, "no samples listed"
-    deltas = [float(e.label.split("Δ ")[1].split(" ")[0]) for e in exps]
-    assert deltas == sorted(deltas, reverse=True) and deltas[0] > 0  # worst regression first
+    first = min(r["run_id"] for r in api(seeded_api, "/runs"))  # the seeded run of every config
+    at.selectbox(key="run").set_value(first).run()
+    assert at.selectbox(key=f"candidate-{first}").value == "int2"  # the worst candidate, not the first one
+    breaching = at.table[0].value
+    assert list(breaching["config"]) == ["int2", "spec-ngram"] and set(breaching["verdict"]) == {"critical"}
+    run = api(seeded_api, f"/runs/{first}")
+    ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
+    assert breaching.iloc[0]["change [95% CI]"] == pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])
+    rest = at.table[1].value  # ok and inconclusive, under an expander
+    assert "fp32" not in set(rest["config"]) and not {"exact match", "top-1 agree"} & set(rest["metric"])
+    exps = [e for e in at.expander if "perplexity ×" in e.label]
+    assert exps, "no documents listed"
+    ratios = [float(e.label.split("perplexity ×")[1].split(" ")[0]) for e in exps]
+    assert ratios == sorted(ratios, reverse=True) and ratios[0] > 1  # per-document ratios, worst first
+    worst = api(seeded_api, f"/runs/{run['run_id']}/worst", config="int2", limit=200)["items"]
+    by_hand = max(doc_ppl_ratio(i["candidate_value"], i["baseline_value"], i["baseline_extra"]["n_tokens"])
+                  for i in worst)
+    assert ratios[0] == float(f"{by_hand:.3f}")
     assert len(exps[0].code) == 2  # baseline and candidate generations side by side
 
 
@@ -102,7 +215,8 @@ def test_with_keys_required_the_dashboard_reads_with_a_read_only_key(seeded_api,
     from tests.loopback import canary_serve
 
     env = {**seeded_api["env"], "CANARY_REQUIRE_API_KEYS": "true"}
-    out = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--project", "dash", "--read-only", "--name", "dashboard"],
+    out = subprocess.run([sys.executable, "-m", "app.cli", "keys", "create", "--project", "dash", "--read-only",
+                          "--name", "dashboard"],
                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     key = out.strip().splitlines()[-1]
     with canary_serve(env, str(tmp_path / "api.log"), "--no-upgrade-db") as base:
@@ -114,8 +228,8 @@ def test_with_keys_required_the_dashboard_reads_with_a_read_only_key(seeded_api,
 
         monkeypatch.setenv("CANARY_API_KEY", key)
         at = AppTest.from_file(APP, default_timeout=60).run()
-        assert not at.exception and not at.error
-        assert "int2" in set(at.table[0].value["config"])
+        assert not at.exception and [e.value.split(":")[0] for e in at.error] == ["tiny"]  # only the model's headline
+        assert at.table[0].value["config"].iloc[0] == "int2"
         at.sidebar.radio[0].set_value("Alerts").run()
         assert not at.exception and not at.error
         assert any("needs a write key" in i.value for i in at.info)
@@ -125,5 +239,6 @@ def test_with_keys_required_the_dashboard_reads_with_a_read_only_key(seeded_api,
         from dashboard.client import Api, ApiError
 
         with pytest.raises(ApiError, match="refused the dashboard's key"):
-            Api().post("/projects/dash/silences", {"matchers": [{"name": "config", "value": "int2"}], "duration_minutes": 5,
+            Api().post("/projects/dash/silences", {"matchers": [{"name": "config", "value": "int2"}],
+                                                   "duration_minutes": 5,
                                                    "author": "ana", "comment": "x"})

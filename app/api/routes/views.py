@@ -12,11 +12,24 @@ from sqlalchemy.orm import aliased
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
-from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Run, SampleResult, Schedule
 from app.api.routes.schedules import ScheduleOut
+from app.api.routes.schedules import out as schedule_out
+from app.models import (
+    Alert,
+    AlertRule,
+    Comparison,
+    ConfigRun,
+    Model,
+    OptimizationConfig,
+    Project,
+    Run,
+    SampleResult,
+    Schedule,
+    Suite,
+)
 from app.schemas import FiguresOut, Time, Verdict, error_responses
 from app.ssrf import public_spec
-from evals.metrics import METRICS
+from evals.metrics import METRICS, VERDICT_ORDER
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
 MetricName = Literal[tuple(METRICS)]  # type: ignore[valid-type]  # the catalogue's names: another is a 422 naming them
@@ -33,21 +46,34 @@ class ComparisonCell(BaseModel):
     candidate_value: float | None
 
 
+class HistoryPoint(BaseModel):
+    run_id: int
+    estimate: float | None
+    verdict: Verdict
+
+
 class OverviewConfig(BaseModel):
     config: str
     baseline: bool
     spec: dict[str, Any]
-    run_id: int | None = Field(description="the config's latest finished run; null: never measured")
+    run_id: int | None = Field(description="the config's latest finished run of the suite; null: never measured on it")
     checked_at: Time | None
     comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
     figures: FiguresOut  # type: ignore[valid-type]
+    breaching_metric: str | None = Field(description="the worst metric of the latest run when it is warn or critical")
+    breaching_since: Time | None = Field(
+        description="start of the first run of the unbroken streak of warn/critical on breaching_metric (this suite)")
+    ppl_history: list[HistoryPoint] = Field(description="ppl_ratio over the suite's recent runs, oldest first")
 
 
 class OverviewOut(BaseModel):
     project: str
+    suite: str | None = Field(description="the suite shown: the one asked for, else the enabled schedule's, "
+                                          "else the last run's")
+    suites: list[str] = Field(description="every suite of the project")
     models: dict[str, list[OverviewConfig]] = Field(description="by model name")
-    last_check_at: Time | None
-    next_check_at: Time | None
+    last_check_at: Time | None = Field(description="the suite's last finished run")
+    next_check_at: Time | None = Field(description="the next slot of a schedule of the suite")
     schedules: list[ScheduleOut]
 
 
@@ -68,6 +94,7 @@ class TrendThreshold(BaseModel):
     direction: str
     config_id: int | None
     model_id: int | None
+    config: str | None = Field(description="the config the rule is scoped to; null: every config (of the model)")
 
 
 class TrendAlert(BaseModel):
@@ -81,6 +108,8 @@ class TrendAlert(BaseModel):
 
 class TrendsOut(BaseModel):
     metric: str
+    suite: str | None = Field(description="points come from this suite's runs only (default as on the overview)")
+    suites: list[str]
     points: list[TrendPoint] = Field(description="oldest first")
     thresholds: list[TrendThreshold]
     alerts: list[TrendAlert]
@@ -93,7 +122,8 @@ class WorstSample(BaseModel):
     candidate_value: float | None
     baseline_extra: dict[str, Any] | None
     candidate_extra: dict[str, Any] | None
-    outputs: dict[str, dict[str, Any]] = Field(description="per side (baseline, candidate): generation, judge and faithfulness extras")
+    outputs: dict[str, dict[str, Any]] = Field(
+        description="per side (baseline, candidate): generation, judge and faithfulness extras")
 
 
 class WorstOut(BaseModel):
@@ -107,67 +137,132 @@ def iso(t):
     return t.isoformat() if t else None
 
 
+SuiteQuery = Query(None, max_length=128,
+                   description="a suite name; default: the enabled schedule's suite, else the suite of the last "
+                               "finished run. Other suites' runs are never mixed in")
+HISTORY_RUNS = 100  # how far back "breaching since" and the sparkline look (runs of the suite)
+BREACHING = ("warn", "critical")
+
+
+def _suite(session, project: Project, name: str | None) -> Suite | None:
+    """The suite asked for (404 naming the project's suites), else the daily schedule's, else the last run's."""
+    if name:
+        return repo.get_suite(session, project, name)
+    suite_id = session.scalar(select(Schedule.suite_id)
+                              .where(Schedule.project_id == project.id, Schedule.enabled.is_(True))
+                              .order_by(Schedule.id).limit(1))
+    if suite_id is None:
+        suite_id = session.scalar(select(Run.suite_id).where(Run.project_id == project.id, Run.status == "done")
+                                  .order_by(Run.id.desc()).limit(1))
+    return session.get(Suite, suite_id) if suite_id is not None else None
+
+
+def _suite_names(session, project: Project) -> list[str]:
+    return list(session.scalars(select(Suite.name).where(Suite.project_id == project.id).order_by(Suite.id)))
+
+
+def _cell(c: Comparison) -> dict:
+    return {"estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict,
+            "rule": c.rule, "baseline_value": c.baseline_value, "candidate_value": c.candidate_value}
+
+
+def _worst_metric(cells: dict[str, dict]) -> str | None:
+    """The metric with the worst verdict (ppl_ratio wins a tie), when that verdict breaches."""
+    if not cells:
+        return None
+    name = max(cells, key=lambda m: (VERDICT_ORDER.get(cells[m]["verdict"], 0), m == "ppl_ratio"))
+    return name if cells[name]["verdict"] in BREACHING else None
+
+
 @router.get("/projects/{project}/overview", response_model=OverviewOut)
-def overview(project: ProjectDep, session: SessionDep) -> dict:
-    """Per model, each config's latest finished run: comparisons (estimate, CI, verdict) and
-    serving figures; when the last check ran and when the next is scheduled."""
+def overview(project: ProjectDep, session: SessionDep, suite: str | None = SuiteQuery) -> dict:
+    """Per model, each config's latest finished run of one suite: comparisons (estimate, CI, n,
+    verdict), serving figures, since when it breaches and its ppl_ratio history; when the suite
+    was last checked and when its schedule checks next."""
+    chosen = _suite(session, project, suite)
+    suite_id = chosen.id if chosen else -1
+    done = and_(Run.project_id == project.id, Run.status == "done", Run.suite_id == suite_id)
+    recent = list(session.scalars(select(Run.id).where(done).order_by(Run.id.desc()).limit(HISTORY_RUNS)))
     latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
-              .join(Run, Run.id == ConfigRun.run_id)
-              .where(Run.project_id == project.id, Run.status == "done", ConfigRun.status == "succeeded")
+              .join(Run, Run.id == ConfigRun.run_id).where(done, ConfigRun.status == "succeeded")
               .group_by(ConfigRun.config_id).subquery())
     rows = session.execute(select(OptimizationConfig, latest.c.run_id)
                            .join(Model, Model.id == OptimizationConfig.model_id)
                            .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
                            .where(Model.project_id == project.id).order_by(Model.name, OptimizationConfig.id)).all()
-    run_ids = {r for _, r in rows if r is not None}
-    comps: dict[tuple[int, int], dict] = {}
+    run_ids = {r for _, r in rows if r is not None} | set(recent)
+    # by (config, metric): run id → cell, over the latest runs and the suite's recent history
+    history: dict[tuple[int, str], dict[int, dict]] = {}
     figures: dict[tuple[int, int], dict] = {}
-    runs = {}
+    runs: dict[int, Run] = {}
     if run_ids:
         for c in session.scalars(select(Comparison).where(Comparison.run_id.in_(run_ids))):
-            comps.setdefault((c.run_id, c.config_id), {})[c.metric] = {
-                "estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict, "rule": c.rule,
-                "baseline_value": c.baseline_value, "candidate_value": c.candidate_value}
+            history.setdefault((c.config_id, c.metric), {})[c.run_id] = _cell(c)
         for cr in session.scalars(select(ConfigRun).where(ConfigRun.run_id.in_(run_ids))):
             figures[(cr.run_id, cr.config_id)] = cr.figures or {}
         runs = {r.id: r for r in session.scalars(select(Run).where(Run.id.in_(run_ids)))}
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
+        cells = {m: by_run[run_id] for (cid, m), by_run in history.items() if cid == cfg.id and run_id in by_run}
+        metric = _worst_metric(cells)
+        since = None
+        if metric:  # walk back from the latest run while the metric keeps breaching
+            by_run = history[(cfg.id, metric)]
+            for rid in sorted((r for r in by_run if r <= run_id), reverse=True):
+                if by_run[rid]["verdict"] not in BREACHING:
+                    break
+                since = runs[rid].created_at
+        ppl = history.get((cfg.id, "ppl_ratio"), {})
         models.setdefault(cfg.model.name, []).append({
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
-            "checked_at": iso(run.finished_at) if run else None,
-            "comparisons": comps.get((run_id, cfg.id), {}), "figures": figures.get((run_id, cfg.id), {})})
-    from app.api.routes.schedules import out as schedule_out
-
-    schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id, Schedule.enabled.is_(True)))]
-    last = session.scalar(select(func.max(Run.finished_at)).where(Run.project_id == project.id, Run.status == "done"))
-    return {"project": project.name, "models": models, "last_check_at": iso(last),
-            "next_check_at": min((s["next_slot_at"] for s in schedules), default=None), "schedules": schedules}
+            "checked_at": iso(run.finished_at) if run else None, "comparisons": cells,
+            "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": metric, "breaching_since": iso(since),
+            "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
+                            for rid in sorted(ppl) if rid in recent or rid == run_id]})
+    schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id,
+                                                                                 Schedule.enabled.is_(True)))]
+    last = session.scalar(select(func.max(Run.finished_at)).where(done))
+    return {"project": project.name, "suite": chosen.name if chosen else None, "suites": _suite_names(session, project),
+            "models": models, "last_check_at": iso(last),
+            "next_check_at": min((s["next_slot_at"] for s in schedules if s["suite_id"] == suite_id), default=None),
+            "schedules": schedules}
 
 
 @router.get("/projects/{project}/trends", response_model=TrendsOut)
 def trends(project: ProjectDep, session: SessionDep,
-           metric: MetricName = Query("ppl_ratio", description="a metric of the catalogue (GET /metrics)"),
-           config: str | None = Query(None, max_length=128), limit: int = Query(200, ge=1, le=2000)) -> dict:
-    """A metric over time per config (newest `limit` comparisons), with the thresholds that
-    apply and the alerts that fired on it."""
+           metric: MetricName = Query("ppl_ratio", description="a metric of the catalogue (GET /metrics)"),  # noqa: B008
+           config: str | None = Query(None, max_length=128), suite: str | None = SuiteQuery,
+           limit: int = Query(200, ge=1, le=2000)) -> dict:
+    """A metric over time per config on one suite (newest `limit` comparisons), with the
+    thresholds that apply (per config where a rule is scoped to one) and the alerts that fired on
+    it from that suite's runs."""
+    chosen = _suite(session, project, suite)
+    suite_id = chosen.id if chosen else -1
     q = (select(Comparison, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
          .join(OptimizationConfig, OptimizationConfig.id == Comparison.config_id)
-         .where(Run.project_id == project.id, Comparison.metric == metric))
+         .where(Run.project_id == project.id, Run.suite_id == suite_id, Comparison.metric == metric))
     if config:
         q = q.where(Comparison.config_id == repo.get_config(session, project, config).id)
-    points = [{"config": name, "run_id": c.run_id, "at": iso(at), "estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high,
-               "n": c.n, "verdict": c.verdict}
+    points = [{"config": name, "run_id": c.run_id, "at": iso(at), "estimate": c.estimate, "ci_low": c.ci_low,
+               "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict}
               for c, at, name in session.execute(q.order_by(Comparison.run_id.desc()).limit(limit))]
     points.reverse()
-    rules = [{"warn": r.warn, "critical": r.critical, "direction": r.direction, "config_id": r.config_id, "model_id": r.model_id}
-             for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id, AlertRule.metric == metric))]
+    names = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.name)
+                                 .join(Model, Model.id == OptimizationConfig.model_id)
+                                 .where(Model.project_id == project.id)).all())
+    rules = [{"warn": r.warn, "critical": r.critical, "direction": r.direction, "config_id": r.config_id,
+              "model_id": r.model_id, "config": names.get(r.config_id)}
+             for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id,
+                                                              AlertRule.metric == metric))]
+    suite_runs = select(Run.id).where(Run.project_id == project.id, Run.suite_id == suite_id)
     alerts = [{"config": a.labels.get("config"), "severity": a.severity, "state": a.state, "fired_at": iso(a.fired_at),
                "resolved_at": iso(a.resolved_at), "run_id": a.run_id}
-              for a in session.scalars(select(Alert).where(Alert.project_id == project.id, Alert.fired_at.is_not(None))
+              for a in session.scalars(select(Alert).where(Alert.project_id == project.id, Alert.fired_at.is_not(None),
+                                                           Alert.run_id.in_(suite_runs))
                                        .order_by(Alert.id.desc()).limit(500)) if a.labels.get("metric") == metric]
-    return {"metric": metric, "points": points, "thresholds": rules, "alerts": alerts}
+    return {"metric": metric, "suite": chosen.name if chosen else None, "suites": _suite_names(session, project),
+            "points": points, "thresholds": rules, "alerts": alerts}
 
 
 @router.get("/projects/{project}/runs/{run_id}/worst", response_model=WorstOut)
@@ -178,25 +273,30 @@ def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, confi
     run = repo.get_run(session, project, run_id)
     cand_id = repo.get_config(session, project, config).id
     if metric == "judge_pairwise":  # judged against the baseline already: 0 = baseline won, ½ tie, 1 candidate won
-        rows = session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.config_id == cand_id,
-                                                          SampleResult.metric == metric, SampleResult.value.is_not(None))
+        rows = session.scalars(select(SampleResult)
+                               .where(SampleResult.run_id == run.id, SampleResult.config_id == cand_id,
+                                      SampleResult.metric == metric, SampleResult.value.is_not(None))
                                .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
         return {"run_id": run.id, "config": config, "metric": metric, "items": [
             {"sample_key": r.sample_key, "delta": 0.5 - r.value, "baseline_value": 0.5, "candidate_value": r.value,
-             "baseline_extra": None, "candidate_extra": r.extra, "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})}
+             "baseline_extra": None, "candidate_extra": r.extra,
+             "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})}
             for r in rows]}
     b, c = aliased(SampleResult), aliased(SampleResult)
     lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
     delta = (b.value - c.value) if lower_is_worse else (c.value - b.value)
     rows = session.execute(
-        select(c, b, delta.label("delta")).join(b, and_(b.run_id == c.run_id, b.sample_key == c.sample_key, b.metric == c.metric,
-                                                        b.config_id == run.baseline_config_id))
-        .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None), b.value.is_not(None))
+        select(c, b, delta.label("delta"))
+        .join(b, and_(b.run_id == c.run_id, b.sample_key == c.sample_key, b.metric == c.metric,
+                      b.config_id == run.baseline_config_id))
+        .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None),
+               b.value.is_not(None))
         .order_by(delta.desc()).limit(limit)).all()
     gens = _outputs(session, run, cand_id, [row[0].sample_key for row in rows])
     return {"run_id": run.id, "config": config, "metric": metric, "items": [
         {"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
-         "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})} for cr, br, d in rows]}
+         "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})}
+        for cr, br, d in rows]}
 
 
 def _outputs(session, run, cand_id: int, keys: list[str]) -> dict:

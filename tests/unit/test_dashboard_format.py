@@ -1,0 +1,104 @@
+"""Every figure the dashboard shows, computed by hand from a tiny input (dashboard/views/common.py)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+
+import pytest
+
+from dashboard.views.common import (
+    doc_ppl_ratio,
+    human_time,
+    label_offsets,
+    metric_cell,
+    pct_change,
+    sparkline,
+    worst_first,
+    worst_verdict,
+    y_domain,
+)
+
+NOW = datetime(2026, 11, 25, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def test_ratio_as_percent_change_with_its_ci():
+    # (1.045 − 1) × 100 = +4.5; (1.024 − 1) × 100 = +2.4; (1.066 − 1) × 100 = +6.6
+    assert pct_change(1.045, 1.024, 1.066) == "+4.5% [+2.4, +6.6]"
+    # an improvement and a CI that straddles parity: 0.97 → −3.0, 0.95 → −5.0, 1.01 → +1.0
+    assert pct_change(0.97, 0.95, 1.01) == "-3.0% [-5.0, +1.0]"
+    assert pct_change(1.0) == "+0.0%"  # parity, never "-0.0%"
+    assert pct_change(0.99996, 0.99990, 1.0) == "+0.0% [+0.0, +0.0]"
+    assert pct_change(None) == "—"
+
+
+@pytest.mark.parametrize("unit,spec,est,low,high,text", [
+    ("ratio", ".4f", 1.30, 1.20, 1.45, "+30.0% [+20.0, +45.0]"),
+    ("fraction", ".2f", 0.82, 0.751, 0.88, "82% [75, 88]"),  # 0.751 × 100 = 75.1 → 75
+    ("fraction", ".2f", 0.03, None, None, "3%"),  # a peak: one reading, no CI
+    ("ms", ".1f", 43.4, 22.2, 247.0, "43 ms [22, 247]"),
+    ("points", "+.2f", -0.25, -0.6, 0.1, "-0.25 [-0.60, +0.10]"),
+    ("ratio", ".4f", None, None, None, "—"),
+])
+def test_metric_cell_per_unit(unit, spec, est, low, high, text):
+    assert metric_cell(unit, spec, est, low, high) == text
+
+
+@pytest.mark.parametrize("when,text", [
+    ("2026-11-25T11:59:30+00:00", "just now"),
+    ("2026-11-25T11:59:00+00:00", "1 minute ago"),
+    ("2026-11-25T09:50:00", "2 hours ago"),  # 2 h 10 min; no offset = UTC, as stored
+    ("2026-11-22T11:00:00+00:00", "3 days ago"),  # 3 days 1 hour
+    ("2026-11-25T16:00:00+00:00", "in 4 hours"),
+    ("2026-11-25T13:00:00+01:00", "just now"),  # 13:00 at UTC+1 is 12:00 UTC
+    ("2026-11-25T12:00:20+00:00", "in under a minute"),
+    (None, "never"),
+])
+def test_human_time(when, text):
+    assert human_time(when, NOW) == text
+
+
+def test_sparkline_scales_between_the_series_min_and_max():
+    # 1.0 → ▁ (min), 2.0 → █ (max), 1.5 → halfway: 0.5 × 7 = 3.5, half a step up → 4 → ▅;
+    # 1.2 → 0.2 × 7 = 1.4 → 1 → ▂; None → a gap
+    assert sparkline([1.0, 1.5, None, 2.0, 1.2]) == "▁▅ █▂"
+    assert sparkline([1.0, 1.0]) == "▄▄"  # flat: a middle line, not a fake trend
+    assert sparkline([]) == ""
+
+
+def test_document_ppl_ratio_from_two_nll_sums():
+    # 100 tokens, NLL 250 vs 240 nats: exp(10 / 100) = 1.10517
+    assert doc_ppl_ratio(250.0, 240.0, 100) == pytest.approx(math.exp(0.1))
+    assert doc_ppl_ratio(None, 240.0, 100) is None and doc_ppl_ratio(1.0, 1.0, 0) is None
+
+
+def test_worst_first_by_verdict_then_ppl_ratio_baseline_last():
+    rows = [{"config": "fp32", "baseline": True, "verdict": "ok", "ppl_ratio": None},
+            {"config": "int8", "verdict": "ok", "ppl_ratio": 1.001},
+            {"config": "kv2", "verdict": "inconclusive", "ppl_ratio": 1.02},
+            {"config": "int4", "verdict": "warn", "ppl_ratio": 1.02},
+            {"config": "spec", "verdict": "critical", "ppl_ratio": 1.0},
+            {"config": "int2", "verdict": "critical", "ppl_ratio": 1.06},
+            {"config": "broken", "verdict": "measurement_error", "ppl_ratio": None},
+            {"config": "fp8", "verdict": "ok", "ppl_ratio": 1.004}]
+    assert [r["config"] for r in worst_first(rows)] == ["int2", "spec", "broken", "int4", "kv2", "fp8", "int8", "fp32"]
+    assert worst_verdict(["ok", "inconclusive", "warn"]) == "warn"
+    assert worst_verdict(["measurement_error", "warn"]) == "measurement_error"
+    assert worst_verdict([]) is None
+
+
+def test_y_domain_gives_one_point_a_sensible_axis():
+    # one value 1.0: ±1 % of it → [0.99, 1.01]; a span 1.0–1.2 gets 10 % margins → [0.98, 1.22]
+    assert y_domain([1.0]) == pytest.approx([0.99, 1.01])
+    assert y_domain([1.0, None, 1.2]) == pytest.approx([0.98, 1.22])
+    assert y_domain([0.0]) == pytest.approx([-0.01, 0.01])  # zero still gets a span
+    assert y_domain([]) == [0.0, 1.0]
+
+
+def test_label_offsets_keep_labels_apart():
+    # two points at the same place: the first label goes above (−14 px), the second below (+16 px)
+    assert label_offsets([1.0, 1.0], [5.0, 5.0], ["int8", "fp8"]) == [-14, 16]
+    # far apart on x (0 and 700 px): both above
+    assert label_offsets([0.0, 10.0], [5.0, 5.0], ["int8", "fp8"]) == [-14, -14]
+    # three on one spot: above, below, further above
+    assert label_offsets([1.0] * 3, [2.0] * 3, ["a", "b", "c"]) == [-14, 16, -30]
