@@ -11,7 +11,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-.PHONY: install demo test serve gpu-report
+# llama.cpp (GGUF configs) builds from source with cmake, about 5 minutes on 2 cores: once, into
+# a wheel cache outside the checkout that later installs (and fresh clones) reuse.
+INTEROP_WHEELS ?= $(HOME)/.cache/inference-canary/wheels
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+
+$(VENV)/.interop: $(VENV)/.installed
+	mkdir -p $(INTEROP_WHEELS)
+	ls $(INTEROP_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  $(PY) -m pip wheel --quiet --no-deps -w $(INTEROP_WHEELS) $(LLAMA_CPP)
+	$(PY) -m pip install --quiet --find-links $(INTEROP_WHEELS) -e ".[dev,interop]"
+	touch $@
+
+.PHONY: install demo test test-interop serve gpu-report
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -19,6 +32,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
+test-interop: $(VENV)/.interop
+	$(PY) -m pytest tests/interop
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve

@@ -110,6 +110,9 @@ class OpenAIEngine:
         # the key goes to the server's own origin only, never to a metrics_url elsewhere
         self.metrics_headers = self.headers if _origin(self.metrics_url) == _origin(self.base_url) else {}
         self._server_stats: ServerStats | None = None  # over the last generate call
+        # llama-cpp-python's server takes text prompts only (set when its /extras/tokenize answers)
+        self._text_prompts = False
+        self._bos_id: int | None = None
         self.max_model_len = self._check_model()
 
     # -- checks ------------------------------------------------------------------------------------
@@ -151,6 +154,8 @@ class OpenAIEngine:
                     # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
                     token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
                     logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
+                if self._text_prompts:  # llama-cpp-python: no log-prob for the first token (_echo_text)
+                    ids, logprobs = ids[1:], logprobs[1:]
                 out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
                                          len(req.text.encode("utf-8")), count_words(req.text)))
         return out
@@ -158,15 +163,21 @@ class OpenAIEngine:
     def _tokenize(self, client: httpx.Client, text: str) -> list[int]:
         response = client.post(f"{self.root}/tokenize",
                                json={"model": self.model, "prompt": text, "add_special_tokens": True})
+        if response.status_code == 404:  # llama-cpp-python's server: /extras/tokenize, BOS included
+            response = client.post(f"{self.root}/extras/tokenize", json={"model": self.model, "input": text})
+            if response.status_code == 200:
+                self._text_prompts = True
         if response.status_code == 404:
             raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
                                 f"OpenAI-compatible server needs the server's tokenizer "
-                                f"(vLLM and engine-serve expose /tokenize)")
+                                f"(vLLM and engine-serve expose /tokenize, llama-cpp-python /extras/tokenize)")
         if response.is_error:
             raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {response.status_code}: {_message(response)}")
         return list(response.json()["tokens"])
 
     def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+        if self._text_prompts:
+            return self._echo_text(client, prompt_ids, doc_id)
         body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0,
                 "temperature": 0}
         response = client.post(f"{self.base_url}/completions", json=body)
@@ -183,6 +194,50 @@ class OpenAIEngine:
             raise EndpointError(f"{self.shown}/completions returned no prompt log-probs for document '{doc_id}'; "
                                 f"perplexity needs echo=true support")
         return token_lps[: len(prompt_ids)]
+
+    def _echo_text(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+        """Prompt log-probs from a server that takes text prompts only (llama-cpp-python): the
+        window is detokenized and sent as text, which the server tokenizes again after its BOS.
+        That is exact only for a window that starts at the document's BOS (a later window would be
+        read after a BOS it does not have), so a document must fit one window. The server also
+        nulls the first prompt token's log-prob (as OpenAI's legacy API does), so a document is
+        scored from its second token on: compare such a config with a baseline served the same
+        way (an F32 or F16 GGUF file on the same kind of server), whose documents lose the same
+        token."""
+        if prompt_ids[0] != self._bos(client):
+            raise EndpointError(f"document '{doc_id}' spans several perplexity windows, but {self.shown} takes text "
+                                f"prompts only (llama-cpp-python), which cannot score a window that does not start "
+                                f"at the document's start; raise the suite's perplexity.window to cover its documents")
+        text = self._detokenize(client, prompt_ids[1:])
+        lps = self._completion_logprobs(client, text, doc_id)
+        token_lps = lps.get("token_logprobs") or []
+        n = len(prompt_ids) - 1
+        if len(token_lps) < n or any(x is None for x in token_lps[1:n]):
+            raise EndpointError(f"{self.shown}/completions returned {len(token_lps)} prompt log-probs for document "
+                                f"'{doc_id}' where its {n} tokens were sent; the server's tokenizer does not read "
+                                f"back the text it wrote")
+        return [None, None, *token_lps[1:n]]  # the first token's log-prob is not given: dropped by the caller
+
+    def _bos(self, client: httpx.Client) -> int:
+        if self._bos_id is None:
+            self._bos_id = self._tokenize(client, "")[0]
+        return self._bos_id
+
+    def _detokenize(self, client: httpx.Client, ids: list[int]) -> str:
+        response = client.post(f"{self.root}/extras/detokenize", json={"model": self.model, "tokens": ids})
+        if response.is_error:
+            raise EndpointError(f"{redact_url(self.root)}/extras/detokenize: HTTP {response.status_code}: "
+                                f"{_message(response)}")
+        return str(response.json()["text"])
+
+    def _completion_logprobs(self, client: httpx.Client, prompt: str, doc_id: str) -> dict:
+        # max_tokens 1: llama-cpp-python reads 0 as "until the context is full"
+        body = {"model": self.model, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+        response = client.post(f"{self.base_url}/completions", json=body)
+        if response.status_code >= 400:
+            raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
+                                f"(HTTP {response.status_code}: {_message(response)})")
+        return response.json()["choices"][0].get("logprobs") or {}
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -3,7 +3,8 @@ engine implements which values today. This is the one place a config's shape is 
 service (app/) validates requests against it, so this module must stay free of torch.
 
 A config is a point on three axes (DESIGN.md §Domain model):
-  weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4
+  weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4 |
+               gguf-q8_0 | gguf-q4_k_m (llama.cpp's types, served by a llama.cpp server)
   kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | int4 | int2 | kivi-4 | kivi-2 |
                turbo-2 | turbo-2.5 | turbo-3 | turbo-3.5 | turbo-4 | turbo-ip-3
   speculative  off | draft (draft model + k) | ngram (prompt lookup + k) | eagle
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4")
+WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4", "gguf-q8_0", "gguf-q4_k_m")
 KV_CACHE = (
     "auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
     "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3",
@@ -37,6 +38,10 @@ BITS_PER_WEIGHT = {
     "rtn-int3": 3 + 32 / GROUP_SIZE,
     "rtn-int2": 2 + 32 / GROUP_SIZE,
     "awq-int4": 4 + 32 / GROUP_SIZE,
+    # llama.cpp blocks: Q8_0 is 32 int8 + one fp16 scale; Q4_K is 256 4-bit weights in 144 bytes
+    # (Q4_K_M keeps some tensors at Q6_K, 6.5625 bits, so its files come out near 4.8 bits)
+    "gguf-q8_0": 8 + 16 / 32,
+    "gguf-q4_k_m": 144 * 8 / 256,
 }
 
 # What each engine can run today. Values outside these sets are valid vocabulary but are
