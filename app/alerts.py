@@ -1,6 +1,6 @@
 """Evaluate a finished run's comparisons against the alert rules: write Alert transitions, queue
-Notifications in the outbox (idempotent by key), and escalate a newly firing alert to one
-immediate full-suite run of that config. The state machine itself is app/alerting.py."""
+Notifications in the outbox (idempotent by key), and escalate a newly firing regression to one
+immediate, larger run of that config (CANARY_ESCALATION_SAMPLES documents of the suite). The state machine itself is app/alerting.py."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _latest(session: Session, project_id: int, fp: str) -> Alert | None:
 
 
 def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dict[str, list]:
-    """Returns {"notifications": [ids], "escalate": [(alert_id, config_name)]}."""
+    """Returns {"notifications": [ids], "escalate": [(config_name, [alert ids])]}."""
     now = aware(now or utcnow())
     names = {config_run.config_id: config_run.config.name for config_run in run.config_runs}
     model = run.config_runs[0].config.model if run.config_runs else None
@@ -70,7 +70,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             touched.append((row, new, transition, comparison))
     session.flush()
     firing = [st for _, st, _, _ in touched if st.state == "firing"]
-    notification_ids, escalate = [], []
+    notification_ids = []
     settings = get_settings()
     for row, st, transition, comparison in touched:
         for channel in channels:
@@ -93,16 +93,38 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             session.flush()
             notification_ids.append(notification.id)
             row.last_notified_at = now
-        if transition == "firing" and row.escalation_run_id is None and run.trigger != "alert":
-            escalate.append((row.id, st.labels["config"]))
-    return {"notifications": notification_ids, "escalate": escalate}
+    return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
 
 
-def escalate(session_factory, run_id: int, escalations: list[tuple[int, str]], dispatcher) -> list[int]:
-    """One immediate full-suite run per newly firing alert (trigger 'alert'); the alert keeps its
-    run id, so a later evaluation of the same firing never escalates twice."""
+def _escalations(session: Session, run: Run, touched: list) -> list[tuple[str, list[int]]]:
+    """The configs to escalate, each with the alerts that newly fire for it in this run: one
+    escalation per regression, not per severity. A (config, metric) whose active alert already
+    has an escalation run (a warn that turns critical) takes that run instead of a new one.
+    Escalation runs themselves never escalate."""
+    if run.trigger == "alert":
+        return []
+    escalated = {(a.labels.get("config"), a.labels.get("metric")): a.escalation_run_id
+                 for a in session.scalars(select(Alert).where(Alert.project_id == run.project_id, Alert.state.in_(ACTIVE),
+                                                              Alert.escalation_run_id.is_not(None)))}
+    by_config: dict[str, list[int]] = {}
+    for row, st, transition, _ in touched:
+        if transition != "firing" or row.escalation_run_id is not None:
+            continue
+        earlier = escalated.get((st.labels["config"], st.labels["metric"]))
+        if earlier is not None:
+            row.escalation_run_id = earlier
+            continue
+        by_config.setdefault(st.labels["config"], []).append(row.id)
+    return list(by_config.items())
+
+
+def escalate(session_factory, run_id: int, escalations: list[tuple[str, list[int]]], dispatcher) -> list[int]:
+    """One immediate run per config with newly firing alerts (trigger 'alert', queued behind
+    gates): the suite's first CANARY_ESCALATION_SAMPLES documents, not the whole corpus. Every
+    alert of it keeps the run id, so a later evaluation of the same firing never escalates twice."""
     from app.services import start_run
 
+    settings = get_settings()
     started = []
     with session_factory() as session:
         run = session.get(Run, run_id)
@@ -110,15 +132,18 @@ def escalate(session_factory, run_id: int, escalations: list[tuple[int, str]], d
         project = repo.project_name(session, run.project_id)
         full = len(repo.suite_samples(session, suite.id, run.suite_version))
         suite_name = suite.name
-    for alert_id, config in escalations:
+    for config, alert_ids in escalations:
         with session_factory() as session:
-            if session.get(Alert, alert_id).escalation_run_id is not None:
+            if all(session.get(Alert, alert_id).escalation_run_id is not None for alert_id in alert_ids):
                 continue
         new_run, _ = start_run(project, suite_name, [config], dispatcher,
-                               samples=min(full, get_settings().max_samples_per_run), trigger="alert",
-                               idempotency_key=f"escalation-{alert_id}")
+                               samples=min(full, settings.escalation_samples, settings.max_samples_per_run),
+                               trigger="alert", idempotency_key=f"escalation-{min(alert_ids)}")
         with session_factory() as session:
-            session.get(Alert, alert_id).escalation_run_id = new_run
+            for alert_id in alert_ids:
+                alert = session.get(Alert, alert_id)
+                if alert.escalation_run_id is None:
+                    alert.escalation_run_id = new_run
         started.append(new_run)
     return started
 

@@ -702,8 +702,12 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
 
 @alerts_app.command("list")
 def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, help="pending | firing | resolved"),
-                limit: int = typer.Option(50, min=1, max=1000), as_json: bool = AS_JSON) -> None:
-    """The project's alerts, newest first (as GET /api/v1/projects/{project}/alerts serves them)."""
+                limit: int = typer.Option(50, min=1, max=1000),
+                inhibited: bool = typer.Option(False, "--inhibited",
+                                               help="also list warn alerts a firing critical alert inhibits"),
+                as_json: bool = AS_JSON) -> None:
+    """The project's alerts, newest first, one per regression (as GET /api/v1/projects/{project}/alerts
+    serves them with inhibited=false)."""
     from app import repo
     from app.api.routes.alerting import list_alerts
     from app.db import session_scope
@@ -711,15 +715,16 @@ def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, h
     if state not in (None, "pending", "firing", "resolved", "inactive"):
         fail(f"--state must be pending, firing or resolved, not '{state}'")
     with session_scope() as s:
-        items = list_alerts(repo.get_project(s, project), s, state=state, limit=limit)
+        items = list_alerts(repo.get_project(s, project), s, state=state, limit=limit, inhibited=inhibited)
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
     _table(f"alerts of project '{project}' (newest first)",
-           ["id", "state", "severity", "config", "metric", "value", "run", "fired", "resolved"],
-           [[a["id"], a["state"], a["severity"], a["labels"].get("config"), a["labels"].get("metric"),
+           ["id", "state", "severity", "config", "metric", "value", "run", "fired", "resolved", "escalation"],
+           [[a["id"], a["state"] + (f" (inhibited by {a['inhibited_by']})" if a["inhibited_by"] else ""),
+             a["severity"], a["labels"].get("config"), a["labels"].get("metric"),
              f"{a['value']:.4g}" if a["value"] is not None else None, a["run_id"], _when(a["fired_at"]),
-             _when(a["resolved_at"])] for a in items])
+             _when(a["resolved_at"]), a["escalation_run_id"]] for a in items])
 
 
 @gates_app.command("list")

@@ -7,11 +7,17 @@ in-process — synchronously, or on one background thread for the API server.
 
 Both stamp the enqueue time (a message header, ENQUEUED_AT_HEADER, under Celery; the keyword
 argument `enqueued_at` in-process) for the workers' time-in-queue histogram (workers/base.py).
+
+Priorities: a CI gate's tasks go before scheduled and manual runs, and an alert's escalation run
+goes last, so a gate never waits behind an escalation's full suite. Under Celery this is the Redis
+transport's message priority (one list per step of PRIORITY_STEPS, 0 served first; the worker
+sets the same steps); in-process, the queue is ordered by priority, then by arrival.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+import itertools
 import logging
 import queue
 import threading
@@ -34,10 +40,18 @@ TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "defa
                REFRESH_ALERTS: "default"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
+PRIORITY_STEPS = [0, 3, 6, 9]  # kombu's Redis default, set explicitly on the worker (workers/celery_app.py)
+GATE_PRIORITY, DEFAULT_PRIORITY, ESCALATION_PRIORITY = 0, 3, 9  # lower is served first
+TRIGGER_PRIORITY = {"gate": GATE_PRIORITY, "alert": ESCALATION_PRIORITY}
+
+
+def priority_of(trigger: str | None) -> int:
+    """The queue priority of a run's tasks, from how the run was started (Run.trigger)."""
+    return TRIGGER_PRIORITY.get(trigger or "", DEFAULT_PRIORITY)
 
 
 class Dispatcher(Protocol):
-    def send(self, task: str, *args: Any) -> None: ...
+    def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None: ...
 
 
 class CeleryDispatcher:
@@ -47,8 +61,8 @@ class CeleryDispatcher:
         self.client = Celery("canary-client", broker=settings.broker_url, backend=settings.result_backend)
         self.client.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
 
-    def send(self, task: str, *args: Any) -> None:
-        self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"),
+    def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
+        self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"), priority=priority,
                               headers={ENQUEUED_AT_HEADER: time.time()})
 
 
@@ -65,18 +79,21 @@ def _inline_tasks() -> dict:
 
 class InlineDispatcher:
     """Runs tasks in this process. Tasks sent while a task runs are queued, not nested, so
-    the order matches a broker's: every config-run, then the aggregation it triggers.
-    background=True runs them on one daemon thread (the API server's embedded mode)."""
+    the order matches a broker's: every config-run, then the aggregation it triggers; among
+    waiting tasks, the lowest priority number goes first (a gate before an escalation), then the
+    earliest sent. background=True runs them on one daemon thread (the API server's embedded mode)."""
 
     def __init__(self, background: bool = False):
         self.background = background
-        self._queue: queue.Queue[tuple[str, tuple, float]] = queue.Queue()  # (task, args, enqueued at)
+        # (priority, sequence number, task, args, enqueued at)
+        self._queue: queue.PriorityQueue[tuple[int, int, str, tuple, float]] = queue.PriorityQueue()
+        self._sent = itertools.count()
         self._lock = threading.Lock()
         self._running = False
         self._thread: threading.Thread | None = None
 
-    def send(self, task: str, *args: Any) -> None:
-        self._queue.put((task, args, time.time()))
+    def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
+        self._queue.put((priority, next(self._sent), task, args, time.time()))
         if self.background:
             with self._lock:
                 if self._thread is None:
@@ -93,7 +110,7 @@ class InlineDispatcher:
         finally:
             self._running = False
 
-    def _run_one(self, task: str, args: tuple, enqueued_at: float) -> None:
+    def _run_one(self, _priority: int, _sequence: int, task: str, args: tuple, enqueued_at: float) -> None:
         try:
             _inline_tasks()[task](*args, dispatcher=self, enqueued_at=enqueued_at)
         except Exception:  # a task records its own failure; keep going with the rest

@@ -431,6 +431,11 @@ def try_start_aggregation(session: Session, run_id: int) -> bool:
     return res.rowcount == 1
 
 
+def run_trigger(session: Session, run_id: int) -> str | None:
+    """How the run was started (manual | schedule | gate | alert): its tasks' queue priority."""
+    return session.scalar(select(Run.trigger).where(Run.id == run_id))
+
+
 def sample_results(session: Session, run_id: int, config_id: int | None = None, metric: str | None = None,
                    limit: int | None = None, offset: int = 0) -> list[SampleResult]:
     q = select(SampleResult).where(SampleResult.run_id == run_id)

@@ -13,7 +13,7 @@ from app import repo
 from app.config_file import METRIC_DIRECTIONS, CanaryFile
 from app.corpus import load_corpus
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher
+from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.models import Project, Run
 from app.settings import get_settings
 from app.ssrf import public_spec
@@ -167,7 +167,7 @@ def start_run(
         cr_ids = [cr.id for cr in run.config_runs] if created else []
     for cr_id in cr_ids:
         try:
-            dispatcher.send(EXECUTE_CONFIG_RUN, cr_id)
+            dispatcher.send(EXECUTE_CONFIG_RUN, cr_id, priority=priority_of(trigger))
         except Exception as e:  # noqa: BLE001 - the rows are committed; the reconciler re-enqueues them
             log.warning("enqueue of config-run %s failed (%s); the reconciler will retry it", cr_id, e)
     return run_id, created

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     dashboard_url: str = "http://localhost:8501"
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True
+    # how many of the suite's documents an escalation run scores (the seed's weekly depth), at most
+    # the suite's size and max_samples_per_run
+    escalation_samples: int = Field(500, ge=1)
     # Alertmanager channels: firing alerts are re-sent this often with endsAt 4 intervals ahead
     # (Prometheus' resend_delay), so Alertmanager never resolves one the canary still fires
     alertmanager_resend_seconds: float = Field(60.0, gt=0, le=3600)

@@ -13,7 +13,7 @@ import os
 from celery import Celery
 from celery.signals import worker_process_init
 
-from app.dispatch import TASK_QUEUES
+from app.dispatch import DEFAULT_PRIORITY, PRIORITY_STEPS, TASK_QUEUES
 from app.settings import get_settings
 from app.ssrf import hide_url_logs
 
@@ -34,7 +34,9 @@ celery_app.conf.update(
     worker_prefetch_multiplier=1,
     task_time_limit=TIME_LIMIT,
     task_soft_time_limit=SOFT_TIME_LIMIT,
-    broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
+    # message priorities (app/dispatch.py): a gate's tasks before the rest, escalations last
+    broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT, "priority_steps": PRIORITY_STEPS},
+    task_default_priority=DEFAULT_PRIORITY,
     result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT},
     visibility_timeout=VISIBILITY_TIMEOUT,
     broker_connection_retry_on_startup=True,

@@ -20,7 +20,7 @@ from typing import Any
 
 from app import repo
 from app.db import is_transient, session_scope
-from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher
+from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.models import ConfigRun, OptimizationConfig, Run, Suite, aware
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
@@ -107,9 +107,12 @@ class ExecuteConfigRun(BaseTask):
                     reason = f"{type(e).__name__}: {e}"
                     self.transaction(lambda session: _finish(session, config_run_id, attempt, "failed", error=reason),
                                      f"record the failure of config-run {config_run_id}")
-        if self.transaction(lambda session: repo.try_start_aggregation(session, run_id),
-                            f"aggregation trigger of run {run_id}"):
-            dispatcher.send(AGGREGATE_RUN, run_id)  # after the commit: the task must see every config-run finished
+        def start_aggregation(session) -> str | None:  # the run's trigger when this attempt won, else None
+            return repo.run_trigger(session, run_id) if repo.try_start_aggregation(session, run_id) else None
+
+        trigger = self.transaction(start_aggregation, f"aggregation trigger of run {run_id}")
+        if trigger is not None:  # after the commit: the task must see every config-run finished
+            dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(trigger))
         return outcome
 
     def _note_interruption(self, config_run_id: int, attempt: int, settings, why: str) -> None:

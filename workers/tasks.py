@@ -18,6 +18,7 @@ from app.dispatch import (
     REFRESH_ALERTS,
     TICK_SCHEDULES,
     Dispatcher,
+    priority_of,
 )
 from app.models import utcnow
 from app.settings import get_settings
@@ -65,15 +66,17 @@ class Reconcile(BaseTask):
         settings = get_settings()
         cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
         with self.session() as session:
-            config_run_ids = [config_run.id for config_run in repo.stale_config_runs(session, cutoff)]
+            stale = {config_run.id: config_run.run.trigger for config_run in repo.stale_config_runs(session, cutoff)}
+            config_run_ids = list(stale)
             repo.mark_enqueued(session, config_run_ids)
             run_ids = repo.stalled_runs(session, cutoff)
+            stalled = {run_id: repo.run_trigger(session, run_id) for run_id in run_ids}
             for run_id in run_ids:
                 repo.reopen_aggregation(session, run_id)
-        for config_run_id in config_run_ids:
-            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id)
-        for run_id in run_ids:
-            dispatcher.send(AGGREGATE_RUN, run_id)
+        for config_run_id, trigger in stale.items():
+            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
+        for run_id, trigger in stalled.items():
+            dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(trigger))
         with self.session() as session:  # the outbox: retries that have come due, and rows a crash left behind
             from app.notify import next_due
 

@@ -5,20 +5,32 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from dashboard.views.common import fmt, human_time
+
 
 def render(api, project: str, params) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
+    show_inhibited = st.toggle("Show warn alerts inhibited by a critical one", value=False, key="inhibited")
+    inhibited = [a for a in alerts if a.get("inhibited_by") is not None]
     for state in ("firing", "pending", "resolved"):
-        rows = [a for a in alerts if a["state"] == state]
+        rows = [a for a in alerts if a["state"] == state and (show_inhibited or a.get("inhibited_by") is None)]
         st.subheader(f"{state.capitalize()} ({len(rows)})")
+        hidden = sum(a["state"] == state for a in inhibited)
+        if hidden and not show_inhibited:
+            st.caption(f"One alert per regression: {hidden} warn alert(s) hidden, inhibited by the critical alert "
+                       "of the same config and metric.")
         if not rows:
             st.caption(f"No {state} alerts.")
             continue
-        st.dataframe(pd.DataFrame([{"config": a["labels"].get("config"), "metric": a["labels"].get("metric"), "severity": a["severity"],
-                                    "value": a["value"], "since": (a["fired_at"] or a["started_at"] or "")[:19],
-                                    "resolved": (a["resolved_at"] or "")[:19], "run": a["run_id"],
-                                    "rule": (a["annotations"] or {}).get("rule", "")} for a in rows]), hide_index=True, width="stretch")
+        st.dataframe(pd.DataFrame([{"config": a["labels"].get("config"), "metric": a["labels"].get("metric"),
+                                    "severity": a["severity"], "value": fmt(a["value"]),
+                                    "since": human_time(a["fired_at"] or a["started_at"]),
+                                    "resolved": human_time(a["resolved_at"], never=""), "run": a["run_id"],
+                                    "escalation run": a.get("escalation_run_id"),
+                                    "inhibited by": a.get("inhibited_by"),
+                                    "rule": (a["annotations"] or {}).get("rule", "")} for a in rows]),
+                     hide_index=True, width="stretch")
     st.subheader("Silences")
     silences = api.get(f"/projects/{project}/silences")
     if silences:

@@ -166,6 +166,18 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     assert any(h.startswith("Firing (") for h in heads) and "Silences" in heads
     assert any("int8" in str(df.to_dict()) for df in frames(at))  # the seeded silence
     assert any("needs a write key" in i.value for i in at.info)
+    # one regression, one alert: int2's ppl_ratio fires warn and critical; the list shows the critical one
+    seeded = api(seeded_api, "/alerts")
+    pairs = [(a["labels"]["config"], a["labels"]["metric"]) for a in seeded if a["state"] == "firing"]
+    assert pairs.count(("int2", "ppl_ratio")) == 2  # both severities fire on the server
+    firing = frames(at)[0]
+    shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
+    assert list(shown["severity"]) == ["critical"], firing.to_dict()
+    assert any("hidden, inhibited by the critical alert" in c.value for c in at.caption)
+    at.toggle(key="inhibited").set_value(True).run()
+    firing = frames(at)[0]
+    shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
+    assert sorted(shown["severity"]) == ["critical", "warn"]
 
 
 def test_run_detail_opens_on_the_worst_candidate_breaches_first(seeded_api, monkeypatch):

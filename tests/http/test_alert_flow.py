@@ -1,6 +1,8 @@
 """From a run to a chat message: a regression fires an alert whose notification reaches a real
-receiver once; re-evaluating the same run sends nothing twice; the firing escalates to one
-immediate full-suite run of that config; a later clean run resolves the alert."""
+receiver once; re-evaluating the same run sends nothing twice; the regression (a warn and a
+critical alert) escalates to one immediate run of that config, capped at
+CANARY_ESCALATION_SAMPLES documents; the alert list shows one alert per regression; a later clean
+run resolves the alert."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
     from app.settings import get_settings
 
     monkeypatch.setenv("CANARY_ESCALATION", "true")
+    monkeypatch.setenv("CANARY_ESCALATION_SAMPLES", "11")  # the suite's corpus holds 12
     get_settings.cache_clear()
     corpus = small_corpus(tmp_path)
     with session_scope() as s:
@@ -59,12 +62,23 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
         alerts = {a.severity: a for a in s.scalars(select(Alert))}
         assert {a.state for a in alerts.values()} == {"firing"}
         escalation = alerts["critical"].escalation_run_id
-        assert escalation is not None and alerts["warn"].escalation_run_id is not None
+        assert escalation is not None and alerts["warn"].escalation_run_id == escalation  # one regression
         runs = list(s.scalars(select(Run).order_by(Run.id)))
-        # one escalation per newly firing alert, each a full-suite run of that config (12 documents)
-        assert [(r.trigger, r.n_samples) for r in runs] == [("manual", 10), ("alert", 12), ("alert", 12)]
+        # one escalation for the regression: a run of that config on 11 of the corpus' 12 documents
+        assert [(r.trigger, r.n_samples) for r in runs] == [("manual", 10), ("alert", 11)]
+        assert runs[1].id == escalation and sorted(cr.config.name for cr in runs[1].config_runs) == ["cand", "fp32"]
         assert all(r.status == "done" for r in runs)
         n_notifications = s.query(Notification).count()
+        # the list, as the dashboard and `canary alerts list` read it: the warn alert is inhibited
+        from app import repo
+        from app.api.routes.alerting import list_alerts
+
+        project = repo.get_project(s, "p")
+        listed = list_alerts(project, s, state=None, limit=100, inhibited=False)
+        assert [(a["severity"], a["state"]) for a in listed] == [("critical", "firing")]
+        everything = {a["severity"]: a for a in list_alerts(project, s, state=None, limit=100, inhibited=True)}
+        assert everything["warn"]["inhibited_by"] == everything["critical"]["id"]
+        assert everything["critical"]["inhibited_by"] is None
     # re-evaluating the first run (a retried aggregation) queues and sends nothing new
     from app.alerts import evaluate_run
 

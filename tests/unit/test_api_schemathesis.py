@@ -58,7 +58,7 @@ class RecordingDispatcher:
     def __init__(self):
         self.sent: list[tuple] = []
 
-    def send(self, task: str, *args) -> None:
+    def send(self, task: str, *args, priority: int = 3) -> None:
         self.sent.append((task, *args))
 
 

@@ -40,7 +40,7 @@ class Recorder:
     def __init__(self):
         self.sent = []
 
-    def send(self, task, *args):
+    def send(self, task, *args, priority=3):
         self.sent.append((task, *args))
 
 

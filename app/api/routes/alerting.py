@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sqlalchemy import select
 
 from app import repo
+from app.alerts import ACTIVE
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX, METRIC_DIRECTIONS, NameRef
 from app.models import Alert, AlertRule, Silence, aware, utcnow
@@ -100,23 +101,47 @@ class AlertOut(BaseModel):
     resolved_at: Time | None
     last_notified_at: Time | None
     escalation_run_id: int | None
+    inhibited_by: int | None = Field(None, description="the firing critical alert, same labels but severity, that "
+                                                       "mutes this active warn alert (one regression, one alert)")
 
 
-def alert_out(a: Alert) -> dict:
+def alert_out(a: Alert, inhibited_by: int | None = None) -> dict:
     iso = lambda t: t.isoformat() if t else None  # noqa: E731
     return {"id": a.id, "fingerprint": a.fingerprint, "labels": a.labels, "annotations": a.annotations, "state": a.state,
             "severity": a.severity, "value": a.value, "consecutive": a.consecutive, "run_id": a.run_id,
             "started_at": iso(a.started_at), "fired_at": iso(a.fired_at), "resolved_at": iso(a.resolved_at),
-            "last_notified_at": iso(a.last_notified_at), "escalation_run_id": a.escalation_run_id}
+            "last_notified_at": iso(a.last_notified_at), "escalation_run_id": a.escalation_run_id,
+            "inhibited_by": inhibited_by}
+
+
+def _without_severity(labels: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "severity"))
 
 
 @router.get("/projects/{project}/alerts", response_model=list[AlertOut])
 def list_alerts(project: ProjectDep, session: SessionDep, state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
-                limit: int = Query(100, ge=1, le=1000)) -> list[dict]:
+                limit: int = Query(100, ge=1, le=1000),
+                inhibited: bool = Query(True, description="include active warn alerts that a firing critical alert "
+                                                          "inhibits (as Alertmanager's API); false lists one alert "
+                                                          "per regression")) -> list[dict]:
+    """Newest first. An active warn alert inhibited by a firing critical one names it in inhibited_by."""
+    critical = {_without_severity(a.labels): a.id
+                for a in session.scalars(select(Alert).where(Alert.project_id == project.id, Alert.state == "firing",
+                                                             Alert.severity == "critical"))}
     q = select(Alert).where(Alert.project_id == project.id)
     if state:
         q = q.where(Alert.state == state)
-    return [alert_out(a) for a in session.scalars(q.order_by(Alert.id.desc()).limit(limit))]
+    q = q.order_by(Alert.id.desc())
+    q = q.limit(limit) if inhibited else q.execution_options(yield_per=500)
+    out = []
+    for a in session.scalars(q):
+        by = critical.get(_without_severity(a.labels)) if a.severity == "warn" and a.state in ACTIVE else None
+        if by is not None and not inhibited:
+            continue
+        out.append(alert_out(a, by))
+        if len(out) == limit:
+            break
+    return out
 
 
 class Matcher(BaseModel):
