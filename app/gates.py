@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Gate, Project, Run, utcnow
+from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
 
@@ -68,19 +69,59 @@ def decide(session: Session, run_id: int) -> None:
         gate.decided_at = utcnow()
 
 
-def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str) -> str:
-    """A PR-comment summary: verdict, then each of the candidate's comparisons with its CI."""
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def gains(figures: dict[str, Any], candidate: str, baseline: str) -> list[str]:
+    """What the candidate buys, from the run's figures of both configs: throughput and memory as
+    "×" of the baseline's, each with both values. Empty when neither side measured it."""
+    cand, base = figures.get(candidate) or {}, figures.get(baseline) or {}
+    out = []
+    tps_c, tps_b = cand.get("tokens_per_second"), base.get("tokens_per_second")
+    if tps_c and tps_b:
+        out.append(f"throughput {tps_c / tps_b:.2f}× the baseline's ({tps_c:.0f} vs {tps_b:.0f} tokens/s)")
+    for key, what in (("weight_bytes", "weights"), ("kv_bytes_per_token", "KV cache per token"),
+                      ("peak_device_bytes", "peak memory")):
+        c, b = cand.get(key), base.get(key)
+        if not c or not b:
+            continue
+        size = _mb if key != "kv_bytes_per_token" else (lambda n: f"{n:,.0f} B")
+        if c < b:
+            out.append(f"{what} {b / c:.2f}× smaller ({size(c)} vs {size(b)})")
+        else:
+            out.append(f"{what} {c / b:.2f}× the baseline's ({size(c)} vs {size(b)})")
+    return out
+
+
+def sticky_marker(candidate: str, suite: str) -> str:
+    """The summary's first line, hidden when rendered: a CI step finds the pull request's comment
+    that starts with it and edits that one instead of adding another (deploy/ci)."""
+    return f"<!-- inference-canary gate: candidate={candidate} suite={suite} -->"
+
+
+def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, suite: str) -> str:
+    """A PR-comment / job-summary (its first line the sticky-comment marker): the verdict, what was compared (suite, documents, run), then the
+    candidate's comparisons worst first as % change [95% CI] with n, then the speed and memory it
+    gains. Informational comparisons come after the gated ones."""
     icon = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "🛑"}.get(gate.verdict or "", "⏳")
-    lines = [f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**", "",
-             f"Candidate `{gate.candidate}` vs baseline `{gate.baseline}` — run {summary['run_id']} "
-             f"({summary['n_samples']} samples). [Open the run]({dashboard_url.rstrip('/')}/?page=run&run_id={summary['run_id']})", ""]
+    link = f"{dashboard_url.rstrip('/')}/?page=Run+detail&run_id={summary['run_id']}"
+    lines = [sticky_marker(gate.candidate, suite), f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**", "",
+             f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
+             f"({summary['n_samples']} documents), run {summary['run_id']}. [Open the run]({link})", ""]
     rows = [c for c in summary["comparisons"] if c["config"] == gate.candidate]
+    rows.sort(key=lambda c: (bool((c.get("details") or {}).get("informational")), -VERDICT_ORDER.get(c["verdict"], 0)))
     if rows:
-        lines += ["| metric | estimate | 95% CI | n | verdict | rule |", "|---|---|---|---|---|---|"]
+        lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]
         for c in rows:
-            est = "—" if c["estimate"] is None else f"{c['estimate']:.4g}"
-            ci = "" if c["ci_low"] is None else f"[{c['ci_low']:.4g}, {c['ci_high']:.4g}]"
-            lines.append(f"| {c['metric']} | {est} | {ci} | {c['n']} | {c['verdict']} | {c['rule']} |")
+            metric = METRICS.get(c["metric"])
+            change = (format_estimate(metric, c["estimate"], c["ci_low"], c["ci_high"]) if metric
+                      else "—" if c["estimate"] is None else f"{c['estimate']:.4g}")
+            informational = " (informational)" if (c.get("details") or {}).get("informational") else ""
+            lines.append(f"| {c['metric']} | {change} | {c['n']} | {c['verdict']}{informational} | {c['rule'] or ''} |")
+    gained = gains(summary.get("figures") or {}, gate.candidate, gate.baseline)
+    if gained:
+        lines += ["", "**Speed and memory:** " + "; ".join(gained) + "."]
     if summary.get("verdict_reason"):
         lines += ["", f"Reason: {summary['verdict_reason']}"]
     return "\n".join(lines) + "\n"

@@ -183,5 +183,32 @@ def get_metric(name: str) -> Metric:
     raise KeyError(f"unknown metric '{name}'; {hint}known metrics: {', '.join(METRICS)}")
 
 
+def _signed(x: float, digits: int) -> str:
+    text = f"{x:+.{digits}f}"
+    return "+" + text[1:] if text.startswith("-") and float(text) == 0 else text  # no "-0.00"
+
+
+def format_estimate(metric: Metric, estimate: float | None, low: float | None = None, high: float | None = None,
+                    digits: int = 2) -> str:
+    """A comparison in its reader's unit with its 95% CI in the same unit: a ratio as its % change
+    (1.045 [1.024, 1.066] → "+4.50% [+2.40, +6.60]"), a fraction as a percentage, milliseconds
+    and points as themselves. The gate's summary writes it (the dashboard has its own copy)."""
+    if estimate is None:
+        return "—"
+    if metric.unit == "ratio":
+        show = lambda x: _signed((x - 1) * 100, digits)  # noqa: E731
+        text = f"{show(estimate)}%"
+    elif metric.unit == "fraction":
+        show = lambda x: f"{x * 100:.1f}"  # noqa: E731
+        text = f"{show(estimate)}%"
+    elif metric.unit == "ms":
+        show = lambda x: f"{x:.0f}"  # noqa: E731
+        text = f"{show(estimate)} ms"
+    else:
+        show = lambda x: format(x, metric.fmt)  # noqa: E731
+        text = show(estimate)
+    return text if low is None or high is None else f"{text} [{show(low)}, {show(high)}]"
+
+
 def worst_verdict(verdicts) -> str:
     return max(verdicts, key=VERDICT_ORDER.__getitem__, default="ok")

@@ -47,7 +47,8 @@ def test_pass_warn_fail_and_exit_codes(stack, project, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "gate" in ok.stderr and "pass" in ok.stderr
     md = (tmp_path / "pass.md").read_text()
-    assert "gate: **pass**" in md and "| ppl_ratio | 1 |" in md
+    assert "gate: **pass**" in md and "on suite `s` (12 documents)" in md
+    assert "| ppl_ratio | +0.00% [+0.00, +0.00] | 12 | ok |" in md  # an identical copy: no change, a zero-width CI
     warn = gate(stack, "--candidate", "int2", "--json")
     assert warn.returncode == 0  # warn lets the deploy go on by default…
     import json

@@ -3,6 +3,7 @@ Prometheus rules pass promtool when it is installed."""
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,20 @@ def test_gate_workflow_uses_real_cli_flags():
                                env={"COLUMNS": "200", "PATH": ""}).stdout
     flags = [w for w in script.replace("\\", " ").split() if w.startswith("--")]
     assert flags and all(f in help_text for f in flags), (flags, help_text)
+
+
+def test_gate_workflow_scripts_pass_shellcheck():
+    """Every `run:` script of the example workflow, with each ${{ expression }} as a shell word."""
+    import re
+
+    shellcheck = shutil.which("shellcheck") or str(pathlib.Path(sys.executable).parent / "shellcheck")
+    wf = yaml.safe_load((ROOT / "deploy/ci/github-actions-gate.yml").read_text())
+    scripts = [s["run"] for s in wf["jobs"]["gate"]["steps"] if "run" in s]
+    assert len(scripts) >= 3
+    for script in scripts:
+        shell = re.sub(r"\$\{\{[^}]*\}\}", "GITHUB_EXPRESSION", script)
+        r = subprocess.run([shellcheck, "--shell=bash", "-"], input=shell, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{script}\n{r.stdout}{r.stderr}"
 
 
 def test_prometheus_rules_parse():

@@ -11,7 +11,7 @@ from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
 from app.gates import check_request, find_gate, record_gate, summary_markdown
-from app.models import Gate
+from app.models import Gate, Suite
 from app.schemas import ComparisonOut, RunVerdict, Time, error_responses
 from app.services import run_summary, start_run
 from app.settings import get_settings
@@ -53,7 +53,8 @@ def gate_out(session, project, gate: Gate) -> dict:
             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
             "run_status": summary["status"], "run_verdict": summary["verdict"], "reason": summary["verdict_reason"],
             "idempotency_key": gate.idempotency_key, "created_at": gate.created_at.isoformat() if gate.created_at else None,
-            "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url),
+            "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
+                                                 session.get(Suite, summary["suite_id"]).name),
             "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
 
 
