@@ -41,6 +41,18 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
+def compute_dtype_for(weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The type the forward pass computes in. fp16/bf16 weights compute in fp32 on a CPU without
+    native half-precision matmul (AMX-FP16 for fp16, AVX512-BF16 for bf16), where PyTorch emulates
+    it several times slower than fp32; the stored weights and KV values keep their half-precision
+    rounding (the weights are cast to the half type first, then up). A GPU computes in the half type."""
+    if device.type != "cpu" or weights_dtype == torch.float32:
+        return weights_dtype
+    native = (torch.cpu._is_amx_fp16_supported() if weights_dtype == torch.float16
+              else torch.cpu._is_avx512_bf16_supported())
+    return weights_dtype if native else torch.float32
+
+
 
 
 class ReferenceEngine:
@@ -53,7 +65,8 @@ class ReferenceEngine:
         self.device = resolve_device(spec)
         self.batch_size = int(spec.engine_options.get("batch_size", 8))
         self.concurrency = int(spec.engine_options.get("concurrency", 1))
-        self.dtype = DTYPES.get(spec.weights, torch.float16)
+        self.dtype = DTYPES.get(spec.weights, torch.float16)  # the weights' float type, as stored
+        self.compute_dtype = compute_dtype_for(self.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         tok = self.tokenizer
         self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -64,9 +77,9 @@ class ReferenceEngine:
             self._rtn(model, RTN_BITS[spec.weights])
         elif spec.weights == "awq-int4":
             self._awq(model, calibration)
-        self.kv = kv_format(spec.kv_cache, self.dtype)
+        self.kv = kv_format(spec.kv_cache, self.compute_dtype, self.dtype)
         self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant), else nothing
-        self.model: Transformer = model.to(device=self.device, dtype=self.dtype).fuse()
+        self.model: Transformer = model.to(device=self.device, dtype=self.dtype).to(self.compute_dtype).fuse()
         self.args = model.args
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.peak_kv_bytes = 0
@@ -92,12 +105,13 @@ class ReferenceEngine:
 
         draft_path = resolve_model_path(sp.draft_model)
         check_draft_tokenizer(self.model_path, str(draft_path))
-        self.draft_model = load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype).fuse()
+        self.draft_model = (load_model(draft_path, torch.float32, "cpu").to(device=self.device, dtype=self.dtype)
+                            .to(self.compute_dtype).fuse())
         d = self.draft_model.args
         return DraftModelProposer(
             self.draft_model, sp.k,
-            lambda slots: KVCache(d.n_layers, 1, slots, d.n_kv_heads, d.head_dim, self.dtype, self.device,
-                                  kv_format("auto", self.dtype)),
+            lambda slots: KVCache(d.n_layers, 1, slots, d.n_kv_heads, d.head_dim, self.compute_dtype, self.device,
+                                  kv_format("auto", self.compute_dtype, self.dtype)),
         )
 
     def _rtn(self, model: Transformer, bits: int) -> None:
@@ -162,12 +176,12 @@ class ReferenceEngine:
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
-        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.dtype, self.device,
-                                   self.kv))
+        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.compute_dtype,
+                                   self.device, self.kv))
 
     def decoder(self, batch: int, slots: int) -> Decoder:
         """The static decode loop (engines/reference/decode.py) over a fresh cache."""
-        d = Decoder(self.model, self.kv, batch, slots, self.device, self.dtype,
+        d = Decoder(self.model, self.kv, batch, slots, self.device, self.compute_dtype,
                     self.spec.engine_options.get("cuda_graphs"))
         self._track(d.cache)
         return d
@@ -461,6 +475,9 @@ class ReferenceEngine:
         resident = sum(t.nbytes for t in self.model.state_dict().values())  # tied weights counted once below
         if a.tie_embeddings:
             resident -= self.model.lm_head.weight.nbytes
+        computed = "" if self.compute_dtype == self.dtype else (
+            f"weights stored as {str(self.dtype).removeprefix('torch.')} values, computed in "
+            f"{str(self.compute_dtype).removeprefix('torch.')} (this CPU has no native half-precision matmul)")
         kb, vb = self.kv.bits_per_element(a.head_dim)
         per_token_elems = a.n_layers * a.n_kv_heads * a.head_dim
         return EngineDescription(
@@ -470,12 +487,13 @@ class ReferenceEngine:
             kv_cache=self.kv.name,
             speculative=self.spec.speculative.method,
             device=str(self.device),
-            compute_dtype=str(self.dtype).removeprefix("torch."),
+            compute_dtype=str(self.compute_dtype).removeprefix("torch."),
             parameters=params,
             weight_bytes=int((params - self.quantized_params) * elt + self.quantized_bytes),
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
-            notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}"),
+            notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}",
+                   *([computed] if computed else [])),
             resident_weight_bytes=int(resident),
             peak_kv_cache_bytes=int(self.peak_kv_bytes),
             kv_cache_usage=self.peak_kv_usage,

@@ -3,11 +3,14 @@ figure: the demo's suite over a few of its configs, on a small sample, stores th
 figures recorded from the code before the move (tests/unit/data/demo_parity.json).
 
 Timing figures (TTFT, time between tokens, tokens/s) vary from run to run and are left out;
-every other stored estimate, CI, n and verdict must agree to 1e-4 relative: the demo's fp16
-configs compute in half precision on the CPU, whose results differ between CPUs by about 2e-5
-(the same commit read fp16 token perplexity 98.0014 on one machine and 97.9994 on another), while
-a change in what is computed moves them by far more (the last window's context: 2e-2). Record again (only
-when a figure is meant to change, and say why in the commit) with
+every other stored estimate, CI, n and verdict must agree to 1e-4 relative: results differ between
+CPUs by about 2e-5 (thread-order reductions; when the demo's fp16 configs computed in half
+precision on the CPU, the same commit read fp16 token perplexity 98.0014 on one machine and 97.9994
+on another), while a change in what is computed moves them by far more (the last window's context:
+2e-2). Recorded again when fp16 weights on a CPU without half-precision matmul began to compute in
+fp32: the fp32 caches double the peak KV bytes, the quantized-KV configs' figures move by up to
+5e-3, and fp16 perplexity by less than 1e-4. Record again (only when a figure is meant to change,
+and say why in the commit) with
     CANARY_RECORD_PARITY=1 python -m pytest tests/unit/test_figures_parity.py
 """
 

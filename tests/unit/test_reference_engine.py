@@ -101,13 +101,16 @@ def test_memory_figures_are_measured_from_what_the_engine_holds():
     e = ref(weights="rtn-int4", kv_cache="int8")
     e.loglikelihood_rolling([RollingRequest("d", TEXT, WindowSpec(64, 64))])
     d = e.describe()
-    # on CPU the engine keeps a dequantized fp16 copy: resident bytes = 2 per parameter, while the
-    # int4 storage format it models is smaller
-    assert d.resident_weight_bytes == 2 * d.parameters > d.weight_bytes
+    # on CPU the engine keeps a dequantized copy in its compute type (fp16 where the CPU has half
+    # matmul, else fp32): 2 or 4 bytes per parameter, while the int4 storage format it models is smaller
+    import torch
+
+    size = torch.finfo(getattr(torch, d.compute_dtype)).bits // 8
+    assert d.resident_weight_bytes == size * d.parameters > d.weight_bytes
     # TEXT is 89 tokens → windows of 64 and 25 tokens, batched as 2 rows of width 64; raw k, v
-    # and compressed kq, vq buffers in fp16: 4 × 6 layers × 2 rows × 2 kv heads × 64 × 32 dims × 2 B
+    # and compressed kq, vq buffers in the compute type: 4 × 6 layers × 2 rows × 2 kv heads × 64 × 32 dims × size
     assert len(e.tokenizer(TEXT, add_special_tokens=False)["input_ids"]) == 89
-    assert d.peak_kv_cache_bytes == 4 * 6 * 2 * 2 * 64 * 32 * 2
+    assert d.peak_kv_cache_bytes == 4 * 6 * 2 * 2 * 64 * 32 * size
 
 
 def test_kv_cache_usage_is_the_peak_share_of_a_full_context_cache_holding_tokens():
@@ -173,3 +176,34 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily():
     greedy = e.generate([GenerationRequest("g", "json.dumps()", max_new_tokens=6)])[0].token_ids
     for t in (3e-300, 5e-324, 9e-6):
         assert e.generate([GenerationRequest("g", "json.dumps()", max_new_tokens=6, temperature=t)])[0].token_ids == greedy
+
+
+def test_half_precision_weights_compute_in_fp32_on_a_cpu_without_half_matmul(fp32, monkeypatch):
+    """fp16 weights on such a CPU: every weight and every cached key/value keeps its fp16 rounding,
+    the arithmetic runs in fp32, and the figures say so. On a GPU the half type computes."""
+    import torch
+
+    from engines.reference import engine as reference
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)  # what this test asserts is the fallback
+    assert reference.compute_dtype_for(torch.float16, torch.device("cpu")) == torch.float32
+    assert reference.compute_dtype_for(torch.float32, torch.device("cpu")) == torch.float32
+    assert reference.compute_dtype_for(torch.float16, torch.device("cuda")) == torch.float16
+    half = ref(weights="fp16")
+    weights = [p for p in half.model.parameters()]
+    assert {p.dtype for p in weights} == {torch.float32}
+    assert all(torch.equal(p, p.half().float()) for p in weights)  # the stored values are fp16 values
+    # "auto" KV is the weights' fp16: reported as 16 bits, held in the fp32 cache like every other
+    # activation; an fp16 cache for fp32 weights still rounds each value as it is stored
+    assert half.kv.name == "fp16" and not half.kv.lossy
+    assert half.describe().kv_bytes_per_token == ref(weights="fp32", kv_cache="fp16").describe().kv_bytes_per_token
+    narrower = ref(weights="fp32", kv_cache="fp16").kv
+    k = torch.tensor([1.0 + 2 ** -13])  # between two fp16 values: rounds to 1.0 when stored
+    assert narrower.lossy and narrower.encode(k, k, None)[0].item() == 1.0
+    d = half.describe()
+    assert d.compute_dtype == "float32" and any("computed in float32" in n for n in d.notes)
+    assert d.weight_bytes < fp32.describe().weight_bytes  # the footprint reported is the fp16 one
+    # the rounding shows: close to the fp32 model, not equal to it
+    req = [RollingRequest("a", TEXT, WindowSpec(64, 32))]
+    a, b = half.loglikelihood_rolling(req)[0].logprobs, fp32.loglikelihood_rolling(req)[0].logprobs
+    assert a == pytest.approx(b, abs=5e-2) and a != b

@@ -28,10 +28,14 @@ __all__ = ["FP16_BITS", "DequantizedStore", "FloatKV", "Fp8KV", "Fp8Store", "Int
            "KiviKV", "KiviStore", "RotatedTurboStore", "TurboKV", "kernels_fit", "kv_format"]
 
 
-def kv_format(name: str, compute_dtype: torch.dtype) -> KVFormat:
-    floats = {"auto": compute_dtype, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+def kv_format(name: str, compute_dtype: torch.dtype, weights_dtype: torch.dtype | None = None) -> KVFormat:
+    """The format for kv_cache `name`; "auto" stores the weights' float type (vLLM's meaning),
+    which is the compute type unless fp16/bf16 weights compute in fp32 (a CPU without native
+    half-precision matmul; see FloatKV for what that rounds)."""
+    floats = {"auto": weights_dtype or compute_dtype, "fp16": torch.float16, "bf16": torch.bfloat16,
+              "fp32": torch.float32}
     if name in floats:
-        return FloatKV(floats[name], compute_dtype)
+        return FloatKV(floats[name], compute_dtype, weights_dtype)
     if name == "fp8":
         return Fp8KV()
     if name in ("int8", "int4", "int2"):

@@ -14,12 +14,18 @@ from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVS
 
 @dataclass
 class FloatKV(KVFormat):
+    """Keys and values stored as `dtype`. Lossy (each value rounded as it is stored) only when that
+    type is narrower than what the model computes in and is not the weights' own type: fp16 KV for
+    fp16 weights computed in fp32 on a CPU stores what an fp16 engine would, so it rounds nothing
+    more than the rest of the model's activations do (engines/reference/engine.py compute_dtype_for)."""
+
     dtype: torch.dtype
     compute_dtype: torch.dtype
+    weights_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
-        self.lossy = self.dtype != self.compute_dtype
+        self.lossy = self.dtype not in (self.compute_dtype, self.weights_dtype)
 
     def encode(self, k, v, seq_start, layer=0):
         return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
