@@ -27,8 +27,8 @@ def render(api, project: str, params) -> None:
                                     "severity": a["severity"], "value": fmt(a["value"]),
                                     "since": human_time(a["fired_at"] or a["started_at"]),
                                     "resolved": human_time(a["resolved_at"], never=""), "run": a["run_id"],
-                                    "escalation run": a.get("escalation_run_id"),
-                                    "inhibited by": a.get("inhibited_by"),
+                                    "escalation run": a.get("escalation_run_id") or "",
+                                    "inhibited by": a.get("inhibited_by") or "",
                                     "rule": (a["annotations"] or {}).get("rule", "")} for a in rows]),
                      hide_index=True, width="stretch")
     st.subheader("Silences")
