@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
+import httpx
 
-from benchmarks._common import parser, spread  # noqa: E402
+from benchmarks._common import parser, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
