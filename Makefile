@@ -24,7 +24,7 @@ $(VENV)/.interop: $(VENV)/.installed
 	$(PY) -m pip install --quiet --find-links $(INTEROP_WHEELS) -e ".[dev,interop]"
 	touch $@
 
-.PHONY: install demo test test-interop serve gpu-report
+.PHONY: install demo test test-interop serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -48,3 +48,22 @@ BENCH_ARGS ?=
 
 gpu-report:
 	@$(GPU_PY) benchmarks/gpu_report.py $(BENCH_ARGS)
+
+# The CPU benchmarks against their peers (README "Benchmarks"): each script's JSON into
+# benchmarks/results/, then the README's table rendered from them. About 15 minutes on 2 cores;
+# run it on a quiet machine. A benchmark whose two sides disagree exits 1 and stops it.
+BENCH_OUT ?= benchmarks/results
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	touch $@
+
+bench: $(VENV)/.bench
+	mkdir -p $(BENCH_OUT)
+	$(PY) benchmarks/report.py --machine > $(BENCH_OUT)/machine.json
+	$(PY) benchmarks/gate.py > $(BENCH_OUT)/gate.json
+	$(PY) benchmarks/dashboard_api.py > $(BENCH_OUT)/dashboard_api.json
+	$(PY) benchmarks/perplexity_throughput.py --docs 50 > $(BENCH_OUT)/perplexity_throughput.json
+	$(PY) benchmarks/reference_decode.py > $(BENCH_OUT)/reference_decode.json
+	$(PY) benchmarks/speculative.py > $(BENCH_OUT)/speculative.json
+	$(PY) benchmarks/report.py $(BENCH_OUT) README.md
