@@ -512,7 +512,7 @@ def gate(
                 last_line = now
                 _log(f"gate {g['gate_id']} still waiting: run {g['run_id']} is {g['run_status']}, "
                      f"{_ago(now - started)} elapsed")
-            time.sleep(min(2.0, heartbeat))
+            time.sleep(min(_poll_interval(now - started), heartbeat))
             try:
                 r = _call(http, "GET", f"{base}/{g['gate_id']}", retry_for)
             except httpx.TransportError as e:
@@ -524,6 +524,12 @@ def gate(
             g = r.json()
     _gate_out(g, summary_md, as_json, step_summary=True)
     raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[g["verdict"]])
+
+
+def _poll_interval(elapsed: float) -> float:
+    """Seconds between a waiting gate's polls: 0.25 s for its first 10 s (a smoke gate's verdict
+    comes within seconds), 1 s up to a minute, then 2 s."""
+    return 0.25 if elapsed < 10 else 1.0 if elapsed < 60 else 2.0
 
 
 def _call(http, method: str, url: str, retry_for: float, **kw):

@@ -35,9 +35,10 @@ RECONCILE = "canary.reconcile"
 NOTIFY = "canary.notify"
 TICK_SCHEDULES = "canary.tick_schedules"
 REFRESH_ALERTS = "canary.refresh_alerts"
+WARM_UP = "canary.warm_up"  # the embedded server imports the engine stack at start (workers/tasks.py)
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
 TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default",
-               REFRESH_ALERTS: "default"}
+               REFRESH_ALERTS: "default", WARM_UP: "gpu"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
 PRIORITY_STEPS = [0, 3, 6, 9]  # kombu's Redis default, set explicitly on the worker (workers/celery_app.py)

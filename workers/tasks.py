@@ -17,6 +17,7 @@ from app.dispatch import (
     RECONCILE,
     REFRESH_ALERTS,
     TICK_SCHEDULES,
+    WARM_UP,
     Dispatcher,
     priority_of,
 )
@@ -129,14 +130,33 @@ class RefreshAlerts(BaseTask):
             return {"queued": len(queued), **deliver_due(session)}
 
 
+class WarmUp(BaseTask):
+    """Import the engine stack (torch, transformers, the reference engine, the tokenizer classes)
+    before the first config-run needs it: the embedded server sends this at start, so its first
+    gate does not wait ~3 s for imports on top of its own work."""
+
+    name = WARM_UP
+
+    def run_impl(self, *, dispatcher: Dispatcher | None = None) -> str:
+        from transformers import AutoTokenizer
+
+        import engines.reference.engine
+        import engines.registry  # noqa: F401
+        from engines.zoo import resolve_model_path
+
+        AutoTokenizer.from_pretrained(str(resolve_model_path("builtin:pydoc-target")))  # loads the tokenizer code
+        return "warm"
+
+
 aggregate_run = AggregateRun()
 reconcile = Reconcile()
 notify = Notify()
 tick_schedules = TickSchedules()
 refresh_alerts = RefreshAlerts()
+warm_up = WarmUp()
 
 INLINE: dict[str, BaseTask] = {task.name: task for task in (execute_config_run, aggregate_run, reconcile, notify,
-                                                            tick_schedules, refresh_alerts)}
+                                                            tick_schedules, refresh_alerts, warm_up)}
 
 
 def _register() -> None:

@@ -20,7 +20,7 @@ from app.api.limits import BodyLimit, RateLimited
 from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
 from app.corpus import CorpusError
-from app.dispatch import RECONCILE, REFRESH_ALERTS, TICK_SCHEDULES, get_dispatcher
+from app.dispatch import RECONCILE, REFRESH_ALERTS, TICK_SCHEDULES, WARM_UP, get_dispatcher
 from app.settings import get_settings
 from app.ssrf import hide_url_logs
 from app.repo import Conflict, NotFound
@@ -54,6 +54,10 @@ async def lifespan(_: FastAPI):
                 except Exception:  # noqa: BLE001
                     log.exception("alert refresh could not be scheduled")
 
+        try:  # first in the executor's queue: the engine imports overlap the server's first requests
+            get_dispatcher(background=True).send(WARM_UP)
+        except Exception:  # noqa: BLE001
+            log.exception("engine warm-up could not be scheduled")
         threading.Thread(target=loop, name="canary-reconciler", daemon=True).start()
         threading.Thread(target=refresher, name="canary-alert-refresh", daemon=True).start()
     yield
