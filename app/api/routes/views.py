@@ -190,17 +190,27 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                            .join(Model, Model.id == OptimizationConfig.model_id)
                            .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
                            .where(Model.project_id == project.id).order_by(Model.name, OptimizationConfig.id)).all()
-    run_ids = {r for _, r in rows if r is not None} | set(recent)
-    # by (config, metric): run id → cell, over the latest runs and the suite's recent history
+    latest_ids = {r for _, r in rows if r is not None}
+    older_ids = set(recent) - latest_ids
+    # by (config, metric): run id → cell; whole cells for each config's latest run, and only the
+    # estimate and verdict over the suite's recent history (the sparkline, "breaching since")
     history: dict[tuple[int, str], dict[int, dict]] = {}
     figures: dict[tuple[int, int], dict] = {}
-    runs: dict[int, Run] = {}
-    if run_ids:
-        for c in session.scalars(select(Comparison).where(Comparison.run_id.in_(run_ids))):
+    runs: dict[int, tuple] = {}  # run id → (created_at, finished_at)
+    if latest_ids:
+        for c in session.scalars(select(Comparison).where(Comparison.run_id.in_(latest_ids))):
             history.setdefault((c.config_id, c.metric), {})[c.run_id] = _cell(c)
-        for cr in session.scalars(select(ConfigRun).where(ConfigRun.run_id.in_(run_ids))):
-            figures[(cr.run_id, cr.config_id)] = cr.figures or {}
-        runs = {r.id: r for r in session.scalars(select(Run).where(Run.id.in_(run_ids)))}
+        for run_id, config_id, figs in session.execute(select(ConfigRun.run_id, ConfigRun.config_id, ConfigRun.figures)
+                                                       .where(ConfigRun.run_id.in_(latest_ids))):
+            figures[(run_id, config_id)] = figs or {}
+    if older_ids:
+        for run_id, config_id, metric, estimate, verdict in session.execute(
+                select(Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate, Comparison.verdict)
+                .where(Comparison.run_id.in_(older_ids))):
+            history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
+    if latest_ids or older_ids:
+        runs = {run_id: (created, finished) for run_id, created, finished in session.execute(
+            select(Run.id, Run.created_at, Run.finished_at).where(Run.id.in_(latest_ids | older_ids)))}
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
@@ -212,11 +222,11 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             for rid in sorted((r for r in by_run if r <= run_id), reverse=True):
                 if by_run[rid]["verdict"] not in BREACHING:
                     break
-                since = runs[rid].created_at
+                since = runs[rid][0]
         ppl = history.get((cfg.id, "ppl_ratio"), {})
         models.setdefault(cfg.model.name, []).append({
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
-            "checked_at": iso(run.finished_at) if run else None, "comparisons": cells,
+            "checked_at": iso(run[1]) if run else None, "comparisons": cells,
             "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": metric, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
