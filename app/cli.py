@@ -420,13 +420,20 @@ def run(
 
 @app.command()
 def serve(host: str = "127.0.0.1", port: int = 8000,
-          upgrade_db: bool = typer.Option(True, help="run migrations first")) -> None:
+          upgrade_db: bool = typer.Option(True, help="run migrations first"),
+          workers: int = typer.Option(1, min=1, max=64, help="API processes (with Celery only: the embedded "
+                                                             "default runs its tasks in the one process)")) -> None:
     """Run the API server (OpenAPI docs at /docs)."""
     import uvicorn
 
+    from app.settings import get_settings
+
+    if workers > 1 and get_settings().execution_mode != "celery":
+        fail("--workers: more than one API process needs Celery (set CANARY_BROKER_URL); the embedded default "
+             "runs tasks inside the one API process")
     if upgrade_db:
         _upgrade_db()
-    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info")
+    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers)
 
 
 @app.command()

@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=420)
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--requests", type=int, default=2016, help="requests in all, split over the clients (default 2016)")
+    ap.add_argument("--server-workers", type=int, default=1, help="API processes (`canary serve --workers`, default 1)")
     args = ap.parse_args()
     admin = os.environ.get("CANARY_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
     name = f"canary_bench_{uuid.uuid4().hex[:8]}"
@@ -159,7 +160,8 @@ def main() -> None:
         env = {**os.environ, "CANARY_DATABASE_URL": url, "CANARY_EXECUTION": "celery",  # only reads are timed
                "CANARY_RATE_LIMIT_PER_MINUTE": "0",  # time the queries, not the limiter
                "CANARY_BROKER_URL": os.environ.get("CANARY_BROKER_URL", "redis://127.0.0.1:6379/14")}
-        server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--no-upgrade-db"],
+        server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--no-upgrade-db",
+                                   "--workers", str(args.server_workers)],
                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         api = f"http://127.0.0.1:{port}/api/v1/projects/bench"
         deadline = time.time() + 60
@@ -199,7 +201,7 @@ def main() -> None:
         overall = percentiles(every)
         load = os.getloadavg()
         print(json.dumps({"benchmark": "dashboard_api", "sample_results": n, "runs": args.runs, "configs": len(CONFIGS),
-                          "seed_seconds": round(seed_s, 1), "clients": args.clients, "requests": len(every),
+                          "seed_seconds": round(seed_s, 1), "server_workers": args.server_workers, "clients": args.clients, "requests": len(every),
                           "errors": len(errors), "requests_per_s": round(len(every) / wall, 1),
                           "cpu_count": os.cpu_count(), "load_avg_1m": round(load[0], 2),
                           "overall": overall, "calls": {label: percentiles(xs) for label, xs in times.items()},

@@ -134,3 +134,9 @@ def test_version_and_a_wrong_fail_on(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("inference-canary ")
     bad = canary("run", "--fail-on", "sometimes", cwd=tmp_path, db="sqlite://")
     assert bad.returncode == 2 and "--fail-on must be one of fail, warn, never" in bad.stderr
+
+
+def test_serve_with_several_workers_needs_celery(tmp_path):
+    r = canary("serve", "--workers", "2", "--port", "1", cwd=tmp_path, db=f"sqlite:///{tmp_path / 'w.db'}", timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--workers" in r.stderr and "CANARY_BROKER_URL" in r.stderr
