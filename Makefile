@@ -62,7 +62,7 @@ bench: $(VENV)/.bench
 	mkdir -p $(BENCH_OUT)
 	$(PY) benchmarks/report.py --machine > $(BENCH_OUT)/machine.json
 	$(PY) benchmarks/gate.py > $(BENCH_OUT)/gate.json
-	$(PY) benchmarks/dashboard_api.py > $(BENCH_OUT)/dashboard_api.json
+	$(PY) benchmarks/dashboard_api.py --server-workers 2 > $(BENCH_OUT)/dashboard_api.json
 	$(PY) benchmarks/perplexity_throughput.py --docs 50 > $(BENCH_OUT)/perplexity_throughput.json
 	$(PY) benchmarks/reference_decode.py > $(BENCH_OUT)/reference_decode.json
 	$(PY) benchmarks/speculative.py > $(BENCH_OUT)/speculative.json
