@@ -442,6 +442,8 @@ def worker(
                                help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
     concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
     beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
+    beat_schedule: str | None = typer.Option(None, help="with --beat: the file where beat keeps its last run times "
+                                             "(default: celerybeat-schedule in the working directory)"),
     name: str | None = typer.Option(None, help="node name, e.g. gpu0@%h (default: celery's)"),
 ) -> None:
     """Run a Celery worker (needs CANARY_BROKER_URL)."""
@@ -453,6 +455,8 @@ def worker(
         cmd += ["-n", name]
     if beat:
         cmd.append("-B")
+        if beat_schedule:
+            cmd += ["-s", beat_schedule]
     os.execvp(cmd[0], cmd)
 
 

@@ -71,7 +71,9 @@ def _wait_log(proc: subprocess.Popen, log: str, marker: str, timeout: float = 90
 
 def start_worker(env: dict[str, str], log: str, queues: str = "gpu,cpu,default", beat: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "app.cli", "worker", "--queues", queues, "--concurrency", "1",
-           "--name", f"w{uuid.uuid4().hex[:6]}@%h"] + (["--beat"] if beat else [])
+           "--name", f"w{uuid.uuid4().hex[:6]}@%h"]
+    if beat:  # beat's schedule file beside the log, not in the checkout
+        cmd += ["--beat", "--beat-schedule", os.path.join(os.path.dirname(log), "celerybeat-schedule")]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
     _wait_log(proc, log, "ready.")
     return proc
