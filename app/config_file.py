@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pathlib
 import re
+from collections.abc import Callable
 from difflib import get_close_matches
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from engines.spec import ConfigNotAvailable, OptimizationSpec
+from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals.metrics import METRICS, Metric, gated_metrics
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
@@ -326,20 +327,18 @@ class CanaryFile(_Strict):
                 c.to_spec().check_available()
             except ConfigNotAvailable as e:
                 problems.append(f"configs[{i}].{e}")
-        # a threshold on a metric that no suite produces could never fire: refused, naming it
+        # a threshold on a metric that nothing in the file produces could never fire: refused, naming it. Nothing
+        # does when no suite runs its scorer, or when the config axis or suite setting it needs is not used.
         scorers = {scorer for suite in self.suites for scorer in suite.scorers}
         for name in sorted(self.thresholds.model_fields_set):
-            producer = METRICS[name].producer
+            producer, requirement = METRICS[name].producer, METRICS[name].requires
             if producer not in scorers:
                 problems.append(f"thresholds.{name}: no suite runs the '{producer}' scorer, which produces {name}, so this "
                                 f"threshold could never apply; add '{producer}' to a suite's scorers or remove the threshold")
-        if "spec_acceptance_rate" in self.thresholds.model_fields_set and all(
-                c.speculative.method == "off" for c in self.configs):
-            problems.append("thresholds.spec_acceptance_rate: no config uses speculative decoding, so this threshold "
-                            "could never apply; add a config with `speculative` or remove the threshold")
-        if "term_nll_ratio" in self.thresholds.model_fields_set and not any(s.perplexity.terms for s in self.suites):
-            problems.append("thresholds.term_nll_ratio: no suite lists perplexity.terms, so this threshold could never "
-                            "apply; add terms to a suite (e.g. ['builtin:python-identifiers']) or remove the threshold")
+            elif requirement and not _REQUIREMENTS[requirement].used(self):
+                missing, fix = _REQUIREMENTS[requirement].missing, _REQUIREMENTS[requirement].fix
+                problems.append(f"thresholds.{name}: {missing}, so this threshold could never apply; {fix} "
+                                "or remove the threshold")
         suites = {s.name for s in self.suites}
         configs = {c.name for c in self.configs}
         for i, s in enumerate(self.schedules):
@@ -364,6 +363,36 @@ class CanaryFile(_Strict):
             if s.name == name:
                 return s
         raise ConfigFileError(f"--suite: unknown suite '{name}'; declared suites: {', '.join(s.name for s in self.suites)}")
+
+
+class _Requirement(NamedTuple):
+    used: Callable[[CanaryFile], bool]  # whether the file uses it
+    missing: str  # what is missing when it does not
+    fix: str
+
+
+def _uses_lossless(file: CanaryFile) -> bool:
+    bases = [config.to_spec() for config in file.configs if config.baseline]
+    if not bases:  # refused already for that: "exactly one config needs 'baseline: true'"
+        return True
+    base = bases[0]
+    greedy = any("generation" in suite.scorers and suite.generation.temperature == 0 for suite in file.suites)
+    return greedy and any(not config.baseline and lossless_against(config.to_spec(), base) for config in file.configs)
+
+
+# what a metric row's `requires` (evals/metrics.py) names: how the file uses it, and the fix when it does not
+_REQUIREMENTS = {
+    "speculative": _Requirement(
+        lambda file: any(config.speculative.method != "off" for config in file.configs),
+        "no config uses speculative decoding", "add a config with `speculative`"),
+    "lossless": _Requirement(
+        _uses_lossless,
+        "no config is lossless against the baseline (same weights and KV cache, or `lossless: true`) with a suite "
+        "that generates greedily (generation.temperature 0)", "add such a config"),
+    "perplexity.terms": _Requirement(
+        lambda file: any(suite.perplexity.terms for suite in file.suites),
+        "no suite lists perplexity.terms", "add terms to a suite (e.g. ['builtin:python-identifiers'])"),
+}
 
 
 def parse_config(data: object, source: str = "canary.yaml") -> CanaryFile:

@@ -57,6 +57,10 @@ class Metric:
     alert: str = ""  # the Prometheus alert on its seed warn threshold (canary alert-rules); default from the name
     # the range a correct measurement falls in; an estimate outside it is a measurement_error (evals/sanity.py)
     valid: tuple[float | None, float | None] = (None, None)
+    # what the canary.yaml must use for anything to produce it beyond its producer scorer: "speculative" (a
+    # config decoding speculatively), "lossless" (a candidate lossless against the baseline, with a greedy suite),
+    # "perplexity.terms" (a suite listing domain terms); a threshold on it is refused otherwise (app/config_file.py)
+    requires: str = ""
 
     def __post_init__(self) -> None:
         if self.gated and self.warn is None:
@@ -100,7 +104,8 @@ register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",
-    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1)))
+    warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1),
+    requires="speculative"))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
     "median time to first token of the candidate's prompts (lower median for even n), against an absolute service "
@@ -150,13 +155,13 @@ register_metric(Metric(
     "exp((ΣNLL_c − ΣNLL_b) / Σterm tokens) over the same documents; a loss on rare domain tokens that "
     "whole-document perplexity averages away (a model that stops citing 'IFRS 9.3.1.1' and says 'IFRS 9'); "
     "paired bootstrap over documents",
-    warn=1.15, critical=1.30, valid=(0.9, None), alert="CanaryDomainTermNLLRatioHigh"))
+    warn=1.15, critical=1.30, valid=(0.9, None), alert="CanaryDomainTermNLLRatioHigh", requires="perplexity.terms"))
 register_metric(Metric(
     "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
     "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
     "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "
     "Wilson interval's top is at or below critical",
-    warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged"))
+    warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged", requires="lossless"))
 register_metric(Metric(
     "exact_match", "exact match", "fraction", "below", "rate", "agreement",
     "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",

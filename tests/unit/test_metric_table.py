@@ -36,11 +36,45 @@ def test_the_config_files_thresholds_are_the_tables_gated_rows_with_their_seeds(
     ({"faithfulness": {"warn": 0.7}}, "thresholds.faithfulness: no suite runs the 'faithfulness' scorer"),
     # no config decodes speculatively: nothing would ever produce an acceptance rate
     ({"spec_acceptance_rate": {"warn": 0.6}}, "thresholds.spec_acceptance_rate: no config uses speculative decoding"),
+    # int8 against fp16 is not lossless: nothing would ever produce lossless_exact_match
+    ({"lossless_exact_match": {"warn": 1.0}}, "thresholds.lossless_exact_match: no config is lossless against"),
+    ({"term_nll_ratio": {"warn": 1.2}}, "thresholds.term_nll_ratio: no suite lists perplexity.terms"),
 ])
 def test_a_threshold_that_could_never_apply_is_refused_naming_it(thresholds, message):
     with pytest.raises(ConfigFileError) as err:
         parse_config({**BASE, "thresholds": thresholds})
     assert message in str(err.value)
+
+
+def test_every_requirement_of_the_table_is_checked_by_the_config_file():
+    from app.config_file import _REQUIREMENTS
+
+    assert {m.requires for m in METRICS.values() if m.requires} <= set(_REQUIREMENTS)
+    assert METRICS["spec_acceptance_rate"].requires == "speculative"
+
+
+@pytest.mark.parametrize(("config", "suite", "thresholds"), [
+    # a config that decodes speculatively produces spec_acceptance_rate
+    ({"name": "ngram", "engine": "reference", "speculative": {"method": "ngram"}}, {},
+     {"spec_acceptance_rate": {"warn": 0.6}}),
+    # fp16 weights and KV as the baseline's, another engine option: lossless, and the suite is greedy by default
+    ({"name": "same", "engine_options": {"batch_size": 2}}, {}, {"lossless_exact_match": {"warn": 1.0}}),
+    ({"name": "said", "weights": "int8", "lossless": True}, {}, {"lossless_exact_match": {"warn": 1.0}}),
+    ({"name": "int4", "weights": "int8"}, {"perplexity": {"terms": ["builtin:python-identifiers"]}},
+     {"term_nll_ratio": {"warn": 1.2}}),
+])
+def test_a_threshold_on_a_used_axis_is_accepted(config, suite, thresholds):
+    data = {**BASE, "configs": [BASE["configs"][0], config], "suites": [{**BASE["suites"][0], **suite}],
+            "thresholds": thresholds}
+    assert parse_config(data).thresholds.model_fields_set == set(thresholds)
+
+
+def test_a_lossless_config_with_a_sampling_suite_gives_no_lossless_exact_match():
+    data = {**BASE, "configs": [BASE["configs"][0], {"name": "same", "engine_options": {"batch_size": 2}}],
+            "suites": [{**BASE["suites"][0], "generation": {"temperature": 0.7}}],
+            "thresholds": {"lossless_exact_match": {"warn": 1.0}}}
+    with pytest.raises(ConfigFileError, match=r"generation\.temperature 0"):
+        parse_config(data)
 
 
 def test_thresholds_on_produced_metrics_are_accepted():
@@ -58,6 +92,21 @@ def test_a_refused_threshold_is_one_line_through_a_pipe(tmp_path):
     assert r.returncode != 0
     assert "thresholds.judge_win_rate: no suite runs the 'judge' scorer" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_a_threshold_on_an_unused_axis_is_one_line_through_a_pipe(tmp_path):
+    import yaml
+
+    text = yaml.safe_dump({**BASE, "thresholds": {"spec_acceptance_rate": {"warn": 0.6}}})
+    r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", "-"], input=text, capture_output=True, text=True,
+                       cwd=tmp_path, env={"PATH": "", "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}",
+                                          "CANARY_EXECUTION": "inline", "PYTHONPATH": sys.path[0] or "."})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    # like every refusal of the file: its header, then one line naming the field and the fix
+    header, line = (r.stderr + r.stdout).strip().splitlines()
+    assert header == "error: <stdin> is invalid:"
+    assert line == ("thresholds.spec_acceptance_rate: no config uses speculative decoding, so this threshold "
+                         "could never apply; add a config with `speculative` or remove the threshold"), line
 
 
 def test_unknown_metric_lookup_guesses():
