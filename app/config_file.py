@@ -12,6 +12,7 @@ from typing import Annotated, Literal, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals.metrics import METRICS, Metric, gated_metrics
 
@@ -376,7 +377,7 @@ def _uses_lossless(file: CanaryFile) -> bool:
     if not bases:  # refused already for that: "exactly one config needs 'baseline: true'"
         return True
     base = bases[0]
-    greedy = any("generation" in suite.scorers and suite.generation.temperature == 0 for suite in file.suites)
+    greedy = any("generation" in suite.scorers and suite.generation.temperature < SAMPLING_EPS for suite in file.suites)
     return greedy and any(not config.baseline and lossless_against(config.to_spec(), base) for config in file.configs)
 
 
