@@ -90,7 +90,7 @@ class PerplexitySettings(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _stride(self) -> "PerplexitySettings":
+    def _stride(self) -> PerplexitySettings:
         if self.stride is None:
             self.stride = self.window
         if self.stride > self.window:
@@ -151,7 +151,7 @@ class SuiteEntry(_Strict):
     faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
 
     @model_validator(mode="after")
-    def _scorer_settings(self) -> "SuiteEntry":
+    def _scorer_settings(self) -> SuiteEntry:
         for s in NEEDS_GENERATION:
             if s in self.scorers and "generation" not in self.scorers:
                 raise ValueError(f"scorers: '{s}' scores generated answers; add 'generation' to the suite's scorers")
@@ -311,7 +311,7 @@ class CanaryFile(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "CanaryFile":
+    def _cross_checks(self) -> CanaryFile:
         problems = []
         for kind, items in (("configs", self.configs), ("suites", self.suites), ("channels", self.channels), ("schedules", self.schedules)):
             seen: dict[str, int] = {}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 from sqlalchemy import MetaData, create_engine, event, exc, text
 from sqlalchemy.engine import Engine
@@ -39,7 +39,7 @@ def _engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(conn, _record):  # noqa: ANN001
+        def _sqlite_pragmas(conn, _record):
             cur = conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")  # API reads while the worker thread writes

@@ -16,13 +16,13 @@ sets the same steps); in-process, the queue is ordered by priority, then by arri
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 import itertools
 import logging
 import queue
 import threading
 import time
 from functools import lru_cache
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from app.settings import Settings, get_settings

@@ -29,7 +29,19 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from app.models import Alert, Channel, Comparison, ConfigRun, Model, Notification, OptimizationConfig, Project, Run, aware, utcnow
+from app.models import (
+    Alert,
+    Channel,
+    Comparison,
+    ConfigRun,
+    Model,
+    Notification,
+    OptimizationConfig,
+    Project,
+    Run,
+    aware,
+    utcnow,
+)
 from evals.metrics import METRICS, VERDICT_CODES, VERDICTS
 
 # every metric of the table is a gauge with its CI; TTFT is exported from the config-run's

@@ -10,8 +10,8 @@ import streamlit as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the repository root, for `dashboard.*`
 
-from dashboard.client import Api, ApiError  # noqa: E402
-from dashboard.views import PAGES  # noqa: E402
+from dashboard.client import Api, ApiError
+from dashboard.views import PAGES
 
 st.set_page_config(page_title="inference-canary", page_icon="🐤", layout="wide")
 api = Api()

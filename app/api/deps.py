@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Annotated, Iterator
+from collections.abc import Iterator
+from typing import Annotated
 
 from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session

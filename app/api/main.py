@@ -17,14 +17,14 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from app import __version__
 from app.api.deps import get_key
 from app.api.limits import BodyLimit, RateLimited
-from app.auth import Forbidden, Unauthorized
 from app.api.routes import router
+from app.auth import Forbidden, Unauthorized
 from app.corpus import CorpusError
 from app.dispatch import RECONCILE, REFRESH_ALERTS, TICK_SCHEDULES, WARM_UP, get_dispatcher
-from app.settings import get_settings
-from app.ssrf import hide_url_logs
 from app.repo import Conflict, NotFound
 from app.schemas import error_responses
+from app.settings import get_settings
+from app.ssrf import hide_url_logs
 
 log = logging.getLogger(__name__)
 hide_url_logs()
@@ -42,7 +42,7 @@ async def lifespan(_: FastAPI):
                 try:
                     get_dispatcher(background=True).send(RECONCILE)
                     get_dispatcher(background=True).send(TICK_SCHEDULES)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("reconciler could not be scheduled")
                 if stop.wait(get_settings().reconcile_seconds):
                     return
@@ -51,12 +51,12 @@ async def lifespan(_: FastAPI):
             while not stop.wait(get_settings().alertmanager_resend_seconds):
                 try:
                     get_dispatcher(background=True).send(REFRESH_ALERTS)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("alert refresh could not be scheduled")
 
         try:  # first in the executor's queue: the engine imports overlap the server's first requests
             get_dispatcher(background=True).send(WARM_UP)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("engine warm-up could not be scheduled")
         threading.Thread(target=loop, name="canary-reconciler", daemon=True).start()
         threading.Thread(target=refresher, name="canary-alert-refresh", daemon=True).start()
@@ -132,8 +132,14 @@ def metrics(request: Request) -> Response:
     """Prometheus exposition (app/metrics.py). Without a key: only figures with no project in them.
     With a `metrics` key: its project's figures too; with a `metrics-all` key: every project's.
     Prometheus sends the key with `authorization: {credentials_file: …}` (docs/api.md)."""
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        CollectorRegistry,
+        GCCollector,
+        PlatformCollector,
+        ProcessCollector,
+        generate_latest,
+    )
 
     from app.api import limits
     from app.auth import METRICS_SCOPES, authenticate

@@ -148,7 +148,7 @@ class Matcher(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=64)
     value: str = Field(max_length=256)
-    isRegex: bool = False  # noqa: N815 - Alertmanager's field name
+    isRegex: bool = False  # Alertmanager's field name, camelCase as its API spells it
 
 
 class SilenceIn(BaseModel):

@@ -7,8 +7,8 @@ from app.api.deps import ProjectDep, SessionDep
 from app.models import OptimizationConfig
 from app.repo import Conflict, NotFound
 from app.schemas import ConfigIn, ConfigOut, error_responses
-from app.ssrf import public_spec
 from app.services import check_config_fits_model, check_project_room
+from app.ssrf import public_spec
 from engines.spec import ConfigNotAvailable
 
 router = APIRouter(tags=["configs"], responses=error_responses(404))
