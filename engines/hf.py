@@ -125,8 +125,9 @@ class TransformersEngine:
     # -- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def _generate_one(self, req: GenerationRequest) -> GenerationResult:
-        ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-        x = torch.tensor([[self.start_id] + ids], device=self.device)
+        ids = (list(req.prompt_ids) if req.prompt_ids is not None
+               else [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"])
+        x = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(req.seed)
         eos = self.tokenizer.eos_token_id
         out_ids: list[int] = []
@@ -156,7 +157,7 @@ class TransformersEngine:
             request_id=req.request_id,
             text=cast(str, self.tokenizer.decode(out_ids, skip_special_tokens=True)),  # one sequence: one str
             token_ids=tuple(out_ids),
-            prompt_tokens=len(ids) + 1,
+            prompt_tokens=len(ids),
             ttft_ms=ttft,
             itl_ms=itl,
             total_ms=(stamps[-1] - t0) * 1000,

@@ -299,7 +299,8 @@ class OpenAIEngine:
             return {}
 
     async def _stream(self, client: httpx.AsyncClient, req: GenerationRequest) -> GenerationResult:
-        body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
+        prompt = list(req.prompt_ids) if req.prompt_ids is not None else req.prompt
+        body = {"model": self.model, "prompt": prompt, "max_tokens": req.max_new_tokens,
                 "temperature": req.temperature, "seed": req.seed, "stream": True,
                 **({"top_p": req.top_p} if req.top_p < 1 else {}), **({"top_k": req.top_k} if req.top_k > 0 else {}),
                 **({"presence_penalty": req.presence_penalty} if req.presence_penalty else {}),

@@ -124,6 +124,9 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the prompt as token ids (an OpenAI `prompt` given as ids, as vLLM takes it), used as given: no
+    # start token is added; `prompt` then holds their text, for logs. None: engines tokenize `prompt`.
+    prompt_ids: tuple[int, ...] | None = None
 
     @property
     def adjusted(self) -> bool:

@@ -114,7 +114,10 @@ class VLLMEngine:
                                  frequency_penalty=request.frequency_penalty,
                                  logit_bias=dict(request.logit_bias) or None)
                   for request in requests]
-        outputs = self.llm.generate([request.prompt for request in requests], params, use_tqdm=False)
+        # a TokensPrompt where the request gives ids (used as given, as vLLM's server takes them)
+        prompts = [{"prompt_token_ids": list(request.prompt_ids)} if request.prompt_ids is not None else request.prompt
+                   for request in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         after = spec_counters(self.llm.get_metrics())
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         spec = (SpecStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),

@@ -294,10 +294,16 @@ class ReferenceEngine:
             out.extend(self._generate_batch(list(requests[s : s + self.concurrency]), on_tokens))
         return out
 
+    def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's ids: the start token and the text's tokens, or the ids the request gives."""
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        return [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+
     @torch.inference_mode()
     def _generate_batch(self, reqs: list[GenerationRequest],
                         on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        prompts = [[self.start_id] + self.tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
+        prompts = [self.prompt_token_ids(r) for r in reqs]
         B, P = len(reqs), max(len(p) for p in prompts)
         steps = max(r.max_new_tokens for r in reqs)
         if P + steps > self.args.max_seq_len:
@@ -357,7 +363,7 @@ class ReferenceEngine:
     @torch.inference_mode()
     def _generate_speculative(self, req: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
         k = self.spec.speculative.k  # type: ignore[union-attr]  # a proposer exists, so not "off"
-        prompt = [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        prompt = self.prompt_token_ids(req)
         total = len(prompt) + req.max_new_tokens + k + 1
         if total > self.args.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of "

@@ -467,6 +467,26 @@ def test_a_batch_of_text_prompts_gives_each_prompts_choices_in_order(client):
     batch = client.completions.create(model=MODEL, prompt=["json.dumps", "os.path"], max_tokens=3, temperature=0, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert [c.text for c in batch.choices] == [one[0], one[0], one[1], one[1]]
-    with pytest.raises(openai.BadRequestError) as err:  # token ids generate only with echo
-        client.completions.create(model=MODEL, prompt=[[0, 14], [0, 88]], max_tokens=3)
-    assert err.value.body["param"] == "prompt"
+
+
+def test_token_id_prompts_generate_as_given(client):
+    """A prompt of token ids (what lm-eval's local-completions sends for generate_until) is used as
+    given, as vLLM takes it: the start token and a text's ids give that text's greedy answer."""
+    texts = ["json.dumps", "os.path"]
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    ids = [httpx.post(root + "/tokenize", json={"prompt": t, "add_special_tokens": True}).json()["tokens"]
+           for t in texts]  # the start token, then the text's
+    assert [i[1:] for i in ids] == [ids_of(client, t) for t in texts]
+    by_text = [client.completions.create(model=MODEL, prompt=t, max_tokens=4, temperature=0) for t in texts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in by_ids.choices] == [r.choices[0].text for r in by_text]
+    assert by_ids.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in by_text) == len(ids[0]) + len(ids[1])
+    # without the start token the model sees another prompt; its answer is its own (not the text's)
+    one = client.completions.create(model=MODEL, prompt=ids[0][1:], max_tokens=4, temperature=0)
+    assert one.usage.prompt_tokens == len(ids[0]) - 1
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt=ids[1], max_tokens=4, temperature=0, stream=True) if chunk.choices)
+    assert streamed == by_text[1].choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:  # ids outside the vocabulary, naming the batch entry
+        client.completions.create(model=MODEL, prompt=[ids[0], [0, 10**6]], max_tokens=3)
+    assert err.value.body["param"] == "prompt" and "prompt[1]" in err.value.body["message"]

@@ -72,7 +72,7 @@ class EngineServer:
 
     def _generate(self, job: Job, started: float) -> None:
         metrics = self.metrics
-        n_prompt = self.n_prompt_tokens(job.request.prompt)
+        n_prompt = self.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
         metrics.prompt_tokens.inc(n_prompt)
         metrics.params_max_tokens.observe(job.request.max_new_tokens)
         metrics.max_generation_tokens.observe(job.request.max_new_tokens)
@@ -132,8 +132,10 @@ class EngineServer:
         return job
 
     # -- helpers for the routes -------------------------------------------------------------------------
-    def n_prompt_tokens(self, prompt: str) -> int:
-        """Tokens of a text prompt in the cache: its tokens and the start token."""
+    def n_prompt_tokens(self, prompt: str, ids: tuple[int, ...] | None = None) -> int:
+        """Tokens of a prompt in the cache: a text's tokens and the start token, or the ids as given."""
+        if ids is not None:
+            return len(ids)
         return len(self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]) + 1
 
     def decode(self, ids: list[int]) -> str:

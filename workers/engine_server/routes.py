@@ -96,12 +96,13 @@ async def completions(body: CompletionIn, server: ServerDep):
     if body.echo:
         return await echo_logprobs(server, body)
     prompts = body.prompts()
-    if not all(isinstance(prompt, str) for prompt in prompts):
-        return error(400, "generation takes text prompts, one or a batch (token-id prompts are accepted with "
-                          "echo=true, for prompt log-probs)", param="prompt")
     requests = []
-    for prompt in prompts:  # every prompt is checked before any is run
-        request = generation_request(server, body, str(prompt), body.max_tokens, "prompt", body.logprobs)
+    for index, prompt in enumerate(prompts):  # every prompt is checked before any is run
+        where = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        if not isinstance(prompt, str) and (bad_ids := [i for i in prompt if not 0 <= i < server.vocab_size]):
+            return error(400, f"{where}: token id {bad_ids[0]} is out of vocabulary (valid ids: 0 to "
+                              f"{server.vocab_size - 1})", param="prompt")
+        request = generation_request(server, body, prompt, body.max_tokens, "prompt", body.logprobs)
         if isinstance(request, JSONResponse):
             return request
         requests.append(request)
@@ -149,8 +150,9 @@ def too_long(server: EngineServer, n_prompt: int, max_tokens: int, param: str) -
     return None
 
 
-def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_tokens: int | None,
+def generation_request(server: EngineServer, body: SamplingIn, prompt: str | list[int], max_tokens: int | None,
                        param: str, logprobs: int | None = None) -> GenerationRequest | JSONResponse:
+    """The engine request for one prompt: text, or token ids used as given (vLLM's TokensPrompt)."""
     if (bad := body.unsupported()) is not None:
         return error(400, bad[1], param=bad[0])
     bias: list[tuple[int, float]] = []
@@ -165,13 +167,15 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str, max_
     max_tokens = 16 if max_tokens is None else max_tokens
     if max_tokens < 1:
         return error(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if (bad := too_long(server, server.n_prompt_tokens(prompt), max_tokens, param)) is not None:
+    ids = None if isinstance(prompt, str) else tuple(prompt)
+    text = prompt if isinstance(prompt, str) else server.decode(list(prompt))
+    if (bad := too_long(server, server.n_prompt_tokens(text, ids), max_tokens, param)) is not None:
         return bad
     temperature = 1.0 if body.temperature is None else body.temperature
-    return GenerationRequest(uuid.uuid4().hex, prompt, max_tokens, temperature, (body.seed or 0) % (2**63),
+    return GenerationRequest(uuid.uuid4().hex, text, max_tokens, temperature, (body.seed or 0) % (2**63),
                              top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
                              logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
-                             frequency_penalty=body.frequency_penalty or 0.0, logit_bias=tuple(bias))
+                             frequency_penalty=body.frequency_penalty or 0.0, logit_bias=tuple(bias), prompt_ids=ids)
 
 
 async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:
@@ -287,7 +291,7 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
                             completion_tokens += len(scan.ids)
                             final = choice(index, "", "stop", True, scan.reason)
                             yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
-                            prompt_tokens += server.n_prompt_tokens(job.request.prompt)
+                            prompt_tokens += server.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
                             break
                     elif kind == "done":
                         rest = scan.finish() if scan is not None else ""
