@@ -103,16 +103,17 @@ class GenerationSettings(_Strict):
     prompt_words: int = Field(24, ge=1, le=2000)
     max_new_tokens: int = Field(32, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    paired_timing: bool = Field(True, description="a candidate's run also times the baseline on the same prompts, "
-                                                  "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)")
+    paired_timing: bool = Field(True, description=(
+        "a candidate's run also times the baseline on the same prompts, "
+        "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)"))
 
 
 class JudgeSettings(_Strict):
-    base_url: str | None = Field(None, max_length=2048,
-                                 description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
+    base_url: str | None = Field(
+        None, max_length=2048, description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
     model: str | None = Field(None, max_length=256, description="the judge model's name on that server")
-    api_key_env: str | None = Field(None, max_length=256,
-                                    description="environment variable holding the judge's API key (never the key itself)")
+    api_key_env: str | None = Field(
+        None, max_length=256, description="environment variable holding the judge's API key (never the key itself)")
     mode: Literal["pairwise", "rubric", "both"] = "pairwise"
     concurrency: int = Field(4, ge=1, le=64)
     requests_per_second: float | None = Field(None, gt=0)
@@ -135,13 +136,16 @@ class JudgeSettings(_Strict):
 
 class FaithfulnessSettings(_Strict):
     method: Literal["offline", "judge"] = Field(
-        "offline", description="offline: the labelled all-MiniLM-L6-v2 approximation (no endpoint); judge: the suite's judge")
-    threshold: float = Field(0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
+        "offline",
+        description="offline: the labelled all-MiniLM-L6-v2 approximation (no endpoint); judge: the suite's judge")
+    threshold: float = Field(
+        0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
 
 
 class SuiteEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    corpus: str = Field(description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
+    corpus: str = Field(
+        description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
     samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
@@ -152,22 +156,25 @@ class SuiteEntry(_Strict):
 
     @model_validator(mode="after")
     def _scorer_settings(self) -> SuiteEntry:
-        for s in NEEDS_GENERATION:
-            if s in self.scorers and "generation" not in self.scorers:
-                raise ValueError(f"scorers: '{s}' scores generated answers; add 'generation' to the suite's scorers")
-        needs_judge = "judge" in self.scorers or ("faithfulness" in self.scorers and self.faithfulness.method == "judge")
-        if needs_judge and not (self.judge.base_url and self.judge.model):
-            raise ValueError("judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and judge.model")
+        for scorer in NEEDS_GENERATION:
+            if scorer in self.scorers and "generation" not in self.scorers:
+                raise ValueError(f"scorers: '{scorer}' scores generated answers; add 'generation' to the suite's "
+                                 "scorers")
+        judged_faithfulness = "faithfulness" in self.scorers and self.faithfulness.method == "judge"
+        if ("judge" in self.scorers or judged_faithfulness) and not (self.judge.base_url and self.judge.model):
+            raise ValueError("judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and "
+                             "judge.model")
         return self
 
     @field_validator("scorers")
     @classmethod
     def _scorers(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if s not in SCORERS:
-                raise ValueError(f"unknown scorer '{s}'; choose from {', '.join(SCORERS)}")
-            if s not in AVAILABLE_SCORERS:
-                raise ValueError(f"scorer '{s}' is not available in this release; available: {', '.join(AVAILABLE_SCORERS)}")
+        for scorer in v:
+            if scorer not in SCORERS:
+                raise ValueError(f"unknown scorer '{scorer}'; choose from {', '.join(SCORERS)}")
+            if scorer not in AVAILABLE_SCORERS:
+                raise ValueError(f"scorer '{scorer}' is not available in this release; available: "
+                                 f"{', '.join(AVAILABLE_SCORERS)}")
         if "perplexity" not in v:
             raise ValueError("the perplexity scorer is required (it is what every comparison pairs on)")
         return v
@@ -177,11 +184,12 @@ class Threshold(_Strict):
     warn: float
     critical: float | None = None
     min_n: int = Field(10, ge=1, le=DB_INT_MAX, description="fewer paired samples than this → inconclusive")
-    for_runs: int = Field(1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
+    for_runs: int = Field(
+        1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
 
 
 # The metrics that take thresholds, their directions and seed defaults: evals/metrics.py, the one table.
-METRIC_DIRECTIONS = {name: m.direction for name, m in gated_metrics().items()}
+METRIC_DIRECTIONS = {name: metric.direction for name, metric in gated_metrics().items()}
 
 
 class _ThresholdsBase(_Strict):
@@ -189,47 +197,51 @@ class _ThresholdsBase(_Strict):
     @classmethod
     def _known(cls, data):
         if isinstance(data, dict):
-            for k in data:
-                if k in METRIC_DIRECTIONS:
+            for metric in data:
+                if metric in METRIC_DIRECTIONS:
                     continue
-                if k in METRICS:
-                    raise ValueError(f"'{k}' is informational (reported with its CI, no say in the verdict) and takes no "
-                                     f"threshold; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
-                guess = get_close_matches(str(k), METRIC_DIRECTIONS, n=1)
+                if metric in METRICS:
+                    raise ValueError(f"'{metric}' is informational (reported with its CI, no say in the verdict) and "
+                                     f"takes no threshold; thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+                guess = get_close_matches(str(metric), METRIC_DIRECTIONS, n=1)
                 hint = f"did you mean '{guess[0]}'? " if guess else ""
-                raise ValueError(f"unknown metric '{k}'; {hint}thresholds exist for: {', '.join(METRIC_DIRECTIONS)}")
+                raise ValueError(f"unknown metric '{metric}'; {hint}thresholds exist for: "
+                                 f"{', '.join(METRIC_DIRECTIONS)}")
         return data
 
     @model_validator(mode="after")
     def _order(self):
         for metric, direction in METRIC_DIRECTIONS.items():
-            t: Threshold = getattr(self, metric)
-            if t.critical is None:
+            threshold: Threshold = getattr(self, metric)
+            warn, critical = threshold.warn, threshold.critical
+            if critical is None:
                 continue
-            if (direction == "above" and t.critical < t.warn) or (direction == "below" and t.critical > t.warn):
+            if (direction == "above" and critical < warn) or (direction == "below" and critical > warn):
                 side = "≥" if direction == "above" else "≤"
-                raise ValueError(f"{metric}: critical {t.critical} must be {side} warn {t.warn} (bad is {direction})")
+                raise ValueError(f"{metric}: critical {critical} must be {side} warn {warn} (bad is {direction})")
         return self
 
 
-def _threshold_field(m: Metric):
-    seed = Threshold(warn=m.warn, critical=m.critical, min_n=m.min_n)
-    bad = "above" if m.direction == "above" else "below"
+def _threshold_field(metric: Metric):
+    seed = Threshold(warn=metric.warn, critical=metric.critical, min_n=metric.min_n)
+    bad = "above" if metric.direction == "above" else "below"
     return (Threshold, Field(default_factory=seed.model_copy,
-                             description=f"{m.definition} Unit: {m.unit}; bad {bad} the threshold."))
+                             description=f"{metric.definition} Unit: {metric.unit}; bad {bad} the threshold."))
 
 
 # one field per gated metric of the table, with its seed thresholds as the default
 Thresholds = create_model("Thresholds", __base__=_ThresholdsBase,
-                          **{name: _threshold_field(m) for name, m in gated_metrics().items()})
+                          **{name: _threshold_field(metric) for name, metric in gated_metrics().items()})
 
 
 class ChannelEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
-    url: str = Field(max_length=2048, description="webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database")
+    url: str = Field(max_length=2048, description=(
+        "webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database"))
     send_resolved: bool = True
-    signing_secret: str | None = Field(None, max_length=256, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
+    signing_secret: str | None = Field(
+        None, max_length=256, description="webhook: ${ENV_VAR} holding the HMAC-SHA256 signing secret")
 
     @field_validator("signing_secret")
     @classmethod
@@ -253,9 +265,9 @@ class ChannelEntry(_Strict):
         secret = has_credentials(v)
         if secret and get_settings().environment == "production":
             prefix = get_settings().secret_env_prefix or "CANARY_SECRET_"
-            raise ValueError(f"'{mask_url(v)}' carries a credential ({secret}), which would be stored in plain text; in production "
-                             f"give the URL as an ${{ENV_VAR}} reference, e.g. ${{{prefix}SLACK_WEBHOOK_URL}}, set in the workers' "
-                             "environment")
+            raise ValueError(f"'{mask_url(v)}' carries a credential ({secret}), which would be stored in plain text; "
+                             f"in production give the URL as an ${{ENV_VAR}} reference, e.g. "
+                             f"${{{prefix}SLACK_WEBHOOK_URL}}, set in the workers' environment")
         return v
 
 
@@ -263,7 +275,8 @@ def check_cron(v: str) -> str:
     from croniter import croniter
 
     if len(v.split()) != 5 or not croniter.is_valid(v):
-        raise ValueError(f"'{v}' is not a valid five-field cron expression (minute hour day-of-month month day-of-week), e.g. '0 6 * * *'")
+        raise ValueError(f"'{v}' is not a valid five-field cron expression (minute hour day-of-month month "
+                         "day-of-week), e.g. '0 6 * * *'")
     from datetime import datetime, timezone
 
     now = datetime.now(timezone.utc)
@@ -271,8 +284,8 @@ def check_cron(v: str) -> str:
         croniter(v, now).get_next(datetime)
         croniter(v, now).get_prev(datetime)
     except (ValueError, OverflowError):
-        raise ValueError(f"'{v}' never fires (no date matches it, e.g. February 30 or April 31); give a day-of-month that "
-                         "exists in the month(s)") from None
+        raise ValueError(f"'{v}' never fires (no date matches it, e.g. February 30 or April 31); give a "
+                         "day-of-month that exists in the month(s)") from None
     return v
 
 
@@ -313,19 +326,22 @@ class CanaryFile(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> CanaryFile:
         problems = []
-        for kind, items in (("configs", self.configs), ("suites", self.suites), ("channels", self.channels), ("schedules", self.schedules)):
+        entries: tuple[tuple[str, list], ...] = (("configs", self.configs), ("suites", self.suites),
+                                                 ("channels", self.channels), ("schedules", self.schedules))
+        for kind, items in entries:
             seen: dict[str, int] = {}
             for i, item in enumerate(items):
                 if item.name in seen:
-                    problems.append(f"{kind}[{i}].name: duplicate name '{item.name}' (also {kind}[{seen[item.name]}]); names must be unique")
+                    problems.append(f"{kind}[{i}].name: duplicate name '{item.name}' (also {kind}[{seen[item.name]}]); "
+                                    "names must be unique")
                 seen.setdefault(item.name, i)
-        baselines = [i for i, c in enumerate(self.configs) if c.baseline]
+        baselines = [i for i, config in enumerate(self.configs) if config.baseline]
         if len(baselines) != 1:
             where = ", ".join(f"configs[{i}]" for i in baselines) or "none"
             problems.append(f"configs: exactly one config needs 'baseline: true' (found {where})")
-        for i, c in enumerate(self.configs):
+        for i, config in enumerate(self.configs):
             try:
-                c.to_spec().check_available()
+                config.to_spec().check_available()
             except ConfigNotAvailable as e:
                 problems.append(f"configs[{i}].{e}")
         # a threshold on a metric that nothing in the file produces could never fire: refused, naming it. Nothing
@@ -334,36 +350,40 @@ class CanaryFile(_Strict):
         for name in sorted(self.thresholds.model_fields_set):
             producer, requirement = METRICS[name].producer, METRICS[name].requires
             if producer not in scorers:
-                problems.append(f"thresholds.{name}: no suite runs the '{producer}' scorer, which produces {name}, so this "
-                                f"threshold could never apply; add '{producer}' to a suite's scorers or remove the threshold")
+                problems.append(f"thresholds.{name}: no suite runs the '{producer}' scorer, which produces {name}, so "
+                                f"this threshold could never apply; add '{producer}' to a suite's scorers or remove "
+                                "the threshold")
             elif requirement and not _REQUIREMENTS[requirement].used(self):
                 missing, fix = _REQUIREMENTS[requirement].missing, _REQUIREMENTS[requirement].fix
                 problems.append(f"thresholds.{name}: {missing}, so this threshold could never apply; {fix} "
                                 "or remove the threshold")
-        suites = {s.name for s in self.suites}
-        configs = {c.name for c in self.configs}
-        for i, s in enumerate(self.schedules):
-            if s.suite not in suites:
-                problems.append(f"schedules[{i}].suite: unknown suite '{s.suite}'; declared suites: {', '.join(sorted(suites))}")
-            if s.configs != "all":
-                for name in s.configs:
+        suites = {suite.name for suite in self.suites}
+        configs = {config.name for config in self.configs}
+        for i, schedule in enumerate(self.schedules):
+            if schedule.suite not in suites:
+                problems.append(f"schedules[{i}].suite: unknown suite '{schedule.suite}'; declared suites: "
+                                f"{', '.join(sorted(suites))}")
+            if schedule.configs != "all":
+                for name in schedule.configs:
                     if name not in configs:
-                        problems.append(f"schedules[{i}].configs: unknown config '{name}'; declared configs: {', '.join(sorted(configs))}")
+                        problems.append(f"schedules[{i}].configs: unknown config '{name}'; declared configs: "
+                                        f"{', '.join(sorted(configs))}")
         if problems:
             raise ValueError("\n".join(problems))
         return self
 
     @property
     def baseline(self) -> ConfigEntry:
-        return next(c for c in self.configs if c.baseline)
+        return next(config for config in self.configs if config.baseline)
 
     def suite(self, name: str | None) -> SuiteEntry:
         if name is None:
             return self.suites[0]
-        for s in self.suites:
-            if s.name == name:
-                return s
-        raise ConfigFileError(f"--suite: unknown suite '{name}'; declared suites: {', '.join(s.name for s in self.suites)}")
+        for suite in self.suites:
+            if suite.name == name:
+                return suite
+        declared = ", ".join(suite.name for suite in self.suites)
+        raise ConfigFileError(f"--suite: unknown suite '{name}'; declared suites: {declared}")
 
 
 class _Requirement(NamedTuple):
@@ -438,13 +458,13 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         key = index.value if isinstance(index, yaml.ScalarNode) else index
         if len(self.path) >= self.max_depth:
-            raise ConfigFileError(f"nesting deeper than {self.max_depth} levels{self._where()}; the limit is the setting "
-                                  "CANARY_MAX_CONFIG_DEPTH")
+            raise ConfigFileError(f"nesting deeper than {self.max_depth} levels{self._where()}; the limit is the "
+                                  "setting CANARY_MAX_CONFIG_DEPTH")
         if isinstance(parent, yaml.SequenceNode) and len(self.path) == 2 and self.path[-1] in self.list_limits:
             name, limit = self.list_limits[self.path[-1]]
             if index >= limit:
-                raise ConfigFileError(f"{self.path[-1]}: more than {limit} entries{self._where()}; the limit is {limit} "
-                                      f"(setting CANARY_{name}); split the file or raise the limit")
+                raise ConfigFileError(f"{self.path[-1]}: more than {limit} entries{self._where()}; the limit is "
+                                      f"{limit} (setting CANARY_{name}); split the file or raise the limit")
         event = self.peek_event()
         start = self.values
         self.values += self.anchored.get(event.anchor, 1) if isinstance(event, yaml.AliasEvent) else 1
