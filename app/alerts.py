@@ -47,6 +47,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or (comparison.details or {}).get("informational"):
             continue
+        if comparison.config.ablation_of_id is not None:  # one layer of a stacked config: diagnosis, not a deploy
+            continue
         rule = repo.most_specific_rule(rules, comparison.metric, comparison.config_id)
         if rule is None or not rule.enabled:
             continue
@@ -66,7 +68,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
             row.annotations = {"rule": comparison.rule, "ci": f"[{comparison.ci_low}, {comparison.ci_high}]",
-                               "n": str(comparison.n)}
+                               "n": str(comparison.n), **_step_back(comparison)}
             touched.append((row, new, transition, comparison))
     session.flush()
     firing = [st for _, st, _, _ in touched if st.state == "firing"]
@@ -85,6 +87,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                ci_low=comparison.ci_low, ci_high=comparison.ci_high, n=comparison.n, baseline=baseline,
                                baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
                                rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
+                               annotations=_step_back(comparison),
                                starts_at=st.fired_at or st.started_at or now,
                                ends_at=st.resolved_at if kind == "resolved" else alertmanager_ends_at(channel, now))
             notification = Notification(channel_id=channel.id, alert_id=row.id, idempotency_key=key,
@@ -94,6 +97,13 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             notification_ids.append(notification.id)
             row.last_notified_at = now
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
+
+
+def _step_back(comparison: Comparison) -> dict[str, str]:
+    """{"step_back": the layer to disable, with each layer's share} when the comparison's stacked
+    config stepped back (workers/step_back.py), else nothing."""
+    found = (comparison.details or {}).get("step_back")
+    return {"step_back": found["advice"]} if found else {}
 
 
 def _escalations(session: Session, run: Run, touched: list) -> list[tuple[str, list[int]]]:

@@ -94,6 +94,25 @@ def gains(figures: dict[str, Any], candidate: str, baseline: str) -> list[str]:
     return out
 
 
+def step_back_lines(summary: dict[str, Any], candidate: str) -> list[str]:
+    """For a stacked candidate that breaches, the layer to disable and each layer's share of the
+    loss on its worst quality ratio (workers/step_back.py); nothing when its ablations did not run."""
+    found = [s for s in summary.get("step_back") or [] if s["config"] == candidate]
+    if not found:
+        return []
+    worst = found[0] if len(found) == 1 else max(
+        found, key=lambda s: (max(VERDICT_ORDER.get(c["verdict"], 0) for c in summary["comparisons"]
+                                  if c["config"] == candidate and c["metric"] == s["metric"]), s["stacked_ratio"]))
+    lines = ["", f"**Step back one layer:** {worst['advice']}.", "",
+             f"| layer | {worst['metric']} alone | share of the loss | run alone as |", "|---|---|---|---|"]
+    for layer in worst["layers"]:
+        share = "—" if layer["share"] is None else f"{layer['share'] * 100:.0f} %"
+        lossless = " (lossless)" if layer["lossless"] else ""
+        lines.append(f"| {layer['axis']} {layer['value']}{lossless} | {layer['ratio']:.4g} | {share} | "
+                     f"`{layer['config']}` |")
+    return lines
+
+
 def sticky_marker(candidate: str, suite: str) -> str:
     """The summary's first line, hidden when rendered: a CI step finds the pull request's comment
     that starts with it and edits that one instead of adding another (deploy/ci)."""
@@ -119,6 +138,7 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
                       else "—" if c["estimate"] is None else f"{c['estimate']:.4g}")
             informational = " (informational)" if (c.get("details") or {}).get("informational") else ""
             lines.append(f"| {c['metric']} | {change} | {c['n']} | {c['verdict']}{informational} | {c['rule'] or ''} |")
+    lines += step_back_lines(summary, gate.candidate)
     gained = gains(summary.get("figures") or {}, gate.candidate, gate.baseline)
     if gained:
         lines += ["", "**Speed and memory:** " + "; ".join(gained) + "."]

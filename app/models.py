@@ -81,6 +81,10 @@ class OptimizationConfig(TimestampMixin, Base):
     name: Mapped[str] = mapped_column(String(128), nullable=False)
     spec: Mapped[dict[str, Any]] = mapped_column(JSONType, nullable=False)  # engines.spec.OptimizationSpec
     is_baseline: Mapped[bool] = mapped_column(Boolean, default=False, nullable=False)
+    # A single-optimization ablation of a stacked config (workers/step_back.py): the baseline with only
+    # `ablation_axis` of `ablation_of`. Created by the service, never listed among the project's configs.
+    ablation_of_id: Mapped[int | None] = mapped_column(ForeignKey("optimization_configs.id", ondelete="CASCADE"))
+    ablation_axis: Mapped[str | None] = mapped_column(String(16))  # weights | kv_cache | speculative
     model: Mapped[Model] = relationship(lazy="joined")
 
 

@@ -118,7 +118,39 @@ def upsert_config(
 
 
 def list_configs(session: Session, project: Project) -> list[OptimizationConfig]:
-    return list(session.scalars(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id).order_by(OptimizationConfig.id)))
+    """The project's configs, without the ablations the service derives from stacked ones."""
+    return list(session.scalars(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id,
+                                                                 OptimizationConfig.ablation_of_id.is_(None))
+                                .order_by(OptimizationConfig.id)))
+
+
+def upsert_ablation(session: Session, stacked: OptimizationConfig, axis: str,
+                    spec: dict[str, Any]) -> OptimizationConfig:
+    """The single-optimization ablation of a stacked config on one axis (workers/step_back.py),
+    named `<stacked>~<axis>-only` (a '~' no user config name holds); its spec follows the stacked
+    config's current one."""
+    cfg = session.scalar(select(OptimizationConfig).where(OptimizationConfig.ablation_of_id == stacked.id,
+                                                          OptimizationConfig.ablation_axis == axis))
+    if cfg is None:
+        cfg = OptimizationConfig(project_id=stacked.project_id, model_id=stacked.model_id,
+                                 name=f"{stacked.name}~{axis}-only", spec=spec, is_baseline=False,
+                                 ablation_of_id=stacked.id, ablation_axis=axis)
+        session.add(cfg)
+    else:
+        cfg.spec = spec
+    session.flush()
+    return cfg
+
+
+def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationConfig]) -> list[int]:
+    """More config-runs of a run that has begun (its stacked configs' ablations), queued on the same
+    samples and seed; the run goes back to 'running' until they finish. Returns their ids."""
+    now = utcnow()
+    rows = [ConfigRun(run_id=run.id, config_id=c.id, enqueued_at=now) for c in configs]
+    session.add_all(rows)
+    session.execute(update(Run).where(Run.id == run.id).values(status="running"))
+    session.flush()
+    return [row.id for row in rows]
 
 
 def get_config(session: Session, project: Project, name: str) -> OptimizationConfig:
@@ -295,7 +327,8 @@ def create_run(
         existing = session.scalar(select(Run).where(Run.project_id == project.id, Run.idempotency_key == idempotency_key))
         if existing is not None:
             same = (existing.suite_id == suite.id and existing.n_samples == n and existing.seed == seed
-                    and sorted(cr.config_id for cr in existing.config_runs) == sorted(c.id for c in ordered))
+                    and sorted(cr.config_id for cr in existing.config_runs if cr.config.ablation_of_id is None)
+                    == sorted(c.id for c in ordered))  # ablations the run added later are not the request
             if not same:
                 raise Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different run request (run {existing.id}); use a new key")
             return existing, False

@@ -6,7 +6,15 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from app.config_file import DB_INT_MAX, NAME_PATTERN, ConfigEntry, GenerationSettings, NameRef, PerplexitySettings, SuiteEntry
+from app.config_file import (
+    DB_INT_MAX,
+    NAME_PATTERN,
+    ConfigEntry,
+    GenerationSettings,
+    NameRef,
+    PerplexitySettings,
+    SuiteEntry,
+)
 from evals.metrics import VERDICTS
 from evals.records import RunFigures
 
@@ -118,6 +126,10 @@ class RunConfigOut(BaseModel):
     attempt: int
     progress: ProgressOut
     error: str | None
+    ablation_of: str | None = Field(None, description="the stacked config this single-optimization ablation is a "
+                                                      "layer of (step back one layer), else null")
+    ablation_axis: str | None = Field(None, description="weights | kv_cache | speculative: the one axis it takes "
+                                                        "from the stacked config")
 
 
 class ComparisonOut(BaseModel):
@@ -136,6 +148,30 @@ class ComparisonOut(BaseModel):
     details: dict[str, Any]
 
 
+class StepBackLayerOut(BaseModel):
+    """One optimization of a stacked config, measured alone against the baseline (evals.step_back.Layer)."""
+
+    axis: str = Field(description="weights | kv_cache | speculative")
+    value: str = Field(description="the stacked config's value on that axis, e.g. awq-int4, turbo-2.5, draft-k4")
+    config: str = Field(description="the config that ran this layer alone")
+    ratio: float = Field(description="the layer's own ratio against the baseline on the metric")
+    verdict: Verdict
+    lossless: bool = Field(description="the layer keeps the baseline's weights and KV cache")
+    share: float | None = Field(description="log(ratio) ÷ Σ log(ratio) over the layers; null when no layer loses alone")
+
+
+class StepBackOut(BaseModel):
+    """A stacked config's loss on one quality ratio, apportioned among its layers (evals/step_back.py)."""
+
+    config: str = Field(description="the stacked config")
+    metric: str
+    stacked_ratio: float
+    interaction: float = Field(description="log(stacked ratio) − Σ log(layer ratios): 0 when the losses multiply")
+    disable: str | None = Field(description="the axis to disable: the largest share; null when no layer loses alone")
+    advice: str = Field(description="the advice in words, as the verdict, the alerts and the gate summary give it")
+    layers: list[StepBackLayerOut] = Field(description="largest share first")
+
+
 class RunOut(BaseModel):
     run_id: int
     status: str = Field(description="queued | running | aggregating | done | failed | cancelled")
@@ -151,6 +187,9 @@ class RunOut(BaseModel):
     configs: list[RunConfigOut]
     comparisons: list[ComparisonOut]
     figures: dict[str, FiguresOut] = Field(description="per config name")  # type: ignore[valid-type]
+    step_back: list[StepBackOut] = Field(default_factory=list, description=(
+        "for a stacked config (two or more axes unlike the baseline's) warn or critical on a quality ratio: its "
+        "single-optimization ablations' shares of the loss, run on the same samples"))
 
 
 class RunListItem(BaseModel):

@@ -174,7 +174,7 @@ def start_run(
 
 
 def run_summary(session: Session, run: Run) -> dict[str, Any]:
-    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures"}."""
+    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back"}."""
     crs = list(run.config_runs)
     names = {cr.config_id: cr.config.name for cr in crs}
     comps = repo.comparisons(session, run.id)
@@ -198,6 +198,8 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
                 "attempt": cr.attempt,
                 "progress": {"done": cr.progress_done, "total": cr.progress_total},
                 "error": cr.error,
+                "ablation_of": names.get(cr.config.ablation_of_id) if cr.config.ablation_of_id else None,
+                "ablation_axis": cr.config.ablation_axis,
             }
             for cr in crs
         ],
@@ -218,4 +220,7 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
             for c in comps
         ],
         "figures": {cr.config.name: cr.figures for cr in crs if cr.figures},
+        # each breaching quality ratio of a stacked config whose ablations ran (workers/step_back.py)
+        "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **c.details["step_back"]}
+                      for c in comps if (c.details or {}).get("step_back")],
     }

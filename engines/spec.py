@@ -176,6 +176,19 @@ class OptimizationSpec(BaseModel):
         description="true: this config computes what the baseline computes, so its greedy outputs must equal the "
                     "baseline's (gated on lossless_exact_match); false: never; unset: decided from the axes "
                     "(same weights and KV cache as the baseline, whatever the engine or speculative decoding)")
+    step_back: bool | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="false: when this config stacks optimizations on two or more axes and breaches a quality "
+                    "threshold, do not run its single-optimization ablations (the step-back advice); unset or true: "
+                    "run them")
+
+    @field_validator("step_back", mode="before")
+    @classmethod
+    def _step_back(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"expected true or false, got {v!r}; false keeps a stacked config that breaches from "
+                             "running its single-optimization ablations, true (the default) runs them")
+        return v
 
     @field_validator("engine")
     @classmethod
@@ -263,3 +276,39 @@ def lossless_against(candidate: OptimizationSpec, baseline: OptimizationSpec) ->
     if candidate.lossless is not None:
         return candidate.lossless
     return candidate.weights == baseline.weights and _kv_format(candidate) == _kv_format(baseline)
+
+
+# The axes a stacked config can step back on, in the order the advice lists them.
+AXES = ("weights", "kv_cache", "speculative")
+
+
+def changed_axes(candidate: OptimizationSpec, baseline: OptimizationSpec) -> list[str]:
+    """The axes on which the candidate differs from the baseline: its weights, its KV cache as
+    stored (`auto` on a float model is that model's dtype), its speculative decoding. Two or more
+    make it a *stacked* config (issue 17: "step back one layer")."""
+    out = []
+    if candidate.weights != baseline.weights:
+        out.append("weights")
+    if candidate.kv_cache != baseline.kv_cache and _kv_format(candidate) != _kv_format(baseline):
+        out.append("kv_cache")
+    if candidate.speculative != baseline.speculative:
+        out.append("speculative")
+    return out
+
+
+def axis_value(spec: OptimizationSpec, axis: str) -> str:
+    """An axis's value in words: `awq-int4`, `turbo-2.5`, `draft-k4`."""
+    if axis != "speculative":
+        return str(getattr(spec, axis))
+    sp = spec.speculative
+    return sp.method if isinstance(sp, SpecOff) else f"{sp.method}-k{sp.k}"
+
+
+def single_axis_ablation(candidate: OptimizationSpec, baseline: OptimizationSpec, axis: str) -> OptimizationSpec:
+    """The baseline with only `axis` taken from the candidate, on the candidate's engine and engine
+    options: one layer of a stacked config alone. Whether it is lossless is decided from its axes
+    again, and it never steps back itself."""
+    if axis not in AXES:
+        raise ValueError(f"axis: '{axis}' is not an optimization axis; choose one of: {', '.join(AXES)}")
+    return baseline.model_copy(update={"engine": candidate.engine, "engine_options": dict(candidate.engine_options),
+                                       axis: getattr(candidate, axis), "lossless": None, "step_back": None})

@@ -10,7 +10,7 @@ import math
 from app import repo
 from app.alerts import escalate, evaluate_run
 from app.db import session_scope
-from app.dispatch import NOTIFY
+from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, priority_of
 from app.gates import decide as decide_gate
 from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
@@ -21,6 +21,7 @@ from evals.metrics import METRICS, RUN_VERDICT, VERDICT_ORDER, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
+from workers import step_back
 
 
 class RunThresholds:
@@ -176,7 +177,8 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
             return "skipped", None
         config_runs = list(run.config_runs)
         base = next(cr for cr in config_runs if cr.config_id == run.baseline_config_id)
-        failed = [cr for cr in config_runs if cr.status == "failed"]
+        # an ablation that failed only takes its advice away (workers/step_back.py), never the verdict
+        failed = [cr for cr in config_runs if cr.status == "failed" and not step_back.is_ablation(cr.config)]
         if base.status != "succeeded":
             finish_run(session, run_id, "failed", "error",
                        f"baseline '{base.config.name}' failed: {base.error}; nothing can be compared")
@@ -201,11 +203,20 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
                     "baseline_value": _f(c.baseline_value), "candidate_value": _f(c.candidate_value),
                     "details": c.details or None,
                 })
+        added = step_back.plan(session, run, rows)
+        if added:  # a stacked config breaches: its layers alone, on the same samples, before any verdict
+            execute = repo.add_config_runs(session, run, added)
+            return "step-back", {"notifications": [], "escalate": [], "execute": execute}
+        advice = step_back.attach(run, rows)
         repo.write_comparisons(session, run_id, rows)
+        ablations = {cr.config_id for cr in config_runs if step_back.is_ablation(cr.config)}
+        judged = [r for r in rows if r["config_id"] not in ablations]
         # A measured critical regression fails the run even when other configs are missing;
         # otherwise missing results make it incomplete (never a pass by omission).
-        verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in rows if not _informational(r))]
-        reason = _reason(rows, config_runs)
+        verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not _informational(r))]
+        reason = _reason(judged, config_runs)
+        names = {cr.config_id: cr.config.name for cr in config_runs}
+        reason += "".join(f"; step back {names[config_id]}: {found.advice()}" for config_id, found in advice.items())
         if failed:
             names = ", ".join(f"'{cr.config.name}' ({cr.error})" for cr in failed)
             reason = f"missing results for {names}; {reason}"
@@ -217,10 +228,15 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
 
 
 def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
-    """Deliver what the evaluation queued and escalate newly firing alerts — after the commit,
-    so the notify task and the escalation run see the rows."""
+    """Deliver what the evaluation queued and escalate newly firing alerts, or start the ablations
+    of a step back — after the commit, so the tasks and the escalation run see the rows."""
     if dispatcher is None:
         return
+    if alerts.get("execute"):  # a stacked config's ablations (workers/step_back.py)
+        with session_scope() as session:
+            trigger = repo.run_trigger(session, run_id)
+        for config_run_id in alerts["execute"]:
+            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
     if alerts["notifications"]:
         dispatcher.send(NOTIFY)
     if alerts["escalate"] and get_settings().escalation:

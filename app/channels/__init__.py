@@ -41,7 +41,12 @@ class AlertMessage:
             return "—" if x is None else f"{x:.4g}"
         return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, n={self.n}); "
                 f"baseline {self.baseline}: {f(self.baseline_value)}, candidate {self.labels.get('config')}: {f(self.candidate_value)}. "
-                f"Rule: {self.rule}. Run {self.run_id}.")
+                f"Rule: {self.rule}. Run {self.run_id}." + self.step_back())
+
+    def step_back(self) -> str:
+        """The layer of a stacked config to disable, when its ablations ran (workers/step_back.py)."""
+        advice = self.annotations.get("step_back")
+        return f" Step back: {advice}." if advice else ""
 
     def link(self) -> str:
         return f"{self.dashboard_url.rstrip('/')}/?page=run&run_id={self.run_id}"

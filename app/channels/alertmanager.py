@@ -11,7 +11,7 @@ PACE_PER_SECOND = 10.0
 def payload(msg: AlertMessage) -> list:
     alert = {
         "labels": {"alertname": f"canary_{msg.labels.get('metric')}", **msg.labels},
-        "annotations": {"summary": msg.headline(), "description": msg.detail()},
+        "annotations": {"summary": msg.headline(), "description": msg.detail(), **msg.annotations},
         "startsAt": msg.starts_at.isoformat(),
         "generatorURL": msg.link(),
     }
