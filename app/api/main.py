@@ -65,10 +65,12 @@ async def lifespan(_: FastAPI):
 
 
 app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
-              description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired statistics.")
+              description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired "
+                          "statistics.")
 # every /api route can answer these (auth, body limit, validation, rate limit); routers add their own
 # get_key on every route: it checks the key and takes from the rate-limit buckets (app/api/limits.py)
-app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429), dependencies=[Depends(get_key)])
+app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429),
+                   dependencies=[Depends(get_key)])
 
 
 # outermost: bodies are counted as they arrive, before routing and before the key is checked
@@ -111,14 +113,16 @@ async def _unstorable(_: Request, exc: DataError) -> JSONResponse:
 @app.exception_handler(IntegrityError)
 async def _integrity(_: Request, exc: IntegrityError) -> JSONResponse:
     # Two concurrent creates of the same name (or key): the loser of the race gets a 409.
-    return JSONResponse({"detail": "conflict: an object with the same unique name or key was written concurrently; retry"}, status_code=409)
+    return JSONResponse({"detail": "conflict: an object with the same unique name or key was written concurrently; "
+                                   "retry"}, status_code=409)
 
 
 @app.exception_handler(RequestValidationError)
 async def _request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     # Name the field and what is wrong, never echo the input: a rejected channel body carries its
     # webhook URL and signing secret, and NaN or Infinity cannot be written back as JSON anyway.
-    return JSONResponse({"detail": [{k: e[k] for k in ("type", "loc", "msg") if k in e} for e in exc.errors()]}, status_code=422)
+    detail = [{key: error[key] for key in ("type", "loc", "msg") if key in error} for error in exc.errors()]
+    return JSONResponse({"detail": detail}, status_code=422)
 
 
 @app.exception_handler(CorpusError)
@@ -149,15 +153,16 @@ def metrics(request: Request) -> Response:
     registry = CollectorRegistry()
     for collector in (ProcessCollector, PlatformCollector, GCCollector):
         collector(registry=registry)
-    registry.register(PublicCollector(__version__, {"requests": (len(limits.requests), limits.requests.max_entries),
-                                                    "auth_failures": (len(limits.auth_failures), limits.auth_failures.max_entries)}))
+    buckets = {"requests": (len(limits.requests), limits.requests.max_entries),
+               "auth_failures": (len(limits.auth_failures), limits.auth_failures.max_entries)}
+    registry.register(PublicCollector(__version__, buckets))
     authorization = request.headers.get("authorization")
     if authorization:
         address = limits.client_address(request)
         limits.check_auth_failures(address)
         try:
-            with session_scope() as s:
-                key = authenticate(s, authorization, True)
+            with session_scope() as session:
+                key = authenticate(session, authorization, True)
                 key_id, scope, project_id = key.id, key.scope, key.project_id
         except Unauthorized:
             limits.record_auth_failure(address)
@@ -165,7 +170,8 @@ def metrics(request: Request) -> Response:
         limits.take_request(("key", key_id))
         if scope not in METRICS_SCOPES:
             raise Forbidden("/metrics with a key needs one with the metrics scope: an operator runs "
-                            "`canary keys create --project P --scope metrics` (or --scope metrics-all for every project)")
+                            "`canary keys create --project P --scope metrics` (or --scope metrics-all for every "
+                            "project)")
         registry.register(CanaryCollector(session_scope, None if scope == "metrics-all" else project_id))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -39,9 +39,12 @@ class RuleIn(BaseModel):
 
     @model_validator(mode="after")
     def _order(self) -> RuleIn:
-        d = METRIC_DIRECTIONS[self.metric]
-        if self.critical is not None and ((d == "above" and self.critical < self.warn) or (d == "below" and self.critical > self.warn)):
-            raise ValueError(f"critical {self.critical} must be {'≥' if d == 'above' else '≤'} warn {self.warn}: {self.metric} is bad {d}")
+        direction = METRIC_DIRECTIONS[self.metric]
+        critical, warn = self.critical, self.warn
+        if critical is not None and ((direction == "above" and critical < warn)
+                                     or (direction == "below" and critical > warn)):
+            side = "≥" if direction == "above" else "≤"
+            raise ValueError(f"critical {critical} must be {side} warn {warn}: {self.metric} is bad {direction}")
         return self
 
 
@@ -58,12 +61,14 @@ class RuleOut(BaseModel):
     enabled: bool
 
 
-def rule_out(r: AlertRule) -> dict:
-    return {"id": r.id, "metric": r.metric, "warn": r.warn, "critical": r.critical, "direction": r.direction, "min_n": r.min_n,
-            "for_runs": r.for_runs, "model_id": r.model_id, "config_id": r.config_id, "enabled": r.enabled}
+def rule_out(rule: AlertRule) -> dict:
+    return {"id": rule.id, "metric": rule.metric, "warn": rule.warn, "critical": rule.critical,
+            "direction": rule.direction, "min_n": rule.min_n, "for_runs": rule.for_runs, "model_id": rule.model_id,
+            "config_id": rule.config_id, "enabled": rule.enabled}
 
 
-@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK, response_model=RuleOut, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/alert-rules", status_code=status.HTTP_200_OK, response_model=RuleOut,
+            responses=error_responses(400, 403, 409))
 def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
     """Create or replace the rule for (metric, model, config); config beats model beats project."""
     model_id = repo.get_model(session, project, body.model).id if body.model else None
@@ -73,17 +78,19 @@ def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
         AlertRule.model_id.is_(None) if model_id is None else AlertRule.model_id == model_id,
         AlertRule.config_id.is_(None) if config_id is None else AlertRule.config_id == config_id))
     if rule is None:
-        rule = AlertRule(project_id=project.id, metric=body.metric, direction=METRIC_DIRECTIONS[body.metric], warn=body.warn,
-                         model_id=model_id, config_id=config_id)
+        rule = AlertRule(project_id=project.id, metric=body.metric, direction=METRIC_DIRECTIONS[body.metric],
+                         warn=body.warn, model_id=model_id, config_id=config_id)
         session.add(rule)
-    rule.warn, rule.critical, rule.min_n, rule.for_runs, rule.enabled = body.warn, body.critical, body.min_n, body.for_runs, body.enabled
+    rule.warn, rule.critical, rule.min_n = body.warn, body.critical, body.min_n
+    rule.for_runs, rule.enabled = body.for_runs, body.enabled
     session.flush()
     return rule_out(rule)
 
 
 @router.get("/projects/{project}/alert-rules", response_model=list[RuleOut])
 def list_rules(project: ProjectDep, session: SessionDep) -> list[dict]:
-    return [rule_out(r) for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id).order_by(AlertRule.id))]
+    rules = session.scalars(select(AlertRule).where(AlertRule.project_id == project.id).order_by(AlertRule.id))
+    return [rule_out(rule) for rule in rules]
 
 
 class AlertOut(BaseModel):
@@ -105,12 +112,13 @@ class AlertOut(BaseModel):
                                                        "mutes this active warn alert (one regression, one alert)")
 
 
-def alert_out(a: Alert, inhibited_by: int | None = None) -> dict:
+def alert_out(alert: Alert, inhibited_by: int | None = None) -> dict:
     iso = lambda t: t.isoformat() if t else None  # noqa: E731
-    return {"id": a.id, "fingerprint": a.fingerprint, "labels": a.labels, "annotations": a.annotations, "state": a.state,
-            "severity": a.severity, "value": a.value, "consecutive": a.consecutive, "run_id": a.run_id,
-            "started_at": iso(a.started_at), "fired_at": iso(a.fired_at), "resolved_at": iso(a.resolved_at),
-            "last_notified_at": iso(a.last_notified_at), "escalation_run_id": a.escalation_run_id,
+    return {"id": alert.id, "fingerprint": alert.fingerprint, "labels": alert.labels,
+            "annotations": alert.annotations, "state": alert.state, "severity": alert.severity, "value": alert.value,
+            "consecutive": alert.consecutive, "run_id": alert.run_id, "started_at": iso(alert.started_at),
+            "fired_at": iso(alert.fired_at), "resolved_at": iso(alert.resolved_at),
+            "last_notified_at": iso(alert.last_notified_at), "escalation_run_id": alert.escalation_run_id,
             "inhibited_by": inhibited_by}
 
 
@@ -119,26 +127,28 @@ def _without_severity(labels: dict) -> tuple:
 
 
 @router.get("/projects/{project}/alerts", response_model=list[AlertOut])
-def list_alerts(project: ProjectDep, session: SessionDep, state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
+def list_alerts(project: ProjectDep, session: SessionDep,
+                state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
                 limit: int = Query(100, ge=1, le=1000),
                 inhibited: bool = Query(True, description="include active warn alerts that a firing critical alert "
                                                           "inhibits (as Alertmanager's API); false lists one alert "
                                                           "per regression")) -> list[dict]:
     """Newest first. An active warn alert inhibited by a firing critical one names it in inhibited_by."""
-    critical = {_without_severity(a.labels): a.id
-                for a in session.scalars(select(Alert).where(Alert.project_id == project.id, Alert.state == "firing",
-                                                             Alert.severity == "critical"))}
-    q = select(Alert).where(Alert.project_id == project.id)
+    firing_critical = select(Alert).where(Alert.project_id == project.id, Alert.state == "firing",
+                                          Alert.severity == "critical")
+    critical = {_without_severity(alert.labels): alert.id for alert in session.scalars(firing_critical)}
+    query = select(Alert).where(Alert.project_id == project.id)
     if state:
-        q = q.where(Alert.state == state)
-    q = q.order_by(Alert.id.desc())
-    q = q.limit(limit) if inhibited else q.execution_options(yield_per=500)
+        query = query.where(Alert.state == state)
+    query = query.order_by(Alert.id.desc())
+    query = query.limit(limit) if inhibited else query.execution_options(yield_per=500)
     out = []
-    for a in session.scalars(q):
-        by = critical.get(_without_severity(a.labels)) if a.severity == "warn" and a.state in ACTIVE else None
+    for alert in session.scalars(query):
+        active_warn = alert.severity == "warn" and alert.state in ACTIVE
+        by = critical.get(_without_severity(alert.labels)) if active_warn else None
         if by is not None and not inhibited:
             continue
-        out.append(alert_out(a, by))
+        out.append(alert_out(alert, by))
         if len(out) == limit:
             break
     return out
@@ -176,45 +186,50 @@ class SilenceOut(BaseModel):
     comment: str
 
 
-def silence_out(s: Silence) -> dict:
-    return {"id": s.id, "matchers": s.matchers, "starts_at": aware(s.starts_at).isoformat(), "ends_at": aware(s.ends_at).isoformat(),
-            "author": s.author, "comment": s.comment}
+def silence_out(silence: Silence) -> dict:
+    return {"id": silence.id, "matchers": silence.matchers, "starts_at": aware(silence.starts_at).isoformat(),
+            "ends_at": aware(silence.ends_at).isoformat(), "author": silence.author, "comment": silence.comment}
 
 
-@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED, response_model=SilenceOut, responses=error_responses(400, 403, 409))
+@router.post("/projects/{project}/silences", status_code=status.HTTP_201_CREATED, response_model=SilenceOut,
+             responses=error_responses(400, 403, 409))
 def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) -> dict:
     import re
 
-    for m in body.matchers:
-        if m.isRegex:
+    for matcher in body.matchers:
+        if matcher.isRegex:
             try:
-                re.compile(m.value)
+                re.compile(matcher.value)
             except re.error as e:
-                raise ValueError(f"matchers: '{m.value}' is not a valid regular expression ({e})") from None
+                raise ValueError(f"matchers: '{matcher.value}' is not a valid regular expression ({e})") from None
     start = aware(body.starts_at) or utcnow()  # a time without a zone is UTC, as every stored time
     try:
         end = aware(body.ends_at) or start + timedelta(minutes=body.duration_minutes)
     except OverflowError:
-        raise ValueError("duration_minutes: starts_at + duration_minutes is past the year 9999; give an earlier starts_at") from None
+        raise ValueError("duration_minutes: starts_at + duration_minutes is past the year 9999; give an earlier "
+                         "starts_at") from None
     if end <= start:
         raise ValueError("ends_at must be after starts_at")
-    s = Silence(project_id=project.id, matchers=[{"name": m.name, "value": m.value, "isRegex": str(m.isRegex).lower()} for m in body.matchers],
-                starts_at=start, ends_at=end, author=body.author, comment=body.comment)
-    session.add(s)
+    matchers = [{"name": matcher.name, "value": matcher.value, "isRegex": str(matcher.isRegex).lower()}
+                for matcher in body.matchers]
+    silence = Silence(project_id=project.id, matchers=matchers, starts_at=start, ends_at=end, author=body.author,
+                      comment=body.comment)
+    session.add(silence)
     session.flush()
-    return silence_out(s)
+    return silence_out(silence)
 
 
 @router.get("/projects/{project}/silences", response_model=list[SilenceOut])
 def list_silences(project: ProjectDep, session: SessionDep) -> list[dict]:
-    return [silence_out(s) for s in session.scalars(select(Silence).where(Silence.project_id == project.id).order_by(Silence.id.desc()))]
+    silences = session.scalars(select(Silence).where(Silence.project_id == project.id).order_by(Silence.id.desc()))
+    return [silence_out(silence) for silence in silences]
 
 
 @router.delete("/projects/{project}/silences/{silence_id}", response_model=SilenceOut, responses=error_responses(403))
 def expire_silence(silence_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     """Expire a silence now (its history stays)."""
-    s = session.get(Silence, silence_id)
-    if s is None or s.project_id != project.id:
+    silence = session.get(Silence, silence_id)
+    if silence is None or silence.project_id != project.id:
         raise repo.NotFound(f"silence {silence_id} not found in project '{project.name}'")
-    s.ends_at = min(aware(s.ends_at), utcnow())
-    return silence_out(s)
+    silence.ends_at = min(aware(silence.ends_at), utcnow())
+    return silence_out(silence)
