@@ -23,27 +23,32 @@ HEADER = """\
 
 
 def _verdict_rule(level: str, severity: str, summary: str, description: str, alert: str = "") -> dict:
-    return {"alert": alert or f"CanaryRegression{level.capitalize()}", "expr": f"canary_verdict == {VERDICT_CODES[level]}",
-            "for": "0m", "labels": {"severity": severity},
+    return {"alert": alert or f"CanaryRegression{level.capitalize()}",
+            "expr": f"canary_verdict == {VERDICT_CODES[level]}", "for": "0m", "labels": {"severity": severity},
             "annotations": {"summary": summary, "description": description}}
 
 
-def _metric_rule(m: Metric) -> dict:
-    if m.name == "ttft_ms":  # exported from the config-run's figures in seconds, not as a comparison gauge
-        expr, shown = f"canary_ttft_p50_seconds > {m.warn / 1000:g}", "p50 s"
-    elif m.direction == "above":  # surely past warn: the CI's low end is
-        expr, shown = f"canary_{m.name}_ci_low > {m.warn:g}", "CI low"
+def _metric_rule(metric: Metric) -> dict:
+    warn = metric.warn
+    if warn is None:  # a gated metric always has one (Metric.__post_init__); an informational one gets no rule
+        raise ValueError(f"metric {metric.name}: no seed warn threshold to alert on")
+    if metric.name == "ttft_ms":  # exported from the config-run's figures in seconds, not as a comparison gauge
+        expr, shown = f"canary_ttft_p50_seconds > {warn / 1000:g}", "p50 s"
+    elif metric.direction == "above":  # surely past warn: the CI's low end is
+        expr, shown = f"canary_{metric.name}_ci_low > {warn:g}", "CI low"
     else:
-        expr, shown = f"canary_{m.name}_ci_high < {m.warn:g}", "CI high"
-    side = "above" if m.direction == "above" else "below"
-    return {"alert": m.alert, "expr": expr, "for": "0m", "labels": {"severity": "warning"},
-            "annotations": {"summary": f"{{{{ $labels.config }}}} {m.name} {{{{ $value }}}} ({shown}) {side} {m.warn:g} "
-                                       f"on {{{{ $labels.model }}}}",
-                            "description": f"Seed warn threshold {m.warn:g} ({m.unit}). {m.definition}."}}
+        expr, shown = f"canary_{metric.name}_ci_high < {warn:g}", "CI high"
+    side = "above" if metric.direction == "above" else "below"
+    summary = (f"{{{{ $labels.config }}}} {metric.name} {{{{ $value }}}} ({shown}) {side} {warn:g} "
+               "on {{ $labels.model }}")
+    return {"alert": metric.alert, "expr": expr, "for": "0m", "labels": {"severity": "warning"},
+            "annotations": {"summary": summary,
+                            "description": f"Seed warn threshold {warn:g} ({metric.unit}). {metric.definition}."}}
 
 
 SERVICE_RULES = [
-    {"alert": "CanaryQueueBacklog", "expr": "canary_config_runs_queued > 50", "for": "30m", "labels": {"severity": "warning"},
+    {"alert": "CanaryQueueBacklog", "expr": "canary_config_runs_queued > 50", "for": "30m",
+     "labels": {"severity": "warning"},
      "annotations": {"summary": "{{ $value }} config-runs queued for 30 min: are the GPU workers up?",
                      "description": "See the runbook: workers consuming the gpu queue, broker reachability."}},
     {"alert": "CanaryNotificationsStuck", "expr": "canary_notifications_pending > 0", "for": "1h",
@@ -55,19 +60,22 @@ SERVICE_RULES = [
 
 def render() -> str:
     rules = [
-        _verdict_rule("critical", "critical", "{{ $labels.config }} {{ $labels.metric }} is critical on {{ $labels.model }}",
-                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its critical "
-                      "threshold (CI-based verdict)."),
-        _verdict_rule("warn", "warning", "{{ $labels.config }} {{ $labels.metric }} is past warn on {{ $labels.model }}",
-                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its warn threshold."),
+        _verdict_rule("critical", "critical",
+                      "{{ $labels.config }} {{ $labels.metric }} is critical on {{ $labels.model }}",
+                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its "
+                      "critical threshold (CI-based verdict)."),
+        _verdict_rule("warn", "warning",
+                      "{{ $labels.config }} {{ $labels.metric }} is past warn on {{ $labels.model }}",
+                      "The latest canary run judged {{ $labels.metric }} of config {{ $labels.config }} past its warn "
+                      "threshold."),
         _verdict_rule("measurement_error", "warning",
                       "{{ $labels.config }} {{ $labels.metric }} cannot be measured on {{ $labels.model }}",
-                      "The latest canary run found a figure that cannot be right (all-zero or NaN log-probs, an estimate "
-                      "outside the metric's range, spec-decode counters moved by other traffic): the run is incomplete "
-                      "and the gate does not pass.", alert="CanaryMeasurementError"),
-        *(_metric_rule(m) for m in gated_metrics().values()),
+                      "The latest canary run found a figure that cannot be right (all-zero or NaN log-probs, an "
+                      "estimate outside the metric's range, spec-decode counters moved by other traffic): the run is "
+                      "incomplete and the gate does not pass.", alert="CanaryMeasurementError"),
+        *(_metric_rule(metric) for metric in gated_metrics().values()),
         *SERVICE_RULES,
     ]
-    body = yaml.safe_dump({"groups": [{"name": "inference-canary", "rules": rules}]}, sort_keys=False, allow_unicode=True,
-                          width=1000)
+    body = yaml.safe_dump({"groups": [{"name": "inference-canary", "rules": rules}]}, sort_keys=False,
+                          allow_unicode=True, width=1000)
     return HEADER + body
