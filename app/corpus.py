@@ -22,13 +22,15 @@ class SampleIn:
     cluster: str | None = None
 
 
-def load_corpus(ref: str, field: str = "corpus", max_documents: int = 20000, max_chars: int = 200_000) -> list[SampleIn]:
+def load_corpus(ref: str, field: str = "corpus", max_documents: int = 20000,
+                max_chars: int = 200_000) -> list[SampleIn]:
     try:
         return _load_corpus(ref, field, max_documents, max_chars)
     except (OSError, UnicodeDecodeError) as e:  # a name too long, no permission, not UTF-8: a 422 naming the field
         shown = ref if len(ref) <= 80 else ref[:77] + "..."
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise CorpusError(f"{field}: corpus '{shown}' cannot be read ({why}); give a readable UTF-8 .jsonl file or folder") from None
+        raise CorpusError(f"{field}: corpus '{shown}' cannot be read ({why}); give a readable UTF-8 .jsonl file or "
+                          "folder") from None
 
 
 def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> list[SampleIn]:
@@ -37,14 +39,15 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
     except ModelPathError as e:
         raise CorpusError(f"{field}: {e}") from None
     if not path.exists():
-        raise CorpusError(f"{field}: '{ref}' does not exist; give builtin:pydoc-heldout, a .jsonl file or a folder of .txt files")
+        raise CorpusError(f"{field}: '{ref}' does not exist; give builtin:pydoc-heldout, a .jsonl file or a folder "
+                          "of .txt files")
     samples: list[SampleIn] = []
     if path.is_dir():
-        for i, f in enumerate(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())):
-            samples.append(SampleIn(key=str(f.relative_to(path)), text=f.read_text(encoding="utf-8")))
+        for document in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
+            samples.append(SampleIn(key=str(document.relative_to(path)), text=document.read_text(encoding="utf-8")))
     elif path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with path.open(encoding="utf-8") as lines:
+            for lineno, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
@@ -61,18 +64,20 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
                 )
     else:
         raise CorpusError(f"{field}: unsupported corpus '{ref}'; use a .jsonl file or a folder of .txt/.md files")
-    samples = [s for s in samples if s.text.strip()]
+    samples = [sample for sample in samples if sample.text.strip()]
     if not samples:
         raise CorpusError(f"{field}: corpus '{ref}' has no non-empty documents; add documents with a 'text' field")
     if len(samples) > max_documents:
-        raise CorpusError(f"{field}: corpus '{ref}' has {len(samples)} documents, above the limit of {max_documents}; split it into suites")
+        raise CorpusError(f"{field}: corpus '{ref}' has {len(samples)} documents, above the limit of "
+                          f"{max_documents}; split it into suites")
     keys: set[str] = set()
-    for s in samples:
-        if len(s.key) > 256 or (s.cluster and len(s.cluster) > 256):
-            raise CorpusError(f"{field}: document id '{s.key[:40]}…' is longer than 256 characters; shorten it")
-        if s.key in keys:
-            raise CorpusError(f"{field}: duplicate document id '{s.key}' in '{ref}'; ids must be unique")
-        if len(s.text) > max_chars:
-            raise CorpusError(f"{field}: document '{s.key}' has {len(s.text)} characters, above the limit of {max_chars}")
-        keys.add(s.key)
+    for sample in samples:
+        if len(sample.key) > 256 or (sample.cluster and len(sample.cluster) > 256):
+            raise CorpusError(f"{field}: document id '{sample.key[:40]}…' is longer than 256 characters; shorten it")
+        if sample.key in keys:
+            raise CorpusError(f"{field}: duplicate document id '{sample.key}' in '{ref}'; ids must be unique")
+        if len(sample.text) > max_chars:
+            raise CorpusError(f"{field}: document '{sample.key}' has {len(sample.text)} characters, above the limit "
+                              f"of {max_chars}")
+        keys.add(sample.key)
     return samples

@@ -65,20 +65,25 @@ class CanaryCollector(Collector):
 
     def _service(self, session):
         runs = GaugeMetricFamily("canary_runs", "Runs by status", labels=["project", "status"])
-        for project, status, n in session.execute(self._mine(select(Project.name, Run.status, func.count()).join(Project, Project.id == Run.project_id),
-                                                       Run.project_id).group_by(Project.name, Run.status)):
-            runs.add_metric([project, status], n)
+        by_status = self._mine(select(Project.name, Run.status, func.count())
+                               .join(Project, Project.id == Run.project_id), Run.project_id)
+        by_status = by_status.group_by(Project.name, Run.status)
+        for project, status, count in session.execute(by_status):
+            runs.add_metric([project, status], count)
         yield runs
         for status in ("queued", "running"):
-            n = session.scalar(self._mine(select(func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
-                                    .where(ConfigRun.status == status), Run.project_id)) or 0
-            yield GaugeMetricFamily(f"canary_config_runs_{status}", f"Config-runs {status}", value=n)
-        pending = session.scalar(self._mine(select(func.count()).select_from(Notification).join(Channel, Channel.id == Notification.channel_id)
-                                      .where(Notification.status == "pending"), Channel.project_id)) or 0
+            count = session.scalar(self._mine(select(func.count()).select_from(ConfigRun)
+                                              .join(Run, Run.id == ConfigRun.run_id)
+                                              .where(ConfigRun.status == status), Run.project_id)) or 0
+            yield GaugeMetricFamily(f"canary_config_runs_{status}", f"Config-runs {status}", value=count)
+        pending = session.scalar(self._mine(select(func.count()).select_from(Notification)
+                                            .join(Channel, Channel.id == Notification.channel_id)
+                                            .where(Notification.status == "pending"), Channel.project_id)) or 0
         yield GaugeMetricFamily("canary_notifications_pending", "Notifications waiting in the outbox", value=pending)
         since = utcnow() - timedelta(hours=24)
         finished = self._mine(select(ConfigRun.started_at, ConfigRun.finished_at).join(Run, Run.id == ConfigRun.run_id)
-                              .where(ConfigRun.finished_at.is_not(None), ConfigRun.started_at.is_not(None)), Run.project_id)
+                              .where(ConfigRun.finished_at.is_not(None), ConfigRun.started_at.is_not(None)),
+                              Run.project_id)
         durations, total, count = [], 0.0, 0
         for started, ended in session.execute(finished):
             seconds = (ended - started).total_seconds()
@@ -97,11 +102,14 @@ class CanaryCollector(Collector):
         summary.add_sample("canary_config_run_duration_seconds_count", {}, count)
         summary.add_sample("canary_config_run_duration_seconds_sum", {}, total)
         yield summary
-        yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h", value=len(durations))
+        yield GaugeMetricFamily("canary_config_runs_finished_24h", "Config-runs finished in the last 24 h",
+                                value=len(durations))
         firing = GaugeMetricFamily("canary_alerts_firing", "Alerts firing", labels=["project", "severity"])
-        for project, sev, n in session.execute(self._mine(select(Project.name, Alert.severity, func.count()).join(Project, Project.id == Alert.project_id)
-                                                    .where(Alert.state == "firing"), Alert.project_id).group_by(Project.name, Alert.severity)):
-            firing.add_metric([project, sev], n)
+        by_severity = self._mine(select(Project.name, Alert.severity, func.count())
+                                 .join(Project, Project.id == Alert.project_id).where(Alert.state == "firing"),
+                                 Alert.project_id).group_by(Project.name, Alert.severity)
+        for project, severity, count in session.execute(by_severity):
+            firing.add_metric([project, severity], count)
         yield firing
 
     def _canary(self, session):
@@ -109,49 +117,54 @@ class CanaryCollector(Collector):
         latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
                   .join(Run, Run.id == ConfigRun.run_id).where(Run.status == "done", ConfigRun.status == "succeeded")
                   .group_by(ConfigRun.config_id).subquery())
-        rows = session.execute(self._mine(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name, Model.name, Project.name)
-                                    .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
-                                    .join(Model, Model.id == OptimizationConfig.model_id)
-                                    .join(Project, Project.id == Model.project_id), Project.id)).all()
-        gauges = {m: GaugeMetricFamily(f"canary_{m}", f"Latest {m} vs baseline ({METRICS[m].unit})", labels=["project", "model", "config"])
-                  for m in COMPARISON_GAUGES}
-        bounds = {(m, side): GaugeMetricFamily(f"canary_{m}_ci_{side}", f"95% CI {side} of canary_{m}", labels=["project", "model", "config"])
-                  for m in COMPARISON_GAUGES for side in ("low", "high")}
-        verdict = GaugeMetricFamily("canary_verdict", VERDICT_HELP, labels=["project", "model", "config", "metric"])
+        rows = session.execute(self._mine(select(latest.c.config_id, latest.c.run_id, OptimizationConfig.name,
+                                                 Model.name, Project.name)
+                                          .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
+                                          .join(Model, Model.id == OptimizationConfig.model_id)
+                                          .join(Project, Project.id == Model.project_id), Project.id)).all()
+        labels = ["project", "model", "config"]
+        gauges = {metric: GaugeMetricFamily(f"canary_{metric}", f"Latest {metric} vs baseline ({METRICS[metric].unit})",
+                                            labels=labels)
+                  for metric in COMPARISON_GAUGES}
+        bounds = {(metric, side): GaugeMetricFamily(f"canary_{metric}_ci_{side}", f"95% CI {side} of canary_{metric}",
+                                                    labels=labels)
+                  for metric in COMPARISON_GAUGES for side in ("low", "high")}
+        verdict = GaugeMetricFamily("canary_verdict", VERDICT_HELP, labels=[*labels, "metric"])
         ttft = {q: GaugeMetricFamily(f"canary_ttft_{q}_seconds", f"Time to first token, {q} of the latest run (s)",
-                                     labels=["project", "model", "config"]) for q in ("p50", "p99")}
-        tps = GaugeMetricFamily("canary_tokens_per_second", "Decode tokens per second", labels=["project", "model", "config"])
-        kvb = GaugeMetricFamily("canary_kv_bytes_per_token", "KV-cache bytes per token", labels=["project", "model", "config"])
+                                     labels=labels) for q in ("p50", "p99")}
+        tokens_per_second = GaugeMetricFamily("canary_tokens_per_second", "Decode tokens per second", labels=labels)
+        kv_bytes = GaugeMetricFamily("canary_kv_bytes_per_token", "KV-cache bytes per token", labels=labels)
         by_run: dict[int, list] = {}
         for config_id, run_id, config, model, project in rows:
             by_run.setdefault(run_id, []).append((config_id, config, model, project))
         for run_id, configs in by_run.items():
-            comps = {(row.config_id, row.metric): row for row in session.scalars(select(Comparison).where(Comparison.run_id == run_id))}
+            comparisons = {(row.config_id, row.metric): row
+                           for row in session.scalars(select(Comparison).where(Comparison.run_id == run_id))}
             figures = {config_run.config_id: config_run.figures or {}
                        for config_run in session.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))}
             for config_id, config, model, project in configs:
-                labels = [project, model, config]
-                for m in COMPARISON_GAUGES:
-                    comparison = comps.get((config_id, m))
+                values = [project, model, config]
+                for metric in COMPARISON_GAUGES:
+                    comparison = comparisons.get((config_id, metric))
                     if comparison is not None and comparison.estimate is not None:
-                        gauges[m].add_metric(labels, comparison.estimate)
+                        gauges[metric].add_metric(values, comparison.estimate)
                         if comparison.ci_low is not None:
-                            bounds[(m, "low")].add_metric(labels, comparison.ci_low)
-                            bounds[(m, "high")].add_metric(labels, comparison.ci_high)
-                for (compared_config, metric), comparison in comps.items():
+                            bounds[(metric, "low")].add_metric(values, comparison.ci_low)
+                            bounds[(metric, "high")].add_metric(values, comparison.ci_high)
+                for (compared_config, metric), comparison in comparisons.items():
                     if compared_config == config_id:
-                        verdict.add_metric(labels + [metric], VERDICT_CODES.get(comparison.verdict, 1))
-                f = figures.get(config_id, {})
+                        verdict.add_metric([*values, metric], VERDICT_CODES.get(comparison.verdict, 1))
+                config_figures = figures.get(config_id, {})
                 for q in ("p50", "p99"):
-                    if f.get(f"ttft_ms_{q}") is not None:
-                        ttft[q].add_metric(labels, f[f"ttft_ms_{q}"] / 1000)
-                if f.get("tokens_per_second") is not None:
-                    tps.add_metric(labels, f["tokens_per_second"])
-                if f.get("kv_bytes_per_token") is not None:
-                    kvb.add_metric(labels, f["kv_bytes_per_token"])
+                    if config_figures.get(f"ttft_ms_{q}") is not None:
+                        ttft[q].add_metric(values, config_figures[f"ttft_ms_{q}"] / 1000)
+                if config_figures.get("tokens_per_second") is not None:
+                    tokens_per_second.add_metric(values, config_figures["tokens_per_second"])
+                if config_figures.get("kv_bytes_per_token") is not None:
+                    kv_bytes.add_metric(values, config_figures["kv_bytes_per_token"])
         yield from gauges.values()
         yield from bounds.values()
-        yield from (verdict, *ttft.values(), tps, kvb)
+        yield from (verdict, *ttft.values(), tokens_per_second, kv_bytes)
 
 
 class PublicCollector(Collector):
@@ -166,10 +179,12 @@ class PublicCollector(Collector):
         info = GaugeMetricFamily("canary_build_info", "The API's version", labels=["version"])
         info.add_metric([self.version], 1)
         yield info
-        n = GaugeMetricFamily("canary_rate_limit_buckets", "Rate-limit buckets held by this API process", labels=["kind"])
-        cap = GaugeMetricFamily("canary_rate_limit_buckets_max", "The most rate-limit buckets this API process holds", labels=["kind"])
+        held = GaugeMetricFamily("canary_rate_limit_buckets", "Rate-limit buckets held by this API process",
+                                 labels=["kind"])
+        cap = GaugeMetricFamily("canary_rate_limit_buckets_max", "The most rate-limit buckets this API process holds",
+                                labels=["kind"])
         for kind, (entries, most) in self.buckets.items():
-            n.add_metric([kind], entries)
+            held.add_metric([kind], entries)
             cap.add_metric([kind], most)
-        yield n
+        yield held
         yield cap

@@ -151,7 +151,8 @@ def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, li
     if host.lower() in allowed:
         return host, None
     try:
-        infos = (resolve or socket.getaddrinfo)(host, port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
+        default_port = 443 if parts.scheme == "https" else 80
+        infos = (resolve or socket.getaddrinfo)(host, port or default_port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as e:
         raise UnsafeURL(f"{field}: host '{host}' does not resolve ({e})") from None
     ips: list[str] = []
@@ -179,9 +180,11 @@ def check_url(url: str, field: str = "url", resolve=None) -> str:
 def _secret_policy() -> tuple[str, set[str], set[str]]:
     from app.settings import Settings, get_settings
 
-    s = get_settings()
-    own = {f"CANARY_{name.upper()}" for name in Settings.model_fields}  # the service's own settings are never a tenant's secret
-    return s.secret_env_prefix or "", {n.strip() for n in (s.secret_env_names or "").split(",") if n.strip()}, own
+    settings = get_settings()
+    # the service's own settings are never a tenant's secret
+    own = {f"CANARY_{name.upper()}" for name in Settings.model_fields}
+    names = {name.strip() for name in (settings.secret_env_names or "").split(",") if name.strip()}
+    return settings.secret_env_prefix or "", names, own
 
 
 def secret_allowed(name: str) -> bool:
@@ -197,8 +200,9 @@ def check_secret_name(name: str, field: str) -> str:
         prefix, _, _ = _secret_policy()
         how = (f"name a variable that starts with {prefix} (e.g. {prefix}{name.removeprefix(prefix) or 'KEY'})"
                if prefix else "name a listed variable")
-        raise SecretNotAllowed(f"{field}: '{name}' is not an allowed secret variable; secrets are read only from variables "
-                               f"the operator allows: {how}, or have the operator add '{name}' to CANARY_SECRET_ENV_NAMES")
+        raise SecretNotAllowed(f"{field}: '{name}' is not an allowed secret variable; secrets are read only from "
+                               f"variables the operator allows: {how}, or have the operator add '{name}' to "
+                               "CANARY_SECRET_ENV_NAMES")
     return name
 
 

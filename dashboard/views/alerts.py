@@ -12,30 +12,32 @@ def render(api, project: str, params) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
     show_inhibited = st.toggle("Show warn alerts inhibited by a critical one", value=False, key="inhibited")
-    inhibited = [a for a in alerts if a.get("inhibited_by") is not None]
+    inhibited = [alert for alert in alerts if alert.get("inhibited_by") is not None]
     for state in ("firing", "pending", "resolved"):
-        rows = [a for a in alerts if a["state"] == state and (show_inhibited or a.get("inhibited_by") is None)]
+        rows = [alert for alert in alerts
+                if alert["state"] == state and (show_inhibited or alert.get("inhibited_by") is None)]
         st.subheader(f"{state.capitalize()} ({len(rows)})")
-        hidden = sum(a["state"] == state for a in inhibited)
+        hidden = sum(alert["state"] == state for alert in inhibited)
         if hidden and not show_inhibited:
             st.caption(f"One alert per regression: {hidden} warn alert(s) hidden, inhibited by the critical alert "
                        "of the same config and metric.")
         if not rows:
             st.caption(f"No {state} alerts.")
             continue
-        st.dataframe(pd.DataFrame([{"config": a["labels"].get("config"), "metric": a["labels"].get("metric"),
-                                    "severity": a["severity"], "value": fmt(a["value"]),
-                                    "since": human_time(a["fired_at"] or a["started_at"]),
-                                    "resolved": human_time(a["resolved_at"], never=""), "run": a["run_id"],
-                                    "escalation run": a.get("escalation_run_id") or "",
-                                    "inhibited by": a.get("inhibited_by") or "",
-                                    "rule": (a["annotations"] or {}).get("rule", "")} for a in rows]),
+        st.dataframe(pd.DataFrame([{"config": alert["labels"].get("config"), "metric": alert["labels"].get("metric"),
+                                    "severity": alert["severity"], "value": fmt(alert["value"]),
+                                    "since": human_time(alert["fired_at"] or alert["started_at"]),
+                                    "resolved": human_time(alert["resolved_at"], never=""), "run": alert["run_id"],
+                                    "escalation run": alert.get("escalation_run_id") or "",
+                                    "inhibited by": alert.get("inhibited_by") or "",
+                                    "rule": (alert["annotations"] or {}).get("rule", "")} for alert in rows]),
                      hide_index=True, width="stretch")
     st.subheader("Silences")
     silences = api.get(f"/projects/{project}/silences")
     if silences:
-        st.dataframe(pd.DataFrame([{"id": s["id"], "matchers": ", ".join(f"{m['name']}{'=~' if m['isRegex'] == 'true' else '='}{m['value']}" for m in s["matchers"]),
-                                    "until": s["ends_at"][:19], "author": s["author"], "comment": s["comment"]} for s in silences]),
+        st.dataframe(pd.DataFrame([{"id": silence["id"], "matchers": _matchers(silence["matchers"]),
+                                    "until": silence["ends_at"][:19], "author": silence["author"],
+                                    "comment": silence["comment"]} for silence in silences]),
                      hide_index=True, width="stretch")
     else:
         st.caption("No silences.")
@@ -51,12 +53,19 @@ def render(api, project: str, params) -> None:
         author = st.text_input("Author")
         comment = st.text_input("Comment")
         if st.form_submit_button("Create silence"):
-            s = api.post(f"/projects/{project}/silences", {"matchers": [{"name": name, "value": value, "isRegex": True}],
-                                                           "duration_minutes": int(hours) * 60, "author": author, "comment": comment})
-            st.success(f"Silence {s['id']} created until {s['ends_at'][:19]}")
-    active = [s for s in silences]
+            silence = api.post(f"/projects/{project}/silences",
+                               {"matchers": [{"name": name, "value": value, "isRegex": True}],
+                                "duration_minutes": int(hours) * 60, "author": author, "comment": comment})
+            st.success(f"Silence {silence['id']} created until {silence['ends_at'][:19]}")
+    active = list(silences)
     if active:
-        sid = st.selectbox("Expire silence", [s["id"] for s in active])
+        silence_id = st.selectbox("Expire silence", [silence["id"] for silence in active])
         if st.button("Expire now"):
-            api.delete(f"/projects/{project}/silences/{sid}")
-            st.success(f"Silence {sid} expired")
+            api.delete(f"/projects/{project}/silences/{silence_id}")
+            st.success(f"Silence {silence_id} expired")
+
+
+def _matchers(matchers: list[dict]) -> str:
+    """Alertmanager's way to write them: name=value, or name=~value for a regular expression."""
+    return ", ".join(f"{matcher['name']}{'=~' if matcher['isRegex'] == 'true' else '='}{matcher['value']}"
+                     for matcher in matchers)

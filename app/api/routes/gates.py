@@ -25,7 +25,8 @@ class GateIn(BaseModel):
     baseline: NameRef | None = Field(None, description="must be the candidate model's baseline config (checked)")
     suite: NameRef
     samples: int | None = Field(None, ge=1, le=DB_INT_MAX)
-    inconclusive: Literal["pass", "warn", "fail"] = Field("warn", description="gate verdict when the data cannot decide")
+    inconclusive: Literal["pass", "warn", "fail"] = Field(
+        "warn", description="gate verdict when the data cannot decide")
 
 
 class GateListItem(BaseModel):
@@ -52,28 +53,33 @@ def gate_out(session, project, gate: Gate) -> dict:
     return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
             "run_status": summary["status"], "run_verdict": summary["verdict"], "reason": summary["verdict_reason"],
-            "idempotency_key": gate.idempotency_key, "created_at": gate.created_at.isoformat() if gate.created_at else None,
+            "idempotency_key": gate.idempotency_key,
+            "created_at": gate.created_at.isoformat() if gate.created_at else None,
             "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
                                                  session.get(Suite, summary["suite_id"]).name),
-            "comparisons": [c for c in summary["comparisons"] if c["config"] == gate.candidate]}
+            "comparisons": [comparison for comparison in summary["comparisons"]
+                            if comparison["config"] == gate.candidate]}
 
 
 @router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, response_model=GateOut,
-             responses={200: {"description": "the gate already started with this Idempotency-Key", "model": GateOut}, **error_responses(400, 403, 409)})
+             responses={200: {"description": "the gate already started with this Idempotency-Key", "model": GateOut},
+                        **error_responses(400, 403, 409)})
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
     """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
     existing = find_gate(session, project, idempotency_key)
     if existing is not None:
         if (existing.candidate, existing.policy and existing.policy.get("suite")) != (body.candidate, body.suite):
-            raise repo.Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different gate (gate {existing.id}); use a new key")
+            raise repo.Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different gate (gate "
+                                f"{existing.id}); use a new key")
         response.status_code = status.HTTP_200_OK
         return gate_out(session, project, existing)
     baseline = check_request(session, project, body.candidate, body.baseline, body.suite)
-    run_id, _ = start_run(project.name, body.suite, [body.candidate], get_dispatcher(background=True), samples=body.samples,
-                          trigger="gate", idempotency_key=f"gate:{idempotency_key}" if idempotency_key else None)
-    gate = record_gate(session, project, run_id, body.candidate, baseline, {"inconclusive": body.inconclusive, "suite": body.suite},
-                       idempotency_key)
+    run_id, _ = start_run(project.name, body.suite, [body.candidate], get_dispatcher(background=True),
+                          samples=body.samples, trigger="gate",
+                          idempotency_key=f"gate:{idempotency_key}" if idempotency_key else None)
+    policy = {"inconclusive": body.inconclusive, "suite": body.suite}
+    gate = record_gate(session, project, run_id, body.candidate, baseline, policy, idempotency_key)
     session.commit()
     # a run that finished before the gate row existed (inline, tiny suites) is decided now
     from app.gates import decide
@@ -93,6 +99,6 @@ def get_gate(gate_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
 @router.get("/projects/{project}/gates", response_model=list[GateListItem])
 def list_gates(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500)) -> list[dict]:
     gates = session.scalars(select(Gate).where(Gate.project_id == project.id).order_by(Gate.id.desc()).limit(limit))
-    return [{"gate_id": g.id, "candidate": g.candidate, "baseline": g.baseline, "verdict": g.verdict, "run_id": g.run_id,
-             "created_at": g.created_at.isoformat() if g.created_at else None,
-             "decided_at": g.decided_at.isoformat() if g.decided_at else None} for g in gates]
+    return [{"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
+             "run_id": gate.run_id, "created_at": gate.created_at.isoformat() if gate.created_at else None,
+             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None} for gate in gates]

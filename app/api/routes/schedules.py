@@ -19,10 +19,13 @@ router = APIRouter(tags=["schedules"], responses=error_responses(404))
 class ScheduleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=NAME_PATTERN)
-    cron: str = Field(description="five-field cron expression in UTC, e.g. '0 6 * * *' (daily) or '0 3 * * 0' (weekly)")
+    cron: str = Field(
+        description="five-field cron expression in UTC, e.g. '0 6 * * *' (daily) or '0 3 * * 0' (weekly)")
     suite: NameRef
-    configs: list[NameRef] = Field(default_factory=list, max_length=256, description="empty = every config of the project")
-    samples: int | None = Field(None, ge=1, le=DB_INT_MAX, description="documents drawn; at most the server's samples-per-run limit")
+    configs: list[NameRef] = Field(default_factory=list, max_length=256,
+                                   description="empty = every config of the project")
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX,
+                                description="documents drawn; at most the server's samples-per-run limit")
     enabled: bool = True
 
     @field_validator("cron")
@@ -43,17 +46,20 @@ class ScheduleOut(BaseModel):
     next_slot_at: Time
 
 
-def out(s: Schedule) -> dict:
+def out(schedule: Schedule) -> dict:
     from croniter import croniter
 
     from app.models import utcnow
 
-    return {"id": s.id, "name": s.name, "cron": s.cron, "suite_id": s.suite_id, "configs": s.config_names, "samples": s.samples,
-            "enabled": s.enabled, "last_slot_at": s.last_slot_at.isoformat() if s.last_slot_at else None,
-            "next_slot_at": croniter(s.cron, latest_slot(s.cron, utcnow())).get_next(type(utcnow())).isoformat()}
+    next_slot = croniter(schedule.cron, latest_slot(schedule.cron, utcnow())).get_next(type(utcnow()))
+    return {"id": schedule.id, "name": schedule.name, "cron": schedule.cron, "suite_id": schedule.suite_id,
+            "configs": schedule.config_names, "samples": schedule.samples, "enabled": schedule.enabled,
+            "last_slot_at": schedule.last_slot_at.isoformat() if schedule.last_slot_at else None,
+            "next_slot_at": next_slot.isoformat()}
 
 
-@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, response_model=ScheduleOut, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, response_model=ScheduleOut,
+            responses=error_responses(400, 403, 409))
 def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> dict:
     limit = get_settings().max_samples_per_run
     if body.samples is not None and body.samples > limit:  # refused now, not at every scheduled slot
@@ -62,11 +68,12 @@ def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> 
     for name in body.configs:
         repo.get_config(session, project, name)  # 404 naming an unknown config
     check_project_room(session, project, "schedules", [body.name], "name")
-    s = repo.upsert_schedule(session, project, body.name, body.cron, suite, body.configs, body.samples)
-    s.enabled = body.enabled
-    return out(s)
+    schedule = repo.upsert_schedule(session, project, body.name, body.cron, suite, body.configs, body.samples)
+    schedule.enabled = body.enabled
+    return out(schedule)
 
 
 @router.get("/projects/{project}/schedules", response_model=list[ScheduleOut])
 def list_schedules(project: ProjectDep, session: SessionDep) -> list[dict]:
-    return [out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id).order_by(Schedule.id))]
+    schedules = session.scalars(select(Schedule).where(Schedule.project_id == project.id).order_by(Schedule.id))
+    return [out(schedule) for schedule in schedules]

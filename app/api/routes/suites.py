@@ -14,8 +14,9 @@ from app.settings import get_settings
 router = APIRouter(tags=["suites"], responses=error_responses(404))
 
 
-def _out(s: Suite) -> SuiteOut:
-    return SuiteOut(id=s.id, name=s.name, n_documents=s.n_documents, **{k: s.spec[k] for k in ("samples", "seed", "scorers", "perplexity", "generation")})
+def _out(suite: Suite) -> SuiteOut:
+    settings = {key: suite.spec[key] for key in ("samples", "seed", "scorers", "perplexity", "generation")}
+    return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents, **settings)
 
 
 @router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut,
@@ -34,24 +35,27 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
         if not body.documents:
             raise ValueError("documents: no documents given; send at least one {'id', 'text'}")
         if len(body.documents) > settings.max_suite_documents:
-            raise ValueError(f"documents: {len(body.documents)} documents exceed the limit of {settings.max_suite_documents}")
+            raise ValueError(f"documents: {len(body.documents)} documents exceed the limit of "
+                             f"{settings.max_suite_documents}")
         seen: set[str] = set()
-        for i, d in enumerate(body.documents):
-            if d.id in seen:
-                raise ValueError(f"documents[{i}].id: duplicate id '{d.id}'; ids must be unique")
-            if len(d.text) > settings.max_document_chars:
-                raise ValueError(f"documents[{i}].text: {len(d.text)} characters exceed the limit of {settings.max_document_chars}")
-            extra = len(d.reference or "") + sum(len(c) for c in d.contexts or ())
+        for i, document in enumerate(body.documents):
+            if document.id in seen:
+                raise ValueError(f"documents[{i}].id: duplicate id '{document.id}'; ids must be unique")
+            if len(document.text) > settings.max_document_chars:
+                raise ValueError(f"documents[{i}].text: {len(document.text)} characters exceed the limit of "
+                                 f"{settings.max_document_chars}")
+            extra = len(document.reference or "") + sum(len(context) for context in document.contexts or ())
             if extra > settings.max_document_chars:
                 raise ValueError(f"documents[{i}].reference, contexts: {extra} characters together exceed the limit of "
                                  f"{settings.max_document_chars}")
-            seen.add(d.id)
-        samples = [SampleIn(d.id, d.text, reference=d.reference, contexts=d.contexts, cluster=d.cluster or d.id) for d in body.documents]
+            seen.add(document.id)
+        samples = [SampleIn(document.id, document.text, reference=document.reference, contexts=document.contexts,
+                            cluster=document.cluster or document.id) for document in body.documents]
     else:
         if not body.corpus.startswith("builtin:"):  # API clients may not make the server read its own files
             raise ValueError(f"corpus: over the API the server reads builtin corpora only (builtin:pydoc-heldout), not "
-                             f"'{body.corpus[:80]}'; send the documents inline in 'documents', or name the file in canary.yaml "
-                             "and apply it with `canary run -f`")
+                             f"'{body.corpus[:80]}'; send the documents inline in 'documents', or name the file in "
+                             "canary.yaml and apply it with `canary run -f`")
         samples = load_corpus(body.corpus, "corpus", settings.max_suite_documents, settings.max_document_chars)
     if body.samples > len(samples):
         raise ValueError(f"samples: {body.samples} > {len(samples)} documents; lower samples or add documents")
