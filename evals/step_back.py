@@ -74,16 +74,16 @@ class StepBack:
         of the ppl_ratio loss (ppl_ratio 1.21 alone); weights int8 17 % (1.04 alone); speculative
         draft-k4 2 % (1.00 alone, lossless); interaction ×1.01"."""
         def alone(layer: Layer) -> str:
-            return f"{layer.ratio:.3g} alone" + (", lossless" if layer.lossless else "")
+            return f"{layer.ratio:.4g} alone" + (", lossless" if layer.lossless else "")
 
         first = self.disable
         if first is None:
             parts = [f"{layer.axis} {layer.value} ({self.metric} {alone(layer)})" for layer in self.layers]
             return (f"no single layer loses {self.metric} on its own ({'; '.join(parts)}): the loss of "
                     f"{self.stacked_ratio:.3g} comes from their interaction; disabling any one layer may remove it")
-        head = (f"disable {first.axis} {first.value}: {_pct(first.share)} of the {self.metric} loss "
+        head = (f"disable {first.axis} {first.value}: {format_share(first.share)} of the {self.metric} loss "
                 f"({self.metric} {alone(first)})")
-        rest = [f"{layer.axis} {layer.value} {_pct(layer.share)} ({alone(layer)})" for layer in self.layers[1:]]
+        rest = [f"{layer.axis} {layer.value} {format_share(layer.share)} ({alone(layer)})" for layer in self.layers[1:]]
         return "; ".join([head, *rest, f"interaction ×{math.exp(self.interaction):.3g}"])
 
     def as_dict(self) -> dict:
@@ -92,5 +92,10 @@ class StepBack:
                 "layers": [asdict(layer) for layer in self.layers]}
 
 
-def _pct(share: float | None) -> str:
-    return "—" if share is None else f"{share * 100:.0f} %"
+def format_share(share: float | None) -> str:
+    """A share in whole percent, or to a tenth where whole percent would round a small share to 0 %
+    (or a large one to 100 %) that is not."""
+    if share is None:
+        return "—"
+    pct = share * 100
+    return f"{pct:.1f} %" if pct != round(pct) and (abs(pct) < 1 or abs(pct - 100) < 1) else f"{pct:.0f} %"

@@ -10,7 +10,7 @@ import pytest
 from app.config_file import ConfigFileError, parse_config
 from app.gates import step_back_lines
 from engines.spec import OptimizationSpec, axis_value, changed_axes, single_axis_ablation
-from evals.step_back import Layer, StepBack, layer_shares
+from evals.step_back import Layer, StepBack, format_share, layer_shares
 
 BASE = OptimizationSpec(engine="reference", weights="fp16")
 STACKED = OptimizationSpec(engine="reference", weights="awq-int4", kv_cache="turbo-2.5",
@@ -49,6 +49,10 @@ def test_advice_names_the_largest_share_first_with_each_layer_alone():
                               "weights awq-int4 21 % (1.05 alone); speculative draft-k4 0 % (1 alone, lossless); "
                               "interaction ×1.03")
     assert found.as_dict()["disable"] == "kv_cache"
+    # whole percent, but a small share is not rounded away: log 1.0024 / (log 1.0024 + log 5.37) = 0.14 %
+    tiny = math.log(1.0024) / (math.log(1.0024) + math.log(5.37))
+    assert (format_share(tiny), format_share(1 - tiny), format_share(0.0), format_share(None)) == (
+        "0.1 %", "99.9 %", "0 %", "—")
     nothing_alone = StepBack.from_ratios("ppl_ratio", 1.10, [Layer("weights", "int8", "a", 0.99, "ok", False, None),
                                                              Layer("kv_cache", "int2", "b", 1.0, "ok", False, None)])
     assert nothing_alone.disable is None and "from their interaction" in nothing_alone.advice()
