@@ -26,9 +26,10 @@ def comparison_rows(run: dict, metrics: dict[str, dict]) -> tuple[list[dict], li
     """The run's comparisons as rows, breaching (and broken) first, then the rest; left out: the
     baseline against itself and metrics that are only reported (no threshold, no say)."""
     shown = []
+    layers = ablations(run)
     for c in run["comparisons"]:
         m = metrics.get(c["metric"])
-        if c["config"] == run["baseline"] or m is None or not m["gated"]:
+        if c["config"] == run["baseline"] or c["config"] in layers or m is None or not m["gated"]:
             continue
         ci = () if m["comparison"] == "peak" else (c["ci_low"], c["ci_high"])
         cell = metric_cell(m["unit"], m["fmt"], c["estimate"], *ci)
@@ -40,11 +41,26 @@ def comparison_rows(run: dict, metrics: dict[str, dict]) -> tuple[list[dict], li
     return breaching, [r for r in shown if r not in breaching]
 
 
+def ablations(run: dict) -> set[str]:
+    """The run's single-optimization ablations of a stacked config (step back one layer): shown
+    in their own section, not as candidates."""
+    return {c["config"] for c in run["configs"] if c.get("ablation_of")}
+
+
+def step_back_rows(found: dict) -> list[dict]:
+    """One stacked config's layers, largest share of the loss first, as the API gives them."""
+    return [{"layer": f"{layer['axis']} {layer['value']}" + (" (lossless)" if layer["lossless"] else ""),
+             f"{found['metric']} alone": f"{layer['ratio']:.4g}", "verdict": layer["verdict"],
+             "share of the loss": "—" if layer["share"] is None else f"{layer['share'] * 100:.1f} %",
+             "run alone as": layer["config"]}
+            for layer in found["layers"]]
+
+
 def candidates_worst_first(run: dict, metrics: dict[str, dict]) -> list[str]:
     """Candidates by their worst gated verdict, then by the larger perplexity ratio."""
     rows = []
     for c in run["configs"]:
-        if c["config"] == run["baseline"]:
+        if c["config"] == run["baseline"] or c.get("ablation_of"):
             continue
         comps = [x for x in run["comparisons"]
                  if x["config"] == c["config"] and (metrics.get(x["metric"]) or {}).get("gated")]
@@ -87,6 +103,10 @@ def render(api, project: str, params) -> None:
         st.table(_table(breaching))
     else:
         st.success("No comparison breaches a threshold in this run.")
+    for found in run.get("step_back") or []:
+        st.subheader(f"Step back one layer: {found['config']}")
+        st.markdown(f"{found['metric']} {found['stacked_ratio']:.4g} stacked: **{found['advice']}**")
+        st.table(style_verdict_column(pd.DataFrame(step_back_rows(found))).hide(axis="index"))
     if rest:
         with st.expander(f"Other comparisons ({len(rest)}: ok or inconclusive)"):
             st.table(_table(rest))
