@@ -36,6 +36,14 @@ def verdict_rank(verdict: str | None) -> int:
     return WORST_FIRST.index(verdict) if verdict in WORST_FIRST else len(WORST_FIRST)
 
 
+def judged_verdict(cell: dict) -> str:
+    """A comparison's verdict, or "" where it was reported but not judged against a threshold (the
+    overview's `judged`, a run's `details.informational`: faithfulness by the offline approximation
+    is "ok" whatever its figure, which no colour should suggest)."""
+    informational = cell.get("judged") is False or (cell.get("details") or {}).get("informational")
+    return "" if informational else cell["verdict"]
+
+
 def worst_verdict(verdicts) -> str | None:
     ranked = sorted((v for v in verdicts if v), key=verdict_rank)
     return ranked[0] if ranked else None
@@ -77,6 +85,18 @@ def metric_cell(unit: str, spec: str, estimate: float | None, low: float | None 
     if unit == "ms":
         return f"{estimate:.0f} ms" + (f" [{low:.0f}, {high:.0f}]" if ci else "")
     return format(estimate, spec) + (f" [{format(low, spec)}, {format(high, spec)}]" if ci else "")
+
+
+def keep_ci_whole(text: str) -> str:
+    """A cell that wraps only between its estimate and its CI: "+5.8% [+4.4, +8.7]" → two lines at
+    most in a narrow column, never "[+4.4," over "+8.7]" (no-break spaces inside the CI and units)."""
+    return text.replace(", ", ",\u00a0").replace(" ms", "\u00a0ms")
+
+
+COLOUR_KEY = ("Colour is the threshold state: green ok, orange warn, red critical, grey inconclusive (the CI "
+              "straddles a threshold, or too few samples), purple measurement error (a figure that cannot be right); "
+              "no colour: reported without a threshold (e.g. faithfulness by the offline approximation). Each figure "
+              "is the estimate and its 95% CI.")
 
 
 def parse_time(t: str | None) -> datetime | None:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from dashboard.views.card import card_html, check_times, model_tiles
 from dashboard.views.common import (
     BREACHING,
+    COLOUR_KEY,
     fmt,
     human_time,
+    judged_verdict,
+    keep_ci_whole,
     metric_cell,
     pct_change,
     sparkline,
@@ -38,7 +42,7 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
     for c in configs:
         comps, f = c["comparisons"], c["figures"]
         gated = [comps[m["name"]] for m in metrics if m["name"] in comps]
-        verdict = worst_verdict(x["verdict"] for x in gated)
+        verdict = worst_verdict(judged_verdict(x) for x in gated)
         ppl = comps.get("ppl_ratio") or {}
         docs = ppl.get("n")
         prompts = max((comps[m["name"]]["n"] for m in metrics if m["producer"] == "generation" and m["name"] in comps
@@ -57,7 +61,7 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
             comp = comps.get(m["name"])
             ci = ("ci_low", "ci_high") if m["comparison"] != "peak" else ()  # a peak has no CI: one reading
             text = metric_cell(m["unit"], m["fmt"], *(comp.get(k) for k in ("estimate", *ci))) if comp else "—"
-            row["cells"][m["label"]] = (text, comp["verdict"] if comp else "")
+            row["cells"][m["label"]] = (text, judged_verdict(comp) if comp else "")
         rows.append(row)
     return worst_first(rows)
 
@@ -73,7 +77,7 @@ def frame(rows: list[dict], metrics: list[dict]):
         out = {"config": r["config"], "verdict": r["verdict"], "_verdict": r["verdict"],
                "breaching since": r["breaching since"]}
         for label, (text, verdict) in r["cells"].items():
-            out[label], out[f"_{label}"] = text, verdict
+            out[label], out[f"_{label}"] = keep_ci_whole(text), verdict
             twins[label] = f"_{label}"
         for k in ("n docs", "n prompts", "ppl trend", "tok/s", "KV B/token", "checked"):
             out[k] = r[k]
@@ -105,18 +109,14 @@ def headline(model: str, rows: list[dict], metrics: list[dict]) -> tuple[str, st
 
 def render(api, project: str, params) -> None:
     st.title("Inference quality overview")
-    top = st.columns([2, 1, 1])
-    with top[0]:
+    with st.columns([2, 2])[0]:
         data = suite_choice(api, project, params, f"/projects/{project}/overview")
-    top[1].metric("Last check", human_time(data["last_check_at"]),
-                  help=f"the suite's last finished run: {data['last_check_at'] or 'none'} (UTC)")
-    top[2].metric("Next scheduled check", human_time(data["next_check_at"], never="not scheduled"),
-                  help=f"{data['next_check_at'] or 'no enabled schedule runs this suite'} (UTC)")
     if not data["models"]:
         st.info("No models in this project yet.")
         return
     # the gated metrics of the catalogue, the perplexity ratio first
-    metrics = sorted((m for m in api.get("/metrics")["metrics"] if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")
+    catalogue_ = api.get("/metrics")["metrics"]
+    metrics = sorted((m for m in catalogue_ if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")
     for model, configs in data["models"].items():
         rows = config_rows(configs, metrics)
         base = next((c for c in configs if c["baseline"]), None)
@@ -124,12 +124,13 @@ def render(api, project: str, params) -> None:
         st.subheader(f"Model {model}")
         text, worst = headline(model, rows, metrics)
         {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
+        st.markdown(card_html(model_tiles(configs, catalogue_), *check_times(configs, data["next_check_at"])),
+                    unsafe_allow_html=True)
         if base and ppl:
             st.caption(f"Baseline {base['config']}: domain perplexity {fmt(ppl['baseline_value'], '.3f')} on suite "
                        f"{data['suite']} (n = {ppl['n']} documents). Ratios are shown as % change against it.")
         df, twins = frame(rows, metrics)
         st.table(style_verdicts(df, twins).hide(axis="index"))
-    st.caption("Each cell: the estimate and its 95% CI, coloured by its threshold state: green ok, orange warn, "
-               "red critical, grey inconclusive (the CI straddles a threshold or too few samples), purple measurement "
-               "error (a figure that cannot be right). Ratios as % change vs the baseline; rates as %. ppl trend: the "
-               f"perplexity ratio over the suite's recent runs, oldest first; {pct_change(1.0)} is parity.")
+    st.caption(f"{COLOUR_KEY} Tiles: per model, the config doing worst on each figure (named), with its state in "
+               "words. Table: one row per config, worst first. Ratios as % change vs the baseline; rates as %. ppl "
+               f"trend: the perplexity ratio over the suite's recent runs, oldest first; {pct_change(1.0)} is parity.")

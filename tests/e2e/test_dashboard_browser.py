@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 from tests.loopback import free_port, wait_http
 
 PAGES = {
-    "Overview": ["Inference quality overview", "int2", "Next scheduled check", "breaching since", "ppl ratio"],
+    "Overview": ["Inference quality overview", "int2", "domain PPL", "breaching since", "ppl ratio"],
     "Compare": ["Compare configs", "Quality lost vs speed and memory gained"],
     "Trends": ["Trends", "Suite s only", "alert: int2"],
     "Alerts": ["Alerts", "Firing (", "Silences", "needs a write key"],

@@ -4,10 +4,12 @@ shown as messages, never as a stack trace."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard.views.common import doc_ppl_ratio, human_time, pct_change
+from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change
 from tests.conftest import ROOT
 from tests.e2e.conftest import SMOKE
 
@@ -83,13 +85,31 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     assert df["config"].iloc[0] == "int2" and df["config"].iloc[-1] == "fp32 (baseline)"
     assert list(df["verdict"])[:2] == ["critical", "critical"]  # int2, then spec-ngram (acceptance), by ppl ratio
     row, cell = df.iloc[0], pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])  # "+5.8% [+4.4, +8.7]"
-    assert row["ppl ratio"] == cell
+    assert row["ppl ratio"] == keep_ci_whole(cell)  # no-break spaces inside the CI
     assert list(df.columns[:4]) == ["config", "verdict", "breaching since", "ppl ratio"]  # ppl ratio first
     assert row["breaching since"] == f"{human_time(int2['breaching_since'])} (ppl ratio)"
     assert row["n docs"] == str(ppl["n"])
     assert "lossless EM" in df.columns and "judge win" not in df.columns  # no judge in the suite: left out
     assert "int2" in at.error[0].value and cell in at.error[0].value  # the headline names it, with its CI
-    last, nxt = at.metric[0].value, at.metric[1].value
+    # the card under the banner: a tile per headline figure, from the configs' latest runs of the suite
+    card = next(m.value for m in at.markdown if "canary-card" in m.value)
+    tiles = {title: state for state, title in
+             re.findall(r'data-state="([^"]+)"[^>]*><div class="t">([^<]+)</div>', card)}
+    # domain PPL: int2's ratio, the worst of the three candidates, critical, against the baseline's perplexity
+    assert tiles["domain PPL"] == "critical" and cell.split(" [")[0] in card and "int2, worst of 3 configs" in card
+    assert f"baseline fp32 PPL {ppl['baseline_value']:.2f}" in card
+    # acceptance: only spec-ngram decodes speculatively; its rate as a whole % and its verdict
+    spec = next(c for c in over["models"]["tiny"] if c["config"] == "spec-ngram")["comparisons"]
+    accept = spec["spec_acceptance_rate"]
+    assert tiles["spec-decode acceptance"] == accept["verdict"] == "critical"
+    assert f"{accept['estimate'] * 100:.0f}% [{accept['ci_low'] * 100:.0f}, {accept['ci_high'] * 100:.0f}]" in card
+    assert tiles["judge score"] == "no data"  # no judge in the seeded suite: a word, no figure
+    # faithfulness by the offline approximation (no judge endpoint): reported, never judged, so never "ok"
+    faith = [c["comparisons"]["faithfulness"] for c in over["models"]["tiny"]]
+    assert not any(f["judged"] for f in faith) and ppl["judged"]
+    assert tiles["faithfulness"] == "not judged" and "offline approximation" in card
+    assert {"TTFT p50 / p99", "throughput", "KV-cache usage"} <= set(tiles)
+    last, nxt = re.search(r"last <b>([^<]+)</b>.*?next <b>([^<]+)</b>", card).groups()
     assert last.endswith("ago") or last == "just now"
     assert nxt.startswith("in ")  # the daily schedule's next slot, in human time
 
@@ -98,9 +118,9 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     smoke = api(seeded_api, "/overview", suite=SMOKE)
     int8 = next(c for c in smoke["models"]["tiny"] if c["config"] == "int8")["comparisons"]["ppl_ratio"]
     cell = pct_change(int8["estimate"], int8["ci_low"], int8["ci_high"])
-    assert df[df["config"] == "int8"].iloc[0]["ppl ratio"] == cell
+    assert df[df["config"] == "int8"].iloc[0]["ppl ratio"] == keep_ci_whole(cell)
     assert set(df[df["verdict"] == "not measured"]["config"]) == {"int2", "spec-ngram"}
-    assert at.metric[1].value == "not scheduled"
+    assert "next <b>not scheduled</b>" in next(m.value for m in at.markdown if "canary-card" in m.value)
 
 
 def chart_data(at) -> list:
@@ -147,7 +167,7 @@ def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, mo
     assert list(df["config"]) == ["int2", "spec-ngram", "int8", "fp32 (baseline)"]  # worst first
     run = api(seeded_api, f"/runs/{first}")
     ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
-    assert df.iloc[0]["ppl ratio"] == pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])
+    assert df.iloc[0]["ppl ratio"] == keep_ci_whole(pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"]))
     assert at.subheader[0].value == "Quality lost vs speed and memory gained"
     data = chart_data(at)
     points = next(f for f in data if "loss" in f.columns and "dy" in f.columns and len(f) == 4)

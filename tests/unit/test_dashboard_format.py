@@ -10,6 +10,7 @@ import pytest
 from dashboard.views.common import (
     doc_ppl_ratio,
     human_time,
+    keep_ci_whole,
     label_offsets,
     metric_cell,
     pct_change,
@@ -102,3 +103,10 @@ def test_label_offsets_keep_labels_apart():
     assert label_offsets([0.0, 10.0], [5.0, 5.0], ["int8", "fp8"]) == [-14, -14]
     # three on one spot: above, below, further above
     assert label_offsets([1.0] * 3, [2.0] * 3, ["a", "b", "c"]) == [-14, 16, -30]
+
+
+def test_a_cell_wraps_only_between_its_estimate_and_its_ci():
+    # no-break spaces (U+00A0) after the CI's comma and before "ms"; the one ordinary space is before "["
+    assert keep_ci_whole("+5.8% [+4.4, +8.7]") == "+5.8% [+4.4,\u00a0+8.7]"
+    assert keep_ci_whole("270 ms [138, 400]") == "270\u00a0ms [138,\u00a0400]"
+    assert keep_ci_whole("3%") == "3%"

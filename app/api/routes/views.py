@@ -44,6 +44,8 @@ class ComparisonCell(BaseModel):
     rule: str
     baseline_value: float | None
     candidate_value: float | None
+    judged: bool = Field(True, description="false: reported but not judged against its threshold (e.g. faithfulness "
+                                           "by the offline approximation); its verdict says nothing")
 
 
 class HistoryPoint(BaseModel):
@@ -163,7 +165,8 @@ def _suite_names(session, project: Project) -> list[str]:
 
 def _cell(c: Comparison) -> dict:
     return {"estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict,
-            "rule": c.rule, "baseline_value": c.baseline_value, "candidate_value": c.candidate_value}
+            "rule": c.rule, "baseline_value": c.baseline_value, "candidate_value": c.candidate_value,
+            "judged": not (c.details or {}).get("informational")}
 
 
 def _worst_metric(cells: dict[str, dict]) -> str | None:
