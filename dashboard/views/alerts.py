@@ -5,12 +5,23 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import fmt, human_time
+from dashboard.views.common import catalogue, drop_empty_columns, fmt, human_time, metric_cell, parse_time
+
+
+def until(t: str) -> str:
+    """A silence's end: "in 9 hours (16:42 UTC)"."""
+    return f"{human_time(t)} ({parse_time(t):%H:%M} UTC)"
 
 
 def render(api, project: str, params) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
+    metrics = {m["name"]: m for m in catalogue(api)}
+
+    def in_unit(alert: dict) -> str:  # in the metric's unit, as on the other pages: a ratio as % change
+        metric = metrics.get(alert["labels"].get("metric"))
+        return metric_cell(metric["unit"], metric["fmt"], alert["value"]) if metric else fmt(alert["value"])
+
     show_inhibited = st.toggle("Show warn alerts inhibited by a critical one", value=False, key="inhibited")
     inhibited = [alert for alert in alerts if alert.get("inhibited_by") is not None]
     for state in ("firing", "pending", "resolved"):
@@ -24,19 +35,20 @@ def render(api, project: str, params) -> None:
         if not rows:
             st.caption(f"No {state} alerts.")
             continue
-        st.dataframe(pd.DataFrame([{"config": alert["labels"].get("config"), "metric": alert["labels"].get("metric"),
-                                    "severity": alert["severity"], "value": fmt(alert["value"]),
+        st.dataframe(drop_empty_columns(pd.DataFrame([{
+                                    "config": alert["labels"].get("config"), "metric": alert["labels"].get("metric"),
+                                    "severity": alert["severity"], "value": in_unit(alert),
                                     "since": human_time(alert["fired_at"] or alert["started_at"]),
                                     "resolved": human_time(alert["resolved_at"], never=""), "run": alert["run_id"],
                                     "escalation run": alert.get("escalation_run_id") or "",
                                     "inhibited by": alert.get("inhibited_by") or "",
-                                    "rule": (alert["annotations"] or {}).get("rule", "")} for alert in rows]),
+                                    "rule": (alert["annotations"] or {}).get("rule", "")} for alert in rows])),
                      hide_index=True, width="stretch")
     st.subheader("Silences")
     silences = api.get(f"/projects/{project}/silences")
     if silences:
         st.dataframe(pd.DataFrame([{"id": silence["id"], "matchers": _matchers(silence["matchers"]),
-                                    "until": silence["ends_at"][:19], "author": silence["author"],
+                                    "until": until(silence["ends_at"]), "author": silence["author"],
                                     "comment": silence["comment"]} for silence in silences]),
                      hide_index=True, width="stretch")
     else:
@@ -56,7 +68,7 @@ def render(api, project: str, params) -> None:
             silence = api.post(f"/projects/{project}/silences",
                                {"matchers": [{"name": name, "value": value, "isRegex": True}],
                                 "duration_minutes": int(hours) * 60, "author": author, "comment": comment})
-            st.success(f"Silence {silence['id']} created until {silence['ends_at'][:19]}")
+            st.success(f"Silence {silence['id']} created, ends {until(silence['ends_at'])}")
     active = list(silences)
     if active:
         silence_id = st.selectbox("Expire silence", [silence["id"] for silence in active])

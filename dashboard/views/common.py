@@ -99,6 +99,12 @@ COLOUR_KEY = ("Colour is the threshold state: green ok, orange warn, red critica
               "is the estimate and its 95% CI.")
 
 
+def drop_empty_columns(df, empty=("", "—", None)):
+    """A table without the columns that are empty in every row (an "escalation run" column of blanks
+    tells a reader nothing)."""
+    return df[[c for c in df.columns if not df[c].isin(empty).all()]] if len(df) else df
+
+
 def parse_time(t: str | None) -> datetime | None:
     """The API's ISO times; a time without an offset is UTC (as stored)."""
     if not t:

@@ -193,6 +193,11 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     firing = frames(at)[0]
     shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
     assert list(shown["severity"]) == ["critical"], firing.to_dict()
+    critical = next(a for a in seeded if a["state"] == "firing" and a["severity"] == "critical"
+                    and (a["labels"]["config"], a["labels"]["metric"]) == ("int2", "ppl_ratio"))
+    assert shown["value"].iloc[0] == pct_change(critical["value"])  # a ratio as % change, as on the other pages
+    silences = next(df for df in frames(at) if "matchers" in df.columns)
+    assert silences["until"].iloc[0].startswith("in ") and silences["until"].iloc[0].endswith(" UTC)")
     assert any("hidden, inhibited by the critical alert" in c.value for c in at.caption)
     at.toggle(key="inhibited").set_value(True).run()
     firing = frames(at)[0]

@@ -9,6 +9,7 @@ import pytest
 
 from dashboard.views.common import (
     doc_ppl_ratio,
+    drop_empty_columns,
     human_time,
     keep_ci_whole,
     label_offsets,
@@ -110,3 +111,12 @@ def test_a_cell_wraps_only_between_its_estimate_and_its_ci():
     assert keep_ci_whole("+5.8% [+4.4, +8.7]") == "+5.8% [+4.4,\u00a0+8.7]"
     assert keep_ci_whole("270 ms [138, 400]") == "270\u00a0ms [138,\u00a0400]"
     assert keep_ci_whole("3%") == "3%"
+
+
+def test_columns_empty_in_every_row_are_left_out():
+    import pandas as pd
+
+    df = pd.DataFrame([{"config": "int2", "escalation run": "", "inhibited by": "", "value": "+5.8%"},
+                       {"config": "int8", "escalation run": "", "inhibited by": 7, "value": "—"}])
+    assert list(drop_empty_columns(df).columns) == ["config", "inhibited by", "value"]  # only "escalation run" is blank
+    assert drop_empty_columns(df.iloc[:0]).empty
