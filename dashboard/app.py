@@ -14,6 +14,9 @@ from dashboard.client import Api, ApiError
 from dashboard.views import PAGES
 
 st.set_page_config(page_title="inference-canary", page_icon="🐤", layout="wide")
+# Streamlit's red multiselect chips read as "critical" beside the verdict colours: a neutral grey-blue instead
+st.markdown("<style>[data-testid='stMultiSelectTagsContainer'] span{background-color:#546e7a !important}</style>",
+            unsafe_allow_html=True)
 api = Api()
 params = st.query_params
 names = list(PAGES)

@@ -8,8 +8,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import VERDICT_MARKS, human_time, label_offsets, style_verdicts, y_domain
-from dashboard.views.overview import config_rows, frame
+from dashboard.views.common import COLOUR_KEY, VERDICT_MARKS, human_time, label_offsets, style_verdicts, y_domain
+from dashboard.views.overview import config_rows, frame, headline
 
 
 def trade_off_points(run: dict) -> list[dict]:
@@ -75,8 +75,12 @@ def render(api, project: str, params) -> None:
     configs = [{"config": c["config"], "baseline": c["config"] == run["baseline"], "run_id": run_id, "checked_at": None,
                 "comparisons": {x["metric"]: x for x in run["comparisons"] if x["config"] == c["config"]},
                 "figures": run["figures"].get(c["config"]) or {}} for c in run["configs"]]
-    df, twins = frame(config_rows(configs, metrics), metrics)
+    rows = config_rows(configs, metrics)
+    text, worst = headline(f"Run {run_id}", rows, metrics)  # the answer first: which config breaches, by how much
+    {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
+    df, twins = frame(rows, metrics)
     st.table(style_verdicts(df.drop(columns=["checked"], errors="ignore"), twins).hide(axis="index"))
+    st.caption(COLOUR_KEY)
 
     points = trade_off_points(run)
     if len(points) < 2:

@@ -28,12 +28,21 @@ def threshold_lines(thresholds: list[dict], configs: list[str]) -> list[dict]:
     return lines
 
 
+def axis_title(metric: dict) -> str:
+    """The y axis in words: the catalogue's label and what its numbers are."""
+    unit = {"ratio": "candidate ÷ baseline, 1 = parity", "fraction": "0–1", "ms": "milliseconds",
+            "points": "rubric points"}.get(metric["unit"], metric["unit"])
+    return f"{metric['label']} ({unit})"
+
+
 def render(api, project: str, params) -> None:
     st.title("Trends")
     top = st.columns([1, 1, 2])
     with top[0]:
         data = suite_choice(api, project, params, f"/projects/{project}/trends", metric="ppl_ratio")
-    metric = top[1].selectbox("Metric", [m["name"] for m in catalogue(api)], key="metric")
+    metrics = {m["name"]: m for m in catalogue(api)}
+    metric = top[1].selectbox("Metric", list(metrics), key="metric",
+                              format_func=lambda name: f"{metrics[name]['label']} ({name})")
     if metric != data["metric"]:
         data = api.get(f"/projects/{project}/trends", metric=metric, suite=data["suite"])
     pts = pd.DataFrame(data["points"])
@@ -52,10 +61,11 @@ def render(api, project: str, params) -> None:
     scale = alt.Scale(domain=y_domain([*pts["estimate"], *pts["ci_low"], *pts["ci_high"], *(x["y"] for x in lines)]))
     colour = alt.Color("config:N", scale=alt.Scale(domain=all_configs, range=CONFIG_COLORS[:len(all_configs)]))
     x = alt.X("run:O", sort=order, title="run (id, UTC start)", axis=alt.Axis(labelAngle=0))
-    y = alt.Y("estimate:Q", title=metric, scale=scale)
+    title = axis_title(metrics[metric])
+    y = alt.Y("estimate:Q", title=title, scale=scale)
     tooltip = ["config", "run_id", "at", "estimate", "ci_low", "ci_high", "n", "verdict"]
     base = alt.Chart(pts)
-    ci = alt.Y("ci_low:Q", scale=scale, title=metric)
+    ci = alt.Y("ci_low:Q", scale=scale, title=title)
     shape = alt.Shape("verdict:N", scale=alt.Scale(domain=list(SHAPES), range=list(SHAPES.values())))
     layers = [base.mark_rule(opacity=0.5, strokeWidth=2).encode(x=x, y=ci, y2="ci_high:Q", color=colour),
               base.mark_line().encode(x=x, y=y, color=colour),

@@ -168,6 +168,9 @@ def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, mo
     run = api(seeded_api, f"/runs/{first}")
     ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
     assert df.iloc[0]["ppl ratio"] == keep_ci_whole(pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"]))
+    # the answer above the table: the run's breaching configs, the worst first, with the figure and its CI
+    assert at.error[0].value.startswith(f"Run {first}: **int2** critical (ppl ratio "
+                                        f"{pct_change(ppl['estimate'], ppl['ci_low'], ppl['ci_high'])}")
     assert at.subheader[0].value == "Quality lost vs speed and memory gained"
     data = chart_data(at)
     points = next(f for f in data if "loss" in f.columns and "dy" in f.columns and len(f) == 4)
