@@ -43,7 +43,7 @@ class Tile:
     state: str  # a verdict, or "no data"
     value: str = ""  # the headline figure ("" with no data)
     ci: str = ""  # its 95% CI, in the same unit
-    source: str = ""  # the config it comes from: "int2 (worst of 3 configs)"
+    source: str = ""  # the config it comes from: "int2, worst of 3 on ppl ratio"
     lines: list[str] = field(default_factory=list)  # smaller figures under it
     why: str = ""  # a hover text: the rule behind the state or why there is no data
 
@@ -74,9 +74,11 @@ def _split(metric: dict, cell: dict) -> tuple[str, str]:
     return value, f"[{ci}" if ci else ""
 
 
-def _source(config: dict, count: int) -> str:
+def _source(config: dict, count: int, metric: dict) -> str:
+    """Where a per-model figure comes from: "int2, worst of 3 on ppl ratio" (by the metric that
+    gives the tile its state, which for throughput is the paired TPOT ratio, not tokens/s)."""
     name = config["config"] + (" (baseline)" if config["baseline"] else "")
-    return name if count == 1 else f"{name}, worst of {count} configs"
+    return name if count == 1 else f"{name}, worst of {count} on {metric['label']}"
 
 
 def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
@@ -97,7 +99,7 @@ def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
             continue
         metric, (config, cell, count) = min(found, key=lambda mw: verdict_rank(judged_verdict(mw[1][1])))
         value, ci = _split(metric, cell)
-        tile = Tile(title, judged_verdict(cell) or NOT_JUDGED, value, ci, _source(config, count),
+        tile = Tile(title, judged_verdict(cell) or NOT_JUDGED, value, ci, _source(config, count, metric),
                     why=cell.get("rule") or "")
         if tile.state == NOT_JUDGED:
             tile.lines.append(cell.get("rule") or "reported, not judged against a threshold")

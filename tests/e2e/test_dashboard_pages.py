@@ -96,7 +96,7 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     tiles = {title: state for state, title in
              re.findall(r'data-state="([^"]+)"[^>]*><div class="t">([^<]+)</div>', card)}
     # domain PPL: int2's ratio, the worst of the three candidates, critical, against the baseline's perplexity
-    assert tiles["domain PPL"] == "critical" and cell.split(" [")[0] in card and "int2, worst of 3 configs" in card
+    assert tiles["domain PPL"] == "critical" and cell.split(" [")[0] in card and "int2, worst of 3 on ppl ratio" in card
     assert f"baseline fp32 PPL {ppl['baseline_value']:.2f}" in card
     # acceptance: only spec-ngram decodes speculatively; its rate as a whole % and its verdict
     spec = next(c for c in over["models"]["tiny"] if c["config"] == "spec-ngram")["comparisons"]

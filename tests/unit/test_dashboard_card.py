@@ -49,7 +49,7 @@ def test_each_tile_shows_the_worst_config_its_value_and_its_state():
                            "throughput", "KV-cache usage"]
     ppl = tiles["domain PPL"]  # kv2 is critical, int4 only warn: (1.40 − 1) × 100 = +40.0; CI +31.0, +52.0
     assert (ppl.state, ppl.value, ppl.ci, ppl.source) == ("critical", "+40.0%", "[+31.0, +52.0]",
-                                                          "kv2, worst of 2 configs")
+                                                          "kv2, worst of 2 on ppl ratio")
     assert ppl.lines == ["baseline fp16 PPL 8.00"]
     # the judge: kv2's win rate is warn, its score delta ok; the worse verdict heads the tile, 0.35 → 35%
     judge = tiles["judge score"]
@@ -57,21 +57,22 @@ def test_each_tile_shows_the_worst_config_its_value_and_its_state():
     assert judge.lines == ["judge Δ -0.20 [-0.50, +0.10] (kv2, ok)"]
     # faithfulness: the baseline is judged too (3 configs); kv2's 0.70 is warn
     faith = tiles["faithfulness"]
-    assert (faith.state, faith.value, faith.ci, faith.source) == ("warn", "70%", "[60, 80]", "kv2, worst of 3 configs")
+    assert (faith.state, faith.value, faith.ci, faith.source) == ("warn", "70%", "[60, 80]",
+                                                                  "kv2, worst of 3 on faithful")
     accept = tiles["spec-decode acceptance"]
     assert (accept.state, accept.value, accept.ci, accept.source) == ("warn", "45%", "[40, 50]", "spec")
     # TTFT: both ok, so the slower p50 is the worst: int4's 120 ms (not kv2's 90 ms), with int4's p99 310.4 → 310
     ttft = tiles["TTFT p50 / p99"]
     assert (ttft.state, ttft.value, ttft.ci, ttft.source) == ("ok", "p50 120 ms", "[100, 140]",
-                                                              "int4, worst of 2 configs")
+                                                              "int4, worst of 2 on TTFT p50 ms")
     assert ttft.lines == ["p99 310 ms (no threshold of its own)"]
     # throughput: kv2's TPOT ratio is warn (+30 %); its 70.2 tok/s against the baseline's 100.2
     tput = tiles["throughput"]
-    assert (tput.state, tput.value, tput.source) == ("warn", "70 tok/s", "kv2, worst of 2 configs")
+    assert (tput.state, tput.value, tput.source) == ("warn", "70 tok/s", "kv2, worst of 2 on TPOT ratio")
     assert tput.lines == ["baseline 100 tok/s", "TPOT ratio +30.0% [+20.0, +40.0]"]
     # KV usage: a peak, one reading, no CI: 0.97 → 97 %, critical, the worst of the three
     kv = tiles["KV-cache usage"]
-    assert (kv.state, kv.value, kv.ci, kv.source) == ("critical", "97%", "", "kv2, worst of 3 configs")
+    assert (kv.state, kv.value, kv.ci, kv.source) == ("critical", "97%", "", "kv2, worst of 3 on KV use")
 
 
 def test_no_data_shows_no_figure_and_unknown_metrics_have_no_tile():
