@@ -52,7 +52,7 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
                "verdict": verdict or ("not measured" if c["run_id"] is None else ""), "ppl_ratio": ppl.get("estimate"),
                "breaching since": (f"{human_time(c['breaching_since'], now)} ({_label(metrics, breach)})"
                                    if breach and c.get("breaching_since") else ""),
-               "cells": {}, "n docs": fmt(docs, "d"), "n prompts": fmt(prompts, "d"),
+               "cells": {}, "n docs / prompts": sample_counts(docs, prompts),
                "ppl trend": sparkline([p["estimate"] for p in c.get("ppl_history") or []])
                if len(c.get("ppl_history") or []) > 1 else "",
                "tok/s": fmt(f.get("tokens_per_second"), ".0f"), "KV B/token": fmt(f.get("kv_bytes_per_token"), "d"),
@@ -64,6 +64,11 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
             row["cells"][m["label"]] = (text, judged_verdict(comp) if comp else "")
         rows.append(row)
     return worst_first(rows)
+
+
+def sample_counts(docs: int | None, prompts: int | None) -> str:
+    """The documents and prompts behind a row's figures in one narrow column: "12 / 10"."""
+    return "—" if docs is None and prompts is None else f"{fmt(docs, 'd')} / {fmt(prompts, 'd')}"
 
 
 def _label(metrics: list[dict], name: str | None) -> str:
@@ -79,7 +84,7 @@ def frame(rows: list[dict], metrics: list[dict]):
         for label, (text, verdict) in r["cells"].items():
             out[label], out[f"_{label}"] = keep_ci_whole(text), verdict
             twins[label] = f"_{label}"
-        for k in ("n docs", "n prompts", "ppl trend", "tok/s", "KV B/token", "checked"):
+        for k in ("n docs / prompts", "ppl trend", "tok/s", "KV B/token", "checked"):
             out[k] = r[k]
         table.append(out)
     df = pd.DataFrame(table)

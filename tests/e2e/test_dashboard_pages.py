@@ -88,7 +88,8 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     assert row["ppl ratio"] == keep_ci_whole(cell)  # no-break spaces inside the CI
     assert list(df.columns[:4]) == ["config", "verdict", "breaching since", "ppl ratio"]  # ppl ratio first
     assert row["breaching since"] == f"{human_time(int2['breaching_since'])} (ppl ratio)"
-    assert row["n docs"] == str(ppl["n"])
+    prompts = int2["comparisons"]["ttft_ms"]["n"]  # the generation comparisons' prompts
+    assert row["n docs / prompts"] == f"{ppl['n']} / {prompts}"
     assert "lossless EM" in df.columns and "judge win" not in df.columns  # no judge in the suite: left out
     assert "int2" in at.error[0].value and cell in at.error[0].value  # the headline names it, with its CI
     # the card under the banner: a tile per headline figure, from the configs' latest runs of the suite

@@ -120,3 +120,11 @@ def test_columns_empty_in_every_row_are_left_out():
                        {"config": "int8", "escalation run": "", "inhibited by": 7, "value": "—"}])
     assert list(drop_empty_columns(df).columns) == ["config", "inhibited by", "value"]  # only "escalation run" is blank
     assert drop_empty_columns(df.iloc[:0]).empty
+
+
+def test_documents_and_prompts_share_one_column():
+    from dashboard.views.overview import sample_counts
+
+    assert sample_counts(12, 10) == "12 / 10"
+    assert sample_counts(4, None) == "4 / —"  # a perplexity-only suite
+    assert sample_counts(None, None) == "—"  # the baseline: left out when every row is empty
