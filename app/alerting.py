@@ -52,7 +52,8 @@ class AlertState:
         return fingerprint(self.labels)
 
 
-def evaluate(prev: AlertState, verdict: str, value: float | None, for_runs: int, now: datetime) -> tuple[AlertState, str | None]:
+def evaluate(prev: AlertState, verdict: str, value: float | None, for_runs: int,
+             now: datetime) -> tuple[AlertState, str | None]:
     """Next state after one run's comparison verdict; the second item names the transition
     ("pending", "firing", "resolved", "inactive") or is None when nothing changed."""
     if verdict in NO_DATA_VERDICTS:
@@ -107,9 +108,10 @@ def inhibited(alert: AlertState, firing: list[AlertState]) -> bool:
 
 
 def should_notify(alert: AlertState, transition: str | None, now: datetime, *, send_resolved: bool,
-                  silences: list[SilenceRule], others: list[AlertState], repeat_interval: timedelta = REPEAT_INTERVAL) -> str | None:
+                  silences: list[SilenceRule], others: list[AlertState],
+                  repeat_interval: timedelta = REPEAT_INTERVAL) -> str | None:
     """The notification kind to send ("firing" | "resolved") or None, after one evaluation."""
-    if any(s.mutes(alert.labels, now) for s in silences):
+    if any(silence.mutes(alert.labels, now) for silence in silences):
         return None
     if alert.state == "firing":
         if inhibited(alert, others):
@@ -122,7 +124,8 @@ def should_notify(alert: AlertState, transition: str | None, now: datetime, *, s
     return None
 
 
-def idempotency_key(channel_id: int, alert: AlertState, kind: str, now: datetime, repeat_interval: timedelta = REPEAT_INTERVAL) -> str:
+def idempotency_key(channel_id: int, alert: AlertState, kind: str, now: datetime,
+                    repeat_interval: timedelta = REPEAT_INTERVAL) -> str:
     """One key per (channel, alert episode, kind, repeat slot): a retried evaluation of the same
     run produces the same key, so the outbox holds the notification once."""
     episode = (alert.started_at or now).isoformat()

@@ -55,7 +55,8 @@ def revoke_key(session: Session, key_id: int) -> ApiKey:
 def authenticate(session: Session, authorization: str | None, required: bool) -> ApiKey | None:
     if not authorization:
         if required:
-            raise Unauthorized("send 'Authorization: Bearer <API key>'; an operator creates one with `canary keys create --project NAME`")
+            raise Unauthorized("send 'Authorization: Bearer <API key>'; an operator creates one with "
+                               "`canary keys create --project NAME`")
         return None
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token:

@@ -37,8 +37,8 @@ TICK_SCHEDULES = "canary.tick_schedules"
 REFRESH_ALERTS = "canary.refresh_alerts"
 WARM_UP = "canary.warm_up"  # the embedded server imports the engine stack at start (workers/tasks.py)
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
-TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default", TICK_SCHEDULES: "default",
-               REFRESH_ALERTS: "default", WARM_UP: "gpu"}
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default",
+               TICK_SCHEDULES: "default", REFRESH_ALERTS: "default", WARM_UP: "gpu"}
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
 PRIORITY_STEPS = [0, 3, 6, 9]  # kombu's Redis default, set explicitly on the worker (workers/celery_app.py)
@@ -60,7 +60,8 @@ class CeleryDispatcher:
         from celery import Celery
 
         self.client = Celery("canary-client", broker=settings.broker_url, backend=settings.result_backend)
-        self.client.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=True)
+        self.client.conf.update(task_serializer="json", accept_content=["json"],
+                                broker_connection_retry_on_startup=True)
 
     def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
         self.client.send_task(task, args=list(args), queue=TASK_QUEUES.get(task, "default"), priority=priority,

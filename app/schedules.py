@@ -34,19 +34,21 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
     previous slot, claimed slot) to start."""
     now = now or utcnow()
     due = []
-    for s in session.scalars(select(Schedule).where(Schedule.enabled.is_(True))):
-        slot = latest_slot(s.cron, now)
-        last = aware(s.last_slot_at)
+    for schedule in session.scalars(select(Schedule).where(Schedule.enabled.is_(True))):
+        slot = latest_slot(schedule.cron, now)
+        last = aware(schedule.last_slot_at)
         if last is not None and slot <= last:
             continue
         # compare-and-set: a second beat (or a retried tick) that read the same row loses here
-        cond = Schedule.last_slot_at.is_(None) if s.last_slot_at is None else Schedule.last_slot_at == s.last_slot_at
-        won = session.execute(update(Schedule).where(Schedule.id == s.id, cond).values(last_slot_at=slot)).rowcount == 1
+        unchanged = (Schedule.last_slot_at.is_(None) if schedule.last_slot_at is None
+                     else Schedule.last_slot_at == schedule.last_slot_at)
+        claim = update(Schedule).where(Schedule.id == schedule.id, unchanged).values(last_slot_at=slot)
+        won = session.execute(claim).rowcount == 1
         if not won or last is None:  # lost the race, or first sight of a new schedule: wait for the next slot
             continue
-        suite = session.get(Suite, s.suite_id)
-        due.append((s.id, repo.project_name(session, s.project_id), suite.name, list(s.config_names), s.samples, slot.isoformat(),
-                    s.last_slot_at, slot))
+        suite = session.get(Suite, schedule.suite_id)
+        due.append((schedule.id, repo.project_name(session, schedule.project_id), suite.name,
+                    list(schedule.config_names), schedule.samples, slot.isoformat(), schedule.last_slot_at, slot))
     session.commit()
     return due
 
@@ -54,16 +56,18 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
 def tick(session_factory, dispatcher, now: datetime | None = None) -> list[int]:
     from app.services import start_run
 
-    with session_factory() as s:
-        due = claim_due(s, now)
+    with session_factory() as session:
+        due = claim_due(session, now)
     started = []
-    for sched_id, project, suite, configs, samples, slot, previous, claimed in due:
+    for schedule_id, project, suite, configs, samples, slot, previous, claimed in due:
         try:
             run_id, _ = start_run(project, suite, configs or None, dispatcher, samples=samples, trigger="schedule",
-                                  idempotency_key=f"schedule:{sched_id}:{slot}")
+                                  idempotency_key=f"schedule:{schedule_id}:{slot}")
             started.append(run_id)
         except Exception:  # one broken schedule must not stop the others
-            log.exception("schedule %s could not start its run for slot %s; the next tick retries it", sched_id, slot)
-            with session_factory() as s:  # give the slot back (compare-and-set: only if still ours)
-                s.execute(update(Schedule).where(Schedule.id == sched_id, Schedule.last_slot_at == claimed).values(last_slot_at=previous))
+            log.exception("schedule %s could not start its run for slot %s; the next tick retries it", schedule_id,
+                          slot)
+            with session_factory() as session:  # give the slot back (compare-and-set: only if still ours)
+                session.execute(update(Schedule).where(Schedule.id == schedule_id, Schedule.last_slot_at == claimed)
+                                .values(last_slot_at=previous))
     return started

@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     max_schedules: int = Field(100, ge=1, description="schedules per file / per project")
     max_config_file_bytes: int = Field(1024 * 1024, ge=1024, description="size of a config file")
     max_config_depth: int = Field(32, ge=4, description="YAML nesting depth of a config file")
-    max_config_values: int = Field(50_000, ge=100, description="YAML values (scalars, lists, mappings, aliases expanded) in a config file")
+    max_config_values: int = Field(
+        50_000, ge=100, description="YAML values (scalars, lists, mappings, aliases expanded) in a config file")
     dashboard_url: str = "http://localhost:8501"
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True

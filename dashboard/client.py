@@ -14,7 +14,8 @@ class ApiError(Exception):
 
 
 class Api:
-    def __init__(self, base_url: str | None = None, key: str | None = None, write_key: str | None = None, timeout: float = 10.0):
+    def __init__(self, base_url: str | None = None, key: str | None = None, write_key: str | None = None,
+                 timeout: float = 10.0):
         self.base_url = (base_url or os.environ.get("CANARY_API_URL", "http://127.0.0.1:8000")).rstrip("/")
         self.key = key if key is not None else os.environ.get("CANARY_API_KEY")
         self.write_key = write_key if write_key is not None else os.environ.get("CANARY_DASHBOARD_WRITE_KEY")
@@ -31,27 +32,30 @@ class Api:
         url = f"{self.base_url}/api/v1{path}"
         t0 = time.perf_counter()
         try:
-            r = httpx.request(method, url, headers=headers, timeout=self.timeout, **kw)
+            response = httpx.request(method, url, headers=headers, timeout=self.timeout, **kw)
         except httpx.TimeoutException:
-            raise ApiError(f"The API did not answer within {self.timeout:.0f} s ({path}); it may be busy — reload in a moment.") from None
+            raise ApiError(f"The API did not answer within {self.timeout:.0f} s ({path}); it may be busy — reload in "
+                           "a moment.") from None
         except httpx.HTTPError as e:
-            raise ApiError(f"The API at {self.base_url} is unreachable ({type(e).__name__}); check CANARY_API_URL.") from None
+            raise ApiError(f"The API at {self.base_url} is unreachable ({type(e).__name__}); check "
+                           "CANARY_API_URL.") from None
         finally:
             self.last_ms = (time.perf_counter() - t0) * 1000
-        if r.status_code in (401, 403):
+        if response.status_code in (401, 403):
             raise ApiError("The API refused the dashboard's key; set CANARY_API_KEY to a valid read-only key.")
-        if r.status_code >= 400:
+        if response.status_code >= 400:
             try:
-                detail = r.json().get("detail")
+                detail = response.json().get("detail")
             except ValueError:
-                detail = r.text[:200]
-            if isinstance(detail, list):
-                detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', [])[1:])}: {d.get('msg')}" for d in detail)
-            raise ApiError(f"{detail} (HTTP {r.status_code})")
-        return r.json()
+                detail = response.text[:200]
+            if isinstance(detail, list):  # FastAPI's validation errors: the field's path (after body/query) and why
+                detail = "; ".join(f"{'.'.join(str(part) for part in error.get('loc', [])[1:])}: {error.get('msg')}"
+                                   for error in detail)
+            raise ApiError(f"{detail} (HTTP {response.status_code})")
+        return response.json()
 
     def get(self, path: str, **params):
-        return self._call("GET", path, params={k: v for k, v in params.items() if v is not None})
+        return self._call("GET", path, params={name: value for name, value in params.items() if value is not None})
 
     def post(self, path: str, body: dict):
         return self._call("POST", path, write=True, json=body)

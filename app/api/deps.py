@@ -61,9 +61,11 @@ def get_project(project: str, request: Request, session: SessionDep, key: KeyDep
     if key is not None:
         owned = session.get(Project, key.project_id)
         if owned is None or owned.name != project:
-            raise repo.NotFound(f"project '{project}' not found")  # the same answer as for a project that does not exist
+            # the same answer as for a project that does not exist
+            raise repo.NotFound(f"project '{project}' not found")
         if request.method not in READ_METHODS and key.scope != "write":
-            raise Forbidden(f"this API key is read-only; {request.method} needs a read-write key of project '{project}'")
+            raise Forbidden(f"this API key is read-only; {request.method} needs a read-write key of project "
+                            f"'{project}'")
     return repo.get_project(session, project)
 
 

@@ -198,9 +198,9 @@ class BodyLimit:
     async def _refuse(send, limit: int) -> None:
         import json
 
-        body = json.dumps({"detail": f"request body exceeds the limit of {limit} bytes: send a smaller body (split a suite's "
-                                     "documents over several suites, or name a server-side corpus) or have the operator raise "
-                                     "CANARY_MAX_BODY_BYTES"}).encode()
+        body = json.dumps({"detail": f"request body exceeds the limit of {limit} bytes: send a smaller body (split a "
+                                     "suite's documents over several suites, or name a server-side corpus) or have the "
+                                     "operator raise CANARY_MAX_BODY_BYTES"}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -14,7 +14,8 @@ def payload(msg: AlertMessage) -> dict:
     color = 0x2EB67D if msg.status == "resolved" else (0xE01E5A if msg.severity == "critical" else 0xECB22E)
     return {
         "content": msg.headline()[:2000],
-        "embeds": [{"title": msg.headline()[:256], "description": msg.detail()[:4096], "url": msg.link(), "color": color}],
+        "embeds": [{"title": msg.headline()[:256], "description": msg.detail()[:4096], "url": msg.link(),
+                    "color": color}],
         "allowed_mentions": {"parse": []},
     }
 

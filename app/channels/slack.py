@@ -15,13 +15,17 @@ def _cut(text: str, limit: int) -> str:
 
 
 def payload(msg: AlertMessage) -> dict:
-    emoji = ":large_green_circle:" if msg.status == "resolved" else (":red_circle:" if msg.severity == "critical" else ":large_orange_circle:")
+    if msg.status == "resolved":
+        emoji = ":large_green_circle:"
+    else:
+        emoji = ":red_circle:" if msg.severity == "critical" else ":large_orange_circle:"
     return {
         "text": f"{msg.headline()}: {msg.detail()}",  # the notification / fallback text
         "blocks": [
             {"type": "header", "text": {"type": "plain_text", "text": _cut(msg.headline(), HEADER_LIMIT)}},
             {"type": "section", "text": {"type": "mrkdwn", "text": _cut(f"{emoji} {msg.detail()}", SECTION_LIMIT)}},
-            {"type": "actions", "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"}, "url": msg.link()}]},
+            {"type": "actions", "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"},
+                                              "url": msg.link()}]},
         ],
     }
 

@@ -18,7 +18,8 @@ def payload(msg: AlertMessage) -> dict:
             "content": {
                 "type": "AdaptiveCard", "version": "1.2", "$schema": "http://adaptivecards.io/schemas/adaptive-card.json",
                 "body": [
-                    {"type": "TextBlock", "text": msg.headline(), "weight": "Bolder", "size": "Medium", "color": color, "wrap": True},
+                    {"type": "TextBlock", "text": msg.headline(), "weight": "Bolder", "size": "Medium", "color": color,
+                     "wrap": True},
                     {"type": "TextBlock", "text": msg.detail()[:4000], "wrap": True},
                 ],
                 "actions": [{"type": "Action.OpenUrl", "title": "Open run", "url": msg.link()}],

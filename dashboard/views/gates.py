@@ -13,10 +13,16 @@ def render(api, project: str, params) -> None:
         st.info("No gate has run yet. CI calls `canary gate …` (see deploy/ci/github-actions-gate.yml).")
         return
     colors = {"pass": "#c8e6c9", "warn": "#ffe0b2", "fail": "#ffcdd2", "error": "#ffcdd2"}
-    df = pd.DataFrame([{"gate": g["gate_id"], "verdict": g["verdict"] or "pending", "candidate": g["candidate"], "baseline": g["baseline"],
-                        "run": f"?page=Run+detail&project={project}&run_id={g['run_id']}",
-                        "started": (g["created_at"] or "")[:19], "decided": (g["decided_at"] or "")[:19]} for g in gates])
-    st.dataframe(df.style.apply(lambda col: [f"background-color: {colors.get(v, '')}" for v in col], subset=["verdict"]),
+    table = pd.DataFrame([{"gate": gate["gate_id"], "verdict": gate["verdict"] or "pending",
+                           "candidate": gate["candidate"], "baseline": gate["baseline"],
+                           "run": f"?page=Run+detail&project={project}&run_id={gate['run_id']}",
+                           "started": (gate["created_at"] or "")[:19], "decided": (gate["decided_at"] or "")[:19]}
+                          for gate in gates])
+
+    def shade(column):
+        return [f"background-color: {colors.get(verdict, '')}" for verdict in column]
+
+    st.dataframe(table.style.apply(shade, subset=["verdict"]),
                  hide_index=True, width="stretch",
                  column_config={"run": st.column_config.LinkColumn("run", display_text=r"run_id=(\d+)")})
 

@@ -32,23 +32,26 @@ class ChannelOut(BaseModel):
     enabled: bool
 
 
-def out(c: Channel) -> dict:
-    settings = c.settings or {}
-    return {"id": c.id, "name": c.name, "kind": c.kind, "url": mask_url(c.url), "send_resolved": settings.get("send_resolved", True),
-            "signing_secret_set": bool(settings.get("signing_secret")), "enabled": c.enabled}
+def out(channel: Channel) -> dict:
+    settings = channel.settings or {}
+    return {"id": channel.id, "name": channel.name, "kind": channel.kind, "url": mask_url(channel.url),
+            "send_resolved": settings.get("send_resolved", True),
+            "signing_secret_set": bool(settings.get("signing_secret")), "enabled": channel.enabled}
 
 
-@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut, responses=error_responses(400, 403, 409))
+@router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut,
+            responses=error_responses(400, 403, 409))
 def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> dict:
     settings = {"send_resolved": body.send_resolved}
     if body.signing_secret:
         settings["signing_secret"] = body.signing_secret
     check_project_room(session, project, "channels", [body.name], "name")
-    c = repo.upsert_channel(session, project, body.name, body.kind, body.url, settings)
-    c.enabled = body.enabled
-    return out(c)
+    channel = repo.upsert_channel(session, project, body.name, body.kind, body.url, settings)
+    channel.enabled = body.enabled
+    return out(channel)
 
 
 @router.get("/projects/{project}/channels", response_model=list[ChannelOut])
 def list_channels(project: ProjectDep, session: SessionDep) -> list[dict]:
-    return [out(c) for c in session.scalars(select(Channel).where(Channel.project_id == project.id).order_by(Channel.id))]
+    channels = session.scalars(select(Channel).where(Channel.project_id == project.id).order_by(Channel.id))
+    return [out(channel) for channel in channels]

@@ -15,7 +15,8 @@ from app.ssrf import mask_userinfo
 router = APIRouter(tags=["projects"])
 
 
-@router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut, responses=error_responses(400, 403, 409))
+@router.post("/projects", status_code=status.HTTP_201_CREATED, response_model=ProjectOut,
+             responses=error_responses(400, 403, 409))
 def create_project(body: ProjectIn, session: SessionDep, key: KeyDep) -> ProjectOut:
     if key is not None:
         raise Forbidden("API keys are scoped to one project and cannot create projects; an operator runs "

@@ -17,7 +17,8 @@ router = APIRouter(tags=["runs"], responses=error_responses(404))
 
 
 @router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED, response_model=RunOut,
-             responses={200: {"description": "the run already started with this Idempotency-Key", "model": RunOut}, **error_responses(400, 403, 409)})
+             responses={200: {"description": "the run already started with this Idempotency-Key", "model": RunOut},
+                        **error_responses(400, 403, 409)})
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
@@ -25,7 +26,8 @@ def create_run(
     """Start a run of a suite over configs (baseline included); 200 with the earlier run when
     the Idempotency-Key was seen before."""
     run_id, created = start_run(project.name, body.suite, body.configs, get_dispatcher(background=True),
-                                samples=body.samples, seed=body.seed, trigger=body.trigger, idempotency_key=idempotency_key)
+                                samples=body.samples, seed=body.seed, trigger=body.trigger,
+                                idempotency_key=idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
     return run_summary(session, repo.get_run(session, project, run_id))
