@@ -121,7 +121,9 @@ class CanaryCollector(Collector):
                                                  Model.name, Project.name)
                                           .join(OptimizationConfig, OptimizationConfig.id == latest.c.config_id)
                                           .join(Model, Model.id == OptimizationConfig.model_id)
-                                          .join(Project, Project.id == Model.project_id), Project.id)).all()
+                                          .join(Project, Project.id == Model.project_id)
+                                          # a stacked config's ablations (step back) are no config to alert on
+                                          .where(OptimizationConfig.ablation_of_id.is_(None)), Project.id)).all()
         labels = ["project", "model", "config"]
         gauges = {metric: GaugeMetricFamily(f"canary_{metric}", f"Latest {metric} vs baseline ({METRICS[metric].unit})",
                                             labels=labels)

@@ -91,7 +91,10 @@ def check_project_room(session: Session, project: Project, kind: str, names: Seq
     table, setting = {"configs": (OptimizationConfig, "max_configs"), "suites": (Suite, "max_suites"),
                       "channels": (Channel, "max_channels"), "schedules": (Schedule, "max_schedules")}[kind]
     limit = getattr(get_settings(), setting)
-    existing = set(session.scalars(select(table.name).where(table.project_id == project.id)))
+    query = select(table.name).where(table.project_id == project.id)
+    if table is OptimizationConfig:  # the ablations the service derives (step back one layer) are not the team's
+        query = query.where(OptimizationConfig.ablation_of_id.is_(None))
+    existing = set(session.scalars(query))
     total = len(existing | set(names))
     if total > limit:
         raise ValueError(f"{field or kind}: project '{project.name}' would hold {total} {kind}, over the limit of {limit} "

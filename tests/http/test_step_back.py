@@ -14,13 +14,16 @@ from sqlalchemy import select
 
 from app import repo
 from app.api.routes.gates import gate_out
+from app.api.routes.views import overview
 from app.config_file import parse_config
 from app.db import session_scope
 from app.gates import decide, record_gate
+from app.metrics import CanaryCollector
 from app.models import ConfigRun, Gate, Run, SampleResult
 from app.schemas import RunOut
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
+from evals.step_back import format_share
 
 
 class StepDispatcher:
@@ -106,8 +109,13 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
         assert gate.verdict == "fail" and max(finished) <= run.finished_at  # decided after every layer ran
         summary = run_summary(s, run)
         out = gate_out(s, project, gate)
-        # the project's configs do not list the derived layers
+        # the project's configs, its overview and its Prometheus gauges do not list the derived layers
         assert [c.name for c in repo.list_configs(s, project)] == ["fp16", "int8-kv2", "int8"]
+        tiles = overview(project, s, suite="s")["models"]["outlier"]
+        assert [tile["config"] for tile in tiles] == ["fp16", "int8-kv2", "int8"]
+    gauges = {sample.labels["config"] for family in CanaryCollector(session_scope).collect()
+              if family.name == "canary_ppl_ratio" for sample in family.samples}
+    assert gauges == {"int8-kv2"}
 
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
     stacked = comps[("int8-kv2", "ppl_ratio")]["estimate"]
@@ -122,7 +130,8 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
     assert shares["kv_cache"] == math.log(alone["kv_cache"]) / total
     assert found["interaction"] == math.log(stacked) - total
     advice = found["advice"]
-    assert advice.startswith(f"disable kv_cache int2: {shares['kv_cache'] * 100:.0f} % of the ppl_ratio loss")
+    assert advice.startswith(f"disable kv_cache int2: {format_share(shares['kv_cache'])} of the ppl_ratio loss "
+                             f"(ppl_ratio {alone['kv_cache']:.4g} alone)")
     RunOut.model_validate(summary)  # the API's response model carries it
     # the verdict, the gate summary and the alert name the layer to disable; the layers decide nothing
     assert f"step back int8-kv2: {advice}" in summary["verdict_reason"]
@@ -137,7 +146,8 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
     assert alert["annotations"]["description"].endswith(f"Step back: {advice}.")
 
 
-def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(sqlite_env, receiver, tmp_path):
+def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(sqlite_env, receiver, tmp_path,
+                                                                                 monkeypatch):
     corpus = small_corpus(tmp_path)
     with session_scope() as s:
         apply_config_file(s, parse_config(config(receiver.url + "/hook", corpus)))
@@ -153,6 +163,10 @@ def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(s
     assert {layer["axis"]: layer["config"] for layer in found["layers"]} == {
         "weights": "int8", "kv_cache": "int8-kv2~kv_cache-only"}
 
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_MAX_CONFIGS", "3")  # the derived layer does not count against the team's limit
+    get_settings.cache_clear()
     with session_scope() as s:
         apply_config_file(s, parse_config(config(receiver.url + "/hook", corpus, stacked_opt_out=True)))
     run_id, _ = start_run("p", "s", ["int8-kv2"], dispatcher)

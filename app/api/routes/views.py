@@ -192,7 +192,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     rows = session.execute(select(OptimizationConfig, latest.c.run_id)
                            .join(Model, Model.id == OptimizationConfig.model_id)
                            .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
-                           .where(Model.project_id == project.id).order_by(Model.name, OptimizationConfig.id)).all()
+                           .where(Model.project_id == project.id, OptimizationConfig.ablation_of_id.is_(None))
+                           .order_by(Model.name, OptimizationConfig.id)).all()
     latest_ids = {r for _, r in rows if r is not None}
     older_ids = set(recent) - latest_ids
     # by (config, metric): run id → cell; whole cells for each config's latest run, and only the
