@@ -174,7 +174,8 @@ class StepBackOut(BaseModel):
 
 class RunOut(BaseModel):
     run_id: int
-    status: str = Field(description="queued | running | aggregating | done | failed | cancelled")
+    status: str = Field(description="queued | running | aggregating | done | failed | cancelled (back to running "
+                                    "while a breaching stacked config's single-optimization ablations run)")
     verdict: RunVerdict | None = Field(description="the worst gated comparison's, once done")
     verdict_reason: str | None
     baseline: str | None

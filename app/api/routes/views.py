@@ -255,7 +255,8 @@ def trends(project: ProjectDep, session: SessionDep,
     suite_id = chosen.id if chosen else -1
     q = (select(Comparison, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
          .join(OptimizationConfig, OptimizationConfig.id == Comparison.config_id)
-         .where(Run.project_id == project.id, Run.suite_id == suite_id, Comparison.metric == metric))
+         .where(Run.project_id == project.id, Run.suite_id == suite_id, Comparison.metric == metric,
+                OptimizationConfig.ablation_of_id.is_(None)))  # a stacked config's layers: on its run's page
     if config:
         q = q.where(Comparison.config_id == repo.get_config(session, project, config).id)
     points = [{"config": name, "run_id": c.run_id, "at": iso(at), "estimate": c.estimate, "ci_low": c.ci_low,
