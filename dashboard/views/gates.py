@@ -5,6 +5,17 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from dashboard.views.common import human_time, parse_time
+
+
+def took(gate: dict) -> str:
+    """From the gate's request to its verdict: "1 min 58 s", "42 s"; "" while pending."""
+    start, end = parse_time(gate["created_at"]), parse_time(gate["decided_at"])
+    if start is None or end is None:
+        return ""
+    seconds = round((end - start).total_seconds())
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
 
 def render(api, project: str, params) -> None:
     st.title("CI gates")
@@ -16,8 +27,13 @@ def render(api, project: str, params) -> None:
     table = pd.DataFrame([{"gate": gate["gate_id"], "verdict": gate["verdict"] or "pending",
                            "candidate": gate["candidate"], "baseline": gate["baseline"],
                            "run": f"?page=Run+detail&project={project}&run_id={gate['run_id']}",
-                           "started": (gate["created_at"] or "")[:19], "decided": (gate["decided_at"] or "")[:19]}
+                           "started": human_time(gate["created_at"]), "took": took(gate)}
                           for gate in gates])
+    latest = api.get(f"/projects/{project}/gates/{gates[0]['gate_id']}")  # newest first: the answer on top
+    say = {"pass": st.success, "warn": st.warning}.get(latest["verdict"], st.error if latest["verdict"] else st.info)
+    say(f"Latest gate {latest['gate_id']}: **{latest['verdict'] or 'pending'}** — {latest['candidate']} vs "
+        f"{latest['baseline']}, {human_time(latest['created_at'])}" + (f": {latest['reason']}" if latest.get("reason")
+                                                                        else ""))
 
     def shade(column):
         return [f"background-color: {colors.get(verdict, '')}" for verdict in column]

@@ -237,6 +237,10 @@ def test_gates_history(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Gates")
     df = frames(at)[0]
     assert list(df["candidate"]) == ["int8"] and seeded_api["gate"]["verdict"] in df["verdict"].iloc[0]
+    assert df["started"].iloc[0].endswith("ago") or df["started"].iloc[0] == "just now"  # not an ISO timestamp
+    gate = api(seeded_api, f"/gates/{seeded_api['gate']['gate_id']}")
+    banner = (at.success or at.warning or at.error)[0].value  # the latest gate's verdict and why, above the table
+    assert banner.startswith(f"Latest gate {gate['gate_id']}: **{gate['verdict']}**") and gate["reason"] in banner
 
 
 @pytest.mark.parametrize("url,needle", [("http://127.0.0.1:9", "is unreachable")])

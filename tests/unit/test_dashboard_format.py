@@ -128,3 +128,13 @@ def test_documents_and_prompts_share_one_column():
     assert sample_counts(12, 10) == "12 / 10"
     assert sample_counts(4, None) == "4 / —"  # a perplexity-only suite
     assert sample_counts(None, None) == "—"  # the baseline: left out when every row is empty
+
+
+def test_a_gate_took_from_its_request_to_its_verdict():
+    from dashboard.views.gates import took
+
+    # 06:40:50.14 → 06:42:48.14 is 118 s = 1 min 58 s
+    gate = {"created_at": "2026-11-25T06:40:50.139718", "decided_at": "2026-11-25T06:42:48.142033"}
+    assert took(gate) == "1 min 58 s"
+    assert took({"created_at": "2026-11-25T06:40:50", "decided_at": "2026-11-25T06:41:32"}) == "42 s"
+    assert took({"created_at": "2026-11-25T06:40:50", "decided_at": None}) == ""  # pending
