@@ -177,3 +177,29 @@ def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(s
         assert [cr.config.name for cr in run.config_runs] == ["fp16", "int8-kv2"]  # no layers ran
         summary = run_summary(s, run)
     assert summary["step_back"] == [] and "step back" not in summary["verdict_reason"]
+
+
+def test_a_failed_layer_gives_no_advice_and_leaves_the_verdict_alone(sqlite_env, receiver, tmp_path):
+    with session_scope() as s:
+        apply_config_file(s, parse_config(config(receiver.url + "/hook", small_corpus(tmp_path))))
+    dispatcher = StepDispatcher()
+    run_id, _ = start_run("p", "s", ["int8-kv2"], dispatcher)
+    assert dispatcher.run_all(until="step-back")[-1] == "step-back"
+    with session_scope() as s:  # the KV layer cannot load: a device this host does not have
+        run = s.get(Run, run_id)
+        layer = next(cr.config for cr in run.config_runs if cr.config.ablation_axis == "kv_cache")
+        layer.spec = {**layer.spec, "engine_options": {"device": "cuda:99"}}
+    dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        status = {cr.config.name: cr.status for cr in run.config_runs}
+        summary = run_summary(s, run)
+    assert summary["status"] == "done"
+    assert status == {"fp16": "succeeded", "int8-kv2": "succeeded", "int8-kv2~weights-only": "succeeded",
+                      "int8-kv2~kv_cache-only": "failed"}
+    # the stacked config's own critical decides, as it would without the layers; nothing is guessed
+    assert summary["verdict"] == "fail" and summary["step_back"] == []
+    assert "missing results" not in summary["verdict_reason"] and "step back" not in summary["verdict_reason"]
+    [alert] = [json.loads(d["body"])["alerts"][0] for d in receiver.delivered()]
+    assert alert["labels"]["config"] == "int8-kv2" and "step_back" not in alert["annotations"]
+    assert "Step back" not in alert["annotations"]["description"]
