@@ -5,8 +5,8 @@ colour and a word, plus the model's last and next check in human time.
 
 A tile's state is the verdict the API computed for the catalogue metric behind it (GET /metrics;
 evals/metrics.py is the metric's one home): the dashboard never judges a figure itself. A tile
-whose metrics are not in the catalogue is left out; a tile with no comparison on the suite says
-"no data" and shows no figure."""
+whose metrics are not in the catalogue is left out; the figures with no comparison on the suite
+are named in one small "no data" tile, with no figure."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ CSS = """<style>
 .canary-tile .s{font-size:0.75rem;color:#333}
 .canary-tile .w{font-size:0.75rem;font-weight:700;text-transform:uppercase;letter-spacing:.04em}
 .canary-tile.nodata{background:#fff;border:1px dashed #bdbdbd;border-left:6px solid #e0e0e0}
-.canary-tile.nodata .w{color:#9e9e9e;font-weight:400;text-transform:none}
+.canary-tile.nodata .t,.canary-tile.nodata .s{color:#9e9e9e}
 .canary-tile.neutral{background:#fff;border:1px solid #e0e0e0;border-left:6px solid #e0e0e0}
 </style>"""
 
@@ -153,9 +153,6 @@ CSS = """<style>
 def tile_html(tile: Tile) -> str:
     e = html.escape
     word = STATE_WORDS.get(tile.state, tile.state)
-    if tile.state == NO_DATA:
-        return (f'<div class="canary-tile nodata" data-state="no data" title="{e(tile.why)}">'
-                f'<div class="t">{e(tile.title)}</div><div class="w">no data</div></div>')
     lines = "".join(f'<div class="s">{e(x)}</div>' for x in tile.lines)
     if tile.state in VERDICT_COLORS:
         mark = VERDICT_MARKS[tile.state]
@@ -170,7 +167,14 @@ def tile_html(tile: Tile) -> str:
 
 
 def card_html(tiles: list[Tile], last: str, nxt: str) -> str:
+    """The measured tiles, then one small tile naming the figures with no data (six dashed empty
+    tiles on a perplexity-only suite hide the one that matters), then the checks."""
+    e = html.escape
+    measured = "".join(tile_html(t) for t in tiles if t.state != NO_DATA)
+    missing = [t for t in tiles if t.state == NO_DATA]
+    empty = (f'<div class="canary-tile nodata" data-state="no data" title="{e("; ".join(t.why for t in missing))}">'
+             f'<div class="t">no data</div><div class="s">{e(", ".join(t.title for t in missing))}</div></div>'
+             if missing else "")
     checks = (f'<div class="canary-tile neutral" data-state="checks"><div class="t">checks</div>'
-              f'<div class="s">last <b>{html.escape(last)}</b></div><div class="s">next <b>{html.escape(nxt)}</b>'
-              f'</div></div>')
-    return CSS + '<div class="canary-card">' + "".join(tile_html(t) for t in tiles) + checks + "</div>"
+              f'<div class="s">last <b>{e(last)}</b></div><div class="s">next <b>{e(nxt)}</b></div></div>')
+    return CSS + '<div class="canary-card">' + measured + empty + checks + "</div>"
