@@ -86,5 +86,12 @@ def test_every_page_in_headless_chromium(dashboard, tmp_path):
             if page == "Overview":  # the answer at the top: the critical config first, with its CI
                 first = browser.find_elements("css selector", "table tbody tr")[0].text
                 assert first.startswith("int2") and "critical" in first and "% [" in first, first
+                # the card, as drawn: the perplexity tile red with its state in words, above the table
+                tile = browser.find_element("css selector", '.canary-tile[data-state="critical"]')
+                assert tile.text.startswith("domain PPL") and "int2, worst of 3 on ppl ratio" in tile.text
+                assert tile.text.endswith("CRITICAL"), tile.text  # the word, not only the colour
+                assert tile.value_of_css_property("background-color") == "rgba(255, 205, 210, 1)"  # #ffcdd2
+                table = browser.find_element("css selector", "table")
+                assert tile.location["y"] < table.location["y"]
     finally:
         browser.quit()
