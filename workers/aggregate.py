@@ -215,8 +215,9 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         # otherwise missing results make it incomplete (never a pass by omission).
         verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not _informational(r))]
         reason = _reason(judged, config_runs)
-        names = {cr.config_id: cr.config.name for cr in config_runs}
-        reason += "".join(f"; step back {names[config_id]}: {found.advice()}" for config_id, found in advice.items())
+        config_names = {cr.config_id: cr.config.name for cr in config_runs}
+        reason += "".join(f"; step back {config_names[config_id]}: {found.advice()}"
+                          for config_id, found in advice.items())
         if failed:
             names = ", ".join(f"'{cr.config.name}' ({cr.error})" for cr in failed)
             reason = f"missing results for {names}; {reason}"
