@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Gate, Project, Run, utcnow
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
-from evals.step_back import format_share
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
 
@@ -107,7 +106,7 @@ def step_back_lines(summary: dict[str, Any], candidate: str) -> list[str]:
     lines = ["", f"**Step back one layer:** {worst['advice']}.", "",
              f"| layer | {worst['metric']} alone | share of the loss | run alone as |", "|---|---|---|---|"]
     for layer in worst["layers"]:
-        share = format_share(layer["share"])
+        share = "—" if layer["share"] is None else f"{layer['share'] * 100:.1f} %"  # the advice rounds; the table not
         lossless = " (lossless)" if layer["lossless"] else ""
         lines.append(f"| {layer['axis']} {layer['value']}{lossless} | {layer['ratio']:.4g} | {share} | "
                      f"`{layer['config']}` |")

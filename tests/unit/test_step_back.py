@@ -80,7 +80,8 @@ def test_step_back_opt_out_is_validated_in_the_config_file():
            "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout"}]}
     assert parse_config(doc).configs[1].to_spec().step_back is False
     doc["configs"][1]["step_back"] = "sometimes"
-    with pytest.raises(ConfigFileError, match=r"configs\[1\]\.step_back: expected true or false, got .sometimes.; false keeps"):
+    with pytest.raises(ConfigFileError,
+                       match=r"configs\[1\]\.step_back: expected true or false, got .sometimes.; false keeps"):
         parse_config(doc)
 
 
@@ -96,5 +97,5 @@ def test_gate_summary_lines_from_a_step_back():
     assert step_back_lines(summary, "s") == [
         "", "**Step back one layer:** disable kv_cache int2: 90 %.", "",
         "| layer | ppl_ratio alone | share of the loss | run alone as |", "|---|---|---|---|",
-        "| kv_cache int2 | 1.5 | 90 % | `s~kv_cache-only` |",
-        "| weights int8 | 1.046 | 10 % | `s~weights-only` |"]
+        "| kv_cache int2 | 1.5 | 90.0 % | `s~kv_cache-only` |",
+        "| weights int8 | 1.046 | 10.0 % | `s~weights-only` |"]
