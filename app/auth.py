@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from typing import Literal, overload
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -52,7 +53,14 @@ def revoke_key(session: Session, key_id: int) -> ApiKey:
     return row
 
 
+@overload
+def authenticate(session: Session, authorization: str | None, required: Literal[True]) -> ApiKey: ...
+@overload
+def authenticate(session: Session, authorization: str | None, required: bool) -> ApiKey | None: ...
+
+
 def authenticate(session: Session, authorization: str | None, required: bool) -> ApiKey | None:
+    """The key the header names; None only when no header was sent and none is required."""
     if not authorization:
         if required:
             raise Unauthorized("send 'Authorization: Bearer <API key>'; an operator creates one with "

@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -17,6 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from app.ssrf import hide_url_logs
+
+if TYPE_CHECKING:
+    from app.config_file import CanaryFile
 
 hide_url_logs()
 
@@ -77,7 +80,7 @@ DEMO_CONFIG: dict[str, Any] = {
 }
 
 
-def fail(msg: str, code: int = 2) -> None:
+def fail(msg: str, code: int = 2) -> NoReturn:
     console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -134,35 +137,38 @@ class RunWatch:
             _log(line)
 
     def update(self, run) -> None:
-        crs = list(run.config_runs)
+        config_runs = list(run.config_runs)
         elapsed = self.clock() - self.started
         if not self.announced:
             self.announced = True
-            self.say(f"run {run.id} started: {len(crs)} configs, {run.n_samples} samples each; "
+            self.say(f"run {run.id} started: {len(config_runs)} configs, {run.n_samples} samples each; "
                      f"a line per finished config, a heartbeat every {self.heartbeat:.0f}s")
-        for cr in crs:
-            name = cr.config.name
+        for config_run in config_runs:
+            name = config_run.config.name
             if self.bars:
                 if name not in self.tasks:
                     self.tasks[name] = self.progress.add_task(name, total=None)
-                self.progress.update(self.tasks[name], completed=cr.progress_done, total=cr.progress_total or None)
-            if cr.status in ("succeeded", "failed") and name not in self.finished:
+                self.progress.update(self.tasks[name], completed=config_run.progress_done,
+                                     total=config_run.progress_total or None)
+            if config_run.status in ("succeeded", "failed") and name not in self.finished:
                 self.finished.add(name)
-                why = f": {cr.error.splitlines()[0][:200]}" if cr.status == "failed" and cr.error else ""
-                self.say(f"{name} {cr.status} ({len(self.finished)}/{len(crs)} configs done, "
+                failed = config_run.status == "failed" and config_run.error
+                why = f": {config_run.error.splitlines()[0][:200]}" if failed else ""
+                self.say(f"{name} {config_run.status} ({len(self.finished)}/{len(config_runs)} configs done, "
                          f"{_ago(elapsed)} elapsed){why}")
         if self.clock() - self.last_line >= self.heartbeat:
-            self.say(self.heartbeat_line(crs, elapsed))
+            self.say(self.heartbeat_line(config_runs, elapsed))
 
-    def heartbeat_line(self, crs, elapsed: float) -> str:
+    def heartbeat_line(self, config_runs, elapsed: float) -> str:
         """`run 7 running: 1/3 configs done; int8 40/100; 1m30s elapsed, about 2m15s left`. The
         estimate counts a config's progress as the fraction of its items done."""
-        done = sum(1.0 if cr.status in ("succeeded", "failed") else
-                   (cr.progress_done / cr.progress_total if cr.progress_total else 0.0) for cr in crs)
-        moving = [f"{cr.config.name} {cr.progress_done}/{cr.progress_total}" for cr in crs
-                  if cr.status == "running" and cr.progress_total]
-        left = f", about {_ago(elapsed * (len(crs) - done) / done)} left" if done > 0 else ""
-        return (f"run {self.run_id} running: {len(self.finished)}/{len(crs)} configs done"
+        done = sum(1.0 if config_run.status in ("succeeded", "failed") else
+                   (config_run.progress_done / config_run.progress_total if config_run.progress_total else 0.0)
+                   for config_run in config_runs)
+        moving = [f"{config_run.config.name} {config_run.progress_done}/{config_run.progress_total}"
+                  for config_run in config_runs if config_run.status == "running" and config_run.progress_total]
+        left = f", about {_ago(elapsed * (len(config_runs) - done) / done)} left" if done > 0 else ""
+        return (f"run {self.run_id} running: {len(self.finished)}/{len(config_runs)} configs done"
                 f"{'; ' + ', '.join(moving) if moving else ''}; {_ago(elapsed)} elapsed{left}")
 
 
@@ -193,8 +199,8 @@ def _upgrade_db() -> None:
     upgrade()
 
 
-def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: int | None, as_json: bool, wait: bool,
-                  timeout: float = 3600, heartbeat: float = 30) -> dict | None:
+def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str] | None, samples: int | None,
+                  as_json: bool, wait: bool, timeout: float = 3600, heartbeat: float = 30) -> dict:
     from app import repo
     from app.db import session_scope
     from app.dispatch import InlineDispatcher, get_dispatcher
@@ -207,8 +213,8 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
 
         with Connection(get_settings().broker_url, connect_timeout=3) as conn:
             conn.ensure_connection(max_retries=1, timeout=3)
-    with session_scope() as s:
-        apply_config_file(s, cfg)
+    with session_scope() as session:
+        apply_config_file(session, canary_file)
     if inline:
         # a one-shot CLI run ends with its run: escalation runs belong to a running service
         # (canary serve, or workers), so this process does not start them
@@ -216,25 +222,25 @@ def _run_and_wait(cfg, suite: str | None, configs: list[str] | None, samples: in
         get_settings.cache_clear()
     dispatcher = InlineDispatcher(background=True) if inline else get_dispatcher()
     started = time.perf_counter()
-    run_id, _ = start_run(cfg.project, cfg.suite(suite).name, configs, dispatcher, samples=samples)
+    run_id, _ = start_run(canary_file.project, canary_file.suite(suite).name, configs, dispatcher, samples=samples)
     if not wait:
         _warn_if_nothing_executes(run_id, inline)
         return {"run_id": run_id, "status": "queued"}
     watch = RunWatch(run_id, heartbeat, bars=console.is_terminal and not as_json)
     with watch:
         while True:
-            with session_scope() as s:
-                run = repo.get_run(s, repo.get_project(s, cfg.project), run_id)
+            with session_scope() as session:
+                run = repo.get_run(session, repo.get_project(session, canary_file.project), run_id)
                 watch.update(run)
                 if run.status in ("done", "failed"):
-                    summary = run_summary(s, run)
+                    summary = run_summary(session, run)
                     break
                 if time.perf_counter() - started > timeout:
                     fail(f"run {run_id} is still {run.status} after {timeout:.0f}s; is a worker consuming the gpu "
                          f"queue? (`canary worker`); the run goes on and "
-                         f"GET /api/v1/projects/{cfg.project}/runs/{run_id} shows it")
+                         f"GET /api/v1/projects/{canary_file.project}/runs/{run_id} shows it")
             time.sleep(0.5)
-    if inline:
+    if isinstance(dispatcher, InlineDispatcher):  # inline: this process runs the tasks
         dispatcher.drain(60)  # notifications the aggregation queued: let them go out before exiting
     summary["wall_seconds"] = round(time.perf_counter() - started, 1)
     return summary
@@ -247,14 +253,15 @@ def metric_cell(comp: dict | None) -> str:
     return f"[{color}]{comp['estimate']:.2f}[/]"
 
 
-def worst_comparison(comps: list[dict]) -> dict | None:
+def worst_comparison(comparisons: list[dict]) -> dict | None:
     """The config's comparison that decides its standing: the worst verdict among its gated
     metrics (informational ones never decide), ppl_ratio first among equals."""
     from evals.metrics import METRICS, VERDICT_ORDER
 
-    gated = [c for c in comps
-             if c["metric"] in METRICS and METRICS[c["metric"]].gated and c["verdict"] in VERDICT_ORDER]
-    return max(gated, key=lambda c: (VERDICT_ORDER[c["verdict"]], c["metric"] == "ppl_ratio"), default=None)
+    gated = [comparison for comparison in comparisons if comparison["metric"] in METRICS
+             and METRICS[comparison["metric"]].gated and comparison["verdict"] in VERDICT_ORDER]
+    return max(gated, key=lambda comparison: (VERDICT_ORDER[comparison["verdict"]],
+                                              comparison["metric"] == "ppl_ratio"), default=None)
 
 
 def _print_summary(summary: dict, wide: bool = False) -> None:
@@ -263,57 +270,61 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     the ratio), tok/s and KV bytes per token; --wide adds weights, KV cache, speculative settings,
     TTFT/TBT, weight MB, acceptance, faithfulness, exact match and top-1 agreement."""
     out = Console(width=None if Console().is_terminal else (250 if wide else 120))
-    comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
-    t = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
+    comparisons = {(comparison["config"], comparison["metric"]): comparison for comparison in summary["comparisons"]}
+    table = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
     cols = ["config", "ppl ratio [95% CI]", "verdict", "tok/s", "KV B/token"]
     if wide:
         cols[1:2] = ["weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI"]
         cols += ["TTFT p50 ms", "TBT p50 ms", "weights MB", "accept", "faithful", "exact match", "top-1"]
     for col in cols:
         left = col in ("config", "weights", "kv cache", "speculative", "verdict")
-        t.add_column(col, justify="left" if left else "right")
+        table.add_column(col, justify="left" if left else "right")
     failures = []
-    for c in summary["configs"]:
-        f = summary["figures"].get(c["config"]) or {}
-        r = comps.get((c["config"], "ppl_ratio"))
-        is_base = c["config"] == summary["baseline"]
-        ratio = f"{r['estimate']:.4f}" if r and r["estimate"] is not None else ("baseline" if is_base else "—")
-        ci = f"[{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r and r["ci_low"] is not None else ""
-        worst = worst_comparison([x for x in summary["comparisons"] if x["config"] == c["config"]])
-        verdict = worst["verdict"] if worst else ("" if is_base or c["status"] == "succeeded" else c["status"])
+    for config in summary["configs"]:
+        figures = summary["figures"].get(config["config"]) or {}
+        ppl = comparisons.get((config["config"], "ppl_ratio"))
+        is_base = config["config"] == summary["baseline"]
+        ratio = f"{ppl['estimate']:.4f}" if ppl and ppl["estimate"] is not None else ("baseline" if is_base else "—")
+        ci = f"[{ppl['ci_low']:.4f}, {ppl['ci_high']:.4f}]" if ppl and ppl["ci_low"] is not None else ""
+        worst = worst_comparison([comparison for comparison in summary["comparisons"]
+                                  if comparison["config"] == config["config"]])
+        quiet = is_base or config["status"] == "succeeded"  # no comparison: a baseline, or nothing to judge
+        verdict = worst["verdict"] if worst else ("" if quiet else config["status"])
         color = VERDICT_COLORS.get(verdict, "white")
         because = f" ({worst['metric']})" if worst and worst["metric"] != "ppl_ratio" and verdict != "ok" else ""
 
-        def fmt(key: str, fmt_spec: str, f: dict = f) -> str:
-            return format(f[key], fmt_spec) if f.get(key) is not None else "—"
+        def fmt(key: str, fmt_spec: str, figures: dict = figures) -> str:
+            return format(figures[key], fmt_spec) if figures.get(key) is not None else "—"
 
-        row = [c["config"]]
+        row = [config["config"]]
         if wide:
-            sp = c["spec"].get("speculative", {})
-            spec_label = "off" if sp.get("method", "off") == "off" else f"{sp['method']} k={sp.get('k')}"
-            row += [c["spec"]["weights"], f.get("kv_cache") or c["spec"].get("kv_cache", ""), spec_label,
+            speculative = config["spec"].get("speculative", {})
+            spec_label = ("off" if speculative.get("method", "off") == "off"
+                          else f"{speculative['method']} k={speculative.get('k')}")
+            row += [config["spec"]["weights"], figures.get("kv_cache") or config["spec"].get("kv_cache", ""),
+                    spec_label,
                     fmt("token_ppl", ".3f"), ratio, ci]
         else:
             row.append(f"{ratio} {ci}".strip())
         row += [f"[{color}]{verdict}[/]{escape(because)}", fmt("tokens_per_second", ".0f"),
                 fmt("kv_bytes_per_token", "d")]
         if wide:
-            acc = (f.get("spec") or {}).get("acceptance_rate")
+            acceptance = (figures.get("spec") or {}).get("acceptance_rate")
             row += [fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"),
-                    f"{f['weight_bytes'] / 1e6:.2f}" if f.get("weight_bytes") else "—",
-                    f"{acc:.2f}" if acc is not None else "",
-                    *(metric_cell(comps.get((c["config"], m)))
-                      for m in ("faithfulness", "exact_match", "top1_agreement"))]
-        t.add_row(*row)
-        if c["error"]:
-            failures.append(f"{c['config']}: {c['error']}")
-    out.print(t)
+                    f"{figures['weight_bytes'] / 1e6:.2f}" if figures.get("weight_bytes") else "—",
+                    f"{acceptance:.2f}" if acceptance is not None else "",
+                    *(metric_cell(comparisons.get((config["config"], metric)))
+                      for metric in ("faithfulness", "exact_match", "top1_agreement"))]
+        table.add_row(*row)
+        if config["error"]:
+            failures.append(f"{config['config']}: {config['error']}")
+    out.print(table)
     for line in failures:
         out.print(f"[red]failed[/] {escape(line)}", highlight=False)
-    methods = {c.get("details", {}).get("method")
-               for c in summary["comparisons"] if c["metric"] == "faithfulness"} - {None}
-    for m in methods:
-        out.print(f"faithfulness: {m}", highlight=False)
+    methods = {comparison.get("details", {}).get("method")
+               for comparison in summary["comparisons"] if comparison["metric"] == "faithfulness"} - {None}
+    for method in methods:
+        out.print(f"faithfulness: {method}", highlight=False)
     if not wide:
         out.print("more columns (TTFT, TBT, weights, acceptance, faithfulness, exact match): --wide; "
                   "every figure: --json",
@@ -326,8 +337,8 @@ def _json_out(summary: dict) -> None:
             "configs"}
     out = {k: v for k, v in summary.items() if k in keep}
     fields = ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")
-    out["comparisons"] = [{k: c[k] for k in fields}
-                          for c in summary["comparisons"]]
+    out["comparisons"] = [{k: comparison[k] for k in fields}
+                          for comparison in summary["comparisons"]]
     sys.stdout.write(json.dumps(out) + "\n")
 
 
@@ -365,9 +376,10 @@ def demo(
     get_settings.cache_clear()
     _ensure_zoo()
     _upgrade_db()
-    cfg = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]}, "demo config")
+    canary_file = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]},
+                               "demo config")
     try:
-        summary = _run_and_wait(cfg, None, None, None, as_json, wait=True, heartbeat=heartbeat)
+        summary = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat)
     except ValueError as e:
         fail(str(e))
     if as_json:
@@ -402,10 +414,10 @@ def run(
     if fail_on not in FAIL_ON:
         fail(f"--fail-on must be one of {', '.join(FAIL_ON)}, not '{fail_on}'")
     try:
-        cfg = load_config_file(file)
+        canary_file = load_config_file(file)
         _upgrade_db()
         names = configs.split(",") if configs else None
-        summary = _run_and_wait(cfg, suite, names, samples, as_json, wait, timeout, heartbeat)
+        summary = _run_and_wait(canary_file, suite, names, samples, as_json, wait, timeout, heartbeat)
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
     if not wait:
@@ -501,40 +513,42 @@ def gate(
     started = last_line = time.monotonic()
     with httpx.Client(timeout=30, headers=headers) as http:
         try:
-            r = _call(http, "POST", base, min(retry_for, 15), json={k: v for k, v in body.items() if v is not None})
+            response = _call(http, "POST", base, min(retry_for, 15),
+                             json={name: value for name, value in body.items() if value is not None})
         except httpx.TransportError as e:
             fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL",
                  error_exit_code)
-        if r.status_code >= 500:
-            fail(f"the canary API failed to start the gate (HTTP {r.status_code}): {_detail(r)}", error_exit_code)
-        if r.status_code >= 400:
-            fail(f"gate refused (HTTP {r.status_code}): {_detail(r)}")
-        g = r.json()
-        _log(f"gate {g['gate_id']}: {candidate} vs {g['baseline']} on suite {suite}, run {g['run_id']}"
-             + ("; waiting for the verdict" if wait and g["verdict"] is None else ""))
-        while wait and g["verdict"] is None:
+        if response.status_code >= 500:
+            fail(f"the canary API failed to start the gate (HTTP {response.status_code}): {_detail(response)}",
+                 error_exit_code)
+        if response.status_code >= 400:
+            fail(f"gate refused (HTTP {response.status_code}): {_detail(response)}")
+        gate = response.json()
+        _log(f"gate {gate['gate_id']}: {candidate} vs {gate['baseline']} on suite {suite}, run {gate['run_id']}"
+             + ("; waiting for the verdict" if wait and gate["verdict"] is None else ""))
+        while wait and gate["verdict"] is None:
             now = time.monotonic()
             if now - started > timeout:
-                _gate_out(g, summary_md, as_json, step_summary=True)
-                fail(f"gate {g['gate_id']} has no verdict after {timeout:.0f}s (run {g['run_id']} is "
-                     f"{g['run_status']}); it goes on, and the same --idempotency-key picks it up again",
+                _gate_out(gate, summary_md, as_json, step_summary=True)
+                fail(f"gate {gate['gate_id']} has no verdict after {timeout:.0f}s (run {gate['run_id']} is "
+                     f"{gate['run_status']}); it goes on, and the same --idempotency-key picks it up again",
                      error_exit_code)
             if now - last_line >= heartbeat:
                 last_line = now
-                _log(f"gate {g['gate_id']} still waiting: run {g['run_id']} is {g['run_status']}, "
+                _log(f"gate {gate['gate_id']} still waiting: run {gate['run_id']} is {gate['run_status']}, "
                      f"{_ago(now - started)} elapsed")
             time.sleep(min(_poll_interval(now - started), heartbeat))
             try:
-                r = _call(http, "GET", f"{base}/{g['gate_id']}", retry_for)
+                response = _call(http, "GET", f"{base}/{gate['gate_id']}", retry_for)
             except httpx.TransportError as e:
                 fail(f"the canary API at {api} stayed unreachable for {retry_for:.0f}s ({type(e).__name__}); gate "
-                     f"{g['gate_id']} goes on, and the same --idempotency-key picks it up again", error_exit_code)
-            if r.status_code >= 400:
-                fail(f"reading gate {g['gate_id']} failed (HTTP {r.status_code}): {_detail(r)}",
-                     error_exit_code if r.status_code >= 500 else 2)
-            g = r.json()
-    _gate_out(g, summary_md, as_json, step_summary=True)
-    raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[g["verdict"]])
+                     f"{gate['gate_id']} goes on, and the same --idempotency-key picks it up again", error_exit_code)
+            if response.status_code >= 400:
+                fail(f"reading gate {gate['gate_id']} failed (HTTP {response.status_code}): {_detail(response)}",
+                     error_exit_code if response.status_code >= 500 else 2)
+            gate = response.json()
+    _gate_out(gate, summary_md, as_json, step_summary=True)
+    raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]])
 
 
 def _poll_interval(elapsed: float) -> float:
@@ -551,28 +565,28 @@ def _call(http, method: str, url: str, retry_for: float, **kw):
     deadline, delay = time.monotonic() + retry_for, 1.0
     while True:
         try:
-            r = http.request(method, url, **kw)
-            if r.status_code < 500:
-                return r
-            why = f"HTTP {r.status_code}"
+            response = http.request(method, url, **kw)
+            if response.status_code < 500:
+                return response
+            why = f"HTTP {response.status_code}"
         except httpx.TransportError as e:
             if time.monotonic() + delay > deadline:
                 raise
             why = type(e).__name__
         else:
             if time.monotonic() + delay > deadline:
-                return r
+                return response
         _log(f"{method} {url} failed ({why}); retrying in {delay:.0f}s")
         time.sleep(delay)
         delay = min(delay * 2, 30.0)
 
 
-def _detail(r) -> str:
+def _detail(response) -> str:
     try:
-        d = r.json().get("detail")
-        return d if isinstance(d, str) else json.dumps(d)
+        detail = response.json().get("detail")
+        return detail if isinstance(detail, str) else json.dumps(detail)
     except ValueError:
-        return r.text[:300]
+        return response.text[:300]
 
 
 def _gate_out(g: dict, summary_md, as_json: bool, step_summary: bool = False) -> None:
@@ -616,8 +630,8 @@ def keys_create(project: str = typer.Option(..., help="the project the key opens
     if scope not in SCOPES:
         fail(f"--scope must be one of {', '.join(SCOPES)}")
     _upgrade_db()
-    with session_scope() as s:
-        row, key = create_key(s, project, name, scope)
+    with session_scope() as session:
+        row, key = create_key(session, project, name, scope)
         key_id, scope = row.id, row.scope
     what = {"read": "read-only", "write": "read-write", "metrics": "/metrics of this project only",
             "metrics-all": "/metrics of every project"}[scope]
@@ -633,8 +647,8 @@ def keys_revoke(key_id: int = typer.Argument(..., help="the key's id (from `cana
     from app.repo import NotFound
 
     try:
-        with session_scope() as s:
-            revoke_key(s, key_id)
+        with session_scope() as session:
+            revoke_key(session, key_id)
     except NotFound as e:
         fail(str(e))
     console.print(f"key {key_id} revoked")
@@ -649,24 +663,25 @@ def keys_list(project: str = typer.Option(..., help="project name")) -> None:
     from app.db import session_scope
     from app.models import ApiKey
 
-    with session_scope() as s:
-        p = repo.get_project(s, project)
-        for k in s.scalars(select(ApiKey).where(ApiKey.project_id == p.id).order_by(ApiKey.id)):
-            state = "revoked " + k.revoked_at.isoformat() if k.revoked_at else "active"
-            sys.stdout.write(f"{k.id}\t{k.name}\t{k.scope}\t{state}\n")
+    with session_scope() as session:
+        project_row = repo.get_project(session, project)
+        keys = session.scalars(select(ApiKey).where(ApiKey.project_id == project_row.id).order_by(ApiKey.id))
+        for api_key in keys:
+            state = "revoked " + api_key.revoked_at.isoformat() if api_key.revoked_at else "active"
+            sys.stdout.write(f"{api_key.id}\t{api_key.name}\t{api_key.scope}\t{state}\n")
 
 
 PROJECT = typer.Option("default", "--project", "-p", envvar="CANARY_PROJECT", help="project name")
 AS_JSON = typer.Option(False, "--json", help="print JSON on stdout instead of a table")
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    t = Table(title=title)
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    table = Table(title=title)
     for col in columns:
-        t.add_column(col)
+        table.add_column(col)
     for row in rows:
-        t.add_row(*(escape(str(x)) if x is not None else "—" for x in row))
-    Console(width=None if Console().is_terminal else 160).print(t)
+        table.add_row(*(escape(str(cell)) if cell is not None else "—" for cell in row))
+    Console(width=None if Console().is_terminal else 160).print(table)
 
 
 def _when(iso: str | None) -> str:
@@ -680,20 +695,21 @@ def runs_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=5
     from app.db import session_scope
     from app.models import Suite
 
-    with session_scope() as s:
-        p = repo.get_project(s, project)
-        items = [{"run_id": r.id, "suite": (s.get(Suite, r.suite_id) or Suite(name="?")).name, "trigger": r.trigger,
-                  "status": r.status, "verdict": r.verdict, "n_samples": r.n_samples,
-                  "created_at": r.created_at.isoformat() if r.created_at else None,
-                  "finished_at": r.finished_at.isoformat() if r.finished_at else None}
-                 for r in repo.list_runs(s, p, limit)]
+    with session_scope() as session:
+        project_row = repo.get_project(session, project)
+        items: list[dict[str, Any]] = [
+            {"run_id": run.id, "suite": (session.get(Suite, run.suite_id) or Suite(name="?")).name,
+             "trigger": run.trigger, "status": run.status, "verdict": run.verdict, "n_samples": run.n_samples,
+             "created_at": run.created_at.isoformat() if run.created_at else None,
+             "finished_at": run.finished_at.isoformat() if run.finished_at else None}
+            for run in repo.list_runs(session, project_row, limit)]
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
     _table(f"runs of project '{project}' (newest first)",
            ["run", "suite", "trigger", "status", "verdict", "samples", "created", "finished"],
-           [[i["run_id"], i["suite"], i["trigger"], i["status"], i["verdict"], i["n_samples"], _when(i["created_at"]),
-             _when(i["finished_at"])] for i in items])
+           [[item["run_id"], item["suite"], item["trigger"], item["status"], item["verdict"], item["n_samples"],
+             _when(item["created_at"]), _when(item["finished_at"])] for item in items])
 
 
 @runs_app.command("show")
@@ -704,14 +720,14 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
     from app.db import session_scope
     from app.services import run_summary
 
-    with session_scope() as s:
-        summary = run_summary(s, repo.get_run(s, repo.get_project(s, project), run_id))
+    with session_scope() as session:
+        summary = run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id))
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
     elif summary["status"] != "done":
         console.print(f"run {run_id} is {summary['status']}: " + ", ".join(
-            f"{c['config']} {c['status']} {c['progress']['done']}/{c['progress']['total']}"
-            for c in summary["configs"]),
+            f"{config['config']} {config['status']} {config['progress']['done']}/{config['progress']['total']}"
+            for config in summary["configs"]),
             highlight=False)
     else:
         _print_summary(summary, wide)
@@ -731,17 +747,19 @@ def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, h
 
     if state not in (None, "pending", "firing", "resolved", "inactive"):
         fail(f"--state must be pending, firing or resolved, not '{state}'")
-    with session_scope() as s:
-        items = list_alerts(repo.get_project(s, project), s, state=state, limit=limit, inhibited=inhibited)
+    with session_scope() as session:
+        items = list_alerts(repo.get_project(session, project), session, state=state, limit=limit,
+                            inhibited=inhibited)
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
     _table(f"alerts of project '{project}' (newest first)",
            ["id", "state", "severity", "config", "metric", "value", "run", "fired", "resolved", "escalation"],
-           [[a["id"], a["state"] + (f" (inhibited by {a['inhibited_by']})" if a["inhibited_by"] else ""),
-             a["severity"], a["labels"].get("config"), a["labels"].get("metric"),
-             f"{a['value']:.4g}" if a["value"] is not None else None, a["run_id"], _when(a["fired_at"]),
-             _when(a["resolved_at"]), a["escalation_run_id"]] for a in items])
+           [[alert["id"],
+             alert["state"] + (f" (inhibited by {alert['inhibited_by']})" if alert["inhibited_by"] else ""),
+             alert["severity"], alert["labels"].get("config"), alert["labels"].get("metric"),
+             f"{alert['value']:.4g}" if alert["value"] is not None else None, alert["run_id"], _when(alert["fired_at"]),
+             _when(alert["resolved_at"]), alert["escalation_run_id"]] for alert in items])
 
 
 @gates_app.command("list")
@@ -751,15 +769,15 @@ def gates_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=
     from app.api.routes.gates import list_gates
     from app.db import session_scope
 
-    with session_scope() as s:
-        items = list_gates(repo.get_project(s, project), s, limit=limit)
+    with session_scope() as session:
+        items = list_gates(repo.get_project(session, project), session, limit=limit)
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
     _table(f"gates of project '{project}' (newest first)",
            ["gate", "candidate", "baseline", "verdict", "run", "created", "decided"],
-           [[g["gate_id"], g["candidate"], g["baseline"], g["verdict"] or "pending", g["run_id"],
-             _when(g["created_at"]), _when(g["decided_at"])] for g in items])
+           [[gate["gate_id"], gate["candidate"], gate["baseline"], gate["verdict"] or "pending", gate["run_id"],
+             _when(gate["created_at"]), _when(gate["decided_at"])] for gate in items])
 
 
 @gates_app.command("show")
@@ -770,13 +788,13 @@ def gates_show(gate_id: int = typer.Argument(..., help="the gate's id (from `can
     from app.api.routes.gates import get_gate
     from app.db import session_scope
 
-    with session_scope() as s:
-        g = get_gate(gate_id, repo.get_project(s, project), s)
+    with session_scope() as session:
+        gate = get_gate(gate_id, repo.get_project(session, project), session)
     if as_json:
-        sys.stdout.write(json.dumps(g) + "\n")
+        sys.stdout.write(json.dumps(gate) + "\n")
         return
-    _gate_out(g, None, False)
-    sys.stdout.write(g["summary_markdown"] + "\n")
+    _gate_out(gate, None, False)
+    sys.stdout.write(gate["summary_markdown"] + "\n")
 
 
 @db_app.command("upgrade")

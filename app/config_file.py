@@ -259,7 +259,8 @@ class ChannelEntry(_Strict):
         from app.ssrf import ENV_REF, check_secret_ref, has_credentials, mask_url
 
         if ENV_REF.fullmatch(v):
-            return check_secret_ref(v, "url")
+            check_secret_ref(v, "url")  # an allowed variable, or SecretNotAllowed naming it
+            return v
         if not re.match(r"^https?://[^\s/]+", v):
             raise ValueError(f"'{mask_url(v)}' is not an http(s) URL or an ${{ENV_VAR}} reference")
         secret = has_credentials(v)

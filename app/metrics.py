@@ -88,7 +88,8 @@ class CanaryCollector(Collector):
         for started, ended in session.execute(finished):
             seconds = (ended - started).total_seconds()
             total, count = total + seconds, count + 1
-            if aware(ended) >= since:
+            ended_at = aware(ended)  # never None: the query keeps finished config-runs only
+            if ended_at is not None and ended_at >= since:
                 durations.append(seconds)
         # a summary: quantiles over a sliding window (the last 24 h), _count and _sum over every
         # finished config-run, so that rate() of them is the mean duration

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import cast
 
 from croniter import croniter
 from sqlalchemy import select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from app import repo
@@ -43,10 +45,10 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
         unchanged = (Schedule.last_slot_at.is_(None) if schedule.last_slot_at is None
                      else Schedule.last_slot_at == schedule.last_slot_at)
         claim = update(Schedule).where(Schedule.id == schedule.id, unchanged).values(last_slot_at=slot)
-        won = session.execute(claim).rowcount == 1
+        won = cast(CursorResult, session.execute(claim)).rowcount == 1  # an UPDATE's result counts its rows
         if not won or last is None:  # lost the race, or first sight of a new schedule: wait for the next slot
             continue
-        suite = session.get(Suite, schedule.suite_id)
+        suite = session.get_one(Suite, schedule.suite_id)
         due.append((schedule.id, repo.project_name(session, schedule.project_id), suite.name,
                     list(schedule.config_names), schedule.samples, slot.isoformat(), schedule.last_slot_at, slot))
     session.commit()

@@ -106,11 +106,11 @@ def embedded_ipv4(ip: ipaddress._BaseAddress) -> tuple[ipaddress.IPv4Address, st
         return None
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped, "IPv4-mapped"
-    if ip in SIXTOFOUR:
+    if ip in SIXTOFOUR and ip.sixtofour is not None:  # always set inside 2002::/16
         return ip.sixtofour, "6to4"
     if ip in NAT64:
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "NAT64"
-    if ip in TEREDO:
+    if ip in TEREDO and ip.teredo is not None:  # always set inside 2001::/32
         return ip.teredo[1], "Teredo"  # the client's address (stored XOR 0xffffffff)
     return None
 
@@ -157,7 +157,7 @@ def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, li
         raise UnsafeURL(f"{field}: host '{host}' does not resolve ({e})") from None
     ips: list[str] = []
     for info in infos:
-        ip = ipaddress.ip_address(info[4][0].split("%")[0])
+        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])  # an IPv6 address may carry %scope
         if str(ip) not in allowed:
             why = _bad(ip)
             if why:

@@ -36,6 +36,6 @@ wanted = params.get("project")
 project = st.sidebar.selectbox("Project", projects, index=projects.index(wanted) if wanted in projects else 0)
 st.sidebar.caption(f"API {api.base_url}" + (" · read-only" if not api.can_write else " · write key set"))
 try:
-    PAGES[page](api, project, params)
+    PAGES[str(page)](api, project, params)  # the radio always has a page selected
 except ApiError as e:
     st.error(str(e))

@@ -50,8 +50,10 @@ class BaseTask:
     name: ClassVar[str]
     failure_results: ClassVar[frozenset[str]] = frozenset()
 
-    def run_impl(self, *args: Any, dispatcher: Dispatcher | None) -> Any:
-        raise NotImplementedError
+    # each task's own: run_impl(self, <ids>, *, dispatcher) -> its result. Declared as an attribute,
+    # not a method, because every task takes different ids (a method here would be overridden
+    # with an incompatible signature).
+    run_impl: Callable[..., Any]
 
     def __call__(self, *args: Any, dispatcher: Dispatcher | None = None, enqueued_at: float | None = None) -> Any:
         # the sender's clock against this one: clamp a small skew between hosts to 0

@@ -67,10 +67,10 @@ def _faithfulness(session, run: Run, spec: dict, samples: dict, gens: dict[int, 
     client = None
     if settings.get("method", "offline") == "judge":
         client = judge_client(spec["judge"])
-        scorer = JudgeFaithfulness(client)
+        scorer: JudgeFaithfulness | OfflineFaithfulness = JudgeFaithfulness(client)
     else:
-        t = settings.get("threshold", 0.6)
-        scorer = _OFFLINE.setdefault(t, OfflineFaithfulness(t))
+        threshold = settings.get("threshold", 0.6)
+        scorer = _OFFLINE.setdefault(threshold, OfflineFaithfulness(threshold))
     try:
         for config_id, by_key in gens.items():
             have = table[config_id].faithfulness

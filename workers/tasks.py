@@ -76,8 +76,8 @@ class Reconcile(BaseTask):
                 repo.reopen_aggregation(session, run_id)
         for config_run_id, trigger in stale.items():
             dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
-        for run_id, trigger in stalled.items():
-            dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(trigger))
+        for run_id, run_trigger in stalled.items():
+            dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(run_trigger))
         with self.session() as session:  # the outbox: retries that have come due, and rows a crash left behind
             from app.notify import next_due
 

@@ -87,7 +87,7 @@ def render(api, project: str, params) -> None:
         return
     st.subheader("Quality lost vs speed and memory gained")
     axis = st.radio("Gain", ["speed gain ×", "memory saved %"], horizontal=True)
-    x_field = "speed" if axis.startswith("speed") else "memory"
+    x_field = "speed" if str(axis).startswith("speed") else "memory"
     pts = pd.DataFrame([p for p in points if p[x_field] is not None])
     thresholds = api.get(f"/projects/{project}/trends", metric="ppl_ratio", suite=suite, limit=1)["thresholds"]
     rule = next((r for r in thresholds if r["config"] is None), None)

@@ -204,7 +204,8 @@ def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) ->
                 raise ValueError(f"matchers: '{matcher.value}' is not a valid regular expression ({e})") from None
     start = aware(body.starts_at) or utcnow()  # a time without a zone is UTC, as every stored time
     try:
-        end = aware(body.ends_at) or start + timedelta(minutes=body.duration_minutes)
+        # SilenceIn holds exactly one of ends_at and duration_minutes
+        end = aware(body.ends_at) or start + timedelta(minutes=body.duration_minutes or 0)
     except OverflowError:
         raise ValueError("duration_minutes: starts_at + duration_minutes is past the year 9999; give an earlier "
                          "starts_at") from None

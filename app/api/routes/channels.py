@@ -42,7 +42,7 @@ def out(channel: Channel) -> dict:
 @router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut,
             responses=error_responses(400, 403, 409))
 def put_channel(body: ChannelIn, project: ProjectDep, session: SessionDep) -> dict:
-    settings = {"send_resolved": body.send_resolved}
+    settings: dict[str, bool | str] = {"send_resolved": body.send_resolved}
     if body.signing_secret:
         settings["signing_secret"] = body.signing_secret
     check_project_room(session, project, "channels", [body.name], "name")

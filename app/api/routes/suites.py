@@ -51,7 +51,7 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
             seen.add(document.id)
         samples = [SampleIn(document.id, document.text, reference=document.reference, contexts=document.contexts,
                             cluster=document.cluster or document.id) for document in body.documents]
-    else:
+    elif body.corpus is not None:  # exactly one of documents and corpus (checked above)
         if not body.corpus.startswith("builtin:"):  # API clients may not make the server read its own files
             raise ValueError(f"corpus: over the API the server reads builtin corpora only (builtin:pydoc-heldout), not "
                              f"'{body.corpus[:80]}'; send the documents inline in 'documents', or name the file in "
