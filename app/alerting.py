@@ -58,23 +58,23 @@ def evaluate(prev: AlertState, verdict: str, value: float | None, for_runs: int,
     ("pending", "firing", "resolved", "inactive") or is None when nothing changed."""
     if verdict in NO_DATA_VERDICTS:
         return prev, None
-    true = verdict in SEVERITY_VERDICTS[prev.labels["severity"]]
-    s = prev.state
-    if true:
-        if s in ("inactive", "resolved"):
-            n = 1
-            if n >= for_runs:
-                return AlertState(prev.labels, "firing", n, value, now, now), "firing"
-            return AlertState(prev.labels, "pending", n, value, now), "pending"
-        if s == "pending":
-            n = prev.consecutive + 1
-            if n >= for_runs:
-                return replace(prev, state="firing", consecutive=n, value=value, fired_at=now), "firing"
-            return replace(prev, consecutive=n, value=value), None
+    breaching = verdict in SEVERITY_VERDICTS[prev.labels["severity"]]
+    state = prev.state
+    if breaching:
+        if state in ("inactive", "resolved"):
+            consecutive = 1
+            if consecutive >= for_runs:
+                return AlertState(prev.labels, "firing", consecutive, value, now, now), "firing"
+            return AlertState(prev.labels, "pending", consecutive, value, now), "pending"
+        if state == "pending":
+            consecutive = prev.consecutive + 1
+            if consecutive >= for_runs:
+                return replace(prev, state="firing", consecutive=consecutive, value=value, fired_at=now), "firing"
+            return replace(prev, consecutive=consecutive, value=value), None
         return replace(prev, consecutive=prev.consecutive + 1, value=value), None  # firing stays firing
-    if s == "pending":
+    if state == "pending":
         return AlertState(prev.labels), "inactive"  # never fired: back to inactive, no notification
-    if s == "firing":
+    if state == "firing":
         return replace(prev, state="resolved", value=value, resolved_at=now), "resolved"
     return prev, None
 
@@ -88,12 +88,12 @@ class SilenceRule:
     def mutes(self, labels: dict[str, str], now: datetime) -> bool:
         if not self.starts_at <= now < self.ends_at:
             return False
-        for m in self.matchers:
-            v = labels.get(m["name"], "")
-            if str(m.get("isRegex", "false")).lower() == "true":
-                if not re.fullmatch(m["value"], v):
+        for matcher in self.matchers:
+            value = labels.get(matcher["name"], "")
+            if str(matcher.get("isRegex", "false")).lower() == "true":
+                if not re.fullmatch(matcher["value"], value):
                     return False
-            elif v != m["value"]:
+            elif value != matcher["value"]:
                 return False
         return True
 
@@ -103,8 +103,8 @@ def inhibited(alert: AlertState, firing: list[AlertState]) -> bool:
     if alert.labels.get("severity") != "warn":
         return False
     rest = {k: v for k, v in alert.labels.items() if k != "severity"}
-    return any(a.state == "firing" and a.labels.get("severity") == "critical"
-               and {k: v for k, v in a.labels.items() if k != "severity"} == rest for a in firing)
+    return any(other.state == "firing" and other.labels.get("severity") == "critical"
+               and {k: v for k, v in other.labels.items() if k != "severity"} == rest for other in firing)
 
 
 def should_notify(alert: AlertState, transition: str | None, now: datetime, *, send_resolved: bool,

@@ -164,7 +164,7 @@ def alembic_config(url: str | None = None):
     from alembic.config import Config
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    cfg = Config()
-    cfg.set_main_option("script_location", str(root / "migrations"))
-    cfg.set_main_option("sqlalchemy.url", (url or get_settings().database_url).replace("%", "%%"))
-    return cfg
+    alembic_config = Config()
+    alembic_config.set_main_option("script_location", str(root / "migrations"))
+    alembic_config.set_main_option("sqlalchemy.url", (url or get_settings().database_url).replace("%", "%%"))
+    return alembic_config

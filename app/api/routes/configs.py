@@ -40,7 +40,7 @@ def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> C
 
 @router.get("/projects/{project}/configs", response_model=list[ConfigOut])
 def list_configs(project: ProjectDep, session: SessionDep) -> list[ConfigOut]:
-    return [_out(c) for c in repo.list_configs(session, project)]
+    return [_out(config) for config in repo.list_configs(session, project)]
 
 
 @router.get("/projects/{project}/configs/{name}", response_model=ConfigOut)

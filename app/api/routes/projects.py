@@ -23,16 +23,16 @@ def create_project(body: ProjectIn, session: SessionDep, key: KeyDep) -> Project
                         "`canary keys create --project NAME` (which creates it) or `canary run -f canary.yaml`")
     if session.scalar(select(Project).where(Project.name == body.name)) is not None:
         raise Conflict(f"name: project '{body.name}' already exists")
-    p = repo.get_or_create_project(session, body.name)
-    return ProjectOut(id=p.id, name=p.name)
+    project = repo.get_or_create_project(session, body.name)
+    return ProjectOut(id=project.id, name=project.name)
 
 
 @router.get("/projects", response_model=list[ProjectOut])
 def list_projects(session: SessionDep, key: KeyDep) -> list[ProjectOut]:
-    q = select(Project).order_by(Project.id)
+    query = select(Project).order_by(Project.id)
     if key is not None:
-        q = q.where(Project.id == key.project_id)  # a key sees its own project only
-    return [ProjectOut(id=p.id, name=p.name) for p in session.scalars(q)]
+        query = query.where(Project.id == key.project_id)  # a key sees its own project only
+    return [ProjectOut(id=project.id, name=project.name) for project in session.scalars(query)]
 
 
 @router.post("/projects/{project}/models", status_code=status.HTTP_201_CREATED, response_model=ModelOut,
@@ -41,11 +41,11 @@ def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> Mod
     if session.scalar(select(Model).where(Model.project_id == project.id, Model.name == body.name)) is not None:
         raise Conflict(f"name: model '{body.name}' already exists in project '{project.name}'")
     check_model_path(body.path, "path")
-    m = repo.upsert_model(session, project, body.name, body.path)
-    return ModelOut(id=m.id, name=m.name, path=mask_userinfo(m.path))
+    model = repo.upsert_model(session, project, body.name, body.path)
+    return ModelOut(id=model.id, name=model.name, path=mask_userinfo(model.path))
 
 
 @router.get("/projects/{project}/models", response_model=list[ModelOut], responses=error_responses(404))
 def list_models(project: ProjectDep, session: SessionDep) -> list[ModelOut]:
     rows = session.scalars(select(Model).where(Model.project_id == project.id).order_by(Model.id))
-    return [ModelOut(id=m.id, name=m.name, path=mask_userinfo(m.path)) for m in rows]
+    return [ModelOut(id=model.id, name=model.name, path=mask_userinfo(model.path)) for model in rows]

@@ -37,9 +37,10 @@ def create_run(
 def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500),
               offset: int = Query(0, ge=0, le=DB_INT_MAX)) -> list[dict]:
     return [
-        {"run_id": r.id, "status": r.status, "verdict": r.verdict, "trigger": r.trigger, "n_samples": r.n_samples,
-         "created_at": r.created_at.isoformat(), "finished_at": r.finished_at.isoformat() if r.finished_at else None}
-        for r in repo.list_runs(session, project, limit, offset)
+        {"run_id": run.id, "status": run.status, "verdict": run.verdict, "trigger": run.trigger,
+         "n_samples": run.n_samples, "created_at": run.created_at.isoformat(),
+         "finished_at": run.finished_at.isoformat() if run.finished_at else None}
+        for run in repo.list_runs(session, project, limit, offset)
     ]
 
 
@@ -55,17 +56,17 @@ def run_samples(
     limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=DB_INT_MAX),
 ) -> SamplePage:
     run = repo.get_run(session, project, run_id)
-    names = {cr.config_id: cr.config.name for cr in run.config_runs}
+    names = {config_run.config_id: config_run.config.name for config_run in run.config_runs}
     config_id = None
     if config is not None:
         config_id = repo.get_config(session, project, config).id
-    q = select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run.id)
+    count = select(func.count()).select_from(SampleResult).where(SampleResult.run_id == run.id)
     if config_id is not None:
-        q = q.where(SampleResult.config_id == config_id)
+        count = count.where(SampleResult.config_id == config_id)
     if metric is not None:
-        q = q.where(SampleResult.metric == metric)
-    total = session.scalar(q) or 0
+        count = count.where(SampleResult.metric == metric)
+    total = session.scalar(count) or 0
     rows = repo.sample_results(session, run.id, config_id, metric, limit=limit, offset=offset)
-    items = [SampleResultOut(config=names.get(r.config_id, str(r.config_id)), sample_key=r.sample_key, metric=r.metric,
-                             value=r.value, extra=r.extra) for r in rows]
+    items = [SampleResultOut(config=names.get(row.config_id, str(row.config_id)), sample_key=row.sample_key,
+                             metric=row.metric, value=row.value, extra=row.extra) for row in rows]
     return SamplePage(total=total, offset=offset, limit=limit, items=items)

@@ -65,4 +65,4 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
 
 @router.get("/projects/{project}/suites", response_model=list[SuiteOut])
 def list_suites(project: ProjectDep, session: SessionDep) -> list[SuiteOut]:
-    return [_out(s) for s in repo.list_suites(session, project)]
+    return [_out(suite) for suite in repo.list_suites(session, project)]
