@@ -130,6 +130,14 @@ def human_time(t: str | None, now: datetime | None = None, never: str = "never")
     raise AssertionError("unreachable")
 
 
+def clock_time(t: str | None) -> str:
+    """A stored time as a reader's clock time, "25 Nov 06:37 UTC": for labels that must not change
+    while the page is open (a selector's option that said "7 minutes ago" says "8 minutes ago" a
+    minute later and no longer matches the option picked)."""
+    when = parse_time(t)
+    return "—" if when is None else f"{when.day} {when:%b %H:%M} UTC"
+
+
 def sparkline(values: list[float | None]) -> str:
     """A text trend, oldest first: each value as one of ▁…█ between the series' min and max (a
     flat series is a flat middle line; a missing value is a gap)."""

@@ -8,7 +8,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import COLOUR_KEY, VERDICT_MARKS, human_time, label_offsets, style_verdicts, y_domain
+from dashboard.views.common import COLOUR_KEY, VERDICT_MARKS, clock_time, label_offsets, style_verdicts, y_domain
 from dashboard.views.overview import config_rows, frame, headline
 
 
@@ -60,7 +60,7 @@ def render(api, project: str, params) -> None:
     ids = list(by_id)
     asked = str(params.get("run_id", ""))
     def label(i: int) -> str:
-        return f"run {i} · {by_id[i]['trigger']} · {by_id[i]['verdict']} · {human_time(by_id[i]['created_at'])}"
+        return f"run {i} · {by_id[i]['trigger']} · {by_id[i]['verdict']} · {clock_time(by_id[i]['created_at'])}"
 
     run_id = st.selectbox("Run", ids, index=ids.index(int(asked)) if asked.isdigit() and int(asked) in ids else 0,
                           key="compare_run", format_func=label)

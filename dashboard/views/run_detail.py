@@ -9,6 +9,7 @@ import streamlit as st
 
 from dashboard.views.common import (
     BREACHING,
+    clock_time,
     doc_ppl_ratio,
     fmt,
     human_time,
@@ -87,7 +88,7 @@ def render(api, project: str, params) -> None:
 
     def label(i: int) -> str:
         r = by_id[i]
-        return f"run {i} · {r['trigger']} · {r['verdict'] or r['status']} · {human_time(r['created_at'])}"
+        return f"run {i} · {r['trigger']} · {r['verdict'] or r['status']} · {clock_time(r['created_at'])}"
 
     run_id = st.selectbox("Run", ids, index=ids.index(wanted), key="run", format_func=label)
     run = api.get(f"/projects/{project}/runs/{run_id}")

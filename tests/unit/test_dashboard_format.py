@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 import pytest
 
 from dashboard.views.common import (
+    clock_time,
     doc_ppl_ratio,
     drop_empty_columns,
     human_time,
@@ -138,3 +139,9 @@ def test_a_gate_took_from_its_request_to_its_verdict():
     assert took(gate) == "1 min 58 s"
     assert took({"created_at": "2026-11-25T06:40:50", "decided_at": "2026-11-25T06:41:32"}) == "42 s"
     assert took({"created_at": "2026-11-25T06:40:50", "decided_at": None}) == ""  # pending
+
+
+def test_clock_time_for_labels_that_must_not_change_while_the_page_is_open():
+    assert clock_time("2026-11-25T06:37:04.831299") == "25 Nov 06:37 UTC"  # stored without an offset: UTC
+    assert clock_time("2026-01-05T23:59:59+00:00") == "5 Jan 23:59 UTC"
+    assert clock_time(None) == "—"
