@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy import (
     JSON,
@@ -29,11 +29,17 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements 
 
 # References into a project's history (runs, results) are checked at commit, so deleting a
 # whole project cascades cleanly, while deleting one config that still has results is refused.
-DEFERRED = {"deferrable": True, "initially": "DEFERRED"}
+DEFERRED: dict[str, Any] = {"deferrable": True, "initially": "DEFERRED"}
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@overload
+def aware(dt: datetime) -> datetime: ...
+@overload
+def aware(dt: datetime | None) -> datetime | None: ...
 
 
 def aware(dt: datetime | None) -> datetime | None:
@@ -121,7 +127,8 @@ class SuiteSample(Base):
 
 class Run(TimestampMixin, Base):
     __tablename__ = "runs"
-    __table_args__ = (UniqueConstraint("project_id", "idempotency_key"), Index("ix_runs_project_created", "project_id", "created_at"))
+    __table_args__ = (UniqueConstraint("project_id", "idempotency_key"),
+                      Index("ix_runs_project_created", "project_id", "created_at"))
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), nullable=False)
     suite_id: Mapped[int] = mapped_column(ForeignKey("suites.id", **DEFERRED), nullable=False)
@@ -139,7 +146,7 @@ class Run(TimestampMixin, Base):
     sample_keys: Mapped[list[str]] = mapped_column(JSONType, nullable=False)  # the samples drawn, in order
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    config_runs: Mapped[list["ConfigRun"]] = relationship(back_populates="run", order_by="ConfigRun.id")
+    config_runs: Mapped[list[ConfigRun]] = relationship(back_populates="run", order_by="ConfigRun.id")
 
 
 class ConfigRun(TimestampMixin, Base):
@@ -150,7 +157,8 @@ class ConfigRun(TimestampMixin, Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
     config_id: Mapped[int] = mapped_column(ForeignKey("optimization_configs.id", **DEFERRED), nullable=False)
-    status: Mapped[str] = mapped_column(String(16), default="queued", nullable=False)  # queued | running | succeeded | failed
+    # queued | running | succeeded | failed
+    status: Mapped[str] = mapped_column(String(16), default="queued", nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, default=0, nullable=False)
     worker: Mapped[str | None] = mapped_column(String(256))
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
