@@ -11,11 +11,20 @@ Per decoder layer, on calibration activations X of the *domain* text:
   minimising ‖X·Q(clip W) − X·W‖² on ≤ 512 sampled tokens; q_proj and k_proj are skipped.
 Then every decoder linear is quantized group-wise asymmetric INT4 (engines/quant/minmax.py) and
 written in the AutoAWQ GEMM layout (engines/quant/awq_gemm.py).
+
+The search is offline work, like an AWQ checkpoint: its outcome (the model's weights after scale
+folding and clipping, and the INT4 codes) is cached on disk, keyed by the model's weight files,
+the calibration token ids and the source of the code that computes it, so a second load of the
+same model on the same calibration data skips it (CANARY_AWQ_CACHE: the folder, or "off").
 """
 
 from __future__ import annotations
 
-from functools import partial
+import hashlib
+import logging
+import os
+import pathlib
+from functools import cache, partial
 from typing import cast
 
 import torch
@@ -29,6 +38,7 @@ from engines.reference.model import rope_cos_sin
 N_GRID = 20
 MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
+log = logging.getLogger(__name__)
 
 
 # -- search ---------------------------------------------------------------------------------------
@@ -200,3 +210,77 @@ def save_awq_checkpoint(model, packed: dict[str, tuple], out, source_dir, group_
     for f in source_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             shutil.copy(f, out / f.name)
+
+
+# -- the calibration cache ------------------------------------------------------------------------
+def awq_cache_dir() -> pathlib.Path | None:
+    """CANARY_AWQ_CACHE: the cache folder; "off" (or 0, false, none) turns the cache off. Default
+    $XDG_CACHE_HOME/inference-canary/awq (~/.cache/… without it). Deleting the folder clears it."""
+    value = os.environ.get("CANARY_AWQ_CACHE", "").strip()
+    if value.lower() in ("off", "0", "false", "none"):
+        return None
+    if value:
+        return pathlib.Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "inference-canary" / "awq"
+
+
+@cache
+def _code_digest() -> str:
+    """The source of the reference engine and the quantizers, read once per process: the code this
+    process imported (an edit on disk after that is not the code that runs here)."""
+    h = hashlib.sha256()
+    engines = pathlib.Path(__file__).resolve().parent.parent
+    for f in sorted([*(engines / "reference").rglob("*.py"), *(engines / "quant").rglob("*.py")]):
+        h.update(f"{f.relative_to(engines)}\n".encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def awq_cache_key(model_dir, calibration: torch.Tensor) -> str:
+    """sha256 over what decides awq_quantize's result: the model's weight files and config (by
+    content, not path), the calibration token ids [N, T], torch's version and the source of the
+    code it runs (the reference model and the quantizers: an edit there is a new entry, so a
+    cached result never outlives the code that computed it)."""
+    h = hashlib.sha256(f"awq int4 g{GROUP_SIZE}; torch {torch.__version__}; code {_code_digest()}\n".encode())
+    model_dir = pathlib.Path(model_dir)
+    for f in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("*.bin"), model_dir / "config.json"]):
+        if f.is_file():
+            h.update(f"{f.name}\n".encode() + f.read_bytes())
+    ids = calibration.to(torch.int64).cpu().contiguous()
+    h.update(f"calibration {tuple(ids.shape)}\n".encode())
+    h.update(ids.numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_awq_cache(model, key: str, cache_dir: pathlib.Path | None) -> dict[str, tuple] | None:
+    """The cached outcome of awq_quantize for `key`, loaded into `model` (its weights after
+    folding and clipping); None on a miss. An unreadable entry is a miss (and is recomputed)."""
+    if cache_dir is None:
+        return None
+    path = cache_dir / f"{key}.pt"
+    if not path.is_file():
+        return None
+    try:
+        entry = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(entry["state"])
+        return {name: (q, zero, scale) for name, (q, zero, scale) in entry["packed"].items()}
+    except Exception as e:  # noqa: BLE001 - a damaged entry is recomputed and rewritten
+        log.warning("AWQ cache entry %s is unreadable (%s: %s); searching again", path, type(e).__name__, e)
+        return None
+
+
+def store_awq_cache(model, packed: dict[str, tuple], key: str, cache_dir: pathlib.Path | None) -> None:
+    """Write the entry atomically (a temporary file renamed), so concurrent workers never read half
+    of one. A cache that cannot be written costs only the next load's time."""
+    if cache_dir is None:
+        return
+    path = cache_dir / f"{key}.pt"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+        torch.save({"state": state, "packed": {n: list(v) for n, v in packed.items()}}, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("AWQ cache not written to %s (%s); the next load searches again", path, e)

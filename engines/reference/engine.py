@@ -149,8 +149,10 @@ class ReferenceEngine:
 
     def _awq(self, model: Transformer, calibration: Sequence[str] | None) -> None:
         """AWQ on domain calibration text: `calibration_samples` windows of `calibration_tokens`
-        (defaults 128 × min(512, context)), cut from the texts joined end to end."""
-        from engines.reference.awq import awq_quantize
+        (defaults 128 × min(512, context)), cut from the texts joined end to end. The search's outcome
+        comes from the on-disk cache when this model and these token ids were calibrated before
+        (engines/reference/awq.py; awq_from_cache says whether it did)."""
+        from engines.reference.awq import awq_cache_dir, awq_cache_key, awq_quantize, load_awq_cache, store_awq_cache
 
         if not calibration:
             raise ValueError("weights: 'awq-int4' needs calibration text from the domain; the worker passes the "
@@ -167,7 +169,13 @@ class ReferenceEngine:
             raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, "
                              f"fewer than one window of {t}")
         self.calibration_shape = (n, t)
-        packed = awq_quantize(model, torch.tensor(ids[: n * t]).reshape(n, t))
+        calibration_ids = torch.tensor(ids[: n * t]).reshape(n, t)
+        cache_dir, key = awq_cache_dir(), awq_cache_key(self.model_path, calibration_ids)
+        packed = load_awq_cache(model, key, cache_dir)
+        self.awq_from_cache = packed is not None
+        if packed is None:
+            packed = awq_quantize(model, calibration_ids)
+            store_awq_cache(model, packed, key, cache_dir)
         self.packed = packed
         for q, _, _ in packed.values():
             self.quantized_params += q.numel()

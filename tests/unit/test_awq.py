@@ -107,3 +107,77 @@ def test_awq_checkpoint_in_autoawq_layout_loads_with_its_dequantized_weights(tmp
 def test_awq_without_calibration_is_refused():
     with pytest.raises(ValueError, match="weights: 'awq-int4' needs calibration text"):
         ReferenceEngine(str(TARGET), OptimizationSpec(engine="reference", weights="awq-int4"))
+
+
+# -- the calibration cache ------------------------------------------------------------------------
+def _calibration(start: int) -> list[str]:
+    return [d.text for d in read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[start : start + 20]]
+
+
+def _awq_engine(calibration: list[str]) -> ReferenceEngine:
+    spec = OptimizationSpec(engine="reference", weights="awq-int4",
+                            engine_options={"calibration_samples": 2, "calibration_tokens": 64})
+    return ReferenceEngine(str(TARGET), spec, calibration=calibration)
+
+
+def _ppl_logprobs(engine: ReferenceEngine) -> tuple[float, ...]:
+    from engines.protocol import RollingRequest, WindowSpec
+
+    doc = read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[0].text
+    return engine.loglikelihood_rolling([RollingRequest("d", doc, WindowSpec(64, 64))])[0].logprobs
+
+
+def test_awq_search_is_cached_on_disk_and_the_cached_engine_is_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("CANARY_AWQ_CACHE", str(tmp_path / "cache"))
+    first = _awq_engine(_calibration(300))
+    assert first.awq_from_cache is False and len(list((tmp_path / "cache").glob("*.pt"))) == 1
+    second = _awq_engine(_calibration(300))
+    assert second.awq_from_cache is True
+    # the same weights after folding and clipping, the same INT4 codes, the same log-probs
+    for name, tensor in first.model.state_dict().items():
+        assert torch.equal(second.model.state_dict()[name], tensor), name
+    assert first.packed.keys() == second.packed.keys()
+    for name, parts in first.packed.items():
+        assert all(torch.equal(a, b) for a, b in zip(parts, second.packed[name], strict=True)), name
+    assert _ppl_logprobs(second) == _ppl_logprobs(first)
+    assert (second.quantized_params, second.quantized_bytes) == (first.quantized_params, first.quantized_bytes)
+    # other calibration text is another entry, searched afresh
+    other = _awq_engine(_calibration(340))
+    assert other.awq_from_cache is False and len(list((tmp_path / "cache").glob("*.pt"))) == 2
+
+
+def test_awq_cache_key_follows_the_weights_not_the_path(tmp_path):
+    import shutil
+
+    from engines.reference.awq import awq_cache_key
+
+    ids = torch.arange(128).reshape(2, 64)
+    copy = tmp_path / "copy"
+    shutil.copytree(TARGET, copy)
+    assert awq_cache_key(copy, ids) == awq_cache_key(TARGET, ids)  # same content elsewhere: same entry
+    assert awq_cache_key(TARGET, ids + 1) != awq_cache_key(TARGET, ids)
+    assert awq_cache_key(TARGET, ids.reshape(4, 32)) != awq_cache_key(TARGET, ids)
+    with (copy / "model.safetensors").open("r+b") as f:  # one byte of the weights changed
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert awq_cache_key(copy, ids) != awq_cache_key(TARGET, ids)
+
+
+def test_awq_cache_off_writes_nothing_and_a_damaged_entry_is_searched_again(tmp_path, monkeypatch):
+    from engines.reference.awq import awq_cache_dir
+
+    monkeypatch.setenv("CANARY_AWQ_CACHE", "off")
+    assert awq_cache_dir() is None
+    assert _awq_engine(_calibration(300)).awq_from_cache is False
+    monkeypatch.setenv("CANARY_AWQ_CACHE", str(tmp_path))
+    reference = _awq_engine(_calibration(300))
+    (entry,) = tmp_path.glob("*.pt")
+    entry.write_bytes(b"not a torch file")
+    again = _awq_engine(_calibration(300))
+    assert again.awq_from_cache is False and _ppl_logprobs(again) == _ppl_logprobs(reference)
+    assert _awq_engine(_calibration(300)).awq_from_cache is True  # rewritten by the search
+    monkeypatch.delenv("CANARY_AWQ_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert awq_cache_dir() == tmp_path / "xdg" / "inference-canary" / "awq"
