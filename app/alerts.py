@@ -1,6 +1,7 @@
 """Evaluate a finished run's comparisons against the alert rules: write Alert transitions, queue
 Notifications in the outbox (idempotent by key), and escalate a newly firing regression to one
-immediate, larger run of that config (CANARY_ESCALATION_SAMPLES documents of the suite). The state machine itself is app/alerting.py."""
+immediate, larger run of that config (CANARY_ESCALATION_SAMPLES documents of the suite). The state
+machine itself is app/alerting.py."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ log = logging.getLogger(__name__)
 ACTIVE = ("pending", "firing")
 
 
-def _state(a: Alert | None, labels: dict[str, str]) -> AlertState:
-    if a is None:
+def _state(alert: Alert | None, labels: dict[str, str]) -> AlertState:
+    if alert is None:
         return AlertState(labels)
-    return AlertState(dict(a.labels), a.state, a.consecutive, a.value, *(aware(t) for t in (a.started_at, a.fired_at, a.resolved_at, a.last_notified_at)))
+    times = (alert.started_at, alert.fired_at, alert.resolved_at, alert.last_notified_at)
+    return AlertState(dict(alert.labels), alert.state, alert.consecutive, alert.value, *(aware(t) for t in times))
 
 
 def _latest(session: Session, project_id: int, fp: str) -> Alert | None:
-    return session.scalar(select(Alert).where(Alert.project_id == project_id, Alert.fingerprint == fp).order_by(Alert.id.desc()).limit(1))
+    return session.scalar(select(Alert).where(Alert.project_id == project_id, Alert.fingerprint == fp)
+                          .order_by(Alert.id.desc()).limit(1))
 
 
 def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dict[str, list]:
@@ -38,7 +41,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     model = run.config_runs[0].config.model if run.config_runs else None
     project_name = repo.project_name(session, run.project_id)
     baseline = names.get(run.baseline_config_id, "baseline")
-    channels = list(session.scalars(select(Channel).where(Channel.project_id == run.project_id, Channel.enabled.is_(True))))
+    channels = list(session.scalars(select(Channel).where(Channel.project_id == run.project_id,
+                                                          Channel.enabled.is_(True))))
     silences = [SilenceRule(tuple(silence.matchers), aware(silence.starts_at), aware(silence.ends_at))
                 for silence in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
     comparisons = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
@@ -53,8 +57,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
         if rule is None or not rule.enabled:
             continue
         for severity in ("warn", "critical") if rule.critical is not None else ("warn",):
-            labels = {"project": project_name, "model": model.name if model else "", "config": names[comparison.config_id],
-                      "metric": comparison.metric, "severity": severity}
+            labels = {"project": project_name, "model": model.name if model else "",
+                      "config": names[comparison.config_id], "metric": comparison.metric, "severity": severity}
             fp = fingerprint(labels)
             row = _latest(session, run.project_id, fp)
             prev = _state(row, labels)
@@ -83,8 +87,9 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             key = idempotency_key(channel.id, st, kind, now)
             if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is not None:
                 continue
-            msg = AlertMessage(status=kind, labels=dict(st.labels), fingerprint=st.fingerprint, estimate=comparison.estimate,
-                               ci_low=comparison.ci_low, ci_high=comparison.ci_high, n=comparison.n, baseline=baseline,
+            msg = AlertMessage(status=kind, labels=dict(st.labels), fingerprint=st.fingerprint,
+                               estimate=comparison.estimate, ci_low=comparison.ci_low, ci_high=comparison.ci_high,
+                               n=comparison.n, baseline=baseline,
                                baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
                                rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
                                annotations=_step_back(comparison),
@@ -113,9 +118,10 @@ def _escalations(session: Session, run: Run, touched: list) -> list[tuple[str, l
     Escalation runs themselves never escalate."""
     if run.trigger == "alert":
         return []
-    escalated = {(a.labels.get("config"), a.labels.get("metric")): a.escalation_run_id
-                 for a in session.scalars(select(Alert).where(Alert.project_id == run.project_id, Alert.state.in_(ACTIVE),
-                                                              Alert.escalation_run_id.is_not(None)))}
+    escalating = select(Alert).where(Alert.project_id == run.project_id, Alert.state.in_(ACTIVE),
+                                     Alert.escalation_run_id.is_not(None))
+    escalated = {(alert.labels.get("config"), alert.labels.get("metric")): alert.escalation_run_id
+                 for alert in session.scalars(escalating)}
     by_config: dict[str, list[int]] = {}
     for row, st, transition, _ in touched:
         if transition != "firing" or row.escalation_run_id is not None:
