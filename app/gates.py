@@ -120,12 +120,14 @@ def sticky_marker(candidate: str, suite: str) -> str:
 
 
 def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, suite: str) -> str:
-    """A PR-comment / job-summary (its first line the sticky-comment marker): the verdict, what was compared (suite, documents, run), then the
-    candidate's comparisons worst first as % change [95% CI] with n, then the speed and memory it
-    gains. Informational comparisons come after the gated ones."""
+    """A PR-comment / job-summary (its first line the sticky-comment marker): the verdict, what was
+    compared (suite, documents, run), then the candidate's comparisons worst first as % change
+    [95% CI] with n, then the speed and memory it gains. Informational comparisons come after the
+    gated ones."""
     icon = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "🛑"}.get(gate.verdict or "", "⏳")
     link = f"{dashboard_url.rstrip('/')}/?page=Run+detail&run_id={summary['run_id']}"
-    lines = [sticky_marker(gate.candidate, suite), f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**", "",
+    lines = [sticky_marker(gate.candidate, suite), f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**",
+             "",
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
              f"({summary['n_samples']} documents), run {summary['run_id']}. [Open the run]({link})", ""]
     rows = [c for c in summary["comparisons"] if c["config"] == gate.candidate]
