@@ -14,16 +14,18 @@ import torch.nn.functional as F
 
 def masked_gqa_attention(q, k, v, mask) -> torch.Tensor:
     """SDPA with a mask under grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D];
-    mask: [B, 1, T, S]. The G = H/Hkv query heads that share a kv head are folded into the query
-    length ([B, Hkv, G·T, D]), so SDPA sees equal head counts: flash and memory-efficient
-    attention refuse `enable_gqa` with a mask, and the math fallback would copy K and V to every
-    query head (in fp32) on each decode step."""
+    mask: [B, 1, T, S], or None where every query attends every slot given. The G = H/Hkv query
+    heads that share a kv head are folded into the query length ([B, Hkv, G·T, D]), so SDPA sees
+    equal head counts: flash and memory-efficient attention refuse `enable_gqa` with a mask, and
+    the math fallback would copy K and V to every query head (in fp32) on each decode step."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if H == Hkv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     G = H // Hkv
     folded = q.reshape(B, Hkv, G * T, D)  # query head h = kv head h // G, then group member h % G
+    if mask is None or T == 1:  # no mask, or one row that every folded query shares (it broadcasts)
+        return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask).reshape(B, H, T, D)
     m = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=m).reshape(B, H, T, D)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.reference.attention import masked_gqa_attention
 from engines.reference.kv import KVFormat
 
 
@@ -47,12 +48,19 @@ class KVCache:
         self._seq_start = value
         self.left_padded = bool(value.any())  # read once here, never inside a decode step
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | int | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
-        for a first pass over slots 0…T−1 with no padding (causal over the new tokens)."""
-        S = mask.shape[-1] if mask is not None else len(slots)
+        for a first pass over slots 0…T−1 with no padding (causal over the new tokens), or an int
+        n for one new token per row that attends all of slots 0…n−1 (an eager decode step with no
+        left padding: a lossless format reads just those slots with no mask; a lossy one gets the
+        all-True mask as wide)."""
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
+        if isinstance(mask, int):
+            if not self.fmt.lossy and not self.left_padded:
+                return masked_gqa_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], None)
+            mask = torch.ones(q.shape[0], 1, q.shape[2], mask, dtype=torch.bool, device=q.device)
+        S = mask.shape[-1] if mask is not None else len(slots)
         if mask is None and not self.fmt.lossy:  # prefill: causal flash / memory-efficient SDPA, no mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if mask is None:
@@ -64,7 +72,15 @@ class KVCache:
 
 class NoCache:
     """A single causal pass with a lossless KV format needs no cache (perplexity windows):
-    attention runs on the new keys and values directly, with the causal SDPA kernel."""
+    attention runs on the new keys and values directly, with the causal SDPA kernel. lengths:
+    the pass holds several sequences end to end in one row (no padding), each causal on its own."""
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    def __init__(self, lengths: list[int] | None = None):
+        self.lengths = lengths
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | int | None) -> torch.Tensor:
+        if self.lengths is None or len(self.lengths) == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                          for qs, ks, vs in zip(q.split(self.lengths, 2), k.split(self.lengths, 2),
+                                                v.split(self.lengths, 2), strict=True)], dim=2)

@@ -75,6 +75,13 @@ class Decoder:
         self.graph_logits: torch.Tensor | None = None
 
     @property
+    def eager_unmasked(self) -> bool:
+        """A step reads only the written slots, with no mask (see _step): eager on the CPU, a
+        lossless format, no left padding. Elsewhere a step reads the whole static cache under a
+        mask made on the device, so its shapes never change (what a CUDA graph needs)."""
+        return self.device.type == "cpu" and not self.fmt.lossy and not self.cache.left_padded
+
+    @property
     def graphs_active(self) -> bool:
         return self.graph is not None
 
@@ -117,6 +124,12 @@ class Decoder:
 
     def _step(self) -> torch.Tensor:
         """One decode step on the static buffers: tokens [B, 1] at self.slot → logits [B, V]."""
+        if self.eager_unmasked:
+            # on the CPU with a lossless cache and no padding: the slots written so far are all
+            # visible, so attention reads just those (the host knows how many), with no mask
+            with _sdpa_backends(self.device):
+                return self.model(self.tokens, self.slot[None, :].expand(self.batch, 1), self.slot, self.cache,
+                                  self.next_slot + 1, last_only=True)[:, -1]
         pos = (self.slot[None, :] - self.pad[:, None]).clamp(min=0)  # [B, 1]
         mask = (self.j[None, :] <= self.slot) & (self.j[None, :] >= self.pad[:, None])  # [B, S]
         with _sdpa_backends(self.device):
