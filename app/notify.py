@@ -55,7 +55,8 @@ def resolve(value: str, channel: str, field: str) -> str:
         return value
     got = os.environ.get(check_secret_name(m.group(1), f"channel '{channel}': {field}"))
     if not got:
-        raise ChannelConfigError(f"channel '{channel}': {field} refers to ${{{m.group(1)}}}, which is not set in the worker's environment")
+        raise ChannelConfigError(f"channel '{channel}': {field} refers to ${{{m.group(1)}}}, which is not set in the "
+                                 "worker's environment")
     return got
 
 
@@ -114,24 +115,25 @@ def backoff_s(attempts: int) -> float:
 
 
 def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Client | None = None,
-                sleep: Callable[[float], None] = time.sleep, max_attempts: int = MAX_ATTEMPTS, limit: int = 500) -> dict[str, int]:
+                sleep: Callable[[float], None] = time.sleep, max_attempts: int = MAX_ATTEMPTS,
+                limit: int = 500) -> dict[str, int]:
     """Post every due pending notification once; returns counts by outcome."""
     now = now or utcnow()
-    q = (select(Notification).where(Notification.status == "pending")
+    due = (select(Notification).where(Notification.status == "pending")
          .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
          .order_by(Notification.id).limit(1))
     if session.bind.dialect.name == "postgresql":
         # one row per transaction, locked until its outcome commits: a second notifier skips it
-        q = q.with_for_update(skip_locked=True)
+        due = due.with_for_update(skip_locked=True)
 
     def rows():
         seen: set[int] = set()
         for _ in range(limit):
-            n = session.scalars(q.where(Notification.id.not_in(seen)) if seen else q).first()
-            if n is None:
+            notification = session.scalars(due.where(Notification.id.not_in(seen)) if seen else due).first()
+            if notification is None:
                 return
-            seen.add(n.id)
-            yield n
+            seen.add(notification.id)
+            yield notification
 
     counts = {"sent": 0, "retry": 0, "dead": 0}
     own = http is None
@@ -139,10 +141,10 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
     http = http or httpx.Client(timeout=10.0, follow_redirects=False, transport=PinnedTransport("channel url"))
     last_post: dict[int, float] = {}
     try:
-        for n in rows():
-            channel = session.get(Channel, n.channel_id)
+        for notification in rows():
+            channel = session.get(Channel, notification.channel_id)
             if channel is None or not channel.enabled:
-                n.status, n.last_error = "dead", "channel disabled or deleted"
+                notification.status, notification.last_error = "dead", "channel disabled or deleted"
                 counts["dead"] += 1
                 session.commit()
                 continue
@@ -150,23 +152,27 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
             wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
             if wait > 0:
                 sleep(wait)
-            outcome, retry_after, what = post(http, channel, n)
+            outcome, retry_after, what = post(http, channel, notification)
             last_post[channel.id] = time.monotonic()
-            n.attempts += 1
-            n.last_error = None if outcome == "sent" else what
+            notification.attempts += 1
+            notification.last_error = None if outcome == "sent" else what
             if outcome == "sent":
-                n.status, n.sent_at = "sent", utcnow()
+                notification.status, notification.sent_at = "sent", utcnow()
                 counts["sent"] += 1
-            elif outcome == "retry" and n.attempts < max_attempts:
-                n.next_attempt_at = now + timedelta(seconds=retry_after if retry_after is not None else backoff_s(n.attempts))
+            elif outcome == "retry" and notification.attempts < max_attempts:
+                delay_s = retry_after if retry_after is not None else backoff_s(notification.attempts)
+                notification.next_attempt_at = now + timedelta(seconds=delay_s)
                 counts["retry"] += 1
             else:
                 if outcome == "disable":
                     channel.enabled = False
                     what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
-                n.status, n.last_error = "dead", (what if outcome != "retry" else f"gave up after {n.attempts} attempts: {what}")
+                notification.status = "dead"
+                notification.last_error = (what if outcome != "retry"
+                                           else f"gave up after {notification.attempts} attempts: {what}")
                 counts["dead"] += 1
-                log.warning("notification %s to channel '%s' is dead: %s", n.id, channel.name, n.last_error)
+                log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
+                            notification.last_error)
             session.commit()  # each outcome is durable before the next post
     finally:
         if own:
