@@ -31,16 +31,18 @@ class AlertMessage:
         return self.labels.get("severity", "warn")
 
     def headline(self) -> str:
-        l = self.labels
+        labels = self.labels
         state = "RESOLVED" if self.status == "resolved" else f"FIRING {self.severity}"
-        return f"[{state}] {l.get('config')} {l.get('metric')} on {l.get('model')} ({l.get('project')})"
+        return (f"[{state}] {labels.get('config')} {labels.get('metric')} on {labels.get('model')} "
+                f"({labels.get('project')})"
 
     def detail(self) -> str:
         """What regressed and by how much, with its CI, baseline vs candidate."""
         def f(x):
             return "—" if x is None else f"{x:.4g}"
-        return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, n={self.n}); "
-                f"baseline {self.baseline}: {f(self.baseline_value)}, candidate {self.labels.get('config')}: {f(self.candidate_value)}. "
+        return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, "
+                f"n={self.n}); baseline {self.baseline}: {f(self.baseline_value)}, candidate "
+                f"{self.labels.get('config')}: {f(self.candidate_value)}. "
                 f"Rule: {self.rule}. Run {self.run_id}." + self.step_back())
 
     def step_back(self) -> str:
@@ -58,4 +60,5 @@ KINDS = ("slack", "teams", "discord", "webhook", "alertmanager")
 def build(kind: str, msg: AlertMessage) -> dict | list:
     from app.channels import alertmanager, discord, slack, teams, webhook
 
-    return {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}[kind].payload(msg)
+    modules = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}
+    return modules[kind].payload(msg)
