@@ -34,7 +34,7 @@ class AlertMessage:
         labels = self.labels
         state = "RESOLVED" if self.status == "resolved" else f"FIRING {self.severity}"
         return (f"[{state}] {labels.get('config')} {labels.get('metric')} on {labels.get('model')} "
-                f"({labels.get('project')})"
+                f"({labels.get('project')})")
 
     def detail(self) -> str:
         """What regressed and by how much, with its CI, baseline vs candidate."""
