@@ -67,7 +67,8 @@ class DocumentIn(BaseModel):
 
 
 class SuiteIn(SuiteEntry):
-    corpus: str | None = Field(None, max_length=4096, description="server-side corpus (builtin:pydoc-heldout); or send documents")
+    corpus: str | None = Field(None, max_length=4096,
+                               description="server-side corpus (builtin:pydoc-heldout); or send documents")
     documents: list[DocumentIn] | None = Field(None, description="the suite's documents inline")
 
 
@@ -85,8 +86,10 @@ class SuiteOut(BaseModel):
 class RunIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     suite: NameRef
-    configs: list[NameRef] | None = Field(None, max_length=256, description="config names; default all; the baseline is always included")
-    samples: int | None = Field(None, ge=1, le=DB_INT_MAX, description="documents drawn; at most the server's samples-per-run limit")
+    configs: list[NameRef] | None = Field(None, max_length=256,
+                                          description="config names; default all; the baseline is always included")
+    samples: int | None = Field(None, ge=1, le=DB_INT_MAX,
+                                description="documents drawn; at most the server's samples-per-run limit")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     trigger: str = Field("manual", pattern="^(manual|schedule|gate|alert)$")
 

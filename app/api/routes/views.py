@@ -209,8 +209,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             figures[(run_id, config_id)] = figs or {}
     if older_ids:
         for run_id, config_id, metric, estimate, verdict in session.execute(
-                select(Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate, Comparison.verdict)
-                .where(Comparison.run_id.in_(older_ids))):
+                select(Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate,
+                       Comparison.verdict).where(Comparison.run_id.in_(older_ids))):
             history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     if latest_ids or older_ids:
         runs = {run_id: (created, finished) for run_id, created, finished in session.execute(
