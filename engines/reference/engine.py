@@ -3,6 +3,7 @@ generation at a set concurrency with per-request timings, memory figures."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -233,22 +234,32 @@ class ReferenceEngine:
         out: dict[int, tuple[list[float], list[int]]] = {}
         for s in range(0, len(order), self.batch_size):
             idx = order[s : s + self.batch_size]
-            width = max(len(jobs[j][1]) for j in idx)
-            # right padding: a window's real tokens start at slot 0, so positions equal slots
-            x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx],
-                             device=self.device)
-            slots = torch.arange(width, device=self.device)
-            mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
-            cache = self.new_cache(len(idx), width) if self.kv.lossy else NoCache()
-            h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
-            if isinstance(cache, KVCache):
+            lengths = [len(jobs[j][1]) for j in idx]
+            if self.kv.lossy:
+                width = max(lengths)
+                # right padding: a window's real tokens start at slot 0, so positions equal slots
+                x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx],
+                                 device=self.device)
+                slots = torch.arange(width, device=self.device)
+                mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
+                cache = self.new_cache(len(idx), width)
+                h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
                 self._track(cache)
-                self._track_usage(sum(len(jobs[j][1]) for j in idx), cache)
-            for row, j in enumerate(idx):
+                self._track_usage(sum(lengths), cache)
+                rows = [(row, 0) for row in range(len(idx))]  # (batch row, first position) per window
+            else:
+                # packed: the windows end to end in one row with no padding, positions restarting
+                # at each, attention causal within each window (NoCache with their lengths)
+                x = torch.tensor([[t for j in idx for t in jobs[j][1]]], device=self.device)
+                pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
+                h = self.model(x, pos, pos[0], NoCache(lengths), None, hidden=True)
+                starts = [0, *itertools.accumulate(lengths)][:-1]
+                rows = [(0, start) for start in starts]
+            for (row, start), j in zip(rows, idx, strict=True):
                 _, inp, n, tgt = jobs[j]
                 # lm_head only on this window's scored positions (no padding), one window at a
                 # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
-                logits = self.model.lm_head(h[row, len(inp) - n : len(inp)]).float()
+                logits = self.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
                 picked = logits.gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
                 out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
         logprobs: list[list[float]] = [[] for _ in requests]
@@ -387,11 +398,11 @@ class ReferenceEngine:
 
         def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
             nonlocal held
-            # the verify pass reads the whole static cache (a mask as wide as it), so its shapes
-            # depend only on how many tokens it checks; the unpadded lossless prefill needs no mask
+            # the verify pass reads the slots up to its last token (a causal mask as wide as
+            # they are); the unpadded lossless prefill needs no mask
             slots = torch.arange(start, start + len(tokens), device=self.device)
             ids = torch.tensor([tokens], device=self.device)
-            mask = None if start == 0 and not self.kv.lossy else causal_mask(slots, total)
+            mask = None if start == 0 and not self.kv.lossy else causal_mask(slots, start + len(tokens))
             held = max(held, start + len(tokens))
             return self.model(ids, slots[None], slots, cache, mask)[0].float()
 

@@ -91,7 +91,10 @@ class DraftModelProposer:
         slots = torch.arange(start, start + len(tokens), device=dev)
         ids = torch.tensor([tokens], device=dev)
         self.held = max(self.held, start + len(tokens))
-        logits = self.model(ids, slots[None], slots, self.cache, causal_mask(slots, self.slots_total), last_only=True)
+        # one token: it attends every slot written so far (no mask, KVCache.attend); several: a
+        # causal mask only as wide as the slots they reach, not the whole cache
+        mask = start + 1 if len(tokens) == 1 else causal_mask(slots, start + len(tokens))
+        logits = self.model(ids, slots[None], slots, self.cache, mask, last_only=True)
         return logits[0, -1].float()
 
     def propose(self, seq: list[int], temperature: float, gen) -> tuple[list[int], list[torch.Tensor] | None]:
