@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -26,8 +27,8 @@ def _unusable_model_path(field: str, path: str) -> ValueError:
     """One answer for every local path that is not a model directory — missing, no config.json, not
     a directory, unreadable, too long — so that the API does not tell what exists on its host."""
     shown = path if len(path) <= 80 else path[:77] + "..."
-    return ValueError(f"{field}: '{shown}' is not a usable path to a model directory on the server (a local Hugging Face "
-                      "directory with config.json); give one, or builtin:pydoc-target")
+    return ValueError(f"{field}: '{shown}' is not a usable path to a model directory on the server (a local Hugging "
+                      "Face directory with config.json); give one, or builtin:pydoc-target")
 
 
 def check_model_path(path: str, field: str = "model.path") -> None:
@@ -59,18 +60,20 @@ def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
             check_draft_tokenizer(model_path, draft)
     except ModelPathError as e:
         raise ValueError(f"{field}.{e}") from None
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or not the JSON expected: the same answer as a missing directory
-        raise _unusable_model_path(f"{field}.speculative.draft_model" if draft else f"{field}.model", draft or model_path) from None
+    except (OSError, ValueError, KeyError, TypeError):
+        # unreadable, or not the JSON expected: the same answer as a missing directory
+        where = f"{field}.speculative.draft_model" if draft else f"{field}.model"
+        raise _unusable_model_path(where, draft or model_path) from None
 
 
 def model_context(path: str) -> int | None:
     """max_position_embeddings from a local model's config.json (no torch needed), if known."""
     try:
-        cfg = json.loads((resolve_model_path(path) / "config.json").read_text())
+        hf_config = json.loads((resolve_model_path(path) / "config.json").read_text())
     except (ModelPathError, OSError, ValueError):
         return None
-    ctx = cfg.get("max_position_embeddings")
-    return ctx if isinstance(ctx, int) else None
+    context = hf_config.get("max_position_embeddings")
+    return context if isinstance(context, int) else None
 
 
 def check_window(suite_spec: dict, model_path: str, field: str = "perplexity.window") -> None:
@@ -80,7 +83,8 @@ def check_window(suite_spec: dict, model_path: str, field: str = "perplexity.win
         raise ValueError(f"{field}: {window} exceeds the model's context of {ctx} positions; use a window ≤ {ctx}")
 
 
-def check_project_room(session: Session, project: Project, kind: str, names: Sequence[str], field: str | None = None) -> None:
+def check_project_room(session: Session, project: Project, kind: str, names: Sequence[str],
+                       field: str | None = None) -> None:
     """A project holds at most the settings' number of configs, suites, channels and schedules:
     adding `names` (new ones count, existing ones are updates) past it is refused, naming the
     field and the limit."""
@@ -97,45 +101,48 @@ def check_project_room(session: Session, project: Project, kind: str, names: Seq
     existing = set(session.scalars(query))
     total = len(existing | set(names))
     if total > limit:
-        raise ValueError(f"{field or kind}: project '{project.name}' would hold {total} {kind}, over the limit of {limit} "
-                         f"(setting CANARY_{setting.upper()})")
+        raise ValueError(f"{field or kind}: project '{project.name}' would hold {total} {kind}, over the limit of "
+                         f"{limit} (setting CANARY_{setting.upper()})")
 
 
-def apply_config_file(session: Session, cfg: CanaryFile) -> Project:
+def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
     """Upsert everything the file declares. Validates every corpus before writing anything."""
     settings = get_settings()
-    check_model_path(cfg.model.path)
+    check_model_path(canary_file.model.path)
     corpora = {}
-    for i, suite in enumerate(cfg.suites):
-        check_window(suite.model_dump(), cfg.model.path, f"suites[{i}].perplexity.window")
-        samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents, settings.max_document_chars)
+    for i, suite in enumerate(canary_file.suites):
+        check_window(suite.model_dump(), canary_file.model.path, f"suites[{i}].perplexity.window")
+        samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents,
+                              settings.max_document_chars)
         if suite.samples > len(samples):
             raise ValueError(
                 f"suites[{i}].samples: {suite.samples} > {len(samples)} documents in corpus '{suite.corpus}'; "
                 "lower samples or add documents"
             )
         corpora[suite.name] = samples
-    project = repo.get_or_create_project(session, cfg.project)
+    project = repo.get_or_create_project(session, canary_file.project)
     for kind in ("configs", "suites", "channels", "schedules"):  # with what the project holds already
-        check_project_room(session, project, kind, [item.name for item in getattr(cfg, kind)])
-    model = repo.upsert_model(session, project, cfg.model.name, cfg.model.path)
-    for i, c in enumerate(cfg.configs):
-        check_config_fits_model(c.to_spec().model_dump(), cfg.model.path, f"configs[{i}]")
-    for i, c in enumerate(cfg.configs):
-        repo.upsert_config(session, project, model, c.name, c.to_spec().model_dump(), c.baseline, field=f"configs[{i}].engine_options")
-    for i, suite in enumerate(cfg.suites):
+        check_project_room(session, project, kind, [item.name for item in getattr(canary_file, kind)])
+    model = repo.upsert_model(session, project, canary_file.model.name, canary_file.model.path)
+    for i, config in enumerate(canary_file.configs):
+        check_config_fits_model(config.to_spec().model_dump(), canary_file.model.path, f"configs[{i}]")
+    for i, config in enumerate(canary_file.configs):
+        repo.upsert_config(session, project, model, config.name, config.to_spec().model_dump(), config.baseline,
+                           field=f"configs[{i}].engine_options")
+    for i, suite in enumerate(canary_file.suites):
         repo.upsert_suite(session, project, suite.name, suite.model_dump(exclude={"name"}), corpora[suite.name],
                           field=f"suites[{i}].judge")
-    repo.set_thresholds(session, project, cfg.thresholds.model_dump(), METRIC_DIRECTIONS)
-    for i, ch in enumerate(cfg.channels):
-        settings = {"send_resolved": ch.send_resolved}
-        if ch.signing_secret:
-            settings["signing_secret"] = ch.signing_secret
-        repo.upsert_channel(session, project, ch.name, ch.kind, ch.url, settings, field=f"channels[{i}].url")
-    for sched in cfg.schedules:
-        names = [c.name for c in cfg.configs] if sched.configs == "all" else list(sched.configs)
-        repo.upsert_schedule(session, project, sched.name, sched.cron, repo.get_suite(session, project, sched.suite),
-                             names, sched.samples)
+    repo.set_thresholds(session, project, canary_file.thresholds.model_dump(), METRIC_DIRECTIONS)
+    for i, channel in enumerate(canary_file.channels):
+        channel_settings = {"send_resolved": channel.send_resolved}
+        if channel.signing_secret:
+            channel_settings["signing_secret"] = channel.signing_secret
+        repo.upsert_channel(session, project, channel.name, channel.kind, channel.url, channel_settings,
+                            field=f"channels[{i}].url")
+    for schedule in canary_file.schedules:
+        names = [config.name for config in canary_file.configs] if schedule.configs == "all" else list(schedule.configs)
+        repo.upsert_schedule(session, project, schedule.name, schedule.cron,
+                             repo.get_suite(session, project, schedule.suite), names, schedule.samples)
     return project
 
 
