@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -97,24 +98,25 @@ def upsert_config(
     from app.ssrf import check_engine_options
 
     check_engine_options(spec.get("engine_options"), field)
-    cfg = session.scalar(
+    config = session.scalar(
         select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name)
     )
-    if cfg is None:
-        cfg = OptimizationConfig(project_id=project.id, model_id=model.id, name=name, spec=spec, is_baseline=is_baseline)
-        session.add(cfg)
+    if config is None:
+        config = OptimizationConfig(project_id=project.id, model_id=model.id, name=name, spec=spec,
+                                    is_baseline=is_baseline)
+        session.add(config)
     else:
-        if cfg.model_id != model.id:
+        if config.model_id != model.id:
             raise Conflict(f"name: config '{name}' already belongs to another model; choose another name")
-        cfg.spec, cfg.is_baseline = spec, is_baseline
+        config.spec, config.is_baseline = spec, is_baseline
     session.flush()
     if is_baseline:  # one baseline per model
         session.execute(
             update(OptimizationConfig)
-            .where(OptimizationConfig.model_id == model.id, OptimizationConfig.id != cfg.id)
+            .where(OptimizationConfig.model_id == model.id, OptimizationConfig.id != config.id)
             .values(is_baseline=False)
         )
-    return cfg
+    return config
 
 
 def list_configs(session: Session, project: Project) -> list[OptimizationConfig]:
@@ -154,11 +156,12 @@ def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationCo
 
 
 def get_config(session: Session, project: Project, name: str) -> OptimizationConfig:
-    cfg = session.scalar(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name))
-    if cfg is None:
-        names = ", ".join(c.name for c in list_configs(session, project)) or "none yet"
+    config = session.scalar(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id,
+                                                             OptimizationConfig.name == name))
+    if config is None:
+        names = ", ".join(other.name for other in list_configs(session, project)) or "none yet"
         raise NotFound(f"config '{name}' not found in project '{project.name}' (configs: {names})")
-    return cfg
+    return config
 
 
 def content_hash(samples: Sequence[SampleIn]) -> str:
@@ -210,14 +213,17 @@ def get_suite(session: Session, project: Project, name: str) -> Suite:
     return suite
 
 
-def suite_samples(session: Session, suite_id: int, version: str, keys: Iterable[str] | None = None) -> list[SuiteSample]:
-    q = select(SuiteSample).where(SuiteSample.suite_id == suite_id, SuiteSample.version == version).order_by(SuiteSample.position)
+def suite_samples(session: Session, suite_id: int, version: str,
+                  keys: Iterable[str] | None = None) -> list[SuiteSample]:
+    q = (select(SuiteSample).where(SuiteSample.suite_id == suite_id, SuiteSample.version == version)
+         .order_by(SuiteSample.position))
     if keys is not None:
         q = q.where(SuiteSample.key.in_(list(keys)))
     return list(session.scalars(q))
 
 
-def set_thresholds(session: Session, project: Project, thresholds: dict[str, dict[str, Any]], directions: dict[str, str]) -> None:
+def set_thresholds(session: Session, project: Project, thresholds: dict[str, dict[str, Any]],
+                   directions: dict[str, str]) -> None:
     """Project-wide rules from the config file (scope: all models and configs)."""
     for metric, t in thresholds.items():
         rule = session.scalar(
@@ -274,14 +280,16 @@ def upsert_channel(session: Session, project: Project, name: str, kind: str, url
 
 def upsert_schedule(session: Session, project: Project, name: str, cron: str, suite: Suite,
                     config_names: list[str], samples: int | None) -> Schedule:
-    sched = session.scalar(select(Schedule).where(Schedule.project_id == project.id, Schedule.name == name))
-    if sched is None:
-        sched = Schedule(project_id=project.id, name=name, cron=cron, suite_id=suite.id, config_names=config_names, samples=samples)
-        session.add(sched)
+    schedule = session.scalar(select(Schedule).where(Schedule.project_id == project.id, Schedule.name == name))
+    if schedule is None:
+        schedule = Schedule(project_id=project.id, name=name, cron=cron, suite_id=suite.id, config_names=config_names,
+                            samples=samples)
+        session.add(schedule)
     else:
-        sched.cron, sched.suite_id, sched.config_names, sched.samples = cron, suite.id, config_names, samples
+        schedule.cron, schedule.suite_id = cron, suite.id
+        schedule.config_names, schedule.samples = config_names, samples
     session.flush()
-    return sched
+    return schedule
 
 
 # -- runs -----------------------------------------------------------------------------------------
@@ -316,7 +324,8 @@ def create_run(
         raise ValueError("configs: every config of a run must belong to the same model")
     model_id = model_ids.pop()
     baseline = session.scalar(
-        select(OptimizationConfig).where(OptimizationConfig.model_id == model_id, OptimizationConfig.is_baseline.is_(True))
+        select(OptimizationConfig).where(OptimizationConfig.model_id == model_id,
+                                         OptimizationConfig.is_baseline.is_(True))
     )
     if baseline is None:
         raise ValueError("configs: the model has no baseline config; mark one config as baseline")
@@ -324,13 +333,15 @@ def create_run(
     n = n_samples or suite.spec.get("samples", 100)
     seed = suite.spec.get("seed", 0) if seed is None else seed
     if idempotency_key:
-        existing = session.scalar(select(Run).where(Run.project_id == project.id, Run.idempotency_key == idempotency_key))
+        existing = session.scalar(select(Run).where(Run.project_id == project.id,
+                                                    Run.idempotency_key == idempotency_key))
         if existing is not None:
             same = (existing.suite_id == suite.id and existing.n_samples == n and existing.seed == seed
                     and sorted(cr.config_id for cr in existing.config_runs if cr.config.ablation_of_id is None)
                     == sorted(c.id for c in ordered))  # ablations the run added later are not the request
             if not same:
-                raise Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different run request (run {existing.id}); use a new key")
+                raise Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different run request (run "
+                               f"{existing.id}); use a new key")
             return existing, False
     if n > suite.n_documents:
         raise ValueError(
@@ -363,7 +374,8 @@ def list_runs(session: Session, project: Project, limit: int = 50, offset: int =
     ))
 
 
-def claim_config_run(session: Session, config_run_id: int, worker: str, lease_seconds: int, max_attempts: int) -> int | None:
+def claim_config_run(session: Session, config_run_id: int, worker: str, lease_seconds: int,
+                     max_attempts: int) -> int | None:
     """Take a queued config-run, or one whose lease expired, and return the new attempt number
     (the fencing token for every later write), or None when it is not ours to run."""
     now = utcnow()
@@ -436,7 +448,8 @@ def finish_config_run(
     if figures is not None:
         values["figures"] = figures
     res = session.execute(
-        update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running").values(**values)
+        update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt,
+                                ConfigRun.status == "running").values(**values)
     )
     return res.rowcount == 1
 
@@ -459,7 +472,8 @@ def try_start_aggregation(session: Session, run_id: int) -> bool:
         ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)
     ).scalar_subquery()
     res = session.execute(
-        update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), unfinished == 0).values(status="aggregating")
+        update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), unfinished == 0)
+        .values(status="aggregating")
     )
     return res.rowcount == 1
 
@@ -485,8 +499,8 @@ def sample_results(session: Session, run_id: int, config_id: int | None = None, 
 def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, float | None, dict | None]]:
     """Every sample result of a run as (config_id, metric, sample_key, value, extra), in storage order."""
     return [tuple(row) for row in session.execute(  # type: ignore[misc]
-        select(SampleResult.config_id, SampleResult.metric, SampleResult.sample_key, SampleResult.value, SampleResult.extra)
-        .where(SampleResult.run_id == run_id).order_by(SampleResult.id))]
+        select(SampleResult.config_id, SampleResult.metric, SampleResult.sample_key, SampleResult.value,
+               SampleResult.extra).where(SampleResult.run_id == run_id).order_by(SampleResult.id))]
 
 
 def write_comparisons(session: Session, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
@@ -503,7 +517,8 @@ def write_comparisons(session: Session, run_id: int, rows: Sequence[dict[str, An
 
 
 def comparisons(session: Session, run_id: int) -> list[Comparison]:
-    return list(session.scalars(select(Comparison).where(Comparison.run_id == run_id).order_by(Comparison.config_id, Comparison.metric)))
+    return list(session.scalars(select(Comparison).where(Comparison.run_id == run_id)
+                                .order_by(Comparison.config_id, Comparison.metric)))
 
 
 AGGREGATION_LOCK = 0x63616E61  # advisory-lock namespace of run aggregations
@@ -523,7 +538,8 @@ def finish_run(session: Session, run_id: int, status: str, verdict: str, reason:
     q = update(Run).where(Run.id == run_id)
     if only_if is not None:
         q = q.where(Run.status.in_(list(only_if)))
-    if session.execute(q.values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())).rowcount == 0:
+    finished = q.values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())
+    if session.execute(finished).rowcount == 0:
         return False
     session.flush()  # the caller decides a gate on this run in the same transaction (app.gates.decide)
     return True
@@ -547,13 +563,15 @@ def stalled_runs(session: Session, older_than: datetime) -> list[int]:
     unfinished = select(ConfigRun.id).where(ConfigRun.run_id == Run.id, ConfigRun.status.not_in(TERMINAL)).exists()
     last_finish = select(func.max(ConfigRun.finished_at)).where(ConfigRun.run_id == Run.id).scalar_subquery()
     return list(session.scalars(
-        select(Run.id).where(Run.status.in_(("queued", "running", "aggregating")), ~unfinished, last_finish < older_than)
+        select(Run.id).where(Run.status.in_(("queued", "running", "aggregating")), ~unfinished,
+                             last_finish < older_than)
     ))
 
 
 def reopen_aggregation(session: Session, run_id: int) -> None:
     """Put a stalled run into 'aggregating' (idempotent) so the aggregate task will take it."""
-    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running"))).values(status="aggregating"))
+    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
+                    .values(status="aggregating"))
 
 
 def mark_enqueued(session: Session, config_run_ids: Sequence[int]) -> None:
