@@ -144,6 +144,9 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
     gained = gains(summary.get("figures") or {}, gate.candidate, gate.baseline)
     if gained:
         lines += ["", "**Speed and memory:** " + "; ".join(gained) + "."]
-    if summary.get("verdict_reason"):
-        lines += ["", f"Reason: {summary['verdict_reason']}"]
+    reason = summary.get("verdict_reason") or ""
+    for step_back in summary.get("step_back") or []:  # said above, in its own lines: not twice
+        reason = reason.replace(f"; step back {step_back['config']}: {step_back['advice']}", "")
+    if reason:
+        lines += ["", f"Reason: {reason}"]
     return "\n".join(lines) + "\n"

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from app.config_file import ConfigFileError, parse_config
-from app.gates import step_back_lines
+from app.gates import step_back_lines, summary_markdown
+from app.models import Gate
 from engines.spec import OptimizationSpec, axis_value, changed_axes, single_axis_ablation
 from evals.step_back import Layer, StepBack, format_share, layer_shares
 
@@ -99,3 +100,20 @@ def test_gate_summary_lines_from_a_step_back():
         "| layer | ppl_ratio alone | share of the loss | run alone as |", "|---|---|---|---|",
         "| kv_cache int2 | 1.5 | 90.0 % | `s~kv_cache-only` |",
         "| weights int8 | 1.046 | 10.0 % | `s~weights-only` |"]
+
+
+def test_gate_summary_gives_the_step_back_once():
+    """The verdict reason carries the advice too (for alerts and the API); the gate summary shows
+    it in its own lines and leaves it out of its Reason line."""
+    advice = "disable kv_cache int2: 90 %; weights int8 10 % (1.046 alone); interaction ×1"
+    layers = [{"axis": "kv_cache", "value": "int2", "config": "s~kv_cache-only", "ratio": 1.5, "verdict": "critical",
+               "lossless": False, "share": 0.9}]
+    summary = {"run_id": 7, "n_samples": 4, "figures": {},
+               "comparisons": [{"config": "s", "metric": "ppl_ratio", "verdict": "critical", "estimate": 1.6,
+                                "ci_low": 1.5, "ci_high": 1.7, "n": 4, "rule": None, "details": {}}],
+               "verdict_reason": f"s ppl_ratio critical; step back s: {advice}",
+               "step_back": [{"config": "s", "metric": "ppl_ratio", "stacked_ratio": 1.6, "interaction": 0.0,
+                              "disable": "kv_cache", "advice": advice, "layers": layers}]}
+    md = summary_markdown(Gate(candidate="s", baseline="fp16", verdict="fail"), summary, "http://dash/", "smoke")
+    assert md.count("disable kv_cache int2") == 1
+    assert md.rstrip().splitlines()[-1] == "Reason: s ppl_ratio critical"
