@@ -264,6 +264,19 @@ def worst_comparison(comparisons: list[dict]) -> dict | None:
                                               comparison["metric"] == "ppl_ratio"), default=None)
 
 
+def layers_under_their_config(configs: list[dict]) -> list[dict]:
+    """The run's configs in order, each stacked config's ablations (step back) right under it."""
+    layers: dict[str, list[dict]] = {}
+    for config in configs:
+        if config.get("ablation_of"):
+            layers.setdefault(config["ablation_of"], []).append(config)
+    ordered = []
+    for config in configs:
+        if not config.get("ablation_of"):
+            ordered += [config, *layers.pop(config["config"], [])]
+    return ordered + [config for rest in layers.values() for config in rest]  # a layer whose config is not listed
+
+
 def _print_summary(summary: dict, wide: bool = False) -> None:
     """The run's table on stdout. By default five columns that fit an 80-column terminal: config,
     perplexity ratio with its CI, the config's worst verdict (naming the metric when it is not
@@ -280,7 +293,7 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
         left = col in ("config", "weights", "kv cache", "speculative", "verdict")
         table.add_column(col, justify="left" if left else "right")
     failures = []
-    for config in summary["configs"]:
+    for config in layers_under_their_config(summary["configs"]):
         figures = summary["figures"].get(config["config"]) or {}
         ppl = comparisons.get((config["config"], "ppl_ratio"))
         is_base = config["config"] == summary["baseline"]
@@ -296,7 +309,8 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
         def fmt(key: str, fmt_spec: str, figures: dict = figures) -> str:
             return format(figures[key], fmt_spec) if figures.get(key) is not None else "—"
 
-        row = [config["config"]]
+        # a stacked config's single-optimization ablation (step back): a diagnosis under its config
+        row = [f"  └ {config['ablation_axis']} alone" if config.get("ablation_of") else config["config"]]
         if wide:
             speculative = config["spec"].get("speculative", {})
             spec_label = ("off" if speculative.get("method", "off") == "off"

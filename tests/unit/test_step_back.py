@@ -117,3 +117,28 @@ def test_gate_summary_gives_the_step_back_once():
     md = summary_markdown(Gate(candidate="s", baseline="fp16", verdict="fail"), summary, "http://dash/", "smoke")
     assert md.count("disable kv_cache int2") == 1
     assert md.rstrip().splitlines()[-1] == "Reason: s ppl_ratio critical"
+
+
+def test_cli_table_lists_each_layer_under_its_stacked_config(capsys):
+    from app.cli import _print_summary, layers_under_their_config
+
+    def config(name, of=None, axis=None):
+        return {"config": name, "spec": {"weights": "fp16"}, "status": "succeeded", "error": None,
+                "ablation_of": of, "ablation_axis": axis}
+
+    configs = [config("fp16"), config("s~kv_cache-only", "s", "kv_cache"), config("s"), config("int8"),
+               config("s~weights-only", "s", "weights")]
+    assert [c["config"] for c in layers_under_their_config(configs)] == [
+        "fp16", "s", "s~kv_cache-only", "s~weights-only", "int8"]
+    ppl = {"metric": "ppl_ratio", "ci_low": None, "ci_high": None, "n": 4, "details": {}}
+    summary = {"run_id": 3, "baseline": "fp16", "n_samples": 4, "configs": configs, "figures": {}, "verdict": "fail",
+               "verdict_reason": "s ppl_ratio critical",
+               "comparisons": [{**ppl, "config": "s", "estimate": 5.99, "verdict": "critical"},
+                               {**ppl, "config": "s~kv_cache-only", "estimate": 5.37, "verdict": "critical"},
+                               {**ppl, "config": "s~weights-only", "estimate": 1.0024, "verdict": "ok"},
+                               {**ppl, "config": "int8", "estimate": 1.001, "verdict": "ok"}]}
+    _print_summary(summary)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "│" in line and "ppl ratio" not in line]
+    cells = [row.split("│")[1].strip() for row in rows]
+    assert cells == ["fp16", "s", "└ kv_cache alone", "└ weights alone", "int8"]
+    assert "5.3700" in rows[2] and "critical" in rows[2] and "1.0024" in rows[3]
