@@ -105,6 +105,7 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     assert out["figures"]["int8"]["n_documents"] == 12
 
 
+@pytest.mark.timeout(1000)  # above the subprocess guard below
 def test_demo_json_covers_every_config(run_cli):
     from app.cli import DEMO_CONFIG
 
