@@ -80,7 +80,9 @@ def gains(figures: dict[str, Any], candidate: str, baseline: str) -> list[str]:
     out = []
     tps_c, tps_b = cand.get("tokens_per_second"), base.get("tokens_per_second")
     if tps_c and tps_b:
-        out.append(f"throughput {tps_c / tps_b:.2f}× the baseline's ({tps_c:.0f} vs {tps_b:.0f} tokens/s)")
+        # a reused baseline was timed in another run, under that run's load: said, not hidden
+        when = f", the baseline's timed in run {base['reused_from_run']}" if base.get("reused_from_run") else ""
+        out.append(f"throughput {tps_c / tps_b:.2f}× the baseline's ({tps_c:.0f} vs {tps_b:.0f} tokens/s{when})")
     for key, what in (("weight_bytes", "weights"), ("kv_bytes_per_token", "KV cache per token"),
                       ("peak_device_bytes", "peak memory")):
         c, b = cand.get(key), base.get(key)
@@ -149,4 +151,8 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
         reason = reason.replace(f"; step back {step_back['config']}: {step_back['advice']}", "")
     if reason:
         lines += ["", f"Reason: {reason}"]
+    reused = ((summary.get("figures") or {}).get(gate.baseline) or {}).get("reused_from_run")
+    if reused:
+        lines += ["", f"Baseline `{gate.baseline}`: the results of run {reused}, reused (the same model files, "
+                      "config, suite, samples, code and libraries); `CANARY_GATE_REUSE_BASELINE=false` recomputes it."]
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.corpus import SampleIn
@@ -436,6 +436,32 @@ def write_sample_results(session: Session, run_id: int, config_id: int, rows: Se
         set_={"value": stmt.excluded.value, "extra": stmt.excluded.extra},
     )
     session.execute(stmt)
+
+
+def reusable_config_run(session: Session, run: Run, config_id: int, inputs_key: str) -> ConfigRun | None:
+    """The newest succeeded config-run of `config_id` on the same suite version and samples as `run`
+    whose figures carry the same inputs key (workers/execute.py inputs_key), or None."""
+    candidates = session.scalars(
+        select(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
+        .where(ConfigRun.config_id == config_id, ConfigRun.status == "succeeded", Run.id != run.id,
+               Run.project_id == run.project_id, Run.suite_id == run.suite_id,
+               Run.suite_version == run.suite_version, Run.n_samples == run.n_samples, Run.seed == run.seed)
+        .order_by(ConfigRun.id.desc()).limit(20)
+    )
+    for config_run in candidates:
+        if (config_run.figures or {}).get("inputs_key") == inputs_key and config_run.run.sample_keys == run.sample_keys:
+            return config_run
+    return None
+
+
+def copy_sample_results(session: Session, from_run_id: int, to_run_id: int, config_id: int) -> None:
+    """Copy one config's rows of a run into another run (rows of that config already there from an
+    interrupted attempt are replaced)."""
+    session.execute(delete(SampleResult).where(SampleResult.run_id == to_run_id, SampleResult.config_id == config_id))
+    columns = ("config_id", "sample_key", "metric", "value", "extra")
+    source = (select(literal(to_run_id), *(getattr(SampleResult, c) for c in columns), literal(utcnow()))
+              .where(SampleResult.run_id == from_run_id, SampleResult.config_id == config_id))
+    session.execute(insert(SampleResult).from_select(["run_id", *columns, "created_at"], source))
 
 
 def finish_config_run(

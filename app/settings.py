@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # how many of the suite's documents an escalation run scores (the seed's weekly depth), at most
     # the suite's size and max_samples_per_run
     escalation_samples: int = Field(500, ge=1)
+    # a gate's baseline takes the results of an earlier run of the same baseline config on the same
+    # samples when nothing that decides them changed: the model's files by content, the config, the
+    # suite, the worker's code and library versions (workers/execute.py inputs_key). False: every
+    # gate recomputes its baseline
+    gate_reuse_baseline: bool = True
     # Alertmanager channels: firing alerts are re-sent this often with endsAt 4 intervals ahead
     # (Prometheus' resend_delay), so Alertmanager never resolves one the canary still fires
     alertmanager_resend_seconds: float = Field(60.0, gt=0, le=3600)

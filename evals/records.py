@@ -357,11 +357,16 @@ class RunFigures:
     server: ServerFigures | None = None
     spec: SpecFigures | None = None
     baseline_scoring_error: str | None = None  # why the baseline model could not score these outputs
+    # sha256 of everything that decides this config-run's results (workers/execute.py inputs_key);
+    # None where they cannot be pinned (a served model)
+    inputs_key: str | None = None
+    # the run whose results (rows and figures) this config-run took instead of computing them again
+    reused_from_run: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
-        for section in ("server", "spec", "baseline_scoring_error"):
+        for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run"):
             if out[section] is None:
                 del out[section]
         return out

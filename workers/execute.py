@@ -5,10 +5,13 @@ results idempotently, and hand over to aggregation when the run's last config fi
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
 import os
+import pathlib
+import platform
 import socket
 import statistics
 import threading
@@ -23,6 +26,7 @@ from app.db import is_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.models import ConfigRun, OptimizationConfig, Run, Suite, aware
 from app.settings import get_settings
+from engines.fingerprint import model_digest, source_digest
 from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
@@ -147,6 +151,10 @@ class ExecuteConfigRun(BaseTask):
 
             check_engine(spec)
         model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
+        key = inputs_key(job)
+        if (key is not None and job["is_baseline"] and job["trigger"] == "gate" and settings.gate_reuse_baseline
+                and self._reuse(config_run_id, attempt, job, key, settings)):
+            return
         engine = get_engine(model, spec, job["calibration"])
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
         suite = job["suite"]
@@ -245,10 +253,35 @@ class ExecuteConfigRun(BaseTask):
             server=_server_figures(server_stats, server_spec, dedicated, foreign) if server_stats else None,
             spec=SpecFigures.from_stats(spec_decode) if spec_decode.num_drafts else None,
             baseline_scoring_error=judge.error if judge is not None else None,
+            inputs_key=key,
         ).to_json()
         if not self.transaction(lambda session: _finish(session, config_run_id, attempt, "succeeded", figures=figures),
                                 f"finish config-run {config_run_id}"):
             raise _LostLease(config_run_id, attempt)
+
+    def _reuse(self, config_run_id: int, attempt: int, job: dict, key: str, settings) -> bool:
+        """A gate's baseline: take the rows and figures of the newest earlier config-run of this
+        config with the same inputs key on the same samples, in one transaction fenced by the
+        attempt. False when there is none (the engine computes them)."""
+        def reuse(session) -> int | None:
+            run = session.get(Run, job["run_id"])
+            source = repo.reusable_config_run(session, run, job["config_id"], key)
+            if source is None:
+                return None
+            total = source.progress_total
+            if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, total, total):
+                raise _LostLease(config_run_id, attempt)
+            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"])
+            figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
+            if not _finish(session, config_run_id, attempt, "succeeded", figures=figures):
+                raise _LostLease(config_run_id, attempt)
+            return figures["reused_from_run"]
+
+        source_run = self.transaction(reuse, f"reuse a baseline for config-run {config_run_id}")
+        if source_run is not None:
+            log.info("config-run %s: the baseline's results of run %s reused (same inputs %s)", config_run_id,
+                     source_run, key[:12])
+        return source_run is not None
 
     def _write_fenced(self, config_run_id, attempt, job, rows, done, total, settings) -> None:
         """One transaction: record progress and renew the lease (fenced by the attempt number), then
@@ -376,6 +409,43 @@ def _finish(session, config_run_id: int, attempt: int, status: str, **kw) -> boo
     return config_run is not None and config_run.attempt == attempt and config_run.status == status
 
 
+_CODE = pathlib.Path(__file__).resolve().parent.parent
+_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "triton", "vllm", "numpy")
+
+
+def inputs_key(job: dict) -> str | None:
+    """sha256 of everything that decides a config-run's rows: the model's files (and a draft
+    model's) by content, the config's spec, the suite's spec and version, the samples in order,
+    the source of engines/, evals/ and workers/, the libraries' versions and the device kind.
+    None for a served model (engine openai): what the server runs is not ours to pin."""
+    spec: OptimizationSpec = job["spec"]
+    if spec.engine == "openai":
+        return None
+    models = [model_digest(resolve_model_path(job["model_path"]))]
+    draft = getattr(spec.speculative, "draft_model", None)
+    if draft:
+        models.append(model_digest(resolve_model_path(draft)))
+    versions = {}
+    for name in _LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    import torch  # the worker's engines run on it already
+
+    device = spec.engine_options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        device = f"{device}:{torch.cuda.get_device_name()}"
+    payload = {
+        "models": models, "spec": spec.model_dump(mode="json"), "suite": job["suite"],
+        "suite_version": job["suite_version"], "samples": [key for key, _, _ in job["samples"]],
+        "code": source_digest(_CODE / "engines", _CODE / "evals", _CODE / "workers"), "versions": versions,
+        "device": str(device), "machine": platform.machine(),
+        "calibration": hashlib.sha256("\x00".join(job["calibration"] or []).encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _load_job(session, config_run_id: int) -> dict:
     config_run = session.get(ConfigRun, config_run_id)
     run = session.get(Run, config_run.run_id)
@@ -389,10 +459,13 @@ def _load_job(session, config_run_id: int) -> dict:
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     return {
         "run_id": run.id,
+        "trigger": run.trigger,
+        "is_baseline": config_run.config_id == run.baseline_config_id,
         "config_id": config_run.config_id,
         "spec": spec,
         "baseline_spec": OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
         "calibration": calibration,
+        "suite_version": run.suite_version,
         "model_path": config_run.config.model.path,
         "suite": dict(suite.spec),
         "samples": [(sample.key, sample.text, sample.cluster or sample.key)

@@ -24,12 +24,13 @@ import hashlib
 import logging
 import os
 import pathlib
-from functools import cache, partial
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
+from engines.fingerprint import model_digest, source_digest
 from engines.quant import GROUP_SIZE, dequantize_groupwise, fake_quantize, pack_awq_gemm, quantize_groupwise
 from engines.reference.cache import KVCache
 from engines.reference.kv import kv_format
@@ -225,27 +226,15 @@ def awq_cache_dir() -> pathlib.Path | None:
     return pathlib.Path(base) / "inference-canary" / "awq"
 
 
-@cache
-def _code_digest() -> str:
-    """The source of the reference engine and the quantizers, read once per process: the code this
-    process imported (an edit on disk after that is not the code that runs here)."""
-    h = hashlib.sha256()
-    engines = pathlib.Path(__file__).resolve().parent.parent
-    for f in sorted([*(engines / "reference").rglob("*.py"), *(engines / "quant").rglob("*.py")]):
-        h.update(f"{f.relative_to(engines)}\n".encode() + f.read_bytes())
-    return h.hexdigest()
-
-
 def awq_cache_key(model_dir, calibration: torch.Tensor) -> str:
     """sha256 over what decides awq_quantize's result: the model's weight files and config (by
     content, not path), the calibration token ids [N, T], torch's version and the source of the
     code it runs (the reference model and the quantizers: an edit there is a new entry, so a
     cached result never outlives the code that computed it)."""
-    h = hashlib.sha256(f"awq int4 g{GROUP_SIZE}; torch {torch.__version__}; code {_code_digest()}\n".encode())
-    model_dir = pathlib.Path(model_dir)
-    for f in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("*.bin"), model_dir / "config.json"]):
-        if f.is_file():
-            h.update(f"{f.name}\n".encode() + f.read_bytes())
+    engines = pathlib.Path(__file__).resolve().parent.parent
+    code = source_digest(engines / "reference", engines / "quant")
+    h = hashlib.sha256(f"awq int4 g{GROUP_SIZE}; torch {torch.__version__}; code {code}\n".encode())
+    h.update(model_digest(model_dir, ("*.safetensors", "*.bin", "config.json")).encode())
     ids = calibration.to(torch.int64).cpu().contiguous()
     h.update(f"calibration {tuple(ids.shape)}\n".encode())
     h.update(ids.numpy().tobytes())

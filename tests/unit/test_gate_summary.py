@@ -55,3 +55,13 @@ def test_a_pending_gate_and_a_run_without_figures():
                           {**SUMMARY, "comparisons": [], "figures": {}, "verdict_reason": None}, "http://d", "s")
     assert md.splitlines()[1] == "## ⏳ inference-canary gate: **pending**" and "|" not in md and "Speed" not in md
     assert gains({"int4": {"tokens_per_second": None}}, "int4", "fp16") == []
+
+
+def test_a_reused_baseline_is_named_with_its_run_and_its_throughput_said_to_be_timed_there():
+    figures = {**SUMMARY["figures"], "fp16": {**SUMMARY["figures"]["fp16"], "reused_from_run": 5}}
+    md = summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"), {**SUMMARY, "figures": figures},
+                          "http://d", "daily")
+    assert "throughput 1.80× the baseline's (180 vs 100 tokens/s, the baseline's timed in run 5)" in md
+    assert md.splitlines()[-1].startswith("Baseline `fp16`: the results of run 5, reused (")
+    assert "reused" not in summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"), SUMMARY,
+                                            "http://d", "daily")
