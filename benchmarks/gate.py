@@ -3,7 +3,10 @@ fresh database, the docs' smoke suite (12 documents of the held-out corpus, perp
 128), then `canary gate --candidate int8` against the fp16 baseline, as a CI job calls it.
 
 Cold: from starting the server to the verdict (server start, model loads, both config-runs,
-aggregation). Warm: a second gate with a new Idempotency-Key on the same server. Each repeat
+aggregation). Warm: a second gate with a new Idempotency-Key on the same server; its baseline
+takes the cold gate's results (nothing that decides them changed: CANARY_GATE_REUSE_BASELINE,
+on by default; `warm_baseline_reused` says whether it did, and `warm_config_run_s` what each
+config-run of the warm gate took). Each repeat
 starts a fresh server on a fresh database. Also printed: where the cold gate's time went (server
 start, each config-run from the database's timestamps, the rest), the server's peak RSS, and the
 thread count and load average. One JSON object. Goal (issue 20): cold <= 8 s, warm <= 3 s on an
@@ -112,7 +115,13 @@ def one_round(samples: int, work: Path, threads: int | None) -> dict:
         if first["verdict"] != second["verdict"]:
             raise SystemExit(f"the two gates disagree: {first['verdict']} vs {second['verdict']}")
         parts = config_run_seconds(db, first["run_id"])
+        warm_parts = config_run_seconds(db, second["run_id"])
+        with sqlite3.connect(db) as conn:  # the warm gate's baseline: reused from the cold gate's run, or computed
+            reused = conn.execute("SELECT json_extract(r.figures, '$.reused_from_run') FROM config_runs r "
+                                  "JOIN optimization_configs c ON c.id = r.config_id WHERE r.run_id = ? "
+                                  "AND c.is_baseline", (second["run_id"],)).fetchone()[0]
         return {"cold": cold, "warm": warm, "server_up": up, "gate_call_cold": gate_cold, "config_runs": parts,
+                "warm_config_runs": warm_parts, "warm_baseline_reused_from": reused,
                 "verdict": first["verdict"], "ppl_ratio": next(c["estimate"] for c in first["comparisons"]
                                                                if c["metric"] == "ppl_ratio"),
                 "peak_rss_mb": peak_rss_mb(server.pid)}
@@ -142,6 +151,10 @@ def main() -> None:
         "cold_s": spread([r["cold"] for r in rounds], digits=2), "warm_s": spread([r["warm"] for r in rounds], digits=2),
         "server_up_s": spread([r["server_up"] for r in rounds], digits=2),
         "config_run_s": {name: spread([r["config_runs"][name] for r in rounds], digits=2) for name in rounds[0]["config_runs"]},
+        "warm_config_run_s": {name: spread([r["warm_config_runs"][name] for r in rounds], digits=2)
+                              for name in rounds[0]["warm_config_runs"]},
+        # CANARY_GATE_REUSE_BASELINE: the warm gate's baseline takes the cold gate's rows (workers/execute.py)
+        "warm_baseline_reused": all(r["warm_baseline_reused_from"] is not None for r in rounds),
         "peak_rss_mb": max((r["peak_rss_mb"] or 0) for r in rounds), "verdict": rounds[0]["verdict"],
         "ppl_ratio": rounds[0]["ppl_ratio"], "goal": {"cold_s": 8, "warm_s": 3},
     }, indent=1))
