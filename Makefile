@@ -50,7 +50,7 @@ gpu-report:
 	@$(GPU_PY) benchmarks/gpu_report.py $(BENCH_ARGS)
 
 # The CPU benchmarks against their peers (README "Benchmarks"): each script's JSON into
-# benchmarks/results/, then the README's table rendered from them. About 15 minutes on 2 cores;
+# benchmarks/results/, then the README's table rendered from them. About 25 minutes on 2 cores;
 # run it on a quiet machine. A benchmark whose two sides disagree exits 1 and stops it.
 BENCH_OUT ?= benchmarks/results
 
@@ -61,9 +61,12 @@ $(VENV)/.bench: $(VENV)/.installed
 bench: $(VENV)/.bench
 	mkdir -p $(BENCH_OUT)
 	$(PY) benchmarks/report.py --machine > $(BENCH_OUT)/machine.json
+	$(PY) benchmarks/demo.py > $(BENCH_OUT)/demo.json
 	$(PY) benchmarks/gate.py > $(BENCH_OUT)/gate.json
 	$(PY) benchmarks/dashboard_api.py --server-workers 2 > $(BENCH_OUT)/dashboard_api.json
 	$(PY) benchmarks/perplexity_throughput.py --docs 50 > $(BENCH_OUT)/perplexity_throughput.json
+	$(PY) benchmarks/perplexity_throughput.py --docs 50 --threads 1 > $(BENCH_OUT)/perplexity_throughput_1thread.json
+	$(PY) benchmarks/perplexity_throughput.py --docs 200 > $(BENCH_OUT)/perplexity_throughput_200.json
 	$(PY) benchmarks/reference_decode.py > $(BENCH_OUT)/reference_decode.json
 	$(PY) benchmarks/speculative.py > $(BENCH_OUT)/speculative.json
 	$(PY) benchmarks/report.py $(BENCH_OUT) README.md

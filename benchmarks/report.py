@@ -51,7 +51,11 @@ def row_gate(r: dict) -> list[str]:
     return ["`python benchmarks/gate.py`", f"gate time-to-verdict, embedded default, {r['samples']}-document smoke suite, "
             f"int8 vs fp16 ({r['repeats']} fresh servers)",
             f"cold {mm(r['cold_s'], ' s')}, warm {mm(r['warm_s'], ' s')}; server up {mm(r['server_up_s'], ' s')}; "
-            f"config-runs: {runs}; peak RSS {r['peak_rss_mb']:.0f} MB; verdict {r['verdict']}",
+            f"cold config-runs: {runs}"
+            + (f"; warm: baseline {'reused' if r['warm_baseline_reused'] else 'computed'}, config-runs "
+               + ", ".join(f"{k} {mm(v, ' s')}" for k, v in r["warm_config_run_s"].items())
+               if "warm_config_run_s" in r else "")
+            + f"; peak RSS {r['peak_rss_mb']:.0f} MB; verdict {r['verdict']}",
             f"cold ≤ {r['goal']['cold_s']} s, warm ≤ {r['goal']['warm_s']} s", load(r)]
 
 
@@ -69,7 +73,7 @@ def row_dashboard(r: dict) -> list[str]:
 
 def row_perplexity(r: dict) -> list[str]:
     s = r["speedup"]
-    return ["`python benchmarks/perplexity_throughput.py --docs " + str(r["documents"]) + "`",
+    return [f"`python benchmarks/perplexity_throughput.py --docs {r['documents']} --threads {r['threads']}`",
             f"perplexity scoring vs lm-eval `hf`, {r['documents']} documents ({r['tokens']:,} tokens), fp32, "
             f"batch {r['batch_size']}, {r['repeats']} alternating rounds",
             f"{mm(s['wall'], '×', 2)} by wall time, {mm(s['cpu'], '×', 2)} by CPU time; "
@@ -98,7 +102,15 @@ def row_speculative(r: dict) -> list[str]:
             "realised ≥ 80 % of theory", load(r)]
 
 
-ROWS = {"gate": row_gate, "dashboard_api": row_dashboard, "perplexity_throughput": row_perplexity,
+def row_demo(r: dict) -> list[str]:
+    slowest = ", ".join(f"{k} {v:.0f} s" for k, v in list(r["warm_config_run_s"].items())[:3])
+    return ["`python benchmarks/demo.py`", f"`canary demo` through a pipe, {r['configs']} configs × {r['samples']} "
+            "documents, embedded default; cold = empty AWQ cache (fresh HOME), warm = the cache the cold run filled",
+            f"cold {', '.join(f'{x:.0f}' for x in r['cold_s'])} s, warm {', '.join(f'{x:.0f}' for x in r['warm_s'])} s; "
+            f"slowest config-runs (warm): {slowest}", f"≤ {r['goal_s']} s", load(r)]
+
+
+ROWS = {"demo": row_demo, "gate": row_gate, "dashboard_api": row_dashboard, "perplexity_throughput": row_perplexity,
         "reference_decode": row_decode, "speculative": row_speculative}
 
 
@@ -108,9 +120,8 @@ def render(results: Path) -> str:
              f"no GPU; load average {m['load_avg_1m_at_start']} when it started. Spreads are median (min–max) over "
              "the repeats; the raw JSON is in `benchmarks/results/`.", "",
              "| command | what | measured | goal | threads, load |", "|---|---|---|---|---|"]
-    for name, row in ROWS.items():
-        path = results / f"{name}.json"
-        if path.exists():
+    for name, row in ROWS.items():  # name.json, and variants such as perplexity_throughput_200.json
+        for path in sorted(results.glob(f"{name}*.json")):
             lines.append("| " + " | ".join(row(json.loads(path.read_text()))) + " |")
     return "\n".join([*lines, END])
 

@@ -56,8 +56,8 @@ def test_speculative_theory_by_hand():
     assert speculative.theory(outs, 0.0)["theory_speedup"] == round(21 / 12, 3)
 
 
-@pytest.mark.parametrize("script", ["perplexity_throughput.py", "reference_decode.py", "speculative.py", "detection.py",
-                                    "tiny_model_outliers.py", "dashboard_api.py", "kernel_resources.py"])
+@pytest.mark.parametrize("script", ["perplexity_throughput.py", "reference_decode.py", "speculative.py", "detection.py", "demo.py",
+                                    "tiny_model_outliers.py", "dashboard_api.py", "kernel_resources.py", "gate.py"])
 def test_help_prints_usage_and_runs_nothing(script):
     r = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
