@@ -29,6 +29,7 @@ from engines.protocol import (
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
+from engines.reference.faults import EngineFault
 from engines.reference.kv import kv_format
 from engines.reference.model import DecoderLayer, Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
@@ -72,13 +73,17 @@ class ReferenceEngine:
         tok = self.tokenizer
         self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         model = load_model(self.model_path, torch.float32, "cpu")
+        # a canary drill (engine_options.fault; engines/reference/faults.py): without one, every hook is the identity
+        self.fault = EngineFault(spec.engine_options.get("fault"), spec.kv_cache, model.args.vocab_size,
+                                 lambda ids: cast(str, tok.decode(ids, skip_special_tokens=True)))
+        self.fault.corrupt_weights(model)
         self.quantized_params = self.quantized_bytes = 0
         self.packed: dict[str, tuple] = {}  # int4 layers: (q, zero, scale) for the W4A16 kernels
         if spec.weights in RTN_BITS:
             self._rtn(model, RTN_BITS[spec.weights])
         elif spec.weights == "awq-int4":
             self._awq(model, calibration)
-        self.kv = kv_format(spec.kv_cache, self.compute_dtype, self.dtype)
+        self.kv = self.fault.corrupt_kv(kv_format(spec.kv_cache, self.compute_dtype, self.dtype), model.args.n_layers)
         self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant), else nothing
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).to(self.compute_dtype).fuse()
         self.args = model.args
@@ -171,7 +176,7 @@ class ReferenceEngine:
                              f"fewer than one window of {t}")
         self.calibration_shape = (n, t)
         calibration_ids = torch.tensor(ids[: n * t]).reshape(n, t)
-        cache_dir, key = awq_cache_dir(), awq_cache_key(self.model_path, calibration_ids)
+        cache_dir, key = awq_cache_dir(), awq_cache_key(self.model_path, calibration_ids) + self.fault.weights_tag
         packed = load_awq_cache(model, key, cache_dir)
         self.awq_from_cache = packed is not None
         if packed is None:
@@ -268,7 +273,8 @@ class ReferenceEngine:
             logprobs[job[0]].extend(out[j][0])
             greedy[job[0]].extend(out[j][1])
         return [
-            RollingResult(req.doc_id, tuple(encoded[i]), tuple(logprobs[i]), tuple(greedy[i]),
+            RollingResult(req.doc_id, tuple(encoded[i]), tuple(self.fault.prompt_logprobs(logprobs[i])),
+                          tuple(greedy[i]),
                           len(req.text.encode("utf-8")), count_words(req.text), spans[i])
             for i, req in enumerate(requests)
         ]
@@ -294,7 +300,7 @@ class ReferenceEngine:
             values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), -1)
             top = [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(indices, values, strict=True)]
         next_logprob, next_token = logprobs[-1].max(-1)
-        return PromptScores(picked.tolist(), top, int(next_token), float(next_logprob))
+        return PromptScores(self.fault.prompt_logprobs(picked.tolist()), top, int(next_token), float(next_logprob))
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest],
@@ -306,12 +312,13 @@ class ReferenceEngine:
         # vLLM's rule (SamplingParams, _SAMPLING_EPS): a temperature under 1e-5 is greedy. Dividing
         # logits by 3e-300 overflows to ±inf and softmax to NaN; the limit of softmax(x / T) is the argmax.
         requests = [replace(r, temperature=0.0) if r.temperature < SAMPLING_EPS else r for r in requests]
+        on_tokens = self.fault.stream(on_tokens)  # a token-corrupt drill streams the ids it emits
         if self.proposer is not None:
-            return [self._generate_speculative(r, on_tokens) for r in requests]
+            return self.fault.results([self._generate_speculative(r, on_tokens) for r in requests])
         out: list[GenerationResult] = []
         for s in range(0, len(requests), self.concurrency):
             out.extend(self._generate_batch(list(requests[s : s + self.concurrency]), on_tokens))
-        return out
+        return self.fault.results(out)
 
     def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
         """The prompt's ids: the start token and the text's tokens, or the ids the request gives."""
@@ -340,6 +347,7 @@ class ReferenceEngine:
         done = [False] * B
         eos = self.tokenizer.eos_token_id
         t0 = time.perf_counter()
+        self.fault.before_first_token()  # a ttft-delay drill
         logits = decoder.prefill(ids)
         for step in range(steps):
             if greedy:  # the pick stays on the device; reading it out is the step's one host sync
@@ -395,6 +403,7 @@ class ReferenceEngine:
         counters = SpecCounters()
         held = 0  # the target cache's high-water mark: slots written so far
         t0 = time.perf_counter()
+        self.fault.before_first_token()  # a ttft-delay drill
 
         def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
             nonlocal held
@@ -518,7 +527,7 @@ class ReferenceEngine:
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}",
-                   *([computed] if computed else [])),
+                   *([computed] if computed else []), *self.fault.notes),
             resident_weight_bytes=int(resident),
             peak_kv_cache_bytes=int(self.peak_kv_bytes),
             kv_cache_usage=self.peak_kv_usage,
