@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import aliased
 
 from app import repo
@@ -185,7 +185,10 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     chosen = _suite(session, project, suite)
     suite_id = chosen.id if chosen else -1
     done = and_(Run.project_id == project.id, Run.status == "done", Run.suite_id == suite_id)
-    recent = list(session.scalars(select(Run.id).where(done).order_by(Run.id.desc()).limit(HISTORY_RUNS)))
+    # one statement each below, whatever the history's length: the recent runs as a subquery, not a
+    # list of ids bound one parameter each (a new statement for the driver at every length)
+    recent_q = select(Run.id).where(done).order_by(Run.id.desc()).limit(HISTORY_RUNS)
+    recent = set(session.scalars(recent_q))
     latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
               .join(Run, Run.id == ConfigRun.run_id).where(done, ConfigRun.status == "succeeded")
               .group_by(ConfigRun.config_id).subquery())
@@ -208,13 +211,16 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                                                        .where(ConfigRun.run_id.in_(latest_ids))):
             figures[(run_id, config_id)] = figs or {}
     if older_ids:
+        recent_sq = recent_q.subquery()
         for run_id, config_id, metric, estimate, verdict in session.execute(
                 select(Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate,
-                       Comparison.verdict).where(Comparison.run_id.in_(older_ids))):
-            history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
+                       Comparison.verdict).join(recent_sq, recent_sq.c.id == Comparison.run_id)):
+            if run_id in older_ids:
+                history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     if latest_ids or older_ids:
         runs = {run_id: (created, finished) for run_id, created, finished in session.execute(
-            select(Run.id, Run.created_at, Run.finished_at).where(Run.id.in_(latest_ids | older_ids)))}
+            select(Run.id, Run.created_at, Run.finished_at)
+            .where(or_(Run.id.in_(recent_q.subquery().select()), Run.id.in_(latest_ids))))}
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
