@@ -70,7 +70,10 @@ def render(api, project: str, params) -> None:
         return
     suites = {s["id"]: s["name"] for s in api.get(f"/projects/{project}/suites")}
     suite = suites.get(run["suite_id"], "?")
-    st.caption(f"Suite {suite} · {run['n_samples']} samples · baseline {run['baseline']} · verdict {run['verdict']}")
+    reused = (run["figures"].get(run["baseline"]) or {}).get("reused_from_run")
+    st.caption(f"Suite {suite} · {run['n_samples']} samples · baseline {run['baseline']}"
+               + (f" (its results reused from run {reused}: same model files, config, suite and samples)"
+                  if reused else "") + f" · verdict {run['verdict']}")
     metrics = sorted((m for m in api.get("/metrics")["metrics"] if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")
     configs = [{"config": c["config"], "baseline": c["config"] == run["baseline"], "run_id": run_id, "checked_at": None,
                 "comparisons": {x["metric"]: x for x in run["comparisons"] if x["config"] == c["config"]},

@@ -185,6 +185,18 @@ def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, mo
     assert {"warn +1.0%", "critical +3.0%"} <= {x for f in data if "label" in f.columns for x in f["label"]}
 
 
+def test_compare_says_when_a_gates_baseline_was_reused(seeded_api, monkeypatch):
+    """The seeded gate runs suite s on the seeded run's samples: its baseline takes that run's rows."""
+    first = min(r["run_id"] for r in api(seeded_api, "/runs"))
+    gate_run = seeded_api["gate"]["run_id"]
+    assert api(seeded_api, f"/runs/{gate_run}")["figures"]["fp32"]["reused_from_run"] == first
+    at = page(seeded_api, monkeypatch, "Compare")
+    at.selectbox(key="compare_run").set_value(gate_run).run()
+    assert any(f"baseline fp32 (its results reused from run {first}:" in c.value for c in at.caption)
+    at.selectbox(key="compare_run").set_value(first).run()
+    assert not any("reused" in c.value for c in at.caption)
+
+
 def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Alerts")
     heads = [s.value for s in at.subheader]
