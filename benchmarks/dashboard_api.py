@@ -1,8 +1,8 @@
 """p50 / p95 / p99 latency of the API calls behind the dashboard's pages under 16 concurrent
 clients, with about 1 million sample results in Postgres (goal: p99 < 300 ms). Seeds a scratch
 database (COPY), serves the API as its image does (`canary serve`, one process) on loopback, and
-has each client send its share of the requests over the views in a shuffled order over real
-HTTP; then drops the database. Percentiles interpolate between order statistics. One JSON object.
+has each client (a process of its own, or a thread with --client-mode thread) send its share of
+the requests over the views in a shuffled order over real HTTP; then drops the database. Percentiles interpolate between order statistics. One JSON object.
 
     python benchmarks/dashboard_api.py [--runs 400] [--samples 420] [--clients 16] [--requests 2016]
     (CANARY_BENCH_PG = admin URL of the server, default postgresql://postgres@127.0.0.1:5432/postgres)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -113,6 +114,17 @@ def percentiles(ms: list[float]) -> dict[str, float]:
     return {"p50_ms": q(0.50), "p95_ms": q(0.95), "p99_ms": q(0.99), "n": len(xs)}
 
 
+def client_process(base: str, calls: dict, requests: int, seed: int, ready, go, results) -> None:
+    """A client in a process of its own, started before the clock (`go`): its timings and errors
+    back through `results`."""
+    ready.release()
+    go.wait()
+    out: dict[str, list[float]] = {label: [] for label in calls}
+    errors: list[str] = []
+    client(base, calls, requests, seed, out, errors)
+    results.put((out, errors))
+
+
 def client(base: str, calls: dict, requests: int, seed: int, out: dict[str, list[float]], errors: list[str]) -> None:
     """One dashboard user: `requests` calls over the views in a shuffled order, one connection."""
     rng = random.Random(seed)
@@ -138,6 +150,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     ap.add_argument("--requests", type=int, default=2016, help="requests in all, split over the clients (default 2016)")
     ap.add_argument("--server-workers", type=int, default=1, help="API processes (`canary serve --workers`, default 1)")
+    ap.add_argument("--client-mode", choices=("process", "thread"), default="process",
+                    help="each client a process of its own (default), or a thread of this process: 16 client threads "
+                         "share one interpreter lock, so a reply can wait for it before its clock is read")
     args = ap.parse_args()
     admin = os.environ.get("CANARY_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
     name = f"canary_bench_{uuid.uuid4().hex[:8]}"
@@ -189,19 +204,38 @@ def main() -> None:
         per_client = -(-args.requests // args.clients)
         times: dict[str, list[float]] = {label: [] for label in calls}
         errors: list[str] = []
-        threads = [threading.Thread(target=client, args=(api, calls, per_client, i, times, errors))
-                   for i in range(args.clients)]
+        if args.client_mode == "thread":
+            clients = [threading.Thread(target=client, args=(api, calls, per_client, i, times, errors))
+                       for i in range(args.clients)]
+        else:  # each client its own interpreter: no client waits on another's GIL to read its clock
+            ctx = multiprocessing.get_context("spawn")
+            results, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
+            clients = [ctx.Process(target=client_process, args=(api, calls, per_client, i, ready, go, results))
+                       for i in range(args.clients)]
+            for c in clients:
+                c.start()
+            for _ in clients:
+                ready.acquire(timeout=120)
         t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if args.client_mode == "thread":
+            for c in clients:
+                c.start()
+        else:
+            go.set()
+            for _ in clients:
+                out, errs = results.get(timeout=600)
+                errors += errs
+                for label, xs in out.items():
+                    times[label] += xs
+        for c in clients:
+            c.join()
         wall = time.perf_counter() - t0
         every = [x for xs in times.values() for x in xs]
         overall = percentiles(every)
         load = os.getloadavg()
         print(json.dumps({"benchmark": "dashboard_api", "sample_results": n, "runs": args.runs, "configs": len(CONFIGS),
-                          "seed_seconds": round(seed_s, 1), "server_workers": args.server_workers, "clients": args.clients, "requests": len(every),
+                          "seed_seconds": round(seed_s, 1), "server_workers": args.server_workers, "clients": args.clients,
+                          "client_mode": args.client_mode, "requests": len(every),
                           "errors": len(errors), "requests_per_s": round(len(every) / wall, 1),
                           "cpu_count": os.cpu_count(), "load_avg_1m": round(load[0], 2),
                           "overall": overall, "calls": {label: percentiles(xs) for label, xs in times.items()},
