@@ -55,6 +55,9 @@ def test_pass_warn_fail_and_exit_codes(stack, project, tmp_path):
 
     g = json.loads(warn.stdout)
     assert g["verdict"] == "warn" and g["comparisons"][0]["verdict"] == "warn"
+    # its baseline took the first gate's rows (the same samples and inputs), in the worker, on Postgres
+    figures = stack.http.get(f"{P}/runs/{g['run_id']}").json()["figures"]
+    assert figures["fp32"]["reused_from_run"] < g["run_id"] and figures["int2"]["reused_from_run"] is None
     strict = gate(stack, "--candidate", "int2", "--warn-exit-code", "1")
     assert strict.returncode == 1  # …and blocks it when CI says so
     bad = gate(stack, "--candidate", "kv-int2", "--summary-md", str(tmp_path / "fail.md"))
