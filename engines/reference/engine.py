@@ -411,7 +411,10 @@ class ReferenceEngine:
             # they are); the unpadded lossless prefill needs no mask
             slots = torch.arange(start, start + len(tokens), device=self.device)
             ids = torch.tensor([tokens], device=self.device)
-            mask = None if start == 0 and not self.kv.lossy else causal_mask(slots, start + len(tokens))
+            # one token (a pass without a draft) attends every slot written so far: the plain decode
+            # step's int mask (KVCache.attend), with no mask tensor built
+            mask = (None if start == 0 and not self.kv.lossy else start + 1 if len(tokens) == 1
+                    else causal_mask(slots, start + len(tokens)))
             held = max(held, start + len(tokens))
             return self.model(ids, slots[None], slots, cache, mask)[0].float()
 
@@ -431,10 +434,14 @@ class ReferenceEngine:
             logits = forward([seq[-1]] + drafts, L - 1)  # position i predicts the token after drafts[:i]
             new: list[int] = []
             accepted = 0
+            # greedy with nothing that depends on the tokens picked: every row's argmax in one op
+            best = (logits.argmax(-1).tolist() if req.temperature <= 0 and not req.logit_bias
+                    and not (req.presence_penalty or req.frequency_penalty) else None)
             for i, x in enumerate(drafts):
-                row = self._adjust(logits[i], req, out + new)  # penalties count the drafts accepted so far
+                # penalties count the drafts accepted so far
+                row = logits[i] if best is not None else self._adjust(logits[i], req, out + new)
                 if req.temperature <= 0:
-                    t = int(row.argmax())
+                    t = best[i] if best is not None else int(row.argmax())
                     ok = t == x
                 else:
                     p = sampling_probs(row, req.temperature, req.top_p, req.top_k)
@@ -446,7 +453,8 @@ class ReferenceEngine:
                     break
                 accepted += 1
             else:
-                new.append(self._pick(self._adjust(logits[len(drafts)], req, out + new), req, gen))  # bonus token
+                new.append(best[len(drafts)] if best is not None  # bonus token
+                           else self._pick(self._adjust(logits[len(drafts)], req, out + new), req, gen))
             counters.record(len(drafts), accepted, k)
             if eos in new:
                 new = new[: new.index(eos) + 1]
