@@ -19,7 +19,8 @@ from tests.loopback import free_port, wait_http
 
 PAGES = {
     "Overview": ["Inference quality overview", "int2", "domain PPL", "breaching since", "ppl ratio"],
-    "Compare": ["Compare configs", "Quality lost vs speed and memory gained"],
+    "Compare": ["Compare configs", "Quality lost vs speed and memory gained",
+                "its results reused from run 1"],  # the newest run: the seeded gate, whose baseline is run 1's
     "Trends": ["Trends", "Suite s only", "alert: int2"],
     "Alerts": ["Alerts", "Firing (", "Silences", "needs a write key"],
     "Run+detail&run_id=1": ["Run detail", "Breaching (", "Rank samples by"],  # the seeded run of every config
