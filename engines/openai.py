@@ -10,6 +10,11 @@ server runs; the server decides.
 - server_stats: a scrape of the server's Prometheus /metrics before and after each generate
   call (vLLM names): spec-decode counter deltas → acceptance rate; KV-cache usage and queue
   depth sampled while requests are in flight.
+- per-request acceptance: where the server reports each request's own speculative-decoding
+  figures (vLLM's `--per-request-spec-decode-metrics summary|detailed`: `metrics.
+  speculative_decoding` at the top of the response, in the final usage chunk of a stream;
+  `canary engine-serve` does the same), each generation carries them, and no other traffic on
+  the server can move them (spec_from_response).
 """
 
 from __future__ import annotations
@@ -65,6 +70,26 @@ def metric_sum(samples: dict, name: str, **match: str) -> float | None:
     vals = [v for (n, labels), v in samples.items()
             if n == name and all(dict(labels).get(k) == x for k, x in match.items())]
     return sum(vals) if vals else None
+
+
+def spec_from_response(chunk: dict) -> SpecStats | None:
+    """One request's speculative-decoding figures from a response (or stream chunk) that carries
+    vLLM's `metrics.speculative_decoding` object (vLLM PR #48915): num_spec_steps (verification
+    steps with a draft), num_draft_tokens, num_accepted_draft_tokens and acceptance_histogram,
+    where entry j counts the steps that accepted exactly j draft tokens. Drafts are accepted
+    from the front, so position i (0-based) was accepted by every step that accepted more than
+    i: Σ_{j>i} histogram[j]. None when the response has no such object or it is not numbers."""
+    metrics = chunk.get("metrics")
+    figures = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(figures, dict):
+        return None
+    try:
+        histogram = [int(x) for x in figures.get("acceptance_histogram") or []]
+        return SpecStats(int(figures["num_spec_steps"]), int(figures["num_draft_tokens"]),
+                         int(figures["num_accepted_draft_tokens"]),
+                         tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1)))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def spec_delta(before: dict, after: dict) -> SpecStats | None:
@@ -310,6 +335,7 @@ class OpenAIEngine:
         text: list[str] = []
         stamps: list[float] = []
         usage: dict = {}
+        spec: SpecStats | None = None
         t0 = time.perf_counter()
         async with client.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as response:
             if response.status_code >= 400:
@@ -327,6 +353,7 @@ class OpenAIEngine:
                     raise EndpointError(f"{self.shown}/completions: stream error for '{req.request_id}': "
                                         f"{chunk['error']}")
                 usage = chunk.get("usage") or usage
+                spec = spec_from_response(chunk) or spec
                 piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
                 if piece:
                     text.append(piece)
@@ -343,6 +370,7 @@ class OpenAIEngine:
             ttft_ms=(stamps[0] - t0) * 1000,
             itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),
             total_ms=(stamps[-1] - t0) * 1000,
+            spec=spec,
         )
 
     def describe(self) -> EngineDescription:

@@ -96,7 +96,9 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "timeout_s": (int, "per-request timeout in seconds (default 60)"),
         "dedicated_server": (bool, "true: the server serves only the canary while it runs, so its spec-decode "
                                    "counter deltas are the run's acceptance (default false: they are reported in "
-                                   "figures.server, flagged when other traffic moved them, and not judged)"),
+                                   "figures.server, flagged when other traffic moved them, and not judged). Not "
+                                   "needed where the server reports each request's own figures (vLLM's "
+                                   "--per-request-spec-decode-metrics summary): those are judged either way"),
     },
     "vllm": {
         "tensor_parallel_size": (int, "GPUs per model (default 1)"),

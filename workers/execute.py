@@ -223,10 +223,17 @@ class ExecuteConfigRun(BaseTask):
                 server_stats.append(server)
                 if server.spec is not None and server.spec.num_draft_tokens:
                     server_spec += server.spec
-                    # more drafts or accepted tokens than the batch generated: someone else's requests
-                    ours = sum(generation.n_tokens for generation in generations)
-                    foreign += int(server.spec.num_drafts > ours or server.spec.num_accepted_tokens > ours)
-                    if dedicated:  # a server's counters are per batch, not per request (GenerationRecord.spec_scope)
+                    per_request = [generation.spec for generation in generations if generation.spec is not None]
+                    if per_request:  # the server reported each request's own: the counters moved by more are not ours
+                        mine = sum(per_request, SpecStats())
+                        foreign += int(server.spec.num_drafts > mine.num_drafts
+                                       or server.spec.num_draft_tokens > mine.num_draft_tokens)
+                    else:  # more drafts or accepted tokens than the batch generated: someone else's requests
+                        ours = sum(generation.n_tokens for generation in generations)
+                        foreign += int(server.spec.num_drafts > ours or server.spec.num_accepted_tokens > ours)
+                    # a dedicated server's counters stand for the batch (GenerationRecord.spec_scope), unless
+                    # each request carried its own figures, which are already in the rows
+                    if dedicated and not per_request:
                         rows[0]["extra"]["spec"] = spec_to_json(server.spec) | {"scope": "batch"}
                         spec_decode += server.spec
             done += len(rows)

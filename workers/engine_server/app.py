@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative", default="off", help='"off" or a JSON object, e.g. {"method": "ngram", "k": 4}')
     ap.add_argument("--no-prompt-logprobs", action="store_true",
                     help="refuse echo=true (like servers without prompt log-probs)")
+    ap.add_argument("--per-request-spec-decode-metrics", choices=("none", "summary"), default="none",
+                    help="summary: each response with speculative decoding carries its own figures under "
+                         "metrics.speculative_decoding, as vLLM's flag of this name does (default none)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     args = ap.parse_args(argv)
@@ -84,5 +87,6 @@ def main(argv: list[str] | None = None) -> None:
         engine = load_engine(str(path), spec)
     except ValueError as e:  # a format this machine cannot run, AWQ without calibration text, …
         ap.error(str(e).splitlines()[0])
-    server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs)
+    server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs,
+                          per_request_spec_metrics=args.per_request_spec_decode_metrics == "summary")
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")

@@ -27,10 +27,13 @@ class Job:
 
 
 class EngineServer:
-    def __init__(self, engine, model_name: str, prompt_logprobs: bool = True):
+    def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
+        # vLLM's --per-request-spec-decode-metrics summary: each response carries its request's own
+        # speculative-decoding figures (routes.spec_decode_metrics)
+        self.per_request_spec_metrics = per_request_spec_metrics
         self.max_model_len = engine.args.max_seq_len  # tokens of context
         self.vocab_size = engine.args.vocab_size
         spec = getattr(engine, "spec", None)  # the engine's OptimizationSpec

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engines.protocol import GenerationRequest
+from engines.protocol import GenerationRequest, SpecStats
 from workers.engine_server.engine_thread import EngineServer, Job
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
@@ -266,6 +266,15 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    results: list = []  # each job's GenerationResult, once done
+
+    def per_request_metrics() -> dict:
+        """vLLM's per-request speculative-decoding figures, for one generation (vLLM leaves them out for n > 1)."""
+        spec = results[0].spec if len(jobs) == 1 and results else None
+        if not server.per_request_spec_metrics or spec is None:
+            return {}
+        return {"metrics": {"speculative_decoding": spec_decode_metrics(spec)}}
+
     def failure(kind: str, payload: str) -> JSONResponse:
         return error(400, payload, param="prompt") if kind == "invalid" else error(500, payload, "InternalServerError")
 
@@ -299,6 +308,7 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
                             yield f"data: {json.dumps({**chunk, 'choices': [choice(index, rest, None, True)]})}\n\n"
                         final = choice(index, "", finish_of(payload), True)
                         yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
+                        results.append(payload)
                         prompt_tokens += payload.prompt_tokens
                         completion_tokens += len(payload.token_ids)
                         break
@@ -310,7 +320,7 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
                         return
                     event = await job.events.get()
             last = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name, "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens)}
+                    "usage": usage(prompt_tokens, completion_tokens), **per_request_metrics()}
             yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -333,8 +343,22 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
             choices[-1]["logprobs"] = generated_logprobs(server, payload, kept, chat)
         completion_tokens += kept
         prompt_tokens += payload.prompt_tokens
+        results.append(payload)
     return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens), **per_request_metrics()}
+
+
+def spec_decode_metrics(spec: SpecStats) -> dict:
+    """A request's counters in vLLM's `metrics.speculative_decoding` summary (vLLM PR #48915):
+    acceptance_histogram[j] = verification steps that accepted exactly j draft tokens. Drafts are
+    accepted from the front, so the steps that accepted at least i + 1 are accepted_per_position[i],
+    and exactly j is the difference of two neighbours (all drafts for j = 0, none past k)."""
+    at_least = [spec.num_drafts, *spec.accepted_per_position, 0]
+    histogram = [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
+    return {"mean_acceptance_length": spec.mean_acceptance_length or 0.0,
+            "draft_acceptance_rate": spec.acceptance_rate or 0.0, "acceptance_histogram": histogram,
+            "num_spec_steps": spec.num_drafts, "num_accepted_draft_tokens": spec.num_accepted_tokens,
+            "num_draft_tokens": spec.num_draft_tokens, "num_spec_tokens": len(spec.accepted_per_position)}
 
 
 def generated_logprobs(server: EngineServer, result, kept: int, chat: bool) -> dict:
