@@ -1,26 +1,48 @@
-"""Detection power: seeded faults of known size, fed in only through the public interfaces, and
-null configs, through the whole service (a canary.yaml, runs on the embedded default, the
-aggregation's verdicts). Prints, per fault class and size, how often it was flagged (warn,
-critical or measurement_error on any gated metric) and by which metric, and the false-alarm
-rate over the null configs.
+"""Detection power: seeded faults of known size and null configs through the whole service (a
+canary.yaml, runs on the embedded default, the aggregation's verdicts). Prints, per fault class
+and size, how often it was flagged (warn, critical or measurement_error on a gated metric) and by
+which metric, how often the fault was at or above its metric's threshold and still not flagged,
+the false-alarm rate over the null configs, and the smallest size of each class flagged in every
+run.
 
-Every config is `engine: openai`. Upstream is a real `canary engine-serve` of the tiny target;
-every config reaches it through a proxy (the baseline and the nulls through one that changes
-nothing), so the hop's latency is on both sides of each timing ratio. Faults:
-  logprob-shift s   a perturbing proxy (tests/http/perturb.py) lowers every prompt log-prob by s
-                    nats: the perplexity ratio is exactly exp(s) (at or above the seed warn 1.15
-                    from s = ln 1.15 = 0.140)
-  garble p          the proxy replaces each streamed piece of text with random letters with
-                    probability p after the model (a sampler or detokenizer bug)
-  delay d           the proxy holds each streamed completion d ms: TTFT + d (at or above the seed
-                    warn 1.25 of ttft_ratio when d ≥ 0.25 × the baseline's TTFT p50)
-  weight-noise σ    a second engine-serve of the target whose decoder weights carry Gaussian
-                    noise of σ × each matrix's standard deviation
-  zero-logprobs     the proxy answers every prompt log-prob as 0 (a broken measurement)
-Nulls: identity proxies in front of the same upstream (the baseline against itself; only
-timing differs), one run per seed, each seed drawing other documents.
+Two halves, each its own project and runs (one per seed, each seed drawing other documents):
+
+engine: faults injected inside the reference engine (engine_options.fault, a canary drill,
+engines/reference/faults.py), every config in-process beside a reference fp32 baseline:
+  weight-noise σ    decoder weights + N(0, (σ·std W)²), each matrix its own std
+  kv-corrupt k      the KV cache of the first k layers: each written slot + N(0, (σ_kv·std)²)
+                    (std of the keys / values in that write; σ_kv = --kv-sigma)
+  token-corrupt p   each emitted token replaced by another vocabulary id with probability p,
+                    after verification; the text is decoded from the corrupted ids
+  ttft-delay d      a sleep of d ms before each generation's first token
+  logprob-shift s   every prompt log-prob lowered by s nats: the perplexity ratio is exactly e^s
+  logprob-shift −1  a candidate e times *better* than its baseline: a broken measurement
+A fault that changes tokens (weight-noise, kv-corrupt, token-corrupt) runs in two roles
+(--roles): `lossless`, as the drill poses (the baseline's weights and KV cache, so greedy outputs
+must equal the baseline's: lossless_exact_match is gated), and `lossy`, the same fault with
+`lossless: false`, as if it rode on a lossy optimization, so only the quality thresholds
+(ppl_ratio, gen_nll_ratio) can catch it. ttft-delay and logprob-shift change no token: once.
+Nulls: copies of the baseline (the baseline against itself: only timing differs), greedy
+speculative decoding with n-gram lookup (k=4) and with the pydoc-draft model (k=4): lossless, so
+a flag on any gated metric is a false alarm, except on the figures speculative decoding exists to
+change (spec_acceptance_rate, tpot_ratio), which are reported apart.
+
+http: every config is `engine: openai`. Upstream is a real `canary engine-serve` of the tiny
+target; every config reaches it through a proxy (tests/http/perturb.py; the baseline and the
+nulls through one that changes nothing), so the hop's latency is on both sides of each timing
+ratio. Faults: prompt log-probs lowered by s (logprob-shift), streamed text garbled at rate p
+(garble), streamed completions held d ms (delay), every prompt log-prob 0 (zero-logprobs, a
+broken measurement), and a second engine-serve of a checkpoint whose decoder weights carry noise
+σ (weight-noise). Nulls: identity proxies in front of the same upstream.
+
+"At or above threshold": the fault's size on a metric that measures it (e^s for a log-prob shift;
+the measured estimate of ppl_ratio, gen_nll_ratio, ttft_ratio, and lossless_exact_match where it
+is gated) is at or beyond that metric's seed warn threshold. The issue's targets: every such
+fault flagged; at most 5 % false alarms over at least 40 null runs; every broken measurement
+flagged.
 
     .venv/bin/python benchmarks/detection.py [--seeds 2] [--nulls 10] [--samples 12] [--prompts 12]
+        [--halves engine http] [--roles lossless lossy] [--markdown]
 """
 
 from __future__ import annotations
@@ -35,11 +57,28 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FLAGGED = ("warn", "critical", "measurement_error")
+MODEL = "builtin:pydoc-target"
+# the metrics that measure each fault class's size (for "at or above its metric's threshold")
+SIZE_METRICS = {
+    "logprob-shift": ("ppl_ratio",),
+    "weight-noise": ("ppl_ratio", "gen_nll_ratio"),
+    "kv-corrupt": ("ppl_ratio", "gen_nll_ratio"),
+    "token-corrupt": ("gen_nll_ratio",),
+    "garble": ("gen_nll_ratio",),
+    "ttft-delay": ("ttft_ratio",),
+    "delay": ("ttft_ratio",),
+}
+BROKEN = ("zero-logprobs", "impossible-gain")  # broken measurements: must be flagged, whatever their size
+TOKEN_CHANGING = ("weight-noise", "kv-corrupt", "token-corrupt")  # the engine faults run in both roles
+# the gated metrics a null config is not null on: speculative decoding exists to change its own speed
+# figures (acceptance, time per output token), and the seed thresholds judge them as they are
+NOT_NULL_ON = {"ngram k=4": ("spec_acceptance_rate", "tpot_ratio"), "draft k=4": ("spec_acceptance_rate", "tpot_ratio")}
 
 
 def noised_checkpoint(sigma: float, out: pathlib.Path, seed: int = 0) -> pathlib.Path:
@@ -49,7 +88,7 @@ def noised_checkpoint(sigma: float, out: pathlib.Path, seed: int = 0) -> pathlib
 
     from engines.zoo import resolve_model_path
 
-    source = resolve_model_path("builtin:pydoc-target")
+    source = resolve_model_path(MODEL)
     out.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
         if f.name != "model.safetensors":
@@ -63,17 +102,254 @@ def noised_checkpoint(sigma: float, out: pathlib.Path, seed: int = 0) -> pathlib
     return out
 
 
+# a trial: what one run said about one config
+Trial = dict
+Kinds = dict[str, tuple[str, str, float | None, str]]  # config name → (half, class, size, role)
+
+
+def engine_configs(args) -> tuple[list[dict], Kinds]:
+    """The engine half: a reference fp32 baseline, each drill in each role, the nulls."""
+    reference = {"engine": "reference", "weights": "fp32"}
+    drills: list[tuple[str, float | None, dict]] = []
+    drills += [("weight-noise", s, {"kind": "weight-noise", "sigma": s}) for s in args.noises]
+    drills += [("kv-corrupt", k, {"kind": "kv-corrupt", "layers": k, "sigma": args.kv_sigma})
+               for k in args.kv_layers]
+    drills += [("token-corrupt", p, {"kind": "token-corrupt", "rate": p, "seed": 1}) for p in args.token_rates]
+    drills += [("ttft-delay", d, {"kind": "ttft-delay", "delay_ms": d}) for d in args.delays]
+    drills += [("logprob-shift", s, {"kind": "logprob-shift", "nats": s}) for s in args.shifts]
+    drills += [("impossible-gain", None, {"kind": "logprob-shift", "nats": -1.0})]
+    configs = [{"name": "baseline", "baseline": True, **reference}]
+    kinds: Kinds = {}
+    for kind, size, fault in drills:
+        for role in args.roles if kind in TOKEN_CHANGING else ["lossless"]:  # the others change no token
+            name = f"e-{kind}{'' if size is None else f'-{size:g}'}-{role}"
+            kinds[name] = ("engine", kind, size, role)
+            configs.append({"name": name, **reference, "engine_options": {"fault": fault},
+                            **({"lossless": False} if role == "lossy" else {})})
+    speculative = {"e-null-ngram": {"method": "ngram", "k": 4},
+                   "e-null-draft": {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 4}}
+    for i in range(max(0, args.nulls - len(speculative))):
+        kinds[f"e-null-{i}"] = ("engine", "null", None, "baseline copy")
+        configs.append({"name": f"e-null-{i}", **reference})
+    for name, sp in list(speculative.items())[: args.nulls]:
+        kinds[name] = ("engine", "null", None, f"{sp['method']} k={sp['k']}")
+        configs.append({"name": name, **reference, "speculative": sp})
+    return configs, kinds
+
+
+def http_configs(args, workdir: pathlib.Path, servers: list, procs: list) -> tuple[list[dict], Kinds]:
+    """The HTTP half: proxies in front of engine-serve processes (started here, stopped by the caller)."""
+    from tests.http.conftest import start_engine_serve
+    from tests.http.perturb import garble, proxy_app, shift_logprobs, zero_logprobs
+    from tests.loopback import free_port, serve_in_thread
+
+    proc, upstream = start_engine_serve("--model", MODEL)
+    procs.append(proc)
+
+    def proxy(to: str | None = None, **fault) -> str:
+        port = free_port()
+        servers.append(serve_in_thread(proxy_app(to or upstream, **fault), port))
+        return f"http://127.0.0.1:{port}/v1"
+
+    faults: list[tuple[str, float | None, str]] = []  # (class, size, base_url)
+    faults += [("logprob-shift", s, proxy(fault=shift_logprobs(s))) for s in args.shifts]
+    faults += [("garble", p, proxy(stream_fault=garble(p, seed=1))) for p in args.garbles]
+    faults += [("delay", d, proxy(delay_ms=d)) for d in args.delays]
+    faults += [("zero-logprobs", None, proxy(fault=zero_logprobs))]
+    for sigma in args.noises:
+        noised = noised_checkpoint(sigma, workdir / f"noise-{sigma}")
+        proc, url = start_engine_serve("--model", str(noised), "--served-model-name", MODEL)
+        procs.append(proc)
+        faults.append(("weight-noise", sigma, proxy(to=url)))
+    served = {"engine": "openai", "weights": "fp32"}
+    # every config, the baseline included, reaches its server through a proxy: the hop's own
+    # latency is on both sides of every timing ratio
+    configs = [{"name": "baseline", "baseline": True, **served, "engine_options": {"base_url": proxy()}}]
+    kinds: Kinds = {}
+    for kind, size, url in faults:
+        name = f"h-{kind}" if size is None else f"h-{kind}-{size:g}"
+        kinds[name] = ("http", kind, size, "lossless")
+        configs.append({"name": name, **served, "engine_options": {"base_url": url}})
+    for i in range(args.nulls):
+        kinds[f"h-null-{i}"] = ("http", "null", None, "identity proxy")
+        configs.append({"name": f"h-null-{i}", **served, "engine_options": {"base_url": proxy()}})
+    return configs, kinds
+
+
+def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, trials: dict[str, list[Trial]]) -> dict:
+    """One run of one half at one seed; each config's trial appended to `trials`."""
+    from app import repo
+    from app.config_file import parse_config
+    from app.db import session_scope
+    from app.dispatch import InlineDispatcher
+    from app.services import apply_config_file, run_summary, start_run
+    from evals.metrics import METRICS
+
+    cfg = {"project": project, "model": {"name": "tiny", "path": MODEL}, "configs": configs,
+           "suites": [{"name": f"seed-{seed}", "corpus": "builtin:pydoc-heldout", "samples": args.samples,
+                       "seed": seed, "scorers": ["perplexity", "generation"], "perplexity": {"window": 128},
+                       "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16}}]}
+    with session_scope() as session:
+        apply_config_file(session, parse_config(cfg))
+    started = time.perf_counter()
+    run_id, _ = start_run(project, f"seed-{seed}", None, InlineDispatcher())
+    with session_scope() as session:
+        summary = run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id))
+    status = {c["config"]: (c["status"], c["error"]) for c in summary["configs"]}
+    by_config: dict[str, list[dict]] = defaultdict(list)
+    for c in summary["comparisons"]:
+        if METRICS[c["metric"]].gated and not (c.get("details") or {}).get("informational"):
+            by_config[c["config"]].append(c)
+    for name in kinds:
+        comps = by_config.get(name, [])
+        hits = [c for c in comps if c["verdict"] in FLAGGED]
+        run_status, error = status.get(name, ("missing", None))
+        trials[name].append({
+            "seed": seed, "flagged": bool(hits), "status": run_status, "error": error,
+            "by": sorted({f"{c['metric']}:{c['verdict']}" for c in hits}),
+            "inconclusive": sorted(c["metric"] for c in comps if c["verdict"] == "inconclusive"),
+            "estimates": {c["metric"]: c["estimate"] for c in comps if _finite(c["estimate"])},
+            "baseline_ttft_p50_ms": next((c["baseline_value"] for c in comps if c["metric"] == "ttft_ratio"), None)})
+    return {"half": project.removeprefix("detection-"), "seed": seed, "run_id": run_id, "verdict": summary["verdict"],
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def at_or_above(kind: str, size: float | None, trial: Trial, warn: Callable[[str], tuple[float, str]]) -> bool:
+    """Whether this trial's fault was at or beyond the warn threshold of a metric that measures it."""
+    if kind == "logprob-shift" and size is not None:
+        return math.exp(size) >= warn("ppl_ratio")[0]
+    names = (*SIZE_METRICS.get(kind, ()), "lossless_exact_match")
+    for name in names:
+        value = trial["estimates"].get(name)
+        if value is None:
+            continue
+        threshold, direction = warn(name)
+        if name == "lossless_exact_match":  # its warn 1.0: any divergence from the baseline is at least warn
+            hit = value < threshold
+        else:
+            hit = value >= threshold if direction == "above" else value <= threshold
+        if hit:
+            return True
+    return False
+
+
+def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict], dict]:
+    from evals.metrics import METRICS
+
+    def warn(name: str) -> tuple[float, str]:
+        return float(METRICS[name].warn or 0), METRICS[name].direction
+
+    rows = []
+    for name, (half, kind, size, role) in kinds.items():
+        if kind == "null":
+            continue
+        ts = trials[name]
+        above = [at_or_above(kind, size, t, warn) for t in ts]
+        size_values: dict[str, list[float]] = defaultdict(list)
+        for t in ts:
+            for metric in (*SIZE_METRICS.get(kind, ()), "lossless_exact_match"):
+                if metric in t["estimates"]:
+                    size_values[metric].append(t["estimates"][metric])
+        row = {"half": half, "fault": kind, "size": size, "role": role, "trials": len(ts),
+               "flagged": sum(t["flagged"] for t in ts), "at_or_above_threshold": sum(above),
+               "missed_at_or_above": sum(a and not t["flagged"] for a, t in zip(above, ts, strict=True)),
+               "inconclusive": sorted({m for t in ts if not t["flagged"] for m in t["inconclusive"]}),
+               "by": sorted({b for t in ts for b in t["by"]}),
+               "measured": {m: [round(min(v), 4), round(max(v), 4)] for m, v in size_values.items()},
+               "failed": [t["error"] for t in ts if t["status"] != "succeeded"]}
+        if kind in ("delay", "ttft-delay"):  # against the baseline's TTFT p50 measured beside it, in the same runs
+            p50s = [t["baseline_ttft_p50_ms"] for t in ts if t["baseline_ttft_p50_ms"]]
+            if p50s and size is not None:
+                mean = sum(p50s) / len(p50s)
+                row["expected"] = {"ttft_ratio": round((mean + size) / mean, 3), "baseline_ttft_p50_ms": round(mean, 1)}
+        elif kind == "logprob-shift" and size is not None:
+            row["expected"] = {"ppl_ratio": round(math.exp(size), 4)}
+        rows.append(row)
+    # per half, class and role: the smallest size flagged in every trial (and every size above it)
+    reliable: dict[str, float | str | None] = {}
+    groups = dict.fromkeys((r["half"], r["fault"], r["role"]) for r in rows)
+    for half, kind, role in groups:
+        sizes = sorted((r for r in rows if (r["half"], r["fault"], r["role"]) == (half, kind, role)),
+                       key=lambda r: r["size"] or 0)
+        caught = [r["size"] for i, r in enumerate(sizes) if all(x["flagged"] == x["trials"] for x in sizes[i:])]
+        reliable[f"{half} {kind} ({role})"] = ("always" if caught else "not always") if sizes[0]["size"] is None else (
+            caught[0] if caught else None)
+    nulls = {name: ts for name, ts in trials.items() if kinds[name][1] == "null"}
+    null_trials = []
+    for name, ts in nulls.items():
+        null = kinds[name][3]
+        for t in ts:
+            own = [b for b in t["by"] if b.split(":")[0] in NOT_NULL_ON.get(null, ())]
+            null_trials.append(t | {"config": name, "null": null, "own": own,
+                                    "by": [b for b in t["by"] if b not in own]})
+    alarms = [t for t in null_trials if t["by"] or t["status"] != "succeeded"]
+    totals = {
+        "smallest_reliably_caught": reliable,
+        "faults_at_or_above_threshold": sum(r["at_or_above_threshold"] for r in rows),
+        "missed_at_or_above_threshold": sum(r["missed_at_or_above"] for r in rows),
+        "broken_measurements": sum(r["trials"] for r in rows if r["fault"] in BROKEN),
+        "broken_measurements_flagged": sum(r["flagged"] for r in rows if r["fault"] in BROKEN),
+        "null_trials": len(null_trials), "false_alarms": len(alarms),
+        "false_alarm_rate": round(len(alarms) / len(null_trials), 4) if null_trials else None,
+        "false_alarms_by": sorted({f"{t['null']}: {b}" for t in alarms for b in t["by"] or [t["status"]]}),
+        "null_flags_not_null_by_design": sorted({f"{t['null']}: {b}" for t in null_trials for b in t["own"]}),
+        "null_measured_not_null_by_design": {  # min–max of those figures, per null kind
+            null: {m: [round(min(v), 4), round(max(v), 4)] for m in metrics
+                   if (v := [t["estimates"][m] for t in null_trials if t["null"] == null and m in t["estimates"]])}
+            for null, metrics in NOT_NULL_ON.items()},
+        "null_trials_by_kind": {k: sum(1 for t in null_trials if t["null"] == k)
+                                for k in dict.fromkeys(t["null"] for t in null_trials)},
+        "failed_config_runs": sum(len(r["failed"]) for r in rows),
+    }
+    return rows, totals
+
+
+def markdown(rows: list[dict], totals: dict) -> str:
+    """The README's table: one line per fault, size and role."""
+    lines = ["| half | fault | size | role | flagged | at/above threshold, missed | by | measured (min–max) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        size = "—" if r["size"] is None else f"{r['size']:g}"
+        measured = "; ".join(f"{m} {lo:g}–{hi:g}" if lo != hi else f"{m} {lo:g}"
+                             for m, (lo, hi) in r["measured"].items())
+        by = ", ".join(r["by"]) or (f"— (inconclusive: {', '.join(r['inconclusive'])})" if r["inconclusive"] else "—")
+        lines.append(f"| {r['half']} | {r['fault']} | {size} | {r['role']} | {r['flagged']} / {r['trials']} | "
+                     f"{r['at_or_above_threshold']}, {r['missed_at_or_above']} | {by} | {measured} |")
+    own = ", ".join(totals["null_flags_not_null_by_design"])
+    by_design = totals["null_measured_not_null_by_design"]
+    measured = "; ".join(f"{null} {m} {lo:g}–{hi:g}" for null, figures in by_design.items()
+                         for m, (lo, hi) in figures.items())
+    lines.append(f"| nulls | {', '.join(f'{k} ×{n}' for k, n in totals['null_trials_by_kind'].items())} | | | "
+                 f"{totals['false_alarms']} / {totals['null_trials']} false alarms | | "
+                 f"{', '.join(totals['false_alarms_by']) or '—'}{f' (not null by design: {own})' if own else ''} | "
+                 f"{measured} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--seeds", type=int, default=2, help="runs, each drawing other documents (default 2)")
-    ap.add_argument("--nulls", type=int, default=10, help="null configs per run (default 10)")
+    ap.add_argument("--seeds", type=int, default=2, help="runs per half, each drawing other documents (default 2)")
+    ap.add_argument("--nulls", type=int, default=10, help="null configs per run and half (default 10)")
     ap.add_argument("--samples", type=int, default=12, help="documents per run (default 12; min_n is 10)")
     ap.add_argument("--prompts", type=int, default=12, help="generation prompts per run (default 12)")
+    ap.add_argument("--halves", nargs="+", choices=("engine", "http"), default=["engine", "http"],
+                    help="which faults to run: injected in the engine, through HTTP proxies (default both)")
+    ap.add_argument("--roles", nargs="+", choices=("lossless", "lossy"), default=["lossless", "lossy"],
+                    help="engine faults posing as lossless configs, as lossy ones (lossless: false), or both")
     ap.add_argument("--shifts", type=float, nargs="*", default=[0.05, 0.14, 0.3], help="log-prob shifts, nats")
-    ap.add_argument("--garbles", type=float, nargs="*", default=[0.05, 0.3], help="garble rates")
-    ap.add_argument("--delays", type=float, nargs="*", default=[20, 80], help="TTFT delays, ms")
-    ap.add_argument("--noises", type=float, nargs="*", default=[0.05, 0.3], help="weight noise σ (× std)")
+    ap.add_argument("--garbles", type=float, nargs="*", default=[0.05, 0.3], help="HTTP: garble rates")
+    ap.add_argument("--token-rates", type=float, nargs="*", default=[0.01, 0.03, 0.1],
+                    help="engine: token-corrupt rates")
+    ap.add_argument("--delays", type=float, nargs="*", default=[1, 20, 80], help="TTFT delays, ms")
+    ap.add_argument("--noises", type=float, nargs="*", default=[0.05, 0.3, 1.0], help="weight noise σ (× std)")
+    ap.add_argument("--kv-layers", type=int, nargs="*", default=[1, 2, 6], help="engine: KV layers corrupted")
+    ap.add_argument("--kv-sigma", type=float, default=0.75, help="engine: KV noise σ (× std of each write)")
+    ap.add_argument("--markdown", action="store_true", help="also print the README's table")
     args = ap.parse_args()
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="canary-detection-"))
@@ -81,116 +357,35 @@ def main() -> None:
     os.environ.update({"CANARY_DATABASE_URL": f"sqlite:///{workdir / 'canary.db'}", "CANARY_EXECUTION": "inline",
                        "CANARY_ESCALATION": "false", "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost"})
     os.environ.pop("CANARY_BROKER_URL", None)
-    from app import repo
-    from app.config_file import parse_config
-    from app.db import session_scope, upgrade
-    from app.dispatch import InlineDispatcher
-    from app.services import apply_config_file, run_summary, start_run
-    from evals.metrics import METRICS
-    from tests.http.conftest import start_engine_serve
-    from tests.http.perturb import garble, proxy_app, shift_logprobs, zero_logprobs
-    from tests.loopback import free_port, serve_in_thread
+    from app.db import upgrade
 
     upgrade(os.environ["CANARY_DATABASE_URL"])
-    model = "builtin:pydoc-target"
-    servers, procs = [], []
-
-    def proxy(to: str | None = None, **fault) -> str:
-        port = free_port()
-        servers.append(serve_in_thread(proxy_app(to or upstream, **fault), port))
-        return f"http://127.0.0.1:{port}/v1"
-
+    servers: list = []
+    procs: list = []
+    started = time.perf_counter()
+    trials: dict[str, list[Trial]] = defaultdict(list)
+    kinds: Kinds = {}
     try:
-        proc, upstream = start_engine_serve("--model", model)
-        procs.append(proc)
-        faults: list[tuple[str, float | None, str]] = []  # (class, size, base_url)
-        faults += [("logprob-shift", s, proxy(fault=shift_logprobs(s))) for s in args.shifts]
-        faults += [("garble", p, proxy(stream_fault=garble(p, seed=1))) for p in args.garbles]
-        faults += [("delay", d, proxy(delay_ms=d)) for d in args.delays]
-        faults += [("zero-logprobs", None, proxy(fault=zero_logprobs))]
-        for sigma in args.noises:
-            noised = noised_checkpoint(sigma, workdir / f"noise-{sigma}")
-            proc, url = start_engine_serve("--model", str(noised), "--served-model-name", model)
-            procs.append(proc)
-            faults.append(("weight-noise", sigma, proxy(to=url)))
-        nulls = [proxy() for _ in range(args.nulls)]
-
-        served = {"engine": "openai", "weights": "fp32"}
-        # every config, the baseline included, reaches its server through a proxy: the hop's own
-        # latency is on both sides of every timing ratio
-        configs = [{"name": "baseline", "baseline": True, **served, "engine_options": {"base_url": proxy()}}]
-        names: dict[str, tuple[str, float | None]] = {}
-        for kind, size, url in faults:
-            name = kind if size is None else f"{kind}-{size:g}"
-            names[name] = (kind, size)
-            configs.append({"name": name, **served, "engine_options": {"base_url": url}})
-        for i, url in enumerate(nulls):
-            names[f"null-{i}"] = ("null", None)
-            configs.append({"name": f"null-{i}", **served, "engine_options": {"base_url": url}})
-
-        flagged: dict[str, list[dict]] = defaultdict(list)
-        started = time.perf_counter()
-        for seed in range(args.seeds):
-            cfg = {"project": "detection", "model": {"name": "tiny", "path": model}, "configs": configs,
-                   "suites": [{"name": f"seed-{seed}", "corpus": "builtin:pydoc-heldout", "samples": args.samples,
-                               "seed": seed, "scorers": ["perplexity", "generation"], "perplexity": {"window": 128},
-                               "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16}}]}
-            with session_scope() as session:
-                apply_config_file(session, parse_config(cfg))
-            run_id, _ = start_run("detection", f"seed-{seed}", None, InlineDispatcher())
-            with session_scope() as session:
-                summary = run_summary(session, repo.get_run(session, repo.get_project(session, "detection"), run_id))
-            by_config: dict[str, list[dict]] = defaultdict(list)
-            for c in summary["comparisons"]:
-                if METRICS[c["metric"]].gated and not (c.get("details") or {}).get("informational"):
-                    by_config[c["config"]].append(c)
-            for name in names:
-                hits = [c for c in by_config.get(name, []) if c["verdict"] in FLAGGED]
-                flagged[name].append({"seed": seed, "flagged": bool(hits),
-                                      "by": sorted({f"{c['metric']}:{c['verdict']}" for c in hits}),
-                                      "estimates": {c["metric"]: c["estimate"] for c in by_config.get(name, [])},
-                                      "baseline_ttft_p50_ms": next((c["baseline_value"] for c in by_config.get(name, [])
-                                                                    if c["metric"] == "ttft_ratio"), None)})
-            print(json.dumps({"seed": seed, "run_id": run_id, "verdict": summary["verdict"],
-                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)
-
-        rows = []
-        for name, (kind, size) in names.items():
-            if kind == "null":
-                continue
-            trials = flagged[name]
-            expected = None
-            if kind == "logprob-shift":
-                expected = {"ppl_ratio": round(math.exp(size), 4),
-                            "at_or_above_warn": math.exp(size) >= METRICS["ppl_ratio"].warn}
-            elif kind == "delay":  # against the baseline's TTFT p50 measured beside it, in the same runs
-                p50s = [t["baseline_ttft_p50_ms"] for t in trials if t["baseline_ttft_p50_ms"]]
-                if p50s:
-                    ratio = (sum(p50s) / len(p50s) + size) / (sum(p50s) / len(p50s))
-                    expected = {"ttft_ratio": round(ratio, 3), "baseline_ttft_p50_ms": round(sum(p50s) / len(p50s), 1),
-                                "at_or_above_warn": ratio >= METRICS["ttft_ratio"].warn}
-            rows.append({"fault": kind, "size": size, "detected": sum(t["flagged"] for t in trials),
-                         "trials": len(trials),
-                         "by": sorted({b for t in trials for b in t["by"]}), "expected": expected,
-                         "estimates": [{k: round(v, 4) for k, v in t["estimates"].items() if v is not None
-                                        and not (isinstance(v, float) and math.isnan(v))} for t in trials]})
-        null_trials = [t for name, (kind, _) in names.items() if kind == "null" for t in flagged[name]]
-        false_alarms = [t for t in null_trials if t["flagged"]]
+        halves = []
+        if "engine" in args.halves:
+            configs, names = engine_configs(args)
+            halves.append(("detection-engine", configs, names))
+        if "http" in args.halves:
+            configs, names = http_configs(args, workdir, servers, procs)
+            halves.append(("detection-http", configs, names))
+        for project, configs, names in halves:
+            kinds.update(names)
+            for seed in range(args.seeds):
+                print(json.dumps(run_half(project, configs, names, seed, args, trials)), flush=True)
+        rows, totals = summarize(kinds, trials)
         for row in rows:
             print(json.dumps(row), flush=True)
-        reliable: dict[str, float | str | None] = {}  # per class, the smallest size flagged in every trial
-        for kind in dict.fromkeys(r["fault"] for r in rows):  # (and every size above it); a sizeless fault: yes/no
-            sizes = sorted((r for r in rows if r["fault"] == kind), key=lambda r: r["size"] or 0)
-            caught = [r["size"] for i, r in enumerate(sizes) if all(x["detected"] == x["trials"] for x in sizes[i:])]
-            reliable[kind] = ("always" if caught else "not always") if sizes[0]["size"] is None else (
-                caught[0] if caught else None)
-        print(json.dumps({"benchmark": "detection", "smallest_reliably_caught": reliable,
-                          "null_trials": len(null_trials), "false_alarms": len(false_alarms),
-                          "false_alarm_rate": round(len(false_alarms) / len(null_trials), 4) if null_trials else None,
-                          "false_alarms_by": sorted({b for t in false_alarms for b in t["by"]}),
+        print(json.dumps({"benchmark": "detection", **totals, "halves": args.halves, "roles": args.roles,
                           "samples": args.samples, "prompts": args.prompts, "seeds": args.seeds,
-                          "load_average": os.getloadavg()[0], "seconds": round(time.perf_counter() - started, 1)}),
-              flush=True)
+                          "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
+                          "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+        if args.markdown:
+            print(markdown(rows, totals), flush=True)
     finally:
         for server in servers:
             server.should_exit = True

@@ -1,0 +1,59 @@
+"""benchmarks/detection.py's figures from trials written by hand: which faults were at or above
+their metric's threshold, which of those were missed, the smallest size flagged in every run, and
+which null flags are false alarms (speculative decoding's own speed figures are not)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import detection  # noqa: E402
+
+
+def trial(flagged: bool, by=(), estimates=None, inconclusive=()) -> dict:
+    return {"seed": 0, "flagged": flagged, "status": "succeeded", "error": None, "by": list(by),
+            "inconclusive": list(inconclusive), "estimates": estimates or {}, "baseline_ttft_p50_ms": None}
+
+
+def test_detection_figures_by_hand():
+    kinds = {
+        "shift-0.05": ("engine", "logprob-shift", 0.05, "lossless"),  # e^0.05 = 1.051 < warn 1.15: not at/above
+        "shift-0.14": ("engine", "logprob-shift", 0.14, "lossless"),  # e^0.14 = 1.1503 ≥ 1.15
+        "kv-1": ("engine", "kv-corrupt", 1, "lossy"),
+        "kv-6": ("engine", "kv-corrupt", 6, "lossy"),
+        "copy": ("engine", "null", None, "baseline copy"),
+        "ngram": ("engine", "null", None, "ngram k=4"),
+    }
+    trials = {
+        "shift-0.05": [trial(False, estimates={"ppl_ratio": math.exp(0.05)})],
+        "shift-0.14": [trial(True, ["ppl_ratio:warn"], {"ppl_ratio": math.exp(0.14)})],
+        # gen NLL ratio 1.30 ≥ 1.15, but its CI straddled warn: at or above, and missed
+        "kv-1": [trial(False, estimates={"ppl_ratio": 1.10, "gen_nll_ratio": 1.30}, inconclusive=["gen_nll_ratio"])],
+        "kv-6": [trial(True, ["ppl_ratio:warn"], {"ppl_ratio": 1.21})],
+        "copy": [trial(False), trial(True, ["ttft_ratio:warn"])],  # a flag on a baseline copy: a false alarm
+        "ngram": [trial(True, ["spec_acceptance_rate:critical"], {"spec_acceptance_rate": 0.2})],  # by design
+    }
+    rows, totals = detection.summarize(kinds, trials)
+    row = {(r["fault"], r["size"]): r for r in rows}
+    assert row["logprob-shift", 0.05]["at_or_above_threshold"] == 0
+    assert row["logprob-shift", 0.14]["at_or_above_threshold"] == 1 and row["logprob-shift", 0.14]["flagged"] == 1
+    assert row["kv-corrupt", 1]["missed_at_or_above"] == 1 and row["kv-corrupt", 1]["inconclusive"] == ["gen_nll_ratio"]
+    assert totals["faults_at_or_above_threshold"] == 3 and totals["missed_at_or_above_threshold"] == 1
+    assert totals["smallest_reliably_caught"] == {"engine logprob-shift (lossless)": 0.14,
+                                                  "engine kv-corrupt (lossy)": 6}
+    assert totals["null_trials"] == 3 and totals["false_alarms"] == 1 and totals["false_alarm_rate"] == round(1 / 3, 4)
+    assert totals["false_alarms_by"] == ["baseline copy: ttft_ratio:warn"]
+    assert totals["null_flags_not_null_by_design"] == ["ngram k=4: spec_acceptance_rate:critical"]
+    assert totals["null_measured_not_null_by_design"]["ngram k=4"] == {"spec_acceptance_rate": [0.2, 0.2]}
+
+
+def test_lossless_exact_match_below_one_is_at_or_above_its_threshold():
+    def warn(name):
+        return {"lossless_exact_match": (1.0, "below"), "ppl_ratio": (1.15, "above")}[name]
+
+    assert detection.at_or_above("weight-noise", 0.05, trial(True, estimates={"lossless_exact_match": 0.75}), warn)
+    assert not detection.at_or_above("weight-noise", 0.05, trial(False, estimates={"lossless_exact_match": 1.0}), warn)
