@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     dashboard_url: str = "http://localhost:8501"
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True
+    # threads per API process that run the (synchronous) route handlers; requests beyond it wait
+    # their turn in arrival order (benchmarks/dashboard_api.py measures the latency it gives)
+    api_threads: int = Field(8, ge=1, le=256)
     # how many of the suite's documents an escalation run scores (the seed's weekly depth), at most
     # the suite's size and max_samples_per_run
     escalation_samples: int = Field(500, ge=1)

@@ -7,6 +7,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Literal
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,9 @@ async def lifespan(_: FastAPI):
     # start (runs left queued by a previous process) and then every CANARY_RECONCILE_SECONDS. With Celery, the
     # single beat (`canary worker --beat` on one worker) schedules it instead.
     stop = threading.Event()
+    # the sync routes' worker threads (anyio's default limiter, 40): a few, so that concurrent
+    # requests queue in arrival order instead of all slowing each other down on the interpreter lock
+    anyio.to_thread.current_default_thread_limiter().total_tokens = get_settings().api_threads
     if get_settings().execution_mode == "inline":
         def loop() -> None:
             while True:

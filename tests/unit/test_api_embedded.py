@@ -40,3 +40,19 @@ def test_embedded_server_runs_to_verdict(server):
     assert ratio["verdict"] == "ok"  # int8 on 10 documents: the CI sits far inside 1.15
     assert run["verdict"] == "inconclusive"  # one prompt is too few to decide TTFT
     assert http.get("/projects/e/runs").json()[0]["run_id"] == run["run_id"]
+
+
+@pytest.mark.parametrize("threads", [3, 8])
+def test_route_threads_per_process_follow_the_setting(sqlite_env, monkeypatch, threads):
+    """CANARY_API_THREADS caps the threads that run route handlers in the server's event loop."""
+    import anyio.to_thread
+    from fastapi.testclient import TestClient
+
+    from app.api.main import app
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_API_THREADS", str(threads))
+    get_settings.cache_clear()
+    with TestClient(app) as client:
+        assert client.portal.call(lambda: anyio.to_thread.current_default_thread_limiter().total_tokens) == threads
+        assert client.get("/api/v1/metrics").status_code == 200
