@@ -439,11 +439,13 @@ def write_sample_results(session: Session, run_id: int, config_id: int, rows: Se
 
 
 def reusable_config_run(session: Session, run: Run, config_id: int, inputs_key: str) -> ConfigRun | None:
-    """The newest succeeded config-run of `config_id` on the same suite version and samples as `run`
-    whose figures carry the same inputs key (workers/execute.py inputs_key), or None."""
+    """The newest succeeded config-run of `config_id`, as its run's baseline (a candidate's rows hold
+    what another baseline scored), on the same suite version and samples as `run`, whose figures
+    carry the same inputs key (workers/execute.py inputs_key), or None."""
     candidates = session.scalars(
         select(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
         .where(ConfigRun.config_id == config_id, ConfigRun.status == "succeeded", Run.id != run.id,
+               Run.baseline_config_id == config_id,
                Run.project_id == run.project_id, Run.suite_id == run.suite_id,
                Run.suite_version == run.suite_version, Run.n_samples == run.n_samples, Run.seed == run.seed)
         .order_by(ConfigRun.id.desc()).limit(20)
@@ -454,13 +456,16 @@ def reusable_config_run(session: Session, run: Run, config_id: int, inputs_key: 
     return None
 
 
-def copy_sample_results(session: Session, from_run_id: int, to_run_id: int, config_id: int) -> None:
-    """Copy one config's rows of a run into another run (rows of that config already there from an
-    interrupted attempt are replaced)."""
-    session.execute(delete(SampleResult).where(SampleResult.run_id == to_run_id, SampleResult.config_id == config_id))
+def copy_sample_results(session: Session, from_run_id: int, to_run_id: int, config_id: int,
+                        metrics: Sequence[str]) -> None:
+    """Copy one config's rows of the given metrics from a run into another run (rows of those
+    already there, from an interrupted attempt, are replaced)."""
+    session.execute(delete(SampleResult).where(SampleResult.run_id == to_run_id, SampleResult.config_id == config_id,
+                                               SampleResult.metric.in_(metrics)))
     columns = ("config_id", "sample_key", "metric", "value", "extra")
     source = (select(literal(to_run_id), *(getattr(SampleResult, c) for c in columns), literal(utcnow()))
-              .where(SampleResult.run_id == from_run_id, SampleResult.config_id == config_id))
+              .where(SampleResult.run_id == from_run_id, SampleResult.config_id == config_id,
+                     SampleResult.metric.in_(metrics)))
     session.execute(insert(SampleResult).from_select(["run_id", *columns, "created_at"], source))
 
 

@@ -151,9 +151,10 @@ class ExecuteConfigRun(BaseTask):
 
             check_engine(spec)
         model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
-        key = inputs_key(job)
-        if (key is not None and job["is_baseline"] and job["trigger"] == "gate" and settings.gate_reuse_baseline
-                and self._reuse(config_run_id, attempt, job, key, settings)):
+        # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
+        # for baselines, the only source of reuse: the first call in a process hashes the model's files)
+        key = inputs_key(job) if job["is_baseline"] and settings.gate_reuse_baseline else None
+        if key is not None and job["trigger"] == "gate" and self._reuse(config_run_id, attempt, job, key, settings):
             return
         engine = get_engine(model, spec, job["calibration"])
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
@@ -185,6 +186,8 @@ class ExecuteConfigRun(BaseTask):
         spec_decode = SpecStats()  # requests' own counters plus servers' per-batch counters
         server_stats: list[ServerStats] = []  # one per batch, from an engine that runs in a server
         server_spec, foreign = SpecStats(), 0  # a server's spec-decode counter deltas; batches others moved
+        own_spec = SpecStats()  # the responses' own spec-decode figures, where the server reports them
+        foreign_excess = 0  # the server's counters beyond own_spec so far
         dedicated = bool(spec.engine_options.get("dedicated_server", False))
         requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
                                       gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
@@ -221,13 +224,18 @@ class ExecuteConfigRun(BaseTask):
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
             if server is not None:
                 server_stats.append(server)
+                per_request = [generation.spec for generation in generations if generation.spec is not None]
+                own_spec = sum(per_request, own_spec)
                 if server.spec is not None and server.spec.num_draft_tokens:
                     server_spec += server.spec
-                    per_request = [generation.spec for generation in generations if generation.spec is not None]
-                    if per_request:  # the server reported each request's own: the counters moved by more are not ours
-                        mine = sum(per_request, SpecStats())
-                        foreign += int(server.spec.num_drafts > mine.num_drafts
-                                       or server.spec.num_draft_tokens > mine.num_draft_tokens)
+                    if per_request:
+                        # the server reported each request's own: what its counters moved beyond them, summed
+                        # over the run so far, is someone else's; a batch is flagged when that excess grows (a
+                        # scrape that lags one batch moves counts between batches, never adds any)
+                        excess = max(0, server_spec.num_drafts - own_spec.num_drafts,
+                                     server_spec.num_draft_tokens - own_spec.num_draft_tokens)
+                        foreign += int(excess > foreign_excess)
+                        foreign_excess = max(foreign_excess, excess)
                     else:  # more drafts or accepted tokens than the batch generated: someone else's requests
                         ours = sum(generation.n_tokens for generation in generations)
                         foreign += int(server.spec.num_drafts > ours or server.spec.num_accepted_tokens > ours)
@@ -271,6 +279,10 @@ class ExecuteConfigRun(BaseTask):
         config with the same inputs key on the same samples, in one transaction fenced by the
         attempt. False when there is none (the engine computes them)."""
         def reuse(session) -> int | None:
+            mine = session.get(ConfigRun, config_run_id)
+            if mine is not None and mine.attempt == attempt and mine.status == "succeeded":
+                # this transaction committed already and its acknowledgement was lost: done
+                return (mine.figures or {}).get("reused_from_run")
             run = session.get(Run, job["run_id"])
             source = repo.reusable_config_run(session, run, job["config_id"], key)
             if source is None:
@@ -278,7 +290,9 @@ class ExecuteConfigRun(BaseTask):
             total = source.progress_total
             if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, total, total):
                 raise _LostLease(config_run_id, attempt)
-            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"])
+            # what the engine wrote, not what judges added later (a remote judge is not in the key)
+            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"],
+                                     [DocRecord.KIND, GenerationRecord.KIND])
             figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
             if not _finish(session, config_run_id, attempt, "succeeded", figures=figures):
                 raise _LostLease(config_run_id, attempt)
@@ -442,12 +456,14 @@ def inputs_key(job: dict) -> str | None:
 
     device = spec.engine_options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and torch.cuda.is_available():
-        device = f"{device}:{torch.cuda.get_device_name()}"
+        device = f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
     payload = {
-        "models": models, "spec": spec.model_dump(mode="json"), "suite": job["suite"],
-        "suite_version": job["suite_version"], "samples": [key for key, _, _ in job["samples"]],
+        "models": models, "spec": spec.model_dump(mode="json"), "baseline_spec": job["baseline_spec"].model_dump(
+            mode="json"), "suite": job["suite"], "suite_version": job["suite_version"],
+        "samples": [key for key, _, _ in job["samples"]],
         "code": source_digest(_CODE / "engines", _CODE / "evals", _CODE / "workers"), "versions": versions,
-        "device": str(device), "machine": platform.machine(),
+        "device": str(device), "machine": platform.machine(), "python": platform.python_version(),
+        "threads": torch.get_num_threads(), "kernels": os.environ.get("CANARY_KERNELS"),
         "calibration": hashlib.sha256("\x00".join(job["calibration"] or []).encode()).hexdigest(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

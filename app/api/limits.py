@@ -17,6 +17,7 @@ Several API replicas each hold their own buckets: the limits are per replica (do
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -135,6 +136,26 @@ UNAUTHENTICATED_MAX_BYTES = 64 * 1024
 
 class BodyTooLarge(Exception):
     pass
+
+
+class InFlightLimit:
+    """Pure ASGI middleware: at most CANARY_API_THREADS requests inside the app at once; the rest
+    wait here, in arrival order, holding nothing. Inside, a request takes a pooled database
+    connection (the key check) before its handler gets one of the CANARY_API_THREADS threads:
+    without this cap, more requests than the pool holds could leave every thread waiting for a
+    connection while every connection's holder waits for a thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self._slots: asyncio.Semaphore | None = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self._slots is None:  # made in the server's event loop, on its first request
+            self._slots = asyncio.Semaphore(get_settings().api_threads)
+        async with self._slots:
+            await self.app(scope, receive, send)
 
 
 class BodyLimit:

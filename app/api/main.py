@@ -17,7 +17,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from app import __version__
 from app.api.deps import get_key
-from app.api.limits import BodyLimit, RateLimited
+from app.api.limits import BodyLimit, InFlightLimit, RateLimited
 from app.api.routes import router
 from app.auth import Forbidden, Unauthorized
 from app.corpus import CorpusError
@@ -77,7 +77,9 @@ app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413,
                    dependencies=[Depends(get_key)])
 
 
-# outermost: bodies are counted as they arrive, before routing and before the key is checked
+# outermost: bodies are counted as they arrive, before routing and before the key is checked; then
+# at most CANARY_API_THREADS requests go on into the app at once
+app.add_middleware(InFlightLimit)
 app.add_middleware(BodyLimit)
 
 

@@ -68,31 +68,40 @@ def test_deleting_project_with_runs_cascades(db_session, make_graph):
 
 def test_a_gate_baseline_takes_the_rows_of_the_config_run_with_the_same_inputs(db_session, make_graph):
     """repo.reusable_config_run + copy_sample_results on Postgres: the newest succeeded config-run
-    of the config with the same inputs key on the same samples; its rows copied into the new run,
-    replacing what an interrupted attempt left there."""
+    of the config, as its run's baseline, with the same inputs key on the same samples; the
+    metrics asked for copied into the new run, replacing what an interrupted attempt left there,
+    and nothing else (a judge's row stays behind)."""
     from app import repo
 
     graph = make_graph(db_session)
     graph.config_run.status = "succeeded"
     graph.config_run.figures = {"inputs_key": "k1"}
-    db_session.add_all([SampleResult(**_key(graph), value=2.5, extra={"tokens": 4}),
-                        SampleResult(**{**_key(graph), "metric": "gen"}, value=None, extra={"text": "x"})])
+    key = {"run_id": graph.run.id, "config_id": graph.baseline.id, "sample_key": "doc-0"}
+    db_session.add_all([SampleResult(**key, metric="nll", value=2.5, extra={"tokens": 4}),
+                        SampleResult(**key, metric="generation", value=None, extra={"text": "x"}),
+                        SampleResult(**key, metric="judge_score", value=4.0)])
     later = Run(project_id=graph.project.id, suite_id=graph.suite.id, suite_version="v1", model_id=graph.model.id,
                 baseline_config_id=graph.baseline.id, trigger="gate", n_samples=1, sample_keys=["doc-0"])
     db_session.add(later)
     db_session.flush()
-    db_session.add(SampleResult(run_id=later.id, config_id=graph.baseline.id, sample_key="doc-0", metric="ppl",
+    db_session.add(SampleResult(run_id=later.id, config_id=graph.baseline.id, sample_key="doc-0", metric="nll",
                                 value=9.0))  # a row of an interrupted attempt
     db_session.flush()
     assert repo.reusable_config_run(db_session, later, graph.baseline.id, "other") is None
     source = repo.reusable_config_run(db_session, later, graph.baseline.id, "k1")
     assert source is not None and source.id == graph.config_run.id
-    repo.copy_sample_results(db_session, graph.run.id, later.id, graph.baseline.id)
-    rows = db_session.execute(select(SampleResult.run_id, SampleResult.metric, SampleResult.value, SampleResult.extra)
-                              .order_by(SampleResult.run_id, SampleResult.metric)).all()
-    assert [tuple(r) for r in rows] == [(graph.run.id, "gen", None, {"text": "x"}),
-                                        (graph.run.id, "ppl", 2.5, {"tokens": 4}),
-                                        (later.id, "gen", None, {"text": "x"}), (later.id, "ppl", 2.5, {"tokens": 4})]
+    repo.copy_sample_results(db_session, graph.run.id, later.id, graph.baseline.id, ["nll", "generation"])
+    rows = db_session.execute(select(SampleResult.metric, SampleResult.value, SampleResult.extra)
+                              .where(SampleResult.run_id == later.id).order_by(SampleResult.metric)).all()
+    assert [tuple(r) for r in rows] == [("generation", None, {"text": "x"}), ("nll", 2.5, {"tokens": 4})]
     later.sample_keys = ["doc-1"]  # other samples: nothing to take
+    db_session.flush()
+    assert repo.reusable_config_run(db_session, later, graph.baseline.id, "k1") is None
+    later.sample_keys = ["doc-0"]
+    # the config was not that run's baseline (the baseline moved since): its rows hold another's scoring
+    other = OptimizationConfig(project_id=graph.project.id, model_id=graph.model.id, name="old-base", spec={})
+    db_session.add(other)
+    db_session.flush()
+    graph.run.baseline_config_id = other.id
     db_session.flush()
     assert repo.reusable_config_run(db_session, later, graph.baseline.id, "k1") is None

@@ -56,3 +56,38 @@ def test_route_threads_per_process_follow_the_setting(sqlite_env, monkeypatch, t
     with TestClient(app) as client:
         assert client.portal.call(lambda: anyio.to_thread.current_default_thread_limiter().total_tokens) == threads
         assert client.get("/api/v1/metrics").status_code == 200
+
+
+def test_at_most_api_threads_requests_are_inside_the_app_at_once(monkeypatch):
+    """InFlightLimit: 10 requests at once against an app that yields mid-request; never more than
+    CANARY_API_THREADS (3) inside it, all 10 answered, in arrival order of entry."""
+    import asyncio
+
+    from app.api.limits import InFlightLimit
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_API_THREADS", "3")
+    get_settings.cache_clear()
+    inside, peak, order = 0, 0, []
+
+    async def app(scope, receive, send):
+        nonlocal inside, peak
+        inside += 1
+        peak = max(peak, inside)
+        order.append(scope["i"])
+        await asyncio.sleep(0.01)
+        inside -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    limited = InFlightLimit(app)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        await asyncio.gather(*(limited({"type": "http", "i": i}, None, send) for i in range(10)))
+
+    asyncio.run(main())
+    get_settings.cache_clear()
+    assert peak == 3 and len(sent) == 10 and order == list(range(10))

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
 
 from app import repo
@@ -219,8 +219,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                 history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     if latest_ids or older_ids:
         runs = {run_id: (created, finished) for run_id, created, finished in session.execute(
-            select(Run.id, Run.created_at, Run.finished_at)
-            .where(or_(Run.id.in_(recent_q.subquery().select()), Run.id.in_(latest_ids))))}
+            select(Run.id, Run.created_at, Run.finished_at).where(Run.id.in_(latest_ids | older_ids)))}
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
