@@ -96,7 +96,7 @@ def row_decode(r: dict) -> list[str]:
 
 def row_speculative(r: dict) -> list[str]:
     parts = [f"{x['method']} k={x['k']}: {mm(x['realised_speedup']['wall'], '×', 2)} realised vs "
-             f"{x['theory_speedup']:.2f}× theory ({x['realised_over_theory']:.0%})"
+             f"{x['theory_speedup']:.2f}× theory ({x['realised_over_theory']:.1%})"
              + (f", a pass with a draft costs {x['pass_with_draft_cost']:.2f} plain steps"
                 if x.get("pass_with_draft_cost") else "") for x in r["configs"]]
     return ["`python benchmarks/speculative.py`", f"speculative vs plain decoding, greedy, batch 1, {r['prompts']} prompts "
