@@ -163,7 +163,13 @@ def _suite_names(session, project: Project) -> list[str]:
     return list(session.scalars(select(Suite.name).where(Suite.project_id == project.id).order_by(Suite.id)))
 
 
-def _cell(c: Comparison) -> dict:
+CELL_COLUMNS = (Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate, Comparison.ci_low,
+                Comparison.ci_high, Comparison.n, Comparison.verdict, Comparison.rule, Comparison.baseline_value,
+                Comparison.candidate_value, Comparison.details)
+
+
+def _cell(c) -> dict:
+    """A comparison (a Comparison or a row of CELL_COLUMNS) as the overview's cell."""
     return {"estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict,
             "rule": c.rule, "baseline_value": c.baseline_value, "candidate_value": c.candidate_value,
             "judged": not (c.details or {}).get("informational")}
@@ -205,7 +211,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     figures: dict[tuple[int, int], dict] = {}
     runs: dict[int, tuple] = {}  # run id → (created_at, finished_at)
     if latest_ids:
-        for c in session.scalars(select(Comparison).where(Comparison.run_id.in_(latest_ids))):
+        # columns, not Comparison objects: no eager join of each row's config, no identity map
+        for c in session.execute(select(*CELL_COLUMNS).where(Comparison.run_id.in_(latest_ids))):
             history.setdefault((c.config_id, c.metric), {})[c.run_id] = _cell(c)
         for run_id, config_id, figs in session.execute(select(ConfigRun.run_id, ConfigRun.config_id, ConfigRun.figures)
                                                        .where(ConfigRun.run_id.in_(latest_ids))):
@@ -258,15 +265,16 @@ def trends(project: ProjectDep, session: SessionDep,
     it from that suite's runs."""
     chosen = _suite(session, project, suite)
     suite_id = chosen.id if chosen else -1
-    q = (select(Comparison, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
+    q = (select(Comparison.run_id, Comparison.estimate, Comparison.ci_low, Comparison.ci_high, Comparison.n,
+                Comparison.verdict, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
          .join(OptimizationConfig, OptimizationConfig.id == Comparison.config_id)
          .where(Run.project_id == project.id, Run.suite_id == suite_id, Comparison.metric == metric,
                 OptimizationConfig.ablation_of_id.is_(None)))  # a stacked config's layers: on its run's page
     if config:
         q = q.where(Comparison.config_id == repo.get_config(session, project, config).id)
-    points = [{"config": name, "run_id": c.run_id, "at": iso(at), "estimate": c.estimate, "ci_low": c.ci_low,
-               "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict}
-              for c, at, name in session.execute(q.order_by(Comparison.run_id.desc()).limit(limit))]
+    points = [{"config": c.name, "run_id": c.run_id, "at": iso(c.created_at), "estimate": c.estimate,
+               "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict}
+              for c in session.execute(q.order_by(Comparison.run_id.desc()).limit(limit))]
     points.reverse()
     names = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.name)
                                  .join(Model, Model.id == OptimizationConfig.model_id)
