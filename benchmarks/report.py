@@ -65,7 +65,7 @@ def row_dashboard(r: dict) -> list[str]:
     workers = r.get("server_workers", 1)
     return [f"`python benchmarks/dashboard_api.py --server-workers {workers}`",
             f"dashboard API views, {workers} API process{'es' if workers > 1 else ''}, {r['clients']} concurrent clients "
-            f"({r.get('client_mode', 'thread')}s), "
+            f"(each a {r.get('client_mode', 'thread')}), "
             f"{r['requests']} requests, {r['sample_results']:,} sample results in Postgres",
             f"p50 {o['p50_ms']:.0f} ms, p95 {o['p95_ms']:.0f} ms, p99 {o['p99_ms']:.0f} ms; {r['requests_per_s']:.0f} "
             f"requests/s; slowest view {worst[0]} (p99 {worst[1]['p99_ms']:.0f} ms); {r['errors']} errors",
