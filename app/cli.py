@@ -876,6 +876,16 @@ def _service_error(e: BaseException) -> str | None:
     return None
 
 
+def _settings_error(e: Exception) -> str | None:
+    """A CANARY_* environment variable that app.settings refuses, named with the fix; else None."""
+    from pydantic import ValidationError
+
+    if not isinstance(e, ValidationError) or e.title != "Settings":
+        return None
+    return "; ".join(f"CANARY_{'_'.join(str(x) for x in err['loc']).upper()}={err.get('input')!r}: {err['msg']} "
+                     "(fix the environment variable or unset it for the default)" for err in e.errors())
+
+
 def main() -> None:
     from app.repo import NotFound
 
@@ -884,8 +894,8 @@ def main() -> None:
     except NotFound as e:  # a project, run, gate or config named on the command line that is not there
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except Exception as e:  # only an unreachable service is turned into one line; the rest re-raises
-        msg = _service_error(e)
+    except Exception as e:  # a bad setting or an unreachable service is one line; the rest re-raises
+        msg = _settings_error(e) or _service_error(e)
         if msg is None:
             raise
         console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)

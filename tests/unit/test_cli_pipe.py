@@ -140,3 +140,10 @@ def test_serve_with_several_workers_needs_celery(tmp_path):
     r = canary("serve", "--workers", "2", "--port", "1", cwd=tmp_path, db=f"sqlite:///{tmp_path / 'w.db'}", timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--workers" in r.stderr and "CANARY_BROKER_URL" in r.stderr
+
+
+def test_a_bad_setting_is_one_line_naming_the_variable(tmp_path):
+    r = canary("runs", "list", cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}", timeout=120, CANARY_API_THREADS="0")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: CANARY_API_THREADS='0': Input should be greater than or equal to 1 "
+                                             "(fix the environment variable or unset it for the default)"]
