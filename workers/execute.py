@@ -41,11 +41,15 @@ _ENGINES: OrderedDict[str, Any] = OrderedDict()
 MAX_CACHED_ENGINES = 2  # a GPU holds one or two models at once
 
 
+def calibration_id(calibration: list[str] | None) -> str:
+    """The calibration texts (AWQ's) as one digest: part of an engine's identity and of an inputs key."""
+    return hashlib.sha256("\x00".join(calibration or []).encode()).hexdigest()
+
+
 def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] | None = None):
     from engines.registry import load_engine
 
-    calib_id = hashlib.sha256("\x00".join(calibration or []).encode()).hexdigest()
-    key = json.dumps([model_path, spec.model_dump(), calib_id], sort_keys=True)
+    key = json.dumps([model_path, spec.model_dump(), calibration_id(calibration)], sort_keys=True)
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
@@ -464,7 +468,7 @@ def inputs_key(job: dict) -> str | None:
         "code": source_digest(_CODE / "engines", _CODE / "evals", _CODE / "workers"), "versions": versions,
         "device": str(device), "machine": platform.machine(), "python": platform.python_version(),
         "threads": torch.get_num_threads(), "kernels": os.environ.get("CANARY_KERNELS"),
-        "calibration": hashlib.sha256("\x00".join(job["calibration"] or []).encode()).hexdigest(),
+        "calibration": calibration_id(job["calibration"]),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
