@@ -282,9 +282,11 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     perplexity ratio with its CI, the config's worst verdict (naming the metric when it is not
     the ratio), tok/s and KV bytes per token; --wide adds weights, KV cache, speculative settings,
     TTFT/TBT, weight MB, acceptance, faithfulness, exact match and top-1 agreement."""
+    from app.services import samples_label
+
     out = Console(width=None if Console().is_terminal else (250 if wide else 120))
     comparisons = {(comparison["config"], comparison["metric"]): comparison for comparison in summary["comparisons"]}
-    table = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {summary['n_samples']} documents")
+    table = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {samples_label(summary)}")
     cols = ["config", "ppl ratio [95% CI]", "verdict", "tok/s", "KV B/token"]
     if wide:
         cols[1:2] = ["weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI"]

@@ -147,6 +147,10 @@ class SuiteEntry(_Strict):
     corpus: str = Field(
         description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
     samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
+    max_samples: int | None = Field(
+        None, ge=1, description="top up an undecided run: while a gated comparison is inconclusive, draw as many "
+                                "documents again (up to this many in all) and rerun the baseline and the undecided "
+                                "configs on all of them; unset: never (workers/top_up.py)")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
@@ -156,6 +160,9 @@ class SuiteEntry(_Strict):
 
     @model_validator(mode="after")
     def _scorer_settings(self) -> SuiteEntry:
+        if self.max_samples is not None and self.max_samples < self.samples:
+            raise ValueError(f"max_samples: {self.max_samples} is below samples ({self.samples}); a top-up only adds "
+                             f"documents, so set max_samples ≥ {self.samples} or leave it unset")
         for scorer in NEEDS_GENERATION:
             if scorer in self.scorers and "generation" not in self.scorers:
                 raise ValueError(f"scorers: '{scorer}' scores generated answers; add 'generation' to the suite's "

@@ -126,12 +126,14 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
     compared (suite, documents, run), then the candidate's comparisons worst first as % change
     [95% CI] with n, then the speed and memory it gains. Informational comparisons come after the
     gated ones."""
+    from app.services import samples_label
+
     icon = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "🛑"}.get(gate.verdict or "", "⏳")
     link = f"{dashboard_url.rstrip('/')}/?page=Run+detail&run_id={summary['run_id']}"
     lines = [sticky_marker(gate.candidate, suite), f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**",
              "",
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
-             f"({summary['n_samples']} documents), run {summary['run_id']}. [Open the run]({link})", ""]
+             f"({samples_label(summary)}), run {summary['run_id']}. [Open the run]({link})", ""]
     rows = [c for c in summary["comparisons"] if c["config"] == gate.candidate]
     rows.sort(key=lambda c: (bool((c.get("details") or {}).get("informational")), -VERDICT_ORDER.get(c["verdict"], 0)))
     if rows:

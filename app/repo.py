@@ -155,6 +155,27 @@ def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationCo
     return [row.id for row in rows]
 
 
+def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int]) -> list[int]:
+    """Append `new_keys` to the run's samples and queue the named configs again on all of them
+    (workers/top_up.py). Each config-run is replaced by a new row (new id, attempt 0): the old one's
+    attempts and lease stay with it, so a worker still holding it is fenced off by its id, and the
+    attempt budget is the new pass's own. Rows already written stay; the new pass overwrites them.
+    The run goes back to 'running'. Returns the new config-runs' ids."""
+    wanted = set(config_ids)
+    old = [cr for cr in run.config_runs if cr.config_id in wanted]
+    for config_run in old:
+        session.delete(config_run)
+    session.flush()
+    now = utcnow()
+    rows = [ConfigRun(run_id=run.id, config_id=cr.config_id, enqueued_at=now) for cr in old]
+    session.add_all(rows)
+    session.execute(update(Run).where(Run.id == run.id)
+                    .values(status="running", sample_keys=[*run.sample_keys, *new_keys]))
+    session.flush()
+    session.expire(run)
+    return [row.id for row in rows]
+
+
 def get_config(session: Session, project: Project, name: str) -> OptimizationConfig:
     config = session.scalar(select(OptimizationConfig).where(OptimizationConfig.project_id == project.id,
                                                              OptimizationConfig.name == name))

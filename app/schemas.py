@@ -77,6 +77,7 @@ class SuiteOut(BaseModel):
     name: str
     n_documents: int
     samples: int
+    max_samples: int | None = Field(None, description="an undecided run tops up to this many samples; null: never")
     seed: int
     scorers: list[str]
     perplexity: PerplexitySettings
@@ -178,13 +179,16 @@ class StepBackOut(BaseModel):
 class RunOut(BaseModel):
     run_id: int
     status: str = Field(description="queued | running | aggregating | done | failed | cancelled (back to running "
-                                    "while a breaching stacked config's single-optimization ablations run)")
+                                    "while a breaching stacked config's single-optimization ablations run, or while "
+                                    "a top-up reruns undecided configs on more samples)")
     verdict: RunVerdict | None = Field(description="the worst gated comparison's, once done")
     verdict_reason: str | None
     baseline: str | None
     suite_id: int
     trigger: str
-    n_samples: int
+    n_samples: int = Field(description="the samples the run was asked for")
+    samples_drawn: int = Field(description="the samples it holds: more than n_samples once topped up (the suite's "
+                                           "max_samples) after an inconclusive pass")
     seed: int
     created_at: Time | None
     finished_at: Time | None

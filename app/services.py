@@ -183,6 +183,13 @@ def start_run(
     return run_id, created
 
 
+def samples_label(summary: dict[str, Any], noun: str = "documents") -> str:
+    """'12 documents', or '24 documents (topped up from 12)' for a run that drew more after an
+    inconclusive pass (workers/top_up.py)."""
+    asked, drawn = summary["n_samples"], summary.get("samples_drawn", summary["n_samples"])
+    return f"{drawn} {noun}" + (f" (topped up from {asked})" if drawn != asked else "")
+
+
 def run_summary(session: Session, run: Run) -> dict[str, Any]:
     """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back"}."""
     crs = list(run.config_runs)
@@ -197,6 +204,7 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
         "suite_id": run.suite_id,
         "trigger": run.trigger,
         "n_samples": run.n_samples,
+        "samples_drawn": len(run.sample_keys),
         "seed": run.seed,
         "created_at": run.created_at.isoformat() if run.created_at else None,
         "finished_at": run.finished_at.isoformat() if run.finished_at else None,

@@ -188,7 +188,9 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
     cfg = {"project": project, "model": {"name": "tiny", "path": MODEL}, "configs": configs,
            "suites": [{"name": f"seed-{seed}", "corpus": "builtin:pydoc-heldout", "samples": args.samples,
                        "seed": seed, "scorers": ["perplexity", "generation"], "perplexity": {"window": 128},
-                       "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16}}]}
+                       "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16},
+                       # an undecided run draws more documents, doubling up to this many (workers/top_up.py)
+                       **({"max_samples": args.max_samples} if args.max_samples > args.samples else {})}]}
     with session_scope() as session:
         apply_config_file(session, parse_config(cfg))
     started = time.perf_counter()
@@ -209,9 +211,10 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
             "by": sorted({f"{c['metric']}:{c['verdict']}" for c in hits}),
             "inconclusive": sorted(c["metric"] for c in comps if c["verdict"] == "inconclusive"),
             "estimates": {c["metric"]: c["estimate"] for c in comps if _finite(c["estimate"])},
+            "n": max((c["n"] for c in comps), default=0),
             "baseline_ttft_p50_ms": next((c["baseline_value"] for c in comps if c["metric"] == "ttft_ratio"), None)})
     return {"half": project.removeprefix("detection-"), "seed": seed, "run_id": run_id, "verdict": summary["verdict"],
-            "seconds": round(time.perf_counter() - started, 1)}
+            "samples_drawn": summary["samples_drawn"], "seconds": round(time.perf_counter() - started, 1)}
 
 
 def _finite(x) -> bool:
@@ -256,6 +259,7 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
                     size_values[metric].append(t["estimates"][metric])
         row = {"half": half, "fault": kind, "size": size, "role": role, "trials": len(ts),
                "flagged": sum(t["flagged"] for t in ts), "at_or_above_threshold": sum(above),
+               "n": sorted({t["n"] for t in ts}),
                "missed_at_or_above": sum(a and not t["flagged"] for a, t in zip(above, ts, strict=True)),
                "inconclusive": sorted({m for t in ts if not t["flagged"] for m in t["inconclusive"]}),
                "by": sorted({b for t in ts for b in t["by"]}),
@@ -337,6 +341,9 @@ def main() -> None:
     ap.add_argument("--nulls", type=int, default=10, help="null configs per run and half (default 10)")
     ap.add_argument("--samples", type=int, default=12, help="documents per run (default 12; min_n is 10)")
     ap.add_argument("--prompts", type=int, default=12, help="generation prompts per run (default 12)")
+    ap.add_argument("--max-samples", type=int, default=48,
+                    help="the suite's max_samples: a run with an undecided config tops up, doubling its documents "
+                         "and prompts up to this many documents (default 48; at or below --samples: no top-up)")
     ap.add_argument("--halves", nargs="+", choices=("engine", "http"), default=["engine", "http"],
                     help="which faults to run: injected in the engine, through HTTP proxies (default both)")
     ap.add_argument("--roles", nargs="+", choices=("lossless", "lossy"), default=["lossless", "lossy"],
@@ -381,7 +388,8 @@ def main() -> None:
         for row in rows:
             print(json.dumps(row), flush=True)
         print(json.dumps({"benchmark": "detection", **totals, "halves": args.halves, "roles": args.roles,
-                          "samples": args.samples, "prompts": args.prompts, "seeds": args.seeds,
+                          "samples": args.samples, "prompts": args.prompts, "max_samples": args.max_samples,
+                          "seeds": args.seeds,
                           "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
                           "seconds": round(time.perf_counter() - started, 1)}), flush=True)
         if args.markdown:

@@ -21,7 +21,7 @@ from evals.metrics import METRICS, RUN_VERDICT, VERDICT_ORDER, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
-from workers import step_back
+from workers import step_back, top_up
 
 
 class RunThresholds:
@@ -203,6 +203,9 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
                     "baseline_value": _f(c.baseline_value), "candidate_value": _f(c.candidate_value),
                     "details": c.details or None,
                 })
+        topped = top_up.plan(session, run, suite, rows)
+        if topped:  # a candidate undecided: more samples for it and the baseline, before any verdict
+            return "top-up", {"notifications": [], "escalate": [], "execute": topped}
         added = step_back.plan(session, run, rows)
         if added:  # a stacked config breaches: its layers alone, on the same samples, before any verdict
             execute = repo.add_config_runs(session, run, added)
@@ -214,7 +217,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         # A measured critical regression fails the run even when other configs are missing;
         # otherwise missing results make it incomplete (never a pass by omission).
         verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not _informational(r))]
-        reason = _reason(judged, config_runs)
+        reason = _reason(judged, config_runs) + top_up.reason(run, suite)
         config_names = {cr.config_id: cr.config.name for cr in config_runs}
         reason += "".join(f"; step back {config_names[config_id]}: {found.advice()}"
                           for config_id, found in advice.items())
@@ -233,7 +236,7 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
     of a step back — after the commit, so the tasks and the escalation run see the rows."""
     if dispatcher is None:
         return
-    if alerts.get("execute"):  # a stacked config's ablations (workers/step_back.py)
+    if alerts.get("execute"):  # a top-up's config-runs (workers/top_up.py), a stacked config's ablations (step_back.py)
         with session_scope() as session:
             trigger = repo.run_trigger(session, run_id)
         for config_run_id in alerts["execute"]:

@@ -170,7 +170,7 @@ class ExecuteConfigRun(BaseTask):
         term_pattern = compile_terms(ppl.get("terms") or [])  # the suite's domain terms (term_nll_ratio)
         keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
         samples = job["samples"]
-        n_prompts = min(gen.get("prompts", 0), len(samples)) if "generation" in scorers else 0
+        n_prompts = min(job.get("prompts", gen.get("prompts", 0)), len(samples)) if "generation" in scorers else 0
         total = len(samples) + n_prompts
         done = 0
         nll_sum = n_tokens = 0.0
@@ -484,6 +484,7 @@ def _load_job(session, config_run_id: int) -> dict:
         calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
                        if sample.key not in scored]
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
+    order = {key: i for i, key in enumerate(run.sample_keys)}
     return {
         "run_id": run.id,
         "trigger": run.trigger,
@@ -495,8 +496,13 @@ def _load_job(session, config_run_id: int) -> dict:
         "suite_version": run.suite_version,
         "model_path": config_run.config.model.path,
         "suite": dict(suite.spec),
-        "samples": [(sample.key, sample.text, sample.cluster or sample.key)
-                    for sample in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)],
+        # in the run's order: a top-up (workers/top_up.py) appends its documents after those drawn first
+        "samples": sorted(((sample.key, sample.text, sample.cluster or sample.key)
+                           for sample in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)),
+                          key=lambda sample: order[sample[0]]),
+        # a top-up that doubled the samples doubles the prompts too, the first pass's staying first
+        "prompts": round(int((suite.spec.get("generation") or {}).get("prompts", 0)) * len(run.sample_keys)
+                         / max(1, run.n_samples)),
     }
 
 

@@ -113,6 +113,14 @@ def parse_time(t: str | None) -> datetime | None:
     return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
 
 
+def samples_label(run: dict, noun: str = "samples") -> str:
+    """'12 samples', or '24 samples (topped up from 12)' for a run that drew more after an
+    inconclusive pass (the API's n_samples and samples_drawn)."""
+    asked = run["n_samples"]
+    drawn = run.get("samples_drawn", asked)
+    return f"{drawn} {noun}" + (f" (topped up from {asked})" if drawn != asked else "")
+
+
 def human_time(t: str | None, now: datetime | None = None, never: str = "never") -> str:
     """'just now', '5 minutes ago', '2 hours ago', '3 days ago', 'in 4 hours' (whole units, rounded down)."""
     when = parse_time(t)

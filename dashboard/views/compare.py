@@ -8,7 +8,15 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import COLOUR_KEY, VERDICT_MARKS, clock_time, label_offsets, style_verdicts, y_domain
+from dashboard.views.common import (
+    COLOUR_KEY,
+    VERDICT_MARKS,
+    clock_time,
+    label_offsets,
+    samples_label,
+    style_verdicts,
+    y_domain,
+)
 from dashboard.views.overview import config_rows, frame, headline
 
 
@@ -71,7 +79,7 @@ def render(api, project: str, params) -> None:
     suites = {s["id"]: s["name"] for s in api.get(f"/projects/{project}/suites")}
     suite = suites.get(run["suite_id"], "?")
     reused = (run["figures"].get(run["baseline"]) or {}).get("reused_from_run")
-    st.caption(f"Suite {suite} · {run['n_samples']} samples · baseline {run['baseline']}"
+    st.caption(f"Suite {suite} · {samples_label(run)} · baseline {run['baseline']}"
                + (f" (its results reused from run {reused}: same model files, config, suite and samples)"
                   if reused else "") + f" · verdict {run['verdict']}")
     metrics = sorted((m for m in api.get("/metrics")["metrics"] if m["gated"]), key=lambda m: m["name"] != "ppl_ratio")

@@ -15,6 +15,7 @@ from dashboard.views.common import (
     human_time,
     metric_cell,
     pct_change,
+    samples_label,
     style_verdict_column,
     worst_first,
     worst_verdict,
@@ -96,7 +97,7 @@ def render(api, project: str, params) -> None:
     metrics = {m["name"]: m for m in api.get("/metrics")["metrics"]}
     suite = suites.get(run["suite_id"], "?")
     st.markdown(f"**Verdict {run['verdict'] or '—'}** ({run['status']}) · suite **{suite}** · "
-                f"{run['n_samples']} samples · {run['trigger']} · started {human_time(run['created_at'])}, "
+                f"{samples_label(run)} · {run['trigger']} · started {human_time(run['created_at'])}, "
                 f"baseline {run['baseline']}")
     breaching, rest = comparison_rows(run, metrics)
     if breaching:

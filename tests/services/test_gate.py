@@ -96,3 +96,37 @@ def test_idempotency_key_and_a_worker_restart(stack, project):
     assert sum(r["trigger"] == "gate" for r in runs) == 5  # 4 gates above + this one
     listed = stack.http.get(f"{P}/gates").json()
     assert listed[0]["gate_id"] == g1["gate_id"] and listed[0]["verdict"] == "fail"
+
+
+def test_an_undecided_gate_tops_up_in_the_worker(stack, project):
+    """A suite of 6 documents that may top up to 12, and a config whose rule asks for 8 paired
+    documents: the first pass is 'too few samples', so the worker's aggregation draws 6 more, the
+    worker reruns the baseline and the candidate on all 12 (new config-runs, on Postgres), and the
+    gate passes on 12."""
+    http = stack.http
+    assert http.post(f"{P}/configs", json={"name": "int8", "model": "tiny", "engine": "reference",
+                                           "weights": "int8"}).status_code == 201
+    assert http.put(f"{P}/alert-rules", json={"metric": "ppl_ratio", "warn": 2.0, "critical": 3.0, "min_n": 8,
+                                              "config": "int8"}).status_code == 200
+    r = http.post(f"{P}/suites", json={"name": "topup", "corpus": "builtin:pydoc-heldout", "samples": 6,
+                                       "max_samples": 12, "seed": 5, "scorers": ["perplexity"],
+                                       "perplexity": {"window": 64}})
+    assert r.status_code == 201 and r.json()["max_samples"] == 12, r.text
+    out = subprocess.run([sys.executable, "-m", "app.cli", "gate", "--api", stack.api, "--project", "gate",
+                          "--suite", "topup", "--candidate", "int8", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=stack.env)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    g = json.loads(out.stdout)
+    assert g["verdict"] == "pass", g
+    run = http.get(f"{P}/runs/{g['run_id']}").json()
+    assert run["n_samples"] == 6 and run["samples_drawn"] == 12
+    [ppl] = [c for c in run["comparisons"] if c["config"] == "int8" and c["metric"] == "ppl_ratio"]
+    assert ppl["n"] == 12 and ppl["verdict"] == "ok"
+    assert "topped up from 6 to 12 samples (max_samples 12)" in run["verdict_reason"]
+    assert {c["config"]: (c["status"], c["attempt"]) for c in run["configs"]} == {"fp32": ("succeeded", 1),
+                                                                                 "int8": ("succeeded", 1)}
+    bad = http.post(f"{P}/suites", json={"name": "topup2", "corpus": "builtin:pydoc-heldout", "samples": 6,
+                                         "max_samples": 3})
+    assert bad.status_code == 422 and "max_samples: 3 is below samples (6)" in bad.text, bad.text

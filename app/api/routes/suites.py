@@ -16,7 +16,8 @@ router = APIRouter(tags=["suites"], responses=error_responses(404))
 
 def _out(suite: Suite) -> SuiteOut:
     settings = {key: suite.spec[key] for key in ("samples", "seed", "scorers", "perplexity", "generation")}
-    return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents, **settings)
+    return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents,
+                    max_samples=suite.spec.get("max_samples"), **settings)
 
 
 @router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut,

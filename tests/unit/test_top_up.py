@@ -1,0 +1,124 @@
+"""Top up an undecided run (workers/top_up.py), end to end on the embedded default (SQLite, the
+task code in this process, the real tiny model). The suite draws 6 of 24 documents and allows 12.
+One candidate's ppl_ratio rule asks for 8 paired documents, so at 6 it is inconclusive ("too few
+samples"): the run draws 6 more, reruns the baseline and that candidate on all 12, leaves the
+decided candidate as it was, and judges on 12. A gate on it waits for the top-up."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from app import repo
+from app.config_file import parse_config
+from app.db import session_scope
+from app.gates import record_gate
+from app.models import AlertRule, ConfigRun, Gate, Run, SampleResult
+from app.schemas import RunOut
+from app.services import apply_config_file, run_summary, start_run
+from engines.zoo import resolve_corpus_path
+from tests.http.test_step_back import StepDispatcher
+from workers import top_up
+
+
+def canary(corpus: str, max_samples: int | None = 12) -> dict:
+    return {
+        "project": "p",
+        "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
+                    {"name": "int8", "engine": "reference", "weights": "int8"},
+                    {"name": "int4", "engine": "reference", "weights": "rtn-int4"}],
+        "suites": [{"name": "s", "corpus": corpus, "samples": 6, "seed": 5, "scorers": ["perplexity"],
+                    "perplexity": {"window": 64}, **({"max_samples": max_samples} if max_samples else {})}],
+        # wide thresholds: both candidates are surely inside them once they have enough documents
+        "thresholds": {"ppl_ratio": {"warn": 2.0, "critical": 3.0, "min_n": 3}},
+    }
+
+
+def corpus(tmp_path, n: int = 24) -> str:
+    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:n]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def start(tmp_path, max_samples: int | None = 12) -> tuple[int, StepDispatcher]:
+    with session_scope() as s:
+        project = apply_config_file(s, parse_config(canary(corpus(tmp_path), max_samples)))
+        int4 = repo.get_config(s, project, "int4")
+        # int4 alone needs 8 paired documents to be judged: at 6 it is 'too few samples'
+        s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=2.0, critical=3.0, direction="above",
+                        min_n=8, config_id=int4.id))
+    dispatcher = StepDispatcher()
+    run_id, _ = start_run("p", "s", None, dispatcher, trigger="gate", idempotency_key="gate:t1")
+    return run_id, dispatcher
+
+
+def nll_keys(s, run_id: int, config_id: int) -> set[str]:
+    return set(s.scalars(select(SampleResult.sample_key).where(
+        SampleResult.run_id == run_id, SampleResult.config_id == config_id, SampleResult.metric == "nll")))
+
+
+def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sqlite_env, tmp_path):
+    run_id, dispatcher = start(tmp_path)
+    with session_scope() as s:
+        gate_id = record_gate(s, repo.get_project(s, "p"), run_id, "int4", "fp16", {"suite": "s"}, "t1").id
+        run = s.get(Run, run_id)
+        first = list(run.sample_keys)
+        before = {cr.config.name: cr.id for cr in run.config_runs}
+    assert len(first) == 6
+    # three config-runs, then the first aggregation: int4 is undecided, so the run tops up
+    assert dispatcher.run_all(until="top-up")[-1] == "top-up"
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert run.status == "running" and run.verdict is None
+        assert s.get(Gate, gate_id).verdict is None  # the gate waits
+        assert run.n_samples == 6 and len(run.sample_keys) == 12
+        assert run.sample_keys[:6] == first and not set(run.sample_keys[6:]) & set(first)
+        after = {cr.config.name: (cr.id, cr.status, cr.attempt) for cr in run.config_runs}
+    # the decided int8 keeps its config-run; the baseline and int4 get new ones, queued, attempt 0
+    assert after["int8"][0] == before["int8"]
+    for name in ("fp16", "int4"):
+        assert after[name][0] != before[name] and after[name][1:] == ("queued", 0)
+    dispatcher.run_all()
+
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        ids = {cr.config.name: cr.config_id for cr in run.config_runs}
+        assert run.status == "done" and run.verdict == "pass", run.verdict_reason
+        assert nll_keys(s, run_id, ids["fp16"]) == set(run.sample_keys)
+        assert nll_keys(s, run_id, ids["int4"]) == set(run.sample_keys)
+        assert nll_keys(s, run_id, ids["int8"]) == set(first)  # not rerun
+        summary = run_summary(s, run)
+        assert s.get(Gate, gate_id).verdict == "pass"
+        assert all(cr.status == "succeeded" for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id)))
+    comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
+    assert comps[("int4", "ppl_ratio")]["n"] == 12 and comps[("int4", "ppl_ratio")]["verdict"] == "ok"
+    assert comps[("int8", "ppl_ratio")]["n"] == 6  # paired on the documents it ran
+    assert summary["n_samples"] == 6 and summary["samples_drawn"] == 12
+    assert summary["verdict_reason"].endswith(
+        "; topped up from 6 to 12 samples (max_samples 12) after an inconclusive pass")
+    RunOut.model_validate(summary)
+
+
+def test_without_max_samples_an_undecided_run_stays_inconclusive(sqlite_env, tmp_path):
+    run_id, dispatcher = start(tmp_path, max_samples=None)
+    assert "top-up" not in dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert run.verdict == "inconclusive" and len(run.sample_keys) == 6
+        assert "topped up" not in run.verdict_reason
+
+
+def test_undecided_takes_only_comparisons_more_samples_can_decide():
+    row = {"config_id": 2, "metric": "ppl_ratio", "n": 6, "verdict": "inconclusive", "details": None}
+    assert top_up.undecided({**row, "rule": "n=6 < min_n=8: too few samples to decide"})
+    assert top_up.undecided({**row, "rule": "CI [0.99, 1.03] straddles warn 1.02: more samples needed"})
+    assert not top_up.undecided({**row, "n": 0, "rule": "no paired documents"})
+    assert not top_up.undecided({**row, "verdict": "ok", "rule": "CI high 1.01 < warn 1.02"})
+    assert not top_up.undecided({**row, "metric": "exact_match", "rule": "CI [0.4, 0.6] straddles warn 0.5"})
+
+
+def test_max_samples_below_samples_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"max_samples: 4 is below samples \(6\)"):
+        parse_config(canary(corpus(tmp_path), max_samples=4))
