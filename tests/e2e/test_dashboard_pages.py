@@ -248,6 +248,17 @@ def test_run_detail_opens_on_the_worst_candidate_breaches_first(seeded_api, monk
     assert len(exps[0].code) == 2  # baseline and candidate generations side by side
 
 
+def test_run_detail_says_a_run_was_topped_up(seeded_api, monkeypatch):
+    smoke = max(suite_runs(seeded_api)[SMOKE])
+    run = api(seeded_api, f"/runs/{smoke}")
+    assert (run["n_samples"], run["samples_drawn"]) == (4, 12)  # 4 → 8 → 12: min_n 10 decided at 12
+    int8 = next(c for c in run["comparisons"] if c["config"] == "int8" and c["metric"] == "ppl_ratio")
+    assert int8["n"] == 12 and int8["verdict"] != "inconclusive"
+    at = page(seeded_api, monkeypatch, "Run detail")
+    at.selectbox(key="run").set_value(smoke).run()
+    assert any("12 samples (topped up from 4)" in m.value for m in at.markdown)
+
+
 def test_gates_history(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Gates")
     df = frames(at)[0]
