@@ -68,17 +68,15 @@ def _ablation_specs(run: Run, config_run: ConfigRun) -> dict[str, OptimizationSp
 
 def _source(run: Run, stacked: OptimizationConfig, axis: str, spec: OptimizationSpec) -> ConfigRun | None:
     """The run's config-run that measures one layer alone: the derived ablation, else a config of
-    the run with exactly that spec."""
+    the run with exactly that spec, else another stacked config's ablation with that spec (two
+    stacked configs that share a layer, say the same KV cache, measure it once)."""
     for config_run in run.config_runs:
         config = config_run.config
         if config.ablation_of_id == stacked.id and config.ablation_axis == axis:
             return config_run
-    for config_run in run.config_runs:
-        config = config_run.config
-        if not is_ablation(config) and config_run.config_id != run.baseline_config_id \
-                and OptimizationSpec.model_validate(config.spec).model_dump() == spec.model_dump():
-            return config_run
-    return None
+    same = [config_run for config_run in run.config_runs if config_run.config_id != run.baseline_config_id
+            and OptimizationSpec.model_validate(config_run.config.spec).model_dump() == spec.model_dump()]
+    return next((cr for cr in same if not is_ablation(cr.config)), same[0] if same else None)
 
 
 def _breaching(rows: list[dict], config_id: int) -> list[dict]:
@@ -90,12 +88,15 @@ def plan(session: Session, run: Run, rows: list[dict]) -> list[OptimizationConfi
     created or updated); empty when every layer already has a config-run in the run, whatever
     became of it, so a run steps back at most once."""
     needed: list[OptimizationConfig] = []
+    planned: set[str] = set()  # the specs this pass adds: a layer two stacked configs share runs once
     for config_run in list(run.config_runs):
         if config_run.status != "succeeded" or not _breaching(rows, config_run.config_id):
             continue
         specs = _ablation_specs(run, config_run)
         for axis, spec in (specs or {}).items():
-            if _source(run, config_run.config, axis, spec) is None:
+            key = spec.model_dump_json()
+            if _source(run, config_run.config, axis, spec) is None and key not in planned:
+                planned.add(key)
                 needed.append(repo.upsert_ablation(session, config_run.config, axis, spec.model_dump()))
     return needed
 

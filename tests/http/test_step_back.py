@@ -203,3 +203,24 @@ def test_a_failed_layer_gives_no_advice_and_leaves_the_verdict_alone(sqlite_env,
     [alert] = [json.loads(d["body"])["alerts"][0] for d in receiver.delivered()]
     assert alert["labels"]["config"] == "int8-kv2" and "step_back" not in alert["annotations"]
     assert "Step back" not in alert["annotations"]["description"]
+
+
+def test_two_stacked_configs_that_share_a_layer_measure_it_once(sqlite_env, receiver, tmp_path):
+    """int8-kv2 and a second stack of other weights (RTN int4) on the same int2 KV cache: both
+    breach; the KV layer alone runs once, and both step-backs use it."""
+    cfg = config(receiver.url + "/hook", small_corpus(tmp_path))
+    cfg["configs"] = [c for c in cfg["configs"] if c["name"] != "int8"] + [
+        {"name": "int4-kv2", "engine": "reference", "weights": "rtn-int4", "kv_cache": "int2"}]
+    with session_scope() as s:
+        apply_config_file(s, parse_config(cfg))
+    dispatcher = StepDispatcher()
+    run_id, _ = start_run("p", "s", None, dispatcher)
+    dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        layers = sorted(cr.config.name for cr in run.config_runs if cr.config.ablation_of_id is not None)
+        summary = run_summary(s, run)
+    assert layers == ["int4-kv2~weights-only", "int8-kv2~kv_cache-only", "int8-kv2~weights-only"]
+    found = {f["config"]: {layer["axis"]: layer["config"] for layer in f["layers"]} for f in summary["step_back"]}
+    assert found == {"int8-kv2": {"weights": "int8-kv2~weights-only", "kv_cache": "int8-kv2~kv_cache-only"},
+                     "int4-kv2": {"weights": "int4-kv2~weights-only", "kv_cache": "int8-kv2~kv_cache-only"}}
