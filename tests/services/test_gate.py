@@ -130,3 +130,33 @@ def test_an_undecided_gate_tops_up_in_the_worker(stack, project):
     bad = http.post(f"{P}/suites", json={"name": "topup2", "corpus": "builtin:pydoc-heldout", "samples": 6,
                                          "max_samples": 3})
     assert bad.status_code == 422 and "max_samples: 3 is below samples (6)" in bad.text, bad.text
+
+
+def test_a_stacked_gate_steps_back_in_the_worker(stack, tmp_path):
+    """Step back one layer through the worker: a gate on int8 weights + an int2 KV cache (on the
+    outlier model, where int2 keys collapse) breaches, the worker's aggregation adds the two
+    single-optimization ablations, the worker runs them, and the gate's summary names the KV layer."""
+    http, S = stack.http, "/api/v1/projects/stepback"
+    assert http.post("/api/v1/projects", json={"name": "stepback"}).status_code == 201
+    assert http.post(f"{S}/models", json={"name": "outlier", "path": "builtin:pydoc-outlier"}).status_code == 201
+    for body in ({"name": "fp16", "model": "outlier", "baseline": True, "engine": "reference", "weights": "fp16"},
+                 {"name": "int8-kv2", "model": "outlier", "engine": "reference", "weights": "int8",
+                  "kv_cache": "int2"}):
+        assert http.post(f"{S}/configs", json=body).status_code == 201
+    assert http.post(f"{S}/suites", json={"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 4, "seed": 3,
+                                          "scorers": ["perplexity"], "perplexity": {"window": 64}}).status_code == 201
+    assert http.put(f"{S}/alert-rules", json={"metric": "ppl_ratio", "warn": 1.01, "critical": 1.03,
+                                              "min_n": 3}).status_code == 200
+    md = tmp_path / "gate.md"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "gate", "--api", stack.api, "--project", "stepback",
+                          "--suite", "s", "--candidate", "int8-kv2", "--summary-md", str(md)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=stack.env)
+    assert out.returncode == 1, out.stderr
+    runs = http.get(f"{S}/runs").json()
+    run = http.get(f"{S}/runs/{runs[0]['run_id']}").json()
+    assert {c["config"]: c["status"] for c in run["configs"]} == {
+        "fp16": "succeeded", "int8-kv2": "succeeded", "int8-kv2~weights-only": "succeeded",
+        "int8-kv2~kv_cache-only": "succeeded"}
+    [found] = run["step_back"]
+    assert found["config"] == "int8-kv2" and found["disable"] == "kv_cache"
+    assert f"**Step back one layer:** {found['advice']}." in md.read_text()
