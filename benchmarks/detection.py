@@ -23,7 +23,7 @@ must equal the baseline's: lossless_exact_match is gated), and `lossy`, the same
 `lossless: false`, as if it rode on a lossy optimization, so only the quality thresholds
 (ppl_ratio, gen_nll_ratio) can catch it. ttft-delay and logprob-shift change no token: once.
 Nulls: copies of the baseline (the baseline against itself: only timing differs), greedy
-speculative decoding with n-gram lookup (k=4) and with the pydoc-draft model (k=4): lossless, so
+speculative decoding with n-gram lookup and with the pydoc-draft model (k=2 and k=4): lossless, so
 a flag on any gated metric is a false alarm, except on the figures speculative decoding exists to
 change (spec_acceptance_rate, tpot_ratio), which are reported apart.
 
@@ -78,7 +78,11 @@ BROKEN = ("zero-logprobs", "impossible-gain")  # broken measurements: must be fl
 TOKEN_CHANGING = ("weight-noise", "kv-corrupt", "token-corrupt")  # the engine faults run in both roles
 # the gated metrics a null config is not null on: speculative decoding exists to change its own speed
 # figures (acceptance, time per output token), and the seed thresholds judge them as they are
-NOT_NULL_ON = {"ngram k=4": ("spec_acceptance_rate", "tpot_ratio"), "draft k=4": ("spec_acceptance_rate", "tpot_ratio")}
+SPECULATIVE_NULLS = {"e-null-ngram-4": {"method": "ngram", "k": 4}, "e-null-ngram-2": {"method": "ngram", "k": 2},
+                     "e-null-draft-4": {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 4},
+                     "e-null-draft-2": {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 2}}
+NOT_NULL_ON = {f"{sp['method']} k={sp['k']}": ("spec_acceptance_rate", "tpot_ratio")
+               for sp in SPECULATIVE_NULLS.values()}
 
 
 def noised_checkpoint(sigma: float, out: pathlib.Path, seed: int = 0) -> pathlib.Path:
@@ -126,8 +130,7 @@ def engine_configs(args) -> tuple[list[dict], Kinds]:
             kinds[name] = ("engine", kind, size, role)
             configs.append({"name": name, **reference, "engine_options": {"fault": fault},
                             **({"lossless": False} if role == "lossy" else {})})
-    speculative = {"e-null-ngram": {"method": "ngram", "k": 4},
-                   "e-null-draft": {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 4}}
+    speculative = SPECULATIVE_NULLS
     for i in range(max(0, args.nulls - len(speculative))):
         kinds[f"e-null-{i}"] = ("engine", "null", None, "baseline copy")
         configs.append({"name": f"e-null-{i}", **reference})
@@ -314,21 +317,23 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
 
 def markdown(rows: list[dict], totals: dict) -> str:
     """The README's table: one line per fault, size and role."""
-    lines = ["| half | fault | size | role | flagged | at/above threshold, missed | by | measured (min–max) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| half | fault | size | role | flagged | n | at/above threshold, missed | by | measured (min–max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         size = "—" if r["size"] is None else f"{r['size']:g}"
         measured = "; ".join(f"{m} {lo:g}–{hi:g}" if lo != hi else f"{m} {lo:g}"
                              for m, (lo, hi) in r["measured"].items())
         by = ", ".join(r["by"]) or (f"— (inconclusive: {', '.join(r['inconclusive'])})" if r["inconclusive"] else "—")
-        lines.append(f"| {r['half']} | {r['fault']} | {size} | {r['role']} | {r['flagged']} / {r['trials']} | "
+        n = "–".join(str(x) for x in (r["n"][0], r["n"][-1]) if r["n"]) if len(set(r["n"])) > 1 else \
+            "".join(str(x) for x in r["n"])
+        lines.append(f"| {r['half']} | {r['fault']} | {size} | {r['role']} | {r['flagged']} / {r['trials']} | {n} | "
                      f"{r['at_or_above_threshold']}, {r['missed_at_or_above']} | {by} | {measured} |")
     own = ", ".join(totals["null_flags_not_null_by_design"])
     by_design = totals["null_measured_not_null_by_design"]
     measured = "; ".join(f"{null} {m} {lo:g}–{hi:g}" for null, figures in by_design.items()
                          for m, (lo, hi) in figures.items())
     lines.append(f"| nulls | {', '.join(f'{k} ×{n}' for k, n in totals['null_trials_by_kind'].items())} | | | "
-                 f"{totals['false_alarms']} / {totals['null_trials']} false alarms | | "
+                 f"{totals['false_alarms']} / {totals['null_trials']} false alarms | | | "
                  f"{', '.join(totals['false_alarms_by']) or '—'}{f' (not null by design: {own})' if own else ''} | "
                  f"{measured} |")
     return "\n".join(lines)

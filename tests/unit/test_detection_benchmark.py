@@ -14,9 +14,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import detection  # noqa: E402
 
 
-def trial(flagged: bool, by=(), estimates=None, inconclusive=()) -> dict:
+def trial(flagged: bool, by=(), estimates=None, inconclusive=(), n: int = 12) -> dict:
     return {"seed": 0, "flagged": flagged, "status": "succeeded", "error": None, "by": list(by),
-            "inconclusive": list(inconclusive), "estimates": estimates or {}, "baseline_ttft_p50_ms": None}
+            "inconclusive": list(inconclusive), "estimates": estimates or {}, "baseline_ttft_p50_ms": None, "n": n}
 
 
 def test_detection_figures_by_hand():
@@ -33,7 +33,8 @@ def test_detection_figures_by_hand():
         "shift-0.14": [trial(True, ["ppl_ratio:warn"], {"ppl_ratio": math.exp(0.14)})],
         # gen NLL ratio 1.30 ≥ 1.15, but its CI straddled warn: at or above, and missed
         "kv-1": [trial(False, estimates={"ppl_ratio": 1.10, "gen_nll_ratio": 1.30}, inconclusive=["gen_nll_ratio"])],
-        "kv-6": [trial(True, ["ppl_ratio:warn"], {"ppl_ratio": 1.21})],
+        "kv-6": [trial(True, ["ppl_ratio:warn"], {"ppl_ratio": 1.21}, n=12),  # decided at 12; topped up to 48
+                 trial(True, ["ppl_ratio:warn"], {"ppl_ratio": 1.19}, n=48)],
         "copy": [trial(False), trial(True, ["ttft_ratio:warn"])],  # a flag on a baseline copy: a false alarm
         "ngram": [trial(True, ["spec_acceptance_rate:critical"], {"spec_acceptance_rate": 0.2})],  # by design
     }
@@ -42,7 +43,8 @@ def test_detection_figures_by_hand():
     assert row["logprob-shift", 0.05]["at_or_above_threshold"] == 0
     assert row["logprob-shift", 0.14]["at_or_above_threshold"] == 1 and row["logprob-shift", 0.14]["flagged"] == 1
     assert row["kv-corrupt", 1]["missed_at_or_above"] == 1 and row["kv-corrupt", 1]["inconclusive"] == ["gen_nll_ratio"]
-    assert totals["faults_at_or_above_threshold"] == 3 and totals["missed_at_or_above_threshold"] == 1
+    assert row["kv-corrupt", 6]["n"] == [12, 48]  # the paired samples each trial was judged on
+    assert totals["faults_at_or_above_threshold"] == 4 and totals["missed_at_or_above_threshold"] == 1
     assert totals["smallest_reliably_caught"] == {"engine logprob-shift (lossless)": 0.14,
                                                   "engine kv-corrupt (lossy)": 6}
     assert totals["null_trials"] == 3 and totals["false_alarms"] == 1 and totals["false_alarm_rate"] == round(1 / 3, 4)
