@@ -123,6 +123,8 @@ class RunWatch:
         self.finished: set[str] = set()
         self.started = self.last_line = clock()
         self.announced = False
+        self.drawn = 0  # the run's samples when last seen: more after a top-up (workers/top_up.py)
+        self.passes: dict[str, int] = {}  # each config-run's attempt_base: a top-up's rerun moves it
 
     def __enter__(self) -> RunWatch:
         self.progress.__enter__()
@@ -143,6 +145,14 @@ class RunWatch:
             self.announced = True
             self.say(f"run {run.id} started: {len(config_runs)} configs, {run.n_samples} samples each; "
                      f"a line per finished config, a heartbeat every {self.heartbeat:.0f}s")
+        drawn = len(run.sample_keys)
+        if self.drawn and drawn > self.drawn:  # undecided: the baseline and the undecided configs run again
+            again = [cr.config.name for cr in config_runs
+                     if self.passes.get(cr.config.name, cr.attempt_base) != cr.attempt_base]
+            self.finished -= set(again)
+            self.say(f"run {run.id}: undecided at {self.drawn} samples; topping up to {drawn} and rerunning "
+                     f"{', '.join(again)}")
+        self.drawn, self.passes = drawn, {cr.config.name: cr.attempt_base for cr in config_runs}
         for config_run in config_runs:
             name = config_run.config.name
             if self.bars:

@@ -160,6 +160,9 @@ class ConfigRun(TimestampMixin, Base):
     # queued | running | succeeded | failed
     status: Mapped[str] = mapped_column(String(16), default="queued", nullable=False)
     attempt: Mapped[int] = mapped_column(Integer, default=0, nullable=False)
+    # the attempt at which this pass began: a top-up (workers/top_up.py) runs the row again, and
+    # the attempt budget counts this pass's attempts (attempt - attempt_base) while attempt fences
+    attempt_base: Mapped[int] = mapped_column(Integer, default=0, server_default="0", nullable=False)
     worker: Mapped[str | None] = mapped_column(String(256))
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

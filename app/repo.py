@@ -157,23 +157,21 @@ def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationCo
 
 def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int]) -> list[int]:
     """Append `new_keys` to the run's samples and queue the named configs again on all of them
-    (workers/top_up.py). Each config-run is replaced by a new row (new id, attempt 0): the old one's
-    attempts and lease stay with it, so a worker still holding it is fenced off by its id, and the
-    attempt budget is the new pass's own. Rows already written stay; the new pass overwrites them.
-    The run goes back to 'running'. Returns the new config-runs' ids."""
-    wanted = set(config_ids)
-    old = [cr for cr in run.config_runs if cr.config_id in wanted]
-    for config_run in old:
-        session.delete(config_run)
-    session.flush()
-    now = utcnow()
-    rows = [ConfigRun(run_id=run.id, config_id=cr.config_id, enqueued_at=now) for cr in old]
-    session.add_all(rows)
+    (workers/top_up.py), each in its own row: queued, its pass beginning at its current attempt
+    (attempt_base), so the attempt number keeps fencing off any earlier attempt while the attempt
+    budget is the new pass's own. Rows already written stay; the new pass overwrites them. The run
+    goes back to 'running'. Returns the config-runs' ids."""
+    ids = [cr.id for cr in run.config_runs if cr.config_id in set(config_ids)]
+    session.execute(
+        update(ConfigRun).where(ConfigRun.id.in_(ids), ConfigRun.status.in_(TERMINAL))
+        .values(status="queued", attempt_base=ConfigRun.attempt, enqueued_at=utcnow(), started_at=None,
+                finished_at=None, lease_expires_at=None, worker=None, error=None, figures=None, progress_done=0,
+                progress_total=0))
     session.execute(update(Run).where(Run.id == run.id)
                     .values(status="running", sample_keys=[*run.sample_keys, *new_keys]))
     session.flush()
-    session.expire(run)
-    return [row.id for row in rows]
+    session.expire_all()  # the bulk updates are not in the loaded objects
+    return ids
 
 
 def get_config(session: Session, project: Project, name: str) -> OptimizationConfig:
@@ -404,7 +402,7 @@ def claim_config_run(session: Session, config_run_id: int, worker: str, lease_se
         update(ConfigRun)
         .where(
             ConfigRun.id == config_run_id,
-            ConfigRun.attempt < max_attempts,
+            ConfigRun.attempt - ConfigRun.attempt_base < max_attempts,
             or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)),
         )
         .values(status="running", attempt=ConfigRun.attempt + 1, worker=worker, started_at=now,
@@ -511,7 +509,7 @@ def give_up_config_run(session: Session, config_run_id: int, max_attempts: int, 
     now = utcnow()
     res = session.execute(
         update(ConfigRun)
-        .where(ConfigRun.id == config_run_id, ConfigRun.attempt >= max_attempts,
+        .where(ConfigRun.id == config_run_id, ConfigRun.attempt - ConfigRun.attempt_base >= max_attempts,
                or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)))
         .values(status="failed", error=error, finished_at=now, lease_expires_at=None)
     )

@@ -346,16 +346,17 @@ def give_up_reason(config_run: ConfigRun) -> str:
     it for as long as the worker process lives, however slow the work, so a silent lease means
     the process died (killed, out of memory, a crash in native code) or was frozen."""
     worker = config_run.worker or "an unknown worker"
+    spent = config_run.attempt - config_run.attempt_base  # this pass's attempts (a top-up starts a pass)
     note = INTERRUPTED.format(attempt=config_run.attempt)
     if config_run.error and config_run.error.startswith(note):
-        return (f"gave up after {config_run.attempt} attempts, all spent; the last, attempt {config_run.attempt} on "
+        return (f"gave up after {spent} attempts, all spent; the last, attempt {config_run.attempt} on "
                 f"{worker}, was interrupted: {config_run.error[len(note):]} — the worker was alive; fix that cause, "
                 f"then start a new run")
     when = (aware(config_run.lease_expires_at).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
             if config_run.lease_expires_at else "an unknown time")
     where = (f"after {config_run.progress_done}/{config_run.progress_total} results" if config_run.progress_done
              else "before its first results were written (model load or calibration)")
-    return (f"gave up after {config_run.attempt} attempts: the last, attempt {config_run.attempt} on {worker}, "
+    return (f"gave up after {spent} attempts: the last, attempt {config_run.attempt} on {worker}, "
             f"stopped renewing its lease without reporting an error (process killed, out of memory, or hung) {where}, "
             f"its lease expiring at {when}; a live worker's heartbeat renews it however slow the work, so see that "
             f"worker's log; raise CANARY_MAX_ATTEMPTS only once the cause is fixed")

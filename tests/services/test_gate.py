@@ -125,8 +125,9 @@ def test_an_undecided_gate_tops_up_in_the_worker(stack, project):
     [ppl] = [c for c in run["comparisons"] if c["config"] == "int8" and c["metric"] == "ppl_ratio"]
     assert ppl["n"] == 12 and ppl["verdict"] == "ok"
     assert "topped up from 6 to 12 samples (max_samples 12)" in run["verdict_reason"]
-    assert {c["config"]: (c["status"], c["attempt"]) for c in run["configs"]} == {"fp32": ("succeeded", 1),
-                                                                                 "int8": ("succeeded", 1)}
+    # each ran twice, in its own row: attempt 1 on 6 documents, attempt 2 on 12
+    assert {c["config"]: (c["status"], c["attempt"]) for c in run["configs"]} == {"fp32": ("succeeded", 2),
+                                                                                 "int8": ("succeeded", 2)}
     bad = http.post(f"{P}/suites", json={"name": "topup2", "corpus": "builtin:pydoc-heldout", "samples": 6,
                                          "max_samples": 3})
     assert bad.status_code == 422 and "max_samples: 3 is below samples (6)" in bad.text, bad.text

@@ -147,3 +147,18 @@ def test_a_bad_setting_is_one_line_naming_the_variable(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: CANARY_API_THREADS='0': Input should be greater than or equal to 1 "
                                              "(fix the environment variable or unset it for the default)"]
+
+
+def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
+    """5 documents are fewer than min_n (10); so are 10, from 9 sources (n counts sources): the run
+    draws 5 more, then the last 2 (max_samples 12), and is judged on 12."""
+    path = tiny_config(tmp_path)
+    cfg = yaml.safe_load(open(path))
+    cfg["suites"][0].update(samples=5, max_samples=12)
+    (tmp_path / "canary.yaml").write_text(yaml.safe_dump(cfg))
+    r = canary("run", "-f", path, cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}")
+    assert r.returncode == 1, r.stderr[-3000:]
+    out = " ".join(r.stdout.split())
+    assert "run 1 — baseline fp32, 12 documents (topped up from 5)" in out, r.stdout
+    assert "verdict: fail — int2 ppl_ratio critical" in out
+    assert out.endswith("topped up from 5 to 12 samples (max_samples 12) after an inconclusive pass"), out

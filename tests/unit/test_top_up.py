@@ -75,11 +75,11 @@ def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sql
         assert s.get(Gate, gate_id).verdict is None  # the gate waits
         assert run.n_samples == 6 and len(run.sample_keys) == 12
         assert run.sample_keys[:6] == first and not set(run.sample_keys[6:]) & set(first)
-        after = {cr.config.name: (cr.id, cr.status, cr.attempt) for cr in run.config_runs}
-    # the decided int8 keeps its config-run; the baseline and int4 get new ones, queued, attempt 0
-    assert after["int8"][0] == before["int8"]
-    for name in ("fp16", "int4"):
-        assert after[name][0] != before[name] and after[name][1:] == ("queued", 0)
+        after = {cr.config.name: (cr.id, cr.status, cr.attempt, cr.attempt_base) for cr in run.config_runs}
+    # the decided int8 stays as it was; the baseline and int4 are queued again in their own rows, a
+    # new pass beginning at attempt 1: the next claim is attempt 2, so attempt 1 can write no more
+    assert after == {"fp16": (before["fp16"], "queued", 1, 1), "int8": (before["int8"], "succeeded", 1, 0),
+                     "int4": (before["int4"], "queued", 1, 1)}
     dispatcher.run_all()
 
     with session_scope() as s:
@@ -122,3 +122,16 @@ def test_undecided_takes_only_comparisons_more_samples_can_decide():
 def test_max_samples_below_samples_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"max_samples: 4 is below samples \(6\)"):
         parse_config(canary(corpus(tmp_path), max_samples=4))
+
+
+def test_a_topped_up_config_run_has_a_fresh_attempt_budget_and_its_old_attempt_is_fenced(sqlite_env, tmp_path):
+    run_id, dispatcher = start(tmp_path)
+    assert dispatcher.run_all(until="top-up")[-1] == "top-up"
+    with session_scope() as s:
+        fp16 = next(cr.id for cr in s.get(Run, run_id).config_runs if cr.config.name == "fp16")
+        # one attempt allowed per pass: the first pass spent it, the second pass may still claim
+        assert repo.claim_config_run(s, fp16, "w", 60, max_attempts=1) == 2
+    with session_scope() as s:
+        assert not repo.heartbeat(s, fp16, 1, 60, 1, 12)  # the first pass's attempt writes nothing more
+        assert repo.heartbeat(s, fp16, 2, 60, 1, 12)
+        assert repo.claim_config_run(s, fp16, "w2", 60, max_attempts=1) is None  # held, and the budget spent
