@@ -42,7 +42,7 @@ fault flagged; at most 5 % false alarms over at least 40 null runs; every broken
 flagged.
 
     .venv/bin/python benchmarks/detection.py [--seeds 2] [--nulls 10] [--samples 12] [--prompts 12]
-        [--halves engine http] [--roles lossless lossy] [--markdown]
+        [--max-samples 96] [--halves engine http] [--roles lossless lossy] [--markdown]
 """
 
 from __future__ import annotations
@@ -346,9 +346,9 @@ def main() -> None:
     ap.add_argument("--nulls", type=int, default=10, help="null configs per run and half (default 10)")
     ap.add_argument("--samples", type=int, default=12, help="documents per run (default 12; min_n is 10)")
     ap.add_argument("--prompts", type=int, default=12, help="generation prompts per run (default 12)")
-    ap.add_argument("--max-samples", type=int, default=48,
+    ap.add_argument("--max-samples", type=int, default=96,
                     help="the suite's max_samples: a run with an undecided config tops up, doubling its documents "
-                         "and prompts up to this many documents (default 48; at or below --samples: no top-up)")
+                         "and prompts up to this many documents (default 96; at or below --samples: no top-up)")
     ap.add_argument("--halves", nargs="+", choices=("engine", "http"), default=["engine", "http"],
                     help="which faults to run: injected in the engine, through HTTP proxies (default both)")
     ap.add_argument("--roles", nargs="+", choices=("lossless", "lossy"), default=["lossless", "lossy"],
