@@ -4,9 +4,11 @@ min_n, is `inconclusive`: the data cannot tell, and the answer is more samples (
 When the suite sets `max_samples`, the aggregation does not stop there. It draws as many
 documents again as the run holds (doubling, up to `max_samples`, the suite's size and the
 per-run limit), appends them to the run's samples, and queues the baseline and each undecided
-config again on all of them. The configs that were decided keep their results; every comparison
-pairs by sample, so theirs stay as they were. The run, and a gate on it, wait; the last
-aggregation judges on the larger sample and its reason says how far the run was topped up.
+config again on all of them. A config already critical, or a measurement error, on some metric
+is not undecided: it fails the run whatever more samples would say of its other metrics. The
+configs that were decided keep their results; every comparison pairs by sample, so theirs stay
+as they were. The run, and a gate on it, wait; the last aggregation judges on the larger sample
+and its reason says how far the run was topped up.
 
 What it costs: each pass reruns the undecided configs on every sample (so their timings and
 figures cover one pass), and stops once every gated comparison is decided or nothing is left to
@@ -36,6 +38,7 @@ from workers import step_back
 
 log = logging.getLogger(__name__)
 STRADDLES = "straddles warn"  # evals.stats.decide's rule for a CI across the warn threshold
+SETTLED = ("critical", "measurement_error")  # a config with one of these needs no more samples
 
 
 def undecided(row: dict) -> bool:
@@ -77,8 +80,11 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> l
     if suite is None or not suite.spec.get("max_samples"):
         return []
     configs = {cr.config_id: cr for cr in run.config_runs}
+    # a config already critical (or a measurement error) fails the run whatever more samples say
+    settled = {r["config_id"] for r in rows if r["verdict"] in SETTLED and METRICS[r["metric"]].gated
+               and not (r.get("details") or {}).get("informational")}
     waiting = sorted({r["config_id"] for r in rows
-                      if r["config_id"] != run.baseline_config_id and undecided(r)
+                      if r["config_id"] != run.baseline_config_id and r["config_id"] not in settled and undecided(r)
                       and not step_back.is_ablation(configs[r["config_id"]].config)})
     if not waiting:
         return []

@@ -21,13 +21,13 @@ from tests.http.test_step_back import StepDispatcher
 from workers import top_up
 
 
-def canary(corpus: str, max_samples: int | None = 12) -> dict:
+def canary(corpus: str, max_samples: int | None = 12, weights: str = "rtn-int4") -> dict:
     return {
         "project": "p",
         "model": {"name": "tiny", "path": "builtin:pydoc-target"},
         "configs": [{"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
                     {"name": "int8", "engine": "reference", "weights": "int8"},
-                    {"name": "int4", "engine": "reference", "weights": "rtn-int4"}],
+                    {"name": "int4", "engine": "reference", "weights": weights}],
         "suites": [{"name": "s", "corpus": corpus, "samples": 6, "seed": 5, "scorers": ["perplexity"],
                     "perplexity": {"window": 64}, **({"max_samples": max_samples} if max_samples else {})}],
         # wide thresholds: both candidates are surely inside them once they have enough documents
@@ -42,9 +42,9 @@ def corpus(tmp_path, n: int = 24) -> str:
     return str(path)
 
 
-def start(tmp_path, max_samples: int | None = 12) -> tuple[int, StepDispatcher]:
+def start(tmp_path, max_samples: int | None = 12, weights: str = "rtn-int4") -> tuple[int, StepDispatcher]:
     with session_scope() as s:
-        project = apply_config_file(s, parse_config(canary(corpus(tmp_path), max_samples)))
+        project = apply_config_file(s, parse_config(canary(corpus(tmp_path), max_samples, weights)))
         int4 = repo.get_config(s, project, "int4")
         # int4 alone needs 8 paired documents to be judged: at 6 it is 'too few samples'
         s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=2.0, critical=3.0, direction="above",
@@ -135,3 +135,25 @@ def test_a_topped_up_config_run_has_a_fresh_attempt_budget_and_its_old_attempt_i
         assert not repo.heartbeat(s, fp16, 1, 60, 1, 12)  # the first pass's attempt writes nothing more
         assert repo.heartbeat(s, fp16, 2, 60, 1, 12)
         assert repo.claim_config_run(s, fp16, "w2", 60, max_attempts=1) is None  # held, and the budget spent
+
+
+def test_a_config_already_critical_is_not_topped_up(sqlite_env, tmp_path):
+    """The config named int4 quantizes to RTN int2 here (about +6 % perplexity on this model) under
+    a ppl_ratio rule of warn 1.01 / critical 1.03 that decides at 3 documents: critical at 6. int8
+    has the project's rule, now asking for 8 documents: too few at 6. Only int8 tops up."""
+    run_id, dispatcher = start(tmp_path, weights="rtn-int2")
+    with session_scope() as s:
+        rule = s.scalar(select(AlertRule).where(AlertRule.metric == "ppl_ratio", AlertRule.config_id.is_not(None)))
+        rule.warn, rule.critical, rule.min_n = 1.01, 1.03, 3
+        project_rule = s.scalar(select(AlertRule).where(AlertRule.metric == "ppl_ratio",
+                                                        AlertRule.config_id.is_(None)))
+        project_rule.min_n = 8
+    assert "top-up" in dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        passes = {cr.config.name: cr.attempt_base for cr in run.config_runs}
+        assert len(run.sample_keys) == 12 and run.verdict == "fail", run.verdict_reason
+    assert passes == {"fp16": 1, "int8": 1, "int4": 0}  # int4 ran once: critical already
+    with session_scope() as s:
+        int4 = next(cr.config_id for cr in s.get(Run, run_id).config_runs if cr.config.name == "int4")
+        assert len(nll_keys(s, run_id, int4)) == 6
