@@ -155,13 +155,19 @@ def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationCo
     return [row.id for row in rows]
 
 
-def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int]) -> list[int]:
+def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int],
+               keep_metrics: Sequence[str] = ()) -> list[int]:
     """Append `new_keys` to the run's samples and queue the named configs again on all of them
     (workers/top_up.py), each in its own row: queued, its pass beginning at its current attempt
     (attempt_base), so the attempt number keeps fencing off any earlier attempt while the attempt
-    budget is the new pass's own. Rows already written stay; the new pass overwrites them. The run
-    goes back to 'running'. Returns the config-runs' ids."""
+    budget is the new pass's own. Rows already written stay; the new pass overwrites them. Rows of
+    any other metric than `keep_metrics` (what scorers added: a judge's, faithfulness) are deleted
+    from the whole run when given, so the next aggregation scores the outputs as they now are. The
+    run goes back to 'running'. Returns the config-runs' ids."""
     ids = [cr.id for cr in run.config_runs if cr.config_id in set(config_ids)]
+    if keep_metrics:
+        session.execute(delete(SampleResult).where(SampleResult.run_id == run.id,
+                                                   SampleResult.metric.not_in(list(keep_metrics))))
     session.execute(
         update(ConfigRun).where(ConfigRun.id.in_(ids), ConfigRun.status.in_(TERMINAL))
         .values(status="queued", attempt_base=ConfigRun.attempt, enqueued_at=utcnow(), started_at=None,
@@ -619,8 +625,11 @@ def stalled_runs(session: Session, older_than: datetime) -> list[int]:
 
 
 def reopen_aggregation(session: Session, run_id: int) -> None:
-    """Put a stalled run into 'aggregating' (idempotent) so the aggregate task will take it."""
-    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
+    """Put a stalled run into 'aggregating' (idempotent) so the aggregate task will take it, only
+    while every config-run is still finished: a top-up or a step back that queued config-runs again
+    since the run was found stalled keeps it 'running'."""
+    unfinished = select(ConfigRun.id).where(ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)).exists()
+    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), ~unfinished)
                     .values(status="aggregating"))
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from sqlalchemy import update
+
 from app import repo
 from app.alerts import escalate, evaluate_run
 from app.db import session_scope
@@ -176,6 +178,10 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         if run is None or run.status not in ("aggregating",):
             return "skipped", None
         config_runs = list(run.config_runs)
+        if any(cr.status not in ("succeeded", "failed") for cr in config_runs):
+            # config-runs queued again (a top-up, a step back): back to running; their last one aggregates
+            session.execute(update(Run).where(Run.id == run_id, Run.status == "aggregating").values(status="running"))
+            return "skipped", None
         base = next(cr for cr in config_runs if cr.config_id == run.baseline_config_id)
         # an ablation that failed only takes its advice away (workers/step_back.py), never the verdict
         failed = [cr for cr in config_runs if cr.status == "failed" and not step_back.is_ablation(cr.config)]

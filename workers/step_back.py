@@ -83,6 +83,12 @@ def _breaching(rows: list[dict], config_id: int) -> list[dict]:
     return [r for r in rows if r["config_id"] == config_id and r["metric"] in LOSS_METRICS and r["verdict"] in BREACH]
 
 
+def would_step_back(run: Run, config_run: ConfigRun, rows: list[dict]) -> bool:
+    """Whether this config-run's config breaches as a stacked config that can step back."""
+    return (config_run.status == "succeeded" and bool(_breaching(rows, config_run.config_id))
+            and _ablation_specs(run, config_run) is not None)
+
+
 def plan(session: Session, run: Run, rows: list[dict]) -> list[OptimizationConfig]:
     """The ablations this run still lacks for its breaching stacked configs (derived configs,
     created or updated); empty when every layer already has a config-run in the run, whatever

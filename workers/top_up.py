@@ -12,9 +12,9 @@ and its reason says how far the run was topped up.
 
 What it costs: each pass reruns the undecided configs on every sample (so their timings and
 figures cover one pass), and stops once every gated comparison is decided or nothing is left to
-draw. Each top-up is one more look at the data, so a null config near its threshold has a few
-more chances to cross it; the detection benchmark (benchmarks/detection.py) measures the
-false-alarm rate with top-ups on.
+draw. Each top-up is one more look at the data, uncorrected: a null config near its threshold
+gets more chances to cross it, and a real regression just past warn more chances to be judged
+ok (README "Verdict rule" says what the detection benchmark does and does not measure of this).
 
 New documents come from those the run has not drawn, by a seed of their own (the run's seed and
 its size), kept in suite order after the samples already drawn, so the prompts of the first pass
@@ -33,12 +33,14 @@ from app import repo
 from app.models import Run, Suite
 from app.settings import get_settings
 from evals.metrics import METRICS
+from evals.records import DocRecord, GenerationRecord
 from evals.stats import TOO_FEW
 from workers import step_back
 
 log = logging.getLogger(__name__)
 STRADDLES = "straddles warn"  # evals.stats.decide's rule for a CI across the warn threshold
 SETTLED = ("critical", "measurement_error")  # a config with one of these needs no more samples
+ENGINE_ROWS = (DocRecord.KIND, GenerationRecord.KIND)  # what a config-run writes; scorers add the rest
 
 
 def undecided(row: dict) -> bool:
@@ -52,23 +54,23 @@ def undecided(row: dict) -> bool:
     return STRADDLES in rule or TOO_FEW in rule
 
 
-def room(session: Session, run: Run, suite: Suite) -> int:
-    """How many samples the run may hold in all: the suite's max_samples, within the suite's size
-    (less a quarter kept for AWQ calibration when a config needs it) and the per-run limit."""
+def room(run: Run, suite: Suite, documents: int) -> int:
+    """How many samples the run may hold in all: the suite's max_samples, within the run's suite
+    version's `documents` (less a quarter kept for AWQ calibration when a config needs it) and the
+    per-run limit."""
     cap = suite.spec.get("max_samples")
     if not cap:
         return len(run.sample_keys)
-    documents = suite.n_documents
     if any((cr.config.spec or {}).get("weights") == "awq-int4" for cr in run.config_runs):
-        documents -= suite.n_documents // 4
+        documents -= documents // 4
     return max(len(run.sample_keys), min(int(cap), documents, get_settings().max_samples_per_run))
 
 
-def draw_more(session: Session, run: Run, suite: Suite, n: int) -> list[str]:
-    """n keys of the run's suite version that the run has not drawn: a seed of their own (the run's
-    seed and its size, so each top-up draws afresh), kept in suite order."""
+def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
+    """n of the run's suite version's `keys` that the run has not drawn: a seed of their own (the
+    run's seed and its size, so each top-up draws afresh), kept in suite order."""
     drawn = set(run.sample_keys)
-    remaining = [s.key for s in repo.suite_samples(session, suite.id, run.suite_version) if s.key not in drawn]
+    remaining = [key for key in keys if key not in drawn]
     n = min(n, len(remaining))
     picked = set(random.Random(f"top-up:{run.seed}:{len(run.sample_keys)}").sample(range(len(remaining)), n))
     return [key for i, key in enumerate(remaining) if i in picked]
@@ -88,14 +90,20 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> l
                       and not step_back.is_ablation(configs[r["config_id"]].config)})
     if not waiting:
         return []
+    keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
     have = len(run.sample_keys)
-    target = min(2 * have, room(session, run, suite))
-    new_keys = draw_more(session, run, suite, target - have)
+    new_keys = draw_more(run, keys, min(2 * have, room(run, suite, len(keys))) - have)
     if not new_keys:
         return []
+    # a stacked config that breaches steps back once the run is decided: it reruns too, so that it
+    # and its single-optimization ablations are measured on the same samples
+    stacked = sorted(cr.config_id for cr in run.config_runs
+                     if cr.config_id not in waiting and step_back.would_step_back(run, cr, rows))
     names = ", ".join(configs[c].config.name for c in waiting)
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
-    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting])
+    # what a judge or faithfulness scorer said of the outputs that run again no longer applies
+    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
+                           keep_metrics=ENGINE_ROWS)
 
 
 def reason(run: Run, suite: Suite | None) -> str:

@@ -224,3 +224,32 @@ def test_two_stacked_configs_that_share_a_layer_measure_it_once(sqlite_env, rece
     found = {f["config"]: {layer["axis"]: layer["config"] for layer in f["layers"]} for f in summary["step_back"]}
     assert found == {"int8-kv2": {"weights": "int8-kv2~weights-only", "kv_cache": "int8-kv2~kv_cache-only"},
                      "int4-kv2": {"weights": "int4-kv2~weights-only", "kv_cache": "int8-kv2~kv_cache-only"}}
+
+
+def test_a_top_up_reruns_a_breaching_stacked_config_so_its_layers_share_its_samples(sqlite_env, receiver, tmp_path):
+    """int8 is undecided at 4 documents (its own rule asks for 6), so the run tops up to 6; the
+    stacked int8-kv2, already critical, reruns too, and its two layers then run on the same 6."""
+    from app.models import AlertRule
+
+    cfg = config(receiver.url + "/hook", small_corpus(tmp_path))
+    cfg["suites"][0]["max_samples"] = 6
+    with session_scope() as s:
+        project = apply_config_file(s, parse_config(cfg))
+        s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=2.0, critical=3.0, direction="above", min_n=6,
+                        config_id=repo.get_config(s, project, "int8").id))
+    dispatcher = StepDispatcher()
+    run_id, _ = start_run("p", "s", None, dispatcher)
+    dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert len(run.sample_keys) == 6 and run.verdict == "fail", run.verdict_reason
+        passes = {cr.config.name: cr.attempt_base for cr in run.config_runs}
+        ids = {cr.config.name: cr.config_id for cr in run.config_runs}
+        keys = {name: {r.sample_key for r in s.scalars(select(SampleResult).where(
+            SampleResult.run_id == run_id, SampleResult.config_id == config_id, SampleResult.metric == "nll"))}
+            for name, config_id in ids.items()}
+        summary = run_summary(s, run)
+    assert passes == {"fp16": 1, "int8-kv2": 1, "int8": 1, "int8-kv2~kv_cache-only": 0}, passes
+    assert all(k == set(run.sample_keys) for k in keys.values()), keys
+    [found] = summary["step_back"]
+    assert found["disable"] == "kv_cache"

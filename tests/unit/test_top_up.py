@@ -157,3 +157,24 @@ def test_a_config_already_critical_is_not_topped_up(sqlite_env, tmp_path):
     with session_scope() as s:
         int4 = next(cr.config_id for cr in s.get(Run, run_id).config_runs if cr.config.name == "int4")
         assert len(nll_keys(s, run_id, int4)) == 6
+
+
+def test_a_top_up_drops_scorer_rows_and_a_stalled_run_sweep_leaves_it_running(sqlite_env, tmp_path):
+    run_id, dispatcher = start(tmp_path)
+    with session_scope() as s:
+        int8 = repo.get_config(s, repo.get_project(s, "p"), "int8").id
+        # a judge's score of an output written before the top-up: it no longer applies once outputs rerun
+        s.add(SampleResult(run_id=run_id, config_id=int8, sample_key=s.get(Run, run_id).sample_keys[0],
+                           metric="judge_score", value=7.0))
+    assert dispatcher.run_all(until="top-up")[-1] == "top-up"
+    with session_scope() as s:
+        metrics = set(s.scalars(select(SampleResult.metric).where(SampleResult.run_id == run_id)))
+        assert metrics == {"nll"}
+        # the reconciler found the run stalled just before the top-up committed: its sweep must not
+        # put a run with queued config-runs into 'aggregating'
+        repo.reopen_aggregation(s, run_id)
+    with session_scope() as s:
+        assert s.get(Run, run_id).status == "running"
+    dispatcher.run_all()
+    with session_scope() as s:
+        assert s.get(Run, run_id).verdict == "pass"
