@@ -726,6 +726,7 @@ def runs_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=5
         items: list[dict[str, Any]] = [
             {"run_id": run.id, "suite": (session.get(Suite, run.suite_id) or Suite(name="?")).name,
              "trigger": run.trigger, "status": run.status, "verdict": run.verdict, "n_samples": run.n_samples,
+             "samples_drawn": len(run.sample_keys),
              "created_at": run.created_at.isoformat() if run.created_at else None,
              "finished_at": run.finished_at.isoformat() if run.finished_at else None}
             for run in repo.list_runs(session, project_row, limit)]
@@ -734,7 +735,9 @@ def runs_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=5
         return
     _table(f"runs of project '{project}' (newest first)",
            ["run", "suite", "trigger", "status", "verdict", "samples", "created", "finished"],
-           [[item["run_id"], item["suite"], item["trigger"], item["status"], item["verdict"], item["n_samples"],
+           [[item["run_id"], item["suite"], item["trigger"], item["status"], item["verdict"],
+             item["n_samples"] if item["samples_drawn"] == item["n_samples"]
+             else f"{item['samples_drawn']} (of {item['n_samples']}, topped up)",
              _when(item["created_at"]), _when(item["finished_at"])] for item in items])
 
 

@@ -206,6 +206,7 @@ class RunListItem(BaseModel):
     verdict: RunVerdict | None
     trigger: str
     n_samples: int
+    samples_drawn: int = Field(description="more than n_samples once the run topped up")
     created_at: Time
     finished_at: Time | None
 

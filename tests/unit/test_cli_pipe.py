@@ -162,3 +162,8 @@ def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
     assert "run 1 — baseline fp32, 12 documents (topped up from 5)" in out, r.stdout
     assert "verdict: fail — int2 ppl_ratio critical" in out
     assert out.endswith("topped up from 5 to 12 samples (max_samples 12) after an inconclusive pass"), out
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    [listed] = json.loads(canary("runs", "list", "-p", "pipe", "--json", cwd=tmp_path, db=db).stdout)
+    assert (listed["n_samples"], listed["samples_drawn"]) == (5, 12)
+    table = canary("runs", "list", "-p", "pipe", cwd=tmp_path, db=db).stdout
+    assert "12 (of 5, topped up)" in " ".join(table.split()), table

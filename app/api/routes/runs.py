@@ -38,7 +38,7 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
               offset: int = Query(0, ge=0, le=DB_INT_MAX)) -> list[dict]:
     return [
         {"run_id": run.id, "status": run.status, "verdict": run.verdict, "trigger": run.trigger,
-         "n_samples": run.n_samples, "created_at": run.created_at.isoformat(),
+         "n_samples": run.n_samples, "samples_drawn": len(run.sample_keys), "created_at": run.created_at.isoformat(),
          "finished_at": run.finished_at.isoformat() if run.finished_at else None}
         for run in repo.list_runs(session, project, limit, offset)
     ]
