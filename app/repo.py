@@ -522,13 +522,15 @@ def give_up_config_run(session: Session, config_run_id: int, max_attempts: int, 
     return res.rowcount == 1
 
 
+def _unfinished(run_id):
+    """EXISTS a config-run of the run (an id or the Run.id column) that is not yet terminal."""
+    return select(ConfigRun.id).where(ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)).exists()
+
+
 def try_start_aggregation(session: Session, run_id: int) -> bool:
     """Exactly one caller wins once every config-run is terminal (a conditional UPDATE)."""
-    unfinished = select(func.count()).select_from(ConfigRun).where(
-        ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)
-    ).scalar_subquery()
     res = session.execute(
-        update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), unfinished == 0)
+        update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), ~_unfinished(run_id))
         .values(status="aggregating")
     )
     return res.rowcount == 1
@@ -616,10 +618,9 @@ def stale_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]
 def stalled_runs(session: Session, older_than: datetime) -> list[int]:
     """Runs whose every config-run finished before older_than but whose aggregation never
     completed: the trigger message was lost, or the process died between the two commits."""
-    unfinished = select(ConfigRun.id).where(ConfigRun.run_id == Run.id, ConfigRun.status.not_in(TERMINAL)).exists()
     last_finish = select(func.max(ConfigRun.finished_at)).where(ConfigRun.run_id == Run.id).scalar_subquery()
     return list(session.scalars(
-        select(Run.id).where(Run.status.in_(("queued", "running", "aggregating")), ~unfinished,
+        select(Run.id).where(Run.status.in_(("queued", "running", "aggregating")), ~_unfinished(Run.id),
                              last_finish < older_than)
     ))
 
@@ -628,8 +629,7 @@ def reopen_aggregation(session: Session, run_id: int) -> None:
     """Put a stalled run into 'aggregating' (idempotent) so the aggregate task will take it, only
     while every config-run is still finished: a top-up or a step back that queued config-runs again
     since the run was found stalled keeps it 'running'."""
-    unfinished = select(ConfigRun.id).where(ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)).exists()
-    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), ~unfinished)
+    session.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), ~_unfinished(run_id))
                     .values(status="aggregating"))
 
 

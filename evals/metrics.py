@@ -215,5 +215,11 @@ def format_estimate(metric: Metric, estimate: float | None, low: float | None = 
     return text if low is None or high is None else f"{text} [{show(low)}, {show(high)}]"
 
 
+def informational(row: dict) -> bool:
+    """A comparison row (metric, details) that has no say in the verdict: its metric is not gated,
+    or the row was marked informational."""
+    return not METRICS[row["metric"]].gated or bool((row.get("details") or {}).get("informational"))
+
+
 def worst_verdict(verdicts) -> str:
     return max(verdicts, key=VERDICT_ORDER.__getitem__, default="ok")

@@ -153,6 +153,10 @@ class GenerationRecord:
                    (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"))
 
 
+# what a config-run's engine writes; scorers (a judge, faithfulness) add the other kinds later
+ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND)
+
+
 @dataclass(frozen=True)
 class PairwiseRecord:
     """The judge's pairwise verdict on candidate vs baseline for one prompt (value: 1 candidate

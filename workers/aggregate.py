@@ -19,7 +19,7 @@ from app.settings import get_settings
 from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
 from evals import compare, sanity
-from evals.metrics import METRICS, RUN_VERDICT, VERDICT_ORDER, worst_verdict
+from evals.metrics import RUN_VERDICT, VERDICT_ORDER, informational, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
@@ -178,7 +178,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         if run is None or run.status not in ("aggregating",):
             return "skipped", None
         config_runs = list(run.config_runs)
-        if any(cr.status not in ("succeeded", "failed") for cr in config_runs):
+        if any(cr.status not in repo.TERMINAL for cr in config_runs):
             # config-runs queued again (a top-up, a step back): back to running; their last one aggregates
             session.execute(update(Run).where(Run.id == run_id, Run.status == "aggregating").values(status="running"))
             return "skipped", None
@@ -222,7 +222,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         judged = [r for r in rows if r["config_id"] not in ablations]
         # A measured critical regression fails the run even when other configs are missing;
         # otherwise missing results make it incomplete (never a pass by omission).
-        verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not _informational(r))]
+        verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not informational(r))]
         reason = _reason(judged, config_runs) + top_up.reason(run, suite)
         config_names = {cr.config_id: cr.config.name for cr in config_runs}
         reason += "".join(f"; step back {config_names[config_id]}: {found.advice()}"
@@ -257,10 +257,6 @@ def _doc_nlls(records: ConfigRecords) -> list[DocNLL]:
     return [DocNLL(d.sample_key, d.nll, d.n_tokens, d.n_words, d.n_bytes, d.cluster) for d in records.docs.values()]
 
 
-def _informational(row: dict) -> bool:
-    return not METRICS[row["metric"]].gated or bool((row.get("details") or {}).get("informational"))
-
-
 def _f(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
@@ -269,7 +265,7 @@ def _reason(rows: list[dict], config_runs) -> str:
     """The run verdict's reason, worst first: each breaching comparison with its rule, then the
     comparisons that had too few samples to decide, in one clause (`int8 ttft_ratio, gen_nll_ratio`)."""
     names = {cr.config_id: cr.config.name for cr in config_runs}
-    notable = sorted((r for r in rows if r["verdict"] != "ok" and not _informational(r)),
+    notable = sorted((r for r in rows if r["verdict"] != "ok" and not informational(r)),
                      key=lambda r: -VERDICT_ORDER[r["verdict"]])
     parts, few = [], {}
     for r in notable:

@@ -30,7 +30,15 @@ from engines.fingerprint import model_digest, source_digest
 from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
-from evals.records import DocRecord, GenerationRecord, RunFigures, ServerFigures, SpecFigures, spec_to_json
+from evals.records import (
+    ENGINE_KINDS,
+    DocRecord,
+    GenerationRecord,
+    RunFigures,
+    ServerFigures,
+    SpecFigures,
+    spec_to_json,
+)
 from evals.terms import compile_terms, term_nll
 from workers.base import BaseTask
 
@@ -295,8 +303,7 @@ class ExecuteConfigRun(BaseTask):
             if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, total, total):
                 raise _LostLease(config_run_id, attempt)
             # what the engine wrote, not what judges added later (a remote judge is not in the key)
-            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"],
-                                     [DocRecord.KIND, GenerationRecord.KIND])
+            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"], ENGINE_KINDS)
             figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
             if not _finish(session, config_run_id, attempt, "succeeded", figures=figures):
                 raise _LostLease(config_run_id, attempt)

@@ -32,23 +32,20 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Run, Suite
 from app.settings import get_settings
-from evals.metrics import METRICS
-from evals.records import DocRecord, GenerationRecord
+from evals.metrics import informational
+from evals.records import ENGINE_KINDS
 from evals.stats import TOO_FEW
 from workers import step_back
 
 log = logging.getLogger(__name__)
 STRADDLES = "straddles warn"  # evals.stats.decide's rule for a CI across the warn threshold
 SETTLED = ("critical", "measurement_error")  # a config with one of these needs no more samples
-ENGINE_ROWS = (DocRecord.KIND, GenerationRecord.KIND)  # what a config-run writes; scorers add the rest
 
 
 def undecided(row: dict) -> bool:
     """A gated comparison that more samples could decide: inconclusive with some paired samples,
     its CI across the warn threshold or its n below min_n (not one that had nothing to score)."""
-    if row["verdict"] != "inconclusive" or not row["n"] or not METRICS[row["metric"]].gated:
-        return False
-    if (row.get("details") or {}).get("informational"):
+    if row["verdict"] != "inconclusive" or not row["n"] or informational(row):
         return False
     rule = row["rule"] or ""
     return STRADDLES in rule or TOO_FEW in rule
@@ -83,8 +80,7 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> l
         return []
     configs = {cr.config_id: cr for cr in run.config_runs}
     # a config already critical (or a measurement error) fails the run whatever more samples say
-    settled = {r["config_id"] for r in rows if r["verdict"] in SETTLED and METRICS[r["metric"]].gated
-               and not (r.get("details") or {}).get("informational")}
+    settled = {r["config_id"] for r in rows if r["verdict"] in SETTLED and not informational(r)}
     waiting = sorted({r["config_id"] for r in rows
                       if r["config_id"] != run.baseline_config_id and r["config_id"] not in settled and undecided(r)
                       and not step_back.is_ablation(configs[r["config_id"]].config)})
@@ -103,7 +99,7 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> l
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
     # what a judge or faithfulness scorer said of the outputs that run again no longer applies
     return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
-                           keep_metrics=ENGINE_ROWS)
+                           keep_metrics=ENGINE_KINDS)
 
 
 def reason(run: Run, suite: Suite | None) -> str:
