@@ -5,14 +5,26 @@ answer of POST /v1/completions passes through a fault on its way back: `fault` o
 event by event as the upstream sends it so that the client sees the server's timing. `delay_ms`
 holds each streamed completion that long before sending it upstream: a TTFT regression of
 exactly that much (and the proxy's own hop, which a baseline behind an identity proxy shares).
-Every other route (/v1/models, /metrics) passes through untouched."""
+Every other route (/v1/models, /metrics) passes through untouched.
+
+`generation` replaces the generation of a streamed greedy POST /v1/completions (temperature 0,
+one choice, no stop, no logprobs) by a seeded server behaviour of known truth (a `Generation`:
+near_tie_flips, confident_flips, empty_answers, loops, truncation, corrupt_when_batched): the
+proxy computes the whole answer through the upstream's public API (greedy completions with
+`logprobs: 2`, continuations, /detokenize), then streams it back in engine-serve's shape: one
+event per token piece, a final event with `finish_reason`, a usage chunk when
+`stream_options.include_usage` asks for it, `[DONE]`. Whether a request is affected depends only
+on the behaviour's seed and the request's prompt (`random.Random(f"{seed}:{prompt}")`), never on
+arrival order; unaffected requests get the upstream's own greedy answer."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -56,16 +68,371 @@ def garble(rate: float, seed: int = 0) -> Callable[[dict], dict]:
     return fault
 
 
+# -- seeded generation behaviours ------------------------------------------------------------------
+
+
+class UpstreamRefused(Exception):
+    """The upstream answered an error: relayed to the client with its status and body."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass
+class Answer:
+    """A whole generated answer, ready to stream: the token pieces (concatenating to the text)."""
+
+    pieces: list[str]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+@dataclass
+class Greedy:
+    """The upstream's greedy answer with the top-2 log-probs at each generated position; `tokens`
+    holds the end-of-text token when the answer stopped on it, `pieces` never does."""
+
+    id: str
+    model: str
+    text: str
+    tokens: list[str]
+    top: list[dict[str, float]]
+    finish_reason: str
+    prompt_tokens: int
+    eos: str
+
+    @property
+    def pieces(self) -> list[str]:
+        return self.tokens[:-1] if self.tokens and self.tokens[-1] == self.eos else list(self.tokens)
+
+    def answer(self) -> Answer:
+        pieces = self.pieces if "".join(self.pieces) == self.text else [self.text]  # a split multi-byte character
+        return Answer(pieces, self.finish_reason, self.prompt_tokens, len(self.tokens))
+
+    def gaps(self) -> list[tuple[int, float, str]]:
+        """(position, top-1 minus top-2 log-prob, the other of the top two) at each position whose
+        two alternatives are distinct strings and include the greedy token."""
+        out = []
+        for position, (token, top) in enumerate(zip(self.tokens, self.top, strict=True)):
+            if len(top) < 2 or token not in top:
+                continue
+            (first, lp1), (second, lp2) = sorted(top.items(), key=lambda kv: -kv[1])[:2]
+            if token not in (first, second):
+                continue
+            out.append((position, lp1 - lp2, second if token == first else first))
+        return out
+
+
+class Upstream:
+    """The upstream engine-serve as the behaviours use it: its public API only."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+        self._info: dict | None = None
+
+    async def info(self) -> dict:
+        if self._info is None:
+            response = await self.client.get("/tokenizer_info")
+            if response.status_code != 200:
+                raise UpstreamRefused(response)
+            self._info = response.json()
+        return self._info
+
+    async def greedy(self, request: dict, prompt: str | list[int], max_tokens: int) -> Greedy:
+        """A non-streamed greedy completion of `prompt` with the request's other fields."""
+        body = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
+        body.update(prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
+        response = await self.client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise UpstreamRefused(response)
+        answer, eos = response.json(), (await self.info())["eos_token"]
+        (choice,) = answer["choices"]
+        lp = choice.get("logprobs") or {}
+        return Greedy(answer.get("id") or f"cmpl-{uuid.uuid4().hex}", answer.get("model") or request.get("model"),
+                      choice["text"], list(lp.get("tokens") or []), list(lp.get("top_logprobs") or []),
+                      choice.get("finish_reason") or "length", int(answer["usage"]["prompt_tokens"]), eos)
+
+    async def extend(self, prompt: str | list[int], text: str) -> str | list[int]:
+        """The prompt with `text` after it: text to text, token ids to ids (the text tokenized alone)."""
+        if isinstance(prompt, str):
+            return prompt + text
+        response = await self.client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        if response.status_code != 200:
+            raise UpstreamRefused(response)
+        return list(prompt) + response.json()["tokens"]
+
+    async def token_text(self, token_id: int) -> str:
+        response = await self.client.post("/detokenize", json={"tokens": [token_id]})
+        if response.status_code != 200:
+            raise UpstreamRefused(response)
+        return response.json()["prompt"]
+
+
+def prompt_key(prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+class Generation:
+    """A seeded server behaviour on streamed greedy completions. Each request is affected with
+    probability `rate`, decided by `random.Random(f"{seed}:{prompt}")` (the same prompt, the same
+    decision, whatever the arrival order); an unaffected one gets the upstream's greedy answer.
+    `affected` lists the prompts (token-id prompts as JSON) whose answers were changed."""
+
+    name = "greedy"
+
+    def __init__(self, rate: float = 0.0, seed: int = 0):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.rate, self.seed = rate, seed
+        self.affected: list[str] = []
+
+    def rng(self, prompt: str | list[int]) -> random.Random:
+        return random.Random(f"{self.seed}:{prompt_key(prompt)}")
+
+    def hits(self, prompt: str | list[int]) -> bool:
+        """Whether this behaviour changes the answer to `prompt` (the first draw of its RNG)."""
+        return self.rng(prompt).random() < self.rate
+
+    @staticmethod
+    def handles(request: dict) -> bool:
+        """A streamed greedy completion of one prompt, one choice, no stop, no logprobs, no echo."""
+        prompt = request.get("prompt")
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                             and all(isinstance(t, int) for t in prompt))
+        return bool(request.get("stream")) and single and request.get("temperature") == 0 and (
+            request.get("n") in (None, 1) and not request.get("stop") and not request.get("stop_token_ids")
+            and request.get("logprobs") is None and not request.get("echo") and request.get("best_of") in (None, 1))
+
+    async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
+        """(the upstream's greedy answer, the answer to stream)."""
+        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        greedy = await upstream.greedy(request, prompt, max_tokens)
+        rng = self.rng(prompt)
+        if not rng.random() < self.rate:
+            return greedy, greedy.answer()
+        self.affected.append(prompt_key(prompt))
+        return greedy, await self.change(upstream, request, greedy, rng)
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        return greedy.answer()
+
+
+@dataclass(frozen=True)
+class Flip:
+    """One flipped answer: the greedy token at `position` replaced by `replacement`, the other of
+    its top two, whose log-probs were `gap` apart; `gaps[i]` is the gap at each position of the
+    greedy answer (None where its top two are not two distinct strings with the greedy token)."""
+
+    prompt: str
+    position: int
+    gap: float
+    token: str
+    replacement: str
+    gaps: tuple[float | None, ...] = field(repr=False)
+
+
+class _Flips(Generation):
+    """The answer flips at one position to the other of its top-two tokens, then goes on greedily
+    from there (the upstream's greedy continuation of the prompt, the answer before it and the
+    flipped token, for the tokens left). `records` holds one Flip per affected request."""
+
+    largest = False
+
+    def __init__(self, rate: float = 0.0, seed: int = 0):
+        super().__init__(rate, seed)
+        self.records: list[Flip] = []
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        gaps = greedy.gaps()
+        if not gaps:
+            return greedy.answer()
+        pick = max if self.largest else min  # the earliest of equal gaps
+        position, gap, replacement = pick(gaps, key=lambda g: g[1])
+        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        every: list[float | None] = [None] * len(greedy.tokens)
+        for at, g, _ in gaps:
+            every[at] = g
+        self.records.append(Flip(prompt_key(prompt), position, gap, greedy.tokens[position], replacement, tuple(every)))
+        before = greedy.tokens[:position]  # never the end-of-text token: only the last can be
+        if replacement == greedy.eos:
+            return Answer(before, "stop", greedy.prompt_tokens, position + 1)
+        left = max_tokens - position - 1
+        if left <= 0:
+            return Answer([*before, replacement], "length", greedy.prompt_tokens, position + 1)
+        rest = await upstream.greedy(request, await upstream.extend(prompt, "".join(before) + replacement), left)
+        return Answer([*before, replacement, *rest.pieces], rest.finish_reason, greedy.prompt_tokens,
+                      position + 1 + len(rest.tokens))
+
+
+class NearTieFlips(_Flips):
+    """Flips at the answer's nearest near-tie (smallest top-1/top-2 gap): a nondeterministic GPU server."""
+
+    name = "near_tie_flips"
+
+
+class ConfidentFlips(_Flips):
+    """Flips at the answer's most confident token (largest top-1/top-2 gap): a real bug."""
+
+    name = "confident_flips"
+    largest = True
+
+
+class EmptyAnswers(Generation):
+    name = "empty_answers"
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        return Answer([], "stop", greedy.prompt_tokens, 0)
+
+
+class Loops(Generation):
+    """The answer's first token repeated up to max_tokens (the runner-up at position 0 when the
+    first is the end of text)."""
+
+    name = "loops"
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        max_tokens = request.get("max_tokens") or 16
+        first = greedy.tokens[0] if greedy.tokens else ""
+        if first == greedy.eos:
+            first = next((t for t in sorted(greedy.top[0], key=lambda t: -greedy.top[0][t]) if t != greedy.eos), " ")
+        return Answer([first] * max_tokens, "length", greedy.prompt_tokens, max_tokens)
+
+
+class Truncation(Generation):
+    """The answer cut to its first quarter of tokens (at least one), finish_reason "stop"."""
+
+    name = "truncation"
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        keep = max(1, len(greedy.tokens) // 4)
+        return Answer([t for t in greedy.tokens[:keep] if t != greedy.eos], "stop", greedy.prompt_tokens, keep)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    prompt: str | list[int]
+    met: list[_InFlight] = field(default_factory=list)  # requests in flight at some moment of this one's life
+
+
+class CorruptWhenBatched(Generation):
+    """Batch-row crosstalk: a request that shared the proxy with another generation request at any
+    moment of its life (one arrived while the other was in flight) gets the greedy answer of one of
+    those requests' prompts instead of its own (chosen by its seeded RNG among those whose greedy
+    answer differs from its own; random vocabulary tokens when none does). A request alone at the
+    proxy passes through untouched. `records` holds (prompt, the partner's prompt or None)."""
+
+    name = "corrupt_when_batched"
+
+    def __init__(self, seed: int = 0):
+        super().__init__(1.0, seed)
+        self.in_flight: list[_InFlight] = []
+        self.records: list[tuple[str, str | None]] = []
+
+    async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
+        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        me = _InFlight(prompt, list(self.in_flight))
+        for other in self.in_flight:
+            other.met.append(me)
+        self.in_flight.append(me)
+        try:
+            greedy = await upstream.greedy(request, prompt, max_tokens)
+        finally:
+            self.in_flight.remove(me)
+        if not me.met:
+            return greedy, greedy.answer()
+        key, rng = prompt_key(prompt), self.rng(prompt)
+        rng.random()  # the draw every behaviour makes first
+        self.affected.append(key)
+        partners = sorted({prompt_key(o.prompt): o.prompt for o in me.met if prompt_key(o.prompt) != key}.items())
+        rng.shuffle(partners)
+        for partner_key, partner in partners:
+            other = await upstream.greedy(request, partner, max_tokens)
+            if other.text != greedy.text:
+                self.records.append((key, partner_key))
+                return greedy, Answer(other.answer().pieces, other.finish_reason, greedy.prompt_tokens,
+                                      len(other.tokens))
+        info = await upstream.info()
+        vocabulary = [t for t in range(int(info["vocab_size"])) if t != info.get("eos_token_id")]
+        ids = [rng.choice(vocabulary) for _ in range(max_tokens)]
+        self.records.append((key, None))
+        pieces = list(await asyncio.gather(*(upstream.token_text(t) for t in ids)))
+        return greedy, Answer(pieces, "length", greedy.prompt_tokens, max_tokens)
+
+
+def near_tie_flips(p: float, seed: int = 0) -> NearTieFlips:
+    return NearTieFlips(p, seed)
+
+
+def confident_flips(p: float, seed: int = 0) -> ConfidentFlips:
+    return ConfidentFlips(p, seed)
+
+
+def empty_answers(p: float, seed: int = 0) -> EmptyAnswers:
+    return EmptyAnswers(p, seed)
+
+
+def loops(p: float, seed: int = 0) -> Loops:
+    return Loops(p, seed)
+
+
+def truncation(p: float, seed: int = 0) -> Truncation:
+    return Truncation(p, seed)
+
+
+def corrupt_when_batched(seed: int = 0) -> CorruptWhenBatched:
+    return CorruptWhenBatched(seed)
+
+
+def stream_answer(greedy: Greedy, answer: Answer, include_usage: bool):
+    """The answer as engine-serve streams it: one event per piece, the finish, usage if asked, [DONE]."""
+    head = {"id": greedy.id, "object": "text_completion", "model": greedy.model}
+
+    def event(payload: dict) -> bytes:
+        return f"data: {json.dumps({**head, **payload})}\n\n".encode()
+
+    for piece in answer.pieces:
+        if piece:
+            yield event({"choices": [{"index": 0, "text": piece, "finish_reason": None, "logprobs": None}]})
+    yield event({"choices": [{"index": 0, "text": "", "finish_reason": answer.finish_reason, "logprobs": None,
+                              "stop_reason": None}]})
+    if include_usage:
+        total = answer.prompt_tokens + answer.completion_tokens
+        yield event({"choices": [], "usage": {"prompt_tokens": answer.prompt_tokens,
+                                              "completion_tokens": answer.completion_tokens, "total_tokens": total}})
+    yield b"data: [DONE]\n\n"
+
+
 def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
-              stream_fault: Callable[[dict], dict] = lambda x: x, delay_ms: float = 0.0) -> FastAPI:
+              stream_fault: Callable[[dict], dict] = lambda x: x, delay_ms: float = 0.0,
+              generation: Generation | None = None) -> FastAPI:
+    """`generation`: a seeded behaviour that computes the answer of each streamed greedy completion
+    (Generation.handles); other completions are relayed (through `stream_fault`) as before."""
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=120)
+    engine = Upstream(client)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        if path == "v1/completions" and json.loads(body or b"{}").get("stream"):
+        asked = json.loads(body or b"{}") if path == "v1/completions" else {}
+        if generation is not None and isinstance(asked, dict) and generation.handles(asked):
+            if delay_ms:
+                await asyncio.sleep(delay_ms / 1000)
+            try:
+                greedy, answer = await generation.answer(engine, asked)
+            except UpstreamRefused as refused:
+                return Response(refused.response.content, status_code=refused.response.status_code,
+                                media_type=refused.response.headers.get("content-type"))
+            include_usage = bool((asked.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(stream_answer(greedy, answer, include_usage), media_type="text/event-stream")
+        if path == "v1/completions" and isinstance(asked, dict) and asked.get("stream"):
             # streamed through as the upstream sends it, event by event, so that the timing the
             # client sees is the server's (plus `delay_ms` before the first byte)
             if delay_ms:
