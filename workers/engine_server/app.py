@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-request-spec-decode-metrics", choices=("none", "summary"), default="none",
                     help="summary: each response with speculative decoding carries its own figures under "
                          "metrics.speculative_decoding, as vLLM's flag of this name does (default none)")
+    ap.add_argument("--max-num-seqs", type=positive, default=32,
+                    help="requests decoded together in one continuous batch, as vLLM's flag of this name (default 32; "
+                         "1 decodes one request at a time). A lossy --kv-cache or --speculative always decodes one "
+                         "at a time")
+    ap.add_argument("--max-queue", type=positive, default=256,
+                    help="generation requests that may wait beyond the running batch (default 256); a request "
+                         "arriving when that many wait is answered 429")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     args = ap.parse_args(argv)
@@ -88,5 +95,23 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # a format this machine cannot run, AWQ without calibration text, …
         ap.error(str(e).splitlines()[0])
     server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs,
-                          per_request_spec_metrics=args.per_request_spec_decode_metrics == "summary")
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+                          per_request_spec_metrics=args.per_request_spec_decode_metrics == "summary",
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)  # a backstop: requests end at once (below)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM / SIGINT: uvicorn waits for open requests before it exits, so the engine fails
+            # every queued and running one first (a running batch would otherwise hold it up)
+            server.request_stop()
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -1,21 +1,40 @@
-"""The engine behind the routes: requests are queued and decoded one at a time by a single engine
-thread (the reference engine is not thread-safe); each request's tokens go back to its route's
-event loop as events: ("tokens", ids), ("done", GenerationResult), ("scored", PromptScores),
-("invalid", message) for input the engine refuses, ("error", message) for anything else."""
+"""The engine behind the routes: one engine thread (the reference engine is not thread-safe) owns
+the model. Each request's tokens go back to its route's event loop as events: ("tokens", ids),
+("done", GenerationResult), ("scored", PromptScores), ("invalid", message) for input the engine
+refuses, ("error", message) for anything else.
+
+Continuous batching (engines/reference/batching.py), as vLLM schedules: generation requests wait
+in a bounded queue (`max_queue`; a full queue is refused with QueueFull, a 429), join the running
+batch between decode steps while it has a free row (`max_num_seqs`: their prompt is prefilled,
+then they take part in the next batched step) and leave it when they finish or their client goes
+(Job.cancel). Echo jobs (prompt log-probs) run between decode steps. Engines that cannot batch
+(a lossy KV format, speculative decoding, a fault drill: batching.unbatchable) decode one request
+at a time with engine.generate, as before."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from engines.protocol import GenerationRequest
+from engines.reference.batching import ContinuousBatch, Sequence, unbatchable
 from workers.engine_server.metrics import ServeMetrics
 
+SHUTTING_DOWN = "the server is shutting down"
 
-@dataclass
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue generation requests: the route answers 429."""
+
+
+class Cancelled(Exception):
+    """Raised from the streaming hook of a one-at-a-time generation whose client left: it stops there."""
+
+
+@dataclass(eq=False)  # a job is itself: `in` and remove() on the queue compare identity
 class Job:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
@@ -24,10 +43,29 @@ class Job:
     prompt_ids: list[int] | None = None  # echo: score these instead of generating
     top_k: int = 0  # echo: alternatives per position (OpenAI's logprobs)
     stamps: list[float] = field(default_factory=list)
+    # set from the route's event loop when nobody reads the job any more; the engine thread retires it
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stop_reason: str = "abort"  # how a cancelled job counts in vllm:request_success
+
+    def cancel(self, reason: str = "abort") -> None:
+        if not self.cancelled.is_set():
+            self.stop_reason = reason
+            self.cancelled.set()
+
+
+@dataclass
+class Running:
+    """A job in a row of the batch."""
+
+    job: Job
+    seq: Sequence
+    started: float  # when the engine took it from the queue
+    sent: int = 0  # tokens emitted so far
 
 
 class EngineServer:
-    def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False):
+    def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False,
+                 max_num_seqs: int = 32, max_queue: int = 256):
         self.engine = engine
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
@@ -41,47 +79,219 @@ class EngineServer:
         # speculative decoding holds k draft tokens (+1) past the answer in the cache
         self.speculative_extra_tokens = (spec.speculative.k + 1 if spec is not None
                                          and getattr(spec.speculative, "method", "off") != "off" else 0)
-        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.why_serial = unbatchable(engine)  # None: continuous batching
+        self.max_num_seqs = max_num_seqs if self.why_serial is None else 1
+        self.max_queue = max_queue
+        self.batch = ContinuousBatch(engine, max_num_seqs) if self.why_serial is None else None
+        self.rows: dict[int, Running] = {}  # batch row → its job (engine thread only)
+        self._lock = threading.Condition()  # guards the two queues
+        self._waiting: deque[Job] = deque()  # generation jobs not started yet
+        self._scoring: deque[Job] = deque()  # echo jobs
+        self._stopping = False  # set by request_stop (a signal handler: no lock taken there)
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self.thread.start()
 
+    # -- submitting and cancelling (the routes' event loop) -----------------------------------------------
+    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
+        if request is None:
+            return self._enqueue([self._job(GenerationRequest("echo", ""), prompt_ids, top_k)], self._scoring)[0]
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[Job]:
+        """Jobs for generation requests, queued together. QueueFull when max_queue already wait (a
+        request of several prompts or choices that arrives before that is taken whole)."""
+        return self._enqueue([self._job(r) for r in requests], self._waiting)
+
+    def _job(self, request: GenerationRequest, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
+        return Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), prompt_ids, top_k)
+
+    def _enqueue(self, jobs: list[Job], into: deque[Job]) -> list[Job]:
+        with self._lock:
+            if into is self._waiting and len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"The server's queue is full: {len(self._waiting)} requests wait beyond the "
+                                f"{self.max_num_seqs} being decoded (--max-queue {self.max_queue}, --max-num-seqs "
+                                f"{self.max_num_seqs}). Retry later, or start the server with a larger --max-queue.")
+            into.extend(jobs)
+            self._gauge_waiting()
+            self._lock.notify()
+        return jobs
+
+    def cancel(self, jobs: list[Job], reason: str = "abort") -> None:
+        """Nobody reads these jobs any more: a queued one is dropped now, a running one leaves the
+        batch before its next step (one-at-a-time: at its next token)."""
+        with self._lock:
+            for job in jobs:
+                if job.cancelled.is_set():
+                    continue
+                job.cancel(reason)
+                if job in self._waiting:  # never started: it counts as aborted, as in vLLM
+                    self._waiting.remove(job)
+                    self.metrics.request_success["abort"].inc()
+            self._gauge_waiting()
+
+    def request_stop(self) -> None:
+        """Shutdown (SIGTERM): the engine thread fails every queued and running job with an error
+        event, so their routes answer at once, and ends. Safe in a signal handler: a flag only."""
+        self._stopping = True
+
+    def _gauge_waiting(self) -> None:
+        self.metrics.waiting.set(len(self._waiting) + len(self._scoring))
+
     # -- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        metrics = self.metrics
         while True:
-            job = self.jobs.get()
-            started = time.perf_counter()
-            metrics.waiting.dec()
-            metrics.running.inc()
-            metrics.queue_time.observe(started - job.arrived)
-            try:
-                if job.prompt_ids is not None:
-                    scores = self.engine.prompt_logprobs(job.prompt_ids, job.top_k)
-                    n = len(job.prompt_ids)  # echo requests count too: a prefill of the prompt
-                    metrics.prompt_tokens.inc(n)
-                    metrics.iteration_tokens.observe(n)
-                    self._finished(job, started, started_decode=time.perf_counter(), n_prompt=n, n_generated=0,
-                                   reason="length")
-                    self._emit(job, ("scored", scores))
-                else:
-                    self._generate(job, started)
-            except ValueError as e:  # the engine refuses this input (e.g. over the context): the client's error, a 400
-                self._emit(job, ("invalid", str(e)))
-            except Exception as e:  # noqa: BLE001 — the request fails, the server stays up
-                self._emit(job, ("error", str(e)))
-            finally:
-                metrics.running.dec()
-                metrics.kv_usage.set(0)
+            scoring, starting = self._next_jobs()
+            if self._stopping:
+                self._shutdown(scoring + starting)
+                return
+            for job in scoring:
+                self._guarded(job, self._score)
+            for job in starting:
+                self._guarded(job, self._start)
+            if self.rows:
+                self._step()
 
-    def _generate(self, job: Job, started: float) -> None:
+    def _next_jobs(self) -> tuple[list[Job], list[Job]]:
+        """Every echo job queued, and as many generation jobs as the batch has free rows; waits
+        while there is nothing to do (polling so that a stop request is noticed)."""
+        with self._lock:
+            while not (self._stopping or self._scoring or self._waiting or self.rows):
+                self._lock.wait(0.2)
+            scoring = list(self._scoring)
+            self._scoring.clear()
+            starting: list[Job] = []
+            while self._waiting and len(self.rows) + len(starting) < self.max_num_seqs:
+                starting.append(self._waiting.popleft())
+            self._gauge_waiting()
+        return scoring, starting
+
+    def _guarded(self, job: Job, run) -> None:
+        """run(job, started), its refusal or failure sent to the job's route; the server stays up."""
+        started = time.perf_counter()
+        self.metrics.queue_time.observe(started - job.arrived)
+        try:
+            run(job, started)
+        except ValueError as e:  # the engine refuses this input (e.g. over the context): the client's error, a 400
+            self._emit(job, ("invalid", str(e)))
+        except Cancelled:
+            self.metrics.request_success[job.stop_reason].inc()
+        except Exception as e:  # noqa: BLE001 — the request fails, the server stays up
+            self._emit(job, ("error", str(e)))
+        finally:
+            self.metrics.running.set(len(self.rows))
+            if self.batch is None:
+                self.metrics.kv_usage.set(0)
+
+    def _score(self, job: Job, started: float) -> None:
         metrics = self.metrics
+        assert job.prompt_ids is not None
+        scores = self.engine.prompt_logprobs(job.prompt_ids, job.top_k)
+        n = len(job.prompt_ids)  # echo requests count too: a prefill of the prompt
+        metrics.prompt_tokens.inc(n)
+        metrics.iteration_tokens.observe(n)
+        self._finished(job, started, started_decode=time.perf_counter(), n_prompt=n, n_generated=0, reason="length")
+        self._emit(job, ("scored", scores))
+
+    def _start(self, job: Job, started: float) -> None:
+        if job.cancelled.is_set():  # its client left between the queue and here
+            self.metrics.request_success[job.stop_reason].inc()
+            return
         n_prompt = self.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
-        metrics.prompt_tokens.inc(n_prompt)
-        metrics.params_max_tokens.observe(job.request.max_new_tokens)
-        metrics.max_generation_tokens.observe(job.request.max_new_tokens)
+        self.metrics.prompt_tokens.inc(n_prompt)
+        self.metrics.params_max_tokens.observe(job.request.max_new_tokens)
+        self.metrics.max_generation_tokens.observe(job.request.max_new_tokens)
+        if self.batch is None:
+            self.metrics.running.set(1)
+            self._generate(job, started, n_prompt)
+            return
+        seq = self.batch.add(job.request)  # the prefill and the first token
+        run = self.rows[seq.row] = Running(job, seq, started)
+        self.metrics.running.set(len(self.rows))
+        self._deliver(run, prefill_tokens=n_prompt)
+        self.metrics.kv_usage.set(self._kv_usage())
+        if seq.done:
+            self._retire(run)
+
+    # -- the batch (continuous batching) ------------------------------------------------------------------
+    def _step(self) -> None:
+        """Retire rows whose client left, then one decode step over the rest."""
+        assert self.batch is not None
+        for run in [r for r in self.rows.values() if r.job.cancelled.is_set()]:
+            self._retire(run, emit=False)
+        if not self.rows:
+            self.metrics.running.set(0)
+            return
+        try:
+            stepped = self.batch.step()
+        except Exception as e:  # noqa: BLE001 — the batch's requests fail, the server stays up
+            for run in list(self.rows.values()):
+                self._emit(run.job, ("error", str(e)))
+                self._retire(run, emit=False, count=False)
+            return
+        self.metrics.iteration_tokens.observe(len(stepped))  # one token per row
+        for seq in stepped:
+            self._deliver(self.rows[seq.row])
+        self.metrics.kv_usage.set(self._kv_usage())
+        for seq in stepped:
+            if seq.done:
+                self._retire(self.rows[seq.row])
+
+    def _deliver(self, run: Running, prefill_tokens: int = 0) -> None:
+        """Emit the row's new token with its metrics (TTFT at the first, inter-token gaps after)."""
+        job, metrics = run.job, self.metrics
+        new = run.seq.tokens[run.sent:]
+        run.sent = len(run.seq.tokens)
+        now = run.seq.stamps[-1]
+        if not job.stamps:
+            metrics.ttft.observe(now - job.arrived)
+            metrics.iteration_tokens.observe(prefill_tokens + len(new))  # the prefill step
+        else:
+            metrics.itl.observe(now - job.stamps[-1])
+            metrics.tpot.observe((now - job.stamps[-1]) / max(1, len(new)))
+        job.stamps.append(now)
+        metrics.generation_tokens.inc(len(new))
+        self._emit(job, ("tokens", new))
+
+    def _retire(self, run: Running, emit: bool = True, count: bool = True) -> None:
+        """The row leaves the batch: finished (its result sent) or cancelled (counted as its stop reason)."""
+        assert self.batch is not None
+        seq, job = run.seq, run.job
+        self.batch.remove(seq)
+        del self.rows[seq.row]
+        self.metrics.running.set(len(self.rows))
+        self.metrics.kv_usage.set(self._kv_usage())
+        if not count:
+            return
+        if not emit:
+            self.metrics.request_success[job.stop_reason].inc()
+            return
+        result = self.batch.result(seq)
+        reason = "stop" if seq.tokens[-1] == self.batch.eos else "length"
+        self._finished(job, run.started, job.stamps[0], len(seq.prompt), len(seq.tokens), reason)
+        self._emit(job, ("done", result))
+
+    def _kv_usage(self) -> float:
+        """Token positions the rows hold over what the server reserves: max_num_seqs rows of a full context."""
+        assert self.batch is not None
+        return min(1.0, self.batch.held() / (self.max_num_seqs * self.max_model_len))
+
+    def _shutdown(self, taken: list[Job]) -> None:
+        """Fail every job still queued or running (their routes answer at once) and stop."""
+        with self._lock:
+            jobs = [*taken, *self._waiting, *self._scoring, *(r.job for r in self.rows.values())]
+            self._waiting.clear()
+            self._scoring.clear()
+        for job in jobs:
+            self._emit(job, ("error", SHUTTING_DOWN))
+
+    # -- one request at a time (engines that cannot batch) ------------------------------------------------
+    def _generate(self, job: Job, started: float, n_prompt: int) -> None:
+        metrics = self.metrics
         held = [n_prompt]  # tokens in the KV cache
 
         def on_tokens(request_id, tokens, spec_decode):
+            if job.cancelled.is_set() or self._stopping:
+                raise Cancelled  # out of engine.generate: the request stops here
             now = time.perf_counter()
             if not job.stamps:
                 metrics.ttft.observe(now - job.arrived)
@@ -102,7 +312,12 @@ class EngineServer:
                     metrics.accepted_at(pos).inc(accepted)
             self._emit(job, ("tokens", tokens))
 
-        result = self.engine.generate([job.request], on_tokens=on_tokens)[0]
+        try:
+            result = self.engine.generate([job.request], on_tokens=on_tokens)[0]
+        except Cancelled:
+            if self._stopping:
+                self._emit(job, ("error", SHUTTING_DOWN))
+            raise
         eos = self.engine.tokenizer.eos_token_id
         reason = "stop" if result.token_ids and result.token_ids[-1] == eos else "length"
         self._finished(job, started, job.stamps[0] if job.stamps else time.perf_counter(), n_prompt,
@@ -126,13 +341,6 @@ class EngineServer:
     @staticmethod
     def _emit(job: Job, event) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)
-
-    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
-        job = Job(request or GenerationRequest("echo", ""), asyncio.get_running_loop(), asyncio.Queue(),
-                  time.perf_counter(), prompt_ids, top_k)
-        self.metrics.waiting.inc()
-        self.jobs.put(job)
-        return job
 
     # -- helpers for the routes -------------------------------------------------------------------------
     def n_prompt_tokens(self, prompt: str, ids: tuple[int, ...] | None = None) -> int:

@@ -3,6 +3,7 @@ refusal is a response in vLLM's error shape (errors.py), never an exception."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.protocol import GenerationRequest, SpecStats
-from workers.engine_server.engine_thread import EngineServer, Job
+from workers.engine_server.engine_thread import EngineServer, Job, QueueFull
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 from workers.engine_server.stops import StopScanner
@@ -90,11 +91,11 @@ async def tokenize(body: TokenizeIn, server: ServerDep):
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionIn, server: ServerDep):
+async def completions(body: CompletionIn, server: ServerDep, http: Request):
     if (bad := check_model(server, body.model)) is not None:
         return bad
     if body.echo:
-        return await echo_logprobs(server, body)
+        return await echo_logprobs(server, body, http)
     prompts = body.prompts()
     requests = []
     for index, prompt in enumerate(prompts):  # every prompt is checked before any is run
@@ -106,13 +107,12 @@ async def completions(body: CompletionIn, server: ServerDep):
         if isinstance(request, JSONResponse):
             return request
         requests.append(request)
-    # OpenAI's order: prompt by prompt, each prompt's n choices together
-    return await respond(server, [job for request in requests for job in submit_choices(server, request, body)],
-                         body, chat=False)
+    jobs = submit_choices(server, requests, body)
+    return jobs if isinstance(jobs, JSONResponse) else await respond(server, jobs, body, http, chat=False)
 
 
 @router.post("/v1/chat/completions")
-async def chat(body: ChatIn, server: ServerDep):
+async def chat(body: ChatIn, server: ServerDep, http: Request):
     if (bad := check_model(server, body.model)) is not None:
         return bad
     # the tiny zoo has no chat template: a plain transcript
@@ -122,15 +122,46 @@ async def chat(body: ChatIn, server: ServerDep):
                                  (body.top_logprobs or 0) if body.logprobs else None)
     if isinstance(request, JSONResponse):
         return request
-    return await respond(server, submit_choices(server, request, body), body, chat=True)
+    jobs = submit_choices(server, [request], body)
+    return jobs if isinstance(jobs, JSONResponse) else await respond(server, jobs, body, http, chat=True)
 
 
-def submit_choices(server: EngineServer, request: GenerationRequest, body: SamplingIn) -> list[Job]:
-    """`n` choices of one request, each its own engine job; choice i samples with seed + i."""
-    server.metrics.params_n.observe(body.n or 1)
-    return [server.submit(replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
-                                  seed=(request.seed + i) % (2**63)))
-            for i in range(body.n or 1)]
+def submit_choices(server: EngineServer, requests: list[GenerationRequest],
+                   body: SamplingIn) -> list[Job] | JSONResponse:
+    """`n` choices of each request, each its own engine job, in OpenAI's order (prompt by prompt,
+    each prompt's choices together); choice i samples with seed + i. A full queue: a 429."""
+    n = body.n or 1
+    choices = [replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
+                       seed=(request.seed + i) % (2**63))
+               for request in requests for i in range(n)]
+    try:
+        jobs = server.submit_all(choices)
+    except QueueFull as e:
+        return error(429, str(e), "RateLimitError")
+    for _ in requests:
+        server.metrics.params_n.observe(n)
+    return jobs
+
+
+class ClientGone(Exception):
+    """The client of a request that is not streamed disconnected while it waited."""
+
+
+async def next_event(job: Job, http: Request | None = None) -> tuple:
+    """The job's next event. While none is there, every half second: has the client gone?
+    (ClientGone; a streamed response learns it from Starlette, which closes its generator.)"""
+    if not job.events.empty():
+        return job.events.get_nowait()
+    getter = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=0.5)
+            if done:
+                return getter.result()
+            if http is not None and await http.is_disconnected():
+                raise ClientGone
+    finally:
+        getter.cancel()  # a pending get takes nothing from the queue
 
 
 def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
@@ -178,7 +209,8 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str | lis
                              frequency_penalty=body.frequency_penalty or 0.0, logit_bias=tuple(bias), prompt_ids=ids)
 
 
-async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONResponse | dict:
+async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request | None = None
+                        ) -> JSONResponse | Response | dict:
     """Prompt log-probs, vLLM's echo semantics: for each prompt of the batch, [None, lp(token 1), …]
     over the prompt, `top_logprobs` with the `logprobs` most likely tokens at each position, and
     with max_tokens 1 the greedy next token appended (text, token, log-prob and alternatives), as
@@ -213,7 +245,10 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONRespons
     choices, prompt_tokens = [], 0
     for index, ids in enumerate(batch):
         job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
-        kind, scores = await job.events.get()
+        try:
+            kind, scores = await next_event(job, http)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         if kind == "invalid":
             return error(400, scores, param="prompt")
         if kind == "error":
@@ -237,9 +272,23 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn) -> JSONRespons
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat: bool):
+async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
     """The `n` generations as one response, or as server-sent events with `stream` (the choices one
-    after another, each chunk naming its index), cut at `stop` / `stop_token_ids` (stops.py)."""
+    after another, each chunk naming its index), cut at `stop` / `stop_token_ids` (stops.py). Once
+    nobody will read a job (the client left, the response failed, or its stop string was reached)
+    it is cancelled: it leaves the engine's batch, or its queue."""
+    out: Response | dict = Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    try:
+        out = await answer(server, jobs, body, http, chat)
+    except ClientGone:
+        pass
+    finally:
+        if not isinstance(out, StreamingResponse):  # a stream's generator cancels its jobs when it ends
+            server.cancel(jobs)  # finished jobs are untouched; the rest stop
+    return out
+
+
+async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
     name = server.model_name
     rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.request_id
     obj = "chat.completion" if chat else "text_completion"
@@ -280,11 +329,18 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
 
     if body.stream:
         # the first event decides the status: a refusal before any token is still a 400
-        first = await jobs[0].events.get()
+        first = await next_event(jobs[0], http)
         if first[0] in ("invalid", "error"):
             return failure(*first)
 
         async def events():
+            try:
+                async for event in stream_events():
+                    yield event
+            finally:  # the stream ended, or Starlette closed it when the client disconnected
+                server.cancel(jobs)
+
+        async def stream_events():
             prompt_tokens = completion_tokens = 0
             for index, job in enumerate(jobs):
                 scan = scanner()
@@ -296,7 +352,8 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
                         text, stopped = scan.feed(payload) if scan is not None else (server.decode(payload), False)
                         if text:
                             yield f"data: {json.dumps({**chunk, 'choices': [choice(index, text, None, True)]})}\n\n"
-                        if stopped:  # the engine may go on to max_tokens; the client has its answer
+                        if stopped:  # the client has its answer: the job leaves the batch
+                            server.cancel([job], "stop")
                             completion_tokens += len(scan.ids)
                             final = choice(index, "", "stop", True, scan.reason)
                             yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
@@ -327,7 +384,7 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, chat:
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for index, job in enumerate(jobs):
         while True:
-            kind, payload = await job.events.get()
+            kind, payload = await next_event(job, http)
             if kind == "done":
                 break
             if kind in ("invalid", "error"):

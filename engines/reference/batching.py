@@ -1,0 +1,253 @@
+"""Continuous batching for the reference engine, as a serving loop uses it (vLLM's scheduler, in
+miniature): sequences join a running batch between decode steps and leave it when they finish,
+each in its own row of a cache.
+
+- RowCache: k, v [L, R, Hkv, S, D], one sequence per row r with its own length. It plugs into
+  the model's forward in place of KVCache (the model calls `cache.attend` for every layer) and
+  ignores the forward's `slots` / `mask`: what a pass writes and reads is set just before it, by
+  `prefill_row` (one row's prompt) or `decode_rows` (one new token for each active row).
+- ContinuousBatch: the rows' sequences. `add` prefills one request and picks its first token;
+  `step` runs one batched decode step over every unfinished row and picks each row's next token;
+  `remove` frees a row. Picks, sampling generators, penalties and log-probs are the engine's own
+  (ReferenceEngine._pick / _adjust, engines/sampling.py), per request, so a request's tokens do
+  not depend on which others share its steps, up to the numerics of a batched matmul.
+
+Lossless KV formats only, without speculative decoding or a fault drill (`unbatchable` says why
+not); those keep the engine's own one-request-at-a-time generate().
+
+Shapes: L layers, R rows, B active rows, Hkv key/value heads, S slots per row, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+
+from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult
+from engines.reference.attention import masked_gqa_attention
+from engines.reference.decode import _sdpa_backends
+from engines.sampling import token_logprob
+
+if TYPE_CHECKING:
+    from engines.reference.engine import ReferenceEngine
+
+
+def unbatchable(engine) -> str | None:
+    """None when `engine` can decode requests in a continuous batch, else why not."""
+    if getattr(engine, "kv", None) is None or getattr(engine, "fault", None) is None:
+        return "not the reference engine"
+    if engine.kv.lossy:
+        return f"kv_cache {engine.kv.name} is lossy (its store and kernels are per-batch)"
+    if engine.proposer is not None:
+        return "speculative decoding runs one request at a time"
+    if engine.fault.fault is not None:
+        return "a canary fault drill is active"
+    return None
+
+
+class RowCache:
+    """k, v: [L, R, Hkv, S, D]; row r holds one sequence in slots 0…lengths[r]−1. S starts small
+    and doubles up to the model's context as rows grow, so a server with many rows of a long-
+    context model does not hold rows × context slots it may never use."""
+
+    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, head_dim: int, context: int,
+                 dtype: torch.dtype, device: torch.device, width: int = 256):
+        self.context = context
+        shape = (n_layers, rows, n_kv_heads, min(width, context), head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * rows  # slots written per row (host)
+        self._mode = ""  # "prefill" or "decode": what the next forward does
+        self._row = 0  # prefill: the row
+        self._rows = torch.zeros(0, dtype=torch.long)  # decode: [B] the active rows
+        self._span: slice | None = None  # decode: the same rows as a slice, when they are consecutive
+        self._at = torch.zeros(0, dtype=torch.long)  # decode: [B] the slot each row writes
+        self._mask: torch.Tensor | None = None  # decode: [B, 1, 1, W] slot j visible to row b iff j ≤ _at[b]
+        self._width = 0  # decode: slots read per row
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def _fit(self, width: int) -> None:
+        """Grow S to hold `width` slots per row (doubling, at most the context), keeping what rows hold."""
+        S = self.k.shape[3]
+        if width <= S:
+            return
+        if width > self.context:
+            raise ValueError(f"a row of {width} slots exceeds the model's context of {self.context}")
+        grown = min(self.context, max(width, 2 * S))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], grown, old.shape[4]))
+            new[:, :, :, :S] = old
+            setattr(self, name, new)
+
+    def prefill_row(self, row: int, n: int) -> None:
+        """The next forward is row `row`'s prompt of n tokens, written at slots 0…n−1."""
+        self._fit(n)
+        self._mode, self._row = "prefill", row
+        self.lengths[row] = n
+
+    def decode_rows(self, rows: list[int]) -> torch.Tensor:
+        """The next forward is one token per row of `rows`, each written at its row's length.
+        Returns their positions [B, 1] (a row's next slot is its next RoPE position)."""
+        at = [self.lengths[r] for r in rows]
+        self._width = max(at) + 1
+        self._fit(self._width)
+        device = self.k.device
+        self._rows = torch.tensor(rows, device=device)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._span = slice(rows[0], rows[0] + len(rows)) if consecutive else None
+        self._at = torch.tensor(at, device=device)
+        # rows of one length see every slot read: no mask (the engine's own unpadded decode step)
+        self._mask = None
+        if min(at) != max(at):
+            self._mask = (torch.arange(self._width, device=device)[None, :] <= self._at[:, None])[:, None, None]
+        self._mode = "decode"
+        for r in rows:
+            self.lengths[r] += 1
+        return self._at[:, None]
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D]. `slots` and `mask` are the forward's and unused:
+        prefill_row / decode_rows set what this pass writes and reads."""
+        if self._mode == "prefill":
+            # q, k, v: [1, ·, T, ·] — the prompt attends itself causally, as the engine's prefill does
+            T = k.shape[2]
+            self.k[layer, self._row, :, :T] = k[0]
+            self.v[layer, self._row, :, :T] = v[0]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self._mode != "decode":
+            raise RuntimeError("RowCache.attend: call prefill_row or decode_rows before the forward")
+        kl, vl = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
+        kl[self._rows, :, self._at] = k[:, :, 0]  # row b's new key at its own slot _at[b]: [B, Hkv, D]
+        vl[self._rows, :, self._at] = v[:, :, 0]
+        W = self._width
+        if self._span is not None:  # a view: no copy of the rows' keys and values
+            keys, values = kl[self._span, :, :W], vl[self._span, :, :W]
+        else:
+            keys, values = kl[:, :, :W].index_select(0, self._rows), vl[:, :, :W].index_select(0, self._rows)
+        return masked_gqa_attention(q, keys, values, self._mask)  # [B, H, 1, D]
+
+
+@dataclass
+class Sequence:
+    """One request in a row: its prompt, the tokens picked so far and their stamps."""
+
+    request: GenerationRequest
+    row: int
+    prompt: list[int]
+    generator: torch.Generator  # the request's own sampling stream, seeded with its seed
+    started: float  # perf_counter when it joined (its TTFT counts from here)
+    tokens: list[int] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)
+    scored: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.request.temperature <= 0 and not self.request.adjusted
+
+
+class ContinuousBatch:
+    """Up to `rows` sequences decoded together, joining and leaving between steps."""
+
+    def __init__(self, engine: ReferenceEngine, rows: int):
+        if (why := unbatchable(engine)) is not None:
+            raise ValueError(f"continuous batching: {why}")
+        a = engine.args
+        self.engine = engine
+        self.cache = RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype,
+                              engine.device)
+        self.seqs: dict[int, Sequence] = {}  # row → its sequence
+        self.eos = engine.tokenizer.eos_token_id
+
+    @property
+    def free_rows(self) -> int:
+        return len(self.cache.lengths) - len(self.seqs)
+
+    def _free_row(self) -> int:
+        return next(r for r in range(len(self.cache.lengths)) if r not in self.seqs)
+
+    def held(self) -> int:
+        """Token positions the rows hold (prompts and the tokens written after them)."""
+        return sum(self.cache.lengths[r] for r in self.seqs)
+
+    @torch.inference_mode()
+    def add(self, request: GenerationRequest) -> Sequence:
+        """Prefill `request` into a free row and pick its first token (the sequence is `done`
+        at once when that token is EOS or max_new_tokens is 1). ValueError: the input does not fit."""
+        engine = self.engine
+        if request.temperature < SAMPLING_EPS:  # vLLM's greedy threshold, as engine.generate applies it
+            request = replace(request, temperature=0.0)
+        prompt = engine.prompt_token_ids(request)
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt) + request.max_new_tokens > engine.args.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceed the "
+                             f"model's context of {engine.args.max_seq_len}")
+        if not self.free_rows:
+            raise RuntimeError("ContinuousBatch.add: every row is taken")
+        row = self._free_row()
+        seq = Sequence(request, row, prompt, torch.Generator(device=engine.device).manual_seed(request.seed),
+                       time.perf_counter())
+        ids = torch.tensor([prompt], device=engine.device)  # [1, T]
+        pos = torch.arange(len(prompt), device=engine.device)[None]  # [1, T]
+        self.cache.prefill_row(row, len(prompt))
+        with _sdpa_backends(engine.device):
+            logits = engine.model(ids, pos, pos[0], self.cache, None, last_only=True)[:, -1]  # [1, V]
+        self.seqs[row] = seq
+        self._take(logits, [seq])
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One decode step over every unfinished row: each gets its next token. Returns them."""
+        active = [s for _, s in sorted(self.seqs.items()) if not s.done]
+        if not active:
+            return []
+        device = self.engine.device
+        tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)  # [B, 1]
+        pos = self.cache.decode_rows([s.row for s in active])  # [B, 1]
+        with _sdpa_backends(device):
+            logits = self.engine.model(tokens, pos, pos[:, 0], self.cache, None, last_only=True)[:, -1]  # [B, V]
+        self._take(logits, active)
+        return active
+
+    def _take(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Each row's pick from its logits [B, V], as the engine picks (_generate_batch)."""
+        engine = self.engine
+        if all(s.greedy for s in seqs):  # one argmax over the batch: the step's one host sync
+            picks = cast(list[int], logits.argmax(-1).tolist())
+        else:
+            picks = [engine._pick(engine._adjust(logits[b], s.request, s.tokens), s.request, s.generator)
+                     for b, s in enumerate(seqs)]
+        now = time.perf_counter()
+        for b, (s, token) in enumerate(zip(seqs, picks, strict=True)):
+            s.tokens.append(token)
+            s.stamps.append(now)
+            if (want := s.request.logprobs) is not None:
+                s.scored.append(token_logprob(logits[b], token, want))
+            s.done = token == self.eos or len(s.tokens) >= s.request.max_new_tokens
+
+    def remove(self, seq: Sequence) -> None:
+        """Free the sequence's row (finished, or its client left)."""
+        del self.seqs[seq.row]
+        self.cache.lengths[seq.row] = 0
+
+    def result(self, seq: Sequence) -> GenerationResult:
+        return GenerationResult(
+            request_id=seq.request.request_id,
+            text=cast(str, self.engine.tokenizer.decode(seq.tokens, skip_special_tokens=True)),
+            token_ids=tuple(seq.tokens),
+            prompt_tokens=len(seq.prompt),
+            ttft_ms=(seq.stamps[0] - seq.started) * 1000,
+            itl_ms=tuple((y - x) * 1000 for x, y in pairwise(seq.stamps)),
+            total_ms=(seq.stamps[-1] - seq.started) * 1000,
+            token_logprobs=tuple(seq.scored),
+        )
