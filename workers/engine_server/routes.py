@@ -147,21 +147,29 @@ class ClientGone(Exception):
     """The client of a request that is not streamed disconnected while it waited."""
 
 
-async def next_event(job: Job, http: Request | None = None) -> tuple:
-    """The job's next event. While none is there, every half second: has the client gone?
-    (ClientGone; a streamed response learns it from Starlette, which closes its generator.)"""
-    if not job.events.empty():
-        return job.events.get_nowait()
-    getter = asyncio.ensure_future(job.events.get())
-    try:
+class Events:
+    """Reads jobs' events for one request, asking every half second whether its client has gone
+    (ClientGone): a request that is not streamed learns it no other way (a streamed one does from
+    Starlette, which closes its generator)."""
+
+    def __init__(self, http: Request | None):
+        self.http, self.checked = http, time.monotonic()
+
+    async def next(self, job: Job) -> tuple:
         while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.5)
-            if done:
-                return getter.result()
-            if http is not None and await http.is_disconnected():
-                raise ClientGone
-    finally:
-        getter.cancel()  # a pending get takes nothing from the queue
+            if self.http is not None and time.monotonic() - self.checked >= 0.5:
+                self.checked = time.monotonic()
+                if await self.http.is_disconnected():
+                    raise ClientGone
+            if not job.events.empty():
+                return job.events.get_nowait()
+            getter = asyncio.ensure_future(job.events.get())
+            try:
+                done, _ = await asyncio.wait({getter}, timeout=0.5)
+                if done:
+                    return getter.result()
+            finally:
+                getter.cancel()  # a pending get takes nothing from the queue
 
 
 def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
@@ -246,7 +254,7 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
     for index, ids in enumerate(batch):
         job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
         try:
-            kind, scores = await next_event(job, http)
+            kind, scores = await Events(http).next(job)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         if kind == "invalid":
@@ -329,7 +337,7 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
 
     if body.stream:
         # the first event decides the status: a refusal before any token is still a 400
-        first = await next_event(jobs[0], http)
+        first = await Events(http).next(jobs[0])
         if first[0] in ("invalid", "error"):
             return failure(*first)
 
@@ -382,9 +390,10 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
 
         return StreamingResponse(events(), media_type="text/event-stream")
     choices, prompt_tokens, completion_tokens = [], 0, 0
+    events = Events(http)
     for index, job in enumerate(jobs):
         while True:
-            kind, payload = await next_event(job, http)
+            kind, payload = await events.next(job)
             if kind == "done":
                 break
             if kind in ("invalid", "error"):

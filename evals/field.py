@@ -1,0 +1,157 @@
+"""Comparisons that hold on servers in the field: nondeterministic, batched, and breaking in ways
+that keep prompt log-probs exact. Plain records in, a `Comparison` out, as in evals/compare.py.
+
+    metric                comparison          function
+    confident_divergence  paired_difference   confident_divergence_comparison
+    batch_divergence      paired_difference   batch_divergence_comparison
+    empty_answers         paired_difference   health_comparisons
+    degenerate_answers    paired_difference   health_comparisons
+    max_tokens_hits       paired_difference   health_comparisons
+    output_length_ratio   paired_ratio        health_comparisons
+
+The noise floor: a GPU server is not batch-invariant, so the same greedy request can come back
+different (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025). The baseline's
+second pass (RepeatRecord) against its first measures how much; a candidate is judged on the
+confident departures beyond that floor, and a departure at a near-tie (evals/health.py) is noise
+by vLLM's own rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from evals.health import NEAR_TIE_NATS, Scored, divergence, is_degenerate, is_empty
+from evals.records import GenerationRecord
+from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
+
+EXAMPLE_CHARS = 120  # of an example answer shown in a verdict's reason
+Records = Mapping[str, GenerationRecord]  # by prompt key
+
+
+def _example(record: GenerationRecord) -> dict:
+    """One answer that shows a finding, for the verdict's reason: its prompt key and text."""
+    return {"sample_key": record.sample_key, "text": record.text[:EXAMPLE_CHARS]}
+
+
+def _scored(record: GenerationRecord) -> Scored | None:
+    return record.scored
+
+
+def _departs(a: GenerationRecord, b: GenerationRecord, tau: float) -> tuple[bool, bool, dict | None]:
+    """(departs at all, departs at a confident token, the divergence) of two outputs of one prompt.
+    Where the baseline model did not score both, any difference in text counts as confident (the
+    near-tie rule needs its log-probs): the conservative reading."""
+    sa, sb = _scored(a), _scored(b)
+    if sa is None or sb is None:
+        differs = a.text != b.text
+        return differs, differs, None
+    d = divergence(sa, sb, tau)
+    if d is None:
+        return a.text != b.text, a.text != b.text, None
+    return True, not d.near_tie, {"position": d.position, "gap": round(d.gap, 4), "near_tie": d.near_tie}
+
+
+def _paired_shares(metric: str, floor: list[float], mine: list[float], t: Thresholds, seed: int,
+                   details: dict) -> Comparison:
+    est, lo, hi = paired_mean_difference(floor, mine, seed=seed)
+    verdict, rule = decide(est, lo, hi, len(mine), t)
+    return Comparison(metric, est, lo, hi, len(mine), verdict, rule, baseline_value=float(np.mean(floor)),
+                      candidate_value=float(np.mean(mine)), details=details)
+
+
+def confident_divergence_comparison(candidate: Records, baseline: Records, repeats: Records, t: Thresholds,
+                                    seed: int = 0, tau: float = NEAR_TIE_NATS) -> Comparison | None:
+    """A lossless config's confident departures from the baseline beyond the baseline's own
+    (its second pass against its first), paired by prompt. Without a second pass the floor is 0
+    (a deterministic baseline is assumed and said). None when no prompt has both sides."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys:
+        return None
+    floor_known = all(k in repeats for k in keys)
+    mine, floor, near = [], [], {"candidate": 0, "baseline_repeat": 0}
+    examples: list[dict] = []
+    for k in keys:
+        departs, sure, where = _departs(baseline[k], candidate[k], tau)
+        mine.append(float(sure))
+        near["candidate"] += int(departs and not sure)
+        if sure and len(examples) < 1:
+            examples.append({**_example(candidate[k]), "baseline_text": baseline[k].text[:EXAMPLE_CHARS],
+                             **(where or {})})
+        if floor_known:
+            f_departs, f_sure, _ = _departs(baseline[k], repeats[k], tau)
+            floor.append(float(f_sure))
+            near["baseline_repeat"] += int(f_departs and not f_sure)
+        else:
+            floor.append(0.0)
+    floor_exact = (sum(baseline[k].text == repeats[k].text for k in keys) / len(keys)) if floor_known else None
+    details = {"near_tie_nats": tau, "confident": {"candidate": int(sum(mine)), "baseline_repeat": int(sum(floor))},
+               "near_tie": near, "baseline_self_agreement": floor_exact,
+               "noise_floor": "the baseline's second pass" if floor_known else
+               "none measured: the baseline is taken as deterministic",
+               **({"example": examples[0]} if examples else {})}
+    return _paired_shares("confident_divergence", floor, mine, t, seed, details)
+
+
+def batch_divergence_comparison(candidate: Records, candidate_solo: Records, baseline: Records, baseline_solo: Records,
+                                t: Thresholds, seed: int = 0, tau: float = NEAR_TIE_NATS) -> Comparison | None:
+    """Each probe prompt's output sent alone against the same config's output inside a full batch,
+    confident departures only, beyond the baseline's own solo-vs-batched departures on the same
+    prompts. None when the config sent no prompt alone (it ran one request at a time)."""
+    keys = [k for k in candidate_solo if k in candidate and k in baseline_solo and k in baseline]
+    if not keys:
+        return None
+    mine, floor = [], []
+    examples: list[dict] = []
+    for k in keys:
+        _, sure, where = _departs(candidate_solo[k], candidate[k], tau)
+        mine.append(float(sure))
+        floor.append(float(_departs(baseline_solo[k], baseline[k], tau)[1]))
+        if sure and not examples:
+            alone = candidate_solo[k].text[:EXAMPLE_CHARS]
+            examples.append({**_example(candidate[k]), "alone": alone, **(where or {})})
+    details = {"probes": len(keys), "near_tie_nats": tau,
+               "confident": {"candidate": int(sum(mine)), "baseline": int(sum(floor))},
+               **({"example": examples[0]} if examples else {})}
+    return _paired_shares("batch_divergence", floor, mine, t, seed, details)
+
+
+def health_comparisons(candidate: Mapping[str, GenerationRecord], baseline: Mapping[str, GenerationRecord],
+                       thresholds: Callable[[str], Thresholds], seed: int = 0) -> list[Comparison]:
+    """Empty answers, degenerate answers and max_tokens hits (each the candidate's share minus the
+    baseline's, paired by prompt) and the output length ratio, over the prompts both sides answered."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys:
+        return []
+    out = []
+    checks: list[tuple[str, Callable[[GenerationRecord], bool]]] = [
+        ("empty_answers", lambda g: is_empty(g.text)), ("degenerate_answers", lambda g: is_degenerate(g.text))]
+    if all(candidate[k].finish_reason and baseline[k].finish_reason for k in keys):
+        checks.append(("max_tokens_hits", lambda g: g.finish_reason == "length"))
+    for metric, found in checks:
+        mine = [float(found(candidate[k])) for k in keys]
+        theirs = [float(found(baseline[k])) for k in keys]
+        example = next((_example(candidate[k]) for k in keys if found(candidate[k]) and not found(baseline[k])), None)
+        details = {"candidate": int(sum(mine)), "baseline": int(sum(theirs)),
+                   **({"example": example} if example else {})}
+        out.append(_paired_shares(metric, theirs, mine, thresholds(metric), seed, details))
+    out.append(output_length_ratio([candidate[k].n_tokens for k in keys], [baseline[k].n_tokens for k in keys],
+                                   thresholds("output_length_ratio"), seed))
+    return out
+
+
+def output_length_ratio(candidate_tokens: Sequence[int], baseline_tokens: Sequence[int], t: Thresholds,
+                        seed: int = 0) -> Comparison:
+    """Σ candidate output tokens ÷ Σ baseline output tokens over paired prompts; paired bootstrap CI."""
+    c = np.asarray(candidate_tokens, dtype=np.float64)
+    b = np.asarray(baseline_tokens, dtype=np.float64)
+    if not b.sum():
+        return Comparison("output_length_ratio", math.nan, math.nan, math.nan, len(b), "inconclusive",
+                          "the baseline's answers are all empty: no length to compare with")
+    est = float(c.sum() / b.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ c) / np.maximum(w @ b, 1e-12), len(b), seed=seed)
+    verdict, rule = decide(est, lo, hi, len(b), t)
+    return Comparison("output_length_ratio", est, lo, hi, len(b), verdict, rule, baseline_value=float(b.mean()),
+                      candidate_value=float(c.mean()), details={"unit": "mean output tokens per answer"})

@@ -1,0 +1,102 @@
+"""Generation health and divergence classes: the ways an output breaks while prompt log-probs stay
+exact (an empty answer, a loop, an answer cut short), and whether two greedy outputs part at a
+near-tie (the noise of a server that is not batch-invariant) or at a token the baseline model was
+sure of (a bug).
+
+Text-based, so that every engine is judged the same way: an HTTP stream gives text, not ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# a tail unit of at most this many characters repeated is a loop ("not not not", "_IN_IN_IN")
+MAX_LOOP_PERIOD = 32
+MIN_DEGENERATE_CHARS = 8  # shorter answers are judged empty or fine, never a loop
+# vLLM's greedy tolerance: a greedy token within this many nats of the reference's best is a tie
+# (vLLM tests/v1/e2e/general/accuracy_utils.py, AccuracyTolerance(greedy_atol=0.25))
+NEAR_TIE_NATS = 0.25
+
+
+def is_empty(text: str) -> bool:
+    """An answer with no visible text (nothing, or whitespace only)."""
+    return not text.strip()
+
+
+def periodic_tail(text: str, max_period: int = MAX_LOOP_PERIOD) -> tuple[int, int]:
+    """(period p, characters covered) of the longest tail of `text` that repeats a unit of p ≤
+    max_period characters at least three times (text[i] == text[i − p] over the tail); (0, 0) if none.
+    "ab not not not" → (4, 12): the unit " not" covers the last 12 characters."""
+    best = (0, 0)
+    n = len(text)
+    for p in range(1, min(max_period, n // 3) + 1):
+        i = n - 1
+        while i - p >= 0 and text[i] == text[i - p]:
+            i -= 1
+        covered = n - 1 - i + p  # the matched run plus the unit it repeats
+        if covered >= 3 * p and covered > best[1]:
+            best = (p, covered)
+    return best
+
+
+def is_degenerate(text: str) -> bool:
+    """A loop or a collapse: the answer (at least MIN_DEGENERATE_CHARS characters) ends in a
+    repeating unit of ≤ 32 characters that covers at least half of it, or it has ≥ 10
+    whitespace-separated words of which at most a fifth are distinct."""
+    if len(text) < MIN_DEGENERATE_CHARS or is_empty(text):
+        return False
+    period, covered = periodic_tail(text)
+    if period and covered >= len(text) / 2:
+        return True
+    words = text.split()
+    return len(words) >= 10 and len(set(words)) / len(words) <= 0.2
+
+
+@dataclass(frozen=True)
+class Scored:
+    """An output as the baseline model reads it, teacher-forced after its prompt: its tokens and
+    log p of each (the baseline's own tokenizer and weights, so any two outputs of one prompt are
+    read the same way)."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two outputs of the same prompt part: the first differing token `position`, and the
+    baseline model's log-prob gap there between the two tokens (|log p(a) − log p(b)|, both after
+    the same prefix); near_tie when the gap is within τ. When one output is a prefix of the other,
+    only the longer side's token is scored (the other ended: an end-of-sequence token or its
+    length), so the gap is bounded below by log p − log(1 − p) of that token: near_tie unless
+    even that bound exceeds τ."""
+
+    position: int
+    gap: float
+    near_tie: bool
+
+
+def divergence(a: Scored, b: Scored, tau: float = NEAR_TIE_NATS) -> Divergence | None:
+    """None when the two outputs are the same tokens."""
+    for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)):
+        if x != y:
+            gap = abs(a.logprobs[i] - b.logprobs[i])
+            return Divergence(i, gap, gap <= tau)
+    if len(a.ids) == len(b.ids):
+        return None
+    i = min(len(a.ids), len(b.ids))
+    longer = a if len(a.ids) > len(b.ids) else b
+    p = math.exp(longer.logprobs[i])
+    gap = longer.logprobs[i] - math.log(max(1.0 - p, 1e-12))  # at least this far above the ending's
+    return Divergence(i, gap, gap <= tau)
+
+
+def confident(pairs: Sequence[tuple[Scored, Scored]], tau: float = NEAR_TIE_NATS) -> list[bool]:
+    """Per pair: whether its outputs part at a confident token (a divergence with gap > τ)."""
+    out = []
+    for a, b in pairs:
+        d = divergence(a, b, tau)
+        out.append(d is not None and not d.near_tie)
+    return out

@@ -1,0 +1,174 @@
+"""Generation health and the noise floor (evals/health.py, evals/field.py), each figure worked out
+by hand from a tiny input."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+import pytest
+
+from evals.field import batch_divergence_comparison, confident_divergence_comparison, health_comparisons
+from evals.health import Scored, divergence, is_degenerate, is_empty, periodic_tail
+from evals.records import GenerationRecord, RepeatRecord, RunRecords, SoloRecord
+from evals.stats import Thresholds
+
+
+def gen(key: str, text: str, ids=(), lps=(), finish="length", n=None, kind=GenerationRecord) -> GenerationRecord:
+    scored = Scored(tuple(ids), tuple(lps)) if ids or lps else Scored((), ())
+    return kind(key, 10.0, "p", text, len(text.split()) if n is None else n, 3, finish_reason=finish, scored=scored)
+
+
+def seed_thresholds(metric: str) -> Thresholds:
+    return Thresholds.seed(metric)
+
+
+def test_empty_and_degenerate_answers():
+    assert is_empty("") and is_empty(" \n ") and not is_empty(" x")
+    # " not" repeated: the unit covers the last 12 of 14 characters
+    assert periodic_tail("ab not not not") == (4, 12)
+    assert periodic_tail("abcdefgh") == (0, 0)
+    assert is_degenerate(" and 'b' is not not not not not not not not")
+    assert is_degenerate("_INE_INE_INE_INE_IN_IN_IN_IN_IN_IN_")
+    assert is_degenerate("the the a the a a the the a the")  # 10 words, 2 distinct: a collapse
+    assert not is_degenerate("The default value is a string, and the file is not used.")
+    assert not is_degenerate("ok ok ok")  # too short to call a loop
+    assert not is_degenerate("")
+
+
+def test_divergence_is_a_near_tie_or_confident_by_the_baseline_models_gap():
+    a = Scored((1, 2, 3), (-0.1, -0.5, -0.2))
+    assert divergence(a, a) is None
+    tie = divergence(a, Scored((1, 2, 4), (-0.1, -0.5, -0.3)))
+    assert (tie.position, round(tie.gap, 6), tie.near_tie) == (2, 0.1, True)
+    sure = divergence(a, Scored((1, 5), (-0.1, -2.0)))
+    assert (sure.position, round(sure.gap, 6), sure.near_tie) == (1, 1.5, False)
+    # one output a prefix of the other: only the longer side's token is scored; p = e^-0.5 = 0.6065,
+    # so the ending had at most 0.3935: gap ≥ −0.5 − ln 0.3935 = 0.43275 > τ, confident
+    prefix = divergence(Scored((1, 2), (-0.1, -0.5)), Scored((1,), (-0.1,)))
+    assert (prefix.position, prefix.gap, prefix.near_tie) == (1, pytest.approx(0.43275, abs=1e-5), False)
+    # log p −1: p = 0.3679, the ending could have had 0.6321: bound −1 − ln 0.6321 < 0, a near-tie
+    assert divergence(Scored((1, 2), (-0.1, -1.0)), Scored((1,), (-0.1,))).near_tie
+    # an empty answer against a token the model was sure of (p = 0.990: the ending had ≤ 0.010) is confident;
+    # against an unlikely one (p = 0.05) it may have been the ending's near-tie
+    assert divergence(Scored((), ()), Scored((7,), (-0.01,))).near_tie is False
+    assert divergence(Scored((), ()), Scored((7,), (-3.0,))).near_tie is True
+
+
+def _pass(texts_ids_lps, kind=GenerationRecord) -> dict[str, GenerationRecord]:
+    return {f"k{i}": gen(f"k{i}", t, ids, lps, kind=kind) for i, (t, ids, lps) in enumerate(texts_ids_lps)}
+
+
+def test_confident_divergence_is_judged_beyond_the_baseline_against_itself():
+    base = [(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(10)]
+    cand = list(base)
+    for i in range(3):  # three confident departures (gap 2.9)
+        cand[i] = (f"c{i}", (i, 99), (-0.1, -3.0))
+    cand[3] = ("c3", (3, 98), (-0.1, -0.2))  # one near-tie (gap 0.1)
+    rep = list(base)
+    rep[4] = ("r4", (4, 97), (-0.1, -2.0))  # the baseline departs from itself once, confidently
+    rep[5] = ("r5", (5, 96), (-0.1, -0.15))  # and once at a near-tie
+    c = confident_divergence_comparison(_pass(cand), _pass(base), _pass(rep, RepeatRecord),
+                                        seed_thresholds("confident_divergence"))
+    # candidate 3/10 confident, floor 1/10: 0.3 − 0.1
+    assert c.estimate == pytest.approx(0.2) and c.n == 10
+    assert (c.candidate_value, c.baseline_value) == (pytest.approx(0.3), pytest.approx(0.1))
+    assert c.details["confident"] == {"candidate": 3, "baseline_repeat": 1}
+    assert c.details["near_tie"] == {"candidate": 1, "baseline_repeat": 1}
+    assert c.details["baseline_self_agreement"] == pytest.approx(0.8)
+    assert c.details["example"]["sample_key"] == "k0" and c.details["example"]["gap"] == pytest.approx(2.9)
+
+
+def test_near_tie_noise_on_both_sides_is_ok_and_a_confident_bug_is_critical():
+    base = [(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(20)]
+    noisy = [(f"n{i}", (i, 50), (-0.1, -0.2)) if i % 2 else x for i, x in enumerate(base)]  # half flip at near-ties
+    floor = [(f"r{i}", (i, 60), (-0.1, -0.3)) if i % 3 == 0 else x for i, x in enumerate(base)]
+    ok = confident_divergence_comparison(_pass(noisy), _pass(base), _pass(floor, RepeatRecord),
+                                         seed_thresholds("confident_divergence"))
+    assert ok.estimate == 0 and (ok.ci_low, ok.ci_high) == (0, 0) and ok.verdict == "ok"
+    bug = [(f"x{i}", (i, 70), (-0.1, -4.0)) if i % 2 else x for i, x in enumerate(base)]  # half flip where sure
+    bad = confident_divergence_comparison(_pass(bug), _pass(base), _pass(floor, RepeatRecord),
+                                          seed_thresholds("confident_divergence"))
+    assert bad.estimate == pytest.approx(0.5) and bad.verdict == "critical"
+
+
+def test_without_a_second_pass_the_floor_is_zero_and_said():
+    base = [(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(10)]
+    c = confident_divergence_comparison(_pass(base), _pass(base), {}, seed_thresholds("confident_divergence"))
+    assert c.estimate == 0 and c.verdict == "ok" and c.details["noise_floor"].startswith("none measured")
+
+
+def test_lossless_exact_match_is_reported_not_judged_over_a_noisy_floor():
+    from evals.compare import lossless_exact_comparison
+
+    base = {f"k{i}": gen(f"k{i}", f"b{i}") for i in range(10)}
+    cand = {**base, "k0": gen("k0", "other")}
+    exact = lossless_exact_comparison(cand, base, seed_thresholds("lossless_exact_match"), repeats={
+        k: gen(k, g.text, kind=RepeatRecord) for k, g in base.items()})
+    assert exact.verdict == "warn"  # a deterministic floor: exactness is the claim
+    noisy_repeats = {k: gen(k, g.text if k != "k5" else "x", kind=RepeatRecord) for k, g in base.items()}
+    reported = lossless_exact_comparison(cand, base, seed_thresholds("lossless_exact_match"), repeats=noisy_repeats)
+    assert reported.verdict == "ok" and reported.details["informational"] is True
+    assert reported.details["baseline_self_agreement"] == pytest.approx(0.9)
+    assert "differs on 1 of 10" in reported.rule
+
+
+def test_batch_divergence_is_solo_against_batched_beyond_the_baselines_own():
+    base = _pass([(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(8)])
+    base_solo = _pass([(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(8)], SoloRecord)
+    batched = _pass([(f"z{i}", (i, 80), (-0.1, -5.0)) for i in range(8)])  # every batched answer garbled
+    alone = _pass([(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(8)], SoloRecord)
+    c = batch_divergence_comparison(batched, alone, base, base_solo, seed_thresholds("batch_divergence"))
+    assert (c.estimate, c.n, c.verdict) == (1.0, 8, "critical")
+    assert c.details["confident"] == {"candidate": 8, "baseline": 0} and c.details["example"]["alone"] == "b0"
+    same = batch_divergence_comparison(base, base_solo, base, base_solo, seed_thresholds("batch_divergence"))
+    assert (same.estimate, same.verdict) == (0.0, "ok")
+    assert batch_divergence_comparison(base, {}, base, base_solo, seed_thresholds("batch_divergence")) is None
+
+
+def test_health_shares_are_paired_against_the_baseline():
+    texts = ["a fine answer about files"] * 10
+    base = {f"k{i}": gen(f"k{i}", t, n=5) for i, t in enumerate(texts)}
+    base["k9"] = gen("k9", "not not not not not not not not", n=8)  # the baseline loops once itself
+    cand = dict(base)
+    cand["k0"] = gen("k0", "", finish="stop", n=0)
+    cand["k1"] = gen("k1", " ", finish="stop", n=1)
+    cand["k2"] = gen("k2", "the the the the the the the the the the", n=10)
+    found = {c.metric: c for c in health_comparisons(cand, base, seed_thresholds)}
+    assert found["empty_answers"].estimate == pytest.approx(0.2)  # 2/10 − 0/10
+    assert found["empty_answers"].details["example"]["sample_key"] == "k0"
+    assert found["degenerate_answers"].estimate == pytest.approx(0.1)  # 2/10 − 1/10
+    assert found["max_tokens_hits"].estimate == pytest.approx(-0.2)  # 8/10 − 10/10
+    # Σ tokens: baseline 9·5 + 8 = 53; candidate 53 − 5 − 5 + 0 + 1 + (10 − 5) = 49
+    assert found["output_length_ratio"].estimate == pytest.approx(49 / 53)
+    assert not math.isnan(found["output_length_ratio"].ci_low)
+
+
+def test_max_tokens_hits_needs_both_sides_finish_reasons():
+    base = {f"k{i}": gen(f"k{i}", "x y", finish=None) for i in range(10)}
+    assert "max_tokens_hits" not in {c.metric for c in health_comparisons(base, base, seed_thresholds)}
+
+
+def test_gen_nll_ratio_says_what_it_left_out():
+    from dataclasses import replace
+
+    from evals.compare import gen_nll_ratio_comparison
+
+    base = {f"k{i}": replace(gen(f"k{i}", "words here"), baseline_nll=2.0, baseline_nll_tokens=2) for i in range(10)}
+    cand = {**base, "k0": gen("k0", "", finish="stop", n=0)}  # empty: no tokens to score
+    c = gen_nll_ratio_comparison(cand, base, Thresholds.seed("gen_nll_ratio"))
+    assert c.n == 9 and c.estimate == pytest.approx(1.0)
+    assert c.details["empty_answers_left_out"] == {"candidate": 1, "baseline": 0}
+    assert "1 empty candidate" in c.rule and "empty_answers" in c.rule
+
+
+def test_records_round_trip_through_their_rows():
+    g = gen("k0", "hi", (5, 6), (-0.123456789, -1.0), finish="stop")
+    for kind in (GenerationRecord, RepeatRecord, SoloRecord):
+        record = kind(**{f.name: getattr(g, f.name) for f in fields(g)})
+        row = record.to_row()
+        table = RunRecords.from_rows([(1, row["metric"], row["sample_key"], row["value"], row["extra"])])
+        back = {GenerationRecord: table[1].generations, RepeatRecord: table[1].repeats,
+                SoloRecord: table[1].solos}[kind]["k0"]
+        assert type(back) is kind and back.finish_reason == "stop"
+        assert back.scored == Scored((5, 6), (-0.12346, -1.0))
