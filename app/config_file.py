@@ -106,6 +106,20 @@ class GenerationSettings(_Strict):
     paired_timing: bool = Field(True, description=(
         "a candidate's run also times the baseline on the same prompts, "
         "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)"))
+    concurrency: int = Field(8, ge=1, le=256, description=(
+        "generation requests in flight at once against a serving engine (openai, vllm), as production traffic "
+        "has them; engine_options.concurrency overrides it per config. The in-process reference engine decodes "
+        "engine_options.concurrency rows together (default 1)"))
+    noise_floor: bool = Field(True, description=(
+        "a candidate's run also sends the baseline a second pass over the prompts, interleaved with the "
+        "candidate's batches: the baseline against itself, the floor that confident_divergence is judged beyond"))
+    near_tie_nats: float = Field(0.25, ge=0, le=10, description=(
+        "two greedy outputs that part where the baseline model's log-probs of the two tokens are within this many "
+        "nats part at a near-tie: noise on a server that is not batch-invariant, reported, not judged "
+        "(vLLM's greedy_atol)"))
+    solo_probes: int = Field(8, ge=0, le=256, description=(
+        "prompts each config also sends alone, one at a time, to compare with its answers inside a full batch "
+        "(batch_divergence); only where generation runs more than one request at a time"))
 
 
 class JudgeSettings(_Strict):

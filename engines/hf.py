@@ -161,6 +161,7 @@ class TransformersEngine:
             ttft_ms=ttft,
             itl_ms=itl,
             total_ms=(stamps[-1] - t0) * 1000,
+            finish_reason="stop" if out_ids[-1] == eos else "length",
         )
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -336,6 +336,7 @@ class OpenAIEngine:
         stamps: list[float] = []
         usage: dict = {}
         spec: SpecStats | None = None
+        finish: str | None = None
         t0 = time.perf_counter()
         async with client.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as response:
             if response.status_code >= 400:
@@ -354,6 +355,8 @@ class OpenAIEngine:
                                         f"{chunk['error']}")
                 usage = chunk.get("usage") or usage
                 spec = spec_from_response(chunk) or spec
+                finish = next((ch["finish_reason"] for ch in chunk.get("choices") or [] if ch.get("finish_reason")),
+                              finish)
                 piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
                 if piece:
                     text.append(piece)
@@ -371,6 +374,7 @@ class OpenAIEngine:
             itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),
             total_ms=(stamps[-1] - t0) * 1000,
             spec=spec,
+            finish_reason=finish,
         )
 
     def describe(self) -> EngineDescription:

@@ -178,6 +178,9 @@ class GenerationResult:
     completion_tokens: int | None = None  # when token_ids are not known (an HTTP server's stream)
     # per generated token, when the request asked: (log p(token), ((alternative id, log p), …))
     token_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    # why the output ended, in OpenAI's words: "stop" (an end-of-sequence token or a stop string),
+    # "length" (max_tokens reached); None where the engine does not say
+    finish_reason: str | None = None
 
     @property
     def n_tokens(self) -> int:

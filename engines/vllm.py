@@ -132,7 +132,7 @@ class VLLMEngine:
                     if metrics is not None and hasattr(metrics, "first_token_latency") else 0.0)
             results.append(GenerationResult(request.request_id, completion.text, tuple(completion.token_ids),
                                             len(output.prompt_token_ids),
-                                            ttft, (), ttft))
+                                            ttft, (), ttft, finish_reason=completion.finish_reason))
         return results
 
     def server_stats(self) -> ServerStats | None:

@@ -15,7 +15,9 @@ run's typed records.
     term_nll_ratio        paired_ratio       term_nll_ratio_comparison
     ttft_ratio            paired_ratio       paired_timing_ratio
     tpot_ratio            paired_ratio       paired_timing_ratio
-    lossless_exact_match  rate (exact)       lossless_exact_comparison
+    lossless_exact_match  rate (exact)       lossless_exact_comparison (reported only over a noisy floor)
+    confident_divergence, batch_divergence, empty_answers, degenerate_answers, max_tokens_hits,
+    output_length_ratio: evals/field.py
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     top1_agreement_comparison
 """
@@ -204,9 +206,16 @@ def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: d
     lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ nll_c) / (w @ tok_c) - (w @ nll_b) / (w @ tok_b)), len(keys),
                                  seed=seed)
     verdict, rule = decide(estimate, lo, hi, len(keys), t)
+    # an empty answer has no token to score: it is left out of the ratio, and said so (empty_answers judges it)
+    empty = {"candidate": sum(not g.text.strip() for g in candidate.values()),
+             "baseline": sum(not g.text.strip() for k, g in baseline.items() if k in candidate)}
+    if empty["candidate"] or empty["baseline"]:
+        rule += (f"; {empty['candidate']} empty candidate and {empty['baseline']} empty baseline answers have no "
+                 f"tokens to score, left out (judged by empty_answers)")
     return Comparison("gen_nll_ratio", estimate, lo, hi, len(keys), verdict, rule, baseline_value=math.exp(rate_b),
                       candidate_value=math.exp(rate_c),
-                      details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c})
+                      details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c,
+                               "empty_answers_left_out": empty})
 
 
 def term_nll_ratio_comparison(candidate: dict[str, DocRecord], baseline: dict[str, DocRecord], t: Thresholds,
@@ -266,7 +275,7 @@ def exact_match_comparison(candidate: dict[str, GenerationRecord], baseline: dic
 
 
 def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
-                              t: Thresholds) -> Comparison | None:
+                              t: Thresholds, repeats: dict[str, GenerationRecord] | None = None) -> Comparison | None:
     """A lossless config's greedy outputs against the baseline's: exactness is the claim, so any
     divergence is a defect, not noise (at least warn when the share is below `warn`, 1.0 by
     default), and critical when the Wilson interval's top is at or below `critical`. Every
@@ -282,7 +291,17 @@ def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: 
     divergence = {k: first_divergence(x, y) for k, x, y in zip(keys, b, c, strict=True)}
     mismatches = {k: d for k, d in divergence.items() if d is not None}
     details = {"matches": em.matches, "first_divergence": mismatches}
+    floor = [k for k in keys if k in (repeats or {})]
+    unstable = [k for k in floor if (repeats or {})[k].sequence != baseline[k].sequence]
     verdict: Verdict
+    if unstable:
+        # the baseline disagrees with itself: exactness cannot be asked of the candidate, the
+        # confident departures beyond that floor are judged instead (evals/field.py)
+        details.update(informational=True, baseline_self_agreement=(len(floor) - len(unstable)) / len(floor))
+        rule = (f"reported: the baseline's own second pass differs on {len(unstable)} of {len(floor)} prompts (a "
+                f"server that is not deterministic); judged by confident_divergence")
+        return Comparison("lossless_exact_match", rate, lo, hi, em.n, "ok" if em.n >= t.min_n else "inconclusive",
+                          rule, baseline_value=1.0, candidate_value=em.rate, details=details)
     if em.n < t.min_n:
         verdict, rule = "inconclusive", f"n={em.n} < min_n={t.min_n}: {TOO_FEW}"
     elif t.critical is not None and hi <= t.critical:

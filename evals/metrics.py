@@ -163,6 +163,40 @@ register_metric(Metric(
     "Wilson interval's top is at or below critical",
     warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged", requires="lossless"))
 register_metric(Metric(
+    "confident_divergence", "confident div.", "fraction", "above", "paired_difference", "generation",
+    "for a lossless config: the share of prompts whose greedy output departs from the baseline's at a token the "
+    "baseline model was sure of (its log-prob gap between the two tokens, teacher-forced after the shared prefix, "
+    "above the suite's near_tie_nats τ, default vLLM's greedy_atol 0.25), minus the same share for the baseline's own "
+    "second pass (the noise floor); near-tie departures are reported, not judged; paired bootstrap over prompts",
+    warn=0.01, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryConfidentDivergence", requires="lossless"))
+register_metric(Metric(
+    "batch_divergence", "batch div.", "fraction", "above", "paired_difference", "generation",
+    "the share of probe prompts whose output sent alone departs at a confident token from the same config's output "
+    "inside a full batch, minus the baseline's own share (its solo-vs-batched floor): a batching bug; paired "
+    "bootstrap over the probe prompts",
+    warn=0.01, critical=0.25, min_n=8, fmt="+.3f", valid=(-1, 1), alert="CanaryBatchDivergence"))
+register_metric(Metric(
+    "empty_answers", "empty", "fraction", "above", "paired_difference", "generation",
+    "share of the candidate's answers with no visible text minus the baseline's on the same prompts; paired "
+    "bootstrap over prompts",
+    warn=0.02, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryEmptyAnswers"))
+register_metric(Metric(
+    "degenerate_answers", "degenerate", "fraction", "above", "paired_difference", "generation",
+    "share of the candidate's answers that loop (a tail unit of ≤ 32 characters repeated over at least half the "
+    "answer) or collapse (≥ 10 words, at most a fifth distinct), minus the baseline's on the same prompts "
+    "(evals/health.py); paired bootstrap over prompts",
+    warn=0.03, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryDegenerateAnswers"))
+register_metric(Metric(
+    "max_tokens_hits", "hit max_tokens", "fraction", "above", "paired_difference", "generation",
+    "share of the candidate's answers that ended at max_tokens (finish_reason length) minus the baseline's on the "
+    "same prompts; paired bootstrap over prompts",
+    warn=0.05, critical=0.15, fmt="+.3f", valid=(-1, 1), alert="CanaryMaxTokensHits"))
+register_metric(Metric(
+    "output_length_ratio", "length ratio", "ratio", "below", "paired_ratio", "generation",
+    "Σ output tokens of the candidate ÷ Σ output tokens of the baseline over the same prompts: answers cut short; "
+    "paired bootstrap over prompts",
+    warn=0.90, critical=0.75, valid=(0, None), alert="CanaryOutputLengthLow"))
+register_metric(Metric(
     "exact_match", "exact match", "fraction", "below", "rate", "agreement",
     "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",
     gated=False, fmt=".2f", valid=(0, 1)))

@@ -9,7 +9,10 @@ and `read_row` picks the record by the row's kind. Nothing else reads a row's `e
     kind            record              value            what extra holds
     nll             DocRecord           Σ −log p (nats)  token/word/byte counts, top-1 hits, cluster, greedy ids,
                                                          domain-term NLL and token count
-    generation      GenerationRecord    TTFT (ms)        prompt, text, token counts and ids, ITL, tok/s, spec counters
+    generation      GenerationRecord    TTFT (ms)        prompt, text, token counts and ids, ITL, tok/s, spec counters,
+                                                         finish reason, the output as the baseline model scored it
+    baseline_repeat RepeatRecord        TTFT (ms)        as generation: the baseline's second pass (the noise floor)
+    solo            SoloRecord          TTFT (ms)        as generation: a prompt sent alone (batch invariance)
     judge_pairwise  PairwiseRecord      1 / ½ / 0        winner, per-order verdicts, consistency, rationale
     judge_score     RubricRecord        score 1–5        stated and probability-weighted scores, rationale
     faithfulness    FaithfulnessRecord  fraction 0–1     outcome, method, statements and whether each is supported
@@ -22,10 +25,11 @@ The API's figures response is built from its fields (app/schemas.py FiguresOut).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from engines.protocol import GenerationResult, RollingResult, SpecStats
+from evals.health import Scored
 
 
 def _spec_from(extra: Mapping[str, Any] | None) -> SpecStats | None:
@@ -110,6 +114,10 @@ class GenerationRecord:
     # the baseline engine timed on the same prompt right before or after this one (ttft_ratio, tpot_ratio)
     paired_baseline_ttft_ms: float | None = None
     paired_baseline_tpot_ms: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" (OpenAI's), None where the engine did not say
+    # the output as the baseline model read it (its tokens and their log-probs), for the near-tie rule
+    # (evals/health.py); None where the baseline engine could not score it
+    scored: Scored | None = None
 
     @property
     def tpot_ms(self) -> float | None:
@@ -117,10 +125,10 @@ class GenerationRecord:
         return sum(self.itl_ms) / len(self.itl_ms) if self.itl_ms else None
 
     @classmethod
-    def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool) -> GenerationRecord:
+    def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool):
         return cls(g.request_id, g.ttft_ms, prompt, g.text, g.n_tokens, g.prompt_tokens,
                    tuple(round(x, 3) for x in g.itl_ms), g.tokens_per_second,
-                   tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec)
+                   tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec, finish_reason=g.finish_reason)
 
     @property
     def sequence(self) -> Sequence[int] | str:
@@ -140,21 +148,44 @@ class GenerationRecord:
         if self.paired_baseline_ttft_ms is not None:
             extra["paired_baseline"] = {"ttft_ms": self.paired_baseline_ttft_ms,
                                         "tpot_ms": self.paired_baseline_tpot_ms}
+        if self.finish_reason is not None:
+            extra["finish_reason"] = self.finish_reason
+        if self.scored is not None:
+            extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs]}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
 
     @classmethod
-    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> GenerationRecord:
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None):
         e = extra or {}
         spec = e.get("spec")
         return cls(sample_key, value, e.get("prompt", ""), e.get("text", ""), int(e.get("n_tokens") or 0),
                    int(e.get("prompt_tokens") or 0), tuple(e.get("itl_ms") or ()), e.get("tokens_per_second"),
                    tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"),
                    e.get("baseline_nll"), e.get("baseline_nll_tokens"),
-                   (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"))
+                   (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"),
+                   e.get("finish_reason"),
+                   Scored(tuple(e["scored"]["ids"]), tuple(e["scored"]["logprobs"])) if e.get("scored") else None)
+
+
+@dataclass(frozen=True)
+class RepeatRecord(GenerationRecord):
+    """The baseline's second, independent pass over a prompt, made in a candidate's config-run
+    (interleaved with the candidate's batches, at the same concurrency): the noise floor. Its
+    outputs against the baseline's own first pass say how far the server disagrees with itself."""
+
+    KIND: ClassVar[str] = "baseline_repeat"
+
+
+@dataclass(frozen=True)
+class SoloRecord(GenerationRecord):
+    """A config's output for a prompt sent alone (nothing else in flight from the canary), to
+    compare with its output for the same prompt inside a full batch (batch invariance)."""
+
+    KIND: ClassVar[str] = "solo"
 
 
 # what a config-run's engine writes; scorers (a judge, faithfulness) add the other kinds later
-ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND)
+ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND, RepeatRecord.KIND, SoloRecord.KIND)
 
 
 @dataclass(frozen=True)
@@ -241,8 +272,8 @@ class FaithfulnessRecord:
 
 
 Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord
-RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, PairwiseRecord, RubricRecord,
-                                                      FaithfulnessRecord)}
+RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, RepeatRecord, SoloRecord,
+                                                      PairwiseRecord, RubricRecord, FaithfulnessRecord)}
 
 
 def read_row(kind: str, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> Record:
@@ -264,6 +295,8 @@ class ConfigRecords:
     pairwise: dict[str, PairwiseRecord]
     rubric: dict[str, RubricRecord]
     faithfulness: dict[str, FaithfulnessRecord]
+    repeats: dict[str, RepeatRecord] = field(default_factory=dict)  # the baseline's second pass (a candidate's run)
+    solos: dict[str, SoloRecord] = field(default_factory=dict)  # prompts sent alone
 
     @classmethod
     def empty(cls) -> ConfigRecords:
@@ -271,8 +304,9 @@ class ConfigRecords:
 
     def add(self, record: Record) -> None:
         tables: dict[type, dict[str, Any]] = {
-            DocRecord: self.docs, GenerationRecord: self.generations, PairwiseRecord: self.pairwise,
-            RubricRecord: self.rubric, FaithfulnessRecord: self.faithfulness}
+            DocRecord: self.docs, GenerationRecord: self.generations, RepeatRecord: self.repeats,
+            SoloRecord: self.solos, PairwiseRecord: self.pairwise, RubricRecord: self.rubric,
+            FaithfulnessRecord: self.faithfulness}
         tables[type(record)][record.sample_key] = record
 
 

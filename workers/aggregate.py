@@ -5,6 +5,7 @@ alert rules. Idempotent: comparisons are upserted on (run, config, metric)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 from sqlalchemy import update
@@ -18,7 +19,8 @@ from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
 from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
-from evals import compare, sanity
+from evals import compare, field, sanity
+from evals.health import NEAR_TIE_NATS
 from evals.metrics import RUN_VERDICT, VERDICT_ORDER, informational, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
@@ -41,9 +43,11 @@ class RunThresholds:
 
 
 def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: RunThresholds,
-                       failed_scorers: dict[str, str], scorers: list[str], greedy: bool = False) -> list[Comparison]:
+                       failed_scorers: dict[str, str], scorers: list[str], greedy: bool = False,
+                       tau: float = NEAR_TIE_NATS) -> list[Comparison]:
     """Every comparison of one config (the baseline included, for the metrics judged on their own).
-    greedy: the suite generates greedily, so a lossless config's outputs must equal the baseline's."""
+    greedy: the suite generates greedily, so a lossless config's outputs must equal the baseline's
+    (beyond the baseline's own noise floor); tau: the suite's near-tie gap in nats."""
     config_id, base_id, seed = cr.config_id, run.baseline_config_id, run.seed
     mine, base = table[config_id], table[base_id]
     is_base = config_id == base_id
@@ -89,10 +93,18 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         else:
             out.append(compare.gen_nll_ratio_comparison(mine.generations, base.generations,
                                                         thresholds(config_id, "gen_nll_ratio"), seed=seed))
+        out += field.health_comparisons(mine.generations, base.generations,
+                                        lambda metric: thresholds(config_id, metric), seed=seed)
+        batched = field.batch_divergence_comparison(mine.generations, mine.solos, base.generations, base.solos,
+                                                    thresholds(config_id, "batch_divergence"), seed=seed, tau=tau)
+        out += [batched] if batched else []
     if not is_base and greedy and _lossless(run, cr):
         exact = compare.lossless_exact_comparison(mine.generations, base.generations,
-                                                  thresholds(config_id, "lossless_exact_match"))
-        out += [exact] if exact else []
+                                                  thresholds(config_id, "lossless_exact_match"), mine.repeats)
+        confident = field.confident_divergence_comparison(mine.generations, base.generations, mine.repeats,
+                                                          thresholds(config_id, "confident_divergence"), seed=seed,
+                                                          tau=tau)
+        out += [c for c in (exact, confident) if c]
     out += scorer_comparisons(run, config_id, mine, base, thresholds, failed_scorers, scorers)
     return [sanity.checked(c) for c in out]  # an estimate outside its metric's valid range is no result
 
@@ -194,7 +206,9 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         table = RunRecords.from_rows(repo.sample_rows(session, run_id))  # the run's records, read once
         suite = session.get(Suite, run.suite_id)
         scorers = list((suite.spec if suite else {}).get("scorers", []))
-        temperature = float(((suite.spec if suite else {}).get("generation") or {}).get("temperature", 0.0))
+        generation = (suite.spec if suite else {}).get("generation") or {}
+        temperature = float(generation.get("temperature", 0.0))
+        tau = float(generation.get("near_tie_nats", NEAR_TIE_NATS))
         failed_scorers = score_run(session, run, table)  # judge / faithfulness on this (CPU) worker, added to the table
         thresholds = RunThresholds(repo.alert_rules(session, run.project_id, run.model_id))
         rows: list[dict] = []
@@ -202,7 +216,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
             if cr.status != "succeeded":
                 continue
             for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers,
-                                        greedy=temperature < SAMPLING_EPS):
+                                        greedy=temperature < SAMPLING_EPS, tau=tau):
                 rows.append({
                     "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),
                     "ci_high": _f(c.ci_high), "n": c.n, "verdict": c.verdict, "rule": c.rule,
@@ -261,6 +275,15 @@ def _f(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
+def _example(row: dict) -> str:
+    """One answer that shows a generation finding (evals/field.py), quoted: what an empty answer,
+    a loop or a confident departure looks like on this run."""
+    example = (row.get("details") or {}).get("example")
+    if not example or row["verdict"] not in ("warn", "critical"):
+        return ""
+    return f", e.g. {example['sample_key']}: {json.dumps(example['text'][:60], ensure_ascii=False)}"
+
+
 def _reason(rows: list[dict], config_runs) -> str:
     """The run verdict's reason, worst first: each breaching comparison with its rule, then the
     comparisons that had too few samples to decide, in one clause (`int8 ttft_ratio, gen_nll_ratio`)."""
@@ -272,7 +295,7 @@ def _reason(rows: list[dict], config_runs) -> str:
         if r["verdict"] == "inconclusive" and TOO_FEW in (r["rule"] or ""):
             few.setdefault(names[r["config_id"]], []).append(r["metric"])
         else:
-            parts.append(f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']})")
+            parts.append(f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']}){_example(r)}")
     if few:
         parts.append(f"{TOO_FEW} (n < min_n): " + "; ".join(f"{c} {', '.join(ms)}" for c, ms in few.items()))
     return "; ".join(parts) if parts else "every comparison is ok"

@@ -30,12 +30,15 @@ from engines.fingerprint import model_digest, source_digest
 from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
+from evals.health import Scored
 from evals.records import (
     ENGINE_KINDS,
     DocRecord,
     GenerationRecord,
+    RepeatRecord,
     RunFigures,
     ServerFigures,
+    SoloRecord,
     SpecFigures,
     spec_to_json,
 )
@@ -47,6 +50,7 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 DOC_BATCH = 8  # documents per engine call; progress and a commit after each (the lease: LeaseKeeper)
 _ENGINES: OrderedDict[str, Any] = OrderedDict()
 MAX_CACHED_ENGINES = 2  # a GPU holds one or two models at once
+SERVING_ENGINES = ("openai", "vllm")  # engines that take many requests at once, as a server does
 
 
 def calibration_id(calibration: list[str] | None) -> str:
@@ -205,23 +209,24 @@ class ExecuteConfigRun(BaseTask):
                                       gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
                     for key, text, _ in samples[:n_prompts]]
         prompts = {request.request_id: request.prompt for request in requests}
-        step = max(1, int(spec.engine_options.get("concurrency", 1)))  # a batch of `concurrency` at a time
         judge = _baseline_scorer(engine, job) if requests else None  # the baseline model scores every config's outputs
+        step = _concurrency(engine, spec, gen, judge)  # requests in flight at once (a batch)
         # a candidate's prompts also run on the baseline engine, batch by batch, in alternating order
-        # (ABBA): the paired timings that ttft_ratio and tpot_ratio compare
-        paired = judge is not None and judge.engine is not engine and gen.get("paired_timing", True)
+        # (ABBA): the paired timings that ttft_ratio and tpot_ratio compare, and the baseline's second
+        # pass over the prompts (RepeatRecord), the noise floor that confident_divergence is judged beyond
+        timing, floor = gen.get("paired_timing", True), gen.get("noise_floor", True)
+        repeat = judge is not None and judge.engine is not engine and (timing or floor)
         for batch_number, i in enumerate(range(0, len(requests), step)):
             rows = []
             check_lease()
             batch = requests[i : i + step]
-            baseline_timing: dict[str, tuple[float, float | None]] = {}
-            if paired and batch_number % 2 == 0:
-                baseline_timing = _timings(judge.engine.generate(batch))
+            baseline_pass = judge.engine.generate(batch) if repeat and batch_number % 2 == 0 else []
             generations = engine.generate(batch)
-            if paired and batch_number % 2 == 1:
-                baseline_timing = _timings(judge.engine.generate(batch))
-            scored = judge.score(generations, prompts, window) if judge is not None else {}
-            for generation in generations:
+            if repeat and batch_number % 2 == 1:
+                baseline_pass = judge.engine.generate(batch)
+            baseline_timing = _timings(baseline_pass) if timing else {}
+            for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, window) if judge
+                                                  else [(None, None, None)] * len(generations), strict=True):
                 ttft.append(generation.ttft_ms)
                 itl.extend(generation.itl_ms)
                 tps.append(generation.tokens_per_second)
@@ -229,10 +234,11 @@ class ExecuteConfigRun(BaseTask):
                 if generation.spec is not None:
                     spec_decode += generation.spec
                 record = GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids)
-                nll, n = scored.get(generation.request_id, (None, None))
                 base_ttft, base_tpot = baseline_timing.get(generation.request_id, (None, None))
                 rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n, paired_baseline_ttft_ms=base_ttft,
-                                    paired_baseline_tpot_ms=base_tpot).to_row())
+                                    paired_baseline_tpot_ms=base_tpot, scored=read).to_row())
+            if floor and baseline_pass and judge is not None:
+                rows += _records(RepeatRecord, baseline_pass, judge, prompts, window, keep_ids)
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)
             if server is not None:
                 server_stats.append(server)
@@ -256,7 +262,14 @@ class ExecuteConfigRun(BaseTask):
                     if dedicated and not per_request:
                         rows[0]["extra"]["spec"] = spec_to_json(server.spec) | {"scope": "batch"}
                         spec_decode += server.spec
-            done += len(rows)
+            done += len(generations)
+            self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
+        # batch invariance: a few prompts again, each alone, against their answers inside a full batch
+        probes = requests[: int(gen.get("solo_probes", 8))] if step > 1 and judge is not None else []
+        if probes and judge is not None:
+            check_lease()
+            alone = [engine.generate([request])[0] for request in probes]
+            rows = _records(SoloRecord, alone, judge, prompts, window, keep_ids)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         description = engine.describe()
         figures = RunFigures(
@@ -274,7 +287,7 @@ class ExecuteConfigRun(BaseTask):
             tbt_ms_p50=percentile(itl, 50), tbt_ms_p99=percentile(itl, 99),
             tokens_per_second=statistics.fmean(tps) if tps else None,
             generated_tokens=gen_tokens,
-            concurrency=int(spec.engine_options.get("concurrency", 1)),
+            concurrency=step,
             # peak over the run: the engine's own, or the highest a server reported while it ran
             kv_cache_usage=_peak([description.kv_cache_usage, *(batch.max_kv_cache_usage for batch in server_stats)]),
             server=_server_figures(server_stats, server_spec, dedicated, foreign) if server_stats else None,
@@ -525,27 +538,60 @@ class _BaselineScorer:
         self.engine = engine
         self.error: str | None = None
 
-    def score(self, generations, prompts: dict[str, str], window: WindowSpec) -> dict[str, tuple[float, int]]:
+    def score(self, generations, prompts: dict[str, str], window: WindowSpec) -> list[tuple]:
+        """Per generation, in order: (Σ NLL of its tokens, how many, Scored: the tokens and each one's
+        log-prob), all None where it could not be scored; an empty answer is (None, None, Scored of
+        nothing): no NLL to average, but a divergence at its first token all the same."""
+        unscored: list[tuple] = [(None, None, None)] * len(generations)
         if self.error is not None:
-            return {}
+            return unscored
         requests = []
-        for generation in generations:
+        for i, generation in enumerate(generations):
             prompt = prompts[generation.request_id]
-            requests += [RollingRequest(f"{generation.request_id}\x00full", prompt + generation.text, window),
-                         RollingRequest(f"{generation.request_id}\x00prompt", prompt, window)]
+            requests += [RollingRequest(f"{i}\x00full", prompt + generation.text, window),
+                         RollingRequest(f"{i}\x00prompt", prompt, window)]
         try:
             results = {result.doc_id: result for result in self.engine.loglikelihood_rolling(requests)}
         except Exception as e:  # noqa: BLE001 - the generations stand; only this figure is missing
             self.error = f"{type(e).__name__}: {e}"
             log.warning("the baseline engine cannot score generated text, no gen_nll_ratio: %s", self.error)
-            return {}
-        out = {}
-        for generation in generations:
-            full, prompt = results[f"{generation.request_id}\x00full"], results[f"{generation.request_id}\x00prompt"]
-            n = len(full.token_ids) - len(prompt.token_ids)
-            if n > 0:
-                out[generation.request_id] = (full.nll - prompt.nll, n)
+            return unscored
+        out = []
+        for i in range(len(generations)):
+            full, prompt = results[f"{i}\x00full"], results[f"{i}\x00prompt"]
+            start = len(prompt.token_ids)
+            read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]))
+            n = len(read.ids)
+            out.append((full.nll - prompt.nll, n, read) if n > 0 else (None, None, read))
         return out
+
+
+def _records(kind, generations, judge: _BaselineScorer, prompts: dict[str, str], window: WindowSpec,
+             keep_ids: bool) -> list[dict]:
+    """Rows of a pass beside the main one (the baseline's second pass, the prompts sent alone),
+    each output read by the baseline model as the main pass's are."""
+    return [replace(kind.from_result(generation, prompts[generation.request_id], keep_ids), baseline_nll=nll,
+                    baseline_nll_tokens=n, scored=read).to_row()
+            for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, window), strict=True)]
+
+
+def _concurrency(engine, spec: OptimizationSpec, generation: dict, judge: _BaselineScorer | None) -> int:
+    """Generation requests in flight at once: engine_options.concurrency where the config sets it;
+    else, for an engine that serves requests in parallel (a server: openai, vllm), the suite's
+    generation.concurrency, as production traffic has them, given to the baseline's serving engine
+    too so that its paired pass runs at the same concurrency; else 1 (the in-process reference
+    engine decodes its engine_options.concurrency rows together, 1 by default)."""
+    if "concurrency" in spec.engine_options:
+        return max(1, int(spec.engine_options["concurrency"]))
+    if spec.engine not in SERVING_ENGINES:
+        return 1
+    step = max(1, int(generation.get("concurrency", 8)))
+    for serving in (engine, judge.engine if judge is not None else None):
+        spec_of = getattr(serving, "spec", None)
+        if (serving is not None and spec_of is not None and spec_of.engine in SERVING_ENGINES
+                and "concurrency" not in spec_of.engine_options and hasattr(serving, "concurrency")):
+            serving.concurrency = step
+    return step
 
 
 def _timings(generations) -> dict[str, tuple[float, float | None]]:

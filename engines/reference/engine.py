@@ -383,6 +383,7 @@ class ReferenceEngine:
                 itl_ms=tuple((y - x) * 1000 for x, y in pairwise(stamps[b])),
                 total_ms=(stamps[b][-1] - t0) * 1000,
                 token_logprobs=tuple(scored[b]),
+                finish_reason="stop" if tokens[b][-1] == eos else "length",
             )
             for b, r in enumerate(reqs)
         ]
@@ -485,6 +486,7 @@ class ReferenceEngine:
             spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
                            tuple(counters.accepted_per_position)),
             token_logprobs=tuple(scored),
+            finish_reason="stop" if out[-1] == eos else "length",
         )
 
     @staticmethod
