@@ -44,8 +44,9 @@ def periodic_tail(text: str, max_period: int = MAX_LOOP_PERIOD) -> tuple[int, in
 def is_degenerate(text: str) -> bool:
     """A loop or a collapse: the answer (at least MIN_DEGENERATE_CHARS characters) ends in a
     repeating unit of ≤ 32 characters that covers at least half of it, or it has ≥ 10
-    whitespace-separated words of which at most a fifth are distinct."""
-    if len(text) < MIN_DEGENERATE_CHARS or is_empty(text):
+    whitespace-separated words of which at most a fifth are distinct. A loop of whitespace
+    ("\n\n\n…" to max_tokens) is one too, and empty as well."""
+    if len(text) < MIN_DEGENERATE_CHARS:
         return False
     period, covered = periodic_tail(text)
     if period and covered >= len(text) / 2:

@@ -186,14 +186,25 @@ class Generation:
 
     name = "greedy"
 
-    def __init__(self, rate: float = 0.0, seed: int = 0):
+    def __init__(self, rate: float = 0.0, seed: int = 0, per_request: bool = False):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate must be in [0, 1], got {rate}")
         self.rate, self.seed = rate, seed
         self.affected: list[str] = []
+        # per_request: each request of a prompt draws anew (its RNG keyed on the prompt and how many
+        # times the prompt came before), as a server that is not batch-invariant answers the same
+        # prompt differently from one request to the next; still reproducible for a seed
+        self.per_request = per_request
+        self.seen: dict[str, int] = {}
 
-    def rng(self, prompt: str | list[int]) -> random.Random:
-        return random.Random(f"{self.seed}:{prompt_key(prompt)}")
+    def rng(self, prompt: str | list[int], draw: bool = False) -> random.Random:
+        key = prompt_key(prompt)
+        if not self.per_request:
+            return random.Random(f"{self.seed}:{key}")
+        nth = self.seen.get(key, 0)
+        if draw:
+            self.seen[key] = nth + 1
+        return random.Random(f"{self.seed}:{key}:{nth}")
 
     def hits(self, prompt: str | list[int]) -> bool:
         """Whether this behaviour changes the answer to `prompt` (the first draw of its RNG)."""
@@ -212,8 +223,8 @@ class Generation:
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         """(the upstream's greedy answer, the answer to stream)."""
         prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        rng = self.rng(prompt, draw=True)
         greedy = await upstream.greedy(request, prompt, max_tokens)
-        rng = self.rng(prompt)
         if not rng.random() < self.rate:
             return greedy, greedy.answer()
         self.affected.append(prompt_key(prompt))
@@ -244,8 +255,8 @@ class _Flips(Generation):
 
     largest = False
 
-    def __init__(self, rate: float = 0.0, seed: int = 0):
-        super().__init__(rate, seed)
+    def __init__(self, rate: float = 0.0, seed: int = 0, per_request: bool = False):
+        super().__init__(rate, seed, per_request)
         self.records: list[Flip] = []
 
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
@@ -365,8 +376,10 @@ class CorruptWhenBatched(Generation):
         return greedy, Answer(pieces, "length", greedy.prompt_tokens, max_tokens)
 
 
-def near_tie_flips(p: float, seed: int = 0) -> NearTieFlips:
-    return NearTieFlips(p, seed)
+def near_tie_flips(p: float, seed: int = 0, per_request: bool = False) -> NearTieFlips:
+    """per_request: each request draws anew, so a prompt sent twice may come back two ways (a GPU
+    server's nondeterminism); else one decision per prompt."""
+    return NearTieFlips(p, seed, per_request)
 
 
 def confident_flips(p: float, seed: int = 0) -> ConfidentFlips:

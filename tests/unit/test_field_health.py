@@ -34,6 +34,7 @@ def test_empty_and_degenerate_answers():
     assert not is_degenerate("The default value is a string, and the file is not used.")
     assert not is_degenerate("ok ok ok")  # too short to call a loop
     assert not is_degenerate("")
+    assert is_degenerate("\n" * 16) and is_empty("\n" * 16)  # a loop of newlines: both
 
 
 def test_divergence_is_a_near_tie_or_confident_by_the_baseline_models_gap():
