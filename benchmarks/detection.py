@@ -27,6 +27,13 @@ speculative decoding with n-gram lookup and with the pydoc-draft model (k=2 and 
 a flag on any gated metric is a false alarm, except on the figures speculative decoding exists to
 change (spec_acceptance_rate, tpot_ratio), which are reported apart.
 
+field: servers like those in the field. The baseline and 10 nulls (lossless) flip their greedy
+answers at the nearest near-tie in 30-60 % of requests, each request drawn anew: nondeterministic
+servers, whose flags are false alarms. Faults: confident flips (at the most confident token, on a
+lossless config), empty answers and loops in a share p of answers, and answers swapped between
+requests that share the server (batch-corrupt). At or above threshold: p ≥ 0.10 (the issue's
+figure), batch-corrupt always.
+
 http: every config is `engine: openai`. Upstream is a real `canary engine-serve` of the tiny
 target; every config reaches it through a proxy (tests/http/perturb.py; the baseline and the
 nulls through one that changes nothing), so the hop's latency is on both sides of each timing
@@ -42,7 +49,8 @@ fault flagged; at most 5 % false alarms over at least 40 null runs; every broken
 flagged.
 
     .venv/bin/python benchmarks/detection.py [--seeds 2] [--nulls 10] [--samples 12] [--prompts 12]
-        [--max-samples 96] [--halves engine http] [--roles lossless lossy] [--markdown]
+        [--max-samples 96] [--halves engine http field] [--roles lossless lossy] [--field-rates 0.1 0.25]
+        [--field-nulls 10] [--markdown]
 """
 
 from __future__ import annotations
@@ -73,7 +81,15 @@ SIZE_METRICS = {
     "garble": ("gen_nll_ratio",),
     "ttft-delay": ("ttft_ratio",),
     "delay": ("ttft_ratio",),
+    "confident-flip": ("confident_divergence",),
+    "empty": ("empty_answers",),
+    "loop": ("degenerate_answers",),
+    "batch-corrupt": ("batch_divergence",),
 }
+# field classes judged "at or above threshold" by their seeded size: the share of answers changed is at
+# least this (a batching bug corrupts every batched answer: always)
+FIELD_SIZE_AT_THRESHOLD = 0.10
+FIELD = ("confident-flip", "empty", "loop", "batch-corrupt")
 BROKEN = ("zero-logprobs", "impossible-gain")  # broken measurements: must be flagged, whatever their size
 TOKEN_CHANGING = ("weight-noise", "kv-corrupt", "token-corrupt")  # the engine faults run in both roles
 # the gated metrics a null config is not null on: speculative decoding exists to change its own speed
@@ -179,6 +195,52 @@ def http_configs(args, workdir: pathlib.Path, servers: list, procs: list) -> tup
     return configs, kinds
 
 
+def field_configs(args, servers: list, procs: list) -> tuple[list[dict], Kinds]:
+    """The field half: servers like a GPU server in the field. The baseline and every null flip
+    their greedy answers at the nearest near-tie in 30–60 % of requests, each request drawn anew
+    (tests/http/perturb.py near_tie_flips): nondeterministic, not broken. Faults on top of a plain
+    server: confident flips (lossless configs), empty answers, loops, and answers swapped between
+    requests that share the server (corruption under concurrency)."""
+    from tests.http.conftest import start_engine_serve
+    from tests.http.perturb import (
+        confident_flips,
+        corrupt_when_batched,
+        empty_answers,
+        loops,
+        near_tie_flips,
+        proxy_app,
+    )
+    from tests.loopback import free_port, serve_in_thread
+
+    proc, upstream = start_engine_serve("--model", MODEL)
+    procs.append(proc)
+
+    def proxy(generation) -> str:
+        port = free_port()
+        servers.append(serve_in_thread(proxy_app(upstream, generation=generation), port))
+        return f"http://127.0.0.1:{port}/v1"
+
+    served = {"engine": "openai", "weights": "fp32"}
+    configs = [{"name": "f-baseline", "baseline": True, **served,
+                "engine_options": {"base_url": proxy(near_tie_flips(0.5, seed=1000, per_request=True))}}]
+    kinds: Kinds = {}
+    faults: list[tuple[str, float | None, object, bool]] = []  # (class, size, behaviour, lossless)
+    faults += [("confident-flip", p, confident_flips(p, seed=11), True) for p in args.field_rates]
+    faults += [("empty", p, empty_answers(p, seed=12), False) for p in args.field_rates]
+    faults += [("loop", p, loops(p, seed=13), False) for p in args.field_rates]
+    faults += [("batch-corrupt", None, corrupt_when_batched(seed=14), False)]
+    for kind, size, behaviour, lossless in faults:
+        name = f"f-{kind}" if size is None else f"f-{kind}-{size:g}"
+        kinds[name] = ("field", kind, size, "lossless" if lossless else "lossy")
+        configs.append({"name": name, **served, "lossless": lossless, "engine_options": {"base_url": proxy(behaviour)}})
+    for i in range(args.field_nulls):
+        rate = 0.3 + 0.3 * i / max(1, args.field_nulls - 1)  # 30–60 % of answers flip at a near-tie
+        kinds[f"f-null-{i}"] = ("field", "null", None, "nondeterministic server")
+        configs.append({"name": f"f-null-{i}", **served, "lossless": True,
+                        "engine_options": {"base_url": proxy(near_tie_flips(rate, seed=2000 + i, per_request=True))}})
+    return configs, kinds
+
+
 def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, trials: dict[str, list[Trial]]) -> dict:
     """One run of one half at one seed; each config's trial appended to `trials`."""
     from app import repo
@@ -228,6 +290,8 @@ def at_or_above(kind: str, size: float | None, trial: Trial, warn: Callable[[str
     """Whether this trial's fault was at or beyond the warn threshold of a metric that measures it."""
     if kind == "logprob-shift" and size is not None:
         return math.exp(size) >= warn("ppl_ratio")[0]
+    if kind in FIELD:
+        return size is None or size >= FIELD_SIZE_AT_THRESHOLD
     names = (*SIZE_METRICS.get(kind, ()), "lossless_exact_match")
     for name in names:
         value = trial["estimates"].get(name)
@@ -349,8 +413,13 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=96,
                     help="the suite's max_samples: a run with an undecided config tops up, doubling its documents "
                          "and prompts up to this many documents (default 96; at or below --samples: no top-up)")
-    ap.add_argument("--halves", nargs="+", choices=("engine", "http"), default=["engine", "http"],
-                    help="which faults to run: injected in the engine, through HTTP proxies (default both)")
+    ap.add_argument("--halves", nargs="+", choices=("engine", "http", "field"), default=["engine", "http", "field"],
+                    help="which faults to run: injected in the engine, through HTTP proxies, on field-like servers "
+                         "(a nondeterministic baseline; default all three)")
+    ap.add_argument("--field-rates", type=float, nargs="*", default=[0.1, 0.25],
+                    help="field: shares of answers with confident flips, empty, looping (default 0.1 0.25)")
+    ap.add_argument("--field-nulls", type=int, default=10,
+                    help="field: nondeterministic null configs per run (near-tie flips in 30-60 %% of answers)")
     ap.add_argument("--roles", nargs="+", choices=("lossless", "lossy"), default=["lossless", "lossy"],
                     help="engine faults posing as lossless configs, as lossy ones (lossless: false), or both")
     ap.add_argument("--shifts", type=float, nargs="*", default=[0.05, 0.14, 0.3], help="log-prob shifts, nats")
@@ -385,6 +454,9 @@ def main() -> None:
         if "http" in args.halves:
             configs, names = http_configs(args, workdir, servers, procs)
             halves.append(("detection-http", configs, names))
+        if "field" in args.halves:
+            configs, names = field_configs(args, servers, procs)
+            halves.append(("detection-field", configs, names))
         for project, configs, names in halves:
             kinds.update(names)
             for seed in range(args.seeds):

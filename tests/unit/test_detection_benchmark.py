@@ -59,3 +59,13 @@ def test_lossless_exact_match_below_one_is_at_or_above_its_threshold():
 
     assert detection.at_or_above("weight-noise", 0.05, trial(True, estimates={"lossless_exact_match": 0.75}), warn)
     assert not detection.at_or_above("weight-noise", 0.05, trial(False, estimates={"lossless_exact_match": 1.0}), warn)
+
+
+def test_field_classes_are_at_or_above_threshold_by_their_seeded_share():
+    def warn(name):
+        raise AssertionError(f"a field class is sized by its seeded share, not by {name}'s estimate")
+
+    assert detection.at_or_above("confident-flip", 0.10, trial(True), warn)
+    assert detection.at_or_above("empty", 0.25, trial(True), warn)
+    assert not detection.at_or_above("loop", 0.05, trial(False), warn)
+    assert detection.at_or_above("batch-corrupt", None, trial(True), warn)  # every batched answer: always
