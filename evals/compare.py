@@ -172,15 +172,20 @@ def judge_score_delta_comparison(candidate: dict[str, RubricRecord], baseline: d
                       candidate_value=float(np.mean(c)), details={"parse_failures": len(candidate) - len(keys)})
 
 
-def paired_timing_ratio(metric: str, pairs: Sequence[tuple[float, float]], t: Thresholds, seed: int = 0) -> Comparison:
+def paired_timing_ratio(metric: str, pairs: Sequence[tuple[float, float]], t: Thresholds, seed: int = 0,
+                        batches: Sequence | None = None) -> Comparison:
     """(candidate, baseline) timings of the same prompts, taken back to back: the geometric mean of
-    the per-prompt ratios (a latency is skewed; a log ratio is not), CI by paired bootstrap."""
-    kept = [(c, b) for c, b in pairs if c > 0 and b > 0]
+    the per-prompt ratios (a latency is skewed; a log ratio is not), CI by paired bootstrap. batches:
+    the batch each prompt ran in; requests in flight together share their server's moment (a stall
+    slows the whole batch), so whole batches are resampled."""
+    keep = [i for i, (c, b) in enumerate(pairs) if c > 0 and b > 0]
+    kept = [pairs[i] for i in keep]
     if not kept:
         return unscored(metric, "no prompt timed on both sides")
     logs = np.log(np.array([c / b for c, b in kept], dtype=np.float64))
     estimate = float(np.exp(logs.mean()))
-    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ logs) / w.sum(1)), len(kept), seed=seed)
+    clusters = [batches[i] for i in keep] if batches is not None else None
+    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ logs) / w.sum(1)), len(kept), clusters=clusters, seed=seed)
     verdict, rule = decide(estimate, lo, hi, len(kept), t)
     cand, base = np.array([c for c, _ in kept]), np.array([b for _, b in kept])
     return Comparison(metric, estimate, lo, hi, len(kept), verdict, rule, baseline_value=float(np.median(base)),

@@ -115,6 +115,7 @@ class GenerationRecord:
     paired_baseline_ttft_ms: float | None = None
     paired_baseline_tpot_ms: float | None = None
     finish_reason: str | None = None  # "stop" | "length" (OpenAI's), None where the engine did not say
+    batch: int | None = None  # which batch of the config-run it was generated in (timings within one are correlated)
     # the output as the baseline model read it (its tokens and their log-probs), for the near-tie rule
     # (evals/health.py); None where the baseline engine could not score it
     scored: Scored | None = None
@@ -150,6 +151,8 @@ class GenerationRecord:
                                         "tpot_ms": self.paired_baseline_tpot_ms}
         if self.finish_reason is not None:
             extra["finish_reason"] = self.finish_reason
+        if self.batch is not None:
+            extra["batch"] = self.batch
         if self.scored is not None:
             extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs]}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
@@ -163,7 +166,7 @@ class GenerationRecord:
                    tuple(e.get("token_ids") or ()), _spec_from(spec), (spec or {}).get("scope", "request"),
                    e.get("baseline_nll"), e.get("baseline_nll_tokens"),
                    (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"),
-                   e.get("finish_reason"),
+                   e.get("finish_reason"), e.get("batch"),
                    Scored(tuple(e["scored"]["ids"]), tuple(e["scored"]["logprobs"])) if e.get("scored") else None)
 
 

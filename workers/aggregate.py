@@ -70,11 +70,12 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
     timed = [g for g in gens if g.paired_baseline_ttft_ms is not None and g.ttft_ms is not None]
     if timed and not is_base:
         out.append(compare.paired_timing_ratio("ttft_ratio", [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in timed],
-                                               thresholds(config_id, "ttft_ratio"), seed=seed))
-        tpot = [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in timed
-                if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
-        if tpot:
-            out.append(compare.paired_timing_ratio("tpot_ratio", tpot, thresholds(config_id, "tpot_ratio"), seed=seed))
+                                               thresholds(config_id, "ttft_ratio"), seed=seed, batches=_batches(timed)))
+        both = [g for g in timed if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
+        if both:
+            out.append(compare.paired_timing_ratio("tpot_ratio", [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in both],
+                                                   thresholds(config_id, "tpot_ratio"), seed=seed,
+                                                   batches=_batches(both)))
     spec_stats = [g.spec for g in gens if g.spec is not None]
     if spec_stats:
         acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
@@ -107,6 +108,12 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         out += [c for c in (exact, confident) if c]
     out += scorer_comparisons(run, config_id, mine, base, thresholds, failed_scorers, scorers)
     return [sanity.checked(c) for c in out]  # an estimate outside its metric's valid range is no result
+
+
+def _batches(generations: list) -> list:
+    """The batch of each generation, for a clustered CI; a generation of an older run (no batch
+    stored) is its own."""
+    return [g.batch if g.batch is not None else g.sample_key for g in generations]
 
 
 def _lossless(run: Run, cr: ConfigRun) -> bool:

@@ -236,7 +236,7 @@ class ExecuteConfigRun(BaseTask):
                 record = GenerationRecord.from_result(generation, prompts[generation.request_id], keep_ids)
                 base_ttft, base_tpot = baseline_timing.get(generation.request_id, (None, None))
                 rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n, paired_baseline_ttft_ms=base_ttft,
-                                    paired_baseline_tpot_ms=base_tpot, scored=read).to_row())
+                                    paired_baseline_tpot_ms=base_tpot, scored=read, batch=batch_number).to_row())
             if floor and baseline_pass and judge is not None:
                 rows += _records(RepeatRecord, baseline_pass, judge, prompts, window, keep_ids)
             server = engine.server_stats()  # a serving process's own figures over this batch (None in-process)

@@ -63,3 +63,21 @@ def test_paired_timing_ratio_is_the_geometric_mean_of_per_prompt_ratios():
     slow = paired_timing_ratio("ttft_ratio", [(180.0, 100.0)] * 16, t)
     assert slow.estimate == pytest.approx(1.8) and slow.ci_low == pytest.approx(1.8) and slow.verdict == "critical"
     assert paired_timing_ratio("tpot_ratio", [(0.0, 5.0)], t).verdict == "inconclusive"  # no usable pair
+
+
+def test_paired_timings_resample_whole_batches():
+    """Requests in flight together share their server's moment: with two batches of four, one
+    twice as slow on the candidate and one even, the CI spans both batches' ratios (resampling
+    prompts alone would give a narrow CI around √2)."""
+    import math
+
+    from evals.compare import paired_timing_ratio
+    from evals.stats import Thresholds
+
+    pairs = [(200.0, 100.0)] * 4 + [(100.0, 100.0)] * 4
+    c = paired_timing_ratio("ttft_ratio", pairs, Thresholds(1.25, 1.5, "above", 8), batches=[0] * 4 + [1] * 4)
+    assert c.estimate == pytest.approx(math.sqrt(2))
+    assert (c.ci_low, c.ci_high) == (1.0, 2.0)  # a resample holds batch 0 twice, both, or batch 1 twice
+    assert c.verdict == "inconclusive"
+    narrow = paired_timing_ratio("ttft_ratio", pairs, Thresholds(1.25, 1.5, "above", 8))
+    assert narrow.ci_low > 1.05 and narrow.ci_high < 1.9  # narrower: prompts taken as independent

@@ -4,10 +4,13 @@ tested end to end over real HTTP, and a team can point any OpenAI client at a lo
 
 Routes (routes.py): GET /v1/models, POST /v1/completions (echo + logprobs for prompt log-probs;
 streaming), POST /v1/chat/completions (streaming), POST /tokenize, GET /metrics, GET /health.
-Requests are queued and decoded one at a time by a single engine thread (engine_thread.py; the
-engine is not thread-safe): vllm:num_requests_waiting counts the queue, vllm:num_requests_running
-the one in flight. kv_cache_usage_perc = tokens held by the running request / the model's context
-(metrics.py).
+One engine thread owns the engine (engine_thread.py; it is not thread-safe) and decodes
+concurrent requests in a continuous batch (engines/reference/batching.py): up to --max-num-seqs
+rows, requests joining between decode steps and leaving when done or when their client goes;
+--max-queue bounds the requests waiting beyond the batch (a 429 past it). Lossy KV formats,
+speculative decoding and fault drills decode one request at a time. vllm:num_requests_waiting
+counts the queue, vllm:num_requests_running the batch's rows; kv_cache_usage_perc = token
+positions the rows hold / max_num_seqs × the model's context (metrics.py).
 
 Input is validated by pydantic request models (schemas.py: CompletionIn, ChatIn, TokenizeIn; they
 are in /openapi.json). Bad input — malformed JSON, a wrongly typed or out-of-range field, an

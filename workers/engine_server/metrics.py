@@ -54,7 +54,8 @@ class ServeMetrics:
         tokens = one_two_five(max_model_len)
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        # tokens held by the running request / the model's context (engine_thread.py)
+        # token positions the batch's rows hold / what max_num_seqs rows of a full context reserve
+        # (engine_thread.py; one-at-a-time engines: the running request's / the context)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
