@@ -1,7 +1,7 @@
 """The config-run's kv_cache_usage figure (the metric's producer, workers/execute.py) for an
 `engine: openai` config against a real `canary engine-serve`: the peak of the server's own
 vllm:kv_cache_usage_perc while the run's requests were in flight, checked against what the
-server's gauge can hold for the requests it served (tokens held / its context)."""
+server's gauge can hold for the requests it served (tokens held / the rows it reserves)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from app.services import apply_config_file, start_run
 from tests.http.conftest import start_engine_serve
 
 PROMPTS, MAX_NEW_TOKENS = 4, 48
+MAX_NUM_SEQS = 32  # engine-serve's default --max-num-seqs
 MODEL = "builtin:pydoc-target"  # a config's model path, and the name the server serves it under (its default)
 
 
@@ -51,15 +52,18 @@ def test_an_openai_config_stores_the_servers_peak_kv_cache_usage(sqlite_env, ser
     ctx = httpx.get(engine_serve + "/v1/models").json()["data"][0]["max_model_len"]
 
     usage = figures["kv_cache_usage"]
-    # the server's gauge is tokens held by the running request / its context: a whole number of
-    # tokens, at most one request's prompt (with its start token) and completion
-    most_held = max(g["prompt_tokens"] + g["n_tokens"] for g in generations) + 1
-    assert usage is not None and 0 < usage <= most_held / ctx
-    assert abs(usage * ctx - round(usage * ctx)) < 1e-6
+    # the server's gauge is the tokens its rows hold / what it reserves (max_num_seqs rows of a full
+    # context, as vLLM's blocks in use / blocks): a whole number of tokens, at most two requests'
+    # prompts (with their start tokens) and completions, the client holding two in flight
+    reserved = MAX_NUM_SEQS * ctx
+    most_held = 2 * (max(g["prompt_tokens"] + g["n_tokens"] for g in generations) + 1)
+    assert usage is not None and 0 < usage <= most_held / reserved
+    assert abs(usage * reserved - round(usage * reserved)) < 1e-6
     # the openai engine does not know its server's memory: the figure is the server's peak
     assert figures["server"] == {"metrics_url": engine_serve + "/metrics", "max_kv_cache_usage": usage,
                                  "max_num_requests_waiting": figures["server"]["max_num_requests_waiting"],
-                                 "spec": None, "dedicated": False, "foreign_traffic_batches": 0,
-                                 "max_num_requests_running": 1.0}
-    # concurrency 2: the client holds at most two requests at the server (for a moment, both queued)
+                                 "max_num_requests_running": figures["server"]["max_num_requests_running"],
+                                 "spec": None, "dedicated": False, "foreign_traffic_batches": 0}
+    # concurrency 2: the client holds at most two requests at the server, decoded together
     assert figures["server"]["max_num_requests_waiting"] in (0.0, 1.0, 2.0)
+    assert figures["server"]["max_num_requests_running"] in (1.0, 2.0)
