@@ -43,6 +43,7 @@ class Job:
     prompt_ids: list[int] | None = None  # echo: score these instead of generating
     top_k: int = 0  # echo: alternatives per position (OpenAI's logprobs)
     stamps: list[float] = field(default_factory=list)
+    stream: bool = True  # its route reads ("tokens", ids) events; else only the outcome is sent
     # set from the route's event loop when nobody reads the job any more; the engine thread retires it
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_reason: str = "abort"  # how a cancelled job counts in vllm:request_success
@@ -88,6 +89,7 @@ class EngineServer:
         self._waiting: deque[Job] = deque()  # generation jobs not started yet
         self._scoring: deque[Job] = deque()  # echo jobs
         self._stopping = False  # set by request_stop (a signal handler: no lock taken there)
+        self._outbox: list[tuple[Job, tuple]] = []  # events of this step, sent together (_flush)
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self.thread.start()
 
@@ -97,13 +99,16 @@ class EngineServer:
             return self._enqueue([self._job(GenerationRequest("echo", ""), prompt_ids, top_k)], self._scoring)[0]
         return self.submit_all([request])[0]
 
-    def submit_all(self, requests: list[GenerationRequest]) -> list[Job]:
+    def submit_all(self, requests: list[GenerationRequest], stream: bool = True) -> list[Job]:
         """Jobs for generation requests, queued together. QueueFull when max_queue already wait (a
-        request of several prompts or choices that arrives before that is taken whole)."""
-        return self._enqueue([self._job(r) for r in requests], self._waiting)
+        request of several prompts or choices that arrives before that is taken whole). stream:
+        the route reads each token as it comes; else it gets the result alone."""
+        return self._enqueue([self._job(r, stream=stream) for r in requests], self._waiting)
 
-    def _job(self, request: GenerationRequest, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
-        return Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), prompt_ids, top_k)
+    def _job(self, request: GenerationRequest, prompt_ids: list[int] | None = None, top_k: int = 0,
+             stream: bool = True) -> Job:
+        return Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), prompt_ids, top_k,
+                   stream=stream)
 
     def _enqueue(self, jobs: list[Job], into: deque[Job]) -> list[Job]:
         with self._lock:
@@ -181,6 +186,7 @@ class EngineServer:
             self.metrics.running.set(len(self.rows))
             if self.batch is None:
                 self.metrics.kv_usage.set(0)
+            self._flush()
 
     def _score(self, job: Job, started: float) -> None:
         metrics = self.metrics
@@ -196,18 +202,19 @@ class EngineServer:
         if job.cancelled.is_set():  # its client left between the queue and here
             self.metrics.request_success[job.stop_reason].inc()
             return
-        n_prompt = self.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
-        self.metrics.prompt_tokens.inc(n_prompt)
         self.metrics.params_max_tokens.observe(job.request.max_new_tokens)
         self.metrics.max_generation_tokens.observe(job.request.max_new_tokens)
         if self.batch is None:
+            n_prompt = self.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
+            self.metrics.prompt_tokens.inc(n_prompt)
             self.metrics.running.set(1)
             self._generate(job, started, n_prompt)
             return
         seq = self.batch.add(job.request)  # the prefill and the first token
+        self.metrics.prompt_tokens.inc(len(seq.prompt))
         run = self.rows[seq.row] = Running(job, seq, started)
         self.metrics.running.set(len(self.rows))
-        self._deliver(run, prefill_tokens=n_prompt)
+        self._deliver(run, prefill_tokens=len(seq.prompt))
         self.metrics.kv_usage.set(self._kv_usage())
         if seq.done:
             self._retire(run)
@@ -227,6 +234,7 @@ class EngineServer:
             for run in list(self.rows.values()):
                 self._emit(run.job, ("error", str(e)))
                 self._retire(run, emit=False, count=False)
+            self._flush()
             return
         self.metrics.iteration_tokens.observe(len(stepped))  # one token per row
         for seq in stepped:
@@ -235,6 +243,7 @@ class EngineServer:
         for seq in stepped:
             if seq.done:
                 self._retire(self.rows[seq.row])
+        self._flush()
 
     def _deliver(self, run: Running, prefill_tokens: int = 0) -> None:
         """Emit the row's new token with its metrics (TTFT at the first, inter-token gaps after)."""
@@ -250,7 +259,8 @@ class EngineServer:
             metrics.tpot.observe((now - job.stamps[-1]) / max(1, len(new)))
         job.stamps.append(now)
         metrics.generation_tokens.inc(len(new))
-        self._emit(job, ("tokens", new))
+        if job.stream:
+            self._emit(job, ("tokens", new))
 
     def _retire(self, run: Running, emit: bool = True, count: bool = True) -> None:
         """The row leaves the batch: finished (its result sent) or cancelled (counted as its stop reason)."""
@@ -283,6 +293,7 @@ class EngineServer:
             self._scoring.clear()
         for job in jobs:
             self._emit(job, ("error", SHUTTING_DOWN))
+        self._flush()
 
     # -- one request at a time (engines that cannot batch) ------------------------------------------------
     def _generate(self, job: Job, started: float, n_prompt: int) -> None:
@@ -310,7 +321,9 @@ class EngineServer:
                 metrics.accepted.inc(spec_decode.num_accepted_tokens)
                 for pos, accepted in enumerate(spec_decode.accepted_per_position):
                     metrics.accepted_at(pos).inc(accepted)
-            self._emit(job, ("tokens", tokens))
+            if job.stream:
+                self._emit(job, ("tokens", tokens))
+                self._flush()  # now: this token's step is done
 
         try:
             result = self.engine.generate([job.request], on_tokens=on_tokens)[0]
@@ -338,9 +351,21 @@ class EngineServer:
         metrics.inference_time.observe(now - started)
         metrics.e2e.observe(now - job.arrived)
 
-    @staticmethod
-    def _emit(job: Job, event) -> None:
-        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+    def _emit(self, job: Job, event) -> None:
+        self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Send the events emitted since the last flush: one wake-up of each event loop per step,
+        not one per row (a thread-safe call writes to the loop's wake-up pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple]]] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed (the server is gone): nobody to tell
+                pass
 
     # -- helpers for the routes -------------------------------------------------------------------------
     def n_prompt_tokens(self, prompt: str, ids: tuple[int, ...] | None = None) -> int:
@@ -354,3 +379,8 @@ class EngineServer:
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self.engine.tokenizer.decode([i]) for i in ids]
+
+
+def _put_all(items: list[tuple[Job, tuple]]) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)

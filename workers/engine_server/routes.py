@@ -135,7 +135,7 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
                        seed=(request.seed + i) % (2**63))
                for request in requests for i in range(n)]
     try:
-        jobs = server.submit_all(choices)
+        jobs = server.submit_all(choices, stream=bool(body.stream))
     except QueueFull as e:
         return error(429, str(e), "RateLimitError")
     for _ in requests:

@@ -1,0 +1,162 @@
+"""`canary engine-serve` with continuous batching against serial decoding, over HTTP.
+
+Servers started here (the tiny target model): fp32 with continuous batching (the default
+--max-num-seqs 32), its peer fp32 with --max-num-seqs 1 (serial decoding: one request at a time,
+the rest queued), and bf16 weights with batching. Requests: --prompts prompts cut from the
+held-out docs (the first 24 words of each), --max-tokens tokens each, greedy, non-streamed, sent
+by a client pool of 1, 8 and 32 threads. Throughput: generated tokens (the responses'
+completion_tokens) per wall-clock second over the whole set; batched and serial alternate over
+--repeats rounds at each concurrency (A B, B A, …), reported as median and min–max, with the
+speedup per round (serial time / batched time).
+
+Outputs: every fp32 output (text and token count) at every concurrency is compared with the
+serial server's at concurrency 1; exit 1 when a batched one differs. bf16: the outputs at
+concurrency 8 and 32 (decoded in batches) are compared with the same server's at concurrency 1
+(each request decoded alone), a measurement of whether bf16 numerics depend on the batch's
+composition; the compute dtype is what the engine uses for bf16 weights on this machine
+(engines/reference/engine.py compute_dtype_for). One JSON object at the end.
+
+    .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+
+from benchmarks._common import host, parser, prompts, spread
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = (1, 8, 32)
+MODEL = "m"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*flags: str) -> tuple[subprocess.Popen, str]:
+    """An engine-serve process with these flags, once /health answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "engine-serve", "--port", str(port),
+                             "--served-model-name", MODEL, *flags], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"engine-serve {' '.join(flags)} exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("engine-serve did not come up in 120 s")
+
+
+def run_set(base: str, texts: list[str], concurrency: int, max_tokens: int) -> tuple[float, int, list[tuple]]:
+    """Every prompt through a pool of `concurrency` client threads: (wall seconds, generated
+    tokens, each output as (text, completion_tokens) in prompt order)."""
+    with httpx.Client(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
+        def one(prompt: str) -> tuple[str, int]:
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0})
+            r.raise_for_status()
+            body = r.json()
+            return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            outs = list(pool.map(one, texts))
+        wall = time.perf_counter() - t0
+    return wall, sum(n for _, n in outs), outs
+
+
+def rates(runs: list[tuple[float, int, list]]) -> dict:
+    return spread([tokens / wall for wall, tokens, _ in runs], digits=1)
+
+
+def equal(outs: list[tuple], reference: list[tuple]) -> int:
+    return sum(a == b for a, b in zip(outs, reference, strict=True))
+
+
+def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, repeats: int) -> dict:
+    """Per concurrency: batched and serial throughput (alternating), the speedup per round, and
+    how many batched outputs equal the serial server's at concurrency 1."""
+    reference = run_set(serial, texts, 1, max_tokens)[2]
+    out: dict = {}
+    for c in CONCURRENCY:
+        runs: dict[str, list] = {"batched": [], "serial": []}
+        for r in range(repeats):
+            for side in (("batched", "serial") if r % 2 == 0 else ("serial", "batched")):
+                runs[side].append(run_set(batched if side == "batched" else serial, texts, c, max_tokens))
+        out[str(c)] = {
+            "batched_tokens_per_s": rates(runs["batched"]),
+            "serial_tokens_per_s": rates(runs["serial"]),
+            "speedup": spread([s[0] / b[0] for b, s in zip(runs["batched"], runs["serial"], strict=True)], digits=2),
+            "batched_equal_to_serial": min(equal(o, reference) for _, _, o in runs["batched"]),
+            "serial_equal_to_serial": min(equal(o, reference) for _, _, o in runs["serial"]),
+        }
+    return out
+
+
+def bf16_figures(base: str, texts: list[str], max_tokens: int) -> dict:
+    """bf16 weights, batched: throughput per concurrency and the outputs that differ from the
+    same server's at concurrency 1 (every request decoded alone)."""
+    import torch
+
+    from engines.reference.engine import compute_dtype_for
+
+    out: dict = {"compute_dtype": str(compute_dtype_for(torch.bfloat16, torch.device("cpu"))).removeprefix("torch.")}
+    reference: list[tuple] = []
+    for c in CONCURRENCY:
+        wall, tokens, outs = run_set(base, texts, c, max_tokens)
+        reference = reference or outs
+        out[str(c)] = {"tokens_per_s": round(tokens / wall, 1),
+                       "differ_from_concurrency_1": len(texts) - equal(outs, reference)}
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--prompts", type=int, default=64, help="prompts from the held-out docs (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    args = p.parse_args()
+    if args.repeats < 3:
+        raise SystemExit("--repeats must be at least 3 (a median and a spread need three)")
+    texts = prompts(args.prompts)
+    servers = {"batched": start(), "serial": start("--max-num-seqs", "1"), "bf16": start("--weights", "bf16")}
+    try:
+        for _, base in servers.values():  # warm-up: first-call allocations stay out of the timings
+            run_set(base, texts[:8], 8, 4)
+        t0 = time.perf_counter()
+        fp32 = fp32_figures(servers["batched"][1], servers["serial"][1], texts, args.max_tokens, args.repeats)
+        bf16 = bf16_figures(servers["bf16"][1], texts, args.max_tokens)
+        seconds = round(time.perf_counter() - t0, 1)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(10)
+    fp32_equal = all(f["batched_equal_to_serial"] == len(texts) for f in fp32.values())
+    print(json.dumps({"benchmark": "engine_serve_batching", "prompts": len(texts), "max_tokens": args.max_tokens,
+                      "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
+                      "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,
+                      "seconds": seconds, **host()}))
+    sys.exit(0 if fp32_equal else 1)
+
+
+if __name__ == "__main__":
+    main()
