@@ -7,7 +7,9 @@ held-out docs (the first 24 words of each), --max-tokens tokens each, greedy, no
 by a client pool of 1, 8 and 32 threads. Throughput: generated tokens (the responses'
 completion_tokens) per wall-clock second over the whole set; batched and serial alternate over
 --repeats rounds at each concurrency (A B, B A, …), reported as median and min–max, with the
-speedup per round (serial time / batched time).
+speedup per round (serial time / batched time). --threads N starts every server with --threads N
+(torch threads; default torch's, every core): on a 2-core machine the client, the HTTP front end
+and two compute threads contend, and one compute thread leaves a core to the rest.
 
 Outputs: every fp32 output (text and token count) at every concurrency is compared with the
 serial server's at concurrency 1; exit 1 when a batched one differs. bf16: the outputs at
@@ -16,7 +18,7 @@ concurrency 8 and 32 (decoded in batches) are compared with the same server's at
 composition; the compute dtype is what the engine uses for bf16 weights on this machine
 (engines/reference/engine.py compute_dtype_for). One JSON object at the end.
 
-    .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32]
+    .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -138,7 +140,9 @@ def main() -> None:
     if args.repeats < 3:
         raise SystemExit("--repeats must be at least 3 (a median and a spread need three)")
     texts = prompts(args.prompts)
-    servers = {"batched": start(), "serial": start("--max-num-seqs", "1"), "bf16": start("--weights", "bf16")}
+    threads = ("--threads", str(args.threads)) if args.threads else ()  # the servers' torch threads
+    servers = {"batched": start(*threads), "serial": start(*threads, "--max-num-seqs", "1"),
+               "bf16": start(*threads, "--weights", "bf16")}
     try:
         for _, base in servers.values():  # warm-up: first-call allocations stay out of the timings
             run_set(base, texts[:8], 8, 4)
@@ -154,7 +158,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "engine_serve_batching", "prompts": len(texts), "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
                       "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,
-                      "seconds": seconds, **host()}))
+                      "server_threads": args.threads or "torch default", "seconds": seconds, **host()}))
     sys.exit(0 if fp32_equal else 1)
 
 
