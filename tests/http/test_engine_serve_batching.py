@@ -99,6 +99,25 @@ def test_concurrent_greedy_outputs_equal_one_at_a_time(server, concurrency):
     assert sum(n for _, _, n, _ in serial) > concurrency  # not all cut at the first token
 
 
+def test_seeded_sampling_with_penalties_is_the_same_inside_a_batch(server):
+    # each request samples from its own generator (its seed), with its own penalties and bias: the
+    # draws do not depend on which other requests share its decode steps
+    c = client(server)
+
+    def sample(i_prompt: tuple[int, str]) -> tuple[str, int]:
+        i, prompt = i_prompt
+        out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, seed=100 + i,
+                                   top_p=0.95 if i % 2 else 1.0, presence_penalty=0.5 * (i % 3),
+                                   frequency_penalty=0.3 if i % 4 == 1 else 0.0,
+                                   logit_bias={"13": 2.0} if i % 5 == 2 else None)
+        return out.choices[0].text, out.usage.completion_tokens
+
+    jobs = list(enumerate(heldout_prompts(8)))
+    serial = [sample(j) for j in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(sample, jobs)) == serial
+
+
 def test_a_short_request_leaves_the_batch_long_before_a_long_one(server):
     c = client(server)
     short_prompt = heldout_prompts(3)[2]
