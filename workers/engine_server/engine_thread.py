@@ -113,8 +113,8 @@ class EngineServer:
     def _enqueue(self, jobs: list[Job], into: deque[Job]) -> list[Job]:
         with self._lock:
             if into is self._waiting and len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"The server's queue is full: {len(self._waiting)} requests wait beyond the "
-                                f"{self.max_num_seqs} being decoded (--max-queue {self.max_queue}, --max-num-seqs "
+                raise QueueFull(f"The server's queue is full: {len(self._waiting)} waiting (--max-queue "
+                                f"{self.max_queue}) beyond the {self.max_num_seqs} being decoded (--max-num-seqs "
                                 f"{self.max_num_seqs}). Retry later, or start the server with a larger --max-queue.")
             into.extend(jobs)
             self._gauge_waiting()
