@@ -250,4 +250,5 @@ class ContinuousBatch:
             itl_ms=tuple((y - x) * 1000 for x, y in pairwise(seq.stamps)),
             total_ms=(seq.stamps[-1] - seq.started) * 1000,
             token_logprobs=tuple(seq.scored),
+            finish_reason="stop" if seq.tokens[-1] == self.eos else "length",
         )
