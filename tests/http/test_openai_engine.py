@@ -54,7 +54,8 @@ def test_streaming_generation_and_ttft_against_the_servers_own_record(engine_ser
     assert gen_tokens == sum(g.n_tokens for g in got)
     # gauges are sampled every 0.1 s while requests are in flight (short requests may slip between)
     assert engine.server_stats().metrics_url == engine_serve + "/metrics"
-    assert engine.server_stats().max_num_requests_running in (0.0, 1.0)  # one engine thread: never more than one
+    # two in flight at once, decoded together by the continuous batch: never more than the client sent
+    assert engine.server_stats().max_num_requests_running in (0.0, 1.0, 2.0)
 
 
 def test_acceptance_rate_from_counter_deltas_matches_the_engine(engine_serve_ngram):
