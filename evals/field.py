@@ -89,10 +89,29 @@ def confident_divergence_comparison(candidate: Records, baseline: Records, repea
     floor_exact = (sum(baseline[k].text == repeats[k].text for k in keys) / len(keys)) if floor_known else None
     details = {"near_tie_nats": tau, "confident": {"candidate": int(sum(mine)), "baseline_repeat": int(sum(floor))},
                "near_tie": near, "baseline_self_agreement": floor_exact,
+               **(_floor_spread(baseline, repeats, keys, tau) if floor_known else {}),
                "noise_floor": "the baseline's second pass" if floor_known else
                "none measured: the baseline is taken as deterministic",
                **({"example": examples[0]} if examples else {})}
     return _paired_shares("confident_divergence", floor, mine, t, seed, details)
+
+
+def _floor_spread(baseline: Records, repeats: Records, keys: list[str], tau: float) -> dict:
+    """How the baseline's second pass differs from its first, beyond agreement: where its outputs
+    part (the first differing token of each prompt that departs), the perplexity of its outputs
+    over the first pass's under the baseline model (exp(ΣNLL_2/Σtokens_2 − ΣNLL_1/Σtokens_1)), and
+    the geometric mean of its TTFT over the first pass's."""
+    positions = {k: d["position"] for k in keys if (d := _departs(baseline[k], repeats[k], tau)[2]) is not None}
+    scored = [k for k in keys if baseline[k].baseline_nll_tokens and repeats[k].baseline_nll_tokens]
+    nll = None
+    if scored:
+        rate = [sum(g[k].baseline_nll or 0.0 for k in scored) / sum(g[k].baseline_nll_tokens or 0 for k in scored)
+                for g in (repeats, baseline)]
+        nll = round(math.exp(rate[0] - rate[1]), 4)
+    timed = [(a, b) for k in keys if (a := repeats[k].ttft_ms) and (b := baseline[k].ttft_ms) and a > 0 and b > 0]
+    ttft = round(math.exp(float(np.mean([math.log(a / b) for a, b in timed]))), 4) if timed else None
+    return {"baseline_repeat_first_divergence": positions, "baseline_repeat_gen_nll_ratio": nll,
+            "baseline_repeat_ttft_ratio": ttft}
 
 
 def batch_divergence_comparison(candidate: Records, candidate_solo: Records, baseline: Records, baseline_solo: Records,

@@ -78,6 +78,10 @@ def test_confident_divergence_is_judged_beyond_the_baseline_against_itself():
     assert c.details["near_tie"] == {"candidate": 1, "baseline_repeat": 1}
     assert c.details["baseline_self_agreement"] == pytest.approx(0.8)
     assert c.details["example"]["sample_key"] == "k0" and c.details["example"]["gap"] == pytest.approx(2.9)
+    # the floor's own spread: where the second pass parted from the first (k4 and k5 at token 1); equal
+    # TTFTs (10 ms each side): ratio 1; no output scored for its NLL here
+    assert c.details["baseline_repeat_first_divergence"] == {"k4": 1, "k5": 1}
+    assert c.details["baseline_repeat_ttft_ratio"] == 1.0 and c.details["baseline_repeat_gen_nll_ratio"] is None
 
 
 def test_near_tie_noise_on_both_sides_is_ok_and_a_confident_bug_is_critical():
