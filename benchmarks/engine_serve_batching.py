@@ -36,37 +36,15 @@ import httpx
 
 from benchmarks._common import host, parser, prompts, spread
 
-ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 8, 32)
 MODEL = "m"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(*flags: str) -> tuple[subprocess.Popen, str]:
-    """An engine-serve process with these flags, once /health answers."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "engine-serve", "--port", str(port),
-                             "--served-model-name", MODEL, *flags], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine-serve {' '.join(flags)} exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("engine-serve did not come up in 120 s")
+    """An engine-serve process with these flags, once /health answers (the tests' launcher)."""
+    from tests.http.conftest import start_engine_serve
+
+    return start_engine_serve("--served-model-name", MODEL, *flags)
 
 
 def run_set(base: str, texts: list[str], concurrency: int, max_tokens: int) -> tuple[float, int, list[tuple]]:

@@ -247,20 +247,25 @@ class EngineServer:
 
     def _deliver(self, run: Running, prefill_tokens: int = 0) -> None:
         """Emit the row's new token with its metrics (TTFT at the first, inter-token gaps after)."""
-        job, metrics = run.job, self.metrics
+        job = run.job
         new = run.seq.tokens[run.sent:]
         run.sent = len(run.seq.tokens)
-        now = run.seq.stamps[-1]
-        if not job.stamps:
-            metrics.ttft.observe(now - job.arrived)
-            metrics.iteration_tokens.observe(prefill_tokens + len(new))  # the prefill step
-        else:
-            metrics.itl.observe(now - job.stamps[-1])
-            metrics.tpot.observe((now - job.stamps[-1]) / max(1, len(new)))
-        job.stamps.append(now)
-        metrics.generation_tokens.inc(len(new))
+        self._observe(job, run.seq.stamps[-1], len(new), prefill_tokens)
         if job.stream:
             self._emit(job, ("tokens", new))
+
+    def _observe(self, job: Job, now: float, n_new: int, prefill_tokens: int) -> None:
+        """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens),
+        the gap since its last delivery after."""
+        metrics = self.metrics
+        if not job.stamps:
+            metrics.ttft.observe(now - job.arrived)
+            metrics.iteration_tokens.observe(prefill_tokens + n_new)  # the prefill step
+        else:
+            metrics.itl.observe(now - job.stamps[-1])
+            metrics.tpot.observe((now - job.stamps[-1]) / max(1, n_new))
+        job.stamps.append(now)
+        metrics.generation_tokens.inc(n_new)
 
     def _retire(self, run: Running, emit: bool = True, count: bool = True) -> None:
         """The row leaves the batch: finished (its result sent) or cancelled (counted as its stop reason)."""
@@ -303,18 +308,11 @@ class EngineServer:
         def on_tokens(request_id, tokens, spec_decode):
             if job.cancelled.is_set() or self._stopping:
                 raise Cancelled  # out of engine.generate: the request stops here
-            now = time.perf_counter()
-            if not job.stamps:
-                metrics.ttft.observe(now - job.arrived)
-                metrics.iteration_tokens.observe(n_prompt + len(tokens))  # the prefill step
-            else:
-                metrics.itl.observe(now - job.stamps[-1])
-                metrics.tpot.observe((now - job.stamps[-1]) / max(1, len(tokens)))
+            if job.stamps:  # a decode step of this request alone: its tokens are the step's
                 metrics.iteration_tokens.observe(len(tokens))
-            job.stamps.append(now)
+            self._observe(job, time.perf_counter(), len(tokens), n_prompt)
             held[0] += len(tokens)
             metrics.kv_usage.set(min(1.0, held[0] / self.max_model_len))
-            metrics.generation_tokens.inc(len(tokens))
             if spec_decode is not None:
                 metrics.drafts.inc(spec_decode.num_drafts)
                 metrics.draft_tokens.inc(spec_decode.num_draft_tokens)
