@@ -8,8 +8,8 @@ by a client pool of 1, 8 and 32 threads. Throughput: generated tokens (the respo
 completion_tokens) per wall-clock second over the whole set; batched and serial alternate over
 --repeats rounds at each concurrency (A B, B A, …), reported as median and min–max, with the
 speedup per round (serial time / batched time). --threads N starts every server with --threads N
-(torch threads; default torch's, every core): on a 2-core machine the client, the HTTP front end
-and two compute threads contend, and one compute thread leaves a core to the rest.
+(torch threads; default the server's own: every core but one, which it leaves to its HTTP front
+end; on a 2-core machine two compute threads contend with the front end and the client).
 
 Outputs: every fp32 output (text and token count) at every concurrency is compared with the
 serial server's at concurrency 1; exit 1 when a batched one differs. bf16: the outputs at
@@ -136,7 +136,7 @@ def main() -> None:
     print(json.dumps({"benchmark": "engine_serve_batching", "prompts": len(texts), "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
                       "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,
-                      "server_threads": args.threads or "torch default", "seconds": seconds, **host()}))
+                      "server_threads": args.threads or "engine-serve default (cores - 1)", "seconds": seconds, **host()}))
     sys.exit(0 if fp32_equal else 1)
 
 

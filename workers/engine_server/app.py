@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="generation requests that may wait beyond the running batch (default 256); a request "
                          "arriving when that many wait is answered 429")
     ap.add_argument("--threads", type=positive, default=None,
-                    help="torch threads for the engine (default: torch's, usually every core). On a small CPU, "
-                         "fewer threads than cores leaves one to the HTTP front end and the clients")
+                    help="torch threads for the engine (default: every core but one, at least 1: the HTTP front "
+                         "end decodes and streams every request's tokens on a core of its own, as vLLM's CPU engine "
+                         "keeps its compute threads apart from its API server)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     args = ap.parse_args(argv)
@@ -93,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--speculative: {'.'.join(str(x) for x in first['loc'][1:])}: {first['msg']}")
     except ModelPathError as e:
         ap.error(f"--model: {e}")
-    if args.threads is not None:
-        import torch
+    import os
 
-        torch.set_num_threads(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     try:
         engine = load_engine(str(path), spec)
     except ValueError as e:  # a format this machine cannot run, AWQ without calibration text, …
