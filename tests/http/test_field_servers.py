@@ -10,8 +10,11 @@ the same service call as `canary run` (start_run, tasks in-process).
     empty       a quarter of the answers empty                          regression (empty_answers)
     loop        half the answers loop on one token                      regression (degenerate_answers)
     batched     answers swapped between requests that share the server  regression (batch_divergence)
+    cut         half the answers cut to their first quarter                regression (output_length_ratio)
 
-The suite runs 16 prompts at concurrency 8 (two full batches), 8 of them also sent alone."""
+The suite runs 16 prompts at concurrency 8 (two full batches), 8 of them also sent alone. A last
+test needs no proxy: engine-serve in bf16, whose batched numerics depend on the batch, against
+itself."""
 
 from __future__ import annotations
 
@@ -23,7 +26,15 @@ from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, run_summary, start_run
 from tests.http.conftest import start_engine_serve
-from tests.http.perturb import confident_flips, corrupt_when_batched, empty_answers, loops, near_tie_flips, proxy_app
+from tests.http.perturb import (
+    confident_flips,
+    corrupt_when_batched,
+    empty_answers,
+    loops,
+    near_tie_flips,
+    proxy_app,
+    truncation,
+)
 from tests.loopback import free_port, serve_in_thread
 
 MODEL = "builtin:pydoc-target"
@@ -35,6 +46,7 @@ BEHAVIOURS = {
     "empty": lambda: empty_answers(0.25, seed=4),
     "loop": lambda: loops(0.5, seed=5),
     "batched": lambda: corrupt_when_batched(seed=6),
+    "cut": lambda: truncation(0.5, seed=7),
 }
 LOSSLESS = {"spec-null": True, "spec-bug": True}
 
@@ -126,6 +138,12 @@ def test_loops_are_caught(field_run):
     assert loop["verdict"] in FLAGGED, loop
 
 
+def test_answers_cut_short_are_caught_by_their_length(field_run):
+    cut = comparison(field_run, "cut", "output_length_ratio")
+    # half the answers keep a quarter of their 16 tokens: Σ tokens about 1 − ½ · ¾ = 0.625 of the baseline's
+    assert cut["verdict"] in FLAGGED and 0.5 < cut["estimate"] < 0.75, cut
+
+
 def test_corruption_under_concurrency_is_named_a_batching_bug(field_run):
     batched = comparison(field_run, "batched", "batch_divergence")
     assert batched["verdict"] in FLAGGED and batched["n"] == 8, batched
@@ -134,3 +152,37 @@ def test_corruption_under_concurrency_is_named_a_batching_bug(field_run):
     for config in ("spec-null", "empty", "loop"):
         assert comparison(field_run, config, "batch_divergence")["verdict"] not in FLAGGED
 
+
+
+@pytest.fixture(scope="module")
+def bf16_run(sqlite_env_module):
+    """A real nondeterministic server: engine-serve in bf16 (computed in bf16 on a CPU with native
+    bf16, else in fp32 over bf16 weights), whose greedy outputs depend on what shares the batch
+    (benchmarks/engine_serve_batching.py measures how often), with a lossless candidate on the
+    same server and no proxy."""
+    proc, upstream = start_engine_serve("--model", MODEL, "--weights", "bf16")
+    served = {"engine": "openai", "weights": "bf16", "engine_options": {"base_url": upstream + "/v1"}}
+    cfg = {"project": "bf16", "model": {"name": "served", "path": MODEL},
+           "configs": [{"name": "base", "baseline": True, **served}, {"name": "same", "lossless": True, **served}],
+           "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 16, "seed": 5,
+                       "scorers": ["perplexity", "generation"], "perplexity": {"window": 64},
+                       "generation": {"prompts": 16, "max_new_tokens": 24, "concurrency": 8, "solo_probes": 8}}]}
+    try:
+        with session_scope() as session:
+            apply_config_file(session, parse_config(cfg))
+        run_id, _ = start_run("bf16", "s", None, InlineDispatcher())
+        with session_scope() as session:
+            yield run_summary(session, repo.get_run(session, repo.get_project(session, "bf16"), run_id))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_batched_bf16_server_against_itself_is_a_null(bf16_run):
+    for metric in ("confident_divergence", "batch_divergence", "empty_answers", "degenerate_answers",
+                   "output_length_ratio", "gen_nll_ratio"):
+        found = comparison(bf16_run, "same", metric)
+        assert found["verdict"] not in FLAGGED, found
+    exact = comparison(bf16_run, "same", "lossless_exact_match")
+    # where the server disagreed with itself, exactness is reported, not judged
+    assert exact["verdict"] not in FLAGGED or exact["details"].get("informational"), exact
