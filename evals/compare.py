@@ -15,7 +15,7 @@ run's typed records.
     term_nll_ratio        paired_ratio       term_nll_ratio_comparison
     ttft_ratio            paired_ratio       paired_timing_ratio
     tpot_ratio            paired_ratio       paired_timing_ratio
-    lossless_exact_match  rate (exact)       lossless_exact_comparison (reported only over a noisy floor)
+    lossless_exact_match  rate (exact)       lossless_exact_comparison (reported only on a server shown noisy)
     confident_divergence, batch_divergence, empty_answers, degenerate_answers, max_tokens_hits,
     output_length_ratio: evals/field.py
     exact_match           rate (no gate)     exact_match_comparison
@@ -32,6 +32,7 @@ from typing import cast
 import numpy as np
 
 from evals.agreement import exact_match, first_divergence, top1_agreement
+from evals.health import NEAR_TIE_NATS, divergence
 from evals.perplexity import ppl_ratio
 from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
 from evals.stats import TOO_FEW, Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
@@ -279,13 +280,40 @@ def exact_match_comparison(candidate: dict[str, GenerationRecord], baseline: dic
                                                            "mean_first_divergence": em.mean_first_divergence})
 
 
+def _batched(records: dict[str, GenerationRecord]) -> bool:
+    """Whether any two of a config's outputs were generated in one batch (requests in flight at
+    once): greedy decoding on such a server is not batch-invariant."""
+    batches = [g.batch for g in records.values() if g.batch is not None]
+    return len(set(batches)) < len(batches)
+
+
+def _near_ties(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord], keys: list[str],
+               tau: float) -> bool:
+    """Whether every prompt whose outputs differ parts at a near-tie of the baseline model (its
+    log-prob gap there within τ; evals/health.py). False where either side was not scored."""
+    for k in keys:
+        a, b = baseline[k].scored, candidate[k].scored
+        if a is None or b is None or not a.ids or not b.ids:
+            return False
+        d = divergence(a, b, tau)
+        if d is not None and not d.near_tie:
+            return False
+    return True
+
+
 def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
-                              t: Thresholds, repeats: dict[str, GenerationRecord] | None = None) -> Comparison | None:
+                              t: Thresholds, repeats: dict[str, GenerationRecord] | None = None,
+                              tau: float = NEAR_TIE_NATS) -> Comparison | None:
     """A lossless config's greedy outputs against the baseline's: exactness is the claim, so any
     divergence is a defect, not noise (at least warn when the share is below `warn`, 1.0 by
     default), and critical when the Wilson interval's top is at or below `critical`. Every
     mismatch is listed with its first divergent position (token index, or character where the
-    engine gives text only)."""
+    engine gives text only).
+
+    Reported, not judged, where the server is shown not to be deterministic: the baseline's own
+    second pass differs from its first, or the outputs came in batches and every divergence is at
+    a near-tie (a rare batch effect the second pass can miss; vLLM's own accuracy tests accept
+    exactly these). confident_divergence judges such a config instead."""
     keys = [k for k in candidate if k in baseline]
     if not keys:
         return None
@@ -305,6 +333,13 @@ def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: 
         details.update(informational=True, baseline_self_agreement=(len(floor) - len(unstable)) / len(floor))
         rule = (f"reported: the baseline's own second pass differs on {len(unstable)} of {len(floor)} prompts (a "
                 f"server that is not deterministic); judged by confident_divergence")
+        return Comparison("lossless_exact_match", rate, lo, hi, em.n, "ok" if em.n >= t.min_n else "inconclusive",
+                          rule, baseline_value=1.0, candidate_value=em.rate, details=details)
+    if mismatches and _batched(candidate) and _near_ties(candidate, baseline, list(mismatches), tau):
+        details.update(informational=True, near_tie_nats=tau)
+        rule = (f"reported: {len(mismatches)} of {em.n} outputs diverge, each at a near-tie (log-prob gap ≤ {tau:g}) "
+                f"on a server that batches requests, where greedy decoding is not batch-invariant; judged by "
+                f"confident_divergence")
         return Comparison("lossless_exact_match", rate, lo, hi, em.n, "ok" if em.n >= t.min_n else "inconclusive",
                           rule, baseline_value=1.0, candidate_value=em.rate, details=details)
     if em.n < t.min_n:

@@ -101,7 +101,8 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         out += [batched] if batched else []
     if not is_base and greedy and _lossless(run, cr):
         exact = compare.lossless_exact_comparison(mine.generations, base.generations,
-                                                  thresholds(config_id, "lossless_exact_match"), mine.repeats)
+                                                  thresholds(config_id, "lossless_exact_match"), mine.repeats,
+                                                  tau=tau)
         confident = field.confident_divergence_comparison(mine.generations, base.generations, mine.repeats,
                                                           thresholds(config_id, "confident_divergence"), seed=seed,
                                                           tau=tau)

@@ -27,7 +27,7 @@ from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority
 from app.models import ConfigRun, OptimizationConfig, Run, Suite, aware
 from app.settings import get_settings
 from engines.fingerprint import model_digest, source_digest
-from engines.protocol import GenerationRequest, RollingRequest, ServerStats, SpecStats, WindowSpec
+from engines.protocol import GenerationRequest, RollingRequest, RollingResult, ServerStats, SpecStats, WindowSpec
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
 from evals.health import Scored
@@ -537,6 +537,7 @@ class _BaselineScorer:
     def __init__(self, engine):
         self.engine = engine
         self.error: str | None = None
+        self._read: dict[str, RollingResult] = {}  # text → its rolling result: each prompt, and each output, read once
 
     def score(self, generations, prompts: dict[str, str], window: WindowSpec) -> list[tuple]:
         """Per generation, in order: (Σ NLL of its tokens, how many, Scored: the tokens and each one's
@@ -545,20 +546,22 @@ class _BaselineScorer:
         unscored: list[tuple] = [(None, None, None)] * len(generations)
         if self.error is not None:
             return unscored
-        requests = []
-        for i, generation in enumerate(generations):
-            prompt = prompts[generation.request_id]
-            requests += [RollingRequest(f"{i}\x00full", prompt + generation.text, window),
-                         RollingRequest(f"{i}\x00prompt", prompt, window)]
+        texts = [(prompts[g.request_id] + g.text, prompts[g.request_id]) for g in generations]
+        # a text read before (the same prompt; an output equal to one already scored: a lossless
+        # config's, the baseline's second pass) is not read again
+        todo = list(dict.fromkeys(t for pair in texts for t in pair if t not in self._read))
         try:
-            results = {result.doc_id: result for result in self.engine.loglikelihood_rolling(requests)}
+            requests = [RollingRequest(str(i), t, window) for i, t in enumerate(todo)]
+            results = self.engine.loglikelihood_rolling(requests) if requests else []
         except Exception as e:  # noqa: BLE001 - the generations stand; only this figure is missing
             self.error = f"{type(e).__name__}: {e}"
             log.warning("the baseline engine cannot score generated text, no gen_nll_ratio: %s", self.error)
             return unscored
+        by_id = {result.doc_id: result for result in results}
+        self._read.update({t: by_id[str(i)] for i, t in enumerate(todo)})
         out = []
-        for i in range(len(generations)):
-            full, prompt = results[f"{i}\x00full"], results[f"{i}\x00prompt"]
+        for full_text, prompt_text in texts:
+            full, prompt = self._read[full_text], self._read[prompt_text]
             start = len(prompt.token_ids)
             read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]))
             n = len(read.ids)

@@ -156,6 +156,7 @@ class FaultStack:
     logs: dict[str, str] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     responses: list[str] | None = None  # set to a list to keep every API response (headers and body)
+    suite_size: tuple[int, int] = (64, 4)  # (documents, prompts) of the suite seed_project made
 
     @property
     def http(self) -> httpx.Client:
@@ -295,11 +296,13 @@ def _fault_stack(pg_server, redis_server, db_url, overrides):
 SAMPLES, PROMPTS = 64, 4
 
 
-def seed_project(st: FaultStack, candidates: tuple[str, ...] = ("int8",)) -> None:
+def seed_project(st: FaultStack, candidates: tuple[str, ...] = ("int8",), samples: int = SAMPLES,
+                 prompts: int = PROMPTS) -> None:
     """Project 'faults': the tiny model, an fp16 baseline and candidates (named after their
     weights), and a suite of 64 documents (8 engine calls of 8 documents: a config-run takes
     several seconds, so faults land in the middle of it) plus 4 generations."""
     http = st.http
+    st.suite_size = (samples, prompts)
     if not st.headers:  # with keys required, `canary keys create` made the project
         assert http.post("/api/v1/projects", json={"name": "faults"}).status_code == 201
     P = "/api/v1/projects/faults"
@@ -309,8 +312,8 @@ def seed_project(st: FaultStack, candidates: tuple[str, ...] = ("int8",)) -> Non
         r = http.post(f"{P}/configs", json=body)
         assert r.status_code == 201, r.text
     r = http.post(f"{P}/suites", json={
-        "name": "daily", "corpus": "builtin:pydoc-heldout", "samples": SAMPLES, "seed": 7,
-        "perplexity": {"window": 128}, "generation": {"prompts": PROMPTS, "prompt_words": 8, "max_new_tokens": 4}})
+        "name": "daily", "corpus": "builtin:pydoc-heldout", "samples": samples, "seed": 7,
+        "perplexity": {"window": 128}, "generation": {"prompts": prompts, "prompt_words": 8, "max_new_tokens": 4}})
     assert r.status_code == 201, r.text
 
 
@@ -327,7 +330,7 @@ def check_results(st: FaultStack, run_id: int, configs: tuple[str, ...] = ("fp16
     counts = st.result_counts(run_id)
     lost = dup = 0
     for c in configs:
-        for metric, want in (("nll", SAMPLES), ("generation", PROMPTS)):
+        for metric, want in zip(("nll", "generation"), st.suite_size, strict=True):
             rows, distinct = counts.get((c, metric), (0, 0))
             lost += max(0, want - distinct)
             dup += rows - distinct

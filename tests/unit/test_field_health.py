@@ -177,3 +177,29 @@ def test_records_round_trip_through_their_rows():
                 SoloRecord: table[1].solos}[kind]["k0"]
         assert type(back) is kind and back.finish_reason == "stop"
         assert back.scored == Scored((5, 6), (-0.12346, -1.0))
+
+
+def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
+    """A batched server that flips one answer at a near-tie (gap 0.1 ≤ τ 0.25) while its second
+    pass happened to agree: reported, not judged. Served one at a time, the same flip is a defect;
+    batched, a confident flip (gap 2.9) is still judged."""
+    from dataclasses import replace
+
+    from evals.compare import lossless_exact_comparison
+
+    base = _pass([(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(10)])
+    repeats = {k: gen(k, g.text, g.scored.ids, g.scored.logprobs, kind=RepeatRecord) for k, g in base.items()}
+    flip = dict(base, k0=gen("k0", "c0", (0, 98), (-0.1, -0.2)))  # near-tie: |-0.1 - -0.2| = 0.1
+    sure = dict(base, k0=gen("k0", "c0", (0, 99), (-0.1, -3.0)))  # confident: gap 2.9
+
+    def batched(records, size):
+        return {k: replace(g, batch=i // size) for i, (k, g) in enumerate(records.items())}
+
+    t = seed_thresholds("lossless_exact_match")
+    serial = lossless_exact_comparison(batched(flip, 1), batched(base, 1), t, repeats)
+    assert serial.verdict == "warn" and not serial.details.get("informational")
+    noisy = lossless_exact_comparison(batched(flip, 8), batched(base, 8), t, repeats)
+    assert noisy.estimate == pytest.approx(0.9) and noisy.verdict == "ok" and noisy.details["informational"]
+    assert "1 of 10 outputs diverge, each at a near-tie" in noisy.rule
+    judged = lossless_exact_comparison(batched(sure, 8), batched(base, 8), t, repeats)
+    assert judged.verdict == "warn" and not judged.details.get("informational")
