@@ -7,9 +7,13 @@ import pytest
 import engines.kernels.fp8_kv as fp8_kv
 import engines.kernels.turbo_kv as turbo_kv
 from engines.protocol import GenerationRequest
+from engines.zoo import resolve_model_path
+
+# ReferenceEngine takes an OptimizationSpec (pydantic); the GPU image has no pydantic unless its
+# wheels are carried (README "GPU report"): skip this module there instead of failing collection
+pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pydantic): README 'GPU report'")
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
-from engines.zoo import resolve_model_path
 
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 
