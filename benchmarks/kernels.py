@@ -87,6 +87,11 @@ def parse_args(argv=None):
     return args
 
 
+def progress(msg: str) -> None:
+    """A progress line on stderr, flushed: a device call that is cut off still shows how far it got."""
+    print(f"[kernels {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 # -- timing -----------------------------------------------------------------------------------------
 class Clock:
     """Per-call milliseconds: CUDA events on CUDA, perf_counter elsewhere."""
@@ -503,7 +508,9 @@ def quantize_int4(model, device: str) -> None:
     _free(device)
 
 
-def decode_section(clock: Clock, device: str, args, peak_gbps: float) -> dict:
+def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: dict[str, str]) -> dict:
+    """The 8B-shaped decode rows; a config that raises records its error in its row and in
+    `errors` (the run then exits 1), and the others still run."""
     import torch
 
     new = args.new_tokens
@@ -532,31 +539,62 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float) -> dict:
         hf_res = hf_peer(clock, hf, ids, new, device, args.repeats, static=not args.no_hf_static)
         del hf
         _free(device)
+    runs: list[tuple[str, dict]] = []
+
+    def run_config(w: str, kv: str, prompt_ids) -> None:
+        """One config's row; an error (an OOM, say) costs that row only: it records the error."""
+        P = prompt_ids.shape[1]
+        progress(f"decode {w} weights, {kv} KV, context {P}: start")
+        t = time.perf_counter()
+        try:
+            r = decode_run(clock, model, kv, prompt_ids, new, device, args.repeats)
+        except Exception as e:  # noqa: BLE001 - reported in the row and in the run's errors; the next config runs
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            r = {"kv_cache": kv, "context": P, "error": f"{type(e).__name__}: {e}"[:500]}
+            errors[f"decode_8b {w}/{kv}/{P}"] = r["error"]
+        _free(device)
+        runs.append((w, r))
+        got = r.get("error") or f"{r['decode_tok_s']['median']} tok/s, TTFT {r['ttft_ms']['median']} ms"
+        progress(f"decode {w} weights, {kv} KV, context {P}: {got} ({time.perf_counter() - t:.0f} s)")
+
     with torch.inference_mode():
         model.fuse()
         _free(device)
-        runs = []
         for w, kv in CONFIGS_1K:
             if w == "fp16":
-                runs.append(("fp16", decode_run(clock, model, kv, ids, new, device, args.repeats)))
+                run_config(w, kv, ids)
         if long_ctx:
             ids_long = torch.randint(0, a.vocab_size, (1, long_ctx), generator=g).to(device)
             for w, kv in CONFIGS_LONG:
-                runs.append((w, decode_run(clock, model, kv, ids_long, new, device, args.repeats)))
+                run_config(w, kv, ids_long)
             del ids_long
-        quantize_int4(model, device)
+        try:
+            quantize_int4(model, device)
+            int4 = None
+        except Exception as e:  # noqa: BLE001 - the int4 rows record it
+            int4 = f"quantize_int4: {type(e).__name__}: {e}"[:500]
+            errors["decode_8b rtn-int4"] = int4
         for w, kv in CONFIGS_1K:
             if w == "rtn-int4":
-                runs.append(("rtn-int4", decode_run(clock, model, kv, ids, new, device, args.repeats)))
+                if int4:
+                    runs.append((w, {"kv_cache": kv, "context": prompt, "error": int4}))
+                else:
+                    run_config(w, kv, ids)
     smoke = args.smoke
 
     def find(w, kv, ctx):
-        return next((r for ww, r in runs if ww == w and r["kv_cache"] == kv and r["context"] == ctx), None)
+        return next((r for ww, r in runs if ww == w and r["kv_cache"] == kv and r["context"] == ctx and "error" not in r),
+                    None)
 
     fp16 = find("fp16", "fp16", prompt)
     fp16_long = find("fp16", "fp16", long_ctx)
     for w, r in runs:
         row = {"weights": w, **{k: v for k, v in r.items() if not k.startswith("_")}}
+        if "error" in r:
+            res["configs"].append(row)
+            continue
         tps = r["decode_tok_s"]["median"]
         kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2 * (r["context"] + new // 2)
         if w == "fp16" and r["kv_cache"] == "fp16":
@@ -577,7 +615,9 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float) -> dict:
     if hf_res is not None:
         peer = {k: v for k, v in hf_res.items() if not k.startswith("_")}
         for mode in peer.values():
-            if "_tokens" in mode:
+            if "_tokens" in mode and fp16 is None:
+                mode.pop("_tokens")
+            elif "_tokens" in mode:
                 mode["agreement_with_ours_fp16"] = agreement(fp16["_tokens"], mode.pop("_tokens"), fp16["_prefill_logits"],
                                                              hf_res["_prefill_logits"])
                 mode["ours_fp16_speedup"] = round(fp16["decode_tok_s"]["median"] / mode["decode_tok_s"]["median"], 2)
@@ -677,6 +717,7 @@ def main(argv=None) -> int:
 
     def section(name, fn):
         t = time.perf_counter()
+        progress(f"section {name}: start")
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - reported in the JSON; the run fails at the end
@@ -687,6 +728,7 @@ def main(argv=None) -> int:
             return None
         finally:
             report.setdefault("section_wall_s", {})[name] = round(time.perf_counter() - t, 1)
+            progress(f"section {name}: done in {time.perf_counter() - t:.0f} s")
 
     if "w4a16" not in args.skip:
         got = section("w4a16", lambda: w4a16_section(clock, device, args, peak))
@@ -699,7 +741,7 @@ def main(argv=None) -> int:
             report["decode_attention"], c = got
             checks += c
     if "decode" not in args.skip:
-        report["decode_8b"] = section("decode_8b", lambda: decode_section(clock, device, args, peak))
+        report["decode_8b"] = section("decode_8b", lambda: decode_section(clock, device, args, peak, errors))
     if "tiny" not in args.skip:
         devices = ["cuda", "cpu"] if device.startswith("cuda") else ["cpu"]
         report["tiny_model"] = section("tiny_model", lambda: tiny_section(clock, args, devices))

@@ -88,3 +88,28 @@ def test_a_failed_check_exits_1_after_printing_the_json():
     assert p.returncode == 1, p.stderr[-4000:]
     d = last_json(p)
     assert d["all_checks_equal"] is False and len(d["checks"]) == 2
+
+
+def test_a_failing_decode_config_costs_its_row_only():
+    # an OOM in one config (KIVI's 32K prefill on the card, say) must not discard the section:
+    # that row records the error, the others are measured, the run exits 1 with the JSON printed
+    code = (f"import sys\nsys.argv = ['kernels.py', '--device', 'cpu', '--smoke', '--no-hf', '--skip', 'w4a16', 'attention', 'tiny']\n"
+            "import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('bench_kernels', {str(SCRIPT)!r})\n"
+            "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+            "real = m.decode_run\n"
+            "def fake(clock, model, kv, ids, *a, **k):\n"
+            "    if kv == 'kivi-2' and ids.shape[1] == 32:\n"
+            "        raise RuntimeError('CUDA out of memory. Tried to allocate 64.00 GiB')\n"
+            "    return real(clock, model, kv, ids, *a, **k)\n"
+            "m.decode_run = fake\nsys.exit(m.main())")
+    p = run(code=code)
+    assert p.returncode == 1, p.stderr[-4000:]
+    d = last_json(p)
+    rows = {(c["weights"], c["kv_cache"], c["context"]): c for c in d["decode_8b"]["configs"]}
+    assert len(rows) == 9
+    bad = rows[("fp16", "kivi-2", 32)]
+    assert "out of memory" in bad["error"] and "decode_tok_s" not in bad
+    assert all("median" in c["decode_tok_s"] for k, c in rows.items() if k != ("fp16", "kivi-2", 32))
+    assert list(d["errors"]) == ["decode_8b fp16/kivi-2/32"]
+    assert "decode fp16 weights, kivi-2 KV, context 32: RuntimeError" in p.stderr  # the progress line
