@@ -40,9 +40,11 @@ test-interop: $(VENV)/.interop
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve
 
-# The GPU report (README "GPU report"): the kernel tests on CUDA plus benchmarks/kernels.py, one
-# JSON object. No .venv needed: it runs on .venv's python when there is one, else python3 (a GPU
-# image with torch, Triton, transformers and pytest); `make gpu-report PY=python3` picks one.
+# The GPU report (README "GPU report"): the kernel tests on CUDA, then benchmarks/kernels.py one
+# section at a time, each section's JSON written to benchmarks/results/gpu/ as it ends
+# (BENCH_ARGS="--section decode" runs one). No .venv needed: it runs on .venv's python when there
+# is one, else python3 (a GPU image with torch, Triton, transformers and pytest); `make gpu-report
+# PY=python3` picks one.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 BENCH_ARGS ?=
 

@@ -3,7 +3,7 @@
     python benchmarks/kernels.py [--repeats 5] [--prompt 1024] [--new-tokens 64] [--layers 32]
                                  [--long-context 32768] [--no-hf-static] [--skip ...]
     python benchmarks/kernels.py --device cpu --smoke    # tiny shapes on CPU (Triton interpreter)
-    make gpu-report                                      # kernel tests on CUDA + this, one JSON object
+    make gpu-report                                      # kernel tests on CUDA + this, a JSON file per section
 
 Run from the repository root (the script puts the root on sys.path itself; no install needed,
 and nothing here needs pydantic except the tiny-model section, which says so when it is missing).
