@@ -471,7 +471,12 @@ def serve(host: str = "127.0.0.1", port: int = 8000,
              "runs tasks inside the one API process")
     if upgrade_db:
         _upgrade_db()
-    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers)
+    # X-Forwarded-For is taken only from the proxies named (uvicorn would trust loopback by
+    # default, so any local client could pick its own address); FORWARDED_ALLOW_IPS, uvicorn's own
+    # variable, is still read when the setting is empty
+    proxies = get_settings().forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
+    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers,
+                proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
 
 
 @app.command()

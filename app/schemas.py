@@ -233,6 +233,7 @@ _ERRORS = {
     401: "no API key, or an invalid or revoked one (keys are required in production)",
     403: "the API key is read-only, or may not do this",
     404: "the project, or a named object in it, does not exist (or belongs to another project than the key's)",
+    408: "the request body did not arrive in full within the deadline (CANARY_BODY_TIMEOUT_SECONDS)",
     409: "an object with this name or Idempotency-Key exists already, or was written concurrently",
     413: "the request body exceeds the size limit",
     422: "invalid input; the detail names the field and the fix",

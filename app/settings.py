@@ -75,12 +75,21 @@ class Settings(BaseSettings):
     # 0 = unlimited (app/api/limits.py)
     rate_limit_per_minute: int = 600
     # failed authentications (missing, malformed, unknown or revoked key) per minute per client
-    # address; past it, that address gets 429 before its key is looked up; 0 = unlimited
+    # address; past it, that address's failures get 429 instead of 401 (a valid key from the same
+    # address is never counted or limited); 0 = unlimited
     rate_limit_auth_failures_per_minute: int = 30
     # how many rate-limit buckets each replica keeps (least recently used go first)
     rate_limit_max_buckets: int = 10000
     # request bodies are cut off with 413 past this many bytes received (chunked bodies too)
     max_body_bytes: int = 64 * 1024 * 1024
+    # a request's whole body must arrive within this many seconds of its headers, or it gets 408;
+    # only then does the request take one of the api_threads places (app/api/limits.py)
+    body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    # the reverse proxies whose X-Forwarded-For gives the client address (rate limits, the
+    # failed-authentication limit): comma-separated addresses or networks, e.g. "10.0.0.5" or
+    # "10.0.0.0/24"; "*" trusts every peer. Empty (default): no proxy is trusted and the peer's
+    # own address counts, loopback included (`canary serve`)
+    forwarded_allow_ips: str = ""
 
     @property
     def auth_required(self) -> bool:

@@ -35,14 +35,13 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 def get_key(request: Request, session: SessionDep) -> ApiKey | None:
     """The request's API key, checked, and one token from its rate-limit bucket: keyed on the
     key's id (whitespace or case variants of one key share it), or on the client address when
-    no key is sent. A failed authentication also takes from the address's failure bucket, and an
-    address whose failure bucket is empty gets 429 before its key is looked up."""
+    no key is sent. The key is looked up first: a failed authentication takes from the address's
+    failure bucket (429 instead of 401 once it is empty); a valid key is never limited by it."""
     address = limits.client_address(request)
-    limits.check_auth_failures(address)
     try:
         key = authenticate(session, request.headers.get("authorization"), get_settings().auth_required)
     except Unauthorized:
-        limits.record_auth_failure(address)
+        limits.authentication_failed(address)
         raise
     limits.take_request(("key", key.id) if key is not None else ("address", address))
     if key is not None and key.scope not in ("read", "write"):

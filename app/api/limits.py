@@ -1,14 +1,22 @@
 """Request limits of the API (REFERENCE.md §10), all held in this API process.
 
-- Body size: a pure ASGI wrapper around the whole app counts the bytes actually received
-  (chunked bodies carry no Content-Length, and a Content-Length can lie) and answers 413 as soon
-  as the count passes CANARY_MAX_BODY_BYTES — before routing and before the key is checked, so
-  an unauthenticated client cannot make the API buffer more than the limit.
+- Body size and time: a pure ASGI wrapper around the whole app reads each request's body before
+  the app sees it, counting the bytes actually received (chunked bodies carry no Content-Length,
+  and a Content-Length can lie): 413 as soon as the count passes CANARY_MAX_BODY_BYTES (64 KiB
+  without a key where keys are required), 408 when the body is not complete within
+  CANARY_BODY_TIMEOUT_SECONDS — before routing and before the key is checked.
+- Requests inside the app: at most CANARY_API_THREADS at once, and a request takes its place only
+  once its body has arrived, so clients that trickle a body hold a socket, never a place (/healthz
+  is not counted).
 - Request rate: a token bucket per API key *id* (after the key is parsed and checked, so
   whitespace or case variants of one key share its bucket), or per client address when no key
   is sent and none is required.
-- Failed authentication: a separate bucket per client address; when it is empty, requests from
-  that address get 429 before their key is even looked up.
+- Failed authentication: a separate bucket per client address, taken from by requests whose key
+  is missing, unknown or revoked; when it is empty they get 429 instead of 401. A valid key is
+  looked up first and never counted or limited here, so a flood of bad keys from a shared
+  address (a proxy, a NAT) does not lock out the valid keys behind it. (Keys hold 256 random
+  bits: the limit bounds the cost of failures, not the odds of guessing; each bad key costs one
+  indexed lookup of its hash.)
 - The bucket maps are bounded (least recently used entries go first; entries idle long enough
   to be full again are dropped before any other).
 
@@ -21,8 +29,9 @@ import asyncio
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
+import anyio
 from starlette.requests import Request
 
 from app.settings import get_settings
@@ -97,8 +106,8 @@ auth_failures = TokenBuckets(get_settings().rate_limit_max_buckets)
 
 
 def client_address(request: Request) -> str:
-    # the peer address as uvicorn sees it (behind a reverse proxy: run uvicorn with
-    # --proxy-headers and --forwarded-allow-ips so that this is the client's, not the proxy's)
+    # the peer address as uvicorn sees it; behind a reverse proxy, CANARY_FORWARDED_ALLOW_IPS names
+    # the proxy (`canary serve`), and this is then the client's address from X-Forwarded-For
     return request.client.host if request.client else "?"
 
 
@@ -112,17 +121,12 @@ def _limit(buckets: TokenBuckets, who: object, per_minute: int, take: bool, mess
             raise RateLimited(message.format(per_minute=per_minute, wait=math.ceil(wait)), wait)
 
 
-def check_auth_failures(address: str) -> None:
-    """429 for an address whose failed-authentication bucket is empty (before any key lookup)."""
-    _limit(auth_failures, address, get_settings().rate_limit_auth_failures_per_minute, False,
+def authentication_failed(address: str) -> None:
+    """Count a failed authentication (a missing, unknown or revoked key) from `address`, after its
+    key was looked up: 429 when the address's failure bucket is empty, else the caller's 401."""
+    _limit(auth_failures, address, get_settings().rate_limit_auth_failures_per_minute, True,
            "too many failed authentications from this address (limit {per_minute} per minute, "
            "CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE); retry after {wait} s with a valid key")
-
-
-def record_auth_failure(address: str) -> None:
-    per_minute = get_settings().rate_limit_auth_failures_per_minute
-    if per_minute > 0:
-        auth_failures.take(address, per_minute)
 
 
 def take_request(who: object) -> None:
@@ -132,10 +136,20 @@ def take_request(who: object) -> None:
 
 
 UNAUTHENTICATED_MAX_BYTES = 64 * 1024
+# paths served outside the in-flight limit: a probe answers while every place is taken
+UNLIMITED_PATHS = ("/healthz",)
 
 
-class BodyTooLarge(Exception):
-    pass
+def _json_error(status: int, detail: str) -> tuple[dict, dict]:
+    """The two ASGI messages of a JSON error that closes the connection (the rest of the request
+    body, if any, is never read)."""
+    import json
+
+    body = json.dumps({"detail": detail}).encode()
+    return ({"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]},
+            {"type": "http.response.body", "body": body})
 
 
 class InFlightLimit:
@@ -143,14 +157,18 @@ class InFlightLimit:
     wait here, in arrival order, holding nothing. Inside, a request takes a pooled database
     connection (the key check) before its handler gets one of the CANARY_API_THREADS threads:
     without this cap, more requests than the pool holds could leave every thread waiting for a
-    connection while every connection's holder waits for a thread."""
+    connection while every connection's holder waits for a thread.
+
+    It sits inside BodyLimit, which has read each request's whole body (bounded in size and time)
+    before the request gets here: a client that trickles its body never holds a place. /healthz
+    is not counted (it has its own threads, app/api/main.py)."""
 
     def __init__(self, app):
         self.app = app
         self._slots: asyncio.Semaphore | None = None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in UNLIMITED_PATHS:
             return await self.app(scope, receive, send)
         if self._slots is None:  # made in the server's event loop, on its first request
             self._slots = asyncio.Semaphore(get_settings().api_threads)
@@ -159,11 +177,18 @@ class InFlightLimit:
 
 
 class BodyLimit:
-    """Pure ASGI middleware: at most `max_bytes` (default: CANARY_MAX_BODY_BYTES) of request body
-    reach the app — and at most UNAUTHENTICATED_MAX_BYTES from a request with no Authorization
-    header where keys are required. A declared Content-Length over the limit is refused without reading; otherwise
-    the bytes received are counted, and the first chunk past the limit ends the request with 413
-    (whatever the app was about to answer is dropped)."""
+    """Pure ASGI middleware: reads each request's whole body before the app (and InFlightLimit)
+    sees the request, then hands the app the buffered body.
+
+    - Size: at most `max_bytes` (default: CANARY_MAX_BODY_BYTES) — and at most
+      UNAUTHENTICATED_MAX_BYTES from a request with no Authorization header where keys are
+      required. A declared Content-Length over the limit is refused without reading; otherwise
+      the bytes received are counted, and the first chunk past the limit ends the request with 413.
+    - Time: the whole body must arrive within CANARY_BODY_TIMEOUT_SECONDS of the request's headers,
+      or the request ends with 408 (every request, with a key or without).
+
+    The buffer is what the app would have read into memory anyway (a JSON body is parsed whole),
+    bounded by the same limit."""
 
     def __init__(self, app, max_bytes: int | None = None):
         self.app = app
@@ -183,46 +208,39 @@ class BodyLimit:
             if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
                 await self._refuse(send, limit)
                 return
+        deadline = settings.body_timeout_seconds
+        messages: deque[dict] = deque()
         received = 0
-        exceeded = False
-        started = False
-
-        async def limited_receive():
-            nonlocal received, exceeded
-            if exceeded:
-                raise BodyTooLarge(limit)
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    exceeded = True
-                    raise BodyTooLarge(limit)
-            return message
-
-        async def guarded_send(message):
-            nonlocal started
-            if exceeded and not started:
-                return  # the app's answer to a body cut short (a 400 or 500): the 413 replaces it
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
         try:
-            await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if not exceeded:
-                raise
-        if exceeded and not started:
+            with anyio.fail_after(deadline):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client went away (http.disconnect): nobody to answer
+                    messages.append(message)
+                    received += len(message.get("body", b""))
+                    if received > limit or not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            for reply in _json_error(408, f"request body not received within the deadline of {deadline:g} s "
+                                          f"(CANARY_BODY_TIMEOUT_SECONDS; {received} bytes arrived): send the "
+                                          "whole body at once, or have the operator raise the deadline"):
+                await send(reply)
+            return
+        if received > limit:
             await self._refuse(send, limit)
+            return
+
+        async def buffered_receive():
+            # the body as it was received, then (a streaming answer listening for the client
+            # leaving) the server's own messages
+            return messages.popleft() if messages else await receive()
+
+        await self.app(scope, buffered_receive, send)
 
     @staticmethod
     async def _refuse(send, limit: int) -> None:
-        import json
-
-        body = json.dumps({"detail": f"request body exceeds the limit of {limit} bytes: send a smaller body (split a "
-                                     "suite's documents over several suites, or name a server-side corpus) or have the "
-                                     "operator raise CANARY_MAX_BODY_BYTES"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        for reply in _json_error(413, f"request body exceeds the limit of {limit} bytes: send a smaller body (split a "
+                                      "suite's documents over several suites, or name a server-side corpus) or have "
+                                      "the operator raise CANARY_MAX_BODY_BYTES"):
+            await send(reply)

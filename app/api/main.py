@@ -7,6 +7,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Literal
 
+import anyio
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,14 +72,16 @@ async def lifespan(_: FastAPI):
 app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
               description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired "
                           "statistics.")
-# every /api route can answer these (auth, body limit, validation, rate limit); routers add their own
-# get_key on every route: it checks the key and takes from the rate-limit buckets (app/api/limits.py)
-app.include_router(router, prefix="/api/v1", responses=error_responses(401, 413, 422, 429),
+# every /api route can answer these (auth, body deadline and limit, validation, rate limit); routers
+# add their own. get_key on every route: it checks the key and takes from the rate-limit buckets
+# (app/api/limits.py)
+app.include_router(router, prefix="/api/v1", responses=error_responses(401, 408, 413, 422, 429),
                    dependencies=[Depends(get_key)])
 
 
-# outermost: bodies are counted as they arrive, before routing and before the key is checked; then
-# at most CANARY_API_THREADS requests go on into the app at once
+# outermost: bodies are read (counted as they arrive, bounded in size and time) before routing and
+# before the key is checked; then at most CANARY_API_THREADS requests whose body has arrived go on
+# into the app at once (app/api/limits.py)
 app.add_middleware(InFlightLimit)
 app.add_middleware(BodyLimit)
 
@@ -164,14 +167,12 @@ def metrics(request: Request) -> Response:
     registry.register(PublicCollector(__version__, buckets))
     authorization = request.headers.get("authorization")
     if authorization:
-        address = limits.client_address(request)
-        limits.check_auth_failures(address)
         try:
             with session_scope() as session:
                 key = authenticate(session, authorization, True)
                 key_id, scope, project_id = key.id, key.scope, key.project_id
         except Unauthorized:
-            limits.record_auth_failure(address)
+            limits.authentication_failed(limits.client_address(request))
             raise
         limits.take_request(("key", key_id))
         if scope not in METRICS_SCOPES:
@@ -192,9 +193,21 @@ def _first_line(e: BaseException) -> str:
     return (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+# /healthz is outside the in-flight limit (app/api/limits.py) and runs its checks on threads of its
+# own: a probe is answered while every one of the CANARY_API_THREADS is busy
+_health_threads: anyio.CapacityLimiter | None = None
+
+
 @app.get("/healthz", tags=["health"], response_model=HealthOut, responses={503: {"model": HealthOut}})
-def healthz() -> Response:
+async def healthz() -> Response:
     """200 when the database (and, with Celery, the broker) answers; else a JSON 503 naming what is down."""
+    global _health_threads
+    if _health_threads is None:  # made in the server's event loop
+        _health_threads = anyio.CapacityLimiter(2)
+    return await anyio.to_thread.run_sync(_health, limiter=_health_threads)
+
+
+def _health() -> Response:
     from app.db import get_engine
 
     down = {}

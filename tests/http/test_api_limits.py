@@ -3,17 +3,25 @@ required), over real sockets (app/api/limits.py):
 
 - a chunked body (no Content-Length) is cut off with 413 at CANARY_MAX_BODY_BYTES, before the
   key is checked, and the server's memory does not grow with what the client keeps sending;
+- clients that trickle a body hold no place among the CANARY_API_THREADS: /healthz and other
+  tenants are answered at once, and the trickling requests get 408 at CANARY_BODY_TIMEOUT_SECONDS,
+  with a key or without;
 - the rate limit is keyed on the key's id: whitespace and case variants of a drained key are
   limited too; failed authentications are limited per client address (a flood of bogus keys
-  gets 429); the bucket maps stay under their cap however many clients there are (127.0.0.0/8
-  is all loopback on Linux: each test client binds its own source address)."""
+  gets 429), and a valid key from that address is not; the bucket maps stay under their cap
+  however many clients there are (127.0.0.0/8 is all loopback on Linux: each test client binds
+  its own source address);
+- X-Forwarded-For is honoured only from the proxies in CANARY_FORWARDED_ALLOW_IPS (none by
+  default, loopback included)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
 import socket
+import threading
 import time
 
 import httpx
@@ -172,3 +180,194 @@ def test_the_bucket_maps_stay_under_their_cap(tmp_path):
         print(f"\n{len(addresses)} client addresses, a request without a key and one with a bogus key each: "
               f"buckets held {got['requests'][0]:.0f} (requests) and {got['auth_failures'][0]:.0f} (failed auth), cap 50")
         assert got == {"requests": (50, 50), "auth_failures": (50, 50)}
+
+
+class Tricklers:
+    """Raw connections that send a POST's headers (Content-Length `declared`) and then one byte of
+    the body every `every` seconds, from a background thread, until the server answers or closes.
+    `answers[i]` is (seconds from connecting to the answer, status, body), or None."""
+
+    def __init__(self, base: str, path: str, n: int, declared: int = 1000, every: float = 2.0, auth: str | None = None):
+        host, port = base.removeprefix("http://").split(":")
+        self.socks, self.opened = [], []
+        for _ in range(n):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            head += f"Authorization: {auth}\r\n" if auth else ""
+            sock.sendall((head + f"Content-Length: {declared}\r\n\r\n{{").encode())
+            self.socks.append(sock)
+            self.opened.append(time.monotonic())
+        self.answers: list[tuple[float, int, bytes] | None] = [None] * n
+        self.raw = [b""] * n
+        self.every, self.stop = every, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        next_byte = time.monotonic() + self.every
+        while not self.stop.is_set() and any(a is None for a in self.answers):
+            open_ = [s for i, s in enumerate(self.socks) if self.answers[i] is None]
+            for sock in select.select(open_, [], [], 0.05)[0]:
+                i = self.socks.index(sock)
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    data = b""
+                self.raw[i] += data
+                head, sep, body = self.raw[i].partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                if not data or (sep and length and len(body) >= int(length.group(1))):
+                    status = int(self.raw[i].split(b" ", 2)[1]) if self.raw[i].startswith(b"HTTP/1.1 ") else 0
+                    self.answers[i] = (time.monotonic() - self.opened[i], status, body)
+            if time.monotonic() >= next_byte:
+                for i, sock in enumerate(self.socks):
+                    if self.answers[i] is None:
+                        try:
+                            sock.sendall(b" ")
+                        except OSError:
+                            pass
+                next_byte += self.every
+
+    def wait(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for sock in self.socks:
+            sock.close()
+
+
+def timed_get(url: str, **kwargs) -> tuple[float, int]:
+    """(seconds, status) of one GET on a fresh connection; (inf, 0) when no answer came in 5 s."""
+    start = time.monotonic()
+    try:
+        status = httpx.get(url, timeout=5, **kwargs).status_code
+    except httpx.TimeoutException:
+        return float("inf"), 0
+    return time.monotonic() - start, status
+
+
+def test_clients_trickling_a_body_take_no_place_in_the_api_and_get_408_at_the_deadline(tmp_path):
+    # H2 (docs/security-round3 H2): api_threads + 2 keyless connections that trickle a body took
+    # every in-flight place before their bodies arrived; /healthz and every tenant got no answer
+    from app.settings import Settings
+
+    threads = Settings.model_fields["api_threads"].default
+    env = production_env(tmp_path, CANARY_BODY_TIMEOUT_SECONDS="8")
+    r = cli(env, "keys", "create", "--project", "beta", "--read-only")
+    assert r.returncode == 0, r.stderr
+    beta = {"Authorization": f"Bearer {r.stdout.strip()}"}
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        assert httpx.get(base + "/api/v1/projects/beta/models", headers=beta).status_code == 200  # warm
+        attack = Tricklers(base, "/api/v1/projects/alpha/models", threads + 2, every=3.0)
+        try:
+            time.sleep(1.5)  # every trickler is in, a byte or so of its body sent
+            health = timed_get(base + "/healthz")
+            tenant = timed_get(base + "/api/v1/projects/beta/models", headers=beta)
+            said = [f"{code} in {took * 1000:.0f} ms" if code else "no answer in 5 s" for took, code in (health, tenant)]
+            print(f"\n{threads + 2} connections trickling a body (1 byte / 3 s), no key: /healthz {said[0]}, "
+                  f"another tenant's GET {said[1]}")
+            assert health[1] == 200 and health[0] < 1
+            assert tenant[1] == 200 and tenant[0] < 1
+            assert all(a is None for a in attack.answers)  # still trickling: the answers came while they hold sockets
+            attack.wait(15)
+            answers = attack.answers
+        finally:
+            attack.close()
+        print(f"the trickling connections' answers: {sorted((round(a[0], 1), a[1]) for a in answers if a)}")
+        assert all(a is not None and a[1] == 408 and 8 <= a[0] < 12 for a in answers), answers
+        detail = json.loads(answers[0][2])["detail"]
+        assert "request body not received within the deadline of 8 s" in detail
+        assert "CANARY_BODY_TIMEOUT_SECONDS" in detail
+        assert httpx.get(base + "/healthz").status_code == 200
+
+
+def test_the_body_deadline_holds_for_requests_with_a_key_too(tmp_path):
+    env = production_env(tmp_path, CANARY_BODY_TIMEOUT_SECONDS="2")
+    r = cli(env, "keys", "create", "--project", "beta")
+    assert r.returncode == 0, r.stderr
+    key = r.stdout.strip()
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        with_key = Tricklers(base, "/api/v1/projects/beta/models", 2, every=1.0, auth=f"Bearer {key}")
+        keyless = Tricklers(base, "/api/v1/projects/beta/models", 1, every=1.0)
+        try:
+            with_key.wait(8)
+            keyless.wait(8)
+        finally:
+            with_key.close()
+            keyless.close()
+        answers = with_key.answers + keyless.answers
+        print(f"\ndeadline 2 s, 1 byte / s: answers {[(round(a[0], 1), a[1]) for a in answers if a]}")
+        assert all(a is not None and a[1] == 408 and 2 <= a[0] < 4 for a in answers), answers
+        assert "deadline of 2 s" in json.loads(answers[0][2])["detail"]
+        # the deadline is for the whole body, not per read: a body in pieces that all arrive in time passes
+        host, port = base.removeprefix("http://").split(":")
+        body = json.dumps({"name": "m", "path": "builtin:pydoc-target"}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST /api/v1/projects/beta/models HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            for piece in (body[:10], body[10:20], body[20:]):
+                sock.sendall(piece)
+                time.sleep(0.5)
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 201"), answer[:300]
+
+
+def test_bad_keys_from_an_address_do_not_lock_out_a_valid_key_from_it(tmp_path):
+    # L2: the failed-authentication bucket is taken from only by requests that fail authentication
+    env = production_env(tmp_path, CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE="10")
+    r = cli(env, "keys", "create", "--project", "p")
+    assert r.returncode == 0, r.stderr
+    key = r.stdout.strip()
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        with client_from(base, "127.0.0.6") as c:
+            bogus = [c.get("/api/v1/projects", headers={"Authorization": f"Bearer cnry_bogus{i}"}).status_code
+                     for i in range(20)]
+            assert bogus == [401] * 10 + [429] * 10
+            assert c.get("/api/v1/projects").status_code == 429  # no key: a failure too
+            valid = [c.get("/api/v1/projects", headers={"Authorization": f"Bearer {key}"}).status_code for _ in range(10)]
+            metrics = c.get("/metrics", headers={"Authorization": f"Bearer {key}"}).status_code  # not a metrics key
+            again = c.get("/api/v1/projects", headers={"Authorization": "Bearer cnry_bogus"}).status_code
+        print(f"\none address: 20 bad keys -> {bogus.count(401)} x 401, {bogus.count(429)} x 429; then a valid key: {valid}")
+        assert valid == [200] * 10
+        assert metrics == 403  # looked up and refused for its scope, not limited
+        assert again == 429  # and the bad keys are still limited
+
+
+def xff_codes(base: str, n: int) -> list[int]:
+    """n bad-key requests from 127.0.0.1, each with a random X-Forwarded-For."""
+    codes = []
+    for i in range(n):
+        forwarded = f"203.0.113.{i % 250 + 1}, 198.51.100.{(i * 7) % 250 + 1}"
+        codes.append(httpx.get(base + "/api/v1/projects", headers={"Authorization": f"Bearer cnry_bogus{i}",
+                                                                    "X-Forwarded-For": forwarded}).status_code)
+    return codes
+
+
+def test_x_forwarded_for_is_not_trusted_from_loopback_by_default(tmp_path):
+    # L3: uvicorn trusts X-Forwarded-For from 127.0.0.1 unless told otherwise: any local client
+    # (a sidecar, a local TCP proxy) could pick a fresh address per request
+    env = production_env(tmp_path, CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE="10")
+    env.pop("FORWARDED_ALLOW_IPS", None)
+    env.pop("CANARY_FORWARDED_ALLOW_IPS", None)
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        codes = xff_codes(base, 30)
+    print(f"\ndefault, 30 bad keys with a random X-Forwarded-For: {codes.count(401)} x 401, {codes.count(429)} x 429")
+    assert codes == [401] * 10 + [429] * 20
+
+
+def test_x_forwarded_for_is_honoured_from_the_proxies_named(tmp_path):
+    env = production_env(tmp_path, CANARY_RATE_LIMIT_AUTH_FAILURES_PER_MINUTE="10",
+                         CANARY_FORWARDED_ALLOW_IPS="127.0.0.1")
+    env.pop("FORWARDED_ALLOW_IPS", None)
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        codes = xff_codes(base, 30)
+        # another address is no proxy: its X-Forwarded-For is ignored
+        with client_from(base, "127.0.0.7") as c:
+            other = [c.get("/api/v1/projects", headers={"Authorization": f"Bearer cnry_b{i}",
+                                                        "X-Forwarded-For": f"192.0.2.{i + 1}"}).status_code for i in range(12)]
+    print(f"\nCANARY_FORWARDED_ALLOW_IPS=127.0.0.1, 30 bad keys with a random X-Forwarded-For: {codes.count(401)} x 401; "
+          f"from 127.0.0.7: {other}")
+    assert codes == [401] * 30  # each forwarded client address has its own failure bucket
+    assert other == [401] * 10 + [429] * 2
