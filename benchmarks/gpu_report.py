@@ -54,11 +54,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for <section>.json (default benchmarks/results/gpu; out/gpu-smoke with --smoke)")
     ap.add_argument("--section-timeout", type=float, default=None,
-                    help="seconds one section may run before it is stopped and its JSON says so (default: no limit)")
+                    help="seconds a section may run before it is stopped, its JSON saying so (default: none)")
     ap.add_argument("--tests", nargs="+", default=None,
-                    help="what the tests section passes to pytest (default tests/kernels; a small file set with --smoke)")
+                    help="what the tests section gives pytest (default tests/kernels; two small files with --smoke)")
     ap.add_argument("--device", default="cuda", help="passed to benchmarks/kernels.py (cpu needs --smoke)")
-    ap.add_argument("--smoke", action="store_true", help="passed to benchmarks/kernels.py: tiny shapes, measures nothing")
+    ap.add_argument("--smoke", action="store_true", help="to benchmarks/kernels.py: tiny shapes, measures nothing")
     args, rest = ap.parse_known_args(argv)
     sections = list(SECTIONS) if "all" in args.section else list(dict.fromkeys(args.section))
     args.section = sections
@@ -109,7 +109,8 @@ def kernel_tests(args) -> dict:
     if timed_out:
         res["error"] = f"stopped after {args.section_timeout:g} s (--section-timeout)"
     if not xml.exists():
-        return {**res, "error": res.get("error", "pytest wrote no JUnit XML"), "output_tail": deque(out.splitlines(), 40)}
+        return {**res, "error": res.get("error", "pytest wrote no JUnit XML"),
+                "output_tail": list(deque(out.splitlines(), 40))}
     root = ET.parse(xml).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
