@@ -38,15 +38,41 @@ def rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
     return out_rot @ rot
 
 
-def two_tier_attention(q, k, v, kq, vq, mask, ck, cv) -> torch.Tensor:
+SCORE_BYTES = 1 << 30  # the fp32 scores of one query chunk, [B, H, chunk, S], stay within 1 GiB
+
+
+def query_chunk(rows: int, S: int) -> int:
+    """Queries per chunk so that fp32 scores over S slots for `rows` (= B·H) query heads stay
+    within SCORE_BYTES (a multiple of 16, at least 16): 256 for an 8B model (32 heads) at 32K,
+    64 at 128K. Prefill memory is then O(chunk × S), not O(T × S)."""
+    return max(16, SCORE_BYTES // (4 * rows * max(S, 1)) // 16 * 16)
+
+
+def two_tier_attention(q, k, v, kq, vq, mask, ck, cv, chunk: int | None = None) -> torch.Tensor:
     """Scores read compressed keys where ck, values mix compressed values where cv.
-    k, v: raw and kq, vq: dequantized [B, Hkv, S, D]; mask, ck, cv: [B, 1, T, S]."""
+    q: [B, H, T, D]; k, v: raw and kq, vq: dequantized [B, Hkv, S, D]; mask, ck, cv: [B, 1, T, S].
+    The G = H/Hkv query heads of a kv head broadcast against it ([B, Hkv, G, T, D] · [B, Hkv, 1, S, D]),
+    so K and V are never copied per query head; queries run `chunk` at a time (default:
+    query_chunk), so the scores held are [B, Hkv, G, chunk, S], not [B, H, T, S]."""
     B, H, T, D = q.shape
-    g = H // k.shape[1]
-    k, v, kq, vq = (x.repeat_interleave(g, dim=1) for x in (k, v, kq, vq))  # [B, H, S, D]
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    chunk = chunk or query_chunk(B * H, S)
+    qg = q.reshape(B, Hkv, G, T, D)  # query head h = kv head h // G, then group member h % G
+    k, v, kq, vq = (x[:, :, None] for x in (k, v, kq, vq))  # [B, Hkv, 1, S, D]
     scale = 1.0 / D**0.5
-    s_raw = (q @ k.transpose(-1, -2)) * scale
-    s_cmp = (q @ kq.transpose(-1, -2)) * scale
-    scores = torch.where(ck, s_cmp, s_raw).float().masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
-    return (p * cv) @ vq + (p * ~cv) @ v
+    outs = []
+    for t0 in range(0, T, chunk):
+        def rows(m, t0=t0):  # [B, 1, T, S] → this chunk's rows as [B, 1, 1, C, S] (a 1-row mask broadcasts)
+            return (m if m.shape[-2] == 1 else m[:, :, t0 : t0 + chunk])[:, :, None]
+
+        m, ckc, cvc = rows(mask), rows(ck), rows(cv)
+        qc = qg[:, :, :, t0 : t0 + chunk]  # [B, Hkv, G, C, D]
+        s_raw = (qc @ k.transpose(-1, -2)) * scale
+        s_cmp = (qc @ kq.transpose(-1, -2)) * scale
+        scores = torch.where(ckc, s_cmp, s_raw).float().masked_fill(~m, float("-inf"))
+        del s_raw, s_cmp
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        del scores
+        outs.append((p * cvc) @ vq + (p * ~cvc) @ v)  # [B, Hkv, G, C, D]
+    return torch.cat(outs, dim=3).reshape(B, H, T, D)

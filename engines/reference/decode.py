@@ -4,7 +4,9 @@
   whole static cache under a mask computed on the device from the slot index, so every step has
   the same shapes and allocates nothing the host has to wait for.
 - Prefill without left padding and with a lossless cache runs causal SDPA (flash or memory-
-  efficient) on the new keys with no mask; with padding, a mask as wide as the prompt.
+  efficient) on the new keys with no mask; with padding or a lossy format, queries run a chunk
+  at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt never
+  holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk).
 - On CUDA the decode step is captured once as a CUDA graph and replayed (REFERENCE.md §12: eager
   decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
   before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
@@ -24,6 +26,7 @@ from typing import cast
 
 import torch
 
+from engines.reference.attention import query_chunk
 from engines.reference.cache import KVCache
 from engines.reference.kv import KVFormat
 
@@ -52,9 +55,11 @@ class Decoder:
     model: a fused engines.reference.model.Transformer; fmt: the KV format; slots: prompt width +
     new tokens. graphs: capture the decode step as a CUDA graph (default: on CUDA)."""
 
-    def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None):
+    def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None,
+                 prefill_chunk: int | None = None):
         a = model.args
         self.model, self.fmt, self.batch, self.slots = model, fmt, batch, slots
+        self.prefill_chunk = prefill_chunk  # queries per masked prefill pass (default: attention.query_chunk)
         self.device = torch.device(device)
         self.cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, dtype, self.device, fmt)
         self.j = torch.arange(slots, device=self.device)  # [S] slot ids
@@ -108,16 +113,24 @@ class Decoder:
         elif pad is not None:
             raise ValueError("prefill: the padding differs from the one the decode step was captured with (prepare)")
         self.cache.seq_start = self.pad.clone()
-        slots = self.j[:P]
-        pos = (slots[None, :] - self.pad[:, None]).clamp(min=0)  # [B, P]
-        mask = None  # causal over the new tokens
-        if self.cache.left_padded or self.fmt.lossy:
-            # key j visible to query t iff pad_b ≤ j ≤ t (a padded query sees only itself)
-            jj, tt = slots[None, None, :], slots[None, :, None]
-            mask = ((jj <= tt) & (jj >= self.pad[:, None, None])) | (jj == tt)  # [B, P, P]
-            mask = mask[:, None]
+        pos = (self.j[None, :P] - self.pad[:, None]).clamp(min=0)  # [B, P]
         with _sdpa_backends(self.device):
-            logits = self.model(ids, pos, slots, self.cache, mask, last_only=True)[:, -1]
+            if not (self.cache.left_padded or self.fmt.lossy):  # causal flash / memory-efficient SDPA, no mask
+                logits = self.model(ids, pos, self.j[:P], self.cache, None, last_only=True)[:, -1]
+            else:
+                # a mask is needed: queries go `chunk` at a time over the slots written so far,
+                # so the mask [B, 1, C, S] and the scores stay O(chunk × P), never O(P²)
+                chunk = self.prefill_chunk or query_chunk(self.batch * self.model.args.n_heads, P)
+                bounds = list(range(0, P, chunk))
+                if len(bounds) > 1 and P - bounds[-1] == 1:
+                    bounds.pop()  # no 1-token chunk: the cache would take it for a decode step
+                for t0, t1 in zip(bounds, [*bounds[1:], P], strict=True):
+                    slots = self.j[t0:t1]
+                    # key j visible to query t iff pad_b ≤ j ≤ t (a padded query sees only itself)
+                    jj, tt = self.j[None, None, :t1], slots[None, :, None]
+                    mask = ((jj <= tt) & (jj >= self.pad[:, None, None])) | (jj == tt)  # [B, C, t1]
+                    logits = self.model(ids[:, t0:t1], pos[:, t0:t1], slots, self.cache, mask[:, None],
+                                        last_only=True)[:, -1]
         self.slot.fill_(P)
         self.next_slot = P
         return logits
