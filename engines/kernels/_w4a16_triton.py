@@ -2,6 +2,8 @@
 Imported only when a kernel runs. On CUDA the launchers wrap them in @triton.autotune over the
 configurations below (Hopper-sized tiles); the interpreter runs one fixed small configuration."""
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -23,10 +25,12 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP: tl.constexpr):
 
 
 @triton.jit
-def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
+def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET,
                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 FP32: tl.constexpr):
-    # prefill: tensor-core dots over [BLOCK_M, BLOCK_K] × [BLOCK_K, BLOCK_N] tiles
+    # prefill: tensor-core dots over [BLOCK_M, BLOCK_K] × [BLOCK_K, BLOCK_N] tiles. M_BUCKET
+    # (M rounded up to a power of two) is read by the autotuner's key only: a new prompt length
+    # reuses its bucket's tuned tiles instead of timing every configuration again (inside TTFT)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,13 +120,21 @@ def gemv_configs():
 _autotuned: dict[str, object] = {}
 
 
+def m_bucket(M: int) -> int:
+    """The autotuning bucket of a prefill of M rows: the next power of two."""
+    return 1 << (M - 1).bit_length()
+
+
 def autotuned(name: str):
-    """The kernel wrapped in @triton.autotune (CUDA only: the tuner times configs on the device).
-    The gemv's split-K accumulates into y, so the tuner zeroes y before each trial."""
+    """The kernel wrapped in @triton.autotune (CUDA only: the tuner times configs on the device),
+    keyed on M's bucket (the gemm: M_BUCKET; the gemv: M_PAD), never on the exact M. The gemv's
+    split-K accumulates into y, so the tuner zeroes y before each trial. Where this Triton can,
+    the timings are cached on disk too, so a new process does not tune again."""
     if name not in _autotuned:
+        extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
         if name == "gemm":
-            _autotuned[name] = triton.autotune(gemm_configs(), key=["M", "N", "K"])(gemm_kernel)
+            _autotuned[name] = triton.autotune(gemm_configs(), key=["M_BUCKET", "N", "K"], **extra)(gemm_kernel)
         else:
             _autotuned[name] = triton.autotune(gemv_configs(), key=["M_PAD", "N", "K"],
-                                               reset_to_zero=["y_ptr"])(gemv_kernel)
+                                               reset_to_zero=["y_ptr"], **extra)(gemv_kernel)
     return _autotuned[name]

@@ -29,8 +29,8 @@ GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill
 
 def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
                  tune: bool | None = None) -> torch.Tensor:
-    """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M, N, K); without it
-    (the interpreter) a fixed small configuration runs."""
+    """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M's power-of-two
+    bucket, N, K); without it (the interpreter) a fixed small configuration runs."""
     from engines.kernels import _w4a16_triton as k
 
     M, K = x.shape
@@ -57,9 +57,9 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     fp32 = x.dtype == torch.float32
     if tune:
         grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]), triton_cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        k.autotuned("gemm")[grid](x, *args, y, M, N, K, GROUP=group_size, FP32=fp32)
+        k.autotuned("gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size, FP32=fp32)
     else:
-        k.gemm_kernel[(triton_cdiv(M, 16), triton_cdiv(N, 32))](x, *args, y, M, N, K, GROUP=group_size,
+        k.gemm_kernel[(triton_cdiv(M, 16), triton_cdiv(N, 32))](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
                                                                  BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, FP32=fp32)
     return y
 

@@ -1,0 +1,56 @@
+"""The int4 prefill GEMM autotunes once per power-of-two bucket of M, not once per prompt length:
+on CUDA each tuning times 7 configurations (~3-4 s over the 4 linear shapes), and it happens
+inside the TTFT of the request that brings a new length. Here the autotuner runs under the
+Triton interpreter with its timing stubbed (no device) and each configuration timing is counted."""
+
+import pytest
+import torch
+from triton.runtime.autotuner import Autotuner
+
+from engines.kernels import _w4a16_triton as k
+from engines.kernels.w4a16 import w4a16_reference, w4a16_triton
+from engines.quant import pack_awq_gemm, quantize_groupwise
+
+
+@pytest.fixture
+def timed_configs(monkeypatch):
+    """Counts the autotuner's configuration timings; the first configuration (the smallest
+    tiles, the interpreter's quickest) always wins."""
+    runs = []
+
+    def fake_bench(self, *args, config, **meta):
+        runs.append((self.fn.__name__, tuple(sorted(config.kwargs.items()))))
+        return [float(self.configs.index(config)), 0.0, 0.0]
+
+    monkeypatch.setattr(Autotuner, "_bench", fake_bench)
+    monkeypatch.setattr(k, "_autotuned", {})  # a fresh tuner (an empty cache) for this test
+    return runs
+
+
+def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs):
+    K, N = 128, 64
+    g = torch.Generator().manual_seed(0)
+    q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
+    qw, qz, sc = pack_awq_gemm(q, z, s)
+    lengths = range(17, 41)  # 24 prompt lengths: buckets 32 (17-32) and 64 (33-40)
+    for M in lengths:
+        x = torch.randn(M, K, generator=g)
+        y = w4a16_triton(x, qw, qz, sc, tune=True)
+        torch.testing.assert_close(y, w4a16_reference(x, qw, qz, sc), rtol=1e-4, atol=1e-4)
+    per_tuning = len(k.gemm_configs())
+    buckets = {k.m_bucket(M) for M in lengths}
+    assert buckets == {32, 64}
+    # at most one tuning per bucket (keyed on the exact M it was 24 tunings: 168 timings)
+    assert len(timed_configs) == per_tuning * len(buckets), len(timed_configs)
+
+
+def test_decode_batches_tune_once_per_padded_batch(timed_configs):
+    K, N = 128, 64
+    g = torch.Generator().manual_seed(1)
+    q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
+    qw, qz, sc = pack_awq_gemm(q, z, s)
+    for M in (1, 2, 3, 4, 16):  # M_PAD 1, 2, 4, 4, 16
+        x = torch.randn(M, K, generator=g)
+        torch.testing.assert_close(w4a16_triton(x, qw, qz, sc, tune=True), w4a16_reference(x, qw, qz, sc),
+                                   rtol=1e-4, atol=1e-4)
+    assert len(timed_configs) == len(k.gemv_configs()) * 4
