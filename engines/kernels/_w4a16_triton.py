@@ -32,7 +32,9 @@ def gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET,
     # (M rounded up to a power of two) is read by the autotuner's key only: a new prompt length
     # reuses its bucket's tuned tiles instead of timing every configuration again (inside TTFT)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # rows in int64: the row offsets rm·K and rm·N pass 2³¹ in a long prefill (gate_up, N = 28672,
+    # from M ≈ 75K tokens), where int32 offsets wrap
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

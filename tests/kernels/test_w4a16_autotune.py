@@ -54,3 +54,27 @@ def test_decode_batches_tune_once_per_padded_batch(timed_configs):
         torch.testing.assert_close(w4a16_triton(x, qw, qz, sc, tune=True), w4a16_reference(x, qw, qz, sc),
                                    rtol=1e-4, atol=1e-4)
     assert len(timed_configs) == len(k.gemv_configs()) * 4
+
+
+def test_prefill_gemm_row_offsets_are_int64():
+    """Static: the GEMM addresses x and y at rm·K and rm·N, which pass 2³¹ within the contexts an
+    8B model allows (gate_up N = 28672 at 128K tokens: 3.8·10⁹), so its row index must be int64
+    before it is multiplied (an int32 product wraps and reads or writes out of bounds)."""
+    import ast
+    import inspect
+    import textwrap
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N
+    longest = 131072
+    assert max(longest * max(K, N) for K, N in shapes.values()) >= 2**31  # int32 is not enough
+    fn = k.gemm_kernel.fn if hasattr(k.gemm_kernel, "fn") else k.gemm_kernel
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    rm = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+          and any(isinstance(t, ast.Name) and t.id == "rm" for t in n.targets)]
+    assert len(rm) == 1, "gemm_kernel assigns its row index rm once"
+    cast = rm[0]
+    assert (isinstance(cast, ast.Call) and isinstance(cast.func, ast.Attribute) and cast.func.attr == "to"
+            and ast.unparse(cast.args[0]) == "tl.int64"), f"rm = {ast.unparse(cast)}: cast it .to(tl.int64)"
+    # every x / y address is built from rm (so from the int64 index), never from pid_m directly
+    src = ast.unparse(tree)
+    assert "pid_m * BLOCK_M" in ast.unparse(cast) and src.count("pid_m") == 2, src
