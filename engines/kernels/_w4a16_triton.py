@@ -120,6 +120,7 @@ def gemv_configs():
 
 
 _autotuned: dict[str, object] = {}
+CACHE_TUNING = True  # keep tuned configurations on disk (Triton's cache_results) where this Triton can
 
 
 def m_bucket(M: int) -> int:
@@ -133,7 +134,8 @@ def autotuned(name: str):
     split-K accumulates into y, so the tuner zeroes y before each trial. Where this Triton can,
     the timings are cached on disk too, so a new process does not tune again."""
     if name not in _autotuned:
-        extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+        can = "cache_results" in inspect.signature(triton.autotune).parameters
+        extra = {"cache_results": True} if CACHE_TUNING and can else {}
         if name == "gemm":
             _autotuned[name] = triton.autotune(gemm_configs(), key=["M_BUCKET", "N", "K"], **extra)(gemm_kernel)
         else:

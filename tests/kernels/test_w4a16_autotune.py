@@ -1,7 +1,7 @@
 """The int4 prefill GEMM autotunes once per power-of-two bucket of M, not once per prompt length:
 on CUDA each tuning times 7 configurations (~3-4 s over the 4 linear shapes), and it happens
-inside the TTFT of the request that brings a new length. Here the autotuner runs under the
-Triton interpreter with its timing stubbed (no device) and each configuration timing is counted."""
+inside the TTFT of the request that brings a new length. Here the autotuner runs (on the Triton
+interpreter without CUDA) with its timing stubbed, and each configuration it would time is counted."""
 
 import pytest
 import torch
@@ -24,17 +24,18 @@ def timed_configs(monkeypatch):
 
     monkeypatch.setattr(Autotuner, "_bench", fake_bench)
     monkeypatch.setattr(k, "_autotuned", {})  # a fresh tuner (an empty cache) for this test
+    monkeypatch.setattr(k, "CACHE_TUNING", False)  # on CUDA: no stubbed timings read from or left on disk
     return runs
 
 
-def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs):
+def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs, device):
     K, N = 128, 64
     g = torch.Generator().manual_seed(0)
     q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
-    qw, qz, sc = pack_awq_gemm(q, z, s)
+    qw, qz, sc = (t.to(device) for t in pack_awq_gemm(q, z, s))
     lengths = range(17, 41)  # 24 prompt lengths: buckets 32 (17-32) and 64 (33-40)
     for M in lengths:
-        x = torch.randn(M, K, generator=g)
+        x = torch.randn(M, K, generator=g).to(device)
         y = w4a16_triton(x, qw, qz, sc, tune=True)
         torch.testing.assert_close(y, w4a16_reference(x, qw, qz, sc), rtol=1e-4, atol=1e-4)
     per_tuning = len(k.gemm_configs())
@@ -44,13 +45,13 @@ def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs):
     assert len(timed_configs) == per_tuning * len(buckets), len(timed_configs)
 
 
-def test_decode_batches_tune_once_per_padded_batch(timed_configs):
+def test_decode_batches_tune_once_per_padded_batch(timed_configs, device):
     K, N = 128, 64
     g = torch.Generator().manual_seed(1)
     q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
-    qw, qz, sc = pack_awq_gemm(q, z, s)
+    qw, qz, sc = (t.to(device) for t in pack_awq_gemm(q, z, s))
     for M in (1, 2, 3, 4, 16):  # M_PAD 1, 2, 4, 4, 16
-        x = torch.randn(M, K, generator=g)
+        x = torch.randn(M, K, generator=g).to(device)
         torch.testing.assert_close(w4a16_triton(x, qw, qz, sc, tune=True), w4a16_reference(x, qw, qz, sc),
                                    rtol=1e-4, atol=1e-4)
     assert len(timed_configs) == len(k.gemv_configs()) * 4
