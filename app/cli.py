@@ -481,8 +481,9 @@ def serve(host: str = "127.0.0.1", port: int = 8000,
 
 @app.command()
 def worker(
-    queues: str = typer.Option("gpu,cpu,default",
-                               help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default"),
+    queues: str = typer.Option("gpu,cpu,default,notify",
+                               help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default, the "
+                                    "notifier (with the beat) default,notify"),
     concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
     beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
     beat_schedule: str | None = typer.Option(None, help="with --beat: the file where beat keeps its last run times "

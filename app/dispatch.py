@@ -37,8 +37,10 @@ TICK_SCHEDULES = "canary.tick_schedules"
 REFRESH_ALERTS = "canary.refresh_alerts"
 WARM_UP = "canary.warm_up"  # the embedded server imports the engine stack at start (workers/tasks.py)
 # GPU work on its own queue (one process per GPU, prefetch 1); judges and bookkeeping on CPU queues.
-TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "default",
-               TICK_SCHEDULES: "default", REFRESH_ALERTS: "default", WARM_UP: "gpu"}
+TASK_QUEUES = {EXECUTE_CONFIG_RUN: "gpu", AGGREGATE_RUN: "cpu", RECONCILE: "default", NOTIFY: "notify",
+               TICK_SCHEDULES: "default", REFRESH_ALERTS: "notify", WARM_UP: "gpu"}
+# `notify` is a queue of its own: a receiver that answers slowly holds only the notifier, never the
+# worker that aggregates runs and decides gates
 TASKS_ENTRY_POINT = "inference_canary.tasks"  # group; entry "inline" → {task name: function}
 ENQUEUED_AT_HEADER = "canary_enqueued_at"  # wall-clock seconds (time.time()) when the task was sent
 PRIORITY_STEPS = [0, 3, 6, 9]  # kombu's Redis default, set explicitly on the worker (workers/celery_app.py)

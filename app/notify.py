@@ -7,28 +7,39 @@ disables the channel (its webhook was deleted). After max_attempts a row is dead
 channel are paced (Slack ≈ 1/s, Teams ≤ 4/s). Nothing is lost while a receiver is down: the row
 stays pending with its next attempt time, and the next pass (beat, or the embedded reconciler)
 picks it up.
+
+A receiver cannot hold a worker (security round 3, H3 and M1): each POST has a total deadline
+(CANARY_NOTIFY_TIMEOUT_SECONDS, connect to last byte, whatever the receiver trickles), at most
+REPLY_BYTES of its reply are read, the next attempt counts from the end of this one, and the
+tasks that deliver run on their own queue (`notify`), never on the one that aggregates and gates.
+Text from the receiver is escaped before it is stored or logged (no forged log lines).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import random
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.channels import alertmanager, discord, slack, teams, webhook
-from app.models import Channel, Notification, aware, utcnow
+from app.models import Channel, Notification, Project, aware, utcnow
 from app.ssrf import (
     ENV_REF,
-    PinnedTransport,
+    AsyncPinnedTransport,
     SecretNotAllowed,
     UnsafeURL,
     check_secret_name,
@@ -40,20 +51,66 @@ MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhoo
 MAX_ATTEMPTS = 8
 BACKOFF_S = 2.0
 MAX_BACKOFF_S = 600.0
+REPLY_BYTES = 4096  # of a receiver's reply read at most: its status and the start of its answer
+Transport = Callable[[], httpx.AsyncBaseTransport]
+
+
+@dataclass(frozen=True)
+class Reply:
+    status_code: int
+    text: str  # at most REPLY_BYTES of the body, decoded leniently
+    headers: httpx.Headers
+
+
+def printable(text: str) -> str:
+    """Remote text as one line: control characters (a newline that would start a forged log line)
+    escaped."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+async def _post(url: str, body: bytes, headers: dict[str, str], deadline_s: float, transport: Transport) -> Reply:
+    # identity: the reply's bytes are what is read, never a compressed body expanded
+    async with httpx.AsyncClient(timeout=httpx.Timeout(deadline_s), follow_redirects=False,
+                                 transport=transport()) as client:
+        async with client.stream("POST", url, content=body,
+                                 headers={**headers, "Accept-Encoding": "identity"}) as r:
+            got = bytearray()
+            async for chunk in r.aiter_raw():
+                got += chunk
+                if len(got) >= REPLY_BYTES:
+                    break
+            return Reply(r.status_code, bytes(got[:REPLY_BYTES]).decode("utf-8", "replace"), r.headers)
+
+
+def _run(coro: Coroutine[Any, Any, Reply]) -> Reply:
+    """The coroutine to its end on a loop of its own (a thread of its own where this thread already
+    runs one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def send(url: str, body: bytes, headers: dict[str, str], deadline_s: float, transport: Transport) -> Reply:
+    """One POST, connect to last byte read within deadline_s (TimeoutError past it), whatever the
+    receiver trickles; at most REPLY_BYTES of the reply read."""
+    return _run(asyncio.wait_for(_post(url, body, headers, deadline_s, transport), deadline_s))
 
 
 class ChannelConfigError(ValueError):
     pass
 
 
-def resolve(value: str, channel: str, field: str) -> str:
+def resolve(value: str, channel: str, field: str, project: str | None = None) -> str:
     """A literal, or ${ENV_VAR} read at send time (the secret stays out of the database) — only
     from a variable on the operator's secret allow-list (SecretNotAllowed otherwise, also for
     rows stored before the allow-list existed)."""
     m = ENV_REF.fullmatch(value or "")
     if not m:
         return value
-    got = os.environ.get(check_secret_name(m.group(1), f"channel '{channel}': {field}"))
+    got = os.environ.get(check_secret_name(m.group(1), f"channel '{channel}': {field}", project))
     if not got:
         raise ChannelConfigError(f"channel '{channel}': {field} refers to ${{{m.group(1)}}}, which is not set in the "
                                  "worker's environment")
@@ -73,12 +130,15 @@ def retry_after_s(r: httpx.Response) -> float | None:
             return None
 
 
-def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, float | None, str]:
-    """One attempt: ("sent" | "retry" | "dead" | "disable", retry-after seconds, what happened)."""
+def post(channel: Channel, n: Notification, project: str | None = None, deadline_s: float = 15.0,
+         transport: Transport | None = None) -> tuple[str, float | None, str]:
+    """One attempt: ("sent" | "retry" | "dead" | "disable", retry-after seconds, what happened).
+    `project`: the channel's project, whose secrets its ${VAR}s may name; `transport`: the
+    client's (by default one that checks the URL again and connects to the address it checked)."""
     mod = MODULES[channel.kind]
     try:
-        url = resolve(channel.url, channel.name, "url")
-        secret = resolve((channel.settings or {}).get("signing_secret", ""), channel.name, "signing_secret")
+        url = resolve(channel.url, channel.name, "url", project)
+        secret = resolve((channel.settings or {}).get("signing_secret", ""), channel.name, "signing_secret", project)
     except ChannelConfigError as e:
         return "retry", None, str(e)  # an operator can set the variable; the row waits
     except SecretNotAllowed as e:
@@ -93,16 +153,16 @@ def post(http: httpx.Client, channel: Channel, n: Notification) -> tuple[str, fl
     if channel.kind == "webhook" and secret:
         headers[webhook.SIGNATURE_HEADER] = webhook.signature(secret, body)
     try:
-        r = http.post(url, content=body, headers=headers)
+        r = send(url, body, headers, deadline_s, transport or (lambda: AsyncPinnedTransport("channel url")))
     except UnsafeURL as e:  # the pinned transport's own check, at connect time
         return "dead", None, f"refused: {e}"
-    except httpx.TimeoutException:
-        return "retry", None, "timed out"
+    except (httpx.TimeoutException, TimeoutError):
+        return "retry", None, f"timed out (no whole answer within {deadline_s:g} s)"
     except httpx.HTTPError as e:
         return "retry", None, f"unreachable ({type(e).__name__})"
     if mod.succeeded(r.status_code, r.text):
         return "sent", None, f"HTTP {r.status_code}"
-    what = f"HTTP {r.status_code}: {r.text[:200]}"
+    what = f"HTTP {r.status_code}: {printable(r.text[:200])}"
     if r.status_code == 429 or r.status_code >= 500:
         return "retry", retry_after_s(r), what
     if r.status_code in getattr(mod, "DISABLE_ON", ()):
@@ -114,11 +174,16 @@ def backoff_s(attempts: int) -> float:
     return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
 
 
-def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Client | None = None,
-                sleep: Callable[[float], None] = time.sleep, max_attempts: int = MAX_ATTEMPTS,
-                limit: int = 500) -> dict[str, int]:
-    """Post every due pending notification once; returns counts by outcome."""
+def deliver_due(session: Session, *, now: datetime | None = None, transport: Transport | None = None,
+                deadline_s: float | None = None, sleep: Callable[[float], None] = time.sleep,
+                max_attempts: int = MAX_ATTEMPTS, limit: int = 500) -> dict[str, int]:
+    """Post every due pending notification once; returns counts by outcome. `now`: the clock at
+    the start of the pass (each retry is scheduled from the end of its attempt, on that clock)."""
+    from app.settings import get_settings
+
     now = now or utcnow()
+    started = time.monotonic()
+    deadline_s = deadline_s or get_settings().notify_timeout_seconds
     due = (select(Notification).where(Notification.status == "pending")
          .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
          .order_by(Notification.id).limit(1))
@@ -136,47 +201,43 @@ def deliver_due(session: Session, *, now: datetime | None = None, http: httpx.Cl
             yield notification
 
     counts = {"sent": 0, "retry": 0, "dead": 0}
-    own = http is None
-    # the transport checks each URL again and connects to the address it checked
-    http = http or httpx.Client(timeout=10.0, follow_redirects=False, transport=PinnedTransport("channel url"))
     last_post: dict[int, float] = {}
-    try:
-        for notification in rows():
-            channel = session.get(Channel, notification.channel_id)
-            if channel is None or not channel.enabled:
-                notification.status, notification.last_error = "dead", "channel disabled or deleted"
-                counts["dead"] += 1
-                session.commit()
-                continue
-            pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
-            wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
-            if wait > 0:
-                sleep(wait)
-            outcome, retry_after, what = post(http, channel, notification)
-            last_post[channel.id] = time.monotonic()
-            notification.attempts += 1
-            notification.last_error = None if outcome == "sent" else what
-            if outcome == "sent":
-                notification.status, notification.sent_at = "sent", utcnow()
-                counts["sent"] += 1
-            elif outcome == "retry" and notification.attempts < max_attempts:
-                delay_s = retry_after if retry_after is not None else backoff_s(notification.attempts)
-                notification.next_attempt_at = now + timedelta(seconds=delay_s)
-                counts["retry"] += 1
-            else:
-                if outcome == "disable":
-                    channel.enabled = False
-                    what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
-                notification.status = "dead"
-                notification.last_error = (what if outcome != "retry"
-                                           else f"gave up after {notification.attempts} attempts: {what}")
-                counts["dead"] += 1
-                log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
-                            notification.last_error)
-            session.commit()  # each outcome is durable before the next post
-    finally:
-        if own:
-            http.close()
+    for notification in rows():
+        channel = session.get(Channel, notification.channel_id)
+        if channel is None or not channel.enabled:
+            notification.status, notification.last_error = "dead", "channel disabled or deleted"
+            counts["dead"] += 1
+            session.commit()
+            continue
+        pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
+        wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
+        if wait > 0:
+            sleep(wait)
+        owner = session.get(Project, channel.project_id)
+        outcome, retry_after, what = post(channel, notification, owner.name if owner else "", deadline_s, transport)
+        last_post[channel.id] = time.monotonic()
+        notification.attempts += 1
+        notification.last_error = None if outcome == "sent" else what
+        if outcome == "sent":
+            notification.status, notification.sent_at = "sent", utcnow()
+            counts["sent"] += 1
+        elif outcome == "retry" and notification.attempts < max_attempts:
+            delay_s = retry_after if retry_after is not None else backoff_s(notification.attempts)
+            # from the end of this attempt: a slow receiver does not make its retry due at once
+            ended = now + timedelta(seconds=time.monotonic() - started)
+            notification.next_attempt_at = ended + timedelta(seconds=delay_s)
+            counts["retry"] += 1
+        else:
+            if outcome == "disable":
+                channel.enabled = False
+                what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
+            notification.status = "dead"
+            notification.last_error = (what if outcome != "retry"
+                                       else f"gave up after {notification.attempts} attempts: {what}")
+            counts["dead"] += 1
+            log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
+                        notification.last_error)
+        session.commit()  # each outcome is durable before the next post
     return counts
 
 

@@ -97,7 +97,7 @@ def upsert_config(
     secret now (and again when a worker uses them)."""
     from app.ssrf import check_engine_options
 
-    check_engine_options(spec.get("engine_options"), field)
+    check_engine_options(spec.get("engine_options"), field, project.name)
     config = session.scalar(
         select(OptimizationConfig).where(OptimizationConfig.project_id == project.id, OptimizationConfig.name == name)
     )
@@ -204,7 +204,7 @@ def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, 
     judge's URL and key name pass the outbound policy first."""
     from app.ssrf import check_judge
 
-    check_judge(spec.get("judge"), field)
+    check_judge(spec.get("judge"), field, project.name)
     version = content_hash(samples)
     suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
     if suite is None:
@@ -288,11 +288,15 @@ def threshold_for(session: Session, project_id: int, metric: str, model_id: int,
 def upsert_channel(session: Session, project: Project, name: str, kind: str, url: str, settings: dict[str, Any],
                    field: str = "url") -> Channel:
     """``url`` may be a ${ENV_VAR} template, expanded only at send time (the secret stays out of
-    the DB); a literal URL must pass the outbound URL policy now, and again at every send."""
-    from app.ssrf import ENV_REF, check_url
+    the DB); a literal URL must pass the outbound URL policy now, and again at every send. A
+    ${ENV_VAR} (the url, the signing secret) must name a secret of this project."""
+    from app.ssrf import ENV_REF, check_secret_ref, check_url
 
     if not ENV_REF.fullmatch(url):
         check_url(url, field)
+    check_secret_ref(url, field, project.name)
+    signing = field.removesuffix("url") + "signing_secret" if field.endswith("url") else "signing_secret"
+    check_secret_ref(settings.get("signing_secret"), signing, project.name)
     ch = session.scalar(select(Channel).where(Channel.project_id == project.id, Channel.name == name))
     if ch is None:
         ch = Channel(project_id=project.id, name=name, kind=kind, url=url, settings=settings)

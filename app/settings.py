@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     # Alertmanager channels: firing alerts are re-sent this often with endsAt 4 intervals ahead
     # (Prometheus' resend_delay), so Alertmanager never resolves one the canary still fires
     alertmanager_resend_seconds: float = Field(60.0, gt=0, le=3600)
+    # a notification's POST, connect to last byte, must end within this many seconds (a receiver
+    # that trickles its answer is cut off and retried later; app/notify.py)
+    notify_timeout_seconds: float = Field(15.0, gt=0, le=300)
     # API keys: required in production (default), optional elsewhere; a key that is sent is
     # always checked
     require_api_keys: bool | None = None
@@ -71,6 +74,12 @@ class Settings(BaseSettings):
     # api_key_env, a channel's ${VAR}): names with this prefix, plus those listed (comma-separated)
     secret_env_prefix: str = "CANARY_SECRET_"
     secret_env_names: str = ""
+    # which project may name which secret: a project names its own, <prefix><PROJECT>__… (e.g.
+    # CANARY_SECRET_ALPHA__ENGINE_KEY), and those granted here, `NAME=alpha+beta,OTHER=*`; names
+    # listed in secret_env_names serve every project. "shared": one team, any allowed name serves
+    # every project (app/ssrf.py)
+    secret_grants: str = ""
+    secret_scope: Literal["project", "shared"] = "project"
     # requests per minute per API key id (or per client address without a key), per API replica;
     # 0 = unlimited (app/api/limits.py)
     rate_limit_per_minute: int = 600

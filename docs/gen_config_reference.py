@@ -67,7 +67,9 @@ Secrets never go into the file: channel URLs and signing secrets are written as 
 and read from the environment of the worker that sends; judge and engine keys are named by
 `api_key_env`. Only variables the operator allows may be named: `CANARY_SECRET_…` (the prefix is
 `CANARY_SECRET_ENV_PREFIX`) or those listed in `CANARY_SECRET_ENV_NAMES`; any other name is an
-error naming the field. With `CANARY_ENVIRONMENT=production` a literal channel URL carrying a
+error naming the field. A project names only its own secrets, `CANARY_SECRET_<PROJECT>__…`
+(project `demo`: `${CANARY_SECRET_DEMO__SLACK_WEBHOOK_URL}`), and those the operator grants it
+(`CANARY_SECRET_GRANTS`). With `CANARY_ENVIRONMENT=production` a literal channel URL carrying a
 credential (user info, a query string, a token in the path) is refused. Every URL — engine
 `base_url` and `metrics_url`, judge `base_url`, channel `url` — must resolve to public addresses
 (or be on `CANARY_URL_ALLOWLIST`), checked when the file is applied and again at send time.

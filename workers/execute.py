@@ -24,7 +24,7 @@ from typing import Any
 from app import repo
 from app.db import is_transient, session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
-from app.models import ConfigRun, OptimizationConfig, Run, Suite, aware
+from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite, aware
 from app.settings import get_settings
 from engines.fingerprint import model_digest, source_digest
 from engines.protocol import GenerationRequest, RollingRequest, RollingResult, ServerStats, SpecStats, WindowSpec
@@ -165,7 +165,7 @@ class ExecuteConfigRun(BaseTask):
         if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
             from workers.outbound import check_engine
 
-            check_engine(spec)
+            check_engine(spec, job["project"])
         model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
@@ -508,6 +508,7 @@ def _load_job(session, config_run_id: int) -> dict:
     order = {key: i for i, key in enumerate(run.sample_keys)}
     return {
         "run_id": run.id,
+        "project": session.get(Project, run.project_id).name,  # whose secrets the config may name
         "trigger": run.trigger,
         "is_baseline": config_run.config_id == run.baseline_config_id,
         "config_id": config_run.config_id,
@@ -611,7 +612,7 @@ def _baseline_scorer(engine, job: dict) -> _BaselineScorer:
     if baseline.engine == "openai":
         from workers.outbound import check_engine
 
-        check_engine(baseline)
+        check_engine(baseline, job["project"])
         return _BaselineScorer(get_engine(job["model_path"], baseline))
     return _BaselineScorer(get_engine(str(resolve_model_path(job["model_path"])), baseline))
 

@@ -21,10 +21,11 @@ from engines.spec import OptimizationSpec
 ENGINE_URL = "engine_options.base_url / metrics_url"
 
 
-def check_engine(spec: OptimizationSpec) -> None:
-    """UnsafeURL / SecretNotAllowed (ValueErrors naming the field) for an engine the policy refuses."""
+def check_engine(spec: OptimizationSpec, project: str | None) -> None:
+    """UnsafeURL / SecretNotAllowed (ValueErrors naming the field) for an engine the policy refuses,
+    its key's name checked against the project that owns the config."""
     if spec.engine == "openai":
-        check_engine_options(spec.engine_options, "engine_options")
+        check_engine_options(spec.engine_options, "engine_options", project)
 
 
 def engine_options(spec: OptimizationSpec) -> dict[str, Any]:
@@ -33,11 +34,14 @@ def engine_options(spec: OptimizationSpec) -> dict[str, Any]:
         return {}
     return {"transport": lambda: PinnedTransport(ENGINE_URL),
             "async_transport": lambda: AsyncPinnedTransport(ENGINE_URL),
+            # the name's form; check_engine has checked it against the config's project before any load
             "secret": lambda name: read_secret(name, "engine_options.api_key_env")}
 
 
-def judge_http(settings: dict) -> tuple[str | None, PinnedTransport]:
-    """(the judge's API key, the transport its client uses), after the judge passes the policy."""
-    check_judge(settings, "judge")
+def judge_http(settings: dict, project: str | None) -> tuple[str | None, PinnedTransport]:
+    """(the judge's API key, the transport its client uses), after the judge passes the policy
+    for the project that owns the suite."""
+    check_judge(settings, "judge", project)
     key_env = settings.get("api_key_env")
-    return (read_secret(key_env, "judge.api_key_env") if key_env else None), PinnedTransport("judge.base_url")
+    return ((read_secret(key_env, "judge.api_key_env", project) if key_env else None),
+            PinnedTransport("judge.base_url"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from app import repo
-from app.models import Run, Suite
+from app.models import Project, Run, Suite
 from evals.faithfulness import JudgeFaithfulness, MissingContexts, OfflineFaithfulness
 from evals.judge import JudgeClient, JudgeConfig, JudgeError, pairwise, rubric
 from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord, RunRecords
@@ -18,16 +18,21 @@ log = logging.getLogger(__name__)
 _OFFLINE: dict[float, OfflineFaithfulness] = {}  # the embedder loads once per process
 
 
-def judge_client(settings: dict) -> JudgeClient:
+def judge_client(settings: dict, project: str | None) -> JudgeClient:
     """The judge's URL and key name pass the outbound policy again here, at use; every request
     then goes through a transport that checks the URL and pins the address it checked."""
     from workers.outbound import judge_http
 
-    key, transport = judge_http(settings)
+    key, transport = judge_http(settings, project)
     return JudgeClient(JudgeConfig(
         base_url=settings["base_url"], model=settings["model"], api_key=key,
         concurrency=settings.get("concurrency", 4), requests_per_second=settings.get("requests_per_second"),
         timeout_s=settings.get("timeout_s", 30)), transport=transport)
+
+
+def _project(session, run: Run) -> str:
+    """The name of the project that owns the run: whose secrets its judge may name."""
+    return session.get(Project, run.project_id).name
 
 
 def score_run(session, run: Run, table: RunRecords) -> dict[str, str]:
@@ -66,7 +71,7 @@ def _faithfulness(session, run: Run, spec: dict, samples: dict, gens: dict[int, 
     settings = spec.get("faithfulness", {})
     client = None
     if settings.get("method", "offline") == "judge":
-        client = judge_client(spec["judge"])
+        client = judge_client(spec["judge"], _project(session, run))
         scorer: JudgeFaithfulness | OfflineFaithfulness = JudgeFaithfulness(client)
     else:
         threshold = settings.get("threshold", 0.6)
@@ -100,7 +105,7 @@ def _judge(session, run: Run, spec: dict, samples: dict, gens: dict[int, dict[st
     settings = spec["judge"]
     mode = settings.get("mode", "pairwise")
     base = gens.get(run.baseline_config_id, {})
-    with judge_client(settings) as client:
+    with judge_client(settings, _project(session, run)) as client:
         for config_id, by_key in gens.items():
             mine = table[config_id]
             todo = [k for k in by_key if k in base]

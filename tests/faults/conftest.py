@@ -285,7 +285,7 @@ def _fault_stack(pg_server, redis_server, db_url, overrides):
             [sys.executable, "-m", "uvicorn", "app.api.main:app", "--host", "127.0.0.1", "--port", str(port)],
             cwd=workdir, env=env, stdout=open(st.logs["api"], "a"), stderr=subprocess.STDOUT, start_new_session=True)
         wait_http(f"{st.api}/healthz", st.procs["api"], st.logs["api"])
-        st.start_worker("bookkeeper", queues="cpu,default", beat=True)
+        st.start_worker("bookkeeper", queues="cpu,default,notify", beat=True)
         yield st
     finally:
         for proc in st.procs.values():

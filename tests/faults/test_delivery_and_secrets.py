@@ -64,7 +64,7 @@ class RedisMonitor:
             pass
 
 
-@pytest.mark.parametrize("fault_stack", [{"CANARY_REQUIRE_API_KEYS": "true", "CANARY_SECRET_FAULTS_SIGNING": SIGNING_SECRET}],
+@pytest.mark.parametrize("fault_stack", [{"CANARY_REQUIRE_API_KEYS": "true", "CANARY_SECRET_FAULTS__SIGNING": SIGNING_SECRET}],
                          indirect=True)
 def test_receiver_down_then_back_gets_each_notification_once_and_no_secret_leaks(fault_stack):
     from tests.http.receiver import Receiver
@@ -88,7 +88,7 @@ def test_receiver_down_then_back_gets_each_notification_once_and_no_secret_leaks
         port = free_port()  # nothing listens here yet: the receiver is down
         for name in ("chat-a", "chat-b", "chat-c"):
             r = http.put(f"{P}/channels", json={"name": name, "kind": "webhook", "url": f"http://127.0.0.1:{port}/{name}/{HOOK_TOKEN}",
-                                                "signing_secret": "${CANARY_SECRET_FAULTS_SIGNING}"})
+                                                "signing_secret": "${CANARY_SECRET_FAULTS__SIGNING}"})
             assert r.status_code == 200, r.text
         st.start_worker("gpu-a")
         run_id = start_run(st)
@@ -107,7 +107,7 @@ def test_receiver_down_then_back_gets_each_notification_once_and_no_secret_leaks
         except AssertionError as e:
             raise AssertionError(f"notifications: {seen}\nalerts: {st.sql('SELECT * FROM alerts')}") from e
         st.signal_worker("bookkeeper", signal.SIGKILL)  # the notifier dies too
-        st.start_worker("bookkeeper-2", queues="cpu,default", beat=True)
+        st.start_worker("bookkeeper-2", queues="cpu,default,notify", beat=True)
         receiver = Receiver()
         server = serve_in_thread(receiver.app, port)
         try:

@@ -23,7 +23,10 @@ JUDGE_KEY = f"judgekey{uuid.uuid4().hex}"
 # the listener's name "localhost" is allow-listed, its address 127.0.0.1 is not: a request that
 # names the address is an SSRF, one that names the host may still carry a stolen key
 STACK = {"CANARY_REQUIRE_API_KEYS": "true", "CANARY_URL_ALLOWLIST": "localhost", "JUDGE_API_KEY": JUDGE_KEY,
-         "CANARY_SECRET_TENANT_KEY": "tenant-key"}
+         "CANARY_SECRET_FAULTS__TENANT_KEY": "tenant-key",
+         # another team's secrets (project 'other'): named by 'faults' with a URL of its own, on the
+         # allow-listed host, they would be sent there (security round 3, H1)
+         "CANARY_SECRET_OTHER__ENGINE_KEY": "other-engine-key", "CANARY_SECRET_OTHER__SIGN": "other-signing-key"}
 
 
 class Listener:
@@ -71,7 +74,7 @@ def test_no_secret_reaches_a_tenants_listener(fault_stack, request):
         attempts = [
             ("configs", {**engine, "name": "a1", "engine_options": {"base_url": by_name + "/v1", "api_key_env": "CANARY_DATABASE_URL"}}),
             ("configs", {**engine, "name": "a2", "engine_options": {"base_url": by_name + "/v1", "metrics_url": by_address + "/metrics"}}),
-            ("configs", {**engine, "name": "a3", "engine_options": {"base_url": by_address + "/v1", "api_key_env": "CANARY_SECRET_TENANT_KEY"}}),
+            ("configs", {**engine, "name": "a3", "engine_options": {"base_url": by_address + "/v1", "api_key_env": "CANARY_SECRET_FAULTS__TENANT_KEY"}}),
             ("configs", {**engine, "name": "a4", "engine_options": {"base_url": f"http://[2002:7f00:1::]:{port}/v1"}}),
             ("suites", {**suite, "name": "j1", "scorers": ["perplexity", "generation", "judge"],
                         "judge": {"base_url": by_name + "/v1", "model": "j", "api_key_env": "JUDGE_API_KEY"}}),
@@ -80,19 +83,29 @@ def test_no_secret_reaches_a_tenants_listener(fault_stack, request):
             ("channels", {"name": "h1", "kind": "webhook", "url": "${CANARY_DATABASE_URL}"}),
             ("channels", {"name": "h2", "kind": "webhook", "url": by_name + "/hook", "signing_secret": "${JUDGE_API_KEY}"}),
             ("channels", {"name": "h3", "kind": "webhook", "url": by_address + "/hook"}),
+            # another project's secrets, each to a URL the policy would pass
+            ("configs", {**engine, "name": "x1", "engine_options": {"base_url": by_name + "/v1",
+                                                                    "api_key_env": "CANARY_SECRET_OTHER__ENGINE_KEY"}}),
+            ("suites", {**suite, "name": "x2", "scorers": ["perplexity", "generation", "judge"],
+                        "judge": {"base_url": by_name + "/v1", "model": "j", "api_key_env": "CANARY_SECRET_OTHER__ENGINE_KEY"}}),
+            ("channels", {"name": "x3", "kind": "webhook", "url": "${CANARY_SECRET_OTHER__ENGINE_KEY}"}),
+            ("channels", {"name": "x4", "kind": "webhook", "url": by_name + "/hook", "signing_secret": "${CANARY_SECRET_OTHER__SIGN}"}),
         ]
         refused = 0
         for what, body in attempts:
             r = http.put(f"{P}/{what}", json=body) if what == "channels" else http.post(f"{P}/{what}", json=body)
             assert r.status_code == 422, (body, r.status_code, r.text)
+            if "OTHER" in str(body):
+                assert "is not a secret of project 'faults'" in r.text and "CANARY_SECRET_FAULTS__" in r.text, r.text
             refused += 1
 
         # the same rows written straight into the database: the worker must refuse them at use
         [(base_spec,)] = st.sql("SELECT spec FROM optimization_configs WHERE name = 'fp16'")
         evil = {
             "steal-db-url": {"base_url": by_name + "/v1", "metrics_url": by_name + "/metrics", "api_key_env": "CANARY_DATABASE_URL"},
-            "metrics-ssrf": {"base_url": by_name + "/v1", "metrics_url": by_address + "/metrics", "api_key_env": "CANARY_SECRET_TENANT_KEY"},
-            "base-ssrf": {"base_url": by_address + "/v1", "api_key_env": "CANARY_SECRET_TENANT_KEY"},
+            "metrics-ssrf": {"base_url": by_name + "/v1", "metrics_url": by_address + "/metrics", "api_key_env": "CANARY_SECRET_FAULTS__TENANT_KEY"},
+            "base-ssrf": {"base_url": by_address + "/v1", "api_key_env": "CANARY_SECRET_FAULTS__TENANT_KEY"},
+            "steal-other": {"base_url": by_name + "/v1", "api_key_env": "CANARY_SECRET_OTHER__ENGINE_KEY"},
         }
         from psycopg.types.json import Json
 
@@ -121,11 +134,12 @@ def test_no_secret_reaches_a_tenants_listener(fault_stack, request):
     assert "'CANARY_DATABASE_URL' is not an allowed secret variable" in crs["steal-db-url"]["error"]
     assert "metrics_url: host '127.0.0.1' resolves to loopback" in crs["metrics-ssrf"]["error"]
     assert "base_url: host '127.0.0.1' resolves to loopback" in crs["base-ssrf"]["error"]
+    assert "'CANARY_SECRET_OTHER__ENGINE_KEY' is not a secret of project 'faults'" in crs["steal-other"]["error"]
     [judge] = [c for c in run["comparisons"] if c["metric"] == "judge_win_rate"]
     assert "scorer 'judge' failed: judge.api_key_env: 'JUDGE_API_KEY' is not an allowed secret variable" in judge["rule"], judge
 
     db_url = st.env["CANARY_DATABASE_URL"]
-    secrets = (db_url, JUDGE_KEY, "tenant-key", "postgresql://")
+    secrets = (db_url, JUDGE_KEY, "tenant-key", "postgresql://", "other-engine-key", "other-signing-key")
     carrying = [req for req in listener.requests if any(s in str(req) for s in secrets)]
     line = (f"exfiltration: {refused}/{len(attempts)} API attempts refused (422); {len(evil)} rows inserted behind the API's back "
             f"+ a judge, all refused by the worker; listener got {len(listener.requests)} requests, {len(carrying)} carrying a secret")

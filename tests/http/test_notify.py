@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import time
 from datetime import timedelta
 
 import httpx
 import pytest
 
 from app.db import session_scope
-from app.models import Channel, Notification, Project, utcnow
+from app.models import Channel, Notification, Project, aware, utcnow
 from app.notify import deliver_due
 
 
@@ -35,8 +36,9 @@ def add(kind: str, url: str, n: int = 1, **settings) -> tuple[int, list[int]]:
 
 
 def deliver(now=None, **kw) -> dict:
-    with session_scope() as s, httpx.Client(timeout=kw.pop("timeout", 2.0)) as http:
-        return deliver_due(s, now=now or utcnow(), http=http, sleep=kw.pop("sleep", lambda _: None), **kw)
+    with session_scope() as s:
+        return deliver_due(s, now=now or utcnow(), transport=httpx.AsyncHTTPTransport,
+                           deadline_s=kw.pop("timeout", 2.0), sleep=kw.pop("sleep", lambda _: None), **kw)
 
 
 def row(nid: int) -> Notification:
@@ -47,8 +49,8 @@ def row(nid: int) -> Notification:
 
 
 def test_delivered_once_with_idempotency_key_and_signature(sqlite_env, receiver, monkeypatch):
-    monkeypatch.setenv("CANARY_SECRET_HOOK", "s3cret")
-    _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${CANARY_SECRET_HOOK}")
+    monkeypatch.setenv("CANARY_SECRET_P__HOOK", "s3cret")
+    _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${CANARY_SECRET_P__HOOK}")
     assert deliver() == {"sent": 1, "retry": 0, "dead": 0}
     assert deliver() == {"sent": 0, "retry": 0, "dead": 0}  # sent rows are never posted again
     (req,) = receiver.requests
@@ -65,9 +67,10 @@ def test_429_waits_exactly_retry_after(sqlite_env, receiver):
     assert deliver(now=t0)["retry"] == 1
     n = row(nid)
     assert n.attempts == 1 and "HTTP 429" in n.last_error
-    assert abs((n.next_attempt_at.replace(tzinfo=None) - t0.replace(tzinfo=None)).total_seconds() - 7) < 1e-3
+    waited = (n.next_attempt_at.replace(tzinfo=None) - t0.replace(tzinfo=None)).total_seconds()
+    assert 7 <= waited < 8  # 7 s from the end of the attempt, which took a moment
     assert deliver(now=t0 + timedelta(seconds=6))["sent"] == 0  # not due yet
-    assert deliver(now=t0 + timedelta(seconds=7))["sent"] == 1
+    assert deliver(now=t0 + timedelta(seconds=8))["sent"] == 1
     assert len(receiver.delivered()) == 1 and row(nid).status == "sent"
 
 
@@ -101,8 +104,55 @@ def test_a_timeout_is_retried(sqlite_env, receiver):
     receiver.script = [{"sleep": 1.5}]
     _, (nid,) = add("webhook", receiver.url)
     t = utcnow()
-    assert deliver(now=t, timeout=0.5)["retry"] == 1 and row(nid).last_error == "timed out"
+    assert deliver(now=t, timeout=0.5)["retry"] == 1 and row(nid).last_error.startswith("timed out")
     assert deliver(now=row(nid).next_attempt_at)["sent"] == 1
+
+
+def test_a_trickling_receiver_is_cut_off_at_the_deadline_and_retried_from_the_end(sqlite_env, receiver, monkeypatch):
+    """Security round 3, H3: headers at once, then a byte every 0.3 s for ever never trips a
+    per-read timeout; the POST's total deadline (2 s) does, and the retry counts from then."""
+    import app.notify
+
+    monkeypatch.setattr(app.notify.random, "uniform", lambda a, b: 1.0)  # backoff exactly 2 s after attempt 1
+    receiver.script = [{"drip": 0.3}]
+    _, (nid,) = add("webhook", receiver.url)
+    t = utcnow()
+    start = time.monotonic()
+    assert deliver(now=t, timeout=2.0)["retry"] == 1
+    took = time.monotonic() - start
+    assert 1.9 < took < 4.0, took
+    n = row(nid)
+    assert n.last_error == "timed out (no whole answer within 2 s)"
+    # due 2 s after the attempt ended, not 2 s after it began
+    assert (aware(n.next_attempt_at) - t).total_seconds() >= 2.0 + 1.9
+
+
+def test_a_huge_reply_is_not_read(sqlite_env, receiver):
+    """Security round 3, M1: a 500 with a 200 MB body; the notifier reads at most 4 KB of it and
+    closes, so the process never holds the body, and the stored error is short."""
+    import tracemalloc
+
+    receiver.script = [{"status": 500, "bytes": 200_000_000}]
+    _, (nid,) = add("webhook", receiver.url)
+    tracemalloc.start()
+    try:
+        assert deliver(timeout=30.0)["retry"] == 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16_000_000, peak  # bytes allocated at the peak, the receiver's own included: not the 200 MB body
+    error = row(nid).last_error
+    assert error.startswith("HTTP 500: xxxx") and len(error) < 300, error
+
+
+def test_receiver_text_cannot_forge_a_log_line(sqlite_env, receiver, caplog):
+    """Security round 3, L5: a reply's newline is escaped in the stored error and the log."""
+    receiver.script = [{"status": 400, "text": "bad\n[2026-01-01 00:00:00 ERROR/MainProcess] FORGED"}]
+    _, (nid,) = add("webhook", receiver.url)
+    with caplog.at_level("WARNING"):
+        assert deliver()["dead"] == 1
+    assert "\n" not in row(nid).last_error and "bad\\n[2026" in row(nid).last_error
+    assert not any(line.startswith("[2026") for r in caplog.records for line in r.getMessage().splitlines())
 
 
 def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_env, receiver):
@@ -144,11 +194,11 @@ def test_discord_404_disables_the_channel(sqlite_env, receiver):
 
 
 def test_unset_secret_reference_waits_for_the_operator(sqlite_env, receiver, monkeypatch):
-    monkeypatch.delenv("CANARY_SECRET_NOPE_URL", raising=False)
-    _, (nid,) = add("webhook", "${CANARY_SECRET_NOPE_URL}")
+    monkeypatch.delenv("CANARY_SECRET_P__NOPE_URL", raising=False)
+    _, (nid,) = add("webhook", "${CANARY_SECRET_P__NOPE_URL}")
     assert deliver()["retry"] == 1
-    assert "refers to ${CANARY_SECRET_NOPE_URL}, which is not set" in row(nid).last_error
-    monkeypatch.setenv("CANARY_SECRET_NOPE_URL", receiver.url)
+    assert "refers to ${CANARY_SECRET_P__NOPE_URL}, which is not set" in row(nid).last_error
+    monkeypatch.setenv("CANARY_SECRET_P__NOPE_URL", receiver.url)
     assert deliver(now=row(nid).next_attempt_at)["sent"] == 1
 
 

@@ -119,7 +119,7 @@ def test_hostile_urls_and_secret_names_are_refused_by_the_api_on_every_surface(a
                 names_refused += 1
             else:
                 wrong.append((surface, name, r.status_code, r.text[:200]))
-        method, path, body = secret_request(surface, "CANARY_SECRET_OK", s * 100 + 99)
+        method, path, body = secret_request(surface, "CANARY_SECRET_O__OK", s * 100 + 99)
         r = api.request(method, path, json=body)
         assert r.status_code in (200, 201), (surface, r.text)
     report(request.config, "outbound policy", f"API: hostile URLs {refused}/{tried} refused on {len(SURFACES)} surfaces "
@@ -213,7 +213,7 @@ def test_hostile_urls_and_secret_names_are_refused_by_the_config_file_on_every_s
                     names_refused += 1
                 else:
                     wrong.append((surface, name, str(e)))
-        apply(canary_file(tmp_path, secret=(surface, "CANARY_SECRET_OK")))
+        apply(canary_file(tmp_path, secret=(surface, "CANARY_SECRET_F__OK")))
     report(request.config, "outbound policy", f"config file: hostile URLs {refused}/{tried} refused on {len(SURFACES)} surfaces; "
                                               f"disallowed secret names {names_refused}/{names_tried} refused on {len(SECRET_SURFACES)} surfaces")
     assert wrong == []
@@ -315,6 +315,7 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
 
     monkeypatch.setenv("CANARY_URL_ALLOWLIST", "localhost")  # the listener's name is allowed, its address is not
     monkeypatch.setenv("CANARY_SECRET_ENGINE", "engine-key")
+    monkeypatch.setenv("CANARY_SECRET_OTHER__SIGN", "other-signing-key")
     get_settings.cache_clear()
     listener = f"http://127.0.0.1:{receiver.port}"
     refusals = 0
@@ -322,12 +323,14 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
                       ({"base_url": f"http://localhost:{receiver.port}/v1", "metrics_url": listener + "/metrics"}, UnsafeURL),
                       ({"base_url": f"http://localhost:{receiver.port}/v1", "api_key_env": "CANARY_DATABASE_URL"}, SecretNotAllowed)):
         with pytest.raises(err):
-            check_engine(OptimizationSpec(engine="openai", engine_options=opts))
+            check_engine(OptimizationSpec(engine="openai", engine_options=opts), "p")
         refusals += 1
     for judge, err in (({"base_url": listener + "/v1", "model": "j"}, UnsafeURL),
-                       ({"base_url": f"http://localhost:{receiver.port}/v1", "model": "j", "api_key_env": "HOME"}, SecretNotAllowed)):
+                       ({"base_url": f"http://localhost:{receiver.port}/v1", "model": "j", "api_key_env": "HOME"}, SecretNotAllowed),
+                       ({"base_url": f"http://localhost:{receiver.port}/v1", "model": "j",
+                         "api_key_env": "CANARY_SECRET_OTHER__SIGN"}, SecretNotAllowed)):
         with pytest.raises(err):
-            judge_http(judge)
+            judge_http(judge, "p")
         refusals += 1
     # the engine's own transport refuses too, even when handed a URL the pre-check never saw
     from engines.openai import OpenAIEngine
@@ -345,15 +348,20 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
         p = Project(name="p")
         s.add(p)
         s.flush()
-        for name, url, settings in (("by-name", "${HOOK_URL}", None), ("signed", listener + "/hook", {"signing_secret": "${CANARY_DATABASE_URL}"})):
+        for name, url, settings in (("by-name", "${HOOK_URL}", None), ("signed", listener + "/hook", {"signing_secret": "${CANARY_DATABASE_URL}"}),
+                                    # another project's secret to an allowed host (security round 3, H1)
+                                    ("cross", f"http://localhost:{receiver.port}/hook", {"signing_secret": "${CANARY_SECRET_OTHER__SIGN}"})):
             ch = Channel(project_id=p.id, name=name, kind="webhook", url=url, settings=settings)
             s.add(ch)
             s.flush()
             s.add(Notification(channel_id=ch.id, idempotency_key=f"k-{name}", payload={"a": 1}, status="pending"))
     with session_scope() as s:
-        assert deliver_due(s) == {"sent": 0, "retry": 0, "dead": 2}
+        assert deliver_due(s) == {"sent": 0, "retry": 0, "dead": 3}
         errors = sorted(n.last_error for n in s.query(Notification).all())
-    assert all(e.startswith("refused: channel '") and "is not an allowed secret variable" in e for e in errors), errors
+    assert all(e.startswith("refused: channel '") for e in errors), errors
+    # sorted: by-name, cross, signed
+    assert ["is not a secret of project 'p'" in e for e in errors] == [False, True, False], errors
+    assert all("is not an allowed secret variable" in e for e in errors[::2]), errors
     assert receiver.requests == []
     get_settings.cache_clear()
 

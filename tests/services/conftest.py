@@ -69,7 +69,7 @@ def _wait_log(proc: subprocess.Popen, log: str, marker: str, timeout: float = 90
     raise RuntimeError(f"'{marker}' not logged after {timeout}s:\n{open(log).read()[-3000:]}")
 
 
-def start_worker(env: dict[str, str], log: str, queues: str = "gpu,cpu,default", beat: bool = False) -> subprocess.Popen:
+def start_worker(env: dict[str, str], log: str, queues: str = "gpu,cpu,default,notify", beat: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "app.cli", "worker", "--queues", queues, "--concurrency", "1",
            "--name", f"w{uuid.uuid4().hex[:6]}@%h"]
     if beat:  # beat's schedule file beside the log, not in the checkout

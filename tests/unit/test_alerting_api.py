@@ -46,7 +46,7 @@ def test_channel_urls_are_masked_and_silences_expire(project):
     assert r.status_code == 200 and r.json()["url"] == "https://hooks.slack.test/***"
     assert "SECRETTOKEN" not in project.get("/projects/a/channels").text
     r = project.put("/projects/a/channels", json={"name": "q", "kind": "webhook", "url": "https://user:pw@hooks.test:8443?token=QTOKEN",
-                                                  "signing_secret": "${CANARY_SECRET_HOOK}"})
+                                                  "signing_secret": "${CANARY_SECRET_A__HOOK}"})
     assert r.json()["url"] == "https://hooks.test:8443/***" and r.json()["signing_secret_set"] is True
     assert "QTOKEN" not in project.get("/projects/a/channels").text and "pw@" not in project.get("/projects/a/channels").text
     r = project.post("/projects/a/silences", json={"matchers": [{"name": "config", "value": "int.*", "isRegex": True}],

@@ -130,7 +130,7 @@ def test_bigger_than_corpus_is_refused_without_writing(sqlite_env):
 def test_channels_and_schedules_are_stored_with_secrets_left_as_references(sqlite_env):
     from app.models import Channel, Schedule
 
-    cfg = {**CONFIG, "channels": [{"name": "oncall", "kind": "slack", "url": "${CANARY_SECRET_SLACK_WEBHOOK_URL}"}],
+    cfg = {**CONFIG, "channels": [{"name": "oncall", "kind": "slack", "url": "${CANARY_SECRET_T__SLACK_WEBHOOK_URL}"}],
            "schedules": [{"name": "daily", "cron": "0 6 * * *", "suite": "s"},
                          {"name": "weekly", "cron": "0 7 * * 1", "suite": "s", "configs": ["int4"], "samples": 12}]}
     for _ in range(2):  # applying the same file twice changes nothing
@@ -138,7 +138,7 @@ def test_channels_and_schedules_are_stored_with_secrets_left_as_references(sqlit
             apply_config_file(s, parse_config(cfg))
     with session_scope() as s:
         [ch] = s.scalars(select(Channel)).all()
-        assert (ch.kind, ch.url) == ("slack", "${CANARY_SECRET_SLACK_WEBHOOK_URL}")
+        assert (ch.kind, ch.url) == ("slack", "${CANARY_SECRET_T__SLACK_WEBHOOK_URL}")
         scheds = {x.name: x for x in s.scalars(select(Schedule))}
         assert scheds["daily"].config_names == ["fp16", "int4", "gpu-only"]
         assert (scheds["weekly"].config_names, scheds["weekly"].samples) == (["int4"], 12)

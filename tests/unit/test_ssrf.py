@@ -131,6 +131,42 @@ def test_secret_names_come_from_the_allow_list_only(monkeypatch):
         get_settings.cache_clear()
 
 
+def test_each_secret_belongs_to_projects(monkeypatch):
+    """Security round 3, H1: a project names its own variables (CANARY_SECRET_<PROJECT>__…), those
+    granted to it, or those listed for all; another team's is refused by name, with the fix."""
+    from app.settings import get_settings
+    from app.ssrf import SecretNotAllowed, check_secret_name, project_secret_prefix, read_secret, secret_allowed
+
+    monkeypatch.setenv("CANARY_SECRET_ENV_NAMES", "VLLM_API_KEY")
+    monkeypatch.setenv("CANARY_SECRET_GRANTS", "CANARY_SECRET_SHARED_JUDGE=*,CANARY_SECRET_HOOK=alpha+beta.team")
+    monkeypatch.setenv("CANARY_SECRET_ALPHA__ENGINE_KEY", "alpha-key")
+    get_settings.cache_clear()
+    try:
+        assert project_secret_prefix("beta.team-2") == "CANARY_SECRET_BETA_TEAM_2__"
+        assert read_secret("CANARY_SECRET_ALPHA__ENGINE_KEY", "engine_options.api_key_env", "alpha") == "alpha-key"
+        allowed = {(name, project): secret_allowed(name, project)
+                   for name in ("CANARY_SECRET_ALPHA__ENGINE_KEY", "CANARY_SECRET_HOOK", "CANARY_SECRET_SHARED_JUDGE",
+                                "VLLM_API_KEY", "CANARY_SECRET_ENGINE_KEY", "CANARY_SECRET_ALPHA__")
+                   for project in ("alpha", "beta.team", "gamma")}
+        assert [k for k, ok in allowed.items() if ok] == [
+            ("CANARY_SECRET_ALPHA__ENGINE_KEY", "alpha"), ("CANARY_SECRET_HOOK", "alpha"), ("CANARY_SECRET_HOOK", "beta.team"),
+            ("CANARY_SECRET_SHARED_JUDGE", "alpha"), ("CANARY_SECRET_SHARED_JUDGE", "beta.team"),
+            ("CANARY_SECRET_SHARED_JUDGE", "gamma"), ("VLLM_API_KEY", "alpha"), ("VLLM_API_KEY", "beta.team"),
+            ("VLLM_API_KEY", "gamma")]
+        with pytest.raises(SecretNotAllowed, match=r"engine_options.api_key_env: 'CANARY_SECRET_ALPHA__ENGINE_KEY' is not a "
+                           r"secret of project 'gamma'.*CANARY_SECRET_GAMMA__.*CANARY_SECRET_GRANTS="):
+            read_secret("CANARY_SECRET_ALPHA__ENGINE_KEY", "engine_options.api_key_env", "gamma")
+        # the form alone, where no project is known yet (a schema's field check)
+        assert check_secret_name("CANARY_SECRET_ALPHA__ENGINE_KEY", "api_key_env") == "CANARY_SECRET_ALPHA__ENGINE_KEY"
+        monkeypatch.setenv("CANARY_SECRET_SCOPE", "shared")  # one team: every prefixed name serves every project
+        get_settings.cache_clear()
+        assert secret_allowed("CANARY_SECRET_ALPHA__ENGINE_KEY", "gamma") and secret_allowed("CANARY_SECRET_X", "gamma")
+        assert not secret_allowed("CANARY_SECRET_HOOK", "gamma")  # a grant still names its projects
+        assert not secret_allowed("CANARY_DATABASE_URL", "gamma")
+    finally:
+        get_settings.cache_clear()
+
+
 def test_credentials_in_urls_are_recognised_and_masked():
     from app.ssrf import has_credentials, mask_url, mask_userinfo, public_spec
 
