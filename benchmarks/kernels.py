@@ -634,8 +634,8 @@ def tiny_section(clock: Clock, args, devices: list[str]) -> dict:
         from engines.reference.engine import ReferenceEngine
         from engines.spec import OptimizationSpec
     except ImportError as e:
-        return {"skipped": f"{e}: ReferenceEngine needs engines.spec, which needs pydantic (REFERENCE.md §12: carry its wheels, "
-                           "pip install --target)"}
+        return {"skipped": f"{e}: ReferenceEngine needs engines.spec, which needs pydantic (README 'GPU report': carry "
+                           "its wheels)"}
     from _common import TARGET, prompts
 
     n_prompts, new = (2, 8) if args.smoke else (4, 64)

@@ -9,18 +9,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A meta-path finder installed before pytest starts: `import pydantic` (and its companions) raises
-# ModuleNotFoundError as on an image without them. Plugin autoload is off (the image has no plugins).
+# Every meta-path finder wrapped before pytest starts so that it finds no pydantic (nor its
+# companions): `import pydantic` raises ModuleNotFoundError and importlib.util.find_spec returns
+# None, as on an image without them. Plugin autoload is off (the image has no plugins).
 CHILD = """
 import sys
 
-class _NoPydantic:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("pydantic", "pydantic_core", "pydantic_settings"):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the GPU image has no pydantic)")
-        return None
+BLOCKED = ("pydantic", "pydantic_core", "pydantic_settings")
 
-sys.meta_path.insert(0, _NoPydantic())
+
+class _Hide:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            return None
+        return self.inner.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+sys.meta_path[:] = [_Hide(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+import importlib.util
+
+assert importlib.util.find_spec("pydantic") is None
 import pytest
 
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests/kernels"]))
