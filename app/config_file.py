@@ -17,6 +17,15 @@ from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals.metrics import METRICS, Metric, gated_metrics
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
+NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name a project (or another stored object), or None. Names reach URLs,
+    Prometheus labels and chat messages, so every way in (API, canary.yaml, CLI) checks them."""
+    if re.fullmatch(NAME_PATTERN, name):
+        return None
+    return f"{name!r} is not a valid name: use {NAME_RULE} (pattern {NAME_PATTERN})"
 # a reference to a stored name (suite, config, model): bounded like the columns that hold names
 NameRef = Annotated[str, Field(min_length=1, max_length=128)]
 DB_INT_MAX = 2**31 - 1  # the largest count or id an INTEGER column holds (PostgreSQL)

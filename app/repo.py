@@ -52,8 +52,13 @@ def _insert(session: Session):
 
 # -- projects, models, configs, suites ----------------------------------------------------------
 def get_or_create_project(session: Session, name: str) -> Project:
+    """The project named `name`, created if missing; a name outside NAME_PATTERN is a ValueError."""
     project = session.scalar(select(Project).where(Project.name == name))
     if project is None:
+        from app.config_file import name_problem
+
+        if problem := name_problem(name):
+            raise ValueError(f"project {problem}")
         project = Project(name=name)
         session.add(project)
         session.flush()

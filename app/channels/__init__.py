@@ -3,8 +3,16 @@ receiver expects (REFERENCE.md §9). Delivery, retries and pacing live in app/no
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from datetime import datetime
+
+
+def escape_markup(text: str) -> str:
+    """`&`, `<` and `>` as entities, nothing else: Slack's mrkdwn (and Teams' text) read `<!here>`,
+    `<!channel>` and `<@U…>` as mentions, and project, model and config names and the verdict's
+    text reach these fields (Slack's formatting reference, "Escaping text")."""
+    return html.escape(text, quote=False)
 
 
 @dataclass(frozen=True)

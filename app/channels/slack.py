@@ -3,7 +3,7 @@ message per second per webhook, 429 with Retry-After above that."""
 
 from __future__ import annotations
 
-from app.channels import AlertMessage
+from app.channels import AlertMessage, escape_markup
 
 PACE_PER_SECOND = 1.0
 SECTION_LIMIT = 3000  # characters of a section block's text; Slack refuses the message above it
@@ -19,11 +19,14 @@ def payload(msg: AlertMessage) -> dict:
         emoji = ":large_green_circle:"
     else:
         emoji = ":red_circle:" if msg.severity == "critical" else ":large_orange_circle:"
+    # "text" and mrkdwn parse <!here>-style mentions, so what the alert quotes is escaped there;
+    # a plain_text header parses none and is sent as it is
     return {
-        "text": f"{msg.headline()}: {msg.detail()}",  # the notification / fallback text
+        "text": escape_markup(f"{msg.headline()}: {msg.detail()}"),  # the notification / fallback text
         "blocks": [
             {"type": "header", "text": {"type": "plain_text", "text": _cut(msg.headline(), HEADER_LIMIT)}},
-            {"type": "section", "text": {"type": "mrkdwn", "text": _cut(f"{emoji} {msg.detail()}", SECTION_LIMIT)}},
+            {"type": "section", "text": {"type": "mrkdwn",
+                                         "text": _cut(f"{emoji} {escape_markup(msg.detail())}", SECTION_LIMIT)}},
             {"type": "actions", "elements": [{"type": "button", "text": {"type": "plain_text", "text": "Open run"},
                                               "url": msg.link()}]},
         ],

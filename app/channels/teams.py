@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from app.channels import AlertMessage
+from app.channels import AlertMessage, escape_markup
 
 PACE_PER_SECOND = 4.0
 MAX_BYTES = 28 * 1024
@@ -18,9 +18,9 @@ def payload(msg: AlertMessage) -> dict:
             "content": {
                 "type": "AdaptiveCard", "version": "1.2", "$schema": "http://adaptivecards.io/schemas/adaptive-card.json",
                 "body": [
-                    {"type": "TextBlock", "text": msg.headline(), "weight": "Bolder", "size": "Medium", "color": color,
-                     "wrap": True},
-                    {"type": "TextBlock", "text": msg.detail()[:4000], "wrap": True},
+                    {"type": "TextBlock", "text": escape_markup(msg.headline()), "weight": "Bolder", "size": "Medium",
+                     "color": color, "wrap": True},
+                    {"type": "TextBlock", "text": escape_markup(msg.detail())[:4000], "wrap": True},
                 ],
                 "actions": [{"type": "Action.OpenUrl", "title": "Open run", "url": msg.link()}],
             },
