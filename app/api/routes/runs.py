@@ -14,17 +14,24 @@ from app.schemas import RunIn, RunListItem, RunOut, SamplePage, SampleResultOut,
 from app.services import run_summary, start_run
 
 router = APIRouter(tags=["runs"], responses=error_responses(404))
+RESERVED_RUN_KEYS = ("gate:", "schedule:")  # the run keys app/api/routes/gates.py and app/schedules.py write
 
 
 @router.post("/projects/{project}/runs", status_code=status.HTTP_202_ACCEPTED, response_model=RunOut,
              responses={200: {"description": "the run already started with this Idempotency-Key", "model": RunOut},
-                        **error_responses(400, 403, 409)})
+                        **error_responses(400, 403, 409, 422)})
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
 ) -> dict:
     """Start a run of a suite over configs (baseline included); 200 with the earlier run when
     the Idempotency-Key was seen before."""
+    if idempotency_key and idempotency_key.startswith(RESERVED_RUN_KEYS):
+        # a gate's run carries "gate:<its key>", a schedule slot's "schedule:<id>:<slot>": a client
+        # run holding one would be adopted by that gate or slot (the wrong trigger and priority)
+        raise ValueError(f"Idempotency-Key: keys starting with {' or '.join(map(repr, RESERVED_RUN_KEYS))} are kept "
+                         "for the canary's own gate and schedule runs; choose a key without that prefix, or start a "
+                         "gate with POST …/gates")
     run_id, created = start_run(project.name, body.suite, body.configs, get_dispatcher(background=True),
                                 samples=body.samples, seed=body.seed, trigger=body.trigger,
                                 idempotency_key=idempotency_key)
