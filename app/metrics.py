@@ -19,6 +19,8 @@ Canary metrics per model and config, from each config's latest finished run:
   run's figure, not a summary of observations), canary_tokens_per_second, canary_kv_bytes_per_token
   canary_verdict{project,model,config,metric}        0 ok, 1 inconclusive, 2 warn, 3 critical
   canary_alerts_firing{project,severity}
+  canary_schedule_stale{project,schedule}           1 when a schedule's runs stopped succeeding (app/staleness.py)
+  canary_schedule_last_success_timestamp_seconds{project,schedule}
 """
 
 from __future__ import annotations
@@ -112,6 +114,18 @@ class CanaryCollector(Collector):
         for project, severity, count in session.execute(by_severity):
             firing.add_metric([project, severity], count)
         yield firing
+        from app.staleness import schedule_health
+
+        stale = GaugeMetricFamily("canary_schedule_stale", "1 when the run a schedule owes after its last success is "
+                                  "overdue by more than one period (app/staleness.py)", labels=["project", "schedule"])
+        beat = GaugeMetricFamily("canary_schedule_last_success_timestamp_seconds",
+                                 "When the schedule's last successful run ended (its creation if none)",
+                                 labels=["project", "schedule"])
+        for health in schedule_health(session, project_id=self.project_id):
+            stale.add_metric([health.project, health.schedule], float(health.stale))
+            beat.add_metric([health.project, health.schedule], health.heartbeat.timestamp())
+        yield stale
+        yield beat
 
     def _canary(self, session):
         # each config's latest finished (done) run that included it

@@ -55,6 +55,12 @@ SERVICE_RULES = [
      "labels": {"severity": "warning"},
      "annotations": {"summary": "{{ $value }} notifications undelivered for an hour",
                      "description": "A chat webhook is down or rate-limiting; the outbox retries with backoff."}},
+    {"alert": "CanaryStale", "expr": "canary_schedule_stale == 1", "for": "0m", "labels": {"severity": "critical"},
+     "annotations": {"summary": "schedule {{ $labels.schedule }} of {{ $labels.project }} has not succeeded for over "
+                                "a period: its verdicts are old",
+                     "description": "The run due after the schedule's last success is overdue by more than one "
+                                    "period. Is the beat up (exactly one), are the workers consuming gpu and cpu? "
+                                    "See docs/runbooks.md, CanaryStale."}},
 ]
 
 

@@ -246,6 +246,12 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         # otherwise missing results make it incomplete (never a pass by omission).
         verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not informational(r))]
         reason = _reason(judged, config_runs) + top_up.reason(run, suite)
+        if not any(not informational(r) for r in judged) and not failed:
+            # nothing compared (no candidate, no samples, only reported figures): never a pass, and
+            # no alert resolves on it (app/alerts.py reads comparisons only)
+            verdict = "error"
+            reason = ("nothing was compared: the run has no candidate result a threshold judges (no candidate "
+                      "config, no samples, or only reported figures); it is not a pass")
         config_names = {cr.config_id: cr.config.name for cr in config_runs}
         reason += "".join(f"; step back {config_names[config_id]}: {found.advice()}"
                           for config_id, found in advice.items())

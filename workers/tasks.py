@@ -78,6 +78,10 @@ class Reconcile(BaseTask):
             dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
         for run_id, run_trigger in stalled.items():
             dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(run_trigger))
+        with self.session() as session:  # the canary itself: schedules whose runs stopped succeeding
+            from app.staleness import notify_stale
+
+            notify_stale(session)
         with self.session() as session:  # the outbox: retries that have come due, and rows a crash left behind
             from app.notify import next_due
 

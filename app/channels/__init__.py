@@ -45,7 +45,11 @@ class AlertMessage:
                 f"({labels.get('project')})")
 
     def detail(self) -> str:
-        """What regressed and by how much, with its CI, baseline vs candidate."""
+        """What regressed and by how much, with its CI, baseline vs candidate; or an alert's own
+        description (CanaryStale: the canary itself, app/staleness.py)."""
+        if "description" in self.annotations:
+            return self.annotations["description"]
+
         def f(x):
             return "—" if x is None else f"{x:.4g}"
         return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, "
@@ -59,6 +63,8 @@ class AlertMessage:
         return f" Step back: {advice}." if advice else ""
 
     def link(self) -> str:
+        if not self.run_id:
+            return self.dashboard_url.rstrip("/") + "/"
         return f"{self.dashboard_url.rstrip('/')}/?page=run&run_id={self.run_id}"
 
 

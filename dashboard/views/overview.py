@@ -112,8 +112,16 @@ def headline(model: str, rows: list[dict], metrics: list[dict]) -> tuple[str, st
     return f"{model}: " + "; ".join(parts), worst_verdict(r["verdict"] for r in bad)
 
 
+def stale_banner(api, project: str) -> None:
+    """The canary itself: a schedule whose runs stopped succeeding makes every verdict below old."""
+    for schedule in api.get(f"/projects/{project}/schedules"):
+        if schedule.get("stale"):
+            st.error(f"The canary is stale: {schedule['stale_reason']} The verdicts on this page may be out of date.")
+
+
 def render(api, project: str, params) -> None:
     st.title("Inference quality overview")
+    stale_banner(api, project)
     with st.columns([2, 2])[0]:
         data = suite_choice(api, project, params, f"/projects/{project}/overview")
     if not data["models"]:

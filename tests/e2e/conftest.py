@@ -56,6 +56,12 @@ def seed(tmp) -> dict:
         r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp / "canary.yaml"), "--json", *extra],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode in (0, 1), r.stderr[-3000:]  # a failing verdict is expected: int2 is critical
+    # the daily schedule was made three days ago and none of its runs has succeeded: the canary is
+    # stale (app/staleness.py), and the overview says so
+    import sqlite3
+
+    with sqlite3.connect(tmp / "dash.db") as db:
+        db.execute("UPDATE schedules SET created_at = datetime('now', '-3 days')")
     return env
 
 

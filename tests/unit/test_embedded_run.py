@@ -168,3 +168,16 @@ def test_changed_corpus_adds_a_suite_version_and_old_runs_keep_their_text(sqlite
         new = repo.suite_samples(s, suite.id, suite.version)
         assert [x.text.split()[0] for x in old] == ["Document"] * 10
         assert [x.text.split()[0] for x in new] == ["Changed"] * 10
+
+
+def test_a_run_that_compares_nothing_is_an_error_never_a_pass(sqlite_env):
+    """Only the baseline ran: no candidate result, so no threshold judged anything. Reading that as
+    a pass would make a broken schedule look healthy (security round 3: the canary watches itself)."""
+    with session_scope() as s:
+        apply_config_file(s, parse_config({**CONFIG, "configs": CONFIG["configs"][:1],
+                                           "suites": [{**CONFIG["suites"][0], "samples": 4, "generation": {"prompts": 0}}]}))
+    run_id, _ = start_run("t", "s", ["fp16"], InlineDispatcher())
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert (run.status, run.verdict) == ("done", "error"), (run.status, run.verdict, run.verdict_reason)
+        assert run.verdict_reason.startswith("nothing was compared")

@@ -44,9 +44,13 @@ class ScheduleOut(BaseModel):
     enabled: bool
     last_slot_at: Time | None
     next_slot_at: Time
+    last_success_at: Time | None = Field(None, description="when its last successful run ended")
+    stale: bool = Field(False, description="the run due after its last success is overdue by more than one "
+                                           "period: the canary itself has stopped (app/staleness.py)")
+    stale_reason: str | None = None
 
 
-def out(schedule: Schedule) -> dict:
+def out(schedule: Schedule, health=None) -> dict:
     from croniter import croniter
 
     from app.models import utcnow
@@ -55,7 +59,10 @@ def out(schedule: Schedule) -> dict:
     return {"id": schedule.id, "name": schedule.name, "cron": schedule.cron, "suite_id": schedule.suite_id,
             "configs": schedule.config_names, "samples": schedule.samples, "enabled": schedule.enabled,
             "last_slot_at": schedule.last_slot_at.isoformat() if schedule.last_slot_at else None,
-            "next_slot_at": next_slot.isoformat()}
+            "next_slot_at": next_slot.isoformat(),
+            "last_success_at": health.heartbeat.isoformat() if health and health.last_success_run_id else None,
+            "stale": bool(health and health.stale),
+            "stale_reason": health.reason() if health and health.stale else None}
 
 
 @router.put("/projects/{project}/schedules", status_code=status.HTTP_200_OK, response_model=ScheduleOut,
@@ -75,5 +82,8 @@ def put_schedule(body: ScheduleIn, project: ProjectDep, session: SessionDep) -> 
 
 @router.get("/projects/{project}/schedules", response_model=list[ScheduleOut])
 def list_schedules(project: ProjectDep, session: SessionDep) -> list[dict]:
+    from app.staleness import schedule_health
+
     schedules = session.scalars(select(Schedule).where(Schedule.project_id == project.id).order_by(Schedule.id))
-    return [out(schedule) for schedule in schedules]
+    health = {h.schedule_id: h for h in schedule_health(session, project_id=project.id)}
+    return [out(schedule, health.get(schedule.id)) for schedule in schedules]
