@@ -42,6 +42,16 @@ class Conflict(ValueError):
     """A request that contradicts stored state (the API answers 409)."""
 
 
+class QueueFull(ValueError):
+    """A project has as many config-runs queued as it may (the API answers 429)."""
+
+
+def queued_config_runs(session: Session, project_id: int) -> int:
+    """How many config-runs of the project wait for a GPU worker."""
+    return session.scalar(select(func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
+                          .where(Run.project_id == project_id, ConfigRun.status == "queued")) or 0
+
+
 def _insert(session: Session):
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert

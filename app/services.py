@@ -8,13 +8,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import repo
 from app.config_file import METRIC_DIRECTIONS, CanaryFile
 from app.corpus import load_corpus
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher, priority_of
+from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
 from app.models import Project, Run
 from app.settings import get_settings
 from app.ssrf import public_spec
@@ -171,13 +172,25 @@ def start_run(
             configs = repo.list_configs(s, project)
         for c in configs:
             check_window(suite.spec, c.model.path)
+        queued = repo.queued_config_runs(s, project.id)
+        retry = idempotency_key is not None and s.scalar(select(Run.id).where(
+            Run.project_id == project.id, Run.idempotency_key == idempotency_key)) is not None
+        cap = settings.max_queued_config_runs_per_project
+        if cap and not retry and queued + len(configs) > cap:
+            raise repo.QueueFull(
+                f"project '{project_name}' has {queued} config-runs queued; {len(configs)} more would pass its limit "
+                f"of {cap} (CANARY_MAX_QUEUED_CONFIG_RUNS_PER_PROJECT): wait for them to run, then start this one")
         run, created = repo.create_run(s, project, suite, configs, n_samples=samples, seed=seed,
                                        trigger=trigger, idempotency_key=idempotency_key)
         run_id = run.id
         cr_ids = [cr.id for cr in run.config_runs] if created else []
+    priority = priority_of(trigger)
+    if trigger != "gate" and queued >= settings.fair_share_queued_config_runs:
+        # a project with a backlog waits behind the others' work of the same kind, not in front of it
+        priority = min(priority + PRIORITY_STEPS[1] - PRIORITY_STEPS[0], PRIORITY_STEPS[-1])
     for cr_id in cr_ids:
         try:
-            dispatcher.send(EXECUTE_CONFIG_RUN, cr_id, priority=priority_of(trigger))
+            dispatcher.send(EXECUTE_CONFIG_RUN, cr_id, priority=priority)
         except Exception as e:  # noqa: BLE001 - the rows are committed; the reconciler re-enqueues them
             log.warning("enqueue of config-run %s failed (%s); the reconciler will retry it", cr_id, e)
     return run_id, created

@@ -32,6 +32,12 @@ class Settings(BaseSettings):
     # failover) before it leaves the config-run to the reconciler
     db_retry_seconds: float = 120.0
     max_samples_per_run: int = 5000
+    # one project's queue cannot starve the others: past this many of its config-runs queued, a new
+    # run of it is refused (429; 0 = no cap) ...
+    max_queued_config_runs_per_project: int = Field(100, ge=0)
+    # ... and past this many, its new config-runs (gates excepted) go one priority step behind
+    # other projects' work of the same kind (app/services.py start_run)
+    fair_share_queued_config_runs: int = Field(8, ge=1)
     max_suite_documents: int = 20000
     max_document_chars: int = 200_000
     # bounds on one canary.yaml (`canary run -f`) and on what the API stores per project: more

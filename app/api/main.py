@@ -23,7 +23,7 @@ from app.api.routes import router
 from app.auth import Forbidden, Unauthorized
 from app.corpus import CorpusError
 from app.dispatch import RECONCILE, REFRESH_ALERTS, TICK_SCHEDULES, WARM_UP, get_dispatcher
-from app.repo import Conflict, NotFound
+from app.repo import Conflict, NotFound, QueueFull
 from app.schemas import error_responses
 from app.settings import get_settings
 from app.ssrf import hide_url_logs
@@ -109,6 +109,11 @@ async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
 @app.exception_handler(Conflict)
 async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=409)
+
+
+@app.exception_handler(QueueFull)
+async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "60"})
 
 
 @app.exception_handler(DataError)
