@@ -544,12 +544,18 @@ def gate(
     base = f"{api.rstrip('/')}/api/v1/projects/{project}/gates"
     started = last_line = time.monotonic()
     with httpx.Client(timeout=30, headers=headers) as http:
-        try:
-            response = _call(http, "POST", base, min(retry_for, 15),
-                             json={name: value for name, value in body.items() if value is not None})
-        except httpx.TransportError as e:
-            fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL",
-                 error_exit_code)
+        for _ in range(3):
+            try:
+                response = _call(http, "POST", base, min(retry_for, 15),
+                                 json={name: value for name, value in body.items() if value is not None})
+            except httpx.TransportError as e:
+                fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL",
+                     error_exit_code)
+            # an API from before concurrent retries were answered with the first gate says 409 "written
+            # concurrently" to the losers of the race: the key makes asking again safe
+            if response.status_code != 409 or "written concurrently" not in _detail(response):
+                break
+            time.sleep(0.5)
         if response.status_code >= 500:
             fail(f"the canary API failed to start the gate (HTTP {response.status_code}): {_detail(response)}",
                  error_exit_code)

@@ -56,3 +56,46 @@ def test_a_manual_run_cannot_take_a_gate_or_schedule_key(api):
     manual = api.post(f"{P}/runs", json={"suite": "s", "configs": ["int8"]},
                       headers={"Idempotency-Key": "gate-3f9c2ab"})
     assert manual.status_code == 202 and manual.json()["trigger"] == "manual"
+
+
+def test_concurrent_gates_with_one_key_get_the_same_gate(api):
+    """Six CI retries of one step race: every answer is 2xx with the one gate (no 409), and one
+    gate and one run exist."""
+    import threading
+
+    n, start, answers = 6, threading.Barrier(6), []
+
+    def post(key: str) -> None:
+        with httpx.Client(base_url=str(api.base_url), timeout=60) as http:
+            start.wait()
+            answers.append(http.post(f"{P}/gates", json={"candidate": "int8", "suite": "s"},
+                                     headers={"Idempotency-Key": key}))
+
+    for round_ in range(3):  # three keys: a race that happens to serialize once still counts
+        answers.clear()
+        threads = [threading.Thread(target=post, args=(f"race-{round_}",)) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r.status_code for r in answers) == [200] * (n - 1) + [202], [(r.status_code, r.text[:200])
+                                                                               for r in answers]
+        assert len({(r.json()["gate_id"], r.json()["run_id"]) for r in answers}) == 1
+    gates = api.get(f"{P}/gates").json()
+    assert sum(g["gate_id"] == answers[0].json()["gate_id"] for g in gates) == 1
+
+
+def test_concurrent_gate_clis_with_one_key_exit_0_with_the_same_gate(api):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "app.cli", "gate", "--api", str(api.base_url), "--project", "keys", "--suite", "s",
+           "--candidate", "int8", "--idempotency-key", "cli-race", "--no-wait", "--json"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outs = [(p.wait(120), *p.communicate()) for p in procs]
+    assert [code for code, _, _ in outs] == [0] * 6, [err[-300:] for _, _, err in outs]
+    assert len({json.loads(out)["gate_id"] for _, out, _ in outs}) == 1

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Header, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
@@ -17,6 +18,9 @@ from app.services import run_summary, start_run
 from app.settings import get_settings
 
 router = APIRouter(tags=["gates"], responses=error_responses(404))
+# a request that races another with its Idempotency-Key can lose the run's insert, then the gate's;
+# its third pass reads the winner's gate
+RACE_ATTEMPTS = 4
 
 
 class GateIn(BaseModel):
@@ -66,14 +70,29 @@ def gate_out(session, project, gate: Gate) -> dict:
                         **error_responses(400, 403, 409)})
 def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response: Response,
                 idempotency_key: Annotated[str | None, Header(max_length=120)] = None) -> dict:
-    """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200)."""
-    existing = find_gate(session, project, idempotency_key)
-    if existing is not None:
-        if (existing.candidate, existing.policy and existing.policy.get("suite")) != (body.candidate, body.suite):
-            raise repo.Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different gate (gate "
-                                f"{existing.id}); use a new key")
-        response.status_code = status.HTTP_200_OK
-        return gate_out(session, project, existing)
+    """Start a gate run (trigger 'gate'); the same Idempotency-Key returns the same gate (200),
+    also to requests that race the first one."""
+    attempts = RACE_ATTEMPTS
+    while True:
+        existing = find_gate(session, project, idempotency_key)
+        if existing is not None:
+            if (existing.candidate, existing.policy and existing.policy.get("suite")) != (body.candidate, body.suite):
+                raise repo.Conflict(f"Idempotency-Key '{idempotency_key}' was used for a different gate (gate "
+                                    f"{existing.id}); use a new key")
+            response.status_code = status.HTTP_200_OK
+            return gate_out(session, project, existing)
+        try:
+            return _start_gate(session, project, body, idempotency_key)
+        except IntegrityError:
+            # a concurrent request with this key wrote the run ("gate:<key>") or the gate first; once
+            # it commits (the unique index makes this insert wait for it), the next pass reads its gate
+            session.rollback()
+            attempts -= 1
+            if not idempotency_key or not attempts:
+                raise
+
+
+def _start_gate(session, project, body: GateIn, idempotency_key: str | None) -> dict:
     baseline = check_request(session, project, body.candidate, body.baseline, body.suite)
     run_id, _ = start_run(project.name, body.suite, [body.candidate], get_dispatcher(background=True),
                           samples=body.samples, trigger="gate",
