@@ -254,7 +254,7 @@ def check_secret_name(name: str, field: str, project: str | None = None) -> str:
     if project is not None and not secret_allowed(name, project):
         prefix, _, _ = _secret_policy()
         own = project_secret_prefix(project)
-        rest = name.removeprefix(prefix) or "KEY"
+        rest = name.removeprefix(prefix).split("__", 1)[-1] or "KEY"  # without another project's part
         raise SecretNotAllowed(f"{field}: '{name}' is not a secret of project '{project}'; a project names only its "
                                f"own variables, {own}… (e.g. {own}{rest}), or those the operator grants it: "
                                f"CANARY_SECRET_GRANTS={name}={project}")
