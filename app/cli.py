@@ -778,6 +778,26 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
         _print_summary(summary, wide)
 
 
+@runs_app.command("cancel")
+def runs_cancel(run_id: int = typer.Argument(..., help="the run's id (from `canary runs list`)"),
+                project: str = PROJECT) -> None:
+    """Stop a queued or running run: its unfinished configs end cancelled, with nothing of theirs
+    kept; a gate on it decides `error`. Exit 2 when it has already ended."""
+    import getpass
+
+    from app import repo
+    from app.db import session_scope
+
+    try:
+        with session_scope() as session:
+            run = repo.cancel_run(session, repo.get_project(session, project), run_id, f"{getpass.getuser()} (CLI)")
+            cancelled = [cr.config.name for cr in run.config_runs if cr.status == "cancelled"]
+    except (repo.Conflict, repo.NotFound) as e:
+        fail(str(e))
+    console.print(f"run {run_id} cancelled" + (f": {', '.join(cancelled)} stopped" if cancelled else ""),
+                  highlight=False)
+
+
 @alerts_app.command("list")
 def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, help="pending | firing | resolved"),
                 limit: int = typer.Option(50, min=1, max=1000),

@@ -412,6 +412,37 @@ def get_run(session: Session, project: Project, run_id: int) -> Run:
     return run
 
 
+def cancel_run(session: Session, project: Project, run_id: int, who: str) -> Run:
+    """Stop a queued or running run: it ends `cancelled` (verdict error, so a gate on it decides
+    and CI stops waiting), its unfinished config-runs end `cancelled` — a worker still on one
+    loses its lease at its next write (every write is fenced by a running attempt) — and what
+    they had written so far is deleted, so no half-measured config is left to read. Conflict
+    when the run has ended or is being aggregated (its verdict is seconds away)."""
+    run = get_run(session, project, run_id)
+    now = utcnow()
+    reason = f"cancelled by {who} at {now:%Y-%m-%d %H:%M:%S} UTC"
+    # conditional: an aggregation that has begun (status aggregating) or ended keeps its run
+    won = session.execute(update(Run).where(Run.id == run.id, Run.status.in_(("queued", "running")))
+                          .values(status="cancelled", verdict="error", verdict_reason=reason, finished_at=now))
+    if won.rowcount == 0:
+        session.refresh(run)
+        raise Conflict(f"run {run_id} is {run.status}: only a queued or running run can be cancelled")
+    unfinished = list(session.scalars(select(ConfigRun.id).where(ConfigRun.run_id == run.id,
+                                                                 ConfigRun.status.not_in(TERMINAL))))
+    if unfinished:
+        session.execute(update(ConfigRun).where(ConfigRun.id.in_(unfinished))
+                        .values(status="cancelled", error=reason, finished_at=now, lease_expires_at=None))
+        session.execute(delete(SampleResult).where(SampleResult.run_id == run.id,
+                                                   SampleResult.config_id.in_(
+                                                       select(ConfigRun.config_id).where(ConfigRun.id.in_(unfinished)))))
+    session.flush()
+    session.refresh(run)
+    from app.gates import decide
+
+    decide(session, run.id)  # a gate waiting on the run decides error now
+    return run
+
+
 def list_runs(session: Session, project: Project, limit: int = 50, offset: int = 0) -> list[Run]:
     return list(session.scalars(
         select(Run).where(Run.project_id == project.id).order_by(Run.id.desc()).limit(limit).offset(offset)

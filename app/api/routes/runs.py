@@ -6,7 +6,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from sqlalchemy import func, select
 
 from app import repo
-from app.api.deps import ProjectDep, RowId, SessionDep
+from app.api.deps import KeyDep, ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX
 from app.dispatch import get_dispatcher
 from app.models import SampleResult
@@ -54,6 +54,16 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
 @router.get("/projects/{project}/runs/{run_id}", response_model=RunOut)
 def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return run_summary(session, repo.get_run(session, project, run_id))
+
+
+@router.post("/projects/{project}/runs/{run_id}/cancel", response_model=RunOut,
+             responses=error_responses(403, 409))
+def cancel_run(run_id: RowId, project: ProjectDep, session: SessionDep, key: KeyDep) -> dict:
+    """Stop a queued or running run: it ends `cancelled` (verdict error: a gate on it decides), its
+    unfinished configs end `cancelled` with nothing of theirs kept; 409 once it has ended or is
+    being aggregated."""
+    who = f"API key {key.id}" if key is not None else "an API client"
+    return run_summary(session, repo.cancel_run(session, project, run_id, who))
 
 
 @router.get("/projects/{project}/runs/{run_id}/samples", response_model=SamplePage)
