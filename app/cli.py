@@ -514,8 +514,11 @@ def gate(
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for the durable verdict"),
     timeout: float = typer.Option(3600, help="seconds to wait for a verdict before exiting with --error-exit-code"),
     warn_exit_code: int = typer.Option(0, help="exit code for a warn verdict (0 lets the deploy go on, 1 blocks it)"),
-    error_exit_code: int = typer.Option(2, help="exit code when the gate cannot decide: an error verdict, the API "
-                                        "unreachable past --retry-for, or --timeout (0 lets the deploy go on)"),
+    error_exit_code: int = typer.Option(2, help="exit code when the gate cannot decide: an error verdict, a 5xx, "
+                                        "or --timeout (0 lets the deploy go on)"),
+    unreachable_exit_code: int = typer.Option(3, help="exit code when the canary API cannot be reached at all (the "
+                                              "canary itself is down, past --retry-for): apart from an error verdict, "
+                                              "so CI can tell a broken canary from a broken config"),
     inconclusive: str = typer.Option("warn", help="gate verdict when the data cannot decide: pass, warn or fail"),
     summary_md: pathlib.Path | None = typer.Option(None, help="write a markdown summary (for a PR comment) here; "
                                                       "with $GITHUB_STEP_SUMMARY set it is also appended there"),
@@ -530,7 +533,8 @@ def gate(
     as_json: bool = typer.Option(False, "--json", help="print the gate as JSON"),
 ) -> None:
     """Pre-deploy gate: exit 0 pass, 1 fail, 2 bad request; warn exits with --warn-exit-code, an
-    undecidable gate (error verdict, API gone, timeout) with --error-exit-code."""
+    undecidable gate (error verdict, 5xx, timeout) with --error-exit-code, an API that cannot be
+    reached with --unreachable-exit-code (3)."""
     import uuid
 
     import httpx
@@ -550,7 +554,7 @@ def gate(
                                  json={name: value for name, value in body.items() if value is not None})
             except httpx.TransportError as e:
                 fail(f"the canary API at {api} is unreachable ({type(e).__name__}); set --api or CANARY_API_URL",
-                     error_exit_code)
+                     unreachable_exit_code)
             # an API from before concurrent retries were answered with the first gate says 409 "written
             # concurrently" to the losers of the race: the key makes asking again safe
             if response.status_code != 409 or "written concurrently" not in _detail(response):
@@ -580,7 +584,8 @@ def gate(
                 response = _call(http, "GET", f"{base}/{gate['gate_id']}", retry_for)
             except httpx.TransportError as e:
                 fail(f"the canary API at {api} stayed unreachable for {retry_for:.0f}s ({type(e).__name__}); gate "
-                     f"{gate['gate_id']} goes on, and the same --idempotency-key picks it up again", error_exit_code)
+                     f"{gate['gate_id']} goes on, and the same --idempotency-key picks it up again",
+                     unreachable_exit_code)
             if response.status_code >= 400:
                 fail(f"reading gate {gate['gate_id']} failed (HTTP {response.status_code}): {_detail(response)}",
                      error_exit_code if response.status_code >= 500 else 2)

@@ -100,3 +100,14 @@ def test_healthz_is_a_json_503_naming_what_is_down(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_an_unreachable_api_has_its_own_exit_code():
+    """Nothing listens: the canary itself is down, which CI must tell apart from a config that
+    errs (2) or fails (1); one line on stderr, exit 3 (--unreachable-exit-code)."""
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "app.cli", "gate", "--project", "g", "--candidate", "int8", "--suite", "s",
+                        "--api", f"http://127.0.0.1:{port}", "--retry-for", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 3, r
+    assert r.stderr.strip().count("\n") == 0 and f"the canary API at http://127.0.0.1:{port} is unreachable" in r.stderr
