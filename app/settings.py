@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -73,8 +73,9 @@ class Settings(BaseSettings):
     # API keys: required in production (default), optional elsewhere; a key that is sent is
     # always checked
     require_api_keys: bool | None = None
-    # hosts outbound URLs (webhooks, engines, judges) may reach although they resolve to
-    # non-public addresses, e.g. "alertmanager.internal,10.0.0.5" (app/ssrf.py)
+    # hosts and ports outbound URLs (webhooks, engines, judges) may reach although they resolve to
+    # non-public addresses, comma-separated: `host` for ports 80 and 443 only, `host:port`, `host:*`
+    # for every port, e.g. "alertmanager.internal:9093,10.0.0.5" (app/ssrf.py)
     url_allowlist: str = ""
     # the only environment variables a configuration may name as a secret (engine and judge
     # api_key_env, a channel's ${VAR}): names with this prefix, plus those listed (comma-separated)
@@ -105,6 +106,14 @@ class Settings(BaseSettings):
     # "10.0.0.0/24"; "*" trusts every peer. Empty (default): no proxy is trusted and the peer's
     # own address counts, loopback included (`canary serve`)
     forwarded_allow_ips: str = ""
+
+    @field_validator("url_allowlist")
+    @classmethod
+    def _allowlist_entries(cls, value: str) -> str:
+        from app.ssrf import parse_allowlist
+
+        parse_allowlist(value)  # a malformed entry stops the service at start, naming the entry
+        return value
 
     @property
     def auth_required(self) -> bool:

@@ -4,8 +4,9 @@ when they are created and again at send time. Only http(s); every address the ho
 (100.64/10), unique-local (fd00::/8), multicast, reserved or unspecified addresses. IPv6 forms
 that embed an IPv4 address are judged by the address they embed: IPv4-mapped (::ffff:0:0/96),
 6to4 (2002::/16), NAT64 (64:ff9b::/96) and Teredo (2001::/32, the client's address) — unless
-the host is on the operator's allow-list (CANARY_URL_ALLOWLIST, comma-separated host names or
-IPs; the tests list loopback). Numeric tricks (127.1, 2130706433, 0x7f000001) resolve to the
+the host and port are on the operator's allow-list (CANARY_URL_ALLOWLIST, comma-separated
+`host` for ports 80 and 443, `host:port`, or `host:*` for any port; names or IPs; the tests list
+loopback). Numeric tricks (127.1, 2130706433, 0x7f000001) resolve to the
 addresses they stand for and are judged as such. Redirects are never followed by the clients
 that use these URLs.
 
@@ -98,10 +99,47 @@ class SecretNotAllowed(ValueError):
     pass
 
 
-def allowlist() -> set[str]:
+DEFAULT_PORTS = frozenset({80, 443})  # what an entry without a port allows
+
+
+def parse_allowlist(value: str) -> dict[str, frozenset[int] | None]:
+    """CANARY_URL_ALLOWLIST as {host name or address: the ports it may be reached on, None for any}.
+    Entries: `host` (ports 80 and 443 only), `host:port`, `host:*` (any port); IPv6 addresses bare
+    or in brackets, `[::1]:8080`. A listed internal host is one service, not every service on its
+    machine: without a port, `localhost` would open Postgres and Redis on 5432 and 6379 too."""
+    allowed: dict[str, frozenset[int] | None] = {}
+    for entry in (e.strip().lower() for e in (value or "").split(",")):
+        if not entry:
+            continue
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            if rest and not rest.startswith(":"):
+                raise ValueError(f"CANARY_URL_ALLOWLIST: '{entry}' is not host, host:port or host:*")
+            port = rest[1:] or None
+        elif entry.count(":") > 1:  # a bare IPv6 address: no port
+            host, port = entry, None
+        else:
+            host, _, port_text = entry.partition(":")
+            port = port_text if ":" in entry else None
+        if not host or (port is not None and port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535)):
+            raise ValueError(f"CANARY_URL_ALLOWLIST: '{entry}' is not host, host:port (1-65535) or host:*")
+        ports = None if port == "*" else DEFAULT_PORTS if port is None else frozenset({int(port)})
+        known = allowed.get(host, frozenset())
+        allowed[host] = None if ports is None or known is None else known | ports
+    return allowed
+
+
+def allowlist() -> dict[str, frozenset[int] | None]:
     from app.settings import get_settings
 
-    return {h.strip().lower().strip("[]") for h in (get_settings().url_allowlist or "").split(",") if h.strip()}
+    return parse_allowlist(get_settings().url_allowlist)
+
+
+def _allowed_on(allowed: dict[str, frozenset[int] | None], host: str, port: int) -> bool:
+    if host not in allowed:
+        return False
+    ports = allowed[host]
+    return ports is None or port in ports
 
 
 def embedded_ipv4(ip: ipaddress._BaseAddress) -> tuple[ipaddress.IPv4Address, str] | None:
@@ -152,21 +190,26 @@ def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, li
     if not host:
         raise UnsafeURL(f"{field}: the URL has no host")
     allowed = allowlist()
-    if host.lower() in allowed:
+    port = port or (443 if parts.scheme == "https" else 80)
+    if _allowed_on(allowed, host.lower(), port):
         return host, None
     try:
-        default_port = 443 if parts.scheme == "https" else 80
-        infos = (resolve or socket.getaddrinfo)(host, port or default_port, proto=socket.IPPROTO_TCP)
+        infos = (resolve or socket.getaddrinfo)(host, port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as e:
         raise UnsafeURL(f"{field}: host '{host}' does not resolve ({e})") from None
     ips: list[str] = []
     for info in infos:
         ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])  # an IPv6 address may carry %scope
-        if str(ip) not in allowed:
+        if not _allowed_on(allowed, str(ip), port):
             why = _bad(ip)
             if why:
-                raise UnsafeURL(f"{field}: host '{host}' resolves to {why}; outbound requests go to public "
-                                f"addresses only (an operator can allow-list the host in CANARY_URL_ALLOWLIST)")
+                entry = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                listed = [(name, ports) for name in (host.lower(), str(ip)) if (ports := allowed.get(name))]
+                where = "".join(f"; CANARY_URL_ALLOWLIST allows '{name}' on port(s) "
+                                f"{', '.join(map(str, sorted(ports)))} only, not {port}" for name, ports in listed[:1])
+                raise UnsafeURL(f"{field}: host '{host}' resolves to {why}{where}; outbound requests go to public "
+                                f"addresses only (an operator can allow-list the host and port in "
+                                f"CANARY_URL_ALLOWLIST, e.g. '{entry}')")
         if str(ip) not in ips:
             ips.append(str(ip))
     if not ips:

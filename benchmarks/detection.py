@@ -441,7 +441,7 @@ def main() -> None:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="canary-detection-"))
     # the embedded default in a scratch directory; loopback servers allowed; no escalation runs
     os.environ.update({"CANARY_DATABASE_URL": f"sqlite:///{workdir / 'canary.db'}", "CANARY_EXECUTION": "inline",
-                       "CANARY_ESCALATION": "false", "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost"})
+                       "CANARY_ESCALATION": "false", "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*"})
     os.environ.pop("CANARY_BROKER_URL", None)
     from app.db import upgrade
 

@@ -56,7 +56,7 @@ def sqlite_env(tmp_path, monkeypatch):
     # a firing alert would start a full-suite run (526 documents) inside the test: only the
     # escalation tests turn it back on
     monkeypatch.setenv("CANARY_ESCALATION", "false")
-    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1,localhost")  # the loopback receivers and judges of the tests
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1:*,localhost:*")  # the loopback receivers and judges of the tests
     monkeypatch.delenv("CANARY_BROKER_URL", raising=False)
     get_settings.cache_clear()
     upgrade(url)

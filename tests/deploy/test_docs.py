@@ -96,7 +96,7 @@ def doc_runs(tmp_path_factory):
         "CANARY_DATABASE_URL": f"sqlite:///{work / 'canary.db'}",
         "CANARY_EXECUTION": "inline",
         "CANARY_ESCALATION": "false",  # a firing alert would start a 526-document run
-        "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost",
+        "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*",
     })
     subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], env=env, cwd=work, check=True, capture_output=True)
     results: dict[str, tuple[int, str, float]] = {}

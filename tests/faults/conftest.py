@@ -267,7 +267,7 @@ def _fault_stack(pg_server, redis_server, db_url, overrides):
         "CANARY_BROKER_URL": redis_server.url,
         "CANARY_EXECUTION": "celery",
         "CANARY_ESCALATION": "false",
-        "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost",
+        "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*",
         "CANARY_LEASE_SECONDS": str(LEASE_SECONDS),
         "CANARY_REQUEUE_AFTER_SECONDS": "2",
         "CANARY_RECONCILE_SECONDS": "2",

@@ -22,7 +22,7 @@ from tests.loopback import free_port, serve_in_thread
 JUDGE_KEY = f"judgekey{uuid.uuid4().hex}"
 # the listener's name "localhost" is allow-listed, its address 127.0.0.1 is not: a request that
 # names the address is an SSRF, one that names the host may still carry a stolen key
-STACK = {"CANARY_REQUIRE_API_KEYS": "true", "CANARY_URL_ALLOWLIST": "localhost", "JUDGE_API_KEY": JUDGE_KEY,
+STACK = {"CANARY_REQUIRE_API_KEYS": "true", "CANARY_URL_ALLOWLIST": "localhost:*", "JUDGE_API_KEY": JUDGE_KEY,
          "CANARY_SECRET_FAULTS__TENANT_KEY": "tenant-key",
          # another team's secrets (project 'other'): named by 'faults' with a URL of its own, on the
          # allow-listed host, they would be sent there (security round 3, H1)

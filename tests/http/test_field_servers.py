@@ -62,7 +62,7 @@ def sqlite_env_module(tmp_path_factory):
         env.setenv("CANARY_DATABASE_URL", url)
         env.setenv("CANARY_EXECUTION", "inline")
         env.setenv("CANARY_ESCALATION", "false")
-        env.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1,localhost")
+        env.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1:*,localhost:*")
         env.delenv("CANARY_BROKER_URL", raising=False)
         get_settings.cache_clear()
         upgrade(url)

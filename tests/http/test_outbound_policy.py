@@ -286,7 +286,7 @@ def test_the_transport_checks_the_url_and_connects_to_the_address_it_checked(rec
     from app.settings import get_settings
     from app.ssrf import PinnedTransport, UnsafeURL
 
-    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1")  # by address only
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1:*")  # by address only
     get_settings.cache_clear()
     dns = fake_dns({"rebind.test": ["127.0.0.1", "10.0.0.7"]})
     with httpx.Client(transport=PinnedTransport("channel url", resolve=dns)) as c:
@@ -313,7 +313,7 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
     from engines.spec import OptimizationSpec
     from workers.outbound import check_engine, engine_options, judge_http
 
-    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "localhost")  # the listener's name is allowed, its address is not
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "localhost:*")  # the listener's name is allowed, its address is not
     monkeypatch.setenv("CANARY_SECRET_ENGINE", "engine-key")
     monkeypatch.setenv("CANARY_SECRET_OTHER__SIGN", "other-signing-key")
     get_settings.cache_clear()

@@ -124,7 +124,7 @@ def test_gguf_configs_in_a_canary_run(servers, tmp_path):
                     "scorers": ["perplexity", "generation"], "perplexity": {"window": 1024},
                     "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}))
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", "CANARY_EXECUTION": "inline",
-           "CANARY_URL_ALLOWLIST": "127.0.0.1"}
+           "CANARY_URL_ALLOWLIST": "127.0.0.1:*"}
     env.pop("CANARY_BROKER_URL", None)
     r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp_path / "canary.yaml"), "--json"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)

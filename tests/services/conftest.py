@@ -88,7 +88,7 @@ def stack(pg_database, redis_url, tmp_path_factory):
         "CANARY_BROKER_URL": redis_url,
         "CANARY_EXECUTION": "celery",
         "CANARY_ESCALATION": "false",
-        "CANARY_URL_ALLOWLIST": "127.0.0.1,localhost",  # escalation runs (full suites) are tested on the embedded default
+        "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*",  # escalation runs (full suites) are tested on the embedded default
         "PYTHONUNBUFFERED": "1",
     }
     subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)

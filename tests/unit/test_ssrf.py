@@ -69,13 +69,66 @@ def test_public_addresses_pass_and_a_rebound_name_is_judged_by_its_address(monke
 def test_allow_list(monkeypatch):
     from app.settings import get_settings
 
-    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "alertmanager.internal, 10.0.0.5")
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", "alertmanager.internal:9093, 10.0.0.5:9093")
     get_settings.cache_clear()
     assert check_url("http://alertmanager.internal:9093", resolve=fake_dns("10.9.9.9"))
     assert check_url("http://am.internal:9093", resolve=fake_dns("10.0.0.5"))  # allow-listed by address
     with pytest.raises(UnsafeURL):
         check_url("http://other.internal", resolve=fake_dns("10.0.0.6"))
     get_settings.cache_clear()
+
+
+def allow(monkeypatch, value: str) -> None:
+    from app.settings import get_settings
+
+    monkeypatch.setenv("CANARY_URL_ALLOWLIST", value)
+    get_settings.cache_clear()
+
+
+def test_an_allow_listed_host_is_open_on_its_ports_only(monkeypatch):
+    """`host:port` opens that port, `host` ports 80 and 443, `host:*` every port: listing the API's
+    own machine for one webhook receiver must not open its Postgres and Redis."""
+    allow(monkeypatch, "localhost:8080")
+    assert check_url("http://localhost:8080/hook")
+    for url in ("http://localhost:5432/", "http://localhost:6379/", "http://localhost/", "http://127.0.0.1:8080/"):
+        with pytest.raises(UnsafeURL, match="loopback"):
+            check_url(url, "channels[0].url")
+    with pytest.raises(UnsafeURL, match=re.escape("CANARY_URL_ALLOWLIST allows 'localhost' on port(s) 8080 only, not "
+                                                  "5432; outbound requests go to public addresses only (an operator "
+                                                  "can allow-list the host and port in CANARY_URL_ALLOWLIST, e.g. "
+                                                  "'localhost:5432')")):
+        check_url("http://localhost:5432/")
+
+    allow(monkeypatch, "alertmanager.internal,10.0.0.5:9093,[::1]:8080")  # no port: 80 and 443
+    dns = fake_dns("10.9.9.9")
+    assert check_url("http://alertmanager.internal/", resolve=dns) and check_url("https://alertmanager.internal/",
+                                                                                 resolve=dns)
+    for url in ("http://alertmanager.internal:9093/", "http://alertmanager.internal:22/"):
+        with pytest.raises(UnsafeURL, match="private address 10.9.9.9; CANARY_URL_ALLOWLIST allows "
+                                            "'alertmanager.internal' on port"):
+            check_url(url, resolve=dns)
+    assert check_url("http://am.internal:9093/", resolve=fake_dns("10.0.0.5"))
+    with pytest.raises(UnsafeURL, match="'10.0.0.5' on port"):
+        check_url("http://am.internal:9094/", resolve=fake_dns("10.0.0.5"))
+    assert check_url("http://[::1]:8080/")
+    with pytest.raises(UnsafeURL, match=re.escape("e.g. '[::1]:8081'")):
+        check_url("http://[::1]:8081/")
+
+    allow(monkeypatch, "localhost:*,::1")  # every port; a bare IPv6 address: 80 and 443
+    assert check_url("http://localhost:5432/") and check_url("http://[::1]/")
+    with pytest.raises(UnsafeURL):
+        check_url("http://[::1]:5432/")
+    allow(monkeypatch, "")
+
+
+@pytest.mark.parametrize("entry", ["localhost:http", "localhost:0", "localhost:65536", "[::1]x", ":8080"])
+def test_a_malformed_allow_list_entry_stops_the_service(entry):
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="CANARY_URL_ALLOWLIST: '.*' is not host, host:port"):
+        Settings(url_allowlist=f"hooks.test,{entry}")
 
 
 # -- IPv6 forms that embed an IPv4 address (REFERENCE.md §10): unwrapped before the checks ----------
