@@ -91,7 +91,10 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     prompts = int2["comparisons"]["ttft_ms"]["n"]  # the generation comparisons' prompts
     assert row["n docs / prompts"] == f"{ppl['n']} / {prompts}"
     assert "lossless EM" in df.columns and "judge win" not in df.columns  # no judge in the suite: left out
-    assert "int2" in at.error[0].value and cell in at.error[0].value  # the headline names it, with its CI
+    # above it all, the seeded schedule's staleness (tests/e2e/conftest.py), then the model's headline
+    stale, headline = (e.value for e in at.error[:2])
+    assert stale.startswith("The canary is stale: schedule 'daily' (0 6 * * *) of project 'dash'")
+    assert "int2" in headline and cell in headline  # the headline names it, with its CI
     # the card under the banner: a tile per headline figure, from the configs' latest runs of the suite
     card = next(m.value for m in at.markdown if "canary-card" in m.value)
     tiles = {title: state for state, title in
@@ -300,7 +303,8 @@ def test_with_keys_required_the_dashboard_reads_with_a_read_only_key(seeded_api,
 
         monkeypatch.setenv("CANARY_API_KEY", key)
         at = AppTest.from_file(APP, default_timeout=60).run()
-        assert not at.exception and [e.value.split(":")[0] for e in at.error] == ["tiny"]  # only the model's headline
+        # the staleness banner and the model's headline, nothing else
+        assert not at.exception and [e.value.split(":")[0] for e in at.error] == ["The canary is stale", "tiny"]
         assert at.table[0].value["config"].iloc[0] == "int2"
         at.sidebar.radio[0].set_value("Alerts").run()
         assert not at.exception and not at.error
