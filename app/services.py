@@ -16,62 +16,58 @@ from app.config_file import METRIC_DIRECTIONS, CanaryFile
 from app.corpus import load_corpus
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
+from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
 from app.settings import get_settings
-from app.ssrf import public_spec
-from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible, resolve_model_path
+from app.ssrf import check_url, public_spec
+from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible
 
 log = logging.getLogger(__name__)
 
 
-def _unusable_model_path(field: str, path: str) -> ValueError:
-    """One answer for every local path that is not a model directory — missing, no config.json, not
-    a directory, unreadable, too long — so that the API does not tell what exists on its host."""
-    shown = path if len(path) <= 80 else path[:77] + "..."
-    return ValueError(f"{field}: '{shown}' is not a usable path to a model directory on the server (a local Hugging "
-                      "Face directory with config.json); give one, or builtin:pydoc-target")
-
-
-def check_model_path(path: str, field: str = "model.path") -> None:
-    if path.startswith(("http://", "https://")):
-        return  # endpoint engines are checked when they arrive
-    try:
-        resolve_model_path(path)
-    except ModelPathError as e:
-        if path.startswith("builtin:"):  # the zoo's own names: nothing on the host is revealed
-            raise ValueError(f"{field}: {e}") from None
-        raise _unusable_model_path(field, path) from None
-    except OSError:
-        raise _unusable_model_path(field, path) from None
-
-
-def check_config_fits_model(spec: dict, model_path: str, field: str) -> None:
-    """What config validation can check from the model's files before any GPU time is spent:
-    group-divisible layer widths for int weights, a draft sharing the tokenizer."""
-    if model_path.startswith(("http://", "https://")):
+def check_model_path(path: str, field: str = "model.path", project: str | None = None) -> None:
+    """A model's path: builtin:NAME, a Hugging Face directory the project may read
+    (app/model_paths.py), or a served model's URL (engine openai; refused for other engines when a
+    config names the model) that passes the outbound policy."""
+    if is_endpoint(path):
+        check_url(path, field)  # never fetched, but no internal address either
         return
+    model_dir(path, field, project)
+
+
+def check_config_fits_model(spec: dict, model_path: str, field: str, project: str | None = None) -> None:
+    """What config validation can check from the model's files before any GPU time is spent:
+    a served model's URL only for engine openai, group-divisible layer widths for int weights, a
+    draft directory the project may read that shares the tokenizer."""
     draft = (spec.get("speculative") or {}).get("draft_model")
-    check_model_path(model_path, f"{field}.model")
-    if draft:
-        check_model_path(draft, f"{field}.speculative.draft_model")
+    if is_endpoint(model_path):
+        if spec.get("engine") != "openai":
+            raise ValueError(f"{field}.model: the model's path is a served model's URL, which only engine 'openai' "
+                             f"runs (engine '{spec.get('engine')}' loads a directory); use engine: openai with "
+                             "engine_options.base_url, or a model whose path is a model directory")
+        if draft:
+            model_dir(draft, f"{field}.speculative.draft_model", project)
+        return
+    target = model_dir(model_path, f"{field}.model", project)
+    draft_dir = model_dir(draft, f"{field}.speculative.draft_model", project) if draft else None
     try:
         if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
-            check_group_divisible(model_path)
-        if draft:
-            check_draft_tokenizer(model_path, draft)
+            check_group_divisible(str(target))
+        if draft_dir is not None:
+            check_draft_tokenizer(str(target), str(draft_dir))
     except ModelPathError as e:
-        raise ValueError(f"{field}.{e}") from None
+        raise ValueError(f"{field}.{e}".replace(f"'{draft_dir}'", f"'{draft}'")) from None
     except (OSError, ValueError, KeyError, TypeError):
         # unreadable, or not the JSON expected: the same answer as a missing directory
         where = f"{field}.speculative.draft_model" if draft else f"{field}.model"
-        raise _unusable_model_path(where, draft or model_path) from None
+        raise unusable(where, draft or model_path, project) from None
 
 
 def model_context(path: str) -> int | None:
     """max_position_embeddings from a local model's config.json (no torch needed), if known."""
     try:
-        hf_config = json.loads((resolve_model_path(path) / "config.json").read_text())
-    except (ModelPathError, OSError, ValueError):
+        hf_config = json.loads((model_dir(path, "model.path") / "config.json").read_text())
+    except (OSError, ValueError):
         return None
     context = hf_config.get("max_position_embeddings")
     return context if isinstance(context, int) else None
@@ -109,7 +105,7 @@ def check_project_room(session: Session, project: Project, kind: str, names: Seq
 def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
     """Upsert everything the file declares. Validates every corpus before writing anything."""
     settings = get_settings()
-    check_model_path(canary_file.model.path)
+    check_model_path(canary_file.model.path, project=canary_file.project)
     corpora = {}
     for i, suite in enumerate(canary_file.suites):
         check_window(suite.model_dump(), canary_file.model.path, f"suites[{i}].perplexity.window")
@@ -126,7 +122,8 @@ def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
         check_project_room(session, project, kind, [item.name for item in getattr(canary_file, kind)])
     model = repo.upsert_model(session, project, canary_file.model.name, canary_file.model.path)
     for i, config in enumerate(canary_file.configs):
-        check_config_fits_model(config.to_spec().model_dump(), canary_file.model.path, f"configs[{i}]")
+        check_config_fits_model(config.to_spec().model_dump(), canary_file.model.path, f"configs[{i}]",
+                                canary_file.project)
     for i, config in enumerate(canary_file.configs):
         repo.upsert_config(session, project, model, config.name, config.to_spec().model_dump(), config.baseline,
                            field=f"configs[{i}].engine_options")

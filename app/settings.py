@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     # how long a worker keeps retrying a write while the database is unreachable (a restart or
     # failover) before it leaves the config-run to the reconciler
     db_retry_seconds: float = 120.0
+    # the directory model and draft paths must resolve under (symlinks, `..` and /proc resolved
+    # first; app/model_paths.py), e.g. "/models"; builtin:NAME models are always allowed. Unset:
+    # any local directory in dev and test, none in production (builtin models only)
+    model_root: str | None = None
+    # with model_root: a project reads only <model_root>/<project>/ and <model_root>/_shared/
+    model_root_per_project: bool = False
     max_samples_per_run: int = 5000
     # one project's queue cannot starve the others: past this many of its config-runs queued, a new
     # run of it is refused (429; 0 = no cap) ...

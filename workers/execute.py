@@ -166,7 +166,7 @@ class ExecuteConfigRun(BaseTask):
             from workers.outbound import check_engine
 
             check_engine(spec, job["project"])
-        model = job["model_path"] if spec.engine == "openai" else str(resolve_model_path(job["model_path"]))
+        model = job["model_path"] if spec.engine == "openai" else str(loadable_model(job))
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
         key = inputs_key(job) if job["is_baseline"] and settings.gate_reuse_baseline else None
@@ -459,6 +459,18 @@ _CODE = pathlib.Path(__file__).resolve().parent.parent
 _LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "triton", "vllm", "numpy")
 
 
+def loadable_model(job: dict) -> pathlib.Path:
+    """The model directory to load, checked again at use against the project's model root (the
+    row may predate the root, or a symlink may have moved since it was created): its real path,
+    and its draft's check (app/model_paths.py)."""
+    from app.model_paths import model_dir
+
+    draft = getattr(job["spec"].speculative, "draft_model", None)
+    if draft:
+        model_dir(draft, "speculative.draft_model", job["project"])
+    return model_dir(job["model_path"], "model.path", job["project"])
+
+
 def inputs_key(job: dict) -> str | None:
     """sha256 of everything that decides a config-run's rows: the model's files (and a draft
     model's) by content, the config's spec, the suite's spec and version, the samples in order,
@@ -614,7 +626,7 @@ def _baseline_scorer(engine, job: dict) -> _BaselineScorer:
 
         check_engine(baseline, job["project"])
         return _BaselineScorer(get_engine(job["model_path"], baseline))
-    return _BaselineScorer(get_engine(str(resolve_model_path(job["model_path"])), baseline))
+    return _BaselineScorer(get_engine(str(loadable_model(job)), baseline))
 
 
 def _server_figures(server_stats: list[ServerStats], spec: SpecStats, dedicated: bool, foreign: int) -> ServerFigures:

@@ -34,7 +34,7 @@ def create_config(body: ConfigIn, project: ProjectDep, session: SessionDep) -> C
         spec.check_available()
     except ConfigNotAvailable as e:
         raise ValueError(str(e)) from None
-    check_config_fits_model(spec.model_dump(), model.path, "config")
+    check_config_fits_model(spec.model_dump(), model.path, "config", project.name)
     return _out(repo.upsert_config(session, project, model, body.name, spec.model_dump(), body.baseline))
 
 

@@ -40,7 +40,7 @@ def list_projects(session: SessionDep, key: KeyDep) -> list[ProjectOut]:
 def create_model(body: ModelIn, project: ProjectDep, session: SessionDep) -> ModelOut:
     if session.scalar(select(Model).where(Model.project_id == project.id, Model.name == body.name)) is not None:
         raise Conflict(f"name: model '{body.name}' already exists in project '{project.name}'")
-    check_model_path(body.path, "path")
+    check_model_path(body.path, "path", project.name)
     model = repo.upsert_model(session, project, body.name, body.path)
     return ModelOut(id=model.id, name=model.name, path=mask_userinfo(model.path))
 
