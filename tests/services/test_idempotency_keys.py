@@ -1,6 +1,6 @@
 """Idempotency keys of runs and gates against a real API process on PostgreSQL (Celery
 execution; no worker, so runs stay queued): a client cannot write the keys of the canary's own
-gate and schedule runs."""
+gate and schedule runs, and concurrent requests (or CLIs) with one gate key all get that gate."""
 
 from __future__ import annotations
 
