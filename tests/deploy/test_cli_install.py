@@ -34,9 +34,9 @@ def test_workflow_install_step_gives_a_cli_without_the_model_stack(tmp_path):
     for module in ("torch", "transformers", "numpy"):
         absent = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, env=env, cwd=tmp_path)
         assert absent.returncode != 0, f"{module} was installed: the CLI-only path pulls the model stack"
-    # the gate client itself runs: an API that is not there is its one-line error, exit 2
+    # the gate client itself runs: an API that is not there is its one-line error, exit 3 (unreachable)
     gate = subprocess.run([str(venv / "bin" / "canary"), "gate", "--api", "http://127.0.0.1:9", "--project", "p",
                            "--candidate", "c", "--suite", "s", "--retry-for", "0"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert gate.returncode == 2, gate.stdout + gate.stderr
+    assert gate.returncode == 3, gate.stdout + gate.stderr
     assert "Traceback" not in gate.stderr and len(gate.stderr.strip().splitlines()) == 1, gate.stderr

@@ -13,7 +13,7 @@ from tests.loopback import canary_serve
 @pytest.fixture
 def server(tmp_path):
     env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'api.db'}", "CANARY_EXECUTION": "inline",
-           "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*,hooks.slack.test,hooks.test"}  # test hosts that do not resolve
+           "CANARY_URL_ALLOWLIST": "127.0.0.1:*,localhost:*,hooks.slack.test,hooks.test,hooks.test:8443"}  # test hosts that do not resolve
     env.pop("CANARY_BROKER_URL", None)
     log = str(tmp_path / "api.log")
     with canary_serve(env, log) as base:
