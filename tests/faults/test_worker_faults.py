@@ -180,10 +180,10 @@ def test_two_live_workers_with_batches_longer_than_the_lease(fault_stack):
     """A slow GPU is not a dead one: with a 3 s lease, a 5 s model load and 4 s per batch (the
     test-only tests/faults/slow_gpu), the heartbeat keeps each attempt's lease while its process
     lives, so the other live worker never takes over and no config-run is given up. A small suite
-    (16 documents, 2 prompts: every engine call still outlasts the lease) keeps it to about a
-    minute."""
+    (8 documents, one engine call, and 1 prompt: every call still outlasts the lease) keeps it to
+    about a minute."""
     st = fault_stack
-    seed_project(st, samples=16, prompts=2)
+    seed_project(st, samples=8, prompts=1)
     st.start_worker("gpu-a")
     st.start_worker("gpu-b")
     run_ids = start_runs(st)
