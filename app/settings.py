@@ -107,6 +107,12 @@ class Settings(BaseSettings):
     # a request's whole body must arrive within this many seconds of its headers, or it gets 408;
     # only then does the request take one of the api_threads places (app/api/limits.py)
     body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    # a request declaring a body over large_body_bytes is read and handled only while it holds
+    # one of large_bodies_in_flight places in the API process, and one per API key (per client
+    # address without one): one tenant's big uploads queue behind each other, not in front of
+    # everyone's small requests; a request that waits body_timeout_seconds for a place gets 429
+    large_body_bytes: int = Field(1024 * 1024, ge=1)
+    large_bodies_in_flight: int = Field(2, ge=1)
     # the reverse proxies whose X-Forwarded-For gives the client address (rate limits, the
     # failed-authentication limit): comma-separated addresses or networks, e.g. "10.0.0.5" or
     # "10.0.0.0/24"; "*" trusts every peer. Empty (default): no proxy is trusted and the peer's

@@ -193,17 +193,75 @@ class BodyLimit:
     def __init__(self, app, max_bytes: int | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self._large: asyncio.Semaphore | None = None  # large bodies in this process (made in its event loop)
+        self._large_by_sender: dict[object, list] = {}  # sender → [its semaphore, requests holding or waiting]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         settings = get_settings()
+        declared = next((int(value) for name, value in scope.get("headers", ())
+                         if name == b"content-length" and value.strip().isdigit()), 0)
+        if declared > settings.large_body_bytes and declared <= self._limit(scope, settings):
+            await self._one_large_body(scope, receive, send, settings)
+            return
+        await self._read_then_app(scope, receive, send, settings)
+
+    async def _one_large_body(self, scope, receive, send, settings) -> None:
+        """A large body waits for a place in the process and its sender's one place, before a byte
+        of it is read: while it waits it holds a socket, no memory and no thread."""
+        headers = dict(scope.get("headers", ()))
+        sender = ("key", hash(headers[b"authorization"])) if b"authorization" in headers else (
+            "address", (scope.get("client") or ("?",))[0])
+        if self._large is None:
+            self._large = asyncio.Semaphore(settings.large_bodies_in_flight)
+        entry = self._large_by_sender.setdefault(sender, [asyncio.Semaphore(1), 0])
+        entry[1] += 1
+        try:
+            try:
+                with anyio.fail_after(settings.body_timeout_seconds):
+                    await entry[0].acquire()
+            except TimeoutError:
+                await self._busy(send, settings)
+                return
+            try:
+                try:
+                    with anyio.fail_after(settings.body_timeout_seconds):
+                        await self._large.acquire()
+                except TimeoutError:
+                    await self._busy(send, settings)
+                    return
+                try:
+                    await self._read_then_app(scope, receive, send, settings)
+                finally:
+                    self._large.release()
+            finally:
+                entry[0].release()
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self._large_by_sender.pop(sender, None)
+
+    @staticmethod
+    async def _busy(send, settings) -> None:
+        message = (f"too many large request bodies in flight (over {settings.large_body_bytes} bytes: one per API key, "
+                   f"{settings.large_bodies_in_flight} per API process); retry after the others finish")
+        start, body = _json_error(429, message)
+        start["headers"].append((b"retry-after", b"10"))
+        await send(start)
+        await send(body)
+
+    def _limit(self, scope, settings) -> int:
         limit = self.max_bytes if self.max_bytes is not None else settings.max_body_bytes
         if settings.auth_required and not any(name == b"authorization" for name, _ in scope.get("headers", ())):
             # no key where one is required: the answer is a 401 whatever the body holds, so at most
             # a small body is read before it (an unauthenticated client costs the API ~nothing)
             limit = min(limit, UNAUTHENTICATED_MAX_BYTES)
+        return limit
+
+    async def _read_then_app(self, scope, receive, send, settings) -> None:
+        limit = self._limit(scope, settings)
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
                 await self._refuse(send, limit)

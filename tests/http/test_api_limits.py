@@ -371,3 +371,39 @@ def test_x_forwarded_for_is_honoured_from_the_proxies_named(tmp_path):
           f"from 127.0.0.7: {other}")
     assert codes == [401] * 30  # each forwarded client address has its own failure bucket
     assert other == [401] * 10 + [429] * 2
+
+
+def test_one_keys_large_bodies_queue_behind_each_other_not_in_front_of_other_tenants(tmp_path):
+    """Security round 3, M4: eight legal 60 MB uploads of one tenant took another's p99 from 13 ms
+    to 10 s. A body over CANARY_LARGE_BODY_BYTES is read only while it holds its key's one place
+    (and one of the process's): here alpha trickles a 2000-byte body (the large threshold 1000),
+    so alpha's second large upload waits until the first ends (its 408 at the 6 s deadline), while
+    beta's small GET is answered at once."""
+    env = production_env(tmp_path, CANARY_BODY_TIMEOUT_SECONDS="6", CANARY_LARGE_BODY_BYTES="1000",
+                         CANARY_LARGE_BODIES_IN_FLIGHT="2")
+    keys = {}
+    for project in ("alpha", "beta"):
+        r = cli(env, "keys", "create", "--project", project)
+        assert r.returncode == 0, r.stderr
+        keys[project] = f"Bearer {r.stdout.strip()}"
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        first = Tricklers(base, "/api/v1/projects/alpha/models", 1, declared=2000, every=1.0, auth=keys["alpha"])
+        try:
+            time.sleep(1.0)
+            # while alpha's first large body holds its place
+            small = timed_get(base + "/api/v1/projects/beta/models", headers={"Authorization": keys["beta"]})
+            body = json.dumps({"name": "m", "path": "builtin:pydoc-target", "pad": "x" * 1500})
+            start = time.monotonic()
+            second = httpx.post(base + "/api/v1/projects/alpha/models", content=body, timeout=30,
+                                headers={"Authorization": keys["alpha"], "Content-Type": "application/json"})
+            waited = time.monotonic() - start
+            first.wait(10)
+        finally:
+            first.close()
+    (took, status, _), = first.answers
+    print(f"\nalpha's trickled upload: {status} at {took:.1f} s; alpha's second large upload answered "
+          f"{second.status_code} after waiting {waited:.1f} s; beta's small GET {small[1]} in {small[0] * 1000:.0f} ms")
+    assert status == 408 and 6 <= took < 9
+    assert waited >= 4.0, waited  # behind the first: it started at 1 s, the place freed at about 6 s
+    assert second.status_code == 422 and "pad" in second.text  # then read and handled like any body
+    assert small[1] == 200 and small[0] < 1
