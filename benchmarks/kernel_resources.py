@@ -1,7 +1,7 @@
 """Registers, stack (spills) and shared memory of every Triton kernel configuration, compiled
 ahead of time for a GPU target — no GPU needed. One JSON object.
 
-The W4A16 GEMV's autotune configurations (engines/kernels/_w4a16_triton.py gemv_configs) at each
+The W4A16 batch-1 GEMV's configurations (gemv1_configs) and the GEMV's (engines/kernels/_w4a16_triton.py gemv_configs) at each
 decode batch padding (M_PAD 1, 4, 8, 16), and the TurboQuant / fp8 / KIVI decode-attention and
 quantize kernels at head_dim 128, are compiled with the installed Triton for `--arch` (default 90,
 Hopper) and read back with the cuobjdump that ships with Triton. A kernel that spills (stack > 0)
@@ -67,6 +67,11 @@ def main() -> int:
                         dict(num_warps=c.num_warps, num_stages=c.num_stages),
                         f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
                         f"warps={c.num_warps} stages={c.num_stages}")
+    gemv1_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", N="i32", K="i32")
+    for c in w4a16.gemv1_configs():
+        kw = c.kwargs
+        compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                    f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
     attn_sig = dict(q_ptr="*fp32", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i32",
                     book_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32", S="i32",
                     CHUNK="i32", scale="fp32")

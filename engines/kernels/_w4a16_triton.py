@@ -100,11 +100,79 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
         tl.atomic_add(ptrs, acc, mask=mask)
 
 
-def gemm_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-                                      (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                                      (64, 256, 128, 8, 3))]
+@triton.jit
+def gemv1_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, N, K,
+                 GROUP: tl.constexpr, W: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # batch 1 (the decode of one sequence): each program streams a [K/SPLIT_K, W] slab of packed
+    # words once and keeps the 8 nibbles of a word as a third axis, so no tile is reshaped (a
+    # reshape of [BLOCK_K, W, 8] to [BLOCK_K, 8W] costs a layout conversion through shared memory
+    # per tile). Per weight: shift, mask, convert, multiply-add; the zero point and scale come out
+    # of the sum over a tile, which lies inside one group: Σ (q − z)·s·x = s·(Σ q·x − z·Σ x).
+    NW = N // 8
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rw = pid_n * W + tl.arange(0, W)  # packed word columns [W]
+    lane = tl.arange(0, 8)
+    shift = lane * 4
+    col = rw[:, None] * 8 + ((lane % 4) * 2 + lane // 4)[None, :]  # [W, 8]: AWQ_ORDER[i] = 2(i%4) + i//4
+    word_ok = rw < NW
+    acc = tl.zeros((W, 8), dtype=tl.float32)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * k_per, tl.minimum((pid_k + 1) * k_per, K), BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+        packed = tl.load(qw_ptr + rk[:, None].to(tl.int64) * NW + rw[None, :],
+                         mask=(rk[:, None] < K) & word_ok[None, :], other=0)  # [BLOCK_K, W]
+        q = ((packed[:, :, None] >> shift[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_K, W, 8]
+        part = tl.sum(q * x[:, None, None], axis=0)  # [W, 8]
+        g = k0 // GROUP
+        zp = tl.load(qz_ptr + g * NW + rw, mask=word_ok, other=0)
+        z = ((zp[:, None] >> shift[None, :]) & 0xF).to(tl.float32)  # [W, 8]
+        sc = tl.load(s_ptr + g * N + col, mask=word_ok[:, None], other=0.0).to(tl.float32)
+        acc += sc * (part - z * tl.sum(x, axis=0))
+    ptrs = y_ptr + col
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=word_ok[:, None])
+    else:
+        tl.atomic_add(ptrs, acc, mask=word_ok[:, None])
+
+
+def gemv1_configs():
+    # (words per program, K tile, split-K, warps, stages). N = 4096 has 512 packed words: 16 words
+    # a program and split-K 8 make 256 programs for 132 SMs; N = 14336 (1792 words) needs less
+    # split-K. A K tile divides the group size 128 so that its zeros and scales are one row.
+    return [triton.Config({"W": w, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=nw, num_stages=st)
+            for w, bk, sk, nw, st in ((16, 64, 8, 4, 4), (16, 128, 8, 8, 3), (32, 32, 8, 4, 4), (16, 32, 16, 4, 4),
+                                      (8, 128, 4, 4, 3), (32, 64, 4, 8, 3), (16, 64, 2, 4, 4), (16, 128, 1, 8, 3),
+                                      # fewer stages: fewer registers (the 4-stage 4-warp tiles take 253)
+                                      (16, 32, 8, 4, 2), (8, 64, 8, 4, 2), (32, 32, 8, 8, 3))]
+
+
+GEMM_TILES = ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+              (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 128, 8, 3))
+SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper allows 227 KiB
+
+
+def gemm_stage_bytes(bm: int, bn: int, bk: int, x_bytes: int) -> int:
+    """Shared memory one pipeline stage of gemm_kernel holds: the x tile, and the packed words,
+    zeros and scales, each loaded per element as a [BLOCK_K, BLOCK_N] tile (int32, int32, and
+    scales as wide as x at most 4 bytes)."""
+    return bm * bk * x_bytes + bk * bn * (4 + 4 + x_bytes)
+
+
+def gemm_configs(x_bytes: int = 2):
+    """Tiles for 2-byte inputs as tuned for Hopper; for fp32 inputs (x_bytes 4) the stages are cut
+    until stages × stage bytes fit SMEM_BUDGET, and tiles that do not fit at one stage are left
+    out (on an H200 every fp32 configuration with the fp16 stages asked for more shared memory
+    than the SM has, and the launch failed)."""
+    out = []
+    for bm, bn, bk, w, st in GEMM_TILES:
+        per = gemm_stage_bytes(bm, bn, bk, x_bytes)
+        if x_bytes > 2:
+            st = min(st, SMEM_BUDGET // per)
+            if st < 1:
+                continue
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st))
+    return out
 
 
 def gemv_configs():
@@ -136,8 +204,12 @@ def autotuned(name: str):
     if name not in _autotuned:
         can = "cache_results" in inspect.signature(triton.autotune).parameters
         extra = {"cache_results": True} if CACHE_TUNING and can else {}
-        if name == "gemm":
-            _autotuned[name] = triton.autotune(gemm_configs(), key=["M_BUCKET", "N", "K"], **extra)(gemm_kernel)
+        if name in ("gemm", "gemm_fp32"):
+            configs = gemm_configs(4 if name == "gemm_fp32" else 2)
+            _autotuned[name] = triton.autotune(configs, key=["M_BUCKET", "N", "K"], **extra)(gemm_kernel)
+        elif name == "gemv1":
+            _autotuned[name] = triton.autotune(gemv1_configs(), key=["N", "K"], reset_to_zero=["y_ptr"],
+                                               **extra)(gemv1_kernel)
         else:
             _autotuned[name] = triton.autotune(gemv_configs(), key=["M_PAD", "N", "K"],
                                                reset_to_zero=["y_ptr"], **extra)(gemv_kernel)

@@ -5,7 +5,8 @@ packed 8 per int32 along N in the order [0, 2, 4, 6, 1, 3, 5, 7], scales fp16 pe
 Shapes: x [M, K] (fp16 / bf16 / fp32), qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
 scales [K/G, N] → y [M, N] in x's dtype.
 
-Two kernels (_w4a16_triton.py): a skinny GEMV for decode batches (M ≤ 16: each packed word read
+Three kernels (_w4a16_triton.py): a batch-1 GEMV (the nibbles of a word kept as a tile axis,
+zero point and scale taken out of each tile's sum), a skinny GEMV for decode batches (M ≤ 16: each packed word read
 once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
 rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
 a tiled GEMM for prefill (tensor-core dots on dequantized tiles). On CUDA both autotune.
@@ -43,6 +44,14 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     tune = x.is_cuda if tune is None else tune
     x = x.contiguous()
     args = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
+    if M == 1:
+        y = torch.zeros(1, N, dtype=torch.float32, device=x.device)  # split-K adds into it
+        if tune:
+            grid = lambda meta: (triton_cdiv(N // 8, meta["W"]), meta["SPLIT_K"])  # noqa: E731
+            k.autotuned("gemv1")[grid](x, *args, y, N, K, GROUP=group_size)
+        else:
+            k.gemv1_kernel[(triton_cdiv(N // 8, 4), 2)](x, *args, y, N, K, GROUP=group_size, W=4, BLOCK_K=32, SPLIT_K=2)
+        return y.to(x.dtype)
     if M <= GEMV_MAX_M:
         m_pad = max(1, 1 << (M - 1).bit_length())
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
@@ -57,7 +66,7 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     fp32 = x.dtype == torch.float32
     if tune:
         grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]), triton_cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        k.autotuned("gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size, FP32=fp32)
+        k.autotuned("gemm_fp32" if fp32 else "gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size, FP32=fp32)
     else:
         k.gemm_kernel[(triton_cdiv(M, 16), triton_cdiv(N, 32))](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
                                                                  BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, FP32=fp32)

@@ -17,7 +17,7 @@ def make(N, K, seed=0):
     return pack_awq_gemm(q, z, s)
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 33])  # GEMV up to 16 rows, GEMM above
+@pytest.mark.parametrize("M", [1, 3, 16, 33])  # batch-1 GEMV, GEMV up to 16 rows, GEMM above
 @pytest.mark.parametrize("N,K", [(64, 128), (96, 384)])
 # bf16 dots are wrong under the Triton interpreter (REFERENCE §11): bf16 is checked on CUDA only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []))
@@ -61,6 +61,7 @@ def test_dispatcher_takes_the_forced_path(monkeypatch):
 
     monkeypatch.setattr(mod, "w4a16_triton", lambda *a, **k: calls.append("triton") or w4a16_reference(*a))
     monkeypatch.setenv("CANARY_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # forced onto CPU tensors: on a CUDA host it is not set
     w4a16(x, qweight, qzeros, scales)
     monkeypatch.setenv("CANARY_KERNELS", "torch")
     w4a16(x, qweight, qzeros, scales)

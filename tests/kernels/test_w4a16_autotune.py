@@ -38,7 +38,7 @@ def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs, device):
         x = torch.randn(M, K, generator=g).to(device)
         y = w4a16_triton(x, qw, qz, sc, tune=True)
         torch.testing.assert_close(y, w4a16_reference(x, qw, qz, sc), rtol=1e-4, atol=1e-4)
-    per_tuning = len(k.gemm_configs())
+    per_tuning = len(k.gemm_configs(x.element_size()))  # fp32 inputs: fewer tiles fit shared memory
     buckets = {k.m_bucket(M) for M in lengths}
     assert buckets == {32, 64}
     # at most one tuning per bucket (keyed on the exact M it was 24 tunings: 168 timings)
@@ -50,11 +50,11 @@ def test_decode_batches_tune_once_per_padded_batch(timed_configs, device):
     g = torch.Generator().manual_seed(1)
     q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
     qw, qz, sc = (t.to(device) for t in pack_awq_gemm(q, z, s))
-    for M in (1, 2, 3, 4, 16):  # M_PAD 1, 2, 4, 4, 16
+    for M in (1, 2, 3, 4, 16):  # the batch-1 GEMV, then M_PAD 2, 4, 4, 16
         x = torch.randn(M, K, generator=g).to(device)
         torch.testing.assert_close(w4a16_triton(x, qw, qz, sc, tune=True), w4a16_reference(x, qw, qz, sc),
                                    rtol=1e-4, atol=1e-4)
-    assert len(timed_configs) == len(k.gemv_configs()) * 4
+    assert len(timed_configs) == len(k.gemv1_configs()) + len(k.gemv_configs()) * 3
 
 
 def test_prefill_gemm_row_offsets_are_int64():
@@ -79,3 +79,15 @@ def test_prefill_gemm_row_offsets_are_int64():
     # every x / y address is built from rm (so from the int64 index), never from pid_m directly
     src = ast.unparse(tree)
     assert "pid_m * BLOCK_M" in ast.unparse(cast) and src.count("pid_m") == 2, src
+
+
+def test_fp32_gemm_tiles_fit_shared_memory():
+    """On an H200 every fp32 GEMM configuration with the fp16 stage counts asked for more shared
+    memory than an SM has (303104 > 232448 bytes) and the launch raised OutOfResources. fp32 tiles
+    are cut to the budget; 2-byte inputs keep the tuned stages."""
+    fp32 = k.gemm_configs(4)
+    assert fp32, "at least one fp32 tile fits"
+    for c in fp32:
+        per = k.gemm_stage_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], 4)
+        assert c.num_stages * per <= k.SMEM_BUDGET, c
+    assert [c.num_stages for c in k.gemm_configs(2)] == [t[4] for t in k.GEMM_TILES]
