@@ -17,8 +17,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines.zoo import ARTIFACTS, resolve_model_path  # noqa: E402
-from engines.zoo.corpus import read_jsonl  # noqa: E402
+from engines.zoo import ARTIFACTS, resolve_model_path
+from engines.zoo.corpus import read_jsonl
 
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 

@@ -109,9 +109,8 @@ NOT_NULL_ON["nondeterministic server"] = ("ttft_ratio", "tpot_ratio")
 def noised_checkpoint(sigma: float, out: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """The tiny target with N(0, (σ·std W)²) added to every decoder linear's weights."""
     import torch
-    from safetensors.torch import load_file, save_file
-
     from engines.zoo import resolve_model_path
+    from safetensors.torch import load_file, save_file
 
     source = resolve_model_path(MODEL)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-
 from benchmarks._common import host, parser, prompts, spread
 
 CONCURRENCY = (1, 8, 32)
@@ -97,7 +96,6 @@ def bf16_figures(base: str, texts: list[str], max_tokens: int) -> dict:
     """bf16 weights, batched: throughput per concurrency and the outputs that differ from the
     same server's at concurrency 1 (every request decoded alone)."""
     import torch
-
     from engines.reference.engine import compute_dtype_for
 
     out: dict = {"compute_dtype": str(compute_dtype_for(torch.bfloat16, torch.device("cpu"))).removeprefix("torch.")}

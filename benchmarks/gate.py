@@ -31,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-
 from benchmarks._common import parser, spread
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,13 +32,12 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200, 80 = A100)")
     args = ap.parse_args()
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from engines.kernels import _kivi_kv_triton as kivi
     from engines.kernels import _turbo_kv_triton as turbo
     from engines.kernels import _w4a16_triton as w4a16
     from engines.kernels.turbo_kv import ATTENTION_WARPS
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", args.arch, 32)
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -222,7 +222,6 @@ def copy_bandwidth(clock: Clock, device: str, repeats: int, smoke: bool) -> dict
 def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[list, list]:
     import torch
     import torch.nn.functional as F
-
     from engines.kernels.w4a16 import w4a16_reference, w4a16_triton
     from engines.quant import pack_awq_gemm, quantize_groupwise
 
@@ -328,7 +327,6 @@ def attention_section(clock: Clock, device: str, args, peak_gbps: float) -> tupl
 def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
     import torch
     import torch.nn.functional as F
-
     from engines.kernels import fp8_kv, kivi_kv, turbo_kv
 
     H, Hkv, D = (2, 1, 32) if args.smoke else (32, 8, 128)
@@ -377,7 +375,7 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
     row = {"context": S, "heads": H, "kv_heads": Hkv, "head_dim": D, "sdpa_fp16_ms": t["sdpa_fp16"],
            "sdpa_fp16_bytes": nbytes["sdpa_fp16"],
            "sdpa_fp16_bandwidth_fraction": round(nbytes["sdpa_fp16"] / (t["sdpa_fp16"]["median"] / 1000) / 1e9 / peak_gbps, 3)}
-    for name, c in zip(kernels, checks):
+    for name, c in zip(kernels, checks, strict=False):
         sp = t["sdpa_fp16"]["median"] / t[name]["median"]
         want = 1.0 if S < 32768 else ATTN_TARGETS[name]
         row[name] = {"equal_to_reference": c["equal"], "ms": t[name], "bytes": nbytes[name],
@@ -416,9 +414,8 @@ def init_weights(model, device: str) -> None:
 def hf_llama(a, device: str):
     """transformers' LlamaForCausalLM of the same shape as ModelArgs `a`, fp16 on `device`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from engines.reference.model import rope_inv_freq
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,
                       num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
@@ -444,7 +441,6 @@ def build_models(a, device: str, with_hf: bool):
     """Our Transformer (unfused, fp16) and, when transformers is there, a LlamaForCausalLM holding
     the SAME tensors (our module names are HF's): one copy of the weights in memory."""
     import torch
-
     from engines.reference.model import Transformer, rope_inv_freq
 
     hf = None
@@ -473,7 +469,6 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     first token's argmax (one sync to read it), then one untimed step, then new − 2 timed steps
     with no host sync inside. The Decoder captures its graph in prepare(), before the clock."""
     import torch
-
     from engines.reference.decode import Decoder
     from engines.reference.kv import kv_format
 
@@ -516,7 +511,8 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
             step_ms.append(statistics.median(a.elapsed_time(b) for a, b in itertools.pairwise(events)) if events
                            else (t3 - t2) * 1000 / (new - 2))
     _free(device)
-    return {"kv_cache": kv, "context": P, "new_tokens": new, "decode_loop": "engines.reference.decode.Decoder", "cuda_graphs": graphs, "cuda_graphs_reason": graphs_reason,
+    return {"kv_cache": kv, "context": P, "new_tokens": new, "decode_loop": "engines.reference.decode.Decoder",
+            "cuda_graphs": graphs, "cuda_graphs_reason": graphs_reason,
             "ttft_ms": spread(ttft, 2), "decode_tok_s": spread(tps, 1), "step_ms_median_per_run": spread(step_ms, 3),
             "tokens_same_every_run": all(t == tokens[0] for t in tokens), "_tokens": tokens[0], "_prefill_logits": prefill_logits}
 
@@ -566,7 +562,7 @@ def hf_peer(clock: Clock, hf, ids, new: int, device: str, repeats: int, static: 
 
 
 def agreement(ours: list[int], theirs: list[int], our_logits, their_logits) -> dict:
-    first = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+    first = next((i for i, (x, y) in enumerate(zip(ours, theirs, strict=False)) if x != y), None)
     return {"tokens_identical": ours == theirs, "first_divergence": first, "compared_tokens": min(len(ours), len(theirs)),
             "prefill_top1_equal": bool(our_logits.argmax().item() == their_logits.argmax().item()),
             "prefill_logits_max_abs_diff": float(f"{(our_logits - their_logits).abs().max().item():.3g}")}
@@ -576,7 +572,6 @@ def quantize_int4(model, device: str) -> None:
     """rtn-int4 the engine's way on CUDA: each fused linear packed (AutoAWQ GEMM layout) and
     multiplied by the W4A16 kernel (torch reference where kernels do not run)."""
     import torch
-
     from engines.kernels.w4a16 import W4A16Linear
     from engines.quant import quantize_groupwise
 

@@ -26,12 +26,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="batch size of both (default 8)")
     args = p.parse_args()
     setup(args)
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
-
     from engines.protocol import RollingRequest, WindowSpec
     from engines.reference.engine import ReferenceEngine
     from engines.spec import OptimizationSpec
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
 
     texts = heldout(args.docs)
     ours = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", engine_options={"batch_size": args.batch}))

@@ -31,11 +31,10 @@ def main() -> int:
     args = p.parse_args()
     setup(args)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from engines.protocol import GenerationRequest
     from engines.reference.engine import ReferenceEngine
     from engines.spec import OptimizationSpec
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     hf = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()

@@ -19,6 +19,7 @@ import json
 import math
 
 import torch
+
 from _common import heldout
 
 METHODS = {"rtn-int4": {"weights": "rtn-int4"}, "awq-int4": {"weights": "awq-int4"},
@@ -31,10 +32,9 @@ def ratio(x: torch.Tensor) -> float:
 
 
 def outlier_stats(path: str, text: str) -> list[dict]:
-    from transformers import AutoTokenizer
-
     from engines.reference.cache import NoCache
     from engines.reference.model import load_model
+    from transformers import AutoTokenizer
 
     model, tok = load_model(path, torch.float32, "cpu"), AutoTokenizer.from_pretrained(path)
     keys: list[torch.Tensor] = []

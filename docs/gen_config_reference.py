@@ -125,7 +125,8 @@ def type_of(p: dict) -> str:
 
 def constraints(p: dict) -> str:
     out = []
-    for key, fmt in (("minimum", "≥ {}"), ("exclusiveMinimum", "> {}"), ("maximum", "≤ {}"), ("exclusiveMaximum", "< {}"),
+    for key, fmt in (("minimum", "≥ {}"), ("exclusiveMinimum", "> {}"), ("maximum", "≤ {}"),
+                     ("exclusiveMaximum", "< {}"),
                      ("minItems", "at least {} item(s)"), ("maxItems", "at most {} item(s)"),
                      ("minLength", "at least {} characters"), ("maxLength", "at most {} characters")):
         if key in p:
@@ -147,7 +148,8 @@ def field_rows(obj: dict) -> list[str]:
     for name, p in obj.get("properties", {}).items():
         default = code(p["default"]) if "default" in p else ""
         rows.append("| " + " | ".join(cell(x) for x in (
-            f"`{name}`", type_of(p), "yes" if name in required else "", default, constraints(p), p.get("description", ""))) + " |")
+            f"`{name}`", type_of(p), "yes" if name in required else "", default, constraints(p),
+            p.get("description", ""))) + " |")
     return rows
 
 
@@ -205,22 +207,26 @@ def load_schema(source: str | None) -> dict:
         return json.load(sys.stdin)
     if source:
         return json.loads(pathlib.Path(source).read_text(encoding="utf-8"))
-    out = subprocess.run([sys.executable, "-m", "app.cli", "schema"], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "app.cli", "schema"], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schema", help="read the schema from this file ('-': stdin) instead of running `canary schema`")
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md differs from what would be generated")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when docs/configuration.md differs from what would be generated")
     ap.add_argument("--out", type=pathlib.Path, default=OUT)
     args = ap.parse_args(argv)
     text = render(load_schema(args.schema))
     if args.check:
         current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
         if current != text:
-            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(args.out), "generated", lineterm="", n=1)
-            sys.stderr.write("\n".join(list(diff)[:40]) + f"\n{args.out} is stale: run `python docs/gen_config_reference.py`\n")
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(args.out), "generated",
+                                        lineterm="", n=1)
+            sys.stderr.write("\n".join(list(diff)[:40])
+                             + f"\n{args.out} is stale: run `python docs/gen_config_reference.py`\n")
             return 1
         return 0
     args.out.write_text(text, encoding="utf-8")

@@ -66,7 +66,8 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
     fp32 = x.dtype == torch.float32
     if tune:
         grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]), triton_cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        k.autotuned("gemm_fp32" if fp32 else "gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size, FP32=fp32)
+        k.autotuned("gemm_fp32" if fp32 else "gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
+                                                            FP32=fp32)
     else:
         k.gemm_kernel[(triton_cdiv(M, 16), triton_cdiv(N, 32))](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
                                                                  BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, FP32=fp32)

@@ -7,7 +7,7 @@ Create Date: 2026-11-21
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op

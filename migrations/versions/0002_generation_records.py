@@ -9,7 +9,7 @@ Create Date: 2026-11-23
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op

@@ -8,7 +8,7 @@ Create Date: 2026-11-24
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op

@@ -9,7 +9,7 @@ Create Date: 2026-11-25
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -24,8 +24,8 @@ def upgrade() -> None:
     with op.batch_alter_table("optimization_configs") as batch:
         batch.add_column(sa.Column("ablation_of_id", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("ablation_axis", sa.String(16), nullable=True))
-        batch.create_foreign_key(op.f("fk_optimization_configs_ablation_of_id_optimization_configs"), "optimization_configs",
-                                 ["ablation_of_id"], ["id"], ondelete="CASCADE")
+        batch.create_foreign_key(op.f("fk_optimization_configs_ablation_of_id_optimization_configs"),
+                                 "optimization_configs", ["ablation_of_id"], ["id"], ondelete="CASCADE")
 
 
 def downgrade() -> None:

@@ -11,7 +11,7 @@ Create Date: 2026-11-25
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Callable, Iterator
 
+import app.models as m
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from app.db import Base, upgrade
 from sqlalchemy import create_engine, inspect, pool, text
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.orm import Session
-
-import app.models as m
-from app.db import Base, upgrade
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 

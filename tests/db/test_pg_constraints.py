@@ -4,11 +4,10 @@ ON DELETE CASCADE from a project."""
 from __future__ import annotations
 
 import pytest
+from app.models import ConfigRun, Model, OptimizationConfig, Project, Run, SampleResult, Suite
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import IntegrityError
-
-from app.models import ConfigRun, Model, OptimizationConfig, Project, Run, SampleResult, Suite
 
 
 def _key(graph) -> dict:

@@ -7,11 +7,10 @@ import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import create_engine, func, select, update
-from sqlalchemy.orm import Session
-
 from app import repo
 from app.models import ConfigRun, SampleResult, utcnow
+from sqlalchemy import create_engine, func, select, update
+from sqlalchemy.orm import Session
 
 
 @pytest.fixture

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from sqlalchemy import create_engine, inspect, pool
-
 from app.db import downgrade, upgrade
+from sqlalchemy import create_engine, inspect, pool
 
 
 def test_pg_upgrade_downgrade_upgrade(make_database, table_names, model_tables, schema_diff):

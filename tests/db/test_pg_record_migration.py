@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import create_engine, pool, text
-from sqlalchemy.exc import DataError
-
 from app.db import downgrade, upgrade
 from evals.records import DocRecord, GenerationRecord, read_row
+from sqlalchemy import create_engine, pool, text
+from sqlalchemy.exc import DataError
 
 # what main wrote before 0002 (workers/execute.py at 0395128): the generation's row is its TTFT
 OLD_GENERATION = {"text": " def f(x)", "prompt": "Return the", "n_tokens": 3, "prompt_tokens": 2, "itl_ms": [1.5, 2.25],

@@ -4,9 +4,8 @@ Needs no PostgreSQL server."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import create_engine, pool, text
-
 from app.db import downgrade, upgrade
+from sqlalchemy import create_engine, pool, text
 
 
 @pytest.fixture

@@ -147,7 +147,6 @@ def test_doc_sql_runs(doc_runs):
 
 def _cli():
     import typer
-
     from app.cli import app
 
     return typer.main.get_command(app)

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 import yaml
-
 from engines.zoo import resolve_corpus_path
+
 from tests.conftest import ROOT
 from tests.loopback import canary_serve
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change, verdict_rank
 from streamlit.testing.v1 import AppTest
 
-from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change, verdict_rank
 from tests.conftest import ROOT
 from tests.e2e.conftest import SMOKE
 

@@ -205,7 +205,7 @@ class FaultStack:
                         "cr.started_at, cr.lease_expires_at "
                         "FROM config_runs cr JOIN optimization_configs c ON c.id = cr.config_id WHERE cr.run_id = %s ORDER BY cr.id", run_id)
         keys = ("id", "config", "status", "attempt", "worker", "done", "total", "error", "started_at", "lease_expires_at")
-        return [dict(zip(keys, r)) for r in rows]
+        return [dict(zip(keys, r, strict=False)) for r in rows]
 
     def wait_for(self, what: str, predicate, timeout: float = 180, interval: float = 0.2):
         deadline, error = time.monotonic() + timeout, None

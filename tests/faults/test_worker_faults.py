@@ -36,9 +36,9 @@ def assert_complete(st, run_ids, fault, note=""):
         l, d = check_results(st, run_id, tuple(c["config"] for c in crs))
         lost, dup = lost + l, dup + d
     dup += double_finishes(st, sum(c["status"] == "succeeded" for crs in all_crs for c in crs))
-    completed = sum(run["status"] == "done" and all(c["status"] == "succeeded" for c in crs) for run, crs in zip(runs, all_crs))
+    completed = sum(run["status"] == "done" and all(c["status"] == "succeeded" for c in crs) for run, crs in zip(runs, all_crs, strict=False))
     record(fault, len(run_ids), completed, lost, dup, note)
-    for run, crs in zip(runs, all_crs):
+    for run, crs in zip(runs, all_crs, strict=False):
         assert run["status"] == "done", run
         assert [c["status"] for c in crs] == ["succeeded"] * len(crs), crs
         assert run["verdict"] in ("pass", "warn", "fail", "inconclusive")

@@ -9,7 +9,6 @@ in the context. `bias_a` makes it always prefer answer A (position bias)."""
 from __future__ import annotations
 
 import asyncio
-
 import re
 import time
 

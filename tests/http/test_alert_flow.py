@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy import select
-
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.models import Alert, Notification, Run
 from app.services import apply_config_file, start_run
 from engines.zoo import resolve_corpus_path
+from sqlalchemy import select
 
 
 def cfg(url: str, corpus: str, int2_weights: str = "rtn-int2") -> dict:

@@ -25,7 +25,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.loopback import canary_serve_process
 from tests.unit.test_api_keys import cli

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from engines.openai import metric_sum, parse_metrics
 from engines.zoo import ARTIFACTS
 from engines.zoo.corpus import read_jsonl
+
 from tests.http.conftest import start_engine_serve
 
 MODEL = "pydoc-target"

@@ -19,12 +19,12 @@ itself."""
 from __future__ import annotations
 
 import pytest
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, run_summary, start_run
+
 from tests.http.conftest import start_engine_serve
 from tests.http.perturb import (
     confident_flips,

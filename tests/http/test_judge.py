@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from evals.faithfulness import JudgeFaithfulness, MissingContexts, mean_faithfulness
 from evals.judge import JudgeClient, JudgeConfig, JudgeError, pairwise, rubric, summarize_pairwise
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, start_run
+
 from tests.http.conftest import start_engine_serve
 
 PROMPTS, MAX_NEW_TOKENS = 4, 48

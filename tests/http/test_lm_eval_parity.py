@@ -16,10 +16,10 @@ import subprocess
 import sys
 
 import pytest
-
 from engines.protocol import RollingRequest, WindowSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
 from evals.perplexity import DocNLL, corpus_perplexity
+
 from tests.conftest import ROOT
 from tests.http.conftest import start_engine_serve
 

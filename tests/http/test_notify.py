@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import httpx
 import pytest
-
 from app.db import session_scope
 from app.models import Channel, Notification, Project, aware, utcnow
 from app.notify import deliver_due

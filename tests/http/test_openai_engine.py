@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from engines.openai import EndpointError, OpenAIEngine, metric_sum, parse_metrics
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
@@ -102,5 +101,5 @@ def test_server_without_prompt_logprobs_refuses_perplexity_clearly(engine_serve_
 def test_config_without_base_url_is_refused_at_the_door():
     from engines.spec import ConfigNotAvailable
 
-    with pytest.raises(ConfigNotAvailable, match="engine_options.base_url"):
+    with pytest.raises(ConfigNotAvailable, match=r"engine_options.base_url"):
         OptimizationSpec(engine="openai", engine_options={"base_url": "file:///etc/passwd"}).check_available()

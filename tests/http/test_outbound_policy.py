@@ -244,10 +244,9 @@ def test_canary_run_f_names_the_field_and_the_fix_in_one_line(tmp_path):
 
 
 def test_a_literal_channel_url_with_credentials_is_refused_in_production(monkeypatch):
-    from pydantic import ValidationError
-
     from app.config_file import ChannelEntry
     from app.settings import get_settings
+    from pydantic import ValidationError
 
     literal = ["https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXXXXXXXXXXXXXX", "https://ops:pw@hooks.example.com/alert",
                "https://hooks.example.com/alert?token=abc", "https://discord.com/api/webhooks/1/abc"]
@@ -296,7 +295,7 @@ def test_the_transport_checks_the_url_and_connects_to_the_address_it_checked(rec
     assert [r["headers"]["host"] for r in receiver.requests] == [f"rebind.test:{receiver.port}"] * 3
     # a new transport checks again
     with httpx.Client(transport=PinnedTransport("channel url", resolve=dns)) as c, \
-            pytest.raises(UnsafeURL, match="resolves to private address 10.0.0.7"):
+            pytest.raises(UnsafeURL, match=r"resolves to private address 10.0.0.7"):
         c.post(f"http://rebind.test:{receiver.port}/hook", content=b"x")
     assert len(receiver.requests) == 3
     get_settings.cache_clear()
@@ -336,7 +335,7 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
     from engines.openai import OpenAIEngine
 
     spec = OptimizationSpec(engine="openai", engine_options={"base_url": listener + "/v1", "api_key_env": "CANARY_SECRET_ENGINE"})
-    with pytest.raises(UnsafeURL, match="engine_options.base_url / metrics_url: host '127.0.0.1' resolves to loopback"):
+    with pytest.raises(UnsafeURL, match=r"engine_options.base_url / metrics_url: host '127.0.0.1' resolves to loopback"):
         OpenAIEngine("m", spec, **engine_options(spec))
     spec = OptimizationSpec(engine="openai", engine_options={"base_url": f"http://localhost:{receiver.port}/v1",
                                                               "api_key_env": "CANARY_DATABASE_URL"})

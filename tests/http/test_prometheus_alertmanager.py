@@ -14,7 +14,6 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
-
 from app.auth import create_key
 from app.channels import AlertMessage, build
 from app.config_file import parse_config
@@ -23,9 +22,10 @@ from app.dispatch import InlineDispatcher
 from app.models import Channel, Comparison, Notification, Project
 from app.notify import deliver_due
 from app.services import apply_config_file, start_run
+
 from tests.conftest import ROOT
-from tests.loopback import free_port, serve_in_thread, wait_http
 from tests.http.test_alert_flow import cfg, small_corpus
+from tests.loopback import free_port, serve_in_thread, wait_http
 
 
 def binary(name: str) -> str:
@@ -197,9 +197,8 @@ def test_a_firing_alert_stays_active_in_alertmanager_past_its_endsat_until_the_c
 def test_promtool_finds_nothing_to_lint_in_metrics(sqlite_env, tmp_path, receiver):
     """The API's /metrics after a run with generation figures, through `promtool check metrics`
     (Prometheus' own linter: base units, no reserved labels on gauges, summaries complete)."""
-    from fastapi.testclient import TestClient
-
     from app.api.main import app
+    from fastapi.testclient import TestClient
 
     exe = binary("promtool")
     config = cfg(receiver.url, small_corpus(tmp_path))

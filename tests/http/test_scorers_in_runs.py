@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from app import repo
 from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope

@@ -14,13 +14,13 @@ baseline that talks to the same server directly.
 from __future__ import annotations
 
 import pytest
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.gates import gate_verdict
 from app.services import apply_config_file, run_summary, start_run
+
 from tests.http.conftest import start_engine_serve
 from tests.http.perturb import garble, proxy_app, zero_logprobs
 from tests.loopback import free_port, serve_in_thread

@@ -10,12 +10,12 @@ client reads the figures."""
 from __future__ import annotations
 
 import pytest
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, run_summary, start_run
+
 from tests.http.conftest import start_engine_serve
 
 MODEL = "builtin:pydoc-target"
@@ -76,7 +76,6 @@ def test_each_response_carries_its_own_acceptance_read_by_the_openai_sdk(per_req
     counts steps by accepted drafts, so Σ j·histogram[j] is the accepted tokens and Σ histogram the
     steps, and the canary's reader turns it back into the same counters."""
     import openai
-
     from engines.openai import spec_from_response
 
     client = openai.OpenAI(base_url=per_request_server + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 
-from sqlalchemy import select
-
 from app import repo
 from app.api.routes.gates import gate_out
 from app.api.routes.views import overview
@@ -24,6 +22,7 @@ from app.schemas import RunOut
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
 from evals.step_back import format_share
+from sqlalchemy import select
 
 
 class StepDispatcher:

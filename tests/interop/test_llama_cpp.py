@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from engines.openai import EndpointError, OpenAIEngine
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_corpus_path, resolve_model_path
+
 from tests.conftest import ROOT
 from tests.loopback import free_port, wait_http
 
@@ -95,14 +95,14 @@ def test_llama_cpp_f32_scores_the_exported_model_as_the_reference_engine_does(se
 
 def test_a_document_longer_than_one_window_is_refused_naming_the_fix(servers):
     doc = RollingRequest("long", "os.path.join(a, *p) joins pathname components. " * 8, WindowSpec(16, 16))
-    with pytest.raises(EndpointError, match="raise the suite's perplexity.window"):
+    with pytest.raises(EndpointError, match=r"raise the suite's perplexity.window"):
         OpenAIEngine(SERVED, spec(servers["f32"], "fp32")).loglikelihood_rolling([doc])
 
 
 def test_streamed_generation_gives_ttft_and_text(servers):
     [g] = OpenAIEngine(SERVED, spec(servers["q8_0"], "gguf-q8_0")).generate(
         [GenerationRequest("g", "import os\n\nos.path.", 8)])
-    assert g.ttft_ms > 0 and g.completion_tokens is None or g.completion_tokens > 0
+    assert (g.ttft_ms > 0 and g.completion_tokens is None) or g.completion_tokens > 0
     assert g.text
 
 

@@ -3,7 +3,6 @@ and picks the same tokens as eager decoding. GPU only: `make gpu-report` runs it
 
 import pytest
 import torch
-
 from engines.protocol import GenerationRequest
 from engines.zoo import resolve_model_path
 

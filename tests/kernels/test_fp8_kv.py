@@ -1,7 +1,6 @@
 """fp8 KV kernels against their torch references (interpreter on CPU, GPU when present)."""
 
 import torch
-
 from engines.kernels.fp8_kv import decode_attention, decode_attention_reference, quantize_on_write, quantize_reference
 
 

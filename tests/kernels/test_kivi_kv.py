@@ -4,7 +4,6 @@ Codes must match exactly (exact .5 ties aside) and scales/zeros to 1e-6; attenti
 
 import pytest
 import torch
-
 from engines.kernels.kivi_kv import (
     GROUP,
     decode_attention,

@@ -7,7 +7,6 @@ tensors of the documented shapes."""
 
 import pytest
 import torch
-
 from engines.kernels import fp8_kv, kivi_kv, turbo_kv
 from engines.kernels.w4a16 import w4a16_reference
 from engines.quant import awq_gemm, dequantize_groupwise, fake_quantize, quantize_groupwise

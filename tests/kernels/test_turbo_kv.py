@@ -3,7 +3,6 @@ Codes must match exactly (ties aside) and norms to 1e-5; attention outputs to 1e
 
 import pytest
 import torch
-
 from engines.kernels.turbo_kv import (
     decode_attention,
     decode_attention_reference,

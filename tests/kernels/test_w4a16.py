@@ -4,7 +4,6 @@ outputs of magnitude ~1 (fp16 rounding of x and W before the dot); bf16 (GPU onl
 
 import pytest
 import torch
-
 from engines.kernels import use_triton
 from engines.kernels.w4a16 import w4a16, w4a16_reference, w4a16_triton
 from engines.quant import pack_awq_gemm, quantize_groupwise

@@ -5,11 +5,10 @@ interpreter without CUDA) with its timing stubbed, and each configuration it wou
 
 import pytest
 import torch
-from triton.runtime.autotuner import Autotuner
-
 from engines.kernels import _w4a16_triton as k
 from engines.kernels.w4a16 import w4a16_reference, w4a16_triton
 from engines.quant import pack_awq_gemm, quantize_groupwise
+from triton.runtime.autotuner import Autotuner
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from app.dispatch import EXECUTE_CONFIG_RUN, ESCALATION_PRIORITY, GATE_PRIORITY, CeleryDispatcher
+from app.dispatch import ESCALATION_PRIORITY, EXECUTE_CONFIG_RUN, GATE_PRIORITY, CeleryDispatcher
 from app.settings import Settings
 
 

@@ -46,10 +46,9 @@ def test_embedded_server_runs_to_verdict(server):
 def test_route_threads_per_process_follow_the_setting(sqlite_env, monkeypatch, threads):
     """CANARY_API_THREADS caps the threads that run route handlers in the server's event loop."""
     import anyio.to_thread
-    from fastapi.testclient import TestClient
-
     from app.api.main import app
     from app.settings import get_settings
+    from fastapi.testclient import TestClient
 
     monkeypatch.setenv("CANARY_API_THREADS", str(threads))
     get_settings.cache_clear()

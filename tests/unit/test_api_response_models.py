@@ -9,9 +9,9 @@ import dataclasses
 
 from app.api.main import app
 from app.schemas import ComparisonOut, FiguresOut
+from engines.protocol import SpecStats
 from evals.records import RunFigures, ServerFigures, SpecFigures
 from evals.stats import Comparison
-from engines.protocol import SpecStats
 
 
 def _untyped(schema: dict) -> bool:

@@ -21,6 +21,7 @@ import zlib
 
 import pytest
 import schemathesis
+from app.api.main import app
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -31,8 +32,6 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.python.asgi import shutdown_lifespans
-
-from app.api.main import app
 
 EXAMPLES = 25  # fuzzed examples per operation and generation mode (positive, negative), besides coverage cases
 RESPONSE_CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -72,6 +71,7 @@ def database_url(request, tmp_path_factory):
     import os
 
     from app.db import get_engine
+
     from tests.conftest import throwaway_pg_database
 
     with throwaway_pg_database(os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"),
@@ -82,12 +82,11 @@ def database_url(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def seeded(database_url):
-    from fastapi.testclient import TestClient
-
     from app.db import upgrade
     from app.dispatch import EXECUTE_CONFIG_RUN, InlineDispatcher
     from app.services import start_run
     from app.settings import get_settings
+    from fastapi.testclient import TestClient
 
     url = database_url
     for counter in (CASES, STATUSES, FUZZ_TIME, SEEDED):

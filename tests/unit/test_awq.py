@@ -3,8 +3,7 @@ RTN where a salient channel exists, and loading a checkpoint written in that lay
 
 import pytest
 import torch
-from torch import nn
-
+from engines.protocol import GenerationRequest
 from engines.quant import (
     dequantize_awq_gemm,
     dequantize_groupwise,
@@ -14,12 +13,12 @@ from engines.quant import (
     unpack_awq_gemm,
 )
 from engines.reference.awq import apply_scale, awq_quantize, save_awq_checkpoint, search_clip, search_scale
-from engines.protocol import GenerationRequest
 from engines.reference.engine import ReferenceEngine
 from engines.reference.model import RMSNorm, load_model
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
 from engines.zoo.corpus import read_jsonl
+from torch import nn
 
 TARGET = resolve_model_path("builtin:pydoc-target")
 

@@ -6,8 +6,6 @@ file, a manual run or CANARY_GATE_REUSE_BASELINE=false computes it again."""
 import shutil
 
 import pytest
-from sqlalchemy import select
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
@@ -15,6 +13,7 @@ from app.dispatch import InlineDispatcher
 from app.models import SampleResult
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_model_path
+from sqlalchemy import select
 
 
 def _config(model_path: str) -> dict:

@@ -12,9 +12,9 @@ import time
 
 import pytest
 import yaml
-
 from app.config_file import ConfigFileError, load_config_file, load_config_text, parse_config
 from app.settings import get_settings
+
 from tests.conftest import ROOT
 
 HEAD = "model: {name: m, path: builtin:pydoc-target}\nsuites: [{name: s, corpus: builtin:pydoc-heldout}]\n"
@@ -57,7 +57,7 @@ def test_deep_yaml_is_a_one_line_error_through_a_pipe(tmp_path, nested):
 
 def test_an_alias_bomb_stops_at_the_value_limit():
     bomb = HEAD + "configs: [{name: b, baseline: true}]\na: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
-    for name, prev in zip("bcdefg", "abcdef"):
+    for name, prev in zip("bcdefg", "abcdef", strict=False):
         bomb += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]\n"
     t0 = time.monotonic()
     with pytest.raises(ConfigFileError, match=r"more than 50000 values .*CANARY_MAX_CONFIG_VALUES"):
@@ -137,9 +137,8 @@ def test_a_cron_that_never_fires_names_the_field(cron):
 # -- the API: model paths, cron, per-project counts --------------------------------------------------------
 @pytest.fixture
 def api(sqlite_env, limits):
-    from fastapi.testclient import TestClient
-
     from app.api.main import app
+    from fastapi.testclient import TestClient
 
     limits(max_configs=3, max_suites=2, max_channels=2, max_schedules=2, url_allowlist="hooks.test")
     http = TestClient(app)

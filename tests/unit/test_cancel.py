@@ -11,13 +11,13 @@ import subprocess
 import sys
 
 import pytest
-from sqlalchemy import func, select
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.models import ConfigRun, Gate, Run, SampleResult
 from app.services import apply_config_file, start_run
+from sqlalchemy import func, select
+
 from tests.conftest import ROOT
 from tests.unit.test_queue_fairness import Recorder, project
 

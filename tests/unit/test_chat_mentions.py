@@ -8,9 +8,9 @@ import json
 from datetime import UTC, datetime
 
 import pytest
-
 from app import repo
 from app.channels import AlertMessage, build
+
 from tests.unit.test_cli_pipe import canary
 
 

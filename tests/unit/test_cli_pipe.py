@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import yaml
-
 from app.cli import RunWatch, _ago, run_exit_code, worst_comparison
 from engines.zoo import resolve_corpus_path
+
 from tests.conftest import ROOT
 from tests.loopback import free_port
 

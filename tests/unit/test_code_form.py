@@ -1,5 +1,6 @@
-"""The form gate: ruff (line length 120, the bug-finding rule sets) and mypy (check_untyped_defs)
-over the whole service code (engines/, evals/, workers/, app/, dashboard/), configured in
+"""The form gate: ruff (line length 120, 160 in tests/ and benchmarks/; the bug-finding rule sets)
+over the whole repository, and mypy (check_untyped_defs) over the service code (engines/, evals/,
+workers/, app/, dashboard/), configured in
 pyproject.toml. Either one reporting a problem fails the test with its report."""
 
 import os
@@ -21,8 +22,9 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_ruff_finds_nothing():
-    r = _run("ruff", "check", "--no-cache", *CODE, timeout=120)
-    assert r.returncode == 0, f"ruff check {' '.join(CODE)}:\n{r.stdout}{r.stderr}"
+    # the whole repository: tests/ and benchmarks/ too (their ruff.toml allows 160-character lines)
+    r = _run("ruff", "check", "--no-cache", ".", timeout=120)
+    assert r.returncode == 0, f"ruff check .:\n{r.stdout}{r.stderr}"
 
 
 def test_mypy_finds_nothing():

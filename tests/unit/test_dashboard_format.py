@@ -6,7 +6,6 @@ import math
 from datetime import datetime, timezone
 
 import pytest
-
 from dashboard.views.common import (
     clock_time,
     doc_ppl_ratio,

@@ -7,9 +7,8 @@ import sqlite3
 
 import psycopg
 import pytest
-from sqlalchemy import exc
-
 from app.db import is_transient, retry_transient
+from sqlalchemy import exc
 
 
 def wrapped(cls, orig):

@@ -4,7 +4,6 @@ pick exactly the tokens that a fresh causal pass over the whole sequence picks."
 
 import pytest
 import torch
-
 from engines.protocol import GenerationRequest
 from engines.reference.cache import NoCache
 from engines.reference.decode import Decoder, graph_safe
@@ -82,9 +81,9 @@ def test_cuda_graphs_option_takes_a_bool_only():
     from engines.spec import ConfigNotAvailable
 
     OptimizationSpec(engine="reference", engine_options={"cuda_graphs": False}).check_available()
-    with pytest.raises(ConfigNotAvailable, match="engine_options.cuda_graphs: expected bool"):
+    with pytest.raises(ConfigNotAvailable, match=r"engine_options.cuda_graphs: expected bool"):
         OptimizationSpec(engine="reference", engine_options={"cuda_graphs": "yes"}).check_available()
-    with pytest.raises(ConfigNotAvailable, match="engine_options.batch_size: expected int"):
+    with pytest.raises(ConfigNotAvailable, match=r"engine_options.batch_size: expected int"):
         OptimizationSpec(engine="reference", engine_options={"batch_size": True}).check_available()
 
 

@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import detection  # noqa: E402
+import detection
 
 
 def trial(flagged: bool, by=(), estimates=None, inconclusive=(), n: int = 12) -> dict:

@@ -5,14 +5,13 @@ import math
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select, update
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, InlineDispatcher
 from app.models import ConfigRun, Run, SampleResult, utcnow
 from app.services import apply_config_file, run_summary, start_run
+from sqlalchemy import select, update
 
 CONFIG = {
     "project": "t",

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from app.config_file import ConfigFileError, parse_config
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine

@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-
 from engines.hf import EngineLoadError, TransformersEngine
 from engines.protocol import Engine, GenerationRequest, RollingRequest, WindowSpec
 from engines.registry import load_engine
@@ -56,7 +55,7 @@ def test_batched_equals_unbatched(fp32):
     reqs = [RollingRequest(str(i), DOC[: 20 + 7 * i]) for i in range(5)]
     batched = fp32.loglikelihood_rolling(reqs)
     single = [fp32.loglikelihood_rolling([r])[0] for r in reqs]
-    for b, s in zip(batched, single):
+    for b, s in zip(batched, single, strict=False):
         assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
 
 
@@ -94,7 +93,7 @@ def test_generate_greedy_is_deterministic_and_timed(fp32):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_cuda_config_on_cpu_worker_is_refused():
-    with pytest.raises(EngineLoadError, match="engine_options.device: 'cuda'"):
+    with pytest.raises(EngineLoadError, match=r"engine_options.device: 'cuda'"):
         TransformersEngine(TARGET, OptimizationSpec(engine_options={"device": "cuda"}))
 
 

@@ -7,7 +7,6 @@ import math
 from dataclasses import fields
 
 import pytest
-
 from evals.field import batch_divergence_comparison, confident_divergence_comparison, health_comparisons
 from evals.health import Scored, divergence, is_degenerate, is_empty, periodic_tail
 from evals.records import GenerationRecord, RepeatRecord, RunRecords, SoloRecord

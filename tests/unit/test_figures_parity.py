@@ -20,13 +20,12 @@ import os
 import pathlib
 
 import pytest
-
+from app import repo
 from app.cli import DEMO_CONFIG
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, run_summary, start_run
-from app import repo
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "demo_parity.json"
 CONFIGS = ("fp16", "int4", "kivi-2", "turbo-3.5", "spec-draft-4")
@@ -60,7 +59,7 @@ def _close(a, b, path: str) -> list[str]:
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [f"{path}: {len(a)} items, recorded {len(b)}"]
-        return [e for i, (x, y) in enumerate(zip(a, b)) for e in _close(x, y, f"{path}[{i}]")]
+        return [e for i, (x, y) in enumerate(zip(a, b, strict=False)) for e in _close(x, y, f"{path}[{i}]")]
     if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
         return [] if math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-12) else [f"{path}: {a!r}, recorded {b!r}"]
     return [] if a == b else [f"{path}: {a!r}, recorded {b!r}"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from evals.compare import gen_nll_ratio_comparison
 from evals.records import GenerationRecord, read_row
 from evals.stats import Thresholds

@@ -2,7 +2,6 @@
 fences or braces inside its strings surround it."""
 
 import pytest
-
 from evals.judge import extract_json
 
 
@@ -20,5 +19,5 @@ def test_the_first_json_object_is_read(reply, expected):
 
 
 def test_no_object_is_a_value_error_quoting_the_reply():
-    with pytest.raises(ValueError, match="no JSON object in judge reply: 'I cannot judge {this'"):
+    with pytest.raises(ValueError, match=r"no JSON object in judge reply: 'I cannot judge {this'"):
         extract_json("I cannot judge {this")

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from engines.quant import lloyd_max_gaussian, minmax_quant, qjl_residual, random_rotation, turbo_mse
 from engines.reference.kv import Fp8KV, IntPerTokenKV, KiviKV, TurboKV, kv_format
 
@@ -144,7 +143,6 @@ def test_unknown_format():
 def test_rotated_domain_attention_equals_attention_over_reconstructions():
     # ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩ and Σ p·Πᵀĉ‖v‖ = Πᵀ Σ p·ĉ‖v‖: same output, no per-slot rotation.
     import torch.nn.functional as F
-
     from engines.reference.attention import rotated_attention
 
     g = torch.Generator().manual_seed(0)

@@ -11,12 +11,11 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import exc, update
-
 from app import repo
 from app.corpus import SampleIn
 from app.db import session_scope
 from app.models import ConfigRun, aware, utcnow
+from sqlalchemy import exc, update
 
 
 @pytest.fixture

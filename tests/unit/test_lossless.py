@@ -6,7 +6,6 @@ config that claims to be lossless is not."""
 from __future__ import annotations
 
 import pytest
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from app.config_file import ConfigFileError, Thresholds, parse_config
 from engines.protocol import SpecStats
 from evals.compare import peak_comparison
@@ -150,14 +149,13 @@ def test_records_round_trip_through_their_rows():
                                   for r in (doc.to_row(), gen.to_row(), vote.to_row())])
     assert table[7].docs["d1"] == doc and table[7].generations["p1"] == gen and table[7].pairwise["p1"] == vote
     assert vote.value == 0.5 and gen.sequence == (9, 8) and table[8].docs == {}  # another config: empty
-    with pytest.raises(ValueError, match="sample_results.metric: unknown record kind 'ttft_ms'"):
+    with pytest.raises(ValueError, match=r"sample_results.metric: unknown record kind 'ttft_ms'"):
         RunRecords.from_rows([(7, "ttft_ms", "p1", 40.0, {})])
 
 
 def test_the_catalogue_route_serves_the_table(sqlite_env):
-    from fastapi.testclient import TestClient
-
     from app.api.main import app
+    from fastapi.testclient import TestClient
 
     with TestClient(app) as client:
         body = client.get("/api/v1/metrics").json()

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import yaml
-
 from engines.zoo import resolve_model_path
+
 from tests.unit.test_cli_pipe import canary
 
 USABLE = "is not a usable path to a model directory on the server"
@@ -32,10 +32,9 @@ def tree(tmp_path):
 
 @pytest.fixture
 def api(sqlite_env, monkeypatch, tree):
-    from fastapi.testclient import TestClient
-
     from app.api.main import app
     from app.settings import get_settings
+    from fastapi.testclient import TestClient
 
     monkeypatch.setenv("CANARY_MODEL_ROOT", str(tree))
     monkeypatch.setenv("CANARY_MODEL_ROOT_PER_PROJECT", "true")

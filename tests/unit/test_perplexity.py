@@ -3,7 +3,6 @@
 import math
 
 import pytest
-
 from evals.perplexity import DocNLL, corpus_perplexity, ppl_ratio
 
 LN2 = math.log(2)

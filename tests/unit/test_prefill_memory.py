@@ -7,14 +7,13 @@ On small real CPU shapes the chunked prefill gives the logits and tokens of a si
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
 from engines.reference import attention
 from engines.reference.attention import query_chunk, two_tier_attention
 from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import ModelArgs, Transformer, rope_inv_freq
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 GiB = 1 << 30
 FORMATS = ["fp16", "fp8", "turbo-3", "kivi-2"]

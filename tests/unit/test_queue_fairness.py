@@ -7,7 +7,6 @@ dispatcher records what it would enqueue, so the config-runs stay queued."""
 from __future__ import annotations
 
 import pytest
-
 from app.config_file import parse_config
 from app.db import session_scope
 from app.repo import QueueFull

@@ -1,7 +1,6 @@
 """The reference decoder on the real tiny model, against transformers."""
 
 import pytest
-
 from engines.hf import TransformersEngine
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
@@ -28,7 +27,7 @@ def test_logprobs_match_transformers_fp32(fp32):
     # test runner with 2 threads we have seen up to 3.3e-4 (thread-order-dependent reductions).
     hf = TransformersEngine(TARGET, OptimizationSpec(weights="fp32"))
     reqs = [RollingRequest("a", TEXT, WindowSpec(64, 32)), RollingRequest("b", TEXT[:90], WindowSpec(64, 64))]
-    for r, h in zip(fp32.loglikelihood_rolling(reqs), hf.loglikelihood_rolling(reqs)):
+    for r, h in zip(fp32.loglikelihood_rolling(reqs), hf.loglikelihood_rolling(reqs), strict=False):
         assert r.token_ids == h.token_ids
         assert r.logprobs == pytest.approx(h.logprobs, abs=1e-3)
         assert r.greedy_ids == h.greedy_ids
@@ -146,9 +145,7 @@ def test_kv_cache_usage_is_the_peak_share_of_a_full_context_cache_holding_tokens
 
 def test_an_openai_config_labelled_awq_loads_without_calibration():
     # the server runs AWQ itself: calibration text is only for the engine that quantizes
-    from engines.openai import OpenAIEngine
-
-    from engines.openai import EndpointError
+    from engines.openai import EndpointError, OpenAIEngine
 
     spec = OptimizationSpec(engine="openai", weights="awq-int4", engine_options={"base_url": "http://vllm.invalid:8000/v1"})
     # the constructor gets as far as asking the (unresolvable) server, not a TypeError on calibration=
@@ -160,7 +157,6 @@ def test_an_openai_config_labelled_awq_loads_without_calibration():
 def test_rope_frequencies_stay_fp32_when_the_weights_are_cast():
     # cast to fp16 they drift by 0.3 rad at position 2K (the engine casts with model.to(dtype))
     import torch
-
     from engines.reference.model import load_model, rope_inv_freq
 
     model = load_model(TARGET, torch.float32).to(torch.float16)
@@ -182,7 +178,6 @@ def test_half_precision_weights_compute_in_fp32_on_a_cpu_without_half_matmul(fp3
     """fp16 weights on such a CPU: every weight and every cached key/value keeps its fp16 rounding,
     the arithmetic runs in fp32, and the figures say so. On a GPU the half type computes."""
     import torch
-
     from engines.reference import engine as reference
 
     monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)  # what this test asserts is the fallback

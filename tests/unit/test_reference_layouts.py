@@ -3,7 +3,6 @@ Mistral and Qwen2 (attention bias, untied head) checkpoints written by transform
 
 import pytest
 import torch
-
 from engines.reference.cache import KVCache
 from engines.reference.kv import kv_format
 from engines.reference.model import load_model

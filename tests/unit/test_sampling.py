@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from engines.sampling import sampling_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))  # temperature 1 gives these back

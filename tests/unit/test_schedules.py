@@ -8,13 +8,12 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import select
-
 from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope
 from app.models import Run
 from app.schedules import latest_slot, tick
 from app.services import apply_config_file
+from sqlalchemy import select
 
 T0 = datetime(2026, 3, 2, 5, 0, tzinfo=UTC)  # a Monday, 05:00
 

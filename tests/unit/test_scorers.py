@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.stats
-
 from evals.agreement import exact_match, first_divergence, kl_divergence, top1_agreement
 from evals.stats import cohen_kappa, minimum_detectable_effect, paired_mean_difference, required_n, wilson_interval
 

@@ -6,14 +6,12 @@ import shutil
 
 import pytest
 import torch
-
 from engines.protocol import GenerationRequest, SpecStats
 from engines.reference.engine import ReferenceEngine
 from engines.reference.speculative import NgramProposer, SpecCounters, sample_step
 from engines.spec import OptimizationSpec
-from engines.zoo import resolve_model_path
+from engines.zoo import ARTIFACTS, resolve_model_path
 from engines.zoo.corpus import read_jsonl
-from engines.zoo import ARTIFACTS
 
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 PROMPTS = [" ".join(d.text.split()[:20]) for d in read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[:4]]
@@ -101,7 +99,7 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
     tok = json.loads((draft / "tokenizer.json").read_text())
     tok["model"]["vocab"] = {f"x{v}": v for v in tok["model"]["vocab"].values()}
     (draft / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match="speculative.draft_model: .* different tokenizer"):
+    with pytest.raises(ValueError, match=r"speculative.draft_model: .* different tokenizer"):
         engine({"method": "draft", "draft_model": str(draft), "k": 2})
     # and at config validation, before any engine loads
     from app.services import check_config_fits_model
@@ -141,5 +139,5 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     common = [t for t, _ in (a + b).most_common(8)]
     bins_a = [a[t] for t in common] + [n - sum(a[t] for t in common)]
     bins_b = [b[t] for t in common] + [n - sum(b[t] for t in common)]
-    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(bins_a, bins_b) if x + y)  # equal sample sizes
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(bins_a, bins_b, strict=False) if x + y)  # equal sample sizes
     assert chi2 < 27.88  # 0.999 quantile of χ²(8)

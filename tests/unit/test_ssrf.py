@@ -8,7 +8,6 @@ import re
 import socket
 
 import pytest
-
 from app.ssrf import UnsafeURL, check_url
 
 REFUSED = [
@@ -61,7 +60,7 @@ def test_public_addresses_pass_and_a_rebound_name_is_judged_by_its_address(monke
 
     get_settings.cache_clear()
     assert check_url("https://hooks.slack.com/services/T/B/X", resolve=fake_dns("3.5.140.2"))
-    with pytest.raises(UnsafeURL, match="hooks.evil.test' resolves to private address 10.0.0.7"):
+    with pytest.raises(UnsafeURL, match=r"hooks.evil.test' resolves to private address 10.0.0.7"):
         check_url("https://hooks.evil.test/x", "url", resolve=fake_dns("10.0.0.7"))
     get_settings.cache_clear()
 
@@ -123,9 +122,8 @@ def test_an_allow_listed_host_is_open_on_its_ports_only(monkeypatch):
 
 @pytest.mark.parametrize("entry", ["localhost:http", "localhost:0", "localhost:65536", "[::1]x", ":8080"])
 def test_a_malformed_allow_list_entry_stops_the_service(entry):
-    from pydantic import ValidationError
-
     from app.settings import Settings
+    from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=r"CANARY_URL_ALLOWLIST: '.*' is not host, host:port"):
         Settings(url_allowlist=f"hooks.test,{entry}")

@@ -5,9 +5,7 @@ with a controllable clock; the runs are real rows and the channel a real outbox 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
-from sqlalchemy import select, update
+from datetime import datetime, timedelta
 
 from app.config_file import parse_config
 from app.db import session_scope
@@ -15,6 +13,8 @@ from app.models import Notification, Run, Schedule
 from app.schedules import tick
 from app.services import apply_config_file
 from app.staleness import notify_stale, schedule_health
+from sqlalchemy import select, update
+
 from tests.unit.test_schedules import T0, Recorder, config
 
 H = timedelta(hours=1)
@@ -72,9 +72,8 @@ def test_a_success_moves_the_heartbeat_and_the_channel_hears_each_change_once(sq
 
 
 def test_a_stale_schedule_is_a_metric_for_prometheus(sqlite_env):
-    from prometheus_client import CollectorRegistry, generate_latest
-
     from app.metrics import CanaryCollector
+    from prometheus_client import CollectorRegistry, generate_latest
 
     _setup()
     registry = CollectorRegistry()

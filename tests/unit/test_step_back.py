@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from app.config_file import ConfigFileError, parse_config
 from app.gates import step_back_lines, summary_markdown
 from app.models import Gate

@@ -8,7 +8,6 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import exc, text
-
 from workers.base import BaseTask
 
 

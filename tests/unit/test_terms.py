@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from app import repo
 from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope
@@ -61,7 +60,7 @@ def test_a_term_threshold_without_terms_is_refused():
     cfg = {"project": "p", "model": {"name": "m", "path": "builtin:pydoc-target"},
            "configs": [{"name": "b", "baseline": True}], "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout"}],
            "thresholds": {"term_nll_ratio": {"warn": 1.05}}}
-    with pytest.raises(ConfigFileError, match="thresholds.term_nll_ratio: no suite lists perplexity.terms"):
+    with pytest.raises(ConfigFileError, match=r"thresholds.term_nll_ratio: no suite lists perplexity.terms"):
         parse_config(cfg)
 
 

@@ -7,8 +7,6 @@ decided candidate as it was, and judges on 12. A gate on it waits for the top-up
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
@@ -17,8 +15,10 @@ from app.models import AlertRule, ConfigRun, Gate, Run, SampleResult
 from app.schemas import RunOut
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
-from tests.http.test_step_back import StepDispatcher
+from sqlalchemy import select
 from workers import top_up
+
+from tests.http.test_step_back import StepDispatcher
 
 
 def canary(corpus: str, max_samples: int | None = 12, weights: str = "rtn-int4") -> dict:

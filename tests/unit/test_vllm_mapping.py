@@ -4,7 +4,6 @@ small and checked against the documented LLM(...) arguments, REFERENCE.md §7)."
 from __future__ import annotations
 
 import pytest
-
 from engines.spec import ConfigNotAvailable, OptimizationSpec
 from engines.vllm import spec_counters, vllm_args
 

@@ -1,13 +1,12 @@
 """Strided perplexity windows: every target token scored exactly once, worked by hand."""
 
 import pytest
-
 from engines.protocol import WindowSpec, strided_windows
 
 
 def targets(windows):
     out = []
-    for begin, end, n in windows:
+    for _begin, end, n in windows:
         out.extend(range(end - n + 1, end + 1))
     return out
 

@@ -3,16 +3,15 @@
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import update
-
 from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN
 from app.models import ConfigRun, utcnow
 from app.services import apply_config_file
-from evals.stats import Thresholds
 from evals.compare import ttft_comparison
+from evals.stats import Thresholds
+from sqlalchemy import update
 from workers.execute import percentile
 from workers.tasks import reconcile
 

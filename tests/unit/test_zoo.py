@@ -5,7 +5,6 @@ import hashlib
 import json
 
 import pytest
-
 from engines.zoo import ARTIFACTS, ModelPathError, resolve_model_path
 from engines.zoo.corpus import is_heldout, read_jsonl
 
@@ -78,11 +77,10 @@ def test_the_outlier_variant_computes_the_same_function_with_outlier_channels():
     """pydoc-outlier (engines/zoo/outliers.py) is pydoc-target rescaled by powers of two: the same
     logits bit for bit, with salient activation channels and key outlier channels."""
     import torch
-    from safetensors.torch import load_file
-
     from engines.reference.cache import NoCache
     from engines.reference.model import load_model
     from engines.zoo.outliers import KEY_SCALE, SALIENT_CHANNELS, SALIENT_SCALE, add_outliers
+    from safetensors.torch import load_file
 
     target, outlier = resolve_model_path("builtin:pydoc-target"), resolve_model_path("builtin:pydoc-outlier")
     # the committed artifact is what the derivation gives
