@@ -1,4 +1,4 @@
-"""The alert state machine (Prometheus / Alertmanager semantics, REFERENCE.md §9), pure and
+"""The alert state machine (Prometheus / Alertmanager semantics, docs/reference.md §9), pure and
 clock-driven so that every transition and every send / don't-send rule is testable.
 
 Evaluation happens once per run, per (rule, config) and per severity: a warn alert's condition

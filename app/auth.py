@@ -1,4 +1,4 @@
-"""API keys (REFERENCE.md §10): 256 random bits, shown once, stored only as a SHA-256 hash,
+"""API keys (docs/reference.md §10): 256 random bits, shown once, stored only as a SHA-256 hash,
 scoped to one project, read-only, read-write or metrics-only, revocable. A key of project A asking for
 project B's objects gets the same 404 as a project that does not exist."""
 

@@ -1,4 +1,4 @@
-"""SQLAlchemy models: the domain model of DESIGN.md. API schemas live in app/schemas.py."""
+"""SQLAlchemy models: the domain model of docs/design.md. API schemas live in app/schemas.py."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Project(TimestampMixin, Base):
 
 
 class ApiKey(TimestampMixin, Base):
-    """Keys are scoped to one project; only a hash is stored (REFERENCE.md §10)."""
+    """Keys are scoped to one project; only a hash is stored (docs/reference.md §10)."""
 
     __tablename__ = "api_keys"
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     execution: Literal["inline", "celery"] | None = Field(
         None, description="task execution; default: celery when broker_url is set, else inline"
     )
-    # Liveness of GPU work lives in Postgres (REFERENCE.md §8): a lease renewed by heartbeat.
+    # Liveness of GPU work lives in Postgres (docs/reference.md §8): a lease renewed by heartbeat.
     lease_seconds: int = 600
     max_attempts: int = 3
     requeue_after_seconds: int = 300  # the reconciler re-enqueues config-runs queued longer

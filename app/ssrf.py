@@ -1,4 +1,4 @@
-"""Outbound URL policy (REFERENCE.md §10): webhook, engine, metrics and judge URLs are checked
+"""Outbound URL policy (docs/reference.md §10): webhook, engine, metrics and judge URLs are checked
 when they are created and again at send time. Only http(s); every address the host resolves to
 (A and AAAA) must be public — no loopback, private, link-local (169.254.169.254), CGNAT
 (100.64/10), unique-local (fd00::/8), multicast, reserved or unspecified addresses. IPv6 forms

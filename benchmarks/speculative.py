@@ -1,5 +1,5 @@
 """Speculative decoding: the realised speedup over plain decoding next to the theory built from
-the measured per-position acceptance (REFERENCE.md §3), greedy, batch 1, reference engine, CPU.
+the measured per-position acceptance (docs/reference.md §3), greedy, batch 1, reference engine, CPU.
 
 Theory. A verification pass with a draft yields E = 1 + Σᵢ aᵢ tokens, where aᵢ is the share of
 drafts whose first i tokens were all accepted (`accepted_per_position`), and costs 1 + d·c

@@ -5,7 +5,7 @@ server runs; the server decides.
 - generate: streaming completions at `concurrency` requests in flight; TTFT = request sent →
   first non-empty text chunk; ITL = gaps between later chunks (one per delivery, like vLLM).
 - loglikelihood_rolling: prompt log-probs through completions `echo=true, logprobs=1,
-  max_tokens=0|1` (REFERENCE.md §7); windows are cut from the server's own tokens (`/tokenize`)
+  max_tokens=0|1` (docs/reference.md §7); windows are cut from the server's own tokens (`/tokenize`)
   so a long document is scored exactly once per token, as on the reference engine.
 - server_stats: a scrape of the server's Prometheus /metrics before and after each generate
   call (vLLM names): spec-decode counter deltas → acceptance rate; KV-cache usage and queue

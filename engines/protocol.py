@@ -136,7 +136,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class SpecStats:
-    """Speculative-decoding counters with vLLM's definitions (REFERENCE.md §3)."""
+    """Speculative-decoding counters with vLLM's definitions (docs/reference.md §3)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0

@@ -2,7 +2,7 @@
 engine implements which values today. This is the one place a config's shape is defined; the
 service (app/) validates requests against it, so this module must stay free of torch.
 
-A config is a point on three axes (DESIGN.md §Domain model):
+A config is a point on three axes (docs/design.md §Domain model):
   weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4 |
                gguf-q8_0 | gguf-q4_k_m (llama.cpp's types, served by a llama.cpp server)
   kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | int4 | int2 | kivi-4 | kivi-2 |
@@ -30,7 +30,7 @@ SPECULATIVE_METHODS = ("off", "draft", "ngram", "eagle")
 ENGINES = ("transformers", "reference", "vllm", "openai")
 
 # Bits stored per weight element, including the fp16 scale and zero of each group of 128
-# (REFERENCE.md §1: group-wise asymmetric quantization, 2 × 16 bits per 128 weights).
+# (docs/reference.md §1: group-wise asymmetric quantization, 2 × 16 bits per 128 weights).
 GROUP_SIZE = 128
 BITS_PER_WEIGHT = {
     "fp32": 32.0,

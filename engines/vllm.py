@@ -1,6 +1,6 @@
 """In-process vLLM (optional extra `vllm`): a config mapped onto `vllm.LLM(...)` arguments.
 
-Mapping (REFERENCE.md §7; vLLM V1):
+Mapping (docs/reference.md §7; vLLM V1):
   weights      fp16/bf16/fp32 → dtype; awq-int4 → quantization="awq_marlin" (the model path
                must hold an AWQ checkpoint)
   kv_cache     auto/fp16/bf16 → "auto"; fp8 → "fp8"; turbo-4 → "turboquant_4bit_nc";

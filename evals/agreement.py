@@ -1,4 +1,4 @@
-"""Output agreement with the baseline (DESIGN.md §Scorers): greedy exact-match rate and the
+"""Output agreement with the baseline (docs/design.md §Scorers): greedy exact-match rate and the
 first position where outputs diverge; top-1 agreement and KL divergence against the baseline's
 next-token distributions from the perplexity pass (llama.cpp --kl-divergence). Speculative
 decoding at temperature 0 must score exact-match 1.0: it is lossless."""

@@ -1,4 +1,4 @@
-"""RAG faithfulness (RAGAS style, REFERENCE.md §5): the answer is split into atomic statements,
+"""RAG faithfulness (RAGAS style, docs/reference.md §5): the answer is split into atomic statements,
 each verified against the joined contexts; score = supported / total. An answer with no
 statements is its own outcome ("no_statements", score None) — counted, never averaged as 0 and
 never silently dropped.

@@ -1,4 +1,4 @@
-"""LLM-as-judge over any OpenAI-compatible chat endpoint (REFERENCE.md §5).
+"""LLM-as-judge over any OpenAI-compatible chat endpoint (docs/reference.md §5).
 
 - pairwise: baseline vs candidate judged in both orders; a win counts only when both orders
   agree, otherwise a tie; the position-consistency rate is reported (MT-Bench).

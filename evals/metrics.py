@@ -49,7 +49,7 @@ class Metric:
     producer: str  # the suite scorer that measures it (perplexity, generation, judge, faithfulness, agreement)
     definition: str  # one line, with its source
     gated: bool = True  # False: reported with its CI, no threshold, no say in the verdict
-    warn: float | None = None  # seed thresholds (DESIGN.md §Defaults from the field)
+    warn: float | None = None  # seed thresholds (docs/design.md §Defaults from the field)
     critical: float | None = None
     min_n: int = 10  # fewer paired samples than this → inconclusive
     fmt: str = ".4f"  # display format of the estimate
@@ -96,7 +96,7 @@ def register_metric(metric: Metric) -> Metric:
 register_metric(Metric(
     "ppl_ratio", "ppl ratio", "ratio", "above", "paired_ratio", "perplexity",
     "exp(ΣNLL_c/Σtokens) ÷ exp(ΣNLL_b/Σtokens) over the same documents; CI by paired bootstrap over documents "
-    "(REFERENCE.md §Perplexity; lm-eval's token perplexity)",
+    "(docs/reference.md §4; lm-eval's token perplexity)",
     warn=1.15, critical=1.30, alert="CanaryPerplexityRatioHigh",
     # compressing a model does not make it 10 % better at its own baseline's text: below that, a side is broken
     valid=(0.9, None)))

@@ -1,7 +1,7 @@
 """Domain perplexity: token, word and byte perplexity over strided windows, per-document
 negative log-likelihood sums, and the paired ratio candidate / baseline.
 
-Definitions (lm-eval-harness, REFERENCE.md §4), Σ over documents:
+Definitions (lm-eval-harness, docs/reference.md §4), Σ over documents:
     token_ppl = exp(Σnll / Σtokens)   word_ppl = exp(Σnll / Σwords)   byte_ppl = exp(Σnll / Σbytes)
     bits_per_byte = Σnll / (Σbytes · ln 2)
     ppl_ratio = token_ppl(candidate) / token_ppl(baseline) = exp((Σnll_c − Σnll_b) / Σtokens)

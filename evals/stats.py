@@ -1,4 +1,4 @@
-"""Statistics for baseline-vs-candidate comparisons (REFERENCE.md §6).
+"""Statistics for baseline-vs-candidate comparisons (docs/reference.md §6).
 
 A verdict uses the confidence interval, not the point estimate alone:
   n < min_n                                        → inconclusive ("too few samples")
@@ -114,7 +114,7 @@ def paired_bootstrap_ci(
     resample) and returns R values; pairing holds because a sample's baseline and candidate
     values are always resampled together. With ``clusters`` (one label per sample), whole
     clusters are resampled — samples cut from one source document rise and fall together, and
-    the CI reflects the number of independent sources, not of chunks (REFERENCE.md §6).
+    the CI reflects the number of independent sources, not of chunks (docs/reference.md §6).
     """
     if n == 0:
         return float("nan"), float("nan")
@@ -134,7 +134,7 @@ def paired_bootstrap_ci(
 
 def required_n(sd_delta: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> int:
     """Paired samples needed to detect a mean difference ``effect`` with a two-sided test:
-    n = ((z_{1−α/2} + z_power) · σ_Δ / δ)² (REFERENCE.md §6)."""
+    n = ((z_{1−α/2} + z_power) · σ_Δ / δ)² (docs/reference.md §6)."""
     if effect <= 0 or sd_delta < 0:
         raise ValueError("effect must be > 0 and sd_delta ≥ 0")
     z = NormalDist().inv_cdf
@@ -142,7 +142,7 @@ def required_n(sd_delta: float, effect: float, alpha: float = 0.05, power: float
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson score interval for a rate (REFERENCE.md §6)."""
+    """Wilson score interval for a rate (docs/reference.md §6)."""
     if n == 0:
         return 0.0, 1.0
     p = successes / n

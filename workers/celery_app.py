@@ -1,4 +1,4 @@
-"""The Celery app. Reliability settings follow REFERENCE.md §8: late acks, reject on worker
+"""The Celery app. Reliability settings follow docs/reference.md §8: late acks, reject on worker
 loss, prefetch 1 for long GPU tasks, JSON only, and visibility_timeout > time limits > job.
 
 CANARY_WORKER_METRICS_PORT=<port>: each worker process serves its task series (workers/base.py)

@@ -1,4 +1,4 @@
-"""Request limits of the API (REFERENCE.md §10), all held in this API process.
+"""Request limits of the API (docs/reference.md §10), all held in this API process.
 
 - Body size and time: a pure ASGI wrapper around the whole app reads each request's body before
   the app sees it, counting the bytes actually received (chunked bodies carry no Content-Length,

@@ -1,5 +1,5 @@
 """Alert channels: one file per destination, each turning an AlertMessage into the body its
-receiver expects (REFERENCE.md §9). Delivery, retries and pacing live in app/notify.py."""
+receiver expects (docs/reference.md §9). Delivery, retries and pacing live in app/notify.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Round-to-nearest weight quantization: group-wise asymmetric INT-b (REFERENCE.md §1).
+"""Round-to-nearest weight quantization: group-wise asymmetric INT-b (docs/reference.md §1).
 
 Per (output row, group of 128 input columns):
     s = (max − min) / (2^b − 1),  z = clamp(−round(min / s), 0, 2^b − 1)
     q = clamp(round(w / s) + z, 0, 2^b − 1),  ŵ = (q − z) · s
 b = 4 is the quantizer AWQ and RTN-int4 share; b = 8 gives int8 with the same grouping.
 minmax_quant is the same min-max rule along any one axis, returned dequantized: the KV formats'
-per-token and KIVI groups (REFERENCE.md §2).
+per-token and KIVI groups (docs/reference.md §2).
 """
 
 from __future__ import annotations

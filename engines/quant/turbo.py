@@ -1,4 +1,4 @@
-"""TurboQuant's codebooks and rotations (arXiv 2504.19874; REFERENCE.md §2): the Lloyd-Max
+"""TurboQuant's codebooks and rotations (arXiv 2504.19874; docs/reference.md §2): the Lloyd-Max
 codebook for one coordinate of a rotated unit vector, the random rotation Π, MSE quantization
 in the rotated domain, and the 1-bit QJL residual. Shared by the reference engine's KV format
 (engines/reference/kv/turbo.py) and the Triton kernels (engines/kernels/turbo_kv.py), which must

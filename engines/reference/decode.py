@@ -7,7 +7,7 @@
   efficient) on the new keys with no mask; with padding or a lossy format, queries run a chunk
   at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt never
   holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk).
-- On CUDA the decode step is captured once as a CUDA graph and replayed (REFERENCE.md §12: eager
+- On CUDA the decode step is captured once as a CUDA graph and replayed (docs/reference.md §12: eager
   decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
   before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
   the sequence reaches that slot, whose real step overwrites them before reading. A format whose
@@ -33,7 +33,7 @@ from engines.reference.kv import KVFormat
 
 def _sdpa_backends(device: torch.device):
     """On CUDA, keep SDPA off the cuDNN backend: its per-call plan costs ~1.2 ms of host time
-    (REFERENCE.md §12); flash and memory-efficient attention take static shapes."""
+    (docs/reference.md §12); flash and memory-efficient attention take static shapes."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,4 +1,4 @@
-"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023; REFERENCE.md §3).
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023; docs/reference.md §3).
 
 A proposer drafts up to k tokens; the target scores all of them in one forward pass. Greedy:
 accept while the draft equals the target's argmax, then take the target's token — the output

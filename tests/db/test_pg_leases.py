@@ -1,5 +1,5 @@
 """Claims, leases and fencing through the repository functions the workers call, on Postgres
-with committed rows seen from concurrent connections (REFERENCE.md §8)."""
+with committed rows seen from concurrent connections (docs/reference.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fault injection on real processes (REFERENCE.md §8). The tests here own their Postgres cluster
+"""Fault injection on real processes (docs/reference.md §8). The tests here own their Postgres cluster
 and their Redis server (started from the local binaries on free ports) so they can stop and
 restart them; the API runs under uvicorn and every Celery worker is its own process group, so a
 test can kill -9 or SIGSTOP a whole worker (main process and pool child) as a node failure would.

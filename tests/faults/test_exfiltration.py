@@ -1,5 +1,5 @@
 """A tenant with a read-write key tries to make a worker send its secrets to a listener of the
-tenant's (REFERENCE.md §10): engine and judge api_key_env naming the worker's database URL or
+tenant's (docs/reference.md §10): engine and judge api_key_env naming the worker's database URL or
 another variable off the allow-list, base_url / metrics_url pointing at a loopback port that is
 not allow-listed. The API refuses every attempt; rows written straight into the database
 (bypassing the API, as rows stored before the policy would be) are refused by the worker at use

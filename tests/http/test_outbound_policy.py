@@ -1,4 +1,4 @@
-"""The outbound policy (REFERENCE.md §10) on every URL-taking surface — engine base_url,
+"""The outbound policy (docs/reference.md §10) on every URL-taking surface — engine base_url,
 engine_options.metrics_url, judge base_url, channel url — through the API (a real `canary serve`)
 and through the config file (`canary run -f`'s apply, and the CLI itself): the hostile URL list
 is refused everywhere, secrets come only from allowed variable names, stored rows are checked

@@ -1,4 +1,4 @@
-"""DESIGN.md's dependency direction, enforced: engines ← evals ← workers → app; app and the
+"""docs/design.md's dependency direction, enforced: engines ← evals ← workers → app; app and the
 API image never import torch; the dashboard talks HTTP only (contracts in pyproject.toml)."""
 
 import subprocess

@@ -24,7 +24,7 @@ def test_the_config_files_thresholds_are_the_tables_gated_rows_with_their_seeds(
     assert set(seeds) == set(gated_metrics())
     for name, m in gated_metrics().items():
         assert (seeds[name]["warn"], seeds[name]["critical"], seeds[name]["min_n"]) == (m.warn, m.critical, m.min_n)
-    assert seeds["ppl_ratio"]["warn"] == 1.15 and seeds["kv_cache_usage"]["critical"] == 0.95  # DESIGN.md's seeds
+    assert seeds["ppl_ratio"]["warn"] == 1.15 and seeds["kv_cache_usage"]["critical"] == 0.95  # docs/design.md's seeds
 
 
 @pytest.mark.parametrize(("thresholds", "message"), [

@@ -1,4 +1,4 @@
-"""Group-wise asymmetric INT-b quantization (REFERENCE.md §1), checked against hand arithmetic."""
+"""Group-wise asymmetric INT-b quantization (docs/reference.md §1), checked against hand arithmetic."""
 
 import torch
 from engines.quant import dequantize_groupwise, fake_quantize, quantize_groupwise, quantized_bytes

@@ -129,7 +129,7 @@ def test_a_malformed_allow_list_entry_stops_the_service(entry):
         Settings(url_allowlist=f"hooks.test,{entry}")
 
 
-# -- IPv6 forms that embed an IPv4 address (REFERENCE.md §10): unwrapped before the checks ----------
+# -- IPv6 forms that embed an IPv4 address (docs/reference.md §10): unwrapped before the checks ----------
 EMBEDDED = [
     ("http://[2002:a9fe:a9fe::]/", "link-local address 169.254.169.254 (embedded in 6to4"),
     ("http://[2002:7f00:1::]/", "loopback address 127.0.0.1 (embedded in 6to4"),

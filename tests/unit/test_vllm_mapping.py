@@ -1,5 +1,5 @@
 """The vLLM adapter's config mapping (vLLM itself cannot be installed here: the adapter is kept
-small and checked against the documented LLM(...) arguments, REFERENCE.md §7)."""
+small and checked against the documented LLM(...) arguments, docs/reference.md §7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`canary engine-serve`: the reference engine behind an OpenAI-compatible API, with vLLM's
-metric names on /metrics (REFERENCE.md §7) — so that the openai engine and the judge client are
+metric names on /metrics (docs/reference.md §7) — so that the openai engine and the judge client are
 tested end to end over real HTTP, and a team can point any OpenAI client at a local config.
 
 Routes (routes.py): GET /v1/models, POST /v1/completions (echo + logprobs for prompt log-probs;

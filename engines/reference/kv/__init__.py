@@ -1,4 +1,4 @@
-"""KV-cache formats (REFERENCE.md §2). Each format says what a cache slot holds after it is
+"""KV-cache formats (docs/reference.md §2). Each format says what a cache slot holds after it is
 written (``encode``: the dequantized value a kernel would read back), how many leading positions
 of a sequence are held compressed when its length is n (``boundary``: KIVI keeps a recent
 full-precision window; the others compress every slot, the current one included), and its exact

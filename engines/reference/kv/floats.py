@@ -95,7 +95,7 @@ class Fp8Store(DequantizedStore):
 class IntPerTokenKV(KVFormat):
     """Uniform int-b per token: min-max over each (token, head) vector of D channels, no
     full-precision window. int8 is near lossless; int4 and int2 are the naive baselines that
-    KVQuant shows collapse (REFERENCE.md §2)."""
+    KVQuant shows collapse (docs/reference.md §2)."""
 
     bits: int = 8
 

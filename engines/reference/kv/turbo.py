@@ -95,7 +95,7 @@ class TurboKV(KVFormat):
 
     def bits_per_element(self, head_dim):
         """Exact, norms included. The nominal width (2.5, 3.5) is the total at head_dim 128
-        (REFERENCE.md §2: 32 channels at 3 bits + 96 at 2, plus two fp16 norms = 2.5); with a
+        (docs/reference.md §2: 32 channels at 3 bits + 96 at 2, plus two fp16 norms = 2.5); with a
         smaller head_dim the norms cost more per element."""
         norms = 2 if self.fractional else 1  # one fp16 norm per (sub)vector
         v_bits = self.code_bits(self.bits) + norms * FP16_BITS / head_dim
