@@ -181,7 +181,7 @@ def refresh_alertmanager(session: Session, now: datetime | None = None) -> list[
     now = aware(now or utcnow())
     interval = get_settings().alertmanager_resend_seconds
     slot = int(now.timestamp() // interval)
-    queued = []
+    queued: list[int] = []
     channels = session.scalars(select(Channel).where(Channel.kind == "alertmanager", Channel.enabled.is_(True)))
     for channel in channels:
         silences = [SilenceRule(tuple(silence.matchers), aware(silence.starts_at), aware(silence.ends_at))

@@ -117,7 +117,7 @@ def resolve(value: str, channel: str, field: str, project: str | None = None) ->
     return got
 
 
-def retry_after_s(r: httpx.Response) -> float | None:
+def retry_after_s(r: Reply) -> float | None:
     v = r.headers.get("Retry-After")
     if v is None:
         return None
@@ -187,6 +187,7 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
     due = (select(Notification).where(Notification.status == "pending")
          .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
          .order_by(Notification.id).limit(1))
+    assert session.bind is not None, "deliver_due needs a session bound to an engine"
     if session.bind.dialect.name == "postgresql":
         # one row per transaction, locked until its outcome commits: a second notifier skips it
         due = due.with_for_update(skip_locked=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, delete, func, insert, literal, or_, select, update
+from sqlalchemy import CursorResult, Result, and_, delete, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.corpus import SampleIn
@@ -54,10 +54,18 @@ def queued_config_runs(session: Session, project_id: int) -> int:
 
 def _insert(session: Session):
     if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert
+
+
+def _rowcount(result: Result[Any]) -> int:
+    """The rows an UPDATE matched: session.execute types its result as a Result, but a DML
+    statement's is a CursorResult, which carries the count."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 # -- projects, models, configs, suites ----------------------------------------------------------
@@ -94,7 +102,9 @@ def upsert_model(session: Session, project: Project, name: str, path: str) -> Mo
 
 
 def project_name(session: Session, project_id: int) -> str:
-    return session.get(Project, project_id).name
+    project = session.get(Project, project_id)
+    assert project is not None, f"project {project_id} not found"  # a foreign key: the row exists
+    return project.name
 
 
 def get_model(session: Session, project: Project, name: str) -> Model:
@@ -263,7 +273,7 @@ def suite_samples(session: Session, suite_id: int, version: str,
 
 
 def set_thresholds(session: Session, project: Project, thresholds: dict[str, dict[str, Any]],
-                   directions: dict[str, str]) -> None:
+                   directions: Mapping[str, str]) -> None:
     """Project-wide rules from the config file (scope: all models and configs)."""
     for metric, t in thresholds.items():
         rule = session.scalar(
@@ -424,7 +434,7 @@ def cancel_run(session: Session, project: Project, run_id: int, who: str) -> Run
     # conditional: an aggregation that has begun (status aggregating) or ended keeps its run
     won = session.execute(update(Run).where(Run.id == run.id, Run.status.in_(("queued", "running")))
                           .values(status="cancelled", verdict="error", verdict_reason=reason, finished_at=now))
-    if won.rowcount == 0:
+    if _rowcount(won) == 0:
         session.refresh(run)
         raise Conflict(f"run {run_id} is {run.status}: only a queued or running run can be cancelled")
     unfinished = list(session.scalars(select(ConfigRun.id).where(ConfigRun.run_id == run.id,
@@ -483,7 +493,7 @@ def heartbeat(session: Session, config_run_id: int, attempt: int, lease_seconds:
         .where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running")
         .values(**values)
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def release_lease(session: Session, config_run_id: int, attempt: int, note: str) -> bool:
@@ -494,7 +504,7 @@ def release_lease(session: Session, config_run_id: int, attempt: int, note: str)
         .where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt, ConfigRun.status == "running")
         .values(lease_expires_at=utcnow(), error=note)
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def write_sample_results(session: Session, run_id: int, config_id: int, rows: Sequence[dict[str, Any]]) -> None:
@@ -557,7 +567,7 @@ def finish_config_run(
         update(ConfigRun).where(ConfigRun.id == config_run_id, ConfigRun.attempt == attempt,
                                 ConfigRun.status == "running").values(**values)
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def give_up_config_run(session: Session, config_run_id: int, max_attempts: int, error: str) -> bool:
@@ -569,7 +579,7 @@ def give_up_config_run(session: Session, config_run_id: int, max_attempts: int, 
                or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)))
         .values(status="failed", error=error, finished_at=now, lease_expires_at=None)
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def _unfinished(run_id):
@@ -583,7 +593,7 @@ def try_start_aggregation(session: Session, run_id: int) -> bool:
         update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")), ~_unfinished(run_id))
         .values(status="aggregating")
     )
-    return res.rowcount == 1
+    return _rowcount(res) == 1
 
 
 def run_trigger(session: Session, run_id: int) -> str | None:
@@ -606,7 +616,7 @@ def sample_results(session: Session, run_id: int, config_id: int | None = None, 
 
 def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, float | None, dict | None]]:
     """Every sample result of a run as (config_id, metric, sample_key, value, extra), in storage order."""
-    return [tuple(row) for row in session.execute(  # type: ignore[misc]
+    return [tuple(row) for row in session.execute(
         select(SampleResult.config_id, SampleResult.metric, SampleResult.sample_key, SampleResult.value,
                SampleResult.extra).where(SampleResult.run_id == run_id).order_by(SampleResult.id))]
 
@@ -647,7 +657,7 @@ def finish_run(session: Session, run_id: int, status: str, verdict: str, reason:
     if only_if is not None:
         q = q.where(Run.status.in_(list(only_if)))
     finished = q.values(status=status, verdict=verdict, verdict_reason=reason, finished_at=utcnow())
-    if session.execute(finished).rowcount == 0:
+    if _rowcount(session.execute(finished)) == 0:
         return False
     session.flush()  # the caller decides a gate on this run in the same transaction (app.gates.decide)
     return True

@@ -89,8 +89,10 @@ def check_project_room(session: Session, project: Project, kind: str, names: Seq
 
     from app.models import Channel, OptimizationConfig, Schedule, Suite
 
-    table, setting = {"configs": (OptimizationConfig, "max_configs"), "suites": (Suite, "max_suites"),
-                      "channels": (Channel, "max_channels"), "schedules": (Schedule, "max_schedules")}[kind]
+    rooms: dict[str, tuple[type[OptimizationConfig | Suite | Channel | Schedule], str]] = {
+        "configs": (OptimizationConfig, "max_configs"), "suites": (Suite, "max_suites"),
+        "channels": (Channel, "max_channels"), "schedules": (Schedule, "max_schedules")}
+    table, setting = rooms[kind]
     limit = getattr(get_settings(), setting)
     query = select(table.name).where(table.project_id == project.id)
     if table is OptimizationConfig:  # the ablations the service derives (step back one layer) are not the team's
@@ -132,7 +134,7 @@ def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
                           field=f"suites[{i}].judge")
     repo.set_thresholds(session, project, canary_file.thresholds.model_dump(), METRIC_DIRECTIONS)
     for i, channel in enumerate(canary_file.channels):
-        channel_settings = {"send_resolved": channel.send_resolved}
+        channel_settings: dict[str, Any] = {"send_resolved": channel.send_resolved}
         if channel.signing_secret:
             channel_settings["signing_secret"] = channel.signing_secret
         repo.upsert_channel(session, project, channel.name, channel.kind, channel.url, channel_settings,
@@ -249,6 +251,6 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
         ],
         "figures": {cr.config.name: cr.figures for cr in crs if cr.figures},
         # each breaching quality ratio of a stacked config whose ablations ran (workers/step_back.py)
-        "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **c.details["step_back"]}
+        "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **(c.details or {})["step_back"]}
                       for c in comps if (c.details or {}).get("step_back")],
     }

@@ -25,7 +25,7 @@ run's typed records.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -302,7 +302,7 @@ def _near_ties(candidate: dict[str, GenerationRecord], baseline: dict[str, Gener
 
 
 def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],
-                              t: Thresholds, repeats: dict[str, GenerationRecord] | None = None,
+                              t: Thresholds, repeats: Mapping[str, GenerationRecord] | None = None,
                               tau: float = NEAR_TIE_NATS) -> Comparison | None:
     """A lossless config's greedy outputs against the baseline's: exactness is the claim, so any
     divergence is a defect, not noise (at least warn when the share is below `warn`, 1.0 by

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import cast
 
 from sqlalchemy import update
 
@@ -21,7 +22,7 @@ from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
 from evals import compare, field, sanity
 from evals.health import NEAR_TIE_NATS
-from evals.metrics import RUN_VERDICT, VERDICT_ORDER, informational, worst_verdict
+from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
 from evals.perplexity import DocNLL
 from evals.records import ConfigRecords, RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
@@ -39,7 +40,8 @@ class RunThresholds:
         rule = repo.most_specific_rule(self.rules, metric, config_id)
         if rule is None:
             return Thresholds.seed(metric)
-        return Thresholds(rule.warn, rule.critical, rule.direction, rule.min_n)
+        # the column holds "above" | "below" (the API and the config file validate it)
+        return Thresholds(rule.warn, rule.critical, cast(Direction, rule.direction), rule.min_n)
 
 
 def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: RunThresholds,
@@ -69,13 +71,17 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
                                            thresholds(config_id, "ttft_ms"), seed=seed))
     timed = [g for g in gens if g.paired_baseline_ttft_ms is not None and g.ttft_ms is not None]
     if timed and not is_base:
-        out.append(compare.paired_timing_ratio("ttft_ratio", [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in timed],
-                                               thresholds(config_id, "ttft_ratio"), seed=seed, batches=_batches(timed)))
+        # the pairs again with their None checks (all pass: `timed` and `both` hold only such), for the type checker
+        ttft_pairs = [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in timed
+                      if g.ttft_ms is not None and g.paired_baseline_ttft_ms is not None]
+        out.append(compare.paired_timing_ratio("ttft_ratio", ttft_pairs, thresholds(config_id, "ttft_ratio"),
+                                               seed=seed, batches=_batches(timed)))
         both = [g for g in timed if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
         if both:
-            out.append(compare.paired_timing_ratio("tpot_ratio", [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in both],
-                                                   thresholds(config_id, "tpot_ratio"), seed=seed,
-                                                   batches=_batches(both)))
+            tpot_pairs = [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in both
+                          if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
+            out.append(compare.paired_timing_ratio("tpot_ratio", tpot_pairs, thresholds(config_id, "tpot_ratio"),
+                                                   seed=seed, batches=_batches(both)))
     spec_stats = [g.spec for g in gens if g.spec is not None]
     if spec_stats:
         acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
@@ -304,7 +310,8 @@ def _reason(rows: list[dict], config_runs) -> str:
     names = {cr.config_id: cr.config.name for cr in config_runs}
     notable = sorted((r for r in rows if r["verdict"] != "ok" and not informational(r)),
                      key=lambda r: -VERDICT_ORDER[r["verdict"]])
-    parts, few = [], {}
+    parts: list[str] = []
+    few: dict[str, list[str]] = {}
     for r in notable:
         if r["verdict"] == "inconclusive" and TOO_FEW in (r["rule"] or ""):
             few.setdefault(names[r["config_id"]], []).append(r["metric"])

@@ -220,9 +220,11 @@ class ExecuteConfigRun(BaseTask):
             rows = []
             check_lease()
             batch = requests[i : i + step]
-            baseline_pass = judge.engine.generate(batch) if repeat and batch_number % 2 == 0 else []
+            # (repeat implies a judge: `judge is not None` first, for the type checker)
+            baseline_pass = (judge.engine.generate(batch) if judge is not None and repeat and batch_number % 2 == 0
+                             else [])
             generations = engine.generate(batch)
-            if repeat and batch_number % 2 == 1:
+            if judge is not None and repeat and batch_number % 2 == 1:
                 baseline_pass = judge.engine.generate(batch)
             baseline_timing = _timings(baseline_pass) if timing else {}
             for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, window) if judge
@@ -317,6 +319,7 @@ class ExecuteConfigRun(BaseTask):
                 raise _LostLease(config_run_id, attempt)
             # what the engine wrote, not what judges added later (a remote judge is not in the key)
             repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"], ENGINE_KINDS)
+            assert source.figures is not None  # reusable_config_run matched the figures' inputs_key
             figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
             if not _finish(session, config_run_id, attempt, "succeeded", figures=figures):
                 raise _LostLease(config_run_id, attempt)

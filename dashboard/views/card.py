@@ -70,8 +70,8 @@ def _split(metric: dict, cell: dict) -> tuple[str, str]:
     peak is one reading, with no CI."""
     ci = (cell.get("ci_low"), cell.get("ci_high")) if metric["comparison"] != "peak" else ()
     text = metric_cell(metric["unit"], metric["fmt"], cell["estimate"], *ci)
-    value, _, ci = text.partition(" [")
-    return value, f"[{ci}" if ci else ""
+    value, _, bracketed = text.partition(" [")
+    return value, f"[{bracketed}" if bracketed else ""
 
 
 def _source(config: dict, count: int, metric: dict) -> str:

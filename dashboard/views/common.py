@@ -81,7 +81,9 @@ def metric_cell(unit: str, spec: str, estimate: float | None, low: float | None 
         return pct_change(estimate, low, high)
     ci = low is not None and high is not None
     if unit == "fraction":
-        return f"{estimate * 100:.0f}%" + (f" [{low * 100:.0f}, {high * 100:.0f}]" if ci else "")
+        if low is not None and high is not None:  # ci, spelled out so that the type checker narrows both
+            return f"{estimate * 100:.0f}% [{low * 100:.0f}, {high * 100:.0f}]"
+        return f"{estimate * 100:.0f}%"
     if unit == "ms":
         return f"{estimate:.0f} ms" + (f" [{low:.0f}, {high:.0f}]" if ci else "")
     return format(estimate, spec) + (f" [{format(low, spec)}, {format(high, spec)}]" if ci else "")

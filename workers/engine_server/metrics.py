@@ -25,7 +25,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def one_two_five(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, … up to max_value: vLLM's buckets for token counts."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_value:

@@ -208,8 +208,8 @@ def generation_request(server: EngineServer, body: SamplingIn, prompt: str | lis
         return error(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     ids = None if isinstance(prompt, str) else tuple(prompt)
     text = prompt if isinstance(prompt, str) else server.decode(list(prompt))
-    if (bad := too_long(server, server.n_prompt_tokens(text, ids), max_tokens, param)) is not None:
-        return bad
+    if (refused := too_long(server, server.n_prompt_tokens(text, ids), max_tokens, param)) is not None:
+        return refused
     temperature = 1.0 if body.temperature is None else body.temperature
     return GenerationRequest(uuid.uuid4().hex, text, max_tokens, temperature, (body.seed or 0) % (2**63),
                              top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
@@ -361,6 +361,7 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
                         if text:
                             yield f"data: {json.dumps({**chunk, 'choices': [choice(index, text, None, True)]})}\n\n"
                         if stopped:  # the client has its answer: the job leaves the batch
+                            assert scan is not None  # only a scanner stops a job early
                             server.cancel([job], "stop")
                             completion_tokens += len(scan.ids)
                             final = choice(index, "", "stop", True, scan.reason)
@@ -390,10 +391,10 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
 
         return StreamingResponse(events(), media_type="text/event-stream")
     choices, prompt_tokens, completion_tokens = [], 0, 0
-    events = Events(http)
+    job_events = Events(http)
     for index, job in enumerate(jobs):
         while True:
-            kind, payload = await events.next(job)
+            kind, payload = await job_events.next(job)
             if kind == "done":
                 break
             if kind in ("invalid", "error"):

@@ -4,7 +4,7 @@ refused when set to anything but its neutral value (`unsupported`: best_of and s
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -67,8 +67,9 @@ class CompletionIn(SamplingIn):
     def prompts(self) -> list[str | list[int]]:
         """The batch: a string or a token-id list alone is a batch of one."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]  # type: ignore[list-item]
-        return list(self.prompt)  # type: ignore[arg-type]
+            return [self.prompt]
+        # a list of strings or of token-id lists: a list of ints is the batch of one above
+        return list(cast("list[str] | list[list[int]]", self.prompt))
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.best_of not in (None, 1):

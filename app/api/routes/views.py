@@ -3,7 +3,7 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
@@ -32,7 +32,10 @@ from app.ssrf import public_spec
 from evals.metrics import METRICS, VERDICT_ORDER
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
-MetricName = Literal[tuple(METRICS)]  # type: ignore[valid-type]  # the catalogue's names: another is a 422 naming them
+if TYPE_CHECKING:  # a Literal built at run time: to a type checker, a str
+    MetricName = str
+else:
+    MetricName = Literal[tuple(METRICS)]  # the catalogue's names: another is a 422 naming them
 
 
 class ComparisonCell(BaseModel):
@@ -61,7 +64,7 @@ class OverviewConfig(BaseModel):
     run_id: int | None = Field(description="the config's latest finished run of the suite; null: never measured on it")
     checked_at: Time | None
     comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
-    figures: FiguresOut  # type: ignore[valid-type]
+    figures: FiguresOut
     breaching_metric: str | None = Field(description="the worst metric of the latest run when it is warn or critical")
     breaching_since: Time | None = Field(
         description="start of the first run of the unbroken streak of warn/critical on breaching_metric (this suite)")
@@ -231,10 +234,10 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     for cfg, run_id in rows:
         run = runs.get(run_id)
         cells = {m: by_run[run_id] for (cid, m), by_run in history.items() if cid == cfg.id and run_id in by_run}
-        metric = _worst_metric(cells)
+        worst = _worst_metric(cells)
         since = None
-        if metric:  # walk back from the latest run while the metric keeps breaching
-            by_run = history[(cfg.id, metric)]
+        if worst:  # walk back from the latest run while the metric keeps breaching
+            by_run = history[(cfg.id, worst)]
             for rid in sorted((r for r in by_run if r <= run_id), reverse=True):
                 if by_run[rid]["verdict"] not in BREACHING:
                     break
@@ -243,7 +246,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
         models.setdefault(cfg.model.name, []).append({
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
             "checked_at": iso(run[1]) if run else None, "comparisons": cells,
-            "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": metric, "breaching_since": iso(since),
+            "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
     schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id,
@@ -280,7 +283,7 @@ def trends(project: ProjectDep, session: SessionDep,
                                  .join(Model, Model.id == OptimizationConfig.model_id)
                                  .where(Model.project_id == project.id)).all())
     rules = [{"warn": r.warn, "critical": r.critical, "direction": r.direction, "config_id": r.config_id,
-              "model_id": r.model_id, "config": names.get(r.config_id)}
+              "model_id": r.model_id, "config": names.get(r.config_id) if r.config_id is not None else None}
              for r in session.scalars(select(AlertRule).where(AlertRule.project_id == project.id,
                                                               AlertRule.metric == metric))]
     suite_runs = select(Run.id).where(Run.project_id == project.id, Run.suite_id == suite_id)
@@ -306,25 +309,26 @@ def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, confi
                                       SampleResult.metric == metric, SampleResult.value.is_not(None))
                                .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
         return {"run_id": run.id, "config": config, "metric": metric, "items": [
-            {"sample_key": r.sample_key, "delta": 0.5 - r.value, "baseline_value": 0.5, "candidate_value": r.value,
+            {"sample_key": r.sample_key, "delta": 0.5 - cast(float, r.value),  # the query's value IS NOT NULL
+             "baseline_value": 0.5, "candidate_value": r.value,
              "baseline_extra": None, "candidate_extra": r.extra,
              "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})}
             for r in rows]}
     b, c = aliased(SampleResult), aliased(SampleResult)
     lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
     delta = (b.value - c.value) if lower_is_worse else (c.value - b.value)
-    rows = session.execute(
+    pairs = session.execute(
         select(c, b, delta.label("delta"))
         .join(b, and_(b.run_id == c.run_id, b.sample_key == c.sample_key, b.metric == c.metric,
                       b.config_id == run.baseline_config_id))
         .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None),
                b.value.is_not(None))
         .order_by(delta.desc()).limit(limit)).all()
-    gens = _outputs(session, run, cand_id, [row[0].sample_key for row in rows])
+    gens = _outputs(session, run, cand_id, [row[0].sample_key for row in pairs])
     return {"run_id": run.id, "config": config, "metric": metric, "items": [
         {"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
          "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})}
-        for cr, br, d in rows]}
+        for cr, br, d in pairs]}
 
 
 def _outputs(session, run, cand_id: int, keys: list[str]) -> dict:
