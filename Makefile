@@ -24,7 +24,7 @@ $(VENV)/.interop: $(VENV)/.installed
 	$(PY) -m pip install --quiet --find-links $(INTEROP_WHEELS) -e ".[dev,interop]"
 	touch $@
 
-.PHONY: install demo test test-interop serve gpu-report bench
+.PHONY: install demo test test-fast test-interop serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -32,6 +32,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# The quick tier while developing: every test not marked `integration` (no PostgreSQL, Redis,
+# server or worker processes, browser, or long model work; tests/conftest.py "test tiers")
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -m "not integration"
 
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
 test-interop: $(VENV)/.interop

@@ -62,3 +62,22 @@ def sqlite_env(tmp_path, monkeypatch):
     upgrade(url)
     yield url
     get_settings.cache_clear()
+
+
+# -- test tiers ------------------------------------------------------------------------------------
+# `make test` runs everything (what CI and the README run). `make test-fast` runs the tests not
+# marked `integration`: those need PostgreSQL, Redis, a server or worker process, a browser, or
+# more than about 2 s of model work. Whole folders are integration by where they live; elsewhere a
+# test (or a module, with `pytestmark`) says so itself with @pytest.mark.integration.
+INTEGRATION_FOLDERS = {"db", "deploy", "e2e", "faults", "http", "interop", "services"}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = ROOT / "tests"
+    for item in items:
+        try:
+            folder = pathlib.Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        if folder in INTEGRATION_FOLDERS:
+            item.add_marker(pytest.mark.integration)

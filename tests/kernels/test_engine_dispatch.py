@@ -14,6 +14,8 @@ pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pyda
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 
+pytestmark = pytest.mark.integration  # the tiny model through the Triton interpreter: tens of seconds
+
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from tests.unit.test_api_embedded import server  # noqa: F401 - the uvicorn fixture
 
+pytestmark = pytest.mark.integration  # a uvicorn server per test
+
 
 @pytest.fixture
 def project(server):  # noqa: F811

@@ -9,6 +9,8 @@ import pytest
 
 from tests.loopback import canary_serve
 
+pytestmark = pytest.mark.integration  # a uvicorn server and a run to its verdict
+
 
 @pytest.fixture
 def server(tmp_path):

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.loopback import canary_serve
 
+pytestmark = pytest.mark.integration  # a uvicorn server per test
+
 
 def cli(env, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -61,7 +61,7 @@ class RecordingDispatcher:
         self.sent.append((task, *args))
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.integration)])
 def database_url(request, tmp_path_factory):
     """The embedded default's SQLite file, or a fresh database on the test PostgreSQL server
     (which, unlike SQLite, enforces column lengths and integer ranges)."""

@@ -85,6 +85,7 @@ def test_search_beats_round_to_nearest_on_a_salient_channel():
     assert err_clip <= err_plain and (max_val < w.abs().reshape(64, 1, 128).amax(-1, keepdim=True)).any()
 
 
+@pytest.mark.integration
 def test_awq_checkpoint_in_autoawq_layout_loads_with_its_dequantized_weights(tmp_path):
     from transformers import AutoTokenizer
 
@@ -126,6 +127,7 @@ def _ppl_logprobs(engine: ReferenceEngine) -> tuple[float, ...]:
     return engine.loglikelihood_rolling([RollingRequest("d", doc, WindowSpec(64, 64))])[0].logprobs
 
 
+@pytest.mark.integration
 def test_awq_search_is_cached_on_disk_and_the_cached_engine_is_the_same(tmp_path, monkeypatch):
     monkeypatch.setenv("CANARY_AWQ_CACHE", str(tmp_path / "cache"))
     first = _awq_engine(_calibration(300))
@@ -164,6 +166,7 @@ def test_awq_cache_key_follows_the_weights_not_the_path(tmp_path):
     assert awq_cache_key(copy, ids) != awq_cache_key(TARGET, ids)
 
 
+@pytest.mark.integration
 def test_awq_cache_off_writes_nothing_and_a_damaged_entry_is_searched_again(tmp_path, monkeypatch):
     from engines.reference.awq import awq_cache_dir
 

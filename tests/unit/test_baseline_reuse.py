@@ -51,6 +51,7 @@ def _apply(model_path) -> None:
         apply_config_file(s, parse_config(_config(str(model_path))))
 
 
+@pytest.mark.integration
 def test_a_second_gate_takes_the_first_gates_baseline_rows(sqlite_env, model_copy):
     _apply(model_copy)
     first = _gate("g1")
@@ -71,6 +72,7 @@ def test_a_second_gate_takes_the_first_gates_baseline_rows(sqlite_env, model_cop
     assert _gate("g3")["figures"]["fp16"]["reused_from_run"] == first["run_id"]
 
 
+@pytest.mark.integration
 def test_a_rewritten_model_file_a_manual_run_or_the_setting_off_compute_the_baseline_again(
         sqlite_env, model_copy, monkeypatch):
     from app.settings import get_settings

@@ -88,6 +88,7 @@ def test_missing_file(run_cli, tmp_path):
     assert r.returncode == 2 and "not found" in r.stderr
 
 
+@pytest.mark.integration
 def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     docs = tmp_path / "docs.jsonl"
     lines = [json.dumps({"id": f"d{i}", "text": f"Return the {i}th item of the sequence. " * (3 + i % 4)}) for i in range(12)]
@@ -105,6 +106,7 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     assert out["figures"]["int8"]["n_documents"] == 12
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(1000)  # above the subprocess guard below
 def test_demo_json_covers_every_config(run_cli):
     from app.cli import DEMO_CONFIG

@@ -39,6 +39,7 @@ def tiny_config(tmp_path) -> str:
     return str(tmp_path / "canary.yaml")
 
 
+@pytest.mark.integration
 def test_a_failing_run_through_a_pipe_moves_exits_1_and_fits(tmp_path):
     db = f"sqlite:///{tmp_path / 'c.db'}"
     r = canary("run", "-f", tiny_config(tmp_path), "--heartbeat", "1", cwd=tmp_path, db=db)
@@ -116,6 +117,7 @@ def test_unreachable_database_is_one_line_and_exit_2(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and "s3cret" not in r.stderr
 
 
+@pytest.mark.integration
 def test_unreachable_broker_is_one_line_and_exit_2(tmp_path):
     r = canary("run", "-f", tiny_config(tmp_path), cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}", timeout=120,
                CANARY_EXECUTION="celery", CANARY_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0")
@@ -149,6 +151,7 @@ def test_a_bad_setting_is_one_line_naming_the_variable(tmp_path):
                                              "(fix the environment variable or unset it for the default)"]
 
 
+@pytest.mark.integration
 def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
     """5 documents are fewer than min_n (10); so are 10, from 9 sources (n counts sources): the run
     draws 5 more, then the last 2 (max_samples 12), and is judged on 12."""

@@ -9,7 +9,11 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration  # ruff and mypy subprocesses (mypy: a minute cold)
 
 CODE = ["engines", "evals", "workers", "app", "dashboard"]
 # ruff and mypy hold every file of CODE: no module is exempt (no [[tool.mypy.overrides]] with

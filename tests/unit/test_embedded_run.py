@@ -13,6 +13,8 @@ from app.models import ConfigRun, Run, SampleResult, utcnow
 from app.services import apply_config_file, run_summary, start_run
 from sqlalchemy import select, update
 
+pytestmark = pytest.mark.integration  # whole runs of the tiny model
+
 CONFIG = {
     "project": "t",
     "model": {"name": "tiny", "path": "builtin:pydoc-target"},

@@ -65,6 +65,7 @@ def _close(a, b, path: str) -> list[str]:
     return [] if a == b else [f"{path}: {a!r}, recorded {b!r}"]
 
 
+@pytest.mark.integration
 def test_the_demo_suite_stores_the_recorded_comparisons_and_figures(sqlite_env):
     got = json.loads(json.dumps(_demo_subset_summary()))  # stored as JSON: tuples become lists
     if os.environ.get("CANARY_RECORD_PARITY"):

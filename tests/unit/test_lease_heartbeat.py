@@ -53,6 +53,7 @@ def take_over(cr_id: int, worker: str) -> int | None:
         return repo.claim_config_run(s, cr_id, worker, 1, max_attempts=3)
 
 
+@pytest.mark.integration
 def test_the_lease_outlives_work_longer_than_it_and_a_takeover_stops_the_heartbeat(config_run):
     from workers.execute import LeaseKeeper, _LostLease
 

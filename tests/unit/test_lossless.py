@@ -89,6 +89,7 @@ LOSSLESS_CONFIG = {
 }
 
 
+@pytest.mark.integration
 def test_a_run_gates_lossless_configs_on_exact_outputs(sqlite_env):
     with session_scope() as session:
         apply_config_file(session, parse_config(LOSSLESS_CONFIG))

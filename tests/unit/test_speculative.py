@@ -108,6 +108,7 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path):
         check_config_fits_model({"speculative": {"method": "draft", "draft_model": str(draft)}}, "builtin:pydoc-target", "configs[1]")
 
 
+@pytest.mark.integration
 def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_proposer():
     # Through the engine's own verification loop, on the real target: a forced proposer (a test
     # instrument) always drafts the same token T with q one-hot on T. The rule must accept T with

@@ -59,6 +59,7 @@ def nll_keys(s, run_id: int, config_id: int) -> set[str]:
         SampleResult.run_id == run_id, SampleResult.config_id == config_id, SampleResult.metric == "nll")))
 
 
+@pytest.mark.integration
 def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sqlite_env, tmp_path):
     run_id, dispatcher = start(tmp_path)
     with session_scope() as s:
@@ -137,6 +138,7 @@ def test_a_topped_up_config_run_has_a_fresh_attempt_budget_and_its_old_attempt_i
         assert repo.claim_config_run(s, fp16, "w2", 60, max_attempts=1) is None  # held, and the budget spent
 
 
+@pytest.mark.integration
 def test_a_config_already_critical_is_not_topped_up(sqlite_env, tmp_path):
     """The config named int4 quantizes to RTN int2 here (about +6 % perplexity on this model) under
     a ppl_ratio rule of warn 1.01 / critical 1.03 that decides at 3 documents: critical at 6. int8

@@ -47,6 +47,7 @@ def test_unknown_builtin_and_missing_dir(tmp_path):
         resolve_model_path(str(tmp_path / "missing"))
 
 
+@pytest.mark.integration
 def test_build_is_deterministic(tmp_path):
     from engines.zoo.build import build
 
