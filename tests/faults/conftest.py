@@ -293,13 +293,13 @@ def _fault_stack(pg_server, redis_server, db_url, overrides):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-SAMPLES, PROMPTS = 64, 4
+SAMPLES, PROMPTS = 40, 4
 
 
 def seed_project(st: FaultStack, candidates: tuple[str, ...] = ("int8",), samples: int = SAMPLES,
                  prompts: int = PROMPTS) -> None:
     """Project 'faults': the tiny model, an fp16 baseline and candidates (named after their
-    weights), and a suite of 64 documents (8 engine calls of 8 documents: a config-run takes
+    weights), and a suite of 40 documents (5 engine calls of 8 documents: a config-run takes
     several seconds, so faults land in the middle of it) plus 4 generations."""
     http = st.http
     st.suite_size = (samples, prompts)
