@@ -1,7 +1,8 @@
 """Statistics for baseline-vs-candidate comparisons (docs/reference.md §6).
 
 A verdict uses the confidence interval, not the point estimate alone:
-  n < min_n                                        → inconclusive ("too few samples")
+  n < min_n                                        → inconclusive ("too few samples"; the rule says
+                                                     what the CI already shows, e.g. beyond critical)
   metric 'above' (higher is worse), thresholds W ≤ C:
     ci_low ≥ C                                     → critical  (surely past critical)
     ci_low ≥ W                                     → warn      (surely past warn)
@@ -10,7 +11,8 @@ A verdict uses the confidence interval, not the point estimate alone:
   metric 'below' (lower is worse) mirrors it: ci_high ≤ C → critical, ci_high ≤ W → warn,
   ci_low > W → ok, otherwise inconclusive.
 "ok" therefore means the data rule out a regression as large as the warn threshold; a point
-estimate near the threshold with a wide CI is "inconclusive", and the answer is more samples.
+estimate near the threshold with a wide CI is "inconclusive", and the answer is more samples:
+the rule says about how many would decide it at the current effect (samples_to_decide).
 """
 
 from __future__ import annotations
@@ -69,10 +71,30 @@ class Comparison:
     details: dict = field(default_factory=dict)
 
 
+def samples_to_decide(estimate: float, ci_low: float, ci_high: float, n: int, bound: float) -> int | None:
+    """About how many paired samples would decide a CI that straddles `bound`, if the effect stays
+    where it is: the CI's half facing the bound narrows as 1/√n, so it clears the bound at
+    n·(half / |estimate − bound|)². None where that cannot be said (no spread, or the estimate on
+    the bound)."""
+    half = (estimate - ci_low) if bound < estimate else (ci_high - estimate)
+    gap = abs(estimate - bound)
+    if not all(math.isfinite(x) for x in (half, gap)) or half <= 0 or gap <= 0:
+        return None
+    return max(n + 1, math.ceil(n * (half / gap) ** 2))
+
+
 def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds) -> tuple[Verdict, str]:
-    """Verdict and the rule that produced it (module docstring)."""
+    """Verdict and the rule that produced it (module docstring). An inconclusive rule says what
+    would decide it: below min_n, what the CI already shows (beyond critical, say); a CI across
+    the warn threshold, about how many samples would clear it at the current effect."""
     if n < t.min_n:
-        return "inconclusive", f"n={n} < min_n={t.min_n}: {TOO_FEW}"
+        rule = f"n={n} < min_n={t.min_n}: {TOO_FEW}"
+        if not (math.isfinite(ci_low) and math.isfinite(ci_high)):
+            return "inconclusive", rule
+        shown, why = decide(estimate, ci_low, ci_high, n, Thresholds(t.warn, t.critical, t.direction, min_n=0))
+        if shown == "inconclusive":
+            return "inconclusive", f"{rule}; {why}"
+        return "inconclusive", f"{rule}, though the CI already shows {shown}: {why} ({t.min_n} samples decide it)"
     if t.direction == "above":
         if t.critical is not None and ci_low >= t.critical:
             return "critical", f"CI low {ci_low:.4g} ≥ critical {t.critical:g}"
@@ -80,14 +102,20 @@ def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds
             return "warn", f"CI low {ci_low:.4g} ≥ warn {t.warn:g}"
         if ci_high < t.warn:
             return "ok", f"CI high {ci_high:.4g} < warn {t.warn:g}"
-        return "inconclusive", f"CI [{ci_low:.4g}, {ci_high:.4g}] straddles warn {t.warn:g}: more samples needed"
+        return "inconclusive", _straddles(estimate, ci_low, ci_high, n, t)
     if t.critical is not None and ci_high <= t.critical:
         return "critical", f"CI high {ci_high:.4g} ≤ critical {t.critical:g}"
     if ci_high <= t.warn:
         return "warn", f"CI high {ci_high:.4g} ≤ warn {t.warn:g}"
     if ci_low > t.warn:
         return "ok", f"CI low {ci_low:.4g} > warn {t.warn:g}"
-    return "inconclusive", f"CI [{ci_low:.4g}, {ci_high:.4g}] straddles warn {t.warn:g}: more samples needed"
+    return "inconclusive", _straddles(estimate, ci_low, ci_high, n, t)
+
+
+def _straddles(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds) -> str:
+    rule = f"CI [{ci_low:.4g}, {ci_high:.4g}] straddles warn {t.warn:g}: more samples needed"
+    need = samples_to_decide(estimate, ci_low, ci_high, n, t.warn)
+    return rule + (f" (about {need} at this effect)" if need is not None else "")
 
 
 def bootstrap_counts(n: int, n_resamples: int, seed: int) -> np.ndarray:

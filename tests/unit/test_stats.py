@@ -87,3 +87,25 @@ def test_required_n_by_hand():
     # ((1.95996 + 0.84162) · 1 / 0.5)² = 31.4 → 32 paired samples for α = 0.05, power 0.8
     assert required_n(1.0, 0.5) == 32
     assert required_n(2.0, 0.5) == 126  # 4× the variance → 4× the samples (125.6 → 126)
+
+
+def test_an_inconclusive_rule_says_what_would_decide_it():
+    """Worked by hand. Below min_n a CI already past critical says so: int2's ppl ratio 1.059
+    [1.045, 1.082] on 8 documents (min_n 10) is beyond critical 1.03. A CI across warn 1.02 at
+    estimate 1.03 [1.01, 1.05] on 20 samples: the half facing warn is 1.03 − 1.01 = 0.02 against a
+    gap of 0.01, so the CI clears warn at 20·(0.02/0.01)² = 80 samples. Mirrored for a metric bad
+    below its threshold: 0.85 [0.75, 0.95] against warn 0.9 → 20·(0.10/0.05)² = 80."""
+    from evals.stats import samples_to_decide
+
+    above = Thresholds(warn=1.02, critical=1.03, direction="above", min_n=10)
+    verdict, rule = decide(1.059, 1.045, 1.082, 8, above)
+    assert verdict == "inconclusive"
+    assert rule.startswith("n=8 < min_n=10: too few samples to decide")
+    assert "already shows critical: CI low 1.045 ≥ critical 1.03 (10 samples decide it)" in rule
+    assert decide(1.03, 1.01, 1.05, 20, above) == (
+        "inconclusive", "CI [1.01, 1.05] straddles warn 1.02: more samples needed (about 80 at this effect)")
+    below = Thresholds(warn=0.9, critical=0.8, direction="below", min_n=10)
+    assert samples_to_decide(0.85, 0.75, 0.95, 20, below.warn) == 80
+    assert "(about 80 at this effect)" in decide(0.85, 0.75, 0.95, 20, below)[1]
+    assert samples_to_decide(1.02, 1.0, 1.04, 20, 1.02) is None  # on the bound: no count can be said
+    assert decide(float("nan"), float("nan"), float("nan"), 0, above) == ("inconclusive", "n=0 < min_n=10: too few samples to decide")
