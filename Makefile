@@ -5,12 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-# --no-compile: no .pyc for every installed file up front (about 50 s of the install on 2 cores);
-# Python compiles the modules a run imports, once, as it imports them.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile $(TORCH)
-	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
 # llama.cpp (GGUF configs) builds from source with cmake, about 5 minutes on 2 cores: once, into
