@@ -2,7 +2,7 @@
 ahead of time for a GPU target — no GPU needed. One JSON object.
 
 The W4A16 batch-1 GEMV's configurations (gemv1_configs) and the GEMV's (engines/kernels/_w4a16_triton.py gemv_configs) at each
-decode batch padding (M_PAD 1, 4, 8, 16), and the TurboQuant / fp8 / KIVI decode-attention and
+decode batch padding (M_PAD 2, 4, 8, 16), and the TurboQuant / fp8 / KIVI decode-attention and
 quantize kernels at head_dim 128, are compiled with the installed Triton for `--arch` (default 90,
 Hopper) and read back with the cuobjdump that ships with Triton. A kernel that spills (stack > 0)
 or needs more shared memory than the SM has runs, but slowly: the GEMV and attention
@@ -59,7 +59,7 @@ def main() -> int:
         out["kernels"].append(row)
 
     gemv_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
-    for m_pad in (1, 4, 8, 16):
+    for m_pad in (2, 4, 8, 16):  # batch 1 is gemv1_kernel's
         for c in w4a16.gemv_configs():
             kw = c.kwargs
             compile_one(w4a16.gemv_kernel, gemv_sig, dict(GROUP=128, M_PAD=m_pad, **kw),

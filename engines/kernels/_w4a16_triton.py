@@ -88,9 +88,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w.to(x.dtype))
-        elif M_PAD == 1:  # batch 1: a 2-D product, so that registers hold one [BLOCK_K, BLOCK_N] tile
-            acc += tl.sum(tl.reshape(x.to(tl.float32), (BLOCK_K, 1)) * w, axis=0)[None, :]
-        else:
+        else:  # 2 to 8 rows (batch 1 takes gemv1_kernel)
             acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     ptrs = y_ptr + rm[:, None] * N + col[None, :]
     mask = (rm[:, None] < M) & col_ok[None, :]
@@ -180,7 +178,7 @@ def gemv_configs():
     # split-K multiplies the programs (N=4096, BLOCK_N=128: 32 blocks × SPLIT_K 8 = 256 programs);
     # BLOCK_K divides the group size 128 so that a tile's zeros and scales are one row.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-            # Each compiled for sm_90 without register spills at M_PAD 1, 4, 8 and 16 (cuobjdump
+            # Each compiled for sm_90 without register spills at M_PAD 2, 4, 8 and 16 (cuobjdump
             # -res-usage); 128×128, 256×128 and 512×64 tiles spilled at some M_PAD: left out.
             for bn, bk, sk, w, st in ((128, 64, 1, 8, 4), (64, 128, 1, 4, 3), (128, 64, 4, 8, 4), (64, 128, 4, 4, 3),
                                       (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (64, 128, 16, 4, 3), (128, 64, 16, 8, 3),

@@ -53,7 +53,7 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
             k.gemv1_kernel[(triton_cdiv(N // 8, 4), 2)](x, *args, y, N, K, GROUP=group_size, W=4, BLOCK_K=32, SPLIT_K=2)
         return y.to(x.dtype)
     if M <= GEMV_MAX_M:
-        m_pad = max(1, 1 << (M - 1).bit_length())
+        m_pad = 1 << (M - 1).bit_length()  # 2 … 16: batch 1 took gemv1 above
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
         if tune:
             grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
