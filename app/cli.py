@@ -355,7 +355,22 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
         out.print("more columns (TTFT, TBT, weights, acceptance, faithfulness, exact match): --wide; "
                   "every figure: --json",
                   highlight=False, style="dim")
-    out.print(f"verdict: [bold]{summary['verdict']}[/] — {escape(summary['verdict_reason'] or '')}", highlight=False)
+    _print_verdict(out, summary, wide)
+
+
+def _print_verdict(out: Console, summary: dict, wide: bool) -> None:
+    """The verdict for people (app/summary.py): a line per breaching config, grouped, worst first;
+    the stored reason (every finding with its rule) with --wide, or when there is no line to show."""
+    lines = (summary.get("summary") or {}).get("lines") or []
+    reason = escape(summary["verdict_reason"] or "")
+    if not lines:
+        out.print(f"verdict: [bold]{summary['verdict']}[/] — {reason}", highlight=False)
+        return
+    out.print(f"verdict: [bold]{summary['verdict']}[/]", highlight=False)
+    for line in lines:
+        out.print(escape(line), highlight=False, soft_wrap=True)
+    if wide:
+        out.print(f"every finding: {reason}", highlight=False)
 
 
 def _json_out(summary: dict) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Gate, Project, Run, utcnow
+from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
@@ -135,6 +136,10 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
              f"({samples_label(summary)}), run {summary['run_id']}. [Open the run]({link})", ""]
     rows = [c for c in summary["comparisons"] if c["config"] == gate.candidate]
+    # the verdict for people (app/summary.py), the step-back advice left to its own lines below
+    found = verdict_summary(rows)["groups"]
+    for group, line in ((g, ls[0]) for g, ls in found.items()):
+        lines += [f"**{group[0].upper()}{group[1:]}:** {line['text'].split(': ', 1)[1]}", ""]
     rows.sort(key=lambda c: (bool((c.get("details") or {}).get("informational")), -VERDICT_ORDER.get(c["verdict"], 0)))
     if rows:
         lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]

@@ -178,6 +178,31 @@ class StepBackOut(BaseModel):
     layers: list[StepBackLayerOut] = Field(description="largest share first")
 
 
+class SummaryLineOut(BaseModel):
+    """One breaching config in the verdict summary (app/summary.py)."""
+
+    config: str
+    group: str = Field(description="drop or fix | watch | slower than the baseline | undecided")
+    text: str = Field(description="the line as printed: the config, its worst quality finding and its worst speed "
+                                  "finding with their 95% CIs, and the step-back advice if any")
+    critical: int = Field(description="the config's critical comparisons")
+    warn: int = Field(description="the config's warn comparisons")
+    quality: ComparisonOut | None = Field(description="its worst quality comparison (null when none is off ok)")
+    speed: ComparisonOut | None = Field(description="its worst speed comparison (null when none is off ok)")
+    advice: str | None = Field(description="the step-back advice of a stacked config")
+
+
+class VerdictSummaryOut(BaseModel):
+    """The verdict for people: a line per breaching config, grouped, worst first, at most about 12 lines."""
+
+    groups: dict[str, list[SummaryLineOut]] = Field(description="by group, in the order drop or fix, watch, slower "
+                                                                "than the baseline, undecided; empty groups left out")
+    lines: list[str] = Field(description="the summary as printed (group headings, then a line per config; the last "
+                                         "line says how many configs are left out)")
+    more: int = Field(description="configs not in `lines` (all of them are in `groups`)")
+    counts: dict[str, int] = Field(description="configs per group")
+
+
 class RunOut(BaseModel):
     run_id: int
     status: str = Field(description="queued | running | aggregating | done | failed | cancelled (back to running "
@@ -200,6 +225,8 @@ class RunOut(BaseModel):
     step_back: list[StepBackOut] = Field(default_factory=list, description=(
         "for a stacked config (two or more axes unlike the baseline's) warn or critical on a quality ratio: its "
         "single-optimization ablations' shares of the loss, run on the same samples"))
+    summary: VerdictSummaryOut = Field(description="the verdict for people (app/summary.py); verdict_reason and "
+                                                   "comparisons hold every finding")
 
 
 class RunListItem(BaseModel):

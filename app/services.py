@@ -20,6 +20,7 @@ from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
+from app.summary import verdict_summary
 from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible
 
 log = logging.getLogger(__name__)
@@ -203,11 +204,12 @@ def samples_label(summary: dict[str, Any], noun: str = "documents") -> str:
 
 
 def run_summary(session: Session, run: Run) -> dict[str, Any]:
-    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back"}."""
+    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back",
+    "summary"}: "summary" is the verdict for people, a line per breaching config (app/summary.py)."""
     crs = list(run.config_runs)
     names = {cr.config_id: cr.config.name for cr in crs}
     comps = repo.comparisons(session, run.id)
-    return {
+    summary: dict[str, Any] = {
         "run_id": run.id,
         "status": run.status,
         "verdict": run.verdict,
@@ -254,3 +256,6 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
         "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **(c.details or {})["step_back"]}
                       for c in comps if (c.details or {}).get("step_back")],
     }
+    ablations = [config["config"] for config in summary["configs"] if config["ablation_of"]]
+    summary["summary"] = verdict_summary(summary["comparisons"], summary["step_back"], summary["baseline"], ablations)
+    return summary

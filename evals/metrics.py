@@ -26,6 +26,7 @@ Direction = Literal["above", "below"]  # the side of the threshold that is bad
 #   mean               mean of per-sample scores of the candidate alone (clustered bootstrap CI)
 #   percentile         a percentile of the candidate's per-request values (bootstrap CI)
 #   peak               the largest value seen during the candidate's config-run (no CI: one reading)
+Aspect = Literal["quality", "speed"]
 ComparisonKind = Literal["paired_ratio", "paired_difference", "rate", "mean", "percentile", "peak"]
 
 # verdicts from best to worst; a run's verdict is its worst gated comparison's. measurement_error:
@@ -61,6 +62,9 @@ class Metric:
     # config decoding speculatively), "lossless" (a candidate lossless against the baseline, with a greedy suite),
     # "perplexity.terms" (a suite listing domain terms); a threshold on it is refused otherwise (app/config_file.py)
     requires: str = ""
+    # what a breach says of the config: its answers got worse ("quality"), or it serves more slowly or
+    # with more memory than the baseline ("speed"); the verdict summary groups configs by it (app/summary.py)
+    aspect: Aspect = "quality"
 
     def __post_init__(self) -> None:
         if self.gated and self.warn is None:
@@ -105,29 +109,29 @@ register_metric(Metric(
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",
     warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1),
-    requires="speculative"))
+    requires="speculative", aspect="speed"))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
     "median time to first token of the candidate's prompts (lower median for even n), against an absolute service "
     "budget (the baseline is not judged on it; ttft_ratio compares the two); "
     "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
-    warn=2000, critical=5000, fmt=".1f", alert="CanaryTTFTHigh", valid=(0, None)))
+    warn=2000, critical=5000, fmt=".1f", alert="CanaryTTFTHigh", valid=(0, None), aspect="speed"))
 register_metric(Metric(
     "ttft_ratio", "TTFT ratio", "ratio", "above", "paired_ratio", "generation",
     "geometric mean over prompts of the candidate's time to first token ÷ the baseline's, both timed on the same "
     "prompt back to back in alternating order within the candidate's run, so host load cancels out; "
     "paired bootstrap CI",
-    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTTFTRatioHigh"))
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTTFTRatioHigh", aspect="speed"))
 register_metric(Metric(
     "tpot_ratio", "TPOT ratio", "ratio", "above", "paired_ratio", "generation",
     "geometric mean over prompts of the candidate's time per output token (mean time between tokens after the "
     "first) ÷ the baseline's, timed as for ttft_ratio; paired bootstrap CI",
-    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTPOTRatioHigh"))
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTPOTRatioHigh", aspect="speed"))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
     "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "
     "slots allocated, or the highest vllm:kv_cache_usage_perc an OpenAI-compatible server reported",
-    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1)))
+    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1), aspect="speed"))
 register_metric(Metric(
     "faithfulness", "faithful", "fraction", "below", "mean", "faithfulness",
     "share of an answer's statements supported by its contexts, averaged over RAG items (RAGAS faithfulness); "

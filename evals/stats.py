@@ -2,7 +2,9 @@
 
 A verdict uses the confidence interval, not the point estimate alone:
   n < min_n                                        → inconclusive ("too few samples"; the rule says
-                                                     what the CI already shows, e.g. beyond critical)
+                                                     what the CI already shows, e.g. beyond warn),
+    except a CI wholly beyond critical on at least half of min_n samples → critical: a clear
+    failure is not let through (and a gate not passed) because the sample was small
   metric 'above' (higher is worse), thresholds W ≤ C:
     ci_low ≥ C                                     → critical  (surely past critical)
     ci_low ≥ W                                     → warn      (surely past warn)
@@ -83,6 +85,12 @@ def samples_to_decide(estimate: float, ci_low: float, ci_high: float, n: int, bo
     return max(n + 1, math.ceil(n * (half / gap) ** 2))
 
 
+def clear_failure_n(min_n: int) -> int:
+    """The fewest paired samples on which a CI wholly beyond critical is judged critical although
+    n < min_n: half of min_n (at least 2). Fewer, and a bootstrap CI is too unsure of its own width."""
+    return max(2, math.ceil(min_n / 2))
+
+
 def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds) -> tuple[Verdict, str]:
     """Verdict and the rule that produced it (module docstring). An inconclusive rule says what
     would decide it: below min_n, what the CI already shows (beyond critical, say); a CI across
@@ -94,6 +102,9 @@ def decide(estimate: float, ci_low: float, ci_high: float, n: int, t: Thresholds
         shown, why = decide(estimate, ci_low, ci_high, n, Thresholds(t.warn, t.critical, t.direction, min_n=0))
         if shown == "inconclusive":
             return "inconclusive", f"{rule}; {why}"
+        if shown == "critical" and n >= clear_failure_n(t.min_n):
+            # a clear failure is not let through because the sample was small (module docstring)
+            return "critical", f"{why}, though n={n} < min_n={t.min_n}: the whole CI lies beyond critical"
         return "inconclusive", f"{rule}, though the CI already shows {shown}: {why} ({t.min_n} samples decide it)"
     if t.direction == "above":
         if t.critical is not None and ci_low >= t.critical:

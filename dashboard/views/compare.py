@@ -87,7 +87,8 @@ def render(api, project: str, params) -> None:
                 "comparisons": {x["metric"]: x for x in run["comparisons"] if x["config"] == c["config"]},
                 "figures": run["figures"].get(c["config"]) or {}} for c in run["configs"]]
     rows = config_rows(configs, metrics)
-    text, worst = headline(f"Run {run_id}", rows, metrics)  # the answer first: which config breaches, by how much
+    # the answer first: which configs breach, by how much, grouped as the API's verdict summary groups them
+    text, worst = headline(f"Run {run_id}", rows, metrics, run.get("summary"))
     {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
     df, twins = frame(rows, metrics)
     st.table(style_verdicts(df.drop(columns=["checked"], errors="ignore"), twins).hide(axis="index"))

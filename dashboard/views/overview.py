@@ -95,9 +95,17 @@ def frame(rows: list[dict], metrics: list[dict]):
     return df.drop(columns=empty), twins
 
 
-def headline(model: str, rows: list[dict], metrics: list[dict]) -> tuple[str, str | None]:
-    """The answer in one line: which configs breach, on what, by how much and since when."""
+SUMMARY_GROUPS = ("drop or fix", "watch", "slower than the baseline")  # the API's verdict summary, breaching groups
+BANNER_LINES = 10  # config lines in a banner; the rest counted
+
+
+def headline(model: str, rows: list[dict], metrics: list[dict], summary: dict | None = None) -> tuple[str, str | None]:
+    """The answer first: which configs breach, on what, by how much and since when. With the API's
+    verdict summary (app/summary.py), a line per config under its group (drop or fix, watch, slower
+    than the baseline), its worst quality and speed figures as the table shows them; else one line."""
     bad = [r for r in rows if r["verdict"] in BREACHING or r["verdict"] == "measurement_error"]
+    if bad and summary and any(summary["groups"].get(g) for g in SUMMARY_GROUPS):
+        return _grouped(model, rows, metrics, summary), worst_verdict(r["verdict"] for r in bad)
     if not bad:
         measured = [r for r in rows if not r["baseline"] and r["verdict"] not in ("", "not measured")]
         unsure = [r["config"] for r in measured if r["verdict"] == "inconclusive"]
@@ -110,6 +118,33 @@ def headline(model: str, rows: list[dict], metrics: list[dict]) -> tuple[str, st
         since = f", since {r['breaching since'].split(' (')[0]}" if r["breaching since"] else ""
         parts.append(f"**{r['config']}** {r['verdict']} ({what}{since})")
     return f"{model}: " + "; ".join(parts), worst_verdict(r["verdict"] for r in bad)
+
+
+def _grouped(model: str, rows: list[dict], metrics: list[dict], summary: dict) -> str:
+    """The banner's lines: a heading per group, then '**config**: figure; figure (since …)'."""
+    by_config = {r["config"]: r for r in rows}
+    out, shown, total = [f"**{model}**"], 0, sum(len(summary["groups"].get(g) or []) for g in SUMMARY_GROUPS)
+    for group in SUMMARY_GROUPS:
+        lines = summary["groups"].get(group) or []
+        if lines and shown < BANNER_LINES:
+            out.append(f"*{group[0].upper()}{group[1:]} ({len(lines)}):*")
+        for line in lines:
+            if shown == BANNER_LINES:
+                break
+            row = by_config.get(line["config"]) or {"cells": {}, "breaching since": ""}
+            figures = []
+            for comp in (line["quality"], line["speed"]):
+                if comp and comp["verdict"] in BREACHING + ("measurement_error",):
+                    label = _label(metrics, comp["metric"])
+                    text = (row["cells"].get(label) or ("",))[0]
+                    figures.append(f"{label} {text} {comp['verdict']}".replace("  ", " "))
+            since = f" (since {row['breaching since'].split(' (')[0]})" if row["breaching since"] else ""
+            advice = f"; step back: {line['advice']}" if line.get("advice") else ""
+            out.append(f"• **{line['config']}**: {'; '.join(figures)}{since}{advice}")
+            shown += 1
+    if total > shown:
+        out.append(f"… and {total - shown} more (the table lists every config)")
+    return "  \n".join(out)
 
 
 def stale_banner(api, project: str) -> None:
@@ -135,7 +170,7 @@ def render(api, project: str, params) -> None:
         base = next((c for c in configs if c["baseline"]), None)
         ppl = next((c["comparisons"]["ppl_ratio"] for c in configs if "ppl_ratio" in c["comparisons"]), None)
         st.subheader(f"Model {model}")
-        text, worst = headline(model, rows, metrics)
+        text, worst = headline(model, rows, metrics, (data.get("summaries") or {}).get(model))
         {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
         st.markdown(card_html(model_tiles(configs, catalogue_), *check_times(configs, data["next_check_at"])),
                     unsafe_allow_html=True)

@@ -55,7 +55,10 @@ def test_a_failing_run_through_a_pipe_moves_exits_1_and_fits(tmp_path):
     assert max(map(len, table)) <= 120, r.stdout  # no terminal: the default table fits 120 columns
     [int2] = [line for line in table if line.startswith("│ int2")]
     assert "critical" in int2 and "[" in int2, int2  # ratio with its CI, and the verdict
-    assert "verdict: fail — int2 ppl_ratio critical" in " ".join(r.stdout.split())
+    # the verdict for people: its group, then the config with its worst figure and CI (app/summary.py)
+    verdict = r.stdout[r.stdout.index("verdict: fail"):].splitlines()
+    assert verdict[:2] == ["verdict: fail", "drop or fix (1):"], r.stdout
+    assert verdict[2].startswith("  int2: ppl ratio +") and verdict[2].endswith("] critical"), verdict
     # the read commands on the same database
     runs = json.loads(canary("runs", "list", "-p", "pipe", "--json", cwd=tmp_path, db=db).stdout)
     assert [(x["run_id"], x["suite"], x["verdict"]) for x in runs] == [(1, "s", "fail")]
@@ -153,20 +156,22 @@ def test_a_bad_setting_is_one_line_naming_the_variable(tmp_path):
 
 @pytest.mark.integration
 def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
-    """5 documents are fewer than min_n (10); so are 10, from 9 sources (n counts sources): the run
-    draws 5 more, then the last 2 (max_samples 12), and is judged on 12."""
+    """4 documents are fewer than min_n (10), and fewer than the 5 on which a CI wholly beyond
+    critical decides (evals/stats.clear_failure_n): the run draws 4 more, and on 8 int2's ratio
+    lies wholly beyond critical: judged critical there, without drawing the last 4 (max_samples 12)."""
     path = tiny_config(tmp_path)
     cfg = yaml.safe_load(open(path))
-    cfg["suites"][0].update(samples=5, max_samples=12)
+    cfg["suites"][0].update(samples=4, max_samples=12)
     (tmp_path / "canary.yaml").write_text(yaml.safe_dump(cfg))
-    r = canary("run", "-f", path, cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}")
+    r = canary("run", "-f", path, "--wide", cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}")
     assert r.returncode == 1, r.stderr[-3000:]
     out = " ".join(r.stdout.split())
-    assert "run 1 — baseline fp32, 12 documents (topped up from 5)" in out, r.stdout
-    assert "verdict: fail — int2 ppl_ratio critical" in out
-    assert out.endswith("topped up from 5 to 12 samples (max_samples 12) after an inconclusive pass"), out
+    assert "run 1 — baseline fp32, 8 documents (topped up from 4)" in out, r.stdout
+    assert "verdict: fail drop or fix (1): int2: ppl ratio +" in out
+    assert "every finding: int2 ppl_ratio critical" in out and "though n=8 < min_n=10" in out  # --wide: the reason
+    assert out.endswith("topped up from 4 to 8 samples (max_samples 12) after an inconclusive pass"), out
     db = f"sqlite:///{tmp_path / 'c.db'}"
     [listed] = json.loads(canary("runs", "list", "-p", "pipe", "--json", cwd=tmp_path, db=db).stdout)
-    assert (listed["n_samples"], listed["samples_drawn"]) == (5, 12)
+    assert (listed["n_samples"], listed["samples_drawn"]) == (4, 8)
     table = canary("runs", "list", "-p", "pipe", cwd=tmp_path, db=db).stdout
-    assert "12 (of 5, topped up)" in " ".join(table.split()), table
+    assert "8 (of 4, topped up)" in " ".join(table.split()), table

@@ -48,6 +48,8 @@ def test_summary_leads_with_the_verdict_suite_and_the_worst_change_with_its_ci()
             "weights 4.00× smaller (100.0 MB vs 400.0 MB); KV cache per token 1.00× the baseline's "
             "(4,096 B vs 4,096 B).") in lines
     assert lines[-1] == "Reason: ppl_ratio critical"
+    # the verdict for people (app/summary.py) above the table: its group and its worst quality finding
+    assert lines[5] == "**Drop or fix:** ppl ratio +4.50% [+2.40, +6.60] critical"
 
 
 def test_a_pending_gate_and_a_run_without_figures():

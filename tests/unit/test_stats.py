@@ -98,10 +98,13 @@ def test_an_inconclusive_rule_says_what_would_decide_it():
     from evals.stats import samples_to_decide
 
     above = Thresholds(warn=1.02, critical=1.03, direction="above", min_n=10)
-    verdict, rule = decide(1.059, 1.045, 1.082, 8, above)
+    verdict, rule = decide(1.059, 1.045, 1.082, 4, above)
     assert verdict == "inconclusive"
-    assert rule.startswith("n=8 < min_n=10: too few samples to decide")
+    assert rule.startswith("n=4 < min_n=10: too few samples to decide")
     assert "already shows critical: CI low 1.045 ≥ critical 1.03 (10 samples decide it)" in rule
+    # beyond warn only, below min_n: still inconclusive, saying so
+    verdict, rule = decide(1.025, 1.021, 1.028, 8, above)
+    assert verdict == "inconclusive" and "already shows warn: CI low 1.021 ≥ warn 1.02" in rule
     assert decide(1.03, 1.01, 1.05, 20, above) == (
         "inconclusive", "CI [1.01, 1.05] straddles warn 1.02: more samples needed (about 80 at this effect)")
     below = Thresholds(warn=0.9, critical=0.8, direction="below", min_n=10)
@@ -109,3 +112,21 @@ def test_an_inconclusive_rule_says_what_would_decide_it():
     assert "(about 80 at this effect)" in decide(0.85, 0.75, 0.95, 20, below)[1]
     assert samples_to_decide(1.02, 1.0, 1.04, 20, 1.02) is None  # on the bound: no count can be said
     assert decide(float("nan"), float("nan"), float("nan"), 0, above) == ("inconclusive", "n=0 < min_n=10: too few samples to decide")
+
+
+def test_a_clear_failure_below_min_n_is_critical():
+    """Issue 36: int2's ppl ratio 1.059 [1.045, 1.082] on 8 documents (min_n 10) lies wholly beyond
+    critical 1.03: critical, not 'inconclusive', so neither `canary run` nor a gate passes it. On
+    at least half of min_n only (clear_failure_n): at 4 documents it stays inconclusive. Mirrored
+    for a metric bad below its threshold: 0.2 [0.1, 0.25] against critical 0.3 on 5 of min_n 10."""
+    from evals.stats import clear_failure_n
+
+    above = Thresholds(warn=1.02, critical=1.03, direction="above", min_n=10)
+    assert clear_failure_n(10) == 5 and clear_failure_n(8) == 4 and clear_failure_n(3) == 2 and clear_failure_n(1) == 2
+    assert decide(1.059, 1.045, 1.082, 8, above) == (
+        "critical", "CI low 1.045 ≥ critical 1.03, though n=8 < min_n=10: the whole CI lies beyond critical")
+    assert decide(1.059, 1.045, 1.082, 5, above)[0] == "critical"
+    assert decide(1.059, 1.045, 1.082, 4, above)[0] == "inconclusive"
+    below = Thresholds(warn=0.5, critical=0.3, direction="below", min_n=10)
+    assert decide(0.2, 0.1, 0.25, 5, below)[0] == "critical"
+    assert decide(0.2, 0.1, 0.35, 5, below)[0] == "inconclusive"  # its CI reaches back over critical

@@ -27,8 +27,9 @@ from app.models import (
     Schedule,
     Suite,
 )
-from app.schemas import FiguresOut, Time, Verdict, error_responses
+from app.schemas import FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
 from app.ssrf import public_spec
+from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
@@ -77,6 +78,8 @@ class OverviewOut(BaseModel):
                                           "else the last run's")
     suites: list[str] = Field(description="every suite of the project")
     models: dict[str, list[OverviewConfig]] = Field(description="by model name")
+    summaries: dict[str, VerdictSummaryOut] = Field(default_factory=dict, description=(
+        "by model name: the verdict for people over each config's latest run (app/summary.py)"))
     last_check_at: Time | None = Field(description="the suite's last finished run")
     next_check_at: Time | None = Field(description="the next slot of a schedule of the suite")
     schedules: list[ScheduleOut]
@@ -249,11 +252,16 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
+    summaries = {model: verdict_summary([{"config": c["config"], "metric": metric, **cell,
+                                          "details": {"informational": not cell["judged"]}}
+                                         for c in configs if not c["baseline"]
+                                         for metric, cell in c["comparisons"].items()])
+                 for model, configs in models.items()}
     schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id,
                                                                                  Schedule.enabled.is_(True)))]
     last = session.scalar(select(func.max(Run.finished_at)).where(done))
     return {"project": project.name, "suite": chosen.name if chosen else None, "suites": _suite_names(session, project),
-            "models": models, "last_check_at": iso(last),
+            "models": models, "summaries": summaries, "last_check_at": iso(last),
             "next_check_at": min((s["next_slot_at"] for s in schedules if s["suite_id"] == suite_id), default=None),
             "schedules": schedules}
 

@@ -1,0 +1,126 @@
+"""The verdict summary for people: which configs to drop, which to watch, which only cost speed,
+one line each, worst first. The run's stored reason lists every breaching comparison with its rule
+(`verdict_reason`, kept for --json, --wide and the run page); this is what a person reads first:
+the CLI after its table, the dashboard's banners, the gate's pull-request comment.
+
+Groups, in this order:
+    drop or fix                a quality metric is critical (or its figure cannot be right)
+    watch                      a quality metric is warn
+    slower than the baseline   only a speed metric (evals/metrics.py `aspect`) breaches
+    undecided                  nothing breaches, but a gated comparison is inconclusive
+A config's line names its worst quality finding and its worst speed finding (metric, change vs
+the baseline with its 95% CI, verdict) and the step-back advice of a stacked config. Within a
+group, the config with more critical findings, then more warn findings, comes first. At most
+`max_lines` lines in all (group headings included), the last saying how many configs are left out.
+
+Plain dicts in (the run summary's comparisons and step_back, app/services.run_summary), no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
+
+GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided")
+MAX_LINES = 12
+_METRIC_RANK = {name: i for i, name in enumerate(METRICS)}  # the table's order: ppl_ratio first among equals
+
+
+def _judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [c for c in comparisons if c["metric"] in METRICS and c["verdict"] in VERDICT_ORDER
+            and not informational(dict(c))]
+
+
+def _worst(rows: list[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The row with the worst verdict; the metric table's order (the perplexity ratio first) among equals."""
+    return min(rows, key=lambda c: (-VERDICT_ORDER[c["verdict"]], _METRIC_RANK[c["metric"]]), default=None)
+
+
+def finding(c: Mapping[str, Any]) -> str:
+    """One comparison as a person reads it: 'ppl ratio +5.90% [+4.50, +8.20] critical'."""
+    metric = METRICS[c["metric"]]
+    if c.get("estimate") is None:
+        return f"{metric.label} {c['verdict']}"
+    return f"{metric.label} {format_estimate(metric, c['estimate'], c.get('ci_low'), c.get('ci_high'))} {c['verdict']}"
+
+
+def _to_decide(c: Mapping[str, Any]) -> str:
+    """What would decide an inconclusive comparison, from its rule (evals/stats.decide)."""
+    found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", c.get("rule") or "")
+    if found:
+        return f" (about {found.group(1) or found.group(2)} samples would decide it)"
+    return f" (n={c['n']} < min_n {METRICS[c['metric']].min_n})" if c.get("n") is not None and c["n"] < METRICS[
+        c["metric"]].min_n else ""
+
+
+def config_line(config: str, rows: list[Mapping[str, Any]], advice: str | None = None) -> dict[str, Any] | None:
+    """The summary line of one candidate from its judged comparisons, or None when every one is ok."""
+    quality = [c for c in rows if METRICS[c["metric"]].aspect == "quality" and c["verdict"] != "ok"]
+    speed = [c for c in rows if METRICS[c["metric"]].aspect == "speed" and c["verdict"] != "ok"]
+    breach = ("warn", "critical", "measurement_error")
+    q, s = _worst(quality), _worst(speed)
+    if q is not None and q["verdict"] in ("critical", "measurement_error"):
+        group = "drop or fix"
+    elif q is not None and q["verdict"] == "warn":
+        group = "watch"
+    elif s is not None and s["verdict"] in breach:
+        group = "slower than the baseline"
+    elif q is not None or s is not None:
+        group = "undecided"
+    else:
+        return None
+    shown = [finding(x) + (_to_decide(x) if group == "undecided" else "")
+             for x in (q, s) if x is not None and (x["verdict"] in breach or group == "undecided")]
+    text = f"{config}: " + "; ".join(shown) + (f" — step back: {advice}" if advice else "")
+    counts = {v: sum(c["verdict"] == v for c in rows) for v in ("critical", "warn")}
+    return {"config": config, "group": group, "text": text, "critical": counts["critical"], "warn": counts["warn"],
+            "quality": dict(q) if q is not None else None, "speed": dict(s) if s is not None else None,
+            "advice": advice}
+
+
+def verdict_summary(comparisons: Iterable[Mapping[str, Any]], step_back: Iterable[Mapping[str, Any]] = (),
+                    baseline: str | None = None, ablations: Iterable[str] = (),
+                    max_lines: int = MAX_LINES) -> dict[str, Any]:
+    """{"groups": {group: [line, ...]}, "lines": [str, ...] (at most max_lines), "more": configs
+    left out of "lines", "counts": {group: configs}}. The baseline and a stacked config's
+    single-layer ablations (a diagnosis, not a deploy) get no line of their own."""
+    skip = {baseline, *ablations}
+    by_config: dict[str, list[Mapping[str, Any]]] = {}
+    for c in _judged(comparisons):
+        if c["config"] not in skip:
+            by_config.setdefault(c["config"], []).append(c)
+    advice: dict[str, str] = {}
+    for s in step_back:  # the first (the worst ratio's) advice of each stacked config
+        if s.get("advice"):
+            advice.setdefault(s["config"], s["advice"])
+    lines = [line for config, rows in by_config.items() if (line := config_line(config, rows, advice.get(config)))]
+    lines.sort(key=lambda line: (GROUPS.index(line["group"]), -line["critical"], -line["warn"], line["config"]))
+    groups = {g: [line for line in lines if line["group"] == g] for g in GROUPS}
+    groups = {g: rows for g, rows in groups.items() if rows}
+    text = _render(groups, len(lines), max_lines)
+    shown = sum(line.startswith("  ") for line in text)
+    more = len(lines) - shown
+    if more:
+        plural = "s" if more != 1 else ""
+        text.append(f"… and {more} more config{plural} (every finding: --wide, --json or the run page)")
+    return {"groups": groups, "lines": text, "more": more, "counts": {g: len(rows) for g, rows in groups.items()}}
+
+
+def _render(groups: Mapping[str, list[dict[str, Any]]], total: int, max_lines: int) -> list[str]:
+    """Each group's heading and its lines, in order, stopping where the next line (with its heading,
+    and a last line for the configs left out) would pass max_lines."""
+    text: list[str] = []
+    shown = 0
+    for group, rows in groups.items():
+        for i, line in enumerate(rows):
+            left_after = total - shown - 1
+            if len(text) + 1 + (i == 0) + (left_after > 0) > max_lines:
+                return text
+            if i == 0:
+                text.append(f"{group} ({len(rows)}):")
+            text.append(f"  {line['text']}")
+            shown += 1
+    return text
