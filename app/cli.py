@@ -375,7 +375,7 @@ def _print_verdict(out: Console, summary: dict, wide: bool) -> None:
 
 def _json_out(summary: dict) -> None:
     keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds",
-            "configs"}
+            "configs", "summary"}
     out = {k: v for k, v in summary.items() if k in keep}
     fields = ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")
     out["comparisons"] = [{k: comparison[k] for k in fields}

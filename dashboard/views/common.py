@@ -15,7 +15,8 @@ VERDICT_MARKS = {"ok": "#2e7d32", "warn": "#ef6c00", "critical": "#c62828", "inc
                  "measurement_error": "#7b1fa2"}
 # configs on a chart: blues, teals, browns and pinks — none of them reads as a verdict colour
 CONFIG_COLORS = ["#1f77b4", "#17becf", "#8c564b", "#e377c2", "#393b79", "#637939", "#5254a3", "#843c39", "#3182bd",
-                 "#bcbd22"]
+                 "#bcbd22", "#7b4173", "#8c6d31", "#6b6ecf", "#9c9ede", "#31a354", "#756bb1", "#636363", "#e6550d",
+                 "#969696", "#0f5257"]  # 20: a config each up to 20 (a palette repeats past that)
 # worst first: a broken measurement ranks above warn (it may hide anything), inconclusive above ok
 WORST_FIRST = ("critical", "measurement_error", "warn", "inconclusive", "ok")
 BREACHING = ("warn", "critical")
@@ -199,6 +200,19 @@ def y_domain(values, rel_pad: float = 0.1, min_span: float = 0.01) -> list[float
         half = max(abs(low) * min_span, min_span)
         return [low - half, high + half]
     return [low - span * rel_pad, high + span * rel_pad]
+
+
+def spans_decades(values, factor: float = 3.0) -> bool:
+    """Positive values whose largest is at least `factor` times the smallest: a linear axis would
+    squash all but the largest onto one line (a collapsed config at 7× beside ratios near 1)."""
+    known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return bool(known) and min(known) > 0 and max(known) / min(known) >= factor
+
+
+def log_domain(values, pad: float = 1.15) -> list[float]:
+    """A log axis' range around positive values: a factor `pad` beyond each end."""
+    known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)) and v > 0]
+    return [min(known) / pad, max(known) * pad]
 
 
 def label_offsets(xs: list[float], ys: list[float], labels: list[str], x_range: list[float] | None = None,

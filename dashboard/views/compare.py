@@ -4,6 +4,8 @@ lost (with its CI) against speed or memory gained."""
 
 from __future__ import annotations
 
+import math
+
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -58,6 +60,13 @@ def trade_off_points(run: dict) -> list[dict]:
     return out
 
 
+def wide_spread(values: list[float], factor: float = 10.0) -> bool:
+    """Changes whose largest magnitude is `factor` times the typical (median, at least 1 %): on a
+    linear axis all but the largest would sit on one line."""
+    known = sorted(abs(v) for v in values if v is not None and not math.isnan(v))
+    return bool(known) and known[-1] >= factor * max(known[len(known) // 2], 1.0)
+
+
 def render(api, project: str, params) -> None:
     st.title("Compare configs")
     runs = [r for r in api.get(f"/projects/{project}/runs", limit=100) if r["status"] == "done"]
@@ -107,10 +116,17 @@ def render(api, project: str, params) -> None:
     y_range = y_domain([*pts["loss_low"], *pts["loss_high"], *pts["loss"], *(v for _, v in levels)])
     spread = ("speed_low", "speed_high") if x_field == "speed" else (x_field,)
     x_range = y_domain([v for col in spread for v in pts[col]])
-    y_scale, x_scale = alt.Scale(domain=y_range), alt.Scale(domain=x_range)
-    pts["dy"] = label_offsets(list(pts[x_field]), list(pts["loss"]), list(pts["config"]), x_range, y_range)
+    # collapsed configs (+596 %) beside the ones that matter (a few %): a symmetric log axis, which
+    # keeps 0 and negative changes, so that the small ones do not sit on top of each other at 0
+    symlog = wide_spread(list(pts["loss"]))
+    y_scale = alt.Scale(type="symlog", constant=1, domain=y_range) if symlog else alt.Scale(domain=y_range)
+    x_scale = alt.Scale(domain=x_range)
+    drawn = (lambda v: math.copysign(math.log1p(abs(v)), v)) if symlog else (lambda v: v)  # as the axis places it
+    pts["dy"] = label_offsets(list(pts[x_field]), [drawn(v) for v in pts["loss"]], list(pts["config"]), x_range,
+                              [drawn(v) for v in y_range])
     x = alt.X(f"{x_field}:Q", title=axis, scale=x_scale)
-    y = alt.Y("loss:Q", title="quality loss: ppl ratio as % change", scale=y_scale)
+    y = alt.Y("loss:Q", title="quality loss: ppl ratio as % change" + (", symmetric log scale" if symlog else ""),
+              scale=y_scale)
     colour = alt.Color("verdict:N", scale=alt.Scale(domain=[*VERDICT_MARKS, "baseline"],
                                                     range=[*VERDICT_MARKS.values(), "#000000"]))
     base = alt.Chart(pts)

@@ -7,11 +7,15 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import CONFIG_COLORS, VERDICT_MARKS, catalogue, y_domain
+from dashboard.views.common import CONFIG_COLORS, VERDICT_MARKS, catalogue, log_domain, spans_decades, y_domain
 from dashboard.views.overview import suite_choice
 
 SHAPES = {"ok": "circle", "inconclusive": "diamond", "warn": "triangle-up", "critical": "square",
           "measurement_error": "cross"}  # the verdict as a point's shape: colour is the config's
+
+
+TREND_POINTS = 1000  # newest comparisons asked of the API: 30 runs of 30 configs (its default, 200, is 13 runs of 15)
+ALERTS_LISTED = 8  # the newest alert marks listed under the chart by name
 
 
 def threshold_lines(thresholds: list[dict], configs: list[str]) -> list[dict]:
@@ -28,6 +32,15 @@ def threshold_lines(thresholds: list[dict], configs: list[str]) -> list[dict]:
     return lines
 
 
+def off_scale_bound(metric: dict, lines: list[dict], factor: float = 2.0) -> float | None:
+    """For a ratio that is bad above its thresholds: `factor` × the highest threshold drawn (or
+    × the seed critical). A point beyond it is off the scale; None where nothing bounds it."""
+    if metric["unit"] != "ratio" or metric["direction"] != "above":
+        return None
+    levels = [line["y"] for line in lines] or [metric[k] for k in ("critical", "warn") if metric.get(k)]
+    return factor * max(levels) if levels else None
+
+
 def axis_title(metric: dict) -> str:
     """The y axis in words: the catalogue's label and what its numbers are."""
     unit = {"ratio": "candidate ÷ baseline, 1 = parity", "fraction": "0–1", "ms": "milliseconds",
@@ -39,12 +52,12 @@ def render(api, project: str, params) -> None:
     st.title("Trends")
     top = st.columns([1, 1, 2])
     with top[0]:
-        data = suite_choice(api, project, params, f"/projects/{project}/trends", metric="ppl_ratio")
+        data = suite_choice(api, project, params, f"/projects/{project}/trends", metric="ppl_ratio", limit=TREND_POINTS)
     metrics = {m["name"]: m for m in catalogue(api)}
     metric = top[1].selectbox("Metric", list(metrics), key="metric",
                               format_func=lambda name: f"{metrics[name]['label']} ({name})")
     if metric != data["metric"]:
-        data = api.get(f"/projects/{project}/trends", metric=metric, suite=data["suite"])
+        data = api.get(f"/projects/{project}/trends", metric=metric, suite=data["suite"], limit=TREND_POINTS)
     pts = pd.DataFrame(data["points"])
     if pts.empty:
         st.info(f"No {metric} comparisons on suite {data['suite']} yet.")
@@ -58,10 +71,25 @@ def render(api, project: str, params) -> None:
     pts["run"] = [f"#{r} {str(t)[5:16].replace('T', ' ')}" for r, t in zip(pts["run_id"], pts["at"], strict=True)]
     order = list(dict.fromkeys(pts.sort_values("run_id")["run"]))
     lines = threshold_lines(data["thresholds"], shown)
-    scale = alt.Scale(domain=y_domain([*pts["estimate"], *pts["ci_low"], *pts["ci_high"], *(x["y"] for x in lines)]))
-    colour = alt.Color("config:N", scale=alt.Scale(domain=all_configs, range=CONFIG_COLORS[:len(all_configs)]))
-    x = alt.X("run:O", sort=order, title="run (id, UTC start)", axis=alt.Axis(labelAngle=0))
-    title = axis_title(metrics[metric])
+    # a collapsed config (7× its baseline) beside configs within a few % of theirs: its points go off
+    # the scale, drawn as labelled markers along the top, so that the thresholds and the configs that
+    # matter keep the axis (a log axis alone still squashes those onto one line)
+    bound = off_scale_bound(metrics[metric], lines)
+    off = pts[pts["estimate"] > bound] if bound is not None else pts.iloc[0:0]
+    if len(off) == len(pts):  # only far-off points picked: their own scale
+        off = pts.iloc[0:0]
+    pts = pts.drop(off.index)
+    values = [*pts["estimate"], *pts["ci_low"], *pts["ci_high"], *(x["y"] for x in lines)]
+    # ratios that span decades (a collapsed config at 7× beside configs near 1) on a log axis: a linear
+    # one would squash every config but the collapsed one onto a single line
+    log = metrics[metric]["unit"] == "ratio" and spans_decades(values)
+    scale = alt.Scale(type="log", domain=log_domain(values)) if log else alt.Scale(domain=y_domain(values))
+    colour = alt.Color("config:N", scale=alt.Scale(domain=all_configs, range=CONFIG_COLORS[:len(all_configs)]),
+                       legend=alt.Legend(columns=1 if len(all_configs) <= 12 else 2, symbolLimit=0, labelLimit=180))
+    # a few runs' labels level; many slanted, and those that would still collide left out (greedy)
+    x = alt.X("run:O", sort=order, title="run (id, UTC start)",
+              axis=alt.Axis(labelAngle=0 if len(order) <= 8 else -40, labelOverlap="greedy", labelLimit=140))
+    title = axis_title(metrics[metric]) + (", log scale" if log else "")
     y = alt.Y("estimate:Q", title=title, scale=scale)
     tooltip = ["config", "run_id", "at", "estimate", "ci_low", "ci_high", "n", "verdict"]
     base = alt.Chart(pts)
@@ -70,6 +98,15 @@ def render(api, project: str, params) -> None:
     layers = [base.mark_rule(opacity=0.5, strokeWidth=2).encode(x=x, y=ci, y2="ci_high:Q", color=colour),
               base.mark_line().encode(x=x, y=y, color=colour),
               base.mark_point(size=90, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip)]
+    if not off.empty:
+        top = scale.to_dict()["domain"][1]
+        off = off.assign(top=top, label=[f"{c} {v:.3g} ↑" for c, v in zip(off["config"], off["estimate"], strict=True)])
+        above = alt.Chart(off)
+        last = off.sort_values("run_id").groupby("config").tail(1)  # one label per config, at its newest run
+        layers += [above.mark_point(shape="triangle-up", filled=True, size=110)
+                   .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, tooltip=tooltip),
+                   alt.Chart(last).mark_text(align="right", dx=-8, dy=10, fontSize=11)
+                   .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, text="label")]
     for line in lines:  # one layer each, in the threshold's own colour: no second colour legend
         one = alt.Chart(pd.DataFrame([line]))
         layers += [one.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[line["level"]])
@@ -87,12 +124,20 @@ def render(api, project: str, params) -> None:
         named["run"] = [labels[r] for r in named["run_id"]]
         named["label"] = "alert: " + named["what"]
         marks = alt.Chart(named)
+        # a faint rule and a marker inside the top of the plot, the names in the tooltip and listed
+        # under the chart: a label drawn on the chart would run across the axis or over its neighbours
         layers += [marks.mark_rule(color=VERDICT_MARKS["critical"], opacity=0.35, strokeWidth=3)
                    .encode(x=x, tooltip=["label"]),
-                   marks.mark_text(angle=270, align="right", baseline="bottom", dy=-4, y=4, fontSize=11,
-                                   color=VERDICT_MARKS["critical"]).encode(x=x, text="label")]
+                   marks.mark_point(shape="triangle-down", filled=True, size=110, color=VERDICT_MARKS["critical"])
+                   .encode(x=x, y=alt.value(8), tooltip=["label"])]
     st.altair_chart(alt.layer(*layers).properties(height=420), width="stretch")
+    if not alerts.empty:
+        listed = list(zip(named["run"], named["label"], strict=True))
+        left = len(listed) - ALERTS_LISTED
+        earlier = f"  \n({left} earlier in the chart's tooltips)" if left > 0 else ""
+        st.markdown("  \n".join(f"▼ run {run}: {label}" for run, label in listed[-ALERTS_LISTED:]) + earlier)
     st.caption(f"Suite {data['suite']} only. Points: the estimate, shaped by verdict (circle ok, diamond "
                "inconclusive, triangle warn, square critical, cross measurement error); vertical bars: 95% CI. "
                "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "
-               "Red verticals: alerts that fired, named by config.")
+               "Red verticals (▼): alerts that fired, listed above by run and config. ▲ along the top: a point off the "
+               "scale (beyond twice the highest threshold), labelled with its value at the config's newest run.")

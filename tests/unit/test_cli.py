@@ -129,3 +129,16 @@ def test_demo_json_covers_every_config(run_cli):
     ratios = {c["config"] for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
     assert ratios == set(names) - {"fp16"}
     assert out["verdict"] == "fail"  # the demo's 12 documents (seed 0): int2 weights cost ≈ 6 % perplexity
+    # the verdict for people (issue 36): at most 12 lines at 15 configs, every critical config named
+    # with its worst figure; no stray progress bar from a model load on stderr
+    lines = out["summary"]["lines"]
+    assert len(lines) <= 12 and lines[0].startswith("drop or fix ("), lines
+    critical = {c["config"] for c in out["comparisons"] if c["verdict"] == "critical"
+                and not (c.get("details") or {}).get("informational") and c["metric"] != "exact_match"}
+    for line in out["summary"]["groups"]["drop or fix"]:
+        assert line["quality"]["verdict"] in ("critical", "measurement_error")
+    named = {line.split(":")[0].strip() for line in lines[1:] if line.startswith("  ")}
+    to_fix = {line["config"] for line in out["summary"]["groups"]["drop or fix"]}
+    assert named >= (to_fix if len(to_fix) <= 10 else set()), (named, to_fix, lines)
+    assert critical <= {line["config"] for group in out["summary"]["groups"].values() for line in group}
+    assert "Loading weights" not in r.stderr, r.stderr[-2000:]
