@@ -537,6 +537,8 @@ def gate(
     inconclusive: str = typer.Option("warn", help="gate verdict when the data cannot decide: pass, warn or fail"),
     summary_md: pathlib.Path | None = typer.Option(None, help="write a markdown summary (for a PR comment) here; "
                                                       "with $GITHUB_STEP_SUMMARY set it is also appended there"),
+    report_html: pathlib.Path | None = typer.Option(None, help="once decided, write the run's report here: one "
+                                                       "self-contained HTML file (`canary report`), a CI artifact"),
     idempotency_key: str | None = typer.Option(None, envvar="CANARY_GATE_KEY",
                                                   help="a retried CI step with the same key gets the same gate "
                                                        "(e.g. the commit SHA)"),
@@ -605,6 +607,13 @@ def gate(
                 fail(f"reading gate {gate['gate_id']} failed (HTTP {response.status_code}): {_detail(response)}",
                      error_exit_code if response.status_code >= 500 else 2)
             gate = response.json()
+        if report_html and gate["verdict"] is not None:  # the run's report, a CI artifact beside the summary
+            response = _call(http, "GET", f"{api.rstrip('/')}/api/v1/projects/{project}/runs/{gate['run_id']}/report",
+                             min(retry_for, 60))
+            if response.status_code == 200:
+                report_html.write_text(response.text, encoding="utf-8")
+            else:
+                _log(f"the run's report could not be read (HTTP {response.status_code}): {_detail(response)}")
     _gate_out(gate, summary_md, as_json, step_summary=True)
     raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]])
 
@@ -796,6 +805,31 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
             highlight=False)
     else:
         _print_summary(summary, wide)
+
+
+@app.command()
+def report(run_id: int = typer.Argument(..., help="the run's id (from `canary runs list`)"), project: str = PROJECT,
+           output: pathlib.Path | None = typer.Option(None, "--output", "-o",
+                                                      help="the HTML file to write (default: canary-run-RUN.html)")
+           ) -> None:
+    """One run's report to share: a self-contained HTML file (the verdict summary, every comparison
+    with its CI, quality vs speed, the worst documents per candidate, the field signals) that opens
+    offline in any browser."""
+    from app import repo
+    from app import report as reports
+    from app.db import session_scope
+
+    path = output or pathlib.Path(f"canary-run-{run_id}.html")
+    try:
+        with session_scope() as session:
+            proj = repo.get_project(session, project)
+            html = reports.build(session, proj, repo.get_run(session, proj, run_id))
+        path.write_text(html, encoding="utf-8")
+    except repo.NotFound as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"--output: cannot write {path}: {e.strerror or e}")
+    console.print(f"report of run {run_id} written to {path} ({len(html.encode()) // 1024} KB)", highlight=False)
 
 
 @runs_app.command("cancel")

@@ -203,6 +203,21 @@ class VerdictSummaryOut(BaseModel):
     counts: dict[str, int] = Field(description="configs per group")
 
 
+class TradeOffPointOut(BaseModel):
+    """A config on the quality-vs-speed plane (app/summary.py trade_off_points); the baseline is the origin."""
+
+    config: str = Field(description="the config; the baseline's name ends ' (baseline)'")
+    loss: float = Field(description="the perplexity ratio as % change")
+    loss_low: float | None
+    loss_high: float | None
+    speed: float | None = Field(description="speed gain ×: 1 / paired TPOT ratio (else a tokens/s ratio, no CI)")
+    speed_low: float | None
+    speed_high: float | None
+    speed_sure: bool = Field(description="false where the speed comparison is inconclusive or has no CI")
+    memory: float = Field(description="memory saved %: weight bytes + KV bytes for a 512-token context")
+    verdict: str = Field(description="the perplexity ratio's verdict; 'baseline' for the origin")
+
+
 class RunOut(BaseModel):
     run_id: int
     status: str = Field(description="queued | running | aggregating | done | failed | cancelled (back to running "
@@ -225,6 +240,8 @@ class RunOut(BaseModel):
     step_back: list[StepBackOut] = Field(default_factory=list, description=(
         "for a stacked config (two or more axes unlike the baseline's) warn or critical on a quality ratio: its "
         "single-optimization ablations' shares of the loss, run on the same samples"))
+    trade_off: list[TradeOffPointOut] = Field(default_factory=list, description=(
+        "each candidate with a perplexity ratio: quality lost against speed and memory gained, the baseline first"))
     summary: VerdictSummaryOut = Field(description="the verdict for people (app/summary.py); verdict_reason and "
                                                    "comparisons hold every finding")
 

@@ -20,7 +20,7 @@ from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
-from app.summary import verdict_summary
+from app.summary import trade_off_points, verdict_summary
 from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,8 @@ def samples_label(summary: dict[str, Any], noun: str = "documents") -> str:
 
 def run_summary(session: Session, run: Run) -> dict[str, Any]:
     """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back",
-    "summary"}: "summary" is the verdict for people, a line per breaching config (app/summary.py)."""
+    "summary", "trade_off"}: "summary" is the verdict for people, a line per breaching config, and
+    "trade_off" each candidate's quality lost against speed and memory gained (app/summary.py)."""
     crs = list(run.config_runs)
     names = {cr.config_id: cr.config.name for cr in crs}
     comps = repo.comparisons(session, run.id)
@@ -258,4 +259,5 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
     }
     ablations = [config["config"] for config in summary["configs"] if config["ablation_of"]]
     summary["summary"] = verdict_summary(summary["comparisons"], summary["step_back"], summary["baseline"], ablations)
+    summary["trade_off"] = trade_off_points(summary)
     return summary

@@ -124,3 +124,42 @@ def _render(groups: Mapping[str, list[dict[str, Any]]], total: int, max_lines: i
             text.append(f"  {line['text']}")
             shown += 1
     return text
+
+
+def trade_off_points(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per candidate with a perplexity ratio: quality loss % with its CI; speed gain × as the
+    inverse of the paired TPOT ratio with its CI (tokens/s ratio, no CI, when not measured);
+    memory saved % for a 512-token context. The baseline is the origin (0 %, 1×, 0 %). The
+    dashboard's Compare plot and `canary report` draw them (the run API's `trade_off`)."""
+    figures, base = run["figures"], run["baseline"]
+    bf = figures.get(base) or {}
+
+    def memory(f: Mapping[str, Any]) -> float:
+        return (f.get("weight_bytes") or 0) + 512 * (f.get("kv_bytes_per_token") or 0)
+
+    out = [{"config": f"{base} (baseline)", "loss": 0.0, "loss_low": 0.0, "loss_high": 0.0, "speed": 1.0,
+            "speed_low": 1.0, "speed_high": 1.0, "memory": 0.0, "verdict": "baseline", "speed_sure": True}]
+    for c in run["configs"]:
+        name = c["config"]
+        comps = {x["metric"]: x for x in run["comparisons"] if x["config"] == name}
+        ppl, tpot, f = comps.get("ppl_ratio"), comps.get("tpot_ratio"), figures.get(name) or {}
+        if name == base or not ppl or ppl["estimate"] is None:
+            continue
+        if tpot and tpot["estimate"]:
+            speed = 1 / tpot["estimate"]
+            low, high = speed, speed
+            if tpot["ci_low"] and tpot["ci_high"]:
+                low, high = 1 / tpot["ci_high"], 1 / tpot["ci_low"]
+            sure = tpot["verdict"] != "inconclusive"
+        elif bf.get("tokens_per_second") and f.get("tokens_per_second"):
+            speed = low = high = f["tokens_per_second"] / bf["tokens_per_second"]
+            sure = False  # one reading each, no CI
+        else:
+            speed = low = high = None
+            sure = False
+        out.append({"config": name, "loss": (ppl["estimate"] - 1) * 100,
+                    "loss_low": (ppl["ci_low"] - 1) * 100 if ppl["ci_low"] is not None else None,
+                    "loss_high": (ppl["ci_high"] - 1) * 100 if ppl["ci_high"] is not None else None,
+                    "speed": speed, "speed_low": low, "speed_high": high, "speed_sure": sure,
+                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl["verdict"]})
+    return out

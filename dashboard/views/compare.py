@@ -22,44 +22,6 @@ from dashboard.views.common import (
 from dashboard.views.overview import config_rows, frame, headline
 
 
-def trade_off_points(run: dict) -> list[dict]:
-    """Per candidate with a perplexity ratio: quality loss % with its CI; speed gain × as the
-    inverse of the paired TPOT ratio with its CI (tokens/s ratio, no CI, when not measured);
-    memory saved % for a 512-token context. The baseline is the origin (0 %, 1×, 0 %)."""
-    figures, base = run["figures"], run["baseline"]
-    bf = figures.get(base) or {}
-
-    def memory(f):
-        return (f.get("weight_bytes") or 0) + 512 * (f.get("kv_bytes_per_token") or 0)
-
-    out = [{"config": f"{base} (baseline)", "loss": 0.0, "loss_low": 0.0, "loss_high": 0.0, "speed": 1.0,
-            "speed_low": 1.0, "speed_high": 1.0, "memory": 0.0, "verdict": "baseline", "speed_sure": True}]
-    for c in run["configs"]:
-        name = c["config"]
-        comps = {x["metric"]: x for x in run["comparisons"] if x["config"] == name}
-        ppl, tpot, f = comps.get("ppl_ratio"), comps.get("tpot_ratio"), figures.get(name) or {}
-        if name == base or not ppl or ppl["estimate"] is None:
-            continue
-        if tpot and tpot["estimate"]:
-            speed = 1 / tpot["estimate"]
-            low, high = speed, speed
-            if tpot["ci_low"] and tpot["ci_high"]:
-                low, high = 1 / tpot["ci_high"], 1 / tpot["ci_low"]
-            sure = tpot["verdict"] != "inconclusive"
-        elif bf.get("tokens_per_second") and f.get("tokens_per_second"):
-            speed = low = high = f["tokens_per_second"] / bf["tokens_per_second"]
-            sure = False  # one reading each, no CI
-        else:
-            speed = low = high = None
-            sure = False
-        out.append({"config": name, "loss": (ppl["estimate"] - 1) * 100,
-                    "loss_low": (ppl["ci_low"] - 1) * 100 if ppl["ci_low"] is not None else None,
-                    "loss_high": (ppl["ci_high"] - 1) * 100 if ppl["ci_high"] is not None else None,
-                    "speed": speed, "speed_low": low, "speed_high": high, "speed_sure": sure,
-                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl["verdict"]})
-    return out
-
-
 def wide_spread(values: list[float], factor: float = 10.0) -> bool:
     """Changes whose largest magnitude is `factor` times the typical (median, at least 1 %): on a
     linear axis all but the largest would sit on one line."""
@@ -103,7 +65,7 @@ def render(api, project: str, params) -> None:
     st.table(style_verdicts(df.drop(columns=["checked"], errors="ignore"), twins).hide(axis="index"))
     st.caption(COLOUR_KEY)
 
-    points = trade_off_points(run)
+    points = run.get("trade_off") or []  # the API's (app/summary.py trade_off_points)
     if len(points) < 2:
         return
     st.subheader("Quality lost vs speed and memory gained")

@@ -102,3 +102,36 @@ def test_every_page_in_headless_chromium(dashboard, seeded_api, tmp_path):
                 assert tile.location["y"] < table.location["y"]
     finally:
         browser.quit()
+
+
+def test_the_run_report_opens_offline_in_chromium(seeded_api, tmp_path):
+    """`GET …/runs/1/report` (what `canary report` and `canary gate --report-html` write) on the seeded
+    run of every config: one file that Chromium opens with no request for anything else, showing the
+    verdict for people, the quality-vs-speed SVG, every comparison and the field signals."""
+    run = httpx.get(f"{seeded_api['url']}/api/v1/projects/dash/runs/1", timeout=30).json()
+    r = httpx.get(f"{seeded_api['url']}/api/v1/projects/dash/runs/1/report", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), r.text[:500]
+    html = r.text
+    assert "<script" not in html and "src=" not in html and "href=" not in html and "@import" not in html
+    path = tmp_path / "report.html"
+    path.write_text(html, encoding="utf-8")
+    browser = chrome()
+    try:
+        browser.get(path.as_uri())
+        text = browser.find_element("tag name", "body").text
+        assert f"verdict: {run['verdict']}" in text
+        for line in run["summary"]["lines"]:  # the verdict for people, as the API gives it
+            assert line.strip() in text, (line, text[:3000])
+        assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
+        svg = browser.find_element("css selector", "svg")
+        assert svg.size["height"] >= 300 and "int2" in svg.text and "int8" in svg.text
+        rows = browser.find_elements("css selector", "table tr")
+        assert len(rows) > len(run["comparisons"])  # every comparison, then the signals and worst documents
+        assert "Field signals" in text and "confident div." in text  # spec-ngram is lossless: its noise floor
+        assert "Worst documents per candidate" in text and "int2" in text
+        shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
+        shots.mkdir(parents=True, exist_ok=True)
+        browser.set_window_size(1400, 3000)
+        browser.save_screenshot(str(shots / "report.png"))
+    finally:
+        browser.quit()

@@ -59,6 +59,14 @@ def test_a_failing_run_through_a_pipe_moves_exits_1_and_fits(tmp_path):
     verdict = r.stdout[r.stdout.index("verdict: fail"):].splitlines()
     assert verdict[:2] == ["verdict: fail", "drop or fix (1):"], r.stdout
     assert verdict[2].startswith("  int2: ppl ratio +") and verdict[2].endswith("] critical"), verdict
+    # the run's report to share: one HTML file, through a pipe; a run that does not exist is one line
+    rep = canary("report", "1", "-p", "pipe", "-o", str(tmp_path / "r.html"), cwd=tmp_path, db=db)
+    assert rep.returncode == 0 and "report of run 1 written to" in rep.stderr, rep.stderr[-2000:]
+    html = (tmp_path / "r.html").read_text()
+    assert html.startswith("<!doctype html>") and "drop or fix (1):" in html and "<svg" not in html  # no speed figures
+    missing = canary("report", "99", "-p", "pipe", cwd=tmp_path, db=db)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    assert "99" in missing.stderr
     # the read commands on the same database
     runs = json.loads(canary("runs", "list", "-p", "pipe", "--json", cwd=tmp_path, db=db).stdout)
     assert [(x["run_id"], x["suite"], x["verdict"]) for x in runs] == [(1, "s", "fail")]

@@ -3,6 +3,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import HTMLResponse
 from sqlalchemy import func, select
 
 from app import repo
@@ -54,6 +55,18 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
 @router.get("/projects/{project}/runs/{run_id}", response_model=RunOut)
 def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return run_summary(session, repo.get_run(session, project, run_id))
+
+
+@router.get("/projects/{project}/runs/{run_id}/report", response_class=HTMLResponse,
+            responses={200: {"content": {"text/html": {}}, "description": "one self-contained HTML file"}})
+def get_run_report(run_id: RowId, project: ProjectDep, session: SessionDep) -> HTMLResponse:
+    """The run's report to share (app/report.py): the verdict for people, every comparison with its
+    CI, quality lost against speed gained as an inline SVG, the worst documents per candidate and
+    the field signals. No script and nothing from elsewhere: it opens offline."""
+    from app import report
+
+    html = report.build(session, project, repo.get_run(session, project, run_id))
+    return HTMLResponse(html, headers={"Content-Disposition": f'inline; filename="canary-run-{run_id}.html"'})
 
 
 @router.post("/projects/{project}/runs/{run_id}/cancel", response_model=RunOut,

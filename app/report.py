@@ -1,0 +1,219 @@
+"""A run's report to share: one self-contained HTML file (no script, no stylesheet or font from
+elsewhere, no request when opened) for a reviewer outside the dashboard. `canary report RUN`
+writes it, GET /api/v1/projects/{project}/runs/{run_id}/report serves it, and `canary gate
+--report-html` saves it beside the gate's markdown summary as a CI artifact.
+
+It holds: the verdict for people (app/summary.py), every comparison with its 95% CI, the quality
+lost against the speed gained as an inline SVG, each candidate's worst documents, and the field
+signals where the run measured them (the baseline's noise floor, generation health).
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app import repo
+from app.models import Project, Run, Suite
+from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
+
+COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "critical": "#c62828",
+           "measurement_error": "#6a1b9a", "baseline": "#000000"}
+WORST_SAMPLES = 3  # documents per candidate
+FIELD_SIGNALS = ("confident_divergence", "batch_divergence", "empty_answers", "degenerate_answers", "max_tokens_hits",
+                 "output_length_ratio")
+STYLE = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem auto;max-width:1100px;color:#212121}
+h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85rem;width:100%}td,th{border-bottom:1px solid #eee;padding:.25rem .5rem;
+text-align:left;vertical-align:top}th{background:#fafafa}.v{font-weight:600}.dim{color:#757575}
+.ok{color:#2e7d32}.inconclusive{color:#757575}.warn{color:#ef6c00}.critical{color:#c62828}
+.measurement_error{color:#6a1b9a}pre{white-space:pre-wrap;font-size:.85rem;background:#fafafa;padding:.75rem}
+.banner{padding:.75rem 1rem;border-radius:4px;background:#f5f5f5}.banner.fail{background:#ffebee}
+.banner.warn{background:#fff3e0}.banner.pass{background:#e8f5e9}
+"""
+
+
+def _cell(value: Any) -> str:
+    return escape("—" if value is None else str(value))
+
+
+def _change(c: dict[str, Any]) -> str:
+    metric = METRICS.get(c["metric"])
+    if metric is None:
+        return _cell(c["estimate"])
+    return escape(format_estimate(metric, c["estimate"], c.get("ci_low"), c.get("ci_high")))
+
+
+def _comparisons(summary: dict[str, Any]) -> str:
+    rows = sorted(summary["comparisons"], key=lambda c: (c["config"] == summary["baseline"],
+                                                         bool((c.get("details") or {}).get("informational")),
+                                                         -VERDICT_ORDER.get(c["verdict"], 0), c["config"], c["metric"]))
+    out = ["<table><tr><th>config</th><th>metric</th><th>change vs baseline [95% CI]</th><th>n</th><th>verdict</th>"
+           "<th>rule</th></tr>"]
+    for c in rows:
+        note = " <span class='dim'>(informational)</span>" if (c.get("details") or {}).get("informational") else ""
+        label = METRICS[c["metric"]].label if c["metric"] in METRICS else c["metric"]
+        out.append(f"<tr><td>{escape(c['config'])}</td><td>{escape(label)}</td><td>{_change(c)}</td>"
+                   f"<td>{c['n']}</td><td class='v {escape(c['verdict'])}'>{escape(c['verdict'])}{note}</td>"
+                   f"<td class='dim'>{_cell(c['rule'])}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+def _symlog(v: float) -> float:
+    return math.copysign(math.log1p(abs(v)), v)
+
+
+def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 380) -> str:
+    """Quality lost (ppl ratio as % change, up is worse) against speed gained (× the baseline's), one
+    point per config with its CIs, coloured by the perplexity verdict; a symmetric log y axis when
+    one config's loss dwarfs the rest (as the dashboard's Compare plot)."""
+    pts = [p for p in points if p.get("speed") is not None]
+    if len(pts) < 2:
+        return "<p class='dim'>No speed figures to plot against quality.</p>"
+    ys = [v for p in pts for v in (p["loss"], p["loss_low"], p["loss_high"]) if v is not None]
+    mags = sorted(abs(v) for v in ys)
+    symlog = mags[-1] >= 10 * max(mags[len(mags) // 2], 1.0)
+    ty = _symlog if symlog else (lambda v: v)
+    xs = [v for p in pts for v in (p["speed"], p["speed_low"], p["speed_high"]) if v is not None]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(map(ty, ys)), max(map(ty, ys))
+    x0, x1 = (x0 - 0.05, x1 + 0.05) if x1 - x0 < 1e-9 else (x0 - (x1 - x0) * 0.08, x1 + (x1 - x0) * 0.08)
+    y0, y1 = (y0 - 1, y1 + 1) if y1 - y0 < 1e-9 else (y0 - (y1 - y0) * 0.08, y1 + (y1 - y0) * 0.08)
+    left, right, top, bottom = 70, 20, 20, 50
+
+    def px(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * (width - left - right)
+
+    def py(y: float) -> float:
+        return top + (1 - (ty(y) - y0) / (y1 - y0)) * (height - top - bottom)
+
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img' "
+           "aria-label='quality lost against speed gained' font-size='11' font-family='sans-serif'>",
+           f"<rect x='{left}' y='{top}' width='{width - left - right}' height='{height - top - bottom}' "
+           "fill='none' stroke='#bbb'/>"]
+    for frac in (0, 0.25, 0.5, 0.75, 1):  # y ticks at even steps of the drawn axis, labelled in %
+        yv = y0 + frac * (y1 - y0)
+        value = math.copysign(math.expm1(abs(yv)), yv) if symlog else yv
+        out.append(f"<text x='{left - 6}' y='{py(value) + 4:.1f}' text-anchor='end'>{value:+.1f}%</text>")
+    for frac in (0, 0.5, 1):
+        xv = x0 + frac * (x1 - x0)
+        out.append(f"<text x='{px(xv):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{xv:.2f}×</text>")
+    scale = ", symmetric log scale" if symlog else ""
+    out.append(f"<text x='{left + (width - left - right) / 2}' y='{height - 8}' text-anchor='middle'>"
+               "speed gain × (1 / paired TPOT ratio; right is the win)</text>")
+    out.append(f"<text transform='rotate(-90)' x='{-(top + (height - top - bottom) / 2)}' y='14' "
+               f"text-anchor='middle'>quality loss: ppl ratio as % change{scale} (up is worse)</text>")
+    placed: list[tuple[float, float, float, float]] = []
+    for p in pts:
+        colour = COLOURS.get(p["verdict"], "#1f77b4")
+        x, y = px(p["speed"]), py(p["loss"])
+        if p["loss_low"] is not None and p["loss_high"] is not None:
+            out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{py(p['loss_low']):.1f}' y2='{py(p['loss_high']):.1f}' "
+                       f"stroke='{colour}' stroke-width='2'/>")
+        if p["speed_low"] is not None and p["speed_high"] is not None:
+            dash = "" if p["speed_sure"] else " stroke-dasharray='4 3'"
+            out.append(f"<line x1='{px(p['speed_low']):.1f}' x2='{px(p['speed_high']):.1f}' y1='{y:.1f}' "
+                       f"y2='{y:.1f}' stroke='{colour}' stroke-width='2'{dash}/>")
+        out.append(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='5' fill='{colour}'><title>{escape(p['config'])}: "
+                   f"{p['loss']:+.2f}% at {p['speed']:.2f}×</title></circle>")
+        dy = _label_dy(placed, x + 7, y, len(p["config"]))
+        out.append(f"<text x='{x + 7:.1f}' y='{y + dy:.1f}'>{escape(p['config'])}</text>")
+    return "".join(out) + "</svg>"
+
+
+def _label_dy(placed: list[tuple[float, float, float, float]], x: float, y: float, chars: int) -> float:
+    """The first vertical offset of a point's label (above, below, further out) whose box clears the
+    labels already placed; the box is kept in `placed`."""
+    width, height = 6.5 * chars, 12.0
+    for dy in (-6.0, 14.0, -20.0, 28.0, -34.0, 42.0):
+        box = (x, y + dy - height, x + width, y + dy)
+        if all(box[2] <= b[0] or b[2] <= box[0] or box[3] <= b[1] or b[3] <= box[1] for b in placed):
+            break
+    placed.append(box)
+    return dy
+
+
+def _worst(worst: dict[str, list[dict[str, Any]]]) -> str:
+    if not any(worst.values()):
+        return "<p class='dim'>No per-document results were kept for this run.</p>"
+    out = ["<table><tr><th>config</th><th>document</th><th>NLL candidate − baseline (nats)</th>"
+           "<th>its text (start)</th></tr>"]
+    for config, items in worst.items():
+        for item in items:
+            text = item.get("text") or ""
+            out.append(f"<tr><td>{escape(config)}</td><td>{escape(item['sample_key'])}</td>"
+                       f"<td>{item['delta']:+.3f}</td><td>{escape(text[:160]) or '—'}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+def _signals(summary: dict[str, Any]) -> str:
+    """The field signals the run measured: the noise floor of lossless configs, and generation health
+    (an example answer where a finding has one)."""
+    rows = [c for c in summary["comparisons"] if c["metric"] in FIELD_SIGNALS]
+    if not rows:
+        return "<p class='dim'>Not measured in this run (no generation scorer, or no lossless config).</p>"
+    out = ["<table><tr><th>config</th><th>signal</th><th>change [95% CI]</th><th>verdict</th>"
+           "<th>what it saw</th></tr>"]
+    for c in rows:
+        d = c.get("details") or {}
+        seen = []
+        if "baseline_self_agreement" in d and d["baseline_self_agreement"] is not None:
+            seen.append(f"baseline self-agreement {d['baseline_self_agreement']:.2f} ({d.get('noise_floor', '')})")
+        for key, what in (("confident", "confident departures"), ("near_tie", "near-tie departures")):
+            if isinstance(d.get(key), dict):
+                seen.append(f"{what}: " + ", ".join(f"{side.replace('_', ' ')} {n}" for side, n in d[key].items()))
+        if "example" in d:
+            seen.append(f"e.g. {d['example'].get('sample_key')}: {d['example'].get('text', '')[:80]!r}")
+        out.append(f"<tr><td>{escape(c['config'])}</td><td>{escape(METRICS[c['metric']].label)}</td>"
+                   f"<td>{_change(c)}</td><td class='v {escape(c['verdict'])}'>{escape(c['verdict'])}</td>"
+                   f"<td>{escape('; '.join(seen)) or '—'}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+def render(summary: dict[str, Any], project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
+    """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
+    from app.services import samples_label
+
+    verdict = summary["verdict"] or summary["status"]
+    lines = (summary.get("summary") or {}).get("lines") or [summary.get("verdict_reason") or "every comparison is ok"]
+    return "".join([
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>inference-canary run {summary['run_id']}: {escape(verdict)}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>inference-canary · project {escape(project)} · run {summary['run_id']}</h1>",
+        f"<p>Suite <b>{escape(suite)}</b> ({escape(samples_label(summary))}), baseline "
+        f"<b>{escape(summary['baseline'] or '—')}</b>, started {_cell(summary['created_at'])}, finished "
+        f"{_cell(summary['finished_at'])}.</p>",
+        f"<div class='banner {escape(verdict)}'><p class='v'>verdict: {escape(verdict)}</p>",
+        f"<pre>{escape(chr(10).join(lines))}</pre></div>",
+        "<h2>Quality lost against speed gained</h2>", trade_off_svg(summary.get("trade_off") or []),
+        "<p class='dim'>Colour: the perplexity ratio's verdict. Vertical bars: its 95% CI; horizontal bars: the speed "
+        "gain's, dashed where that comparison is inconclusive.</p>",
+        "<h2>Every comparison</h2>", _comparisons(summary),
+        "<h2>Field signals</h2>", _signals(summary),
+        f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
+        f"<h2>The stored reason</h2><pre>{escape(summary.get('verdict_reason') or '—')}</pre>",
+        "</body></html>\n"])
+
+
+def build(session: Session, project: Project, run: Run) -> str:
+    """The report of one run, read from the database."""
+    from app.api.routes.views import worst_samples
+    from app.services import run_summary
+
+    summary = run_summary(session, run)
+    candidates = [c["config"] for c in summary["configs"] if c["config"] != summary["baseline"]
+                  and c["status"] == "succeeded" and not c.get("ablation_of")]
+    worst = {name: worst_samples(run.id, project, session, config=name, metric="nll", limit=WORST_SAMPLES)["items"]
+             for name in candidates}
+    suite = session.get(Suite, run.suite_id)
+    keys = {item["sample_key"] for items in worst.values() for item in items}
+    texts = {s.key: s.text for s in repo.suite_samples(session, run.suite_id, run.suite_version, keys)}
+    for items in worst.values():
+        for item in items:
+            item["text"] = texts.get(item["sample_key"])
+    return render(summary, project.name, suite.name if suite is not None else str(run.suite_id), worst)

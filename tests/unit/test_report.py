@@ -1,0 +1,56 @@
+"""The run report's HTML (app/report.py) from a hand-made run summary: self-contained, every name
+escaped, the plot's axis chosen and its labels kept apart as worked out by hand."""
+
+from __future__ import annotations
+
+from app.report import _label_dy, render, trade_off_svg
+from app.summary import trade_off_points, verdict_summary
+
+
+def summary(name: str = "int2") -> dict:
+    comparisons = [
+        {"config": name, "metric": "ppl_ratio", "estimate": 1.06, "ci_low": 1.045, "ci_high": 1.08, "n": 12,
+         "verdict": "critical", "rule": "CI low 1.045 ≥ critical 1.03", "details": {}},
+        {"config": name, "metric": "tpot_ratio", "estimate": 0.5, "ci_low": 0.4, "ci_high": 0.625, "n": 10,
+         "verdict": "ok", "rule": "CI high 0.625 < warn 1.25", "details": {}},
+    ]
+    run = {"run_id": 3, "status": "done", "verdict": "fail", "verdict_reason": f"{name} ppl_ratio critical",
+           "baseline": "fp32", "n_samples": 12, "samples_drawn": 12, "created_at": "2026-11-26T06:00:00",
+           "finished_at": "2026-11-26T06:01:00", "figures": {}, "step_back": [], "comparisons": comparisons,
+           "configs": [{"config": "fp32", "status": "succeeded"}, {"config": name, "status": "succeeded"}]}
+    run["summary"] = verdict_summary(comparisons, baseline="fp32")
+    run["trade_off"] = trade_off_points(run)
+    return run
+
+
+def test_the_report_is_self_contained_and_escapes_every_name():
+    html = render(summary("<img src=x onerror=alert(1)>"), "p&q", "daily", {})
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html and "project p&amp;q" in html
+    assert "<script" not in html and "href=" not in html and "src=x" not in html.replace("&lt;img src=x", "")
+    # the verdict for people: its group, then the config with its ppl ratio as % change with the CI
+    assert "drop or fix (1):\n  &lt;img src=x onerror=alert(1)&gt;: ppl ratio +6.00% [+4.50, +8.00] critical" in html
+
+
+def test_trade_off_points_and_the_plot():
+    """TPOT ratio 0.5 [0.4, 0.625] → speed gain 1/0.5 = 2× [1/0.625, 1/0.4] = [1.6, 2.5]; ppl 1.06 →
+    +6 % loss [+4.5, +8]. Losses of +6 % and 0 % are within 10× of their median: a linear axis; a
+    +596 % collapse beside +1 % and +2 % is not: a symmetric log axis."""
+    points = summary()["trade_off"]
+    assert points[0]["config"] == "fp32 (baseline)" and points[0]["speed"] == 1.0
+    cand = points[1]
+    assert (round(cand["speed"], 6), round(cand["speed_low"], 6), round(cand["speed_high"], 6)) == (2.0, 1.6, 2.5)
+    assert (round(cand["loss"], 6), round(cand["loss_low"], 6), round(cand["loss_high"], 6)) == (6.0, 4.5, 8.0)
+    assert "symmetric log" not in trade_off_svg(points)
+    def point(name, loss):
+        return {**cand, "config": name, "loss": loss, "loss_low": loss, "loss_high": loss}
+    wide = [points[0], point("a", 1.0), point("b", 2.0), point("collapsed", 596.0)]
+    assert "symmetric log scale" in trade_off_svg(wide)
+    assert "No speed figures" in trade_off_svg(points[:1])  # the baseline alone: nothing to plot
+
+
+def test_labels_of_points_on_one_spot_are_kept_apart():
+    """Three labels of 10 characters (65 px wide, 12 high) at one point: above (−6), below (+14),
+    then further above (−20); a label far to the right keeps its place above."""
+    placed: list = []
+    assert [_label_dy(placed, 100, 100, 10) for _ in range(3)] == [-6.0, 14.0, -20.0]
+    assert _label_dy(placed, 300, 100, 10) == -6.0
