@@ -76,7 +76,8 @@ def _label(metrics: list[dict], name: str | None) -> str:
 
 
 def frame(rows: list[dict], metrics: list[dict]):
-    """The table as shown (columns empty throughout left out) and its verdict twins for colouring."""
+    """The table as shown (columns empty throughout, or judged on no row, left out) and its verdict
+    twins for colouring."""
     table, twins = [], {"verdict": "_verdict"}
     for r in rows:
         out = {"config": r["config"], "verdict": r["verdict"], "_verdict": r["verdict"],
@@ -89,6 +90,10 @@ def frame(rows: list[dict], metrics: list[dict]):
         table.append(out)
     df = pd.DataFrame(table)
     empty = [c for c in df.columns if not c.startswith("_") and df[c].isin(["—", ""]).all()]
+    # a metric reported on every row but judged on none (faithfulness by the offline approximation:
+    # 0 % [0, 0] on each row, the baseline's too) is not a column; the card names it "not judged"
+    empty += [label for label, twin in twins.items() if label != "verdict" and label not in empty
+              and (df[twin] == "").all()]
     for c in empty:
         if c in twins:
             df = df.drop(columns=[twins.pop(c)])
@@ -123,7 +128,8 @@ def headline(model: str, rows: list[dict], metrics: list[dict], summary: dict | 
 def _grouped(model: str, rows: list[dict], metrics: list[dict], summary: dict) -> str:
     """The banner's lines: a heading per group, then '**config**: figure; figure (since …)'."""
     by_config = {r["config"]: r for r in rows}
-    out, shown, total = [f"**{model}**"], 0, sum(len(summary["groups"].get(g) or []) for g in SUMMARY_GROUPS)
+    total = sum(len(summary["groups"].get(g) or []) for g in SUMMARY_GROUPS)
+    out, shown = [f"{model}: {total} config{'s' if total != 1 else ''} to act on"], 0
     for group in SUMMARY_GROUPS:
         lines = summary["groups"].get(group) or []
         if lines and shown < BANNER_LINES:

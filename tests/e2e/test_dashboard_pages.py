@@ -113,6 +113,7 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     faith = [c["comparisons"]["faithfulness"] for c in over["models"]["tiny"]]
     assert not any(f["judged"] for f in faith) and ppl["judged"]
     assert tiles["faithfulness"] == "not judged" and "offline approximation" in card
+    assert "faithful" not in df.columns  # judged on no row: no column of 0 % [0, 0] (issue 36)
     assert {"TTFT p50 / p99", "throughput", "KV-cache usage"} <= set(tiles)
     last, nxt = re.search(r"last <b>([^<]+)</b>.*?next <b>([^<]+)</b>", card).groups()
     assert last.endswith("ago") or last == "just now"
@@ -174,8 +175,12 @@ def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, mo
     ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
     assert df.iloc[0]["ppl ratio"] == keep_ci_whole(pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"]))
     # the answer above the table: the run's breaching configs, the worst first, with the figure and its CI
-    assert at.error[0].value.startswith(f"Run {first}: **int2** critical (ppl ratio "
-                                        f"{pct_change(ppl['estimate'], ppl['ci_low'], ppl['ci_high'])}")
+    # grouped as the API's verdict summary groups it (app/summary.py), a line per config
+    banner = at.error[0].value.split("  \n")
+    assert banner[:3] == [f"Run {first}: 2 configs to act on", "*Drop or fix (1):*",
+                          f"• **int2**: ppl ratio {pct_change(ppl['estimate'], ppl['ci_low'], ppl['ci_high'])} "
+                          "critical"], banner
+    assert banner[3] == "*Slower than the baseline (1):*" and banner[4].startswith("• **spec-ngram**: accept ")
     assert at.subheader[0].value == "Quality lost vs speed and memory gained"
     data = chart_data(at)
     points = next(f for f in data if "loss" in f.columns and "dy" in f.columns and len(f) == 4)
