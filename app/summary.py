@@ -10,7 +10,8 @@ Groups, in this order:
     undecided                  nothing breaches, but a gated comparison is inconclusive
 A config's line names its worst quality finding and its worst speed finding (metric, change vs
 the baseline with its 95% CI, verdict) and the step-back advice of a stacked config. Within a
-group, the config with more critical findings, then more warn findings, comes first. At most
+group, the config whose worst finding lies furthest past its threshold comes first (`severity`),
+then the one with more critical findings. At most
 `max_lines` lines in all (group headings included), the last saying how many configs are left out.
 
 Plain dicts in (the run summary's comparisons and step_back, app/services.run_summary), no torch.
@@ -18,6 +19,7 @@ Plain dicts in (the run summary's comparisons and step_back, app/services.run_su
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -56,6 +58,24 @@ def _to_decide(c: Mapping[str, Any]) -> str:
         c["metric"]].min_n else ""
 
 
+def severity(c: Mapping[str, Any]) -> float:
+    """How far past its seed threshold (critical, else warn) a finding lies, in units of that
+    threshold's own distance from no change: a ratio in logs (ppl 6.96 against critical 1.30 is
+    log 6.96 / log 1.30 = 7.4; 1.074 is 0.27), a share or difference as itself over the threshold.
+    Orders a group's lines; 0 where it cannot be said (no estimate, a measurement error)."""
+    metric, est = METRICS[c["metric"]], c.get("estimate")
+    bound = metric.critical if metric.critical is not None else metric.warn
+    if est is None or bound is None or not math.isfinite(est):
+        return 0.0
+    if metric.unit == "ratio":
+        if est <= 0 or bound <= 0 or bound == 1:
+            return 0.0
+        return math.log(est) / math.log(bound)
+    if metric.direction == "below":
+        return (1 - est) / (1 - bound) if bound < 1 else 0.0
+    return est / bound if bound else 0.0
+
+
 def config_line(config: str, rows: list[Mapping[str, Any]], advice: str | None = None) -> dict[str, Any] | None:
     """The summary line of one candidate from its judged comparisons, or None when every one is ok."""
     quality = [c for c in rows if METRICS[c["metric"]].aspect == "quality" and c["verdict"] != "ok"]
@@ -76,7 +96,9 @@ def config_line(config: str, rows: list[Mapping[str, Any]], advice: str | None =
              for x in (q, s) if x is not None and (x["verdict"] in breach or group == "undecided")]
     text = f"{config}: " + "; ".join(shown) + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c["verdict"] == v for c in rows) for v in ("critical", "warn")}
-    return {"config": config, "group": group, "text": text, "critical": counts["critical"], "warn": counts["warn"],
+    worst = q if group in ("drop or fix", "watch") else s
+    return {"config": config, "group": group, "text": text, "severity": severity(worst) if worst is not None else 0.0,
+            "critical": counts["critical"], "warn": counts["warn"],
             "quality": dict(q) if q is not None else None, "speed": dict(s) if s is not None else None,
             "advice": advice}
 
@@ -97,7 +119,8 @@ def verdict_summary(comparisons: Iterable[Mapping[str, Any]], step_back: Iterabl
         if s.get("advice"):
             advice.setdefault(s["config"], s["advice"])
     lines = [line for config, rows in by_config.items() if (line := config_line(config, rows, advice.get(config)))]
-    lines.sort(key=lambda line: (GROUPS.index(line["group"]), -line["critical"], -line["warn"], line["config"]))
+    lines.sort(key=lambda line: (GROUPS.index(line["group"]), -line["severity"], -line["critical"], -line["warn"],
+                                 line["config"]))
     groups = {g: [line for line in lines if line["group"] == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
     text = _render(groups, len(lines), max_lines)

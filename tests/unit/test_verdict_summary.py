@@ -19,7 +19,8 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
         row("int2", "gen_nll_ratio", 1.4, 1.35, 1.5, "critical"),
         row("int2", "ppl_ratio", 1.059, 1.045, 1.082, "critical"),
         row("int2", "ttft_ratio", 1.3, 1.26, 1.4, "warn"),
-        # kv-int2: one critical quality finding only: after int2 (fewer critical findings)
+        # kv-int2: one critical finding, but further past critical 1.3 than int2's: log 1.5 / log 1.3 = 1.55
+        # against log 1.059 / log 1.3 = 0.22, so first
         row("kv-int2", "ppl_ratio", 1.5, 1.4, 1.6, "critical"),
         # int4: warn on quality → watch
         row("int4", "ppl_ratio", 1.2, 1.16, 1.25, "warn"),
@@ -37,8 +38,8 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
     summary = verdict_summary(rows, advice, baseline="fp16")
     assert summary["lines"] == [
         "drop or fix (2):",
-        "  int2: ppl ratio +5.90% [+4.50, +8.20] critical; TTFT ratio +30.00% [+26.00, +40.00] warn",
         "  kv-int2: ppl ratio +50.00% [+40.00, +60.00] critical — step back: disable kv_cache int2: 100 %",
+        "  int2: ppl ratio +5.90% [+4.50, +8.20] critical; TTFT ratio +30.00% [+26.00, +40.00] warn",
         "watch (1):",
         "  int4: ppl ratio +20.00% [+16.00, +25.00] warn",
         "slower than the baseline (1):",
@@ -48,7 +49,8 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
     ]
     assert summary["more"] == 0
     assert summary["counts"] == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1}
-    int2 = summary["groups"]["drop or fix"][0]
+    assert [round(line["severity"], 2) for line in summary["groups"]["drop or fix"]] == [1.55, 0.22]
+    int2 = summary["groups"]["drop or fix"][1]
     assert (int2["critical"], int2["warn"], int2["quality"]["metric"], int2["speed"]["metric"]) == (2, 1, "ppl_ratio",
                                                                                                      "ttft_ratio")
 
