@@ -21,6 +21,8 @@ from dashboard.views.common import (
 )
 from dashboard.views.overview import config_rows, frame, headline
 
+SYMLOG_TICKS = [-300, -100, -30, -10, -3, -1, 0, 1, 3, 10, 30, 100, 300, 1000, 3000]
+
 
 def wide_spread(values: list[float], factor: float = 10.0) -> bool:
     """Changes whose largest magnitude is `factor` times the typical (median, at least 1 %): on a
@@ -87,8 +89,10 @@ def render(api, project: str, params) -> None:
     pts["dy"] = label_offsets(list(pts[x_field]), [drawn(v) for v in pts["loss"]], list(pts["config"]), x_range,
                               [drawn(v) for v in y_range])
     x = alt.X(f"{x_field}:Q", title=axis, scale=x_scale)
+    # a symmetric log axis gets its ticks named: Vega's own are two or three for the whole range
+    ticks = [v for v in SYMLOG_TICKS if y_range[0] <= v <= y_range[1]] if symlog else None
     y = alt.Y("loss:Q", title="quality loss: ppl ratio as % change" + (", symmetric log scale" if symlog else ""),
-              scale=y_scale)
+              scale=y_scale, axis=alt.Axis(values=ticks) if ticks else alt.Axis())
     colour = alt.Color("verdict:N", scale=alt.Scale(domain=[*VERDICT_MARKS, "baseline"],
                                                     range=[*VERDICT_MARKS.values(), "#000000"]))
     base = alt.Chart(pts)

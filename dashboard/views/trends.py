@@ -102,16 +102,20 @@ def render(api, project: str, params) -> None:
         top = scale.to_dict()["domain"][1]
         off = off.assign(top=top, label=[f"{c} {v:.3g} ↑" for c, v in zip(off["config"], off["estimate"], strict=True)])
         above = alt.Chart(off)
-        last = off.sort_values("run_id").groupby("config").tail(1)  # one label per config, at its newest run
-        layers += [above.mark_point(shape="triangle-up", filled=True, size=110)
-                   .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, tooltip=tooltip),
-                   alt.Chart(last).mark_text(align="right", dx=-8, dy=10, fontSize=11)
-                   .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, text="label")]
+        # one label per config, at its newest run, the highest first, each a line below the one before
+        last = off.sort_values("run_id").groupby("config").tail(1).sort_values("estimate", ascending=False)
+        layers.append(above.mark_point(shape="triangle-up", filled=True, size=110)
+                      .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, tooltip=tooltip))
+        for i in range(len(last)):  # Vega-Lite's dy is per mark, not per datum
+            layers.append(alt.Chart(last.iloc[i:i + 1]).mark_text(align="right", dx=-8, dy=10 + 13 * i, fontSize=11)
+                          .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, text="label"))
     for line in lines:  # one layer each, in the threshold's own colour: no second colour legend
         one = alt.Chart(pd.DataFrame([line]))
         layers += [one.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[line["level"]])
                    .encode(y=alt.Y("y:Q", scale=scale), tooltip=["label"]),
-                   one.mark_text(align="left", dx=4, dy=-6, fontSize=11, color=VERDICT_MARKS[line["level"]])
+                   # critical's label above its line, warn's below: close thresholds keep both readable
+                   one.mark_text(align="left", dx=4, dy=-6 if line["level"] == "critical" else 12, fontSize=11,
+                                 color=VERDICT_MARKS[line["level"]])
                    .encode(y=alt.Y("y:Q", scale=scale), x=alt.value(0), text="label")]
     alerts = pd.DataFrame(data["alerts"])
     if not alerts.empty:
