@@ -287,6 +287,7 @@ _ERRORS = {
     422: "invalid input; the detail names the field and the fix",
     429: "the per-key rate limit is exceeded",
 }
+ERROR_CODES = tuple(_ERRORS)
 _HEADERS = {
     401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
     429: {"Retry-After": {"description": "seconds until a request may pass", "schema": {"type": "string"}}},

@@ -12,16 +12,16 @@ from tests.conftest import ROOT
 GOOD = yaml.safe_load((ROOT / "canary.example.yaml").read_text())
 
 
-def canary(*args, cwd, env_db, timeout: float = 300):
+def canary(*args, cwd, env_db, timeout: float = 300, **extra: str):
     env = {"CANARY_DATABASE_URL": env_db, "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env={**env, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd,
+                          env={**env, "PYTHONPATH": str(ROOT), **extra}, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
 def run_cli(tmp_path):
     db = f"sqlite:///{tmp_path / 'c.db'}"
-    return lambda *a, timeout=300: canary(*a, cwd=tmp_path, env_db=db, timeout=timeout)
+    return lambda *a, timeout=300, **extra: canary(*a, cwd=tmp_path, env_db=db, timeout=timeout, **extra)
 
 
 def write(tmp_path, data, name="canary.yaml"):
@@ -108,12 +108,24 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.timeout(1000)  # above the subprocess guard below
+def awq_test_cache():
+    """The AWQ search cache the demo test shares across runs of the suite: outside the checkout (a
+    fresh clone finds it), under XDG_CACHE_HOME or ~/.cache."""
+    import os
+    import pathlib
+
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    return base / "inference-canary" / "awq-test-cache"
+
+
 def test_demo_json_covers_every_config(run_cli):
     from app.cli import DEMO_CONFIG
 
-    # 15 configs with a fresh HOME, so AWQ searches cold (no cached search): a guard against a hang,
-    # not a speed target (benchmarks/ holds those); minutes on a busy 2-core machine
-    r = run_cli("demo", "--json", "--samples", "12", timeout=900)
+    # 15 configs with a fresh HOME: a guard against a hang, not a speed target (benchmarks/ holds
+    # those). The AWQ search (about 45 s of the test cold; tests/unit/test_awq.py tests the search,
+    # its cache and a damaged entry) is cached where later runs of the suite find it: the cache is
+    # keyed by the weights' and the calibration's content, so a changed model searches afresh
+    r = run_cli("demo", "--json", "--samples", "12", timeout=900, CANARY_AWQ_CACHE=str(awq_test_cache()))
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     names = [c["name"] for c in DEMO_CONFIG["configs"]]

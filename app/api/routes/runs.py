@@ -11,7 +11,7 @@ from app.api.deps import KeyDep, ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX
 from app.dispatch import get_dispatcher
 from app.models import SampleResult
-from app.schemas import RunIn, RunListItem, RunOut, SamplePage, SampleResultOut, error_responses
+from app.schemas import ERROR_CODES, RunIn, RunListItem, RunOut, SamplePage, SampleResultOut, error_responses
 from app.services import run_summary, start_run
 
 router = APIRouter(tags=["runs"], responses=error_responses(404))
@@ -57,8 +57,16 @@ def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
     return run_summary(session, repo.get_run(session, project, run_id))
 
 
+# errors stay JSON beside the HTML answer: their content is said here, or the route's HTML media type
+# would be documented for them too
+_JSON_ERRORS = {code: {**{k: v for k, v in r.items() if k != "model"}, "content": {"application/json": {"schema": {
+    "$ref": f"#/components/schemas/{r['model'].__name__}"}}}}
+    for code, r in error_responses(*ERROR_CODES).items()}
+
+
 @router.get("/projects/{project}/runs/{run_id}/report", response_class=HTMLResponse,
-            responses={200: {"content": {"text/html": {}}, "description": "one self-contained HTML file"}})
+            responses={200: {"content": {"text/html": {"schema": {"type": "string"}}},
+                             "description": "one self-contained HTML file"}, **_JSON_ERRORS})
 def get_run_report(run_id: RowId, project: ProjectDep, session: SessionDep) -> HTMLResponse:
     """The run's report to share (app/report.py): the verdict for people, every comparison with its
     CI, quality lost against speed gained as an inline SVG, the worst documents per candidate and
