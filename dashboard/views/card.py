@@ -1,7 +1,8 @@
 """The Overview's per-model card (issue 19, the seed's §11 card): one tile per headline figure —
 domain perplexity, judge score, faithfulness, spec-decode acceptance, TTFT p50/p99, throughput,
-KV-cache usage — each with its value, the config it comes from and its threshold state as a
-colour and a word, plus the model's last and next check in human time.
+KV-cache usage, lossless outputs against the noise floor, generation health — each with its
+value, the config it comes from and its threshold state as a colour and a word, plus the model's
+last and next check in human time.
 
 A tile's state is the verdict the API computed for the catalogue metric behind it (GET /metrics;
 evals/metrics.py is the metric's one home): the dashboard never judges a figure itself. A tile
@@ -31,6 +32,10 @@ TILES = (
     ("TTFT p50 / p99", ("ttft_ms",)),
     ("throughput", ("tpot_ratio",)),
     ("KV-cache usage", ("kv_cache_usage",)),
+    # the field signals (issue 30): a lossless config's departures beyond the baseline's own noise
+    # floor, and answers that broke while prompt log-probs stayed exact
+    ("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
+    ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "output_length_ratio")),
 )
 NO_DATA = "no data"
 NOT_JUDGED = "not judged"  # reported without a threshold (faithfulness by the offline approximation)

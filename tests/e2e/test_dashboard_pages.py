@@ -115,6 +115,16 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     assert tiles["faithfulness"] == "not judged" and "offline approximation" in card
     assert "faithful" not in df.columns  # judged on no row: no column of 0 % [0, 0] (issue 36)
     assert {"TTFT p50 / p99", "throughput", "KV-cache usage"} <= set(tiles)
+    # the field signals (issue 30) have tiles too: each the worst verdict the API gave on its metrics
+    configs = over["models"]["tiny"]
+    for title, names in (("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
+                         ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits",
+                                                "output_length_ratio"))):
+        cells = [c["comparisons"][n] for c in configs for n in names if n in c["comparisons"]]
+        assert cells, title  # the seeded suite generates, and spec-ngram is lossless
+        worst = min((x["verdict"] for x in cells if x["judged"]), key=verdict_rank)  # 0 = critical
+        assert tiles[title] == worst, (title, tiles[title], worst)
+    assert "confident div." in card or "lossless EM" in card
     last, nxt = re.search(r"last <b>([^<]+)</b>.*?next <b>([^<]+)</b>", card).groups()
     assert last.endswith("ago") or last == "just now"
     assert nxt.startswith("in ")  # the daily schedule's next slot, in human time
