@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 def seed_history(url: str, runs: int, configs: int, seed: int = 0) -> dict:
     """Fill the (migrated, empty) database at `url`; returns {"project", "configs", "run_ids"}."""
+    from app.config_file import SuiteEntry
     from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Project, Run, Suite, utcnow
 
     rng = random.Random(seed)
@@ -30,8 +31,9 @@ def seed_history(url: str, runs: int, configs: int, seed: int = 0) -> dict:
         rows = [OptimizationConfig(project_id=project.id, model_id=model.id, name=name, is_baseline=i == 0,
                                    spec={"engine": "reference", "weights": "fp16"}) for i, name in enumerate(names)]
         s.add_all(rows)
-        suite = Suite(project_id=project.id, name="daily", spec={"scorers": ["perplexity"]}, version="v1",
-                      n_documents=100)
+        # the suite's spec as a canary.yaml entry stores it (app/config_file.py), every default filled in
+        spec = SuiteEntry(name="daily", corpus="builtin:pydoc-heldout", samples=100).model_dump(exclude={"name"})
+        suite = Suite(project_id=project.id, name="daily", version="v1", spec=spec, n_documents=100)
         s.add(suite)
         s.flush()
         rule = AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.15, critical=1.30, direction="above")

@@ -144,3 +144,46 @@ def test_trends_in_chromium_draw_a_full_height_plot(history_api, tmp_path):
         browser.quit()
         proc.terminate()
         proc.wait(20)
+
+
+def test_compare_plot_of_a_collapsed_config_in_chromium(history_api, tmp_path):
+    """The quality-vs-speed plot of the newest run of the history (14 candidates, one at +596 %): a
+    symmetric log y axis whose ticks are named, both axes titled, and no config's label drawn over
+    another's. Screenshot under CANARY_SCREENSHOTS."""
+    from tests.e2e.test_dashboard_browser import chrome
+
+    port = free_port()
+    log = str(tmp_path / "streamlit.log")
+    env = {**os.environ, "CANARY_API_URL": history_api["url"]}
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.port", str(port),
+                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    browser = chrome()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
+        browser.set_window_size(1600, 2400)
+        browser.get(f"http://127.0.0.1:{port}/?page=Compare&project=history")
+        deadline, charts = time.time() + 60, []
+        while time.time() < deadline and not charts:
+            charts = browser.find_elements("css selector", "[data-testid='stVegaLiteChart'] svg")
+            time.sleep(0.5)
+        time.sleep(2)
+        browser.save_screenshot(str(shots / f"compare-{history_api['runs']}-runs.png"))
+        assert charts, browser.find_element("tag name", "body").text[:2000]
+        chart = charts[0]
+        assert "symmetric log scale" in chart.text and "speed gain" in chart.text
+        boxes = browser.execute_script(
+            "return [...arguments[0].querySelectorAll('.role-mark text')].map(t => {"
+            "const r = t.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, t.textContent]; });", chart)
+        names = [b for b in boxes if b[4].startswith("cfg-") or "collapsed" in b[4] or "baseline" in b[4]]
+        assert len(names) == 15, [b[4] for b in boxes]  # 14 candidates and the baseline, each labelled once
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
+                assert not overlap, (a, b)
+    finally:
+        browser.quit()
+        proc.terminate()
+        proc.wait(20)
