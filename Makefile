@@ -45,7 +45,7 @@ test-interop: $(VENV)/.interop
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve
 
-# The GPU report (README "GPU report"): the kernel tests on CUDA, then benchmarks/kernels.py one
+# The GPU report (docs/benchmarks.md "GPU report"): the kernel tests on CUDA, then benchmarks/kernels.py one
 # section at a time, each section's JSON written to benchmarks/results/gpu/ as it ends
 # (BENCH_ARGS="--section decode" runs one). No .venv needed: it runs on .venv's python when there
 # is one, else python3 (a GPU image with torch, Triton, transformers and pytest); `make gpu-report
@@ -56,8 +56,8 @@ BENCH_ARGS ?=
 gpu-report:
 	@$(GPU_PY) benchmarks/gpu_report.py $(BENCH_ARGS)
 
-# The CPU benchmarks against their peers (README "Benchmarks"): each script's JSON into
-# benchmarks/results/, then the README's table rendered from them. About 25 minutes on 2 cores;
+# The CPU benchmarks against their peers (docs/benchmarks.md): each script's JSON into
+# benchmarks/results/, then the table in docs/benchmarks.md rendered from them. About 25 minutes on 2 cores;
 # run it on a quiet machine. A benchmark whose two sides disagree exits 1 and stops it.
 BENCH_OUT ?= benchmarks/results
 
@@ -76,4 +76,4 @@ bench: $(VENV)/.bench
 	$(PY) benchmarks/perplexity_throughput.py --docs 200 > $(BENCH_OUT)/perplexity_throughput_200.json
 	$(PY) benchmarks/reference_decode.py > $(BENCH_OUT)/reference_decode.json
 	$(PY) benchmarks/speculative.py > $(BENCH_OUT)/speculative.json
-	$(PY) benchmarks/report.py $(BENCH_OUT) README.md
+	$(PY) benchmarks/report.py $(BENCH_OUT) docs/benchmarks.md

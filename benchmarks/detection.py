@@ -384,7 +384,7 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
 
 
 def markdown(rows: list[dict], totals: dict) -> str:
-    """The README's table: one line per fault, size and role."""
+    """The table of docs/benchmarks.md: one line per fault, size and role."""
     lines = ["| half | fault | size | role | flagged | n | at/above threshold, missed | by | measured (min–max) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -434,7 +434,7 @@ def main() -> None:
     ap.add_argument("--noises", type=float, nargs="*", default=[0.05, 0.3, 1.0], help="weight noise σ (× std)")
     ap.add_argument("--kv-layers", type=int, nargs="*", default=[1, 2, 6], help="engine: KV layers corrupted")
     ap.add_argument("--kv-sigma", type=float, default=0.75, help="engine: KV noise σ (× std of each write)")
-    ap.add_argument("--markdown", action="store_true", help="also print the README's table")
+    ap.add_argument("--markdown", action="store_true", help="also print the table of docs/benchmarks.md")
     args = ap.parse_args()
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="canary-detection-"))

@@ -16,7 +16,7 @@ and prints a progress line on stderr as it starts and ends; the end prints one J
 
 Needs only torch, Triton, transformers and pytest (the lent GPU image has them; no .venv, no
 install). Without pydantic the engine-level kernel tests skip and the tiny-model section says it
-is skipped: README "GPU report" shows how to carry the pydantic wheels. Exit status 0 only when
+is skipped: docs/benchmarks.md "GPU report" shows how to carry the pydantic wheels. Exit status 0 only when
 every section ran to the end, every kernel test passed and every benchmark check held.
 """
 
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
                   "torch": torch.__version__, "cuda": torch.version.cuda}
     if importlib.util.find_spec("pydantic") is None:
         head["note"] = ("pydantic is not installed: the engine-level kernel tests skip and the tiny-model section is "
-                        "skipped (README 'GPU report': carry the pydantic wheels)")
+                        "skipped (docs/benchmarks.md 'GPU report': carry the pydantic wheels)")
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {**head, "out": str(args.out), "sections": {}}
     ok = True

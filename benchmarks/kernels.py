@@ -711,7 +711,7 @@ def tiny_section(clock: Clock, args, devices: list[str]) -> dict:
         from engines.reference.engine import ReferenceEngine
         from engines.spec import OptimizationSpec
     except ImportError as e:
-        return {"skipped": f"{e}: ReferenceEngine needs engines.spec, which needs pydantic (README 'GPU report': carry "
+        return {"skipped": f"{e}: ReferenceEngine needs engines.spec, which needs pydantic (docs/benchmarks.md 'GPU report': carry "
                            "its wheels)"}
     from _common import TARGET, prompts
 

@@ -1,10 +1,10 @@
-"""Render the README's measured-performance table from the JSON the benchmarks printed
+"""Render the measured-performance table of docs/benchmarks.md from the JSON the benchmarks printed
 (`make bench` writes them to benchmarks/results/ and then runs this). Each row names the
 command that produced it, its figures with their spread, the goal, and the load it ran at;
-the machine is described once, above the table. Rewrites the part of README.md between
+the machine is described once, above the table. Rewrites the part of docs/benchmarks.md between
 `<!-- bench:begin -->` and `<!-- bench:end -->`; nothing else.
 
-    python benchmarks/report.py [benchmarks/results] [README.md]
+    python benchmarks/report.py [benchmarks/results] [docs/benchmarks.md]
     python benchmarks/report.py --machine     # print this machine's description as JSON
 """
 
@@ -137,7 +137,7 @@ def main() -> None:
         print(__doc__)
         return
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
-    readme = Path(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    readme = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/benchmarks.md")
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme}: no {BEGIN} … {END} section to rewrite")

@@ -7,7 +7,7 @@ from engines.protocol import GenerationRequest
 from engines.zoo import resolve_model_path
 
 # as test_engine_dispatch.py: without pydantic (the stock GPU image) the module is skipped, not a collection error
-pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pydantic): README 'GPU report'")
+pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pydantic): docs/benchmarks.md 'GPU report'")
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 

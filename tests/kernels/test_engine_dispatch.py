@@ -9,8 +9,8 @@ from engines.protocol import GenerationRequest
 from engines.zoo import resolve_model_path
 
 # ReferenceEngine takes an OptimizationSpec (pydantic); the GPU image has no pydantic unless its
-# wheels are carried (README "GPU report"): skip this module there instead of failing collection
-pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pydantic): README 'GPU report'")
+# wheels are carried (docs/benchmarks.md "GPU report"): skip this module there instead of failing collection
+pytest.importorskip("pydantic", reason="ReferenceEngine needs engines.spec (pydantic): docs/benchmarks.md 'GPU report'")
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 
