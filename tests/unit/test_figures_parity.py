@@ -49,7 +49,9 @@ def _demo_subset_summary() -> dict:
                           for c in summary["comparisons"] if c["metric"] not in TIMING),
                          key=lambda c: (c["config"], c["metric"]))
     figures = {name: {k: f.get(k) for k in FIGURE_KEYS} for name, f in sorted(summary["figures"].items())}
-    return {"verdict": summary["verdict"], "comparisons": comparisons, "figures": figures}
+    # no run verdict: it counts the wall-clock comparisons too (TIMING, left out above), and with 6 prompts
+    # a TPOT ratio wholly beyond critical decides it (evals/stats.clear_failure_n) on one machine and not another
+    return {"comparisons": comparisons, "figures": figures}
 
 
 def _close(a, b, path: str) -> list[str]:
