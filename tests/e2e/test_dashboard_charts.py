@@ -37,6 +37,34 @@ def history_api(request, tmp_path_factory):
         yield {"url": base, "runs": request.param, "tmp": tmp, **seeded}
 
 
+@pytest.fixture(scope="module")
+def history_browser(history_api, tmp_path_factory):
+    """`streamlit run dashboard/app.py` on the history's API and a headless Chromium at 1600×2400,
+    shared by the browser tests of one history: (dashboard URL, browser, screenshot folder)."""
+    from tests.e2e.test_dashboard_browser import chrome
+
+    tmp = tmp_path_factory.mktemp("st")
+    port = free_port()
+    log = str(tmp / "streamlit.log")
+    env = {**os.environ, "CANARY_API_URL": history_api["url"]}
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.port", str(port),
+                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp))
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
+        browser = chrome()
+        try:
+            browser.set_window_size(1600, 2400)
+            yield f"http://127.0.0.1:{port}", browser, shots
+        finally:
+            browser.quit()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
 def datasets(at) -> dict:
     """The data frames behind the page's first Altair chart, by the name its layers use."""
     import pyarrow as pa
@@ -91,99 +119,63 @@ def test_trends_draw_a_collapsed_config_off_the_scale_and_list_alerts_under_the_
     assert listed[0].count("▼ run") <= 8
 
 
-def test_trends_in_chromium_draw_a_full_height_plot(history_api, tmp_path):
+def _chart(browser, url: str, page: str, ready: str = "") -> object:
+    """Open a dashboard page and return its first chart's SVG once drawn (and `ready` is on the page)."""
+    browser.get(f"{url}/?page={page}&project=history")
+    deadline, charts = time.time() + 60, []
+    while time.time() < deadline:
+        charts = browser.find_elements("css selector", "[data-testid='stVegaLiteChart'] svg, "
+                                                       "[data-testid='stVegaLiteChart'] canvas")
+        if charts and ready in browser.find_element("tag name", "body").text:
+            break
+        time.sleep(0.5)
+    time.sleep(2)  # let the chart finish drawing
+    assert charts, browser.find_element("tag name", "body").text[:2000]
+    assert charts[0].tag_name == "svg", charts[0].tag_name  # Streamlit draws Vega-Lite as SVG: its parts can be read
+    return charts[0]
+
+
+def _overlaps(boxes: list) -> list:
+    """Pairs of [left, top, right, bottom, text] boxes that overlap by more than a pixel each way."""
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+            if min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1]
+
+
+BOXES = ("const r = t.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, t.textContent]; });")
+
+
+def test_trends_in_chromium_draw_a_full_height_plot(history_api, history_browser):
     """The page as a person sees it at 1600×2400: the plot area takes most of its 420 px (not a thin
     strip squeezed by labels), and no two axis labels overlap. Screenshot under CANARY_SCREENSHOTS."""
-    from tests.e2e.test_dashboard_browser import chrome
-
-    port = free_port()
-    log = str(tmp_path / "streamlit.log")
-    env = {**os.environ, "CANARY_API_URL": history_api["url"]}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.port", str(port),
-                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
-    shots.mkdir(parents=True, exist_ok=True)
-    browser = chrome()
-    try:
-        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
-        browser.set_window_size(1600, 2400)
-        browser.get(f"http://127.0.0.1:{port}/?page=Trends&project=history")
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            charts = browser.find_elements("css selector", "[data-testid='stVegaLiteChart'] svg, "
-                                                           "[data-testid='stVegaLiteChart'] canvas")
-            if charts and "▼ run" in browser.find_element("tag name", "body").text:
-                break
-            time.sleep(0.5)
-        time.sleep(2)  # let the chart finish drawing
-        browser.save_screenshot(str(shots / f"trends-{history_api['runs']}-runs.png"))
-        assert charts, browser.find_element("tag name", "body").text[:2000]
-        chart = charts[0]
-        assert chart.size["height"] >= 400, chart.size  # the 420 px asked for, not a strip
-        assert chart.tag_name == "svg", chart.tag_name  # Streamlit draws Vega-Lite as SVG: its parts can be read
-        # the plot area fills most of the chart's height: the y axis' grid lines (horizontal) span it
-        area = browser.execute_script(
-            "const ys = [...arguments[0].querySelectorAll('.role-axis-grid line')].map(e => e.getBoundingClientRect())"
-            ".filter(r => r.width > r.height).map(r => r.top);"
-            "return ys.length > 1 ? Math.max(...ys) - Math.min(...ys) : null;", chart)
-        assert area is not None and area >= 250, area
-        if True:  # the axis labels of both axes: none over another
-            labels = browser.execute_script(
-                "return [...arguments[0].querySelectorAll('.role-axis-label text')]"
-                # the labels Vega's greedy overlap removal hid are still there, transparent: not drawn
-                ".filter(t => t.getAttribute('opacity') !== '0' && getComputedStyle(t).opacity !== '0').map(t => {"
-                "const r = t.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, t.textContent]; });",
-                chart)
-            boxes = [b for b in labels if b[4]]
-            for i, a in enumerate(boxes):
-                for b in boxes[i + 1:]:
-                    overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
-                    assert not overlap, (a, b)
-    finally:
-        browser.quit()
-        proc.terminate()
-        proc.wait(20)
+    url, browser, shots = history_browser
+    chart = _chart(browser, url, "Trends", ready="▼ run")
+    browser.save_screenshot(str(shots / f"trends-{history_api['runs']}-runs.png"))
+    assert chart.size["height"] >= 400, chart.size  # the 420 px asked for, not a strip
+    # the plot area fills most of the chart's height: the y axis' grid lines (horizontal) span it
+    area = browser.execute_script(
+        "const ys = [...arguments[0].querySelectorAll('.role-axis-grid line')].map(e => e.getBoundingClientRect())"
+        ".filter(r => r.width > r.height).map(r => r.top);"
+        "return ys.length > 1 ? Math.max(...ys) - Math.min(...ys) : null;", chart)
+    assert area is not None and area >= 250, area
+    # the axis labels of both axes: none over another (the labels Vega's greedy overlap removal hid
+    # are still there, transparent: not drawn)
+    labels = browser.execute_script(
+        "return [...arguments[0].querySelectorAll('.role-axis-label text')]"
+        ".filter(t => t.getAttribute('opacity') !== '0' && getComputedStyle(t).opacity !== '0').map(t => {" + BOXES,
+        chart)
+    assert not _overlaps([b for b in labels if b[4]])
 
 
-def test_compare_plot_of_a_collapsed_config_in_chromium(history_api, tmp_path):
+def test_compare_plot_of_a_collapsed_config_in_chromium(history_api, history_browser):
     """The quality-vs-speed plot of the newest run of the history (14 candidates, one at +596 %): a
     symmetric log y axis whose ticks are named, both axes titled, and no config's label drawn over
     another's. Screenshot under CANARY_SCREENSHOTS."""
-    from tests.e2e.test_dashboard_browser import chrome
-
-    port = free_port()
-    log = str(tmp_path / "streamlit.log")
-    env = {**os.environ, "CANARY_API_URL": history_api["url"]}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", APP, "--server.port", str(port),
-                             "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-                            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
-    shots.mkdir(parents=True, exist_ok=True)
-    browser = chrome()
-    try:
-        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, log)
-        browser.set_window_size(1600, 2400)
-        browser.get(f"http://127.0.0.1:{port}/?page=Compare&project=history")
-        deadline, charts = time.time() + 60, []
-        while time.time() < deadline and not charts:
-            charts = browser.find_elements("css selector", "[data-testid='stVegaLiteChart'] svg")
-            time.sleep(0.5)
-        time.sleep(2)
-        browser.save_screenshot(str(shots / f"compare-{history_api['runs']}-runs.png"))
-        assert charts, browser.find_element("tag name", "body").text[:2000]
-        chart = charts[0]
-        assert "symmetric log scale" in chart.text and "speed gain" in chart.text
-        boxes = browser.execute_script(
-            "return [...arguments[0].querySelectorAll('.role-mark text')].map(t => {"
-            "const r = t.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, t.textContent]; });", chart)
-        names = [b for b in boxes if b[4].startswith("cfg-") or "collapsed" in b[4] or "baseline" in b[4]]
-        assert len(names) == 15, [b[4] for b in boxes]  # 14 candidates and the baseline, each labelled once
-        for i, a in enumerate(names):
-            for b in names[i + 1:]:
-                overlap = min(a[2], b[2]) - max(a[0], b[0]) > 1 and min(a[3], b[3]) - max(a[1], b[1]) > 1
-                assert not overlap, (a, b)
-    finally:
-        browser.quit()
-        proc.terminate()
-        proc.wait(20)
+    url, browser, shots = history_browser
+    chart = _chart(browser, url, "Compare")
+    browser.save_screenshot(str(shots / f"compare-{history_api['runs']}-runs.png"))
+    assert "symmetric log scale" in chart.text and "speed gain" in chart.text
+    boxes = browser.execute_script("return [...arguments[0].querySelectorAll('.role-mark text')].map(t => {" + BOXES,
+                                   chart)
+    names = [b for b in boxes if b[4].startswith("cfg-") or "collapsed" in b[4] or "baseline" in b[4]]
+    assert len(names) == 15, [b[4] for b in boxes]  # 14 candidates and the baseline, each labelled once
+    assert not _overlaps(names)
