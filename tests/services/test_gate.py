@@ -60,9 +60,14 @@ def test_pass_warn_fail_and_exit_codes(stack, project, tmp_path):
     assert figures["fp32"]["reused_from_run"] < g["run_id"] and figures["int2"]["reused_from_run"] is None
     strict = gate(stack, "--candidate", "int2", "--warn-exit-code", "1")
     assert strict.returncode == 1  # …and blocks it when CI says so
-    bad = gate(stack, "--candidate", "kv-int2", "--summary-md", str(tmp_path / "fail.md"))
+    bad = gate(stack, "--candidate", "kv-int2", "--summary-md", str(tmp_path / "fail.md"),
+               "--report-html", str(tmp_path / "fail.html"))
     assert bad.returncode == 1 and "fail" in bad.stderr
-    assert "gate: **fail**" in (tmp_path / "fail.md").read_text()
+    md = (tmp_path / "fail.md").read_text()
+    assert "gate: **fail**" in md and "**Drop or fix:** ppl ratio +" in md  # the verdict for people, first
+    # the run's report, through the API, as the CI artifact: one HTML file naming the candidate's group
+    html = (tmp_path / "fail.html").read_text()
+    assert html.startswith("<!doctype html>") and "drop or fix (1):" in html and "kv-int2" in html
 
 
 def test_bad_gate_requests_exit_2_naming_the_field(stack, project):
