@@ -139,7 +139,7 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
     # the verdict for people (app/summary.py), the step-back advice left to its own lines below
     found = verdict_summary(rows)["groups"]
     for group, line in ((g, ls[0]) for g, ls in found.items()):
-        lines += [f"**{group[0].upper()}{group[1:]}:** {line['text'].split(': ', 1)[1]}", ""]
+        lines += [f"**{group[0].upper()}{group[1:]}:** {line['findings']}", ""]
     rows.sort(key=lambda c: (bool((c.get("details") or {}).get("informational")), -VERDICT_ORDER.get(c["verdict"], 0)))
     if rows:
         lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]

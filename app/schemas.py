@@ -185,6 +185,7 @@ class SummaryLineOut(BaseModel):
     group: str = Field(description="drop or fix | watch | slower than the baseline | undecided")
     text: str = Field(description="the line as printed: the config, its worst quality finding and its worst speed "
                                   "finding with their 95% CIs, and the step-back advice if any")
+    findings: str = Field(description="the line without its config: the worst quality and speed findings")
     severity: float = Field(description="how far its worst finding lies past that metric's seed threshold (the "
                                         "line's place in its group: furthest first)")
     critical: int = Field(description="the config's critical comparisons")

@@ -94,10 +94,12 @@ def config_line(config: str, rows: list[Mapping[str, Any]], advice: str | None =
         return None
     shown = [finding(x) + (_to_decide(x) if group == "undecided" else "")
              for x in (q, s) if x is not None and (x["verdict"] in breach or group == "undecided")]
-    text = f"{config}: " + "; ".join(shown) + (f" — step back: {advice}" if advice else "")
+    findings = "; ".join(shown)
+    text = f"{config}: {findings}" + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c["verdict"] == v for c in rows) for v in ("critical", "warn")}
     worst = q if group in ("drop or fix", "watch") else s
-    return {"config": config, "group": group, "text": text, "severity": severity(worst) if worst is not None else 0.0,
+    return {"config": config, "group": group, "text": text, "findings": findings,
+            "severity": severity(worst) if worst is not None else 0.0,
             "critical": counts["critical"], "warn": counts["warn"],
             "quality": dict(q) if q is not None else None, "speed": dict(s) if s is not None else None,
             "advice": advice}
