@@ -35,7 +35,6 @@ def main() -> int:
     from engines.kernels import _kivi_kv_triton as kivi
     from engines.kernels import _turbo_kv_triton as turbo
     from engines.kernels import _w4a16_triton as w4a16
-    from engines.kernels.turbo_kv import ATTENTION_WARPS
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -71,24 +70,31 @@ def main() -> int:
         kw = c.kwargs
         compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
                     f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
-    attn_sig = dict(q_ptr="*fp32", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i32",
-                    book_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32", S="i32",
-                    CHUNK="i32", scale="fp32")
+    import triton.language as tl
+    from engines.kernels import _decode_triton as dec
+    from engines.kernels.decode import ATTENTION_WARPS, GROUP_ROWS
+
+    grouped = dict(D=128, G=4, GP=GROUP_ROWS, BLOCK_S=64, DOT=tl.float16)  # Llama-3-8B: 32 query heads on 8 KV heads
     warps = {"num_warps": ATTENTION_WARPS}  # as the launchers run them
+    split = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", HKV="i32", S="i32")
+    attn_sig = dict(q_ptr="*fp16", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i64",
+                    book_ptr="*fp32", rot_ptr="*fp32", **split, code_sb="i32", code_sh="i32", norm_sb="i32",
+                    norm_sh="i32", scale="fp32")
     for bits in (2, 3, 4):
-        compile_one(turbo.attention_kernel, attn_sig, dict(D=128, BITS=bits, BLOCK_S=64), warps, f"D=128 bits={bits} BLOCK_S=64")
+        compile_one(turbo.attention_kernel, attn_sig, dict(BITS=bits, **grouped), warps, f"D=128 G=4 bits={bits} BLOCK_S=64")
         compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
                                                 norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
                     f"D=128 bits={bits} BLOCK_N=16")
-    compile_one(turbo.fp8_attention_kernel, dict(q_ptr="*fp32", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i32",
-                                                 m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32",
-                                                 S="i32", CHUNK="i32", scale="fp32"), dict(D=128, BLOCK_S=64), warps, "D=128 BLOCK_S=64")
-    kivi_sig = dict(q_ptr="*fp32", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
-                    vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i32", nk_ptr="*i32", nv_ptr="*i32",
-                    m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", H="i32", HKV="i32", S="i32", SG="i32", CHUNK="i32",
-                    scale="fp32")
+    compile_one(dec.fp8_attention_kernel, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i64",
+                                               **split, stride_b="i32", stride_h="i32", scale="fp32"),
+                grouped, warps, "D=128 G=4 BLOCK_S=64")
+    kivi_sig = dict(q_ptr="*fp16", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
+                    vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i64", nk_ptr="*i64", nv_ptr="*i64",
+                    **split, SG="i32", scale="fp32")
     for bits in (2, 4):
-        compile_one(kivi.attention_kernel, kivi_sig, dict(D=128, G=32, BITS=bits, BLOCK_S=64), warps, f"D=128 bits={bits} BLOCK_S=64")
+        compile_one(kivi.attention_kernel, kivi_sig, dict(GROUP=32, BITS=bits, **grouped), warps, f"D=128 G=4 bits={bits} BLOCK_S=64")
+    compile_one(dec.merge_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", rot_ptr="*fp32", out_ptr="*fp16",
+                                       NC="i32"), dict(D=128, NCP=64, ROTATE=True), {"num_warps": 4}, "D=128 NCP=64 ROTATE")
     rows = out["kernels"]
     out["summary"] = {"compiled": sum("error" not in r for r in rows), "failed": sum("error" in r for r in rows),
                       "spilling": [f"{r['kernel']} {r['config']} ({r['stack_bytes']} B)" for r in rows if r.get("stack_bytes")]}

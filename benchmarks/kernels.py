@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import itertools
 import json
 import os
@@ -76,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--long-context", type=int, default=32768, help="context of the long decode runs (0: skip them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate peer")
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers generate with cache_implementation='static'")
+    ap.add_argument("--attention-sweep", type=int, nargs="*", default=[],
+                    help="contexts at which each decode-attention kernel is also timed at every launch shape (tuning_sweep)")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
     args = ap.parse_args(argv)
     if args.repeats is None:
@@ -298,18 +299,6 @@ def tinygemm_peer(w16, x) -> dict:
 
 
 # -- decode attention -------------------------------------------------------------------------------
-def _kernel_kwargs(fn, S: int) -> dict:
-    """Split-K settings for a decode-attention launcher: none where it picks its own (a chunk
-    parameter defaulting to None); otherwise enough split-K programs to fill the SMs at batch 1."""
-    params = inspect.signature(fn).parameters
-    if "chunk" not in params or params["chunk"].default is None:
-        return {}
-    kw = {"chunk": max(256, S // 64) if S >= 4096 else 32}
-    if "block_s" in params:
-        kw["block_s"] = 64 if S >= 4096 else 16
-    return kw
-
-
 ATTN_TARGETS = {"turbo3": 3.0, "kivi2": 2.5, "fp8": 1.6}
 
 
@@ -342,8 +331,7 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
     vc, vn = turbo_kv.quantize_on_write(v16.reshape(-1, D), 3)
     kc, vc = kc.reshape(1, Hkv, S, 3, D // 32), vc.reshape(1, Hkv, S, 3, D // 32)
     kn, vn = kn.reshape(1, Hkv, S), vn.reshape(1, Hkv, S)
-    kw = _kernel_kwargs(turbo_kv.decode_attention, S)
-    kernels["turbo3"] = lambda: turbo_kv.decode_attention(q, kc, kn, vc, vn, lengths, 3, **kw)
+    kernels["turbo3"] = lambda **kw: turbo_kv.decode_attention(q, kc, kn, vc, vn, lengths, 3, **kw)
     refs["turbo3"] = lambda: turbo_kv.decode_attention_reference(q, kc, kn, vc, vn, lengths, 3)
     nbytes["turbo3"] = kc.nbytes + vc.nbytes + kn.nbytes + vn.nbytes
 
@@ -352,14 +340,12 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
     vq = [t.reshape(1, Hkv, -1, t.shape[-1]) for t in kivi_kv.quantize_values(v16.reshape(-1, D), 2)]
     window = min(128, S // 2)
     nk = torch.tensor([S - window], device=device)
-    kw2 = _kernel_kwargs(kivi_kv.decode_attention, S)
-    kernels["kivi2"] = lambda: kivi_kv.decode_attention(q, k16, v16, *kq, *vq, lengths, nk, nk, 2, **kw2)
+    kernels["kivi2"] = lambda **kw: kivi_kv.decode_attention(q, k16, v16, *kq, *vq, lengths, nk, nk, 2, **kw)
     refs["kivi2"] = lambda: kivi_kv.decode_attention_reference(q, k16, v16, *kq, *vq, lengths, nk, nk, 2)
     nbytes["kivi2"] = sum(t.nbytes for t in kq + vq) * (S - window) // S + 2 * Hkv * window * D * 2
 
     k8, v8 = fp8_kv.quantize_on_write(k16), fp8_kv.quantize_on_write(v16)
-    kw3 = _kernel_kwargs(fp8_kv.decode_attention, S)
-    kernels["fp8"] = lambda: fp8_kv.decode_attention(q, k8, v8, lengths, **kw3)
+    kernels["fp8"] = lambda **kw: fp8_kv.decode_attention(q, k8, v8, lengths, **kw)
     refs["fp8"] = lambda: fp8_kv.decode_attention_reference(q, k8, v8, lengths)
     nbytes["fp8"] = k8.nbytes + v8.nbytes
 
@@ -372,6 +358,7 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
         return F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)
 
     t = measure(clock, {"sdpa_fp16": sdpa, **kernels}, args.iters, args.repeats)
+    sweep = tuning_sweep(clock, kernels, refs, S, Hkv, args) if S in args.attention_sweep else None
     row = {"context": S, "heads": H, "kv_heads": Hkv, "head_dim": D, "sdpa_fp16_ms": t["sdpa_fp16"],
            "sdpa_fp16_bytes": nbytes["sdpa_fp16"],
            "sdpa_fp16_bandwidth_fraction": round(nbytes["sdpa_fp16"] / (t["sdpa_fp16"]["median"] / 1000) / 1e9 / peak_gbps, 3)}
@@ -382,7 +369,45 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
                      "bandwidth_fraction": round(nbytes[name] / (t[name]["median"] / 1000) / 1e9 / peak_gbps, 3),
                      "speedup_vs_sdpa_fp16": verdict(round(sp, 2), sp >= want, f">= {want:g}x SDPA on fp16 KV"
                                                      + (" (at 8K: none slower)" if S < 32768 else ""), args.smoke)}
+        if sweep:
+            row[name]["tuning_sweep"] = sweep[name]
     return row, checks
+
+
+SWEEP_TILES = ((32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2))
+SWEEP_PROGRAMS_PER_SM = (1, 2, 4)
+
+
+def tuning_sweep(clock: Clock, kernels: dict, refs: dict, S: int, rows: int, args) -> dict:
+    """Each format's kernel at every (BLOCK_S, warps, stages) of SWEEP_TILES and split-K chunk
+    count (about 1, 2 or 4 programs per SM over `rows` = B·Hkv), one timing each (GPU ms per call,
+    --iters graph-replayed calls): the launch shape to choose. A shape that fails to compile or
+    launch (shared memory, registers) is a row with its error; each row says whether its output
+    equals the reference."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if clock.cuda else 4
+    out: dict = {}
+    for name, kernel in kernels.items():
+        found = []
+        want = refs[name]()
+        for block_s, warps, stages in SWEEP_TILES:
+            for per_sm in SWEEP_PROGRAMS_PER_SM:
+                kw = dict(block_s=block_s, num_warps=warps, num_stages=stages,
+                          chunks=max(1, min(-(-S // block_s), -(-per_sm * sms // rows))))
+                row: dict = {**kw, "programs_per_sm": per_sm}
+                try:
+                    row["equal"] = check(kernel(**kw), want, rtol=1e-2, atol=1e-3)["equal"]
+                    row["ms"] = round(clock.time_calls(lambda kw=kw, k=kernel: k(**kw), args.iters), 4)
+                except Exception as e:  # noqa: BLE001 - a shape that cannot run is a finding
+                    row["error"] = f"{type(e).__name__}: {e}"[:160]
+                    clock.sync()
+                found.append(row)
+        ok = [r for r in found if r.get("equal") and "ms" in r]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        out[name] = {"best": best, "rows": found}
+        progress(f"sweep {name} S={S}: best {best}")
+    return out
 
 
 # -- end-to-end decode of an 8B-shaped model ----------------------------------------------------------

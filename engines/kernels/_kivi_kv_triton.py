@@ -4,7 +4,7 @@ Imported only when a kernel runs."""
 import triton
 import triton.language as tl
 
-from engines.kernels._turbo_kv_triton import _online_softmax_step, _split_k_program, _store_split_k
+from engines.kernels._decode_triton import _grouped_program, _load_queries, _softmax_update, _store_partials
 
 
 @triton.jit
@@ -17,12 +17,15 @@ def _pack(q, BITS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr):
-    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] (float)
+    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] as fp32. The integer becomes
+    # a float by its bits: 2^23 + q has q in the low mantissa bits, so OR-ing q into 0x4B000000 and
+    # subtracting 2^23 is exact, without an int-to-float conversion per element
     PER: tl.constexpr = 32 // BITS
     rd = tl.arange(0, D)
     words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + (rd // PER)[None, :],
                     mask=mask_s[:, None], other=0)
-    return ((words >> ((rd % PER) * BITS)[None, :]) & (2**BITS - 1)).to(tl.float32)
+    codes = (words >> ((rd % PER) * BITS)[None, :]) & (2**BITS - 1)
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -63,40 +66,43 @@ def quantize_values_kernel(v_ptr, codes_ptr, scale_ptr, zero_ptr, N,
 
 @triton.jit
 def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_ptr, v_ptr,
-                     len_ptr, nk_ptr, nv_ptr, m_ptr, l_ptr, acc_ptr, H, HKV, S, SG, CHUNK, scale,
-                     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    # one query head × one chunk of the sequence. Slot j's key is read compressed iff j < nk,
-    # its value iff j < nv; otherwise from the full-precision residual (k_ptr / v_ptr). Masked
-    # loads: each slot's bytes come from one tier only.
-    bh, chunk, b, kvh = _split_k_program(H, HKV)
-    length, nk, nv = tl.load(len_ptr + b), tl.load(nk_ptr + b), tl.load(nv_ptr + b)
+                     len_ptr, nk_ptr, nv_ptr, m_ptr, l_ptr, acc_ptr, HKV, S, SG, scale,
+                     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+                     DOT: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    # the G query heads of one KV head. Slot j's key is read compressed iff j < nk, its value iff
+    # j < nv; otherwise from the full-precision residual (k_ptr / v_ptr). Masked loads: each
+    # slot's bytes come from one tier only.
+    bk, chunk, b, kvh, rg, rows = _grouped_program(HKV, G, GP)
+    length = tl.minimum(tl.load(len_ptr + b), S)
+    nk, nv = tl.load(nk_ptr + b), tl.load(nv_ptr + b)
     rd = tl.arange(0, D)
-    q = tl.load(q_ptr + bh * D + rd).to(tl.float32)
+    q = _load_queries(q_ptr, rows, rg, scale, G, D).to(DOT)
     head = b * HKV + kvh
     code_off = head * S * (D * BITS // 32)
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros((D,), dtype=tl.float32)
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, D), tl.float32)
     # tiles dealt round-robin (program c takes tiles c, c + n, …): every program has work at any
     # length, not only when the sequence fills the static cache; none past the length
     for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
-        valid = (rs < length) & (rs < S)
+        valid = rs < length
         ck, cv = valid & (rs < nk), valid & (rs < nv)
         # keys: per channel scale/zero of the slot's token group [SG = ⌈S/G⌉, D]
         kq = _unpack_rows(kc_ptr, code_off, rs, ck, BITS, D)
-        koff = (head * SG + rs // G)[:, None] * D + rd[None, :]
+        koff = (head * SG + rs // GROUP)[:, None] * D + rd[None, :]
         kdq = (kq * tl.load(ks_ptr + koff, mask=ck[:, None], other=0.0)
                + tl.load(kz_ptr + koff, mask=ck[:, None], other=0.0))
         kraw = tl.load(k_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~ck)[:, None], other=0.0)
-        kt = tl.where(ck[:, None], kdq, kraw.to(tl.float32))
-        s = tl.where(valid, tl.sum(kt * q[None, :], axis=1) * scale, float("-inf"))
+        kt = tl.where(ck[:, None], kdq, kraw.to(tl.float32)).to(DOT)
+        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kt), input_precision="ieee"), float("-inf"))
+        m_i, l_i, p, alpha = _softmax_update(s, m_i, l_i)
         # values: per token scale/zero of each group of G channels [S, D/G]
         vq = _unpack_rows(vc_ptr, code_off, rs, cv, BITS, D)
-        voff = (head * S + rs)[:, None] * (D // G) + (rd // G)[None, :]
+        voff = (head * S + rs)[:, None] * (D // GROUP) + (rd // GROUP)[None, :]
         vdq = (vq * tl.load(vs_ptr + voff, mask=cv[:, None], other=0.0)
                + tl.load(vz_ptr + voff, mask=cv[:, None], other=0.0))
         vraw = tl.load(v_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~cv)[:, None], other=0.0)
-        vt = tl.where(cv[:, None], vdq, vraw.to(tl.float32))
-        m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc)
-    _store_split_k(m_ptr, l_ptr, acc_ptr, bh, chunk, m_i, l_i, acc, D)
+        vt = tl.where(cv[:, None], vdq, vraw.to(tl.float32)).to(DOT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt, input_precision="ieee")
+    _store_partials(m_ptr, l_ptr, acc_ptr, rows, rg, chunk, m_i, l_i, acc, G, D)

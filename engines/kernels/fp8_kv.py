@@ -1,6 +1,6 @@
 """fp8 (e4m3, unit scale) KV cache on the GPU: quantize-on-write (a saturating cast) and GQA
-decode attention that reads fp8 keys/values and widens them in registers, split-K over the
-sequence like turbo_kv.decode_attention. Torch references beside them."""
+decode attention that reads fp8 keys/values and widens them in registers (the grouped split-K
+scheme of decode.py). Torch references beside them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import ATTENTION_WARPS, default_block_s, merge_split_k, split_k_chunk
+from engines.kernels.decode import Tuning, head_strides, launch
+
+TUNING = Tuning(block_s=64, num_warps=4, num_stages=2)
 
 FP8 = torch.float8_e4m3fn
 
@@ -29,7 +31,7 @@ def decode_attention_reference(q, k8, v8, lengths) -> torch.Tensor:
 
 
 def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    from engines.kernels._turbo_kv_triton import fp8_quantize_kernel
+    from engines.kernels._decode_triton import fp8_quantize_kernel
 
     flat = x.contiguous().reshape(-1)
     out = torch.empty(flat.shape, dtype=FP8, device=x.device)
@@ -37,19 +39,18 @@ def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def decode_attention(q, k8, v8, lengths, chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
-    """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8; lengths [B] → [B, H, D] (chunk: turbo_kv.split_k_chunk)."""
-    from engines.kernels._turbo_kv_triton import fp8_attention_kernel
+def decode_attention(q, k8, v8, lengths, chunks: int | None = None, block_s: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8 (a [:, :, :S] slice of a wider cache is read in
+    place); lengths [B] (any integer type) → [B, H, D] in q's dtype. chunks, block_s, num_warps:
+    decode.launch's defaults unless given (benchmarks sweep them)."""
+    from engines.kernels._decode_triton import fp8_attention_kernel
 
     B, H, D = q.shape
     Hkv, S = k8.shape[1], k8.shape[2]
-    block_s = block_s or default_block_s(q.device)
-    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
-    n_chunks = math.ceil(S / chunk)
-    m = torch.empty(B * H, n_chunks, device=q.device)
-    l = torch.empty(B * H, n_chunks, device=q.device)
-    acc = torch.empty(B * H, n_chunks, D, device=q.device)
-    fp8_attention_kernel[(B * H, n_chunks)](q.float().contiguous(), k8.contiguous(), v8.contiguous(),
-                                            lengths.to(torch.int32).contiguous(), m, l, acc, H, Hkv, S, chunk,
-                                            1.0 / math.sqrt(D), D=D, BLOCK_S=block_s, num_warps=ATTENTION_WARPS)
-    return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)
+    if k8.stride() != v8.stride():
+        raise ValueError("keys and values must share one layout")
+    sb, sh = head_strides(k8)
+    return launch(fp8_attention_kernel, q, Hkv, S, [k8, v8, lengths],
+                  dict(HKV=Hkv, S=S, stride_b=sb, stride_h=sh, scale=1.0 / math.sqrt(D)), TUNING,
+                  chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

@@ -8,8 +8,8 @@ channels — codes [.., S, D·b/32] int32, channel c in word c // (32/b) at bit 
 Dequantized x̂ = q·scale + zero (zero is the group minimum), as engines.quant.minmax_quant.
 
 decode_attention reads slot j's key compressed iff j < nk[b] and its value iff j < nv[b] (the
-boundaries of kv.KiviKV), otherwise the full-precision residual k / v [B, Hkv, S, D]; GQA and
-split-K over the sequence as turbo_kv.decode_attention.
+boundaries of kv.KiviKV), otherwise the full-precision residual k / v [B, Hkv, S, D]; grouped
+split-K over the sequence (decode.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import math
 
 import torch
 
-from engines.kernels.turbo_kv import ATTENTION_WARPS, default_block_s, merge_split_k, split_k_chunk
+from engines.kernels.decode import Tuning, launch
+
+TUNING = Tuning(block_s=64, num_warps=8, num_stages=1)  # 2 stages spill at 64-slot tiles
 
 GROUP = 32
 
@@ -124,24 +126,17 @@ def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
     return codes, scale, zero
 
 
-def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int,
-                     chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
-    """Shapes as decode_attention_reference (chunk: turbo_kv.split_k_chunk)."""
+def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int, chunks: int | None = None,
+                     block_s: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """Shapes as decode_attention_reference; lengths, nk, nv of any integer type → [B, H, D] in
+    q's dtype. chunks, block_s, num_warps: decode.launch's defaults unless given."""
     from engines.kernels._kivi_kv_triton import attention_kernel
 
     B, H, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    block_s = block_s or default_block_s(q.device)
-    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
     _check(D, bits)
-    n_chunks = math.ceil(S / chunk)
-    m = torch.empty(B * H, n_chunks, device=q.device)
-    l = torch.empty(B * H, n_chunks, device=q.device)
-    acc = torch.empty(B * H, n_chunks, D, device=q.device)
-    i32 = [t.to(torch.int32).contiguous() for t in (lengths, nk, nv)]
-    attention_kernel[(B * H, n_chunks)](q.float().contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(),
-                                        vc.contiguous(), vs.contiguous(), vz.contiguous(),
-                                        k.contiguous(), v.contiguous(),
-                                        *i32, m, l, acc, H, Hkv, S, ks.shape[2], chunk, 1.0 / math.sqrt(D),
-                                        D=D, G=GROUP, BITS=bits, BLOCK_S=block_s, num_warps=ATTENTION_WARPS)
-    return merge_split_k(m, l, acc).reshape(B, H, D).to(q.dtype)
+    caches = [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, k, v)]
+    return launch(attention_kernel, q, Hkv, S, [*caches, lengths, nk, nv],
+                  dict(HKV=Hkv, S=S, SG=ks.shape[2], scale=1.0 / math.sqrt(D), GROUP=GROUP, BITS=bits), TUNING,
+                  chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

@@ -10,18 +10,20 @@ decode_attention: q [B, H, D] (one new token per sequence) against the cached co
 values [B, Hkv, S, b, D/32] with norms [B, Hkv, S] and per-sequence lengths; the query is rotated
 once (Π·q), scores are taken against codebook values, Σ p·ĉ·‖v‖ accumulates in the rotated
 domain, and the output is rotated back once. GQA: query head h reads kv head h // (H/Hkv).
-Split-K over the sequence: each program reduces a chunk to (max, sum, acc); chunks are combined
-with a log-sum-exp merge.
+Split-K over the sequence, grouped by KV head (decode.py): the query heads of a KV head are
+rotated inside the kernel, and the merge rotates the output back.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from engines.kernels.decode import Tuning, head_strides, launch
 from engines.quant import codebook_on, rotation_on
+
+TUNING = {2: Tuning(), 3: Tuning(), 4: Tuning(num_warps=8)}  # 4 bits spill with 4 warps
 
 _kernels: dict[str, object] = {}
 
@@ -81,40 +83,6 @@ def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, b
 
 
 # -- Triton ----------------------------------------------------------------------------------------
-def merge_split_k(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Combine per-chunk (max [R, C], sum [R, C], accumulator [R, C, D]) of an online softmax:
-    out = Σ_c e^(m_c − M)·acc_c / Σ_c e^(m_c − M)·l_c, M = max_c m_c (empty chunks have m = −inf)."""
-    M = m.max(dim=1, keepdim=True).values
-    w = torch.exp(m - M).nan_to_num(0.0)
-    return (w[..., None] * acc).sum(1) / (w * l).sum(1, keepdim=True)
-
-
-def split_k_chunk(S: int, rows: int, device, block_s: int) -> int:
-    """Tokens per split-K program of a decode-attention kernel, which sets the number of programs
-    along the sequence (⌈S / chunk⌉); the kernels deal BLOCK_S tiles to them round-robin, so the
-    work is even at any length below S. At batch 1 the grid has only
-    B·H rows (32 for Llama-3-8B): the sequence is split so that rows × chunks ≈ 4 programs per SM
-    (528 on an H100's 132), and no more — each chunk writes a [D] partial that merge_split_k
-    reads back, so tiny chunks would add traffic in proportion to S."""
-    sms = _sm_count(str(device)) if torch.device(device).type == "cuda" else 4
-    n_chunks = max(1, min(math.ceil(S / block_s), math.ceil(4 * sms / rows)))
-    return math.ceil(math.ceil(S / n_chunks) / block_s) * block_s
-
-
-@functools.lru_cache
-def _sm_count(device: str) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# 8 warps: at 64-token tiles and head_dim 128 the decode-attention kernels spill registers with 4
-# (benchmarks/kernel_resources.py, sm_90)
-ATTENTION_WARPS = 8
-
-
-def default_block_s(device) -> int:
-    return 64 if torch.device(device).type == "cuda" else 16  # the interpreter runs small tiles faster
-
-
 def _get():
     if not _kernels:
         from engines.kernels import _turbo_kv_triton as k
@@ -138,22 +106,20 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 
 
 
 def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,
-                     chunk: int | None = None, block_s: int | None = None) -> torch.Tensor:
-    """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S]; lengths [B] → [B, H, D].
-    chunk: tokens per split-K program (default split_k_chunk)."""
+                     chunks: int | None = None, block_s: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S] fp32; lengths [B] → [B, H, D]
+    in q's dtype. A [:, :, :S] slice of a wider cache is read in place. chunks, block_s,
+    num_warps: decode.launch's defaults unless given."""
     B, H, D = q.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
-    block_s = block_s or default_block_s(q.device)
-    chunk = chunk or split_k_chunk(S, B * H, q.device, block_s)
+    if k_codes.stride() != v_codes.stride() or k_norms.stride() != v_norms.stride():
+        raise ValueError("keys and values must share one layout")
     _, attention = _get()
     rot, book = rotation_and_codebook(D, bits, seed, q.device)
-    q_rot = (q.float() @ rot.T).contiguous()  # rotate the query once
-    n_chunks = math.ceil(S / chunk)
-    m = torch.empty(B * H, n_chunks, device=q.device)
-    l = torch.empty(B * H, n_chunks, device=q.device)
-    acc = torch.empty(B * H, n_chunks, D, device=q.device)
-    attention[(B * H, n_chunks)](q_rot, k_codes.contiguous(), k_norms.contiguous().float(), v_codes.contiguous(),
-                                 v_norms.contiguous().float(), lengths.to(torch.int32).contiguous(), book,
-                                 m, l, acc, H, Hkv, S, chunk, 1.0 / math.sqrt(D), D=D, BITS=bits, BLOCK_S=block_s,
-                                 num_warps=ATTENTION_WARPS)
-    return (merge_split_k(m, l, acc) @ rot).reshape(B, H, D).to(q.dtype)  # rotate back once
+    csb, csh = head_strides(k_codes)
+    nsb, nsh = head_strides(k_norms)
+    return launch(attention, q, Hkv, S, [k_codes, k_norms, v_codes, v_norms, lengths, book, rot],
+                  dict(HKV=Hkv, S=S, code_sb=csb, code_sh=csh, norm_sb=nsb, norm_sh=nsh, scale=1.0 / math.sqrt(D),
+                       BITS=bits), TUNING[bits],
+                  rotation=rot, chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

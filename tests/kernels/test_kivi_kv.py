@@ -68,7 +68,7 @@ def test_decode_attention_matches_reference(device, bits):
     # all in the residual, values < 8 compressed
     lengths, nk, nv = torch.tensor([90, 40]), torch.tensor([64, 0]), torch.tensor([70, 8])
     args = [t.to(device) for t in (q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv)]
-    got = decode_attention(*args, bits=bits, chunk=32, block_s=16)
+    got = decode_attention(*args, bits=bits, chunks=2, block_s=16)
     want = decode_attention_reference(*args, bits=bits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # and the compressed tier matters: the all-full-precision answer differs

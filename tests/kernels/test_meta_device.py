@@ -7,7 +7,7 @@ tensors of the documented shapes."""
 
 import pytest
 import torch
-from engines.kernels import fp8_kv, kivi_kv, turbo_kv
+from engines.kernels import decode, fp8_kv, kivi_kv, turbo_kv
 from engines.kernels.w4a16 import w4a16_reference
 from engines.quant import awq_gemm, dequantize_groupwise, fake_quantize, quantize_groupwise
 from engines.reference import awq
@@ -47,7 +47,7 @@ CASES = {
         lambda: turbo_kv.decode_attention_reference(m(B, H, D), ints(B, HKV, S, 3, D // 32), m(B, HKV, S),
                                                     ints(B, HKV, S, 3, D // 32), m(B, HKV, S), ints(B, dtype=torch.int64), 3),
         (B, H, D)),
-    "turbo.merge_split_k": (lambda: turbo_kv.merge_split_k(m(H, 4), m(H, 4), m(H, 4, D)), (H, D)),
+    "decode.merge_split_k": (lambda: decode.merge_split_k(m(H, 4), m(H, 4), m(H, 4, D)), (H, D)),
     # fp8
     "fp8.quantize_reference": (lambda: fp8_kv.quantize_reference(m(S, D)), (S, D)),
     "fp8.decode_attention_reference": (

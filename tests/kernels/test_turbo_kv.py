@@ -47,13 +47,13 @@ def test_decode_attention_matches_reference(device, bits):
     q = torch.randn(B, H, D, generator=g)
     lengths = torch.tensor([70, 33])  # the second sequence is shorter: its tail slots are ignored
     args = [t.to(device) for t in (q, kc, kn, vc, vn, lengths)]
-    got = decode_attention(*args, bits=bits, chunk=32, block_s=16)
+    got = decode_attention(*args, bits=bits, chunks=2, block_s=16)
     want = decode_attention_reference(*args, bits=bits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_default_split_matches_reference(device):
-    """The launcher's own split (split_k_chunk) with a length far below the cache's width, as
+    """The launcher's own split (decode.split_k_chunks) with a length far below the cache's width, as
     in a CUDA-graph decode step over the whole static cache."""
     g = torch.Generator().manual_seed(3)
     B, H, Hkv, S, D = 1, 4, 2, 200, 32
@@ -61,22 +61,3 @@ def test_default_split_matches_reference(device):
     (kc, kn), (vc, vn) = quantize_reference(k, 3), quantize_reference(v, 3)
     args = [t.to(device) for t in (torch.randn(B, H, D, generator=g), kc, kn, vc, vn, torch.tensor([37]))]
     torch.testing.assert_close(decode_attention(*args, bits=3), decode_attention_reference(*args, bits=3), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("S,rows,sms,want_chunks", [(32768, 32, 132, 17), (131072, 32, 132, 17), (8192, 32, 132, 16),
-                                                    (100, 32, 132, 2), (1000, 2, 4, 8)])
-def test_split_k_fills_the_sms_without_tiny_chunks(monkeypatch, S, rows, sms, want_chunks):
-    # ≈ 4 programs per SM at batch 1 (H100: 132 SMs, 32 query heads → 17 chunks), never a chunk
-    # shorter than a tile; every token in exactly one chunk
-    import engines.kernels.turbo_kv as turbo
-
-    class Props:
-        multi_processor_count = sms
-
-    monkeypatch.setattr(turbo.torch.cuda, "get_device_properties", lambda d: Props)
-    turbo._sm_count.cache_clear()
-    block_s = 64
-    chunk = turbo.split_k_chunk(S, rows, "cuda", block_s)
-    assert chunk % block_s == 0
-    assert -(-S // chunk) == want_chunks
-    turbo._sm_count.cache_clear()
