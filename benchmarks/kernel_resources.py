@@ -27,6 +27,28 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
+DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh")  # multiples of 16 at 8B shapes
+
+
+def main_loop_instructions(sass: str) -> int:
+    """SASS instructions of a kernel's main loop: the longest span that a backward branch closes
+    (where the loop body has branches of its own, both sides count)."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            loops.append((int(t.group(1), 16), addr))
+    if not loops:
+        return 0
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    return sum(lo <= addr <= hi for addr, _, _ in ins)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200, 80 = A100)")
@@ -42,17 +64,26 @@ def main() -> int:
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     out: dict = {"benchmark": "kernel_resources", "triton": triton.__version__, "arch": f"sm_{args.arch}", "kernels": []}
 
-    def compile_one(fn, sig: dict, consts: dict, options: dict, label: str) -> None:
+    def compile_one(fn, sig: dict, consts: dict, options: dict, label: str, elements: int | None = None) -> None:
+        """Compile as a launch would: pointers (torch allocations) and the ints named in DIV16
+        specialized as multiples of 16. elements: what one trip of the kernel's main loop
+        processes; the row then gets the loop's SASS instructions per element per lane."""
         full = {name: ("constexpr" if name in consts else sig[name]) for name in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+                 if n not in consts and (t.startswith("*") or n in DIV16)}
         row: dict = {"kernel": fn.__name__, "config": label}
         try:
-            k = triton.compile(ASTSource(fn, full, consts), target=target, options=options)
+            k = triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=options)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(k.asm["cubin"])
                 f.flush()
                 usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+                sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout if elements else ""
             m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
             row.update(registers=int(m.group(1)), stack_bytes=int(m.group(2)), shared_bytes=int(m.group(3)) + int(k.metadata.shared))
+            if elements:
+                n = main_loop_instructions(sass)
+                row.update(loop_instructions=n, lane_instructions_per_element=round(n * options["num_warps"] * 32 / elements, 1))
         except Exception as e:  # noqa: BLE001 — a config that does not compile is a finding, not a crash
             row["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
         out["kernels"].append(row)
@@ -72,31 +103,38 @@ def main() -> int:
                     f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
     import triton.language as tl
     from engines.kernels import _decode_triton as dec
-    from engines.kernels.decode import ATTENTION_WARPS, GROUP_ROWS
+    from engines.kernels import fp8_kv, kivi_kv, turbo_kv
+    from engines.kernels.decode import GROUP_ROWS
 
-    grouped = dict(D=128, G=4, GP=GROUP_ROWS, BLOCK_S=64, DOT=tl.float16)  # Llama-3-8B: 32 query heads on 8 KV heads
-    warps = {"num_warps": ATTENTION_WARPS}  # as the launchers run them
+    def launch_of(t, **consts):  # a format's Tuning → (constexprs, options, label, elements per loop trip: K and V)
+        c = dict(D=128, G=4, GP=GROUP_ROWS, BLOCK_S=t.block_s, DOT=tl.float16, **consts)  # Llama-3-8B: 32 heads on 8
+        label = " ".join(f"{k}={v}" for k, v in consts.items()) + f" D=128 G=4 BLOCK_S={t.block_s} warps={t.num_warps} stages={t.num_stages}"
+        return c, {"num_warps": t.num_warps, "num_stages": t.num_stages}, label.strip(), 2 * t.block_s * 128
+
     split = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", HKV="i32", S="i32")
     attn_sig = dict(q_ptr="*fp16", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i64",
-                    book_ptr="*fp32", rot_ptr="*fp32", **split, code_sb="i32", code_sh="i32", norm_sb="i32",
+                    poly_ptr="*fp32", rot_ptr="*fp32", **split, code_sb="i32", code_sh="i32", norm_sb="i32",
                     norm_sh="i32", scale="fp32")
     for bits in (2, 3, 4):
-        compile_one(turbo.attention_kernel, attn_sig, dict(BITS=bits, **grouped), warps, f"D=128 G=4 bits={bits} BLOCK_S=64")
+        compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits))
         compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
                                                 norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
                     f"D=128 bits={bits} BLOCK_N=16")
     compile_one(dec.fp8_attention_kernel, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i64",
                                                **split, stride_b="i32", stride_h="i32", scale="fp32"),
-                grouped, warps, "D=128 G=4 BLOCK_S=64")
+                *launch_of(fp8_kv.TUNING))
     kivi_sig = dict(q_ptr="*fp16", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
                     vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i64", nk_ptr="*i64", nv_ptr="*i64",
                     **split, SG="i32", scale="fp32")
     for bits in (2, 4):
-        compile_one(kivi.attention_kernel, kivi_sig, dict(GROUP=32, BITS=bits, **grouped), warps, f"D=128 G=4 bits={bits} BLOCK_S=64")
+        compile_one(kivi.attention_kernel, kivi_sig, *launch_of(kivi_kv.TUNING, GROUP=32, BITS=bits))
     compile_one(dec.merge_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", rot_ptr="*fp32", out_ptr="*fp16",
                                        NC="i32"), dict(D=128, NCP=64, ROTATE=True), {"num_warps": 4}, "D=128 NCP=64 ROTATE")
     rows = out["kernels"]
     out["summary"] = {"compiled": sum("error" not in r for r in rows), "failed": sum("error" in r for r in rows),
+                      "decode_attention_lane_instructions_per_element": {
+                          f"{r['kernel']} {r['config']}": r["lane_instructions_per_element"]
+                          for r in rows if "lane_instructions_per_element" in r},
                       "spilling": [f"{r['kernel']} {r['config']} ({r['stack_bytes']} B)" for r in rows if r.get("stack_bytes")]}
     print(json.dumps(out))
     return 0

@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--long-context", type=int, default=32768, help="context of the long decode runs (0: skip them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate peer")
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers generate with cache_implementation='static'")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="decode steps profiled after each 8B-shaped config's runs (torch.profiler: GPU time by kernel)")
     ap.add_argument("--attention-sweep", type=int, nargs="*", default=[],
                     help="contexts at which each decode-attention kernel is also timed at every launch shape (tuning_sweep)")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
@@ -488,19 +490,23 @@ def build_models(a, device: str, with_hf: bool):
     return model.eval(), hf
 
 
-def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats: int) -> dict:
+def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats: int, profile: int = 0) -> dict:
     """Greedy batch-1 decode through the Decoder: run 0 warms up (autotuning, graph capture,
     compilation) and is not counted; each counted run is a fresh Decoder: TTFT = prefill + the
     first token's argmax (one sync to read it), then one untimed step, then new − 2 timed steps
-    with no host sync inside. The Decoder captures its graph in prepare(), before the clock."""
+    with no host sync inside. The Decoder captures its graph in prepare(), before the clock.
+    profile > 0 (CUDA): after the last run, `profile` more steps under torch.profiler, and the row
+    gets the kernels that took the most GPU time per step (step_profile)."""
     import torch
     from engines.reference.decode import Decoder
     from engines.reference.kv import kv_format
 
     P = ids.shape[1]
     ttft, tps, step_ms, tokens, graphs, graphs_reason, prefill_logits = [], [], [], [], None, None, None
+    extra = profile if clock.cuda else 0
+    step_profile = None
     for r in range(repeats + 1):
-        dec = Decoder(model, kv_format(kv, torch.float16), 1, P + new, torch.device(device), torch.float16)
+        dec = Decoder(model, kv_format(kv, torch.float16), 1, P + new + extra, torch.device(device), torch.float16)
         dec.prepare()  # graph capture (where it applies) before the clock, as the engine does
         out = torch.empty(new, dtype=torch.long, device=device)
         clock.sync()
@@ -528,6 +534,11 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
         t3 = time.perf_counter()
         graphs = bool(getattr(dec, "graphs_active", False))
         graphs_reason = getattr(dec, "graphs_reason", None)
+        if extra and r == repeats:
+            try:
+                step_profile = profile_steps(dec, tok, extra)
+            except Exception as e:  # noqa: BLE001 - a profiler failure costs the profile, not the row
+                step_profile = {"error": f"{type(e).__name__}: {e}"[:300]}
         tokens.append(out.tolist())
         del dec, out, logits
         if r:
@@ -539,7 +550,27 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     return {"kv_cache": kv, "context": P, "new_tokens": new, "decode_loop": "engines.reference.decode.Decoder",
             "cuda_graphs": graphs, "cuda_graphs_reason": graphs_reason,
             "ttft_ms": spread(ttft, 2), "decode_tok_s": spread(tps, 1), "step_ms_median_per_run": spread(step_ms, 3),
-            "tokens_same_every_run": all(t == tokens[0] for t in tokens), "_tokens": tokens[0], "_prefill_logits": prefill_logits}
+            "tokens_same_every_run": all(t == tokens[0] for t in tokens), "_tokens": tokens[0], "_prefill_logits": prefill_logits,
+            **({"step_profile": step_profile} if step_profile else {})}
+
+
+def profile_steps(dec, tok, n: int, top: int = 12) -> dict:
+    """n decode steps under torch.profiler (CUDA activity, kernels inside a graph replay included):
+    GPU µs per step in all, and the `top` kernels by GPU time per step with their launches per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            tok = dec.step(tok).argmax(-1)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    return {"steps": n, "gpu_us_per_step": round(total / n, 1), "kernels": len(events),
+            "top": [{"name": e.key[:90], "us_per_step": round(e.self_device_time_total / n, 1),
+                     "launches_per_step": round(e.count / n, 1)} for e in events[:top]]}
 
 
 def hf_peer(clock: Clock, hf, ids, new: int, device: str, repeats: int, static: bool) -> dict:
@@ -649,7 +680,7 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
         progress(f"decode {w} weights, {kv} KV, context {P}: start")
         t = time.perf_counter()
         try:
-            r = decode_run(clock, model, kv, prompt_ids, new, device, args.repeats)
+            r = decode_run(clock, model, kv, prompt_ids, new, device, args.repeats, args.profile_steps)
         except Exception as e:  # noqa: BLE001 - reported in the row and in the run's errors; the next config runs
             import traceback
 

@@ -17,15 +17,31 @@ def _pack(q, BITS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr):
-    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] as fp32. The integer becomes
-    # a float by its bits: 2^23 + q has q in the low mantissa bits, so OR-ing q into 0x4B000000 and
-    # subtracting 2^23 is exact, without an int-to-float conversion per element
+    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] as fp32. Each packed word
+    # is loaded once and split by shifts along a third axis (channel c is lane c % PER of word
+    # c // PER). The integer becomes a float by its bits: 2^23 + q has q in the low mantissa bits,
+    # so OR-ing q into 0x4B000000 and subtracting 2^23 is exact, with no conversion instruction
     PER: tl.constexpr = 32 // BITS
-    rd = tl.arange(0, D)
-    words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + (rd // PER)[None, :],
-                    mask=mask_s[:, None], other=0)
-    codes = (words >> ((rd % PER) * BITS)[None, :]) & (2**BITS - 1)
+    rw = tl.arange(0, D // PER)
+    words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + rw[None, :], mask=mask_s[:, None], other=0)
+    lanes = (words[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & (2**BITS - 1)
+    codes = tl.reshape(lanes, (rs.shape[0], D))
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _key_scores(q, kc_ptr, ks_ptr, kz_ptr, k_ptr, code_off, head, rs, valid, ck, S, SG,
+                D: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    # scores [GP, BLOCK_S] of a tile that mixes tiers: keys dequantized per element (per channel
+    # scale/zero of each slot's token group [SG = ⌈S/G⌉, D]) or read from the residual
+    rd = tl.arange(0, D)
+    kq = _unpack_rows(kc_ptr, code_off, rs, ck, BITS, D)
+    koff = (head * SG + rs // GROUP)[:, None] * D + rd[None, :]
+    kdq = (kq * tl.load(ks_ptr + koff, mask=ck[:, None], other=0.0)
+           + tl.load(kz_ptr + koff, mask=ck[:, None], other=0.0))
+    kraw = tl.load(k_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~ck)[:, None], other=0.0)
+    kt = tl.where(ck[:, None], kdq, kraw.to(tl.float32)).to(DOT)
+    return tl.dot(q.to(DOT), tl.trans(kt), input_precision="ieee")
 
 
 @triton.jit
@@ -71,12 +87,14 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
                      DOT: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
     # the G query heads of one KV head. Slot j's key is read compressed iff j < nk, its value iff
     # j < nv; otherwise from the full-precision residual (k_ptr / v_ptr). Masked loads: each
-    # slot's bytes come from one tier only.
+    # slot's bytes come from one tier only. Where a tile is one token group wholly compressed
+    # (BLOCK_S = GROUP), the group's per-channel key scale folds into the query and its zero into
+    # one offset per head: s = (q·scale)·codesᵀ + q·zero, so the codes go to the product as they are
     bk, chunk, b, kvh, rg, rows = _grouped_program(HKV, G, GP)
     length = tl.minimum(tl.load(len_ptr + b), S)
     nk, nv = tl.load(nk_ptr + b), tl.load(nv_ptr + b)
     rd = tl.arange(0, D)
-    q = _load_queries(q_ptr, rows, rg, scale, G, D).to(DOT)
+    q = _load_queries(q_ptr, rows, rg, scale, G, D)  # fp32
     head = b * HKV + kvh
     code_off = head * S * (D * BITS // 32)
     m_i = tl.full((GP,), float("-inf"), tl.float32)
@@ -88,14 +106,19 @@ def attention_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, k_pt
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = rs < length
         ck, cv = valid & (rs < nk), valid & (rs < nv)
-        # keys: per channel scale/zero of the slot's token group [SG = ⌈S/G⌉, D]
-        kq = _unpack_rows(kc_ptr, code_off, rs, ck, BITS, D)
-        koff = (head * SG + rs // GROUP)[:, None] * D + rd[None, :]
-        kdq = (kq * tl.load(ks_ptr + koff, mask=ck[:, None], other=0.0)
-               + tl.load(kz_ptr + koff, mask=ck[:, None], other=0.0))
-        kraw = tl.load(k_ptr + (head * S + rs)[:, None] * D + rd[None, :], mask=(valid & ~ck)[:, None], other=0.0)
-        kt = tl.where(ck[:, None], kdq, kraw.to(tl.float32)).to(DOT)
-        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kt), input_precision="ieee"), float("-inf"))
+        if BLOCK_S == GROUP:
+            if s0 + BLOCK_S <= nk:
+                goff = (head * SG + s0 // GROUP) * D + rd
+                qs = (q * tl.load(ks_ptr + goff)[None, :]).to(DOT)
+                zq = tl.sum(q * tl.load(kz_ptr + goff)[None, :], axis=1)
+                kq = _unpack_rows(kc_ptr, code_off, rs, ck, BITS, D).to(DOT)  # small integers: exact
+                s = tl.dot(qs, tl.trans(kq), input_precision="ieee") + zq[:, None]
+            else:
+                s = _key_scores(q, kc_ptr, ks_ptr, kz_ptr, k_ptr, code_off, head, rs, valid, ck, S, SG,
+                                D, GROUP, BITS, DOT)
+        else:
+            s = _key_scores(q, kc_ptr, ks_ptr, kz_ptr, k_ptr, code_off, head, rs, valid, ck, S, SG, D, GROUP, BITS, DOT)
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, p, alpha = _softmax_update(s, m_i, l_i)
         # values: per token scale/zero of each group of G channels [S, D/G]
         vq = _unpack_rows(vc_ptr, code_off, rs, cv, BITS, D)

@@ -8,12 +8,19 @@ from engines.kernels._decode_triton import _grouped_program, _load_queries, _sof
 
 
 @triton.jit
-def _select(idx, book_ptr, LEVELS: tl.constexpr):
-    # codebook lookup as arithmetic selects (no data-dependent loads)
-    out = tl.zeros(idx.shape, dtype=tl.float32)
-    for j in tl.static_range(LEVELS):
-        out = tl.where(idx == j, tl.load(book_ptr + j), out)
-    return out
+def _codebook(idx, poly_ptr, BITS: tl.constexpr):
+    # codebook values of indices idx (int32 < 2^BITS) as arithmetic, not a 2^BITS-way select: the
+    # symmetric Lloyd-Max codebook is an odd polynomial of x = idx − (2^BITS − 1)/2 whose 2^(BITS−1)
+    # coefficients (turbo_kv.codebook_polynomial) are read low power first; Horner in x². The
+    # index becomes a float by its bits (2^23 + idx, then − 2^23): exact, no conversion instruction
+    HALF: tl.constexpr = 2 ** (BITS - 1)
+    x = (idx | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0 - (2**BITS - 1) / 2
+    y = x * x
+    acc = tl.zeros(idx.shape, tl.float32) + tl.load(poly_ptr + HALF - 1)
+    for k in tl.static_range(HALF - 1):
+        acc = acc * y + tl.load(poly_ptr + HALF - 2 - k)
+    return x * acc
+
 
 @triton.jit
 def quantize_kernel(x_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, N,
@@ -53,7 +60,7 @@ def _unpack(codes_ptr, row_off, rs, mask_s, D: tl.constexpr, BITS: tl.constexpr)
     return tl.reshape(idx, (rs.shape[0], D))
 
 @triton.jit
-def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr, rot_ptr,
+def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, poly_ptr, rot_ptr,
                      m_ptr, l_ptr, acc_ptr, HKV, S, code_sb, code_sh, norm_sb, norm_sh, scale,
                      D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
                      DOT: tl.constexpr, BITS: tl.constexpr):
@@ -75,11 +82,11 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, book_ptr, r
     for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = rs < length
-        kv = _select(_unpack(kc_ptr, code_off, rs, valid, D, BITS), book_ptr, 2**BITS).to(DOT)
+        kv = _codebook(_unpack(kc_ptr, code_off, rs, valid, D, BITS), poly_ptr, BITS).to(DOT)
         kn = tl.load(kn_ptr + norm_off + rs, mask=valid, other=0.0)
         s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv), input_precision="ieee") * kn[None, :], float("-inf"))
         m_i, l_i, p, alpha = _softmax_update(s, m_i, l_i)
-        vv = _select(_unpack(vc_ptr, code_off, rs, valid, D, BITS), book_ptr, 2**BITS).to(DOT)
+        vv = _codebook(_unpack(vc_ptr, code_off, rs, valid, D, BITS), poly_ptr, BITS).to(DOT)
         vn = tl.load(vn_ptr + norm_off + rs, mask=valid, other=0.0)
         acc = acc * alpha[:, None] + tl.dot((p * vn[None, :]).to(DOT), vv, input_precision="ieee")
     _store_partials(m_ptr, l_ptr, acc_ptr, rows, rg, chunk, m_i, l_i, acc, G, D)

@@ -16,6 +16,7 @@ rotated inside the kernel, and the merge rotates the output back.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,7 +24,8 @@ import torch
 from engines.kernels.decode import Tuning, head_strides, launch
 from engines.quant import codebook_on, rotation_on
 
-TUNING = {2: Tuning(), 3: Tuning(), 4: Tuning(num_warps=8)}  # 4 bits spill with 4 warps
+# the fastest in the H200 sweep at 3 bits (benchmarks/results/gpu); 4 bits spill at 128-slot tiles
+TUNING = {2: Tuning(128, 8), 3: Tuning(128, 8), 4: Tuning(64, 8)}
 
 _kernels: dict[str, object] = {}
 
@@ -31,6 +33,26 @@ _kernels: dict[str, object] = {}
 def rotation_and_codebook(d: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Π [d, d] and the Lloyd-Max codebook [2^bits] on `device`, made once per device."""
     return rotation_on(d, seed, device), codebook_on(d, bits, device)
+
+
+@functools.lru_cache
+def _codebook_polynomial(d: int, bits: int, device: str) -> torch.Tensor:
+    book = codebook_on(d, bits, "cpu").double()
+    if not torch.allclose(book, -book.flip(0)):
+        raise ValueError(f"the {bits}-bit codebook for d={d} is not symmetric: no odd polynomial through it")
+    half = 2 ** (bits - 1)
+    x = torch.arange(half, 2 * half, dtype=torch.float64) - (2 * half - 1) / 2  # the positive half
+    powers = torch.stack([x ** (2 * k + 1) for k in range(half)], 1)
+    return torch.linalg.solve(powers, book[half:]).float().to(device)
+
+
+def codebook_polynomial(d: int, bits: int, device) -> torch.Tensor:
+    """The odd polynomial through the codebook: coefficients a₁, a₃, … [2^(bits−1)] with
+    c[j] = Σ_k a_(2k+1)·x^(2k+1), x = j − (2^bits − 1)/2 (the codebook is symmetric, so its
+    positive half fixes them; solved in float64). In fp32 it gives the codebook exactly at 1–3
+    bits and within 1e-7 at 4 (tests/kernels/test_turbo_kv.py): the decode kernel computes
+    codebook values with it instead of selecting among 2^bits constants."""
+    return _codebook_polynomial(d, bits, str(device))
 
 
 # -- torch references --------------------------------------------------------------------------
@@ -116,10 +138,11 @@ def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, 
     if k_codes.stride() != v_codes.stride() or k_norms.stride() != v_norms.stride():
         raise ValueError("keys and values must share one layout")
     _, attention = _get()
-    rot, book = rotation_and_codebook(D, bits, seed, q.device)
+    rot = rotation_on(D, seed, q.device)
     csb, csh = head_strides(k_codes)
     nsb, nsh = head_strides(k_norms)
-    return launch(attention, q, Hkv, S, [k_codes, k_norms, v_codes, v_norms, lengths, book, rot],
+    poly = codebook_polynomial(D, bits, q.device)
+    return launch(attention, q, Hkv, S, [k_codes, k_norms, v_codes, v_norms, lengths, poly, rot],
                   dict(HKV=Hkv, S=S, code_sb=csb, code_sh=csh, norm_sb=nsb, norm_sh=nsh, scale=1.0 / math.sqrt(D),
                        BITS=bits), TUNING[bits],
                   rotation=rot, chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

@@ -56,8 +56,9 @@ def test_keys_must_come_in_whole_token_groups():
         quantize_keys(torch.randn(40, 32), 2)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_decode_attention_matches_reference(device, bits):
+@pytest.mark.parametrize("bits,block_s", [(2, 16), (4, 16), (2, 32), (4, 32)])
+def test_decode_attention_matches_reference(device, bits, block_s):
+    # block_s 32 = one token group a tile: wholly compressed tiles fold the key scale into the query
     g = torch.Generator().manual_seed(11)
     B, H, Hkv, S, D = 2, 4, 2, 96, 32
     k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
@@ -68,7 +69,7 @@ def test_decode_attention_matches_reference(device, bits):
     # all in the residual, values < 8 compressed
     lengths, nk, nv = torch.tensor([90, 40]), torch.tensor([64, 0]), torch.tensor([70, 8])
     args = [t.to(device) for t in (q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv)]
-    got = decode_attention(*args, bits=bits, chunks=2, block_s=16)
+    got = decode_attention(*args, bits=bits, chunks=2, block_s=block_s)
     want = decode_attention_reference(*args, bits=bits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # and the compressed tier matters: the all-full-precision answer differs

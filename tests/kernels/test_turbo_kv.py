@@ -4,6 +4,7 @@ Codes must match exactly (ties aside) and norms to 1e-5; attention outputs to 1e
 import pytest
 import torch
 from engines.kernels.turbo_kv import (
+    codebook_polynomial,
     decode_attention,
     decode_attention_reference,
     dequantize_rotated,
@@ -61,3 +62,16 @@ def test_default_split_matches_reference(device):
     (kc, kn), (vc, vn) = quantize_reference(k, 3), quantize_reference(v, 3)
     args = [t.to(device) for t in (torch.randn(B, H, D, generator=g), kc, kn, vc, vn, torch.tensor([37]))]
     torch.testing.assert_close(decode_attention(*args, bits=3), decode_attention_reference(*args, bits=3), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,tol", [(1, 0.0), (2, 0.0), (3, 0.0), (4, 1e-7)])
+def test_codebook_polynomial_gives_the_codebook(bits, tol):
+    # the kernel's arithmetic lookup, in fp32 as the kernel runs it: x·(a₁ + x²·(a₃ + …))
+    from engines.quant import codebook_on
+
+    a = codebook_polynomial(128, bits, "cpu")
+    x = torch.arange(2**bits, dtype=torch.float32) - (2**bits - 1) / 2
+    acc = torch.full_like(x, a[-1].item())
+    for coef in a.flip(0)[1:]:
+        acc = acc * x * x + coef
+    assert (x * acc - codebook_on(128, bits, "cpu")).abs().max().item() <= tol
