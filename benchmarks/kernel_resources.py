@@ -120,7 +120,7 @@ def main() -> int:
         compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
                                                 norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
                     f"D=128 bits={bits} BLOCK_N=16")
-    compile_one(dec.fp8_attention_kernel, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i64",
+    compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i64",
                                                **split, stride_b="i32", stride_h="i32", scale="fp32"),
                 *launch_of(fp8_kv.TUNING))
     kivi_sig = dict(q_ptr="*fp16", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",

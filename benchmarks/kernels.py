@@ -73,6 +73,7 @@ def parse_args(argv=None):
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps per 8B-shaped run (default 64; 4 with --smoke)")
     ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     ap.add_argument("--long-context", type=int, default=32768, help="context of the long decode runs (0: skip them)")
+    ap.add_argument("--long-kv", nargs="*", default=[], help="KV formats of the long-context runs (default: all of CONFIGS_LONG)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate peer")
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers generate with cache_implementation='static'")
     ap.add_argument("--profile-steps", type=int, default=0,
@@ -376,7 +377,7 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
     return row, checks
 
 
-SWEEP_TILES = ((32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2))
+SWEEP_TILES = ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 1), (64, 8, 2), (128, 4, 2), (128, 8, 2))
 SWEEP_PROGRAMS_PER_SM = (1, 2, 4)
 
 
@@ -701,7 +702,8 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
         if long_ctx:
             ids_long = torch.randint(0, a.vocab_size, (1, long_ctx), generator=g).to(device)
             for w, kv in CONFIGS_LONG:
-                run_config(w, kv, ids_long)
+                if not args.long_kv or kv in args.long_kv:
+                    run_config(w, kv, ids_long)
             del ids_long
         try:
             quantize_int4(model, device)

@@ -1,6 +1,6 @@
 """What the decode-attention kernels share (see decode.py for the scheme and the API): the grouped
-split-K program, the online-softmax update, the partials' store, the merge kernel, and the fp8
-attention kernel. Imported only when a kernel runs.
+split-K program, the online-softmax update, the partials' store, the merge kernel, and the
+attention kernel over a float cache (fp16, bf16, fp32 or fp8). Imported only when a kernel runs.
 
 One program serves all G query heads of one KV head over one share of the sequence, so each KV tile
 is read and decoded once for the G heads (GQA), and both products run on the tensor cores: scores
@@ -83,11 +83,12 @@ def fp8_quantize_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def fp8_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, HKV, S, stride_b, stride_h, scale,
+def float_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, HKV, S, stride_b, stride_h, scale,
                          D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
                          DOT: tl.constexpr):
-    # keys and values [B, Hkv, S, D] e4m3 (rows of one head contiguous; b and head by stride),
-    # widened to DOT in registers (e4m3 values are exact in fp16 and bf16)
+    # keys and values [B, Hkv, S, D] in a float type: fp16/bf16/fp32, or e4m3 widened to DOT in
+    # registers (e4m3 values are exact in fp16 and bf16); rows of one head contiguous, b and head
+    # by stride
     bk, chunk, b, kvh, rg, rows = _grouped_program(HKV, G, GP)
     length = tl.minimum(tl.load(len_ptr + b), S)
     rd = tl.arange(0, D)

@@ -109,3 +109,25 @@ def launch(kernel, q: torch.Tensor, Hkv: int, S: int, args: list, consts: dict, 
 
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+FLOAT_TUNING = Tuning(block_s=128, num_warps=4, num_stages=2)  # the fastest fp8 shape in the H200 sweep
+
+
+def float_decode_attention(q, k, v, lengths, chunks: int | None = None, block_s: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           tuning: Tuning = FLOAT_TUNING) -> torch.Tensor:
+    """q [B, H, D]; k, v [B, Hkv, S, D] in a float type (fp16, bf16, fp32, or fp8 e4m3 widened in
+    registers; a [:, :, :S] slice of a wider cache is read in place); lengths [B] (any integer
+    type) → [B, H, D] in q's dtype. The reference engine's decode steps over a float or dequantized
+    cache take it where kernels run (engines/reference/kv/base.py)."""
+    from engines.kernels._decode_triton import float_attention_kernel
+
+    B, H, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if k.stride() != v.stride() or k.dtype != v.dtype:
+        raise ValueError("keys and values must share one layout and type")
+    sb, sh = head_strides(k)
+    return launch(float_attention_kernel, q, Hkv, S, [k, v, lengths],
+                  dict(HKV=Hkv, S=S, stride_b=sb, stride_h=sh, scale=1.0 / math.sqrt(D)), tuning,
+                  chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from engines.kernels.decode import Tuning, head_strides, launch
+from engines.kernels.decode import Tuning, float_decode_attention
 
 TUNING = Tuning(block_s=128, num_warps=4, num_stages=2)  # the fastest in the H200 sweep (benchmarks/results/gpu)
 
@@ -39,18 +39,8 @@ def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def decode_attention(q, k8, v8, lengths, chunks: int | None = None, block_s: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def decode_attention(q, k8, v8, lengths, **launch_kw) -> torch.Tensor:
     """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8 (a [:, :, :S] slice of a wider cache is read in
-    place); lengths [B] (any integer type) → [B, H, D] in q's dtype. chunks, block_s, num_warps:
-    decode.launch's defaults unless given (benchmarks sweep them)."""
-    from engines.kernels._decode_triton import fp8_attention_kernel
-
-    B, H, D = q.shape
-    Hkv, S = k8.shape[1], k8.shape[2]
-    if k8.stride() != v8.stride():
-        raise ValueError("keys and values must share one layout")
-    sb, sh = head_strides(k8)
-    return launch(fp8_attention_kernel, q, Hkv, S, [k8, v8, lengths],
-                  dict(HKV=Hkv, S=S, stride_b=sb, stride_h=sh, scale=1.0 / math.sqrt(D)), TUNING,
-                  chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
+    place); lengths [B] (any integer type) → [B, H, D] in q's dtype: decode.float_decode_attention
+    at fp8's launch shape (launch_kw: chunks, block_s, num_warps, num_stages to override it)."""
+    return float_decode_attention(q, k8, v8, lengths, tuning=TUNING, **launch_kw)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.reference.attention import masked_gqa_attention
 from engines.reference.kv import KVFormat
+from engines.reference.kv.base import float_attention
 
 
 class KVCache:
@@ -58,7 +58,8 @@ class KVCache:
         self.v[layer].index_copy_(2, slots, v)
         if isinstance(mask, int):
             if not self.fmt.lossy and not self.left_padded:
-                return masked_gqa_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], None)
+                return float_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], slots, None,
+                                       q.shape[2] == 1)
             mask = torch.ones(q.shape[0], 1, q.shape[2], mask, dtype=torch.bool, device=q.device)
         S = mask.shape[-1] if mask is not None else len(slots)
         if mask is None and not self.fmt.lossy:  # prefill: causal flash / memory-efficient SDPA, no mask

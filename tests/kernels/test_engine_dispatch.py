@@ -24,11 +24,11 @@ LONG_PROMPT = ("os.path.join(a, *p)\n\nJoin two or more pathname components, ins
                "An empty last part will result in a path that ends with a separator.\n\n") * 3
 
 
-def generate(monkeypatch, mode, kv_cache, module, prompt="json.dumps()\n\nSerialize"):
+def generate(monkeypatch, mode, kv_cache, module, prompt="json.dumps()\n\nSerialize", attr="decode_attention"):
     monkeypatch.setenv("CANARY_KERNELS", mode)
     calls = []
-    real = module.decode_attention
-    monkeypatch.setattr(module, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(module, attr)
+    monkeypatch.setattr(module, attr, lambda *a, **k: calls.append(1) or real(*a, **k))
     # graphs off: on CUDA a captured decode step is replayed without re-entering Python, so counting
     # Python-level decode_attention calls would see only the warm-up and capture calls (2 + 1 per layer)
     e = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache=kv_cache,
@@ -75,3 +75,15 @@ def test_int4_linears_take_the_w4a16_kernel_when_forced(monkeypatch):
     assert len(calls) == 6 * 4  # qkv, o, gate_up, down in each of 6 layers
     # same math; the packed path carries fp16 scales (the AutoAWQ layout), the dense one fp32
     assert max(abs(a - b) for a, b in zip(packed.logprobs, dense.logprobs, strict=False)) < 2e-2
+
+
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_float_and_dequantized_caches_decode_with_the_grouped_kernel(monkeypatch, kv_cache):
+    # a lossless cache (fp32 for fp32 weights: the raw keys and values) and a dequantized one
+    # (int8: each slot's dequantized value) take decode.float_decode_attention on decode steps
+    import engines.kernels.decode as decode
+
+    torch_tokens, torch_calls = generate(monkeypatch, "torch", kv_cache, decode, attr="float_decode_attention")
+    triton_tokens, triton_calls = generate(monkeypatch, "triton", kv_cache, decode, attr="float_decode_attention")
+    assert torch_calls == 0 and triton_calls == 6 * 4
+    assert triton_tokens == torch_tokens

@@ -70,7 +70,7 @@ class KVStore:
         mask: [B, 1, T, S]; seq_start: [B] first real slot per row; decode_step: one new token
         per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
         S = mask.shape[-1]
-        return masked_gqa_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], mask)
+        return float_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], slots, mask, decode_step)
 
 
 class DequantizedStore(KVStore):
@@ -92,7 +92,19 @@ class DequantizedStore(KVStore):
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
         self.write(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+        return float_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], slots, mask, decode_step)
+
+
+def float_attention(q, keys, values, slots, mask, decode_step: bool) -> torch.Tensor:
+    """Attention over a cache held as floats (raw, or each slot's dequantized value): a decode
+    step takes the grouped decode kernel where kernels run (on CUDA: 2 launches instead of
+    masked SDPA's, which on H200 took 50 µs a layer at 1K and 1.3 ms at 32K:
+    benchmarks/results/gpu), else masked GQA attention."""
+    if decode_step and kernels_fit(q):
+        from engines.kernels.decode import float_decode_attention
+
+        return float_decode_attention(q[:, :, 0], keys, values, decode_lengths(q, slots))[:, :, None]
+    return masked_gqa_attention(q, keys, values, mask)
 
 
 def kernels_fit(q: torch.Tensor) -> bool:
