@@ -52,6 +52,8 @@ def main_loop_instructions(sass: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200, 80 = A100)")
+    ap.add_argument("--only", choices=("all", "decode-attention"), default="all",
+                    help="decode-attention: just those kernels at their launch shapes (what the budget test compiles)")
     args = ap.parse_args()
     import triton
     from engines.kernels import _kivi_kv_triton as kivi
@@ -88,23 +90,24 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
         out["kernels"].append(row)
 
-    gemv_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
-    for m_pad in (2, 4, 8, 16):  # batch 1 is gemv1_kernel's
-        for c in w4a16.gemv_configs():
+    if args.only == "all":
+        gemv_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
+        for m_pad in (2, 4, 8, 16):  # batch 1 is gemv1_kernel's
+            for c in w4a16.gemv_configs():
+                kw = c.kwargs
+                compile_one(w4a16.gemv_kernel, gemv_sig, dict(GROUP=128, M_PAD=m_pad, **kw),
+                            dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                            f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
+                            f"warps={c.num_warps} stages={c.num_stages}")
+        gemv1_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", N="i32", K="i32")
+        for c in w4a16.gemv1_configs():
             kw = c.kwargs
-            compile_one(w4a16.gemv_kernel, gemv_sig, dict(GROUP=128, M_PAD=m_pad, **kw),
-                        dict(num_warps=c.num_warps, num_stages=c.num_stages),
-                        f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
-                        f"warps={c.num_warps} stages={c.num_stages}")
-    gemv1_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", N="i32", K="i32")
-    for c in w4a16.gemv1_configs():
-        kw = c.kwargs
-        compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
-                    f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
+            compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                        f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
     import triton.language as tl
     from engines.kernels import _decode_triton as dec
     from engines.kernels import fp8_kv, kivi_kv, turbo_kv
-    from engines.kernels.decode import GROUP_ROWS
+    from engines.kernels.decode import FLOAT_TUNING, GROUP_ROWS
 
     def launch_of(t, **consts):  # a format's Tuning → (constexprs, options, label, elements per loop trip: K and V)
         c = dict(D=128, G=4, GP=GROUP_ROWS, BLOCK_S=t.block_s, DOT=tl.float16, **consts)  # Llama-3-8B: 32 heads on 8
@@ -117,12 +120,15 @@ def main() -> int:
                     norm_sh="i32", scale="fp32")
     for bits in (2, 3, 4):
         compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits))
-        compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
-                                                norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
-                    f"D=128 bits={bits} BLOCK_N=16")
-    compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", len_ptr="*i64",
-                                               **split, stride_b="i32", stride_h="i32", scale="fp32"),
-                *launch_of(fp8_kv.TUNING))
+        if args.only == "all":
+            compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
+                                                    norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
+                        f"D=128 bits={bits} BLOCK_N=16")
+    for cache, tuning in (("fp8e4nv", fp8_kv.TUNING), ("fp16", FLOAT_TUNING)):
+        consts, options, label, elements = launch_of(tuning)
+        compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", len_ptr="*i64",
+                                                     **split, stride_b="i32", stride_h="i32", scale="fp32"),
+                    consts, options, f"cache={cache} {label}", elements)
     kivi_sig = dict(q_ptr="*fp16", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
                     vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i64", nk_ptr="*i64", nv_ptr="*i64",
                     **split, SG="i32", scale="fp32")

@@ -1,0 +1,49 @@
+"""The decode-attention kernels compiled for Hopper (sm_90) on this CPU, as a launch compiles them
+(each format's launch shape, pointers and multiples of 16 specialized), by
+benchmarks/kernel_resources.py: each compiles, and its main loop stays within its budget of SASS
+instructions per lane per cached element. The budgets hold what the H200 runs measured
+(benchmarks/results/gpu/README.md, runs 3-5): a kernel that grows past them got slower on the GPU
+before anyone ran it there."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# lane instructions per cached element (keys and values) in the main loop, at head_dim 128, G = 4
+BUDGETS = {
+    "float_attention_kernel cache=fp8e4nv": 6.0,  # 4.4 at 128-slot tiles: memory-bound
+    "float_attention_kernel cache=fp16": 6.0,
+    "attention_kernel BITS=2 D=128": 20.0,  # TurboQuant, 17.3
+    "attention_kernel BITS=3 D=128": 26.0,  # TurboQuant, 23.5 (32.6 with the 8-way select before)
+    "attention_kernel BITS=4 D=128": 36.0,  # TurboQuant, 32.7
+    "attention_kernel GROUP=32 BITS=2": 24.0,  # KIVI, ~21
+    "attention_kernel GROUP=32 BITS=4": 24.0,
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
+    out = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--only", "decode-attention"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration
+def test_decode_attention_kernels_compile_for_sm90_within_their_instruction_budgets(compiled):
+    rows = [r for r in compiled["kernels"] if r["kernel"] != "merge_kernel"]
+    assert not [r for r in compiled["kernels"] if "error" in r]
+    assert len(rows) == len(BUDGETS)
+    for row in rows:
+        name = f"{row['kernel']} {row['config']}"
+        budget = next(b for key, b in BUDGETS.items() if name.startswith(key))
+        assert 0 < row["lane_instructions_per_element"] <= budget, (name, row)
+        assert row["shared_bytes"] <= 232448, name  # an H100/H200 SM's limit
