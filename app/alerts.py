@@ -17,6 +17,7 @@ from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempot
 from app.channels import AlertMessage, build
 from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
 from app.settings import get_settings
+from app.summary import config_line, judged
 
 log = logging.getLogger(__name__)
 ACTIVE = ("pending", "firing")
@@ -47,6 +48,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                 for silence in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
     comparisons = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
     rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
+    verdicts = _config_verdicts(comparisons, names)
     touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or (comparison.details or {}).get("informational"):
@@ -92,7 +94,9 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                n=comparison.n, baseline=baseline,
                                baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
                                rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
-                               annotations=_step_back(comparison),
+                               annotations={**_step_back(comparison),
+                                            **({"verdict": verdicts[st.labels["config"]]}
+                                               if st.labels["config"] in verdicts and kind == "firing" else {})},
                                starts_at=st.fired_at or st.started_at or now,
                                ends_at=st.resolved_at if kind == "resolved" else alertmanager_ends_at(channel, now))
             notification = Notification(channel_id=channel.id, alert_id=row.id, idempotency_key=key,
@@ -102,6 +106,23 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             notification_ids.append(notification.id)
             row.last_notified_at = now
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
+
+
+def _config_verdicts(comparisons: list[Comparison], names: dict[int, str]) -> dict[str, str]:
+    """Each candidate's line of the verdict summary (app/summary.py), e.g. 'drop or fix: ppl ratio
+    +5.90% [+4.50, +8.20] critical; TTFT ratio +30% [...] warn': an alert on one metric then says
+    where its config stands on all of them, quality and speed."""
+    rows: dict[str, list[dict]] = {}
+    for c in comparisons:
+        rows.setdefault(names[c.config_id], []).append(
+            {"config": names[c.config_id], "metric": c.metric, "verdict": c.verdict, "estimate": c.estimate,
+             "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "rule": c.rule, "details": c.details})
+    out = {}
+    for config, found in rows.items():
+        line = config_line(config, judged(found))
+        if line is not None:
+            out[config] = f"{line['group']}: {line['findings']}"
+    return out
 
 
 def _step_back(comparison: Comparison) -> dict[str, str]:

@@ -31,7 +31,8 @@ MAX_LINES = 12
 _METRIC_RANK = {name: i for i, name in enumerate(METRICS)}  # the table's order: ppl_ratio first among equals
 
 
-def _judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The comparisons that have a say in a verdict: a metric of the table, a known verdict, not informational."""
     return [c for c in comparisons if c["metric"] in METRICS and c["verdict"] in VERDICT_ORDER
             and not informational(dict(c))]
 
@@ -113,7 +114,7 @@ def verdict_summary(comparisons: Iterable[Mapping[str, Any]], step_back: Iterabl
     single-layer ablations (a diagnosis, not a deploy) get no line of their own."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[Mapping[str, Any]]] = {}
-    for c in _judged(comparisons):
+    for c in judged(comparisons):
         if c["config"] not in skip:
             by_config.setdefault(c["config"], []).append(c)
     advice: dict[str, str] = {}

@@ -55,7 +55,12 @@ class AlertMessage:
         return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, "
                 f"n={self.n}); baseline {self.baseline}: {f(self.baseline_value)}, candidate "
                 f"{self.labels.get('config')}: {f(self.candidate_value)}. "
-                f"Rule: {self.rule}. Run {self.run_id}." + self.step_back())
+                f"Rule: {self.rule}. Run {self.run_id}." + self.verdict() + self.step_back())
+
+    def verdict(self) -> str:
+        """Where the alert's config stands on every metric (its verdict-summary line), when firing."""
+        line = self.annotations.get("verdict")
+        return f" {self.labels.get('config')} overall: {line}." if line else ""
 
     def step_back(self) -> str:
         """The layer of a stacked config to disable, when its ablations ran (workers/step_back.py)."""

@@ -56,7 +56,11 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
     assert body["version"] == "4" and body["status"] == "firing"
     labels = body["alerts"][0]["labels"]
     assert labels == {"project": "p", "model": "tiny", "config": "cand", "metric": "ppl_ratio", "severity": "critical"}
-    assert "95% CI" in body["alerts"][0]["annotations"]["description"]
+    annotations = body["alerts"][0]["annotations"]
+    assert "95% CI" in annotations["description"]
+    # and where the config stands on every metric: its line of the verdict summary (app/summary.py)
+    assert annotations["verdict"].startswith("drop or fix: ppl ratio +") and annotations["verdict"].endswith("critical")
+    assert "cand overall: drop or fix: ppl ratio" in annotations["description"]
     with session_scope() as s:
         alerts = {a.severity: a for a in s.scalars(select(Alert))}
         assert {a.state for a in alerts.values()} == {"firing"}
@@ -94,5 +98,6 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
     bodies = [json.loads(r["body"]) for r in receiver.delivered()]
     assert [b["status"] for b in bodies] == ["firing", "resolved"]
     assert bodies[1]["alerts"][0]["labels"]["severity"] == "critical"  # only what was announced resolves
+    assert "verdict" not in bodies[1]["alerts"][0]["annotations"]  # a resolved alert carries no verdict line
     with session_scope() as s:
         assert {a.state for a in s.scalars(select(Alert))} == {"resolved"}
