@@ -43,6 +43,24 @@ def comparison_rows(run: dict, metrics: dict[str, dict]) -> tuple[list[dict], li
     return breaching, [r for r in shown if r not in breaching]
 
 
+def example_answers(run: dict, metrics: dict[str, dict]) -> list[dict]:
+    """One answer per breaching generation finding that stored one (evals/field.py): what an empty
+    answer, a loop, a truncation or a confident departure looks like on this run, beside the
+    baseline's answer to the same prompt where it was kept. Worst verdict first."""
+    layers = ablations(run)
+    found = []
+    for c in run["comparisons"]:
+        example = (c.get("details") or {}).get("example")
+        m = metrics.get(c["metric"])
+        if (not example or m is None or c["verdict"] not in BREACHING or c["config"] == run["baseline"]
+                or c["config"] in layers):
+            continue
+        found.append({"config": c["config"], "metric": m["label"], "verdict": c["verdict"],
+                      "prompt": example.get("sample_key", ""), "answer": example.get("text", ""),
+                      "baseline_answer": example.get("baseline_text"), "alone": example.get("alone")})
+    return sorted(found, key=lambda e: (e["verdict"] != "critical", e["config"], e["metric"]))
+
+
 def ablations(run: dict) -> set[str]:
     """The run's single-optimization ablations of a stacked config (step back one layer): shown
     in their own section, not as candidates."""
@@ -112,6 +130,19 @@ def render(api, project: str, params) -> None:
     if rest:
         with st.expander(f"Other comparisons ({len(rest)}: ok or inconclusive)"):
             st.table(_table(rest))
+    examples = example_answers(run, metrics)
+    if examples:
+        st.subheader(f"Example answers ({len(examples)})")
+        for e in examples:
+            st.markdown(f"**{e['config']} · {e['metric']}** ({e['verdict']}) — prompt `{e['prompt']}`")
+            sides = [("candidate", e["answer"])]
+            if e["baseline_answer"] is not None:
+                sides.append((f"baseline {run['baseline']}", e["baseline_answer"]))
+            if e["alone"] is not None:
+                sides.append(("the same prompt sent alone", e["alone"]))
+            for col, (side, text) in zip(st.columns(len(sides)), sides, strict=True):
+                col.caption(side)
+                col.code(text if text else "(empty answer)", language=None)
     candidates = candidates_worst_first(run, metrics)
     if not candidates:
         st.info("This run has only the baseline.")

@@ -41,3 +41,30 @@ def test_layers_have_their_own_section_and_are_no_candidates():
          "run alone as": "stack~kv_cache-only"},
         {"layer": "weights int8", "ppl_ratio alone": "1.002", "verdict": "ok", "share of the loss": "0.5 %",
          "run alone as": "stack~weights-only"}]
+
+
+def test_example_answers_show_each_breaching_generation_finding_beside_the_baseline():
+    # empty answers (critical, with the baseline's answer kept), a batching divergence (warn, with the
+    # prompt's answer sent alone), an ok finding and an ablation layer's finding (both left out)
+    metrics = {**METRICS,
+               "empty_answers": {"name": "empty_answers", "label": "empty answers", "unit": "fraction", "fmt": ".1%",
+                                 "gated": True, "comparison": "paired_difference"},
+               "batch_divergence": {"name": "batch_divergence", "label": "batch divergence", "unit": "fraction",
+                                    "fmt": ".1%", "gated": True, "comparison": "paired_difference"}}
+
+    def finding(config, metric, verdict, example):
+        return {"config": config, "metric": metric, "estimate": 0.25, "ci_low": 0.1, "ci_high": 0.4, "n": 12,
+                "verdict": verdict, "rule": "", "details": {"example": example}}
+
+    run = {**RUN, "comparisons": [
+        finding("stack", "batch_divergence", "warn", {"sample_key": "p3", "text": "def f(", "alone": "def g("}),
+        finding("stack", "empty_answers", "critical", {"sample_key": "p7", "text": "", "baseline_text": "Return x."}),
+        finding("stack", "ppl_ratio", "ok", {"sample_key": "p1", "text": "fine"}),
+        finding("stack~kv_cache-only", "empty_answers", "critical", {"sample_key": "p2", "text": ""})]}
+    from dashboard.views.run_detail import example_answers
+
+    assert example_answers(run, metrics) == [
+        {"config": "stack", "metric": "empty answers", "verdict": "critical", "prompt": "p7", "answer": "",
+         "baseline_answer": "Return x.", "alone": None},
+        {"config": "stack", "metric": "batch divergence", "verdict": "warn", "prompt": "p3", "answer": "def f(",
+         "baseline_answer": None, "alone": "def g("}]
