@@ -13,6 +13,14 @@ def until(t: str) -> str:
     return f"{human_time(t)} ({parse_time(t):%H:%M} UTC)"
 
 
+def stale_alert(schedule: dict) -> dict:
+    """A stale schedule as a row of the firing list, shaped as the alerts API shapes one."""
+    last = schedule.get("last_success_at")
+    return {"labels": {"config": schedule["name"], "metric": "CanaryStale"}, "severity": "critical", "value": None,
+            "state": "firing", "fired_at": last, "started_at": last, "resolved_at": None, "run_id": "",
+            "annotations": {"rule": schedule["stale_reason"]}}
+
+
 def render(api, project: str, params) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
@@ -22,11 +30,18 @@ def render(api, project: str, params) -> None:
         metric = metrics.get(alert["labels"].get("metric"))
         return metric_cell(metric["unit"], metric["fmt"], alert["value"]) if metric else fmt(alert["value"])
 
+    # the canary itself (app/staleness.py): a schedule whose runs stopped succeeding fires CanaryStale
+    # to the channels; here it leads the firing list, as on the overview it leads the page
+    stale = [schedule for schedule in api.get(f"/projects/{project}/schedules") if schedule.get("stale")]
+    for schedule in stale:
+        st.error(f"The canary is stale: {schedule['stale_reason']}")
     show_inhibited = st.toggle("Show warn alerts inhibited by a critical one", value=False, key="inhibited")
     inhibited = [alert for alert in alerts if alert.get("inhibited_by") is not None]
     for state in ("firing", "pending", "resolved"):
         rows = [alert for alert in alerts
                 if alert["state"] == state and (show_inhibited or alert.get("inhibited_by") is None)]
+        if state == "firing":
+            rows = [stale_alert(schedule) for schedule in stale] + rows
         st.subheader(f"{state.capitalize()} ({len(rows)})")
         hidden = sum(alert["state"] == state for alert in inhibited)
         if hidden and not show_inhibited:

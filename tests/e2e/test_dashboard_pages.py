@@ -228,6 +228,11 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     firing = frames(at)[0]
     shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
     assert list(shown["severity"]) == ["critical"], firing.to_dict()
+    # the canary itself: the seeded stale schedule (tests/e2e/conftest.py) leads the firing list and the page
+    assert at.error[0].value.startswith("The canary is stale: schedule 'daily'")
+    assert (firing.iloc[0]["config"], firing.iloc[0]["metric"], firing.iloc[0]["severity"]) == (
+        "daily", "CanaryStale", "critical")
+    assert firing.iloc[0]["rule"].startswith("schedule 'daily'")
     critical = next(a for a in seeded if a["state"] == "firing" and a["severity"] == "critical"
                     and (a["labels"]["config"], a["labels"]["metric"]) == ("int2", "ppl_ratio"))
     assert shown["value"].iloc[0] == pct_change(critical["value"])  # a ratio as % change, as on the other pages
