@@ -17,7 +17,7 @@ def stale_alert(schedule: dict) -> dict:
     """A stale schedule as a row of the firing list, shaped as the alerts API shapes one."""
     last = schedule.get("last_success_at")
     return {"labels": {"config": schedule["name"], "metric": "CanaryStale"}, "severity": "critical", "value": None,
-            "state": "firing", "fired_at": last, "started_at": last, "resolved_at": None, "run_id": "",
+            "state": "firing", "fired_at": last, "started_at": last, "resolved_at": None, "run_id": None,
             "annotations": {"rule": schedule["stale_reason"]}}
 
 

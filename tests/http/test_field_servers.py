@@ -81,7 +81,9 @@ def field_run(sqlite_env_module):
             configs.append({"name": name, "engine": "openai", "weights": "fp32", **({"baseline": True} if name == "base"
                                                                                      else {}),
                             **({"lossless": LOSSLESS[name]} if name in LOSSLESS else {}),
-                            "engine_options": {"base_url": f"http://127.0.0.1:{port}/v1"}})
+                            # a slow CI machine: eight looping answers at once can keep one request
+                            # waiting past the 60 s default, which ends the config as an endpoint error
+                            "engine_options": {"base_url": f"http://127.0.0.1:{port}/v1", "timeout_s": 300}})
         cfg = {"project": "field", "model": {"name": "served", "path": MODEL}, "configs": configs,
                "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 16, "seed": 3,
                            "scorers": ["perplexity", "generation"], "perplexity": {"window": 64},
