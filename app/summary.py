@@ -28,7 +28,6 @@ from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
 
 GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided")
 MAX_LINES = 12
-_METRIC_RANK = {name: i for i, name in enumerate(METRICS)}  # the table's order: ppl_ratio first among equals
 
 
 def judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -39,7 +38,8 @@ def judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 def _worst(rows: list[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The row with the worst verdict; the metric table's order (the perplexity ratio first) among equals."""
-    return min(rows, key=lambda c: (-VERDICT_ORDER[c["verdict"]], _METRIC_RANK[c["metric"]]), default=None)
+    rank = {name: i for i, name in enumerate(METRICS)}  # read now: a metric registered later has its place too
+    return min(rows, key=lambda c: (-VERDICT_ORDER[c["verdict"]], rank[c["metric"]]), default=None)
 
 
 def finding(c: Mapping[str, Any]) -> str:

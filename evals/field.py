@@ -4,10 +4,10 @@ that keep prompt log-probs exact. Plain records in, a `Comparison` out, as in ev
     metric                comparison          function
     confident_divergence  paired_difference   confident_divergence_comparison
     batch_divergence      paired_difference   batch_divergence_comparison
-    empty_answers         paired_difference   health_comparisons
-    degenerate_answers    paired_difference   health_comparisons
-    max_tokens_hits       paired_difference   health_comparisons
-    output_length_ratio   paired_ratio        health_comparisons
+    empty_answers         paired_difference   health_share
+    degenerate_answers    paired_difference   health_share
+    max_tokens_hits       paired_difference   health_share
+    output_length_ratio   paired_ratio        output_length_comparison
 
 The noise floor: a GPU server is not batch-invariant, so the same greedy request can come back
 different (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025). The baseline's
@@ -137,28 +137,37 @@ def batch_divergence_comparison(candidate: Records, candidate_solo: Records, bas
     return _paired_shares("batch_divergence", floor, mine, t, seed, details)
 
 
-def health_comparisons(candidate: Mapping[str, GenerationRecord], baseline: Mapping[str, GenerationRecord],
-                       thresholds: Callable[[str], Thresholds], seed: int = 0) -> list[Comparison]:
-    """Empty answers, degenerate answers and max_tokens hits (each the candidate's share minus the
-    baseline's, paired by prompt) and the output length ratio, over the prompts both sides answered."""
+# what each health metric counts in one answer
+HEALTH_CHECKS: dict[str, Callable[[GenerationRecord], bool]] = {
+    "empty_answers": lambda g: is_empty(g.text),
+    "degenerate_answers": lambda g: is_degenerate(g.text),
+    "max_tokens_hits": lambda g: g.finish_reason == "length",
+}
+
+
+def health_share(metric: str, candidate: Records, baseline: Records, t: Thresholds, seed: int = 0) -> Comparison | None:
+    """One health metric of HEALTH_CHECKS (empty, degenerate or max_tokens answers): the candidate's
+    share minus the baseline's, paired by prompt, over the prompts both sides answered; None when
+    there are none, or, for max_tokens_hits, when a side did not say why its answers ended."""
     keys = [k for k in candidate if k in baseline]
     if not keys:
-        return []
-    out = []
-    checks: list[tuple[str, Callable[[GenerationRecord], bool]]] = [
-        ("empty_answers", lambda g: is_empty(g.text)), ("degenerate_answers", lambda g: is_degenerate(g.text))]
-    if all(candidate[k].finish_reason and baseline[k].finish_reason for k in keys):
-        checks.append(("max_tokens_hits", lambda g: g.finish_reason == "length"))
-    for metric, found in checks:
-        mine = [float(found(candidate[k])) for k in keys]
-        theirs = [float(found(baseline[k])) for k in keys]
-        example = next((_example(candidate[k]) for k in keys if found(candidate[k]) and not found(baseline[k])), None)
-        details = {"candidate": int(sum(mine)), "baseline": int(sum(theirs)),
-                   **({"example": example} if example else {})}
-        out.append(_paired_shares(metric, theirs, mine, thresholds(metric), seed, details))
-    out.append(output_length_ratio([candidate[k].n_tokens for k in keys], [baseline[k].n_tokens for k in keys],
-                                   thresholds("output_length_ratio"), seed))
-    return out
+        return None
+    if metric == "max_tokens_hits" and not all(candidate[k].finish_reason and baseline[k].finish_reason for k in keys):
+        return None
+    found = HEALTH_CHECKS[metric]
+    mine = [float(found(candidate[k])) for k in keys]
+    theirs = [float(found(baseline[k])) for k in keys]
+    example = next((_example(candidate[k]) for k in keys if found(candidate[k]) and not found(baseline[k])), None)
+    details = {"candidate": int(sum(mine)), "baseline": int(sum(theirs)), **({"example": example} if example else {})}
+    return _paired_shares(metric, theirs, mine, t, seed, details)
+
+
+def output_length_comparison(candidate: Records, baseline: Records, t: Thresholds, seed: int = 0) -> Comparison | None:
+    """The output length ratio over the prompts both sides answered (None when there are none)."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys:
+        return None
+    return output_length_ratio([candidate[k].n_tokens for k in keys], [baseline[k].n_tokens for k in keys], t, seed)
 
 
 def output_length_ratio(candidate_tokens: Sequence[int], baseline_tokens: Sequence[int], t: Thresholds,

@@ -15,8 +15,10 @@ comparison in evals/compare.py) and its test.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Direction = Literal["above", "below"]  # the side of the threshold that is bad
 # how a candidate is compared:
@@ -65,6 +67,10 @@ class Metric:
     # what a breach says of the config: its answers got worse ("quality"), or it serves more slowly or
     # with more memory than the baseline ("speed"); the verdict summary groups configs by it (app/summary.py)
     aspect: Aspect = "quality"
+    # the function that compares a config on it, as "module:function" (imported when first used, so app/ reads
+    # the table without numpy or torch): CompareContext → Comparison | None (evals/compare_rows.py). The
+    # aggregation calls each row's target; "" for a row nothing compares (yet)
+    compare: str = ""
 
     def __post_init__(self) -> None:
         if self.gated and self.warn is None:
@@ -79,6 +85,14 @@ class Metric:
             camel = "".join(part.capitalize() for part in self.name.split("_"))
             object.__setattr__(self, "alert", f"Canary{camel}{'High' if self.direction == 'above' else 'Low'}")
 
+    def compare_target(self) -> Callable[[Any], Any]:
+        """The row's compare function, imported (a wrong target is an error naming the row)."""
+        module, _, function = self.compare.partition(":")
+        try:
+            return getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError) as err:
+            raise LookupError(f"metric {self.name}: compare target '{self.compare}' cannot be imported: {err}") from err
+
     @property
     def higher_is_better(self) -> bool:
         return self.direction == "below"
@@ -88,6 +102,7 @@ class Metric:
 
 
 METRICS: dict[str, Metric] = {}
+_ROWS = "evals.compare_rows:"  # where the table's own compare targets live
 
 
 def register_metric(metric: Metric) -> Metric:
@@ -103,111 +118,131 @@ register_metric(Metric(
     "(docs/reference.md §4; lm-eval's token perplexity)",
     warn=1.15, critical=1.30, alert="CanaryPerplexityRatioHigh",
     # compressing a model does not make it 10 % better at its own baseline's text: below that, a side is broken
-    valid=(0.9, None)))
+    valid=(0.9, None),
+    compare=_ROWS + "ppl_ratio"))
 register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",
     warn=0.50, critical=0.30, fmt=".2f", baseline_compared=True, alert="CanarySpecAcceptanceLow", valid=(0, 1),
-    requires="speculative", aspect="speed"))
+    requires="speculative", aspect="speed",
+    compare=_ROWS + "spec_acceptance_rate"))
 register_metric(Metric(
     "ttft_ms", "TTFT p50 ms", "ms", "above", "percentile", "generation",
     "median time to first token of the candidate's prompts (lower median for even n), against an absolute service "
     "budget (the baseline is not judged on it; ttft_ratio compares the two); "
     "CI by bootstrap over prompts (vLLM time_to_first_token_seconds)",
-    warn=2000, critical=5000, fmt=".1f", alert="CanaryTTFTHigh", valid=(0, None), aspect="speed"))
+    warn=2000, critical=5000, fmt=".1f", alert="CanaryTTFTHigh", valid=(0, None), aspect="speed",
+    compare=_ROWS + "ttft_ms"))
 register_metric(Metric(
     "ttft_ratio", "TTFT ratio", "ratio", "above", "paired_ratio", "generation",
     "geometric mean over prompts of the candidate's time to first token ÷ the baseline's, both timed on the same "
     "prompt back to back in alternating order within the candidate's run, so host load cancels out; "
     "paired bootstrap CI",
-    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTTFTRatioHigh", aspect="speed"))
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTTFTRatioHigh", aspect="speed",
+    compare=_ROWS + "ttft_ratio"))
 register_metric(Metric(
     "tpot_ratio", "TPOT ratio", "ratio", "above", "paired_ratio", "generation",
     "geometric mean over prompts of the candidate's time per output token (mean time between tokens after the "
     "first) ÷ the baseline's, timed as for ttft_ratio; paired bootstrap CI",
-    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTPOTRatioHigh", aspect="speed"))
+    warn=1.25, critical=1.5, valid=(0, None), alert="CanaryTPOTRatioHigh", aspect="speed",
+    compare=_ROWS + "tpot_ratio"))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
     "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "
     "slots allocated, or the highest vllm:kv_cache_usage_perc an OpenAI-compatible server reported",
-    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1), aspect="speed"))
+    warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1), aspect="speed",
+    compare=_ROWS + "kv_cache_usage"))
 register_metric(Metric(
     "faithfulness", "faithful", "fraction", "below", "mean", "faithfulness",
     "share of an answer's statements supported by its contexts, averaged over RAG items (RAGAS faithfulness); "
     "clustered bootstrap CI",
-    warn=0.80, fmt=".2f", baseline_compared=True, valid=(0, 1)))
+    warn=0.80, fmt=".2f", baseline_compared=True, valid=(0, 1),
+    compare=_ROWS + "faithfulness"))
 register_metric(Metric(
     "judge_win_rate", "judge win", "fraction", "below", "mean", "judge",
     "candidate wins + ½ ties against the baseline, a win counted only when both answer orders agree "
     "(MT-Bench pairwise with position swap); 0.5 = parity",
-    warn=0.40, critical=0.30, fmt=".2f", valid=(0, 1)))
+    warn=0.40, critical=0.30, fmt=".2f", valid=(0, 1),
+    compare=_ROWS + "judge_win_rate"))
 register_metric(Metric(
     "judge_score_delta", "judge Δ", "points", "below", "paired_difference", "judge",
     "rubric score (1–5) of the candidate minus the baseline's on the same prompts (MT-Bench single-answer grading); "
     "paired bootstrap CI",
-    warn=-0.5, critical=-1.0, fmt="+.2f", valid=(-4, 4)))
+    warn=-0.5, critical=-1.0, fmt="+.2f", valid=(-4, 4),
+    compare=_ROWS + "judge_score_delta"))
 register_metric(Metric(
     "gen_nll_ratio", "gen NLL ratio", "ratio", "above", "paired_ratio", "generation",
     "perplexity of the candidate's outputs ÷ that of the baseline's own outputs, both scored teacher-forced by the "
     "baseline model after the same prompts: exp(ΣNLL_c/Σtokens_c − ΣNLL_b/Σtokens_b); paired bootstrap over prompts. "
     "Garbled or off-distribution text fails it while prompt log-probs stay exact",
-    warn=1.15, critical=1.30, valid=(0.5, None), alert="CanaryGenerationNLLRatioHigh"))
+    warn=1.15, critical=1.30, valid=(0.5, None), alert="CanaryGenerationNLLRatioHigh",
+    compare=_ROWS + "gen_nll_ratio"))
 register_metric(Metric(
     "term_nll_ratio", "term NLL ratio", "ratio", "above", "paired_ratio", "perplexity",
     "the perplexity ratio over only the tokens that overlap the suite's domain terms (perplexity.terms): "
     "exp((ΣNLL_c − ΣNLL_b) / Σterm tokens) over the same documents; a loss on rare domain tokens that "
     "whole-document perplexity averages away (a model that stops citing 'IFRS 9.3.1.1' and says 'IFRS 9'); "
     "paired bootstrap over documents",
-    warn=1.15, critical=1.30, valid=(0.9, None), alert="CanaryDomainTermNLLRatioHigh", requires="perplexity.terms"))
+    warn=1.15, critical=1.30, valid=(0.9, None), alert="CanaryDomainTermNLLRatioHigh", requires="perplexity.terms",
+    compare=_ROWS + "term_nll_ratio"))
 register_metric(Metric(
     "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
     "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
     "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "
     "Wilson interval's top is at or below critical",
-    warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged", requires="lossless"))
+    warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged", requires="lossless",
+    compare=_ROWS + "lossless_exact_match"))
 register_metric(Metric(
     "confident_divergence", "confident div.", "fraction", "above", "paired_difference", "generation",
     "for a lossless config: the share of prompts whose greedy output departs from the baseline's at a token the "
     "baseline model was sure of (its log-prob gap between the two tokens, teacher-forced after the shared prefix, "
     "above the suite's near_tie_nats τ, default vLLM's greedy_atol 0.25), minus the same share for the baseline's own "
     "second pass (the noise floor); near-tie departures are reported, not judged; paired bootstrap over prompts",
-    warn=0.01, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryConfidentDivergence", requires="lossless"))
+    warn=0.01, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryConfidentDivergence", requires="lossless",
+    compare=_ROWS + "confident_divergence"))
 register_metric(Metric(
     "batch_divergence", "batch div.", "fraction", "above", "paired_difference", "generation",
     "the share of probe prompts whose output sent alone departs at a confident token from the same config's output "
     "inside a full batch, minus the baseline's own share (its solo-vs-batched floor): a batching bug; paired "
     "bootstrap over the probe prompts",
-    warn=0.01, critical=0.25, min_n=8, fmt="+.3f", valid=(-1, 1), alert="CanaryBatchDivergence"))
+    warn=0.01, critical=0.25, min_n=8, fmt="+.3f", valid=(-1, 1), alert="CanaryBatchDivergence",
+    compare=_ROWS + "batch_divergence"))
 register_metric(Metric(
     "empty_answers", "empty", "fraction", "above", "paired_difference", "generation",
     "share of the candidate's answers with no visible text minus the baseline's on the same prompts; paired "
     "bootstrap over prompts",
-    warn=0.02, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryEmptyAnswers"))
+    warn=0.02, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryEmptyAnswers",
+    compare=_ROWS + "empty_answers"))
 register_metric(Metric(
     "degenerate_answers", "degenerate", "fraction", "above", "paired_difference", "generation",
     "share of the candidate's answers that loop (a tail unit of ≤ 32 characters repeated over at least half the "
     "answer) or collapse (≥ 10 words, at most a fifth distinct), minus the baseline's on the same prompts "
     "(evals/health.py); paired bootstrap over prompts",
-    warn=0.03, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryDegenerateAnswers"))
+    warn=0.03, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryDegenerateAnswers",
+    compare=_ROWS + "degenerate_answers"))
 register_metric(Metric(
     "max_tokens_hits", "hit max_tokens", "fraction", "above", "paired_difference", "generation",
     "share of the candidate's answers that ended at max_tokens (finish_reason length) minus the baseline's on the "
     "same prompts; paired bootstrap over prompts",
-    warn=0.05, critical=0.15, fmt="+.3f", valid=(-1, 1), alert="CanaryMaxTokensHits"))
+    warn=0.05, critical=0.15, fmt="+.3f", valid=(-1, 1), alert="CanaryMaxTokensHits",
+    compare=_ROWS + "max_tokens_hits"))
 register_metric(Metric(
     "output_length_ratio", "length ratio", "ratio", "below", "paired_ratio", "generation",
     "Σ output tokens of the candidate ÷ Σ output tokens of the baseline over the same prompts: answers cut short; "
     "paired bootstrap over prompts",
-    warn=0.90, critical=0.75, valid=(0, None), alert="CanaryOutputLengthLow"))
+    warn=0.90, critical=0.75, valid=(0, None), alert="CanaryOutputLengthLow",
+    compare=_ROWS + "output_length_ratio"))
 register_metric(Metric(
     "exact_match", "exact match", "fraction", "below", "rate", "agreement",
     "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",
-    gated=False, fmt=".2f", valid=(0, 1)))
+    gated=False, fmt=".2f", valid=(0, 1),
+    compare=_ROWS + "exact_match"))
 register_metric(Metric(
     "top1_agreement", "top-1 agree", "fraction", "below", "mean", "agreement",
     "share of document positions where the candidate's argmax token equals the baseline's; clustered bootstrap CI",
-    gated=False, fmt=".3f", valid=(0, 1)))
+    gated=False, fmt=".3f", valid=(0, 1),
+    compare=_ROWS + "top1_agreement"))
 
 
 def gated_metrics() -> dict[str, Metric]:

@@ -1,5 +1,5 @@
 """Aggregate a finished run: read its sample records once, compare every candidate config with
-the baseline (evals/compare.py, one function per comparison kind of evals/metrics.py), write the
+the baseline (each row of the metric table, evals/metrics.py, through its compare target), write the
 comparisons, set the run's verdict and the gate's in the same transaction, then evaluate the
 alert rules. Idempotent: comparisons are upserted on (run, config, metric)."""
 
@@ -20,11 +20,11 @@ from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
 from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
-from evals import compare, field, sanity
+from evals import compare_rows
+from evals.compare_rows import CompareContext
 from evals.health import NEAR_TIE_NATS
 from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
-from evals.perplexity import DocNLL
-from evals.records import ConfigRecords, RunFigures, RunRecords
+from evals.records import RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
 from workers import step_back, top_up
 
@@ -47,80 +47,17 @@ class RunThresholds:
 def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: RunThresholds,
                        failed_scorers: dict[str, str], scorers: list[str], greedy: bool = False,
                        tau: float = NEAR_TIE_NATS) -> list[Comparison]:
-    """Every comparison of one config (the baseline included, for the metrics judged on their own).
+    """Every comparison of one config (the baseline included, for the metrics judged on their own):
+    the metric table's rows, each comparing through its own target (evals/compare_rows.py).
     greedy: the suite generates greedily, so a lossless config's outputs must equal the baseline's
     (beyond the baseline's own noise floor); tau: the suite's near-tie gap in nats."""
-    config_id, base_id, seed = cr.config_id, run.baseline_config_id, run.seed
-    mine, base = table[config_id], table[base_id]
-    is_base = config_id == base_id
-    out: list[Comparison] = []
-    if not is_base:
-        broken = _logprob_problem(mine, base)
-        if broken:  # NaN or impossible log-probs: no ratio is computed from them
-            out.append(sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), broken))
-        else:
-            out.append(compare.ppl_ratio(_doc_nlls(base), _doc_nlls(mine), thresholds(config_id, "ppl_ratio"),
-                                         seed=seed))
-            if any(d.term_tokens is not None for d in (*mine.docs.values(), *base.docs.values())):
-                # the suite lists domain terms: their tokens' loss, which the whole documents average away
-                out.append(compare.term_nll_ratio_comparison(mine.docs, base.docs,
-                                                             thresholds(config_id, "term_nll_ratio"), seed=seed))
-    gens = [g for g in mine.generations.values() if g.ttft_ms is not None]
-    if gens and not is_base:  # a service budget on the candidate; the baseline's own speed is the reference
-        out.append(compare.ttft_comparison([g.ttft_ms for g in gens if g.ttft_ms is not None],
-                                           thresholds(config_id, "ttft_ms"), seed=seed))
-    timed = [g for g in gens if g.paired_baseline_ttft_ms is not None and g.ttft_ms is not None]
-    if timed and not is_base:
-        # the pairs again with their None checks (all pass: `timed` and `both` hold only such), for the type checker
-        ttft_pairs = [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in timed
-                      if g.ttft_ms is not None and g.paired_baseline_ttft_ms is not None]
-        out.append(compare.paired_timing_ratio("ttft_ratio", ttft_pairs, thresholds(config_id, "ttft_ratio"),
-                                               seed=seed, batches=_batches(timed)))
-        both = [g for g in timed if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
-        if both:
-            tpot_pairs = [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in both
-                          if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
-            out.append(compare.paired_timing_ratio("tpot_ratio", tpot_pairs, thresholds(config_id, "tpot_ratio"),
-                                                   seed=seed, batches=_batches(both)))
-    spec_stats = [g.spec for g in gens if g.spec is not None]
-    if spec_stats:
-        acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in spec_stats],
-                                                   [x.num_accepted_tokens for x in spec_stats],
-                                                   thresholds(config_id, "spec_acceptance_rate"), seed=seed)
-        out.append(sanity.checked(acceptance, sanity.spec_counter_problem(list(mine.generations.values()))))
-    usage = RunFigures.from_json(cr.figures).kv_cache_usage if cr.figures else None
-    if usage is not None:  # an engine that cannot tell says nothing, rather than 'inconclusive'
-        out.append(compare.peak_comparison("kv_cache_usage", usage, thresholds(config_id, "kv_cache_usage"),
-                                           "peak over the config-run"))
-    if not is_base and gens:
-        scoring_error = RunFigures.from_json(cr.figures).baseline_scoring_error if cr.figures else None
-        if scoring_error:
-            why = f"the baseline model could not score outputs: {scoring_error}"
-            out.append(compare.unscored("gen_nll_ratio", why))
-        else:
-            out.append(compare.gen_nll_ratio_comparison(mine.generations, base.generations,
-                                                        thresholds(config_id, "gen_nll_ratio"), seed=seed))
-        out += field.health_comparisons(mine.generations, base.generations,
-                                        lambda metric: thresholds(config_id, metric), seed=seed)
-        batched = field.batch_divergence_comparison(mine.generations, mine.solos, base.generations, base.solos,
-                                                    thresholds(config_id, "batch_divergence"), seed=seed, tau=tau)
-        out += [batched] if batched else []
-    if not is_base and greedy and _lossless(run, cr):
-        exact = compare.lossless_exact_comparison(mine.generations, base.generations,
-                                                  thresholds(config_id, "lossless_exact_match"), mine.repeats,
-                                                  tau=tau)
-        confident = field.confident_divergence_comparison(mine.generations, base.generations, mine.repeats,
-                                                          thresholds(config_id, "confident_divergence"), seed=seed,
-                                                          tau=tau)
-        out += [c for c in (exact, confident) if c]
-    out += scorer_comparisons(run, config_id, mine, base, thresholds, failed_scorers, scorers)
-    return [sanity.checked(c) for c in out]  # an estimate outside its metric's valid range is no result
-
-
-def _batches(generations: list) -> list:
-    """The batch of each generation, for a clustered CI; a generation of an older run (no batch
-    stored) is its own."""
-    return [g.batch if g.batch is not None else g.sample_key for g in generations]
+    is_base = cr.config_id == run.baseline_config_id
+    context = CompareContext(
+        mine=table[cr.config_id], base=table[run.baseline_config_id],
+        thresholds=lambda metric: thresholds(cr.config_id, metric), seed=run.seed, is_base=is_base,
+        figures=RunFigures.from_json(cr.figures) if cr.figures else None, failed_scorers=failed_scorers,
+        scorers=scorers, greedy=greedy, lossless=greedy and not is_base and _lossless(run, cr), tau=tau)
+    return compare_rows.config_comparisons(context)
 
 
 def _lossless(run: Run, cr: ConfigRun) -> bool:
@@ -128,47 +65,6 @@ def _lossless(run: Run, cr: ConfigRun) -> bool:
     base = next(c for c in run.config_runs if c.config_id == run.baseline_config_id)
     return lossless_against(OptimizationSpec.model_validate(cr.config.spec),
                             OptimizationSpec.model_validate(base.config.spec))
-
-
-def _logprob_problem(mine: ConfigRecords, base: ConfigRecords) -> str | None:
-    """The first side whose prompt log-probs cannot be right, named (evals/sanity.py)."""
-    for side, records in (("candidate", mine), ("baseline", base)):
-        problem = sanity.logprob_problem(list(records.docs.values()), f"the {side}'s")
-        if problem:
-            return problem
-    return None
-
-
-def scorer_comparisons(run: Run, config_id: int, mine: ConfigRecords, base: ConfigRecords, thresholds: RunThresholds,
-                       failed: dict[str, str], scorers: list[str]) -> list[Comparison]:
-    """Faithfulness, judge and agreement comparisons for one config (those its suite enables)."""
-    out: list[Comparison] = []
-    is_base = config_id == run.baseline_config_id
-    if "faithfulness" in failed:
-        out.append(compare.unscored("faithfulness", f"scorer 'faithfulness' failed: {failed['faithfulness']}"))
-    elif mine.faithfulness:
-        out.append(compare.faithfulness_comparison(list(mine.faithfulness.values()), list(base.faithfulness.values()),
-                                                   thresholds(config_id, "faithfulness"), run.seed))
-    if is_base:
-        return out
-    if "judge" in failed:
-        out.append(compare.unscored("judge_win_rate", f"scorer 'judge' failed: {failed['judge']}"))
-    else:
-        if mine.pairwise:
-            out.append(compare.judge_win_rate_comparison(list(mine.pairwise.values()),
-                                                         thresholds(config_id, "judge_win_rate"), run.seed))
-        if mine.rubric:
-            delta = compare.judge_score_delta_comparison(mine.rubric, base.rubric,
-                                                         thresholds(config_id, "judge_score_delta"), run.seed)
-            out += [delta] if delta else []
-    if "agreement" in scorers:
-        em = compare.exact_match_comparison(mine.generations, base.generations)
-        pairs = [(b.greedy_ids, d.greedy_ids, d.cluster) for d in mine.docs.values()
-                 if (b := base.docs.get(d.sample_key)) is not None and d.greedy_ids and b.greedy_ids
-                 and len(d.greedy_ids) == len(b.greedy_ids)]
-        top1 = compare.top1_agreement_comparison(pairs, run.seed)
-        out += [c for c in (em, top1) if c is not None]
-    return out
 
 
 def aggregate_run(run_id: int, dispatcher=None) -> str:
@@ -285,10 +181,6 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
         dispatcher.send(NOTIFY)
     if alerts["escalate"] and get_settings().escalation:
         escalate(session_scope, run_id, alerts["escalate"], dispatcher)
-
-
-def _doc_nlls(records: ConfigRecords) -> list[DocNLL]:
-    return [DocNLL(d.sample_key, d.nll, d.n_tokens, d.n_words, d.n_bytes, d.cluster) for d in records.docs.values()]
 
 
 def _f(x):

@@ -182,3 +182,47 @@ def test_a_run_that_compares_nothing_is_an_error_never_a_pass(sqlite_env):
         run = s.get(Run, run_id)
         assert (run.status, run.verdict) == ("done", "error"), (run.status, run.verdict, run.verdict_reason)
         assert run.verdict_reason.startswith("nothing was compared")
+
+
+def toy_prompt_count(ctx):
+    """The compare target of the toy metric below: the number of prompts the candidate answered."""
+    from evals.compare import informational
+
+    if ctx.is_base:
+        return None
+    n = len(ctx.mine.generations)
+    return informational("toy_prompt_count", float(n), float(n), float(n), n, min_n=1)
+
+
+def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env):
+    """Issue 33's acceptance: a metric is its row and its compare target; the aggregation loops over
+    the table, so a toy row registered here reaches the stored comparisons of a real run."""
+    from evals.metrics import METRICS, Metric, register_metric
+
+    toy = register_metric(Metric("toy_prompt_count", "prompts", "points", "below", "mean", "generation",
+                                 "prompts the candidate answered (a test's toy row)", gated=False,
+                                 compare=f"{__name__}:toy_prompt_count"))
+    config = {**CONFIG, "configs": CONFIG["configs"][:2],
+              "suites": [{**CONFIG["suites"][0], "samples": 4, "generation": {"prompts": 2, "prompt_words": 8,
+                                                                            "max_new_tokens": 4}}]}
+    try:
+        with session_scope() as s:
+            apply_config_file(s, parse_config(config))
+        run_id, _ = start_run("t", "s", None, InlineDispatcher())
+        with session_scope() as s:
+            summary = run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id))
+    finally:
+        METRICS.pop(toy.name)
+    toys = [c for c in summary["comparisons"] if c["metric"] == "toy_prompt_count"]
+    # the candidate answered the suite's 2 prompts; the baseline gets no row (its target returns None)
+    assert [(c["config"], c["estimate"], c["n"], c["verdict"]) for c in toys] == [("int4", 2.0, 2, "ok")]
+    assert summary["status"] == "done"
+
+
+def test_a_compare_target_that_cannot_be_imported_names_its_row():
+    from evals.metrics import Metric
+
+    row = Metric("toy_missing", "x", "points", "below", "mean", "generation", "a toy", gated=False,
+                 compare="evals.compare_rows:no_such_function")
+    with pytest.raises(LookupError, match="metric toy_missing: compare target 'evals.compare_rows:no_such_function'"):
+        row.compare_target()

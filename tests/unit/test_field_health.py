@@ -7,7 +7,13 @@ import math
 from dataclasses import fields
 
 import pytest
-from evals.field import batch_divergence_comparison, confident_divergence_comparison, health_comparisons
+from evals.field import (
+    HEALTH_CHECKS,
+    batch_divergence_comparison,
+    confident_divergence_comparison,
+    health_share,
+    output_length_comparison,
+)
 from evals.health import Scored, divergence, is_degenerate, is_empty, periodic_tail
 from evals.records import GenerationRecord, RepeatRecord, RunRecords, SoloRecord
 from evals.stats import Thresholds
@@ -138,7 +144,8 @@ def test_health_shares_are_paired_against_the_baseline():
     cand["k0"] = gen("k0", "", finish="stop", n=0)
     cand["k1"] = gen("k1", " ", finish="stop", n=1)
     cand["k2"] = gen("k2", "the the the the the the the the the the", n=10)
-    found = {c.metric: c for c in health_comparisons(cand, base, seed_thresholds)}
+    found = {m: health_share(m, cand, base, seed_thresholds(m)) for m in HEALTH_CHECKS}
+    found["output_length_ratio"] = output_length_comparison(cand, base, seed_thresholds("output_length_ratio"))
     assert found["empty_answers"].estimate == pytest.approx(0.2)  # 2/10 − 0/10
     assert found["empty_answers"].details["example"]["sample_key"] == "k0"
     assert found["degenerate_answers"].estimate == pytest.approx(0.1)  # 2/10 − 1/10
@@ -150,7 +157,9 @@ def test_health_shares_are_paired_against_the_baseline():
 
 def test_max_tokens_hits_needs_both_sides_finish_reasons():
     base = {f"k{i}": gen(f"k{i}", "x y", finish=None) for i in range(10)}
-    assert "max_tokens_hits" not in {c.metric for c in health_comparisons(base, base, seed_thresholds)}
+    assert health_share("max_tokens_hits", base, base, seed_thresholds("max_tokens_hits")) is None
+    assert health_share("empty_answers", base, base, seed_thresholds("empty_answers")).estimate == 0
+    assert health_share("empty_answers", base, {}, seed_thresholds("empty_answers")) is None  # no prompt in common
 
 
 def test_gen_nll_ratio_says_what_it_left_out():

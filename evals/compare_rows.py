@@ -1,0 +1,244 @@
+"""The compare target of each metric row (evals/metrics.py, `Metric.compare`): one config's typed
+records and its run's context in, that metric's comparison out, or None when the config has
+nothing to compare on it (no generations, the baseline itself, a scorer the suite does not run).
+
+The aggregation (workers/aggregate.py) builds one `CompareContext` per config and loops over the
+table (`config_comparisons`), so adding a metric is its row, its target here (or in any module
+the row names) and its test: nothing under workers/ changes.
+
+Each target only chooses its inputs from the records; the statistics live in evals/compare.py
+and evals/field.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from evals import compare, sanity
+from evals.field import (
+    batch_divergence_comparison,
+    confident_divergence_comparison,
+    health_share,
+    output_length_comparison,
+)
+from evals.health import NEAR_TIE_NATS
+from evals.metrics import METRICS
+from evals.perplexity import DocNLL
+from evals.records import ConfigRecords, GenerationRecord, RunFigures
+from evals.stats import Comparison, Thresholds
+
+
+@dataclass(frozen=True)
+class CompareContext:
+    """What one config's comparisons read: its records, the baseline's, and the run's settings."""
+
+    mine: ConfigRecords
+    base: ConfigRecords
+    thresholds: Callable[[str], Thresholds]  # the run's thresholds for a metric on this config
+    seed: int = 0
+    is_base: bool = False  # the baseline itself: only the metrics judged on their own (baseline_compared)
+    figures: RunFigures | None = None  # the config-run's figures (its KV cache peak, a baseline scoring error)
+    failed_scorers: Mapping[str, str] = field(default_factory=dict)  # scorer → why it failed on this run
+    scorers: Sequence[str] = ()  # the suite's scorers
+    greedy: bool = False  # the suite generates at temperature 0
+    lossless: bool = False  # a candidate whose greedy outputs must equal the baseline's (engines.spec.lossless_against)
+    tau: float = NEAR_TIE_NATS  # the suite's near-tie gap in nats
+
+    @cached_property
+    def logprob_problem(self) -> str | None:
+        """The first side whose prompt log-probs cannot be right, named (evals/sanity.py)."""
+        for side, records in (("candidate", self.mine), ("baseline", self.base)):
+            problem = sanity.logprob_problem(list(records.docs.values()), f"the {side}'s")
+            if problem:
+                return problem
+        return None
+
+    @cached_property
+    def timed(self) -> list[GenerationRecord]:
+        """The candidate's generations that were timed (an answer with a first token)."""
+        return [g for g in self.mine.generations.values() if g.ttft_ms is not None]
+
+
+def config_comparisons(ctx: CompareContext) -> list[Comparison]:
+    """Every comparison of one config, in the table's order: each row's target called once. An
+    estimate outside its metric's valid range is no result (evals/sanity.py)."""
+    out: list[Comparison] = []
+    for metric in METRICS.values():
+        if metric.compare:
+            found = metric.compare_target()(ctx)
+            if found is not None:
+                out.append(found)
+    return [sanity.checked(c) for c in out]
+
+
+def _doc_nlls(records: ConfigRecords) -> list[DocNLL]:
+    return [DocNLL(d.sample_key, d.nll, d.n_tokens, d.n_words, d.n_bytes, d.cluster) for d in records.docs.values()]
+
+
+def _batches(generations: list[GenerationRecord]) -> list:
+    """The batch of each generation, for a clustered CI; a generation of an older run (no batch
+    stored) is its own."""
+    return [g.batch if g.batch is not None else g.sample_key for g in generations]
+
+
+def ppl_ratio(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base:
+        return None
+    if ctx.logprob_problem:  # NaN or impossible log-probs: no ratio is computed from them
+        return sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), ctx.logprob_problem)
+    return compare.ppl_ratio(_doc_nlls(ctx.base), _doc_nlls(ctx.mine), ctx.thresholds("ppl_ratio"), seed=ctx.seed)
+
+
+def term_nll_ratio(ctx: CompareContext) -> Comparison | None:
+    """Only when the suite lists domain terms: their tokens' loss, which whole documents average away."""
+    docs = (*ctx.mine.docs.values(), *ctx.base.docs.values())
+    if ctx.is_base or ctx.logprob_problem or all(d.term_tokens is None for d in docs):
+        return None
+    return compare.term_nll_ratio_comparison(ctx.mine.docs, ctx.base.docs, ctx.thresholds("term_nll_ratio"),
+                                             seed=ctx.seed)
+
+
+def ttft_ms(ctx: CompareContext) -> Comparison | None:
+    """A service budget on the candidate; the baseline's own speed is the reference."""
+    if ctx.is_base or not ctx.timed:
+        return None
+    return compare.ttft_comparison([g.ttft_ms for g in ctx.timed if g.ttft_ms is not None],
+                                   ctx.thresholds("ttft_ms"), seed=ctx.seed)
+
+
+def ttft_ratio(ctx: CompareContext) -> Comparison | None:
+    paired = [g for g in ctx.timed if g.ttft_ms is not None and g.paired_baseline_ttft_ms is not None]
+    if ctx.is_base or not paired:
+        return None
+    pairs = [(g.ttft_ms, g.paired_baseline_ttft_ms) for g in paired
+             if g.ttft_ms is not None and g.paired_baseline_ttft_ms is not None]  # again, for the type checker
+    return compare.paired_timing_ratio("ttft_ratio", pairs, ctx.thresholds("ttft_ratio"), seed=ctx.seed,
+                                       batches=_batches(paired))
+
+
+def tpot_ratio(ctx: CompareContext) -> Comparison | None:
+    both = [g for g in ctx.timed if g.paired_baseline_ttft_ms is not None
+            and g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
+    if ctx.is_base or not both:
+        return None
+    pairs = [(g.tpot_ms, g.paired_baseline_tpot_ms) for g in both
+             if g.tpot_ms is not None and g.paired_baseline_tpot_ms is not None]
+    return compare.paired_timing_ratio("tpot_ratio", pairs, ctx.thresholds("tpot_ratio"), seed=ctx.seed,
+                                       batches=_batches(both))
+
+
+def spec_acceptance_rate(ctx: CompareContext) -> Comparison | None:
+    stats = [g.spec for g in ctx.timed if g.spec is not None]
+    if not stats:
+        return None
+    acceptance = compare.acceptance_comparison([x.num_draft_tokens for x in stats],
+                                               [x.num_accepted_tokens for x in stats],
+                                               ctx.thresholds("spec_acceptance_rate"), seed=ctx.seed)
+    return sanity.checked(acceptance, sanity.spec_counter_problem(list(ctx.mine.generations.values())))
+
+
+def kv_cache_usage(ctx: CompareContext) -> Comparison | None:
+    """An engine that cannot tell says nothing, rather than 'inconclusive'."""
+    usage = ctx.figures.kv_cache_usage if ctx.figures else None
+    if usage is None:
+        return None
+    return compare.peak_comparison("kv_cache_usage", usage, ctx.thresholds("kv_cache_usage"),
+                                   "peak over the config-run")
+
+
+def gen_nll_ratio(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or not ctx.timed:
+        return None
+    scoring_error = ctx.figures.baseline_scoring_error if ctx.figures else None
+    if scoring_error:
+        return compare.unscored("gen_nll_ratio", f"the baseline model could not score outputs: {scoring_error}")
+    return compare.gen_nll_ratio_comparison(ctx.mine.generations, ctx.base.generations,
+                                            ctx.thresholds("gen_nll_ratio"), seed=ctx.seed)
+
+
+def _health(metric: str) -> Callable[[CompareContext], Comparison | None]:
+    def target(ctx: CompareContext) -> Comparison | None:
+        if ctx.is_base or not ctx.timed:
+            return None
+        return health_share(metric, ctx.mine.generations, ctx.base.generations, ctx.thresholds(metric), seed=ctx.seed)
+
+    target.__name__ = metric
+    return target
+
+
+empty_answers = _health("empty_answers")
+degenerate_answers = _health("degenerate_answers")
+max_tokens_hits = _health("max_tokens_hits")
+
+
+def output_length_ratio(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or not ctx.timed:
+        return None
+    return output_length_comparison(ctx.mine.generations, ctx.base.generations, ctx.thresholds("output_length_ratio"),
+                                    seed=ctx.seed)
+
+
+def batch_divergence(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or not ctx.timed:
+        return None
+    return batch_divergence_comparison(ctx.mine.generations, ctx.mine.solos, ctx.base.generations, ctx.base.solos,
+                                       ctx.thresholds("batch_divergence"), seed=ctx.seed, tau=ctx.tau)
+
+
+def lossless_exact_match(ctx: CompareContext) -> Comparison | None:
+    if not (ctx.lossless and ctx.greedy):
+        return None
+    return compare.lossless_exact_comparison(ctx.mine.generations, ctx.base.generations,
+                                             ctx.thresholds("lossless_exact_match"), ctx.mine.repeats, tau=ctx.tau)
+
+
+def confident_divergence(ctx: CompareContext) -> Comparison | None:
+    if not (ctx.lossless and ctx.greedy):
+        return None
+    return confident_divergence_comparison(ctx.mine.generations, ctx.base.generations, ctx.mine.repeats,
+                                           ctx.thresholds("confident_divergence"), seed=ctx.seed, tau=ctx.tau)
+
+
+def faithfulness(ctx: CompareContext) -> Comparison | None:
+    """Judged on the baseline too (its own absolute threshold)."""
+    if "faithfulness" in ctx.failed_scorers:
+        return compare.unscored("faithfulness", f"scorer 'faithfulness' failed: {ctx.failed_scorers['faithfulness']}")
+    if not ctx.mine.faithfulness:
+        return None
+    return compare.faithfulness_comparison(list(ctx.mine.faithfulness.values()), list(ctx.base.faithfulness.values()),
+                                           ctx.thresholds("faithfulness"), ctx.seed)
+
+
+def judge_win_rate(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base:
+        return None
+    if "judge" in ctx.failed_scorers:  # said once, on the judge's headline metric
+        return compare.unscored("judge_win_rate", f"scorer 'judge' failed: {ctx.failed_scorers['judge']}")
+    if not ctx.mine.pairwise:
+        return None
+    return compare.judge_win_rate_comparison(list(ctx.mine.pairwise.values()), ctx.thresholds("judge_win_rate"),
+                                             ctx.seed)
+
+
+def judge_score_delta(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or "judge" in ctx.failed_scorers or not ctx.mine.rubric:
+        return None
+    return compare.judge_score_delta_comparison(ctx.mine.rubric, ctx.base.rubric, ctx.thresholds("judge_score_delta"),
+                                                ctx.seed)
+
+
+def exact_match(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or "agreement" not in ctx.scorers:
+        return None
+    return compare.exact_match_comparison(ctx.mine.generations, ctx.base.generations)
+
+
+def top1_agreement(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or "agreement" not in ctx.scorers:
+        return None
+    pairs = [(b.greedy_ids, d.greedy_ids, d.cluster) for d in ctx.mine.docs.values()
+             if (b := ctx.base.docs.get(d.sample_key)) is not None and d.greedy_ids and b.greedy_ids
+             and len(d.greedy_ids) == len(b.greedy_ids)]
+    return compare.top1_agreement_comparison(pairs, ctx.seed)
