@@ -1,7 +1,7 @@
 """Every comparison of a candidate config with its baseline: plain values in, a `Comparison` out
 (evals/stats.py decides the verdict from the CI). Each function implements one comparison kind
-of the metric table (evals/metrics.py); the aggregation (workers/aggregate.py) only feeds them the
-run's typed records.
+of the metric table (evals/metrics.py); each row's compare target (evals/compare_rows.py) feeds
+them the config's typed records.
 
     metric                comparison         function
     ppl_ratio             paired_ratio       evals.perplexity.ppl_ratio

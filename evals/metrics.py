@@ -9,8 +9,8 @@ statistics, the aggregation and the exporters.
 
 Torch-free and numpy-free: app/ imports it (the API image stays small).
 
-Adding a metric: its row here, its producer (the engine or scorer that measures it and the
-comparison in evals/compare.py) and its test.
+Adding a metric: its row here, naming its compare target (evals/compare_rows.py, which the
+aggregation calls for every row), its producer (the engine or scorer that measures it) and its test.
 """
 
 from __future__ import annotations
