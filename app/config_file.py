@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
+from evals import suite as suite_settings
 from evals.metrics import METRICS, Metric, gated_metrics
+from evals.suite import NEEDS_GENERATION, SCORERS
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
 NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -29,9 +31,7 @@ def name_problem(name: str) -> str | None:
 # a reference to a stored name (suite, config, model): bounded like the columns that hold names
 NameRef = Annotated[str, Field(min_length=1, max_length=128)]
 DB_INT_MAX = 2**31 - 1  # the largest count or id an INTEGER column holds (PostgreSQL)
-SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
 AVAILABLE_SCORERS = SCORERS
-NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
 
 
 class ConfigFileError(ValueError):
@@ -52,9 +52,12 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+# NaN and ±Infinity (which JSON parsers accept) are never a threshold or a setting; an unknown key is refused
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
 class _Strict(BaseModel):
-    # NaN and ±Infinity (which JSON parsers accept) are never a threshold or a setting
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = STRICT
 
 
 class ModelEntry(_Strict):
@@ -79,75 +82,16 @@ class ConfigEntry(OptimizationSpec):
         return v
 
 
-class PerplexitySettings(_Strict):
-    window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
-    stride: int | None = Field(None, ge=1, description="tokens between window starts; default = window (disjoint)")
-    terms: list[str] = Field(default_factory=list, max_length=1000, description=(
-        "domain terms whose tokens are also scored apart (term_nll_ratio): a literal term as written, "
-        "'re:<regex>', or 'builtin:python-identifiers'"))
-
-    @field_validator("terms")
-    @classmethod
-    def _terms(cls, v: list[str]) -> list[str]:
-        from evals.terms import compile_terms
-
-        for i, entry in enumerate(v):
-            try:
-                compile_terms([entry])
-            except ValueError as e:
-                raise ValueError(f"terms[{i}]: {e}") from e
-        return v
-
-    @model_validator(mode="after")
-    def _stride(self) -> PerplexitySettings:
-        if self.stride is None:
-            self.stride = self.window
-        if self.stride > self.window:
-            raise ValueError(f"stride {self.stride} > window {self.window}; use a stride ≤ window")
-        return self
+class PerplexitySettings(suite_settings.PerplexitySettings):
+    model_config = STRICT
 
 
-class GenerationSettings(_Strict):
-    prompts: int = Field(16, ge=0, le=1000, description="documents whose opening is used as a prompt")
-    prompt_words: int = Field(24, ge=1, le=2000)
-    max_new_tokens: int = Field(32, ge=1, le=4096)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    paired_timing: bool = Field(True, description=(
-        "a candidate's run also times the baseline on the same prompts, "
-        "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)"))
-    concurrency: int = Field(8, ge=1, le=256, description=(
-        "generation requests in flight at once against a serving engine (openai, vllm), as production traffic "
-        "has them; engine_options.concurrency overrides it per config. The in-process reference engine decodes "
-        "engine_options.concurrency rows together (default 1)"))
-    noise_floor: bool = Field(True, description=(
-        "a candidate's run also sends the baseline a second pass over the prompts, interleaved with the "
-        "candidate's batches: the baseline against itself, the floor that confident_divergence is judged beyond"))
-    near_tie_nats: float = Field(0.25, ge=0, le=10, description=(
-        "two greedy outputs that part where the baseline model's log-probs of the two tokens are within this many "
-        "nats part at a near-tie: noise on a server that is not batch-invariant, reported, not judged "
-        "(vLLM's greedy_atol)"))
-    solo_probes: int = Field(8, ge=0, le=256, description=(
-        "prompts each config also sends alone, one at a time, to compare with its answers inside a full batch "
-        "(batch_divergence); only where generation runs more than one request at a time"))
+class GenerationSettings(suite_settings.GenerationSettings):
+    model_config = STRICT
 
 
-class JudgeSettings(_Strict):
-    base_url: str | None = Field(
-        None, max_length=2048, description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
-    model: str | None = Field(None, max_length=256, description="the judge model's name on that server")
-    api_key_env: str | None = Field(
-        None, max_length=256, description="environment variable holding the judge's API key (never the key itself)")
-    mode: Literal["pairwise", "rubric", "both"] = "pairwise"
-    concurrency: int = Field(4, ge=1, le=64)
-    requests_per_second: float | None = Field(None, gt=0)
-    timeout_s: float = Field(30, gt=0, le=600)
-
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("https://", "http://")):
-            raise ValueError(f"'{v}' is not an http(s) URL; give the judge's base URL, e.g. http://judge.internal:8000/v1")
-        return v
+class JudgeSettings(suite_settings.JudgeSettings):
+    model_config = STRICT
 
     @field_validator("api_key_env")
     @classmethod
@@ -157,25 +101,15 @@ class JudgeSettings(_Strict):
         return None if v is None else check_secret_name(v, "api_key_env")
 
 
-class FaithfulnessSettings(_Strict):
-    method: Literal["offline", "judge"] = Field(
-        "offline",
-        description="offline: the labelled all-MiniLM-L6-v2 approximation (no endpoint); judge: the suite's judge")
-    threshold: float = Field(
-        0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
+class FaithfulnessSettings(suite_settings.FaithfulnessSettings):
+    model_config = STRICT
 
 
-class SuiteEntry(_Strict):
+class SuiteEntry(suite_settings.SuiteSpec):
+    model_config = STRICT
     name: str = Field(pattern=NAME_PATTERN)
     corpus: str = Field(
         description="builtin:pydoc-heldout, a .jsonl file ({'id', 'text'} per line) or a folder of .txt/.md files")
-    samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
-    max_samples: int | None = Field(
-        None, ge=1, description="top up an undecided run: while a gated comparison is inconclusive, draw as many "
-                                "documents again (up to this many in all) and rerun the baseline and the undecided "
-                                "configs on all of them; unset: never (workers/top_up.py)")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     judge: JudgeSettings = Field(default_factory=JudgeSettings)

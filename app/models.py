@@ -22,6 +22,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.db import Base
+from evals.suite import SuiteSpec
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -105,6 +106,11 @@ class Suite(TimestampMixin, Base):
     # adds a version, so in-flight runs and history keep scoring the text they drew.
     version: Mapped[str] = mapped_column(String(64), nullable=False)
     n_documents: Mapped[int] = mapped_column(Integer, default=0, nullable=False)
+
+    @property
+    def settings(self) -> SuiteSpec:
+        """The stored spec, typed, with this release's default for anything an older spec lacks."""
+        return SuiteSpec.model_validate(self.spec)
 
 
 class SuiteSample(Base):

@@ -384,8 +384,8 @@ def create_run(
     if baseline is None:
         raise ValueError("configs: the model has no baseline config; mark one config as baseline")
     ordered = [baseline] + [c for c in configs if c.id != baseline.id]
-    n = n_samples or suite.spec.get("samples", 100)
-    seed = suite.spec.get("seed", 0) if seed is None else seed
+    n = n_samples or suite.settings.samples
+    seed = suite.settings.seed if seed is None else seed
     if idempotency_key:
         existing = session.scalar(select(Run).where(Run.project_id == project.id,
                                                     Run.idempotency_key == idempotency_key))

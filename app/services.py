@@ -22,6 +22,7 @@ from app.settings import get_settings
 from app.ssrf import check_url, public_spec
 from app.summary import trade_off_points, verdict_summary
 from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible
+from evals.suite import SuiteSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ def model_context(path: str) -> int | None:
     return context if isinstance(context, int) else None
 
 
-def check_window(suite_spec: dict, model_path: str, field: str = "perplexity.window") -> None:
-    window = suite_spec.get("perplexity", {}).get("window", 256)
+def check_window(suite: SuiteSpec, model_path: str, field: str = "perplexity.window") -> None:
+    window = suite.perplexity.window
     ctx = model_context(model_path)
     if ctx is not None and window > ctx:
         raise ValueError(f"{field}: {window} exceeds the model's context of {ctx} positions; use a window ≤ {ctx}")
@@ -111,7 +112,7 @@ def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
     check_model_path(canary_file.model.path, project=canary_file.project)
     corpora = {}
     for i, suite in enumerate(canary_file.suites):
-        check_window(suite.model_dump(), canary_file.model.path, f"suites[{i}].perplexity.window")
+        check_window(suite, canary_file.model.path, f"suites[{i}].perplexity.window")
         samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents,
                               settings.max_document_chars)
         if suite.samples > len(samples):
@@ -171,7 +172,7 @@ def start_run(
         else:
             configs = repo.list_configs(s, project)
         for c in configs:
-            check_window(suite.spec, c.model.path)
+            check_window(suite.settings, c.model.path)
         queued = repo.queued_config_runs(s, project.id)
         retry = idempotency_key is not None and s.scalar(select(Run.id).where(
             Run.project_id == project.id, Run.idempotency_key == idempotency_key)) is not None

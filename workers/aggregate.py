@@ -26,6 +26,7 @@ from evals.health import NEAR_TIE_NATS
 from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
 from evals.records import RunFigures, RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
+from evals.suite import SuiteSpec
 from workers import step_back, top_up
 
 
@@ -115,10 +116,8 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
 
         table = RunRecords.from_rows(repo.sample_rows(session, run_id))  # the run's records, read once
         suite = session.get(Suite, run.suite_id)
-        scorers = list((suite.spec if suite else {}).get("scorers", []))
-        generation = (suite.spec if suite else {}).get("generation") or {}
-        temperature = float(generation.get("temperature", 0.0))
-        tau = float(generation.get("near_tie_nats", NEAR_TIE_NATS))
+        settings = suite.settings if suite else SuiteSpec()
+        scorers, generation = settings.scorers, settings.generation
         failed_scorers = score_run(session, run, table)  # judge / faithfulness on this (CPU) worker, added to the table
         thresholds = RunThresholds(repo.alert_rules(session, run.project_id, run.model_id))
         rows: list[dict] = []
@@ -126,7 +125,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
             if cr.status != "succeeded":
                 continue
             for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers,
-                                        greedy=temperature < SAMPLING_EPS, tau=tau):
+                                        greedy=generation.temperature < SAMPLING_EPS, tau=generation.near_tie_nats):
                 rows.append({
                     "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),
                     "ci_high": _f(c.ci_high), "n": c.n, "verdict": c.verdict, "rule": c.rule,

@@ -17,7 +17,7 @@ import statistics
 import threading
 import traceback
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timezone
 from typing import Any
 
@@ -42,6 +42,7 @@ from evals.records import (
     SpecFigures,
     spec_to_json,
 )
+from evals.suite import GenerationSettings, SuiteSpec
 from evals.terms import compile_terms, term_nll
 from workers.base import BaseTask
 
@@ -154,49 +155,46 @@ class ExecuteConfigRun(BaseTask):
 
         threading.Thread(target=keep_trying, name=f"release-{config_run_id}-{attempt}", daemon=True).start()
 
-    def _run_engine(self, config_run_id: int, attempt: int, job: dict, settings,
+    def _run_engine(self, config_run_id: int, attempt: int, job: Job, settings,
                     lease: LeaseKeeper | None = None) -> None:
         """Run the config's engine over the run's documents (log-likelihoods) and prompts
         (generations), writing each batch's rows fenced by the attempt, then finish the config-run
         with its serving and memory figures."""
         check_lease = lease.check if lease is not None else (lambda: None)
-        spec: OptimizationSpec = job["spec"]
+        spec: OptimizationSpec = job.spec
         # a served model (engine openai) is named, not a path
         if spec.engine == "openai":  # URLs and the key's name pass the outbound policy again, at use
             from workers.outbound import check_engine
 
-            check_engine(spec, job["project"])
-        model = job["model_path"] if spec.engine == "openai" else str(loadable_model(job))
+            check_engine(spec, job.project)
+        model = job.model_path if spec.engine == "openai" else str(loadable_model(job))
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
-        key = inputs_key(job) if job["is_baseline"] and settings.gate_reuse_baseline else None
-        if key is not None and job["trigger"] == "gate" and self._reuse(config_run_id, attempt, job, key, settings):
+        key = inputs_key(job) if job.is_baseline and settings.gate_reuse_baseline else None
+        if key is not None and job.trigger == "gate" and self._reuse(config_run_id, attempt, job, key, settings):
             return
-        engine = get_engine(model, spec, job["calibration"])
+        engine = get_engine(model, spec, job.calibration)
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
-        suite = job["suite"]
-        ppl = suite.get("perplexity", {})
-        window = WindowSpec(max_length=ppl.get("window", 256), stride=ppl.get("stride") or ppl.get("window", 256))
-        gen = suite.get("generation", {})
-        scorers = suite.get("scorers", ["perplexity", "generation"])
-        term_pattern = compile_terms(ppl.get("terms") or [])  # the suite's domain terms (term_nll_ratio)
+        ppl, gen, scorers = job.suite.perplexity, job.suite.generation, job.suite.scorers
+        window = WindowSpec(max_length=ppl.window, stride=ppl.stride or ppl.window)
+        term_pattern = compile_terms(ppl.terms)  # the suite's domain terms (term_nll_ratio)
         keep_ids = "agreement" in scorers  # top-1 and exact-match agreement pair token ids with the baseline's
-        samples = job["samples"]
-        n_prompts = min(job.get("prompts", gen.get("prompts", 0)), len(samples)) if "generation" in scorers else 0
+        samples = job.samples
+        n_prompts = min(job.prompts, len(samples)) if "generation" in scorers else 0
         total = len(samples) + n_prompts
         done = 0
         nll_sum = n_tokens = 0.0
         for i in range(0, len(samples), DOC_BATCH):
-            batch = samples[i : i + DOC_BATCH]
+            documents = samples[i : i + DOC_BATCH]
             check_lease()
-            results = engine.loglikelihood_rolling([RollingRequest(key, text, window) for key, text, _ in batch])
+            results = engine.loglikelihood_rolling([RollingRequest(key, text, window) for key, text, _ in documents])
             rows = []
-            for doc, (_, text, cluster) in zip(results, batch, strict=True):
+            for doc, (_, text, cluster) in zip(results, documents, strict=True):
                 nll_sum += doc.nll
                 n_tokens += len(doc.token_ids)
                 terms = term_nll(text, doc.logprobs, doc.char_spans, term_pattern) if term_pattern else None
                 rows.append(DocRecord.from_result(doc, cluster, keep_ids, terms).to_row())
-            done += len(batch)
+            done += len(documents)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         ttft, itl, tps, gen_tokens = [], [], [], 0
         spec_decode = SpecStats()  # requests' own counters plus servers' per-batch counters
@@ -205,8 +203,8 @@ class ExecuteConfigRun(BaseTask):
         own_spec = SpecStats()  # the responses' own spec-decode figures, where the server reports them
         foreign_excess = 0  # the server's counters beyond own_spec so far
         dedicated = bool(spec.engine_options.get("dedicated_server", False))
-        requests = [GenerationRequest(key, " ".join(text.split()[: gen.get("prompt_words", 24)]),
-                                      gen.get("max_new_tokens", 32), gen.get("temperature", 0.0))
+        requests = [GenerationRequest(key, " ".join(text.split()[: gen.prompt_words]), gen.max_new_tokens,
+                                      gen.temperature)
                     for key, text, _ in samples[:n_prompts]]
         prompts = {request.request_id: request.prompt for request in requests}
         judge = _baseline_scorer(engine, job) if requests else None  # the baseline model scores every config's outputs
@@ -214,7 +212,7 @@ class ExecuteConfigRun(BaseTask):
         # a candidate's prompts also run on the baseline engine, batch by batch, in alternating order
         # (ABBA): the paired timings that ttft_ratio and tpot_ratio compare, and the baseline's second
         # pass over the prompts (RepeatRecord), the noise floor that confident_divergence is judged beyond
-        timing, floor = gen.get("paired_timing", True), gen.get("noise_floor", True)
+        timing, floor = gen.paired_timing, gen.noise_floor
         repeat = judge is not None and judge.engine is not engine and (timing or floor)
         for batch_number, i in enumerate(range(0, len(requests), step)):
             rows = []
@@ -267,7 +265,7 @@ class ExecuteConfigRun(BaseTask):
             done += len(generations)
             self._write_fenced(config_run_id, attempt, job, rows, done, total, settings)
         # batch invariance: a few prompts again, each alone, against their answers inside a full batch
-        probes = requests[: int(gen.get("solo_probes", 8))] if step > 1 and judge is not None else []
+        probes = requests[: gen.solo_probes] if step > 1 and judge is not None else []
         if probes and judge is not None:
             check_lease()
             alone = [engine.generate([request])[0] for request in probes]
@@ -301,7 +299,7 @@ class ExecuteConfigRun(BaseTask):
                                 f"finish config-run {config_run_id}"):
             raise _LostLease(config_run_id, attempt)
 
-    def _reuse(self, config_run_id: int, attempt: int, job: dict, key: str, settings) -> bool:
+    def _reuse(self, config_run_id: int, attempt: int, job: Job, key: str, settings) -> bool:
         """A gate's baseline: take the rows and figures of the newest earlier config-run of this
         config with the same inputs key on the same samples, in one transaction fenced by the
         attempt. False when there is none (the engine computes them)."""
@@ -310,15 +308,15 @@ class ExecuteConfigRun(BaseTask):
             if mine is not None and mine.attempt == attempt and mine.status == "succeeded":
                 # this transaction committed already and its acknowledgement was lost: done
                 return (mine.figures or {}).get("reused_from_run")
-            run = session.get(Run, job["run_id"])
-            source = repo.reusable_config_run(session, run, job["config_id"], key)
+            run = session.get(Run, job.run_id)
+            source = repo.reusable_config_run(session, run, job.config_id, key)
             if source is None:
                 return None
             total = source.progress_total
             if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, total, total):
                 raise _LostLease(config_run_id, attempt)
             # what the engine wrote, not what judges added later (a remote judge is not in the key)
-            repo.copy_sample_results(session, source.run_id, job["run_id"], job["config_id"], ENGINE_KINDS)
+            repo.copy_sample_results(session, source.run_id, job.run_id, job.config_id, ENGINE_KINDS)
             assert source.figures is not None  # reusable_config_run matched the figures' inputs_key
             figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
             if not _finish(session, config_run_id, attempt, "succeeded", figures=figures):
@@ -338,7 +336,7 @@ class ExecuteConfigRun(BaseTask):
         def write(session) -> bool:
             if not repo.heartbeat(session, config_run_id, attempt, settings.lease_seconds, done, total):
                 return False
-            repo.write_sample_results(session, job["run_id"], job["config_id"], rows)
+            repo.write_sample_results(session, job.run_id, job.config_id, rows)
             return True
 
         if not self.transaction(write, f"write results of config-run {config_run_id}"):
@@ -462,27 +460,27 @@ _CODE = pathlib.Path(__file__).resolve().parent.parent
 _LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "triton", "vllm", "numpy")
 
 
-def loadable_model(job: dict) -> pathlib.Path:
+def loadable_model(job: Job) -> pathlib.Path:
     """The model directory to load, checked again at use against the project's model root (the
     row may predate the root, or a symlink may have moved since it was created): its real path,
     and its draft's check (app/model_paths.py)."""
     from app.model_paths import model_dir
 
-    draft = getattr(job["spec"].speculative, "draft_model", None)
+    draft = getattr(job.spec.speculative, "draft_model", None)
     if draft:
-        model_dir(draft, "speculative.draft_model", job["project"])
-    return model_dir(job["model_path"], "model.path", job["project"])
+        model_dir(draft, "speculative.draft_model", job.project)
+    return model_dir(job.model_path, "model.path", job.project)
 
 
-def inputs_key(job: dict) -> str | None:
+def inputs_key(job: Job) -> str | None:
     """sha256 of everything that decides a config-run's rows: the model's files (and a draft
     model's) by content, the config's spec, the suite's spec and version, the samples in order,
     the source of engines/, evals/ and workers/, the libraries' versions and the device kind.
     None for a served model (engine openai): what the server runs is not ours to pin."""
-    spec: OptimizationSpec = job["spec"]
+    spec: OptimizationSpec = job.spec
     if spec.engine == "openai":
         return None
-    models = [model_digest(resolve_model_path(job["model_path"]))]
+    models = [model_digest(resolve_model_path(job.model_path))]
     draft = getattr(spec.speculative, "draft_model", None)
     if draft:
         models.append(model_digest(resolve_model_path(draft)))
@@ -498,18 +496,37 @@ def inputs_key(job: dict) -> str | None:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         device = f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
     payload = {
-        "models": models, "spec": spec.model_dump(mode="json"), "baseline_spec": job["baseline_spec"].model_dump(
-            mode="json"), "suite": job["suite"], "suite_version": job["suite_version"],
-        "samples": [key for key, _, _ in job["samples"]],
+        "models": models, "spec": spec.model_dump(mode="json"), "baseline_spec": job.baseline_spec.model_dump(
+            mode="json"), "suite": job.suite.model_dump(mode="json"), "suite_version": job.suite_version,
+        "samples": [key for key, _, _ in job.samples],
         "code": source_digest(_CODE / "engines", _CODE / "evals", _CODE / "workers"), "versions": versions,
         "device": str(device), "machine": platform.machine(), "python": platform.python_version(),
         "threads": torch.get_num_threads(), "kernels": os.environ.get("CANARY_KERNELS"),
-        "calibration": calibration_id(job["calibration"]),
+        "calibration": calibration_id(job.calibration),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _load_job(session, config_run_id: int) -> dict:
+@dataclass(frozen=True)
+class Job:
+    """What one config-run needs, read from the database once per attempt (`_load_job`)."""
+
+    run_id: int
+    config_id: int
+    project: str  # the project's name: whose secrets the config may name
+    trigger: str  # the run's trigger (a gate may reuse a baseline's rows)
+    is_baseline: bool
+    spec: OptimizationSpec
+    baseline_spec: OptimizationSpec  # the run's baseline config (it scores every config's outputs)
+    calibration: list[str] | None  # AWQ calibration text: the suite's documents the run does not score
+    suite_version: str
+    model_path: str
+    suite: SuiteSpec
+    samples: tuple[tuple[str, str, str], ...]  # (key, text, cluster) in the run's order
+    prompts: int  # generation prompts: the suite's, scaled as a top-up scales the samples
+
+
+def _load_job(session, config_run_id: int) -> Job:
     config_run = session.get(ConfigRun, config_run_id)
     run = session.get(Run, config_run.run_id)
     suite = session.get(Suite, run.suite_id)
@@ -521,26 +538,26 @@ def _load_job(session, config_run_id: int) -> dict:
                        if sample.key not in scored]
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     order = {key: i for i, key in enumerate(run.sample_keys)}
-    return {
-        "run_id": run.id,
-        "project": session.get(Project, run.project_id).name,  # whose secrets the config may name
-        "trigger": run.trigger,
-        "is_baseline": config_run.config_id == run.baseline_config_id,
-        "config_id": config_run.config_id,
-        "spec": spec,
-        "baseline_spec": OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
-        "calibration": calibration,
-        "suite_version": run.suite_version,
-        "model_path": config_run.config.model.path,
-        "suite": dict(suite.spec),
+    settings = suite.settings
+    return Job(
+        run_id=run.id,
+        project=session.get(Project, run.project_id).name,
+        trigger=run.trigger,
+        is_baseline=config_run.config_id == run.baseline_config_id,
+        config_id=config_run.config_id,
+        spec=spec,
+        baseline_spec=OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
+        calibration=calibration,
+        suite_version=run.suite_version,
+        model_path=config_run.config.model.path,
+        suite=settings,
         # in the run's order: a top-up (workers/top_up.py) appends its documents after those drawn first
-        "samples": sorted(((sample.key, sample.text, sample.cluster or sample.key)
-                           for sample in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)),
-                          key=lambda sample: order[sample[0]]),
+        samples=tuple(sorted(((sample.key, sample.text, sample.cluster or sample.key) for sample in
+                              repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)),
+                             key=lambda sample: order[sample[0]])),
         # a top-up that doubled the samples doubles the prompts too, the first pass's staying first
-        "prompts": round(int((suite.spec.get("generation") or {}).get("prompts", 0)) * len(run.sample_keys)
-                         / max(1, run.n_samples)),
-    }
+        prompts=round(settings.generation.prompts * len(run.sample_keys) / max(1, run.n_samples)),
+    )
 
 
 class _BaselineScorer:
@@ -594,7 +611,7 @@ def _records(kind, generations, judge: _BaselineScorer, prompts: dict[str, str],
             for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, window), strict=True)]
 
 
-def _concurrency(engine, spec: OptimizationSpec, generation: dict, judge: _BaselineScorer | None) -> int:
+def _concurrency(engine, spec: OptimizationSpec, generation: GenerationSettings, judge: _BaselineScorer | None) -> int:
     """Generation requests in flight at once: engine_options.concurrency where the config sets it;
     else, for an engine that serves requests in parallel (a server: openai, vllm), the suite's
     generation.concurrency, as production traffic has them, given to the baseline's serving engine
@@ -604,7 +621,7 @@ def _concurrency(engine, spec: OptimizationSpec, generation: dict, judge: _Basel
         return max(1, int(spec.engine_options["concurrency"]))
     if spec.engine not in SERVING_ENGINES:
         return 1
-    step = max(1, int(generation.get("concurrency", 8)))
+    step = max(1, generation.concurrency)
     for serving in (engine, judge.engine if judge is not None else None):
         spec_of = getattr(serving, "spec", None)
         if (serving is not None and spec_of is not None and spec_of.engine in SERVING_ENGINES
@@ -618,17 +635,17 @@ def _timings(generations) -> dict[str, tuple[float, float | None]]:
     return {g.request_id: (g.ttft_ms, sum(g.itl_ms) / len(g.itl_ms) if g.itl_ms else None) for g in generations}
 
 
-def _baseline_scorer(engine, job: dict) -> _BaselineScorer:
+def _baseline_scorer(engine, job: Job) -> _BaselineScorer:
     """The engine's own for the baseline config; else the baseline config's engine (cached beside
     this one: a second model in memory while the run's configs execute)."""
-    baseline: OptimizationSpec = job["baseline_spec"]
-    if baseline == job["spec"]:
+    baseline: OptimizationSpec = job.baseline_spec
+    if baseline == job.spec:
         return _BaselineScorer(engine)
     if baseline.engine == "openai":
         from workers.outbound import check_engine
 
-        check_engine(baseline, job["project"])
-        return _BaselineScorer(get_engine(job["model_path"], baseline))
+        check_engine(baseline, job.project)
+        return _BaselineScorer(get_engine(job.model_path, baseline))
     return _BaselineScorer(get_engine(str(loadable_model(job)), baseline))
 
 

@@ -13,21 +13,23 @@ from app.models import Project, Run, Suite
 from evals.faithfulness import JudgeFaithfulness, MissingContexts, OfflineFaithfulness
 from evals.judge import JudgeClient, JudgeConfig, JudgeError, pairwise, rubric
 from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord, RunRecords
+from evals.suite import JudgeSettings, SuiteSpec
 
 log = logging.getLogger(__name__)
 _OFFLINE: dict[float, OfflineFaithfulness] = {}  # the embedder loads once per process
 
 
-def judge_client(settings: dict, project: str | None) -> JudgeClient:
+def judge_client(settings: JudgeSettings, project: str | None) -> JudgeClient:
     """The judge's URL and key name pass the outbound policy again here, at use; every request
     then goes through a transport that checks the URL and pins the address it checked."""
     from workers.outbound import judge_http
 
-    key, transport = judge_http(settings, project)
+    if settings.base_url is None or settings.model is None:  # the suite's schema requires both with a judge
+        raise JudgeError("judge: the suite names no judge.base_url and judge.model")
+    key, transport = judge_http(settings.model_dump(), project)
     return JudgeClient(JudgeConfig(
-        base_url=settings["base_url"], model=settings["model"], api_key=key,
-        concurrency=settings.get("concurrency", 4), requests_per_second=settings.get("requests_per_second"),
-        timeout_s=settings.get("timeout_s", 30)), transport=transport)
+        base_url=settings.base_url, model=settings.model, api_key=key, concurrency=settings.concurrency,
+        requests_per_second=settings.requests_per_second, timeout_s=settings.timeout_s), transport=transport)
 
 
 def _project(session, run: Run) -> str:
@@ -39,7 +41,8 @@ def score_run(session, run: Run, table: RunRecords) -> dict[str, str]:
     """Run the suite's CPU scorers over the run's records (`table`, read once by the aggregation;
     what they score is stored and added to it); returns {scorer: why it failed} for those that failed."""
     suite = session.get(Suite, run.suite_id)
-    scorers = suite.spec.get("scorers", [])
+    spec = suite.settings
+    scorers = spec.scorers
     failed: dict[str, str] = {}
     if not {"judge", "faithfulness"} & set(scorers):
         return failed
@@ -48,12 +51,12 @@ def score_run(session, run: Run, table: RunRecords) -> dict[str, str]:
     gens = {cr.config_id: table[cr.config_id].generations for cr in done}
     if "faithfulness" in scorers:
         try:
-            _faithfulness(session, run, suite.spec, samples, gens, table)
+            _faithfulness(session, run, spec, samples, gens, table)
         except (JudgeError, MissingContexts, RuntimeError, ValueError) as e:
             failed["faithfulness"] = str(e)
     if "judge" in scorers:
         try:
-            _judge(session, run, suite.spec, samples, gens, table)
+            _judge(session, run, spec, samples, gens, table)
         except (JudgeError, ValueError) as e:  # ValueError: the SSRF policy refused the judge URL
             failed["judge"] = str(e)
     return failed
@@ -66,15 +69,14 @@ def _store(session, run: Run, config_id: int, records: list, table: RunRecords) 
         table[config_id].add(record)
 
 
-def _faithfulness(session, run: Run, spec: dict, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
+def _faithfulness(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
                   table: RunRecords) -> None:
-    settings = spec.get("faithfulness", {})
     client = None
-    if settings.get("method", "offline") == "judge":
-        client = judge_client(spec["judge"], _project(session, run))
+    if spec.faithfulness.method == "judge":
+        client = judge_client(spec.judge, _project(session, run))
         scorer: JudgeFaithfulness | OfflineFaithfulness = JudgeFaithfulness(client)
     else:
-        threshold = settings.get("threshold", 0.6)
+        threshold = spec.faithfulness.threshold
         scorer = _OFFLINE.setdefault(threshold, OfflineFaithfulness(threshold))
     try:
         for config_id, by_key in gens.items():
@@ -100,12 +102,11 @@ def _faithfulness(session, run: Run, spec: dict, samples: dict, gens: dict[int, 
             client.close()
 
 
-def _judge(session, run: Run, spec: dict, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
+def _judge(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
            table: RunRecords) -> None:
-    settings = spec["judge"]
-    mode = settings.get("mode", "pairwise")
+    mode = spec.judge.mode
     base = gens.get(run.baseline_config_id, {})
-    with judge_client(settings, _project(session, run)) as client:
+    with judge_client(spec.judge, _project(session, run)) as client:
         for config_id, by_key in gens.items():
             mine = table[config_id]
             todo = [k for k in by_key if k in base]

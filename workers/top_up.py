@@ -55,7 +55,7 @@ def room(run: Run, suite: Suite, documents: int) -> int:
     """How many samples the run may hold in all: the suite's max_samples, within the run's suite
     version's `documents` (less a quarter kept for AWQ calibration when a config needs it) and the
     per-run limit."""
-    cap = suite.spec.get("max_samples")
+    cap = suite.settings.max_samples
     if not cap:
         return len(run.sample_keys)
     if any((cr.config.spec or {}).get("weights") == "awq-int4" for cr in run.config_runs):
@@ -76,7 +76,7 @@ def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
 def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> list[int]:
     """Top the run up when a candidate is undecided and the suite allows more samples: the new
     config-runs' ids (the baseline's and each undecided config's), else [] (judge as it is)."""
-    if suite is None or not suite.spec.get("max_samples"):
+    if suite is None or not suite.settings.max_samples:
         return []
     configs = {cr.config_id: cr for cr in run.config_runs}
     # a config already critical (or a measurement error) fails the run whatever more samples say
@@ -107,5 +107,5 @@ def reason(run: Run, suite: Suite | None) -> str:
     drawn = len(run.sample_keys)
     if drawn <= run.n_samples:
         return ""
-    cap = (suite.spec.get("max_samples") if suite is not None else None) or drawn
+    cap = (suite.settings.max_samples if suite is not None else None) or drawn
     return f"; topped up from {run.n_samples} to {drawn} samples (max_samples {cap}) after an inconclusive pass"

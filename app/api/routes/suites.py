@@ -15,9 +15,10 @@ router = APIRouter(tags=["suites"], responses=error_responses(404))
 
 
 def _out(suite: Suite) -> SuiteOut:
-    settings = {key: suite.spec[key] for key in ("samples", "seed", "scorers", "perplexity", "generation")}
-    return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents,
-                    max_samples=suite.spec.get("max_samples"), **settings)
+    settings = suite.settings
+    return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents, samples=settings.samples,
+                    max_samples=settings.max_samples, seed=settings.seed, scorers=settings.scorers,
+                    perplexity=settings.perplexity.model_dump(), generation=settings.generation.model_dump())
 
 
 @router.post("/projects/{project}/suites", status_code=status.HTTP_201_CREATED, response_model=SuiteOut,

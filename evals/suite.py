@@ -1,0 +1,119 @@
+"""A suite's settings as stored with it and read by the workers: what a run scores, on how many
+documents, and how it generates (torch-free: the API, the workers and the aggregation read it).
+
+Every default lives here, once. app/config_file.py extends these models for the canary.yaml and
+the API (unknown keys refused, secret names and the scorers checked against what is available);
+a stored spec is read back with `SuiteSpec.model_validate(suite.spec)`, which fills a default a
+spec stored by an older release lacks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
+NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
+
+
+class _Settings(BaseModel):
+    # NaN and ±Infinity (which JSON parsers accept) are never a setting; a key this release does not
+    # know is left out when a stored spec is read (the canary.yaml and the API refuse it: app/config_file.py)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class PerplexitySettings(_Settings):
+    window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
+    stride: int | None = Field(None, ge=1, description="tokens between window starts; default = window (disjoint)")
+    terms: list[str] = Field(default_factory=list, max_length=1000, description=(
+        "domain terms whose tokens are also scored apart (term_nll_ratio): a literal term as written, "
+        "'re:<regex>', or 'builtin:python-identifiers'"))
+
+    @field_validator("terms")
+    @classmethod
+    def _terms(cls, v: list[str]) -> list[str]:
+        from evals.terms import compile_terms
+
+        for i, entry in enumerate(v):
+            try:
+                compile_terms([entry])
+            except ValueError as e:
+                raise ValueError(f"terms[{i}]: {e}") from e
+        return v
+
+    @model_validator(mode="after")
+    def _stride(self) -> PerplexitySettings:
+        if self.stride is None:
+            self.stride = self.window
+        if self.stride > self.window:
+            raise ValueError(f"stride {self.stride} > window {self.window}; use a stride ≤ window")
+        return self
+
+
+class GenerationSettings(_Settings):
+    prompts: int = Field(16, ge=0, le=1000, description="documents whose opening is used as a prompt")
+    prompt_words: int = Field(24, ge=1, le=2000)
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    paired_timing: bool = Field(True, description=(
+        "a candidate's run also times the baseline on the same prompts, "
+        "interleaved, for ttft_ratio and tpot_ratio (load on the host cancels out)"))
+    concurrency: int = Field(8, ge=1, le=256, description=(
+        "generation requests in flight at once against a serving engine (openai, vllm), as production traffic "
+        "has them; engine_options.concurrency overrides it per config. The in-process reference engine decodes "
+        "engine_options.concurrency rows together (default 1)"))
+    noise_floor: bool = Field(True, description=(
+        "a candidate's run also sends the baseline a second pass over the prompts, interleaved with the "
+        "candidate's batches: the baseline against itself, the floor that confident_divergence is judged beyond"))
+    near_tie_nats: float = Field(0.25, ge=0, le=10, description=(
+        "two greedy outputs that part where the baseline model's log-probs of the two tokens are within this many "
+        "nats part at a near-tie: noise on a server that is not batch-invariant, reported, not judged "
+        "(vLLM's greedy_atol)"))
+    solo_probes: int = Field(8, ge=0, le=256, description=(
+        "prompts each config also sends alone, one at a time, to compare with its answers inside a full batch "
+        "(batch_divergence); only where generation runs more than one request at a time"))
+
+
+class JudgeSettings(_Settings):
+    base_url: str | None = Field(
+        None, max_length=2048, description="the judge's OpenAI-compatible base URL, e.g. http://judge.internal:8000/v1")
+    model: str | None = Field(None, max_length=256, description="the judge model's name on that server")
+    api_key_env: str | None = Field(
+        None, max_length=256, description="environment variable holding the judge's API key (never the key itself)")
+    mode: Literal["pairwise", "rubric", "both"] = "pairwise"
+    concurrency: int = Field(4, ge=1, le=64)
+    requests_per_second: float | None = Field(None, gt=0)
+    timeout_s: float = Field(30, gt=0, le=600)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("https://", "http://")):
+            raise ValueError(f"'{v}' is not an http(s) URL; give the judge's base URL, e.g. http://judge.internal:8000/v1")
+        return v
+
+
+class FaithfulnessSettings(_Settings):
+    method: Literal["offline", "judge"] = Field(
+        "offline",
+        description="offline: the labelled all-MiniLM-L6-v2 approximation (no endpoint); judge: the suite's judge")
+    threshold: float = Field(
+        0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
+
+
+class SuiteSpec(_Settings):
+    """A suite's stored settings (the canary.yaml's suite entry without its name)."""
+
+    samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
+    max_samples: int | None = Field(
+        None, ge=1, description="top up an undecided run: while a gated comparison is inconclusive, draw as many "
+                                "documents again (up to this many in all) and rerun the baseline and the undecided "
+                                "configs on all of them; unset: never (workers/top_up.py)")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
+    perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)
+    faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
+
