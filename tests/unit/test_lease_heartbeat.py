@@ -1,4 +1,4 @@
-"""The heartbeat of an attempt (workers.execute.LeaseKeeper) on the embedded SQLite database: it
+"""The heartbeat of an attempt (workers.lease.LeaseKeeper) on the embedded SQLite database: it
 keeps the lease of a task that is busy for longer than the lease, so no other worker can claim
 it; it stops at the first renewal after another attempt took over; it outlives a transient
 database error; and a config-run given up says whether its last worker went silent or said why
@@ -55,10 +55,10 @@ def take_over(cr_id: int, worker: str) -> int | None:
 
 @pytest.mark.integration
 def test_the_lease_outlives_work_longer_than_it_and_a_takeover_stops_the_heartbeat(config_run):
-    from workers.execute import LeaseKeeper, _LostLease
+    from workers.lease import Attempt, LeaseKeeper, LostLease
 
     first = claim(config_run, "a:1", lease_seconds=2)
-    with LeaseKeeper(config_run, first, lease_seconds=2, period=0.1) as lease:
+    with LeaseKeeper(Attempt(config_run, first), lease_seconds=2, period=0.1) as lease:
         time.sleep(5)  # "a model load": two and a half leases without a fenced write
         assert lease.beats >= 5 and not lease.lost.is_set()
         assert claim(config_run, "b:2") is None  # the live lease holds the other worker off
@@ -66,16 +66,16 @@ def test_the_lease_outlives_work_longer_than_it_and_a_takeover_stops_the_heartbe
         second = take_over(config_run, "b:2")  # as if this worker had been frozen past its lease
         assert second == first + 1
         assert lease.lost.wait(2)  # the next beat finds the newer attempt and stops renewing
-        with pytest.raises(_LostLease, match=f"attempt {first} lost its lease"):
+        with pytest.raises(LostLease, match=f"attempt {first} lost its lease"):
             lease.check()
     assert row(config_run).attempt == second and row(config_run).worker == "b:2"
 
 
 def test_a_transient_database_error_does_not_end_the_heartbeat(config_run, caplog):
-    from workers.execute import LeaseKeeper
+    from workers.lease import Attempt, LeaseKeeper
 
     attempt = claim(config_run, "a:1")
-    lease = LeaseKeeper(config_run, attempt, lease_seconds=1, period=0.1)
+    lease = LeaseKeeper(Attempt(config_run, attempt), lease_seconds=1, period=0.1)
     renew, failures = lease.renew, []
 
     def flaky() -> bool:
@@ -93,10 +93,10 @@ def test_a_transient_database_error_does_not_end_the_heartbeat(config_run, caplo
 
 
 def test_a_finished_attempt_stops_renewing(config_run):
-    from workers.execute import LeaseKeeper
+    from workers.lease import Attempt, LeaseKeeper
 
     attempt = claim(config_run, "a:1")
-    with LeaseKeeper(config_run, attempt, lease_seconds=1, period=0.05) as lease:
+    with LeaseKeeper(Attempt(config_run, attempt), lease_seconds=1, period=0.05) as lease:
         time.sleep(0.2)
     beats = lease.beats
     time.sleep(0.3)
@@ -104,7 +104,7 @@ def test_a_finished_attempt_stops_renewing(config_run):
 
 
 def test_the_give_up_reason_tells_a_silent_worker_from_an_interrupted_one(config_run):
-    from workers.execute import INTERRUPTED, give_up_reason
+    from workers.lease import INTERRUPTED, give_up_reason
 
     for _ in range(3):
         attempt = claim(config_run, "a:1")

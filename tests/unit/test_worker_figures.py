@@ -10,9 +10,9 @@ from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN
 from app.models import ConfigRun, utcnow
 from app.services import apply_config_file
 from evals.compare import ttft_comparison
+from evals.run_stats import percentile
 from evals.stats import Thresholds
 from sqlalchemy import update
-from workers.execute import percentile
 from workers.tasks import reconcile
 
 
@@ -103,7 +103,7 @@ def test_a_reference_config_stores_the_engines_peak_kv_cache_usage(sqlite_env):
     hand in the engine's tests); the config-run stores that peak, and no server figures."""
     from app.dispatch import InlineDispatcher
     from app.services import start_run
-    from workers.execute import _ENGINES, reset_engine_cache
+    from workers.engine_cache import _ENGINES, reset_engine_cache
 
     cfg = parse_config({
         "project": "kv", "model": {"name": "m", "path": "builtin:pydoc-target"},

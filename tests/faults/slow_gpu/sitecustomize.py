@@ -1,6 +1,6 @@
 """Test fault, never installed: a slow GPU. Python imports this module at start-up only when its
 folder is on PYTHONPATH, which only the fault tests set (for the workers of one test). It wraps
-workers.execute.get_engine so that every engine load sleeps CANARY_TEST_LOAD_DELAY_S (a slow
+workers.engine_cache.get_engine so that every engine load sleeps CANARY_TEST_LOAD_DELAY_S (a slow
 model load or AWQ calibration) and every engine call (one batch of documents or prompts) sleeps
 CANARY_TEST_BATCH_DELAY_S first: batches longer than the lease, on a worker that is alive."""
 
@@ -44,7 +44,7 @@ def _patch(module) -> None:
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "workers.execute":
+        if name != "workers.engine_cache":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

@@ -1,0 +1,77 @@
+"""What one config-run needs, read from the database once per attempt: the frozen `Job` the
+worker's task passes around instead of a dict, and the model directory it may load."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from app import repo
+from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite
+from engines.spec import OptimizationSpec
+from evals.suite import SuiteSpec
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one config-run needs, read from the database once per attempt (`_load_job`)."""
+
+    run_id: int
+    config_id: int
+    project: str  # the project's name: whose secrets the config may name
+    trigger: str  # the run's trigger (a gate may reuse a baseline's rows)
+    is_baseline: bool
+    spec: OptimizationSpec
+    baseline_spec: OptimizationSpec  # the run's baseline config (it scores every config's outputs)
+    calibration: list[str] | None  # AWQ calibration text: the suite's documents the run does not score
+    suite_version: str
+    model_path: str
+    suite: SuiteSpec
+    samples: tuple[tuple[str, str, str], ...]  # (key, text, cluster) in the run's order
+    prompts: int  # generation prompts: the suite's, scaled as a top-up scales the samples
+
+
+def load_job(session, config_run_id: int) -> Job:
+    config_run = session.get(ConfigRun, config_run_id)
+    run = session.get(Run, config_run.run_id)
+    suite = session.get(Suite, run.suite_id)
+    spec = OptimizationSpec.model_validate(config_run.config.spec)
+    calibration = None
+    if spec.weights == "awq-int4":  # domain text the run does not score: no test leakage
+        scored = set(run.sample_keys)
+        calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
+                       if sample.key not in scored]
+    baseline = session.get(OptimizationConfig, run.baseline_config_id)
+    order = {key: i for i, key in enumerate(run.sample_keys)}
+    settings = suite.settings
+    return Job(
+        run_id=run.id,
+        project=session.get(Project, run.project_id).name,
+        trigger=run.trigger,
+        is_baseline=config_run.config_id == run.baseline_config_id,
+        config_id=config_run.config_id,
+        spec=spec,
+        baseline_spec=OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
+        calibration=calibration,
+        suite_version=run.suite_version,
+        model_path=config_run.config.model.path,
+        suite=settings,
+        # in the run's order: a top-up (workers/top_up.py) appends its documents after those drawn first
+        samples=tuple(sorted(((sample.key, sample.text, sample.cluster or sample.key) for sample in
+                              repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)),
+                             key=lambda sample: order[sample[0]])),
+        # a top-up that doubled the samples doubles the prompts too, the first pass's staying first
+        prompts=round(settings.generation.prompts * len(run.sample_keys) / max(1, run.n_samples)),
+    )
+
+
+def loadable_model(job: Job) -> pathlib.Path:
+    """The model directory to load, checked again at use against the project's model root (the
+    row may predate the root, or a symlink may have moved since it was created): its real path,
+    and its draft's check (app/model_paths.py)."""
+    from app.model_paths import model_dir
+
+    draft = getattr(job.spec.speculative, "draft_model", None)
+    if draft:
+        model_dir(draft, "speculative.draft_model", job.project)
+    return model_dir(job.model_path, "model.path", job.project)
