@@ -526,7 +526,7 @@ def write_sample_results(session: Session, run_id: int, config_id: int, rows: Se
 def reusable_config_run(session: Session, run: Run, config_id: int, inputs_key: str) -> ConfigRun | None:
     """The newest succeeded config-run of `config_id`, as its run's baseline (a candidate's rows hold
     what another baseline scored), on the same suite version and samples as `run`, whose figures
-    carry the same inputs key (workers/execute.py inputs_key), or None."""
+    carry the same inputs key (workers/baseline_reuse.py inputs_key), or None."""
     candidates = session.scalars(
         select(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
         .where(ConfigRun.config_id == config_id, ConfigRun.status == "succeeded", Run.id != run.id,

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     escalation_samples: int = Field(500, ge=1)
     # a gate's baseline takes the results of an earlier run of the same baseline config on the same
     # samples when nothing that decides them changed: the model's files by content, the config, the
-    # suite, the worker's code and library versions (workers/execute.py inputs_key). False: every
+    # suite, the worker's code and library versions (workers/baseline_reuse.py inputs_key). False: every
     # gate recomputes its baseline
     gate_reuse_baseline: bool = True
     # Alertmanager channels: firing alerts are re-sent this often with endsAt 4 intervals ahead

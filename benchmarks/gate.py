@@ -152,7 +152,7 @@ def main() -> None:
         "config_run_s": {name: spread([r["config_runs"][name] for r in rounds], digits=2) for name in rounds[0]["config_runs"]},
         "warm_config_run_s": {name: spread([r["warm_config_runs"][name] for r in rounds], digits=2)
                               for name in rounds[0]["warm_config_runs"]},
-        # CANARY_GATE_REUSE_BASELINE: the warm gate's baseline takes the cold gate's rows (workers/execute.py)
+        # CANARY_GATE_REUSE_BASELINE: the warm gate's baseline takes the cold gate's rows (workers/baseline_reuse.py)
         "warm_baseline_reused": all(r["warm_baseline_reused_from"] is not None for r in rounds),
         "peak_rss_mb": max((r["peak_rss_mb"] or 0) for r in rounds), "verdict": rounds[0]["verdict"],
         "ppl_ratio": rounds[0]["ppl_ratio"], "goal": {"cold_s": 8, "warm_s": 3},

@@ -1,7 +1,7 @@
 """Digests of what decides an engine's outputs: a model directory by content, and source code by
 content. Equal digests mean equal inputs, so a result computed once can stand for a later one:
 the AWQ search's cache (engines/reference/awq.py) and a gate's reused baseline
-(workers/execute.py) are keyed by them. Torch-free."""
+(workers/baseline_reuse.py) are keyed by them. Torch-free."""
 
 from __future__ import annotations
 

@@ -398,7 +398,7 @@ class RunFigures:
     server: ServerFigures | None = None
     spec: SpecFigures | None = None
     baseline_scoring_error: str | None = None  # why the baseline model could not score these outputs
-    # sha256 of everything that decides this config-run's results (workers/execute.py inputs_key);
+    # sha256 of everything that decides this config-run's results (workers/baseline_reuse.py inputs_key);
     # None where they cannot be pinned (a served model)
     inputs_key: str | None = None
     # the run whose results (rows and figures) this config-run took instead of computing them again

@@ -1,5 +1,5 @@
 """A gate's baseline takes an earlier run's results when nothing that decides them changed
-(workers/execute.py inputs_key), on the embedded default with the real tiny model: the second
+(workers/baseline_reuse.py inputs_key), on the embedded default with the real tiny model: the second
 gate's baseline rows are the first's, row for row, and its verdict the same; a rewritten model
 file, a manual run or CANARY_GATE_REUSE_BASELINE=false computes it again."""
 
