@@ -1,0 +1,168 @@
+"""Operating the service: serve, worker, engine-serve, keys, db, schema and alert-rules."""
+
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    pass
+from app.cli.base import app, console, db_app, fail, keys_app
+from app.cli.runs import _upgrade_db
+
+
+@app.command()
+def serve(host: str = "127.0.0.1", port: int = 8000,
+          upgrade_db: bool = typer.Option(True, help="run migrations first"),
+          workers: int = typer.Option(1, min=1, max=64, help="API processes (with Celery only: the embedded "
+                                                             "default runs its tasks in the one process)")) -> None:
+    """Run the API server (OpenAPI docs at /docs)."""
+    import uvicorn
+
+    from app.settings import get_settings
+
+    if workers > 1 and get_settings().execution_mode != "celery":
+        fail("--workers: more than one API process needs Celery (set CANARY_BROKER_URL); the embedded default "
+             "runs tasks inside the one API process")
+    if upgrade_db:
+        _upgrade_db()
+    # X-Forwarded-For is taken only from the proxies named (uvicorn would trust loopback by
+    # default, so any local client could pick its own address); FORWARDED_ALLOW_IPS, uvicorn's own
+    # variable, is still read when the setting is empty
+    proxies = get_settings().forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
+    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers,
+                proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
+
+
+@app.command()
+def worker(
+    queues: str = typer.Option("gpu,cpu,default,notify",
+                               help="queues to consume: a GPU node takes gpu, CPU nodes cpu,default, the "
+                                    "notifier (with the beat) default,notify"),
+    concurrency: int = typer.Option(1, help="processes; one per GPU on GPU nodes"),
+    beat: bool = typer.Option(False, help="also run the (single) beat scheduler in this worker"),
+    beat_schedule: str | None = typer.Option(None, help="with --beat: the file where beat keeps its last run times "
+                                             "(default: celerybeat-schedule in the working directory)"),
+    name: str | None = typer.Option(None, help="node name, e.g. gpu0@%h (default: celery's)"),
+) -> None:
+    """Run a Celery worker (needs CANARY_BROKER_URL)."""
+    if not os.environ.get("CANARY_BROKER_URL"):
+        fail("CANARY_BROKER_URL is not set; a worker needs the Redis broker, e.g. redis://127.0.0.1:6379/0")
+    cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
+           "-c", str(concurrency), "--prefetch-multiplier", "1", "-l", "INFO"]
+    if name:
+        cmd += ["-n", name]
+    if beat:
+        cmd.append("-B")
+        if beat_schedule:
+            cmd += ["-s", beat_schedule]
+    os.execvp(cmd[0], cmd)
+
+
+@app.command("engine-serve", add_help_option=False,  # --help reaches the server's own parser, which lists its options
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def engine_serve(ctx: typer.Context) -> None:
+    """Serve the reference engine behind an OpenAI-compatible API with vLLM metric names
+    (options: --model, --served-model-name, --weights, --kv-cache, --speculative, --port; see --help)."""
+    cmd = [sys.executable, "-m", "workers.engine_server", *ctx.args]
+    os.execvp(cmd[0], cmd)
+
+
+@keys_app.command("create")
+def keys_create(project: str = typer.Option(..., help="the project the key opens (created if missing)"),
+                name: str = typer.Option("default", help="a label for the key"),
+                read_only: bool = typer.Option(False, "--read-only",
+                                               help="GET only (dashboards); the same as --scope read"),
+                scope: str | None = typer.Option(None, help="read | write (default) | metrics (GET /metrics, this "
+                                                 "project's figures) | metrics-all (GET /metrics, every project's: "
+                                                 "an operator's Prometheus)")) -> None:
+    """Create a key and print it once (it cannot be shown again)."""
+    from app.auth import SCOPES, create_key
+    from app.db import session_scope
+
+    if read_only and scope not in (None, "read"):
+        fail(f"--read-only and --scope {scope} contradict each other")
+    scope = scope or ("read" if read_only else "write")
+    if scope not in SCOPES:
+        fail(f"--scope must be one of {', '.join(SCOPES)}")
+    from app.config_file import name_problem
+
+    if problem := name_problem(project):
+        fail(f"--project {problem}")
+    _upgrade_db()
+    with session_scope() as session:
+        row, key = create_key(session, project, name, scope)
+        key_id, scope = row.id, row.scope
+    what = {"read": "read-only", "write": "read-write", "metrics": "/metrics of this project only",
+            "metrics-all": "/metrics of every project"}[scope]
+    console.print(f"key {key_id} for project '{project}' ({what}); store it now:", highlight=False)
+    sys.stdout.write(key + "\n")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: int = typer.Argument(..., help="the key's id (from `canary keys list`)")) -> None:
+    """Revoke a key: it stops working at once."""
+    from app.auth import revoke_key
+    from app.db import session_scope
+    from app.repo import NotFound
+
+    try:
+        with session_scope() as session:
+            revoke_key(session, key_id)
+    except NotFound as e:
+        fail(str(e))
+    console.print(f"key {key_id} revoked")
+
+
+@keys_app.command("list")
+def keys_list(project: str = typer.Option(..., help="project name")) -> None:
+    """List a project's keys (id, name, scope, revoked) — never the keys themselves."""
+    from sqlalchemy import select
+
+    from app import repo
+    from app.db import session_scope
+    from app.models import ApiKey
+
+    with session_scope() as session:
+        project_row = repo.get_project(session, project)
+        keys = session.scalars(select(ApiKey).where(ApiKey.project_id == project_row.id).order_by(ApiKey.id))
+        for api_key in keys:
+            state = "revoked " + api_key.revoked_at.isoformat() if api_key.revoked_at else "active"
+            sys.stdout.write(f"{api_key.id}\t{api_key.name}\t{api_key.scope}\t{state}\n")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Apply migrations up to REVISION."""
+    from app.db import upgrade
+
+    upgrade(revision=revision)
+    console.print(f"database at revision {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base")) -> None:
+    from app.db import downgrade
+
+    downgrade(revision=revision)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of canary.yaml."""
+    from app.config_file import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@app.command("alert-rules")
+def alert_rules() -> None:
+    """Print the Prometheus alerting rules written from the metric table (deploy/prometheus/canary-rules.yml)."""
+    from app.prometheus_rules import render
+
+    sys.stdout.write(render())
