@@ -8,7 +8,12 @@ follows the same law as plain sampling with the same parameters."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from engines.protocol import GenerationRequest
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -51,3 +56,15 @@ def adjust_logits(logits: torch.Tensor, generated: list[int], presence: float = 
         ids, counts = torch.tensor(generated, device=out.device).unique(return_counts=True)
         out[ids] -= presence + frequency * counts.to(out.dtype)
     return out
+
+
+def adjust(logits: torch.Tensor, req: GenerationRequest, generated: list[int]) -> torch.Tensor:
+    """The request's penalties and logit bias applied, given the tokens generated so far."""
+    return adjust_logits(logits, generated, req.presence_penalty, req.frequency_penalty, req.logit_bias)
+
+
+def pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:
+    """Greedy at temperature 0, else a sample from the request's (top-p, top-k) distribution."""
+    if req.temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(sampling_probs(logits, req.temperature, req.top_p, req.top_k), 1, generator=gen))

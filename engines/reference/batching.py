@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult
 from engines.reference.attention import masked_gqa_attention
 from engines.reference.decode import _sdpa_backends
-from engines.sampling import token_logprob
+from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
     from engines.reference.engine import ReferenceEngine
@@ -221,11 +221,10 @@ class ContinuousBatch:
 
     def _take(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Each row's pick from its logits [B, V], as the engine picks (_generate_batch)."""
-        engine = self.engine
         if all(s.greedy for s in seqs):  # one argmax over the batch: the step's one host sync
             picks = cast(list[int], logits.argmax(-1).tolist())
         else:
-            picks = [engine._pick(engine._adjust(logits[b], s.request, s.tokens), s.request, s.generator)
+            picks = [pick(adjust(logits[b], s.request, s.tokens), s.request, s.generator)
                      for b, s in enumerate(seqs)]
         now = time.perf_counter()
         for b, (s, token) in enumerate(zip(seqs, picks, strict=True)):

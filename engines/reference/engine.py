@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import pairwise
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -26,21 +26,21 @@ from engines.protocol import (
     strided_windows,
     tokenize_with_spans,
 )
-from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
 from engines.reference.faults import EngineFault
 from engines.reference.kv import kv_format
-from engines.reference.model import DecoderLayer, Transformer, load_model
-from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
-from engines.sampling import adjust_logits, sampling_probs, token_logprob
+from engines.reference.model import Transformer, load_model
+from engines.reference.spec_loop import generate_speculative
+from engines.reference.speculative import DraftModelProposer, NgramProposer
+from engines.reference.weights import RTN_BITS, Quantized, awq, calibration_ids, rtn, use_w4a16_kernels
+from engines.sampling import adjust, pick, token_logprob
 from engines.spec import OptimizationSpec
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
 OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
 
 def compute_dtype_for(weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -77,12 +77,10 @@ class ReferenceEngine:
         self.fault = EngineFault(spec.engine_options.get("fault"), spec.kv_cache, model.args.vocab_size,
                                  lambda ids: cast(str, tok.decode(ids, skip_special_tokens=True)))
         self.fault.corrupt_weights(model)
-        self.quantized_params = self.quantized_bytes = 0
-        self.packed: dict[str, tuple] = {}  # int4 layers: (q, zero, scale) for the W4A16 kernels
-        if spec.weights in RTN_BITS:
-            self._rtn(model, RTN_BITS[spec.weights])
-        elif spec.weights == "awq-int4":
-            self._awq(model, calibration)
+        quantized = (rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
+                     else self._awq(model, calibration) if spec.weights == "awq-int4" else Quantized())
+        self.packed = quantized.packed  # int4 layers: (q, zero, scale) for the W4A16 kernels
+        self.quantized_params, self.quantized_bytes = quantized.params, quantized.bytes
         self.kv = self.fault.corrupt_kv(kv_format(spec.kv_cache, self.compute_dtype, self.dtype), model.args.n_layers)
         self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant), else nothing
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).to(self.compute_dtype).fuse()
@@ -94,7 +92,7 @@ class ReferenceEngine:
         from engines.kernels import use_triton
 
         if self.packed and use_triton(self.device):
-            self._use_w4a16_kernels()
+            use_w4a16_kernels(self.model, self.packed, self.device)
         self.draft_model: Transformer | None = None
         self.proposer = self._proposer(spec)
 
@@ -120,73 +118,17 @@ class ReferenceEngine:
                                   kv_format("auto", self.compute_dtype, self.dtype)),
         )
 
-    def _rtn(self, model: Transformer, bits: int) -> None:
-        with torch.no_grad():
-            for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
-                for name, lin in (("self_attn.q_proj", layer.self_attn.q_proj),
-                                  ("self_attn.k_proj", layer.self_attn.k_proj),
-                                  ("self_attn.v_proj", layer.self_attn.v_proj),
-                                  ("self_attn.o_proj", layer.self_attn.o_proj),
-                                  ("mlp.gate_proj", layer.mlp.gate_proj), ("mlp.up_proj", layer.mlp.up_proj),
-                                  ("mlp.down_proj", layer.mlp.down_proj)):
-                    q, scale, zero = quantize_groupwise(lin.weight, bits)
-                    lin.weight.copy_(dequantize_groupwise(q, scale, zero).to(lin.weight.dtype))
-                    if bits == 4:
-                        self.packed[f"model.layers.{i}.{name}"] = (q, zero, scale)
-                    self.quantized_params += lin.weight.numel()
-                    out_f, in_f = lin.weight.shape
-                    self.quantized_bytes += quantized_bytes(out_f, in_f, bits)
-
-    def _use_w4a16_kernels(self) -> None:
-        """Where kernels run, int4 linears multiply straight from the packed AutoAWQ layout
-        (engines/kernels/w4a16.py) instead of the dequantized copy."""
-        from engines.kernels.w4a16 import W4A16Linear
-
-        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.model.layers)):
-            # W4A16Linear takes nn.Linear's place (the same forward), which the model's annotations do not allow
-            attn, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)
-            qkv = [self.packed[f"model.layers.{i}.self_attn.{n}_proj"] for n in ("q", "k", "v")]
-            attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, self.device)
-            o = [self.packed[f"model.layers.{i}.self_attn.o_proj"]]
-            attn.o_proj = W4A16Linear.from_parts(o, attn.o_proj.bias, self.device)
-            gu = [self.packed[f"model.layers.{i}.mlp.{n}_proj"] for n in ("gate", "up")]
-            mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, self.device)
-            mlp.down_proj = W4A16Linear.from_parts([self.packed[f"model.layers.{i}.mlp.down_proj"]], None, self.device)
-
-    def _awq(self, model: Transformer, calibration: Sequence[str] | None) -> None:
+    def _awq(self, model: Transformer, calibration: Sequence[str] | None) -> Quantized:
         """AWQ on domain calibration text: `calibration_samples` windows of `calibration_tokens`
         (defaults 128 × min(512, context)), cut from the texts joined end to end. The search's outcome
         comes from the on-disk cache when this model and these token ids were calibrated before
         (engines/reference/awq.py; awq_from_cache says whether it did)."""
-        from engines.reference.awq import awq_cache_dir, awq_cache_key, awq_quantize, load_awq_cache, store_awq_cache
-
-        if not calibration:
-            raise ValueError("weights: 'awq-int4' needs calibration text from the domain; the worker passes the "
-                             "suite's documents that the run does not score")
         n = int(self.spec.engine_options.get("calibration_samples", 128))
         t = int(self.spec.engine_options.get("calibration_tokens", min(512, model.args.max_seq_len)))
-        ids: list[int] = []
-        for text in calibration:
-            ids += [self.start_id] + self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) >= n * t:
-                break
-        n = min(n, len(ids) // t)
-        if n == 0:
-            raise ValueError(f"weights: 'awq-int4' calibration text has {len(ids)} tokens, "
-                             f"fewer than one window of {t}")
-        self.calibration_shape = (n, t)
-        calibration_ids = torch.tensor(ids[: n * t]).reshape(n, t)
-        cache_dir, key = awq_cache_dir(), awq_cache_key(self.model_path, calibration_ids) + self.fault.weights_tag
-        packed = load_awq_cache(model, key, cache_dir)
-        self.awq_from_cache = packed is not None
-        if packed is None:
-            packed = awq_quantize(model, calibration_ids)
-            store_awq_cache(model, packed, key, cache_dir)
-        self.packed = packed
-        for q, _, _ in packed.values():
-            self.quantized_params += q.numel()
-            out_f, in_f = q.shape
-            self.quantized_bytes += quantized_bytes(out_f, in_f, 4)
+        ids = calibration_ids(self.tokenizer, self.start_id, calibration, n, t)
+        self.calibration_shape = tuple(ids.shape)
+        quantized, self.awq_from_cache = awq(model, ids, self.model_path, self.fault.weights_tag)
+        return quantized
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
@@ -314,7 +256,7 @@ class ReferenceEngine:
         requests = [replace(r, temperature=0.0) if r.temperature < SAMPLING_EPS else r for r in requests]
         on_tokens = self.fault.stream(on_tokens)  # a token-corrupt drill streams the ids it emits
         if self.proposer is not None:
-            return self.fault.results([self._generate_speculative(r, on_tokens) for r in requests])
+            return self.fault.results([generate_speculative(self, r, on_tokens) for r in requests])
         out: list[GenerationResult] = []
         for s in range(0, len(requests), self.concurrency):
             out.extend(self._generate_batch(list(requests[s : s + self.concurrency]), on_tokens))
@@ -354,7 +296,7 @@ class ReferenceEngine:
                 nxt_dev = logits.argmax(-1)
                 nxt = nxt_dev.tolist()
             else:
-                nxt = [self._pick(self._adjust(logits[b], reqs[b], tokens[b]), reqs[b], gens[b]) for b in range(B)]
+                nxt = [pick(adjust(logits[b], reqs[b], tokens[b]), reqs[b], gens[b]) for b in range(B)]
                 nxt_dev = torch.tensor(nxt, device=self.device)
             now = time.perf_counter()
             for b in range(B):
@@ -387,117 +329,6 @@ class ReferenceEngine:
             )
             for b, r in enumerate(reqs)
         ]
-
-    @torch.inference_mode()
-    def _generate_speculative(self, req: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
-        k = self.spec.speculative.k  # type: ignore[union-attr]  # a proposer exists, so not "off"
-        prompt = self.prompt_token_ids(req)
-        total = len(prompt) + req.max_new_tokens + k + 1
-        if total > self.args.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of "
-                             f"{self.args.max_seq_len}")
-        cache = self.new_cache(1, total)
-        self.proposer.reset(total)
-        gen = torch.Generator(device=self.device).manual_seed(req.seed)
-        eos = self.tokenizer.eos_token_id
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        counters = SpecCounters()
-        held = 0  # the target cache's high-water mark: slots written so far
-        t0 = time.perf_counter()
-        self.fault.before_first_token()  # a ttft-delay drill
-
-        def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
-            nonlocal held
-            # the verify pass reads the slots up to its last token (a causal mask as wide as
-            # they are); the unpadded lossless prefill needs no mask
-            slots = torch.arange(start, start + len(tokens), device=self.device)
-            ids = torch.tensor([tokens], device=self.device)
-            # one token (a pass without a draft) attends every slot written so far: the plain decode
-            # step's int mask (KVCache.attend), with no mask tensor built
-            mask = (None if start == 0 and not self.kv.lossy else start + 1 if len(tokens) == 1
-                    else causal_mask(slots, start + len(tokens)))
-            held = max(held, start + len(tokens))
-            return self.model(ids, slots[None], slots, cache, mask)[0].float()
-
-        first_logits = forward(prompt, 0)[-1]
-        first = self._pick(self._adjust(first_logits, req, []), req, gen)
-        sync()
-        seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
-        want = req.logprobs
-        scored = [token_logprob(first_logits, first, want)] if want is not None else []
-        if on_tokens:
-            on_tokens(req.request_id, [first], None)
-        while len(out) < req.max_new_tokens and out[-1] != eos:
-            room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
-            drafts, qs = self.proposer.propose(seq, req.temperature, gen)
-            drafts = drafts[:room]
-            L = len(seq)
-            logits = forward([seq[-1]] + drafts, L - 1)  # position i predicts the token after drafts[:i]
-            new: list[int] = []
-            accepted = 0
-            # greedy with nothing that depends on the tokens picked: every row's argmax in one op
-            best = (logits.argmax(-1).tolist() if req.temperature <= 0 and not req.logit_bias
-                    and not (req.presence_penalty or req.frequency_penalty) else None)
-            for i, x in enumerate(drafts):
-                # penalties count the drafts accepted so far
-                row = logits[i] if best is not None else self._adjust(logits[i], req, out + new)
-                if req.temperature <= 0:
-                    t = best[i] if best is not None else int(row.argmax())
-                    ok = t == x
-                else:
-                    p = sampling_probs(row, req.temperature, req.top_p, req.top_k)
-                    q = (qs[i] if qs is not None
-                         else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p))
-                    ok, t = sample_step(p, q, x, gen)
-                new.append(t)
-                if not ok:
-                    break
-                accepted += 1
-            else:
-                new.append(best[len(drafts)] if best is not None  # bonus token
-                           else self._pick(self._adjust(logits[len(drafts)], req, out + new), req, gen))
-            counters.record(len(drafts), accepted, k)
-            if eos in new:
-                new = new[: new.index(eos) + 1]
-            new = new[: req.max_new_tokens - len(out)]
-            if want is not None:  # the i-th new token was picked from the verification's i-th row
-                scored += [token_logprob(logits[i], t, want) for i, t in enumerate(new)]
-            seq += new
-            self.proposer.accept(len(seq))
-            sync()
-            now = time.perf_counter()
-            out += new
-            stamps.append(now)  # the tokens one verification accepts arrive together: one gap per step
-            if on_tokens:
-                step = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k)))
-                        if drafts else None)
-                on_tokens(req.request_id, new, step)
-        self._track_usage(held, cache)
-        if isinstance(self.proposer, DraftModelProposer):
-            self._track_usage(self.proposer.held, self.proposer.cache, self.proposer.model.args.max_seq_len)
-        return GenerationResult(
-            request_id=req.request_id,
-            text=cast(str, self.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
-            token_ids=tuple(out),
-            prompt_tokens=len(prompt),
-            ttft_ms=(stamps[0] - t0) * 1000,
-            itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),  # vLLM: per step, not per token
-            total_ms=(stamps[-1] - t0) * 1000,
-            spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
-                           tuple(counters.accepted_per_position)),
-            token_logprobs=tuple(scored),
-            finish_reason="stop" if out[-1] == eos else "length",
-        )
-
-    @staticmethod
-    def _adjust(logits: torch.Tensor, req: GenerationRequest, generated: list[int]) -> torch.Tensor:
-        return adjust_logits(logits, generated, req.presence_penalty, req.frequency_penalty, req.logit_bias)
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, req: GenerationRequest, gen: torch.Generator) -> int:
-        if req.temperature <= 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(sampling_probs(logits, req.temperature, req.top_p, req.top_k), 1, generator=gen))
 
     # -- description -------------------------------------------------------------------------------
     def server_stats(self) -> None:

@@ -1,0 +1,127 @@
+"""The reference engine's speculative decoding loop, one request at a time: prefill the prompt,
+then propose, verify in one forward pass of the target, accept (engines/reference/speculative.py
+holds the acceptance rule and the proposers), and count what was drafted and accepted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from itertools import pairwise
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from engines.protocol import GenerationRequest, GenerationResult, SpecStats
+from engines.reference.speculative import DraftModelProposer, SpecCounters, causal_mask, sample_step
+from engines.sampling import adjust, pick, sampling_probs, token_logprob
+
+if TYPE_CHECKING:
+    from engines.reference.engine import OnTokens, ReferenceEngine
+
+
+def _verify(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
+            gen: torch.Generator) -> tuple[list[int], int]:
+    """The tokens one verification pass yields (the accepted drafts, then a correction or a bonus
+    token) and how many drafts it accepted. logits[i] predicts the token after drafts[:i]."""
+    new: list[int] = []
+    accepted = 0
+    # greedy with nothing that depends on the tokens picked: every row's argmax in one op
+    best = (logits.argmax(-1).tolist() if req.temperature <= 0 and not req.logit_bias
+            and not (req.presence_penalty or req.frequency_penalty) else None)
+    for i, x in enumerate(drafts):
+        # penalties count the drafts accepted so far
+        row = logits[i] if best is not None else adjust(logits[i], req, out + new)
+        if req.temperature <= 0:
+            t = best[i] if best is not None else int(row.argmax())
+            ok = t == x
+        else:
+            p = sampling_probs(row, req.temperature, req.top_p, req.top_k)
+            q = (qs[i] if qs is not None
+                 else torch.nn.functional.one_hot(torch.tensor(x, device=p.device), p.numel()).to(p))
+            ok, t = sample_step(p, q, x, gen)
+        new.append(t)
+        if not ok:
+            return new, accepted
+        accepted += 1
+    new.append(best[len(drafts)] if best is not None  # bonus token
+               else pick(adjust(logits[len(drafts)], req, out + new), req, gen))
+    return new, accepted
+
+
+@torch.inference_mode()
+def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
+                         on_tokens: OnTokens | None = None) -> GenerationResult:
+    k = engine.spec.speculative.k  # type: ignore[union-attr]  # a proposer exists, so not "off"
+    proposer = engine.proposer
+    prompt = engine.prompt_token_ids(req)
+    total = len(prompt) + req.max_new_tokens + k + 1
+    if total > engine.args.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of "
+                         f"{engine.args.max_seq_len}")
+    cache = engine.new_cache(1, total)
+    proposer.reset(total)
+    gen = torch.Generator(device=engine.device).manual_seed(req.seed)
+    eos = engine.tokenizer.eos_token_id
+    sync: Callable[[], None] = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    counters = SpecCounters()
+    held = 0  # the target cache's high-water mark: slots written so far
+    t0 = time.perf_counter()
+    engine.fault.before_first_token()  # a ttft-delay drill
+
+    def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
+        nonlocal held
+        # the verify pass reads the slots up to its last token (a causal mask as wide as
+        # they are); the unpadded lossless prefill needs no mask
+        slots = torch.arange(start, start + len(tokens), device=engine.device)
+        ids = torch.tensor([tokens], device=engine.device)
+        # one token (a pass without a draft) attends every slot written so far: the plain decode
+        # step's int mask (KVCache.attend), with no mask tensor built
+        mask = (None if start == 0 and not engine.kv.lossy else start + 1 if len(tokens) == 1
+                else causal_mask(slots, start + len(tokens)))
+        held = max(held, start + len(tokens))
+        return engine.model(ids, slots[None], slots, cache, mask)[0].float()
+
+    first_logits = forward(prompt, 0)[-1]
+    first = pick(adjust(first_logits, req, []), req, gen)
+    sync()
+    seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
+    want = req.logprobs
+    scored = [token_logprob(first_logits, first, want)] if want is not None else []
+    if on_tokens:
+        on_tokens(req.request_id, [first], None)
+    while len(out) < req.max_new_tokens and out[-1] != eos:
+        room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
+        drafts, qs = proposer.propose(seq, req.temperature, gen)
+        drafts = drafts[:room]
+        logits = forward([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
+        new, accepted = _verify(logits, drafts, qs, req, out, gen)
+        counters.record(len(drafts), accepted, k)
+        if eos in new:
+            new = new[: new.index(eos) + 1]
+        new = new[: req.max_new_tokens - len(out)]
+        if want is not None:  # the i-th new token was picked from the verification's i-th row
+            scored += [token_logprob(logits[i], t, want) for i, t in enumerate(new)]
+        seq += new
+        proposer.accept(len(seq))
+        sync()
+        out += new
+        stamps.append(time.perf_counter())  # the tokens one verification accepts arrive together: one gap per step
+        if on_tokens:
+            step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
+            on_tokens(req.request_id, new, step)
+    engine._track_usage(held, cache)
+    if isinstance(proposer, DraftModelProposer):
+        engine._track_usage(proposer.held, proposer.cache, proposer.model.args.max_seq_len)
+    return GenerationResult(
+        request_id=req.request_id,
+        text=cast(str, engine.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
+        token_ids=tuple(out),
+        prompt_tokens=len(prompt),
+        ttft_ms=(stamps[0] - t0) * 1000,
+        itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),  # vLLM: per step, not per token
+        total_ms=(stamps[-1] - t0) * 1000,
+        spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
+                       tuple(counters.accepted_per_position)),
+        token_logprobs=tuple(scored),
+        finish_reason="stop" if out[-1] == eos else "length",
+    )
