@@ -15,8 +15,8 @@ from app.config_file import (
     PerplexitySettings,
     SuiteEntry,
 )
+from evals.figures import RunFigures
 from evals.metrics import VERDICTS
-from evals.records import RunFigures
 
 Verdict = Literal[VERDICTS]  # type: ignore[valid-type]  # the metric table's verdicts, best to worst
 RunVerdict = Literal["pass", "warn", "fail", "inconclusive", "incomplete", "error"]
@@ -112,7 +112,7 @@ class SamplePage(BaseModel):
     items: list[SampleResultOut]
 
 
-# A config-run's figures: the fields of evals.records.RunFigures, each optional (a run stored by an
+# A config-run's figures: the fields of evals.figures.RunFigures, each optional (a run stored by an
 # older version lacks newer ones), and any other key the engine reported kept as it is.
 FiguresOut = create_model(
     "FiguresOut", __config__=ConfigDict(extra="allow"),

@@ -23,10 +23,11 @@ from evals.field import (
     health_share,
     output_length_comparison,
 )
+from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
 from evals.metrics import METRICS
 from evals.perplexity import DocNLL
-from evals.records import ConfigRecords, GenerationRecord, RunFigures
+from evals.records import ConfigRecords, GenerationRecord
 from evals.stats import Comparison, Thresholds
 
 

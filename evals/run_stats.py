@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.protocol import GenerationResult, ServerStats, SpecStats
-from evals.records import ServerFigures, SpecFigures
+from evals.figures import ServerFigures, SpecFigures
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

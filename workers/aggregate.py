@@ -22,9 +22,10 @@ from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
 from evals import compare_rows
 from evals.compare_rows import CompareContext
+from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
 from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
-from evals.records import RunFigures, RunRecords
+from evals.records import RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
 from evals.suite import SuiteSpec
 from workers import step_back, top_up

@@ -18,7 +18,8 @@ from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
-from evals.records import DocRecord, GenerationRecord, RepeatRecord, RunFigures, SoloRecord, spec_to_json
+from evals.figures import RunFigures
+from evals.records import DocRecord, GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
 from evals.run_stats import RunStats, percentile
 from evals.terms import compile_terms, term_nll
 from workers import baseline_reuse, engine_cache

@@ -1,6 +1,6 @@
 """Every API answer has a declared shape: each 2xx response of each route carries a schema with
 named properties (not a bare `object`), and the run, comparison and figures shapes follow the
-records the workers write (evals.records.RunFigures, evals.stats.Comparison). Whether the
+records the workers write (evals.figures.RunFigures, evals.stats.Comparison). Whether the
 answers really match their schemas is schemathesis's check (test_api_schemathesis.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 from app.api.main import app
 from app.schemas import ComparisonOut, FiguresOut
 from engines.protocol import SpecStats
-from evals.records import RunFigures, ServerFigures, SpecFigures
+from evals.figures import RunFigures, ServerFigures, SpecFigures
 from evals.stats import Comparison
 
 
