@@ -278,7 +278,8 @@ def run(
 ) -> None:
     """Apply a config file and run a suite over its configs. Exit 0 on pass (and on warn or
     inconclusive unless --fail-on warn), 1 on fail or incomplete, 2 when it cannot run."""
-    from app.config_file import ConfigFileError, load_config_file
+    from app.config_file import ConfigFileError
+    from app.config_yaml import load_config_file
     from app.corpus import CorpusError
     from app.repo import NotFound
 

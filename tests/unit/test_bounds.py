@@ -12,7 +12,8 @@ import time
 
 import pytest
 import yaml
-from app.config_file import ConfigFileError, load_config_file, load_config_text, parse_config
+from app.config_file import ConfigFileError, parse_config
+from app.config_yaml import load_config_file, load_config_text
 from app.settings import get_settings
 
 from tests.conftest import ROOT
