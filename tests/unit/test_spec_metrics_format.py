@@ -5,7 +5,7 @@ by 0 + 3 = 3, position 2 by 3."""
 
 from engines.openai import spec_from_response
 from engines.protocol import SpecStats
-from workers.engine_server.routes import spec_decode_metrics
+from workers.engine_server.answers import spec_decode_metrics
 
 EXAMPLE = {"mean_acceptance_length": 1.2325581395348837, "draft_acceptance_rate": 0.07751937984496124,
            "acceptance_histogram": [39, 1, 0, 3], "num_spec_steps": 43, "num_accepted_draft_tokens": 10,

@@ -3,7 +3,8 @@ metric names on /metrics (docs/reference.md §7) — so that the openai engine a
 tested end to end over real HTTP, and a team can point any OpenAI client at a local config.
 
 Routes (routes.py): GET /v1/models, POST /v1/completions (echo + logprobs for prompt log-probs;
-streaming), POST /v1/chat/completions (streaming), POST /tokenize, GET /metrics, GET /health.
+streaming), POST /v1/chat/completions (streaming), POST /tokenize, GET /metrics, GET /health; a
+completion's answer, whole or streamed, is answers.py's.
 One engine thread owns the engine (engine_thread.py; it is not thread-safe) and decodes
 concurrent requests in a continuous batch (engines/reference/batching.py): up to --max-num-seqs
 rows, requests joining between decode steps and leaving when done or when their client goes;

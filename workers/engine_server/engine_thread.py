@@ -71,7 +71,7 @@ class EngineServer:
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
         # vLLM's --per-request-spec-decode-metrics summary: each response carries its request's own
-        # speculative-decoding figures (routes.spec_decode_metrics)
+        # speculative-decoding figures (answers.spec_decode_metrics)
         self.per_request_spec_metrics = per_request_spec_metrics
         self.max_model_len = engine.args.max_seq_len  # tokens of context
         self.vocab_size = engine.args.vocab_size

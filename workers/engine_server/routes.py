@@ -3,8 +3,6 @@ refusal is a response in vLLM's error shape (errors.py), never an exception."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from dataclasses import replace
@@ -14,11 +12,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engines.protocol import GenerationRequest, SpecStats
+from engines.protocol import GenerationRequest
+from workers.engine_server.answers import ClientGone, Events, answer, text_offsets
 from workers.engine_server.engine_thread import EngineServer, Job, QueueFull
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
-from workers.engine_server.stops import StopScanner
 
 
 def get_server(request: Request) -> EngineServer:
@@ -143,35 +141,6 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
     return jobs
 
 
-class ClientGone(Exception):
-    """The client of a request that is not streamed disconnected while it waited."""
-
-
-class Events:
-    """Reads jobs' events for one request, asking every half second whether its client has gone
-    (ClientGone): a request that is not streamed learns it no other way (a streamed one does from
-    Starlette, which closes its generator)."""
-
-    def __init__(self, http: Request | None):
-        self.http, self.checked = http, time.monotonic()
-
-    async def next(self, job: Job) -> tuple:
-        while True:
-            if self.http is not None and time.monotonic() - self.checked >= 0.5:
-                self.checked = time.monotonic()
-                if await self.http.is_disconnected():
-                    raise ClientGone
-            if not job.events.empty():
-                return job.events.get_nowait()
-            getter = asyncio.ensure_future(job.events.get())
-            try:
-                done, _ = await asyncio.wait({getter}, timeout=0.5)
-                if done:
-                    return getter.result()
-            finally:
-                getter.cancel()  # a pending get takes nothing from the queue
-
-
 def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
     if (model is not None or required) and model != server.model_name:
         return error(404, f"The model `{model}` does not exist. This server serves `{server.model_name}`.",
@@ -294,162 +263,3 @@ async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, http:
         if not isinstance(out, StreamingResponse):  # a stream's generator cancels its jobs when it ends
             server.cancel(jobs)  # finished jobs are untouched; the rest stop
     return out
-
-
-async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
-    name = server.model_name
-    rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.request_id
-    obj = "chat.completion" if chat else "text_completion"
-    eos_id = server.engine.tokenizer.eos_token_id
-    stopping = bool(body.stops() or body.stop_token_ids)
-
-    def scanner() -> StopScanner | None:
-        return StopScanner(body.stops(), body.stop_token_ids or [], server.decode) if stopping else None
-
-    def choice(index: int, text: str, finish: str | None, delta: bool, stop_reason=None) -> dict:
-        if chat:
-            out = {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
-                   "finish_reason": finish, "logprobs": None}
-        else:
-            out = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-        if finish is not None:
-            out["stop_reason"] = stop_reason  # vLLM: the stop string or token id, None at EOS or the length
-        return out
-
-    def finish_of(result) -> str:
-        return "stop" if result.token_ids and result.token_ids[-1] == eos_id else "length"
-
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
-    results: list = []  # each job's GenerationResult, once done
-
-    def per_request_metrics() -> dict:
-        """vLLM's per-request speculative-decoding figures, for one generation (vLLM leaves them out for n > 1)."""
-        spec = results[0].spec if len(jobs) == 1 and results else None
-        if not server.per_request_spec_metrics or spec is None:
-            return {}
-        return {"metrics": {"speculative_decoding": spec_decode_metrics(spec)}}
-
-    def failure(kind: str, payload: str) -> JSONResponse:
-        return error(400, payload, param="prompt") if kind == "invalid" else error(500, payload, "InternalServerError")
-
-    if body.stream:
-        # the first event decides the status: a refusal before any token is still a 400
-        first = await Events(http).next(jobs[0])
-        if first[0] in ("invalid", "error"):
-            return failure(*first)
-
-        async def events():
-            try:
-                async for event in stream_events():
-                    yield event
-            finally:  # the stream ended, or Starlette closed it when the client disconnected
-                server.cancel(jobs)
-
-        async def stream_events():
-            prompt_tokens = completion_tokens = 0
-            for index, job in enumerate(jobs):
-                scan = scanner()
-                event = first if index == 0 else await job.events.get()
-                while True:
-                    kind, payload = event
-                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name}
-                    if kind == "tokens":
-                        text, stopped = scan.feed(payload) if scan is not None else (server.decode(payload), False)
-                        if text:
-                            yield f"data: {json.dumps({**chunk, 'choices': [choice(index, text, None, True)]})}\n\n"
-                        if stopped:  # the client has its answer: the job leaves the batch
-                            assert scan is not None  # only a scanner stops a job early
-                            server.cancel([job], "stop")
-                            completion_tokens += len(scan.ids)
-                            final = choice(index, "", "stop", True, scan.reason)
-                            yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
-                            prompt_tokens += server.n_prompt_tokens(job.request.prompt, job.request.prompt_ids)
-                            break
-                    elif kind == "done":
-                        rest = scan.finish() if scan is not None else ""
-                        if rest:
-                            yield f"data: {json.dumps({**chunk, 'choices': [choice(index, rest, None, True)]})}\n\n"
-                        final = choice(index, "", finish_of(payload), True)
-                        yield f"data: {json.dumps({**chunk, 'choices': [final]})}\n\n"
-                        results.append(payload)
-                        prompt_tokens += payload.prompt_tokens
-                        completion_tokens += len(payload.token_ids)
-                        break
-                    else:
-                        code = 400 if kind == "invalid" else 500
-                        kind_name = "BadRequestError" if code == 400 else "InternalServerError"
-                        failed = {"error": {"message": payload, "type": kind_name, "param": None, "code": code}}
-                        yield f"data: {json.dumps(failed)}\n\n"
-                        return
-                    event = await job.events.get()
-            last = {"id": rid, "object": obj + (".chunk" if chat else ""), "model": name, "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens), **per_request_metrics()}
-            yield f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    job_events = Events(http)
-    for index, job in enumerate(jobs):
-        while True:
-            kind, payload = await job_events.next(job)
-            if kind == "done":
-                break
-            if kind in ("invalid", "error"):
-                return failure(kind, payload)
-        scan = scanner()
-        if scan is not None and scan.feed(payload.token_ids)[1]:
-            choices.append(choice(index, scan.text(), "stop", False, scan.reason))
-            kept = len(scan.ids)
-        else:
-            choices.append(choice(index, payload.text, finish_of(payload), False))
-            kept = len(payload.token_ids)
-        if job.request.logprobs is not None:
-            choices[-1]["logprobs"] = generated_logprobs(server, payload, kept, chat)
-        completion_tokens += kept
-        prompt_tokens += payload.prompt_tokens
-        results.append(payload)
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens), **per_request_metrics()}
-
-
-def spec_decode_metrics(spec: SpecStats) -> dict:
-    """A request's counters in vLLM's `metrics.speculative_decoding` summary (vLLM PR #48915):
-    acceptance_histogram[j] = verification steps that accepted exactly j draft tokens. Drafts are
-    accepted from the front, so the steps that accepted at least i + 1 are accepted_per_position[i],
-    and exactly j is the difference of two neighbours (all drafts for j = 0, none past k)."""
-    at_least = [spec.num_drafts, *spec.accepted_per_position, 0]
-    histogram = [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
-    return {"mean_acceptance_length": spec.mean_acceptance_length or 0.0,
-            "draft_acceptance_rate": spec.acceptance_rate or 0.0, "acceptance_histogram": histogram,
-            "num_spec_steps": spec.num_drafts, "num_accepted_draft_tokens": spec.num_accepted_tokens,
-            "num_draft_tokens": spec.num_draft_tokens, "num_spec_tokens": len(spec.accepted_per_position)}
-
-
-def generated_logprobs(server: EngineServer, result, kept: int, chat: bool) -> dict:
-    """The generated tokens' log-probs in OpenAI's shape: for a completion, {tokens, token_logprobs,
-    top_logprobs, text_offset}; for chat, {content: [{token, logprob, bytes, top_logprobs}]}."""
-    ids = list(result.token_ids[:kept])
-    scored = result.token_logprobs[:kept]
-    strings = server.token_strings(ids)
-    if chat:
-        def entry(text: str, logprob: float) -> dict:
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [{**entry(text, lp), "top_logprobs": [entry(server.token_strings([t])[0], x)
-                                                                  for t, x in top]}
-                            for text, (lp, top) in zip(strings, scored, strict=True)]}
-    return {"tokens": strings, "token_logprobs": [lp for lp, _ in scored],
-            "top_logprobs": [{server.token_strings([t])[0]: x for t, x in top} for _, top in scored],
-            "text_offset": text_offsets(strings)}
-
-
-def text_offsets(tokens: list[str]) -> list[int]:
-    """OpenAI's text_offset: where each token's text starts in the tokens' text joined."""
-    offsets, position = [], 0
-    for token in tokens:
-        offsets.append(position)
-        position += len(token)
-    return offsets
