@@ -97,7 +97,9 @@ def finish_run(session, run_id: int, status: str, verdict: str, reason: str | No
 
 
 def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
-    with session_scope() as session:
+    from workers.score import score_run, scoring_inputs
+
+    with session_scope() as session:  # whether the run is ready, and what it recorded
         run = session.get(Run, run_id)
         if run is None or run.status not in ("aggregating",):
             return "skipped", None
@@ -107,19 +109,25 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
             session.execute(update(Run).where(Run.id == run_id, Run.status == "aggregating").values(status="running"))
             return "skipped", None
         base = next(cr for cr in config_runs if cr.config_id == run.baseline_config_id)
-        # an ablation that failed only takes its advice away (workers/step_back.py), never the verdict
-        failed = [cr for cr in config_runs if cr.status == "failed" and not step_back.is_ablation(cr.config)]
         if base.status != "succeeded":
             finish_run(session, run_id, "failed", "error",
                        f"baseline '{base.config.name}' failed: {base.error}; nothing can be compared")
             return "error", None
-        from workers.score import score_run
-
         table = RunRecords.from_rows(repo.sample_rows(session, run_id))  # the run's records, read once
+        scoring = scoring_inputs(session, run)
+    # judge / faithfulness on this (CPU) worker, added to the table, with no transaction open while a
+    # judge answers (each config's scores commit on their own)
+    failed_scorers = score_run(scoring, table) if scoring is not None else {}
+    with session_scope() as session:
+        run = session.get(Run, run_id)
+        if run is None or run.status not in ("aggregating",):  # cancelled while the judge scored
+            return "skipped", None
+        config_runs = list(run.config_runs)
+        # an ablation that failed only takes its advice away (workers/step_back.py), never the verdict
+        failed = [cr for cr in config_runs if cr.status == "failed" and not step_back.is_ablation(cr.config)]
         suite = session.get(Suite, run.suite_id)
         settings = suite.settings if suite else SuiteSpec()
         scorers, generation = settings.scorers, settings.generation
-        failed_scorers = score_run(session, run, table)  # judge / faithfulness on this (CPU) worker, added to the table
         thresholds = RunThresholds(repo.alert_rules(session, run.project_id, run.model_id))
         rows: list[dict] = []
         for cr in config_runs:

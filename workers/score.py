@@ -1,15 +1,19 @@
 """CPU scorers over a run's generations: LLM-as-judge and RAG faithfulness. They run in the
 aggregate task (queue `default`/`cpu`, never on a GPU worker) once every config-run is done,
-write per-sample results idempotently (a retried aggregation re-scores nothing already stored),
+from inputs read in a transaction that closes before the first judge call (`Scoring`), and
+write per-sample results idempotently, each config's in a transaction of its own (a retried
+aggregation re-scores nothing already stored),
 and report a scorer that failed — with why — instead of failing the run: the other scorers'
 results stand."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from app import repo
-from app.models import Project, Run, Suite
+from app.db import session_scope
+from app.models import Project, Run, Suite, SuiteSample
 from evals.faithfulness import JudgeFaithfulness, MissingContexts, OfflineFaithfulness
 from evals.judge import JudgeClient, JudgeConfig, JudgeError, pairwise, rubric
 from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord, RunRecords
@@ -32,48 +36,61 @@ def judge_client(settings: JudgeSettings, project: str | None) -> JudgeClient:
         requests_per_second=settings.requests_per_second, timeout_s=settings.timeout_s), transport=transport)
 
 
-def _project(session, run: Run) -> str:
-    """The name of the project that owns the run: whose secrets its judge may name."""
-    return session.get(Project, run.project_id).name
+@dataclass(frozen=True)
+class Scoring:
+    """What the CPU scorers need of a run, read in one short transaction (`scoring_inputs`): no
+    transaction stays open while a judge answers, and each config's scores commit on their own."""
+
+    run_id: int
+    baseline_config_id: int
+    project: str  # whose secrets the judge may name
+    spec: SuiteSpec
+    samples: dict[str, SuiteSample]  # the run's samples by key (loaded; read after the session closed)
+    config_ids: list[int]  # the config-runs that succeeded
 
 
-def score_run(session, run: Run, table: RunRecords) -> dict[str, str]:
-    """Run the suite's CPU scorers over the run's records (`table`, read once by the aggregation;
-    what they score is stored and added to it); returns {scorer: why it failed} for those that failed."""
+def scoring_inputs(session, run: Run) -> Scoring | None:
+    """The run's scoring inputs; None when its suite runs no CPU scorer."""
     suite = session.get(Suite, run.suite_id)
     spec = suite.settings
-    scorers = spec.scorers
-    failed: dict[str, str] = {}
-    if not {"judge", "faithfulness"} & set(scorers):
-        return failed
+    if not {"judge", "faithfulness"} & set(spec.scorers):
+        return None
     samples = {x.key: x for x in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)}
-    done = [cr for cr in run.config_runs if cr.status == "succeeded"]
-    gens = {cr.config_id: table[cr.config_id].generations for cr in done}
-    if "faithfulness" in scorers:
+    return Scoring(run.id, run.baseline_config_id, session.get(Project, run.project_id).name, spec, samples,
+                   [cr.config_id for cr in run.config_runs if cr.status == "succeeded"])
+
+
+def score_run(scoring: Scoring, table: RunRecords) -> dict[str, str]:
+    """Run the suite's CPU scorers over the run's records (`table`, read once by the aggregation;
+    what they score is stored and added to it); returns {scorer: why it failed} for those that failed."""
+    failed: dict[str, str] = {}
+    gens = {config_id: table[config_id].generations for config_id in scoring.config_ids}
+    if "faithfulness" in scoring.spec.scorers:
         try:
-            _faithfulness(session, run, spec, samples, gens, table)
+            _faithfulness(scoring, gens, table)
         except (JudgeError, MissingContexts, RuntimeError, ValueError) as e:
             failed["faithfulness"] = str(e)
-    if "judge" in scorers:
+    if "judge" in scoring.spec.scorers:
         try:
-            _judge(session, run, spec, samples, gens, table)
+            _judge(scoring, gens, table)
         except (JudgeError, ValueError) as e:  # ValueError: the SSRF policy refused the judge URL
             failed["judge"] = str(e)
     return failed
 
 
-def _store(session, run: Run, config_id: int, records: list, table: RunRecords) -> None:
-    repo.write_sample_results(session, run.id, config_id, [r.to_row() for r in records])
-    session.commit()
+def _store(scoring: Scoring, config_id: int, records: list, table: RunRecords) -> None:
+    """One config's scores in a transaction of their own: a retried aggregation re-scores none of them."""
+    with session_scope() as session:
+        repo.write_sample_results(session, scoring.run_id, config_id, [r.to_row() for r in records])
     for record in records:
         table[config_id].add(record)
 
 
-def _faithfulness(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
-                  table: RunRecords) -> None:
+def _faithfulness(scoring: Scoring, gens: dict[int, dict[str, GenerationRecord]], table: RunRecords) -> None:
+    spec, samples = scoring.spec, scoring.samples
     client = None
     if spec.faithfulness.method == "judge":
-        client = judge_client(spec.judge, _project(session, run))
+        client = judge_client(spec.judge, scoring.project)
         scorer: JudgeFaithfulness | OfflineFaithfulness = JudgeFaithfulness(client)
     else:
         threshold = spec.faithfulness.threshold
@@ -96,17 +113,16 @@ def _faithfulness(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[
                 statements = tuple((st, bool(ok)) for st, ok in res.statements)
                 records.append(FaithfulnessRecord(key, res.score, res.outcome, res.method, res.parse_failures,
                                                   statements, sample.cluster or key))
-            _store(session, run, config_id, records, table)
+            _store(scoring, config_id, records, table)
     finally:
         if client:
             client.close()
 
 
-def _judge(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, dict[str, GenerationRecord]],
-           table: RunRecords) -> None:
-    mode = spec.judge.mode
-    base = gens.get(run.baseline_config_id, {})
-    with judge_client(spec.judge, _project(session, run)) as client:
+def _judge(scoring: Scoring, gens: dict[int, dict[str, GenerationRecord]], table: RunRecords) -> None:
+    samples, mode = scoring.samples, scoring.spec.judge.mode
+    base = gens.get(scoring.baseline_config_id, {})
+    with judge_client(scoring.spec.judge, scoring.project) as client:
         for config_id, by_key in gens.items():
             mine = table[config_id]
             todo = [k for k in by_key if k in base]
@@ -114,7 +130,8 @@ def _judge(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, di
             def one(key: str, config_id=config_id, by_key=by_key, mine=mine) -> list:
                 sample, gen = samples[key], by_key[key]
                 records: list = []
-                if mode in ("pairwise", "both") and config_id != run.baseline_config_id and key not in mine.pairwise:
+                candidate = config_id != scoring.baseline_config_id
+                if mode in ("pairwise", "both") and candidate and key not in mine.pairwise:
                     v = pairwise(client, key, gen.prompt, base[key].text, gen.text, sample.reference)
                     records.append(PairwiseRecord(key, v.winner, v.consistent, tuple(v.orders), v.parse_failures,
                                                   v.rationale, sample.cluster or key))
@@ -124,5 +141,5 @@ def _judge(session, run: Run, spec: SuiteSpec, samples: dict, gens: dict[int, di
                                                 score.rationale, sample.cluster or key))
                 return records
 
-            _store(session, run, config_id, [rec for batch in client.map(one, todo) for rec in batch], table)
-        log.info("judge usage for run %s: %s", run.id, client.usage)
+            _store(scoring, config_id, [rec for batch in client.map(one, todo) for rec in batch], table)
+        log.info("judge usage for run %s: %s", scoring.run_id, client.usage)

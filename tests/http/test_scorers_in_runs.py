@@ -12,6 +12,7 @@ from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.services import apply_config_file, run_summary, start_run
+from fastapi import Request
 
 
 def config(judge_url: str, scorers: list[str], corpus: str = "builtin:pydoc-heldout", **suite) -> dict:
@@ -107,3 +108,54 @@ def test_bad_scorer_settings_name_the_field(suite, message):
         cfg["suites"][0]["judge"] = suite["judge"]
     with pytest.raises(ConfigFileError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_config(cfg)
+
+
+def test_no_database_transaction_is_open_while_the_judge_answers(monkeypatch):
+    """The aggregation reads what the judge needs, closes its transaction, and only then calls the
+    judge (each config's scores commit on their own): a slow judge holds no Postgres transaction,
+    so no lock or connection of the shared database waits on another tenant's judge."""
+    import os
+
+    import psycopg
+    from app.db import upgrade
+    from app.settings import get_settings
+
+    from tests.conftest import throwaway_pg_database
+    from tests.http.scripted import ScriptedJudge
+    from tests.loopback import free_port, serve_in_thread
+
+    open_transactions: list[int] = []
+
+    class WatchingJudge(ScriptedJudge):
+        async def chat(self, request: Request):
+            with psycopg.connect(db, autocommit=True) as conn:  # every other session of the run's database
+                open_transactions.append(conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%'").fetchone()[0])
+            return await super().chat(request)
+
+    server_url = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+    with throwaway_pg_database(server_url, "canary_judge_tx") as db:
+        for name, value in {"CANARY_DATABASE_URL": db, "CANARY_EXECUTION": "inline", "CANARY_ESCALATION": "false",
+                            "CANARY_URL_ALLOWLIST": "127.0.0.1:*"}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("CANARY_BROKER_URL", raising=False)
+        get_settings.cache_clear()
+        upgrade(db)
+        judge = WatchingJudge()
+        port = free_port()
+        server = serve_in_thread(judge.app, port)
+        try:
+            cfg = config(f"http://127.0.0.1:{port}/v1", ["perplexity", "generation", "judge"], samples=4,
+                         generation={"prompts": 4, "prompt_words": 8, "max_new_tokens": 8})
+            cfg["configs"] = cfg["configs"][::2]  # the baseline and int2
+            summary = run(cfg)
+        finally:
+            server.should_exit = True
+            get_settings.cache_clear()
+            from app.db import get_engine
+
+            get_engine(db).dispose()  # the pool's connections, before the database is dropped
+    assert summary["status"] == "done" and comp(summary, "int2", "judge_win_rate")["n"] == 4, comp(summary, "int2", "judge_win_rate")["rule"]
+    # pairwise (both orders) and rubric calls on 4 prompts, each seeing no transaction left open
+    assert len(open_transactions) >= 8 and set(open_transactions) == {0}, open_transactions
