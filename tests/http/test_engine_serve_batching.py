@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from engines.openai import metric_sum, parse_metrics
+from engines.server_metrics import metric_sum, parse_metrics
 from engines.zoo import ARTIFACTS
 from engines.zoo.corpus import read_jsonl
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from engines.openai import EndpointError, OpenAIEngine, metric_sum, parse_metrics
+from engines.openai import EndpointError, OpenAIEngine
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
+from engines.server_metrics import metric_sum, parse_metrics
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
 

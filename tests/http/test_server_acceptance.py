@@ -76,7 +76,7 @@ def test_each_response_carries_its_own_acceptance_read_by_the_openai_sdk(per_req
     counts steps by accepted drafts, so Σ j·histogram[j] is the accepted tokens and Σ histogram the
     steps, and the canary's reader turns it back into the same counters."""
     import openai
-    from engines.openai import spec_from_response
+    from engines.server_metrics import spec_from_response
 
     client = openai.OpenAI(base_url=per_request_server + "/v1", api_key="unused", max_retries=0, timeout=60)
     prompt = "os.path.join(a, b) joins paths; os.path.join(a, b, c) joins"

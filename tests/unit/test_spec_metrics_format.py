@@ -3,8 +3,8 @@ PR's own example: histogram [39, 1, 0, 3] over k = 3 is 43 steps, 1·1 + 3·3 = 
 position 0 was accepted by the 1 + 0 + 3 = 4 steps that accepted at least one draft, position 1
 by 0 + 3 = 3, position 2 by 3."""
 
-from engines.openai import spec_from_response
 from engines.protocol import SpecStats
+from engines.server_metrics import spec_from_response
 from workers.engine_server.answers import spec_decode_metrics
 
 EXAMPLE = {"mean_acceptance_length": 1.2325581395348837, "draft_acceptance_rate": 0.07751937984496124,
