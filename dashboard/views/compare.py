@@ -68,8 +68,13 @@ def render(api, project: str, params) -> None:
     st.caption(COLOUR_KEY)
 
     points = run.get("trade_off") or []  # the API's (app/summary.py trade_off_points)
-    if len(points) < 2:
-        return
+    if len(points) >= 2:
+        _trade_off(api, project, suite, points)
+
+
+def _trade_off(api, project: str, suite: str, points: list[dict]) -> None:
+    """The run's configs as quality lost (ppl ratio, with its CI) against speed or memory gained,
+    with the project's perplexity thresholds."""
     st.subheader("Quality lost vs speed and memory gained")
     axis = st.radio("Gain", ["speed gain ×", "memory saved %"], horizontal=True)
     x_field = "speed" if str(axis).startswith("speed") else "memory"

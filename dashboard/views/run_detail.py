@@ -130,33 +130,50 @@ def render(api, project: str, params) -> None:
     if rest:
         with st.expander(f"Other comparisons ({len(rest)}: ok or inconclusive)"):
             st.table(_table(rest))
-    examples = example_answers(run, metrics)
-    if examples:
-        st.subheader(f"Example answers ({len(examples)})")
-        for e in examples:
-            st.markdown(f"**{e['config']} · {e['metric']}** ({e['verdict']}) — prompt `{e['prompt']}`")
-            sides = [("candidate", e["answer"])]
-            if e["baseline_answer"] is not None:
-                sides.append((f"baseline {run['baseline']}", e["baseline_answer"]))
-            if e["alone"] is not None:
-                sides.append(("the same prompt sent alone", e["alone"]))
-            for col, (side, text) in zip(st.columns(len(sides)), sides, strict=True):
-                col.caption(side)
-                col.code(text if text else "(empty answer)", language=None)
+    _examples(run, metrics)
     candidates = candidates_worst_first(run, metrics)
     if not candidates:
         st.info("This run has only the baseline.")
         return
+    if not _worst_samples(api, project, run, candidates):
+        return
+    with st.expander("Verdict reason, as stored"):
+        st.text(run["verdict_reason"] or "—")
+
+
+def _examples(run: dict, metrics: dict) -> None:
+    """Each breaching generation finding's stored example: the candidate's answer beside the
+    baseline's, or beside the same prompt sent alone."""
+    examples = example_answers(run, metrics)
+    if not examples:
+        return
+    st.subheader(f"Example answers ({len(examples)})")
+    for e in examples:
+        st.markdown(f"**{e['config']} · {e['metric']}** ({e['verdict']}) — prompt `{e['prompt']}`")
+        sides = [("candidate", e["answer"])]
+        if e["baseline_answer"] is not None:
+            sides.append((f"baseline {run['baseline']}", e["baseline_answer"]))
+        if e["alone"] is not None:
+            sides.append(("the same prompt sent alone", e["alone"]))
+        for col, (side, text) in zip(st.columns(len(sides)), sides, strict=True):
+            col.caption(side)
+            col.code(text if text else "(empty answer)", language=None)
+
+
+def _worst_samples(api, project: str, run: dict, candidates: list[str]) -> bool:
+    """A candidate's worst samples by a per-sample metric, each with both sides' outputs and what
+    the judge and faithfulness said; False when it has no paired samples on that metric."""
     st.subheader("Worst samples")
-    config = st.selectbox("Candidate (worst first)", candidates, key=f"candidate-{run_id}")  # per run: the worst
+    config = st.selectbox("Candidate (worst first)", candidates, key=f"candidate-{run['run_id']}")  # per run: the worst
     metric = st.selectbox("Rank samples by", SAMPLE_METRICS, key="sample_metric",
                           format_func=lambda m: "document perplexity ratio" if m == "nll" else m)
+    run_id = run["run_id"]
     worst = api.get(f"/projects/{project}/runs/{run_id}/worst", config=config, metric=metric,
                     limit=200 if metric == "nll" else 20)
     items = worst["items"]
     if not items:
         st.info(f"No paired {metric} samples for {config} in this run.")
-        return
+        return False
     if metric == "nll":  # per document: exp((NLL_c − NLL_b) / tokens), the ratio the run's ppl_ratio pools
         for item in items:
             item["ratio"] = doc_ppl_ratio(item["candidate_value"], item["baseline_value"],
@@ -186,5 +203,4 @@ def render(api, project: str, params) -> None:
                 st.markdown(f"**Faithfulness** ({faith.get('method')}):")
                 for s in faith.get("statements", []):
                     st.markdown(f"- {'✅' if s['supported'] else '❌'} {s['statement']}")
-    with st.expander("Verdict reason, as stored"):
-        st.text(run["verdict_reason"] or "—")
+    return True

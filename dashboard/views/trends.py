@@ -99,34 +99,10 @@ def render(api, project: str, params) -> None:
               base.mark_line().encode(x=x, y=y, color=colour),
               base.mark_point(size=90, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip)]
     if not off.empty:
-        top = scale.to_dict()["domain"][1]
-        off = off.assign(top=top, label=[f"{c} {v:.3g} ↑" for c, v in zip(off["config"], off["estimate"], strict=True)])
-        above = alt.Chart(off)
-        # one label per config, at its newest run, the highest first, each a line below the one before
-        last = off.sort_values("run_id").groupby("config").tail(1).sort_values("estimate", ascending=False)
-        layers.append(above.mark_point(shape="triangle-up", filled=True, size=110)
-                      .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, tooltip=tooltip))
-        for i in range(len(last)):  # Vega-Lite's dy is per mark, not per datum
-            layers.append(alt.Chart(last.iloc[i:i + 1]).mark_text(align="right", dx=-8, dy=10 + 13 * i, fontSize=11)
-                          .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, text="label"))
-    for line in lines:  # one layer each, in the threshold's own colour: no second colour legend
-        one = alt.Chart(pd.DataFrame([line]))
-        layers += [one.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[line["level"]])
-                   .encode(y=alt.Y("y:Q", scale=scale), tooltip=["label"]),
-                   # critical's label above its line, warn's below: close thresholds keep both readable
-                   one.mark_text(align="left", dx=4, dy=-6 if line["level"] == "critical" else 12, fontSize=11,
-                                 color=VERDICT_MARKS[line["level"]])
-                   .encode(y=alt.Y("y:Q", scale=scale), x=alt.value(0), text="label")]
-    alerts = pd.DataFrame(data["alerts"])
-    if not alerts.empty:
-        alerts = alerts[alerts["config"].isin(shown) & alerts["run_id"].isin(pts["run_id"])]
-    if not alerts.empty:
-        labels = dict(zip(pts["run_id"], pts["run"], strict=False))
-        # one marker per run: every config and severity that fired on it, named
-        named = (alerts.assign(what=[f"{c} {s}" for c, s in zip(alerts["config"], alerts["severity"], strict=True)])
-                 .groupby("run_id")["what"].agg(lambda w: ", ".join(sorted(set(w)))).reset_index())
-        named["run"] = [labels[r] for r in named["run_id"]]
-        named["label"] = "alert: " + named["what"]
+        layers += _off_scale_layers(off, x, scale, colour, tooltip)
+    layers += _threshold_layers(lines, scale)
+    named = _alerts_by_run(pd.DataFrame(data["alerts"]), pts, shown)
+    if not named.empty:
         marks = alt.Chart(named)
         # a faint rule and a marker inside the top of the plot, the names in the tooltip and listed
         # under the chart: a label drawn on the chart would run across the axis or over its neighbours
@@ -135,7 +111,7 @@ def render(api, project: str, params) -> None:
                    marks.mark_point(shape="triangle-down", filled=True, size=110, color=VERDICT_MARKS["critical"])
                    .encode(x=x, y=alt.value(8), tooltip=["label"])]
     st.altair_chart(alt.layer(*layers).properties(height=420), width="stretch")
-    if not alerts.empty:
+    if not named.empty:
         listed = list(zip(named["run"], named["label"], strict=True))
         left = len(listed) - ALERTS_LISTED
         earlier = f"  \n({left} earlier in the chart's tooltips)" if left > 0 else ""
@@ -145,3 +121,46 @@ def render(api, project: str, params) -> None:
                "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "
                "Red verticals (▼): alerts that fired, listed above by run and config. ▲ along the top: a point off the "
                "scale (beyond twice the highest threshold), labelled with its value at the config's newest run.")
+
+
+def _off_scale_layers(off: pd.DataFrame, x, scale, colour, tooltip) -> list:
+    """Points beyond the scale: a marker along the top at each, and one label per config at its
+    newest run, the highest first, each a line below the one before."""
+    top = scale.to_dict()["domain"][1]
+    off = off.assign(top=top, label=[f"{c} {v:.3g} ↑" for c, v in zip(off["config"], off["estimate"], strict=True)])
+    last = off.sort_values("run_id").groupby("config").tail(1).sort_values("estimate", ascending=False)
+    layers = [alt.Chart(off).mark_point(shape="triangle-up", filled=True, size=110)
+              .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, tooltip=tooltip)]
+    for i in range(len(last)):  # Vega-Lite's dy is per mark, not per datum
+        layers.append(alt.Chart(last.iloc[i:i + 1]).mark_text(align="right", dx=-8, dy=10 + 13 * i, fontSize=11)
+                      .encode(x=x, y=alt.Y("top:Q", scale=scale), color=colour, text="label"))
+    return layers
+
+
+def _threshold_layers(lines: list[dict], scale) -> list:
+    """One dashed rule and label per threshold, in the threshold's own colour (no second legend)."""
+    layers = []
+    for line in lines:
+        one = alt.Chart(pd.DataFrame([line]))
+        layers += [one.mark_rule(strokeDash=[6, 4], color=VERDICT_MARKS[line["level"]])
+                   .encode(y=alt.Y("y:Q", scale=scale), tooltip=["label"]),
+                   # critical's label above its line, warn's below: close thresholds keep both readable
+                   one.mark_text(align="left", dx=4, dy=-6 if line["level"] == "critical" else 12, fontSize=11,
+                                 color=VERDICT_MARKS[line["level"]])
+                   .encode(y=alt.Y("y:Q", scale=scale), x=alt.value(0), text="label")]
+    return layers
+
+
+def _alerts_by_run(alerts: pd.DataFrame, pts: pd.DataFrame, shown: list[str]) -> pd.DataFrame:
+    """One row per run of the chart that an alert of a shown config fired on: its label (`run`)
+    and every config and severity that fired, named (`label`); empty when none did."""
+    if not alerts.empty:
+        alerts = alerts[alerts["config"].isin(shown) & alerts["run_id"].isin(pts["run_id"])]
+    if alerts.empty:
+        return pd.DataFrame(columns=["run_id", "run", "label"])
+    labels = dict(zip(pts["run_id"], pts["run"], strict=False))
+    named = (alerts.assign(what=[f"{c} {s}" for c, s in zip(alerts["config"], alerts["severity"], strict=True)])
+             .groupby("run_id")["what"].agg(lambda w: ", ".join(sorted(set(w)))).reset_index())
+    named["run"] = [labels[r] for r in named["run_id"]]
+    named["label"] = "alert: " + named["what"]
+    return named
