@@ -119,14 +119,13 @@ def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, h
     """The project's alerts, newest first, one per regression (as GET /api/v1/projects/{project}/alerts
     serves them with inhibited=false)."""
     from app import repo
-    from app.api.routes.alerting import list_alerts
     from app.db import session_scope
+    from app.queries import alerts
 
     if state not in (None, "pending", "firing", "resolved", "inactive"):
         fail(f"--state must be pending, firing or resolved, not '{state}'")
     with session_scope() as session:
-        items = list_alerts(repo.get_project(session, project), session, state=state, limit=limit,
-                            inhibited=inhibited)
+        items = alerts(session, repo.get_project(session, project), state=state, limit=limit, inhibited=inhibited)
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
@@ -143,11 +142,11 @@ def alerts_list(project: str = PROJECT, state: str | None = typer.Option(None, h
 def gates_list(project: str = PROJECT, limit: int = typer.Option(20, min=1, max=500), as_json: bool = AS_JSON) -> None:
     """The project's newest CI gates: candidate, baseline, verdict, run."""
     from app import repo
-    from app.api.routes.gates import list_gates
     from app.db import session_scope
+    from app.queries import gates
 
     with session_scope() as session:
-        items = list_gates(repo.get_project(session, project), session, limit=limit)
+        items = gates(session, repo.get_project(session, project), limit=limit)
     if as_json:
         sys.stdout.write(json.dumps(items) + "\n")
         return
@@ -162,11 +161,11 @@ def gates_show(gate_id: int = typer.Argument(..., help="the gate's id (from `can
                project: str = PROJECT, as_json: bool = AS_JSON) -> None:
     """One gate: its verdict line and its markdown summary, or the whole gate with --json."""
     from app import repo
-    from app.api.routes.gates import get_gate
     from app.db import session_scope
+    from app.queries import gate as read_gate
 
     with session_scope() as session:
-        gate = get_gate(gate_id, repo.get_project(session, project), session)
+        gate = read_gate(session, repo.get_project(session, project), gate_id)
     if as_json:
         sys.stdout.write(json.dumps(gate) + "\n")
         return

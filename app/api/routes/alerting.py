@@ -10,10 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sqlalchemy import select
 
 from app import repo
-from app.alerts import ACTIVE
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX, METRIC_DIRECTIONS, NameRef
-from app.models import Alert, AlertRule, Silence, aware, utcnow
+from app.models import AlertRule, Silence, aware, utcnow
+from app.queries import alerts as read_alerts
 from app.schemas import Time, error_responses
 
 router = APIRouter(tags=["alerts"], responses=error_responses(404))
@@ -112,20 +112,6 @@ class AlertOut(BaseModel):
                                                        "mutes this active warn alert (one regression, one alert)")
 
 
-def alert_out(alert: Alert, inhibited_by: int | None = None) -> dict:
-    iso = lambda t: t.isoformat() if t else None  # noqa: E731
-    return {"id": alert.id, "fingerprint": alert.fingerprint, "labels": alert.labels,
-            "annotations": alert.annotations, "state": alert.state, "severity": alert.severity, "value": alert.value,
-            "consecutive": alert.consecutive, "run_id": alert.run_id, "started_at": iso(alert.started_at),
-            "fired_at": iso(alert.fired_at), "resolved_at": iso(alert.resolved_at),
-            "last_notified_at": iso(alert.last_notified_at), "escalation_run_id": alert.escalation_run_id,
-            "inhibited_by": inhibited_by}
-
-
-def _without_severity(labels: dict) -> tuple:
-    return tuple(sorted((k, v) for k, v in labels.items() if k != "severity"))
-
-
 @router.get("/projects/{project}/alerts", response_model=list[AlertOut])
 def list_alerts(project: ProjectDep, session: SessionDep,
                 state: str | None = Query(None, pattern="^(pending|firing|resolved|inactive)$"),
@@ -134,24 +120,7 @@ def list_alerts(project: ProjectDep, session: SessionDep,
                                                           "inhibits (as Alertmanager's API); false lists one alert "
                                                           "per regression")) -> list[dict]:
     """Newest first. An active warn alert inhibited by a firing critical one names it in inhibited_by."""
-    firing_critical = select(Alert).where(Alert.project_id == project.id, Alert.state == "firing",
-                                          Alert.severity == "critical")
-    critical = {_without_severity(alert.labels): alert.id for alert in session.scalars(firing_critical)}
-    query = select(Alert).where(Alert.project_id == project.id)
-    if state:
-        query = query.where(Alert.state == state)
-    query = query.order_by(Alert.id.desc())
-    query = query.limit(limit) if inhibited else query.execution_options(yield_per=500)
-    out = []
-    for alert in session.scalars(query):
-        active_warn = alert.severity == "warn" and alert.state in ACTIVE
-        by = critical.get(_without_severity(alert.labels)) if active_warn else None
-        if by is not None and not inhibited:
-            continue
-        out.append(alert_out(alert, by))
-        if len(out) == limit:
-            break
-    return out
+    return read_alerts(session, project, state=state, limit=limit, inhibited=inhibited)
 
 
 class Matcher(BaseModel):

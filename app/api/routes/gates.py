@@ -4,18 +4,18 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
-from app.gates import check_request, find_gate, record_gate, summary_markdown
-from app.models import Gate, Suite
+from app.gates import check_request, find_gate, record_gate
+from app.queries import gate as read_gate
+from app.queries import gate_out
+from app.queries import gates as read_gates
 from app.schemas import ComparisonOut, RunVerdict, Time, error_responses
-from app.services import run_summary, start_run
-from app.settings import get_settings
+from app.services import start_run
 
 router = APIRouter(tags=["gates"], responses=error_responses(404))
 # a request that races another with its Idempotency-Key can lose the run's insert, then the gate's;
@@ -50,19 +50,6 @@ class GateOut(GateListItem):
     idempotency_key: str | None
     summary_markdown: str = Field(description="the gate's result as a pull-request comment")
     comparisons: list[ComparisonOut] = Field(description="the candidate's")
-
-
-def gate_out(session, project, gate: Gate) -> dict:
-    summary = run_summary(session, repo.get_run(session, project, gate.run_id))
-    return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
-            "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
-            "run_status": summary["status"], "run_verdict": summary["verdict"], "reason": summary["verdict_reason"],
-            "idempotency_key": gate.idempotency_key,
-            "created_at": gate.created_at.isoformat() if gate.created_at else None,
-            "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
-                                                 session.get(Suite, summary["suite_id"]).name),
-            "comparisons": [comparison for comparison in summary["comparisons"]
-                            if comparison["config"] == gate.candidate]}
 
 
 @router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, response_model=GateOut,
@@ -109,15 +96,9 @@ def _start_gate(session, project, body: GateIn, idempotency_key: str | None) -> 
 
 @router.get("/projects/{project}/gates/{gate_id}", response_model=GateOut)
 def get_gate(gate_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
-    gate = session.get(Gate, gate_id)
-    if gate is None or gate.project_id != project.id:
-        raise repo.NotFound(f"gate {gate_id} not found in project '{project.name}'")
-    return gate_out(session, project, gate)
+    return read_gate(session, project, gate_id)
 
 
 @router.get("/projects/{project}/gates", response_model=list[GateListItem])
 def list_gates(project: ProjectDep, session: SessionDep, limit: int = Query(50, ge=1, le=500)) -> list[dict]:
-    gates = session.scalars(select(Gate).where(Gate.project_id == project.id).order_by(Gate.id.desc()).limit(limit))
-    return [{"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
-             "run_id": gate.run_id, "created_at": gate.created_at.isoformat() if gate.created_at else None,
-             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None} for gate in gates]
+    return read_gates(session, project, limit)
