@@ -163,6 +163,7 @@ class LeaseKeeper:
                 return  # the attempt ended while the renewal was in flight (a finished row matches no lease)
             if not held:
                 self.lost.set()
-                log.warning("%s lost its lease to a newer attempt (heartbeat)", self.attempt)
+                log.warning("config-run %s: attempt %s lost its lease to a newer attempt (heartbeat)",
+                            self.attempt.config_run_id, self.attempt.number)
                 return
             self.beats += 1

@@ -9,7 +9,7 @@ each in its own row of a cache.
 - ContinuousBatch: the rows' sequences. `add` prefills one request and picks its first token;
   `step` runs one batched decode step over every unfinished row and picks each row's next token;
   `remove` frees a row. Picks, sampling generators, penalties and log-probs are the engine's own
-  (ReferenceEngine._pick / _adjust, engines/sampling.py), per request, so a request's tokens do
+  (pick / adjust, engines/sampling.py), per request, so a request's tokens do
   not depend on which others share its steps, up to the numerics of a batched matmul.
 
 Lossless KV formats only, without speculative decoding or a fault drill (`unbatchable` says why
