@@ -13,7 +13,7 @@ class EngineLoadError(RuntimeError):
 
 def resolve_device(spec: OptimizationSpec) -> torch.device:
     """engine_options.device, else CUDA when present; a CUDA request on a CPU-only worker fails."""
-    want = spec.engine_options.get("device")
+    want = spec.option("device")
     if want is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(want).startswith("cuda") and not torch.cuda.is_available():

@@ -43,7 +43,7 @@ class TransformersEngine:
         self.spec = spec
         self.model_path = str(model_path)
         self.device = resolve_device(spec)
-        self.batch_size = int(spec.engine_options.get("batch_size", 8))
+        self.batch_size = int(spec.option("batch_size"))
         # Quantized weights compute in fp16 (W8A16 / W4A16), the way their kernels do.
         self.compute_dtype = DTYPES.get(spec.weights, torch.float16)
         try:

@@ -69,9 +69,9 @@ class OpenAIEngine:
         self.base_url = str(opts["base_url"]).rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
         self.shown = redact_url(self.base_url)  # errors end up in a config-run's reason, shown by the API
-        self.metrics_url = str(opts.get("metrics_url") or self.root + "/metrics")
-        self.concurrency = int(opts.get("concurrency", 1))
-        self.timeout_s = float(opts.get("timeout_s", 60))
+        self.metrics_url = str(spec.option("metrics_url") or self.root + "/metrics")
+        self.concurrency = int(spec.option("concurrency"))
+        self.timeout_s = float(spec.option("timeout_s"))
         key = secret(str(opts["api_key_env"])) if "api_key_env" in opts else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         # the key goes to the server's own origin only, never to a metrics_url elsewhere

@@ -17,7 +17,7 @@ fault of known size, engines/reference/faults.py) whose shape is defined here wi
 from __future__ import annotations
 
 from difflib import get_close_matches
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -71,40 +71,52 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
     "openai": {"weights": frozenset(WEIGHTS), "kv_cache": frozenset(KV_CACHE),
                "speculative": frozenset(SPECULATIVE_METHODS)},
 }
-# engine_options each engine understands: name → (type, description).
-ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
+class EngineOption(NamedTuple):
+    """One engine option: its type, what it does, and its default, the one place that default lives
+    (`OptimizationSpec.option` reads it). A default of None: unset, the engine decides from its
+    context as the description says."""
+
+    kind: type
+    description: str
+    default: Any = None
+
+
+# engine_options each engine understands
+ENGINE_OPTIONS: dict[str, dict[str, EngineOption]] = {
     "transformers": {
-        "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
-        "batch_size": (int, "perplexity windows per forward pass (default 8)"),
+        "device": EngineOption(str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
+        "batch_size": EngineOption(int, "perplexity windows per forward pass (default 8)", 8),
     },
     "reference": {
-        "device": (str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
-        "batch_size": (int, "perplexity windows per forward pass (default 8)"),
-        "concurrency": (int, "generation requests decoded together as one batch (default 1)"),
-        "calibration_samples": (int, "AWQ calibration windows (default 128)"),
-        "calibration_tokens": (int, "tokens per AWQ calibration window (default min(512, context))"),
-        "cuda_graphs": (bool, "replay each decode step as a CUDA graph (default: true on CUDA)"),
-        "fault": (dict, "a canary drill, never a deployment setting: a seeded fault of known size that proves the "
-                        "canary catches it, e.g. {'kind': 'kv-corrupt', 'layers': 2}; kinds: weight-noise, "
-                        "kv-corrupt, token-corrupt, ttft-delay, logprob-shift (engines/reference/faults.py)"),
+        "device": EngineOption(str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
+        "batch_size": EngineOption(int, "perplexity windows per forward pass (default 8)", 8),
+        "concurrency": EngineOption(int, "generation requests decoded together as one batch (default 1)", 1),
+        "calibration_samples": EngineOption(int, "AWQ calibration windows (default 128)", 128),
+        "calibration_tokens": EngineOption(int, "tokens per AWQ calibration window (default min(512, context))"),
+        "cuda_graphs": EngineOption(bool, "replay each decode step as a CUDA graph (default: true on CUDA)"),
+        "fault": EngineOption(dict, "a canary drill, never a deployment setting: a seeded fault of known size that "
+                                    "proves the canary catches it, e.g. {'kind': 'kv-corrupt', 'layers': 2}; kinds: "
+                                    "weight-noise, kv-corrupt, token-corrupt, ttft-delay, logprob-shift "
+                                    "(engines/reference/faults.py)"),
     },
     "openai": {
-        "base_url": (str, "the server's OpenAI base URL, e.g. http://vllm.internal:8000/v1 (required)"),
-        "metrics_url": (str, "its Prometheus endpoint (default: base_url without /v1, plus /metrics)"),
-        "api_key_env": (str, "name of the environment variable holding the API key (never the key itself)"),
-        "concurrency": (int, "requests in flight at once (default 1)"),
-        "timeout_s": (int, "per-request timeout in seconds (default 60)"),
-        "dedicated_server": (bool, "true: the server serves only the canary while it runs, so its spec-decode "
-                                   "counter deltas are the run's acceptance (default false: they are reported in "
-                                   "figures.server, flagged when other traffic moved them, and not judged). Not "
-                                   "needed where the server reports each request's own figures (vLLM's "
-                                   "--per-request-spec-decode-metrics summary): those are judged either way"),
+        "base_url": EngineOption(str, "the server's OpenAI base URL, e.g. http://vllm.internal:8000/v1 (required)"),
+        "metrics_url": EngineOption(str, "its Prometheus endpoint (default: base_url without /v1, plus /metrics)"),
+        "api_key_env": EngineOption(str, "name of the environment variable holding the API key (never the key "
+                                         "itself)"),
+        "concurrency": EngineOption(int, "requests in flight at once (default 1)", 1),
+        "timeout_s": EngineOption(int, "per-request timeout in seconds (default 60)", 60),
+        "dedicated_server": EngineOption(
+            bool, "true: the server serves only the canary while it runs, so its spec-decode counter deltas are the "
+                  "run's acceptance (default false: they are reported in figures.server, flagged when other traffic "
+                  "moved them, and not judged). Not needed where the server reports each request's own figures "
+                  "(vLLM's --per-request-spec-decode-metrics summary): those are judged either way", False),
     },
     "vllm": {
-        "tensor_parallel_size": (int, "GPUs per model (default 1)"),
-        "gpu_memory_utilization": (float, "fraction of GPU memory vLLM may take (default 0.9)"),
-        "max_model_len": (int, "context length to allocate for (default: the model's)"),
-        "concurrency": (int, "requests submitted together (default: all of a batch)"),
+        "tensor_parallel_size": EngineOption(int, "GPUs per model (default 1)"),
+        "gpu_memory_utilization": EngineOption(float, "fraction of GPU memory vLLM may take (default 0.9)"),
+        "max_model_len": EngineOption(int, "context length to allocate for (default: the model's)"),
+        "concurrency": EngineOption(int, "requests submitted together (default: all of a batch)"),
     },
 }
 NOT_YET = {
@@ -295,13 +307,24 @@ class OptimizationSpec(BaseModel):
             raise ValueError(f"unknown kv_cache '{v}'; {did_you_mean(v, KV_CACHE)}")
         return v
 
+    def option(self, name: str) -> Any:
+        """engine_options[name] as the config gave it, else this engine's default for it
+        (ENGINE_OPTIONS); None for an option this engine does not have. A name no engine has is a
+        KeyError (a misspelt read, not a config problem)."""
+        if name in self.engine_options:
+            return self.engine_options[name]
+        if not any(name in options for options in ENGINE_OPTIONS.values()):
+            raise KeyError(f"no engine has an option '{name}'")
+        known = ENGINE_OPTIONS.get(self.engine, {}).get(name)
+        return known.default if known is not None else None
+
     def check_available(self) -> None:
         """Raise ConfigNotAvailable naming the first axis the engine cannot run."""
         table = AVAILABLE[self.engine]
         if not table["weights"]:
             raise ConfigNotAvailable("engine", self.engine, self.engine, frozenset())
         if self.engine == "openai":
-            url = str(self.engine_options.get("base_url", ""))
+            url = str(self.option("base_url") or "")
             if not url.startswith(("http://", "https://")):
                 raise ConfigNotAvailable("engine_options.base_url", url, self.engine, frozenset(), message=(
                     "engine_options.base_url: engine 'openai' needs the server's http(s) base URL, e.g. "
@@ -313,7 +336,7 @@ class OptimizationSpec(BaseModel):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: unknown option for engine "
                                                  f"'{self.engine}'; options: {known}")
-            kind = options[key][0]
+            kind = options[key].kind
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")

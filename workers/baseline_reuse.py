@@ -47,7 +47,7 @@ def inputs_key(job: Job) -> str | None:
             pass
     import torch  # the worker's engines run on it already
 
-    device = spec.engine_options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = spec.option("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and torch.cuda.is_available():
         device = f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
     payload = {

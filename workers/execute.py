@@ -143,7 +143,7 @@ class ExecuteConfigRun(BaseTask):
                      "agreement" in scorers, len(job.samples) + n_prompts,
                      check_lease=lease.check if lease is not None else (lambda: None))
         nll_sum, n_tokens = self._score_documents(work, settings)
-        stats = RunStats(dedicated=bool(spec.engine_options.get("dedicated_server", False)))
+        stats = RunStats(dedicated=bool(spec.option("dedicated_server")))
         judge, step = self._generate(work, n_prompts, stats, settings)
         description = engine.describe()
         figures = RunFigures(

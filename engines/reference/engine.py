@@ -65,8 +65,8 @@ class ReferenceEngine:
         self.spec = spec
         self.model_path = str(model_path)
         self.device = resolve_device(spec)
-        self.batch_size = int(spec.engine_options.get("batch_size", 8))
-        self.concurrency = int(spec.engine_options.get("concurrency", 1))
+        self.batch_size = int(spec.option("batch_size"))
+        self.concurrency = int(spec.option("concurrency"))
         self.dtype = DTYPES.get(spec.weights, torch.float16)  # the weights' float type, as stored
         self.compute_dtype = compute_dtype_for(self.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -74,7 +74,7 @@ class ReferenceEngine:
         self.start_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         model = load_model(self.model_path, torch.float32, "cpu")
         # a canary drill (engine_options.fault; engines/reference/faults.py): without one, every hook is the identity
-        self.fault = EngineFault(spec.engine_options.get("fault"), spec.kv_cache, model.args.vocab_size,
+        self.fault = EngineFault(spec.option("fault"), spec.kv_cache, model.args.vocab_size,
                                  lambda ids: cast(str, tok.decode(ids, skip_special_tokens=True)))
         self.fault.corrupt_weights(model)
         quantized = (rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
@@ -123,8 +123,8 @@ class ReferenceEngine:
         (defaults 128 × min(512, context)), cut from the texts joined end to end. The search's outcome
         comes from the on-disk cache when this model and these token ids were calibrated before
         (engines/reference/awq.py; awq_from_cache says whether it did)."""
-        n = int(self.spec.engine_options.get("calibration_samples", 128))
-        t = int(self.spec.engine_options.get("calibration_tokens", min(512, model.args.max_seq_len)))
+        n = int(self.spec.option("calibration_samples"))
+        t = int(self.spec.option("calibration_tokens") or min(512, model.args.max_seq_len))
         ids = calibration_ids(self.tokenizer, self.start_id, calibration, n, t)
         self.calibration_shape = tuple(ids.shape)
         quantized, self.awq_from_cache = awq(model, ids, self.model_path, self.fault.weights_tag)
@@ -138,7 +138,7 @@ class ReferenceEngine:
     def decoder(self, batch: int, slots: int) -> Decoder:
         """The static decode loop (engines/reference/decode.py) over a fresh cache."""
         d = Decoder(self.model, self.kv, batch, slots, self.device, self.compute_dtype,
-                    self.spec.engine_options.get("cuda_graphs"))
+                    self.spec.option("cuda_graphs"))
         self._track(d.cache)
         return d
 

@@ -1,0 +1,26 @@
+"""An engine option's default lives once, in engines/spec.py ENGINE_OPTIONS, and every reader asks
+the spec (`OptimizationSpec.option`) instead of repeating it in a `.get(key, default)`."""
+
+import pytest
+from engines.spec import ENGINE_OPTIONS, OptimizationSpec
+
+
+def test_a_given_option_wins_and_a_missing_one_reads_the_engines_default():
+    reference = OptimizationSpec(engine="reference", engine_options={"batch_size": 2})
+    assert reference.option("batch_size") == 2  # given
+    assert reference.option("concurrency") == 1 and reference.option("calibration_samples") == 128  # the table's
+    assert reference.option("calibration_tokens") is None  # unset: the engine takes min(512, context)
+    served = OptimizationSpec(engine="openai", engine_options={"base_url": "http://h:8000/v1"})
+    assert (served.option("timeout_s"), served.option("concurrency"), served.option("dedicated_server")) == (60, 1, False)
+    assert reference.option("dedicated_server") is None  # another engine's option: this engine has none
+
+
+def test_a_name_no_engine_has_is_a_key_error():
+    with pytest.raises(KeyError, match="no engine has an option 'batchsize'"):
+        OptimizationSpec(engine="reference").option("batchsize")
+
+
+def test_every_default_has_the_options_type():
+    for engine, options in ENGINE_OPTIONS.items():
+        for name, option in options.items():
+            assert option.default is None or isinstance(option.default, option.kind), (engine, name)
