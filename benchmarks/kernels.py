@@ -625,21 +625,36 @@ def agreement(ours: list[int], theirs: list[int], our_logits, their_logits) -> d
             "prefill_logits_max_abs_diff": float(f"{(our_logits - their_logits).abs().max().item():.3g}")}
 
 
-def quantize_int4(model, device: str) -> None:
+def quantize_int4(model, device: str) -> str:
     """rtn-int4 the engine's way on CUDA: each fused linear packed (AutoAWQ GEMM layout) and
-    multiplied by the W4A16 kernel (torch reference where kernels do not run)."""
+    multiplied by the W4A16 kernels (torch reference where kernels do not run), a single row
+    by the engine's default int4_gemv ('auto': torch's tinygemm where it runs). → the engine's
+    note of which kernel serves a single row."""
     import torch
     from engines.kernels.w4a16 import W4A16Linear
     from engines.quant import quantize_groupwise
+    from engines.reference.weights import batch1_note
 
     with torch.no_grad():
         for layer in model.model.layers:
             for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
                 q, s, z = quantize_groupwise(getattr(parent, name).weight.float(), 4)
-                setattr(parent, name, W4A16Linear.from_parts([(q, z, s)], None, device))
+                setattr(parent, name, W4A16Linear.from_parts([(q, z, s)], None, device, "auto"))
                 del q, s, z
     _free(device)
+    return batch1_note(model)
+
+
+def int4_batch1_triton(model) -> list:
+    """Turn the tinygemm single-row path off (the Triton GEMV serves it), for the peer row;
+    → the layers to give it back to."""
+    from engines.kernels.w4a16 import W4A16Linear
+
+    layers = [(m, m.tiny) for m in model.modules() if isinstance(m, W4A16Linear) and m.tiny is not None]
+    for m, _ in layers:
+        m.tiny = None
+    return layers
 
 
 def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: dict[str, str]) -> dict:
@@ -706,7 +721,7 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
                     run_config(w, kv, ids_long)
             del ids_long
         try:
-            quantize_int4(model, device)
+            res["int4_gemv"] = quantize_int4(model, device)
             int4 = None
         except Exception as e:  # noqa: BLE001 - the int4 rows record it
             int4 = f"quantize_int4: {type(e).__name__}: {e}"[:500]
@@ -717,6 +732,8 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
                     runs.append((w, {"kv_cache": kv, "context": prompt, "error": int4}))
                 else:
                     run_config(w, kv, ids)
+        if not int4 and int4_batch1_triton(model):  # tinygemm served one row: the own GEMV beside it
+            run_config("rtn-int4 (Triton GEMV)", "fp16", ids)
     smoke = args.smoke
 
     def find(w, kv, ctx):

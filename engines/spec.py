@@ -79,6 +79,7 @@ class EngineOption(NamedTuple):
     kind: type
     description: str
     default: Any = None
+    choices: tuple[str, ...] = ()  # the only values it takes, where it is a choice of names
 
 
 # engine_options each engine understands
@@ -94,6 +95,9 @@ ENGINE_OPTIONS: dict[str, dict[str, EngineOption]] = {
         "calibration_samples": EngineOption(int, "AWQ calibration windows (default 128)", 128),
         "calibration_tokens": EngineOption(int, "tokens per AWQ calibration window (default min(512, context))"),
         "cuda_graphs": EngineOption(bool, "replay each decode step as a CUDA graph (default: true on CUDA)"),
+        "int4_gemv": EngineOption(str, "the kernel of a single row through int4 weights on CUDA: 'auto' (torch's "
+                                       "tinygemm where it runs, else the Triton GEMV; default), 'tinygemm' or "
+                                       "'triton' (describe() notes which ran)", "auto", ("auto", "tinygemm", "triton")),
         "fault": EngineOption(dict, "a canary drill, never a deployment setting: a seeded fault of known size that "
                                     "proves the canary catches it, e.g. {'kind': 'kv-corrupt', 'layers': 2}; kinds: "
                                     "weight-noise, kv-corrupt, token-corrupt, ttft-delay, logprob-shift "
@@ -342,6 +346,11 @@ class OptimizationSpec(BaseModel):
                                          message=f"engine_options.{key}: expected {kind.__name__}, got {value!r}")
             if key == "fault":
                 parse_fault(value, self.kv_cache)
+            if options[key].choices and value not in options[key].choices:
+                raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine,
+                                         frozenset(options[key].choices),
+                                         message=f"engine_options.{key}: '{value}' is not one of "
+                                                 f"{', '.join(options[key].choices)}")
             if key in ("batch_size", "concurrency", "calibration_samples", "calibration_tokens", "timeout_s",
                        "tensor_parallel_size", "max_model_len") and cast(int, value) < 1:  # an int: checked above
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),

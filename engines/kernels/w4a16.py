@@ -10,6 +10,11 @@ zero point and scale taken out of each tile's sum), a skinny GEMV for decode bat
 once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
 rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
 a tiled GEMM for prefill (tensor-core dots on dequantized tiles). On CUDA both autotune.
+
+At batch 1 on CUDA a W4A16Linear may take torch's own int4 GEMM instead (tinygemm,
+`aten._weight_int4pack_mm`, bf16 activations), which the GPU report measured 1.6–1.9× faster
+than gemv1 at the 8B shapes (benchmarks/results/gpu/README.md, run 2): the layer then holds the
+weight in tinygemm's layout too (`TinyGemm`), and `batch1` names which kernel serves one row.
 """
 
 from __future__ import annotations
@@ -78,26 +83,96 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+
+# engine_options.int4_gemv: the kernel of a single row (engines/spec.py lists the same choices;
+# tests/unit/test_engine_options.py holds them equal)
+INT4_GEMV = ("auto", "tinygemm", "triton")
+
+
+class TinyGemm(torch.nn.Module):
+    """One int4 weight in torch's tinygemm layout: y = x · Wᵀ with W[n, k] = (q − 8) · s + m per
+    group of `group_size` along K, activations and (s, m) in bf16. From the AWQ parts
+    w = (q − z) · s it is the same weight exactly: s unchanged, m = (8 − z) · s (rounded to bf16).
+    On CUDA `aten._convert_weight_to_int4pack` / `_weight_int4pack_mm`; on CPU their `_for_cpu`
+    twins, the same arithmetic, which the CPU tests use."""
+
+    INNER_K_TILES = 8
+
+    def __init__(self, parts, device, group_size: int = 128):
+        super().__init__()
+        q = torch.cat([p[0] for p in parts]).to(torch.int32)  # [N, K]
+        zero = torch.cat([p[1] for p in parts]).float()  # [N, K/G]
+        scale = torch.cat([p[2] for p in parts]).float()
+        self.group_size, self.out_features, self.in_features = group_size, q.shape[0], q.shape[1]
+        sz = torch.stack([scale, (8 - zero) * scale], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=torch.bfloat16))
+        device = torch.device(device)
+        if device.type == "cuda":
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device), self.INNER_K_TILES)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(device), self.INNER_K_TILES)
+        self.register_buffer("packed", packed)
+
+    @staticmethod
+    def supports(in_features: int, out_features: int, group_size: int, device) -> str | None:
+        """Why tinygemm cannot hold this weight on `device`, or None when it can."""
+        if torch.device(device).type != "cuda":
+            return "tinygemm's CUDA kernel needs a CUDA device"
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+            return f"torch {torch.__version__} has no aten._weight_int4pack_mm"
+        if in_features % (TinyGemm.INNER_K_TILES * 16) or out_features % 8 or group_size not in (32, 64, 128, 256):
+            return f"shape {in_features}x{out_features} (group {group_size}) is not one tinygemm packs"
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] → [M, N] in x's dtype
+        mm = (torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        return mm(x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
+
+
 class W4A16Linear(torch.nn.Module):
     """A linear layer whose int4 weight stays packed (AutoAWQ GEMM layout) and multiplies
-    through w4a16(). Several layers of one input (q, k, v) concatenate along N."""
+    through w4a16(). Several layers of one input (q, k, v) concatenate along N.
 
-    def __init__(self, qweight, qzeros, scales, bias=None):
+    batch1 (engine_options.int4_gemv): which kernel multiplies a single row. 'auto' takes torch's
+    tinygemm where it runs (CUDA, a torch that has it, a shape it packs), else the Triton GEMV;
+    'tinygemm' insists (an error naming why it cannot); 'triton' keeps the own kernel. More rows
+    (a decode batch, a prefill) always take the Triton kernels."""
+
+    def __init__(self, qweight, qzeros, scales, bias=None, tiny: TinyGemm | None = None):
         super().__init__()
         self.register_buffer("qweight", qweight)
         self.register_buffer("qzeros", qzeros)
         self.register_buffer("scales", scales)
         self.bias = bias
+        self.tiny = tiny
         self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
 
+    @property
+    def batch1(self) -> str:
+        return "tinygemm" if self.tiny is not None else "triton"
+
     @classmethod
-    def from_parts(cls, parts, bias, device) -> W4A16Linear:
+    def from_parts(cls, parts, bias, device, batch1: str = "triton") -> W4A16Linear:
+        if batch1 not in INT4_GEMV:
+            raise ValueError(f"engine_options.int4_gemv: '{batch1}' is not one of {', '.join(INT4_GEMV)}")
         packed = [pack_awq_gemm(q, zero, scale) for q, zero, scale in parts]  # each: [K, N_i/8] …
         qweight, qzeros, scales = (torch.cat([p[i] for p in packed], dim=1).to(device) for i in range(3))
-        return cls(qweight, qzeros, scales, bias)
+        tiny = None
+        if batch1 != "triton":
+            why = TinyGemm.supports(qweight.shape[0], qweight.shape[1] * 8, 128, device)
+            if why is None:
+                tiny = TinyGemm(parts, device)
+            elif batch1 == "tinygemm":
+                raise ValueError(f"engine_options.int4_gemv: 'tinygemm' cannot run here: {why}; use 'auto' or 'triton'")
+        return cls(qweight, qzeros, scales, bias, tiny)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = w4a16(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales)
+        rows = x.reshape(-1, self.in_features)
+        if self.tiny is not None and rows.shape[0] == 1:
+            y = self.tiny(rows)
+        else:
+            y = w4a16(rows, self.qweight, self.qzeros, self.scales)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 

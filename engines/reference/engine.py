@@ -91,8 +91,9 @@ class ReferenceEngine:
         self.decode_graphs = "not run yet"  # whether decode steps replayed a CUDA graph, or why not
         from engines.kernels import use_triton
 
+        self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
         if self.packed and use_triton(self.device):
-            use_w4a16_kernels(self.model, self.packed, self.device)
+            self.int4_note = use_w4a16_kernels(self.model, self.packed, self.device, spec.option("int4_gemv"))
         self.draft_model: Transformer | None = None
         self.proposer = self._proposer(spec)
 
@@ -368,7 +369,8 @@ class ReferenceEngine:
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}",
-                   *([computed] if computed else []), *self.fault.notes),
+                   *([computed] if computed else []), *([self.int4_note] if self.int4_note else []),
+                   *self.fault.notes),
             resident_weight_bytes=int(resident),
             peak_kv_cache_bytes=int(self.peak_kv_bytes),
             kv_cache_usage=self.peak_kv_usage,

@@ -85,18 +85,32 @@ def awq(model: Transformer, ids: torch.Tensor, model_path: str, tag: str = "") -
     return out, from_cache
 
 
-def use_w4a16_kernels(model: Transformer, packed: dict[str, tuple], device: torch.device) -> None:
+def use_w4a16_kernels(model: Transformer, packed: dict[str, tuple], device: torch.device,
+                      batch1: str = "auto") -> str:
     """Where kernels run, int4 linears multiply straight from the packed AutoAWQ layout
     (engines/kernels/w4a16.py) instead of the dequantized copy: the fused model's qkv, o,
-    gate-up and down projections, in place."""
+    gate-up and down projections, in place. batch1 (engine_options.int4_gemv) picks the kernel of
+    a single row; → which kernel serves a single row, said as describe() notes it."""
     from engines.kernels.w4a16 import W4A16Linear
 
     for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
         # W4A16Linear takes nn.Linear's place (the same forward), which the model's annotations do not allow
         attn, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)
         qkv = [packed[f"model.layers.{i}.self_attn.{n}_proj"] for n in ("q", "k", "v")]
-        attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, device)
-        attn.o_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.self_attn.o_proj"]], attn.o_proj.bias, device)
+        attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, device, batch1)
+        attn.o_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.self_attn.o_proj"]], attn.o_proj.bias, device,
+                                             batch1)
         gu = [packed[f"model.layers.{i}.mlp.{n}_proj"] for n in ("gate", "up")]
-        mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, device)
-        mlp.down_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.mlp.down_proj"]], None, device)
+        mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, device, batch1)
+        mlp.down_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.mlp.down_proj"]], None, device, batch1)
+    return batch1_note(model)
+
+
+def batch1_note(model: Transformer) -> str:
+    """Which kernel multiplies a single row through the int4 linears (describe()'s note)."""
+    from engines.kernels.w4a16 import W4A16Linear
+
+    kinds = sorted({m.batch1 for m in model.modules() if isinstance(m, W4A16Linear)})
+    names = {"tinygemm": "torch tinygemm (aten._weight_int4pack_mm, bf16 activations)",
+             "triton": "the Triton W4A16 GEMV"}
+    return "int4 batch-1 GEMV: " + (" and ".join(names[k] for k in kinds) or "none (no int4 kernels)")

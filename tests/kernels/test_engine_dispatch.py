@@ -87,3 +87,25 @@ def test_float_and_dequantized_caches_decode_with_the_grouped_kernel(monkeypatch
     triton_tokens, triton_calls = generate(monkeypatch, "triton", kv_cache, decode, attr="float_decode_attention")
     assert torch_calls == 0 and triton_calls == 6 * 4
     assert triton_tokens == torch_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="tinygemm's int4 kernel is CUDA's")
+def test_int4_single_rows_take_tinygemm_on_cuda_and_describe_says_so():
+    # every fused linear of the tiny model has K a multiple of 128 and N of 8: 'auto' puts each
+    # decode step's single row through tinygemm; 'triton' keeps the own GEMV. Prefill (many rows)
+    # is the Triton GEMM in both, so the two differ only in decode steps, by bf16 activations.
+    req = GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=6, logprobs=1)
+    out = {}
+    for choice in ("auto", "triton"):
+        e = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="rtn-int4",
+                                                     engine_options={"int4_gemv": choice}))
+        notes = " ".join(e.describe().notes)
+        assert ("tinygemm" in notes) == (choice == "auto") and "int4 batch-1 GEMV" in notes
+        out[choice] = e.generate([req])[0]
+    a, t = out["auto"], out["triton"]
+    assert len(a.token_ids) == len(t.token_ids) == 6
+    same = next((i for i, (x, y) in enumerate(zip(a.token_ids, t.token_ids, strict=True)) if x != y), 6)
+    assert same >= 1  # the first token comes from the prefill, the same kernel in both
+    for i in range(same):
+        assert abs(a.token_logprobs[i][0] - t.token_logprobs[i][0]) < 5e-2

@@ -24,3 +24,15 @@ def test_every_default_has_the_options_type():
     for engine, options in ENGINE_OPTIONS.items():
         for name, option in options.items():
             assert option.default is None or isinstance(option.default, option.kind), (engine, name)
+
+
+def test_int4_gemv_takes_one_of_its_kernels_and_names_them_when_not():
+    from engines.kernels.w4a16 import INT4_GEMV
+    from engines.spec import ConfigNotAvailable
+
+    assert ENGINE_OPTIONS["reference"]["int4_gemv"].choices == INT4_GEMV  # the kernel's own list
+    assert OptimizationSpec(engine="reference", weights="rtn-int4").option("int4_gemv") == "auto"
+    OptimizationSpec(engine="reference", weights="rtn-int4", engine_options={"int4_gemv": "triton"}).check_available()
+    bad = OptimizationSpec(engine="reference", weights="rtn-int4", engine_options={"int4_gemv": "marlin"})
+    with pytest.raises(ConfigNotAvailable, match=r"engine_options\.int4_gemv: 'marlin' is not one of auto, tinygemm, triton"):
+        bad.check_available()
