@@ -16,6 +16,7 @@ from app import repo
 from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempotency_key, should_notify
 from app.channels import AlertMessage, build
 from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
+from app.schemas import ComparisonOut
 from app.settings import get_settings
 from app.summary import config_line, judged
 
@@ -51,7 +52,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     verdicts = _config_verdicts(comparisons, names)
     touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
     for comparison in comparisons:
-        if comparison.config_id == run.baseline_config_id or (comparison.details or {}).get("informational"):
+        if comparison.config_id == run.baseline_config_id or not comparison.gated:
             continue
         if comparison.config.ablation_of_id is not None:  # one layer of a stacked config: diagnosis, not a deploy
             continue
@@ -112,11 +113,9 @@ def _config_verdicts(comparisons: list[Comparison], names: dict[int, str]) -> di
     """Each candidate's line of the verdict summary (app/summary.py), e.g. 'drop or fix: ppl ratio
     +5.90% [+4.50, +8.20] critical; TTFT ratio +30% [...] warn': an alert on one metric then says
     where its config stands on all of them, quality and speed."""
-    rows: dict[str, list[dict]] = {}
+    rows: dict[str, list[ComparisonOut]] = {}
     for c in comparisons:
-        rows.setdefault(names[c.config_id], []).append(
-            {"config": names[c.config_id], "metric": c.metric, "verdict": c.verdict, "estimate": c.estimate,
-             "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "rule": c.rule, "details": c.details})
+        rows.setdefault(names[c.config_id], []).append(ComparisonOut.of(c, names[c.config_id]))
     out = {}
     for config, found in rows.items():
         line = config_line(config, judged(found))

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Gate, Project, Run, utcnow
+from app.schemas import ComparisonOut
 from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
@@ -104,8 +105,8 @@ def step_back_lines(summary: dict[str, Any], candidate: str) -> list[str]:
     if not found:
         return []
     worst = found[0] if len(found) == 1 else max(
-        found, key=lambda s: (max(VERDICT_ORDER.get(c["verdict"], 0) for c in summary["comparisons"]
-                                  if c["config"] == candidate and c["metric"] == s["metric"]), s["stacked_ratio"]))
+        found, key=lambda s: (max(VERDICT_ORDER.get(c.verdict, 0) for c in summary["comparisons"]
+                                  if c.config == candidate and c.metric == s["metric"]), s["stacked_ratio"]))
     lines = ["", f"**Step back one layer:** {worst['advice']}.", "",
              f"| layer | {worst['metric']} alone | share of the loss | run alone as |", "|---|---|---|---|"]
     for layer in worst["layers"]:
@@ -135,20 +136,20 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
              "",
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
              f"({samples_label(summary)}), run {summary['run_id']}. [Open the run]({link})", ""]
-    rows = [c for c in summary["comparisons"] if c["config"] == gate.candidate]
+    rows: list[ComparisonOut] = [c for c in summary["comparisons"] if c.config == gate.candidate]
     # the verdict for people (app/summary.py), the step-back advice left to its own lines below
     found = verdict_summary(rows)["groups"]
     for group, line in ((g, ls[0]) for g, ls in found.items()):
         lines += [f"**{group[0].upper()}{group[1:]}:** {line['findings']}", ""]
-    rows.sort(key=lambda c: (bool((c.get("details") or {}).get("informational")), -VERDICT_ORDER.get(c["verdict"], 0)))
+    rows.sort(key=lambda c: (not c.gated, -VERDICT_ORDER.get(c.verdict, 0)))
     if rows:
         lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]
         for c in rows:
-            metric = METRICS.get(c["metric"])
-            change = (format_estimate(metric, c["estimate"], c["ci_low"], c["ci_high"]) if metric
-                      else "—" if c["estimate"] is None else f"{c['estimate']:.4g}")
-            informational = " (informational)" if (c.get("details") or {}).get("informational") else ""
-            lines.append(f"| {c['metric']} | {change} | {c['n']} | {c['verdict']}{informational} | {c['rule'] or ''} |")
+            metric = METRICS.get(c.metric)
+            change = (format_estimate(metric, c.estimate, c.ci_low, c.ci_high) if metric
+                      else "—" if c.estimate is None else f"{c.estimate:.4g}")
+            said = " (informational)" if not c.gated else ""
+            lines.append(f"| {c.metric} | {change} | {c.n} | {c.verdict}{said} | {c.rule or ''} |")
     lines += step_back_lines(summary, gate.candidate)
     gained = gains(summary.get("figures") or {}, gate.candidate, gate.baseline)
     if gained:

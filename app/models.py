@@ -17,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -212,6 +213,8 @@ class Comparison(TimestampMixin, Base):
     baseline_value: Mapped[float | None] = mapped_column(Float)
     candidate_value: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    # False: reported with its CI, no say in any verdict (evals.comparison.Comparison.gated)
+    gated: Mapped[bool] = mapped_column(Boolean, nullable=False, default=True, server_default=true())
     config: Mapped[OptimizationConfig] = relationship(lazy="joined")
 
 

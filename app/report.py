@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Project, Run, Suite
+from app.schemas import ComparisonOut
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "critical": "#c62828",
@@ -41,25 +42,24 @@ def _cell(value: Any) -> str:
     return escape("—" if value is None else str(value))
 
 
-def _change(c: dict[str, Any]) -> str:
-    metric = METRICS.get(c["metric"])
+def _change(c: ComparisonOut) -> str:
+    metric = METRICS.get(c.metric)
     if metric is None:
-        return _cell(c["estimate"])
-    return escape(format_estimate(metric, c["estimate"], c.get("ci_low"), c.get("ci_high")))
+        return _cell(c.estimate)
+    return escape(format_estimate(metric, c.estimate, c.ci_low, c.ci_high))
 
 
 def _comparisons(summary: dict[str, Any]) -> str:
-    rows = sorted(summary["comparisons"], key=lambda c: (c["config"] == summary["baseline"],
-                                                         bool((c.get("details") or {}).get("informational")),
-                                                         -VERDICT_ORDER.get(c["verdict"], 0), c["config"], c["metric"]))
+    rows: list[ComparisonOut] = sorted(summary["comparisons"], key=lambda c: (
+        c.config == summary["baseline"], not c.gated, -VERDICT_ORDER.get(c.verdict, 0), c.config, c.metric))
     out = ["<table><tr><th>config</th><th>metric</th><th>change vs baseline [95% CI]</th><th>n</th><th>verdict</th>"
            "<th>rule</th></tr>"]
     for c in rows:
-        note = " <span class='dim'>(informational)</span>" if (c.get("details") or {}).get("informational") else ""
-        label = METRICS[c["metric"]].label if c["metric"] in METRICS else c["metric"]
-        out.append(f"<tr><td>{escape(c['config'])}</td><td>{escape(label)}</td><td>{_change(c)}</td>"
-                   f"<td>{c['n']}</td><td class='v {escape(c['verdict'])}'>{escape(c['verdict'])}{note}</td>"
-                   f"<td class='dim'>{_cell(c['rule'])}</td></tr>")
+        note = " <span class='dim'>(informational)</span>" if not c.gated else ""
+        label = METRICS[c.metric].label if c.metric in METRICS else c.metric
+        out.append(f"<tr><td>{escape(c.config)}</td><td>{escape(label)}</td><td>{_change(c)}</td>"
+                   f"<td>{c.n}</td><td class='v {escape(c.verdict)}'>{escape(c.verdict)}{note}</td>"
+                   f"<td class='dim'>{_cell(c.rule)}</td></tr>")
     return "".join(out) + "</table>"
 
 
@@ -153,13 +153,13 @@ def _worst(worst: dict[str, list[dict[str, Any]]]) -> str:
 def _signals(summary: dict[str, Any]) -> str:
     """The field signals the run measured: the noise floor of lossless configs, and generation health
     (an example answer where a finding has one)."""
-    rows = [c for c in summary["comparisons"] if c["metric"] in FIELD_SIGNALS]
+    rows: list[ComparisonOut] = [c for c in summary["comparisons"] if c.metric in FIELD_SIGNALS]
     if not rows:
         return "<p class='dim'>Not measured in this run (no generation scorer, or no lossless config).</p>"
     out = ["<table><tr><th>config</th><th>signal</th><th>change [95% CI]</th><th>verdict</th>"
            "<th>what it saw</th></tr>"]
     for c in rows:
-        d = c.get("details") or {}
+        d = c.details
         seen = []
         if "baseline_self_agreement" in d and d["baseline_self_agreement"] is not None:
             seen.append(f"baseline self-agreement {d['baseline_self_agreement']:.2f} ({d.get('noise_floor', '')})")
@@ -168,8 +168,8 @@ def _signals(summary: dict[str, Any]) -> str:
                 seen.append(f"{what}: " + ", ".join(f"{side.replace('_', ' ')} {n}" for side, n in d[key].items()))
         if "example" in d:
             seen.append(f"e.g. {d['example'].get('sample_key')}: {d['example'].get('text', '')[:80]!r}")
-        out.append(f"<tr><td>{escape(c['config'])}</td><td>{escape(METRICS[c['metric']].label)}</td>"
-                   f"<td>{_change(c)}</td><td class='v {escape(c['verdict'])}'>{escape(c['verdict'])}</td>"
+        out.append(f"<tr><td>{escape(c.config)}</td><td>{escape(METRICS[c.metric].label)}</td>"
+                   f"<td>{_change(c)}</td><td class='v {escape(c.verdict)}'>{escape(c.verdict)}</td>"
                    f"<td>{escape('; '.join(seen)) or '—'}</td></tr>")
     return "".join(out) + "</table>"
 
@@ -208,7 +208,8 @@ def build(session: Session, project: Project, run: Run) -> str:
     summary = run_summary(session, run)
     candidates = [c["config"] for c in summary["configs"] if c["config"] != summary["baseline"]
                   and c["status"] == "succeeded" and not c.get("ablation_of")]
-    worst = {name: worst_samples(run.id, project, session, config=name, metric="nll", limit=WORST_SAMPLES)["items"]
+    worst = {name: [item.model_dump() for item in
+                    worst_samples(run.id, project, session, config=name, metric="nll", limit=WORST_SAMPLES)["items"]]
              for name in candidates}
     suite = session.get(Suite, run.suite_id)
     keys = {item["sample_key"] for items in worst.values() for item in items}

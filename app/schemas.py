@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic_core import to_jsonable_python
 
 from app.config_file import (
     DB_INT_MAX,
@@ -15,12 +16,19 @@ from app.config_file import (
     PerplexitySettings,
     SuiteEntry,
 )
+from evals.comparison import STORED
 from evals.figures import RunFigures
 from evals.metrics import VERDICTS
 
 Verdict = Literal[VERDICTS]  # type: ignore[valid-type]  # the metric table's verdicts, best to worst
 RunVerdict = Literal["pass", "warn", "fail", "inconclusive", "incomplete", "error"]
 Time = str  # ISO 8601 with its UTC offset, as stored
+
+
+
+def jsonable(value: Any) -> Any:
+    """A value that holds models (a run summary's ComparisonOut, say) as plain JSON values."""
+    return to_jsonable_python(value)
 
 
 class ProjectIn(BaseModel):
@@ -152,6 +160,14 @@ class ComparisonOut(BaseModel):
     baseline_value: float | None
     candidate_value: float | None
     details: dict[str, Any]
+    gated: bool = Field(description="false: reported with its CI, no say in any verdict (an informational metric, "
+                                    "or one its producer reported without judging it)")
+
+    @classmethod
+    def of(cls, row: Any, config: str) -> ComparisonOut:
+        """A stored comparison (app/models.py, the columns of evals.comparison.Comparison), named by config."""
+        fields = {name: getattr(row, name) for name in STORED if name != "config_id"}
+        return cls.model_validate({**fields, "config": config, "details": row.details or {}})
 
 
 class StepBackLayerOut(BaseModel):

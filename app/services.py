@@ -18,6 +18,7 @@ from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
 from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
+from app.schemas import ComparisonOut
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
 from app.summary import trade_off_points, verdict_summary
@@ -206,7 +207,8 @@ def samples_label(summary: dict[str, Any], noun: str = "documents") -> str:
 
 def run_summary(session: Session, run: Run) -> dict[str, Any]:
     """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back",
-    "summary", "trade_off"}: "summary" is the verdict for people, a line per breaching config, and
+    "summary", "trade_off"}: "comparisons" are ComparisonOut (app/schemas.py; `jsonable` gives the
+    whole summary as plain JSON values), "summary" is the verdict for people, a line per breaching config, and
     "trade_off" each candidate's quality lost against speed and memory gained (app/summary.py)."""
     crs = list(run.config_runs)
     names = {cr.config_id: cr.config.name for cr in crs}
@@ -237,22 +239,7 @@ def run_summary(session: Session, run: Run) -> dict[str, Any]:
             }
             for cr in crs
         ],
-        "comparisons": [
-            {
-                "config": names.get(c.config_id, str(c.config_id)),
-                "metric": c.metric,
-                "estimate": c.estimate,
-                "ci_low": c.ci_low,
-                "ci_high": c.ci_high,
-                "n": c.n,
-                "verdict": c.verdict,
-                "rule": c.rule,
-                "baseline_value": c.baseline_value,
-                "candidate_value": c.candidate_value,
-                "details": c.details or {},
-            }
-            for c in comps
-        ],
+        "comparisons": [ComparisonOut.of(c, names.get(c.config_id, str(c.config_id))) for c in comps],
         "figures": {cr.config.name: cr.figures for cr in crs if cr.figures},
         # each breaching quality ratio of a stacked config whose ablations ran (workers/step_back.py)
         "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **(c.details or {})["step_back"]}

@@ -14,7 +14,7 @@ group, the config whose worst finding lies furthest past its threshold comes fir
 then the one with more critical findings. At most
 `max_lines` lines in all (group headings included), the last saying how many configs are left out.
 
-Plain dicts in (the run summary's comparisons and step_back, app/services.run_summary), no torch.
+The run summary's comparisons in (ComparisonOut, app/services.run_summary) and its step_back dicts; no torch.
 """
 
 from __future__ import annotations
@@ -24,47 +24,47 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from app.schemas import ComparisonOut
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
 
 GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided")
 MAX_LINES = 12
 
 
-def judged(comparisons: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def judged(comparisons: Iterable[ComparisonOut]) -> list[ComparisonOut]:
     """The comparisons that have a say in a verdict: a metric of the table, a known verdict, not informational."""
-    return [c for c in comparisons if c["metric"] in METRICS and c["verdict"] in VERDICT_ORDER
-            and not informational(dict(c))]
+    return [c for c in comparisons if c.metric in METRICS and c.verdict in VERDICT_ORDER and not informational(c)]
 
 
-def _worst(rows: list[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def _worst(rows: list[ComparisonOut]) -> ComparisonOut | None:
     """The row with the worst verdict; the metric table's order (the perplexity ratio first) among equals."""
     rank = {name: i for i, name in enumerate(METRICS)}  # read now: a metric registered later has its place too
-    return min(rows, key=lambda c: (-VERDICT_ORDER[c["verdict"]], rank[c["metric"]]), default=None)
+    return min(rows, key=lambda c: (-VERDICT_ORDER[c.verdict], rank[c.metric]), default=None)
 
 
-def finding(c: Mapping[str, Any]) -> str:
+def finding(c: ComparisonOut) -> str:
     """One comparison as a person reads it: 'ppl ratio +5.90% [+4.50, +8.20] critical'."""
-    metric = METRICS[c["metric"]]
-    if c.get("estimate") is None:
-        return f"{metric.label} {c['verdict']}"
-    return f"{metric.label} {format_estimate(metric, c['estimate'], c.get('ci_low'), c.get('ci_high'))} {c['verdict']}"
+    metric = METRICS[c.metric]
+    if c.estimate is None:
+        return f"{metric.label} {c.verdict}"
+    return f"{metric.label} {format_estimate(metric, c.estimate, c.ci_low, c.ci_high)} {c.verdict}"
 
 
-def _to_decide(c: Mapping[str, Any]) -> str:
+def _to_decide(c: ComparisonOut) -> str:
     """What would decide an inconclusive comparison, from its rule (evals/stats.decide)."""
-    found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", c.get("rule") or "")
+    found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", c.rule or "")
     if found:
         return f" (about {found.group(1) or found.group(2)} samples would decide it)"
-    return f" (n={c['n']} < min_n {METRICS[c['metric']].min_n})" if c.get("n") is not None and c["n"] < METRICS[
-        c["metric"]].min_n else ""
+    min_n = METRICS[c.metric].min_n
+    return f" (n={c.n} < min_n {min_n})" if c.n < min_n else ""
 
 
-def severity(c: Mapping[str, Any]) -> float:
+def severity(c: ComparisonOut) -> float:
     """How far past its seed threshold (critical, else warn) a finding lies, in units of that
     threshold's own distance from no change: a ratio in logs (ppl 6.96 against critical 1.30 is
     log 6.96 / log 1.30 = 7.4; 1.074 is 0.27), a share or difference as itself over the threshold.
     Orders a group's lines; 0 where it cannot be said (no estimate, a measurement error)."""
-    metric, est = METRICS[c["metric"]], c.get("estimate")
+    metric, est = METRICS[c.metric], c.estimate
     bound = metric.critical if metric.critical is not None else metric.warn
     if est is None or bound is None or not math.isfinite(est):
         return 0.0
@@ -77,46 +77,46 @@ def severity(c: Mapping[str, Any]) -> float:
     return est / bound if bound else 0.0
 
 
-def config_line(config: str, rows: list[Mapping[str, Any]], advice: str | None = None) -> dict[str, Any] | None:
+def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None) -> dict[str, Any] | None:
     """The summary line of one candidate from its judged comparisons, or None when every one is ok."""
-    quality = [c for c in rows if METRICS[c["metric"]].aspect == "quality" and c["verdict"] != "ok"]
-    speed = [c for c in rows if METRICS[c["metric"]].aspect == "speed" and c["verdict"] != "ok"]
+    quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
+    speed = [c for c in rows if METRICS[c.metric].aspect == "speed" and c.verdict != "ok"]
     breach = ("warn", "critical", "measurement_error")
     q, s = _worst(quality), _worst(speed)
-    if q is not None and q["verdict"] in ("critical", "measurement_error"):
+    if q is not None and q.verdict in ("critical", "measurement_error"):
         group = "drop or fix"
-    elif q is not None and q["verdict"] == "warn":
+    elif q is not None and q.verdict == "warn":
         group = "watch"
-    elif s is not None and s["verdict"] in breach:
+    elif s is not None and s.verdict in breach:
         group = "slower than the baseline"
     elif q is not None or s is not None:
         group = "undecided"
     else:
         return None
     shown = [finding(x) + (_to_decide(x) if group == "undecided" else "")
-             for x in (q, s) if x is not None and (x["verdict"] in breach or group == "undecided")]
+             for x in (q, s) if x is not None and (x.verdict in breach or group == "undecided")]
     findings = "; ".join(shown)
     text = f"{config}: {findings}" + (f" — step back: {advice}" if advice else "")
-    counts = {v: sum(c["verdict"] == v for c in rows) for v in ("critical", "warn")}
+    counts = {v: sum(c.verdict == v for c in rows) for v in ("critical", "warn")}
     worst = q if group in ("drop or fix", "watch") else s
     return {"config": config, "group": group, "text": text, "findings": findings,
             "severity": severity(worst) if worst is not None else 0.0,
             "critical": counts["critical"], "warn": counts["warn"],
-            "quality": dict(q) if q is not None else None, "speed": dict(s) if s is not None else None,
+            "quality": q, "speed": s,
             "advice": advice}
 
 
-def verdict_summary(comparisons: Iterable[Mapping[str, Any]], step_back: Iterable[Mapping[str, Any]] = (),
+def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[Mapping[str, Any]] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES) -> dict[str, Any]:
     """{"groups": {group: [line, ...]}, "lines": [str, ...] (at most max_lines), "more": configs
     left out of "lines", "counts": {group: configs}}. The baseline and a stacked config's
     single-layer ablations (a diagnosis, not a deploy) get no line of their own."""
     skip = {baseline, *ablations}
-    by_config: dict[str, list[Mapping[str, Any]]] = {}
+    by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
-        if c["config"] not in skip:
-            by_config.setdefault(c["config"], []).append(c)
+        if c.config not in skip:
+            by_config.setdefault(c.config, []).append(c)
     advice: dict[str, str] = {}
     for s in step_back:  # the first (the worst ratio's) advice of each stacked config
         if s.get("advice"):
@@ -167,25 +167,28 @@ def trade_off_points(run: Mapping[str, Any]) -> list[dict[str, Any]]:
             "speed_low": 1.0, "speed_high": 1.0, "memory": 0.0, "verdict": "baseline", "speed_sure": True}]
     for c in run["configs"]:
         name = c["config"]
-        comps = {x["metric"]: x for x in run["comparisons"] if x["config"] == name}
+        comps: dict[str, ComparisonOut] = {x.metric: x for x in run["comparisons"] if x.config == name}
         ppl, tpot, f = comps.get("ppl_ratio"), comps.get("tpot_ratio"), figures.get(name) or {}
-        if name == base or not ppl or ppl["estimate"] is None:
+        if name == base or not ppl or ppl.estimate is None:
             continue
-        if tpot and tpot["estimate"]:
-            speed = 1 / tpot["estimate"]
+        speed: float | None
+        low: float | None
+        high: float | None
+        if tpot and tpot.estimate:
+            speed = 1 / tpot.estimate
             low, high = speed, speed
-            if tpot["ci_low"] and tpot["ci_high"]:
-                low, high = 1 / tpot["ci_high"], 1 / tpot["ci_low"]
-            sure = tpot["verdict"] != "inconclusive"
+            if tpot.ci_low and tpot.ci_high:
+                low, high = 1 / tpot.ci_high, 1 / tpot.ci_low
+            sure = tpot.verdict != "inconclusive"
         elif bf.get("tokens_per_second") and f.get("tokens_per_second"):
             speed = low = high = f["tokens_per_second"] / bf["tokens_per_second"]
             sure = False  # one reading each, no CI
         else:
             speed = low = high = None
             sure = False
-        out.append({"config": name, "loss": (ppl["estimate"] - 1) * 100,
-                    "loss_low": (ppl["ci_low"] - 1) * 100 if ppl["ci_low"] is not None else None,
-                    "loss_high": (ppl["ci_high"] - 1) * 100 if ppl["ci_high"] is not None else None,
+        out.append({"config": name, "loss": (ppl.estimate - 1) * 100,
+                    "loss_low": (ppl.ci_low - 1) * 100 if ppl.ci_low is not None else None,
+                    "loss_high": (ppl.ci_high - 1) * 100 if ppl.ci_high is not None else None,
                     "speed": speed, "speed_low": low, "speed_high": high, "speed_sure": sure,
-                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl["verdict"]})
+                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl.verdict})
     return out

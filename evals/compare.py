@@ -41,13 +41,13 @@ __all__ = [
     "acceptance_comparison",
     "exact_match_comparison",
     "faithfulness_comparison",
-    "informational",
     "judge_score_delta_comparison",
     "judge_win_rate_comparison",
     "lossless_exact_comparison",
     "mean_comparison",
     "peak_comparison",
     "ppl_ratio",
+    "reported",
     "term_nll_ratio_comparison",
     "top1_agreement_comparison",
     "ttft_comparison",
@@ -105,7 +105,7 @@ def peak_comparison(metric: str, peak: float | None, t: Thresholds, source: str)
                       details={"source": source})
 
 
-def informational(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw) -> Comparison:
+def reported(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw) -> Comparison:
     """A metric reported with its CI but no threshold (agreement): never 'ok' on too few samples."""
     if n < min_n:
         why = f"n={n} < min_n={min_n}: {TOO_FEW}"
@@ -142,8 +142,8 @@ def faithfulness_comparison(candidate: Sequence[FaithfulnessRecord], baseline: S
                            [r.cluster for r in scored], t, seed, baseline_value=base_value, details=details)
     if not method.startswith("offline"):
         return comp
-    comp = informational("faithfulness", comp.estimate, comp.ci_low, comp.ci_high, comp.n, baseline_value=base_value,
-                         candidate_value=comp.estimate, details={**details, "informational": True})
+    comp = reported("faithfulness", comp.estimate, comp.ci_low, comp.ci_high, comp.n, baseline_value=base_value,
+                         candidate_value=comp.estimate, details=details, gated=False)
     return Comparison(**{**comp.__dict__, "rule": comp.rule.replace(
         "reported: no threshold on this metric", "offline approximation: reported, not judged against the threshold")})
 
@@ -275,7 +275,7 @@ def exact_match_comparison(candidate: dict[str, GenerationRecord], baseline: dic
     b, c = _paired_outputs(candidate, baseline, keys)
     em = exact_match(b, c)
     rate = em.rate if em.rate is not None else math.nan
-    return informational("exact_match", rate, em.ci[0], em.ci[1], em.n, min_n=min_n, baseline_value=1.0,
+    return reported("exact_match", rate, em.ci[0], em.ci[1], em.n, min_n=min_n, baseline_value=1.0,
                          candidate_value=em.rate, details={"matches": em.matches,
                                                            "mean_first_divergence": em.mean_first_divergence})
 
@@ -330,18 +330,18 @@ def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: 
     if unstable:
         # the baseline disagrees with itself: exactness cannot be asked of the candidate, the
         # confident departures beyond that floor are judged instead (evals/field.py)
-        details.update(informational=True, baseline_self_agreement=(len(floor) - len(unstable)) / len(floor))
+        details.update(baseline_self_agreement=(len(floor) - len(unstable)) / len(floor))
         rule = (f"reported: the baseline's own second pass differs on {len(unstable)} of {len(floor)} prompts (a "
                 f"server that is not deterministic); judged by confident_divergence")
         return Comparison("lossless_exact_match", rate, lo, hi, em.n, "ok" if em.n >= t.min_n else "inconclusive",
-                          rule, baseline_value=1.0, candidate_value=em.rate, details=details)
+                          rule, baseline_value=1.0, candidate_value=em.rate, details=details, gated=False)
     if mismatches and _batched(candidate) and _near_ties(candidate, baseline, list(mismatches), tau):
-        details.update(informational=True, near_tie_nats=tau)
+        details.update(near_tie_nats=tau)
         rule = (f"reported: {len(mismatches)} of {em.n} outputs diverge, each at a near-tie (log-prob gap ≤ {tau:g}) "
                 f"on a server that batches requests, where greedy decoding is not batch-invariant; judged by "
                 f"confident_divergence")
         return Comparison("lossless_exact_match", rate, lo, hi, em.n, "ok" if em.n >= t.min_n else "inconclusive",
-                          rule, baseline_value=1.0, candidate_value=em.rate, details=details)
+                          rule, baseline_value=1.0, candidate_value=em.rate, details=details, gated=False)
     if em.n < t.min_n:
         verdict, rule = "inconclusive", f"n={em.n} < min_n={t.min_n}: {TOO_FEW}"
     elif t.critical is not None and hi <= t.critical:
@@ -365,5 +365,5 @@ def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int]
         return None
     x = np.asarray(rates)
     lo, hi = paired_bootstrap_ci(lambda w: (w @ x) / w.sum(1), len(x), clusters=[cl for _, _, cl in pairs], seed=seed)
-    return informational("top1_agreement", float(x.mean()), lo, hi, len(x), min_n=min_n, baseline_value=1.0,
+    return reported("top1_agreement", float(x.mean()), lo, hi, len(x), min_n=min_n, baseline_value=1.0,
                          candidate_value=float(x.mean()))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Direction = Literal["above", "below"]  # the side of the threshold that is bad
 # how a candidate is compared:
@@ -288,10 +288,21 @@ def format_estimate(metric: Metric, estimate: float | None, low: float | None = 
     return text if low is None or high is None else f"{text} [{show(low)}, {show(high)}]"
 
 
-def informational(row: dict) -> bool:
-    """A comparison row (metric, details) that has no say in the verdict: its metric is not gated,
-    or the row was marked informational."""
-    return not METRICS[row["metric"]].gated or bool((row.get("details") or {}).get("informational"))
+class Judged(Protocol):
+    """What informational() reads of a comparison: evals.stats.Comparison, the stored row
+    (app/models.py) and the API's ComparisonOut all have both."""
+
+    @property
+    def metric(self) -> str: ...
+
+    @property
+    def gated(self) -> bool: ...
+
+
+def informational(c: Judged) -> bool:
+    """A comparison that has no say in the verdict: its metric is not gated (the table's row), or
+    its producer reported it without judging it (`gated` false)."""
+    return not METRICS[c.metric].gated or not c.gated
 
 
 def worst_verdict(verdicts) -> str:

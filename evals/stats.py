@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
 
-Verdict = Literal["ok", "warn", "critical", "inconclusive", "measurement_error"]
+from evals.comparison import Comparison as Comparison  # re-exported: evals.comparison holds it, numpy-free
+from evals.comparison import Verdict as Verdict
 
 TOO_FEW = "too few samples to decide"  # the rule of an inconclusive comparison below min_n (run reasons group them)
 
@@ -55,22 +56,6 @@ class Thresholds:
                     f"critical={self.critical} must be {'≥' if self.direction == 'above' else '≤'} warn={self.warn} "
                     f"for a metric that is bad {self.direction} its threshold"
                 )
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Candidate vs baseline for one metric, from paired samples."""
-
-    metric: str
-    estimate: float
-    ci_low: float
-    ci_high: float
-    n: int
-    verdict: Verdict
-    rule: str
-    baseline_value: float | None = None
-    candidate_value: float | None = None
-    details: dict = field(default_factory=dict)
 
 
 def samples_to_decide(estimate: float, ci_low: float, ci_high: float, n: int, bound: float) -> int | None:

@@ -6,7 +6,7 @@ alert rules. Idempotent: comparisons are upserted on (run, config, metric)."""
 from __future__ import annotations
 
 import json
-import math
+from dataclasses import replace
 from typing import cast
 
 from sqlalchemy import update
@@ -129,18 +129,14 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         settings = suite.settings if suite else SuiteSpec()
         scorers, generation = settings.scorers, settings.generation
         thresholds = RunThresholds(repo.alert_rules(session, run.project_id, run.model_id))
-        rows: list[dict] = []
+        rows: list[Comparison] = []
         for cr in config_runs:
             if cr.status != "succeeded":
                 continue
-            for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers,
-                                        greedy=generation.temperature < SAMPLING_EPS, tau=generation.near_tie_nats):
-                rows.append({
-                    "config_id": cr.config_id, "metric": c.metric, "estimate": _f(c.estimate), "ci_low": _f(c.ci_low),
-                    "ci_high": _f(c.ci_high), "n": c.n, "verdict": c.verdict, "rule": c.rule,
-                    "baseline_value": _f(c.baseline_value), "candidate_value": _f(c.candidate_value),
-                    "details": c.details or None,
-                })
+            rows += [replace(c, config_id=cr.config_id)
+                     for c in config_comparisons(run, cr, table, thresholds, failed_scorers, scorers,
+                                                 greedy=generation.temperature < SAMPLING_EPS,
+                                                 tau=generation.near_tie_nats)]
         topped = top_up.plan(session, run, suite, rows)
         if topped:  # a candidate undecided: more samples for it and the baseline, before any verdict
             return "top-up", {"notifications": [], "escalate": [], "execute": topped}
@@ -151,10 +147,10 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         advice = step_back.attach(run, rows)
         repo.write_comparisons(session, run_id, rows)
         ablations = {cr.config_id for cr in config_runs if step_back.is_ablation(cr.config)}
-        judged = [r for r in rows if r["config_id"] not in ablations]
+        judged = [r for r in rows if r.config_id not in ablations]
         # A measured critical regression fails the run even when other configs are missing;
         # otherwise missing results make it incomplete (never a pass by omission).
-        verdict = RUN_VERDICT[worst_verdict(r["verdict"] for r in judged if not informational(r))]
+        verdict = RUN_VERDICT[worst_verdict(r.verdict for r in judged if not informational(r))]
         reason = _reason(judged, config_runs) + top_up.reason(run, suite)
         if not any(not informational(r) for r in judged) and not failed:
             # nothing compared (no candidate, no samples, only reported figures): never a pass, and
@@ -191,32 +187,28 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
         escalate(session_scope, run_id, alerts["escalate"], dispatcher)
 
 
-def _f(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
-def _example(row: dict) -> str:
+def _example(row: Comparison) -> str:
     """One answer that shows a generation finding (evals/field.py), quoted: what an empty answer,
     a loop or a confident departure looks like on this run."""
-    example = (row.get("details") or {}).get("example")
-    if not example or row["verdict"] not in ("warn", "critical"):
+    example = row.details.get("example")
+    if not example or row.verdict not in ("warn", "critical"):
         return ""
     return f", e.g. {example['sample_key']}: {json.dumps(example['text'][:60], ensure_ascii=False)}"
 
 
-def _reason(rows: list[dict], config_runs) -> str:
+def _reason(rows: list[Comparison], config_runs) -> str:
     """The run verdict's reason, worst first: each breaching comparison with its rule, then the
     comparisons that had too few samples to decide, in one clause (`int8 ttft_ratio, gen_nll_ratio`)."""
     names = {cr.config_id: cr.config.name for cr in config_runs}
-    notable = sorted((r for r in rows if r["verdict"] != "ok" and not informational(r)),
-                     key=lambda r: -VERDICT_ORDER[r["verdict"]])
+    notable = sorted((r for r in rows if r.verdict != "ok" and not informational(r)),
+                     key=lambda r: -VERDICT_ORDER[r.verdict])
     parts: list[str] = []
     few: dict[str, list[str]] = {}
     for r in notable:
-        if r["verdict"] == "inconclusive" and TOO_FEW in (r["rule"] or ""):
-            few.setdefault(names[r["config_id"]], []).append(r["metric"])
+        if r.verdict == "inconclusive" and TOO_FEW in (r.rule or ""):
+            few.setdefault(names[r.config_id], []).append(r.metric)
         else:
-            parts.append(f"{names[r['config_id']]} {r['metric']} {r['verdict']} ({r['rule']}){_example(r)}")
+            parts.append(f"{names[r.config_id]} {r.metric} {r.verdict} ({r.rule}){_example(r)}")
     if few:
         parts.append(f"{TOO_FEW} (n < min_n): " + "; ".join(f"{c} {', '.join(ms)}" for c, ms in few.items()))
     return "; ".join(parts) if parts else "every comparison is ok"

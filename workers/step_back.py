@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
@@ -34,6 +35,7 @@ from engines.spec import (
     single_axis_ablation,
 )
 from evals.metrics import VERDICT_ORDER
+from evals.stats import Comparison
 from evals.step_back import LOSS_METRICS, Layer, StepBack
 
 log = logging.getLogger(__name__)
@@ -79,17 +81,17 @@ def _source(run: Run, stacked: OptimizationConfig, axis: str, spec: Optimization
     return next((cr for cr in same if not is_ablation(cr.config)), same[0] if same else None)
 
 
-def _breaching(rows: list[dict], config_id: int) -> list[dict]:
-    return [r for r in rows if r["config_id"] == config_id and r["metric"] in LOSS_METRICS and r["verdict"] in BREACH]
+def _breaching(rows: list[Comparison], config_id: int) -> list[Comparison]:
+    return [r for r in rows if r.config_id == config_id and r.metric in LOSS_METRICS and r.verdict in BREACH]
 
 
-def would_step_back(run: Run, config_run: ConfigRun, rows: list[dict]) -> bool:
+def would_step_back(run: Run, config_run: ConfigRun, rows: list[Comparison]) -> bool:
     """Whether this config-run's config breaches as a stacked config that can step back."""
     return (config_run.status == "succeeded" and bool(_breaching(rows, config_run.config_id))
             and _ablation_specs(run, config_run) is not None)
 
 
-def plan(session: Session, run: Run, rows: list[dict]) -> list[OptimizationConfig]:
+def plan(session: Session, run: Run, rows: list[Comparison]) -> list[OptimizationConfig]:
     """The ablations this run still lacks for its breaching stacked configs (derived configs,
     created or updated); empty when every layer already has a config-run in the run, whatever
     became of it, so a run steps back at most once."""
@@ -107,12 +109,13 @@ def plan(session: Session, run: Run, rows: list[dict]) -> list[OptimizationConfi
     return needed
 
 
-def attach(run: Run, rows: list[dict]) -> dict[int, StepBack]:
+def attach(run: Run, rows: list[Comparison]) -> dict[int, StepBack]:
     """Each breaching loss comparison of a stacked config whose every ablation succeeded gets its
-    step-back in details["step_back"]; returns each such config's worst one (by verdict, then
-    ratio), for the run's reason. Nothing where an ablation is missing, failed or unscored."""
-    by_key = {(r["config_id"], r["metric"]): r for r in rows}
+    step-back in details["step_back"] (the row replaced in `rows`); returns each such config's worst
+    one (by verdict, then ratio), for the run's reason. Nothing where an ablation is missing, failed or unscored."""
+    by_key = {(r.config_id, r.metric): r for r in rows}
     worst: dict[int, StepBack] = {}
+    found: dict[tuple[int | None, str], StepBack] = {}
     for config_run in run.config_runs:
         breaching = _breaching(rows, config_run.config_id) if config_run.status == "succeeded" else []
         specs = _ablation_specs(run, config_run) if breaching else None
@@ -124,21 +127,23 @@ def attach(run: Run, rows: list[dict]) -> dict[int, StepBack]:
         sources = {axis: _source(run, config_run.config, axis, spec) for axis, spec in specs.items()}
         if any(source is None or source.status != "succeeded" for source in sources.values()):
             continue
-        ranked = sorted(breaching, key=lambda r: (-VERDICT_ORDER[r["verdict"]], -(r["estimate"] or 0)))
+        ranked = sorted(breaching, key=lambda r: (-VERDICT_ORDER[r.verdict], -(r.estimate or 0)))
         for row in ranked:
             layers = []
             for axis, source in sources.items():
                 assert source is not None  # checked above
-                alone = by_key.get((source.config_id, row["metric"]))
-                if alone is None or alone["estimate"] is None or not math.isfinite(alone["estimate"]) \
-                        or alone["estimate"] <= 0:
+                alone = by_key.get((source.config_id, row.metric))
+                if alone is None or alone.estimate is None or not math.isfinite(alone.estimate) \
+                        or alone.estimate <= 0:
                     break
-                layers.append(Layer(axis, axis_value(stacked_spec, axis), source.config.name, alone["estimate"],
-                                    alone["verdict"], lossless_against(specs[axis], base_spec), None))
+                layers.append(Layer(axis, axis_value(stacked_spec, axis), source.config.name, alone.estimate,
+                                    alone.verdict, lossless_against(specs[axis], base_spec), None))
             else:
-                if row["estimate"] is None or row["estimate"] <= 0:
+                if row.estimate is None or not math.isfinite(row.estimate) or row.estimate <= 0:
                     continue
-                step_back = StepBack.from_ratios(row["metric"], row["estimate"], layers)
-                row["details"] = {**(row["details"] or {}), "step_back": step_back.as_dict()}
+                step_back = StepBack.from_ratios(row.metric, row.estimate, layers)
+                found[(row.config_id, row.metric)] = step_back
                 worst.setdefault(config_run.config_id, step_back)
+    rows[:] = [replace(r, details={**r.details, "step_back": found[(r.config_id, r.metric)].as_dict()})
+               if (r.config_id, r.metric) in found else r for r in rows]
     return worst

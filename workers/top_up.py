@@ -34,7 +34,7 @@ from app.models import Run, Suite
 from app.settings import get_settings
 from evals.metrics import informational
 from evals.records import ENGINE_KINDS
-from evals.stats import TOO_FEW
+from evals.stats import TOO_FEW, Comparison
 from workers import step_back
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,12 @@ STRADDLES = "straddles warn"  # evals.stats.decide's rule for a CI across the wa
 SETTLED = ("critical", "measurement_error")  # a config with one of these needs no more samples
 
 
-def undecided(row: dict) -> bool:
+def undecided(row: Comparison) -> bool:
     """A gated comparison that more samples could decide: inconclusive with some paired samples,
     its CI across the warn threshold or its n below min_n (not one that had nothing to score)."""
-    if row["verdict"] != "inconclusive" or not row["n"] or informational(row):
+    if row.verdict != "inconclusive" or not row.n or informational(row):
         return False
-    rule = row["rule"] or ""
+    rule = row.rule or ""
     return STRADDLES in rule or TOO_FEW in rule
 
 
@@ -73,17 +73,18 @@ def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
     return [key for i, key in enumerate(remaining) if i in picked]
 
 
-def plan(session: Session, run: Run, suite: Suite | None, rows: list[dict]) -> list[int]:
+def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]) -> list[int]:
     """Top the run up when a candidate is undecided and the suite allows more samples: the new
     config-runs' ids (the baseline's and each undecided config's), else [] (judge as it is)."""
     if suite is None or not suite.settings.max_samples:
         return []
     configs = {cr.config_id: cr for cr in run.config_runs}
     # a config already critical (or a measurement error) fails the run whatever more samples say
-    settled = {r["config_id"] for r in rows if r["verdict"] in SETTLED and not informational(r)}
-    waiting = sorted({r["config_id"] for r in rows
-                      if r["config_id"] != run.baseline_config_id and r["config_id"] not in settled and undecided(r)
-                      and not step_back.is_ablation(configs[r["config_id"]].config)})
+    settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
+    waiting = sorted({r.config_id for r in rows
+                      if r.config_id is not None and r.config_id != run.baseline_config_id
+                      and r.config_id not in settled and undecided(r)
+                      and not step_back.is_ablation(configs[r.config_id].config)})
     if not waiting:
         return []
     keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]

@@ -184,7 +184,9 @@ def _gate_out(g: dict, summary_md, as_json: bool, step_summary: bool = False) ->
         with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as f:  # GitHub Actions' job summary
             f.write(g["summary_markdown"].rstrip("\n") + "\n\n")
     if as_json:
-        sys.stdout.write(json.dumps(g) + "\n")
+        from app.schemas import jsonable
+
+        sys.stdout.write(json.dumps(jsonable(g)) + "\n")
     else:
         console.print(f"gate {g['gate_id']}: [bold]{g['verdict'] or 'pending'}[/] — candidate {g['candidate']} vs "
                       f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {escape(g['reason'] or '')}",

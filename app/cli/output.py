@@ -12,27 +12,26 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-if TYPE_CHECKING:
-    pass
 from app.cli.base import VERDICT_COLORS
 
-
-def metric_cell(comp: dict | None) -> str:
-    if comp is None or comp["estimate"] is None:
-        return "—" if comp is None else f"[magenta]{comp['verdict']}[/]"
-    color = VERDICT_COLORS.get(comp["verdict"], "white")
-    return f"[{color}]{comp['estimate']:.2f}[/]"
+if TYPE_CHECKING:
+    from app.schemas import ComparisonOut
 
 
-def worst_comparison(comparisons: list[dict]) -> dict | None:
+def metric_cell(comp: ComparisonOut | None) -> str:
+    if comp is None or comp.estimate is None:
+        return "—" if comp is None else f"[magenta]{comp.verdict}[/]"
+    color = VERDICT_COLORS.get(comp.verdict, "white")
+    return f"[{color}]{comp.estimate:.2f}[/]"
+
+
+def worst_comparison(comparisons: list[ComparisonOut]) -> ComparisonOut | None:
     """The config's comparison that decides its standing: the worst verdict among its gated
-    metrics (informational ones never decide), ppl_ratio first among equals."""
-    from evals.metrics import METRICS, VERDICT_ORDER
+    comparisons (informational ones never decide), ppl_ratio first among equals."""
+    from evals.metrics import METRICS, VERDICT_ORDER, informational
 
-    gated = [comparison for comparison in comparisons if comparison["metric"] in METRICS
-             and METRICS[comparison["metric"]].gated and comparison["verdict"] in VERDICT_ORDER]
-    return max(gated, key=lambda comparison: (VERDICT_ORDER[comparison["verdict"]],
-                                              comparison["metric"] == "ppl_ratio"), default=None)
+    gated = [c for c in comparisons if c.metric in METRICS and not informational(c) and c.verdict in VERDICT_ORDER]
+    return max(gated, key=lambda c: (VERDICT_ORDER[c.verdict], c.metric == "ppl_ratio"), default=None)
 
 
 def layers_under_their_config(configs: list[dict]) -> list[dict]:
@@ -56,7 +55,7 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     from app.services import samples_label
 
     out = Console(width=None if Console().is_terminal else (250 if wide else 120))
-    comparisons = {(comparison["config"], comparison["metric"]): comparison for comparison in summary["comparisons"]}
+    comparisons = {(c.config, c.metric): c for c in summary["comparisons"]}
     table = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {samples_label(summary)}")
     cols = ["config", "ppl ratio [95% CI]", "verdict", "tok/s", "KV B/token"]
     if wide:
@@ -70,14 +69,14 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
         figures = summary["figures"].get(config["config"]) or {}
         ppl = comparisons.get((config["config"], "ppl_ratio"))
         is_base = config["config"] == summary["baseline"]
-        ratio = f"{ppl['estimate']:.4f}" if ppl and ppl["estimate"] is not None else ("baseline" if is_base else "—")
-        ci = f"[{ppl['ci_low']:.4f}, {ppl['ci_high']:.4f}]" if ppl and ppl["ci_low"] is not None else ""
-        worst = worst_comparison([comparison for comparison in summary["comparisons"]
-                                  if comparison["config"] == config["config"]])
+        ratio = f"{ppl.estimate:.4f}" if ppl and ppl.estimate is not None else ("baseline" if is_base else "—")
+        has_ci = ppl is not None and ppl.ci_low is not None and ppl.ci_high is not None
+        ci = f"[{ppl.ci_low:.4f}, {ppl.ci_high:.4f}]" if ppl and has_ci else ""
+        worst = worst_comparison([c for c in summary["comparisons"] if c.config == config["config"]])
         quiet = is_base or config["status"] == "succeeded"  # no comparison: a baseline, or nothing to judge
-        verdict = worst["verdict"] if worst else ("" if quiet else config["status"])
+        verdict = worst.verdict if worst else ("" if quiet else config["status"])
         color = VERDICT_COLORS.get(verdict, "white")
-        because = f" ({worst['metric']})" if worst and worst["metric"] != "ppl_ratio" and verdict != "ok" else ""
+        because = f" ({worst.metric})" if worst and worst.metric != "ppl_ratio" and verdict != "ok" else ""
 
         def fmt(key: str, fmt_spec: str, figures: dict = figures) -> str:
             return format(figures[key], fmt_spec) if figures.get(key) is not None else "—"
@@ -108,8 +107,7 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     out.print(table)
     for line in failures:
         out.print(f"[red]failed[/] {escape(line)}", highlight=False)
-    methods = {comparison.get("details", {}).get("method")
-               for comparison in summary["comparisons"] if comparison["metric"] == "faithfulness"} - {None}
+    methods = {c.details.get("method") for c in summary["comparisons"] if c.metric == "faithfulness"} - {None}
     for method in methods:
         out.print(f"faithfulness: {method}", highlight=False)
     if not wide:
@@ -137,8 +135,7 @@ def _print_verdict(out: Console, summary: dict, wide: bool) -> None:
 def _json_out(summary: dict) -> None:
     keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds",
             "configs", "summary"}
-    out = {k: v for k, v in summary.items() if k in keep}
-    fields = ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details")
-    out["comparisons"] = [{k: comparison[k] for k in fields}
-                          for comparison in summary["comparisons"]]
+    from app.schemas import jsonable
+
+    out = jsonable({k: v for k, v in summary.items() if k in keep})
     sys.stdout.write(json.dumps(out) + "\n")

@@ -55,7 +55,9 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
     with session_scope() as session:
         summary = run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id))
     if as_json:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        from app.schemas import jsonable
+
+        sys.stdout.write(json.dumps(jsonable(summary)) + "\n")
     elif summary["status"] != "done":
         console.print(f"run {run_id} is {summary['status']}: " + ", ".join(
             f"{config['config']} {config['status']} {config['progress']['done']}/{config['progress']['total']}"
@@ -167,7 +169,9 @@ def gates_show(gate_id: int = typer.Argument(..., help="the gate's id (from `can
     with session_scope() as session:
         gate = read_gate(session, repo.get_project(session, project), gate_id)
     if as_json:
-        sys.stdout.write(json.dumps(gate) + "\n")
+        from app.schemas import jsonable
+
+        sys.stdout.write(json.dumps(jsonable(gate)) + "\n")
         return
     _gate_out(gate, None, False)
     sys.stdout.write(gate["summary_markdown"] + "\n")

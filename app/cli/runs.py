@@ -293,7 +293,9 @@ def run(
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
     if not wait:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        from app.schemas import jsonable
+
+        sys.stdout.write(json.dumps(jsonable(summary)) + "\n")
         return
     if as_json:
         _json_out(summary)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
@@ -24,6 +23,8 @@ from app.models import (
 )
 from app.repo.base import TERMINAL, Conflict, NotFound, _insert, _rowcount
 from app.repo.catalogue import suite_samples
+from evals.comparison import STORED
+from evals.comparison import Comparison as Measured  # app.models.Comparison is its stored row
 
 
 def draw_samples(keys: Sequence[str], n: int, seed: int) -> list[str]:
@@ -177,15 +178,19 @@ def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, floa
                SampleResult.extra).where(SampleResult.run_id == run_id).order_by(SampleResult.id))]
 
 
-def write_comparisons(session: Session, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+def write_comparisons(session: Session, run_id: int, rows: Sequence[Measured]) -> None:
+    """The run's comparisons (each with its config_id), a row each; one already stored for the
+    same (config, metric) is replaced."""
     if not rows:
         return
+    if any(c.config_id is None for c in rows):
+        raise ValueError("write_comparisons: every comparison needs its config_id")
     insert = _insert(session)
     now = utcnow()
-    stmt = insert(Comparison).values([{"run_id": run_id, "created_at": now, **r} for r in rows])
-    cols = ("estimate", "ci_low", "ci_high", "n", "verdict", "rule", "baseline_value", "candidate_value", "details")
+    stmt = insert(Comparison).values([{"run_id": run_id, "created_at": now, **c.to_row()} for c in rows])
     stmt = stmt.on_conflict_do_update(
-        index_elements=["run_id", "config_id", "metric"], set_={c: getattr(stmt.excluded, c) for c in cols}
+        index_elements=["run_id", "config_id", "metric"],
+        set_={c: getattr(stmt.excluded, c) for c in STORED if c not in ("config_id", "metric")},
     )
     session.execute(stmt)
 

@@ -39,10 +39,10 @@ def verdict_rank(verdict: str | None) -> int:
 
 def judged_verdict(cell: dict) -> str:
     """A comparison's verdict, or "" where it was reported but not judged against a threshold (the
-    overview's `judged`, a run's `details.informational`: faithfulness by the offline approximation
+    overview's `judged`, a run's comparison's `gated`: faithfulness by the offline approximation
     is "ok" whatever its figure, which no colour should suggest)."""
-    informational = cell.get("judged") is False or (cell.get("details") or {}).get("informational")
-    return "" if informational else cell["verdict"]
+    unjudged = cell.get("judged") is False or cell.get("gated") is False
+    return "" if unjudged else cell["verdict"]
 
 
 def worst_verdict(verdicts) -> str | None:

@@ -3,7 +3,8 @@
 0002: a generation stored under metric 'ttft_ms' becomes a 'generation' record that
 GenerationRecord reads back whole, other rows are untouched, and the downgrade restores the old
 layout. 0003: a comparison's verdict widens to hold 'measurement_error' (too long before it);
-the downgrade reads one as 'inconclusive'."""
+the downgrade reads one as 'inconclusive'. 0006: details.informational becomes the gated
+column (false where the key was true), the key leaves details, and the downgrade puts it back."""
 
 from __future__ import annotations
 
@@ -67,6 +68,51 @@ def test_generation_rows_move_to_their_own_kind_and_back(make_database):
 
         downgrade(url, "0001")
         assert _rows(engine) == before
+    finally:
+        engine.dispose()
+
+
+def _one_run(conn) -> tuple[int, int]:
+    """A project, model, config, suite and run as the schema at 0001 stores them: (run id, config id)."""
+    run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
+    project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
+    model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
+                p=project)
+    config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
+                 "VALUES (:p, :m, 'int8', '{}', false, now()) RETURNING id", p=project, m=model)
+    suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
+                "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
+    run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
+                 "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
+                 "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
+    return run_id, config
+
+
+def test_informational_comparisons_become_ungated_and_back(make_database):
+    url = make_database(migrate=False)
+    upgrade(url, "0005")
+    engine = create_engine(url, poolclass=pool.NullPool)
+    insert = ("INSERT INTO comparisons (run_id, config_id, metric, estimate, ci_low, ci_high, n, verdict, rule, details, "
+              "created_at) VALUES (:r, :c, :m, 0.9, 0.8, 1.0, 12, 'ok', 'x', CAST(:d AS JSONB), now())")
+    try:
+        with engine.begin() as conn:
+            run_id, config = _one_run(conn)
+            for metric, details in (("faithfulness", {"method": "offline", "informational": True}),
+                                    ("lossless_exact_match", {"informational": True}),
+                                    ("ppl_ratio", {"source": "x"}), ("ttft_ratio", None)):
+                conn.execute(text(insert), {"r": run_id, "c": config, "m": metric, "d": json.dumps(details)})
+
+        def rows(*cols) -> dict:
+            with engine.connect() as conn:
+                return {r[0]: tuple(r[1:]) for r in conn.execute(text(f"SELECT metric, {', '.join(cols)} FROM comparisons"))}
+
+        before = rows("details")
+        upgrade(url, "0006")
+        assert rows("gated", "details") == {"faithfulness": (False, {"method": "offline"}),
+                                            "lossless_exact_match": (False, None),
+                                            "ppl_ratio": (True, {"source": "x"}), "ttft_ratio": (True, None)}
+        downgrade(url, "0005")
+        assert rows("details") == before
     finally:
         engine.dispose()
 

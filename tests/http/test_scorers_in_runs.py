@@ -11,6 +11,7 @@ from app import repo
 from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from fastapi import Request
 
@@ -36,7 +37,7 @@ def run(cfg: dict) -> dict:
         apply_config_file(s, parse_config(cfg))
     run_id, _ = start_run("t", "s", None, InlineDispatcher())
     with session_scope() as s:
-        return run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id))
+        return jsonable(run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id)))
 
 
 def comp(summary: dict, config: str, metric: str) -> dict:

@@ -19,6 +19,7 @@ from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.gates import gate_verdict
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 
 from tests.http.conftest import start_engine_serve
@@ -58,7 +59,7 @@ def _run(cfg: dict) -> dict:
         apply_config_file(session, parse_config(cfg))
     run_id, _ = start_run(cfg["project"], "s", None, InlineDispatcher())
     with session_scope() as session:
-        return run_summary(session, repo.get_run(session, repo.get_project(session, cfg["project"]), run_id))
+        return jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, cfg["project"]), run_id)))
 
 
 def test_all_zero_logprobs_are_a_measurement_error_and_the_run_is_incomplete(sqlite_env, engine_serve, zeroing_proxy):

@@ -14,6 +14,7 @@ from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 
 from tests.http.conftest import start_engine_serve
@@ -56,7 +57,7 @@ def test_counter_deltas_are_judged_only_on_a_dedicated_server(sqlite_env, server
         apply_config_file(session, parse_config(cfg))
     run_id, _ = start_run("acc", "s", None, InlineDispatcher())
     with session_scope() as session:
-        summary = run_summary(session, repo.get_run(session, repo.get_project(session, "acc"), run_id))
+        summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, "acc"), run_id)))
     figures = summary["figures"]
     acceptance = {c["config"]: c for c in summary["comparisons"] if c["metric"] == "spec_acceptance_rate"}
 
@@ -135,7 +136,7 @@ def test_per_request_figures_are_the_acceptance_on_a_shared_server_whatever_else
         stop.set()
         other.join(60)
     with session_scope() as session:
-        summary = run_summary(session, repo.get_run(session, repo.get_project(session, "acc2"), run_id))
+        summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, "acc2"), run_id)))
     figures = summary["figures"]["shared"]
     acceptance = next(c for c in summary["comparisons"] if c["config"] == "shared"
                       and c["metric"] == "spec_acceptance_rate")

@@ -18,7 +18,7 @@ from app.db import session_scope
 from app.gates import decide, record_gate
 from app.metrics import CanaryCollector
 from app.models import ConfigRun, Gate, Run, SampleResult
-from app.schemas import RunOut
+from app.schemas import RunOut, jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
 from evals.step_back import format_share
@@ -106,7 +106,7 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
         gate = s.get(Gate, gate_id)
         decide(s, run_id)
         assert gate.verdict == "fail" and max(finished) <= run.finished_at  # decided after every layer ran
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
         out = gate_out(s, project, gate)
         # the project's configs, its overview and its Prometheus gauges do not list the derived layers
         assert [c.name for c in repo.list_configs(s, project)] == ["fp16", "int8-kv2", "int8"]
@@ -156,7 +156,7 @@ def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(s
     with session_scope() as s:
         run = s.get(Run, run_id)
         derived = [cr.config.name for cr in run.config_runs if cr.config.ablation_of_id is not None]
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert derived == ["int8-kv2~kv_cache-only"]  # the weights layer is the run's own `int8`
     [found] = summary["step_back"]
     assert {layer["axis"]: layer["config"] for layer in found["layers"]} == {
@@ -174,7 +174,7 @@ def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(s
         run = s.get(Run, run_id)
         assert run.status == "done" and run.verdict == "fail"
         assert [cr.config.name for cr in run.config_runs] == ["fp16", "int8-kv2"]  # no layers ran
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert summary["step_back"] == [] and "step back" not in summary["verdict_reason"]
 
 
@@ -192,7 +192,7 @@ def test_a_failed_layer_gives_no_advice_and_leaves_the_verdict_alone(sqlite_env,
     with session_scope() as s:
         run = s.get(Run, run_id)
         status = {cr.config.name: cr.status for cr in run.config_runs}
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert summary["status"] == "done"
     assert status == {"fp16": "succeeded", "int8-kv2": "succeeded", "int8-kv2~weights-only": "succeeded",
                       "int8-kv2~kv_cache-only": "failed"}
@@ -218,7 +218,7 @@ def test_two_stacked_configs_that_share_a_layer_measure_it_once(sqlite_env, rece
     with session_scope() as s:
         run = s.get(Run, run_id)
         layers = sorted(cr.config.name for cr in run.config_runs if cr.config.ablation_of_id is not None)
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert layers == ["int4-kv2~weights-only", "int8-kv2~kv_cache-only", "int8-kv2~weights-only"]
     found = {f["config"]: {layer["axis"]: layer["config"] for layer in f["layers"]} for f in summary["step_back"]}
     assert found == {"int8-kv2": {"weights": "int8-kv2~weights-only", "kv_cache": "int8-kv2~kv_cache-only"},
@@ -247,7 +247,7 @@ def test_a_top_up_reruns_a_breaching_stacked_config_so_its_layers_share_its_samp
         keys = {name: {r.sample_key for r in s.scalars(select(SampleResult).where(
             SampleResult.run_id == run_id, SampleResult.config_id == config_id, SampleResult.metric == "nll"))}
             for name, config_id in ids.items()}
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert passes == {"fp16": 1, "int8-kv2": 1, "int8": 1, "int8-kv2~kv_cache-only": 0}, passes
     assert all(k == set(run.sample_keys) for k in keys.values()), keys
     [found] = summary["step_back"]

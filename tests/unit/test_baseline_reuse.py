@@ -11,6 +11,7 @@ from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.models import SampleResult
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_model_path
 from sqlalchemy import select
@@ -31,7 +32,7 @@ def _config(model_path: str) -> dict:
 def _gate(key: str, trigger: str = "gate") -> dict:
     run_id, _ = start_run("p", "s", ["int8"], InlineDispatcher(), trigger=trigger, idempotency_key=key)
     with session_scope() as s:
-        summary = run_summary(s, repo.get_run(s, repo.get_project(s, "p"), run_id))
+        summary = jsonable(run_summary(s, repo.get_run(s, repo.get_project(s, "p"), run_id)))
         baseline_id = repo.get_config(s, repo.get_project(s, "p"), "fp16").id
         rows = s.execute(select(SampleResult.sample_key, SampleResult.metric, SampleResult.value, SampleResult.extra)
                          .where(SampleResult.run_id == run_id, SampleResult.config_id == baseline_id)

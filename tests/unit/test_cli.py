@@ -146,7 +146,7 @@ def test_demo_json_covers_every_config(run_cli):
     lines = out["summary"]["lines"]
     assert len(lines) <= 12 and lines[0].startswith("drop or fix ("), lines
     critical = {c["config"] for c in out["comparisons"] if c["verdict"] == "critical"
-                and not (c.get("details") or {}).get("informational") and c["metric"] != "exact_match"}
+                and c["gated"] and c["metric"] != "exact_match"}
     for line in out["summary"]["groups"]["drop or fix"]:
         assert line["quality"]["verdict"] in ("critical", "measurement_error")
     named = {line.split(":")[0].strip() for line in lines[1:] if line.startswith("  ")}

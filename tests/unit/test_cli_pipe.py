@@ -91,11 +91,17 @@ def test_run_exit_code(verdict, fail_on, code):
 
 
 def test_worst_comparison_skips_informational_metrics():
-    comps = [{"metric": "ppl_ratio", "verdict": "warn"}, {"metric": "exact_match", "verdict": "critical"},
-             {"metric": "gen_nll_ratio", "verdict": "critical"}, {"metric": "ttft_ratio", "verdict": "ok"}]
-    assert worst_comparison(comps)["metric"] == "gen_nll_ratio"  # exact_match is reported only, never decides
-    assert worst_comparison([{"metric": "gen_nll_ratio", "verdict": "warn"}, {"metric": "ppl_ratio", "verdict": "warn"}])[
-        "metric"] == "ppl_ratio"  # ppl_ratio first among equals
+    from app.schemas import ComparisonOut
+
+    def c(metric, verdict, gated=True):
+        return ComparisonOut(config="x", metric=metric, estimate=None, ci_low=None, ci_high=None, n=1, verdict=verdict,
+                             rule="", baseline_value=None, candidate_value=None, details={}, gated=gated)
+
+    comps = [c("ppl_ratio", "warn"), c("exact_match", "critical"), c("gen_nll_ratio", "critical"), c("ttft_ratio", "ok")]
+    assert worst_comparison(comps).metric == "gen_nll_ratio"  # exact_match is reported only, never decides
+    # a gated metric its producer reported without judging it (gated false) never decides either
+    assert worst_comparison([c("ppl_ratio", "warn"), c("lossless_exact_match", "critical", gated=False)]).metric == "ppl_ratio"
+    assert worst_comparison([c("gen_nll_ratio", "warn"), c("ppl_ratio", "warn")]).metric == "ppl_ratio"  # first among equals
     assert worst_comparison([]) is None
 
 

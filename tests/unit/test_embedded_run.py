@@ -10,6 +10,7 @@ from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, InlineDispatcher
 from app.models import ConfigRun, Run, SampleResult, utcnow
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from sqlalchemy import select, update
 
@@ -46,7 +47,7 @@ def test_run_reaches_a_verdict_and_a_failed_config_is_reported(finished_run):
     run_id, _ = finished_run
     with session_scope() as s:
         run = repo.get_run(s, repo.get_project(s, "t"), run_id)
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
     assert summary["status"] == "done"
     status = {c["config"]: c["status"] for c in summary["configs"]}
     assert status == {"fp16": "succeeded", "int4": "succeeded", "gpu-only": "failed"}
@@ -186,12 +187,12 @@ def test_a_run_that_compares_nothing_is_an_error_never_a_pass(sqlite_env):
 
 def toy_prompt_count(ctx):
     """The compare target of the toy metric below: the number of prompts the candidate answered."""
-    from evals.compare import informational
+    from evals.compare import reported
 
     if ctx.is_base:
         return None
     n = len(ctx.mine.generations)
-    return informational("toy_prompt_count", float(n), float(n), float(n), n, min_n=1)
+    return reported("toy_prompt_count", float(n), float(n), float(n), n, min_n=1)
 
 
 def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env):
@@ -210,7 +211,7 @@ def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env)
             apply_config_file(s, parse_config(config))
         run_id, _ = start_run("t", "s", None, InlineDispatcher())
         with session_scope() as s:
-            summary = run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id))
+            summary = jsonable(run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id)))
     finally:
         METRICS.pop(toy.name)
     toys = [c for c in summary["comparisons"] if c["metric"] == "toy_prompt_count"]

@@ -118,7 +118,7 @@ def test_lossless_exact_match_is_reported_not_judged_over_a_noisy_floor():
     assert exact.verdict == "warn"  # a deterministic floor: exactness is the claim
     noisy_repeats = {k: gen(k, g.text if k != "k5" else "x", kind=RepeatRecord) for k, g in base.items()}
     reported = lossless_exact_comparison(cand, base, seed_thresholds("lossless_exact_match"), repeats=noisy_repeats)
-    assert reported.verdict == "ok" and reported.details["informational"] is True
+    assert reported.verdict == "ok" and reported.gated is False
     assert reported.details["baseline_self_agreement"] == pytest.approx(0.9)
     assert "differs on 1 of 10" in reported.rule
 
@@ -205,9 +205,9 @@ def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
 
     t = seed_thresholds("lossless_exact_match")
     serial = lossless_exact_comparison(batched(flip, 1), batched(base, 1), t, repeats)
-    assert serial.verdict == "warn" and not serial.details.get("informational")
+    assert serial.verdict == "warn" and serial.gated
     noisy = lossless_exact_comparison(batched(flip, 8), batched(base, 8), t, repeats)
-    assert noisy.estimate == pytest.approx(0.9) and noisy.verdict == "ok" and noisy.details["informational"]
+    assert noisy.estimate == pytest.approx(0.9) and noisy.verdict == "ok" and not noisy.gated
     assert "1 of 10 outputs diverge, each at a near-tie" in noisy.rule
     judged = lossless_exact_comparison(batched(sure, 8), batched(base, 8), t, repeats)
-    assert judged.verdict == "warn" and not judged.details.get("informational")
+    assert judged.verdict == "warn" and judged.gated

@@ -25,6 +25,7 @@ from app.cli import DEMO_CONFIG
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "demo_parity.json"
@@ -44,7 +45,7 @@ def _demo_subset_summary() -> dict:
         apply_config_file(s, parse_config(cfg))
     run_id, _ = start_run("demo", "pydoc-daily", None, InlineDispatcher())
     with session_scope() as s:
-        summary = run_summary(s, repo.get_run(s, repo.get_project(s, "demo"), run_id))
+        summary = jsonable(run_summary(s, repo.get_run(s, repo.get_project(s, "demo"), run_id)))
     comparisons = sorted(({k: c[k] for k in ("config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict")}
                           for c in summary["comparisons"] if c["metric"] not in TIMING),
                          key=lambda c: (c["config"], c["metric"]))

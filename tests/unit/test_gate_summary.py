@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from app.gates import gains, summary_markdown
 from app.models import Gate
+from app.schemas import ComparisonOut
 
 
-def comparison(metric, estimate, low, high, n, verdict, rule, informational=False):
-    return {"config": "int4", "metric": metric, "estimate": estimate, "ci_low": low, "ci_high": high, "n": n,
-            "verdict": verdict, "rule": rule, "details": {"informational": True} if informational else {}}
+def comparison(metric, estimate, low, high, n, verdict, rule, informational=False, config="int4"):
+    return ComparisonOut(config=config, metric=metric, estimate=estimate, ci_low=low, ci_high=high, n=n, verdict=verdict,
+                         rule=rule, baseline_value=None, candidate_value=None, details={}, gated=not informational)
 
 
 SUMMARY = {
@@ -18,7 +19,7 @@ SUMMARY = {
         comparison("exact_match", 0.9, 0.8, 0.95, 40, "ok", "", informational=True),
         comparison("ttft_ratio", 0.8, 0.75, 0.86, 40, "ok", "warn > 1.2"),
         comparison("ppl_ratio", 1.045, 1.024, 1.066, 50, "critical", "critical > 1.03"),
-        {**comparison("ppl_ratio", 1.0, 1.0, 1.0, 50, "ok", ""), "config": "fp16"},  # another config: left out
+        comparison("ppl_ratio", 1.0, 1.0, 1.0, 50, "ok", "", config="fp16"),  # another config: left out
     ],
     "figures": {
         "int4": {"tokens_per_second": 180.0, "weight_bytes": 100_000_000, "kv_bytes_per_token": 4096,

@@ -10,6 +10,7 @@ from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.spec import OptimizationSpec
 from engines.spec import lossless_against as lossless
@@ -95,7 +96,7 @@ def test_a_run_gates_lossless_configs_on_exact_outputs(sqlite_env):
         apply_config_file(session, parse_config(LOSSLESS_CONFIG))
     run_id, _ = start_run("exact", "s", None, InlineDispatcher())
     with session_scope() as session:
-        summary = run_summary(session, repo.get_run(session, repo.get_project(session, "exact"), run_id))
+        summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, "exact"), run_id)))
     exact = {c["config"]: c for c in summary["comparisons"] if c["metric"] == "lossless_exact_match"}
     assert set(exact) == {"ngram", "claims-lossless"}  # the baseline is not compared with itself
     assert exact["ngram"]["verdict"] == "ok" and exact["ngram"]["estimate"] == 1.0  # greedy verification is exact

@@ -135,6 +135,7 @@ def test_the_worker_checks_again_at_use(sqlite_env, monkeypatch, tree):
     from app.config_file import parse_config
     from app.db import session_scope
     from app.dispatch import InlineDispatcher
+    from app.schemas import jsonable
     from app.services import apply_config_file, run_summary, start_run
     from app.settings import get_settings
 
@@ -149,7 +150,7 @@ def test_the_worker_checks_again_at_use(sqlite_env, monkeypatch, tree):
     get_settings.cache_clear()
     run_id, _ = start_run("alpha", "s", None, InlineDispatcher())
     with session_scope() as session:
-        summary = run_summary(session, repo.get_run(session, repo.get_project(session, "alpha"), run_id))
+        summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, "alpha"), run_id)))
     [config] = summary["configs"]
     assert config["status"] == "failed" and config["error"].startswith("ValueError: model.path: '"), config
     assert USABLE in config["error"] and "safetensors" not in config["error"]

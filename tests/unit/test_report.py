@@ -4,16 +4,17 @@ escaped, the plot's axis chosen and its labels kept apart as worked out by hand.
 from __future__ import annotations
 
 from app.report import _label_dy, render, trade_off_svg
+from app.schemas import ComparisonOut
 from app.summary import trade_off_points, verdict_summary
 
 
 def summary(name: str = "int2") -> dict:
-    comparisons = [
+    comparisons = [ComparisonOut.model_validate(c) for c in (
         {"config": name, "metric": "ppl_ratio", "estimate": 1.06, "ci_low": 1.045, "ci_high": 1.08, "n": 12,
-         "verdict": "critical", "rule": "CI low 1.045 ≥ critical 1.03", "details": {}},
+         "verdict": "critical", "rule": "CI low 1.045 ≥ critical 1.03"},
         {"config": name, "metric": "tpot_ratio", "estimate": 0.5, "ci_low": 0.4, "ci_high": 0.625, "n": 10,
-         "verdict": "ok", "rule": "CI high 0.625 < warn 1.25", "details": {}},
-    ]
+         "verdict": "ok", "rule": "CI high 0.625 < warn 1.25"},
+    ) for c in [{**c, "baseline_value": None, "candidate_value": None, "details": {}, "gated": True}]]
     run = {"run_id": 3, "status": "done", "verdict": "fail", "verdict_reason": f"{name} ppl_ratio critical",
            "baseline": "fp32", "n_samples": 12, "samples_drawn": 12, "created_at": "2026-11-26T06:00:00",
            "finished_at": "2026-11-26T06:01:00", "figures": {}, "step_back": [], "comparisons": comparisons,

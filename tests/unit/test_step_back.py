@@ -101,6 +101,14 @@ def test_gate_summary_lines_from_a_step_back():
         "| weights int8 | 1.046 | 10.0 % | `s~weights-only` |"]
 
 
+def out(fields: dict):
+    """A run summary's comparison (app/schemas.py ComparisonOut) from the fields a test cares about."""
+    from app.schemas import ComparisonOut
+
+    return ComparisonOut.model_validate({"baseline_value": None, "candidate_value": None, "details": {}, "gated": True,
+                                         **fields})
+
+
 def test_gate_summary_gives_the_step_back_once():
     """The verdict reason carries the advice too (for alerts and the API); the gate summary shows
     it in its own lines and leaves it out of its Reason line."""
@@ -108,8 +116,8 @@ def test_gate_summary_gives_the_step_back_once():
     layers = [{"axis": "kv_cache", "value": "int2", "config": "s~kv_cache-only", "ratio": 1.5, "verdict": "critical",
                "lossless": False, "share": 0.9}]
     summary = {"run_id": 7, "n_samples": 4, "figures": {},
-               "comparisons": [{"config": "s", "metric": "ppl_ratio", "verdict": "critical", "estimate": 1.6,
-                                "ci_low": 1.5, "ci_high": 1.7, "n": 4, "rule": None, "details": {}}],
+               "comparisons": [out({"config": "s", "metric": "ppl_ratio", "verdict": "critical", "estimate": 1.6,
+                                    "ci_low": 1.5, "ci_high": 1.7, "n": 4, "rule": ""})],
                "verdict_reason": f"s ppl_ratio critical; step back s: {advice}",
                "step_back": [{"config": "s", "metric": "ppl_ratio", "stacked_ratio": 1.6, "interaction": 0.0,
                               "disable": "kv_cache", "advice": advice, "layers": layers}]}
@@ -129,13 +137,13 @@ def test_cli_table_lists_each_layer_under_its_stacked_config(capsys):
                config("s~weights-only", "s", "weights")]
     assert [c["config"] for c in layers_under_their_config(configs)] == [
         "fp16", "s", "s~kv_cache-only", "s~weights-only", "int8"]
-    ppl = {"metric": "ppl_ratio", "ci_low": None, "ci_high": None, "n": 4, "details": {}}
+    ppl = {"metric": "ppl_ratio", "ci_low": None, "ci_high": None, "n": 4, "rule": ""}
     summary = {"run_id": 3, "baseline": "fp16", "n_samples": 4, "configs": configs, "figures": {}, "verdict": "fail",
                "verdict_reason": "s ppl_ratio critical",
-               "comparisons": [{**ppl, "config": "s", "estimate": 5.99, "verdict": "critical"},
-                               {**ppl, "config": "s~kv_cache-only", "estimate": 5.37, "verdict": "critical"},
-                               {**ppl, "config": "s~weights-only", "estimate": 1.0024, "verdict": "ok"},
-                               {**ppl, "config": "int8", "estimate": 1.001, "verdict": "ok"}]}
+               "comparisons": [out({**ppl, "config": "s", "estimate": 5.99, "verdict": "critical"}),
+                               out({**ppl, "config": "s~kv_cache-only", "estimate": 5.37, "verdict": "critical"}),
+                               out({**ppl, "config": "s~weights-only", "estimate": 1.0024, "verdict": "ok"}),
+                               out({**ppl, "config": "int8", "estimate": 1.001, "verdict": "ok"})]}
     _print_summary(summary)
     rows = [line for line in capsys.readouterr().out.splitlines() if "│" in line and "ppl ratio" not in line]
     cells = [row.split("│")[1].strip() for row in rows]

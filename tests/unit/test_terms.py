@@ -9,6 +9,7 @@ from app import repo
 from app.config_file import ConfigFileError, parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from evals.compare import term_nll_ratio_comparison
 from evals.perplexity import DocNLL, ppl_ratio
@@ -124,7 +125,7 @@ def test_a_run_stores_each_documents_term_loss_and_compares_it(sqlite_env):
     run_id, _ = start_run("terms", "s", None, InlineDispatcher())
     with session_scope() as session:
         run = repo.get_run(session, repo.get_project(session, "terms"), run_id)
-        summary = run_summary(session, run)
+        summary = jsonable(run_summary(session, run))
         table = RunRecords.from_rows(repo.sample_rows(session, run_id))
         ids = {cr.config.name: cr.config_id for cr in run.config_runs}
     base, cand = table[ids["fp32"]].docs, table[ids["int2"]].docs

@@ -12,7 +12,7 @@ from app.config_file import parse_config
 from app.db import session_scope
 from app.gates import record_gate
 from app.models import AlertRule, ConfigRun, Gate, Run, SampleResult
-from app.schemas import RunOut
+from app.schemas import RunOut, jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
 from sqlalchemy import select
@@ -90,7 +90,7 @@ def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sql
         assert nll_keys(s, run_id, ids["fp16"]) == set(run.sample_keys)
         assert nll_keys(s, run_id, ids["int4"]) == set(run.sample_keys)
         assert nll_keys(s, run_id, ids["int8"]) == set(first)  # not rerun
-        summary = run_summary(s, run)
+        summary = jsonable(run_summary(s, run))
         assert s.get(Gate, gate_id).verdict == "pass"
         assert all(cr.status == "succeeded" for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id)))
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
@@ -112,12 +112,17 @@ def test_without_max_samples_an_undecided_run_stays_inconclusive(sqlite_env, tmp
 
 
 def test_undecided_takes_only_comparisons_more_samples_can_decide():
-    row = {"config_id": 2, "metric": "ppl_ratio", "n": 6, "verdict": "inconclusive", "details": None}
-    assert top_up.undecided({**row, "rule": "n=6 < min_n=8: too few samples to decide"})
-    assert top_up.undecided({**row, "rule": "CI [0.99, 1.03] straddles warn 1.02: more samples needed"})
-    assert not top_up.undecided({**row, "n": 0, "rule": "no paired documents"})
-    assert not top_up.undecided({**row, "verdict": "ok", "rule": "CI high 1.01 < warn 1.02"})
-    assert not top_up.undecided({**row, "metric": "exact_match", "rule": "CI [0.4, 0.6] straddles warn 0.5"})
+    from evals.comparison import Comparison
+
+    row = {"config_id": 2, "metric": "ppl_ratio", "estimate": 1.01, "ci_low": 0.99, "ci_high": 1.03, "n": 6,
+           "verdict": "inconclusive"}
+    assert top_up.undecided(Comparison(**{**row, "rule": "n=6 < min_n=8: too few samples to decide"}))
+    assert top_up.undecided(Comparison(**{**row, "rule": "CI [0.99, 1.03] straddles warn 1.02: more samples needed"}))
+    assert not top_up.undecided(Comparison(**{**row, "n": 0, "rule": "no paired documents"}))
+    assert not top_up.undecided(Comparison(**{**row, "verdict": "ok", "rule": "CI high 1.01 < warn 1.02"}))
+    assert not top_up.undecided(Comparison(**{**row, "metric": "exact_match", "rule": "CI [0.4, 0.6] straddles warn 0.5"}))
+    # a gated metric its producer reported without judging it: more samples would not give it a say
+    assert not top_up.undecided(Comparison(**{**row, "rule": "CI [0.99, 1.03] straddles warn 1.02", "gated": False}))
 
 
 def test_max_samples_below_samples_is_refused_naming_the_field(tmp_path):

@@ -3,12 +3,13 @@ worked out by hand."""
 
 from __future__ import annotations
 
+from app.schemas import ComparisonOut
 from app.summary import MAX_LINES, finding, verdict_summary
 
 
 def row(config, metric, estimate, low, high, verdict, n=12, rule="", informational=False):
-    return {"config": config, "metric": metric, "estimate": estimate, "ci_low": low, "ci_high": high, "n": n,
-            "verdict": verdict, "rule": rule, "details": {"informational": True} if informational else {}}
+    return ComparisonOut(config=config, metric=metric, estimate=estimate, ci_low=low, ci_high=high, n=n, verdict=verdict,
+                         rule=rule, baseline_value=None, candidate_value=None, details={}, gated=not informational)
 
 
 def test_each_config_gets_one_line_in_its_group_worst_first():
@@ -51,7 +52,7 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
     assert summary["counts"] == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1}
     assert [round(line["severity"], 2) for line in summary["groups"]["drop or fix"]] == [1.55, 0.22]
     int2 = summary["groups"]["drop or fix"][1]
-    assert (int2["critical"], int2["warn"], int2["quality"]["metric"], int2["speed"]["metric"]) == (2, 1, "ppl_ratio",
+    assert (int2["critical"], int2["warn"], int2["quality"].metric, int2["speed"].metric) == (2, 1, "ppl_ratio",
                                                                                                      "ttft_ratio")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import aliased
 
@@ -27,7 +27,7 @@ from app.models import (
     Schedule,
     Suite,
 )
-from app.schemas import FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
+from app.schemas import ComparisonOut, FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
 from app.ssrf import public_spec
 from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER
@@ -48,8 +48,9 @@ class ComparisonCell(BaseModel):
     rule: str
     baseline_value: float | None
     candidate_value: float | None
-    judged: bool = Field(True, description="false: reported but not judged against its threshold (e.g. faithfulness "
-                                           "by the offline approximation); its verdict says nothing")
+    judged: bool = Field(True, validation_alias=AliasChoices("judged", "gated"),  # the stored row's `gated`
+                         description="false: reported but not judged against its threshold (e.g. faithfulness "
+                                     "by the offline approximation); its verdict says nothing")
 
 
 class HistoryPoint(BaseModel):
@@ -171,14 +172,12 @@ def _suite_names(session, project: Project) -> list[str]:
 
 CELL_COLUMNS = (Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate, Comparison.ci_low,
                 Comparison.ci_high, Comparison.n, Comparison.verdict, Comparison.rule, Comparison.baseline_value,
-                Comparison.candidate_value, Comparison.details)
+                Comparison.candidate_value, Comparison.details, Comparison.gated)
 
 
 def _cell(c) -> dict:
     """A comparison (a Comparison or a row of CELL_COLUMNS) as the overview's cell."""
-    return {"estimate": c.estimate, "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict,
-            "rule": c.rule, "baseline_value": c.baseline_value, "candidate_value": c.candidate_value,
-            "judged": not (c.details or {}).get("informational")}
+    return ComparisonCell.model_validate(c, from_attributes=True).model_dump()
 
 
 def _worst_metric(cells: dict[str, dict]) -> str | None:
@@ -252,8 +251,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
-    summaries = {model: verdict_summary([{"config": c["config"], "metric": metric, **cell,
-                                          "details": {"informational": not cell["judged"]}}
+    summaries = {model: verdict_summary([ComparisonOut.model_validate({**cell, "config": c["config"], "metric": metric,
+                                                                       "details": {}, "gated": cell["judged"]})
                                          for c in configs if not c["baseline"]
                                          for metric, cell in c["comparisons"].items()])
                  for model, configs in models.items()}
@@ -283,8 +282,7 @@ def trends(project: ProjectDep, session: SessionDep,
                 OptimizationConfig.ablation_of_id.is_(None)))  # a stacked config's layers: on its run's page
     if config:
         q = q.where(Comparison.config_id == repo.get_config(session, project, config).id)
-    points = [{"config": c.name, "run_id": c.run_id, "at": iso(c.created_at), "estimate": c.estimate,
-               "ci_low": c.ci_low, "ci_high": c.ci_high, "n": c.n, "verdict": c.verdict}
+    points = [TrendPoint.model_validate({**c._mapping, "config": c.name, "at": iso(c.created_at)})
               for c in session.execute(q.order_by(Comparison.run_id.desc()).limit(limit))]
     points.reverse()
     names = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.name)
@@ -317,10 +315,9 @@ def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, confi
                                       SampleResult.metric == metric, SampleResult.value.is_not(None))
                                .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
         return {"run_id": run.id, "config": config, "metric": metric, "items": [
-            {"sample_key": r.sample_key, "delta": 0.5 - cast(float, r.value),  # the query's value IS NOT NULL
-             "baseline_value": 0.5, "candidate_value": r.value,
-             "baseline_extra": None, "candidate_extra": r.extra,
-             "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})}
+            WorstSample(sample_key=r.sample_key, delta=0.5 - cast(float, r.value),  # the query's value IS NOT NULL
+                        baseline_value=0.5, candidate_value=r.value, baseline_extra=None, candidate_extra=r.extra,
+                        outputs=_outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {}))
             for r in rows]}
     b, c = aliased(SampleResult), aliased(SampleResult)
     lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
@@ -334,8 +331,8 @@ def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, confi
         .order_by(delta.desc()).limit(limit)).all()
     gens = _outputs(session, run, cand_id, [row[0].sample_key for row in pairs])
     return {"run_id": run.id, "config": config, "metric": metric, "items": [
-        {"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
-         "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})}
+        WorstSample(sample_key=cr.sample_key, delta=d, baseline_value=br.value, candidate_value=cr.value,
+                    baseline_extra=br.extra, candidate_extra=cr.extra, outputs=gens.get(cr.sample_key, {}))
         for cr, br, d in pairs]}
 
 
