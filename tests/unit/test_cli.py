@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import yaml
+from app.schemas import ComparisonOut
 
 from tests.conftest import ROOT
 
@@ -101,13 +102,11 @@ def test_run_json_output_on_own_corpus(run_cli, tmp_path):
     out = json.loads(r.stdout)
     assert out["baseline"] == "fp16" and out["status"] == "done"
     [ratio] = [c for c in out["comparisons"] if c["metric"] == "ppl_ratio"]
-    assert set(ratio) == {"config", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "details"}
+    assert set(ratio) == set(ComparisonOut.model_fields)  # the API's comparison, every field
     assert ratio["config"] == "int8" and ratio["n"] == 12
     assert out["figures"]["int8"]["n_documents"] == 12
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(1000)  # above the subprocess guard below
 def awq_test_cache():
     """The AWQ search cache the demo test shares across runs of the suite: outside the checkout (a
     fresh clone finds it), under XDG_CACHE_HOME or ~/.cache."""
@@ -118,6 +117,8 @@ def awq_test_cache():
     return base / "inference-canary" / "awq-test-cache"
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(1000)  # above the subprocess guard below
 def test_demo_json_covers_every_config(run_cli):
     from app.cli import DEMO_CONFIG
 
