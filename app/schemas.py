@@ -160,8 +160,9 @@ class ComparisonOut(BaseModel):
     baseline_value: float | None
     candidate_value: float | None
     details: dict[str, Any]
-    gated: bool = Field(description="false: reported with its CI, no say in any verdict (an informational metric, "
-                                    "or one its producer reported without judging it)")
+    gated: bool = Field(description="false: its producer reported it without judging it (offline faithfulness, a "
+                                    "lossless check over a noisy floor), so it has no say in any verdict; a metric "
+                                    "the catalogue marks not gated (GET /metrics) has none either")
 
     @classmethod
     def of(cls, row: Any, config: str) -> ComparisonOut:

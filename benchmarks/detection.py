@@ -251,6 +251,7 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
     from app.config_file import parse_config
     from app.db import session_scope
     from app.dispatch import InlineDispatcher
+    from app.schemas import jsonable
     from app.services import apply_config_file, run_summary, start_run
     from evals.metrics import METRICS
 
@@ -265,11 +266,11 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
     started = time.perf_counter()
     run_id, _ = start_run(project, f"seed-{seed}", None, InlineDispatcher())
     with session_scope() as session:
-        summary = run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id))
+        summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id)))
     status = {c["config"]: (c["status"], c["error"]) for c in summary["configs"]}
     by_config: dict[str, list[dict]] = defaultdict(list)
     for c in summary["comparisons"]:
-        if METRICS[c["metric"]].gated and not (c.get("details") or {}).get("informational"):
+        if METRICS[c["metric"]].gated and c["gated"]:
             by_config[c["config"]].append(c)
     for name in kinds:
         comps = by_config.get(name, [])

@@ -127,7 +127,8 @@ def attach(run: Run, rows: list[Comparison]) -> dict[int, StepBack]:
         sources = {axis: _source(run, config_run.config, axis, spec) for axis, spec in specs.items()}
         if any(source is None or source.status != "succeeded" for source in sources.values()):
             continue
-        ranked = sorted(breaching, key=lambda r: (-VERDICT_ORDER[r.verdict], -(r.estimate or 0)))
+        ranked = sorted(breaching, key=lambda r: (-VERDICT_ORDER[r.verdict],
+                                                  -(r.estimate if math.isfinite(r.estimate) else 0)))
         for row in ranked:
             layers = []
             for axis, source in sources.items():

@@ -95,7 +95,9 @@ INT4_GEMV = ("auto", "tinygemm", "triton")
 class TinyGemm(torch.nn.Module):
     """One int4 weight in torch's tinygemm layout: y = x · Wᵀ with W[n, k] = (q − 8) · s + m per
     group of `group_size` along K, activations and (s, m) in bf16. From the AWQ parts
-    w = (q − z) · s it is the same weight exactly: s unchanged, m = (8 − z) · s (rounded to bf16).
+    w = (q − z) · s it is the same weight up to bf16 rounding: the same codes q, s, and
+    m = (8 − z) · s; the activations are rounded to bf16 too, so a config's single-row outputs
+    move by bf16's precision against the Triton GEMV's (describe() says which kernel ran).
     On CUDA `aten._convert_weight_to_int4pack` / `_weight_int4pack_mm`; on CPU their `_for_cpu`
     twins, the same arithmetic, which the CPU tests use."""
 
@@ -122,6 +124,8 @@ class TinyGemm(torch.nn.Module):
         """Why tinygemm cannot hold this weight on `device`, or None when it can."""
         if torch.device(device).type != "cuda":
             return "tinygemm's CUDA kernel needs a CUDA device"
+        if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
+            return "tinygemm's kernel needs an NVIDIA GPU of compute capability 8.0 or newer"
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
             return f"torch {torch.__version__} has no aten._weight_int4pack_mm"
         if in_features % (TinyGemm.INNER_K_TILES * 16) or out_features % 8 or group_size not in (32, 64, 128, 256):
@@ -130,7 +134,7 @@ class TinyGemm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] → [M, N] in x's dtype
         mm = (torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu)
-        return mm(x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
+        return mm(x.to(torch.bfloat16).contiguous(), self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
 
 
 class W4A16Linear(torch.nn.Module):

@@ -85,12 +85,21 @@ def test_step_back_opt_out_is_validated_in_the_config_file():
         parse_config(doc)
 
 
+def out(fields: dict):
+    """A run summary's comparison (app/schemas.py ComparisonOut) from the fields a test cares about."""
+    from app.schemas import ComparisonOut
+
+    return ComparisonOut.model_validate({"baseline_value": None, "candidate_value": None, "details": {}, "gated": True,
+                                         **fields})
+
+
 def test_gate_summary_lines_from_a_step_back():
     layers = [{"axis": "kv_cache", "value": "int2", "config": "s~kv_cache-only", "ratio": 1.5, "verdict": "critical",
                "lossless": False, "share": 0.9},
               {"axis": "weights", "value": "int8", "config": "s~weights-only", "ratio": 1.046, "verdict": "ok",
                "lossless": False, "share": 0.1}]
-    summary = {"comparisons": [{"config": "s", "metric": "ppl_ratio", "verdict": "critical"}],
+    summary = {"comparisons": [out({"config": "s", "metric": "ppl_ratio", "verdict": "critical", "estimate": 1.6,
+                                    "ci_low": 1.5, "ci_high": 1.7, "n": 4, "rule": ""})],
                "step_back": [{"config": "s", "metric": "ppl_ratio", "stacked_ratio": 1.6, "interaction": 0.0,
                               "disable": "kv_cache", "advice": "disable kv_cache int2: 90 %", "layers": layers}]}
     assert step_back_lines(summary, "other") == []
@@ -99,14 +108,6 @@ def test_gate_summary_lines_from_a_step_back():
         "| layer | ppl_ratio alone | share of the loss | run alone as |", "|---|---|---|---|",
         "| kv_cache int2 | 1.5 | 90.0 % | `s~kv_cache-only` |",
         "| weights int8 | 1.046 | 10.0 % | `s~weights-only` |"]
-
-
-def out(fields: dict):
-    """A run summary's comparison (app/schemas.py ComparisonOut) from the fields a test cares about."""
-    from app.schemas import ComparisonOut
-
-    return ComparisonOut.model_validate({"baseline_value": None, "candidate_value": None, "details": {}, "gated": True,
-                                         **fields})
 
 
 def test_gate_summary_gives_the_step_back_once():
