@@ -29,23 +29,29 @@ def _rows(engine) -> dict:
             "SELECT sample_key, metric, value, extra FROM sample_results ORDER BY id"))}
 
 
+def _one_run(conn, config_name: str = "int8", baseline: bool = False) -> tuple[int, int]:
+    """A project, model, config, suite and run as the schema at 0001 stores them: (run id, config id)."""
+    run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
+    project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
+    model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
+                p=project)
+    config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
+                 "VALUES (:p, :m, :n, '{}', :b, now()) RETURNING id", p=project, m=model, n=config_name, b=baseline)
+    suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
+                "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
+    run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
+                 "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
+                 "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
+    return run_id, config
+
+
 def test_generation_rows_move_to_their_own_kind_and_back(make_database):
     url = make_database(migrate=False)
     upgrade(url, "0001")
     engine = create_engine(url, poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:
-            run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
-            project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
-            model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
-                        p=project)
-            config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
-                         "VALUES (:p, :m, 'fp16', '{}', true, now()) RETURNING id", p=project, m=model)
-            suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
-                        "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
-            run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
-                         "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
-                         "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
+            run_id, config = _one_run(conn, "fp16", True)
             for key, metric, value, extra in (("d0", "ttft_ms", 12.5, OLD_GENERATION), ("d0", "nll", 30.25, OLD_DOC)):
                 conn.execute(text("INSERT INTO sample_results (run_id, config_id, sample_key, metric, value, extra, created_at) "
                                   "VALUES (:r, :c, :k, :m, :v, CAST(:e AS JSONB), now())"),
@@ -70,22 +76,6 @@ def test_generation_rows_move_to_their_own_kind_and_back(make_database):
         assert _rows(engine) == before
     finally:
         engine.dispose()
-
-
-def _one_run(conn) -> tuple[int, int]:
-    """A project, model, config, suite and run as the schema at 0001 stores them: (run id, config id)."""
-    run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
-    project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
-    model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
-                p=project)
-    config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
-                 "VALUES (:p, :m, 'int8', '{}', false, now()) RETURNING id", p=project, m=model)
-    suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
-                "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
-    run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
-                 "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
-                 "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
-    return run_id, config
 
 
 def test_informational_comparisons_become_ungated_and_back(make_database):
@@ -125,17 +115,7 @@ def test_comparison_verdicts_widen_for_measurement_error_and_back(make_database)
               "VALUES (:r, :c, :m, 1.2, 1.1, 1.3, 12, :v, 'x', now())")
     try:
         with engine.begin() as conn:
-            run = lambda q, **kw: conn.execute(text(q), kw).scalar()  # noqa: E731
-            project = run("INSERT INTO projects (name, created_at) VALUES ('p', now()) RETURNING id")
-            model = run("INSERT INTO models (project_id, name, path, created_at) VALUES (:p, 'm', 'builtin:x', now()) RETURNING id",
-                        p=project)
-            config = run("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
-                         "VALUES (:p, :m, 'int8', '{}', false, now()) RETURNING id", p=project, m=model)
-            suite = run("INSERT INTO suites (project_id, name, spec, version, n_documents, created_at) "
-                        "VALUES (:p, 's', '{}', 'v1', 1, now()) RETURNING id", p=project)
-            run_id = run("INSERT INTO runs (project_id, suite_id, suite_version, model_id, baseline_config_id, trigger, status, "
-                         "n_samples, seed, sample_keys, created_at) VALUES (:p, :s, 'v1', :m, :c, 'manual', 'done', 1, 0, "
-                         "'[\"d0\"]', now()) RETURNING id", p=project, s=suite, m=model, c=config)
+            run_id, config = _one_run(conn)
             conn.execute(text(insert), {"r": run_id, "c": config, "m": "ppl_ratio", "v": "critical"})
         with pytest.raises(DataError), engine.begin() as conn:  # the old width refuses the new verdict
             conn.execute(text(insert), {"r": run_id, "c": config, "m": "ttft_ms", "v": "measurement_error"})
