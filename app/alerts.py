@@ -120,7 +120,7 @@ def _config_verdicts(comparisons: list[Comparison], names: dict[int, str]) -> di
     for config, found in rows.items():
         line = config_line(config, judged(found))
         if line is not None:
-            out[config] = f"{line['group']}: {line['findings']}"
+            out[config] = f"{line.group}: {line.findings}"
     return out
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Gate, Project, Run, utcnow
-from app.schemas import ComparisonOut
+from app.schemas import ComparisonOut, RunOut
 from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
@@ -98,22 +98,21 @@ def gains(figures: dict[str, Any], candidate: str, baseline: str) -> list[str]:
     return out
 
 
-def step_back_lines(summary: dict[str, Any], candidate: str) -> list[str]:
+def step_back_lines(summary: RunOut, candidate: str) -> list[str]:
     """For a stacked candidate that breaches, the layer to disable and each layer's share of the
     loss on its worst quality ratio (workers/step_back.py); nothing when its ablations did not run."""
-    found = [s for s in summary.get("step_back") or [] if s["config"] == candidate]
+    found = [s for s in summary.step_back if s.config == candidate]
     if not found:
         return []
     worst = found[0] if len(found) == 1 else max(
-        found, key=lambda s: (max(VERDICT_ORDER.get(c.verdict, 0) for c in summary["comparisons"]
-                                  if c.config == candidate and c.metric == s["metric"]), s["stacked_ratio"]))
-    lines = ["", f"**Step back one layer:** {worst['advice']}.", "",
-             f"| layer | {worst['metric']} alone | share of the loss | run alone as |", "|---|---|---|---|"]
-    for layer in worst["layers"]:
-        share = "—" if layer["share"] is None else f"{layer['share'] * 100:.1f} %"  # the advice rounds; the table not
-        lossless = " (lossless)" if layer["lossless"] else ""
-        lines.append(f"| {layer['axis']} {layer['value']}{lossless} | {layer['ratio']:.4g} | {share} | "
-                     f"`{layer['config']}` |")
+        found, key=lambda s: (max(VERDICT_ORDER.get(c.verdict, 0) for c in summary.comparisons
+                                  if c.config == candidate and c.metric == s.metric), s.stacked_ratio))
+    lines = ["", f"**Step back one layer:** {worst.advice}.", "",
+             f"| layer | {worst.metric} alone | share of the loss | run alone as |", "|---|---|---|---|"]
+    for layer in worst.layers:
+        share = "—" if layer.share is None else f"{layer.share * 100:.1f} %"  # the advice rounds; the table not
+        lossless = " (lossless)" if layer.lossless else ""
+        lines.append(f"| {layer.axis} {layer.value}{lossless} | {layer.ratio:.4g} | {share} | `{layer.config}` |")
     return lines
 
 
@@ -123,7 +122,7 @@ def sticky_marker(candidate: str, suite: str) -> str:
     return f"<!-- inference-canary gate: candidate={candidate} suite={suite} -->"
 
 
-def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, suite: str) -> str:
+def summary_markdown(gate: Gate, summary: RunOut, dashboard_url: str, suite: str) -> str:
     """A PR-comment / job-summary (its first line the sticky-comment marker): the verdict, what was
     compared (suite, documents, run), then the candidate's comparisons worst first as % change
     [95% CI] with n, then the speed and memory it gains. Informational comparisons come after the
@@ -131,16 +130,16 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
     from app.services import samples_label
 
     icon = {"pass": "✅", "warn": "⚠️", "fail": "❌", "error": "🛑"}.get(gate.verdict or "", "⏳")
-    link = f"{dashboard_url.rstrip('/')}/?page=Run+detail&run_id={summary['run_id']}"
+    link = f"{dashboard_url.rstrip('/')}/?page=Run+detail&run_id={summary.run_id}"
     lines = [sticky_marker(gate.candidate, suite), f"## {icon} inference-canary gate: **{gate.verdict or 'pending'}**",
              "",
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
-             f"({samples_label(summary)}), run {summary['run_id']}. [Open the run]({link})", ""]
-    rows: list[ComparisonOut] = [c for c in summary["comparisons"] if c.config == gate.candidate]
+             f"({samples_label(summary)}), run {summary.run_id}. [Open the run]({link})", ""]
+    rows: list[ComparisonOut] = [c for c in summary.comparisons if c.config == gate.candidate]
     # the verdict for people (app/summary.py), the step-back advice left to its own lines below
-    found = verdict_summary(rows)["groups"]
+    found = verdict_summary(rows).groups
     for group, line in ((g, ls[0]) for g, ls in found.items()):
-        lines += [f"**{group[0].upper()}{group[1:]}:** {line['findings']}", ""]
+        lines += [f"**{group[0].upper()}{group[1:]}:** {line.findings}", ""]
     rows.sort(key=lambda c: (not c.gated, -VERDICT_ORDER.get(c.verdict, 0)))
     if rows:
         lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]
@@ -151,15 +150,15 @@ def summary_markdown(gate: Gate, summary: dict[str, Any], dashboard_url: str, su
             said = " (informational)" if not c.gated else ""
             lines.append(f"| {c.metric} | {change} | {c.n} | {c.verdict}{said} | {c.rule or ''} |")
     lines += step_back_lines(summary, gate.candidate)
-    gained = gains(summary.get("figures") or {}, gate.candidate, gate.baseline)
+    gained = gains({name: summary.figures_of(name) for name in summary.figures}, gate.candidate, gate.baseline)
     if gained:
         lines += ["", "**Speed and memory:** " + "; ".join(gained) + "."]
-    reason = summary.get("verdict_reason") or ""
-    for step_back in summary.get("step_back") or []:  # said above, in its own lines: not twice
-        reason = reason.replace(f"; step back {step_back['config']}: {step_back['advice']}", "")
+    reason = summary.verdict_reason or ""
+    for step_back in summary.step_back:  # said above, in its own lines: not twice
+        reason = reason.replace(f"; step back {step_back.config}: {step_back.advice}", "")
     if reason:
         lines += ["", f"Reason: {reason}"]
-    reused = ((summary.get("figures") or {}).get(gate.baseline) or {}).get("reused_from_run")
+    reused = summary.figures_of(gate.baseline).get("reused_from_run")
     if reused:
         lines += ["", f"Baseline `{gate.baseline}`: the results of run {reused}, reused (the same model files, "
                       "config, suite, samples, code and libraries); `CANARY_GATE_REUSE_BASELINE=false` recomputes it."]

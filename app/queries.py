@@ -56,12 +56,12 @@ def gate_out(session, project, gate: Gate) -> dict:
     summary = run_summary(session, repo.get_run(session, project, gate.run_id))
     return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
-            "run_status": summary["status"], "run_verdict": summary["verdict"], "reason": summary["verdict_reason"],
+            "run_status": summary.status, "run_verdict": summary.verdict, "reason": summary.verdict_reason,
             "idempotency_key": gate.idempotency_key,
             "created_at": gate.created_at.isoformat() if gate.created_at else None,
             "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
-                                                 session.get(Suite, summary["suite_id"]).name),
-            "comparisons": [c for c in summary["comparisons"] if c.config == gate.candidate]}
+                                                 session.get(Suite, summary.suite_id).name),
+            "comparisons": [c for c in summary.comparisons if c.config == gate.candidate]}
 
 
 def gate(session, project: Project, gate_id: int) -> dict:

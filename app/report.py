@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Project, Run, Suite
-from app.schemas import ComparisonOut
+from app.schemas import ComparisonOut, RunOut
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "critical": "#c62828",
@@ -49,9 +49,9 @@ def _change(c: ComparisonOut) -> str:
     return escape(format_estimate(metric, c.estimate, c.ci_low, c.ci_high))
 
 
-def _comparisons(summary: dict[str, Any]) -> str:
-    rows: list[ComparisonOut] = sorted(summary["comparisons"], key=lambda c: (
-        c.config == summary["baseline"], not c.gated, -VERDICT_ORDER.get(c.verdict, 0), c.config, c.metric))
+def _comparisons(summary: RunOut) -> str:
+    rows: list[ComparisonOut] = sorted(summary.comparisons, key=lambda c: (
+        c.config == summary.baseline, not c.gated, -VERDICT_ORDER.get(c.verdict, 0), c.config, c.metric))
     out = ["<table><tr><th>config</th><th>metric</th><th>change vs baseline [95% CI]</th><th>n</th><th>verdict</th>"
            "<th>rule</th></tr>"]
     for c in rows:
@@ -150,10 +150,10 @@ def _worst(worst: dict[str, list[dict[str, Any]]]) -> str:
     return "".join(out) + "</table>"
 
 
-def _signals(summary: dict[str, Any]) -> str:
+def _signals(summary: RunOut) -> str:
     """The field signals the run measured: the noise floor of lossless configs, and generation health
     (an example answer where a finding has one)."""
-    rows: list[ComparisonOut] = [c for c in summary["comparisons"] if c.metric in FIELD_SIGNALS]
+    rows: list[ComparisonOut] = [c for c in summary.comparisons if c.metric in FIELD_SIGNALS]
     if not rows:
         return "<p class='dim'>Not measured in this run (no generation scorer, or no lossless config).</p>"
     out = ["<table><tr><th>config</th><th>signal</th><th>change [95% CI]</th><th>verdict</th>"
@@ -174,29 +174,29 @@ def _signals(summary: dict[str, Any]) -> str:
     return "".join(out) + "</table>"
 
 
-def render(summary: dict[str, Any], project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
+def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
     """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
     from app.services import samples_label
 
-    verdict = summary["verdict"] or summary["status"]
-    lines = (summary.get("summary") or {}).get("lines") or [summary.get("verdict_reason") or "every comparison is ok"]
+    verdict = summary.verdict or summary.status
+    lines = summary.summary.lines or [summary.verdict_reason or "every comparison is ok"]
     return "".join([
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>inference-canary run {summary['run_id']}: {escape(verdict)}</title>",
+        f"<title>inference-canary run {summary.run_id}: {escape(verdict)}</title>",
         f"<style>{STYLE}</style></head><body>",
-        f"<h1>inference-canary · project {escape(project)} · run {summary['run_id']}</h1>",
+        f"<h1>inference-canary · project {escape(project)} · run {summary.run_id}</h1>",
         f"<p>Suite <b>{escape(suite)}</b> ({escape(samples_label(summary))}), baseline "
-        f"<b>{escape(summary['baseline'] or '—')}</b>, started {_cell(summary['created_at'])}, finished "
-        f"{_cell(summary['finished_at'])}.</p>",
+        f"<b>{escape(summary.baseline or '—')}</b>, started {_cell(summary.created_at)}, finished "
+        f"{_cell(summary.finished_at)}.</p>",
         f"<div class='banner {escape(verdict)}'><p class='v'>verdict: {escape(verdict)}</p>",
         f"<pre>{escape(chr(10).join(lines))}</pre></div>",
-        "<h2>Quality lost against speed gained</h2>", trade_off_svg(summary.get("trade_off") or []),
+        "<h2>Quality lost against speed gained</h2>", trade_off_svg([p.model_dump() for p in summary.trade_off]),
         "<p class='dim'>Colour: the perplexity ratio's verdict. Vertical bars: its 95% CI; horizontal bars: the speed "
         "gain's, dashed where that comparison is inconclusive.</p>",
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
-        f"<h2>The stored reason</h2><pre>{escape(summary.get('verdict_reason') or '—')}</pre>",
+        f"<h2>The stored reason</h2><pre>{escape(summary.verdict_reason or '—')}</pre>",
         "</body></html>\n"])
 
 
@@ -206,8 +206,8 @@ def build(session: Session, project: Project, run: Run) -> str:
     from app.services import run_summary
 
     summary = run_summary(session, run)
-    candidates = [c["config"] for c in summary["configs"] if c["config"] != summary["baseline"]
-                  and c["status"] == "succeeded" and not c.get("ablation_of")]
+    candidates = [c.config for c in summary.configs if c.config != summary.baseline
+                  and c.status == "succeeded" and not c.ablation_of]
     worst = {name: [item.model_dump() for item in
                     worst_samples(run.id, project, session, config=name, metric="nll", limit=WORST_SAMPLES)["items"]]
              for name in candidates}

@@ -265,6 +265,15 @@ class RunOut(BaseModel):
     summary: VerdictSummaryOut = Field(description="the verdict for people (app/summary.py); verdict_reason and "
                                                    "comparisons hold every finding")
 
+    def figures_of(self, config: str | None) -> dict[str, Any]:
+        """A config's figures as a mapping (every field of evals.figures.RunFigures, None where not
+        measured, and any other key the engine reported); empty when it has none."""
+        found = self.figures.get(config or "")
+        return found.model_dump() if found is not None else {}
+
+    def config(self, name: str) -> RunConfigOut | None:
+        return next((c for c in self.configs if c.config == name), None)
+
 
 class RunListItem(BaseModel):
     run_id: int

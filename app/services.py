@@ -18,7 +18,7 @@ from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
 from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
-from app.schemas import ComparisonOut
+from app.schemas import ComparisonOut, FiguresOut, ProgressOut, RunConfigOut, RunOut, StepBackOut
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
 from app.summary import trade_off_points, verdict_summary
@@ -198,54 +198,41 @@ def start_run(
     return run_id, created
 
 
-def samples_label(summary: dict[str, Any], noun: str = "documents") -> str:
+def samples_label(run: RunOut, noun: str = "documents") -> str:
     """'12 documents', or '24 documents (topped up from 12)' for a run that drew more after an
     inconclusive pass (workers/top_up.py)."""
-    asked, drawn = summary["n_samples"], summary.get("samples_drawn", summary["n_samples"])
+    asked, drawn = run.n_samples, run.samples_drawn
     return f"{drawn} {noun}" + (f" (topped up from {asked})" if drawn != asked else "")
 
 
-def run_summary(session: Session, run: Run) -> dict[str, Any]:
-    """{"run_id", "status", "verdict", "baseline", "configs", "comparisons", "figures", "step_back",
-    "summary", "trade_off"}: "comparisons" are ComparisonOut (app/schemas.py; `jsonable` gives the
-    whole summary as plain JSON values), "summary" is the verdict for people, a line per breaching config, and
-    "trade_off" each candidate's quality lost against speed and memory gained (app/summary.py)."""
+def run_summary(session: Session, run: Run) -> RunOut:
+    """The run as the API gives it (app/schemas.RunOut): its configs, comparisons and figures, the
+    step-back findings, the verdict for people (`summary`) and each candidate's quality lost against
+    speed and memory gained (`trade_off`, app/summary.py). `jsonable` gives it as JSON values."""
     crs = list(run.config_runs)
     names = {cr.config_id: cr.config.name for cr in crs}
     comps = repo.comparisons(session, run.id)
-    summary: dict[str, Any] = {
-        "run_id": run.id,
-        "status": run.status,
-        "verdict": run.verdict,
-        "verdict_reason": run.verdict_reason,
-        "baseline": names.get(run.baseline_config_id),
-        "suite_id": run.suite_id,
-        "trigger": run.trigger,
-        "n_samples": run.n_samples,
-        "samples_drawn": len(run.sample_keys),
-        "seed": run.seed,
-        "created_at": run.created_at.isoformat() if run.created_at else None,
-        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-        "configs": [
-            {
-                "config": cr.config.name,
-                "spec": public_spec(cr.config.spec),
-                "status": cr.status,
-                "attempt": cr.attempt,
-                "progress": {"done": cr.progress_done, "total": cr.progress_total},
-                "error": cr.error,
-                "ablation_of": names.get(cr.config.ablation_of_id) if cr.config.ablation_of_id else None,
-                "ablation_axis": cr.config.ablation_axis,
-            }
-            for cr in crs
-        ],
-        "comparisons": [ComparisonOut.of(c, names.get(c.config_id, str(c.config_id))) for c in comps],
-        "figures": {cr.config.name: cr.figures for cr in crs if cr.figures},
-        # each breaching quality ratio of a stacked config whose ablations ran (workers/step_back.py)
-        "step_back": [{"config": names.get(c.config_id, str(c.config_id)), **(c.details or {})["step_back"]}
-                      for c in comps if (c.details or {}).get("step_back")],
-    }
-    ablations = [config["config"] for config in summary["configs"] if config["ablation_of"]]
-    summary["summary"] = verdict_summary(summary["comparisons"], summary["step_back"], summary["baseline"], ablations)
-    summary["trade_off"] = trade_off_points(summary)
-    return summary
+    configs = [
+        RunConfigOut(
+            config=cr.config.name, spec=public_spec(cr.config.spec), status=cr.status, attempt=cr.attempt,
+            progress=ProgressOut(done=cr.progress_done, total=cr.progress_total), error=cr.error,
+            ablation_of=names.get(cr.config.ablation_of_id) if cr.config.ablation_of_id else None,
+            ablation_axis=cr.config.ablation_axis)
+        for cr in crs]
+    comparisons = [ComparisonOut.of(c, names.get(c.config_id, str(c.config_id))) for c in comps]
+    # each breaching quality ratio of a stacked config whose ablations ran (workers/step_back.py)
+    step_back = [StepBackOut.model_validate({"config": names.get(c.config_id, str(c.config_id)),
+                                             **(c.details or {})["step_back"]})
+                 for c in comps if (c.details or {}).get("step_back")]
+    figures = {cr.config.name: FiguresOut.model_validate(cr.figures) for cr in crs if cr.figures}
+    baseline = names.get(run.baseline_config_id)
+    ablations = [c.config for c in configs if c.ablation_of]
+    return RunOut(
+        run_id=run.id, status=run.status, verdict=run.verdict, verdict_reason=run.verdict_reason, baseline=baseline,
+        suite_id=run.suite_id, trigger=run.trigger, n_samples=run.n_samples, samples_drawn=len(run.sample_keys),
+        seed=run.seed, created_at=run.created_at.isoformat() if run.created_at else None,
+        finished_at=run.finished_at.isoformat() if run.finished_at else None, configs=configs,
+        comparisons=comparisons, figures=figures, step_back=step_back,
+        summary=verdict_summary(comparisons, step_back, baseline, ablations),
+        trade_off=trade_off_points(configs, comparisons,
+                                   {name: f.model_dump() for name, f in figures.items()}, baseline))

@@ -14,7 +14,8 @@ group, the config whose worst finding lies furthest past its threshold comes fir
 then the one with more critical findings. At most
 `max_lines` lines in all (group headings included), the last saying how many configs are left out.
 
-The run summary's comparisons in (ComparisonOut, app/services.run_summary) and its step_back dicts; no torch.
+The run summary's comparisons (ComparisonOut) and step-back findings (StepBackOut) in, the
+summary's models out (app/schemas.py: VerdictSummaryOut, TradeOffPointOut); no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from app.schemas import ComparisonOut
+from app.schemas import (
+    ComparisonOut,
+    RunConfigOut,
+    StepBackOut,
+    SummaryLineOut,
+    TradeOffPointOut,
+    VerdictSummaryOut,
+)
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
 
 GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided")
@@ -77,7 +85,7 @@ def severity(c: ComparisonOut) -> float:
     return est / bound if bound else 0.0
 
 
-def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None) -> dict[str, Any] | None:
+def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None) -> SummaryLineOut | None:
     """The summary line of one candidate from its judged comparisons, or None when every one is ok."""
     quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
     speed = [c for c in rows if METRICS[c.metric].aspect == "speed" and c.verdict != "ok"]
@@ -99,19 +107,17 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
     text = f"{config}: {findings}" + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c.verdict == v for c in rows) for v in ("critical", "warn")}
     worst = q if group in ("drop or fix", "watch") else s
-    return {"config": config, "group": group, "text": text, "findings": findings,
-            "severity": severity(worst) if worst is not None else 0.0,
-            "critical": counts["critical"], "warn": counts["warn"],
-            "quality": q, "speed": s,
-            "advice": advice}
+    return SummaryLineOut(config=config, group=group, text=text, findings=findings,
+                          severity=severity(worst) if worst is not None else 0.0,
+                          critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
 
 
-def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[Mapping[str, Any]] = (),
+def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
-                    max_lines: int = MAX_LINES) -> dict[str, Any]:
-    """{"groups": {group: [line, ...]}, "lines": [str, ...] (at most max_lines), "more": configs
-    left out of "lines", "counts": {group: configs}}. The baseline and a stacked config's
-    single-layer ablations (a diagnosis, not a deploy) get no line of their own."""
+                    max_lines: int = MAX_LINES) -> VerdictSummaryOut:
+    """The lines by group, the text as printed (at most max_lines), how many configs it leaves
+    out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
+    diagnosis, not a deploy) get no line of their own."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -119,12 +125,11 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[Ma
             by_config.setdefault(c.config, []).append(c)
     advice: dict[str, str] = {}
     for s in step_back:  # the first (the worst ratio's) advice of each stacked config
-        if s.get("advice"):
-            advice.setdefault(s["config"], s["advice"])
+        if s.advice:
+            advice.setdefault(s.config, s.advice)
     lines = [line for config, rows in by_config.items() if (line := config_line(config, rows, advice.get(config)))]
-    lines.sort(key=lambda line: (GROUPS.index(line["group"]), -line["severity"], -line["critical"], -line["warn"],
-                                 line["config"]))
-    groups = {g: [line for line in lines if line["group"] == g] for g in GROUPS}
+    lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
+    groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
     text = _render(groups, len(lines), max_lines)
     shown = sum(line.startswith("  ") for line in text)
@@ -132,10 +137,11 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[Ma
     if more:
         plural = "s" if more != 1 else ""
         text.append(f"… and {more} more config{plural} (every finding: --wide, --json or the run page)")
-    return {"groups": groups, "lines": text, "more": more, "counts": {g: len(rows) for g, rows in groups.items()}}
+    return VerdictSummaryOut(groups=groups, lines=text, more=more,
+                             counts={g: len(rows) for g, rows in groups.items()})
 
 
-def _render(groups: Mapping[str, list[dict[str, Any]]], total: int, max_lines: int) -> list[str]:
+def _render(groups: Mapping[str, list[SummaryLineOut]], total: int, max_lines: int) -> list[str]:
     """Each group's heading and its lines, in order, stopping where the next line (with its heading,
     and a last line for the configs left out) would pass max_lines."""
     text: list[str] = []
@@ -147,29 +153,31 @@ def _render(groups: Mapping[str, list[dict[str, Any]]], total: int, max_lines: i
                 return text
             if i == 0:
                 text.append(f"{group} ({len(rows)}):")
-            text.append(f"  {line['text']}")
+            text.append(f"  {line.text}")
             shown += 1
     return text
 
 
-def trade_off_points(run: Mapping[str, Any]) -> list[dict[str, Any]]:
+def trade_off_points(configs: Iterable[RunConfigOut], comparisons: Iterable[ComparisonOut],
+                     figures: Mapping[str, Mapping[str, Any]], baseline: str | None) -> list[TradeOffPointOut]:
     """Per candidate with a perplexity ratio: quality loss % with its CI; speed gain × as the
     inverse of the paired TPOT ratio with its CI (tokens/s ratio, no CI, when not measured);
     memory saved % for a 512-token context. The baseline is the origin (0 %, 1×, 0 %). The
-    dashboard's Compare plot and `canary report` draw them (the run API's `trade_off`)."""
-    figures, base = run["figures"], run["baseline"]
-    bf = figures.get(base) or {}
+    dashboard's Compare plot and `canary report` draw them (the run API's `trade_off`).
+    `figures`: each config's figures as a mapping (RunOut.figures_of)."""
+    comparisons = list(comparisons)
+    bf = figures.get(baseline or "") or {}
 
     def memory(f: Mapping[str, Any]) -> float:
         return (f.get("weight_bytes") or 0) + 512 * (f.get("kv_bytes_per_token") or 0)
 
-    out = [{"config": f"{base} (baseline)", "loss": 0.0, "loss_low": 0.0, "loss_high": 0.0, "speed": 1.0,
-            "speed_low": 1.0, "speed_high": 1.0, "memory": 0.0, "verdict": "baseline", "speed_sure": True}]
-    for c in run["configs"]:
-        name = c["config"]
-        comps: dict[str, ComparisonOut] = {x.metric: x for x in run["comparisons"] if x.config == name}
+    out = [TradeOffPointOut(config=f"{baseline} (baseline)", loss=0.0, loss_low=0.0, loss_high=0.0, speed=1.0,
+                            speed_low=1.0, speed_high=1.0, memory=0.0, verdict="baseline", speed_sure=True)]
+    for c in configs:
+        name = c.config
+        comps: dict[str, ComparisonOut] = {x.metric: x for x in comparisons if x.config == name}
         ppl, tpot, f = comps.get("ppl_ratio"), comps.get("tpot_ratio"), figures.get(name) or {}
-        if name == base or not ppl or ppl.estimate is None:
+        if name == baseline or not ppl or ppl.estimate is None:
             continue
         speed: float | None
         low: float | None
@@ -186,9 +194,10 @@ def trade_off_points(run: Mapping[str, Any]) -> list[dict[str, Any]]:
         else:
             speed = low = high = None
             sure = False
-        out.append({"config": name, "loss": (ppl.estimate - 1) * 100,
-                    "loss_low": (ppl.ci_low - 1) * 100 if ppl.ci_low is not None else None,
-                    "loss_high": (ppl.ci_high - 1) * 100 if ppl.ci_high is not None else None,
-                    "speed": speed, "speed_low": low, "speed_high": high, "speed_sure": sure,
-                    "memory": 100 * (1 - memory(f) / max(1, memory(bf))), "verdict": ppl.verdict})
+        out.append(TradeOffPointOut(
+            config=name, loss=(ppl.estimate - 1) * 100,
+            loss_low=(ppl.ci_low - 1) * 100 if ppl.ci_low is not None else None,
+            loss_high=(ppl.ci_high - 1) * 100 if ppl.ci_high is not None else None,
+            speed=speed, speed_low=low, speed_high=high, speed_sure=sure,
+            memory=100 * (1 - memory(f) / max(1, memory(bf))), verdict=ppl.verdict))
     return out

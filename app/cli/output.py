@@ -15,7 +15,7 @@ from rich.table import Table
 from app.cli.base import VERDICT_COLORS
 
 if TYPE_CHECKING:
-    from app.schemas import ComparisonOut
+    from app.schemas import ComparisonOut, RunConfigOut, RunOut
 
 
 def metric_cell(comp: ComparisonOut | None) -> str:
@@ -34,20 +34,20 @@ def worst_comparison(comparisons: list[ComparisonOut]) -> ComparisonOut | None:
     return max(gated, key=lambda c: (VERDICT_ORDER[c.verdict], c.metric == "ppl_ratio"), default=None)
 
 
-def layers_under_their_config(configs: list[dict]) -> list[dict]:
+def layers_under_their_config(configs: list[RunConfigOut]) -> list[RunConfigOut]:
     """The run's configs in order, each stacked config's ablations (step back) right under it."""
-    layers: dict[str, list[dict]] = {}
+    layers: dict[str, list[RunConfigOut]] = {}
     for config in configs:
-        if config.get("ablation_of"):
-            layers.setdefault(config["ablation_of"], []).append(config)
+        if config.ablation_of:
+            layers.setdefault(config.ablation_of, []).append(config)
     ordered = []
     for config in configs:
-        if not config.get("ablation_of"):
-            ordered += [config, *layers.pop(config["config"], [])]
+        if not config.ablation_of:
+            ordered += [config, *layers.pop(config.config, [])]
     return ordered + [config for rest in layers.values() for config in rest]  # a layer whose config is not listed
 
 
-def _print_summary(summary: dict, wide: bool = False) -> None:
+def _print_summary(summary: RunOut, wide: bool = False) -> None:
     """The run's table on stdout. By default five columns that fit an 80-column terminal: config,
     perplexity ratio with its CI, the config's worst verdict (naming the metric when it is not
     the ratio), tok/s and KV bytes per token; --wide adds weights, KV cache, speculative settings,
@@ -55,8 +55,8 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     from app.services import samples_label
 
     out = Console(width=None if Console().is_terminal else (250 if wide else 120))
-    comparisons = {(c.config, c.metric): c for c in summary["comparisons"]}
-    table = Table(title=f"run {summary['run_id']} — baseline {summary['baseline']}, {samples_label(summary)}")
+    comparisons = {(c.config, c.metric): c for c in summary.comparisons}
+    table = Table(title=f"run {summary.run_id} — baseline {summary.baseline}, {samples_label(summary)}")
     cols = ["config", "ppl ratio [95% CI]", "verdict", "tok/s", "KV B/token"]
     if wide:
         cols[1:2] = ["weights", "kv cache", "speculative", "token ppl", "ppl ratio", "95% CI"]
@@ -65,16 +65,16 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
         left = col in ("config", "weights", "kv cache", "speculative", "verdict")
         table.add_column(col, justify="left" if left else "right")
     failures = []
-    for config in layers_under_their_config(summary["configs"]):
-        figures = summary["figures"].get(config["config"]) or {}
-        ppl = comparisons.get((config["config"], "ppl_ratio"))
-        is_base = config["config"] == summary["baseline"]
+    for config in layers_under_their_config(summary.configs):
+        figures = summary.figures_of(config.config)
+        ppl = comparisons.get((config.config, "ppl_ratio"))
+        is_base = config.config == summary.baseline
         ratio = f"{ppl.estimate:.4f}" if ppl and ppl.estimate is not None else ("baseline" if is_base else "—")
         has_ci = ppl is not None and ppl.ci_low is not None and ppl.ci_high is not None
         ci = f"[{ppl.ci_low:.4f}, {ppl.ci_high:.4f}]" if ppl and has_ci else ""
-        worst = worst_comparison([c for c in summary["comparisons"] if c.config == config["config"]])
-        quiet = is_base or config["status"] == "succeeded"  # no comparison: a baseline, or nothing to judge
-        verdict = worst.verdict if worst else ("" if quiet else config["status"])
+        worst = worst_comparison([c for c in summary.comparisons if c.config == config.config])
+        quiet = is_base or config.status == "succeeded"  # no comparison: a baseline, or nothing to judge
+        verdict = worst.verdict if worst else ("" if quiet else config.status)
         color = VERDICT_COLORS.get(verdict, "white")
         because = f" ({worst.metric})" if worst and worst.metric != "ppl_ratio" and verdict != "ok" else ""
 
@@ -82,12 +82,12 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
             return format(figures[key], fmt_spec) if figures.get(key) is not None else "—"
 
         # a stacked config's single-optimization ablation (step back): a diagnosis under its config
-        row = [f"  └ {config['ablation_axis']} alone" if config.get("ablation_of") else config["config"]]
+        row = [f"  └ {config.ablation_axis} alone" if config.ablation_of else config.config]
         if wide:
-            speculative = config["spec"].get("speculative", {})
+            speculative = config.spec.get("speculative", {})
             spec_label = ("off" if speculative.get("method", "off") == "off"
                           else f"{speculative['method']} k={speculative.get('k')}")
-            row += [config["spec"]["weights"], figures.get("kv_cache") or config["spec"].get("kv_cache", ""),
+            row += [config.spec["weights"], figures.get("kv_cache") or config.spec.get("kv_cache", ""),
                     spec_label,
                     fmt("token_ppl", ".3f"), ratio, ci]
         else:
@@ -99,15 +99,15 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
             row += [fmt("ttft_ms_p50", ".1f"), fmt("tbt_ms_p50", ".2f"),
                     f"{figures['weight_bytes'] / 1e6:.2f}" if figures.get("weight_bytes") else "—",
                     f"{acceptance:.2f}" if acceptance is not None else "",
-                    *(metric_cell(comparisons.get((config["config"], metric)))
+                    *(metric_cell(comparisons.get((config.config, metric)))
                       for metric in ("faithfulness", "exact_match", "top1_agreement"))]
         table.add_row(*row)
-        if config["error"]:
-            failures.append(f"{config['config']}: {config['error']}")
+        if config.error:
+            failures.append(f"{config.config}: {config.error}")
     out.print(table)
     for line in failures:
         out.print(f"[red]failed[/] {escape(line)}", highlight=False)
-    methods = {c.details.get("method") for c in summary["comparisons"] if c.metric == "faithfulness"} - {None}
+    methods = {c.details.get("method") for c in summary.comparisons if c.metric == "faithfulness"} - {None}
     for method in methods:
         out.print(f"faithfulness: {method}", highlight=False)
     if not wide:
@@ -117,25 +117,27 @@ def _print_summary(summary: dict, wide: bool = False) -> None:
     _print_verdict(out, summary, wide)
 
 
-def _print_verdict(out: Console, summary: dict, wide: bool) -> None:
+def _print_verdict(out: Console, summary: RunOut, wide: bool) -> None:
     """The verdict for people (app/summary.py): a line per breaching config, grouped, worst first;
     the stored reason (every finding with its rule) with --wide, or when there is no line to show."""
-    lines = (summary.get("summary") or {}).get("lines") or []
-    reason = escape(summary["verdict_reason"] or "")
+    lines = summary.summary.lines
+    reason = escape(summary.verdict_reason or "")
     if not lines:
-        out.print(f"verdict: [bold]{summary['verdict']}[/] — {reason}", highlight=False)
+        out.print(f"verdict: [bold]{summary.verdict}[/] — {reason}", highlight=False)
         return
-    out.print(f"verdict: [bold]{summary['verdict']}[/]", highlight=False)
+    out.print(f"verdict: [bold]{summary.verdict}[/]", highlight=False)
     for line in lines:
         out.print(escape(line), highlight=False, soft_wrap=True)
     if wide:
         out.print(f"every finding: {reason}", highlight=False)
 
 
-def _json_out(summary: dict) -> None:
-    keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "wall_seconds",
-            "configs", "summary"}
-    from app.schemas import jsonable
-
-    out = jsonable({k: v for k, v in summary.items() if k in keep})
+def _json_out(summary: RunOut, wall_seconds: float | None = None) -> None:
+    """The run as one JSON object: the API's RunOut fields a CI step reads, and the wall time
+    `canary run` waited when it did."""
+    keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "configs",
+            "summary"}
+    out = summary.model_dump(mode="json", include=keep)
+    if wall_seconds is not None:
+        out["wall_seconds"] = wall_seconds
     sys.stdout.write(json.dumps(out) + "\n")

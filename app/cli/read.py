@@ -58,10 +58,10 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
         from app.schemas import jsonable
 
         sys.stdout.write(json.dumps(jsonable(summary)) + "\n")
-    elif summary["status"] != "done":
-        console.print(f"run {run_id} is {summary['status']}: " + ", ".join(
-            f"{config['config']} {config['status']} {config['progress']['done']}/{config['progress']['total']}"
-            for config in summary["configs"]),
+    elif summary.status != "done":
+        console.print(f"run {run_id} is {summary.status}: " + ", ".join(
+            f"{config.config} {config.status} {config.progress.done}/{config.progress.total}"
+            for config in summary.configs),
             highlight=False)
     else:
         _print_summary(summary, wide)

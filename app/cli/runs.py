@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 if TYPE_CHECKING:
     from app.config_file import CanaryFile
+    from app.schemas import RunOut
 from app.cli.base import _ago, _log, app, console, fail
 from app.cli.output import _json_out, _print_summary
 
@@ -166,8 +168,18 @@ def _upgrade_db() -> None:
     upgrade()
 
 
+@dataclass(frozen=True)
+class Started:
+    """A run `canary run` or `canary demo` started: its summary once it ended (None when not waited
+    for) and the seconds it waited."""
+
+    run_id: int
+    summary: RunOut | None = None
+    wall_seconds: float | None = None
+
+
 def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str] | None, samples: int | None,
-                  as_json: bool, wait: bool, timeout: float = 3600, heartbeat: float = 30) -> dict:
+                  as_json: bool, wait: bool, timeout: float = 3600, heartbeat: float = 30) -> Started:
     from app import repo
     from app.db import session_scope
     from app.dispatch import InlineDispatcher, get_dispatcher
@@ -192,7 +204,7 @@ def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str]
     run_id, _ = start_run(canary_file.project, canary_file.suite(suite).name, configs, dispatcher, samples=samples)
     if not wait:
         _warn_if_nothing_executes(run_id, inline)
-        return {"run_id": run_id, "status": "queued"}
+        return Started(run_id)
     watch = RunWatch(run_id, heartbeat, bars=console.is_terminal and not as_json)
     with watch:
         while True:
@@ -209,8 +221,7 @@ def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str]
             time.sleep(0.5)
     if isinstance(dispatcher, InlineDispatcher):  # inline: this process runs the tasks
         dispatcher.drain(60)  # notifications the aggregation queued: let them go out before exiting
-    summary["wall_seconds"] = round(time.perf_counter() - started, 1)
-    return summary
+    return Started(run_id, summary, round(time.perf_counter() - started, 1))
 
 
 FAIL_ON = ("fail", "warn", "never")
@@ -250,13 +261,14 @@ def demo(
     canary_file = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]},
                                "demo config")
     try:
-        summary = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat)
+        done = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat)
     except ValueError as e:
         fail(str(e))
+    assert done.summary is not None  # waited for
     if as_json:
-        _json_out(summary)
+        _json_out(done.summary, done.wall_seconds)
     else:
-        _print_summary(summary, wide)
+        _print_summary(done.summary, wide)
         console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs",
                       highlight=False, soft_wrap=True)
 
@@ -289,16 +301,14 @@ def run(
         canary_file = load_config_file(file)
         _upgrade_db()
         names = configs.split(",") if configs else None
-        summary = _run_and_wait(canary_file, suite, names, samples, as_json, wait, timeout, heartbeat)
+        done = _run_and_wait(canary_file, suite, names, samples, as_json, wait, timeout, heartbeat)
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
-    if not wait:
-        from app.schemas import jsonable
-
-        sys.stdout.write(json.dumps(jsonable(summary)) + "\n")
+    if done.summary is None:  # --no-wait
+        sys.stdout.write(json.dumps({"run_id": done.run_id, "status": "queued"}) + "\n")
         return
     if as_json:
-        _json_out(summary)
+        _json_out(done.summary, done.wall_seconds)
     else:
-        _print_summary(summary, wide)
-    raise typer.Exit(run_exit_code(summary["verdict"], fail_on))
+        _print_summary(done.summary, wide)
+    raise typer.Exit(run_exit_code(done.summary.verdict, fail_on))

@@ -7,6 +7,8 @@ from app.gates import gains, summary_markdown
 from app.models import Gate
 from app.schemas import ComparisonOut
 
+from tests.summaries import run_out
+
 
 def comparison(metric, estimate, low, high, n, verdict, rule, informational=False, config="int4"):
     return ComparisonOut(config=config, metric=metric, estimate=estimate, ci_low=low, ci_high=high, n=n, verdict=verdict,
@@ -32,7 +34,7 @@ SUMMARY = {
 
 def test_summary_leads_with_the_verdict_suite_and_the_worst_change_with_its_ci():
     gate = Gate(candidate="int4", baseline="fp16", verdict="fail")
-    md = summary_markdown(gate, SUMMARY, "http://dash:8501/", "daily")
+    md = summary_markdown(gate, run_out(**SUMMARY), "http://dash:8501/", "daily")
     lines = md.splitlines()
     assert lines[0] == "<!-- inference-canary gate: candidate=int4 suite=daily -->"  # the sticky comment's marker
     assert lines[1] == "## ❌ inference-canary gate: **fail**"
@@ -55,16 +57,17 @@ def test_summary_leads_with_the_verdict_suite_and_the_worst_change_with_its_ci()
 
 def test_a_pending_gate_and_a_run_without_figures():
     md = summary_markdown(Gate(candidate="int4", baseline="fp16", verdict=None),
-                          {**SUMMARY, "comparisons": [], "figures": {}, "verdict_reason": None}, "http://d", "s")
+                          run_out(**{**SUMMARY, "comparisons": [], "figures": {}, "verdict_reason": None}), "http://d",
+                          "s")
     assert md.splitlines()[1] == "## ⏳ inference-canary gate: **pending**" and "|" not in md and "Speed" not in md
     assert gains({"int4": {"tokens_per_second": None}}, "int4", "fp16") == []
 
 
 def test_a_reused_baseline_is_named_with_its_run_and_its_throughput_said_to_be_timed_there():
     figures = {**SUMMARY["figures"], "fp16": {**SUMMARY["figures"]["fp16"], "reused_from_run": 5}}
-    md = summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"), {**SUMMARY, "figures": figures},
+    md = summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"), run_out(**{**SUMMARY, "figures": figures}),
                           "http://d", "daily")
     assert "throughput 1.80× the baseline's (180 vs 100 tokens/s, the baseline's timed in run 5)" in md
     assert md.splitlines()[-1].startswith("Baseline `fp16`: the results of run 5, reused (")
-    assert "reused" not in summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"), SUMMARY,
-                                            "http://d", "daily")
+    assert "reused" not in summary_markdown(Gate(candidate="int4", baseline="fp16", verdict="fail"),
+                                            run_out(**SUMMARY), "http://d", "daily")

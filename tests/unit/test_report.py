@@ -4,24 +4,21 @@ escaped, the plot's axis chosen and its labels kept apart as worked out by hand.
 from __future__ import annotations
 
 from app.report import _label_dy, render, trade_off_svg
-from app.schemas import ComparisonOut
-from app.summary import trade_off_points, verdict_summary
+from app.schemas import ComparisonOut, RunOut
+
+from tests.summaries import run_out
 
 
-def summary(name: str = "int2") -> dict:
+def summary(name: str = "int2") -> RunOut:
     comparisons = [ComparisonOut.model_validate(c) for c in (
         {"config": name, "metric": "ppl_ratio", "estimate": 1.06, "ci_low": 1.045, "ci_high": 1.08, "n": 12,
          "verdict": "critical", "rule": "CI low 1.045 ≥ critical 1.03"},
         {"config": name, "metric": "tpot_ratio", "estimate": 0.5, "ci_low": 0.4, "ci_high": 0.625, "n": 10,
          "verdict": "ok", "rule": "CI high 0.625 < warn 1.25"},
     ) for c in [{**c, "baseline_value": None, "candidate_value": None, "details": {}, "gated": True}]]
-    run = {"run_id": 3, "status": "done", "verdict": "fail", "verdict_reason": f"{name} ppl_ratio critical",
-           "baseline": "fp32", "n_samples": 12, "samples_drawn": 12, "created_at": "2026-11-26T06:00:00",
-           "finished_at": "2026-11-26T06:01:00", "figures": {}, "step_back": [], "comparisons": comparisons,
-           "configs": [{"config": "fp32", "status": "succeeded"}, {"config": name, "status": "succeeded"}]}
-    run["summary"] = verdict_summary(comparisons, baseline="fp32")
-    run["trade_off"] = trade_off_points(run)
-    return run
+    return run_out(run_id=3, verdict="fail", verdict_reason=f"{name} ppl_ratio critical", baseline="fp32",
+                   created_at="2026-11-26T06:00:00", finished_at="2026-11-26T06:01:00", comparisons=comparisons,
+                   configs=[{"config": "fp32"}, {"config": name}])
 
 
 def test_the_report_is_self_contained_and_escapes_every_name():
@@ -36,7 +33,7 @@ def test_trade_off_points_and_the_plot():
     """TPOT ratio 0.5 [0.4, 0.625] → speed gain 1/0.5 = 2× [1/0.625, 1/0.4] = [1.6, 2.5]; ppl 1.06 →
     +6 % loss [+4.5, +8]. Losses of +6 % and 0 % are within 10× of their median: a linear axis; a
     +596 % collapse beside +1 % and +2 % is not: a symmetric log axis."""
-    points = summary()["trade_off"]
+    points = [p.model_dump() for p in summary().trade_off]
     assert points[0]["config"] == "fp32 (baseline)" and points[0]["speed"] == 1.0
     cand = points[1]
     assert (round(cand["speed"], 6), round(cand["speed_low"], 6), round(cand["speed_high"], 6)) == (2.0, 1.6, 2.5)

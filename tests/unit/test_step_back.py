@@ -9,8 +9,11 @@ import pytest
 from app.config_file import ConfigFileError, parse_config
 from app.gates import step_back_lines, summary_markdown
 from app.models import Gate
+from app.schemas import RunConfigOut
 from engines.spec import OptimizationSpec, axis_value, changed_axes, single_axis_ablation
 from evals.step_back import Layer, StepBack, format_share, layer_shares
+
+from tests.summaries import run_config, run_out
 
 BASE = OptimizationSpec(engine="reference", weights="fp16")
 STACKED = OptimizationSpec(engine="reference", weights="awq-int4", kv_cache="turbo-2.5",
@@ -102,8 +105,8 @@ def test_gate_summary_lines_from_a_step_back():
                                     "ci_low": 1.5, "ci_high": 1.7, "n": 4, "rule": ""})],
                "step_back": [{"config": "s", "metric": "ppl_ratio", "stacked_ratio": 1.6, "interaction": 0.0,
                               "disable": "kv_cache", "advice": "disable kv_cache int2: 90 %", "layers": layers}]}
-    assert step_back_lines(summary, "other") == []
-    assert step_back_lines(summary, "s") == [
+    assert step_back_lines(run_out(**summary), "other") == []
+    assert step_back_lines(run_out(**summary), "s") == [
         "", "**Step back one layer:** disable kv_cache int2: 90 %.", "",
         "| layer | ppl_ratio alone | share of the loss | run alone as |", "|---|---|---|---|",
         "| kv_cache int2 | 1.5 | 90.0 % | `s~kv_cache-only` |",
@@ -122,7 +125,8 @@ def test_gate_summary_gives_the_step_back_once():
                "verdict_reason": f"s ppl_ratio critical; step back s: {advice}",
                "step_back": [{"config": "s", "metric": "ppl_ratio", "stacked_ratio": 1.6, "interaction": 0.0,
                               "disable": "kv_cache", "advice": advice, "layers": layers}]}
-    md = summary_markdown(Gate(candidate="s", baseline="fp16", verdict="fail"), summary, "http://dash/", "smoke")
+    md = summary_markdown(Gate(candidate="s", baseline="fp16", verdict="fail"), run_out(**summary), "http://dash/",
+                          "smoke")
     assert md.count("disable kv_cache int2") == 1
     assert md.rstrip().splitlines()[-1] == "Reason: s ppl_ratio critical"
 
@@ -131,12 +135,11 @@ def test_cli_table_lists_each_layer_under_its_stacked_config(capsys):
     from app.cli import _print_summary, layers_under_their_config
 
     def config(name, of=None, axis=None):
-        return {"config": name, "spec": {"weights": "fp16"}, "status": "succeeded", "error": None,
-                "ablation_of": of, "ablation_axis": axis}
+        return RunConfigOut.model_validate(run_config(name, spec={"weights": "fp16"}, ablation_of=of, ablation_axis=axis))
 
     configs = [config("fp16"), config("s~kv_cache-only", "s", "kv_cache"), config("s"), config("int8"),
                config("s~weights-only", "s", "weights")]
-    assert [c["config"] for c in layers_under_their_config(configs)] == [
+    assert [c.config for c in layers_under_their_config(configs)] == [
         "fp16", "s", "s~kv_cache-only", "s~weights-only", "int8"]
     ppl = {"metric": "ppl_ratio", "ci_low": None, "ci_high": None, "n": 4, "rule": ""}
     summary = {"run_id": 3, "baseline": "fp16", "n_samples": 4, "configs": configs, "figures": {}, "verdict": "fail",
@@ -145,7 +148,7 @@ def test_cli_table_lists_each_layer_under_its_stacked_config(capsys):
                                out({**ppl, "config": "s~kv_cache-only", "estimate": 5.37, "verdict": "critical"}),
                                out({**ppl, "config": "s~weights-only", "estimate": 1.0024, "verdict": "ok"}),
                                out({**ppl, "config": "int8", "estimate": 1.001, "verdict": "ok"})]}
-    _print_summary(summary)
+    _print_summary(run_out(**summary))
     rows = [line for line in capsys.readouterr().out.splitlines() if "│" in line and "ppl ratio" not in line]
     cells = [row.split("│")[1].strip() for row in rows]
     assert cells == ["fp16", "s", "└ kv_cache alone", "└ weights alone", "int8"]

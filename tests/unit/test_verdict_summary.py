@@ -3,7 +3,7 @@ worked out by hand."""
 
 from __future__ import annotations
 
-from app.schemas import ComparisonOut
+from app.schemas import ComparisonOut, StepBackOut
 from app.summary import MAX_LINES, finding, verdict_summary
 
 
@@ -35,9 +35,10 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
         row("int8", "ppl_ratio", 1.001, 0.99, 1.01, "ok"),
         row("int8", "exact_match", 0.5, 0.4, 0.6, "critical", informational=True),
     ]
-    advice = [{"config": "kv-int2", "metric": "ppl_ratio", "advice": "disable kv_cache int2: 100 %"}]
+    advice = [StepBackOut(config="kv-int2", metric="ppl_ratio", stacked_ratio=1.5, interaction=0.0, disable="kv_cache",
+                          advice="disable kv_cache int2: 100 %", layers=[])]
     summary = verdict_summary(rows, advice, baseline="fp16")
-    assert summary["lines"] == [
+    assert summary.lines == [
         "drop or fix (2):",
         "  kv-int2: ppl ratio +50.00% [+40.00, +60.00] critical — step back: disable kv_cache int2: 100 %",
         "  int2: ppl ratio +5.90% [+4.50, +8.20] critical; TTFT ratio +30.00% [+26.00, +40.00] warn",
@@ -48,11 +49,11 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
         "undecided (1):",
         "  kivi: ppl ratio +10.00% [+0.00, +20.00] inconclusive (about 80 samples would decide it)",
     ]
-    assert summary["more"] == 0
-    assert summary["counts"] == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1}
-    assert [round(line["severity"], 2) for line in summary["groups"]["drop or fix"]] == [1.55, 0.22]
-    int2 = summary["groups"]["drop or fix"][1]
-    assert (int2["critical"], int2["warn"], int2["quality"].metric, int2["speed"].metric) == (2, 1, "ppl_ratio",
+    assert summary.more == 0
+    assert summary.counts == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1}
+    assert [round(line.severity, 2) for line in summary.groups["drop or fix"]] == [1.55, 0.22]
+    int2 = summary.groups["drop or fix"][1]
+    assert (int2.critical, int2.warn, int2.quality.metric, int2.speed.metric) == (2, 1, "ppl_ratio",
                                                                                                      "ttft_ratio")
 
 
@@ -60,19 +61,19 @@ def test_fifteen_breaching_configs_fit_twelve_lines_with_a_count_of_the_rest():
     """15 critical configs: a heading, 10 config lines and '… and 5 more configs' = 12 lines."""
     rows = [row(f"c{i:02d}", "ppl_ratio", 1.5, 1.4, 1.6, "critical") for i in range(15)]
     summary = verdict_summary(rows)
-    assert len(summary["lines"]) == MAX_LINES == 12
-    assert summary["lines"][0] == "drop or fix (15):" and summary["lines"][1].startswith("  c00: ")
-    assert summary["lines"][-1] == "… and 5 more configs (every finding: --wide, --json or the run page)"
-    assert summary["more"] == 5 and len(summary["groups"]["drop or fix"]) == 15  # every config stays in groups
+    assert len(summary.lines) == MAX_LINES == 12
+    assert summary.lines[0] == "drop or fix (15):" and summary.lines[1].startswith("  c00: ")
+    assert summary.lines[-1] == "… and 5 more configs (every finding: --wide, --json or the run page)"
+    assert summary.more == 5 and len(summary.groups["drop or fix"]) == 15  # every config stays in groups
     # 9 critical, 6 warn: a heading and 9 lines make 10; the watch heading, its first line and the count
     # would make 13, so the summary stops at 10 and counts the 6 left out (no heading without its line)
     mixed = rows[:9] + [row(f"w{i}", "ppl_ratio", 1.2, 1.16, 1.25, "warn") for i in range(6)]
-    lines = verdict_summary(mixed)["lines"]
+    lines = verdict_summary(mixed).lines
     assert len(lines) == 11 and "watch (6):" not in lines and lines[-1].startswith("… and 6 more configs")
 
 
 def test_nothing_breaching_gives_no_line_and_a_measurement_error_is_to_fix():
-    assert verdict_summary([row("int8", "ppl_ratio", 1.0, 0.99, 1.01, "ok")])["lines"] == []
+    assert verdict_summary([row("int8", "ppl_ratio", 1.0, 0.99, 1.01, "ok")]).lines == []
     broken = verdict_summary([row("x", "ppl_ratio", None, None, None, "measurement_error")])
-    assert broken["lines"] == ["drop or fix (1):", "  x: ppl ratio measurement_error"]
+    assert broken.lines == ["drop or fix (1):", "  x: ppl ratio measurement_error"]
     assert finding(row("x", "empty_answers", 0.25, 0.1, 0.4, "critical")) == "empty 25.0% [10.0, 40.0] critical"

@@ -24,7 +24,7 @@ RESERVED_RUN_KEYS = ("gate:", "schedule:")  # the run keys app/api/routes/gates.
 def create_run(
     body: RunIn, project: ProjectDep, session: SessionDep, response: Response,
     idempotency_key: Annotated[str | None, Header(max_length=128)] = None,
-) -> dict:
+) -> RunOut:
     """Start a run of a suite over configs (baseline included); 200 with the earlier run when
     the Idempotency-Key was seen before."""
     if idempotency_key and idempotency_key.startswith(RESERVED_RUN_KEYS):
@@ -53,7 +53,7 @@ def list_runs(project: ProjectDep, session: SessionDep, limit: int = Query(50, g
 
 
 @router.get("/projects/{project}/runs/{run_id}", response_model=RunOut)
-def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> dict:
+def get_run(run_id: RowId, project: ProjectDep, session: SessionDep) -> RunOut:
     return run_summary(session, repo.get_run(session, project, run_id))
 
 
@@ -79,7 +79,7 @@ def get_run_report(run_id: RowId, project: ProjectDep, session: SessionDep) -> H
 
 @router.post("/projects/{project}/runs/{run_id}/cancel", response_model=RunOut,
              responses=error_responses(403, 409))
-def cancel_run(run_id: RowId, project: ProjectDep, session: SessionDep, key: KeyDep) -> dict:
+def cancel_run(run_id: RowId, project: ProjectDep, session: SessionDep, key: KeyDep) -> RunOut:
     """Stop a queued or running run: it ends `cancelled` (verdict error: a gate on it decides), its
     unfinished configs end `cancelled` with nothing of theirs kept; 409 once it has ended or is
     being aggregated."""
