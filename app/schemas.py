@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from pydantic_core import to_jsonable_python
 
 from app.config_file import (
@@ -102,7 +102,18 @@ class RunIn(BaseModel):
     samples: int | None = Field(None, ge=1, le=DB_INT_MAX,
                                 description="documents drawn; at most the server's samples-per-run limit")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    trigger: str = Field("manual", pattern="^(manual|schedule|gate|alert)$")
+    trigger: Literal["manual", "schedule"] = Field(
+        "manual", description="manual, or schedule for a run an outside scheduler starts; gate and alert runs are the "
+                              "canary's own (POST …/gates; an alert's escalation), queued at their own priority")
+
+    @field_validator("trigger", mode="before")
+    @classmethod
+    def _not_the_canarys_own(cls, value: Any) -> Any:
+        if value in ("gate", "alert"):
+            where = "start a gate with POST …/gates" if value == "gate" else "escalations start on their own"
+            raise ValueError(f"trigger '{value}' is kept for the canary's own runs, which it queues at their own "
+                             f"priority: {where}, or leave trigger out (manual)")
+        return value
 
 
 class SampleResultOut(BaseModel):

@@ -36,6 +36,18 @@ def test_bad_alerting_input_is_a_422_naming_the_field(project, path, body, field
     assert any((field is None or field in d["loc"]) and needle in d["msg"] for d in detail), detail
 
 
+def test_a_client_run_cannot_take_the_priority_of_a_gate_or_an_escalation(project):
+    """POST …/runs says how a run was started; gate runs go first in the queue and escalations last,
+    so a client may say manual or schedule only (security round 3: `trigger: gate` was a way to jump
+    every other tenant's queue)."""
+    for trigger, needle in (("gate", "start a gate with POST …/gates"), ("alert", "escalations start on their own"),
+                            ("nightly", "'manual' or 'schedule'")):
+        r = project.post("/projects/a/runs", json={"suite": "s", "trigger": trigger})
+        assert r.status_code == 422, r.text
+        assert any("trigger" in d["loc"] and needle in d["msg"] for d in r.json()["detail"]), r.text
+    assert project.get("/projects/a/runs").json() == []  # nothing was started
+
+
 def test_unknown_names_are_404(project):
     r = project.post("/projects/a/gates", json={"candidate": "nope", "suite": "s"})
     assert r.status_code == 404 and "nope" in r.json()["detail"]
