@@ -128,7 +128,10 @@ class ExecuteConfigRun(BaseTask):
             from workers.outbound import check_engine
 
             check_engine(spec, job.project)
-        model = job.model_path if spec.engine == "openai" else str(loadable_model(job))
+        model = job.model_path
+        if spec.engine != "openai":  # local files: the checked real paths, the draft's in the spec it loads with
+            path, spec = loadable_model(job)
+            model = str(path)
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
         key = baseline_reuse.inputs_key(job) if job.is_baseline and settings.gate_reuse_baseline else None

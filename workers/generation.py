@@ -104,4 +104,4 @@ def baseline_scorer(engine, job: Job) -> BaselineScorer:
 
         check_engine(baseline, job.project)
         return BaselineScorer(engine_cache.get_engine(job.model_path, baseline))
-    return BaselineScorer(engine_cache.get_engine(str(loadable_model(job)), baseline))
+    return BaselineScorer(engine_cache.get_engine(str(loadable_model(job)[0]), baseline))

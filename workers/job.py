@@ -65,13 +65,17 @@ def load_job(session, config_run_id: int) -> Job:
     )
 
 
-def loadable_model(job: Job) -> pathlib.Path:
+def loadable_model(job: Job) -> tuple[pathlib.Path, OptimizationSpec]:
     """The model directory to load, checked again at use against the project's model root (the
-    row may predate the root, or a symlink may have moved since it was created): its real path,
-    and its draft's check (app/model_paths.py)."""
+    row may predate the root, or a symlink may have moved since it was created), and the config's
+    spec with its draft model (if any) checked the same way: each named by the real path the check
+    resolved, so what loads is what was checked, whatever a symlink points at by then
+    (app/model_paths.py)."""
     from app.model_paths import model_dir
 
-    draft = getattr(job.spec.speculative, "draft_model", None)
+    spec = job.spec
+    draft = getattr(spec.speculative, "draft_model", None)
     if draft:
-        model_dir(draft, "speculative.draft_model", job.project)
-    return model_dir(job.model_path, "model.path", job.project)
+        real = model_dir(draft, "speculative.draft_model", job.project)
+        spec = spec.model_copy(update={"speculative": spec.speculative.model_copy(update={"draft_model": str(real)})})
+    return model_dir(job.model_path, "model.path", job.project), spec

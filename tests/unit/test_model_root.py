@@ -155,3 +155,35 @@ def test_the_worker_checks_again_at_use(sqlite_env, monkeypatch, tree):
     assert config["status"] == "failed" and config["error"].startswith("ValueError: model.path: '"), config
     assert USABLE in config["error"] and "safetensors" not in config["error"]
     get_settings.cache_clear()
+
+
+def test_the_worker_loads_the_draft_it_checked_by_its_real_path(sqlite_env, monkeypatch, tree):
+    """The draft is checked at use like the model, and the engine gets the real path the check
+    resolved: a symlink swapped after the check cannot change what loads (security round 3, M3)."""
+    import os
+
+    from app.settings import get_settings
+    from engines.spec import OptimizationSpec
+    from evals.suite import SuiteSpec
+    from workers.job import Job, loadable_model
+
+    monkeypatch.setenv("CANARY_MODEL_ROOT", str(tree))
+    monkeypatch.setenv("CANARY_MODEL_ROOT_PER_PROJECT", "true")
+    get_settings.cache_clear()
+    alpha = tree / "alpha"
+    (alpha / "draft-link").symlink_to(alpha / "draft")
+
+    def job(draft: str) -> Job:
+        spec = OptimizationSpec.model_validate({"engine": "reference", "weights": "fp32",
+                                                "speculative": {"method": "draft", "draft_model": draft, "k": 4}})
+        return Job(run_id=1, config_id=1, project="alpha", trigger="manual", is_baseline=False, spec=spec,
+                   baseline_spec=OptimizationSpec(engine="reference", weights="fp32"), calibration=None,
+                   suite_version="v", model_path=str(alpha / "m"), suite=SuiteSpec(), samples=(), prompts=0)
+
+    model, spec = loadable_model(job(str(alpha / "draft-link")))
+    assert model == alpha / "m" and spec.speculative.draft_model == os.path.realpath(alpha / "draft")
+    (alpha / "draft-link").unlink()  # pointed at another project's folder after the check: the next check refuses it
+    (alpha / "draft-link").symlink_to(tree / "beta" / "private")
+    with pytest.raises(ValueError, match="speculative.draft_model: '.*' " + USABLE):
+        loadable_model(job(str(alpha / "draft-link")))
+    get_settings.cache_clear()
