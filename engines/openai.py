@@ -20,6 +20,7 @@ server runs; the server decides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -49,6 +50,10 @@ class EndpointError(EngineLoadError):
     """The endpoint is unreachable, not OpenAI-compatible, or lacks what a scorer needs."""
 
 
+class NoTokenizer(EndpointError):
+    """The server has no tokenizer endpoint (/tokenize, or llama-cpp-python's /extras/tokenize)."""
+
+
 class OpenAIEngine:
     """``transport`` / ``async_transport``: factories of the httpx transports every request goes
     through (the service passes ones that check each URL against its outbound policy and pin the
@@ -65,7 +70,7 @@ class OpenAIEngine:
         if "base_url" not in opts:
             raise EndpointError("engine_options.base_url: required for engine 'openai', e.g. http://vllm.internal:8000/v1")
         self.spec = spec
-        self.model = model
+        self.model = str(spec.option("served_model") or model)
         self.base_url = str(opts["base_url"]).rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
         self.shown = redact_url(self.base_url)  # errors end up in a config-run's reason, shown by the API
@@ -80,6 +85,8 @@ class OpenAIEngine:
         # llama-cpp-python's server takes text prompts only (set when its /extras/tokenize answers)
         self._text_prompts = False
         self._bos_id: int | None = None
+        self._start: int | None = None  # the start token the canary prepends (_start_token)
+        self._start_known = False
         self.max_model_len = self._check_model()
 
     # -- checks ------------------------------------------------------------------------------------
@@ -111,7 +118,7 @@ class OpenAIEngine:
         out = []
         with self._client() as client:
             for req in requests:
-                seq = self._tokenize(client, req.text)  # [BOS] + the document's tokens
+                seq = self._prompt_ids(client, req.text)  # [start] + the document's tokens
                 ids = seq[1:]
                 if not ids:
                     raise ValueError(f"document '{req.doc_id}' has no tokens")
@@ -127,15 +134,56 @@ class OpenAIEngine:
                                          len(req.text.encode("utf-8")), count_words(req.text)))
         return out
 
-    def _tokenize(self, client: httpx.Client, text: str) -> list[int]:
+    def _prompt_ids(self, client: httpx.Client, text: str) -> list[int]:
+        """A prompt's token ids as the in-process engines make them: the start token, then the text's
+        tokens. The server's tokenizer makes them; where it adds no start token of its own (vLLM
+        with a tokenizer that adds none, as for Qwen or GPT-2-style models), the canary prepends
+        the model's (`_start_token`)."""
+        start = self._start_token(client)
+        if start is None:
+            return self._tokenize(client, text)
+        return [start, *self._tokenize(client, text, special=False)]
+
+    def _start_token(self, client: httpx.Client) -> int | None:
+        """None where the server's tokenizer adds the start token itself (found once, on a probe);
+        else the id to prepend: engine_options.start_token_id, or the BOS (else EOS) token the
+        server names on /tokenizer_info. An EndpointError naming the option when neither says."""
+        if self._start_known:
+            return self._start
+        special = self._tokenize(client, "a")
+        if self._text_prompts or len(special) > len(self._tokenize(client, "a", special=False)):
+            self._start = None  # llama-cpp-python's /extras/tokenize includes its BOS
+        elif self.spec.option("start_token_id") is not None:
+            self._start = int(self.spec.option("start_token_id"))
+        else:
+            self._start = self._start_from_tokenizer_info(client)
+        self._start_known = True
+        return self._start
+
+    def _start_from_tokenizer_info(self, client: httpx.Client) -> int:
+        response = client.get(f"{self.root}/tokenizer_info")
+        info = response.json() if response.status_code == 200 else {}
+        for key in ("bos_token", "eos_token"):
+            token = info.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str) and token:
+                ids = self._tokenize(client, token, special=False)
+                if len(ids) == 1:
+                    return ids[0]
+        raise EndpointError(f"engine_options.start_token_id: {self.shown}'s tokenizer adds no start token to a prompt "
+                            f"and {redact_url(self.root)}/tokenizer_info does not name one (vLLM serves it with "
+                            f"--enable-tokenizer-info-endpoint); set start_token_id to the id of the model's BOS "
+                            f"token (its EOS where it has none), which the in-process engines prepend")
+
+    def _tokenize(self, client: httpx.Client, text: str, special: bool = True) -> list[int]:
         response = client.post(f"{self.root}/tokenize",
-                               json={"model": self.model, "prompt": text, "add_special_tokens": True})
+                               json={"model": self.model, "prompt": text, "add_special_tokens": special})
         if response.status_code == 404:  # llama-cpp-python's server: /extras/tokenize, BOS included
             response = client.post(f"{self.root}/extras/tokenize", json={"model": self.model, "input": text})
             if response.status_code == 200:
                 self._text_prompts = True
         if response.status_code == 404:
-            raise EndpointError(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
+            raise NoTokenizer(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
                                 f"OpenAI-compatible server needs the server's tokenizer "
                                 f"(vLLM and engine-serve expose /tokenize, llama-cpp-python /extras/tokenize)")
         if response.is_error:
@@ -208,7 +256,21 @@ class OpenAIEngine:
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        return asyncio.run(self._generate_all(list(requests)))
+        """Streams each request. A text prompt goes as the token ids `_prompt_ids` makes (the start
+        token included, as in-process engines begin it) where the server takes ids; a server that
+        takes text only (llama-cpp-python) gets the text, after the BOS it adds itself."""
+        requests = list(requests)
+        if any(req.prompt_ids is None for req in requests):
+            with self._client() as client:
+                try:
+                    start = self._start_token(client)
+                except NoTokenizer:  # a server without /tokenize (a hosted API): its own reading of the text
+                    start = None
+                if start is not None and not self._text_prompts:
+                    requests = [req if req.prompt_ids is not None else
+                                dataclasses.replace(req, prompt_ids=tuple(self._prompt_ids(client, req.prompt)))
+                                for req in requests]
+        return asyncio.run(self._generate_all(requests))
 
     async def _generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False,

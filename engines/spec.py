@@ -110,6 +110,12 @@ ENGINE_OPTIONS: dict[str, dict[str, EngineOption]] = {
                                          "itself)"),
         "concurrency": EngineOption(int, "requests in flight at once (default 1)", 1),
         "timeout_s": EngineOption(int, "per-request timeout in seconds (default 60)", 60),
+        "served_model": EngineOption(str, "the model id the server answers to (vLLM's --served-model-name; default: "
+                                          "the config's model path)"),
+        "start_token_id": EngineOption(int, "the token every prompt starts with, as the in-process engines prepend it "
+                                            "(the model's BOS, else its EOS): only for a server whose tokenizer adds "
+                                            "none and that does not say its BOS on /tokenizer_info (vLLM: "
+                                            "--enable-tokenizer-info-endpoint)"),
         "dedicated_server": EngineOption(
             bool, "true: the server serves only the canary while it runs, so its spec-decode counter deltas are the "
                   "run's acceptance (default false: they are reported in figures.server, flagged when other traffic "

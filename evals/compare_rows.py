@@ -26,7 +26,7 @@ from evals.field import (
 from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
 from evals.metrics import METRICS
-from evals.perplexity import DocNLL
+from evals.perplexity import DocNLL, token_mismatch
 from evals.records import ConfigRecords, GenerationRecord
 from evals.stats import Comparison, Thresholds
 
@@ -89,7 +89,11 @@ def ppl_ratio(ctx: CompareContext) -> Comparison | None:
         return None
     if ctx.logprob_problem:  # NaN or impossible log-probs: no ratio is computed from them
         return sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), ctx.logprob_problem)
-    return compare.ppl_ratio(_doc_nlls(ctx.base), _doc_nlls(ctx.mine), ctx.thresholds("ppl_ratio"), seed=ctx.seed)
+    base, mine = _doc_nlls(ctx.base), _doc_nlls(ctx.mine)
+    mismatch = token_mismatch(base, mine)  # another tokenization (a start token added on one side only)
+    if mismatch:
+        return sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), mismatch)
+    return compare.ppl_ratio(base, mine, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
 
 
 def term_nll_ratio(ctx: CompareContext) -> Comparison | None:

@@ -65,6 +65,22 @@ def corpus_perplexity(docs: Sequence[DocNLL]) -> Perplexity:
     )
 
 
+def token_mismatch(baseline: Sequence[DocNLL], candidate: Sequence[DocNLL]) -> str | None:
+    """Why the two configs' documents cannot be paired token for token, or None: the first document
+    both scored with a different number of tokens, and how many more do."""
+    cand = {d.doc_id: d for d in candidate}
+    off = [(b, cand[b.doc_id]) for b in baseline if b.doc_id in cand and cand[b.doc_id].n_tokens != b.n_tokens]
+    if not off:
+        return None
+    b, c = off[0]
+    more = f" (and {len(off) - 1} more documents)" if len(off) > 1 else ""
+    hint = (" one engine begins the text with a start token the other does not (an engine: openai config can set "
+            "engine_options.start_token_id, or serve /tokenizer_info)" if abs(b.n_tokens - c.n_tokens) == 1 else
+            " they tokenize it differently")
+    return (f"token counts differ: document '{b.doc_id}' has {b.n_tokens} tokens on the baseline and {c.n_tokens} "
+            f"on this config{more}; a token perplexity ratio needs the same tokens on both sides, and{hint}")
+
+
 def pair(baseline: Sequence[DocNLL], candidate: Sequence[DocNLL]) -> list[tuple[DocNLL, DocNLL]]:
     """Documents scored by both configs, in baseline order; token counts must agree."""
     cand = {d.doc_id: d for d in candidate}

@@ -11,7 +11,7 @@ from engines.protocol import SpecStats
 from evals import sanity
 from evals.metrics import RUN_VERDICT, worst_verdict
 from evals.records import DocRecord, GenerationRecord
-from evals.stats import Comparison
+from evals.stats import Comparison, Thresholds
 
 
 def doc(key: str, nll: float, n_tokens: int = 5) -> DocRecord:
@@ -67,3 +67,28 @@ def test_a_measurement_error_keeps_the_run_from_passing_and_the_alerts_as_they_w
     assert RUN_VERDICT[worst_verdict(["measurement_error", "critical"])] == "fail"  # a measured regression still fails
     firing = AlertState({"severity": "warn", "metric": "ppl_ratio"}, "firing", 2)
     assert evaluate(firing, "measurement_error", 0.01, 1, now=None) == (firing, None)  # no data: not resolved
+
+
+def test_documents_tokenized_differently_make_a_measurement_error_that_names_the_start_token():
+    """A candidate served by a server that adds no start token scores each document with one token
+    fewer than an in-process baseline: no ratio is computed from such pairs, and the comparison
+    says why and what to set, instead of the aggregation failing the run."""
+    from evals.compare_rows import CompareContext, ppl_ratio
+    from evals.records import ConfigRecords
+
+    def records(n_tokens: dict[str, int]) -> ConfigRecords:
+        recs = ConfigRecords.empty()
+        recs.docs.update({k: doc(k, 2.0 * n, n) for k, n in n_tokens.items()})
+        return recs
+
+    base = records({"a": 81, "b": 40, "c": 12})
+    ctx = CompareContext(mine=records({"a": 80, "b": 39, "c": 12}), base=base, thresholds=Thresholds.seed)
+    c = ppl_ratio(ctx)
+    assert c.verdict == "measurement_error" and math.isnan(c.estimate)
+    assert c.rule == ("measurement error: token counts differ: document 'a' has 81 tokens on the baseline and 80 on this "
+                      "config (and 1 more documents); a token perplexity ratio needs the same tokens on both sides, and one "
+                      "engine begins the text with a start token the other does not (an engine: openai config can set "
+                      "engine_options.start_token_id, or serve /tokenizer_info)")
+    assert c.details == {"measurement_error": "token counts differ"}
+    same = CompareContext(mine=records({"a": 81, "b": 40, "c": 12}), base=base, thresholds=Thresholds.seed)
+    assert ppl_ratio(same).verdict != "measurement_error"

