@@ -13,7 +13,7 @@ import yaml
 
 from tests.conftest import ROOT
 
-SKIP = shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "dist", "*.egg-info", "*.db", "celerybeat-schedule*",
+SKIP = shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build", "dist", "*.egg-info", "*.db", "celerybeat-schedule*",
                               ".pytest_cache", "out")
 
 
