@@ -39,7 +39,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: install demo test test-fast test-interop test-vllm serve gpu-report bench
+.PHONY: install demo test test-fast test-interop test-vllm test-package serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -56,6 +56,10 @@ test-fast: $(VENV)/.installed
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
 test-interop: $(VENV)/.interop
 	$(PY) -m pytest tests/interop
+
+# The wheel a user installs, in a fresh environment with only its dependencies: demo, db upgrade, serve
+test-package: $(VENV)/.installed
+	TORCH=$(TORCH) $(PY) -m pytest tests/package
 
 # The canary against a real vLLM server (its CPU build): .ci/run runs it after test-interop
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed

@@ -184,8 +184,8 @@ class OpenAIEngine:
                 self._text_prompts = True
         if response.status_code == 404:
             raise NoTokenizer(f"{redact_url(self.root)}/tokenize is missing: perplexity over an "
-                                f"OpenAI-compatible server needs the server's tokenizer "
-                                f"(vLLM and engine-serve expose /tokenize, llama-cpp-python /extras/tokenize)")
+                              f"OpenAI-compatible server needs the server's tokenizer "
+                              f"(vLLM and engine-serve expose /tokenize, llama-cpp-python /extras/tokenize)")
         if response.is_error:
             raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {response.status_code}: {_message(response)}")
         return list(response.json()["tokens"])

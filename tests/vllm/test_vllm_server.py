@@ -26,6 +26,8 @@ from engines.spec import OptimizationSpec
 from engines.zoo import resolve_corpus_path, resolve_model_path
 
 from tests.conftest import ROOT
+from tests.http.perturb import proxy_app, shift_logprobs
+from tests.http.test_perturb_generation import serving
 from tests.loopback import free_port, wait_http
 
 VLLM_PYTHON = os.environ.get("CANARY_VLLM_PYTHON") or str(Path(ROOT) / ".venv-vllm" / "bin" / "python")
@@ -104,25 +106,53 @@ def test_vllm_generates_the_reference_engines_greedy_text_with_timings(vllm):
     assert stats is not None and stats.metrics_url is not None and stats.max_kv_cache_usage is not None
 
 
+def run_canary(tmp_path, configs: list[dict], scorers: list[str], *args: str) -> subprocess.CompletedProcess:
+    """`canary run -f` as a user runs it (inline, SQLite) over 12 held-out documents."""
+    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:12]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
+    (tmp_path / "canary.yaml").write_text(yaml.safe_dump({
+        "project": "vllm", "model": {"name": "pydoc-target", "path": "builtin:pydoc-target"}, "configs": configs,
+        "suites": [{"name": "s", "corpus": str(tmp_path / "docs.jsonl"), "samples": 12, "seed": 0, "scorers": scorers,
+                    "perplexity": {"window": 256}, "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}))
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", "CANARY_EXECUTION": "inline",
+           "CANARY_URL_ALLOWLIST": "127.0.0.1:*"}
+    env.pop("CANARY_BROKER_URL", None)
+    return subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp_path / "canary.yaml"), "--json", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def served(name: str, base: str, **fields) -> dict:
+    return {"name": name, "engine": "openai", "weights": "fp32",
+            "engine_options": {"base_url": base + "/v1", "served_model": SERVED}, **fields}
+
+
+def test_a_gate_passes_vllm_against_itself_and_fails_a_seeded_regression(vllm, tmp_path):
+    """The run's exit status as a CI gate (`--fail-on fail`), every config on the real vLLM: the
+    baseline behind the test's perturbing proxy passing answers through (tests/http/perturb.py),
+    a null candidate straight to vLLM, and a regression behind a proxy that lowers every prompt
+    token's log-prob by 0.3 nats: a perplexity exp(0.3) = 1.3499× the baseline's, past the seed
+    critical 1.30. The null passes alone; with the regression the run fails, on it only."""
+    with serving(proxy_app(vllm)) as same, serving(proxy_app(vllm, fault=shift_logprobs(0.3))) as worse:
+        configs = [served("vllm", same, baseline=True), served("null", vllm), served("worse", worse)]
+        null = run_canary(tmp_path, configs, ["perplexity"], "--configs", "null")
+        assert null.returncode == 0, null.stderr[-3000:]
+        assert json.loads(null.stdout)["verdict"] == "pass"
+        both = run_canary(tmp_path, configs, ["perplexity"])
+    assert both.returncode == 1, both.stderr[-3000:]
+    out = json.loads(both.stdout)
+    ratio = {c["config"]: c for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
+    assert out["verdict"] == "fail" and ratio["null"]["verdict"] == "ok" and ratio["worse"]["verdict"] == "critical"
+    assert abs(ratio["null"]["estimate"] - 1) < 1e-9 and abs(ratio["worse"]["estimate"] - 1.3498588) < 1e-6
+
+
 def test_a_canary_run_with_a_reference_baseline_and_vllm_as_the_candidate(vllm, tmp_path):
     """`canary run -f` as a user runs it: the in-process reference engine as the fp32 baseline and
     the same model served by vLLM as the candidate. The same weights in the same precision: a
     perplexity ratio of 1 within the per-token tolerance, and the same greedy answers."""
-    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:12]
-    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
-    (tmp_path / "canary.yaml").write_text(yaml.safe_dump({
-        "project": "vllm", "model": {"name": "pydoc-target", "path": "builtin:pydoc-target"},
-        "configs": [{"name": "reference", "baseline": True, "engine": "reference", "weights": "fp32"},
-                    {"name": "vllm", "engine": "openai", "weights": "fp32",
-                     "engine_options": {"base_url": vllm + "/v1", "served_model": SERVED, "concurrency": 4}}],
-        "suites": [{"name": "s", "corpus": str(tmp_path / "docs.jsonl"), "samples": 12, "seed": 0,
-                    "scorers": ["perplexity", "generation", "agreement"], "perplexity": {"window": 256},
-                    "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}))
-    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", "CANARY_EXECUTION": "inline",
-           "CANARY_URL_ALLOWLIST": "127.0.0.1:*"}
-    env.pop("CANARY_BROKER_URL", None)
-    r = subprocess.run([sys.executable, "-m", "app.cli", "run", "-f", str(tmp_path / "canary.yaml"), "--json",
-                        "--fail-on", "never"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = run_canary(tmp_path, [{"name": "reference", "baseline": True, "engine": "reference", "weights": "fp32"},
+                              served("vllm", vllm, engine_options={"base_url": vllm + "/v1", "served_model": SERVED,
+                                                                    "concurrency": 4})],
+                   ["perplexity", "generation", "agreement"], "--fail-on", "never")
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert all(c["status"] == "succeeded" for c in out["configs"]), [(c["config"], c["error"]) for c in out["configs"]]
