@@ -58,13 +58,13 @@ def test_a_second_gate_takes_the_first_gates_baseline_rows(sqlite_env, model_cop
     first = _gate("g1")
     second = _gate("g2")
     assert first["status"] == second["status"] == "done"
-    assert "reused_from_run" not in first["figures"]["fp16"]
+    assert first["figures"]["fp16"].get("reused_from_run") is None
     assert second["figures"]["fp16"]["reused_from_run"] == first["run_id"]
     assert second["figures"]["fp16"]["inputs_key"] == first["figures"]["fp16"]["inputs_key"]
     # every row of the baseline, value and extra (token ids, text), as the first gate computed it
     assert second["baseline_rows"] == first["baseline_rows"] and len(first["baseline_rows"]) == 10 + 2
     # the candidate ran again; its comparisons are the same figures
-    assert "reused_from_run" not in second["figures"]["int8"]
+    assert second["figures"]["int8"].get("reused_from_run") is None
     ratio = {g["run_id"]: next(c for c in g["comparisons"] if c["config"] == "int8" and c["metric"] == "ppl_ratio")
              for g in (first, second)}
     assert ratio[first["run_id"]]["estimate"] == pytest.approx(ratio[second["run_id"]]["estimate"], abs=1e-12)
@@ -80,16 +80,16 @@ def test_a_rewritten_model_file_a_manual_run_or_the_setting_off_compute_the_base
 
     _apply(model_copy)
     first = _gate("g1")
-    assert "reused_from_run" not in _gate("m1", trigger="manual")["figures"]["fp16"]  # only gates reuse
+    assert _gate("m1", trigger="manual")["figures"]["fp16"].get("reused_from_run") is None  # only gates reuse
     monkeypatch.setenv("CANARY_GATE_REUSE_BASELINE", "false")
     get_settings.cache_clear()
-    assert "reused_from_run" not in _gate("g2")["figures"]["fp16"]
+    assert _gate("g2")["figures"]["fp16"].get("reused_from_run") is None
     monkeypatch.delenv("CANARY_GATE_REUSE_BASELINE")
     get_settings.cache_clear()
     # the same path, another checkpoint: the key follows the files' content
     config = model_copy / "config.json"
     config.write_text(config.read_text() + "\n")
     changed = _gate("g3")
-    assert "reused_from_run" not in changed["figures"]["fp16"]
+    assert changed["figures"]["fp16"].get("reused_from_run") is None
     assert changed["figures"]["fp16"]["inputs_key"] != first["figures"]["fp16"]["inputs_key"]
     assert _gate("g4")["figures"]["fp16"]["reused_from_run"] == changed["run_id"]
