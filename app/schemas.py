@@ -282,9 +282,6 @@ class RunOut(BaseModel):
         found = self.figures.get(config or "")
         return found.model_dump() if found is not None else {}
 
-    def config(self, name: str) -> RunConfigOut | None:
-        return next((c for c in self.configs if c.config == name), None)
-
 
 class RunListItem(BaseModel):
     run_id: int
