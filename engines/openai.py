@@ -266,7 +266,7 @@ class OpenAIEngine:
                     start = self._start_token(client)
                 except NoTokenizer:  # a server without /tokenize (a hosted API): its own reading of the text
                     start = None
-                if start is not None and not self._text_prompts:
+                if start is not None:  # None also for a server that takes text only (_start_token)
                     requests = [req if req.prompt_ids is not None else
                                 dataclasses.replace(req, prompt_ids=tuple(self._prompt_ids(client, req.prompt)))
                                 for req in requests]
