@@ -17,7 +17,8 @@ Bandwidth fractions are against the device-to-device copy bandwidth measured in 
 meets_target is null in --smoke, whose shapes say nothing about the targets).
 
   - copy_bandwidth: 1 GiB device-to-device copy.
-  - w4a16: W4A16 GEMV (engines.kernels.w4a16) at batch 1 and batch 16 for K×N 4096×4096,
+  - w4a16: W4A16 GEMV (engines.kernels.w4a16) at batch 1 and batch 16 (and prefills of
+    64 to 1024 rows, tiled GEMM vs dequantize + matmul) for K×N 4096×4096,
     4096×14336, 14336×4096 vs torch fp16 matmul (F.linear) on the same shapes; the kernel's
     output is checked against w4a16_reference first.
   - decode_attention: TurboQuant-3, KIVI-2 (128-token fp16 window) and fp8 decode attention at
@@ -57,7 +58,7 @@ sys.path.insert(0, str(ROOT))  # as benchmarks/_common.py: the scripts run from 
 
 CONFIGS_1K = (("fp16", "fp16"), ("fp16", "fp8"), ("fp16", "kivi-2"), ("fp16", "turbo-3"),
               ("rtn-int4", "fp16"), ("rtn-int4", "turbo-3"))
-CONFIGS_LONG = (("fp16", "fp16"), ("fp16", "turbo-3"), ("fp16", "kivi-2"))
+CONFIGS_LONG = (("fp16", "fp16"), ("fp16", "fp8"), ("fp16", "turbo-3"), ("fp16", "kivi-2"))
 SECTIONS = ("w4a16", "attention", "decode", "tiny")
 
 
@@ -74,6 +75,9 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     ap.add_argument("--long-context", type=int, default=32768, help="context of the long decode runs (0: skip them)")
     ap.add_argument("--long-kv", nargs="*", default=[], help="KV formats of the long-context runs (default: all of CONFIGS_LONG)")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="the 1K decode configs to run, as weights/kv (e.g. fp16/fp16 rtn-int4/fp16; none: only the long-context "
+                         "rows; default: all of CONFIGS_1K)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate peer")
     ap.add_argument("--no-hf-static", action="store_true", help="skip transformers generate with cache_implementation='static'")
     ap.add_argument("--profile-steps", type=int, default=0,
@@ -88,6 +92,10 @@ def parse_args(argv=None):
         args.new_tokens = 4 if args.smoke else 64
     if args.smoke:
         args.iters = 1
+    known = ["/".join(c) for c in CONFIGS_1K] + ["none"]
+    bad = [c for c in args.configs if c not in known]
+    if bad:
+        ap.error(f"--configs: {', '.join(bad)} not among {' '.join(known)}")
     return args
 
 
@@ -268,8 +276,39 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[li
                 row["w4a16_bandwidth_fraction"] = round(bw, 3)
                 row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 2.0, ">= 2x torch fp16 matmul", args.smoke)
             rows.append(row)
+        for M in (32,) if args.smoke else PREFILL_ROWS:
+            rows.append(w4a16_prefill_row(clock, args, qw, qz, sc, w16, M, g, device, checks))
         _free(device)
     return rows, checks
+
+
+PREFILL_ROWS = (64, 128, 256, 1024)  # prompt rows through one int4 linear: where the dequantize path starts to win
+
+
+def w4a16_prefill_row(clock: Clock, args, qw, qz, sc, w16, M: int, g, device: str, checks: list) -> dict:
+    """A prefill of M rows through one int4 layer both ways the kernel can take it: the tiled
+    Triton GEMM, and dequantize-once then torch's matmul (the 'auto' path from DEQUANT_MIN_M
+    rows), beside fp16's matmul on the same shape; each output checked against the reference."""
+    import torch
+    import torch.nn.functional as F
+    from engines.kernels.w4a16 import DEQUANT_MIN_M, w4a16_reference, w4a16_triton
+
+    K, N = w16.shape[1], w16.shape[0]
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.float16)
+    want = w4a16_reference(x, qw, qz, sc)
+    fns = {}
+    for path in ("tiled", "dequant"):
+        c = {"check": f"w4a16 {K}x{N} prefill {M} rows, {path}",
+             **check(w4a16_triton(x, qw, qz, sc, prefill=path), want, rtol=1e-2, atol=1e-3)}
+        checks.append(c)
+        fns[path] = lambda x=x, path=path: w4a16_triton(x, qw, qz, sc, prefill=path)
+    fns["fp16"] = lambda x=x: F.linear(x, w16)
+    t = measure(clock, fns, args.iters, args.repeats)
+    best = min(("tiled", "dequant"), key=lambda p: t[p]["median"])
+    return {"K": K, "N": N, "batch": M, "prefill": True, "tiled_ms": t["tiled"], "dequant_matmul_ms": t["dequant"],
+            "torch_fp16_ms": t["fp16"], "faster_path": best, "auto_path": "dequant" if M >= DEQUANT_MIN_M else "tiled",
+            "dequant_speedup_vs_tiled": round(t["tiled"]["median"] / t["dequant"]["median"], 2),
+            "best_vs_fp16": round(t["fp16"]["median"] / t[best]["median"], 2)}
 
 
 def tinygemm_peer(w16, x) -> dict:
@@ -491,9 +530,12 @@ def build_models(a, device: str, with_hf: bool):
     return model.eval(), hf
 
 
-def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats: int, profile: int = 0) -> dict:
+def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats: int, profile: int = 0,
+               warmup_ids=None) -> dict:
     """Greedy batch-1 decode through the Decoder: run 0 warms up (autotuning, graph capture,
-    compilation) and is not counted; each counted run is a fresh Decoder: TTFT = prefill + the
+    compilation) and is not counted; warmup_ids (a long context's row: the short prompt) gives
+    run 0 another prompt, so that a 128K row pays its prefill once per counted run only, and its
+    tokens are then left out of the comparison between runs. Each counted run is a fresh Decoder: TTFT = prefill + the
     first token's argmax (one sync to read it), then one untimed step, then new − 2 timed steps
     with no host sync inside. The Decoder captures its graph in prepare(), before the clock.
     profile > 0 (CUDA): after the last run, `profile` more steps under torch.profiler, and the row
@@ -507,17 +549,18 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     extra = profile if clock.cuda else 0
     step_profile = None
     for r in range(repeats + 1):
+        run_ids = warmup_ids if r == 0 and warmup_ids is not None else ids
         dec = Decoder(model, kv_format(kv, torch.float16), 1, P + new + extra, torch.device(device), torch.float16)
         dec.prepare()  # graph capture (where it applies) before the clock, as the engine does
         out = torch.empty(new, dtype=torch.long, device=device)
         clock.sync()
         t0 = time.perf_counter()
-        logits = dec.prefill(ids)
+        logits = dec.prefill(run_ids)
         tok = logits.argmax(-1)
         out[0:1].copy_(tok)
         clock.sync()
         t1 = time.perf_counter()
-        if r == 0:
+        if prefill_logits is None and run_ids is ids:
             prefill_logits = logits[0].float().clone()
         tok = dec.step(tok).argmax(-1)
         out[1:2].copy_(tok)
@@ -540,7 +583,8 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
                 step_profile = profile_steps(dec, tok, extra)
             except Exception as e:  # noqa: BLE001 - a profiler failure costs the profile, not the row
                 step_profile = {"error": f"{type(e).__name__}: {e}"[:300]}
-        tokens.append(out.tolist())
+        if run_ids is ids:
+            tokens.append(out.tolist())
         del dec, out, logits
         if r:
             ttft.append((t1 - t0) * 1000)
@@ -553,6 +597,37 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
             "ttft_ms": spread(ttft, 2), "decode_tok_s": spread(tps, 1), "step_ms_median_per_run": spread(step_ms, 3),
             "tokens_same_every_run": all(t == tokens[0] for t in tokens), "_tokens": tokens[0], "_prefill_logits": prefill_logits,
             **({"step_profile": step_profile} if step_profile else {})}
+
+
+NEW_LENGTH_OFFSETS = (1, 5, -3)  # prompt lengths never run before in the process, around the repeated one
+
+
+def ttft_new_lengths(clock: Clock, model, kv: str, ids, device: str, repeated_ms: float) -> dict:
+    """TTFT of prompt lengths this process has not prefilled before (P+1, P+5, P−3), each the first
+    call at its length (an autotuner keyed on the exact length would time its configurations here,
+    inside TTFT), against the median TTFT of the repeated length P → the times and the worst
+    ratio. The added tokens come from a fixed generator."""
+    import torch
+    from engines.reference.decode import Decoder
+    from engines.reference.kv import kv_format
+
+    P = ids.shape[1]
+    more = torch.randint(0, model.model.embed_tokens.weight.shape[0], (1, max(NEW_LENGTH_OFFSETS)),
+                         generator=torch.Generator(device="cpu").manual_seed(7)).to(ids.device)
+    full = torch.cat([ids, more], dim=1)
+    got = {}
+    for off in NEW_LENGTH_OFFSETS:
+        L = P + off
+        dec = Decoder(model, kv_format(kv, torch.float16), 1, L + 2, torch.device(device), torch.float16)
+        dec.prepare()
+        clock.sync()
+        t0 = time.perf_counter()
+        tok = dec.prefill(full[:, :L]).argmax(-1)
+        tok.item()
+        got[str(L)] = round((time.perf_counter() - t0) * 1000, 2)
+        del dec, tok
+    worst = max(got.values()) / repeated_ms
+    return {"lengths_ms": got, "repeated_length_ms": repeated_ms, "worst_ratio": round(worst, 3)}
 
 
 def profile_steps(dec, tok, n: int, top: int = 12) -> dict:
@@ -696,7 +771,10 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
         progress(f"decode {w} weights, {kv} KV, context {P}: start")
         t = time.perf_counter()
         try:
-            r = decode_run(clock, model, kv, prompt_ids, new, device, args.repeats, args.profile_steps)
+            r = decode_run(clock, model, kv, prompt_ids, new, device, args.repeats, args.profile_steps,
+                           warmup_ids=ids if P > prompt else None)
+            if P == prompt and kv == "fp16":
+                r["ttft_new_length"] = ttft_new_lengths(clock, model, kv, prompt_ids, device, r["ttft_ms"]["median"])
         except Exception as e:  # noqa: BLE001 - reported in the row and in the run's errors; the next config runs
             import traceback
 
@@ -708,10 +786,11 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
         got = r.get("error") or f"{r['decode_tok_s']['median']} tok/s, TTFT {r['ttft_ms']['median']} ms"
         progress(f"decode {w} weights, {kv} KV, context {P}: {got} ({time.perf_counter() - t:.0f} s)")
 
+    configs_1k = [c for c in CONFIGS_1K if not args.configs or "/".join(c) in args.configs]
     with torch.inference_mode():
         model.fuse()
         _free(device)
-        for w, kv in CONFIGS_1K:
+        for w, kv in configs_1k:
             if w == "fp16":
                 run_config(w, kv, ids)
         if long_ctx:
@@ -720,19 +799,20 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
                 if not args.long_kv or kv in args.long_kv:
                     run_config(w, kv, ids_long)
             del ids_long
+        int4 = None
         try:
-            res["int4_gemv"] = quantize_int4(model, device)
-            int4 = None
+            if any(w == "rtn-int4" for w, _ in configs_1k):
+                res["int4_gemv"] = quantize_int4(model, device)
         except Exception as e:  # noqa: BLE001 - the int4 rows record it
             int4 = f"quantize_int4: {type(e).__name__}: {e}"[:500]
             errors["decode_8b rtn-int4"] = int4
-        for w, kv in CONFIGS_1K:
+        for w, kv in configs_1k:
             if w == "rtn-int4":
                 if int4:
                     runs.append((w, {"kv_cache": kv, "context": prompt, "error": int4}))
                 else:
                     run_config(w, kv, ids)
-        if not int4 and int4_batch1_triton(model):  # tinygemm served one row: the own GEMV beside it
+        if not int4 and ("rtn-int4", "fp16") in configs_1k and int4_batch1_triton(model):  # tinygemm served one row: the own GEMV beside it
             run_config("rtn-int4 (Triton GEMV)", "fp16", ids)
     smoke = args.smoke
 
@@ -758,6 +838,10 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
         elif w == "rtn-int4" and r["kv_cache"] == "fp16" and fp16:
             x = tps / fp16["decode_tok_s"]["median"]
             row["target"] = verdict(round(x, 2), x >= 2.5, ">= 2.5x fp16 tok/s", smoke)
+            new_len = r.get("ttft_new_length")
+            if new_len:
+                new_len["target"] = verdict(new_len["worst_ratio"], new_len["worst_ratio"] <= 1.1,
+                                            "a new prompt length's TTFT within 10 % of a repeated length's", smoke)
         elif w == "fp16" and r["kv_cache"] in ("turbo-3", "kivi-2"):
             base, want = (fp16, 1.0) if r["context"] == prompt else (fp16_long, 1.5)
             if base:

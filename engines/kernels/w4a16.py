@@ -5,11 +5,14 @@ packed 8 per int32 along N in the order [0, 2, 4, 6, 1, 3, 5, 7], scales fp16 pe
 Shapes: x [M, K] (fp16 / bf16 / fp32), qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
 scales [K/G, N] → y [M, N] in x's dtype.
 
-Three kernels (_w4a16_triton.py): a batch-1 GEMV (the nibbles of a word kept as a tile axis,
+Four kernels (_w4a16_triton.py): a batch-1 GEMV (the nibbles of a word kept as a tile axis,
 zero point and scale taken out of each tile's sum), a skinny GEMV for decode batches (M ≤ 16: each packed word read
 once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
 rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
-a tiled GEMM for prefill (tensor-core dots on dequantized tiles). On CUDA both autotune.
+a tiled GEMM for short prefills (tensor-core dots on dequantized tiles). On CUDA they autotune.
+A prefill of DEQUANT_MIN_M rows or more dequantizes the weight once (one pass over the packed
+words) and multiplies with torch's matmul, as vLLM's AWQ layer does from 256 rows: the GPU
+report measured the tiled GEMM at 600 ms for a 1K-token 8B prefill against fp16's 36 ms.
 
 At batch 1 on CUDA a W4A16Linear may take torch's own int4 GEMM instead (tinygemm,
 `aten._weight_int4pack_mm`, bf16 activations), which the GPU report measured 1.6–1.9× faster
@@ -31,18 +34,41 @@ def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 
 
 
 GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) the tiled GEMM
+DEQUANT_MIN_M = 128  # from this many rows: dequantize once, then torch's matmul
+PREFILL_PATHS = ("auto", "tiled", "dequant")
+
+
+def w4a16_dequantize(qweight, qzeros, scales, dtype: torch.dtype, group_size: int = 128,
+                     tune: bool | None = None) -> torch.Tensor:
+    """The weight W [K, N] = (q − z)·s in `dtype`, by one Triton pass over the packed words."""
+    from engines.kernels import _w4a16_triton as k
+
+    K, N = qweight.shape[0], qweight.shape[1] * 8
+    tune = qweight.is_cuda if tune is None else tune
+    w = torch.empty(K, N, dtype=dtype, device=qweight.device)
+    block_k, words = (16, 32) if tune else (32, 8)
+    grid = (triton_cdiv(K, block_k), triton_cdiv(N // 8, words))
+    k.dequant_kernel[grid](qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), w, N, K,
+                           GROUP=group_size, BLOCK_K=block_k, W=words, **({"num_warps": 4} if tune else {}))
+    return w
 
 
 def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
-                 tune: bool | None = None) -> torch.Tensor:
+                 tune: bool | None = None, prefill: str = "auto") -> torch.Tensor:
     """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M's power-of-two
-    bucket, N, K); without it (the interpreter) a fixed small configuration runs."""
+    bucket, N, K); without it (the interpreter) a fixed small configuration runs. prefill picks
+    the path of more than GEMV_MAX_M rows: 'auto' (dequantize from DEQUANT_MIN_M rows, else
+    the tiled GEMM), 'tiled' or 'dequant' (the benchmark measures both)."""
     from engines.kernels import _w4a16_triton as k
 
     M, K = x.shape
     N = qweight.shape[1] * 8
     if K % group_size:
         raise ValueError(f"K={K} must be a multiple of the group size {group_size}")
+    if prefill not in PREFILL_PATHS:
+        raise ValueError(f"prefill: '{prefill}' is not one of {', '.join(PREFILL_PATHS)}")
+    if M > GEMV_MAX_M and (prefill == "dequant" or (prefill == "auto" and M >= DEQUANT_MIN_M)):
+        return x @ w4a16_dequantize(qweight, qzeros, scales, x.dtype, group_size, tune)
     if M <= GEMV_MAX_M and group_size % (128 if tune or (tune is None and x.is_cuda) else 32):
         raise ValueError(f"the W4A16 GEMV reads a tile's zeros and scales once: group size {group_size} "
                          "must be a multiple of its K tile (128 when tuned)")

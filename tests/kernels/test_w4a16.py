@@ -2,11 +2,12 @@
 present). Tolerances: fp32 inputs with IEEE dots 1e-4 relative; fp16 inputs 2e-2 absolute on
 outputs of magnitude ~1 (fp16 rounding of x and W before the dot); bf16 (GPU only) 6e-2."""
 
+import engines.kernels.w4a16 as w4a16_mod
 import pytest
 import torch
 from engines.kernels import use_triton
-from engines.kernels.w4a16 import w4a16, w4a16_reference, w4a16_triton
-from engines.quant import pack_awq_gemm, quantize_groupwise
+from engines.kernels.w4a16 import DEQUANT_MIN_M, w4a16, w4a16_dequantize, w4a16_reference, w4a16_triton
+from engines.quant import dequantize_awq_gemm, pack_awq_gemm, quantize_groupwise
 
 
 def make(N, K, seed=0):
@@ -31,6 +32,38 @@ def test_kernel_matches_reference(device, M, N, K, dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     else:  # bf16 keeps 8 mantissa bits
         torch.testing.assert_close(got, want, rtol=0, atol=6e-2)
+
+
+@pytest.mark.parametrize("N,K", [(64, 128), (96, 384)])  # 96: a partial tile of packed words
+def test_dequantize_writes_the_awq_weight_in_column_order(device, N, K):
+    """The prefill's one pass over the packed words gives exactly the torch unpacking's
+    (q − z)·s, transposed to [K, N], in fp32; rounded to fp16 in fp16."""
+    qweight, qzeros, scales = (t.to(device) for t in make(N, K))
+    want = dequantize_awq_gemm(qweight, qzeros, scales.float()).T
+    torch.testing.assert_close(w4a16_dequantize(qweight, qzeros, scales, torch.float32), want, rtol=0, atol=0)
+    torch.testing.assert_close(w4a16_dequantize(qweight, qzeros, scales, torch.float16), want.half(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_long_prefill_dequantizes_once_then_matmul(device, dtype, monkeypatch):
+    """From DEQUANT_MIN_M rows 'auto' takes the dequantize-then-matmul path (one dequantization
+    per call), below it the tiled GEMM; both equal the reference, and a bad path is named."""
+    qweight, qzeros, scales = (t.to(device) for t in make(96, 384))
+    calls = []
+    real = w4a16_mod.w4a16_dequantize
+    monkeypatch.setattr(w4a16_mod, "w4a16_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for M, paths in ((DEQUANT_MIN_M, 1), (DEQUANT_MIN_M - 1, 0), (33, 1)):
+        x = torch.randn(M, 384, generator=torch.Generator().manual_seed(M)).to(device=device, dtype=dtype)
+        calls.clear()
+        got = w4a16_triton(x, qweight, qzeros, scales, prefill="dequant" if M == 33 else "auto").float()
+        assert len(calls) == paths, M
+        want = w4a16_reference(x, qweight, qzeros, scales).float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    with pytest.raises(ValueError, match="prefill: 'cublas' is not one of auto, tiled, dequant"):
+        w4a16_triton(x, qweight, qzeros, scales, prefill="cublas")
 
 
 def test_dispatch(monkeypatch):

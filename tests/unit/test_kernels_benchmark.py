@@ -58,16 +58,22 @@ def test_cpu_smoke_checks_hold_and_figures_have_spread():
     assert d["smoke"] and d["triton_interpreter"] and d["errors"] == {}
     assert d["all_checks_equal"] and {c["check"].split()[0] for c in d["checks"]} == {"w4a16", "turbo3", "kivi2", "fp8"}
     assert all(c["equal"] and c["max_abs_error"] <= c["tolerance"] for c in d["checks"])
-    assert {(r["K"], r["N"], r["batch"]) for r in d["w4a16"]} == {(128, 64, 1), (128, 64, 16)}
+    assert {(r["K"], r["N"], r["batch"]) for r in d["w4a16"]} == {(128, 64, 1), (128, 64, 16), (128, 64, 32)}
     for r in d["w4a16"]:
+        if r.get("prefill"):  # both prefill paths timed beside fp16, each checked against the reference
+            for p in ("tiled_ms", "dequant_matmul_ms", "torch_fp16_ms"):
+                assert set(r[p]) == {"median", "min", "max", "repeats"}, p
+            assert r["auto_path"] == "tiled" and r["faster_path"] in ("tiled", "dequant")
+            continue
         assert set(r["w4a16_ms"]) == set(r["torch_fp16_ms"]) == {"median", "min", "max", "repeats"}
         assert r["speedup_vs_fp16"]["target"] and r["speedup_vs_fp16"]["meets_target"] is None  # smoke says nothing
+    assert {c["check"] for c in d["checks"]} >= {"w4a16 128x64 prefill 32 rows, tiled", "w4a16 128x64 prefill 32 rows, dequant"}
     att = d["decode_attention"][0]
     assert all(att[k]["equal_to_reference"] and "median" in att[k]["ms"] for k in ("turbo3", "kivi2", "fp8"))
     dec = d["decode_8b"]
     got = {(c["weights"], c["kv_cache"], c["context"]) for c in dec["configs"]}
     assert got == {("fp16", kv, 16) for kv in ("fp16", "fp8", "kivi-2", "turbo-3")} | {
-        ("fp16", kv, 32) for kv in ("fp16", "turbo-3", "kivi-2")} | {("rtn-int4", kv, 16) for kv in ("fp16", "turbo-3")}
+        ("fp16", kv, 32) for kv in ("fp16", "fp8", "turbo-3", "kivi-2")} | {("rtn-int4", kv, 16) for kv in ("fp16", "turbo-3")}
     assert all(c["tokens_same_every_run"] and "median" in c["decode_tok_s"] for c in dec["configs"])
     fp16 = next(c for c in dec["configs"] if c["kv_cache"] == "fp16" and c["context"] == 16 and c["weights"] == "fp16")
     assert fp16["bandwidth_bound"]["tok_s"] > 0 and "150 tok/s" in fp16["target"]["target"]
@@ -89,7 +95,7 @@ def test_a_failed_check_exits_1_after_printing_the_json():
     p = run(code=code)
     assert p.returncode == 1, p.stderr[-4000:]
     d = last_json(p)
-    assert d["all_checks_equal"] is False and len(d["checks"]) == 2
+    assert d["all_checks_equal"] is False and len(d["checks"]) == 4  # batch 1, batch 16, both prefill paths
 
 
 def test_a_failing_decode_config_costs_its_row_only():
@@ -109,7 +115,7 @@ def test_a_failing_decode_config_costs_its_row_only():
     assert p.returncode == 1, p.stderr[-4000:]
     d = last_json(p)
     rows = {(c["weights"], c["kv_cache"], c["context"]): c for c in d["decode_8b"]["configs"]}
-    assert len(rows) == 9
+    assert len(rows) == 10
     bad = rows[("fp16", "kivi-2", 32)]
     assert "out of memory" in bad["error"] and "decode_tok_s" not in bad
     assert all("median" in c["decode_tok_s"] for k, c in rows.items() if k != ("fp16", "kivi-2", 32))
