@@ -12,12 +12,28 @@ import torch
 import torch.nn.functional as F
 
 
+class Causal:
+    """The mask of a first pass over slots 0…T−1 with no left padding (query t sees slots 0…t),
+    given in place of the [B, 1, T, T] tensor: attention takes SDPA's causal kernel (flash where it
+    runs) and no mask is built; a 128K prompt's would be 16 GiB. `shape` reads as the tensor's
+    would, so a store's S = mask.shape[-1] holds; `dense()` builds it where a tensor is needed."""
+
+    def __init__(self, T: int):
+        self.shape = (1, 1, T, T)
+
+    def dense(self, device) -> torch.Tensor:
+        T = self.shape[-1]
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+
+
 def masked_gqa_attention(q, k, v, mask) -> torch.Tensor:
     """SDPA with a mask under grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D];
-    mask: [B, 1, T, S], or None where every query attends every slot given. The G = H/Hkv query
+    mask: [B, 1, T, S], None where every query attends every slot given, or Causal. The G = H/Hkv query
     heads that share a kv head are folded into the query length ([B, Hkv, G·T, D]), so SDPA sees
     equal head counts: flash and memory-efficient attention refuse `enable_gqa` with a mask, and
     the math fallback would copy K and V to every query head (in fp32) on each decode step."""
+    if isinstance(mask, Causal):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     if H == Hkv:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.reference.attention import Causal
 from engines.reference.kv import KVFormat
 from engines.reference.kv.base import float_attention
 
@@ -48,9 +49,11 @@ class KVCache:
         self._seq_start = value
         self.left_padded = bool(value.any())  # read once here, never inside a decode step
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | int | None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
-        for a first pass over slots 0…T−1 with no padding (causal over the new tokens), or an int
+        for a first pass over slots 0…T−1 with no padding (causal over the new tokens; Causal: the
+        same, read through a lossy format's store, as decode.Decoder's CUDA prefill asks), or an int
         n for one new token per row that attends all of slots 0…n−1 (an eager decode step with no
         left padding: a lossless format reads just those slots with no mask; a lossy one gets the
         all-True mask as wide)."""

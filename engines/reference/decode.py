@@ -4,9 +4,12 @@
   whole static cache under a mask computed on the device from the slot index, so every step has
   the same shapes and allocates nothing the host has to wait for.
 - Prefill without left padding and with a lossless cache runs causal SDPA (flash or memory-
-  efficient) on the new keys with no mask; with padding or a lossy format, queries run a chunk
-  at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt never
-  holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk).
+  efficient) on the new keys with no mask. A lossy format on CUDA does the same over what its
+  cache holds (attention.Causal: every slot written first, then read compressed, the current one
+  too), except a windowed one (KIVI); with padding, a windowed format, or on the CPU, queries run
+  a chunk at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt
+  never holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk). On an H200
+  the chunked path had not finished an fp8-KV 128K prefill in 150 s (benchmarks/results/gpu).
 - On CUDA the decode step is captured once as a CUDA graph and replayed (docs/reference.md §12: eager
   decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
   before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
@@ -26,7 +29,7 @@ from typing import cast
 
 import torch
 
-from engines.reference.attention import query_chunk
+from engines.reference.attention import Causal, query_chunk
 from engines.reference.cache import KVCache
 from engines.reference.kv import KVFormat
 
@@ -56,11 +59,15 @@ class Decoder:
     new tokens. graphs: capture the decode step as a CUDA graph (default: on CUDA)."""
 
     def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, causal_prefill: bool | None = None):
         a = model.args
         self.model, self.fmt, self.batch, self.slots = model, fmt, batch, slots
         self.prefill_chunk = prefill_chunk  # queries per masked prefill pass (default: attention.query_chunk)
         self.device = torch.device(device)
+        # a lossy format's unpadded prefill under attention.Causal (default: on CUDA, where the
+        # format allows it); the CPU keeps the chunked masked pass its tests' figures come from
+        self.causal_prefill = fmt.causal_prefill and (self.device.type == "cuda" if causal_prefill is None
+                                                      else causal_prefill)
         self.cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, dtype, self.device, fmt)
         self.j = torch.arange(slots, device=self.device)  # [S] slot ids
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] first real slot per row
@@ -117,6 +124,8 @@ class Decoder:
         with _sdpa_backends(self.device):
             if not (self.cache.left_padded or self.fmt.lossy):  # causal flash / memory-efficient SDPA, no mask
                 logits = self.model(ids, pos, self.j[:P], self.cache, None, last_only=True)[:, -1]
+            elif self.causal_prefill and not self.cache.left_padded:  # the same over what the lossy cache holds
+                logits = self.model(ids, pos, self.j[:P], self.cache, Causal(P), last_only=True)[:, -1]
             else:
                 # a mask is needed: queries go `chunk` at a time over the slots written so far,
                 # so the mask [B, 1, C, S] and the scores stay O(chunk × P), never O(P²)

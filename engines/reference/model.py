@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.quant import dequantize_awq_gemm
+from engines.reference.attention import Causal
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -171,7 +172,7 @@ class Attention(nn.Module):
         self.qkv_proj = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, layer: int, cache, slots: torch.Tensor, mask: torch.Tensor | int | None,
+    def forward(self, x, cos, sin, layer: int, cache, slots: torch.Tensor, mask: torch.Tensor | Causal | int | None,
                 swapped: bool = False) -> torch.Tensor:
         """swapped: cos and sin are RopeTable's ([B, T, 1, D], signed sin), applied before the
         heads move ahead of the tokens; else rope_cos_sin's ([B, 1, T, D]), applied after."""
@@ -279,11 +280,13 @@ class Transformer(nn.Module):
                 mod.weight.data = mod.weight.data.t().contiguous().t()
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache,
-                mask: torch.Tensor | int | None, last_only: bool = False, hidden: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | Causal | int | None, last_only: bool = False,
+                hidden: bool = False) -> torch.Tensor:
         """ids, pos: [B, T] tokens and their RoPE positions; slots: [T] cache slots they fill;
         mask: [B, 1, T, S] True where a query may attend a slot; None: causal over the new tokens
-        (slots 0…T−1); an int n: every query attends all of slots 0…n−1 (one new token per row,
-        no padding; the cache decides how, see KVCache.attend). Returns logits [B, T, V]."""
+        (slots 0…T−1); attention.Causal: the same through a lossy cache's store; an int n: every
+        query attends all of slots 0…n−1 (one new token per row, no padding; the cache decides
+        how, see KVCache.attend). Returns logits [B, T, V]."""
         h = self.model.embed_tokens(ids)
         swapped = h.device.type == "cpu" and pos.numel() > 0
         if swapped:

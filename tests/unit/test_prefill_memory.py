@@ -60,12 +60,14 @@ def llama8b_layer(max_seq_len: int) -> Transformer:
     return model.eval()
 
 
-def largest_prefill_allocation(monkeypatch, fmt_name: str, P: int, chunk: int | None) -> tuple[int, str]:
+def largest_prefill_allocation(monkeypatch, fmt_name: str, P: int, chunk: int | None,
+                               causal: bool | None = None) -> tuple[int, str]:
     monkeypatch.setattr(F, "scaled_dot_product_attention", gpu_like_sdpa)
     model = llama8b_layer(P + 8)
     ids = torch.zeros(1, P, dtype=torch.long, device="meta")
     with torch.inference_mode(), LargestAllocation() as rec:  # the cache and the format's buffers counted too
-        d = Decoder(model, kv_format(fmt_name, torch.float16), 1, P + 8, "meta", torch.float16, prefill_chunk=chunk)
+        d = Decoder(model, kv_format(fmt_name, torch.float16), 1, P + 8, "meta", torch.float16, prefill_chunk=chunk,
+                    causal_prefill=causal)
         d.prefill(ids)
     return rec.largest, rec.op
 
@@ -74,6 +76,17 @@ def largest_prefill_allocation(monkeypatch, fmt_name: str, P: int, chunk: int | 
 def test_a_32k_prefill_of_an_8b_layer_allocates_under_4_gib(monkeypatch, fmt):
     largest, op = largest_prefill_allocation(monkeypatch, fmt, 32768, None)
     assert largest < 4 * GiB, f"{fmt}: {largest / GiB:.1f} GiB in {op}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "turbo-3", "int4", "turbo-ip-3", "kivi-2"])
+def test_the_cuda_prefill_of_a_lossy_format_builds_no_mask(monkeypatch, fmt):
+    """As the decoder runs it on CUDA: one causal pass over what the cache holds (attention.Causal),
+    no [P, P] mask; KIVI (windowed) keeps its chunks. The largest tensor is the MLP's, as in an
+    fp16 prefill: [P, 2 × 14336] fp16 at 32K, 1.75 GiB."""
+    largest, op = largest_prefill_allocation(monkeypatch, fmt, 32768, None, causal=True)
+    assert largest < 4 * GiB, f"{fmt}: {largest / GiB:.1f} GiB in {op}"
+    if fmt != "kivi-2":
+        assert largest == 32768 * 2 * 14336 * 2, op
 
 
 @pytest.mark.parametrize("fmt,at_least", [("fp8", 8), ("kivi-2", 64)])
@@ -154,3 +167,15 @@ def test_chunked_prefill_equals_one_pass_on_the_tiny_model(engine, fmt):
     for chunk in (16, 33):
         torch.testing.assert_close(runs[chunk][0], runs[P][0], rtol=1e-4, atol=1e-4)
         assert runs[chunk][1] == runs[P][1]
+    if fmt == "fp16":
+        return
+    # the CUDA default for a lossy format: one causal pass, no mask (KIVI, windowed, stays chunked)
+    d = Decoder(engine.model, kv_format(fmt, torch.float32), 1, P + 6, "cpu", torch.float32, causal_prefill=True)
+    assert d.causal_prefill == (fmt != "kivi-2")
+    d.prepare()
+    logits = d.prefill(ids)
+    toks = [int(logits.argmax())]
+    for _ in range(5):
+        toks.append(int(d.step(torch.tensor([toks[-1]])).argmax()))
+    torch.testing.assert_close(logits, runs[P][0], rtol=1e-4, atol=1e-4)
+    assert toks == runs[P][1]

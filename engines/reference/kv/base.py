@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engines.kernels import use_triton
-from engines.reference.attention import masked_gqa_attention
+from engines.reference.attention import Causal, masked_gqa_attention
 
 FP16_BITS = 16
 
@@ -31,6 +31,14 @@ class KVFormat:
     @property
     def windowed(self) -> bool:
         return False
+
+    @property
+    def causal_prefill(self) -> bool:
+        """Whether a first pass with no padding may attend under attention.Causal (SDPA's causal
+        kernel over what the cache holds, no mask built): every format whose stored slots read
+        the same for every query. A windowed one (KIVI) reads a slot raw or compressed by the
+        query's position, so its prefill keeps a mask, a chunk of queries at a time."""
+        return not self.windowed
 
     @property
     def graph_blocker(self) -> str | None:
@@ -64,10 +72,10 @@ class KVStore:
         """Tensors held beside the raw cache, counted in the cache's bytes."""
         return []
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor, seq_start: torch.Tensor,
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | Causal, seq_start: torch.Tensor,
                decode_step: bool) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
-        mask: [B, 1, T, S]; seq_start: [B] first real slot per row; decode_step: one new token
+        mask: [B, 1, T, S] or Causal; seq_start: [B] first real slot per row; decode_step: one new token
         per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
         S = mask.shape[-1]
         return float_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], slots, mask, decode_step)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.quant import minmax_quant
-from engines.reference.attention import two_tier_attention
+from engines.reference.attention import Causal, two_tier_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
 
 
@@ -84,6 +84,8 @@ class KiviStore(DequantizedStore):
         if decode_step and kernels_fit(q):
             return self._kernel_attend(layer, q, slots)
         S = mask.shape[-1]
+        if isinstance(mask, Causal):  # the decoder chunks a KIVI prefill (causal_prefill False): small here
+            mask = mask.dense(q.device)
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, seq_start, layer)
         kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
