@@ -149,28 +149,17 @@ GEMM_TILES = ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64
               (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 128, 8, 3))
 @triton.jit
 def dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, K,
-                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, W: tl.constexpr):
+                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     # a long prefill: W [K, N] = (q − z)·s written once in w's dtype and natural column order, for
-    # torch's matmul (cuBLAS) to multiply. Each program reads a [BLOCK_K, W] slab of packed words
-    # once and keeps the 8 nibbles of a word as a third axis; nibble i of word c is column
-    # 8c + AWQ_ORDER[i], so the stores of a word land in its own 8 columns.
-    NW = N // 8
-    pid_k, pid_w = tl.program_id(0), tl.program_id(1)
-    rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)  # rk·N passes 2³¹ at K·N > 2³¹
-    rw = pid_w * W + tl.arange(0, W)
-    lane = tl.arange(0, 8)
-    shift = lane * 4
-    col = rw[:, None] * 8 + ((lane % 4) * 2 + lane // 4)[None, :]  # [W, 8]: AWQ_ORDER[i] = 2(i%4) + i//4
-    ok = (rk[:, None] < K) & (rw[None, :] < NW)  # [BLOCK_K, W]
-    ok3 = ok[:, :, None] & (lane < 8)[None, None, :]
-    packed = tl.load(qw_ptr + rk[:, None] * NW + rw[None, :], mask=ok, other=0)
-    g = rk // GROUP
-    zp = tl.load(qz_ptr + g[:, None] * NW + rw[None, :], mask=ok, other=0)
-    q = (packed[:, :, None] >> shift[None, None, :]) & 0xF  # [BLOCK_K, W, 8]
-    z = (zp[:, :, None] >> shift[None, None, :]) & 0xF
-    s = tl.load(s_ptr + g[:, None, None] * N + col[None, :, :], mask=ok3, other=0.0)
-    w = (q - z).to(tl.float32) * s.to(tl.float32)
-    tl.store(w_ptr + rk[:, None, None] * N + col[None, :, :], w.to(w_ptr.dtype.element_ty), mask=ok3)
+    # torch's matmul (cuBLAS) to multiply. Each element of a [BLOCK_K, BLOCK_N] tile loads the word
+    # that holds it (8 neighbours share one, from L1), so the stores are whole contiguous rows:
+    # on an H200 2.2 TB/s at BLOCK_K 2 × BLOCK_N 1024, against 0.33 TB/s for a first version that
+    # kept a word's 8 nibbles as a tile axis (benchmarks/results/gpu, run 7's sweep)
+    rk = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)  # rk·N passes 2³¹ at K·N > 2³¹
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, rk, rn, N, K, GROUP)
+    tl.store(w_ptr + rk[:, None] * N + rn[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=(rk[:, None] < K) & (rn[None, :] < N))
 
 
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program; Hopper allows 227 KiB
