@@ -4,8 +4,10 @@ outside CI a missing service skips loudly, under CI=true it fails."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
+import tempfile
 import uuid
 
 import pytest
@@ -81,3 +83,33 @@ def pytest_collection_modifyitems(config, items):
             continue
         if folder in INTEGRATION_FOLDERS:
             item.add_marker(pytest.mark.integration)
+
+
+# -- the fault-injection table -------------------------------------------------------------------
+# tests/faults records one row per fault (tests/faults/conftest.py `record`) into a file named here,
+# so that the table is whole when pytest-xdist runs those tests in worker processes; the controller
+# (or a run without xdist) prints it at the end.
+FAULT_REPORT_ENV = "CANARY_FAULT_REPORT"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller: its workers inherit the variable
+        fd, path = tempfile.mkstemp(prefix="canary-fault-report-", suffix=".jsonl")
+        os.close(fd)
+        os.environ[FAULT_REPORT_ENV] = path
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = os.environ.get(FAULT_REPORT_ENV)
+    if hasattr(config, "workerinput") or not path or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    os.unlink(path)
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section("fault injection")
+    tr.write_line(f"{'fault':<44} {'attempted':>9} {'completed':>9} {'lost':>5} {'dups':>5}  note")
+    for r in rows:
+        tr.write_line(f"{r['fault']:<44} {r['attempted']:>9} {r['completed']:>9} {r['lost']:>5} {r['duplicates']:>5}  {r['note']}")

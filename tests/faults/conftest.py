@@ -5,11 +5,12 @@ test can kill -9 or SIGSTOP a whole worker (main process and pool child) as a no
 
 Settings are shortened so faults resolve in seconds: an 8 s lease, the reconciler every 2 s,
 re-enqueue after 2 s. Each test records a row (fault, runs attempted, completed, results lost,
-duplicates) that the session prints as a table at the end."""
+duplicates) that the session prints as a table at the end (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -23,11 +24,10 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.conftest import ROOT, throwaway_pg_database
+from tests.conftest import FAULT_REPORT_ENV, ROOT, throwaway_pg_database
 from tests.loopback import free_port, wait_http
 
 LEASE_SECONDS = 8
-REPORT: list[dict] = []
 
 
 def _missing(what: str) -> None:
@@ -346,15 +346,12 @@ def double_finishes(st: FaultStack, succeeded: int) -> int:
 
 
 def record(fault: str, attempted: int, completed: int, lost: int, duplicates: int, note: str = "") -> None:
-    REPORT.append({"fault": fault, "attempted": attempted, "completed": completed, "lost": lost,
-                   "duplicates": duplicates, "note": note})
-
-
-def pytest_terminal_summary(terminalreporter):
-    if not REPORT:
-        return
-    tr = terminalreporter
-    tr.section("fault injection")
-    tr.write_line(f"{'fault':<44} {'attempted':>9} {'completed':>9} {'lost':>5} {'dups':>5}  note")
-    for r in REPORT:
-        tr.write_line(f"{r['fault']:<44} {r['attempted']:>9} {r['completed']:>9} {r['lost']:>5} {r['duplicates']:>5}  {r['note']}")
+    """One row of the session's fault table. Under pytest-xdist (`make test` runs this folder two
+    at a time) each worker appends to the file tests/conftest.py named for the session, and the
+    controller prints the table from it."""
+    row = {"fault": fault, "attempted": attempted, "completed": completed, "lost": lost,
+           "duplicates": duplicates, "note": note}
+    path = os.environ.get(FAULT_REPORT_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
