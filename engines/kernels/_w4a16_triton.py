@@ -147,6 +147,8 @@ def gemv1_configs():
 
 GEMM_TILES = ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
               (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 128, 8, 3))
+
+
 @triton.jit
 def dequant_kernel(qw_ptr, qz_ptr, s_ptr, w_ptr, N, K,
                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
