@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model")
     ap.add_argument("--long-context", type=int, default=32768, help="context of the long decode runs (0: skip them)")
     ap.add_argument("--long-kv", nargs="*", default=[], help="KV formats of the long-context runs (default: all of CONFIGS_LONG)")
+    ap.add_argument("--prefill-rows", type=int, nargs="*", default=None,
+                    help=f"rows of the W4A16 prefill figures (default {' '.join(map(str, PREFILL_ROWS))})")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="the 1K decode configs to run, as weights/kv (e.g. fp16/fp16 rtn-int4/fp16; none: only the long-context "
                          "rows; default: all of CONFIGS_1K)")
@@ -96,6 +98,8 @@ def parse_args(argv=None):
     bad = [c for c in args.configs if c not in known]
     if bad:
         ap.error(f"--configs: {', '.join(bad)} not among {' '.join(known)}")
+    if any(m < 1 for m in args.prefill_rows or ()):
+        ap.error("--prefill-rows: every count must be at least 1")
     return args
 
 
@@ -276,7 +280,7 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[li
                 row["w4a16_bandwidth_fraction"] = round(bw, 3)
                 row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 2.0, ">= 2x torch fp16 matmul", args.smoke)
             rows.append(row)
-        for M in (32,) if args.smoke else PREFILL_ROWS:
+        for M in (32,) if args.smoke else (args.prefill_rows or PREFILL_ROWS):
             rows.append(w4a16_prefill_row(clock, args, qw, qz, sc, w16, M, g, device, checks))
         _free(device)
     return rows, checks

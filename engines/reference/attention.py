@@ -92,3 +92,73 @@ def two_tier_attention(q, k, v, kq, vq, mask, ck, cv, chunk: int | None = None) 
         del scores
         outs.append((p * cvc) @ vq + (p * ~cvc) @ v)  # [B, Hkv, G, C, D]
     return torch.cat(outs, dim=3).reshape(B, H, T, D)
+
+
+def causal_attention_lse(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over equal head counts, q, k, v: [B, H, T, D] → (out [B, H, T, D], each
+    query's log-sum-exp of its scaled scores [B, H, T] in fp32, natural log): what two partial
+    attentions need to merge. Flash attention's own kernels give both (memory-efficient attention
+    for fp32 on CUDA); SDPA's public call returns no log-sum-exp."""
+    T = q.shape[2]
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+    elif q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[:2]
+    else:  # the CPU's flash attention (meta included)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
+    return out, lse[..., :T].float()  # memory-efficient attention pads the query axis of lse
+
+
+def windowed_causal_attention(q, k, v, kq, vq, residual: int) -> torch.Tensor:
+    """KIVI's two-tier attention for a first pass over slots 0…T−1 with no padding (Causal), with
+    no [T, T] mask or scores. q: [B, H, T, D]; k, v raw and kq, vq dequantized: [B, Hkv, T, D];
+    R = residual. Query t reads
+      - far: slots j < t − R, key and value compressed: one causal flash pass over kq, vq with the
+        queries shifted R + 1 slots on;
+      - near: slots t − R ≤ j ≤ t, values raw, keys compressed below R·⌊t/R⌋ (the last key flush)
+        and raw from there: at most R + 1 slots, in blocks of R queries over the 2R slots before
+        their block's end (the previous block's keys compressed, the block's own raw);
+    and the two parts merge by their log-sum-exps. The same as two_tier_attention under the
+    masks of KiviKV's boundaries (boundary_k(n) = R⌊(n−1)/R⌋, boundary_v(n) = n − 1 − R)."""
+    B, H, T, D = q.shape
+    Hkv, R = k.shape[1], residual
+    G = H // Hkv
+    nb = -(-T // R)
+    pad = nb * R - T
+
+    def blocks(x):  # [B, Hkv, T, D] → [B, Hkv, nb, R, D], zeros after slot T − 1
+        return F.pad(x, (0, 0, 0, pad)).reshape(B, Hkv, nb, R, D)
+
+    def previous(x):  # block b − 1 beside block b (zeros before block 0)
+        return F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :nb]
+
+    kb, vb = blocks(k), blocks(v)
+    kn = torch.cat([previous(blocks(kq)), kb], dim=3)[:, :, None]  # [B, Hkv, 1, nb, 2R, D]
+    vn = torch.cat([previous(vb), vb], dim=3)[:, :, None]
+    qb = F.pad(q, (0, 0, 0, pad)).reshape(B, Hkv, G, nb, R, D)
+    # query r of block b is t = bR + r; near slot c is j = (b − 1)R + c: t − R ≤ j ≤ t ⟺ r ≤ c ≤ R + r
+    r, c = torch.arange(R, device=q.device)[:, None], torch.arange(2 * R, device=q.device)[None, :]
+    near = ((c >= r) & (c <= R + r))[None].repeat(nb, 1, 1)  # [nb, R, 2R]
+    near[0, :, :R] = False  # no slots before 0
+    per_block = B * H * R * 2 * R * 4
+    step = max(1, SCORE_BYTES // per_block)
+    outs, lses = [], []
+    for b0 in range(0, nb, step):
+        s = (qb[:, :, :, b0 : b0 + step] @ kn[:, :, :, b0 : b0 + step].transpose(-1, -2)).float() * D**-0.5
+        s = s.masked_fill(~near[b0 : b0 + step], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, nb', R]: every query reads itself, so finite
+        outs.append(torch.exp(s - lse[..., None]).to(v.dtype) @ vn[:, :, :, b0 : b0 + step])
+        lses.append(lse)
+        del s
+    out = torch.cat(outs, dim=3).reshape(B, H, nb * R, D)[:, :, :T]
+    lse_near = torch.cat(lses, dim=3).reshape(B, H, nb * R)[:, :, :T]
+    if T <= R + 1:  # no query has a slot more than R before it
+        return out
+    F0 = T - R - 1  # far: queries R + 1 … T − 1 over slots 0 … T − R − 2
+    expand = lambda x: x[:, :, None, :F0].expand(B, Hkv, G, F0, D).reshape(B, H, F0, D)  # noqa: E731
+    out_far, lse_far = causal_attention_lse(q[:, :, R + 1 :], expand(kq), expand(vq))
+    lse_n = lse_near[:, :, R + 1 :]
+    total = torch.logaddexp(lse_far, lse_n)
+    merged = (torch.exp(lse_far - total)[..., None] * out_far.float()
+              + torch.exp(lse_n - total)[..., None] * out[:, :, R + 1 :].float())
+    return torch.cat([out[:, :, : R + 1], merged.to(q.dtype)], dim=2)

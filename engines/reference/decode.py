@@ -6,8 +6,8 @@
 - Prefill without left padding and with a lossless cache runs causal SDPA (flash or memory-
   efficient) on the new keys with no mask. A lossy format on CUDA does the same over what its
   cache holds (attention.Causal: every slot written first, then read compressed, the current one
-  too), except a windowed one (KIVI); with padding, a windowed format, or on the CPU, queries run
-  a chunk at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt
+  too; KIVI's window by attention.windowed_causal_attention); with padding, or on the CPU by
+  default, queries run a chunk at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt
   never holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk). On an H200
   the chunked path had not finished an fp8-KV 128K prefill in 150 s (benchmarks/results/gpu).
 - On CUDA the decode step is captured once as a CUDA graph and replayed (docs/reference.md §12: eager

@@ -76,3 +76,23 @@ def test_decode_attention_matches_reference(device, bits, block_s):
     raw = decode_attention_reference(*args[:9], args[9], torch.zeros(2, dtype=torch.long, device=device),
                                      torch.zeros(2, dtype=torch.long, device=device), bits=bits)
     assert (raw - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kivi_causal_prefill_attention_on_the_device(device, dtype):
+    """windowed_causal_attention (a KIVI prefill under attention.Causal) takes the device's own
+    flash kernel with its log-sum-exp (memory-efficient attention in fp32 on CUDA): equal to the
+    two-tier attention under KIVI's masks, computed in fp32 on the CPU."""
+    from engines.reference.attention import two_tier_attention, windowed_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D, R = 1, 8, 2, 300, 64, 128
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v, kq, vq = (torch.randn(B, Hkv, T, D, generator=g) for _ in range(4))
+    t, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    masks = [m[None, None].expand(B, 1, T, T) for m in (j <= t, j < (t // R) * R, j < t - R)]
+    want = two_tier_attention(q, k, v, kq, vq, *masks)
+    got = windowed_causal_attention(*(x.to(device, dtype) for x in (q, k, v, kq, vq)), R)
+    assert got.dtype == dtype and got.device.type == device
+    tol = 2e-3 if dtype == torch.float16 else 1e-4
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)

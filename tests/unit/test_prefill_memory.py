@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engines.reference import attention
-from engines.reference.attention import query_chunk, two_tier_attention
+from engines.reference.attention import query_chunk, two_tier_attention, windowed_causal_attention
 from engines.reference.decode import Decoder
 from engines.reference.kv import kv_format
 from engines.reference.model import ModelArgs, Transformer, rope_inv_freq
@@ -81,12 +81,10 @@ def test_a_32k_prefill_of_an_8b_layer_allocates_under_4_gib(monkeypatch, fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "turbo-3", "int4", "turbo-ip-3", "kivi-2"])
 def test_the_cuda_prefill_of_a_lossy_format_builds_no_mask(monkeypatch, fmt):
     """As the decoder runs it on CUDA: one causal pass over what the cache holds (attention.Causal),
-    no [P, P] mask; KIVI (windowed) keeps its chunks. The largest tensor is the MLP's, as in an
-    fp16 prefill: [P, 2 × 14336] fp16 at 32K, 1.75 GiB."""
+    no [P, P] mask; KIVI's window in blocks beside a causal pass. The largest tensor is the MLP's,
+    as in an fp16 prefill: [P, 2 × 14336] fp16 at 32K, 1.75 GiB."""
     largest, op = largest_prefill_allocation(monkeypatch, fmt, 32768, None, causal=True)
-    assert largest < 4 * GiB, f"{fmt}: {largest / GiB:.1f} GiB in {op}"
-    if fmt != "kivi-2":
-        assert largest == 32768 * 2 * 14336 * 2, op
+    assert largest == 32768 * 2 * 14336 * 2, f"{fmt}: {largest / GiB:.2f} GiB in {op}"
 
 
 @pytest.mark.parametrize("fmt,at_least", [("fp8", 8), ("kivi-2", 64)])
@@ -132,6 +130,36 @@ def test_two_tier_attention_in_chunks_equals_the_single_pass(chunk):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,R", [(5, 8), (8, 8), (9, 8), (10, 8), (40, 8), (41, 16), (100, 16)])
+def test_windowed_causal_attention_equals_two_tier_attention_under_kivis_masks(T, R):
+    # KIVI's boundaries for query t (sequence length n = t + 1): keys compressed below R⌊t/R⌋,
+    # values below t − R; T ≤ R + 1 leaves no far part, T = 9, R = 8 exactly one far slot
+    g = torch.Generator().manual_seed(T)
+    B, H, Hkv, D = 2, 8, 2, 16
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v, kq, vq = (torch.randn(B, Hkv, T, D, generator=g) for _ in range(4))
+    t, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    fmt = kv_format("kivi-2", torch.float32)
+    fmt.residual = R
+    n = t + 1
+    ck, cv = j < fmt.boundary_k(n), j < fmt.boundary_v(n)
+    assert ck.equal(j < (t // R) * R) and cv.equal(j < t - R)
+    masks = [(m)[None, None].expand(B, 1, T, T) for m in (j <= t, ck, cv)]
+    want = two_tier_reference(q, k, v, kq, vq, *masks)
+    torch.testing.assert_close(windowed_causal_attention(q, k, v, kq, vq, R), want, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_causal_attention_holds_no_scores_over_the_prompt(monkeypatch):
+    # half a block of fp32 scores per query at most ([B, H, chunk of blocks, R, 2R]), not [T, T]
+    monkeypatch.setattr(attention, "SCORE_BYTES", 1 << 20)
+    B, H, Hkv, T, D, R = 1, 4, 2, 1000, 8, 16
+    with LargestAllocation() as rec:
+        q = torch.zeros(B, H, T, D, device="meta")
+        k = torch.zeros(B, Hkv, T, D, device="meta")
+        windowed_causal_attention(q, k, k, k, k, R)
+    assert rec.largest <= max(B * H * T * D * 4, 1 << 20), rec.op
+
+
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("pydantic")
@@ -169,9 +197,9 @@ def test_chunked_prefill_equals_one_pass_on_the_tiny_model(engine, fmt):
         assert runs[chunk][1] == runs[P][1]
     if fmt == "fp16":
         return
-    # the CUDA default for a lossy format: one causal pass, no mask (KIVI, windowed, stays chunked)
+    # the CUDA default for a lossy format: one causal pass, no mask (KIVI: windowed_causal_attention)
     d = Decoder(engine.model, kv_format(fmt, torch.float32), 1, P + 6, "cpu", torch.float32, causal_prefill=True)
-    assert d.causal_prefill == (fmt != "kivi-2")
+    assert d.causal_prefill
     d.prepare()
     logits = d.prefill(ids)
     toks = [int(logits.argmax())]

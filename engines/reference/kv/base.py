@@ -36,8 +36,9 @@ class KVFormat:
     def causal_prefill(self) -> bool:
         """Whether a first pass with no padding may attend under attention.Causal (SDPA's causal
         kernel over what the cache holds, no mask built): every format whose stored slots read
-        the same for every query. A windowed one (KIVI) reads a slot raw or compressed by the
-        query's position, so its prefill keeps a mask, a chunk of queries at a time."""
+        the same for every query. A windowed one reads a slot raw or compressed by the query's
+        position, so it needs attention of its own for this (KIVI has one), else a mask, a chunk
+        of queries at a time."""
         return not self.windowed
 
     @property

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.quant import minmax_quant
-from engines.reference.attention import Causal, two_tier_attention
+from engines.reference.attention import Causal, two_tier_attention, windowed_causal_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
 
 
@@ -27,6 +27,12 @@ class KiviKV(KVFormat):
 
     @property
     def windowed(self) -> bool:
+        return True
+
+    @property
+    def causal_prefill(self) -> bool:
+        """An unpadded first pass knows every query's window from its position alone: far slots
+        through one causal flash pass, the near window in blocks (windowed_causal_attention)."""
         return True
 
     def boundary_k(self, n):
@@ -84,11 +90,11 @@ class KiviStore(DequantizedStore):
         if decode_step and kernels_fit(q):
             return self._kernel_attend(layer, q, slots)
         S = mask.shape[-1]
-        if isinstance(mask, Causal):  # the decoder chunks a KIVI prefill (causal_prefill False): small here
-            mask = mask.dense(q.device)
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, seq_start, layer)
         kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        if isinstance(mask, Causal):  # slots 0…S−1, no padding: no [S, S] mask or scores
+            return windowed_causal_attention(q, keys, values, kq, vq, self.fmt.residual)
         ck = _compressed_mask(slots, S, seq_start, self.fmt.boundary_k)
         cv = _compressed_mask(slots, S, seq_start, self.fmt.boundary_v)
         return two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
