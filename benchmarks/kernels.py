@@ -286,7 +286,7 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[li
     return rows, checks
 
 
-PREFILL_ROWS = (64, 128, 256, 1024)  # prompt rows through one int4 linear: where the dequantize path starts to win
+PREFILL_ROWS = (24, 64, 256, 1024)  # prompt rows through one int4 linear (the dequantize path from 17)
 
 
 def w4a16_prefill_row(clock: Clock, args, qw, qz, sc, w16, M: int, g, device: str, checks: list) -> dict:
@@ -295,7 +295,7 @@ def w4a16_prefill_row(clock: Clock, args, qw, qz, sc, w16, M: int, g, device: st
     rows), beside fp16's matmul on the same shape; each output checked against the reference."""
     import torch
     import torch.nn.functional as F
-    from engines.kernels.w4a16 import DEQUANT_MIN_M, w4a16_reference, w4a16_triton
+    from engines.kernels.w4a16 import DEQUANT_MIN_M, GEMV_MAX_M, w4a16_reference, w4a16_triton
 
     K, N = w16.shape[1], w16.shape[0]
     x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.float16)
@@ -310,7 +310,7 @@ def w4a16_prefill_row(clock: Clock, args, qw, qz, sc, w16, M: int, g, device: st
     t = measure(clock, fns, args.iters, args.repeats)
     best = min(("tiled", "dequant"), key=lambda p: t[p]["median"])
     return {"K": K, "N": N, "batch": M, "prefill": True, "tiled_ms": t["tiled"], "dequant_matmul_ms": t["dequant"],
-            "torch_fp16_ms": t["fp16"], "faster_path": best, "auto_path": "dequant" if M >= DEQUANT_MIN_M else "tiled",
+            "torch_fp16_ms": t["fp16"], "faster_path": best, "auto_path": "gemv" if M <= GEMV_MAX_M else "dequant" if M >= DEQUANT_MIN_M else "tiled",
             "dequant_speedup_vs_tiled": round(t["tiled"]["median"] / t["dequant"]["median"], 2),
             "best_vs_fp16": round(t["fp16"]["median"] / t[best]["median"], 2)}
 

@@ -10,11 +10,13 @@ zero point and scale taken out of each tile's sum), a skinny GEMV for decode bat
 once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
 rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
 a tiled GEMM for short prefills (tensor-core dots on dequantized tiles). On CUDA they autotune.
-A prefill of DEQUANT_MIN_M rows or more dequantizes the weight once (one pass over the packed
-words) and multiplies with torch's matmul, as vLLM's AWQ layer does from 256 rows. On an H200
-(benchmarks/results/gpu, run 7) the tiled GEMM took 0.67–5.0 ms per 8B layer at 64 to 1024 rows,
-dequantize + matmul 0.028–0.23 ms (7–24× faster at every measured size, the smallest 64 rows),
-and a 1K-token 8B prefill's TTFT went from 603 ms to 50 ms (fp16: 35 ms).
+A prefill of DEQUANT_MIN_M rows or more (every input past the GEMV's 16) dequantizes the weight
+once (one pass over the packed words) and multiplies with torch's matmul, as vLLM's AWQ layer does
+from 256 rows. On an H200 (benchmarks/results/gpu, runs 7 and 8) the tiled GEMM took 0.67–5.0 ms
+per 8B layer at 24 to 1024 rows, dequantize + matmul 0.028–0.23 ms (7–24× faster at every
+measured size, the smallest 24 rows; at 16 rows the GEMV and dequantize + matmul tie), and a
+1K-token 8B prefill's TTFT went from 603 ms to 50 ms (fp16: 35 ms). The tiled GEMM stays as
+`prefill="tiled"`.
 
 At batch 1 on CUDA a W4A16Linear may take torch's own int4 GEMM instead (tinygemm,
 `aten._weight_int4pack_mm`, bf16 activations), which the GPU report measured 1.6–1.9× faster
@@ -36,7 +38,7 @@ def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 
 
 
 GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) the tiled GEMM
-DEQUANT_MIN_M = 64  # from this many rows: dequantize once, then torch's matmul (measured from 64: see above)
+DEQUANT_MIN_M = GEMV_MAX_M + 1  # from this many rows: dequantize once, then torch's matmul (measured from 24: see above)
 PREFILL_PATHS = ("auto", "tiled", "dequant")
 
 
