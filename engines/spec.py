@@ -205,6 +205,9 @@ class KVCorruptFault(BaseModel):
     layers: int = Field(ge=0, le=1024, description="the first `layers` layers' cache writes carry noise")
     sigma: float = Field(0.5, ge=0, le=10, description="noise std as a multiple of the written keys' (values') std")
     seed: int = 0
+    from_slot: int = Field(0, ge=0, le=1 << 20, description=(
+        "only cache slots from this one on carry noise: a fault that starts deep in the context, which shows in "
+        "the late position buckets of ppl_ratio and not in the early ones"))
 
 
 class TokenCorruptFault(BaseModel):

@@ -4,7 +4,7 @@ of the metric table (evals/metrics.py); each row's compare target (evals/compare
 them the config's typed records.
 
     metric                comparison         function
-    ppl_ratio             paired_ratio       evals.perplexity.ppl_ratio
+    ppl_ratio             paired_ratio       evals.perplexity.ppl_ratio (by position: ppl_ratio_by_position)
     ttft_ms               percentile         ttft_comparison
     spec_acceptance_rate  rate               acceptance_comparison
     kv_cache_usage        peak               peak_comparison
@@ -47,6 +47,7 @@ __all__ = [
     "mean_comparison",
     "peak_comparison",
     "ppl_ratio",
+    "ppl_ratio_by_position",
     "reported",
     "term_nll_ratio_comparison",
     "top1_agreement_comparison",
@@ -222,6 +223,40 @@ def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: d
                       candidate_value=math.exp(rate_c),
                       details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c,
                                "empty_answers_left_out": empty})
+
+
+def _ratio_of_sums(diff: np.ndarray, toks: np.ndarray):
+    """The resampled ratio exp(Σ w·ΔNLL / Σ w·tokens), for paired_bootstrap_ci."""
+    return lambda w: np.exp((w @ diff) / (w @ toks))
+
+
+def ppl_ratio_by_position(candidate: Mapping[str, DocRecord], baseline: Mapping[str, DocRecord], t: Thresholds,
+                          seed: int = 0) -> list[dict]:
+    """The perplexity ratio within each position bucket (evals/positions.py), each with its own
+    paired bootstrap CI over source documents and the verdict ppl_ratio's thresholds give it:
+    exp((Σ NLL_c − Σ NLL_b) / Σ tokens) over the documents with tokens in that bucket on both
+    sides (in equal numbers: the same tokens). Empty when either side kept no buckets."""
+    found: dict[tuple[int, int], list[tuple[float, int, str]]] = {}
+    for key, b in baseline.items():
+        c = candidate.get(key)
+        if c is None or not b.positions or not c.positions:
+            continue
+        mine = {(lo, hi): (nll, n) for lo, hi, nll, n in c.positions}
+        for lo, hi, nll_b, n_b in b.positions:
+            nll_c, n_c = mine.get((lo, hi), (0.0, -1))
+            if n_b and n_c == n_b:
+                found.setdefault((lo, hi), []).append((nll_c - nll_b, n_b, b.cluster or key))
+    out = []
+    for (lo, hi), rows in sorted(found.items()):
+        diff = np.array([d for d, _, _ in rows])
+        toks = np.array([n for _, n, _ in rows], dtype=np.float64)
+        clusters = [k for _, _, k in rows]
+        estimate = math.exp(diff.sum() / toks.sum())
+        ci_low, ci_high = paired_bootstrap_ci(_ratio_of_sums(diff, toks), len(rows), clusters=clusters, seed=seed)
+        verdict, rule = decide(estimate, ci_low, ci_high, len(set(clusters)), t)
+        out.append({"positions": f"{lo}–{hi - 1}", "lo": lo, "hi": hi, "estimate": estimate, "ci_low": ci_low,
+                    "ci_high": ci_high, "n": len(rows), "tokens": int(toks.sum()), "verdict": verdict, "rule": rule})
+    return out
 
 
 def term_nll_ratio_comparison(candidate: dict[str, DocRecord], baseline: dict[str, DocRecord], t: Thresholds,

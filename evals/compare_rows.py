@@ -13,7 +13,7 @@ and evals/field.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from evals import compare, sanity
@@ -93,7 +93,18 @@ def ppl_ratio(ctx: CompareContext) -> Comparison | None:
     mismatch = token_mismatch(base, mine)  # another tokenization (a start token added on one side only)
     if mismatch:
         return sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), mismatch)
-    return compare.ppl_ratio(base, mine, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
+    ratio = compare.ppl_ratio(base, mine, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
+    buckets = compare.ppl_ratio_by_position(ctx.mine.docs, ctx.base.docs, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
+    if len(buckets) < 2:  # one bucket is the whole ratio again
+        return ratio
+    rule = ratio.rule
+    alarm = {"warn": 1, "critical": 2}
+    worse = [b for b in buckets if alarm.get(b["verdict"], 0) > alarm.get(ratio.verdict, 0)]
+    if worse:  # reported, not judged: a late-context loss the whole-document ratio averages away
+        w = max(worse, key=lambda b: (alarm[b["verdict"]], b["lo"]))
+        rule += (f"; positions {w['positions']}: {w['verdict']} on their own "
+                 f"({w['estimate']:.4g} [{w['ci_low']:.4g}, {w['ci_high']:.4g}])")
+    return replace(ratio, rule=rule, details={**ratio.details, "by_position": buckets})
 
 
 def term_nll_ratio(ctx: CompareContext) -> Comparison | None:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 from engines.protocol import GenerationResult, RollingResult, SpecStats
 from evals.health import Scored
+from evals.positions import PositionBucket
 
 
 def _spec_from(extra: Mapping[str, Any] | None) -> SpecStats | None:
@@ -59,13 +60,18 @@ class DocRecord:
     # count; None when the suite lists no terms or the engine cannot place its tokens in the text
     term_nll: float | None = None
     term_tokens: int | None = None
+    # per position bucket of the suite's window (evals/positions.py), in order: (first slot, slot
+    # after the last, Σ −log p, tokens); empty in a record stored before buckets were kept
+    positions: tuple[PositionBucket, ...] = ()
 
     @classmethod
     def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool,
-                    terms: tuple[float, int] | None = None) -> DocRecord:
+                    terms: tuple[float, int] | None = None,
+                    positions: Sequence[PositionBucket] = ()) -> DocRecord:
         top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
+        term_nll, term_tokens = terms or (None, None)
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
-                   tuple(r.greedy_ids) if keep_ids else (), *(terms or (None, None)))
+                   tuple(r.greedy_ids) if keep_ids else (), term_nll, term_tokens, tuple(positions))
 
     def to_row(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
@@ -74,6 +80,8 @@ class DocRecord:
             extra["greedy_ids"] = list(self.greedy_ids)
         if self.term_tokens is not None:
             extra["term_nll"], extra["term_tokens"] = self.term_nll, self.term_tokens
+        if self.positions:
+            extra["positions"] = [list(b) for b in self.positions]
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
 
     @classmethod
@@ -84,7 +92,8 @@ class DocRecord:
         return cls(sample_key, nll, int(e["n_tokens"]), int(e["n_words"]), int(e["n_bytes"]),
                    int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()),
                    float(e["term_nll"]) if term_tokens is not None else None,
-                   int(term_tokens) if term_tokens is not None else None)
+                   int(term_tokens) if term_tokens is not None else None,
+                   tuple((int(lo), int(hi), float(nll), int(n)) for lo, hi, nll, n in e.get("positions") or ()))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.figures import RunFigures
+from evals.positions import position_nll
 from evals.records import DocRecord, GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
 from evals.run_stats import RunStats, percentile
 from evals.terms import compile_terms, term_nll
@@ -181,7 +182,8 @@ class ExecuteConfigRun(BaseTask):
                 nll_sum += doc.nll
                 n_tokens += len(doc.token_ids)
                 terms = term_nll(text, doc.logprobs, doc.char_spans, term_pattern) if term_pattern else None
-                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms).to_row())
+                positions = position_nll(doc.logprobs, work.window)  # quality by position (evals/positions.py)
+                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions).to_row())
             work.done += len(documents)
             self._write_fenced(work, rows, settings)
         return nll_sum, n_tokens

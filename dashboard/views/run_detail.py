@@ -61,6 +61,22 @@ def example_answers(run: dict, metrics: dict[str, dict]) -> list[dict]:
     return sorted(found, key=lambda e: (e["verdict"] != "critical", e["config"], e["metric"]))
 
 
+def position_rows(run: dict) -> list[dict]:
+    """Each candidate's perplexity ratio per position bucket of its windows (evals/positions.py),
+    as ppl_ratio's details hold them: a loss that starts deep in the context shows in the late
+    buckets while the whole-document ratio averages it away. Configs in the run's order."""
+    layers = ablations(run)
+    rows = []
+    for c in run["comparisons"]:
+        if c["metric"] != "ppl_ratio" or c["config"] == run["baseline"] or c["config"] in layers:
+            continue
+        for b in (c.get("details") or {}).get("by_position") or []:
+            rows.append({"config": c["config"], "positions": b["positions"],
+                         "change [95% CI]": pct_change(b["estimate"], b["ci_low"], b["ci_high"]),
+                         "tokens": b["tokens"], "n": b["n"], "verdict": b["verdict"]})
+    return rows
+
+
 def ablations(run: dict) -> set[str]:
     """The run's single-optimization ablations of a stacked config (step back one layer): shown
     in their own section, not as candidates."""
@@ -130,6 +146,14 @@ def render(api, project: str, params) -> None:
     if rest:
         with st.expander(f"Other comparisons ({len(rest)}: ok or inconclusive)"):
             st.table(_table(rest))
+    by_position = position_rows(run)
+    if by_position:
+        flagged = sorted({r["config"] for r in by_position if r["verdict"] in BREACHING})
+        title = "Perplexity by position in the context" + (f" (flagged: {', '.join(flagged)})" if flagged else "")
+        with st.expander(title, expanded=bool(flagged)):
+            st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window, "
+                       "with its own CI and verdict (ppl ratio's thresholds): reported, not judged.")
+            st.table(style_verdict_column(pd.DataFrame(by_position)).hide(axis="index"))
     _examples(run, metrics)
     candidates = candidates_worst_first(run, metrics)
     if not candidates:

@@ -8,8 +8,9 @@ is, so a config without one computes exactly what it did before.
   kv-corrupt k, σ   the KV cache of the first k layers: each written slot's key (value) + σ·s·z,
                     s the std of the keys (values) that write holds, z a fixed N(0, 1) table per
                     layer, KV head, slot and channel drawn from `seed` (so a slot's noise does not
-                    depend on batching or call order). The format turns lossy, so perplexity
-                    windows go through the cache too; k = 0 is no fault
+                    depend on batching or call order), zero below `from_slot` (default 0). The
+                    format turns lossy, so perplexity windows go through the cache too; k = 0 is
+                    no fault
   token-corrupt p   after verification and sampling, each emitted token is replaced with
                     probability p by another vocabulary id (uniform over the rest), decided per
                     (seed, request id, position); the text is decoded from the corrupted ids, the
@@ -160,6 +161,7 @@ class CorruptedKV(KVFormat):
         a = model.args
         gen = torch.Generator().manual_seed(self.fault.seed)
         self.noise = torch.randn(self.fault.layers, 2, a.n_kv_heads, a.max_seq_len, a.head_dim, generator=gen)
+        self.noise[:, :, :, : self.fault.from_slot] = 0  # slots before from_slot stay clean
 
     def encode(self, k, v, seq_start, layer=0):
         return self.inner.encode(k, v, seq_start, layer) if self.inner.lossy else (k, v)

@@ -16,7 +16,17 @@ from tests.conftest import ROOT, service_unavailable, throwaway_pg_database
 from tests.loopback import free_port, wait_http
 
 PG_URL = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _worker_redis_db(url: str) -> str:
+    """Under pytest-xdist each worker takes its own Redis database (15, 14, …: gw0, gw1, …), so
+    one worker's flush or Celery queues never reach another's."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base, _, db = url.rpartition("/")
+    return f"{base}/{int(db or 0) - n}" if n else url
+
+
+REDIS_URL = _worker_redis_db(os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"))
 
 
 @pytest.fixture(scope="session")

@@ -133,3 +133,32 @@ def test_a_bad_fault_is_refused_at_the_door_naming_the_field():
               "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout"}]}
     with pytest.raises(ConfigFileError, match=r"configs\[1\]\.engine_options\.fault\.kind: unknown fault 'sampler-"):
         parse_config(config)
+
+
+def test_a_kv_fault_from_slot_n_shows_only_in_the_position_buckets_past_n():
+    """kv-corrupt from slot 128 on 256-token windows: the tokens predicted from slots 0–127 read
+    only clean slots (their log-probs equal the fault-free lossy pass's), those from 128–255 read
+    noise; ppl_ratio_by_position (evals/compare.py) flags 128–255 and leaves 0–127 at 1.0."""
+    from evals.compare import ppl_ratio_by_position
+    from evals.positions import position_nll, token_positions
+    from evals.records import DocRecord
+    from evals.stats import Thresholds
+
+    window = WindowSpec(256, 256)
+    text = " ".join(["Serialize obj to a JSON formatted str using this conversion table, as json.dumps does."] * 40)
+    docs = [RollingRequest(f"d{i}", f"{i} " + text, window) for i in range(4)]
+    fault = {"kind": "kv-corrupt", "layers": 6, "sigma": 2.0, "from_slot": 128}
+    clean_lossy = engine({"kind": "kv-corrupt", "layers": 6, "sigma": 2.0, "from_slot": 10**5})  # same path, no noise
+    base, bad = clean_lossy.loglikelihood_rolling(docs), engine(fault).loglikelihood_rolling(docs)
+    for b, c in zip(base, bad, strict=True):
+        assert len(b.token_ids) > 512  # several windows, each with both buckets
+        pos = token_positions(len(b.token_ids), window)
+        early = [i for i, p in enumerate(pos) if p < 128]
+        assert [c.logprobs[i] for i in early] == [b.logprobs[i] for i in early]
+        assert sum(c.logprobs) < sum(b.logprobs) - 1.0
+    records = lambda results: {r.doc_id: DocRecord.from_result(r, None, False, None, position_nll(r.logprobs, window))  # noqa: E731
+                               for r in results}
+    rows = ppl_ratio_by_position(records(bad), records(base), Thresholds(1.02, 1.05, "above", min_n=4))
+    assert [(r["positions"], r["n"]) for r in rows] == [("0–127", 4), ("128–255", 4)]
+    assert rows[0]["estimate"] == 1.0 and rows[0]["verdict"] == "ok"
+    assert rows[1]["estimate"] > 1.05 and rows[1]["ci_low"] > 1.05 and rows[1]["verdict"] == "critical"

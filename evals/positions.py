@@ -1,0 +1,51 @@
+"""Quality by position: a document's loss summed apart per position bucket, so that a loss that
+starts deep in the context (a compressed KV cache read far back, a RoPE or window bug) shows in
+the late buckets while the early ones stay clean, instead of being averaged over the whole
+document.
+
+A scored token's position is the slot, within its perplexity window, of the token that predicts
+it: the number of context tokens it is predicted from, less one (engines/protocol.py
+strided_windows; every engine scores the same windows, so the same tokens fall in the same
+bucket on both sides of a comparison). The buckets split [0, window) at POSITION_EDGES.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engines.protocol import WindowSpec, strided_windows
+
+POSITION_EDGES = (128, 512, 2048, 8192, 32768)  # bucket bounds (slots), cut at the window's length
+PositionBucket = tuple[int, int, float, int]  # first slot, the slot after the last, Σ −log p, tokens
+
+
+def position_buckets(window: WindowSpec) -> list[tuple[int, int]]:
+    """[lo, hi) slot ranges covering a window: e.g. [(0, 128), (128, 256)] for a 256-token window."""
+    edges = [0, *(e for e in POSITION_EDGES if e < window.max_length), window.max_length]
+    return list(itertools.pairwise(edges))
+
+
+def token_positions(n_tokens: int, window: WindowSpec) -> list[int]:
+    """The slot of the predicting token for each of a document's n_tokens scored tokens, in
+    document order: a window (begin, end, n) scores its last n predictions, from slots
+    end − begin − n … end − begin − 1."""
+    out: list[int] = []
+    for begin, end, n in strided_windows(n_tokens, window):
+        out.extend(range(end - begin - n, end - begin))
+    return out
+
+
+def position_nll(logprobs: Sequence[float], window: WindowSpec) -> tuple[PositionBucket, ...]:
+    """(lo, hi, Σ −log p, token count) for each bucket of position_buckets(window), in order."""
+    buckets = position_buckets(window)
+    nll, count = [0.0] * len(buckets), [0] * len(buckets)
+    for lp, pos in zip(logprobs, token_positions(len(logprobs), window), strict=True):
+        b = next(i for i, (_, hi) in enumerate(buckets) if pos < hi)
+        nll[b] -= lp
+        count[b] += 1
+    return tuple((lo, hi, total, n) for (lo, hi), total, n in zip(buckets, nll, count, strict=True))
+
+
+def bucket_label(lo: int, hi: int) -> str:
+    return f"{lo}–{hi - 1}"

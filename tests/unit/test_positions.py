@@ -1,0 +1,72 @@
+"""Quality by position (evals/positions.py, ppl_ratio's by_position details), worked by hand."""
+
+import math
+
+import pytest
+from engines.protocol import WindowSpec
+from evals.compare import ppl_ratio_by_position
+from evals.positions import position_buckets, position_nll, token_positions
+from evals.records import DocRecord
+from evals.stats import Thresholds
+
+
+def test_buckets_split_the_window_at_the_edges_it_reaches():
+    assert position_buckets(WindowSpec(64, 64)) == [(0, 64)]
+    assert position_buckets(WindowSpec(256, 256)) == [(0, 128), (128, 256)]
+    assert position_buckets(WindowSpec(1024, 512)) == [(0, 128), (128, 512), (512, 1024)]
+
+
+def test_a_token_s_position_is_its_predictor_s_slot_in_its_window():
+    # 10 tokens, disjoint windows of 4: seq = [start] + 10; windows (0, 4, 4), (4, 8, 4), then the
+    # short last one reaches back a whole window, (6, 10, 2): its 2 new targets from slots 2 and 3
+    assert token_positions(10, WindowSpec(4, 4)) == [0, 1, 2, 3, 0, 1, 2, 3, 2, 3]
+    # stride 2: (0, 4, 4), then each window scores 2 new targets from slots 2, 3; the last 1
+    assert token_positions(7, WindowSpec(4, 2)) == [0, 1, 2, 3, 2, 3, 3]
+
+
+def test_position_nll_sums_each_bucket():
+    # one 130-token window: slots 0–127 log p −1 each, slots 128–129 −2 each
+    logprobs = [-1.0] * 128 + [-2.0, -2.0]
+    assert position_nll(logprobs, WindowSpec(130, 130)) == ((0, 128, 128.0, 128), (128, 130, 4.0, 2))
+
+
+def doc(key, *buckets, cluster=None):
+    nll = sum(b[2] for b in buckets)
+    return DocRecord(key, nll, sum(b[3] for b in buckets), 1, 1, cluster=cluster, positions=tuple(buckets))
+
+
+def test_ppl_ratio_by_position_by_hand():
+    base = {"a": doc("a", (0, 128, 10.0, 10), (128, 256, 5.0, 5)), "b": doc("b", (0, 128, 20.0, 10)),
+            "c": doc("c", (0, 128, 7.0, 7))}
+    mine = {"a": doc("a", (0, 128, 11.0, 10), (128, 256, 8.0, 5)), "b": doc("b", (0, 128, 23.0, 10)),
+            "c": doc("c", (0, 128, 9.0, 8))}  # c: another tokenization (8 tokens, not 7): left out
+    t = Thresholds(1.02, 1.05, "above", min_n=1)
+    rows = ppl_ratio_by_position(mine, base, t)
+    assert [(r["positions"], r["n"], r["tokens"]) for r in rows] == [("0–127", 2, 20), ("128–255", 1, 5)]
+    # 0–127: ΔNLL 1 + 3 over 20 tokens → e^0.2; 128–255: ΔNLL 3 over 5 tokens → e^0.6
+    assert rows[0]["estimate"] == pytest.approx(math.exp(0.2)) and rows[1]["estimate"] == pytest.approx(math.exp(0.6))
+    assert rows[1]["ci_low"] == pytest.approx(math.exp(0.6)) and rows[1]["verdict"] == "critical"  # one document
+
+
+def test_records_keep_their_buckets_through_a_stored_row():
+    d = doc("a", (0, 128, 10.5, 10), (128, 256, 5.25, 5), cluster="src")
+    row = d.to_row()
+    assert row["extra"]["positions"] == [[0, 128, 10.5, 10], [128, 256, 5.25, 5]]
+    assert DocRecord.from_row(row["sample_key"], row["value"], row["extra"]) == d
+    old = {k: v for k, v in row["extra"].items() if k != "positions"}  # stored before buckets were kept
+    assert DocRecord.from_row("a", 15.75, old).positions == ()
+    assert ppl_ratio_by_position({"a": DocRecord.from_row("a", 15.75, old)}, {"a": d}, Thresholds(1.02, 1.05, "above")) == []
+
+
+def test_the_run_page_lists_each_candidate_s_buckets():
+    from dashboard.views.run_detail import position_rows
+
+    bucket = {"positions": "128–255", "lo": 128, "hi": 256, "estimate": 1.25, "ci_low": 1.1, "ci_high": 1.4, "n": 4,
+              "tokens": 310, "verdict": "critical", "rule": ""}
+    comparisons = [{"config": "fp16", "metric": "ppl_ratio", "details": {"by_position": [bucket]}},  # the baseline
+                   {"config": "kv-late", "metric": "ppl_ratio", "details": {"by_position": [bucket]}},
+                   {"config": "kv-late", "metric": "gen_nll_ratio", "details": {}},
+                   {"config": "int8", "metric": "ppl_ratio", "details": None}]  # no buckets kept
+    run = {"baseline": "fp16", "configs": [], "comparisons": comparisons}
+    assert position_rows(run) == [{"config": "kv-late", "positions": "128–255", "change [95% CI]": "+25.0% [+10.0, +40.0]",
+                                   "tokens": 310, "n": 4, "verdict": "critical"}]
