@@ -45,8 +45,14 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/canary demo
 
+# Two pytest-xdist workers, a test file each at a time: the service and fault tests spend much of
+# their time waiting on processes, leases and timeouts. Each worker takes its own Redis database
+# (tests/services) or starts its own servers (tests/faults); the fault table is written to a file
+# and printed whole (tests/conftest.py). PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The quick tier while developing: every test not marked `integration` (no PostgreSQL, Redis,
 # server or worker processes, browser, or long model work; tests/conftest.py "test tiers")

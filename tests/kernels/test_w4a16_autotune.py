@@ -33,15 +33,22 @@ def test_new_prompt_lengths_reuse_their_buckets_tuning(timed_configs, device):
     q, s, z = quantize_groupwise(torch.randn(N, K, generator=g) / K**0.5, 4)
     qw, qz, sc = (t.to(device) for t in pack_awq_gemm(q, z, s))
     lengths = range(17, 41)  # 24 prompt lengths: buckets 32 (17-32) and 64 (33-40)
-    for M in lengths:
+    for M in lengths:  # the tiled GEMM, as prefill="tiled" asks (the default dequantizes from 17 rows)
         x = torch.randn(M, K, generator=g).to(device)
-        y = w4a16_triton(x, qw, qz, sc, tune=True)
+        y = w4a16_triton(x, qw, qz, sc, tune=True, prefill="tiled")
         torch.testing.assert_close(y, w4a16_reference(x, qw, qz, sc), rtol=1e-4, atol=1e-4)
     per_tuning = len(k.gemm_configs(x.element_size()))  # fp32 inputs: fewer tiles fit shared memory
     buckets = {k.m_bucket(M) for M in lengths}
     assert buckets == {32, 64}
     # at most one tuning per bucket (keyed on the exact M it was 24 tunings: 168 timings)
     assert len(timed_configs) == per_tuning * len(buckets), len(timed_configs)
+    # the default path from 17 rows: dequantize (one fixed tile) then matmul, no tuning at any length
+    before = len(timed_configs)
+    for M in (17, 23, 41, 100):
+        x = torch.randn(M, K, generator=g).to(device)
+        torch.testing.assert_close(w4a16_triton(x, qw, qz, sc, tune=True), w4a16_reference(x, qw, qz, sc),
+                                   rtol=1e-4, atol=1e-4)
+    assert len(timed_configs) == before
 
 
 def test_decode_batches_tune_once_per_padded_batch(timed_configs, device):

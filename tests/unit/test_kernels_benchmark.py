@@ -63,7 +63,7 @@ def test_cpu_smoke_checks_hold_and_figures_have_spread():
         if r.get("prefill"):  # both prefill paths timed beside fp16, each checked against the reference
             for p in ("tiled_ms", "dequant_matmul_ms", "torch_fp16_ms"):
                 assert set(r[p]) == {"median", "min", "max", "repeats"}, p
-            assert r["auto_path"] == "tiled" and r["faster_path"] in ("tiled", "dequant")
+            assert r["auto_path"] == "dequant" and r["faster_path"] in ("tiled", "dequant")  # 32 rows: past the GEMV's 16
             continue
         assert set(r["w4a16_ms"]) == set(r["torch_fp16_ms"]) == {"median", "min", "max", "repeats"}
         assert r["speedup_vs_fp16"]["target"] and r["speedup_vs_fp16"]["meets_target"] is None  # smoke says nothing
