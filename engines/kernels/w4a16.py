@@ -63,8 +63,9 @@ def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128
                  tune: bool | None = None, prefill: str = "auto") -> torch.Tensor:
     """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M's power-of-two
     bucket, N, K); without it (the interpreter) a fixed small configuration runs. prefill picks
-    the path of more than GEMV_MAX_M rows: 'auto' (dequantize from DEQUANT_MIN_M rows, else
-    the tiled GEMM), 'tiled' or 'dequant' (the benchmark measures both)."""
+    the path of more than GEMV_MAX_M rows: 'auto' (dequantize from DEQUANT_MIN_M rows, which is
+    every such input today; the check stays should the bound move again), 'tiled' or 'dequant'
+    (the benchmark measures both)."""
     from engines.kernels import _w4a16_triton as k
 
     M, K = x.shape

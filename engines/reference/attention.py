@@ -100,10 +100,15 @@ def causal_attention_lse(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     attentions need to merge. Flash attention's own kernels give both (memory-efficient attention
     for fp32 on CUDA); SDPA's public call returns no log-sum-exp."""
     T = q.shape[2]
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
-    elif q.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[:2]
+    if q.device.type == "cuda":
+        out = None
+        if q.dtype in (torch.float16, torch.bfloat16):
+            try:  # flash attention: sm80 on, head_dim ≤ 256
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+            except RuntimeError:  # an older card or another head size: memory-efficient attention takes it
+                out = None
+        if out is None:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[:2]
     else:  # the CPU's flash attention (meta included)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[:2]
     return out, lse[..., :T].float()  # memory-efficient attention pads the query axis of lse
@@ -144,7 +149,7 @@ def windowed_causal_attention(q, k, v, kq, vq, residual: int) -> torch.Tensor:
     step = max(1, SCORE_BYTES // per_block)
     outs, lses = [], []
     for b0 in range(0, nb, step):
-        s = (qb[:, :, :, b0 : b0 + step] @ kn[:, :, :, b0 : b0 + step].transpose(-1, -2)).float() * D**-0.5
+        s = ((qb[:, :, :, b0 : b0 + step] * D**-0.5) @ kn[:, :, :, b0 : b0 + step].transpose(-1, -2)).float()
         s = s.masked_fill(~near[b0 : b0 + step], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, nb', R]: every query reads itself, so finite
         outs.append(torch.exp(s - lse[..., None]).to(v.dtype) @ vn[:, :, :, b0 : b0 + step])
@@ -152,6 +157,7 @@ def windowed_causal_attention(q, k, v, kq, vq, residual: int) -> torch.Tensor:
         del s
     out = torch.cat(outs, dim=3).reshape(B, H, nb * R, D)[:, :, :T]
     lse_near = torch.cat(lses, dim=3).reshape(B, H, nb * R)[:, :, :T]
+    del outs, lses
     if T <= R + 1:  # no query has a slot more than R before it
         return out
     F0 = T - R - 1  # far: queries R + 1 … T − 1 over slots 0 … T − R − 2

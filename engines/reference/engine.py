@@ -81,7 +81,8 @@ class ReferenceEngine:
                      else self._awq(model, calibration) if spec.weights == "awq-int4" else Quantized())
         self.packed = quantized.packed  # int4 layers: (q, zero, scale) for the W4A16 kernels
         self.quantized_params, self.quantized_bytes = quantized.params, quantized.bytes
-        self.kv = self.fault.corrupt_kv(kv_format(spec.kv_cache, self.compute_dtype, self.dtype), model.args.n_layers)
+        self.kv = self.fault.corrupt_kv(kv_format(spec.kv_cache, self.compute_dtype, self.dtype), model.args.n_layers,
+                                       model.args.max_seq_len)
         self.kv.calibrate(model)  # per-layer choices from the weights (fractional TurboQuant), else nothing
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).to(self.compute_dtype).fuse()
         self.args = model.args

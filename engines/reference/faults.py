@@ -83,12 +83,15 @@ class EngineFault:
                     w = lin.weight
                     w.add_(self.fault.sigma * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype))
 
-    def corrupt_kv(self, fmt: KVFormat, n_layers: int) -> KVFormat:
+    def corrupt_kv(self, fmt: KVFormat, n_layers: int, context: int) -> KVFormat:
         if not isinstance(self.fault, KVCorruptFault) or self.fault.layers == 0:
             return fmt
         if self.fault.layers > n_layers:
             raise ValueError(f"engine_options.fault.layers: {self.fault.layers} exceeds this model's {n_layers} "
                              f"layers; use 0 to {n_layers}")
+        if self.fault.from_slot >= context:  # the drill would inject nothing
+            raise ValueError(f"engine_options.fault.from_slot: {self.fault.from_slot} is past this model's context of "
+                             f"{context} slots; use 0 to {context - 1}")
         return CorruptedKV(fmt, self.fault)
 
     # -- generation ------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import engines.kernels.w4a16 as w4a16_mod
 import pytest
 import torch
 from engines.kernels import use_triton
-from engines.kernels.w4a16 import DEQUANT_MIN_M, w4a16, w4a16_dequantize, w4a16_reference, w4a16_triton
+from engines.kernels.w4a16 import DEQUANT_MIN_M, GEMV_MAX_M, w4a16, w4a16_dequantize, w4a16_reference, w4a16_triton
 from engines.quant import dequantize_awq_gemm, pack_awq_gemm, quantize_groupwise
 
 
@@ -46,17 +46,20 @@ def test_dequantize_writes_the_awq_weight_in_column_order(device, N, K):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_long_prefill_dequantizes_once_then_matmul(device, dtype, monkeypatch):
-    """From DEQUANT_MIN_M rows 'auto' takes the dequantize-then-matmul path (one dequantization
-    per call), below it the tiled GEMM; both equal the reference, and a bad path is named."""
+    """From DEQUANT_MIN_M rows (every input past the GEMV's 16) 'auto' takes the dequantize-then-
+    matmul path (one dequantization per call); 'tiled' still runs the tiled GEMM; each equals the
+    reference, and a bad path is named."""
     qweight, qzeros, scales = (t.to(device) for t in make(96, 384))
     calls = []
     real = w4a16_mod.w4a16_dequantize
     monkeypatch.setattr(w4a16_mod, "w4a16_dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for M, paths in ((DEQUANT_MIN_M, 1), (DEQUANT_MIN_M - 1, 0), (33, 1)):
+    assert DEQUANT_MIN_M == GEMV_MAX_M + 1
+    for M, paths, path in ((DEQUANT_MIN_M, 1, "auto"), (GEMV_MAX_M, 0, "auto"), (33, 1, "dequant"),
+                           (DEQUANT_MIN_M, 0, "tiled"), (33, 0, "tiled")):
         x = torch.randn(M, 384, generator=torch.Generator().manual_seed(M)).to(device=device, dtype=dtype)
         calls.clear()
-        got = w4a16_triton(x, qweight, qzeros, scales, prefill="dequant" if M == 33 else "auto").float()
-        assert len(calls) == paths, M
+        got = w4a16_triton(x, qweight, qzeros, scales, prefill=path).float()
+        assert len(calls) == paths, (M, path)
         want = w4a16_reference(x, qweight, qzeros, scales).float()
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -18,15 +19,22 @@ from tests.loopback import free_port, wait_http
 PG_URL = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
-def _worker_redis_db(url: str) -> str:
-    """Under pytest-xdist each worker takes its own Redis database (15, 14, …: gw0, gw1, …), so
-    one worker's flush or Celery queues never reach another's."""
-    n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    base, _, db = url.rpartition("/")
-    return f"{base}/{int(db or 0) - n}" if n else url
+def worker_redis_dbs(url: str, worker: str) -> tuple[str, str]:
+    """Each pytest-xdist worker (gw0, gw1, …; one process without xdist is gw0) takes its own pair
+    of Redis databases below the URL's: its stack's (15, 13, …) and a spare one no stack's Celery
+    worker consumes (14, 12, …), so one worker's flush or queues never reach another's."""
+    n = int(worker.removeprefix("gw") or 0)
+    parts = urlsplit(url)
+    db = int(parts.path.strip("/") or 0)
+    stack, spare = db - 2 * n, db - 2 * n - 1
+    if spare < 1:  # database 0 is the default one: a developer's own broker, never flushed here
+        raise RuntimeError(f"CANARY_TEST_REDIS_URL {url}: test worker {worker} needs Redis databases {stack} and "
+                           f"{spare}; give a database number of at least {2 * n + 2}, or run fewer workers")
+    return urlunsplit(parts._replace(path=f"/{stack}")), urlunsplit(parts._replace(path=f"/{spare}"))
 
 
-REDIS_URL = _worker_redis_db(os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"))
+REDIS_URL, SPARE_REDIS_URL = worker_redis_dbs(os.environ.get("CANARY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"),
+                                              os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
 
 
 @pytest.fixture(scope="session")

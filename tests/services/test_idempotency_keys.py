@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import throwaway_pg_database
 from tests.loopback import canary_serve
-from tests.services.conftest import PG_URL
+from tests.services.conftest import PG_URL, SPARE_REDIS_URL
 
 P = "/api/v1/projects/keys"
 
@@ -20,7 +20,7 @@ P = "/api/v1/projects/keys"
 def api(redis_url, tmp_path_factory):
     import redis
 
-    broker = redis_url.rsplit("/", 1)[0] + "/14"  # its own Redis database: no test's worker takes these tasks
+    broker = SPARE_REDIS_URL  # a database no stack's Celery worker consumes (tests/services/conftest.py)
     logs = tmp_path_factory.mktemp("keys")
     with throwaway_pg_database(PG_URL, "canary_keys") as db:
         env = {**os.environ, "CANARY_DATABASE_URL": db, "CANARY_BROKER_URL": broker, "CANARY_EXECUTION": "celery",

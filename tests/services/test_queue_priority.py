@@ -9,9 +9,11 @@ import json
 from app.dispatch import ESCALATION_PRIORITY, EXECUTE_CONFIG_RUN, GATE_PRIORITY, CeleryDispatcher
 from app.settings import Settings
 
+from tests.services.conftest import SPARE_REDIS_URL
+
 
 def test_gate_message_is_delivered_before_earlier_escalations(redis_url):
-    url = redis_url.rsplit("/", 1)[0] + "/14"  # a database no worker of the other tests consumes
+    url = SPARE_REDIS_URL  # a database no stack's Celery worker consumes (tests/services/conftest.py)
     from workers.celery_app import celery_app
 
     with celery_app.connection_for_read(url) as conn:

@@ -77,6 +77,9 @@ def test_kv_corrupt_on_k_layers_changes_logprobs_and_k0_changes_nothing(clean):
 def test_kv_corrupt_layers_beyond_the_model_are_refused():
     with pytest.raises(ValueError, match=r"engine_options.fault.layers: 9 exceeds this model's 6 layers"):
         engine({"kind": "kv-corrupt", "layers": 9})
+    with pytest.raises(ValueError, match=r"engine_options.fault.from_slot: 1024 is past this model's context of 1024 "
+                                         r"slots; use 0 to 1023"):
+        engine({"kind": "kv-corrupt", "layers": 1, "from_slot": 1024})
 
 
 def test_token_corrupt_p0_leaves_outputs_and_p1_replaces_every_token(clean):
@@ -148,7 +151,7 @@ def test_a_kv_fault_from_slot_n_shows_only_in_the_position_buckets_past_n():
     text = " ".join(["Serialize obj to a JSON formatted str using this conversion table, as json.dumps does."] * 40)
     docs = [RollingRequest(f"d{i}", f"{i} " + text, window) for i in range(4)]
     fault = {"kind": "kv-corrupt", "layers": 6, "sigma": 2.0, "from_slot": 128}
-    clean_lossy = engine({"kind": "kv-corrupt", "layers": 6, "sigma": 2.0, "from_slot": 10**5})  # same path, no noise
+    clean_lossy = engine({"kind": "kv-corrupt", "layers": 6, "sigma": 2.0, "from_slot": 1000})  # past every window: no noise
     base, bad = clean_lossy.loglikelihood_rolling(docs), engine(fault).loglikelihood_rolling(docs)
     for b, c in zip(base, bad, strict=True):
         assert len(b.token_ids) > 512  # several windows, each with both buckets
