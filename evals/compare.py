@@ -34,6 +34,7 @@ import numpy as np
 from evals.agreement import exact_match, first_divergence, top1_agreement
 from evals.health import NEAR_TIE_NATS, divergence
 from evals.perplexity import ppl_ratio
+from evals.positions import bucket_label
 from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
 from evals.stats import TOO_FEW, Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
 
@@ -254,7 +255,7 @@ def ppl_ratio_by_position(candidate: Mapping[str, DocRecord], baseline: Mapping[
         estimate = math.exp(diff.sum() / toks.sum())
         ci_low, ci_high = paired_bootstrap_ci(_ratio_of_sums(diff, toks), len(rows), clusters=clusters, seed=seed)
         verdict, rule = decide(estimate, ci_low, ci_high, len(set(clusters)), t)
-        out.append({"positions": f"{lo}–{hi - 1}", "lo": lo, "hi": hi, "estimate": estimate, "ci_low": ci_low,
+        out.append({"positions": bucket_label(lo, hi), "lo": lo, "hi": hi, "estimate": estimate, "ci_low": ci_low,
                     "ci_high": ci_high, "n": len(rows), "tokens": int(toks.sum()), "verdict": verdict, "rule": rule})
     return out
 
@@ -282,7 +283,7 @@ def term_nll_ratio_comparison(candidate: dict[str, DocRecord], baseline: dict[st
     toks = np.array([baseline[k].term_tokens for k in keys], dtype=np.float64)
     clusters = [baseline[k].cluster or k for k in keys]
     estimate = math.exp(diff.sum() / toks.sum())
-    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ diff) / (w @ toks)), len(keys), clusters=clusters, seed=seed)
+    lo, hi = paired_bootstrap_ci(_ratio_of_sums(diff, toks), len(keys), clusters=clusters, seed=seed)
     verdict, rule = decide(estimate, lo, hi, len(set(clusters)), t)
     base_nll = sum(cast(float, baseline[k].term_nll) for k in keys)
     return Comparison("term_nll_ratio", estimate, lo, hi, len(keys), verdict, rule,

@@ -48,4 +48,5 @@ def position_nll(logprobs: Sequence[float], window: WindowSpec) -> tuple[Positio
 
 
 def bucket_label(lo: int, hi: int) -> str:
+    """How a bucket [lo, hi) reads: its first and last slot, "128–255"."""
     return f"{lo}–{hi - 1}"

@@ -37,7 +37,7 @@ def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 
     return (x.float() @ w.T.to(x.device)).to(x.dtype)
 
 
-GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) the tiled GEMM
+GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) dequantize, or take the tiled GEMM
 DEQUANT_MIN_M = GEMV_MAX_M + 1  # from here: dequantize once, then torch's matmul (measured from 24: see above)
 PREFILL_PATHS = ("auto", "tiled", "dequant")
 
