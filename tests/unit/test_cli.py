@@ -155,3 +155,12 @@ def test_demo_json_covers_every_config(run_cli):
     assert named >= (to_fix if len(to_fix) <= 10 else set()), (named, to_fix, lines)
     assert critical <= {line["config"] for group in out["summary"]["groups"].values() for line in group}
     assert "Loading weights" not in r.stderr, r.stderr[-2000:]
+
+
+def test_worker_processes_share_the_cores():
+    from app.cli.admin import worker_threads
+
+    assert worker_threads(4, {}, 16) == {"OMP_NUM_THREADS": "4"}  # 16 cores, 4 processes: 4 threads each
+    assert worker_threads(3, {}, 2) == {"OMP_NUM_THREADS": "1"}  # never fewer than one
+    assert worker_threads(1, {}, 16) == {}  # one process: torch's default, a thread per core
+    assert worker_threads(4, {"OMP_NUM_THREADS": "8"}, 16) == {}  # the operator's choice is kept
