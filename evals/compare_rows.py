@@ -107,6 +107,35 @@ def ppl_ratio(ctx: CompareContext) -> Comparison | None:
     return replace(ratio, rule=rule, details={**ratio.details, "by_position": buckets})
 
 
+def decode_nll_ratio(ctx: CompareContext) -> Comparison | None:
+    """The documents a lossy-KV config also scored one token per decode step (suite
+    perplexity.decode_samples) against the baseline's: its own decode pass where it has one, else
+    its rolling pass (a lossless cache gives back what was written). details: the same documents'
+    prefill ratio and the gap between the two, decode ÷ prefill, and the decode pass by position."""
+    if ctx.is_base or ctx.logprob_problem:
+        return None
+    keys = [k for k, d in ctx.mine.docs.items() if d.decode_nll is not None and k in ctx.base.docs]
+    if not keys:
+        return None
+    t = ctx.thresholds("ppl_ratio")  # reported, not gated: the verdict ppl_ratio's budget would give it
+
+    def decoded(records: ConfigRecords, fall_back: bool) -> dict:
+        return {k: replace(d, nll=d.decode_nll, positions=d.decode_positions) if d.decode_nll is not None
+                else d for k in keys if (d := records.docs[k]).decode_nll is not None or fall_back}
+
+    mine, base = decoded(ctx.mine, False), decoded(ctx.base, True)
+    nlls = {side: [DocNLL(k, d.nll, d.n_tokens, d.n_words, d.n_bytes, d.cluster) for k, d in docs.items()]
+            for side, docs in (("mine", mine), ("base", base))}
+    ratio = replace(compare.ppl_ratio(nlls["base"], nlls["mine"], t, seed=ctx.seed), metric="decode_nll_ratio")
+    prefill = compare.ppl_ratio([n for n in _doc_nlls(ctx.base) if n.doc_id in mine],
+                                [n for n in _doc_nlls(ctx.mine) if n.doc_id in mine], t, seed=ctx.seed)
+    gap = ratio.estimate / prefill.estimate
+    buckets = compare.ppl_ratio_by_position(mine, base, t, seed=ctx.seed)
+    return replace(ratio, rule=f"{ratio.rule}; decode ÷ prefill on these documents {gap:.4g}",
+                   details={**ratio.details, "prefill_ratio": prefill.estimate, "prefill_decode_gap": gap,
+                            "by_position": buckets})
+
+
 def term_nll_ratio(ctx: CompareContext) -> Comparison | None:
     """Only when the suite lists domain terms: their tokens' loss, which whole documents average away."""
     docs = (*ctx.mine.docs.values(), *ctx.base.docs.values())

@@ -121,6 +121,13 @@ register_metric(Metric(
     valid=(0.9, None),
     compare=_ROWS + "ppl_ratio"))
 register_metric(Metric(
+    "decode_nll_ratio", "decode ppl", "ratio", "above", "paired_ratio", "perplexity",
+    "ppl_ratio over the suite's first perplexity.decode_samples documents, a lossy-KV config scoring each token "
+    "one per decode step through its compressed cache; the prefill-vs-decode gap in its details "
+    "(docs/concepts.md)",
+    gated=False, valid=(0.9, None),
+    compare=_ROWS + "decode_nll_ratio"))
+register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",

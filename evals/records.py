@@ -63,15 +63,22 @@ class DocRecord:
     # per position bucket of the suite's window (evals/positions.py), in order: (first slot, slot
     # after the last, Σ −log p, tokens); empty in a record stored before buckets were kept
     positions: tuple[PositionBucket, ...] = ()
+    # the same tokens scored one per decode step through the KV cache (suite perplexity.decode_samples):
+    # Σ −log p and its position buckets; None where the document was not scored so
+    decode_nll: float | None = None
+    decode_positions: tuple[PositionBucket, ...] = ()
 
     @classmethod
     def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool,
                     terms: tuple[float, int] | None = None,
-                    positions: Sequence[PositionBucket] = ()) -> DocRecord:
+                    positions: Sequence[PositionBucket] = (),
+                    decode: tuple[float, Sequence[PositionBucket]] | None = None) -> DocRecord:
         top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
         term_nll, term_tokens = terms or (None, None)
+        decode_nll, decode_positions = decode or (None, ())
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
-                   tuple(r.greedy_ids) if keep_ids else (), term_nll, term_tokens, tuple(positions))
+                   tuple(r.greedy_ids) if keep_ids else (), term_nll, term_tokens, tuple(positions),
+                   decode_nll, tuple(decode_positions))
 
     def to_row(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
@@ -82,6 +89,9 @@ class DocRecord:
             extra["term_nll"], extra["term_tokens"] = self.term_nll, self.term_tokens
         if self.positions:
             extra["positions"] = [list(b) for b in self.positions]
+        if self.decode_nll is not None:
+            extra["decode_nll"] = self.decode_nll
+            extra["decode_positions"] = [list(b) for b in self.decode_positions]
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
 
     @classmethod
@@ -93,7 +103,13 @@ class DocRecord:
                    int(e.get("top1_hits") or 0), e.get("cluster"), tuple(e.get("greedy_ids") or ()),
                    float(e["term_nll"]) if term_tokens is not None else None,
                    int(term_tokens) if term_tokens is not None else None,
-                   tuple((int(lo), int(hi), float(nll), int(n)) for lo, hi, nll, n in e.get("positions") or ()))
+                   _buckets(e.get("positions")),
+                   float(e["decode_nll"]) if e.get("decode_nll") is not None else None,
+                   _buckets(e.get("decode_positions")))
+
+
+def _buckets(stored: Any) -> tuple[PositionBucket, ...]:
+    return tuple((int(lo), int(hi), float(nll), int(n)) for lo, hi, nll, n in stored or ())
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ class PerplexitySettings(_Settings):
     terms: list[str] = Field(default_factory=list, max_length=1000, description=(
         "domain terms whose tokens are also scored apart (term_nll_ratio): a literal term as written, "
         "'re:<regex>', or 'builtin:python-identifiers'"))
+    decode_samples: int = Field(0, ge=0, le=1000, description=(
+        "documents (the suite's first ones) a config with a lossy KV cache also scores one token per decode "
+        "step, each token read back from its compressed cache (decode_nll_ratio and the prefill-vs-decode gap); "
+        "0 = off. In-process engines only: over HTTP, gen_nll_ratio is the decode-regime signal"))
 
     @field_validator("terms")
     @classmethod

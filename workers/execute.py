@@ -171,19 +171,24 @@ class ExecuteConfigRun(BaseTask):
         """The documents' rolling log-likelihoods, DOC_BATCH at a time; (Σ NLL, Σ tokens)."""
         term_pattern = compile_terms(work.job.suite.perplexity.terms)  # the suite's domain terms (term_nll_ratio)
         samples = work.job.samples
+        # the first documents again, one token per decode step through a lossy KV cache (decode_nll_ratio)
+        n_decode = work.job.suite.perplexity.decode_samples if getattr(work.engine, "scores_decode", False) else 0
         nll_sum, n_tokens = 0.0, 0
         for i in range(0, len(samples), DOC_BATCH):
             documents = samples[i : i + DOC_BATCH]
             work.check_lease()
-            results = work.engine.loglikelihood_rolling([RollingRequest(key, text, work.window)
-                                                         for key, text, _ in documents])
+            requests = [RollingRequest(key, text, work.window) for key, text, _ in documents]
+            results = work.engine.loglikelihood_rolling(requests)
+            decoded = work.engine.loglikelihood_decode(requests[: max(0, n_decode - i)]) if n_decode > i else []
             rows = []
-            for doc, (_, text, cluster) in zip(results, documents, strict=True):
+            for j, (doc, (_, text, cluster)) in enumerate(zip(results, documents, strict=True)):
                 nll_sum += doc.nll
                 n_tokens += len(doc.token_ids)
                 terms = term_nll(text, doc.logprobs, doc.char_spans, term_pattern) if term_pattern else None
                 positions = position_nll(doc.logprobs, work.window)  # quality by position (evals/positions.py)
-                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions).to_row())
+                decode = ((decoded[j].nll, position_nll(decoded[j].logprobs, work.window))
+                          if j < len(decoded) else None)
+                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions, decode).to_row())
             work.done += len(documents)
             self._write_fenced(work, rows, settings)
         return nll_sum, n_tokens

@@ -110,6 +110,11 @@ def _print_summary(summary: RunOut, wide: bool = False) -> None:
     methods = {c.details.get("method") for c in summary.comparisons if c.metric == "faithfulness"} - {None}
     for method in methods:
         out.print(f"faithfulness: {method}", highlight=False)
+    decoded = [c for c in summary.comparisons if c.metric == "decode_nll_ratio" and c.estimate is not None]
+    if decoded:  # the KV configs' prefill-vs-decode gap (evals/compare_rows.decode_nll_ratio)
+        out.print(f"decode ÷ prefill ppl ratio ({max(c.n for c in decoded)} documents also scored a token per decode "
+                  "step through the KV cache): " + ", ".join(f"{c.config} {c.details['prefill_decode_gap']:.4f}"
+                                                              for c in decoded), highlight=False, soft_wrap=True)
     if not wide:
         out.print("more columns (TTFT, TBT, weights, acceptance, faithfulness, exact match): --wide; "
                   "every figure: --json",

@@ -61,20 +61,37 @@ def example_answers(run: dict, metrics: dict[str, dict]) -> list[dict]:
     return sorted(found, key=lambda e: (e["verdict"] != "critical", e["config"], e["metric"]))
 
 
+PASSES = {"ppl_ratio": "prefill", "decode_nll_ratio": "decode"}  # how the documents were scored
+
+
 def position_rows(run: dict) -> list[dict]:
     """Each candidate's perplexity ratio per position bucket of its windows (evals/positions.py),
-    as ppl_ratio's details hold them: a loss that starts deep in the context shows in the late
-    buckets while the whole-document ratio averages it away. Configs in the run's order."""
+    as ppl_ratio's details hold them (and decode_nll_ratio's, for the documents also scored a
+    token per decode step): a loss that starts deep in the context shows in the late buckets
+    while the whole-document ratio averages it away. Configs in the run's order."""
     layers = ablations(run)
     rows = []
     for c in run["comparisons"]:
-        if c["metric"] != "ppl_ratio" or c["config"] == run["baseline"] or c["config"] in layers:
+        if c["metric"] not in PASSES or c["config"] == run["baseline"] or c["config"] in layers:
             continue
         for b in (c.get("details") or {}).get("by_position") or []:
-            rows.append({"config": c["config"], "positions": b["positions"],
+            rows.append({"config": c["config"], "scored": PASSES[c["metric"]], "positions": b["positions"],
                          "change [95% CI]": pct_change(b["estimate"], b["ci_low"], b["ci_high"]),
                          "tokens": b["tokens"], "n": b["n"], "verdict": b["verdict"]})
     return rows
+
+
+def decode_rows(run: dict) -> list[dict]:
+    """The KV configs whose first documents were also scored one token per decode step
+    (decode_nll_ratio): the same documents' perplexity change by prefill and by decode, and the
+    gap, decode ÷ prefill. A gap above 1 is loss that only decoding reads out of the cache."""
+    layers = ablations(run)
+    return [{"config": c["config"], "documents": c["n"],
+             "prefill": pct_change(c["details"]["prefill_ratio"]),
+             "decode [95% CI]": pct_change(c["estimate"], c["ci_low"], c["ci_high"]),
+             "decode ÷ prefill": f"{c['details']['prefill_decode_gap']:.4f}", "verdict": c["verdict"]}
+            for c in run["comparisons"]
+            if c["metric"] == "decode_nll_ratio" and c.get("estimate") is not None and c["config"] not in layers]
 
 
 def ablations(run: dict) -> set[str]:
@@ -154,6 +171,13 @@ def render(api, project: str, params) -> None:
             st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window, "
                        "with its own CI and verdict (ppl ratio's thresholds): reported, not judged.")
             st.table(style_verdict_column(pd.DataFrame(by_position)).hide(axis="index"))
+    decoded = decode_rows(run)
+    if decoded:
+        with st.expander("KV cache: scored by prefill and by decode"):
+            st.caption("The same documents scored in one prefill and one token per decode step through the KV "
+                       "cache: a gap above 1 is loss only decoding reads. Reported, not judged (verdict: ppl "
+                       "ratio's thresholds).")
+            st.table(style_verdict_column(pd.DataFrame(decoded)).hide(axis="index"))
     _examples(run, metrics)
     candidates = candidates_worst_first(run, metrics)
     if not candidates:

@@ -166,19 +166,7 @@ class ReferenceEngine:
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
-        jobs, encoded, spans = [], [], []
-        for i, req in enumerate(requests):
-            if req.window.max_length > self.args.max_seq_len:
-                raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
-                                 f"{self.args.max_seq_len} positions; use a window ≤ {self.args.max_seq_len}")
-            ids, offsets = tokenize_with_spans(self.tokenizer, req.text)
-            spans.append(offsets)
-            if not ids:
-                raise ValueError(f"document '{req.doc_id}' has no tokens")
-            encoded.append(ids)
-            seq = [self.start_id] + ids
-            for begin, end, n in strided_windows(len(ids), req.window):
-                jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
+        jobs, encoded, spans = self._windows(requests)
         order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
         out: dict[int, tuple[list[float], list[int]]] = {}
         for s in range(0, len(order), self.batch_size):
@@ -211,6 +199,41 @@ class ReferenceEngine:
                 logits = self.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
                 picked = logits.gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
                 out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
+        return self._results(requests, jobs, out, encoded, spans)
+
+    @property
+    def scores_decode(self) -> bool:
+        """Whether decode-regime scoring can differ from the rolling pass: a lossy KV cache."""
+        return self.kv.lossy
+
+    @torch.inference_mode()
+    def loglikelihood_decode(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        """The rolling pass's windows and scored tokens, teacher-forced one token per decode step
+        through the KV cache (engines/reference/decode_scoring.py)."""
+        from engines.reference.decode_scoring import score_windows
+
+        jobs, encoded, spans = self._windows(requests)
+        return self._results(requests, jobs, score_windows(self, jobs), encoded, spans)
+
+    def _windows(self, requests: Sequence[RollingRequest]):
+        """Each document's strided windows as (document index, input ids, scored count, targets),
+        with the documents' token ids and character spans."""
+        jobs, encoded, spans = [], [], []
+        for i, req in enumerate(requests):
+            if req.window.max_length > self.args.max_seq_len:
+                raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
+                                 f"{self.args.max_seq_len} positions; use a window ≤ {self.args.max_seq_len}")
+            ids, offsets = tokenize_with_spans(self.tokenizer, req.text)
+            spans.append(offsets)
+            if not ids:
+                raise ValueError(f"document '{req.doc_id}' has no tokens")
+            encoded.append(ids)
+            seq = [self.start_id] + ids
+            for begin, end, n in strided_windows(len(ids), req.window):
+                jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
+        return jobs, encoded, spans
+
+    def _results(self, requests, jobs, out, encoded, spans) -> list[RollingResult]:
         logprobs: list[list[float]] = [[] for _ in requests]
         greedy: list[list[int]] = [[] for _ in requests]
         for j, job in enumerate(jobs):

@@ -59,7 +59,7 @@ def test_records_keep_their_buckets_through_a_stored_row():
 
 
 def test_the_run_page_lists_each_candidate_s_buckets():
-    from dashboard.views.run_detail import position_rows
+    from dashboard.views.run_detail import decode_rows, position_rows
 
     bucket = {"positions": "128–255", "lo": 128, "hi": 256, "estimate": 1.25, "ci_low": 1.1, "ci_high": 1.4, "n": 4,
               "tokens": 310, "verdict": "critical", "rule": ""}
@@ -68,5 +68,14 @@ def test_the_run_page_lists_each_candidate_s_buckets():
                    {"config": "kv-late", "metric": "gen_nll_ratio", "details": {}},
                    {"config": "int8", "metric": "ppl_ratio", "details": None}]  # no buckets kept
     run = {"baseline": "fp16", "configs": [], "comparisons": comparisons}
-    assert position_rows(run) == [{"config": "kv-late", "positions": "128–255", "change [95% CI]": "+25.0% [+10.0, +40.0]",
-                                   "tokens": 310, "n": 4, "verdict": "critical"}]
+    assert position_rows(run) == [{"config": "kv-late", "scored": "prefill", "positions": "128–255",
+                                   "change [95% CI]": "+25.0% [+10.0, +40.0]", "tokens": 310, "n": 4,
+                                   "verdict": "critical"}]
+    decoded = {"config": "kv-late", "metric": "decode_nll_ratio", "estimate": 1.3, "ci_low": 1.2, "ci_high": 1.4,
+               "n": 4, "verdict": "critical",
+               "details": {"by_position": [bucket], "prefill_ratio": 1.04, "prefill_decode_gap": 1.25}}
+    run["comparisons"].append(decoded)
+    assert [r["scored"] for r in position_rows(run)] == ["prefill", "decode"]
+    assert decode_rows(run) == [{"config": "kv-late", "documents": 4, "prefill": "+4.0%",
+                                 "decode [95% CI]": "+30.0% [+20.0, +40.0]", "decode ÷ prefill": "1.2500",
+                                 "verdict": "critical"}]
