@@ -174,6 +174,31 @@ def _signals(summary: RunOut) -> str:
     return "".join(out) + "</table>"
 
 
+def _positions(summary: RunOut) -> str:
+    """Each candidate's perplexity ratio per position bucket of its windows, by prefill and (for the
+    documents a lossy-KV config also scored a token per decode step) by decode, then each such
+    config's prefill-vs-decode gap on those documents."""
+    rows, gaps = [], []
+    for c in summary.comparisons:
+        if c.metric not in ("ppl_ratio", "decode_nll_ratio") or c.config == summary.baseline:
+            continue
+        scored = "prefill" if c.metric == "ppl_ratio" else "decode"
+        for b in c.details.get("by_position") or []:
+            change = format_estimate(METRICS["ppl_ratio"], b["estimate"], b["ci_low"], b["ci_high"])
+            rows.append(f"<tr><td>{escape(c.config)}</td><td>{scored}</td><td>{escape(b['positions'])}</td>"
+                        f"<td>{escape(change)}</td><td>{b['tokens']}</td>"
+                        f"<td class='v {escape(b['verdict'])}'>{escape(b['verdict'])}</td></tr>")
+        if c.metric == "decode_nll_ratio" and c.estimate is not None:
+            gaps.append(f"{escape(c.config)} {c.details['prefill_decode_gap']:.4f}")
+    if not rows and not gaps:
+        return "<p class='dim'>No position buckets were kept for this run.</p>"
+    out = ["<table><tr><th>config</th><th>scored by</th><th>positions</th><th>change [95% CI]</th><th>tokens</th>"
+           "<th>verdict</th></tr>", *rows, "</table>"] if rows else []
+    if gaps:
+        out.append(f"<p>Decode ÷ prefill on the documents scored both ways: {', '.join(gaps)}.</p>")
+    return "".join(out)
+
+
 def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
     """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
     from app.services import samples_label
@@ -195,6 +220,7 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         "gain's, dashed where that comparison is inconclusive.</p>",
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
+        "<h2>Quality by position in the context</h2>", _positions(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
         f"<h2>The stored reason</h2><pre>{escape(summary.verdict_reason or '—')}</pre>",
         "</body></html>\n"])

@@ -52,3 +52,24 @@ def test_labels_of_points_on_one_spot_are_kept_apart():
     placed: list = []
     assert [_label_dy(placed, 100, 100, 10) for _ in range(3)] == [-6.0, 14.0, -20.0]
     assert _label_dy(placed, 300, 100, 10) == -6.0
+
+
+def test_quality_by_position_and_the_decode_gap():
+    """ppl_ratio's bucket 128–255 at 1.25 [1.1, 1.4] reads +25.00% [+10.00, +40.00]; the decode pass's
+    the same; a gap of 1.25 prints with four decimals. No buckets: a line says so."""
+    from app.report import _positions
+
+    bucket = {"positions": "128–255", "estimate": 1.25, "ci_low": 1.1, "ci_high": 1.4, "tokens": 310,
+              "verdict": "critical"}
+    s = summary("kv-late")
+    s.comparisons[0].details = {"by_position": [bucket]}
+    s.comparisons.append(ComparisonOut.model_validate(
+        {"config": "kv-late", "metric": "decode_nll_ratio", "estimate": 1.3, "ci_low": 1.2, "ci_high": 1.4, "n": 4,
+         "verdict": "critical", "rule": "", "baseline_value": None, "candidate_value": None, "gated": False,
+         "details": {"by_position": [bucket], "prefill_ratio": 1.04, "prefill_decode_gap": 1.25}}))
+    html = _positions(s)
+    cells = "<td>128–255</td><td>+25.00% [+10.00, +40.00]</td><td>310</td><td class='v critical'>critical</td>"
+    assert f"<td>kv-late</td><td>prefill</td>{cells}" in html and f"<td>kv-late</td><td>decode</td>{cells}" in html
+    assert "Decode ÷ prefill on the documents scored both ways: kv-late 1.2500." in html
+    assert "Quality by position in the context" in render(s, "p", "daily", {})
+    assert "No position buckets" in _positions(summary())
