@@ -136,6 +136,17 @@ def decode_nll_ratio(ctx: CompareContext) -> Comparison | None:
                             "by_position": buckets})
 
 
+def kld_mean(ctx: CompareContext) -> Comparison | None:
+    """Only on the documents a candidate compared whole next-token distributions on (suite
+    perplexity.distribution_samples): llama-perplexity --kl-divergence's figures."""
+    from evals.distribution import kld_comparison
+
+    docs = [(k, d.distribution) for k, d in ctx.mine.docs.items() if d.distribution is not None]
+    if ctx.is_base or not docs:
+        return None
+    return kld_comparison(docs, seed=ctx.seed, min_n=METRICS["kld_mean"].min_n)
+
+
 def term_nll_ratio(ctx: CompareContext) -> Comparison | None:
     """Only when the suite lists domain terms: their tokens' loss, which whole documents average away."""
     docs = (*ctx.mine.docs.values(), *ctx.base.docs.values())

@@ -128,6 +128,13 @@ register_metric(Metric(
     gated=False, valid=(0.9, None),
     compare=_ROWS + "decode_nll_ratio"))
 register_metric(Metric(
+    "kld_mean", "KLD", "nats", "above", "mean", "perplexity",
+    "mean KL(baseline ‖ candidate) of the next-token distributions over every token of the suite's first "
+    "perplexity.distribution_samples documents, with KLD and Δp percentiles, same top p and bounds from the "
+    "baseline's top 20 in its details (llama-perplexity --kl-divergence; docs/concepts.md)",
+    gated=False, fmt=".5f", min_n=4, valid=(0, None),
+    compare=_ROWS + "kld_mean"))
+register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",
     "Σ accepted draft tokens ÷ Σ draft tokens over the prompts (vLLM spec_decode_num_accepted_tokens / "
     "num_draft_tokens); CI by bootstrap over prompts",

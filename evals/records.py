@@ -44,6 +44,31 @@ def spec_to_json(spec: SpecStats) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class DocDistribution:
+    """A document's next-token distributions under a candidate against the baseline's, per scored
+    token (evals/distribution.py; suite perplexity.distribution_samples)."""
+
+    kld: tuple[float, ...]  # KL(baseline ‖ candidate), nats
+    dp: tuple[float, ...]  # q(x) − p(x): the right token's probability, candidate minus baseline
+    same: tuple[int, ...]  # 1 where the two argmaxes agree
+    ln_ratio: tuple[float, ...]  # log p(x) − log q(x)
+    kl_lower: tuple[float, ...]  # bounds on kld from the baseline's top-k log-probs alone
+    kl_upper: tuple[float, ...]
+    k: int
+
+    def to_json(self) -> dict[str, Any]:
+        short = lambda xs: [float(f"{x:.6g}") for x in xs]  # noqa: E731 — 6 significant digits
+        return {"kld": short(self.kld), "dp": short(self.dp), "same": list(self.same), "ln_ratio": short(self.ln_ratio),
+                "kl_lower": short(self.kl_lower), "kl_upper": short(self.kl_upper), "k": self.k}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DocDistribution:
+        floats = lambda key: tuple(float(x) for x in d[key])  # noqa: E731
+        return cls(floats("kld"), floats("dp"), tuple(int(x) for x in d["same"]), floats("ln_ratio"),
+                   floats("kl_lower"), floats("kl_upper"), int(d["k"]))
+
+
+@dataclass(frozen=True)
 class DocRecord:
     """One document's rolling log-likelihood (perplexity, top-1 agreement)."""
 
@@ -67,18 +92,20 @@ class DocRecord:
     # Σ −log p and its position buckets; None where the document was not scored so
     decode_nll: float | None = None
     decode_positions: tuple[PositionBucket, ...] = ()
+    distribution: DocDistribution | None = None  # a candidate's, on the suite's first distribution_samples
 
     @classmethod
     def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool,
                     terms: tuple[float, int] | None = None,
                     positions: Sequence[PositionBucket] = (),
-                    decode: tuple[float, Sequence[PositionBucket]] | None = None) -> DocRecord:
+                    decode: tuple[float, Sequence[PositionBucket]] | None = None,
+                    distribution: DocDistribution | None = None) -> DocRecord:
         top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
         term_nll, term_tokens = terms or (None, None)
         decode_nll, decode_positions = decode or (None, ())
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
                    tuple(r.greedy_ids) if keep_ids else (), term_nll, term_tokens, tuple(positions),
-                   decode_nll, tuple(decode_positions))
+                   decode_nll, tuple(decode_positions), distribution)
 
     def to_row(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
@@ -92,6 +119,8 @@ class DocRecord:
         if self.decode_nll is not None:
             extra["decode_nll"] = self.decode_nll
             extra["decode_positions"] = [list(b) for b in self.decode_positions]
+        if self.distribution is not None:
+            extra["distribution"] = self.distribution.to_json()
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
 
     @classmethod
@@ -105,7 +134,8 @@ class DocRecord:
                    int(term_tokens) if term_tokens is not None else None,
                    _buckets(e.get("positions")),
                    float(e["decode_nll"]) if e.get("decode_nll") is not None else None,
-                   _buckets(e.get("decode_positions")))
+                   _buckets(e.get("decode_positions")),
+                   DocDistribution.from_json(e["distribution"]) if e.get("distribution") else None)
 
 
 def _buckets(stored: Any) -> tuple[PositionBucket, ...]:

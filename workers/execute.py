@@ -18,9 +18,10 @@ from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from evals.distribution import doc_distribution
 from evals.figures import RunFigures
 from evals.positions import position_nll
-from evals.records import DocRecord, GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
+from evals.records import DocDistribution, DocRecord, GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
 from evals.run_stats import RunStats, percentile
 from evals.terms import compile_terms, term_nll
 from workers import baseline_reuse, engine_cache
@@ -32,6 +33,16 @@ from workers.lease import Attempt, LeaseKeeper, LostLease, claim
 
 log = logging.getLogger(__name__)
 DOC_BATCH = 8  # documents per engine call; progress and a commit after each (the lease: LeaseKeeper)
+
+
+def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
+    """Per document, the candidate's next-token distributions against the baseline's
+    (evals/distribution.py); None for a document the two tokenize differently."""
+    if baseline is None or not requests:
+        return []
+    mine, theirs = engine.next_token_logprobs(requests), baseline.next_token_logprobs(requests)
+    return [doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
+            for (r, q), (b, p) in zip(mine, theirs, strict=True)]
 
 
 @dataclass
@@ -173,6 +184,7 @@ class ExecuteConfigRun(BaseTask):
         samples = work.job.samples
         # the first documents again, one token per decode step through a lossy KV cache (decode_nll_ratio)
         n_decode = work.job.suite.perplexity.decode_samples if getattr(work.engine, "scores_decode", False) else 0
+        n_dist, baseline = self._distribution_baseline(work)  # a candidate's next-token distributions (kld_mean)
         nll_sum, n_tokens = 0.0, 0
         for i in range(0, len(samples), DOC_BATCH):
             documents = samples[i : i + DOC_BATCH]
@@ -180,6 +192,7 @@ class ExecuteConfigRun(BaseTask):
             requests = [RollingRequest(key, text, work.window) for key, text, _ in documents]
             results = work.engine.loglikelihood_rolling(requests)
             decoded = work.engine.loglikelihood_decode(requests[: max(0, n_decode - i)]) if n_decode > i else []
+            distributions = _distributions(work.engine, baseline, requests[: max(0, n_dist - i)])
             rows = []
             for j, (doc, (_, text, cluster)) in enumerate(zip(results, documents, strict=True)):
                 nll_sum += doc.nll
@@ -188,10 +201,21 @@ class ExecuteConfigRun(BaseTask):
                 positions = position_nll(doc.logprobs, work.window)  # quality by position (evals/positions.py)
                 decode = ((decoded[j].nll, position_nll(decoded[j].logprobs, work.window))
                           if j < len(decoded) else None)
-                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions, decode).to_row())
+                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions, decode,
+                                                  distributions[j] if j < len(distributions) else None).to_row())
             work.done += len(documents)
             self._write_fenced(work, rows, settings)
         return nll_sum, n_tokens
+
+    @staticmethod
+    def _distribution_baseline(work: _Pass):
+        """(how many documents, the baseline's engine) for a candidate whose next-token
+        distributions are compared with the baseline's; (0, None) where none are."""
+        n = work.job.suite.perplexity.distribution_samples
+        if not n or work.job.is_baseline or not hasattr(work.engine, "next_token_logprobs"):
+            return 0, None
+        baseline = baseline_scorer(work.engine, work.job).engine
+        return (n, baseline) if hasattr(baseline, "next_token_logprobs") else (0, None)
 
     def _generate(self, work: _Pass, n_prompts: int, stats: RunStats, settings) -> tuple[BaselineScorer | None, int]:
         """The prompts' generations, a batch (`step` requests in flight) at a time, each output read

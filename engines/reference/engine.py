@@ -3,13 +3,13 @@ generation at a set concurrency with per-request timings, memory figures."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import pairwise
 from typing import cast
 
+import numpy as np
 import torch
 
 from engines.device import resolve_device
@@ -22,10 +22,8 @@ from engines.protocol import (
     RollingRequest,
     RollingResult,
     SpecStats,
-    count_words,
-    strided_windows,
-    tokenize_with_spans,
 )
+from engines.reference import scoring
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
 from engines.reference.faults import EngineFault
@@ -166,40 +164,9 @@ class ReferenceEngine:
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
-        jobs, encoded, spans = self._windows(requests)
-        order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
-        out: dict[int, tuple[list[float], list[int]]] = {}
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s : s + self.batch_size]
-            lengths = [len(jobs[j][1]) for j in idx]
-            if self.kv.lossy:
-                width = max(lengths)
-                # right padding: a window's real tokens start at slot 0, so positions equal slots
-                x = torch.tensor([jobs[j][1] + [self.start_id] * (width - len(jobs[j][1])) for j in idx],
-                                 device=self.device)
-                slots = torch.arange(width, device=self.device)
-                mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()[None, None]
-                cache = self.new_cache(len(idx), width)
-                h = self.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
-                self._track(cache)
-                self._track_usage(sum(lengths), cache)
-                rows = [(row, 0) for row in range(len(idx))]  # (batch row, first position) per window
-            else:
-                # packed: the windows end to end in one row with no padding, positions restarting
-                # at each, attention causal within each window (NoCache with their lengths)
-                x = torch.tensor([[t for j in idx for t in jobs[j][1]]], device=self.device)
-                pos = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
-                h = self.model(x, pos, pos[0], NoCache(lengths), None, hidden=True)
-                starts = [0, *itertools.accumulate(lengths)][:-1]
-                rows = [(0, start) for start in starts]
-            for (row, start), j in zip(rows, idx, strict=True):
-                _, inp, n, tgt = jobs[j]
-                # lm_head only on this window's scored positions (no padding), one window at a
-                # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
-                logits = self.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
-                picked = logits.gather(-1, torch.tensor(tgt, device=self.device)[:, None]).squeeze(-1)
-                out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
-        return self._results(requests, jobs, out, encoded, spans)
+        """Each document's tokens in strided windows, a window per prefill (engines/reference/scoring.py)."""
+        jobs, encoded, spans = scoring.windows(self, requests)
+        return scoring.results(self, requests, jobs, scoring.prefill_windows(self, jobs), encoded, spans)
 
     @property
     def scores_decode(self) -> bool:
@@ -209,42 +176,16 @@ class ReferenceEngine:
     @torch.inference_mode()
     def loglikelihood_decode(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
         """The rolling pass's windows and scored tokens, teacher-forced one token per decode step
-        through the KV cache (engines/reference/decode_scoring.py)."""
-        from engines.reference.decode_scoring import score_windows
+        through the KV cache (engines/reference/scoring.py)."""
+        jobs, encoded, spans = scoring.windows(self, requests)
+        return scoring.results(self, requests, jobs, scoring.decode_windows(self, jobs), encoded, spans)
 
-        jobs, encoded, spans = self._windows(requests)
-        return self._results(requests, jobs, score_windows(self, jobs), encoded, spans)
-
-    def _windows(self, requests: Sequence[RollingRequest]):
-        """Each document's strided windows as (document index, input ids, scored count, targets),
-        with the documents' token ids and character spans."""
-        jobs, encoded, spans = [], [], []
-        for i, req in enumerate(requests):
-            if req.window.max_length > self.args.max_seq_len:
-                raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
-                                 f"{self.args.max_seq_len} positions; use a window ≤ {self.args.max_seq_len}")
-            ids, offsets = tokenize_with_spans(self.tokenizer, req.text)
-            spans.append(offsets)
-            if not ids:
-                raise ValueError(f"document '{req.doc_id}' has no tokens")
-            encoded.append(ids)
-            seq = [self.start_id] + ids
-            for begin, end, n in strided_windows(len(ids), req.window):
-                jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
-        return jobs, encoded, spans
-
-    def _results(self, requests, jobs, out, encoded, spans) -> list[RollingResult]:
-        logprobs: list[list[float]] = [[] for _ in requests]
-        greedy: list[list[int]] = [[] for _ in requests]
-        for j, job in enumerate(jobs):
-            logprobs[job[0]].extend(out[j][0])
-            greedy[job[0]].extend(out[j][1])
-        return [
-            RollingResult(req.doc_id, tuple(encoded[i]), tuple(self.fault.prompt_logprobs(logprobs[i])),
-                          tuple(greedy[i]),
-                          len(req.text.encode("utf-8")), count_words(req.text), spans[i])
-            for i, req in enumerate(requests)
-        ]
+    @torch.inference_mode()
+    def next_token_logprobs(self, requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, np.ndarray]]:
+        """The rolling pass with each scored token's whole next-token distribution: per document,
+        its result and a numpy array [T, V] of log-softmax rows, row i the distribution token i was
+        drawn from (evals/distribution.py: KLD, Δp, same top p)."""
+        return scoring.with_distributions(self, requests)
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: Sequence[int], top_k: int = 0) -> PromptScores:

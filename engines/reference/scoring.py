@@ -1,0 +1,142 @@
+"""Scoring documents on the reference engine: the strided windows of a document, each scored
+by prefill (the rolling log-likelihood, perplexity) or teacher-forced one token per decode step.
+
+The rolling pass scores a window in one prefill. Servers differ on whether a prompt's prefill
+reads its compressed KV cache at all, so a perplexity from the prefill can show nothing for a KV
+format that breaks every long answer. `decode_windows` writes each token to the cache and
+predicts the next from what the cache gives back, as decoding does: the same windows, the same
+scored tokens, one Decoder step per position (decode_nll_ratio).
+
+A job is one window: (document index, input ids, scored count n, the n targets).
+Shapes: B windows in a batch, W the widest window's inputs, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engines.protocol import RollingRequest, RollingResult, count_words, strided_windows, tokenize_with_spans
+from engines.reference.cache import NoCache
+
+
+def windows(engine, requests: Sequence[RollingRequest]):
+    """Each document's strided windows as (document index, input ids, scored count, targets),
+    with the documents' token ids and character spans."""
+    jobs, encoded, spans = [], [], []
+    for i, req in enumerate(requests):
+        if req.window.max_length > engine.args.max_seq_len:
+            raise ValueError(f"perplexity.window: {req.window.max_length} exceeds the model's context of "
+                             f"{engine.args.max_seq_len} positions; use a window ≤ {engine.args.max_seq_len}")
+        ids, offsets = tokenize_with_spans(engine.tokenizer, req.text)
+        spans.append(offsets)
+        if not ids:
+            raise ValueError(f"document '{req.doc_id}' has no tokens")
+        encoded.append(ids)
+        seq = [engine.start_id] + ids
+        for begin, end, n in strided_windows(len(ids), req.window):
+            jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
+    return jobs, encoded, spans
+
+
+def results(engine, requests, jobs, out, encoded, spans) -> list[RollingResult]:
+    """Each document's result from its windows' scores, in the requests' order (a drill's prompt
+    log-prob fault applied, engines/reference/faults.py)."""
+    logprobs: list[list[float]] = [[] for _ in requests]
+    greedy: list[list[int]] = [[] for _ in requests]
+    for j, job in enumerate(jobs):
+        logprobs[job[0]].extend(out[j][0])
+        greedy[job[0]].extend(out[j][1])
+    return [
+        RollingResult(req.doc_id, tuple(encoded[i]), tuple(engine.fault.prompt_logprobs(logprobs[i])),
+                      tuple(greedy[i]),
+                      len(req.text.encode("utf-8")), count_words(req.text), spans[i])
+        for i, req in enumerate(requests)
+    ]
+
+
+def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
+    """{job: (log p of its scored targets, argmax at each)}; with keep, also each job's
+    log-softmax rows [n, V] on the CPU."""
+    order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
+    out: dict[int, tuple[list[float], list[int]]] = {}
+    for s in range(0, len(order), engine.batch_size):
+        idx = order[s : s + engine.batch_size]
+        lengths = [len(jobs[j][1]) for j in idx]
+        if engine.kv.lossy:
+            width = max(lengths)
+            # right padding: a window's real tokens start at slot 0, so positions equal slots
+            x = torch.tensor([jobs[j][1] + [engine.start_id] * (width - len(jobs[j][1])) for j in idx],
+                             device=engine.device)
+            slots = torch.arange(width, device=engine.device)
+            mask = torch.ones(width, width, dtype=torch.bool, device=engine.device).tril()[None, None]
+            cache = engine.new_cache(len(idx), width)
+            h = engine.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
+            engine._track(cache)
+            engine._track_usage(sum(lengths), cache)
+            rows = [(row, 0) for row in range(len(idx))]  # (batch row, first position) per window
+        else:
+            # packed: the windows end to end in one row with no padding, positions restarting
+            # at each, attention causal within each window (NoCache with their lengths)
+            x = torch.tensor([[t for j in idx for t in jobs[j][1]]], device=engine.device)
+            pos = torch.cat([torch.arange(n, device=engine.device) for n in lengths])[None]
+            h = engine.model(x, pos, pos[0], NoCache(lengths), None, hidden=True)
+            starts = [0, *itertools.accumulate(lengths)][:-1]
+            rows = [(0, start) for start in starts]
+        for (row, start), j in zip(rows, idx, strict=True):
+            _, inp, n, tgt = jobs[j]
+            # lm_head only on this window's scored positions (no padding), one window at a
+            # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
+            logits = engine.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
+            picked = logits.gather(-1, torch.tensor(tgt, device=engine.device)[:, None]).squeeze(-1)
+            out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
+            if keep is not None:
+                keep[j] = torch.log_softmax(logits, -1).cpu()
+    return out
+
+
+def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int]]]:
+    """jobs as `windows` makes them → {job: (log p of its n targets, argmax token at each)}, each
+    token teacher-forced through a decode step. Windows of a batch are
+    right-padded: a row's padding comes after its last input, so no real position reads it."""
+    order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
+    out: dict[int, tuple[list[float], list[int]]] = {}
+    for s in range(0, len(order), engine.batch_size):
+        idx = order[s : s + engine.batch_size]
+        width = max(len(jobs[j][1]) for j in idx)
+        pad = engine.start_id
+        # the token each position predicts: the next input, and after the last input its target
+        x = torch.tensor([jobs[j][1] + [pad] * (width - len(jobs[j][1])) for j in idx], device=engine.device)
+        y = torch.tensor([jobs[j][1][1:] + [jobs[j][3][-1]] + [pad] * (width - len(jobs[j][1])) for j in idx],
+                         device=engine.device)  # [B, W]
+        decoder = engine.decoder(len(idx), width)
+        decoder.prepare()
+        picked, greedy = torch.empty(len(idx), width), torch.empty(len(idx), width, dtype=torch.long)
+        logits = decoder.prefill(x[:, :1])
+        for t in range(width):
+            if t:
+                logits = decoder.step(x[:, t])
+            logprobs = torch.log_softmax(logits.float(), -1)  # [B, V]
+            picked[:, t] = logprobs.gather(-1, y[:, t, None]).squeeze(-1).cpu()
+            greedy[:, t] = logprobs.argmax(-1).cpu()
+        engine._track(decoder.cache)
+        engine._track_usage(sum(len(jobs[j][1]) for j in idx), decoder.cache)
+        for row, j in enumerate(idx):
+            length, n = len(jobs[j][1]), jobs[j][2]
+            out[j] = (picked[row, length - n : length].tolist(), greedy[row, length - n : length].tolist())
+    return out
+
+
+def with_distributions(engine, requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, np.ndarray]]:
+    """The rolling pass, and per document the log-softmax rows [T, V] its scored tokens were drawn from."""
+    jobs, encoded, spans = windows(engine, requests)
+    rows: dict[int, torch.Tensor] = {}
+    found = results(engine, requests, jobs, prefill_windows(engine, jobs, rows), encoded, spans)
+    per_doc: list[list[torch.Tensor]] = [[] for _ in requests]
+    for j, job in enumerate(jobs):
+        per_doc[job[0]].append(rows[j])
+    return [(r, np.concatenate([x.float().numpy() for x in doc]) if doc else np.zeros((0, engine.args.vocab_size)))
+            for r, doc in zip(found, per_doc, strict=True)]

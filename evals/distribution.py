@@ -1,0 +1,185 @@
+"""llama.cpp-grade distribution statistics of a candidate's next-token distributions against the
+baseline's (`llama-perplexity --kl-divergence`), and bounds on KL when only the baseline's top-k
+log-probs are known.
+
+Per scored token t of a document (p the baseline's distribution, q the candidate's, x_t the
+document's next token):
+- KLD_t = Σ_v p(v) (log p(v) − log q(v)), in nats;
+- Δp_t = q(x_t) − p(x_t), the change in the probability of the right token;
+- same_t = argmax p == argmax q ("same top p");
+- ln_ratio_t = log p(x_t) − log q(x_t), whose mean is ln(PPL(q) / PPL(p)).
+
+Bounds from the baseline's top-k (k tokens S with their p; the candidate's distribution whole, as
+an in-process engine gives it). The tail outside S holds mass R = 1 − Σ_S p, each token at most
+m = min_S p (they rank below S). The known part K = Σ_S p log(p/q) is exact; the tail term
+Σ_{v∉S} p(v) log(p(v)/q(v)) is convex in the unknown p, so:
+- lower: by the log-sum inequality it is at least R log(R / Q_R), Q_R = Σ_{v∉S} q(v);
+- upper: its maximum over {0 ≤ p(v) ≤ m, Σ p(v) = R} lies at a vertex, the greedy one: ⌊R/m⌋
+  tokens at m on the smallest q(v), the remainder on the next (the larger weights on the larger
+  −log q, by rearrangement).
+When the candidate is truncated to its top-k too (an HTTP server: vLLM returns at most 20), only
+a lower bound exists: a token the baseline ranks high may hold any tiny probability under the
+candidate outside its top-k, so KL has no finite upper bound. The lower bound there coarse-grains
+the vocabulary into the tokens both top-k lists hold, one cell each, and the rest as one cell;
+KL can only shrink under coarse-graining (the data-processing inequality).
+
+Shapes: T scored tokens, V vocabulary, k top-k. numpy only (no torch): a library app/ may reach.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from evals.records import DocDistribution
+from evals.stats import wilson_interval
+
+# the percentiles llama-perplexity prints for KLD and Δp, besides the maximum and minimum
+PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)
+TOP_K = 20  # the most top log-probs vLLM returns (--max-logprobs 20): what a stored baseline would keep
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per scored token, in the document's order."""
+
+    kld: np.ndarray  # [T] nats
+    dp: np.ndarray  # [T] q(x_t) − p(x_t)
+    same: np.ndarray  # [T] bool
+    ln_ratio: np.ndarray  # [T] log p(x_t) − log q(x_t)
+
+
+def token_stats(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int]) -> TokenStats:
+    """p_log, q_log [T, V]: normalised log-probabilities (log-softmax rows); targets [T]."""
+    p_log, q_log = np.asarray(p_log, np.float64), np.asarray(q_log, np.float64)
+    if p_log.shape != q_log.shape or p_log.ndim != 2 or p_log.shape[0] != len(targets):
+        raise ValueError(f"distributions {p_log.shape} and {q_log.shape} for {len(targets)} targets")
+    rows, x = np.arange(len(targets)), np.asarray(targets)
+    lp, lq = p_log[rows, x], q_log[rows, x]
+    kld = (np.exp(p_log) * (p_log - q_log)).sum(-1)
+    return TokenStats(kld, np.exp(lq) - np.exp(lp), p_log.argmax(-1) == q_log.argmax(-1), lp - lq)
+
+
+def kl_bounds_from_baseline_topk(top_ids: np.ndarray, top_logprobs: np.ndarray,
+                                 q_log: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lower [T], upper [T]) on KL(p ‖ q) from the baseline's top-k (ids and log-probs [T, k])
+    and the candidate's whole distribution q_log [T, V] (module docstring)."""
+    top_ids, top_lp = np.asarray(top_ids), np.asarray(top_logprobs, np.float64)
+    q_log = np.asarray(q_log, np.float64)
+    lower, upper = np.empty(len(q_log)), np.empty(len(q_log))
+    for t in range(len(q_log)):
+        p_top = np.exp(top_lp[t])
+        known = float((p_top * (top_lp[t] - q_log[t, top_ids[t]])).sum())
+        rest = np.ones(q_log.shape[1], bool)
+        rest[top_ids[t]] = False
+        q_rest = np.exp(q_log[t, rest])
+        tail = max(0.0, 1.0 - float(p_top.sum()))
+        if tail <= 1e-12 or not q_rest.size:
+            lower[t] = upper[t] = known
+            continue
+        lower[t] = known + tail * math.log(tail / max(float(q_rest.sum()), 1e-300))
+        cap = float(p_top.min())  # a tail token ranks below the k-th
+        q_sorted = np.sort(q_rest)
+        full = min(int(tail // cap), q_sorted.size)
+        part = tail - full * cap
+        top = float((cap * (math.log(cap) - np.log(np.maximum(q_sorted[:full], 1e-300)))).sum())
+        if part > 1e-15 and full < q_sorted.size:
+            top += part * (math.log(part) - math.log(max(float(q_sorted[full]), 1e-300)))
+        upper[t] = known + top
+    return lower, upper
+
+
+def kl_lower_bound_from_both_topk(p_ids: np.ndarray, p_logprobs: np.ndarray, q_ids: np.ndarray,
+                                  q_logprobs: np.ndarray) -> np.ndarray:
+    """A lower bound [T] on KL(p ‖ q) when each side gives only its top-k ([T, k] ids and
+    log-probs): the tokens in both lists a cell each, every other token one cell."""
+    out = np.empty(len(p_ids))
+    for t in range(len(p_ids)):
+        q_of = dict(zip(np.asarray(q_ids[t]).tolist(), np.asarray(q_logprobs[t], np.float64).tolist(), strict=True))
+        both = [(lp, q_of[i]) for i, lp in zip(np.asarray(p_ids[t]).tolist(),
+                                               np.asarray(p_logprobs[t], np.float64).tolist(), strict=True)
+                if i in q_of]
+        value = sum(math.exp(lp) * (lp - lq) for lp, lq in both)
+        rest_p = max(0.0, 1.0 - sum(math.exp(lp) for lp, _ in both))
+        rest_q = max(0.0, 1.0 - sum(math.exp(lq) for _, lq in both))
+        if rest_p > 1e-12:
+            value += rest_p * math.log(rest_p / max(rest_q, 1e-300))
+        out[t] = value
+    return out
+
+
+def doc_distribution(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int], k: int = TOP_K) -> DocDistribution:
+    """One document's figures: token_stats, and the KL bounds a baseline stored as its top-k would give."""
+    s = token_stats(p_log, q_log, targets)
+    p_log = np.asarray(p_log, np.float64)
+    ids = np.argsort(-p_log, -1, kind="stable")[:, :k]
+    lower, upper = kl_bounds_from_baseline_topk(ids, np.take_along_axis(p_log, ids, -1), q_log)
+    return DocDistribution(tuple(s.kld.tolist()), tuple(s.dp.tolist()), tuple(int(x) for x in s.same),
+                           tuple(s.ln_ratio.tolist()), tuple(lower.tolist()), tuple(upper.tolist()), k)
+
+
+def stats_of(d: DocDistribution) -> TokenStats:
+    return TokenStats(np.asarray(d.kld), np.asarray(d.dp), np.asarray(d.same, bool), np.asarray(d.ln_ratio))
+
+
+def _percentiles(values: np.ndarray) -> dict[str, float]:
+    found = {"max": float(values.max())}
+    found.update({f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES})
+    found["min"] = float(values.min())
+    return found
+
+
+def _mean_err(values: np.ndarray) -> tuple[float, float]:
+    """The mean and its standard error (llama-perplexity's ±)."""
+    n = len(values)
+    return float(values.mean()), float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+
+
+def summarize(stats: Sequence[TokenStats]) -> dict:
+    """llama-perplexity --kl-divergence's figures over every scored token of the documents:
+    mean KLD ± its error and percentiles; Δp mean, RMS and percentiles (in probability, 0.01 = 1
+    point); same-top-p with a Wilson 95 % CI; mean ln(PPL(q)/PPL(p)) ± its error."""
+    kld = np.concatenate([s.kld for s in stats])
+    dp = np.concatenate([s.dp for s in stats])
+    same = np.concatenate([s.same for s in stats])
+    ln_ratio = np.concatenate([s.ln_ratio for s in stats])
+    if not len(kld):
+        raise ValueError("no scored tokens")
+    n, hits = len(kld), int(same.sum())
+    kld_mean, kld_err = _mean_err(kld)
+    dp_mean, dp_err = _mean_err(dp)
+    ln_mean, ln_err = _mean_err(ln_ratio)  # ln PPL(q) − ln PPL(p) = mean over tokens of log p(x) − log q(x)
+    return {
+        "tokens": n,
+        "kld_mean": kld_mean, "kld_err": kld_err, "kld_percentiles": _percentiles(kld),
+        "dp_mean": dp_mean, "dp_err": dp_err, "dp_rms": float(math.sqrt((dp ** 2).mean())),
+        "dp_percentiles": _percentiles(dp),
+        "same_top": hits / n, "same_top_ci": list(wilson_interval(hits, n)),
+        "ln_ppl_ratio": ln_mean, "ln_ppl_ratio_err": ln_err,
+    }
+
+
+def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, min_n: int = 10):
+    """kld_mean: Σ KLD ÷ Σ tokens over the documents (key, distribution) a candidate compared,
+    with a bootstrap CI over documents; reported, no threshold (near the baseline KL stops ranking
+    configs). details: `summarize`'s figures, and how the top-k bounds fared: the share of tokens
+    they bracket (1.0 by construction, checked on every run) and their mean width."""
+    from evals.compare import reported
+    from evals.stats import paired_bootstrap_ci
+
+    sums = np.array([sum(d.kld) for _, d in docs])
+    toks = np.array([len(d.kld) for _, d in docs], dtype=np.float64)
+    estimate = float(sums.sum() / toks.sum())
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ sums) / (w @ toks), len(docs), seed=seed)
+    kld = np.concatenate([d.kld for _, d in docs])
+    lower = np.concatenate([d.kl_lower for _, d in docs])
+    upper = np.concatenate([d.kl_upper for _, d in docs])
+    slack = 1e-5 + 1e-4 * np.abs(kld)  # the stored figures' 6 significant digits
+    bounds = {"k": docs[0][1].k, "bracketed": float(((lower <= kld + slack) & (kld <= upper + slack)).mean()),
+              "lower_mean": float(lower.mean()), "upper_mean": float(upper.mean()),
+              "width_mean": float((upper - lower).mean())}
+    return reported("kld_mean", estimate, lo, hi, len(docs), min_n=min_n,
+                    details={**summarize([stats_of(d) for _, d in docs]), "topk_bounds": bounds})

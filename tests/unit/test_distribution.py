@@ -1,0 +1,138 @@
+"""evals/distribution.py: llama.cpp's --kl-divergence figures and the KL bounds from top-k,
+worked by hand on a 3-token vocabulary, and the bounds checked against exact KL on random ones."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from evals.distribution import (
+    kl_bounds_from_baseline_topk,
+    kl_lower_bound_from_both_topk,
+    summarize,
+    token_stats,
+)
+
+P = np.log([[0.5, 0.3, 0.2]])
+Q = np.log([[0.35, 0.45, 0.2]])
+
+
+def test_one_token_by_hand():
+    """KLD = 0.5 ln(0.5/0.35) + 0.3 ln(0.3/0.45) + 0.2 ln 1 = 0.178337 − 0.121640 = 0.056698;
+    the right token (1): Δp = 0.45 − 0.3 = 0.15, ln ratio = ln 0.3 − ln 0.45 = −0.405465; the
+    argmaxes differ (0 and 1)."""
+    s = token_stats(P, Q, [1])
+    assert s.kld[0] == pytest.approx(0.056698, abs=1e-6)
+    assert s.dp[0] == pytest.approx(0.15) and s.ln_ratio[0] == pytest.approx(-0.405465, abs=1e-6)
+    assert not s.same[0]
+    with pytest.raises(ValueError, match="for 2 targets"):
+        token_stats(P, Q, [1, 2])
+
+
+def test_bounds_from_the_baseline_s_top_1_by_hand():
+    """S = {0}: known part 0.5 ln(0.5/0.35) = 0.178337; tail mass 0.5, each token at most 0.5.
+    lower = 0.178337 + 0.5 ln(0.5 / (0.45 + 0.2)) = 0.047155; upper puts the whole 0.5 on the
+    smallest q (0.2): 0.178337 + 0.5 ln(0.5/0.2) = 0.636482. Exact 0.056698 lies between."""
+    lower, upper = kl_bounds_from_baseline_topk(np.array([[0]]), np.log([[0.5]]), Q)
+    assert lower[0] == pytest.approx(0.047155, abs=1e-6) and upper[0] == pytest.approx(0.636482, abs=1e-6)
+    both = kl_bounds_from_baseline_topk(np.array([[0, 1, 2]]), P, Q)  # the whole vocabulary: exact
+    assert both[0][0] == pytest.approx(0.056698, abs=1e-6) == both[1][0]
+
+
+def test_lower_bound_from_both_top_k_by_hand():
+    """Top-1 each, no token in both: one cell holding everything, KL 0. Top-2 each: tokens 0 and 1
+    in both, the rest (0.2 vs 0.2) one cell: 0.056698, the exact value (the rest is one token)."""
+    assert kl_lower_bound_from_both_topk([[0]], np.log([[0.5]]), [[1]], np.log([[0.45]]))[0] == pytest.approx(0.0)
+    got = kl_lower_bound_from_both_topk([[0, 1]], np.log([[0.5, 0.3]]), [[1, 0]], np.log([[0.45, 0.35]]))
+    assert got[0] == pytest.approx(0.056698, abs=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_the_bounds_bracket_exact_kl_on_random_distributions(k):
+    """600 random pairs over 64 tokens, peaked and flat (Dirichlet α 0.05 to 1), the candidate a
+    perturbation of the baseline or unrelated: every bound holds (to float rounding)."""
+    rng = np.random.default_rng(k)
+    rows = []
+    for alpha in (0.05, 0.3, 1.0):
+        p = rng.dirichlet([alpha] * 64, size=100)
+        near = p * np.exp(rng.normal(0, 0.3, p.shape))
+        rows += [(p, near / near.sum(-1, keepdims=True)), (p, rng.dirichlet([alpha] * 64, size=100))]
+    for p, q in rows:
+        p_log, q_log = np.log(np.maximum(p, 1e-300)), np.log(np.maximum(q, 1e-300))
+        exact = token_stats(p_log, q_log, [0] * len(p)).kld
+        p_ids, q_ids = np.argsort(-p, -1)[:, :k], np.argsort(-q, -1)[:, :k]
+        p_top, q_top = np.take_along_axis(p_log, p_ids, -1), np.take_along_axis(q_log, q_ids, -1)
+        lower, upper = kl_bounds_from_baseline_topk(p_ids, p_top, q_log)
+        assert (lower <= exact + 1e-9).all() and (exact <= upper + 1e-9).all()
+        assert (kl_lower_bound_from_both_topk(p_ids, p_top, q_ids, q_top) <= exact + 1e-9).all()
+
+
+def test_summary_of_two_tokens_by_hand():
+    """KLD 0.1 and 0.3: mean 0.2 ± 0.1 (σ 0.1414 / √2); Δp +0.1 and −0.1: mean 0, RMS 0.1; one
+    same top of two: 0.5 with Wilson [0.095, 0.905]; ln ratios 0.2 and 0: ln(PPL_q/PPL_p) 0.1."""
+    from evals.distribution import TokenStats
+
+    s = TokenStats(np.array([0.1, 0.3]), np.array([0.1, -0.1]), np.array([True, False]), np.array([0.2, 0.0]))
+    got = summarize([s])
+    assert got["tokens"] == 2 and got["kld_mean"] == pytest.approx(0.2) and got["kld_err"] == pytest.approx(0.1)
+    assert got["kld_percentiles"]["max"] == pytest.approx(0.3) and got["kld_percentiles"]["p50"] == pytest.approx(0.2)
+    assert got["dp_mean"] == pytest.approx(0.0) and got["dp_rms"] == pytest.approx(0.1)
+    assert got["same_top"] == 0.5 and got["same_top_ci"] == pytest.approx([0.0945, 0.9055], abs=1e-4)
+    assert got["ln_ppl_ratio"] == pytest.approx(0.1) and math.isfinite(got["ln_ppl_ratio_err"])
+
+
+def test_kld_mean_over_documents_and_the_stored_record():
+    """Two documents: KLD 0.1, 0.3 and 0.2 → Σ 0.6 over 3 tokens = 0.2 (token-weighted, not the mean
+    of the documents' means, 0.2 too here; 0.1 and 0.5 below would differ). The bounds hold on
+    every token. The record keeps 6 significant digits through the database's JSON."""
+    from evals.distribution import kld_comparison
+    from evals.records import DocDistribution, DocRecord
+
+    a = DocDistribution((0.1, 0.3), (0.1, -0.1), (1, 0), (0.2, 0.0), (0.05, 0.2), (0.2, 0.4), 20)
+    b = DocDistribution((0.2,), (0.0,), (1,), (0.1,), (0.1,), (0.3,), 20)
+    c = kld_comparison([("a", a), ("b", b)], min_n=2)
+    assert c.metric == "kld_mean" and c.n == 2 and c.estimate == pytest.approx(0.2) and c.verdict == "ok"
+    assert c.details["same_top"] == pytest.approx(2 / 3) and c.details["tokens"] == 3
+    assert c.details["topk_bounds"] == pytest.approx({"k": 20, "bracketed": 1.0, "lower_mean": 0.35 / 3,
+                                                      "upper_mean": 0.3, "width_mean": 0.3 - 0.35 / 3})
+    skewed = kld_comparison([("a", replace(a, kld=(0.1, 0.5))), ("b", b)], min_n=2)
+    assert skewed.estimate == pytest.approx(0.8 / 3)  # not (0.3 + 0.2) / 2
+    broken = kld_comparison([("a", replace(a, kl_upper=(0.2, 0.1))), ("b", b)], min_n=2)
+    assert broken.details["topk_bounds"]["bracketed"] == pytest.approx(2 / 3)  # a bound that fails shows
+    d = DocRecord("a", 3.0, 2, 1, 9, distribution=replace(a, kld=(1 / 3, 0.3)))
+    row = d.to_row()
+    back = DocRecord.from_row("a", row["value"], row["extra"])
+    assert back.distribution is not None and back.distribution.kld == (0.333333, 0.3)
+    assert DocRecord.from_row("a", 3.0, {**row["extra"], "distribution": None}).distribution is None
+
+
+@pytest.mark.integration
+def test_the_tiny_model_s_distributions_and_their_bounds():
+    """The reference engine's rows are the distributions its rolling log-probs were read from; a
+    config against itself has KLD 0 and the same top everywhere; RTN int4 weights against fp32
+    have KLD > 0, and the top-20 bounds bracket every token's exact KLD."""
+    from engines.protocol import RollingRequest, WindowSpec
+    from engines.reference.engine import ReferenceEngine
+    from engines.spec import OptimizationSpec
+    from engines.zoo import resolve_model_path
+    from evals.distribution import doc_distribution
+
+    target = str(resolve_model_path("builtin:pydoc-target"))
+    text = "Serialize obj to a JSON formatted str using this conversion table, as json.dumps does."
+    docs = [RollingRequest(f"d{i}", f"{i} " + " ".join([text] * (2 + i)), WindowSpec(64, 48)) for i in range(3)]
+
+    def engine(weights: str) -> ReferenceEngine:
+        return ReferenceEngine(target, OptimizationSpec(engine="reference", weights=weights,
+                                                        engine_options={"device": "cpu"}))
+
+    base, int4 = engine("fp32").next_token_logprobs(docs), engine("rtn-int4").next_token_logprobs(docs)
+    for (r, p), (c, q) in zip(base, int4, strict=True):
+        assert p.shape == (len(r.token_ids), 4096) and c.token_ids == r.token_ids
+        assert p[np.arange(len(r.token_ids)), r.token_ids] == pytest.approx(r.logprobs, abs=1e-5)
+        same = doc_distribution(p, p, r.token_ids)
+        assert max(same.kld) < 1e-9 and all(same.same) and max(same.dp) == 0
+        d = doc_distribution(p, q, r.token_ids)
+        kld, lower, upper = map(np.asarray, (d.kld, d.kl_lower, d.kl_upper))
+        assert kld.mean() > 1e-4 and (lower <= kld + 1e-9).all() and (kld <= upper + 1e-9).all()
