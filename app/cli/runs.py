@@ -48,8 +48,10 @@ DEMO_CONFIG: dict[str, Any] = {
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
          "scorers": ["perplexity", "generation", "faithfulness", "agreement"],
          # dotted names and dunders: the term NLL ratio scores their tokens apart (term_nll_ratio)
-         # the first 4 documents also one token per decode step through each lossy KV cache (decode_nll_ratio)
-        "perplexity": {"window": 256, "stride": 256, "terms": ["builtin:python-identifiers"], "decode_samples": 4},
+         # the first 4 documents also one token per decode step through each lossy KV cache (decode_nll_ratio),
+        # the first 8 with every next-token distribution against the baseline's (kld_mean)
+        "perplexity": {"window": 256, "stride": 256, "terms": ["builtin:python-identifiers"], "decode_samples": 4,
+                       "distribution_samples": 8},
          "generation": {"prompts": 16, "prompt_words": 24, "max_new_tokens": 32},
          # no judge endpoint in the demo: faithfulness runs the labelled offline approximation
          "faithfulness": {"method": "offline"}},

@@ -94,6 +94,25 @@ def decode_rows(run: dict) -> list[dict]:
             if c["metric"] == "decode_nll_ratio" and c.get("estimate") is not None and c["config"] not in layers]
 
 
+def distribution_rows(run: dict) -> list[dict]:
+    """Each candidate's next-token distributions against the baseline's, as llama-perplexity
+    --kl-divergence prints them (kld_mean's details): mean KLD with its CI, its 99th percentile,
+    Δp's RMS, same top p, and whether the top-20 bounds held."""
+    rows = []
+    for c in run["comparisons"]:
+        d = c.get("details") or {}
+        if c["metric"] != "kld_mean" or c.get("estimate") is None or "same_top" not in d:
+            continue
+        bounds = d.get("topk_bounds") or {}
+        rows.append({"config": c["config"], "tokens": d["tokens"],
+                     "mean KLD [95% CI]": f"{c['estimate']:.5f} [{c['ci_low']:.5f}, {c['ci_high']:.5f}]",
+                     "KLD p99": f"{d['kld_percentiles']['p99']:.4f}", "Δp RMS": f"{d['dp_rms'] * 100:.2f}%",
+                     "same top p": f"{d['same_top'] * 100:.1f}%",
+                     "top-20 bounds": (f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}"
+                                       if bounds else "—")})
+    return rows
+
+
 def ablations(run: dict) -> set[str]:
     """The run's single-optimization ablations of a stacked config (step back one layer): shown
     in their own section, not as candidates."""
@@ -171,6 +190,13 @@ def render(api, project: str, params) -> None:
             st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window, "
                        "with its own CI and verdict (ppl ratio's thresholds): reported, not judged.")
             st.table(style_verdict_column(pd.DataFrame(by_position)).hide(axis="index"))
+    dists = distribution_rows(run)
+    if dists:
+        with st.expander("Next-token distributions against the baseline (llama-perplexity --kl-divergence)"):
+            st.caption("Over every token of the suite's first perplexity.distribution_samples documents. Reported, "
+                       "not judged: near the baseline KL stops ranking configs. Bounds: what the baseline's top 20 "
+                       "log-probs alone (what a server returns) say of each token's KLD.")
+            st.table(pd.DataFrame(dists).style.hide(axis="index"))
     decoded = decode_rows(run)
     if decoded:
         with st.expander("KV cache: scored by prefill and by decode"):

@@ -79,3 +79,18 @@ def test_the_run_page_lists_each_candidate_s_buckets():
     assert decode_rows(run) == [{"config": "kv-late", "documents": 4, "prefill": "+4.0%",
                                  "decode [95% CI]": "+30.0% [+20.0, +40.0]", "decode ÷ prefill": "1.2500",
                                  "verdict": "critical"}]
+
+
+def test_the_run_page_lists_each_candidate_s_distribution_figures():
+    from dashboard.views.run_detail import distribution_rows
+
+    details = {"tokens": 310, "kld_percentiles": {"p99": 0.0123}, "dp_rms": 0.0105, "same_top": 0.9871,
+               "topk_bounds": {"bracketed": 1.0, "width_mean": 0.00021}}
+    run = {"comparisons": [
+        {"config": "int8", "metric": "kld_mean", "estimate": 0.00042, "ci_low": 0.0003, "ci_high": 0.00055,
+         "details": details},
+        {"config": "int4", "metric": "kld_mean", "estimate": None, "details": {}},  # too few documents
+        {"config": "int8", "metric": "ppl_ratio", "estimate": 1.01, "details": {}}]}
+    assert distribution_rows(run) == [{"config": "int8", "tokens": 310, "mean KLD [95% CI]": "0.00042 [0.00030, 0.00055]",
+                                       "KLD p99": "0.0123", "Δp RMS": "1.05%", "same top p": "98.7%",
+                                       "top-20 bounds": "100% bracketed, width 0.00021"}]
