@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Project, Run, Suite
 from app.schemas import ComparisonOut, RunOut
+from evals.comparison import bucket_interval
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "critical": "#c62828",
@@ -184,7 +185,7 @@ def _positions(summary: RunOut) -> str:
             continue
         scored = "prefill" if c.metric == "ppl_ratio" else "decode"
         for b in c.details.get("by_position") or []:
-            change = format_estimate(METRICS["ppl_ratio"], b["estimate"], b["ci_low"], b["ci_high"])
+            change = format_estimate(METRICS["ppl_ratio"], *bucket_interval(b))
             rows.append(f"<tr><td>{escape(c.config)}</td><td>{scored}</td><td>{escape(b['positions'])}</td>"
                         f"<td>{escape(change)}</td><td>{b['tokens']}</td>"
                         f"<td class='v {escape(b['verdict'])}'>{escape(b['verdict'])}</td></tr>")

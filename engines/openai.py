@@ -31,6 +31,7 @@ from typing import cast
 import httpx
 
 from engines.device import EngineLoadError
+from engines.endpoint import error_message, origin, redact_url
 from engines.protocol import (
     EngineDescription,
     GenerationRequest,
@@ -80,7 +81,7 @@ class OpenAIEngine:
         key = secret(str(opts["api_key_env"])) if "api_key_env" in opts else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         # the key goes to the server's own origin only, never to a metrics_url elsewhere
-        self.metrics_headers = self.headers if _origin(self.metrics_url) == _origin(self.base_url) else {}
+        self.metrics_headers = self.headers if origin(self.metrics_url) == origin(self.base_url) else {}
         self._server_stats: ServerStats | None = None  # over the last generate call
         # llama-cpp-python's server takes text prompts only (set when its /extras/tokenize answers)
         self._text_prompts = False
@@ -187,7 +188,8 @@ class OpenAIEngine:
                               f"OpenAI-compatible server needs the server's tokenizer "
                               f"(vLLM and engine-serve expose /tokenize, llama-cpp-python /extras/tokenize)")
         if response.is_error:
-            raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {response.status_code}: {_message(response)}")
+            raise EndpointError(f"{redact_url(self.root)}/tokenize: HTTP {response.status_code}: "
+                                f"{error_message(response)}")
         return list(response.json()["tokens"])
 
     def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
@@ -200,7 +202,7 @@ class OpenAIEngine:
             response = client.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
         if response.status_code >= 400:
             raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
-                                f"(HTTP {response.status_code}: {_message(response)}); perplexity needs a server "
+                                f"(HTTP {response.status_code}: {error_message(response)}); perplexity needs a server "
                                 f"that returns them with echo=true (vLLM does), or drop perplexity from this "
                                 f"config's scorers")
         lps = response.json()["choices"][0].get("logprobs") or {}
@@ -242,7 +244,7 @@ class OpenAIEngine:
         response = client.post(f"{self.root}/extras/detokenize", json={"model": self.model, "tokens": ids})
         if response.is_error:
             raise EndpointError(f"{redact_url(self.root)}/extras/detokenize: HTTP {response.status_code}: "
-                                f"{_message(response)}")
+                                f"{error_message(response)}")
         return str(response.json()["text"])
 
     def _completion_logprobs(self, client: httpx.Client, prompt: str, doc_id: str) -> dict:
@@ -251,7 +253,7 @@ class OpenAIEngine:
         response = client.post(f"{self.base_url}/completions", json=body)
         if response.status_code >= 400:
             raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
-                                f"(HTTP {response.status_code}: {_message(response)})")
+                                f"(HTTP {response.status_code}: {error_message(response)})")
         return response.json()["choices"][0].get("logprobs") or {}
 
     # -- generation --------------------------------------------------------------------------------
@@ -346,7 +348,7 @@ class OpenAIEngine:
             if response.status_code >= 400:
                 await response.aread()
                 raise EndpointError(f"{self.shown}/completions: HTTP {response.status_code} "
-                                    f"for request '{req.request_id}': {_message(response)}")
+                                    f"for request '{req.request_id}': {error_message(response)}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -390,28 +392,3 @@ class OpenAIEngine:
             versions={"httpx": httpx.__version__},
             notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
         )
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    try:
-        u = httpx.URL(url)
-    except httpx.InvalidURL:
-        return ("", url, None)
-    return (u.scheme, u.host, u.port)
-
-
-def redact_url(url: str) -> str:
-    """The URL without what may be a credential: user:password@ and the query string."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]

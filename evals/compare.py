@@ -19,7 +19,9 @@ them the config's typed records.
     confident_divergence, batch_divergence, empty_answers, degenerate_answers, max_tokens_hits,
     output_length_ratio: evals/field.py
     exact_match           rate (no gate)     exact_match_comparison
-    top1_agreement        mean (no gate)     top1_agreement_comparison
+    top1_agreement        mean (no gate)     evals.distribution.top1_agreement_comparison
+    kld_mean              mean (no gate)     evals.distribution.kld_comparison
+    decode_nll_ratio      paired_ratio       evals.perplexity.ppl_ratio on the decode pass (compare_rows)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import cast
 
 import numpy as np
 
-from evals.agreement import exact_match, first_divergence, top1_agreement
+from evals.agreement import exact_match, first_divergence
 from evals.health import NEAR_TIE_NATS, divergence
 from evals.perplexity import ppl_ratio
 from evals.positions import bucket_label
@@ -51,7 +53,6 @@ __all__ = [
     "ppl_ratio_by_position",
     "reported",
     "term_nll_ratio_comparison",
-    "top1_agreement_comparison",
     "ttft_comparison",
     "unscored",
 ]
@@ -390,16 +391,3 @@ def lossless_exact_comparison(candidate: dict[str, GenerationRecord], baseline: 
         verdict, rule = "ok", f"{em.matches} of {em.n} outputs identical to the baseline's"
     return Comparison("lossless_exact_match", rate, lo, hi, em.n, verdict, rule,
                       baseline_value=1.0, candidate_value=em.rate, details=details)
-
-
-def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,
-                              min_n: int = 10) -> Comparison | None:
-    """Per-document share of positions whose argmax token matches the baseline's, averaged with a
-    clustered bootstrap CI. pairs: (baseline greedy ids, candidate greedy ids, cluster)."""
-    rates = [top1_agreement(b, c) for b, c, _ in pairs]
-    if not rates:
-        return None
-    x = np.asarray(rates)
-    lo, hi = paired_bootstrap_ci(lambda w: (w @ x) / w.sum(1), len(x), clusters=[cl for _, _, cl in pairs], seed=seed)
-    return reported("top1_agreement", float(x.mean()), lo, hi, len(x), min_n=min_n, baseline_value=1.0,
-                         candidate_value=float(x.mean()))

@@ -297,4 +297,6 @@ def top1_agreement(ctx: CompareContext) -> Comparison | None:
     pairs = [(b.greedy_ids, d.greedy_ids, d.cluster) for d in ctx.mine.docs.values()
              if (b := ctx.base.docs.get(d.sample_key)) is not None and d.greedy_ids and b.greedy_ids
              and len(d.greedy_ids) == len(b.greedy_ids)]
-    return compare.top1_agreement_comparison(pairs, ctx.seed)
+    from evals.distribution import top1_agreement_comparison
+
+    return top1_agreement_comparison(pairs, ctx.seed)

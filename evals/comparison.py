@@ -44,3 +44,9 @@ class Comparison:
 
 
 STORED = tuple(f.name for f in fields(Comparison))  # the stored row's columns beside run_id
+
+
+def bucket_interval(bucket: dict[str, Any]) -> tuple[float, float, float]:
+    """(estimate, CI low, CI high) of one position bucket in a comparison's details["by_position"]
+    (evals.compare.ppl_ratio_by_position writes them)."""
+    return bucket["estimate"], bucket["ci_low"], bucket["ci_high"]

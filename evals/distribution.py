@@ -31,11 +31,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from evals.agreement import top1_agreement
 from evals.records import DocDistribution
 from evals.stats import wilson_interval
+
+if TYPE_CHECKING:
+    from evals.stats import Comparison
 
 # the percentiles llama-perplexity prints for KLD and Δp, besides the maximum and minimum
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)
@@ -183,3 +188,19 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
               "width_mean": float((upper - lower).mean())}
     return reported("kld_mean", estimate, lo, hi, len(docs), min_n=min_n,
                     details={**summarize([stats_of(d) for _, d in docs]), "topk_bounds": bounds})
+
+
+def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,
+                              min_n: int = 10) -> Comparison | None:
+    """Per-document share of positions whose argmax token matches the baseline's, averaged with a
+    clustered bootstrap CI. pairs: (baseline greedy ids, candidate greedy ids, cluster)."""
+    rates = [top1_agreement(b, c) for b, c, _ in pairs]
+    if not rates:
+        return None
+    from evals.compare import reported
+    from evals.stats import paired_bootstrap_ci
+
+    x = np.asarray(rates)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ x) / w.sum(1), len(x), clusters=[cl for _, _, cl in pairs], seed=seed)
+    return reported("top1_agreement", float(x.mean()), lo, hi, len(x), min_n=min_n, baseline_value=1.0,
+                    candidate_value=float(x.mean()))

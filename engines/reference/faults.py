@@ -32,9 +32,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engines.protocol import GenerationResult, SpecStats
-from engines.reference.kv.base import DequantizedStore, KVFormat, KVStore
-from engines.spec import (
+from engines.drills import (
     Fault,
     KVCorruptFault,
     LogprobShiftFault,
@@ -43,6 +41,8 @@ from engines.spec import (
     WeightNoiseFault,
     parse_fault,
 )
+from engines.protocol import GenerationResult, SpecStats
+from engines.reference.kv.base import DequantizedStore, KVFormat, KVStore
 
 if TYPE_CHECKING:
     from engines.reference.model import DecoderLayer, Transformer
