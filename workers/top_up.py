@@ -14,7 +14,7 @@ What it costs: each pass reruns the undecided configs on every sample (so their 
 figures cover one pass), and stops once every gated comparison is decided or nothing is left to
 draw. Each top-up is one more look at the data, uncorrected: a null config near its threshold
 gets more chances to cross it, and a real regression just past warn more chances to be judged
-ok (README "Verdict rule" says what the detection benchmark does and does not measure of this).
+ok (docs/scorers.md, "Verdict rule", says what the detection benchmark does and does not measure of this).
 
 New documents come from those the run has not drawn, by a seed of their own (the run's seed and
 its size), kept in suite order after the samples already drawn, so the prompts of the first pass
