@@ -200,6 +200,26 @@ def _positions(summary: RunOut) -> str:
     return "".join(out)
 
 
+def _distributions(summary: RunOut) -> str:
+    """Each candidate's next-token distributions against the baseline's, as llama-perplexity
+    --kl-divergence prints them (kld_mean's details), where the suite measured them."""
+    found = [c for c in summary.comparisons if c.metric == "kld_mean" and c.estimate is not None
+             and "same_top" in c.details]
+    if not found:
+        return "<p class='dim'>Not measured in this run (the suite's perplexity.distribution_samples is 0).</p>"
+    out = ["<table><tr><th>config</th><th>tokens</th><th>mean KLD [95% CI]</th><th>KLD p99</th><th>Δp RMS</th>"
+           "<th>same top p [95% CI]</th><th>top-20 bounds</th></tr>"]
+    for c in found:
+        d, bounds = c.details, c.details.get("topk_bounds") or {}
+        low, high = d["same_top_ci"]
+        held = f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}" if bounds else "—"
+        out.append(f"<tr><td>{escape(c.config)}</td><td>{d['tokens']}</td>"
+                   f"<td>{c.estimate:.5f} [{c.ci_low:.5f}, {c.ci_high:.5f}]</td>"
+                   f"<td>{d['kld_percentiles']['p99']:.4f}</td><td>{d['dp_rms'] * 100:.2f}%</td>"
+                   f"<td>{d['same_top'] * 100:.1f}% [{low * 100:.1f}, {high * 100:.1f}]</td><td>{held}</td></tr>")
+    return "".join(out) + "</table>"
+
+
 def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
     """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
     from app.services import samples_label
@@ -222,6 +242,7 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
         "<h2>Quality by position in the context</h2>", _positions(summary),
+        "<h2>Next-token distributions against the baseline</h2>", _distributions(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
         f"<h2>The stored reason</h2><pre>{escape(summary.verdict_reason or '—')}</pre>",
         "</body></html>\n"])

@@ -73,3 +73,20 @@ def test_quality_by_position_and_the_decode_gap():
     assert "Decode ÷ prefill on the documents scored both ways: kv-late 1.2500." in html
     assert "Quality by position in the context" in render(s, "p", "daily", {})
     assert "No position buckets" in _positions(summary())
+
+
+def test_next_token_distributions_in_the_report():
+    """kld_mean 0.00042 [0.0003, 0.00055] with p99 0.0123, Δp RMS 0.0105 → 1.05%, same top 0.9871
+    [0.98, 0.992] → 98.7% [98.0, 99.2]; not measured: a line says how to measure it."""
+    from app.report import _distributions
+
+    s = summary("int8")
+    s.comparisons.append(ComparisonOut.model_validate(
+        {"config": "int8", "metric": "kld_mean", "estimate": 0.00042, "ci_low": 0.0003, "ci_high": 0.00055, "n": 8,
+         "verdict": "ok", "rule": "", "baseline_value": None, "candidate_value": None, "gated": False,
+         "details": {"tokens": 310, "kld_percentiles": {"p99": 0.0123}, "dp_rms": 0.0105, "same_top": 0.9871,
+                     "same_top_ci": [0.98, 0.992], "topk_bounds": {"bracketed": 1.0, "width_mean": 0.00021}}}))
+    html = _distributions(s)
+    assert ("<td>int8</td><td>310</td><td>0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td>"
+            "<td>98.7% [98.0, 99.2]</td><td>100% bracketed, width 0.00021</td>") in html
+    assert "distribution_samples is 0" in _distributions(summary())
