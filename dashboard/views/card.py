@@ -36,6 +36,10 @@ TILES = (
     # floor, and answers that broke while prompt log-probs stayed exact
     ("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
     ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "output_length_ratio")),
+    # issue 34's signals, reported without thresholds: the next-token distributions against the
+    # baseline's (llama-perplexity --kl-divergence), and a lossy KV cache read one token per decode step
+    ("next-token KLD", ("kld_mean",)),
+    ("KV cache by decode", ("decode_nll_ratio",)),
 )
 NO_DATA = "no data"
 NOT_JUDGED = "not judged"  # reported without a threshold (faithfulness by the offline approximation)

@@ -26,7 +26,8 @@ PAGES = {
     "Trends": ["Trends", "Suite s only", "alert: int2"],
     "Alerts": ["Alerts", "The canary is stale", "CanaryStale", "Firing (", "Silences", "needs a write key"],
     "Run+detail&run_id=1": ["Run detail", "Breaching (", "Rank samples by",  # the seeded run of every config
-                            "Perplexity by position in the context"],
+                            "Perplexity by position in the context",
+                            "Next-token distributions against the baseline"],
     "Gates": ["CI gates"],
 }
 
@@ -137,6 +138,7 @@ def test_the_run_report_opens_offline_in_chromium(seeded_api, tmp_path):
         assert len(rows) > len(run["comparisons"])  # every comparison, then the signals and worst documents
         assert "Field signals" in text and "confident div." in text  # spec-ngram is lossless: its noise floor
         assert "Worst documents per candidate" in text and "int2" in text
+        assert "Next-token distributions against the baseline" in text and "bracketed" in text  # kld_mean, measured
         shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
         shots.mkdir(parents=True, exist_ok=True)
         browser.set_window_size(1400, 3000)

@@ -125,6 +125,12 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
         worst = min((x["verdict"] for x in cells if x["judged"]), key=verdict_rank)  # 0 = critical
         assert tiles[title] == worst, (title, tiles[title], worst)
     assert "confident div." in card or "lossless EM" in card
+    # issue 34's: the next-token KLD of the candidate furthest from the baseline's distributions (int2, the
+    # broken one), reported without a threshold; no KV config in the suite, so nothing decoded
+    klds = {c["config"]: c["comparisons"]["kld_mean"]["estimate"] for c in configs if "kld_mean" in c["comparisons"]}
+    assert set(klds) == {"int8", "int2", "spec-ngram"} and max(klds, key=klds.__getitem__) == "int2"
+    assert tiles["next-token KLD"] == "not judged" and f"{klds['int2']:.5f}" in shown and "int2, worst of 3 on KLD" in shown
+    assert "KV cache by decode" in shown.split("no data", 1)[1]  # named under no data
     last, nxt = re.search(r"last <b>([^<]+)</b>.*?next <b>([^<]+)</b>", card).groups()
     assert last.endswith("ago") or last == "just now"
     assert nxt.startswith("in ")  # the daily schedule's next slot, in human time

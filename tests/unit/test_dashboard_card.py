@@ -46,7 +46,8 @@ def tiles_by_title(configs=CONFIGS, catalogue=CATALOGUE):
 def test_each_tile_shows_the_worst_config_its_value_and_its_state():
     tiles = tiles_by_title()
     assert list(tiles) == ["domain PPL", "judge score", "faithfulness", "spec-decode acceptance", "TTFT p50 / p99",
-                           "throughput", "KV-cache usage", "lossless outputs", "generation health"]
+                           "throughput", "KV-cache usage", "lossless outputs", "generation health", "next-token KLD",
+                           "KV cache by decode"]
     ppl = tiles["domain PPL"]  # kv2 is critical, int4 only warn: (1.40 − 1) × 100 = +40.0; CI +31.0, +52.0
     assert (ppl.state, ppl.value, ppl.ci, ppl.source) == ("critical", "+40.0%", "[+31.0, +52.0]",
                                                           "kv2, worst of 2 on ppl ratio")
@@ -95,7 +96,8 @@ def test_card_html_names_each_state_in_words_and_escapes_config_names():
     # every figure but the perplexity ratio has no data: named in one small tile, no figure, no verdict colour
     assert page.count('data-state="no data"') == 1 and ('<div class="s">judge score, faithfulness, spec-decode '
                                                         'acceptance, TTFT p50 / p99, throughput, KV-cache usage, '
-                                                        'lossless outputs, generation health</div>'
+                                                        'lossless outputs, generation health, next-token KLD, '
+                                                        'KV cache by decode</div>'
                                                         in page)
     assert "last <b>2 hours ago</b>" in page and "next <b>not scheduled</b>" in page
 
