@@ -208,11 +208,12 @@ def _distributions(summary: RunOut) -> str:
     if not found:
         return "<p class='dim'>Not measured in this run (the suite's perplexity.distribution_samples is 0).</p>"
     out = ["<table><tr><th>config</th><th>tokens</th><th>mean KLD [95% CI]</th><th>KLD p99</th><th>Δp RMS</th>"
-           "<th>same top p [95% CI]</th><th>top-20 bounds</th></tr>"]
+           "<th>same top p [95% CI]</th><th>top-20 bounds (self-check)</th></tr>"]
     for c in found:
         d, bounds = c.details, c.details.get("topk_bounds") or {}
         low, high = d["same_top_ci"]
-        held = f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}" if bounds else "—"
+        held = (f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}"
+                if bounds and bounds.get("width_mean") is not None else "—")
         out.append(f"<tr><td>{escape(c.config)}</td><td>{d['tokens']}</td>"
                    f"<td>{c.estimate:.5f} [{c.ci_low:.5f}, {c.ci_high:.5f}]</td>"
                    f"<td>{d['kld_percentiles']['p99']:.4f}</td><td>{d['dp_rms'] * 100:.2f}%</td>"

@@ -141,10 +141,11 @@ def kld_mean(ctx: CompareContext) -> Comparison | None:
     perplexity.distribution_samples): llama-perplexity --kl-divergence's figures."""
     from evals.distribution import kld_comparison
 
-    docs = [(k, d.distribution) for k, d in ctx.mine.docs.items() if d.distribution is not None]
-    if ctx.is_base or not docs:
+    found = [(k, d.cluster or k, d.distribution) for k, d in ctx.mine.docs.items() if d.distribution is not None]
+    if ctx.is_base or not found:
         return None
-    return kld_comparison(docs, seed=ctx.seed, min_n=METRICS["kld_mean"].min_n)
+    return kld_comparison([(k, d) for k, _, d in found], seed=ctx.seed, min_n=METRICS["kld_mean"].min_n,
+                          clusters=[c for _, c, _ in found])
 
 
 def term_nll_ratio(ctx: CompareContext) -> Comparison | None:

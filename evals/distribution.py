@@ -23,7 +23,7 @@ candidate outside its top-k, so KL has no finite upper bound. The lower bound th
 the vocabulary into the tokens both top-k lists hold, one cell each, and the rest as one cell;
 KL can only shrink under coarse-graining (the data-processing inequality).
 
-Shapes: T scored tokens, V vocabulary, k top-k. numpy only (no torch): a library app/ may reach.
+Shapes: T scored tokens, V vocabulary, k top-k. numpy only (no torch).
 """
 
 from __future__ import annotations
@@ -57,14 +57,23 @@ class TokenStats:
     ln_ratio: np.ndarray  # [T] log p(x_t) − log q(x_t)
 
 
+def normalised(log_probs: np.ndarray) -> np.ndarray:
+    """Log-probability rows in float64, each normalised again (a float32 log-softmax row sums to 1
+    within about 1e-6, enough to turn a near-zero KL negative), with a probability that underflowed
+    to 0 kept at e^-1000 so that no term is NaN or infinite."""
+    x = np.maximum(np.asarray(log_probs, np.float64), -1000.0)
+    top = x.max(-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))
+
+
 def token_stats(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int]) -> TokenStats:
-    """p_log, q_log [T, V]: normalised log-probabilities (log-softmax rows); targets [T]."""
-    p_log, q_log = np.asarray(p_log, np.float64), np.asarray(q_log, np.float64)
+    """p_log, q_log [T, V]: log-probabilities (log-softmax rows, float32 or float64); targets [T]."""
+    p_log, q_log = normalised(p_log), normalised(q_log)
     if p_log.shape != q_log.shape or p_log.ndim != 2 or p_log.shape[0] != len(targets):
         raise ValueError(f"distributions {p_log.shape} and {q_log.shape} for {len(targets)} targets")
     rows, x = np.arange(len(targets)), np.asarray(targets)
     lp, lq = p_log[rows, x], q_log[rows, x]
-    kld = (np.exp(p_log) * (p_log - q_log)).sum(-1)
+    kld = np.maximum((np.exp(p_log) * (p_log - q_log)).sum(-1), 0.0)  # ≥ 0; below is float64 rounding
     return TokenStats(kld, np.exp(lq) - np.exp(lp), p_log.argmax(-1) == q_log.argmax(-1), lp - lq)
 
 
@@ -87,6 +96,9 @@ def kl_bounds_from_baseline_topk(top_ids: np.ndarray, top_logprobs: np.ndarray,
             continue
         lower[t] = known + tail * math.log(tail / max(float(q_rest.sum()), 1e-300))
         cap = float(p_top.min())  # a tail token ranks below the k-th
+        if cap <= 0.0 or tail > cap * q_rest.size:  # an underflowed k-th, or a tail its tokens cannot hold
+            upper[t] = math.inf
+            continue
         q_sorted = np.sort(q_rest)
         full = min(int(tail // cap), q_sorted.size)
         part = tail - full * cap
@@ -109,9 +121,12 @@ def kl_lower_bound_from_both_topk(p_ids: np.ndarray, p_logprobs: np.ndarray, q_i
                 if i in q_of]
         value = sum(math.exp(lp) * (lp - lq) for lp, lq in both)
         rest_p = max(0.0, 1.0 - sum(math.exp(lp) for lp, _ in both))
-        rest_q = max(0.0, 1.0 - sum(math.exp(lq) for _, lq in both))
+        # 1 − Σ q cancels: a float32 top log-prob of exactly 0.0 leaves nothing, or less, for the rest. Any
+        # rest mass at least `floor` keeps the bound a bound (a larger denominator only lowers the term)
+        floor = 1e-6 * (len(q_of) + 1)
+        rest_q = max(floor, 1.0 - sum(math.exp(lq) for _, lq in both))
         if rest_p > 1e-12:
-            value += rest_p * math.log(rest_p / max(rest_q, 1e-300))
+            value += rest_p * math.log(rest_p / rest_q)
         out[t] = value
     return out
 
@@ -119,8 +134,8 @@ def kl_lower_bound_from_both_topk(p_ids: np.ndarray, p_logprobs: np.ndarray, q_i
 def doc_distribution(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int], k: int = TOP_K) -> DocDistribution:
     """One document's figures: token_stats, and the KL bounds a baseline stored as its top-k would give."""
     s = token_stats(p_log, q_log, targets)
-    p_log = np.asarray(p_log, np.float64)
-    ids = np.argsort(-p_log, -1, kind="stable")[:, :k]
+    p_log, q_log = normalised(p_log), normalised(q_log)
+    ids = np.argpartition(-p_log, k - 1, -1)[:, :k] if k < p_log.shape[-1] else np.argsort(-p_log, -1)
     lower, upper = kl_bounds_from_baseline_topk(ids, np.take_along_axis(p_log, ids, -1), q_log)
     return DocDistribution(tuple(s.kld.tolist()), tuple(s.dp.tolist()), tuple(int(x) for x in s.same),
                            tuple(s.ln_ratio.tolist()), tuple(lower.tolist()), tuple(upper.tolist()), k)
@@ -167,26 +182,32 @@ def summarize(stats: Sequence[TokenStats]) -> dict:
     }
 
 
-def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, min_n: int = 10):
+def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, min_n: int = 10,
+                   clusters: Sequence[str] | None = None):
     """kld_mean: Σ KLD ÷ Σ tokens over the documents (key, distribution) a candidate compared,
-    with a bootstrap CI over documents; reported, no threshold (near the baseline KL stops ranking
-    configs). details: `summarize`'s figures, and how the top-k bounds fared: the share of tokens
-    they bracket (1.0 by construction, checked on every run) and their mean width."""
+    with a bootstrap CI over their source documents (clusters; n and min_n count those);
+    reported, no threshold (near the baseline KL stops ranking configs). details: `summarize`'s
+    figures, and a self-check of the top-k bounds: the share of tokens they bracket (1.0 by
+    construction: both come from the same rows) and their mean width."""
     from evals.compare import reported
     from evals.stats import paired_bootstrap_ci
 
+    groups = list(clusters) if clusters is not None else [key for key, _ in docs]
     sums = np.array([sum(d.kld) for _, d in docs])
     toks = np.array([len(d.kld) for _, d in docs], dtype=np.float64)
     estimate = float(sums.sum() / toks.sum())
-    lo, hi = paired_bootstrap_ci(lambda w: (w @ sums) / (w @ toks), len(docs), seed=seed)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ sums) / (w @ toks), len(docs), clusters=groups, seed=seed)
     kld = np.concatenate([d.kld for _, d in docs])
     lower = np.concatenate([d.kl_lower for _, d in docs])
     upper = np.concatenate([d.kl_upper for _, d in docs])
     slack = 1e-5 + 1e-4 * np.abs(kld)  # the stored figures' 6 significant digits
+    finite = np.isfinite(upper)  # an infinite upper bound (an underflowed k-th log-prob) is counted apart
     bounds = {"k": docs[0][1].k, "bracketed": float(((lower <= kld + slack) & (kld <= upper + slack)).mean()),
-              "lower_mean": float(lower.mean()), "upper_mean": float(upper.mean()),
-              "width_mean": float((upper - lower).mean())}
-    return reported("kld_mean", estimate, lo, hi, len(docs), min_n=min_n,
+              "lower_mean": float(lower.mean()),
+              "upper_mean": float(upper[finite].mean()) if finite.any() else None,
+              "width_mean": float((upper - lower)[finite].mean()) if finite.any() else None,
+              "unbounded_tokens": int((~finite).sum())}
+    return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n,
                     details={**summarize([stats_of(d) for _, d in docs]), "topk_bounds": bounds})
 
 

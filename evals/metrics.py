@@ -132,7 +132,7 @@ register_metric(Metric(
     "mean KL(baseline ‖ candidate) of the next-token distributions over every token of the suite's first "
     "perplexity.distribution_samples documents, with KLD and Δp percentiles, same top p and bounds from the "
     "baseline's top 20 in its details (llama-perplexity --kl-divergence; docs/concepts.md)",
-    gated=False, fmt=".5f", min_n=4, valid=(0, None),
+    gated=False, fmt=".5f", min_n=4, valid=(-1e-9, None),
     compare=_ROWS + "kld_mean"))
 register_metric(Metric(
     "spec_acceptance_rate", "accept", "fraction", "below", "rate", "generation",

@@ -22,6 +22,7 @@ A config-run's own figures (config_runs.figures) are not a sample's: they are ev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,13 +58,14 @@ class DocDistribution:
     k: int
 
     def to_json(self) -> dict[str, Any]:
-        short = lambda xs: [float(f"{x:.6g}") for x in xs]  # noqa: E731 — 6 significant digits
+        # 6 significant digits; an infinite bound as null (JSON, and PostgreSQL's jsonb, have no infinity)
+        short = lambda xs: [float(f"{x:.6g}") if math.isfinite(x) else None for x in xs]  # noqa: E731
         return {"kld": short(self.kld), "dp": short(self.dp), "same": list(self.same), "ln_ratio": short(self.ln_ratio),
                 "kl_lower": short(self.kl_lower), "kl_upper": short(self.kl_upper), "k": self.k}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DocDistribution:
-        floats = lambda key: tuple(float(x) for x in d[key])  # noqa: E731
+        floats = lambda key: tuple(math.inf if x is None else float(x) for x in d[key])  # noqa: E731
         return cls(floats("kld"), floats("dp"), tuple(int(x) for x in d["same"]), floats("ln_ratio"),
                    floats("kl_lower"), floats("kl_upper"), int(d["k"]))
 

@@ -32,7 +32,8 @@ class PerplexitySettings(_Settings):
     decode_samples: int = Field(0, ge=0, le=1000, description=(
         "documents (the suite's first ones) a config with a lossy KV cache also scores one token per decode "
         "step, each token read back from its compressed cache (decode_nll_ratio and the prefill-vs-decode gap); "
-        "0 = off. In-process engines only: over HTTP, gen_nll_ratio is the decode-regime signal"))
+        "0 = off. The reference engine only (others score nothing here): over HTTP, gen_nll_ratio is the "
+        "decode-regime signal"))
     distribution_samples: int = Field(0, ge=0, le=1000, description=(
         "documents (the suite's first ones) on which a candidate's every next-token distribution is compared "
         "with the baseline's, as llama-perplexity --kl-divergence does: KLD mean and percentiles, Δp, same top p "

@@ -117,7 +117,8 @@ def share_cores(config) -> None:
         workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
     if not isinstance(workers, int) or workers < 2:
         return
-    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = str(max(1, cores // workers))
     for variable in THREAD_VARIABLES:
         os.environ.setdefault(variable, threads)
     if "torch" in sys.modules:  # imported before this hook: the variable came too late for it

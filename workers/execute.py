@@ -38,11 +38,11 @@ DOC_BATCH = 8  # documents per engine call; progress and a commit after each (th
 def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
     """Per document, the candidate's next-token distributions against the baseline's
     (evals/distribution.py); None for a document the two tokenize differently."""
-    if baseline is None or not requests:
-        return []
-    mine, theirs = engine.next_token_logprobs(requests), baseline.next_token_logprobs(requests)
-    return [doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
-            for (r, q), (b, p) in zip(mine, theirs, strict=True)]
+    out: list[DocDistribution | None] = []
+    for request in requests if baseline is not None else []:  # one document at a time: two [T, V] arrays live
+        [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
+        out.append(doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None)
+    return out
 
 
 @dataclass

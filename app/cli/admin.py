@@ -54,7 +54,8 @@ def worker(
     """Run a Celery worker (needs CANARY_BROKER_URL)."""
     if not os.environ.get("CANARY_BROKER_URL"):
         fail("CANARY_BROKER_URL is not set; a worker needs the Redis broker, e.g. redis://127.0.0.1:6379/0")
-    os.environ.update(worker_threads(concurrency, os.environ, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.update(worker_threads(concurrency, os.environ, cores))
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app:celery_app", "worker", "-Q", queues,
            "-c", str(concurrency), "--prefetch-multiplier", "1", "-l", "INFO"]
     if name:

@@ -108,8 +108,9 @@ def distribution_rows(run: dict) -> list[dict]:
                      "mean KLD [95% CI]": f"{c['estimate']:.5f} [{c['ci_low']:.5f}, {c['ci_high']:.5f}]",
                      "KLD p99": f"{d['kld_percentiles']['p99']:.4f}", "Δp RMS": f"{d['dp_rms'] * 100:.2f}%",
                      "same top p": f"{d['same_top'] * 100:.1f}%",
-                     "top-20 bounds": (f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}"
-                                       if bounds else "—")})
+                     "top-20 bounds (self-check)": (f"{bounds['bracketed'] * 100:.0f}% bracketed, width "
+                                                    f"{bounds['width_mean']:.3g}" if bounds and bounds.get("width_mean")
+                                                    is not None else "—")})
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Decode-regime scoring (engines/reference/decode_scoring.py, evals/compare_rows.decode_nll_ratio):
+"""Decode-regime scoring (engines/reference/scoring.py, evals/compare_rows.decode_nll_ratio):
 a document's tokens teacher-forced one per decode step through the KV cache."""
 
 from __future__ import annotations

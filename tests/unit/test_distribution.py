@@ -96,7 +96,10 @@ def test_kld_mean_over_documents_and_the_stored_record():
     assert c.metric == "kld_mean" and c.n == 2 and c.estimate == pytest.approx(0.2) and c.verdict == "ok"
     assert c.details["same_top"] == pytest.approx(2 / 3) and c.details["tokens"] == 3
     assert c.details["topk_bounds"] == pytest.approx({"k": 20, "bracketed": 1.0, "lower_mean": 0.35 / 3,
-                                                      "upper_mean": 0.3, "width_mean": 0.3 - 0.35 / 3})
+                                                      "upper_mean": 0.3, "width_mean": 0.3 - 0.35 / 3,
+                                                      "unbounded_tokens": 0})
+    chunks = kld_comparison([("a", a), ("b", b)], min_n=2, clusters=["src", "src"])  # two chunks of one source
+    assert chunks.n == 1 and chunks.verdict == "inconclusive" and chunks.estimate == pytest.approx(0.2)
     skewed = kld_comparison([("a", replace(a, kld=(0.1, 0.5))), ("b", b)], min_n=2)
     assert skewed.estimate == pytest.approx(0.8 / 3)  # not (0.3 + 0.2) / 2
     broken = kld_comparison([("a", replace(a, kl_upper=(0.2, 0.1))), ("b", b)], min_n=2)
@@ -136,3 +139,27 @@ def test_the_tiny_model_s_distributions_and_their_bounds():
         d = doc_distribution(p, q, r.token_ids)
         kld, lower, upper = map(np.asarray, (d.kld, d.kl_lower, d.kl_upper))
         assert kld.mean() > 1e-4 and (lower <= kld + 1e-9).all() and (kld <= upper + 1e-9).all()
+
+
+def test_float32_rows_and_underflow_keep_every_figure_finite_and_every_bound_a_bound():
+    """A float32 log-softmax whose top token reads exactly 0.0 (logits 25, 7, 0, …): 1 − Σ q of the
+    candidate's top-k cancels to 0, which must not blow the lower bound up past the exact KL. A
+    probability that underflowed to 0 (log −inf) gives no NaN; a k-th baseline log-prob that
+    underflowed gives an infinite upper bound, stored as null and read back as infinity."""
+    import torch
+    from evals.records import DocDistribution
+
+    p = np.log(np.array([[0.99, 0.009] + [0.001 / 8] * 8]))
+    q = torch.log_softmax(torch.tensor([[25.0, 7.0] + [0.0] * 8]), -1).numpy()  # float32
+    assert q[0, 0] == 0.0
+    exact = token_stats(p, q, [0]).kld
+    ids = np.array([[0, 1]])
+    lower = kl_lower_bound_from_both_topk(ids, p[:, :2], ids, q[:, :2])
+    assert np.isfinite(exact).all() and lower[0] <= exact[0] + 1e-9
+    gone = np.array([[0.0, -np.inf, -np.inf]])  # all mass on token 0, on both sides
+    s = token_stats(gone, gone, [0])
+    assert s.kld[0] == 0.0 and s.dp[0] == 0.0 and s.same[0]
+    lo, hi = kl_bounds_from_baseline_topk(np.array([[0, 1]]), np.array([[-1e-3, -800.0]]), np.log([[0.5, 0.3, 0.2]]))
+    assert np.isfinite(lo[0]) and hi[0] == math.inf
+    d = DocDistribution((0.1,), (0.0,), (1,), (0.0,), (0.05,), (math.inf,), 2)
+    assert d.to_json()["kl_upper"] == [None] and DocDistribution.from_json(d.to_json()).kl_upper == (math.inf,)

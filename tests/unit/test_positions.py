@@ -93,4 +93,4 @@ def test_the_run_page_lists_each_candidate_s_distribution_figures():
         {"config": "int8", "metric": "ppl_ratio", "estimate": 1.01, "details": {}}]}
     assert distribution_rows(run) == [{"config": "int8", "tokens": 310, "mean KLD [95% CI]": "0.00042 [0.00030, 0.00055]",
                                        "KLD p99": "0.0123", "Δp RMS": "1.05%", "same top p": "98.7%",
-                                       "top-20 bounds": "100% bracketed, width 0.00021"}]
+                                       "top-20 bounds (self-check)": "100% bracketed, width 0.00021"}]
