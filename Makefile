@@ -48,7 +48,8 @@ demo: $(VENV)/.installed
 # Two pytest-xdist workers, a test file each at a time: the service and fault tests spend much of
 # their time waiting on processes, leases and timeouts. Each worker takes its own Redis database
 # (tests/services) or starts its own servers (tests/faults); the fault table is written to a file
-# and printed whole (tests/conftest.py). PYTEST_ARGS="-n 0" runs it in one process.
+# and printed whole (tests/conftest.py), and each gets its share of the cores as OpenMP threads
+# (tests/conftest.py share_cores). PYTEST_ARGS="-n 0" runs it in one process.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
 test: $(VENV)/.installed
