@@ -131,7 +131,7 @@ def decode_nll_ratio(ctx: CompareContext) -> Comparison | None:
                                 [n for n in _doc_nlls(ctx.mine) if n.doc_id in mine], t, seed=ctx.seed)
     gap = ratio.estimate / prefill.estimate
     buckets = compare.ppl_ratio_by_position(mine, base, t, seed=ctx.seed)
-    return replace(ratio, rule=f"{ratio.rule}; decode ÷ prefill on these documents {gap:.4g}",
+    return replace(ratio, rule=f"{ratio.rule}; decode ÷ prefill on these documents {gap:.4g}", gated=False,
                    details={**ratio.details, "prefill_ratio": prefill.estimate, "prefill_decode_gap": gap,
                             "by_position": buckets})
 

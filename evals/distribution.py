@@ -207,7 +207,7 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
               "upper_mean": float(upper[finite].mean()) if finite.any() else None,
               "width_mean": float((upper - lower)[finite].mean()) if finite.any() else None,
               "unbounded_tokens": int((~finite).sum())}
-    return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n,
+    return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n, gated=False,
                     details={**summarize([stats_of(d) for _, d in docs]), "topk_bounds": bounds})
 
 

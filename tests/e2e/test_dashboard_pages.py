@@ -108,7 +108,8 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     assert tiles["spec-decode acceptance"] == accept["verdict"] == "critical"
     shown = re.sub(r"<[^>]+>", "", card)  # the card's text, as a reader sees it
     assert f"{accept['estimate'] * 100:.0f}% [{accept['ci_low'] * 100:.0f}, {accept['ci_high'] * 100:.0f}]" in shown
-    assert tiles["no data"] == "no data" and ">judge score<" in card  # no judge in the suite: named, no figure
+    # no judge in the suite and no KV config decoded: named, no figure
+    assert tiles["no data"] == "no data" and ">judge score, KV cache by decode<" in card
     # faithfulness by the offline approximation (no judge endpoint): reported, never judged, so never "ok"
     faith = [c["comparisons"]["faithfulness"] for c in over["models"]["tiny"]]
     assert not any(f["judged"] for f in faith) and ppl["judged"]

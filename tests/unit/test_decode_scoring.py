@@ -96,7 +96,7 @@ def test_decode_nll_ratio_and_the_gap_worked_by_hand():
     mine = records(doc("a", 11, 12), doc("b", 21, 22), doc("c", 31, None))
     ctx = CompareContext(mine=mine, base=base, thresholds=lambda _: Thresholds(1.15, 1.30, "above", min_n=2))
     c = decode_nll_ratio(ctx)
-    assert c is not None and c.n == 2
+    assert c is not None and c.n == 2 and not c.gated  # reported, not judged
     assert c.estimate == pytest.approx(math.exp(0.2))
     assert c.details["prefill_ratio"] == pytest.approx(math.exp(0.1))
     assert c.details["prefill_decode_gap"] == pytest.approx(math.exp(0.1))

@@ -94,6 +94,7 @@ def test_kld_mean_over_documents_and_the_stored_record():
     b = DocDistribution((0.2,), (0.0,), (1,), (0.1,), (0.1,), (0.3,), 20)
     c = kld_comparison([("a", a), ("b", b)], min_n=2)
     assert c.metric == "kld_mean" and c.n == 2 and c.estimate == pytest.approx(0.2) and c.verdict == "ok"
+    assert not c.gated  # reported: no say in a verdict, and the overview shows it as not judged
     assert c.details["same_top"] == pytest.approx(2 / 3) and c.details["tokens"] == 3
     assert c.details["topk_bounds"] == pytest.approx({"k": 20, "bracketed": 1.0, "lower_mean": 0.35 / 3,
                                                       "upper_mean": 0.3, "width_mean": 0.3 - 0.35 / 3,
