@@ -22,6 +22,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def refused_port():
+    """A loopback port that refuses connections for as long as the block runs: bound, never listening.
+    A port from free_port() is free only for a moment; another test's server may take it, and a client
+    meant to find nothing there then talks to that server instead."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
 def wait_http(url: str, proc: subprocess.Popen, log: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

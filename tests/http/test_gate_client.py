@@ -13,7 +13,7 @@ import time
 import httpx
 
 from tests.conftest import ROOT
-from tests.loopback import free_port, wait_http
+from tests.loopback import free_port, refused_port, wait_http
 
 P = "/api/v1/projects/g"
 
@@ -76,10 +76,15 @@ def test_gate_waits_through_an_api_restart(tmp_path):
 
 
 def test_healthz_is_a_json_503_naming_what_is_down(tmp_path):
+    with refused_port() as db_port, refused_port() as broker_port:
+        _healthz_names_what_is_down(tmp_path, db_port, broker_port)
+
+
+def _healthz_names_what_is_down(tmp_path, db_port: int, broker_port: int) -> None:
     port = free_port()
     log = str(tmp_path / "api.log")
-    env = {**os.environ, "CANARY_DATABASE_URL": f"postgresql+psycopg://canary:s3cret@127.0.0.1:{free_port()}/canary",
-           "CANARY_EXECUTION": "celery", "CANARY_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    env = {**os.environ, "CANARY_DATABASE_URL": f"postgresql+psycopg://canary:s3cret@127.0.0.1:{db_port}/canary",
+           "CANARY_EXECUTION": "celery", "CANARY_BROKER_URL": f"redis://127.0.0.1:{broker_port}/0"}
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--no-upgrade-db"], cwd=ROOT,
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:

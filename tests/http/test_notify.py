@@ -156,12 +156,12 @@ def test_receiver_text_cannot_forge_a_log_line(sqlite_env, receiver, caplog):
 
 def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_env, receiver):
     from tests.http.receiver import Receiver
-    from tests.loopback import free_port, serve_in_thread
+    from tests.loopback import refused_port, serve_in_thread
 
-    port = free_port()
-    _, ids = add("webhook", f"http://127.0.0.1:{port}/hook", n=3)
-    t = utcnow()
-    assert deliver(now=t)["retry"] == 3  # connection refused: all three wait
+    with refused_port() as port:  # held until the receiver comes back on it
+        _, ids = add("webhook", f"http://127.0.0.1:{port}/hook", n=3)
+        t = utcnow()
+        assert deliver(now=t)["retry"] == 3  # connection refused: all three wait
     assert {row(i).status for i in ids} == {"pending"}
     back = Receiver()
     server = serve_in_thread(back.app, port)

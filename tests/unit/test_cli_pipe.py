@@ -14,7 +14,7 @@ from app.cli import RunWatch, _ago, run_exit_code, worst_comparison
 from engines.zoo import resolve_corpus_path
 
 from tests.conftest import ROOT
-from tests.loopback import free_port
+from tests.loopback import refused_port
 
 
 def canary(*args: str, cwd, db: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
@@ -126,18 +126,20 @@ def test_heartbeat_line_and_its_estimate():
 
 
 def test_unreachable_database_is_one_line_and_exit_2(tmp_path):
-    dead = f"postgresql+psycopg://canary:s3cret@127.0.0.1:{free_port()}/canary"
-    for args in (("run", "-f", tiny_config(tmp_path)), ("runs", "list", "-p", "pipe")):
-        r = canary(*args, cwd=tmp_path, db=dead, timeout=120)
-        assert r.returncode == 2, r.stderr[-2000:]
-        assert r.stderr.startswith("error: the database at postgresql+psycopg://***@127.0.0.1:"), r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and "s3cret" not in r.stderr
+    with refused_port() as port:
+        dead = f"postgresql+psycopg://canary:s3cret@127.0.0.1:{port}/canary"
+        for args in (("run", "-f", tiny_config(tmp_path)), ("runs", "list", "-p", "pipe")):
+            r = canary(*args, cwd=tmp_path, db=dead, timeout=120)
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert r.stderr.startswith("error: the database at postgresql+psycopg://***@127.0.0.1:"), r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr and "s3cret" not in r.stderr
 
 
 @pytest.mark.integration
 def test_unreachable_broker_is_one_line_and_exit_2(tmp_path):
-    r = canary("run", "-f", tiny_config(tmp_path), cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}", timeout=120,
-               CANARY_EXECUTION="celery", CANARY_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0")
+    with refused_port() as port:
+        r = canary("run", "-f", tiny_config(tmp_path), cwd=tmp_path, db=f"sqlite:///{tmp_path / 'c.db'}", timeout=120,
+                   CANARY_EXECUTION="celery", CANARY_BROKER_URL=f"redis://127.0.0.1:{port}/0")
     assert r.returncode == 2 and r.stderr.startswith("error: the broker at redis://127.0.0.1:"), r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1 and "CANARY_BROKER_URL" in r.stderr
 
