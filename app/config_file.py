@@ -102,6 +102,10 @@ class FaithfulnessSettings(suite_settings.FaithfulnessSettings):
     model_config = STRICT
 
 
+class LabelledSettings(suite_settings.LabelledSettings):
+    model_config = STRICT
+
+
 class SuiteEntry(suite_settings.SuiteSpec):
     model_config = STRICT
     name: str = Field(pattern=NAME_PATTERN)
@@ -111,6 +115,7 @@ class SuiteEntry(suite_settings.SuiteSpec):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     judge: JudgeSettings = Field(default_factory=JudgeSettings)
     faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
+    labelled: LabelledSettings = Field(default_factory=LabelledSettings)
 
     @model_validator(mode="after")
     def _scorer_settings(self) -> SuiteEntry:
@@ -121,6 +126,9 @@ class SuiteEntry(suite_settings.SuiteSpec):
             if scorer in self.scorers and "generation" not in self.scorers:
                 raise ValueError(f"scorers: '{scorer}' scores generated answers; add 'generation' to the suite's "
                                  "scorers")
+        if "labelled" in self.scorers and not self.labelled.items:
+            raise ValueError("labelled: the labelled scorer needs labelled.items (builtin:pydoc-next-word or a .jsonl "
+                             "file of items)")
         judged_faithfulness = "faithfulness" in self.scorers and self.faithfulness.method == "judge"
         if ("judge" in self.scorers or judged_faithfulness) and not (self.judge.base_url and self.judge.model):
             raise ValueError("judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and "

@@ -81,3 +81,35 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
                               f"of {max_chars}")
         keys.add(sample.key)
     return samples
+
+
+ITEM_PREFIX = "item:"  # a labelled item's key among a suite's samples (kind "item"); documents never start so
+
+
+def load_items(ref: str, field: str = "labelled.items", max_items: int = 20000) -> list[SampleIn]:
+    """A suite's labelled items (evals/labelled.py) as samples of kind "item": the prompt as the
+    text, the answer, choices and match as the reference. builtin:NAME is a built-in task."""
+    from evals.labelled import ItemError, builtin_items, parse_items
+
+    try:
+        if ref.startswith("builtin:"):
+            items = builtin_items(ref.removeprefix("builtin:"))
+        else:
+            path = resolve_corpus_path(ref)
+            if path.suffix != ".jsonl" or not path.is_file():
+                raise ItemError(f"'{ref}' is not a .jsonl file; give builtin:pydoc-next-word or a .jsonl file of items")
+            with path.open(encoding="utf-8") as lines:
+                items = parse_items(lines, path.name, max_items)
+    except ItemError as e:
+        raise CorpusError(f"{field}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CorpusError(f"{field}: items '{ref[:80]}' cannot be read ({why}); give a readable UTF-8 .jsonl "
+                          "file") from None
+    out = []
+    for item in items:
+        if len(item.key) > 250:
+            raise CorpusError(f"{field}: item id '{item.key[:40]}…' is longer than 250 characters; shorten it")
+        out.append(SampleIn(key=ITEM_PREFIX + item.key, text=item.prompt, kind="item",
+                            reference=json.dumps(item.to_json())))
+    return out

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.config_file import METRIC_DIRECTIONS, CanaryFile
-from app.corpus import load_corpus
+from app.corpus import load_corpus, load_items
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
 from app.model_paths import is_endpoint, model_dir, unusable
@@ -121,6 +121,8 @@ def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
                 f"suites[{i}].samples: {suite.samples} > {len(samples)} documents in corpus '{suite.corpus}'; "
                 "lower samples or add documents"
             )
+        if suite.labelled.items:  # the labelled items travel with the documents, in the same suite version
+            samples = [*samples, *load_items(suite.labelled.items, f"suites[{i}].labelled.items")]
         corpora[suite.name] = samples
     project = repo.get_or_create_project(session, canary_file.project)
     for kind in ("configs", "suites", "channels", "schedules"):  # with what the project holds already

@@ -301,3 +301,19 @@ def top1_agreement(ctx: CompareContext) -> Comparison | None:
     from evals.distribution import top1_agreement_comparison
 
     return top1_agreement_comparison(pairs, ctx.seed)
+
+
+def task_recovery(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or "labelled" not in ctx.scorers:
+        return None
+    from evals.flips import recovery_comparison
+
+    return recovery_comparison(ctx.mine.items, ctx.base.items, ctx.thresholds("task_recovery"), ctx.seed)
+
+
+def task_flips(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or "labelled" not in ctx.scorers:
+        return None
+    from evals.flips import flips_comparison
+
+    return flips_comparison(ctx.mine.items, ctx.base.items, ctx.thresholds("task_flips"))

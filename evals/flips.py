@@ -9,17 +9,21 @@ paired, only the discordant ones carry evidence of a difference. An unpaired two
 the two accuracies (lm-eval's scripts/model_comparator.py) is computed too, for contrast: it
 ignores the pairing, so it is both weaker and mis-calibrated here.
 
-The building block of issue 34's labelled tasks; no scorer feeds it yet.
+The labelled scorer (evals/labelled.py) feeds it: `task_recovery` and `task_flips` are its two
+metric rows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from evals.stats import wilson_interval
+import numpy as np
+
+from evals.records import ItemRecord
+from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, wilson_interval
 
 
 def mcnemar_exact_p(right_to_wrong: int, wrong_to_right: int) -> float:
@@ -82,3 +86,52 @@ def paired_accuracy(baseline: Sequence[bool], candidate: Sequence[bool]) -> Pair
     c = sum(1 for x, y in zip(baseline, candidate, strict=True) if y and not x)
     return PairedAccuracy(n, base, cand, b, c, wilson_interval(base, n), wilson_interval(cand, n),
                           cand / base if base else None, mcnemar_exact_p(b, c), unpaired_z_p(base / n, cand / n, n, n))
+
+
+def _pairs(candidate: Mapping[str, ItemRecord], baseline: Mapping[str, ItemRecord]) -> tuple[list[bool], list[bool]]:
+    keys = [k for k in baseline if k in candidate]
+    return [baseline[k].correct for k in keys], [candidate[k].correct for k in keys]
+
+
+def _details(r: PairedAccuracy) -> dict:
+    return {"items": r.n, "baseline_accuracy": r.baseline_accuracy, "candidate_accuracy": r.candidate_accuracy,
+            "baseline_ci": list(r.baseline_ci), "candidate_ci": list(r.candidate_ci),
+            "right_to_wrong": r.right_to_wrong, "wrong_to_right": r.wrong_to_right, "mcnemar_p": r.mcnemar_p,
+            "unpaired_z_p": r.unpaired_z_p}
+
+
+def recovery_comparison(candidate: Mapping[str, ItemRecord], baseline: Mapping[str, ItemRecord], t: Thresholds,
+                        seed: int = 0) -> Comparison | None:
+    """task_recovery: the candidate's right answers ÷ the baseline's on the same items, with a
+    paired bootstrap CI over items; the accuracies, flips and McNemar's p in its details."""
+    base, cand = _pairs(candidate, baseline)
+    if not base:
+        return None
+    r = paired_accuracy(base, cand)
+    if r.baseline_correct == 0:
+        return Comparison("task_recovery", math.nan, math.nan, math.nan, r.n, "inconclusive",
+                          "the baseline answered no item right: recovery is undefined; use items the baseline can do",
+                          details=_details(r))
+    b, c = np.asarray(base, dtype=np.float64), np.asarray(cand, dtype=np.float64)
+    lo, hi = paired_bootstrap_ci(lambda w: (w @ c) / np.maximum(w @ b, 1e-12), r.n, seed=seed)
+    est = r.candidate_correct / r.baseline_correct
+    verdict, rule = decide(est, lo, hi, r.n, t)
+    return Comparison("task_recovery", est, lo, hi, r.n, verdict, f"accuracy recovery: {rule}",
+                      baseline_value=r.baseline_accuracy, candidate_value=r.candidate_accuracy, details=_details(r))
+
+
+def flips_comparison(candidate: Mapping[str, ItemRecord], baseline: Mapping[str, ItemRecord],
+                     t: Thresholds) -> Comparison | None:
+    """task_flips: the share of items the candidate answers differently right-or-wrong from the
+    baseline (either way), with its Wilson interval: flips at equal accuracy count here."""
+    base, cand = _pairs(candidate, baseline)
+    if not base:
+        return None
+    r = paired_accuracy(base, cand)
+    lo, hi = wilson_interval(r.flips, r.n)
+    est = r.flips / r.n
+    verdict, rule = decide(est, lo, hi, r.n, t)
+    why = (f"{r.right_to_wrong} right→wrong, {r.wrong_to_right} wrong→right of {r.n} "
+           f"(McNemar p {r.mcnemar_p:.3g}): {rule}")
+    return Comparison("task_flips", est, lo, hi, r.n, verdict, why, baseline_value=0.0, candidate_value=est,
+                      details=_details(r))

@@ -248,6 +248,19 @@ register_metric(Metric(
     warn=0.90, critical=0.75, valid=(0, None), alert="CanaryOutputLengthLow",
     compare=_ROWS + "output_length_ratio"))
 register_metric(Metric(
+    "task_recovery", "recovery", "ratio", "below", "paired_ratio", "labelled",
+    "the candidate's right answers ÷ the baseline's on the suite's labelled items (llm-compressor's accuracy "
+    "recovery, gated at 0.95 there); accuracies with Wilson CIs, flips and McNemar's exact p in its details; "
+    "paired bootstrap over items (evals/flips.py)",
+    warn=0.95, critical=0.90, min_n=20, fmt=".3f", valid=(0, None), alert="CanaryTaskRecoveryLow",
+    compare=_ROWS + "task_recovery"))
+register_metric(Metric(
+    "task_flips", "flips", "fraction", "above", "rate", "labelled",
+    "share of labelled items answered right by one side and wrong by the other, either way: flips at equal "
+    "accuracy (Dutta et al. 2024) that recovery cannot see; Wilson interval; each way and McNemar's p in its details",
+    warn=0.05, critical=0.15, min_n=20, fmt=".3f", valid=(0, 1), alert="CanaryTaskFlips",
+    compare=_ROWS + "task_flips"))
+register_metric(Metric(
     "exact_match", "exact match", "fraction", "below", "rate", "agreement",
     "share of prompts whose greedy output equals the baseline's token for token; Wilson interval",
     gated=False, fmt=".2f", valid=(0, 1),

@@ -16,6 +16,8 @@ and `read_row` picks the record by the row's kind. Nothing else reads a row's `e
     judge_pairwise  PairwiseRecord      1 / ½ / 0        winner, per-order verdicts, consistency, rationale
     judge_score     RubricRecord        score 1–5        stated and probability-weighted scores, rationale
     faithfulness    FaithfulnessRecord  fraction 0–1     outcome, method, statements and whether each is supported
+    item            ItemRecord          1 right / 0      the answer read (the chosen index, or the text), each choice's
+                                                         Σ log p (multiple choice)
 
 A config-run's own figures (config_runs.figures) are not a sample's: they are evals/figures.py's.
 """
@@ -329,9 +331,30 @@ class FaithfulnessRecord:
                    tuple((s["statement"], bool(s["supported"])) for s in e.get("statements") or ()), e.get("cluster"))
 
 
-Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord
+@dataclass(frozen=True)
+class ItemRecord:
+    """One labelled item as a config answered it (evals/labelled.py; the labelled scorer)."""
+
+    KIND: ClassVar[str] = "item"
+    sample_key: str  # the item's id
+    correct: bool
+    answer: str | None  # what was read from the answer: the chosen choice's index, or the extracted text
+    scores: tuple[float, ...] = ()  # each choice's Σ log p (multiple choice)
+    output: str | None = None  # the generated answer (match exact, regex, number)
+
+    def to_row(self) -> dict[str, Any]:
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": 1.0 if self.correct else 0.0,
+                "extra": {"answer": self.answer, "scores": list(self.scores), "output": self.output}}
+
+    @classmethod
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> ItemRecord:
+        e = extra or {}
+        return cls(sample_key, bool(value), e.get("answer"), tuple(e.get("scores") or ()), e.get("output"))
+
+
+Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord | ItemRecord
 RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, RepeatRecord, SoloRecord,
-                                                      PairwiseRecord, RubricRecord, FaithfulnessRecord)}
+                                                      PairwiseRecord, RubricRecord, FaithfulnessRecord, ItemRecord)}
 
 
 def read_row(kind: str, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> Record:
@@ -355,6 +378,7 @@ class ConfigRecords:
     faithfulness: dict[str, FaithfulnessRecord]
     repeats: dict[str, RepeatRecord] = field(default_factory=dict)  # the baseline's second pass (a candidate's run)
     solos: dict[str, SoloRecord] = field(default_factory=dict)  # prompts sent alone
+    items: dict[str, ItemRecord] = field(default_factory=dict)  # labelled items answered
 
     @classmethod
     def empty(cls) -> ConfigRecords:
@@ -364,7 +388,7 @@ class ConfigRecords:
         tables: dict[type, dict[str, Any]] = {
             DocRecord: self.docs, GenerationRecord: self.generations, RepeatRecord: self.repeats,
             SoloRecord: self.solos, PairwiseRecord: self.pairwise, RubricRecord: self.rubric,
-            FaithfulnessRecord: self.faithfulness}
+            FaithfulnessRecord: self.faithfulness, ItemRecord: self.items}
         tables[type(record)][record.sample_key] = record
 
 

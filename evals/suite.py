@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement")
+SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement", "labelled")
 NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
 
 
@@ -111,6 +111,16 @@ class FaithfulnessSettings(_Settings):
         0.6, gt=0, lt=1, description="offline: cosine similarity that counts a statement as supported")
 
 
+class LabelledSettings(_Settings):
+    items: str | None = Field(None, max_length=4096, description=(
+        "labelled items the labelled scorer asks every config (evals/labelled.py): builtin:pydoc-next-word, or a "
+        ".jsonl file of {id, prompt, answer, choices?, match?} objects; lm-eval's --log_samples output converts "
+        "with `canary tasks import-lm-eval`"))
+    max_items: int = Field(500, ge=1, le=20000, description="items each run scores: the first ones, in file order")
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="the answer's length for an item scored by "
+                                                               "generating (match exact, regex or number)")
+
+
 class SuiteSpec(_Settings):
     """A suite's stored settings (the canary.yaml's suite entry without its name)."""
 
@@ -125,4 +135,5 @@ class SuiteSpec(_Settings):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     judge: JudgeSettings = Field(default_factory=JudgeSettings)
     faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
+    labelled: LabelledSettings = Field(default_factory=LabelledSettings)
 

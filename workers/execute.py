@@ -20,8 +20,17 @@ from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.distribution import doc_distribution
 from evals.figures import RunFigures
+from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.positions import position_nll
-from evals.records import DocDistribution, DocRecord, GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
+from evals.records import (
+    DocDistribution,
+    DocRecord,
+    GenerationRecord,
+    ItemRecord,
+    RepeatRecord,
+    SoloRecord,
+    spec_to_json,
+)
 from evals.run_stats import RunStats, percentile
 from evals.terms import compile_terms, term_nll
 from workers import baseline_reuse, engine_cache
@@ -43,6 +52,21 @@ def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[Doc
         [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
         out.append(doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None)
     return out
+
+
+def answer_choices(engine, item: LabelledItem, window: WindowSpec) -> ItemRecord:
+    """A multiple-choice item answered by log-likelihood: each choice's Σ log p after the prompt
+    (evals/labelled.py continuation_loglikelihood)."""
+    texts = [item.prompt + choice for choice in item.choices]
+    results = engine.loglikelihood_rolling([RollingRequest(f"{item.key}#{j}", text, window)
+                                            for j, text in enumerate(texts)])
+    if any(not r.char_spans for r in results):  # a server's tokens have no place in the text: less the prompt's own
+        [prompt] = engine.loglikelihood_rolling([RollingRequest(f"{item.key}#prompt", item.prompt, window)])
+        scores = [continuation_loglikelihood(r, len(item.prompt), prompt) for r in results]
+    else:
+        scores = [continuation_loglikelihood(r, len(item.prompt)) for r in results]
+    correct, chosen = choice_correct(item, scores)
+    return ItemRecord(item.key, correct, str(chosen), tuple(scores))
 
 
 @dataclass
@@ -155,11 +179,12 @@ class ExecuteConfigRun(BaseTask):
         ppl, scorers = job.suite.perplexity, job.suite.scorers
         n_prompts = min(job.prompts, len(job.samples)) if "generation" in scorers else 0
         work = _Pass(attempt, job, engine, WindowSpec(max_length=ppl.window, stride=ppl.stride or ppl.window),
-                     "agreement" in scorers, len(job.samples) + n_prompts,
+                     "agreement" in scorers, len(job.samples) + n_prompts + len(job.items),
                      check_lease=lease.check if lease is not None else (lambda: None))
         nll_sum, n_tokens = self._score_documents(work, settings)
         stats = RunStats(dedicated=bool(spec.option("dedicated_server")))
         judge, step = self._generate(work, n_prompts, stats, settings)
+        self._answer_items(work, settings)
         description = engine.describe()
         figures = RunFigures(
             engine=description.engine, weights=description.weights, kv_cache=description.kv_cache,
@@ -267,6 +292,27 @@ class ExecuteConfigRun(BaseTask):
             self._write_fenced(work, scored_rows(SoloRecord, alone, judge, prompts, work.window, work.keep_ids),
                                settings)
         return judge, step
+
+    def _answer_items(self, work: _Pass, settings) -> None:
+        """The suite's labelled items (evals/labelled.py), DOC_BATCH at a time: a multiple-choice
+        item by each choice's Σ log p after the prompt (the log-likelihood of prompt + choice less the
+        prompt's own, as lm-eval's loglikelihood requests give it), any other by a greedy answer."""
+        max_new_tokens = work.job.suite.labelled.max_new_tokens
+        for i in range(0, len(work.job.items), DOC_BATCH):
+            work.check_lease()
+            batch = work.job.items[i : i + DOC_BATCH]
+            asked = [item for item in batch if item.match != "choice"]  # generated together, as one batch
+            answers = {answer.request_id: answer.text for answer in work.engine.generate(
+                [GenerationRequest(item.key, item.prompt, max_new_tokens, 0.0) for item in asked])} if asked else {}
+            records = []
+            for item in batch:
+                if item.match == "choice":
+                    records.append(answer_choices(work.engine, item, work.window))
+                else:
+                    correct, read = generated_correct(item, answers[item.key])
+                    records.append(ItemRecord(item.key, correct, read, output=answers[item.key]))
+            work.done += len(batch)
+            self._write_fenced(work, [record.to_row() for record in records], settings)
 
     def _write_fenced(self, work: _Pass, rows: list[dict], settings) -> None:
         """One transaction: record progress and renew the lease (fenced by the attempt number), then

@@ -7,8 +7,10 @@ import pathlib
 from dataclasses import dataclass
 
 from app import repo
+from app.corpus import ITEM_PREFIX
 from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite
 from engines.spec import OptimizationSpec
+from evals.labelled import LabelledItem
 from evals.suite import SuiteSpec
 
 
@@ -29,6 +31,7 @@ class Job:
     suite: SuiteSpec
     samples: tuple[tuple[str, str, str], ...]  # (key, text, cluster) in the run's order
     prompts: int  # generation prompts: the suite's, scaled as a top-up scales the samples
+    items: tuple[LabelledItem, ...] = ()  # the labelled scorer's items, the suite's first labelled.max_items
 
 
 def load_job(session, config_run_id: int) -> Job:
@@ -62,6 +65,10 @@ def load_job(session, config_run_id: int) -> Job:
                              key=lambda sample: order[sample[0]])),
         # a top-up that doubled the samples doubles the prompts too, the first pass's staying first
         prompts=round(settings.generation.prompts * len(run.sample_keys) / max(1, run.n_samples)),
+        items=tuple(LabelledItem.from_stored(sample.key.removeprefix(ITEM_PREFIX), sample.text,
+                                             sample.reference or "{}")
+                    for sample in repo.suite_samples(session, suite.id, run.suite_version, items=True)
+                    [: settings.labelled.max_items]) if "labelled" in settings.scorers else (),
     )
 
 

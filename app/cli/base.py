@@ -59,6 +59,12 @@ app.add_typer(alerts_app, name="alerts")
 app.add_typer(gates_app, name="gates")
 
 
+tasks_app = typer.Typer(no_args_is_help=True, help="Labelled items for the labelled scorer: import-lm-eval, builtin.")
+
+
+app.add_typer(tasks_app, name="tasks")
+
+
 console = Console(stderr=True)  # progress and tables on stderr; --json output alone on stdout
 
 

@@ -152,13 +152,14 @@ def upsert_suite(session: Session, project: Project, name: str, spec: dict[str, 
 
     check_judge(spec.get("judge"), field, project.name)
     version = content_hash(samples)
+    n_documents = sum(1 for s in samples if s.kind != "item")  # labelled items are not drawn as documents
     suite = session.scalar(select(Suite).where(Suite.project_id == project.id, Suite.name == name))
     if suite is None:
-        suite = Suite(project_id=project.id, name=name, spec=spec, version=version, n_documents=len(samples))
+        suite = Suite(project_id=project.id, name=name, spec=spec, version=version, n_documents=n_documents)
         session.add(suite)
         session.flush()
     else:
-        suite.spec, suite.version, suite.n_documents = spec, version, len(samples)
+        suite.spec, suite.version, suite.n_documents = spec, version, n_documents
         session.flush()
     exists = session.scalar(select(func.count()).select_from(SuiteSample).where(
         SuiteSample.suite_id == suite.id, SuiteSample.version == version))
@@ -185,8 +186,10 @@ def get_suite(session: Session, project: Project, name: str) -> Suite:
 
 
 def suite_samples(session: Session, suite_id: int, version: str,
-                  keys: Iterable[str] | None = None) -> list[SuiteSample]:
-    q = (select(SuiteSample).where(SuiteSample.suite_id == suite_id, SuiteSample.version == version)
+                  keys: Iterable[str] | None = None, items: bool = False) -> list[SuiteSample]:
+    """A suite version's documents in order; with `items`, its labelled items instead (kind "item")."""
+    kind = SuiteSample.kind == "item" if items else SuiteSample.kind != "item"
+    q = (select(SuiteSample).where(SuiteSample.suite_id == suite_id, SuiteSample.version == version, kind)
          .order_by(SuiteSample.position))
     if keys is not None:
         q = q.where(SuiteSample.key.in_(list(keys)))

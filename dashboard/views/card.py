@@ -36,6 +36,8 @@ TILES = (
     # floor, and answers that broke while prompt log-probs stayed exact
     ("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
     ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "output_length_ratio")),
+    # labelled items (the labelled scorer): accuracy recovered, and answers flipped either way at any accuracy
+    ("task accuracy", ("task_recovery", "task_flips")),
     # issue 34's signals, reported without thresholds: the next-token distributions against the
     # baseline's (llama-perplexity --kl-divergence), and a lossy KV cache read one token per decode step
     ("next-token KLD", ("kld_mean",)),
@@ -128,6 +130,10 @@ def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
                 tile.lines.append(f"baseline {base_tps:.0f} tok/s")
             tile.lines.append(f"{metric['label']} {value} {ci}".strip())
         for other, (o_config, o_cell, _) in found:
+            if other["name"] == "task_recovery" and o_cell.get("baseline_value") is not None \
+                    and o_cell.get("candidate_value") is not None:  # whichever of the two heads the tile
+                tile.lines.insert(0, f"accuracy {o_cell['baseline_value']:.0%} → {o_cell['candidate_value']:.0%} "
+                                     f"({o_config['config']})")
             if other is not metric:
                 o_value, o_ci = _split(other, o_cell)
                 o_state = judged_verdict(o_cell) or NOT_JUDGED

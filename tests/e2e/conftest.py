@@ -32,9 +32,11 @@ def seed_config(corpus: str) -> dict:
                     {"name": "spec-ngram", "engine": "reference", "weights": "fp32",
                      "speculative": {"method": "ngram", "k": 4}}],
         "suites": [{"name": "s", "corpus": corpus, "samples": 12, "seed": 2,
-                    "scorers": ["perplexity", "generation", "agreement", "faithfulness"],
+                    "scorers": ["perplexity", "generation", "agreement", "faithfulness", "labelled"],
                     # two position buckets: 0–127, 128–255; 4 documents' next-token distributions (kld_mean)
                     "perplexity": {"window": 256, "distribution_samples": 4},
+                    # the built-in labelled task's first 24 items (task_recovery, task_flips; min_n 20)
+                    "labelled": {"items": "builtin:pydoc-next-word", "max_items": 24},
                     "generation": {"prompts": 10, "prompt_words": 8, "max_new_tokens": 8}},
                    # the second suite: perplexity only on 4 documents, run last over fp32 and int8 (a few
                    # seconds); 4 are too few to decide (min_n 10), so the run tops up to 8, then 12

@@ -120,12 +120,17 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     configs = over["models"]["tiny"]
     for title, names in (("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
                          ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits",
-                                                "output_length_ratio"))):
+                                                "output_length_ratio")),
+                         ("task accuracy", ("task_recovery", "task_flips"))):
         cells = [c["comparisons"][n] for c in configs for n in names if n in c["comparisons"]]
         assert cells, title  # the seeded suite generates, and spec-ngram is lossless
         worst = min((x["verdict"] for x in cells if x["judged"]), key=verdict_rank)  # 0 = critical
         assert tiles[title] == worst, (title, tiles[title], worst)
     assert "confident div." in card or "lossless EM" in card
+    # the labelled items (24 of the built-in task): each candidate's accuracy against the baseline's, as % in the tile
+    recovery = {c["config"]: c["comparisons"]["task_recovery"] for c in configs if "task_recovery" in c["comparisons"]}
+    assert set(recovery) == {"int8", "int2", "spec-ngram"} and all(r["n"] == 24 for r in recovery.values())
+    assert re.search(r"accuracy \d+% → \d+% \((int8|int2|spec-ngram)\)", shown)
     # issue 34's: the next-token KLD of the candidate furthest from the baseline's distributions (int2, the
     # broken one), reported without a threshold; no KV config in the suite, so nothing decoded
     klds = {c["config"]: c["comparisons"]["kld_mean"]["estimate"] for c in configs if "kld_mean" in c["comparisons"]}

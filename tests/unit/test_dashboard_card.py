@@ -12,9 +12,9 @@ NOW = datetime(2026, 11, 25, 12, 0, 0, tzinfo=timezone.utc)
 CATALOGUE = [m.as_dict() for m in METRICS.values()]  # what GET /metrics serves
 
 
-def cell(estimate, low, high, verdict, n=20, baseline_value=None):
+def cell(estimate, low, high, verdict, n=20, baseline_value=None, candidate_value=None):
     return {"estimate": estimate, "ci_low": low, "ci_high": high, "n": n, "verdict": verdict,
-            "rule": f"{verdict} by hand", "baseline_value": baseline_value, "candidate_value": None}
+            "rule": f"{verdict} by hand", "baseline_value": baseline_value, "candidate_value": candidate_value}
 
 
 def config(name, comparisons, figures, baseline=False, checked_at="2026-11-25T10:00:00"):
@@ -46,8 +46,8 @@ def tiles_by_title(configs=CONFIGS, catalogue=CATALOGUE):
 def test_each_tile_shows_the_worst_config_its_value_and_its_state():
     tiles = tiles_by_title()
     assert list(tiles) == ["domain PPL", "judge score", "faithfulness", "spec-decode acceptance", "TTFT p50 / p99",
-                           "throughput", "KV-cache usage", "lossless outputs", "generation health", "next-token KLD",
-                           "KV cache by decode"]
+                           "throughput", "KV-cache usage", "lossless outputs", "generation health", "task accuracy",
+                           "next-token KLD", "KV cache by decode"]
     ppl = tiles["domain PPL"]  # kv2 is critical, int4 only warn: (1.40 − 1) × 100 = +40.0; CI +31.0, +52.0
     assert (ppl.state, ppl.value, ppl.ci, ppl.source) == ("critical", "+40.0%", "[+31.0, +52.0]",
                                                           "kv2, worst of 2 on ppl ratio")
@@ -96,7 +96,8 @@ def test_card_html_names_each_state_in_words_and_escapes_config_names():
     # every figure but the perplexity ratio has no data: named in one small tile, no figure, no verdict colour
     assert page.count('data-state="no data"') == 1 and ('<div class="s">judge score, faithfulness, spec-decode '
                                                         'acceptance, TTFT p50 / p99, throughput, KV-cache usage, '
-                                                        'lossless outputs, generation health, next-token KLD, '
+                                                        'lossless outputs, generation health, task accuracy, '
+                                                        'next-token KLD, '
                                                         'KV cache by decode</div>'
                                                         in page)
     assert "last <b>2 hours ago</b>" in page and "next <b>not scheduled</b>" in page
@@ -119,3 +120,19 @@ def test_a_figure_reported_but_not_judged_is_never_coloured_ok():
     assert faith.lines == ["offline approximation: reported, not judged"]
     page = card_html([faith], "never", "not scheduled")
     assert 'class="canary-tile neutral" data-state="not judged"' in page and "#c8e6c9" not in page  # no ok green
+
+
+def test_the_task_accuracy_tile_shows_recovery_its_accuracies_and_the_flips():
+    """kv2 recovers 0.96 of fp16's accuracy (0.55 → 0.53, CI across warn 0.95: inconclusive), and
+    flips 10 % of the items either way, a Wilson interval wholly above warn 0.05: the tile takes the
+    worse verdict, the flips'."""
+    task = [config("fp16", {}, {}, baseline=True),
+            config("kv2", {"task_recovery": cell(0.96, 0.90, 1.02, "inconclusive", n=200, baseline_value=0.55,
+                                                 candidate_value=0.53),
+                           "task_flips": cell(0.10, 0.066, 0.149, "warn", n=200)}, {})]
+    tile = tiles_by_title(task)["task accuracy"]
+    assert (tile.state, tile.value, tile.ci, tile.source) == ("warn", "10%", "[7, 15]", "kv2")
+    assert tile.lines == ["accuracy 55% → 53% (kv2)", "recovery -4.0% [-10.0, +2.0] (kv2, inconclusive)"]
+    only_recovery = [task[0], config("kv2", {"task_recovery": task[1]["comparisons"]["task_recovery"]}, {})]
+    tile = tiles_by_title(only_recovery)["task accuracy"]
+    assert (tile.state, tile.value, tile.lines) == ("inconclusive", "-4.0%", ["accuracy 55% → 53% (kv2)"])

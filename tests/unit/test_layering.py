@@ -27,12 +27,14 @@ def test_api_app_imports_without_torch():
 
 
 def test_the_parts_of_evals_that_app_reads_need_neither_numpy_nor_torch():
-    # pyproject's contract lets app import evals.metrics, evals.figures, evals.suite and evals.comparison (ignore_imports; evals.suite
+    # pyproject's contract lets app import evals.metrics, evals.figures, evals.suite, evals.comparison and evals.labelled
+    # (ignore_imports; evals.suite
     # checks term lists with evals.terms): that
     # edge hides what they import in turn, so check it here
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; sys.modules['transformers'] = None\n"
         "import evals.metrics, evals.figures, evals.suite, evals.comparison, evals.records, evals.terms\n"
+        "import evals.labelled; evals.labelled.builtin_items('pydoc-next-word')\n"
         "print('ok')"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -4,7 +4,7 @@ from fastapi import APIRouter, status
 
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
-from app.corpus import SampleIn, load_corpus
+from app.corpus import SampleIn, load_corpus, load_items
 from app.models import Suite
 from app.repo import Conflict, NotFound
 from app.schemas import SuiteIn, SuiteOut, error_responses
@@ -61,6 +61,12 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
         samples = load_corpus(body.corpus, "corpus", settings.max_suite_documents, settings.max_document_chars)
     if body.samples > len(samples):
         raise ValueError(f"samples: {body.samples} > {len(samples)} documents; lower samples or add documents")
+    if body.labelled.items:
+        if not body.labelled.items.startswith("builtin:"):  # as for the corpus: no server file over the API
+            raise ValueError(f"labelled.items: over the API the server reads built-in tasks only "
+                             f"(builtin:pydoc-next-word), not '{body.labelled.items[:80]}'; name the file in "
+                             "canary.yaml and apply it with `canary run -f`")
+        samples = [*samples, *load_items(body.labelled.items)]
     spec = body.model_dump(exclude={"name", "documents"})
     return _out(repo.upsert_suite(session, project, body.name, spec, samples))
 
