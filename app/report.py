@@ -221,6 +221,31 @@ def _distributions(summary: RunOut) -> str:
     return "".join(out) + "</table>"
 
 
+def _tasks(summary: RunOut) -> str:
+    """Each candidate's accuracy on the suite's labelled items against the baseline's: recovery,
+    the flips each way and McNemar's p (task_recovery's details), where the suite has items."""
+    found = {c.config: c for c in summary.comparisons if c.metric == "task_recovery" and "items" in c.details}
+    flips = {c.config: c for c in summary.comparisons if c.metric == "task_flips"}
+    if not found:
+        return "<p class='dim'>Not measured in this run (no labelled scorer in the suite).</p>"
+    out = ["<table><tr><th>config</th><th>items</th><th>accuracy, baseline → candidate [95% CI]</th>"
+           "<th>recovery [95% CI]</th><th>right→wrong</th><th>wrong→right</th><th>flips [95% CI]</th>"
+           "<th>McNemar p</th></tr>"]
+    for config, c in found.items():
+        d, f = c.details, flips.get(config)
+        low, high = d["candidate_ci"]
+        recovery = "—" if c.estimate is None else f"{c.estimate:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]"
+        flipped = "—" if f is None or f.estimate is None else \
+            f"{f.estimate * 100:.1f}% [{f.ci_low * 100:.1f}, {f.ci_high * 100:.1f}] ({escape(f.verdict)})"
+        out.append(f"<tr><td>{escape(config)}</td><td>{d['items']}</td>"
+                   f"<td>{d['baseline_accuracy'] * 100:.1f}% → {d['candidate_accuracy'] * 100:.1f}% "
+                   f"[{low * 100:.1f}, {high * 100:.1f}]</td>"
+                   f"<td class='v {escape(c.verdict)}'>{recovery} ({escape(c.verdict)})</td>"
+                   f"<td>{d['right_to_wrong']}</td><td>{d['wrong_to_right']}</td><td>{flipped}</td>"
+                   f"<td>{d['mcnemar_p']:.3g}</td></tr>")
+    return "".join(out) + "</table>"
+
+
 def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
     """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
     from app.services import samples_label
@@ -244,6 +269,7 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         "<h2>Field signals</h2>", _signals(summary),
         "<h2>Quality by position in the context</h2>", _positions(summary),
         "<h2>Next-token distributions against the baseline</h2>", _distributions(summary),
+        "<h2>Task accuracy on labelled items</h2>", _tasks(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
         f"<h2>The stored reason</h2><pre>{escape(summary.verdict_reason or '—')}</pre>",
         "</body></html>\n"])

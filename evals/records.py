@@ -244,9 +244,6 @@ class SoloRecord(GenerationRecord):
     KIND: ClassVar[str] = "solo"
 
 
-# what a config-run's engine writes; scorers (a judge, faithfulness) add the other kinds later
-ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND, RepeatRecord.KIND, SoloRecord.KIND)
-
 
 @dataclass(frozen=True)
 class PairwiseRecord:
@@ -352,6 +349,9 @@ class ItemRecord:
         return cls(sample_key, bool(value), e.get("answer"), tuple(e.get("scores") or ()), e.get("output"))
 
 
+# what a config-run's engine pass writes (a reused baseline's rows are these; a top-up keeps them); scorers (a
+# judge, faithfulness) add the other kinds later
+ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND, RepeatRecord.KIND, SoloRecord.KIND, ItemRecord.KIND)
 Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord | ItemRecord
 RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, RepeatRecord, SoloRecord,
                                                       PairwiseRecord, RubricRecord, FaithfulnessRecord, ItemRecord)}

@@ -9,7 +9,7 @@ import logging
 import math
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,19 +54,25 @@ def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[Doc
     return out
 
 
-def answer_choices(engine, item: LabelledItem, window: WindowSpec) -> ItemRecord:
-    """A multiple-choice item answered by log-likelihood: each choice's Σ log p after the prompt
+def answer_choices(engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
+    """Multiple-choice items answered by log-likelihood, every choice of every item in one engine
+    call (the reference engine packs them into batches): each choice's Σ log p after the prompt
     (evals/labelled.py continuation_loglikelihood)."""
-    texts = [item.prompt + choice for choice in item.choices]
-    results = engine.loglikelihood_rolling([RollingRequest(f"{item.key}#{j}", text, window)
-                                            for j, text in enumerate(texts)])
-    if any(not r.char_spans for r in results):  # a server's tokens have no place in the text: less the prompt's own
-        [prompt] = engine.loglikelihood_rolling([RollingRequest(f"{item.key}#prompt", item.prompt, window)])
-        scores = [continuation_loglikelihood(r, len(item.prompt), prompt) for r in results]
-    else:
-        scores = [continuation_loglikelihood(r, len(item.prompt)) for r in results]
-    correct, chosen = choice_correct(item, scores)
-    return ItemRecord(item.key, correct, str(chosen), tuple(scores))
+    requests = [RollingRequest(f"{item.key}#{j}", item.prompt + choice, window)
+                for item in items for j, choice in enumerate(item.choices)]
+    results = iter(engine.loglikelihood_rolling(requests))
+    rows = [[next(results) for _ in item.choices] for item in items]
+    spanless = [item for item, row in zip(items, rows, strict=True) if any(not r.char_spans for r in row)]
+    # a server's tokens have no place in the text: each choice's whole text less the prompt scored alone
+    prompts = dict(zip((item.key for item in spanless), engine.loglikelihood_rolling(
+        [RollingRequest(f"{item.key}#prompt", item.prompt, window) for item in spanless]), strict=True)) \
+        if spanless else {}
+    records = []
+    for item, row in zip(items, rows, strict=True):
+        scores = [continuation_loglikelihood(r, len(item.prompt), prompts.get(item.key)) for r in row]
+        correct, chosen = choice_correct(item, scores)
+        records.append(ItemRecord(item.key, correct, str(chosen), tuple(scores)))
+    return records
 
 
 @dataclass
@@ -304,10 +310,11 @@ class ExecuteConfigRun(BaseTask):
             asked = [item for item in batch if item.match != "choice"]  # generated together, as one batch
             answers = {answer.request_id: answer.text for answer in work.engine.generate(
                 [GenerationRequest(item.key, item.prompt, max_new_tokens, 0.0) for item in asked])} if asked else {}
+            chosen = iter(answer_choices(work.engine, [item for item in batch if item.match == "choice"], work.window))
             records = []
             for item in batch:
                 if item.match == "choice":
-                    records.append(answer_choices(work.engine, item, work.window))
+                    records.append(next(chosen))
                 else:
                     correct, read = generated_correct(item, answers[item.key])
                     records.append(ItemRecord(item.key, correct, read, output=answers[item.key]))

@@ -139,6 +139,7 @@ def test_the_run_report_opens_offline_in_chromium(seeded_api, tmp_path):
         assert "Field signals" in text and "confident div." in text  # spec-ngram is lossless: its noise floor
         assert "Worst documents per candidate" in text and "int2" in text
         assert "Next-token distributions against the baseline" in text and "bracketed" in text  # kld_mean, measured
+        assert "Task accuracy on labelled items" in text and "right→wrong" in text  # the 24 labelled items
         shots = pathlib.Path(os.environ.get("CANARY_SCREENSHOTS", tmp_path))
         shots.mkdir(parents=True, exist_ok=True)
         browser.set_window_size(1400, 3000)

@@ -134,7 +134,7 @@ def test_lm_eval_multiple_choice_samples_import_as_items_the_canary_answers_alik
     from engines.spec import OptimizationSpec
 
     engine = ReferenceEngine(str(target), OptimizationSpec(engine="reference", weights="fp32"))
-    answered = {item.key: answer_choices(engine, item, WindowSpec(256, 256)) for item in items}
+    answered = {record.sample_key: record for record in answer_choices(engine, items, WindowSpec(256, 256))}
     ours = {key: record.correct for key, record in answered.items()}
     # each choice's Σ log p as lm-eval logged it (resps: [[[loglikelihood, is_greedy]] per choice). Its slice of the
     # echoed log-probs starts at its own count of context tokens, one short of the server's (which has the start

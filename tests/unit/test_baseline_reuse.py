@@ -24,7 +24,8 @@ def _config(model_path: str) -> dict:
         "configs": [{"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
                     {"name": "int8", "engine": "reference", "weights": "int8"}],
         "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 10, "seed": 3,
-                    "scorers": ["perplexity", "generation"], "perplexity": {"window": 64},
+                    "scorers": ["perplexity", "generation", "labelled"], "perplexity": {"window": 64},
+                    "labelled": {"items": "builtin:pydoc-next-word", "max_items": 4},
                     "generation": {"prompts": 2, "prompt_words": 6, "max_new_tokens": 4}}],
     }
 
@@ -62,13 +63,17 @@ def test_a_second_gate_takes_the_first_gates_baseline_rows(sqlite_env, model_cop
     assert second["figures"]["fp16"]["reused_from_run"] == first["run_id"]
     assert second["figures"]["fp16"]["inputs_key"] == first["figures"]["fp16"]["inputs_key"]
     # every row of the baseline, value and extra (token ids, text), as the first gate computed it
-    assert second["baseline_rows"] == first["baseline_rows"] and len(first["baseline_rows"]) == 10 + 2
+    # (10 documents, 2 generations and 4 labelled items)
+    assert second["baseline_rows"] == first["baseline_rows"] and len(first["baseline_rows"]) == 10 + 2 + 4
     # the candidate ran again; its comparisons are the same figures
     assert second["figures"]["int8"].get("reused_from_run") is None
     ratio = {g["run_id"]: next(c for c in g["comparisons"] if c["config"] == "int8" and c["metric"] == "ppl_ratio")
              for g in (first, second)}
     assert ratio[first["run_id"]]["estimate"] == pytest.approx(ratio[second["run_id"]]["estimate"], abs=1e-12)
     assert first["verdict"] == second["verdict"]
+    flips = [next(c for c in g["comparisons"] if c["config"] == "int8" and c["metric"] == "task_flips") for g in
+             (first, second)]
+    assert flips[0]["n"] == flips[1]["n"] == 4 and flips[0]["estimate"] == flips[1]["estimate"]
     # a third gate names the run that computed the rows, not the one that copied them
     assert _gate("g3")["figures"]["fp16"]["reused_from_run"] == first["run_id"]
 

@@ -11,6 +11,7 @@ from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
+from engines.zoo import resolve_corpus_path
 from evals.labelled import builtin_items
 
 pytestmark = pytest.mark.integration
@@ -59,13 +60,19 @@ def test_a_builtin_task_is_answered_by_both_configs_and_compared_item_by_item(sq
     assert (recovery["details"]["right_to_wrong"], recovery["details"]["wrong_to_right"]) == (r2w, w2r)
     assert flips["estimate"] == pytest.approx((r2w + w2r) / 40)
     assert recovery["baseline_value"] == pytest.approx(sum(base.values()) / 40)
-    # the documents stay documents: the items are not drawn as samples
+    # the documents stay documents: the items are not drawn as samples, nor counted as documents
     assert {c["metric"]: c for c in summary["comparisons"] if c["config"] == "int2"}["ppl_ratio"]["n"] == 2
+    with session_scope() as s:
+        suite = repo.get_suite(s, repo.get_project(s, "lab"), "s")
+        n_corpus = len(resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines())
+        assert suite.n_documents == n_corpus
+        stored = repo.suite_samples(s, suite.id, suite.version, items=True)
+        assert len(stored) == len(builtin_items("pydoc-next-word")) and stored[0].kind == "item"
 
 
 def test_a_lossless_config_agrees_on_every_item(sqlite_env):
     """No flip in 80 items: the Wilson interval's top, 3.84 / (80 + 3.84) = 0.046, is under warn 0.05
-    (with 73 items or fewer it would not be, and the verdict would be inconclusive)."""
+    (with 72 items or fewer it would not be, and the verdict would be inconclusive)."""
     summary = _run(_config("builtin:pydoc-next-word", 80, [{"name": "fp16", "baseline": True, "weights": "fp16"},
                                                          {"name": "fp32", "weights": "fp32"}]))
     comparisons = {c["metric"]: c for c in summary["comparisons"] if c["config"] == "fp32"}

@@ -90,3 +90,25 @@ def test_next_token_distributions_in_the_report():
     assert ("<td>int8</td><td>310</td><td>0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td>"
             "<td>98.7% [98.0, 99.2]</td><td>100% bracketed, width 0.00021</td>") in html
     assert "distribution_samples is 0" in _distributions(summary())
+
+
+def test_task_accuracy_in_the_report():
+    """200 items, 110 right on both sides, 10 right→wrong and 10 wrong→right: accuracy 55.0% → 55.0%,
+    recovery 1.000 [0.930, 1.075] inconclusive, flips 10.0% [6.6, 14.9] warn, McNemar p 1."""
+    from app.report import _tasks
+
+    s = summary("int4")
+    details = {"items": 200, "baseline_accuracy": 0.55, "candidate_accuracy": 0.55, "baseline_ci": [0.481, 0.617],
+               "candidate_ci": [0.481, 0.617], "right_to_wrong": 10, "wrong_to_right": 10, "mcnemar_p": 1.0,
+               "unpaired_z_p": 1.0}
+    for metric, est, lo, hi, verdict in (("task_recovery", 1.0, 0.93, 1.075, "inconclusive"),
+                                         ("task_flips", 0.1, 0.0657, 0.1494, "warn")):
+        s.comparisons.append(ComparisonOut.model_validate(
+            {"config": "int4", "metric": metric, "estimate": est, "ci_low": lo, "ci_high": hi, "n": 200,
+             "verdict": verdict, "rule": "", "baseline_value": 0.55, "candidate_value": 0.55, "gated": True,
+             "details": details}))
+    html = _tasks(s)
+    assert ("<td>int4</td><td>200</td><td>55.0% → 55.0% [48.1, 61.7]</td>"
+            "<td class='v inconclusive'>1.000 [0.930, 1.075] (inconclusive)</td><td>10</td><td>10</td>"
+            "<td>10.0% [6.6, 14.9] (warn)</td><td>1</td>") in html
+    assert "no labelled scorer" in _tasks(summary())
