@@ -234,8 +234,9 @@ def _tasks(summary: RunOut) -> str:
     for config, c in found.items():
         d, f = c.details, flips.get(config)
         low, high = d["candidate_ci"]
-        recovery = "—" if c.estimate is None else f"{c.estimate:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]"
-        flipped = "—" if f is None or f.estimate is None else \
+        recovery = "—" if c.estimate is None or c.ci_low is None or c.ci_high is None else \
+            f"{c.estimate:.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}]"
+        flipped = "—" if f is None or f.estimate is None or f.ci_low is None or f.ci_high is None else \
             f"{f.estimate * 100:.1f}% [{f.ci_low * 100:.1f}, {f.ci_high * 100:.1f}] ({escape(f.verdict)})"
         out.append(f"<tr><td>{escape(config)}</td><td>{d['items']}</td>"
                    f"<td>{d['baseline_accuracy'] * 100:.1f}% → {d['candidate_accuracy'] * 100:.1f}% "
