@@ -46,14 +46,10 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
         for document in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
             samples.append(SampleIn(key=str(document.relative_to(path)), text=document.read_text(encoding="utf-8")))
     elif path.suffix == ".jsonl":
+        from evals.labelled import json_lines
+
         with path.open(encoding="utf-8") as lines:
-            for lineno, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise CorpusError(f"{field}: {path} line {lineno} is not JSON: {e.msg}") from None
+            for lineno, row in json_lines(lines, f"{field}: {path}", CorpusError):
                 text = row.get("text") if isinstance(row, dict) else None
                 if not isinstance(text, str):
                     raise CorpusError(f"{field}: {path} line {lineno} has no string 'text' field")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -108,17 +108,23 @@ def parse_item(row: Any, where: str) -> LabelledItem:
                         pattern if match == "regex" else None)
 
 
-def parse_items(lines: Iterable[str], source: str, limit: int = 20000) -> list[LabelledItem]:
-    """Items from JSON lines; ids unique, at most `limit`."""
-    items: list[LabelledItem] = []
-    seen: set[str] = set()
+def json_lines(lines: Iterable[str], source: str, error: type[ValueError] = ValueError) -> Iterator[tuple[int, Any]]:
+    """(line number, its JSON value) for each non-blank line; a line that is not JSON raises
+    `error` naming `source` and the line (a corpus and an items file read alike)."""
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
-            raise ItemError(f"{source} line {lineno} is not JSON: {e.msg}") from None
+            raise error(f"{source} line {lineno} is not JSON: {e.msg}") from None
+
+
+def parse_items(lines: Iterable[str], source: str, limit: int = 20000) -> list[LabelledItem]:
+    """Items from JSON lines; ids unique, at most `limit`."""
+    items: list[LabelledItem] = []
+    seen: set[str] = set()
+    for lineno, row in json_lines(lines, source, ItemError):
         item = parse_item(row, f"{source} line {lineno}")
         if item.key in seen:
             raise ItemError(f"{source} line {lineno}: duplicate item id '{item.key}'; ids must be unique")

@@ -138,3 +138,17 @@ def test_the_builtin_task_is_fixed_and_well_formed():
     assert json.dumps([i.to_json() for i in items]) == json.dumps([i.to_json() for i in builtin_items("pydoc-next-word")])
     with pytest.raises(ItemError, match="unknown built-in task 'nope'"):
         builtin_items("nope")
+
+
+def test_a_corpus_and_an_items_file_name_a_line_that_is_not_json_alike(tmp_path):
+    from app.corpus import CorpusError, load_corpus, load_items
+
+    corpus, items = tmp_path / "c.jsonl", tmp_path / "i.jsonl"
+    corpus.write_text('{"id": "a", "text": "x"}\n\n{bad\n')
+    items.write_text('{"id": "a", "prompt": "q", "answer": "x"}\n{bad\n')
+    with pytest.raises(CorpusError, match=r"^corpus: .*c\.jsonl line 3 is not JSON"):
+        load_corpus(str(corpus))
+    with pytest.raises(CorpusError, match=r"^labelled\.items: i\.jsonl line 2 is not JSON"):
+        load_items(str(items))
+    with pytest.raises(CorpusError, match=r"is not a \.jsonl file"):
+        load_items(str(tmp_path))
