@@ -129,11 +129,12 @@ def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
             if base_tps is not None and not config["baseline"]:
                 tile.lines.append(f"baseline {base_tps:.0f} tok/s")
             tile.lines.append(f"{metric['label']} {value} {ci}".strip())
+        recovery = (config.get("comparisons") or {}).get("task_recovery") if title == "task accuracy" else None
+        if recovery and recovery.get("baseline_value") is not None and recovery.get("candidate_value") is not None:
+            # the headline config's accuracies, whichever of its two metrics heads the tile
+            tile.lines.append(f"accuracy {recovery['baseline_value']:.0%} → {recovery['candidate_value']:.0%} "
+                              f"({config['config']})")
         for other, (o_config, o_cell, _) in found:
-            if other["name"] == "task_recovery" and o_cell.get("baseline_value") is not None \
-                    and o_cell.get("candidate_value") is not None:  # whichever of the two heads the tile
-                tile.lines.insert(0, f"accuracy {o_cell['baseline_value']:.0%} → {o_cell['candidate_value']:.0%} "
-                                     f"({o_config['config']})")
             if other is not metric:
                 o_value, o_ci = _split(other, o_cell)
                 o_state = judged_verdict(o_cell) or NOT_JUDGED

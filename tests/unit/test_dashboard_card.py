@@ -136,3 +136,10 @@ def test_the_task_accuracy_tile_shows_recovery_its_accuracies_and_the_flips():
     only_recovery = [task[0], config("kv2", {"task_recovery": task[1]["comparisons"]["task_recovery"]}, {})]
     tile = tiles_by_title(only_recovery)["task accuracy"]
     assert (tile.state, tile.value, tile.lines) == ("inconclusive", "-4.0%", ["accuracy 55% → 53% (kv2)"])
+    # the accuracies are the headline config's: int8 flips more (critical) while kv2 recovers less
+    both = [*task, config("int8", {"task_recovery": cell(1.0, 0.98, 1.02, "ok", n=200, baseline_value=0.55,
+                                                         candidate_value=0.55),
+                                   "task_flips": cell(0.2, 0.15, 0.26, "critical", n=200)}, {})]
+    tile = tiles_by_title(both)["task accuracy"]
+    assert (tile.state, tile.source) == ("critical", "int8, worst of 2 on flips")
+    assert tile.lines[0] == "accuracy 55% → 55% (int8)" and tile.lines[1].endswith("(kv2, inconclusive)")
