@@ -114,6 +114,27 @@ def distribution_rows(run: dict) -> list[dict]:
     return rows
 
 
+def task_rows(run: dict) -> list[dict]:
+    """Each candidate's answers on the suite's labelled items against the baseline's (task_recovery's
+    details, task_flips' verdict): the two accuracies, the recovery, the flips each way and
+    McNemar's exact p."""
+    flips = {c["config"]: c for c in run["comparisons"] if c["metric"] == "task_flips"}
+    rows = []
+    for c in run["comparisons"]:
+        d = c.get("details") or {}
+        if c["metric"] != "task_recovery" or "items" not in d:
+            continue
+        f = flips.get(c["config"]) or {}
+        rows.append({"config": c["config"], "items": d["items"],
+                     "accuracy": f"{d['baseline_accuracy'] * 100:.1f}% → {d['candidate_accuracy'] * 100:.1f}%",
+                     "recovery [95% CI]": ("—" if c.get("estimate") is None else
+                                           f"{c['estimate']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"),
+                     "right→wrong": d["right_to_wrong"], "wrong→right": d["wrong_to_right"],
+                     "McNemar p": f"{d['mcnemar_p']:.3g}",
+                     "verdict": worst_verdict([v for v in (c["verdict"], f.get("verdict")) if v])})
+    return rows
+
+
 def ablations(run: dict) -> set[str]:
     """The run's single-optimization ablations of a stacked config (step back one layer): shown
     in their own section, not as candidates."""
@@ -191,20 +212,18 @@ def render(api, project: str, params) -> None:
             st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window, "
                        "with its own CI and verdict (ppl ratio's thresholds): reported, not judged.")
             st.table(style_verdict_column(pd.DataFrame(by_position)).hide(axis="index"))
-    dists = distribution_rows(run)
-    if dists:
-        with st.expander("Next-token distributions against the baseline (llama-perplexity --kl-divergence)"):
-            st.caption("Over every token of the suite's first perplexity.distribution_samples documents. Reported, "
-                       "not judged: near the baseline KL stops ranking configs. Bounds: what the baseline's top 20 "
-                       "log-probs alone (what a server returns) say of each token's KLD.")
-            st.table(pd.DataFrame(dists).style.hide(axis="index"))
-    decoded = decode_rows(run)
-    if decoded:
-        with st.expander("KV cache: scored by prefill and by decode"):
-            st.caption("The same documents scored in one prefill and one token per decode step through the KV "
-                       "cache: a gap above 1 is loss only decoding reads. Reported, not judged (verdict: ppl "
-                       "ratio's thresholds).")
-            st.table(style_verdict_column(pd.DataFrame(decoded)).hide(axis="index"))
+    _rows_in_expander("Next-token distributions against the baseline (llama-perplexity --kl-divergence)",
+                      "Over every token of the suite's first perplexity.distribution_samples documents. Reported, "
+                      "not judged: near the baseline KL stops ranking configs. Bounds: what the baseline's top 20 "
+                      "log-probs alone (what a server returns) say of each token's KLD.", distribution_rows(run))
+    _rows_in_expander("KV cache: scored by prefill and by decode",
+                      "The same documents scored in one prefill and one token per decode step through the KV "
+                      "cache: a gap above 1 is loss only decoding reads. Reported, not judged (verdict: ppl "
+                      "ratio's thresholds).", decode_rows(run))
+    _rows_in_expander("Task accuracy on labelled items",
+                      "Each candidate's answers on the suite's labelled items against the baseline's, item by item: "
+                      "recovery (right answers ÷ the baseline's) and flips either way, which recovery cannot see; "
+                      "the verdict is the worse of task_recovery's and task_flips'.", task_rows(run))
     _examples(run, metrics)
     candidates = candidates_worst_first(run, metrics)
     if not candidates:
@@ -214,6 +233,18 @@ def render(api, project: str, params) -> None:
         return
     with st.expander("Verdict reason, as stored"):
         st.text(run["verdict_reason"] or "—")
+
+
+def _rows_in_expander(title: str, caption: str, rows: list[dict]) -> None:
+    """A closed expander with a caption and a table of `rows` (verdicts coloured where a row has
+    one); nothing where there are no rows."""
+    if not rows:
+        return
+    with st.expander(title):
+        st.caption(caption)
+        frame = pd.DataFrame(rows)
+        styled = style_verdict_column(frame) if "verdict" in frame else frame.style
+        st.table(styled.hide(axis="index"))
 
 
 def _examples(run: dict, metrics: dict) -> None:

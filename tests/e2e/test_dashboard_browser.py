@@ -27,7 +27,7 @@ PAGES = {
     "Alerts": ["Alerts", "The canary is stale", "CanaryStale", "Firing (", "Silences", "needs a write key"],
     "Run+detail&run_id=1": ["Run detail", "Breaching (", "Rank samples by",  # the seeded run of every config
                             "Perplexity by position in the context",
-                            "Next-token distributions against the baseline"],
+                            "Next-token distributions against the baseline", "Task accuracy on labelled items"],
     "Gates": ["CI gates"],
 }
 

@@ -271,6 +271,13 @@ def test_run_detail_opens_on_the_worst_candidate_breaches_first(seeded_api, monk
     ppl = next(c for c in run["comparisons"] if c["config"] == "int2" and c["metric"] == "ppl_ratio")
     assert breaching.iloc[0]["change [95% CI]"] == pct_change(ppl["estimate"], ppl["ci_low"], ppl["ci_high"])
     rest = at.table[1].value  # ok and inconclusive, under an expander
+    # the 24 labelled items: each candidate's accuracies and flips, as the API gave them
+    (tasks,) = [e for e in at.expander if e.label == "Task accuracy on labelled items"]
+    shown_tasks = tasks.table[0].value
+    recovery = {c["config"]: c for c in run["comparisons"] if c["metric"] == "task_recovery"}
+    assert sorted(shown_tasks["config"]) == sorted(recovery) == ["int2", "int8", "spec-ngram"]
+    for config, items, r2w in zip(shown_tasks["config"], shown_tasks["items"], shown_tasks["right→wrong"], strict=True):
+        assert int(items) == 24 and int(r2w) == recovery[config]["details"]["right_to_wrong"]
     assert "fp32" not in set(rest["config"]) and not {"exact match", "top-1 agree"} & set(rest["metric"])
     exps = [e for e in at.expander if "perplexity ×" in e.label]
     assert exps, "no documents listed"

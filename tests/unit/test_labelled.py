@@ -152,3 +152,20 @@ def test_a_corpus_and_an_items_file_name_a_line_that_is_not_json_alike(tmp_path)
         load_items(str(items))
     with pytest.raises(CorpusError, match=r"is not a \.jsonl file"):
         load_items(str(tmp_path))
+
+
+def test_the_run_page_lists_each_candidate_s_task_figures():
+    """200 items, 10 flipped each way: 55.0% → 55.0%, recovery 1.000 [0.930, 1.075] inconclusive,
+    flips warn: the row's verdict is the worse, warn."""
+    from dashboard.views.run_detail import task_rows
+
+    details = {"items": 200, "baseline_accuracy": 0.55, "candidate_accuracy": 0.55, "right_to_wrong": 10,
+               "wrong_to_right": 10, "mcnemar_p": 1.0}
+    run = {"comparisons": [
+        {"config": "int4", "metric": "task_recovery", "estimate": 1.0, "ci_low": 0.93, "ci_high": 1.075,
+         "verdict": "inconclusive", "details": details},
+        {"config": "int4", "metric": "task_flips", "estimate": 0.1, "verdict": "warn", "details": details},
+        {"config": "int8", "metric": "ppl_ratio", "estimate": 1.01, "verdict": "ok", "details": {}}]}
+    assert task_rows(run) == [{"config": "int4", "items": 200, "accuracy": "55.0% → 55.0%",
+                               "recovery [95% CI]": "1.000 [0.930, 1.075]", "right→wrong": 10, "wrong→right": 10,
+                               "McNemar p": "1", "verdict": "warn"}]
