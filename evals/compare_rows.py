@@ -316,4 +316,4 @@ def task_flips(ctx: CompareContext) -> Comparison | None:
         return None
     from evals.flips import flips_comparison
 
-    return flips_comparison(ctx.mine.items, ctx.base.items, ctx.thresholds("task_flips"))
+    return flips_comparison(ctx.mine.items, ctx.base.items, ctx.thresholds("task_flips"), tau=ctx.tau)

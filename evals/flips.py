@@ -22,6 +22,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from evals.health import NEAR_TIE_NATS
 from evals.records import ItemRecord
 from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, wilson_interval
 
@@ -120,10 +121,33 @@ def recovery_comparison(candidate: Mapping[str, ItemRecord], baseline: Mapping[s
                       baseline_value=r.baseline_accuracy, candidate_value=r.candidate_accuracy, details=_details(r))
 
 
+def margin(record: ItemRecord) -> float | None:
+    """How far a multiple-choice answer's choice led the runner-up, in nats (Σ log p); None for a
+    generated answer."""
+    if len(record.scores) < 2:
+        return None
+    top, second = sorted(record.scores, reverse=True)[:2]
+    return top - second
+
+
+def near_tie_flips(candidate: Mapping[str, ItemRecord], baseline: Mapping[str, ItemRecord], tau: float) -> int:
+    """Flipped multiple-choice items where either side's chosen answer led by at most `tau` nats:
+    flips a server's nondeterminism alone can cause (the suite's near_tie_nats, as for greedy
+    outputs)."""
+    count = 0
+    for key, b in baseline.items():
+        c = candidate.get(key)
+        if c is not None and b.correct != c.correct:
+            margins = [m for m in (margin(b), margin(c)) if m is not None]
+            count += bool(margins) and min(margins) <= tau
+    return count
+
+
 def flips_comparison(candidate: Mapping[str, ItemRecord], baseline: Mapping[str, ItemRecord],
-                     t: Thresholds) -> Comparison | None:
+                     t: Thresholds, tau: float = NEAR_TIE_NATS) -> Comparison | None:
     """task_flips: the share of items the candidate answers differently right-or-wrong from the
-    baseline (either way), with its Wilson interval: flips at equal accuracy count here."""
+    baseline (either way), with its Wilson interval: flips at equal accuracy count here. Its details
+    also count the flips at a near-tie (near_tie_flips), reported, not subtracted."""
     base, cand = _pairs(candidate, baseline)
     if not base:
         return None
@@ -134,4 +158,5 @@ def flips_comparison(candidate: Mapping[str, ItemRecord], baseline: Mapping[str,
     why = (f"{r.right_to_wrong} right→wrong, {r.wrong_to_right} wrong→right of {r.n} "
            f"(McNemar p {r.mcnemar_p:.3g}): {rule}")
     return Comparison("task_flips", est, lo, hi, r.n, verdict, why, baseline_value=0.0, candidate_value=est,
-                      details=_details(r))
+                      details=_details(r) | {"near_tie_flips": near_tie_flips(candidate, baseline, tau),
+                                             "near_tie_nats": tau})

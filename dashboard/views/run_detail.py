@@ -130,6 +130,7 @@ def task_rows(run: dict) -> list[dict]:
                      "recovery [95% CI]": ("—" if c.get("estimate") is None else
                                            f"{c['estimate']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"),
                      "right→wrong": d["right_to_wrong"], "wrong→right": d["wrong_to_right"],
+                     "of them at a near-tie": (f.get("details") or {}).get("near_tie_flips", "—"),
                      "McNemar p": f"{d['mcnemar_p']:.3g}",
                      "verdict": worst_verdict([v for v in (c["verdict"], f.get("verdict")) if v])})
     return rows

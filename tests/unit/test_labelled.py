@@ -164,8 +164,26 @@ def test_the_run_page_lists_each_candidate_s_task_figures():
     run = {"comparisons": [
         {"config": "int4", "metric": "task_recovery", "estimate": 1.0, "ci_low": 0.93, "ci_high": 1.075,
          "verdict": "inconclusive", "details": details},
-        {"config": "int4", "metric": "task_flips", "estimate": 0.1, "verdict": "warn", "details": details},
+        {"config": "int4", "metric": "task_flips", "estimate": 0.1, "verdict": "warn",
+         "details": details | {"near_tie_flips": 3}},
         {"config": "int8", "metric": "ppl_ratio", "estimate": 1.01, "verdict": "ok", "details": {}}]}
     assert task_rows(run) == [{"config": "int4", "items": 200, "accuracy": "55.0% → 55.0%",
                                "recovery [95% CI]": "1.000 [0.930, 1.075]", "right→wrong": 10, "wrong→right": 10,
-                               "McNemar p": "1", "verdict": "warn"}]
+                               "of them at a near-tie": 3, "McNemar p": "1", "verdict": "warn"}]
+
+
+def test_flips_at_a_near_tie_are_counted_apart():
+    """Two flipped items: on one the baseline's choice led by 0.1 nats (≤ τ 0.25: a near-tie any
+    server's nondeterminism can flip), on the other both sides led by 2 nats; generated answers have
+    no margin and never count as near-ties."""
+    from evals.flips import margin, near_tie_flips
+
+    base = {"a": ItemRecord("a", True, "0", (-1.0, -1.1)), "b": ItemRecord("b", True, "0", (-1.0, -3.0)),
+            "c": ItemRecord("c", True, "0", (-1.0, -1.05)), "g": ItemRecord("g", True, "x")}
+    cand = {"a": ItemRecord("a", False, "1", (-1.3, -1.0)), "b": ItemRecord("b", False, "1", (-3.0, -1.0)),
+            "c": ItemRecord("c", True, "0", (-1.0, -1.05)), "g": ItemRecord("g", False, "y")}
+    assert margin(base["a"]) == pytest.approx(0.1) and margin(base["g"]) is None
+    assert near_tie_flips(cand, base, 0.25) == 1  # a only: c did not flip, b and g are not near-ties
+    assert near_tie_flips(cand, base, 0.05) == 0
+    flips = flips_comparison(cand, base, Thresholds.seed("task_flips"), tau=0.25)
+    assert flips is not None and flips.details["near_tie_flips"] == 1 and flips.details["near_tie_nats"] == 0.25
