@@ -21,7 +21,8 @@ def _config(items: str, n: int, configs=None) -> dict:
     return {
         "project": "lab",
         "model": {"name": "tiny", "path": "builtin:pydoc-target"},
-        "configs": configs or [{"name": "fp16", "baseline": True, "weights": "fp16"},
+        # fp32: on a CPU fp16 runs about 5× slower, and every item costs a pass per choice
+        "configs": configs or [{"name": "fp32", "baseline": True, "weights": "fp32"},
                                {"name": "int2", "weights": "rtn-int2"}],
         "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 2, "seed": 1,
                     "scorers": ["perplexity", "labelled"], "labelled": {"items": items, "max_items": n},
@@ -45,10 +46,10 @@ def test_a_builtin_task_is_answered_by_both_configs_and_compared_item_by_item(sq
     assert summary["status"] == "done"
     items = summary["_items"]
     expected = [item.key for item in builtin_items("pydoc-next-word")[:40]]
-    assert list(items["fp16"]) == list(items["int2"]) == expected  # the first max_items, in file order
-    base = {k: r.value == 1.0 for k, r in items["fp16"].items()}
+    assert list(items["fp32"]) == list(items["int2"]) == expected  # the first max_items, in file order
+    base = {k: r.value == 1.0 for k, r in items["fp32"].items()}
     cand = {k: r.value == 1.0 for k, r in items["int2"].items()}
-    assert all(len(r.extra["scores"]) == 4 and r.extra["answer"] in "0123" for r in items["fp16"].values())
+    assert all(len(r.extra["scores"]) == 4 and r.extra["answer"] in "0123" for r in items["fp32"].values())
     assert sum(base.values()) > 10  # the tiny model beats chance (25 % of 40 = 10) on its own domain
     comparisons = {c["metric"]: c for c in summary["comparisons"] if c["config"] == "int2"}
     recovery, flips = comparisons["task_recovery"], comparisons["task_flips"]
@@ -73,9 +74,11 @@ def test_a_builtin_task_is_answered_by_both_configs_and_compared_item_by_item(sq
 def test_a_lossless_config_agrees_on_every_item(sqlite_env):
     """No flip in 80 items: the Wilson interval's top, 3.84 / (80 + 3.84) = 0.046, is under warn 0.05
     (with 72 items or fewer it would not be, and the verdict would be inconclusive)."""
-    summary = _run(_config("builtin:pydoc-next-word", 80, [{"name": "fp16", "baseline": True, "weights": "fp16"},
-                                                         {"name": "fp32", "weights": "fp32"}]))
-    comparisons = {c["metric"]: c for c in summary["comparisons"] if c["config"] == "fp32"}
+    lossless = {"name": "spec", "engine": "reference", "weights": "fp32",  # the same weights
+                "speculative": {"method": "ngram", "k": 4}}
+    summary = _run(_config("builtin:pydoc-next-word", 80, [{"name": "fp32", "baseline": True, "weights": "fp32"},
+                                                         lossless]))
+    comparisons = {c["metric"]: c for c in summary["comparisons"] if c["config"] == "spec"}
     flips = comparisons["task_flips"]
     assert flips["estimate"] == 0 and flips["ci_high"] == pytest.approx(0.0458, abs=1e-4) and flips["verdict"] == "ok"
     assert comparisons["task_recovery"]["estimate"] == 1.0 and comparisons["task_recovery"]["verdict"] == "ok"
@@ -87,13 +90,13 @@ def test_items_from_a_file_are_scored_by_generation_too(sqlite_env, tmp_path):
     rows.append({"id": "n", "prompt": "Return the number", "answer": "7", "match": "number"})
     rows.append({"id": "c", "prompt": "Return the", "choices": [" value", " zzzq"], "answer": 0})
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    summary = _run(_config(str(path), 100, [{"name": "fp16", "baseline": True, "weights": "fp16"},
-                                            {"name": "fp32", "weights": "fp32"}]))
-    items = summary["_items"]["fp16"]
+    summary = _run(_config(str(path), 100, [{"name": "fp32", "baseline": True, "weights": "fp32"},
+                                            {"name": "int8", "weights": "int8"}]))
+    items = summary["_items"]["fp32"]
     assert list(items) == ["g0", "g1", "g2", "n", "c"]
     assert items["g0"].extra["output"] and items["g0"].value == 0.0  # a real greedy answer, not what was asked
     assert items["c"].value == 1.0 and items["c"].extra["answer"] == "0"  # " value" is far likelier than " zzzq"
-    recovery = next(c for c in summary["comparisons"] if c["config"] == "fp32" and c["metric"] == "task_recovery")
+    recovery = next(c for c in summary["comparisons"] if c["config"] == "int8" and c["metric"] == "task_recovery")
     assert recovery["n"] == 5 and recovery["verdict"] == "inconclusive" and "min_n" in recovery["rule"]
 
 
