@@ -22,7 +22,7 @@ from app.schemas import ComparisonOut, FiguresOut, ProgressOut, RunConfigOut, Ru
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
 from app.summary import trade_off_points, verdict_summary
-from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible
+from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible, check_reference_family
 from evals.suite import SuiteSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ def check_config_fits_model(spec: dict, model_path: str, field: str, project: st
     target = model_dir(model_path, f"{field}.model", project)
     draft_dir = model_dir(draft, f"{field}.speculative.draft_model", project) if draft else None
     try:
+        if spec.get("engine") == "reference":
+            check_reference_family(str(target))
         if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
             check_group_divisible(str(target))
         if draft_dir is not None:

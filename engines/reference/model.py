@@ -1,5 +1,7 @@
-"""A readable Llama-family decoder (Llama, Mistral, Qwen2 HF layouts) that loads safetensors
-directly. Module names follow the HF checkpoints, so a state dict loads without remapping.
+"""A readable Llama-family decoder (Llama, Mistral, Qwen2 and Qwen3 HF layouts) that loads
+safetensors directly. Module names follow the HF checkpoints, so a state dict loads without
+remapping. Qwen3 differs from Llama by an RMSNorm over each head's query and key (q_norm,
+k_norm, one weight per head channel shared by the heads), applied before RoPE.
 
 Shapes: B batch, T new tokens, S cache slots, H query heads, Hkv key/value heads, D head dim.
 """
@@ -19,8 +21,9 @@ from torch import nn
 
 from engines.quant import dequantize_awq_gemm
 from engines.reference.attention import Causal
+from engines.zoo import REFERENCE_FAMILIES
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = REFERENCE_FAMILIES  # engines/zoo: checked there before a load, torch-free
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class ModelArgs:
     tie_embeddings: bool
     attention_bias: bool
     rope_scaling: dict = field(default_factory=dict)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key before RoPE
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelArgs:
@@ -72,6 +76,7 @@ class ModelArgs:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
             rope_scaling={**rope, "rope_type": kind},
+            qk_norm=mtype == "qwen3",
         )
 
 
@@ -161,6 +166,9 @@ class Attention(nn.Module):
         # Llama's attention_bias covers o_proj too; Qwen2 biases q, k, v only
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias and args.model_type != "qwen2")
         self.qkv_proj: nn.Linear | None = None  # fused after loading (one matmul instead of three)
+        # Qwen3: per-head RMSNorm of queries and keys, over the head dim (None elsewhere)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def fuse(self) -> None:
         lins = (self.q_proj, self.k_proj, self.v_proj)
@@ -179,7 +187,7 @@ class Attention(nn.Module):
         a = self.args
         B, T, _ = x.shape
         H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
-        if self.qkv_proj is not None and swapped:  # q and k rotated together, in one set of ops
+        if self.qkv_proj is not None and swapped and self.q_norm is None:  # q and k rotated together
             qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
             qk = rope_swap(qkv[:, :, : H + Hkv], cos, sin)
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
@@ -189,6 +197,8 @@ class Attention(nn.Module):
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+            if self.q_norm is not None and self.k_norm is not None:  # Qwen3: before RoPE, as HF applies them
+                q, k = self.q_norm(q), self.k_norm(k)
             if swapped:
                 q, k = rope_swap(q, cos, sin), rope_swap(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H or Hkv, T, D]

@@ -12,8 +12,24 @@ BUILTIN_MODELS = ("pydoc-target", "pydoc-draft", "pydoc-outlier")
 BUILTIN_CORPORA = {"pydoc-heldout": ARTIFACTS / "pydoc-heldout.jsonl"}
 
 
+# the Hugging Face model_type values engines/reference/model.py builds a decoder for
+REFERENCE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 class ModelPathError(ValueError):
     pass
+
+
+def check_reference_family(model_ref: str) -> None:
+    """The reference engine builds only the families it implements: any other model_type in
+    config.json is refused before a worker loads it, naming the supported ones (torch-free)."""
+    import json
+
+    model_type = json.loads((resolve_model_path(model_ref) / "config.json").read_text()).get("model_type")
+    if model_type not in REFERENCE_FAMILIES:
+        raise ModelPathError(f"engine: the reference engine has no decoder for model_type '{model_type}' "
+                             f"(config.json); it runs {', '.join(REFERENCE_FAMILIES)}. Use engine: vllm or "
+                             "engine: transformers for this model")
 
 
 def resolve_model_path(ref: str) -> pathlib.Path:

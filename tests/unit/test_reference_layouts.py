@@ -1,5 +1,6 @@
 """The decoder against transformers on small random Llama (with llama3 / linear RoPE scaling),
-Mistral and Qwen2 (attention bias, untied head) checkpoints written by transformers itself."""
+Mistral, Qwen2 (attention bias, untied head) and Qwen3 (per-head query and key norms, a head dim
+apart from hidden ÷ heads) checkpoints written by transformers itself."""
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ def _write(tmp_path, kind, **extra):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
     model = model_cls(cfg_cls(**COMMON, **extra)).eval()
     with torch.no_grad():  # random norms and biases, so that a skipped one would show
@@ -30,7 +33,10 @@ def _write(tmp_path, kind, **extra):
 
 
 def _ours(path, ids):
-    m = load_model(path)
+    return _forward(load_model(path), ids)
+
+
+def _forward(m, ids):
     a = m.args
     T = ids.shape[1]
     slots = torch.arange(T)
@@ -46,6 +52,8 @@ def _ours(path, ids):
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("mistral", {"sliding_window": None}),
     ("qwen2", {"tie_word_embeddings": False}),
+    ("qwen3", {"tie_word_embeddings": True, "head_dim": 24}),
+    ("qwen3", {"tie_word_embeddings": False, "attention_bias": True}),
 ])
 def test_logits_match_transformers(tmp_path, kind, extra):
     ref, path = _write(tmp_path, kind, **extra)
@@ -56,6 +64,22 @@ def test_logits_match_transformers(tmp_path, kind, extra):
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     if kind == "qwen2":
         assert load_model(path).args.attention_bias
+    if kind == "qwen3":
+        args = load_model(path).args
+        assert args.qk_norm and args.head_dim == extra.get("head_dim", 128)  # Qwen3Config's default, not 64 ÷ 4
+        # the norms are read: with them reset to ones the logits move (the test would see a skipped norm)
+        ours = load_model(path)
+        with torch.no_grad():
+            for layer in ours.model.layers:
+                layer.self_attn.q_norm.weight.fill_(1.0)
+        assert not torch.allclose(_forward(ours, ids), expected, atol=1e-4)
+
+
+def test_an_unsupported_family_is_refused_naming_the_supported_ones(tmp_path):
+    _, path = _write(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' is not supported by the reference engine; "
+                                         r"supported: llama, mistral, qwen2, qwen3"):
+        load_model(path)
 
 
 def test_sliding_window_caps_the_context(tmp_path):

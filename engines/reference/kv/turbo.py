@@ -45,7 +45,11 @@ class TurboKV(KVFormat):
         a = model.args
         D, Hkv = a.head_dim, a.n_kv_heads
         for i, layer in enumerate(model.model.layers):
-            wk = layer.self_attn.k_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)  # [Hkv, D]
+            k_norm = getattr(layer.self_attn, "k_norm", None)
+            if k_norm is not None:  # Qwen3: each head's key is normalised, then scaled by k_norm's weight
+                wk = k_norm.weight.detach().float().pow(2)[None].expand(Hkv, D)
+            else:
+                wk = layer.self_attn.k_proj.weight.detach().float().reshape(Hkv, D, -1).pow(2).sum(-1)  # [Hkv, D]
             pair = wk[:, : D // 2] + wk[:, D // 2 :]  # RoPE rotates channel i with i + D/2
             top = pair.topk(D // 8, dim=-1).indices
             self.outliers[(i, "k")] = torch.cat([top, top + D // 2], dim=-1).sort(-1).values
