@@ -55,7 +55,7 @@ def check_config_fits_model(spec: dict, model_path: str, field: str, project: st
     draft_dir = model_dir(draft, f"{field}.speculative.draft_model", project) if draft else None
     try:
         if spec.get("engine") == "reference":
-            check_reference_family(str(target))
+            check_reference_family(str(target), spec.get("weights"))
         if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
             check_group_divisible(str(target))
         if draft_dir is not None:

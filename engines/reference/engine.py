@@ -34,6 +34,7 @@ from engines.reference.speculative import DraftModelProposer, NgramProposer
 from engines.reference.weights import RTN_BITS, Quantized, awq, calibration_ids, rtn, use_w4a16_kernels
 from engines.sampling import adjust, pick, token_logprob
 from engines.spec import OptimizationSpec
+from engines.zoo import MOE_AWQ
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
 OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
@@ -123,6 +124,8 @@ class ReferenceEngine:
         (defaults 128 × min(512, context)), cut from the texts joined end to end. The search's outcome
         comes from the on-disk cache when this model and these token ids were calibrated before
         (engines/reference/awq.py; awq_from_cache says whether it did)."""
+        if model.args.sparse_layers:
+            raise ValueError(MOE_AWQ)
         n = int(self.spec.option("calibration_samples"))
         t = int(self.spec.option("calibration_tokens") or min(512, model.args.max_seq_len))
         ids = calibration_ids(self.tokenizer, self.start_id, calibration, n, t)

@@ -75,11 +75,11 @@ class EngineFault:
     def corrupt_weights(self, model: Transformer) -> None:
         if not isinstance(self.fault, WeightNoiseFault):
             return
+        from engines.reference.model import layer_linears
         gen = torch.Generator().manual_seed(self.fault.seed)
         with torch.no_grad():
             for layer in cast("Iterable[DecoderLayer]", model.model.layers):
-                for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                for _, lin in layer_linears(layer):
                     w = lin.weight
                     w.add_(self.fault.sigma * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype))
 

@@ -1,7 +1,8 @@
 """A readable Llama-family decoder (Llama, Mistral, Qwen2 and Qwen3 HF layouts) that loads
 safetensors directly. Module names follow the HF checkpoints, so a state dict loads without
 remapping. Qwen3 differs from Llama by an RMSNorm over each head's query and key (q_norm,
-k_norm, one weight per head channel shared by the heads), applied before RoPE.
+k_norm, one weight per head channel shared by the heads), applied before RoPE; Qwen3-MoE adds a
+sparse MLP (SparseMoE: a router picks each token's top-k experts, each a SwiGLU MLP).
 
 Shapes: B batch, T new tokens, S cache slots, H query heads, Hkv key/value heads, D head dim.
 """
@@ -43,6 +44,13 @@ class ModelArgs:
     attention_bias: bool
     rope_scaling: dict = field(default_factory=dict)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key before RoPE
+    # Qwen3-MoE: experts per sparse layer, how many each token takes, each expert's MLP width,
+    # whether the k routing weights are renormalised to sum to 1, and which layers are sparse
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelArgs:
@@ -76,8 +84,22 @@ class ModelArgs:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
             rope_scaling={**rope, "rope_type": kind},
-            qk_norm=mtype == "qwen3",
+            qk_norm=mtype in ("qwen3", "qwen3_moe"),
+            **_moe_args(cfg) if mtype == "qwen3_moe" else {},
         )
+
+
+def _moe_args(cfg: dict) -> dict:
+    """Qwen3-MoE's sparse layers, as transformers places them: layer i is sparse unless listed in
+    mlp_only_layers, when (i + 1) is a multiple of decoder_sparse_step."""
+    # transformers 5 writes num_local_experts, 4 wrote num_experts
+    n_layers, n_experts = cfg["num_hidden_layers"], cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1) or 1
+    return {"n_experts": n_experts, "experts_per_token": cfg.get("num_experts_per_tok", 1),
+            "moe_intermediate_size": cfg.get("moe_intermediate_size", cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "sparse_layers": tuple(i for i in range(n_layers)
+                                   if n_experts > 0 and i not in dense and (i + 1) % step == 0)}
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -209,11 +231,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, width: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        width = width or args.intermediate_size
+        self.gate_proj = nn.Linear(args.dim, width, bias=False)
+        self.up_proj = nn.Linear(args.dim, width, bias=False)
+        self.down_proj = nn.Linear(width, args.dim, bias=False)
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
@@ -233,20 +256,64 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
-class DecoderLayer(nn.Module):
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse MLP (HF Qwen3MoeSparseMoeBlock): the router's softmax over all experts,
+    each token's top-k of it (renormalised to sum to 1 when norm_topk_prob), and the sum of those
+    experts' SwiGLU outputs weighted by it. Each expert runs on the rows routed to it only.
+
+    x [B, T, dim] → [B, T, dim]; the routing reads the host (which experts were picked), so a
+    decode step over it is not captured as a CUDA graph (Decoder falls back to eager)."""
+
     def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.k, self.renormalise = args.experts_per_token, args.norm_topk_prob
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(MLP(args, args.moe_intermediate_size) for _ in range(args.n_experts))
+
+    def fuse(self) -> None:
+        for expert in cast("Iterable[MLP]", self.experts):
+            expert.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, dim = x.shape
+        flat = x.reshape(B * T, dim)
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)  # [N, E]
+        weight, picked = probs.topk(self.k, dim=-1)  # [N, k]
+        if self.renormalise:
+            weight = weight / weight.sum(-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in picked.unique().tolist():
+            rows, slot = (picked == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weight[rows, slot, None])
+        return out.view(B, T, dim)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.mlp: MLP | SparseMoE = SparseMoE(args) if index in args.sparse_layers else MLP(args)
+
+
+def layer_linears(layer: DecoderLayer) -> list[tuple[str, nn.Linear]]:
+    """A decoder layer's projections by checkpoint name, before fuse(): attention's q, k, v and o,
+    then the MLP's gate, up and down, or each expert's. A mixture's router stays out: it is
+    tiny and picks the experts, so weight quantization leaves it in full precision."""
+    attn = layer.self_attn
+    out = [(f"self_attn.{n}_proj", getattr(attn, f"{n}_proj")) for n in ("q", "k", "v", "o")]
+    mlps = ([(f"mlp.experts.{e}.", m) for e, m in enumerate(layer.mlp.experts)] if isinstance(layer.mlp, SparseMoE)
+            else [("mlp.", layer.mlp)])
+    return out + [(f"{prefix}{n}_proj", getattr(m, f"{n}_proj")) for prefix, m in mlps for n in ("gate", "up", "down")]
 
 
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 

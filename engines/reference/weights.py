@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
-from engines.reference.model import DecoderLayer, Transformer
+from engines.reference.model import DecoderLayer, Transformer, layer_linears
 
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
@@ -35,12 +35,7 @@ def rtn(model: Transformer, bits: int) -> Quantized:
     out = Quantized()
     with torch.no_grad():
         for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
-            for name, lin in (("self_attn.q_proj", layer.self_attn.q_proj),
-                              ("self_attn.k_proj", layer.self_attn.k_proj),
-                              ("self_attn.v_proj", layer.self_attn.v_proj),
-                              ("self_attn.o_proj", layer.self_attn.o_proj),
-                              ("mlp.gate_proj", layer.mlp.gate_proj), ("mlp.up_proj", layer.mlp.up_proj),
-                              ("mlp.down_proj", layer.mlp.down_proj)):
+            for name, lin in layer_linears(layer):
                 q, scale, zero = quantize_groupwise(lin.weight, bits)
                 lin.weight.copy_(dequantize_groupwise(q, scale, zero).to(lin.weight.dtype))
                 if bits == 4:
@@ -100,6 +95,8 @@ def use_w4a16_kernels(model: Transformer, packed: dict[str, tuple], device: torc
         attn.qkv_proj = W4A16Linear.from_parts(qkv, attn.qkv_proj.bias, device, batch1)
         attn.o_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.self_attn.o_proj"]], attn.o_proj.bias, device,
                                              batch1)
+        if f"model.layers.{i}.mlp.gate_proj" not in packed:  # a mixture's experts keep their dequantized copies
+            continue
         gu = [packed[f"model.layers.{i}.mlp.{n}_proj"] for n in ("gate", "up")]
         mlp.gate_up_proj = W4A16Linear.from_parts(gu, None, device, batch1)
         mlp.down_proj = W4A16Linear.from_parts([packed[f"model.layers.{i}.mlp.down_proj"]], None, device, batch1)

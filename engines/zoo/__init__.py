@@ -13,19 +13,27 @@ BUILTIN_CORPORA = {"pydoc-heldout": ARTIFACTS / "pydoc-heldout.jsonl"}
 
 
 # the Hugging Face model_type values engines/reference/model.py builds a decoder for
-REFERENCE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+REFERENCE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 class ModelPathError(ValueError):
     pass
 
 
-def check_reference_family(model_ref: str) -> None:
+MOE_AWQ = ("weights: the reference engine's AWQ search scales dense MLPs, and this model is a mixture of "
+           "experts; use rtn-int4 (every expert quantized, the router kept) or engine: vllm with an AWQ checkpoint")
+
+
+def check_reference_family(model_ref: str, weights: str | None = None) -> None:
     """The reference engine builds only the families it implements: any other model_type in
-    config.json is refused before a worker loads it, naming the supported ones (torch-free)."""
+    config.json is refused before a worker loads it, naming the supported ones, and so is AWQ on
+    a mixture of experts (torch-free)."""
     import json
 
-    model_type = json.loads((resolve_model_path(model_ref) / "config.json").read_text()).get("model_type")
+    cfg = json.loads((resolve_model_path(model_ref) / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    if weights == "awq-int4" and (cfg.get("num_local_experts") or cfg.get("num_experts")):
+        raise ModelPathError(MOE_AWQ)
     if model_type not in REFERENCE_FAMILIES:
         raise ModelPathError(f"engine: the reference engine has no decoder for model_type '{model_type}' "
                              f"(config.json); it runs {', '.join(REFERENCE_FAMILIES)}. Use engine: vllm or "

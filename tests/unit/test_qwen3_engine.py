@@ -1,8 +1,9 @@
-"""A Qwen3 checkpoint (per-head query and key norms) through the reference engine as a config
-runs it: greedy tokens and perplexity against transformers' own Qwen3 in fp32, every KV format,
-and speculative decoding (n-gram and a draft model) lossless against plain greedy decoding.
+"""Qwen3 (per-head query and key norms) and Qwen3-MoE (a router over experts) checkpoints through
+the reference engine as a config runs them: greedy tokens and perplexity against transformers'
+own model in fp32, every KV format, and speculative decoding (n-gram and a draft model) lossless
+against plain greedy decoding.
 
-The checkpoint is tiny and random, written by transformers itself (no hub), with the zoo's
+The checkpoints are tiny and random, written by transformers itself (no hub), with the zoo's
 tokenizer (4096 tokens) so that prompts and documents are real text."""
 
 import math
@@ -22,22 +23,26 @@ DOCUMENT = ("collections.OrderedDict\n\nDictionary that remembers insertion orde
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """(path, transformers' model) of a 2-layer Qwen3 with random norms, so a skipped one would show."""
+def _checkpoint(path, family):
+    """(path, transformers' model): 2 layers, random norms (a skipped one would show) and router."""
     import transformers
 
-    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
-                                   tie_word_embeddings=True)
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    common = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True))
+    model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
             elif "embed" in name:
                 p.mul_(8.0)  # confident next-token choices: a greedy path not decided by float rounding
     model.save_pretrained(path)
@@ -45,6 +50,11 @@ def qwen3(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(zoo / name, path / name)
     return path, model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def qwen3(request, tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}", request.param)
 
 
 def _engine(path, **spec):
@@ -63,6 +73,7 @@ def plain(qwen3):
 def test_greedy_tokens_and_perplexity_equal_transformers_qwen3(qwen3, plain):
     _, ref = qwen3
     assert plain.model.args.qk_norm
+    assert bool(plain.model.args.sparse_layers) == (plain.model.args.model_type == "qwen3_moe")
     for prompt, got in zip(PROMPTS, _greedy(plain), strict=True):
         ids = [plain.start_id] + plain.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
@@ -121,7 +132,7 @@ def _config(model_path, configs):
 
 
 @pytest.mark.integration
-def test_canary_run_takes_a_qwen3_checkpoint_and_refuses_a_family_it_has_no_decoder_for(qwen3, tmp_path):
+def test_canary_run_takes_qwen3_moe_and_refuses_a_family_it_has_no_decoder_for(tmp_path):
     import json
 
     import transformers
@@ -129,9 +140,9 @@ def test_canary_run_takes_a_qwen3_checkpoint_and_refuses_a_family_it_has_no_deco
 
     from tests.unit.test_cli import canary
 
-    path, _ = qwen3
+    path, _ = _checkpoint(tmp_path / "tiny-qwen3-moe", "qwen3_moe")
     configs = [{"name": "fp32", "baseline": True, "engine": "reference", "weights": "fp32"},
-               {"name": "kv-int8-ngram", "engine": "reference", "weights": "fp32", "kv_cache": "int8",
+               {"name": "int4-kv-int8-ngram", "engine": "reference", "weights": "rtn-int4", "kv_cache": "int8",
                 "speculative": {"method": "ngram", "k": 4}}]
     (tmp_path / "canary.yaml").write_text(yaml.safe_dump(_config(path, configs)))
     db = f"sqlite:///{tmp_path / 'c.db'}"
@@ -139,19 +150,25 @@ def test_canary_run_takes_a_qwen3_checkpoint_and_refuses_a_family_it_has_no_deco
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert [c["status"] for c in out["configs"]] == ["succeeded", "succeeded"], out["configs"]
-    assert {c["metric"] for c in out["comparisons"] if c["config"] == "kv-int8-ngram"} >= {"ppl_ratio", "gen_nll_ratio"}
+    assert {c["metric"] for c in out["comparisons"] if c["config"] == "int4-kv-int8-ngram"} >= {"ppl_ratio",
+                                                                                               "gen_nll_ratio"}
+    # every expert quantized, the router not: 2 layers × (attention 4 × 128² + 4 experts × 3 × 128²) weights
+    assert out["figures"]["int4-kv-int8-ngram"]["weight_bytes"] < out["figures"]["fp32"]["weight_bytes"]
 
-    # a mixture-of-experts Qwen3 has no decoder in the reference engine: refused before anything runs
-    moe = tmp_path / "tiny-qwen3-moe"
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    )).save_pretrained(moe)
-    (tmp_path / "moe.yaml").write_text(yaml.safe_dump(_config(moe, configs[:1])))
-    r = canary("run", "-f", "moe.yaml", cwd=tmp_path, env_db=db)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.strip().count("\n") == 0, r.stderr
-    assert ("configs[0].engine: the reference engine has no decoder for model_type 'qwen3_moe' (config.json); "
-            "it runs llama, mistral, qwen2, qwen3") in r.stderr
+    def refused(name, model_dir, config):
+        (tmp_path / name).write_text(yaml.safe_dump(_config(model_dir, [config])))
+        r = canary("run", "-f", name, cwd=tmp_path, env_db=db)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, (r.stdout, r.stderr)
+        return r.stderr
+
+    # a family with no decoder in the reference engine, and AWQ on experts: refused before anything runs
+    gemma = tmp_path / "tiny-gemma"
+    transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)).save_pretrained(gemma)
+    assert ("configs[0].engine: the reference engine has no decoder for model_type 'gemma' (config.json); "
+            "it runs llama, mistral, qwen2, qwen3, qwen3_moe") in refused("gemma.yaml", gemma, configs[0])
+    assert "configs[0].weights: the reference engine's AWQ search scales dense MLPs" in refused(
+        "awq.yaml", path, {**configs[0], "weights": "awq-int4"})
     runs = canary("runs", "list", "--project", "q3", "--json", cwd=tmp_path, env_db=db)
     assert runs.returncode == 0 and len(json.loads(runs.stdout)) == 1  # the first run only: nothing stored

@@ -1,6 +1,7 @@
 """The decoder against transformers on small random Llama (with llama3 / linear RoPE scaling),
 Mistral, Qwen2 (attention bias, untied head) and Qwen3 (per-head query and key norms, a head dim
-apart from hidden ÷ heads) checkpoints written by transformers itself."""
+apart from hidden ÷ heads) and Qwen3-MoE (a router over experts, dense and sparse layers mixed)
+checkpoints written by transformers itself."""
 
 import pytest
 import torch
@@ -22,12 +23,15 @@ def _write(tmp_path, kind, **extra):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
     }[kind]
-    model = model_cls(cfg_cls(**COMMON, **extra)).eval()
+    model = model_cls(cfg_cls(**{**COMMON, **extra})).eval()
     with torch.no_grad():  # random norms and biases, so that a skipped one would show
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # a router that prefers some experts per token
+                p.normal_(0, 1.0)
     model.save_pretrained(tmp_path / kind)
     return model, tmp_path / kind
 
@@ -54,6 +58,10 @@ def _forward(m, ids):
     ("qwen2", {"tie_word_embeddings": False}),
     ("qwen3", {"tie_word_embeddings": True, "head_dim": 24}),
     ("qwen3", {"tie_word_embeddings": False, "attention_bias": True}),
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
+                   "norm_topk_prob": True}),
+    ("qwen3_moe", {"num_experts": 5, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "head_dim": 16,
+                   "norm_topk_prob": False, "num_hidden_layers": 3, "mlp_only_layers": [0]}),
 ])
 def test_logits_match_transformers(tmp_path, kind, extra):
     ref, path = _write(tmp_path, kind, **extra)
@@ -64,6 +72,10 @@ def test_logits_match_transformers(tmp_path, kind, extra):
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     if kind == "qwen2":
         assert load_model(path).args.attention_bias
+    if kind == "qwen3_moe":
+        args = load_model(path).args
+        assert args.sparse_layers == tuple(i for i in range(extra.get("num_hidden_layers", 2))
+                                           if i not in extra.get("mlp_only_layers", []))
     if kind == "qwen3":
         args = load_model(path).args
         assert args.qk_norm and args.head_dim == extra.get("head_dim", 128)  # Qwen3Config's default, not 64 ÷ 4
@@ -76,9 +88,9 @@ def test_logits_match_transformers(tmp_path, kind, extra):
 
 
 def test_an_unsupported_family_is_refused_naming_the_supported_ones(tmp_path):
-    _, path = _write(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' is not supported by the reference engine; "
-                                         r"supported: llama, mistral, qwen2, qwen3"):
+    _, path = _write(tmp_path, "gemma", head_dim=16)
+    with pytest.raises(ValueError, match=r"model_type 'gemma' is not supported by the reference engine; "
+                                         r"supported: llama, mistral, qwen2, qwen3, qwen3_moe"):
         load_model(path)
 
 
