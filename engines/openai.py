@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import cast
+from typing import cast, overload
 
 import httpx
 
@@ -135,6 +135,46 @@ class OpenAIEngine:
                                          len(req.text.encode("utf-8")), count_words(req.text)))
         return out
 
+    def next_token_topk(self, requests: Sequence[RollingRequest], k: int) -> list[tuple[RollingResult, list, list]]:
+        """The rolling pass with each scored token's k most likely next tokens, as the server
+        returns them (echo with `logprobs: k` and vLLM's `return_tokens_as_token_ids`): per
+        document, its result and (ids [T][k], log-probs [T][k]), most likely first, row i the
+        distribution token i was drawn from (evals/distribution.py doc_distribution_topk)."""
+        out = []
+        with self._client() as client:
+            for req in requests:
+                seq = self._prompt_ids(client, req.text)
+                ids = seq[1:]
+                if not ids or self._text_prompts:
+                    raise EndpointError(f"{self.shown}: next-token distributions need token-id prompts and "
+                                        f"/tokenize (vLLM, engine-serve); drop perplexity.distribution_samples for "
+                                        f"this config")
+                logprobs: list[float] = []
+                top_ids: list[list[int]] = []
+                top_lps: list[list[float]] = []
+                for begin, end, n in strided_windows(len(ids), req.window):
+                    token_lps, top = self._echo(client, seq[begin : end + 1], req.doc_id, k)
+                    logprobs += cast("list[float]", token_lps[len(token_lps) - n :])
+                    for row in top[len(top) - n :]:
+                        ranked = sorted(((self._token_id(key), lp) for key, lp in (row or {}).items()),
+                                        key=lambda pair: -pair[1])[:k]  # vLLM adds the prompt's own token
+                        if len(ranked) < k:
+                            raise EndpointError(f"{self.shown}/completions returned {len(ranked)} of {k} top "
+                                                f"log-probs for document '{req.doc_id}'; the server caps them "
+                                                f"(vLLM: --max-logprobs)")
+                        top_ids.append([i for i, _ in ranked])
+                        top_lps.append([lp for _, lp in ranked])
+                out.append((RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")),
+                                          count_words(req.text)), top_ids, top_lps))
+        return out
+
+    def _token_id(self, key: str) -> int:
+        if not key.startswith("token_id:"):
+            raise EndpointError(f"{self.shown}/completions named top log-prob tokens by text ({key!r}), not "
+                                f"'token_id:<id>'; next-token distributions need a server that honours "
+                                f"return_tokens_as_token_ids (vLLM, engine-serve)")
+        return int(key.removeprefix("token_id:"))
+
     def _prompt_ids(self, client: httpx.Client, text: str) -> list[int]:
         """A prompt's token ids as the in-process engines make them: the start token, then the text's
         tokens. The server's tokenizer makes them; where it adds no start token of its own (vLLM
@@ -192,11 +232,20 @@ class OpenAIEngine:
                                 f"{error_message(response)}")
         return list(response.json()["tokens"])
 
-    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+    @overload
+    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]: ...
+
+    @overload
+    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str,
+              top_k: int) -> tuple[list[float | None], list[dict | None]]: ...
+
+    def _echo(self, client, prompt_ids, doc_id, top_k=None):
+        """The prompt's log-probs [None, lp(token 1), …]; with top_k, also each position's top_k
+        alternatives keyed "token_id:<id>" (top_logprobs, None first)."""
         if self._text_prompts:
             return self._echo_text(client, prompt_ids, doc_id)
-        body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 0,
-                "temperature": 0}
+        body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": top_k or 1, "max_tokens": 0,
+                "temperature": 0, **({"return_tokens_as_token_ids": True} if top_k else {})}
         response = client.post(f"{self.base_url}/completions", json=body)
         if response.status_code == 400 and "max_tokens" in response.text:  # servers that need at least one new token
             response = client.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
@@ -210,6 +259,12 @@ class OpenAIEngine:
         if not token_lps or len(token_lps) < len(prompt_ids):
             raise EndpointError(f"{self.shown}/completions returned no prompt log-probs for document '{doc_id}'; "
                                 f"perplexity needs echo=true support")
+        if top_k:
+            top = lps.get("top_logprobs") or []
+            if len(top) < len(prompt_ids):
+                raise EndpointError(f"{self.shown}/completions returned no prompt top_logprobs for document "
+                                    f"'{doc_id}'; next-token distributions need them with echo=true (vLLM does)")
+            return token_lps[: len(prompt_ids)], top[: len(prompt_ids)]
         return token_lps[: len(prompt_ids)]
 
     def _echo_text(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:

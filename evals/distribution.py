@@ -141,6 +141,35 @@ def doc_distribution(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int
                            tuple(s.ln_ratio.tolist()), tuple(lower.tolist()), tuple(upper.tolist()), k)
 
 
+def topk_rows(log_probs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """A whole distribution [T, V] cut to what a server returns: its k most likely tokens per row,
+    (ids [T, k], log-probs [T, k]), most likely first."""
+    x = normalised(log_probs)
+    ids = np.argsort(-x, -1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(x, ids, -1)
+
+
+def doc_distribution_topk(p_top: tuple[np.ndarray, np.ndarray], q_top: tuple[np.ndarray, np.ndarray],
+                          p_target: Sequence[float], q_target: Sequence[float]) -> DocDistribution:
+    """One document's figures where a side gives only its top-k per position (an OpenAI-compatible
+    server: echo with `logprobs: k`): p_top, q_top (ids [T, k], log-probs [T, k], most likely
+    first) and each side's log-prob of the document's own next token [T].
+
+    Δp, ln_ratio and "same top" are exact (each side's top-1 and its target's log-prob are
+    known); KL has only the coarse-grained lower bound (kl_lower_bound_from_both_topk), stored as
+    kld with exact False and no upper bound."""
+    p_ids, p_lp = (np.asarray(a) for a in p_top)
+    q_ids, q_lp = (np.asarray(a) for a in q_top)
+    lp, lq = np.asarray(p_target, np.float64), np.asarray(q_target, np.float64)
+    if not (len(p_ids) == len(q_ids) == len(lp) == len(lq)):
+        raise ValueError(f"top-k rows {len(p_ids)} and {len(q_ids)} for {len(lp)} and {len(lq)} targets")
+    lower = np.maximum(kl_lower_bound_from_both_topk(p_ids, p_lp, q_ids, q_lp), 0.0)
+    same = p_ids[:, 0] == q_ids[:, 0]
+    return DocDistribution(tuple(lower.tolist()), tuple((np.exp(lq) - np.exp(lp)).tolist()),
+                           tuple(int(x) for x in same), tuple((lp - lq).tolist()), tuple(lower.tolist()),
+                           (math.inf,) * len(lower), int(p_ids.shape[1]), exact=False)
+
+
 def stats_of(d: DocDistribution) -> TokenStats:
     return TokenStats(np.asarray(d.kld), np.asarray(d.dp), np.asarray(d.same, bool), np.asarray(d.ln_ratio))
 
@@ -187,8 +216,10 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
     """kld_mean: Σ KLD ÷ Σ tokens over the documents (key, distribution) a candidate compared,
     with a bootstrap CI over their source documents (clusters; n and min_n count those);
     reported, no threshold (near the baseline KL stops ranking configs). details: `summarize`'s
-    figures, and a self-check of the top-k bounds: the share of tokens they bracket (1.0 by
-    construction: both come from the same rows) and their mean width."""
+    figures, and a self-check of the top-k bounds over the documents with whole distributions:
+    the share of tokens they bracket (1.0 by construction: both come from the same rows) and
+    their mean width. Where a side gave only its top-k (a server), its documents' KLD is the
+    lower bound and details["kld_bound"] says "lower"."""
     from evals.compare import reported
     from evals.stats import paired_bootstrap_ci
 
@@ -197,18 +228,23 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
     toks = np.array([len(d.kld) for _, d in docs], dtype=np.float64)
     estimate = float(sums.sum() / toks.sum())
     lo, hi = paired_bootstrap_ci(lambda w: (w @ sums) / (w @ toks), len(docs), clusters=groups, seed=seed)
-    kld = np.concatenate([d.kld for _, d in docs])
-    lower = np.concatenate([d.kl_lower for _, d in docs])
-    upper = np.concatenate([d.kl_upper for _, d in docs])
-    slack = 1e-5 + 1e-4 * np.abs(kld)  # the stored figures' 6 significant digits
-    finite = np.isfinite(upper)  # an infinite upper bound (an underflowed k-th log-prob) is counted apart
-    bounds = {"k": docs[0][1].k, "bracketed": float(((lower <= kld + slack) & (kld <= upper + slack)).mean()),
-              "lower_mean": float(lower.mean()),
-              "upper_mean": float(upper[finite].mean()) if finite.any() else None,
-              "width_mean": float((upper - lower)[finite].mean()) if finite.any() else None,
-              "unbounded_tokens": int((~finite).sum())}
-    return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n, gated=False,
-                    details={**summarize([stats_of(d) for _, d in docs]), "topk_bounds": bounds})
+    details = summarize([stats_of(d) for _, d in docs])
+    exact = [d for _, d in docs if d.exact]
+    if len(exact) < len(docs):  # a side gave only its top-k: the figure is a lower bound on KL
+        details["kld_bound"] = "lower"
+    if exact:
+        kld = np.concatenate([d.kld for d in exact])
+        lower = np.concatenate([d.kl_lower for d in exact])
+        upper = np.concatenate([d.kl_upper for d in exact])
+        slack = 1e-5 + 1e-4 * np.abs(kld)  # the stored figures' 6 significant digits
+        finite = np.isfinite(upper)  # an infinite upper bound (an underflowed k-th log-prob) is counted apart
+        details["topk_bounds"] = {
+            "k": exact[0].k, "bracketed": float(((lower <= kld + slack) & (kld <= upper + slack)).mean()),
+            "lower_mean": float(lower.mean()),
+            "upper_mean": float(upper[finite].mean()) if finite.any() else None,
+            "width_mean": float((upper - lower)[finite].mean()) if finite.any() else None,
+            "unbounded_tokens": int((~finite).sum())}
+    return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n, gated=False, details=details)
 
 
 def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,

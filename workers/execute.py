@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
-from evals.distribution import doc_distribution
+from evals.distribution import TOP_K, doc_distribution, doc_distribution_topk, topk_rows
 from evals.figures import RunFigures
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.positions import position_nll
@@ -46,12 +48,34 @@ DOC_BATCH = 8  # documents per engine call; progress and a commit after each (th
 
 def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
     """Per document, the candidate's next-token distributions against the baseline's
-    (evals/distribution.py); None for a document the two tokenize differently."""
+    (evals/distribution.py): whole ones where both engines give them (in-process), else each
+    side's top-k (a server gives at most 20), which bounds KL from below; None for a document the
+    two tokenize differently."""
     out: list[DocDistribution | None] = []
+    whole = all(hasattr(e, "next_token_logprobs") for e in (engine, baseline))
     for request in requests if baseline is not None else []:  # one document at a time: two [T, V] arrays live
-        [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
-        out.append(doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None)
+        if whole:
+            [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
+            out.append(doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None)
+            continue
+        (r, q_top), (b, p_top) = _top_k(engine, request), _top_k(baseline, request)
+        out.append(doc_distribution_topk(p_top, q_top, b.logprobs, r.logprobs) if r.token_ids == b.token_ids
+                   else None)
     return out
+
+
+def _top_k(engine, request: RollingRequest):
+    """(the rolling result, (ids [T, k], log-probs [T, k])): an in-process engine's whole
+    distributions cut to their top-k, or what a server returns."""
+    if hasattr(engine, "next_token_logprobs"):
+        [(result, rows)] = engine.next_token_logprobs([request])
+        return result, topk_rows(rows, TOP_K)
+    [(result, ids, logprobs)] = engine.next_token_topk([request], TOP_K)
+    return result, (np.asarray(ids), np.asarray(logprobs, np.float64))
+
+
+def _gives_distributions(engine) -> bool:
+    return hasattr(engine, "next_token_logprobs") or hasattr(engine, "next_token_topk")
 
 
 def answer_choices(engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
@@ -243,10 +267,10 @@ class ExecuteConfigRun(BaseTask):
         """(how many documents, the baseline's engine) for a candidate whose next-token
         distributions are compared with the baseline's; (0, None) where none are."""
         n = work.job.suite.perplexity.distribution_samples
-        if not n or work.job.is_baseline or not hasattr(work.engine, "next_token_logprobs"):
+        if not n or work.job.is_baseline or not _gives_distributions(work.engine):
             return 0, None
         baseline = baseline_scorer(work.engine, work.job).engine
-        return (n, baseline) if hasattr(baseline, "next_token_logprobs") else (0, None)
+        return (n, baseline) if _gives_distributions(baseline) else (0, None)
 
     def _generate(self, work: _Pass, n_prompts: int, stats: RunStats, settings) -> tuple[BaselineScorer | None, int]:
         """The prompts' generations, a batch (`step` requests in flight) at a time, each output read

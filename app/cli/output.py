@@ -113,8 +113,9 @@ def _print_summary(summary: RunOut, wide: bool = False) -> None:
     klds = [c for c in summary.comparisons if c.metric == "kld_mean" and c.estimate is not None]
     if klds:  # llama-perplexity --kl-divergence's headline figures (evals/distribution.py)
         out.print(f"next-token distributions against the baseline ({max(c.n for c in klds)} documents; mean KLD, "
-                  "same top p): " + ", ".join(f"{c.config} {c.estimate:.2g} {c.details['same_top'] * 100:.1f}%"
-                                              for c in klds), highlight=False, soft_wrap=True)
+                  "same top p; ≥ where a server gave only its top-20): "
+                  + ", ".join(f"{c.config} {'≥' if c.details.get('kld_bound') == 'lower' else ''}{c.estimate:.2g} "
+                              f"{c.details['same_top'] * 100:.1f}%" for c in klds), highlight=False, soft_wrap=True)
     decoded = [c for c in summary.comparisons if c.metric == "decode_nll_ratio" and c.estimate is not None]
     if decoded:  # the KV configs' prefill-vs-decode gap (evals/compare_rows.decode_nll_ratio)
         out.print(f"decode ÷ prefill ppl ratio ({max(c.n for c in decoded)} documents also scored a token per decode "

@@ -97,20 +97,23 @@ def decode_rows(run: dict) -> list[dict]:
 def distribution_rows(run: dict) -> list[dict]:
     """Each candidate's next-token distributions against the baseline's, as llama-perplexity
     --kl-divergence prints them (kld_mean's details): mean KLD with its CI, its 99th percentile,
-    Δp's RMS, same top p, and whether the top-20 bounds held."""
+    Δp's RMS, same top p, and whether the top-20 bounds held. Where a server gave only its top-20
+    (kld_bound "lower"), the mean KLD is a lower bound and shows as "≥"."""
     rows = []
     for c in run["comparisons"]:
         d = c.get("details") or {}
         if c["metric"] != "kld_mean" or c.get("estimate") is None or "same_top" not in d:
             continue
         bounds = d.get("topk_bounds") or {}
+        at_least = "≥ " if d.get("kld_bound") == "lower" else ""  # a server's top-20 on both sides
         rows.append({"config": c["config"], "tokens": d["tokens"],
-                     "mean KLD [95% CI]": f"{c['estimate']:.5f} [{c['ci_low']:.5f}, {c['ci_high']:.5f}]",
+                     "mean KLD [95% CI]": f"{at_least}{c['estimate']:.5f} [{c['ci_low']:.5f}, {c['ci_high']:.5f}]",
                      "KLD p99": f"{d['kld_percentiles']['p99']:.4f}", "Δp RMS": f"{d['dp_rms'] * 100:.2f}%",
                      "same top p": f"{d['same_top'] * 100:.1f}%",
                      "top-20 bounds (self-check)": (f"{bounds['bracketed'] * 100:.0f}% bracketed, width "
                                                     f"{bounds['width_mean']:.3g}" if bounds and bounds.get("width_mean")
-                                                    is not None else "—")})
+                                                    is not None else "lower bound: both sides' top-20" if at_least
+                                                    else "—")})
     return rows
 
 

@@ -104,3 +104,38 @@ def test_config_without_base_url_is_refused_at_the_door():
 
     with pytest.raises(ConfigNotAvailable, match=r"engine_options.base_url"):
         OptimizationSpec(engine="openai", engine_options={"base_url": "file:///etc/passwd"}).check_available()
+
+
+def test_top_20_next_token_log_probs_over_http_equal_the_in_process_engines_top_20(engine_serve):
+    # echo with logprobs 20 and return_tokens_as_token_ids (vLLM's field): the same ids, ranks and
+    # log-probs as the in-process engine's whole distributions cut to their top 20, window by window
+    import numpy as np
+    from evals.distribution import TOP_K, doc_distribution_topk, topk_rows
+
+    remote = OpenAIEngine("pydoc-target", openai_spec(engine_serve)).next_token_topk(DOCS, TOP_K)
+    local = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32")).next_token_logprobs(DOCS)
+    for (r, ids, lps), (l, rows) in zip(remote, local, strict=True):
+        want_ids, want_lps = topk_rows(rows, TOP_K)
+        assert r.token_ids == l.token_ids and np.asarray(ids).shape == (len(l.token_ids), TOP_K)
+        assert np.abs(np.asarray(lps) - want_lps).max() < 1e-4
+        # ranks agree wherever a rank is clearly apart from its neighbours (no tie within float rounding)
+        gap = np.diff(want_lps, axis=-1) < -2e-4
+        certain = np.pad(gap, ((0, 0), (1, 0)), constant_values=True) & np.pad(gap, ((0, 0), (0, 1)), constant_values=True)
+        assert (np.asarray(ids) == want_ids)[certain].all()
+        same = doc_distribution_topk((ids, lps), (ids, lps), r.logprobs, r.logprobs)
+        assert max(same.kld) < 1e-9 and all(same.same) and not same.exact  # a server against itself: KL ≥ 0
+
+
+def test_a_server_that_names_top_tokens_by_text_is_refused_for_distributions(engine_serve):
+    # engine-serve without the field names tokens by text, as OpenAI does: ambiguous, so refused by name
+    body = {"model": "pydoc-target", "prompt": [0, 5, 9], "echo": True, "logprobs": 2, "max_tokens": 0}
+    by_text = httpx.post(engine_serve + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    by_id = httpx.post(engine_serve + "/v1/completions", json={**body, "return_tokens_as_token_ids": True}
+                       ).json()["choices"][0]["logprobs"]
+    assert by_id["tokens"] == ["token_id:0", "token_id:5", "token_id:9"]
+    assert all(key.startswith("token_id:") for row in by_id["top_logprobs"][1:] for key in row)
+    assert by_id["token_logprobs"] == by_text["token_logprobs"]
+    assert not any(key.startswith("token_id:") for row in by_text["top_logprobs"][1:] for key in row)
+    engine = OpenAIEngine("pydoc-target", openai_spec(engine_serve))
+    with pytest.raises(EndpointError, match=r"named top log-prob tokens by text .* return_tokens_as_token_ids"):
+        engine._token_id(next(iter(by_text["top_logprobs"][1])))

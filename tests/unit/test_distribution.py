@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from evals.distribution import (
+    doc_distribution_topk,
     kl_bounds_from_baseline_topk,
     kl_lower_bound_from_both_topk,
     summarize,
@@ -83,6 +84,29 @@ def test_summary_of_two_tokens_by_hand():
     assert got["ln_ppl_ratio"] == pytest.approx(0.1) and math.isfinite(got["ln_ppl_ratio_err"])
 
 
+def test_a_server_s_top_k_on_both_sides_by_hand():
+    """What a server gives (each side's top-2, and each side's log-prob of the right token 1):
+    tokens 0 and 1 in both lists, the rest (0.2 against 0.2) one cell, so the lower bound is the
+    exact 0.056698 here; Δp 0.15, ln ratio −0.405465 and "same top" (0 against 1: no) are exact;
+    no upper bound. kld_mean over such documents says its figure is a lower bound."""
+    from evals.distribution import kld_comparison
+    from evals.records import DocDistribution
+
+    d = doc_distribution_topk(([[0, 1]], np.log([[0.5, 0.3]])), ([[1, 0]], np.log([[0.45, 0.35]])),
+                              [math.log(0.3)], [math.log(0.45)])
+    assert d.kld[0] == pytest.approx(0.056698, abs=1e-6) == d.kl_lower[0] and d.kl_upper == (math.inf,)
+    assert d.dp[0] == pytest.approx(0.15) and d.ln_ratio[0] == pytest.approx(-0.405465, abs=1e-6)
+    assert d.same == (0,) and d.k == 2 and not d.exact
+    back = DocDistribution.from_json(d.to_json())  # through the database's JSON: 6 significant digits
+    assert not back.exact and back.kl_upper == (math.inf,) and back.kld == pytest.approx(d.kld, rel=1e-5)
+    c = kld_comparison([("a", d)] * 2, min_n=1)
+    assert c.estimate == pytest.approx(0.056698, abs=1e-6) and c.details["kld_bound"] == "lower"
+    assert "topk_bounds" not in c.details  # no whole distribution to check the bounds against
+    with pytest.raises(ValueError, match="top-k rows 1 and 1 for 2 and 1 targets"):
+        doc_distribution_topk(([[0, 1]], np.log([[0.5, 0.3]])), ([[1, 0]], np.log([[0.45, 0.35]])),
+                              [0.0, 0.0], [0.0])
+
+
 def test_kld_mean_over_documents_and_the_stored_record():
     """Two documents: KLD 0.1, 0.3 and 0.2 → Σ 0.6 over 3 tokens = 0.2 (token-weighted, not the mean
     of the documents' means, 0.2 too here; 0.1 and 0.5 below would differ). The bounds hold on
@@ -140,6 +164,49 @@ def test_the_tiny_model_s_distributions_and_their_bounds():
         d = doc_distribution(p, q, r.token_ids)
         kld, lower, upper = map(np.asarray, (d.kld, d.kl_lower, d.kl_upper))
         assert kld.mean() > 1e-4 and (lower <= kld + 1e-9).all() and (kld <= upper + 1e-9).all()
+
+
+@pytest.mark.integration
+def test_on_the_demo_s_configs_every_bound_brackets_the_whole_vocabulary_kl():
+    """Each lossy config of the demo (its outlier model) against its fp32 baseline on two
+    documents: the baseline's top-20 bounds and the lower bound from both sides' top-20 (what a
+    server gives) hold on every token, against KL over the whole 4096-token vocabulary."""
+    from app.cli import DEMO_CONFIG
+    from engines.protocol import RollingRequest, WindowSpec
+    from engines.reference.engine import ReferenceEngine
+    from engines.spec import OptimizationSpec
+    from engines.zoo import BUILTIN_CORPORA, resolve_model_path
+    from evals.distribution import TOP_K, doc_distribution, topk_rows
+    from evals.labelled import json_lines
+
+    target = str(resolve_model_path(DEMO_CONFIG["model"]["path"]))
+    with open(BUILTIN_CORPORA["pydoc-heldout"], encoding="utf-8") as f:
+        texts = [d["text"] for _, (_, d) in zip(range(2), json_lines(f, "corpus"), strict=False)]
+    docs = [RollingRequest(f"d{i}", t, WindowSpec(128, 128)) for i, t in enumerate(texts)]
+
+    def rows(**spec):
+        return ReferenceEngine(target, OptimizationSpec(engine="reference", **{"weights": "fp32", **spec},
+                                                        engine_options={"device": "cpu"})).next_token_logprobs(docs)
+
+    base = rows()
+    widths = []
+    for config in DEMO_CONFIG["configs"]:
+        spec = {k: config[k] for k in ("weights", "kv_cache") if k in config}
+        if not spec or config.get("weights") == "awq-int4":  # lossless here; AWQ's search is tests/unit/test_awq.py's
+            continue
+        for (r, p), (c, q) in zip(base, rows(**spec), strict=True):
+            assert c.token_ids == r.token_ids
+            d = doc_distribution(p, q, r.token_ids)
+            kld, lower, upper = map(np.asarray, (d.kld, d.kl_lower, d.kl_upper))
+            assert (lower <= kld + 1e-9).all() and (kld <= upper + 1e-9).all(), config["name"]
+            both = doc_distribution_topk(topk_rows(p, TOP_K), topk_rows(q, TOP_K), r.logprobs, c.logprobs)
+            assert (np.asarray(both.kld) <= kld + 1e-9).all(), config["name"]
+            assert both.dp == pytest.approx(d.dp, abs=1e-6) and both.same == d.same
+            widths.append((config["name"], float(kld.mean()), float(lower.mean()), float(upper.mean()),
+                           float(np.mean(both.kld))))
+    for name, kld, lower, upper, both in widths:  # shown with -s: the figures the note quotes
+        print(f"{name:<11} KL {kld:.5f}  baseline top-20 [{lower:.5f}, {upper:.5f}]  both top-20 ≥ {both:.5f}")
+    assert len(widths) >= 10
 
 
 def test_float32_rows_and_underflow_keep_every_figure_finite_and_every_bound_a_bound():

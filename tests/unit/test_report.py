@@ -90,6 +90,12 @@ def test_next_token_distributions_in_the_report():
     assert ("<td>int8</td><td>310</td><td>0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td>"
             "<td>98.7% [98.0, 99.2]</td><td>100% bracketed, width 0.00021</td>") in html
     assert "distribution_samples is 0" in _distributions(summary())
+    # a served candidate (both sides' top 20 only): a lower bound, said so
+    served = s.comparisons[-1].model_copy(update={"details": {**s.comparisons[-1].details, "kld_bound": "lower",
+                                                              "topk_bounds": None}})
+    s.comparisons[-1] = served
+    assert ("<td>≥ 0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td><td>98.7% [98.0, 99.2]</td>"
+            "<td>lower bound: both sides' top-20</td>") in _distributions(s)
 
 
 def test_task_accuracy_in_the_report():

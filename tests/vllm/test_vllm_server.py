@@ -104,6 +104,29 @@ def test_vllm_scores_every_token_as_the_reference_engine_does(vllm):
     assert by_hand[0].logprobs == remote[0].logprobs
 
 
+def test_vllm_s_top_20_prompt_log_probs_are_the_reference_engines_top_20(vllm):
+    """Echo with `logprobs: 20` and `return_tokens_as_token_ids`, as vLLM answers them: each scored
+    position's 20 most likely token ids and log-probs equal the reference engine's whole
+    distribution cut to its top 20 (the ids where no two alternatives tie within the tolerance),
+    so KL against a vLLM candidate has the lower bound from both top-20 lists."""
+    import numpy as np
+    from evals.distribution import TOP_K, topk_rows
+
+    remote = OpenAIEngine("builtin:pydoc-target", spec(vllm)).next_token_topk(DOCS, TOP_K)
+    local = reference().next_token_logprobs(DOCS)
+    for (r, ids, lps), (loc, rows) in zip(remote, local, strict=True):
+        want_ids, want_lps = topk_rows(rows, TOP_K)
+        assert r.token_ids == loc.token_ids and np.asarray(ids).shape == (len(loc.token_ids), TOP_K)
+        worst = float(np.abs(np.asarray(lps) - want_lps).max())
+        print(f"\n{r.doc_id}: top-{TOP_K} log-probs, largest |difference| vLLM vs reference {worst:.2e}")
+        assert worst < TOLERANCE
+        gap = np.diff(want_lps, axis=-1) < -2 * TOLERANCE  # rank k clearly above rank k + 1
+        # a rank is certain where it is clearly apart from both neighbours (the last: from the one above)
+        certain = np.pad(gap, ((0, 0), (1, 0)), constant_values=True) & np.pad(gap, ((0, 0), (0, 1)),
+                                                                               constant_values=True)
+        assert (np.asarray(ids) == want_ids)[certain].all()
+
+
 def test_vllm_generates_the_reference_engines_greedy_text_with_timings(vllm):
     prompts = [GenerationRequest(f"g{i}", p, 12) for i, p in enumerate(["import os\n\nos.path.", "json.dumps(obj)\n\n"])]
     engine = OpenAIEngine("builtin:pydoc-target", spec(vllm, concurrency=2))

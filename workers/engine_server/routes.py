@@ -232,13 +232,16 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
             return error(500, scores, "InternalServerError")
         token_ids = ids + [scores.next_token] if append else ids
         token_lps = [None, *scores.logprobs] + ([scores.next_logprob] if append else [])
-        tokens = server.token_strings(token_ids)
-        offsets = text_offsets(tokens)
+        texts = server.token_strings(token_ids)
+        offsets = text_offsets(texts)
+        name = (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else (
+            lambda t: server.token_strings([t])[0])
+        tokens = [name(t) for t in token_ids] if body.return_tokens_as_token_ids else texts
         top = None
         if body.logprobs:  # top[t] holds the alternatives for the token at position t + 1
-            top = [None] + [{server.token_strings([t])[0]: lp for t, lp in alternatives}
+            top = [None] + [{name(t): lp for t, lp in alternatives}
                             for alternatives in scores.top[: len(token_ids) - 1]]
-        choices.append({"index": index, "text": "".join(tokens), "finish_reason": "length",
+        choices.append({"index": index, "text": "".join(texts), "finish_reason": "length",
                         "logprobs": {"tokens": tokens, "token_logprobs": token_lps, "text_offset": offsets,
                                      "top_logprobs": top}})
         prompt_tokens += len(ids)

@@ -63,6 +63,9 @@ class CompletionIn(SamplingIn):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    # vLLM's field: tokens, and the keys of top_logprobs, as "token_id:<id>" instead of their text
+    # (two tokens may decode to the same text; an id never collides)
+    return_tokens_as_token_ids: bool | None = False
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a string or a token-id list alone is a batch of one."""

@@ -1,0 +1,65 @@
+"""Next-token distributions against the baseline where the candidate is a server: a real `canary
+engine-serve` returns each position's top 20 (echo, `logprobs: 20`, vLLM's
+`return_tokens_as_token_ids`), and the run's kld_mean is the lower bound that both sides' top 20
+give (evals/distribution.py doc_distribution_topk), said so in its details. The same model served
+in fp32 reads KL ≈ 0 with the same top token everywhere; RTN int2 weights served read a lower
+bound at most the in-process KL of the same config, and above the fp32 one."""
+
+from __future__ import annotations
+
+import pytest
+from app import repo
+from app.config_file import parse_config
+from app.db import session_scope
+from app.dispatch import InlineDispatcher
+from app.schemas import jsonable
+from app.services import apply_config_file, run_summary, start_run
+
+from tests.http.conftest import start_engine_serve
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def engine_serve_int2():
+    proc, base = start_engine_serve("--served-model-name", "pydoc-int2", "--weights", "rtn-int2")
+    yield base
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env, engine_serve, engine_serve_int2):
+    def served(name, base, model, weights):
+        return {"name": name, "engine": "openai", "weights": weights,
+                "engine_options": {"base_url": base + "/v1", "served_model": model}}
+
+    cfg = {
+        "project": "kl-http", "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+        "configs": [{"name": "local", "baseline": True, "engine": "reference", "weights": "fp32"},
+                    {"name": "local-int2", "engine": "reference", "weights": "rtn-int2"},
+                    served("served", engine_serve, "pydoc-target", "fp32"),
+                    served("served-int2", engine_serve_int2, "pydoc-int2", "rtn-int2")],
+        "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 3, "seed": 1,
+                    "scorers": ["perplexity"], "perplexity": {"window": 128, "distribution_samples": 3}}],
+    }
+    with session_scope() as session:
+        apply_config_file(session, parse_config(cfg))
+    run_id, _ = start_run("kl-http", "s", None, InlineDispatcher())
+    with session_scope() as session:
+        run = repo.get_run(session, repo.get_project(session, "kl-http"), run_id)
+        summary = jsonable(run_summary(session, run))
+    assert summary["status"] == "done", summary
+    kld = {c["config"]: c for c in summary["comparisons"] if c["metric"] == "kld_mean"}
+    assert set(kld) == {"local-int2", "served", "served-int2"}, [(c["config"], c["metric"]) for c in summary["comparisons"]]
+    local, same, lossy = kld["local-int2"], kld["served"], kld["served-int2"]
+    assert "kld_bound" not in local["details"] and local["details"]["topk_bounds"]["bracketed"] == 1.0
+    for c in (same, lossy):
+        assert c["details"]["kld_bound"] == "lower" and "topk_bounds" not in c["details"]
+        assert c["details"]["tokens"] == local["details"]["tokens"]  # every scored token, on both paths
+    assert same["estimate"] < 1e-6 and same["details"]["same_top"] == 1.0
+    # the same weights in-process and served: the server's bound is at most the whole-vocabulary KL,
+    # and the figures a top token and the right token's probability give are the same on both paths
+    assert 1e-3 < lossy["estimate"] <= local["estimate"] * (1 + 1e-4)
+    assert lossy["details"]["same_top"] == pytest.approx(local["details"]["same_top"], abs=1e-9)
+    assert lossy["details"]["dp_rms"] == pytest.approx(local["details"]["dp_rms"], rel=1e-3)
+    print(f"rtn-int2 KL: whole vocabulary {local['estimate']:.5f}, served top-20 lower bound {lossy['estimate']:.5f}")
