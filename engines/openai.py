@@ -39,11 +39,12 @@ from engines.protocol import (
     RollingRequest,
     RollingResult,
     ServerStats,
+    ServerTiming,
     SpecStats,
     count_words,
     strided_windows,
 )
-from engines.server_metrics import metric_sum, parse_metrics, spec_delta, spec_from_response
+from engines.server_metrics import metric_sum, parse_metrics, spec_delta, spec_from_response, timing_from_response
 from engines.spec import OptimizationSpec
 
 
@@ -397,6 +398,7 @@ class OpenAIEngine:
         stamps: list[float] = []
         usage: dict = {}
         spec: SpecStats | None = None
+        timing: ServerTiming | None = None
         finish: str | None = None
         t0 = time.perf_counter()
         async with client.stream("POST", f"{self.base_url}/completions", json=body, headers=self.headers) as response:
@@ -416,6 +418,7 @@ class OpenAIEngine:
                                         f"{chunk['error']}")
                 usage = chunk.get("usage") or usage
                 spec = spec_from_response(chunk) or spec
+                timing = timing_from_response(chunk) or timing
                 finish = next((ch["finish_reason"] for ch in chunk.get("choices") or [] if ch.get("finish_reason")),
                               finish)
                 piece = "".join(ch.get("text") or "" for ch in chunk.get("choices") or [])
@@ -436,6 +439,7 @@ class OpenAIEngine:
             total_ms=(stamps[-1] - t0) * 1000,
             spec=spec,
             finish_reason=finish,
+            server_timing=timing,
         )
 
     def describe(self) -> EngineDescription:

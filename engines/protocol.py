@@ -166,6 +166,18 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class ServerTiming:
+    """One request's timings by the server's own clock (vLLM's per-request `metrics`, with
+    --enable-per-request-metrics; engine-serve the same): TTFT from when the request was scheduled
+    (its queue wait apart), the queue wait, and the mean gap between output tokens. The client's
+    TTFT adds the network and the queue to the first of these."""
+
+    ttft_ms: float | None = None
+    queue_ms: float | None = None
+    mean_itl_ms: float | None = None
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     text: str
@@ -181,6 +193,8 @@ class GenerationResult:
     # why the output ended, in OpenAI's words: "stop" (an end-of-sequence token or a stop string),
     # "length" (max_tokens reached); None where the engine does not say
     finish_reason: str | None = None
+    # the server's own clock for this request, where it reports one (vLLM --enable-per-request-metrics)
+    server_timing: ServerTiming | None = None
 
     @property
     def n_tokens(self) -> int:

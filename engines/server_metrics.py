@@ -4,7 +4,7 @@ a response that carries vLLM's `metrics.speculative_decoding` (engines/openai.py
 
 from __future__ import annotations
 
-from engines.protocol import SpecStats
+from engines.protocol import ServerTiming, SpecStats
 
 SPEC_COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts_total",
@@ -50,6 +50,21 @@ def spec_from_response(chunk: dict) -> SpecStats | None:
                          tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1)))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def timing_from_response(chunk: dict) -> ServerTiming | None:
+    """A request's own timings from a response (or its stream's final usage chunk) carrying vLLM's
+    per-request `metrics` (time_to_first_token_ms, queue_time_ms, mean_itl_ms); None without them."""
+    metrics = chunk.get("metrics")
+    if not isinstance(metrics, dict):
+        return None
+    found = {}
+    for field, key in (("ttft_ms", "time_to_first_token_ms"), ("queue_ms", "queue_time_ms"),
+                       ("mean_itl_ms", "mean_itl_ms")):
+        value = metrics.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[field] = float(value)
+    return ServerTiming(**found) if found else None
 
 
 def spec_delta(before: dict, after: dict) -> SpecStats | None:

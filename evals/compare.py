@@ -193,7 +193,10 @@ def paired_timing_ratio(metric: str, pairs: Sequence[tuple[float, float]], t: Th
     verdict, rule = decide(estimate, lo, hi, len(kept), t)
     cand, base = np.array([c for c, _ in kept]), np.array([b for _, b in kept])
     return Comparison(metric, estimate, lo, hi, len(kept), verdict, rule, baseline_value=float(np.median(base)),
-                      candidate_value=float(np.median(cand)), details={"median_ms": "baseline_value / candidate_value"})
+                      candidate_value=float(np.median(cand)), details={"median_ms": "baseline_value / candidate_value",
+                               # which clock: the client's, the same on every engine (a server's own
+                               # per-request timings are in the config's figures, server.request_*)
+                               "clock": "client"})
 
 
 def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: dict[str, GenerationRecord],

@@ -46,6 +46,12 @@ class ServerFigures:
     dedicated: bool = False
     # batches whose counters moved more than the canary's own requests could explain
     foreign_traffic_batches: int = 0
+    # the server's own clock, where it reported each request's timings (vLLM --enable-per-request-metrics):
+    # TTFT from scheduling to the first token, the queue wait, the mean inter-token latency. The
+    # timing verdicts use the client's clock (ttft_ms_p50 above), the same on every engine
+    request_ttft_ms_p50: float | None = None
+    request_queue_ms_p50: float | None = None
+    request_itl_ms_mean: float | None = None
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from engines.protocol import GenerationResult, RollingResult, SpecStats
+from engines.protocol import GenerationResult, RollingResult, ServerTiming, SpecStats
 from evals.health import Scored
 from evals.positions import PositionBucket
 
@@ -180,6 +180,9 @@ class GenerationRecord:
     # the output as the baseline model read it (its tokens and their log-probs), for the near-tie rule
     # (evals/health.py); None where the baseline engine could not score it
     scored: Scored | None = None
+    # the server's own clock for this request, where it reported one (ServerTiming); the verdicts
+    # on timing use the client's (ttft_ms, itl_ms), measured the same way on every engine
+    server_timing: ServerTiming | None = None
 
     @property
     def tpot_ms(self) -> float | None:
@@ -190,7 +193,8 @@ class GenerationRecord:
     def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool):
         return cls(g.request_id, g.ttft_ms, prompt, g.text, g.n_tokens, g.prompt_tokens,
                    tuple(round(x, 3) for x in g.itl_ms), g.tokens_per_second,
-                   tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec, finish_reason=g.finish_reason)
+                   tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec, finish_reason=g.finish_reason,
+                   server_timing=g.server_timing)
 
     @property
     def sequence(self) -> Sequence[int] | str:
@@ -216,6 +220,8 @@ class GenerationRecord:
             extra["batch"] = self.batch
         if self.scored is not None:
             extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs]}
+        if self.server_timing is not None:
+            extra["server_timing"] = {k: v for k, v in asdict(self.server_timing).items() if v is not None}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
 
     @classmethod
@@ -228,7 +234,8 @@ class GenerationRecord:
                    e.get("baseline_nll"), e.get("baseline_nll_tokens"),
                    (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"),
                    e.get("finish_reason"), e.get("batch"),
-                   Scored(tuple(e["scored"]["ids"]), tuple(e["scored"]["logprobs"])) if e.get("scored") else None)
+                   Scored(tuple(e["scored"]["ids"]), tuple(e["scored"]["logprobs"])) if e.get("scored") else None,
+                   ServerTiming(**e["server_timing"]) if e.get("server_timing") else None)
 
 
 @dataclass(frozen=True)

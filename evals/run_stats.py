@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.protocol import GenerationResult, ServerStats, SpecStats
+from engines.protocol import GenerationResult, ServerStats, ServerTiming, SpecStats
 from evals.figures import ServerFigures, SpecFigures
 
 
@@ -23,6 +23,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean_of(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 def peak(values: Sequence[float | None]) -> float | None:
@@ -47,8 +51,11 @@ class RunStats:
     own_spec: SpecStats = field(default_factory=SpecStats)  # the responses' own spec-decode figures
     foreign: int = 0  # batches whose server counters someone else's requests moved
     foreign_excess: int = 0  # the server's counters beyond own_spec so far
+    server_timings: list[ServerTiming] = field(default_factory=list)  # the server's own clock, per request
 
     def add(self, generation: GenerationResult) -> None:
+        if generation.server_timing is not None:
+            self.server_timings.append(generation.server_timing)
         self.ttft.append(generation.ttft_ms)
         self.itl.extend(generation.itl_ms)
         self.tps.append(generation.tokens_per_second)
@@ -97,7 +104,10 @@ class RunStats:
             max_num_requests_waiting=peak([batch.max_num_requests_waiting for batch in self.servers]),
             max_num_requests_running=peak([batch.max_num_requests_running for batch in self.servers]),
             spec=SpecFigures.from_stats(self.server_spec) if self.server_spec.num_drafts else None,
-            dedicated=self.dedicated, foreign_traffic_batches=self.foreign)
+            dedicated=self.dedicated, foreign_traffic_batches=self.foreign,
+            request_ttft_ms_p50=percentile([t.ttft_ms for t in self.server_timings if t.ttft_ms is not None], 50),
+            request_queue_ms_p50=percentile([t.queue_ms for t in self.server_timings if t.queue_ms is not None], 50),
+            request_itl_ms_mean=mean_of([t.mean_itl_ms for t in self.server_timings if t.mean_itl_ms is not None]))
 
     def figures(self, engine_kv_cache_usage: float | None) -> dict[str, Any]:
         """The serving fields of RunFigures. The KV cache usage is the peak over the run: the

@@ -139,3 +139,42 @@ def test_a_server_that_names_top_tokens_by_text_is_refused_for_distributions(eng
     engine = OpenAIEngine("pydoc-target", openai_spec(engine_serve))
     with pytest.raises(EndpointError, match=r"named top log-prob tokens by text .* return_tokens_as_token_ids"):
         engine._token_id(next(iter(by_text["top_logprobs"][1])))
+
+
+@pytest.fixture(scope="module")
+def engine_serve_timed():
+    from tests.http.conftest import start_engine_serve
+
+    proc, base = start_engine_serve("--served-model-name", "pydoc-target", "--enable-per-request-metrics")
+    yield base
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_servers_own_per_request_timings_are_kept_beside_the_clients(engine_serve_timed, engine_serve):
+    """engine-serve --enable-per-request-metrics answers vLLM's per-request `metrics` in the final
+    usage chunk: TTFT from scheduling, the queue wait, the mean gap between tokens. Each generation
+    carries them as server_timing; the client's TTFT holds the server's and the wait before it."""
+    from engines.protocol import ServerStats
+    from evals.records import GenerationRecord
+    from evals.run_stats import RunStats
+
+    reqs = [GenerationRequest(f"r{i}", p, max_new_tokens=8) for i, p in enumerate(["json.dumps()\n\n", "os.path.join"])]
+    got = OpenAIEngine("pydoc-target", openai_spec(engine_serve_timed, concurrency=2)).generate(reqs)
+    for g in got:
+        t = g.server_timing
+        assert t is not None and t.ttft_ms is not None and t.queue_ms is not None and t.mean_itl_ms is not None
+        assert 0 < t.ttft_ms and 0 <= t.queue_ms and t.ttft_ms + t.queue_ms <= g.ttft_ms
+        assert 0 < t.mean_itl_ms <= 3 * sum(g.itl_ms) / len(g.itl_ms)  # 7 gaps over 8 tokens, on the server's clock
+        row = GenerationRecord.from_result(g, "p", False).to_row()
+        assert GenerationRecord.from_row(row["sample_key"], row["value"], row["extra"]).server_timing == t
+    stats = RunStats()
+    for g in got:
+        stats.add(g)
+    stats.add_server(ServerStats(engine_serve_timed + "/metrics"), got)
+    figures = stats.server_figures()
+    assert figures is not None
+    want = sorted(g.server_timing.ttft_ms for g in got)
+    assert figures.request_ttft_ms_p50 == pytest.approx(sum(want) / 2)  # the median of two
+    # a server started without the flag sends no timings: nothing is made up
+    assert all(g.server_timing is None for g in OpenAIEngine("pydoc-target", openai_spec(engine_serve)).generate(reqs[:1]))

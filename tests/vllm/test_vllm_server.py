@@ -64,7 +64,8 @@ def serve_vllm(log: str, *args: str):
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory) -> str:
-    yield from serve_vllm(str(tmp_path_factory.mktemp("vllm") / "vllm.log"), "--enable-tokenizer-info-endpoint")
+    yield from serve_vllm(str(tmp_path_factory.mktemp("vllm") / "vllm.log"), "--enable-tokenizer-info-endpoint",
+                          "--enable-per-request-metrics")
 
 
 @pytest.fixture
@@ -135,6 +136,12 @@ def test_vllm_generates_the_reference_engines_greedy_text_with_timings(vllm):
     assert [g.text for g in remote] == [g.text for g in local]
     for g in remote:
         assert g.ttft_ms > 0 and g.completion_tokens == 12 and g.finish_reason == "length" and len(g.itl_ms) > 0
+        # --enable-per-request-metrics: vLLM's own clock for the request, kept beside the client's
+        t = g.server_timing
+        assert t is not None and t.ttft_ms is not None and t.queue_ms is not None and t.mean_itl_ms is not None
+        print(f"\n{g.request_id}: TTFT client {g.ttft_ms:.1f} ms, vLLM {t.ttft_ms:.1f} ms + queue {t.queue_ms:.1f} ms; "
+              f"mean ITL client {sum(g.itl_ms) / len(g.itl_ms):.1f} ms, vLLM {t.mean_itl_ms:.1f} ms")
+        assert 0 < t.ttft_ms and 0 <= t.queue_ms and t.ttft_ms + t.queue_ms <= g.ttft_ms
     stats = engine.server_stats()  # vLLM's own /metrics, read under the names it writes
     assert stats is not None and stats.metrics_url is not None and stats.max_kv_cache_usage is not None
 

@@ -83,11 +83,16 @@ class _Answer:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     def per_request_metrics(self) -> dict:
-        """vLLM's per-request speculative-decoding figures, for one generation (vLLM leaves them out for n > 1)."""
-        spec = self.results[0].spec if len(self.jobs) == 1 and self.results else None
-        if not self.server.per_request_spec_metrics or spec is None:
+        """vLLM's per-request `metrics` for one generation (vLLM leaves them out for n > 1): its
+        timings (--enable-per-request-metrics) and its speculative-decoding figures
+        (--per-request-spec-decode-metrics summary), each where the server was started with it."""
+        if len(self.jobs) != 1 or not self.results:
             return {}
-        return {"metrics": {"speculative_decoding": spec_decode_metrics(spec)}}
+        out = timing_metrics(self.jobs[0], len(self.results[0].token_ids)) if self.server.per_request_metrics else {}
+        spec = self.results[0].spec
+        if self.server.per_request_spec_metrics and spec is not None:
+            out["speculative_decoding"] = spec_decode_metrics(spec)
+        return {"metrics": out} if out else {}
 
     @staticmethod
     def failure(kind: str, payload: str) -> JSONResponse:
@@ -181,6 +186,26 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
             server.cancel(jobs)
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def timing_metrics(job: Job, n_generated: int) -> dict:
+    """A request's own timings as vLLM's build_per_request_timing_metrics gives them, in ms: TTFT
+    from scheduling (the engine taking it from the queue) to its first token; the queue wait;
+    the decode interval (first to last token) and its mean per gap; output tokens per second from
+    scheduling to the last token. A figure whose clock readings are missing is left out."""
+    out: dict[str, float] = {}
+    first, last = (job.stamps[0], job.stamps[-1]) if job.stamps else (None, None)
+    if job.started is not None:
+        out["queue_time_ms"] = (job.started - job.arrived) * 1000
+        if first is not None and last is not None:
+            out["time_to_first_token_ms"] = (first - job.started) * 1000
+            if last > job.started:
+                out["tokens_per_second"] = n_generated / (last - job.started)
+    if first is not None and last is not None:
+        out["generation_time_ms"] = (last - first) * 1000
+        if n_generated > 1:
+            out["mean_itl_ms"] = (last - first) / (n_generated - 1) * 1000
+    return out
 
 
 def spec_decode_metrics(spec: SpecStats) -> dict:

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-request-spec-decode-metrics", choices=("none", "summary"), default="none",
                     help="summary: each response with speculative decoding carries its own figures under "
                          "metrics.speculative_decoding, as vLLM's flag of this name does (default none)")
+    ap.add_argument("--enable-per-request-metrics", action="store_true",
+                    help="each response carries its request's own timings under metrics (time_to_first_token_ms "
+                         "from scheduling, queue_time_ms, mean_itl_ms, generation_time_ms, tokens_per_second), as "
+                         "vLLM's flag of this name does")
     ap.add_argument("--max-num-seqs", type=positive, default=32,
                     help="requests decoded together in one continuous batch, as vLLM's flag of this name (default 32; "
                          "1 decodes one request at a time). A lossy --kv-cache or --speculative always decodes one "
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e).splitlines()[0])
     server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs,
                           per_request_spec_metrics=args.per_request_spec_decode_metrics == "summary",
-                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue)
+                          max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                          per_request_metrics=args.enable_per_request_metrics)
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=5)  # a backstop: requests end at once (below)
 

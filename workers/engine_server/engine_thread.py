@@ -47,6 +47,7 @@ class Job:
     # set from the route's event loop when nobody reads the job any more; the engine thread retires it
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_reason: str = "abort"  # how a cancelled job counts in vllm:request_success
+    started: float | None = None  # when the engine took it from the queue (scheduled, in vLLM's words)
 
     def cancel(self, reason: str = "abort") -> None:
         if not self.cancelled.is_set():
@@ -66,13 +67,16 @@ class Running:
 
 class EngineServer:
     def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False,
-                 max_num_seqs: int = 32, max_queue: int = 256):
+                 max_num_seqs: int = 32, max_queue: int = 256, per_request_metrics: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
         # vLLM's --per-request-spec-decode-metrics summary: each response carries its request's own
         # speculative-decoding figures (answers.spec_decode_metrics)
         self.per_request_spec_metrics = per_request_spec_metrics
+        # vLLM's --enable-per-request-metrics: each response carries its request's own timings
+        # (answers.timing_metrics: TTFT from scheduling, queue wait, mean inter-token latency)
+        self.per_request_metrics = per_request_metrics
         self.max_model_len = engine.args.max_seq_len  # tokens of context
         self.vocab_size = engine.args.vocab_size
         spec = getattr(engine, "spec", None)  # the engine's OptimizationSpec
@@ -172,7 +176,7 @@ class EngineServer:
 
     def _guarded(self, job: Job, run) -> None:
         """run(job, started), its refusal or failure sent to the job's route; the server stays up."""
-        started = time.perf_counter()
+        started = job.started = time.perf_counter()
         self.metrics.queue_time.observe(started - job.arrived)
         try:
             run(job, started)
