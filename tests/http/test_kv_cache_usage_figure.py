@@ -63,7 +63,9 @@ def test_an_openai_config_stores_the_servers_peak_kv_cache_usage(sqlite_env, ser
     assert figures["server"] == {"metrics_url": engine_serve + "/metrics", "max_kv_cache_usage": usage,
                                  "max_num_requests_waiting": figures["server"]["max_num_requests_waiting"],
                                  "max_num_requests_running": figures["server"]["max_num_requests_running"],
-                                 "spec": None, "dedicated": False, "foreign_traffic_batches": 0}
+                                 "spec": None, "dedicated": False, "foreign_traffic_batches": 0,
+                                 # a server started without --enable-per-request-metrics: no timings of its own
+                                 "request_ttft_ms_p50": None, "request_queue_ms_p50": None, "request_itl_ms_mean": None}
     # concurrency 2: the client holds at most two requests at the server, decoded together
     assert figures["server"]["max_num_requests_waiting"] in (0.0, 1.0, 2.0)
     assert figures["server"]["max_num_requests_running"] in (1.0, 2.0)
