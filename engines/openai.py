@@ -338,9 +338,11 @@ class OpenAIEngine:
                                                "num_requests_running": []}
             done = asyncio.Event()
 
-            async def sample():  # gauges while requests are in flight
+            gauges = tuple(f"vllm:{k}" for k in sampled)
+
+            async def sample():  # gauges while requests are in flight (only theirs parsed: the loop reads streams)
                 while not done.is_set():
-                    snap = await self._scrape(client)
+                    snap = await self._scrape(client, gauges)
                     for k in sampled:
                         v = metric_sum(snap, f"vllm:{k}")
                         if v is not None:
@@ -378,10 +380,10 @@ class OpenAIEngine:
     def reset_peaks(self) -> None:
         """Nothing to reset: the server's gauges are sampled per generate call."""
 
-    async def _scrape(self, client: httpx.AsyncClient) -> dict:
+    async def _scrape(self, client: httpx.AsyncClient, only: tuple[str, ...] | None = None) -> dict:
         try:
             response = await client.get(self.metrics_url, headers=self.metrics_headers)
-            return parse_metrics(response.text) if response.status_code == 200 else {}
+            return parse_metrics(response.text, only) if response.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}
 

@@ -15,10 +15,26 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 
-def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text → {(sample name, sorted labels): value}."""
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _metric_of(line: str) -> str:
+    """The metric a line of Prometheus text is about: a sample's name, or a # HELP / # TYPE line's."""
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) > 2 else ""
+    return line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
+
+
+def parse_metrics(text: str, only: tuple[str, ...] | None = None) -> Samples:
+    """Prometheus text → {(sample name, sorted labels): value}. only: the metrics wanted (a gauge's
+    name is its sample's); the other lines are dropped before parsing. A vLLM /metrics page runs
+    to thousands of lines, and parsing it whole in the client's event loop while requests stream
+    delays reading their chunks (benchmarks/production_path.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if only is not None:
+        text = "".join(line + "\n" for line in text.splitlines() if _metric_of(line) in only)
     out = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:

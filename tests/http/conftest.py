@@ -32,12 +32,17 @@ def start_engine_serve(*args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("engine-serve did not come up in 120 s")
 
 
-@pytest.fixture(scope="module")
-def engine_serve():
-    proc, base = start_engine_serve("--served-model-name", "pydoc-target")
+def serving(*args: str):
+    """A fixture's body: `canary engine-serve *args` for the fixture's scope; yields its base URL."""
+    proc, base = start_engine_serve(*args)
     yield base
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def engine_serve():
+    yield from serving("--served-model-name", "pydoc-target")
 
 
 @pytest.fixture(scope="module")

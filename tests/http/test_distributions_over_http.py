@@ -15,17 +15,14 @@ from app.dispatch import InlineDispatcher
 from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 
-from tests.http.conftest import start_engine_serve
+from tests.http.conftest import serving
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def engine_serve_int2():
-    proc, base = start_engine_serve("--served-model-name", "pydoc-int2", "--weights", "rtn-int2")
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    yield from serving("--served-model-name", "pydoc-int2", "--weights", "rtn-int2")
 
 
 def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env, engine_serve, engine_serve_int2):

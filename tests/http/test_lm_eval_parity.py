@@ -21,7 +21,7 @@ from engines.zoo import ARTIFACTS, resolve_model_path
 from evals.perplexity import DocNLL, corpus_perplexity
 
 from tests.conftest import ROOT
-from tests.http.conftest import start_engine_serve
+from tests.http.conftest import serving
 
 WINDOW = 48
 
@@ -40,10 +40,7 @@ def lm_eval_installed():
 
 @pytest.fixture(scope="module")
 def served():
-    proc, base = start_engine_serve("--model", "builtin:pydoc-target", "--served-model-name", "pydoc-target")
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    yield from serving("--model", "builtin:pydoc-target", "--served-model-name", "pydoc-target")
 
 
 def test_lm_eval_local_completions_matches_the_canarys_perplexity(lm_eval_installed, served, tmp_path):

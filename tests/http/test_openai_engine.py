@@ -143,12 +143,9 @@ def test_a_server_that_names_top_tokens_by_text_is_refused_for_distributions(eng
 
 @pytest.fixture(scope="module")
 def engine_serve_timed():
-    from tests.http.conftest import start_engine_serve
+    from tests.http.conftest import serving
 
-    proc, base = start_engine_serve("--served-model-name", "pydoc-target", "--enable-per-request-metrics")
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    yield from serving("--served-model-name", "pydoc-target", "--enable-per-request-metrics")
 
 
 def test_a_servers_own_per_request_timings_are_kept_beside_the_clients(engine_serve_timed, engine_serve):

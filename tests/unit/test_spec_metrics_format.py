@@ -27,3 +27,28 @@ def test_no_summary_or_one_that_is_not_numbers_is_none():
     assert spec_from_response({"metrics": {"speculative_decoding": {"num_spec_steps": "many"}}}) is None
     assert spec_from_response({"metrics": {"speculative_decoding": {**EXAMPLE, "acceptance_histogram": ["x"]}}}) is None
     assert spec_from_response({"metrics": "n/a"}) is None
+
+
+def test_parsing_only_the_gauges_a_sampler_needs_keeps_them_and_drops_the_rest():
+    """A scrape while requests stream parses only the metrics asked for: their samples come back
+    as a whole parse gives them, and a histogram's lines are not parsed at all."""
+    from engines.server_metrics import parse_metrics
+
+    text = "\n".join([
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        'vllm:kv_cache_usage_perc{engine="0",model_name="pydoc"} 0.25',
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="pydoc"} 3.0',
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="pydoc"} 1.0',
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="pydoc"} 2.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="pydoc"} 2.0',
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="pydoc"} 0.3', ""])
+    whole = parse_metrics(text)
+    gauges = parse_metrics(text, ("vllm:kv_cache_usage_perc", "vllm:num_requests_running"))
+    assert gauges == {k: v for k, v in whole.items() if not k[0].startswith("vllm:time_to_first_token")}
+    assert len(gauges) == 2 and len(whole) == 6
+    assert parse_metrics(text, ()) == {}
