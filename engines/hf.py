@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import cast
 
+import numpy as np
 import torch
 
 from engines.device import EngineLoadError, resolve_device
@@ -72,6 +73,23 @@ class TransformersEngine:
     # -- loglikelihood ---------------------------------------------------------------------------
     @torch.no_grad()
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        return self._rolling(requests, None)
+
+    @torch.no_grad()
+    def next_token_logprobs(self, requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, np.ndarray]]:
+        """The rolling pass with each scored token's whole next-token distribution: per document,
+        its result and a numpy array [T, V] of log-softmax rows, row i the distribution token i was
+        drawn from (evals/distribution.py), as the reference engine gives them."""
+        rows: dict[int, list[torch.Tensor]] = {}
+        found = self._rolling(requests, rows)
+        vocab = self.model.config.vocab_size
+        return [(r, np.concatenate([x.numpy() for x in rows[i]]) if rows.get(i) else np.zeros((0, vocab)))
+                for i, r in enumerate(found)]
+
+    def _rolling(self, requests: Sequence[RollingRequest], rows: dict[int, list[torch.Tensor]] | None
+                 ) -> list[RollingResult]:
+        """The strided windows' log-probs; with `rows`, each document's scored log-softmax rows too,
+        window by window (rows[document index])."""
         jobs = []  # (request index, window input ids, n_scored, target ids)
         encoded, spans = [], []
         context = self.model.config.max_position_embeddings
@@ -92,6 +110,7 @@ class TransformersEngine:
         # Windows are independent; batch those of one length together (no padding needed).
         order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
         results: dict[int, tuple[list[float], list[int]]] = {}
+        kept: dict[int, torch.Tensor] = {}  # window → its scored rows [n, V], when asked
         for s in range(0, len(order), self.batch_size):
             chunk = [jobs[j] for j in order[s : s + self.batch_size]]
             width = max(len(c[1]) for c in chunk)
@@ -105,10 +124,14 @@ class TransformersEngine:
                 t = torch.tensor(tgt, device=self.device)
                 lp = lsm[row, pos].gather(-1, t[:, None]).squeeze(-1)
                 results[j] = (lp.tolist(), lsm[row, pos].argmax(-1).tolist())
+                if rows is not None:
+                    kept[j] = lsm[row, pos].cpu()
         for j, (i, *_rest) in enumerate(jobs):  # jobs are in document then window order
             window_lps, window_greedy = results[j]
             logprobs[i].extend(window_lps)
             greedy[i].extend(window_greedy)
+            if rows is not None:
+                rows.setdefault(i, []).append(kept[j])
         return [
             RollingResult(
                 doc_id=req.doc_id,

@@ -231,3 +231,26 @@ def test_float32_rows_and_underflow_keep_every_figure_finite_and_every_bound_a_b
     assert np.isfinite(lo[0]) and hi[0] == math.inf
     d = DocDistribution((0.1,), (0.0,), (1,), (0.0,), (0.05,), (math.inf,), 2)
     assert d.to_json()["kl_upper"] == [None] and DocDistribution.from_json(d.to_json()).kl_upper == (math.inf,)
+
+
+@pytest.mark.integration
+def test_the_transformers_engine_gives_the_same_distributions_as_the_reference_engine():
+    """engine: transformers (the default engine) reads whole next-token distributions too, so a run
+    whose baseline runs on it compares distributions: the same rows as the reference engine's, on
+    the same model and windows, to float32 rounding."""
+    from engines.hf import TransformersEngine
+    from engines.protocol import RollingRequest, WindowSpec
+    from engines.reference.engine import ReferenceEngine
+    from engines.spec import OptimizationSpec
+    from engines.zoo import resolve_model_path
+    from evals.distribution import doc_distribution
+
+    target = str(resolve_model_path("builtin:pydoc-target"))
+    docs = [RollingRequest("d", "Serialize obj to a JSON formatted str using this conversion table. " * 3,
+                           WindowSpec(32, 24))]
+    [(h, p)] = TransformersEngine(target, OptimizationSpec(engine="transformers", weights="fp32")).next_token_logprobs(docs)
+    [(r, q)] = ReferenceEngine(target, OptimizationSpec(engine="reference", weights="fp32")).next_token_logprobs(docs)
+    assert h.token_ids == r.token_ids and p.shape == q.shape == (len(r.token_ids), 4096)
+    assert np.abs(p - q).max() < 1e-4
+    assert p[np.arange(len(h.token_ids)), h.token_ids] == pytest.approx(h.logprobs, abs=1e-6)
+    assert max(doc_distribution(p, q, r.token_ids).kld) < 1e-6
