@@ -117,6 +117,18 @@ class OpenAIEngine:
 
     # -- perplexity --------------------------------------------------------------------------------
     def loglikelihood_rolling(self, requests: Sequence[RollingRequest]) -> list[RollingResult]:
+        return [result for result, _, _ in self._rolling(requests, None)]
+
+    def next_token_topk(self, requests: Sequence[RollingRequest], k: int) -> list[tuple[RollingResult, list, list]]:
+        """The rolling pass with each scored token's k most likely next tokens, as the server
+        returns them (echo with `logprobs: k` and vLLM's `return_tokens_as_token_ids`): per
+        document, its result and (ids [T][k], log-probs [T][k]), most likely first, row i the
+        distribution token i was drawn from (evals/distribution.py doc_distribution_topk)."""
+        return self._rolling(requests, k)
+
+    def _rolling(self, requests: Sequence[RollingRequest], k: int | None) -> list[tuple[RollingResult, list, list]]:
+        """Per document, its strided windows' prompt log-probs (echo) as a RollingResult; with k,
+        also each scored token's top k (ids, log-probs), else two empty lists."""
         out = []
         with self._client() as client:
             for req in requests:
@@ -124,29 +136,7 @@ class OpenAIEngine:
                 ids = seq[1:]
                 if not ids:
                     raise ValueError(f"document '{req.doc_id}' has no tokens")
-                logprobs: list[float] = []
-                for begin, end, n in strided_windows(len(ids), req.window):
-                    # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
-                    # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
-                    token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
-                    logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
-                if self._text_prompts:  # llama-cpp-python: no log-prob for the first token (_echo_text)
-                    ids, logprobs = ids[1:], logprobs[1:]
-                out.append(RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (),
-                                         len(req.text.encode("utf-8")), count_words(req.text)))
-        return out
-
-    def next_token_topk(self, requests: Sequence[RollingRequest], k: int) -> list[tuple[RollingResult, list, list]]:
-        """The rolling pass with each scored token's k most likely next tokens, as the server
-        returns them (echo with `logprobs: k` and vLLM's `return_tokens_as_token_ids`): per
-        document, its result and (ids [T][k], log-probs [T][k]), most likely first, row i the
-        distribution token i was drawn from (evals/distribution.py doc_distribution_topk)."""
-        out = []
-        with self._client() as client:
-            for req in requests:
-                seq = self._prompt_ids(client, req.text)
-                ids = seq[1:]
-                if not ids or self._text_prompts:
+                if k is not None and self._text_prompts:
                     raise EndpointError(f"{self.shown}: next-token distributions need token-id prompts and "
                                         f"/tokenize (vLLM, engine-serve); drop perplexity.distribution_samples for "
                                         f"this config")
@@ -154,20 +144,31 @@ class OpenAIEngine:
                 top_ids: list[list[int]] = []
                 top_lps: list[list[float]] = []
                 for begin, end, n in strided_windows(len(ids), req.window):
-                    token_lps, top = self._echo(client, seq[begin : end + 1], req.doc_id, k)
-                    logprobs += cast("list[float]", token_lps[len(token_lps) - n :])
-                    for row in top[len(top) - n :]:
-                        ranked = sorted(((self._token_id(key), lp) for key, lp in (row or {}).items()),
-                                        key=lambda pair: -pair[1])[:k]  # vLLM adds the prompt's own token
-                        if len(ranked) < k:
-                            raise EndpointError(f"{self.shown}/completions returned {len(ranked)} of {k} top "
-                                                f"log-probs for document '{req.doc_id}'; the server caps them "
-                                                f"(vLLM: --max-logprobs)")
-                        top_ids.append([i for i, _ in ranked])
-                        top_lps.append([lp for _, lp in ranked])
+                    # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
+                    # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
+                    if k is None:
+                        token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
+                    else:
+                        token_lps, top = self._echo(client, seq[begin : end + 1], req.doc_id, k)
+                        for row in top[len(top) - n :]:
+                            ranked = self._ranked(row, k, req.doc_id)
+                            top_ids.append([i for i, _ in ranked])
+                            top_lps.append([lp for _, lp in ranked])
+                    logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
+                if self._text_prompts:  # llama-cpp-python: no log-prob for the first token (_echo_text)
+                    ids, logprobs = ids[1:], logprobs[1:]
                 out.append((RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")),
                                           count_words(req.text)), top_ids, top_lps))
         return out
+
+    def _ranked(self, row: dict | None, k: int, doc_id: str) -> list[tuple[int, float]]:
+        """One position's top_logprobs as (token id, log-prob), most likely first, k of them (vLLM
+        adds the prompt's own token to the k)."""
+        ranked = sorted(((self._token_id(key), lp) for key, lp in (row or {}).items()), key=lambda pair: -pair[1])[:k]
+        if len(ranked) < k:
+            raise EndpointError(f"{self.shown}/completions returned {len(ranked)} of {k} top log-probs for document "
+                                f"'{doc_id}'; the server caps them (vLLM: --max-logprobs)")
+        return ranked
 
     def _token_id(self, key: str) -> int:
         if not key.startswith("token_id:"):

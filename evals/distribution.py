@@ -134,9 +134,7 @@ def kl_lower_bound_from_both_topk(p_ids: np.ndarray, p_logprobs: np.ndarray, q_i
 def doc_distribution(p_log: np.ndarray, q_log: np.ndarray, targets: Sequence[int], k: int = TOP_K) -> DocDistribution:
     """One document's figures: token_stats, and the KL bounds a baseline stored as its top-k would give."""
     s = token_stats(p_log, q_log, targets)
-    p_log, q_log = normalised(p_log), normalised(q_log)
-    ids = np.argpartition(-p_log, k - 1, -1)[:, :k] if k < p_log.shape[-1] else np.argsort(-p_log, -1)
-    lower, upper = kl_bounds_from_baseline_topk(ids, np.take_along_axis(p_log, ids, -1), q_log)
+    lower, upper = kl_bounds_from_baseline_topk(*topk_rows(p_log, k), normalised(q_log))
     return DocDistribution(tuple(s.kld.tolist()), tuple(s.dp.tolist()), tuple(int(x) for x in s.same),
                            tuple(s.ln_ratio.tolist()), tuple(lower.tolist()), tuple(upper.tolist()), k)
 
@@ -145,7 +143,9 @@ def topk_rows(log_probs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.nda
     """A whole distribution [T, V] cut to what a server returns: its k most likely tokens per row,
     (ids [T, k], log-probs [T, k]), most likely first."""
     x = normalised(log_probs)
-    ids = np.argsort(-x, -1, kind="stable")[:, :k]
+    k = min(k, x.shape[-1])
+    part = np.argpartition(-x, k - 1, -1)[:, :k] if k < x.shape[-1] else np.argsort(-x, -1, kind="stable")
+    ids = np.take_along_axis(part, np.argsort(-np.take_along_axis(x, part, -1), -1, kind="stable"), -1)
     return ids, np.take_along_axis(x, ids, -1)
 
 

@@ -220,6 +220,10 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
                               f"of the prompt.", param="prompt")
         batch.append(ids)
     choices, prompt_tokens = [], 0
+
+    def name(t: int) -> str:  # vLLM's return_tokens_as_token_ids names tokens "token_id:<id>", never by text
+        return f"token_id:{t}" if body.return_tokens_as_token_ids else server.token_strings([t])[0]
+
     for index, ids in enumerate(batch):
         job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
         try:
@@ -234,9 +238,7 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
         token_lps = [None, *scores.logprobs] + ([scores.next_logprob] if append else [])
         texts = server.token_strings(token_ids)
         offsets = text_offsets(texts)
-        name = (lambda t: f"token_id:{t}") if body.return_tokens_as_token_ids else (
-            lambda t: server.token_strings([t])[0])
-        tokens = [name(t) for t in token_ids] if body.return_tokens_as_token_ids else texts
+        tokens = [name(t) for t in token_ids]
         top = None
         if body.logprobs:  # top[t] holds the alternatives for the token at position t + 1
             top = [None] + [{name(t): lp for t, lp in alternatives}
