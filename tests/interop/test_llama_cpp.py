@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,31 +19,18 @@ from engines.openai import EndpointError, OpenAIEngine
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
-from engines.zoo import resolve_corpus_path, resolve_model_path
+from engines.zoo import resolve_corpus_path
 
 from tests.conftest import ROOT
+from tests.interop.conftest import TARGET, require
 from tests.loopback import free_port, wait_http
 
 try:
     import llama_cpp  # noqa: F401
 except ImportError:
-    msg = "llama-cpp-python is not installed: `make test-interop` builds and installs it"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI=true: {msg}", pytrace=False)
-    pytest.skip(f"SKIPPED LOUDLY: {msg}", allow_module_level=True)
+    require(False, "llama-cpp-python is not installed")
 
-TARGET = resolve_model_path("builtin:pydoc-target")
 SERVED = "builtin:pydoc-target"  # the model id the servers answer to: the canary config's model.path
-
-
-@pytest.fixture(scope="module")
-def ggufs(tmp_path_factory) -> dict[str, Path]:
-    from engines.zoo.gguf_export import export_f32, quantize
-
-    out = tmp_path_factory.mktemp("gguf")
-    f32 = export_f32(TARGET, out / "pydoc-target-f32.gguf")
-    return {"f32": f32, "q8_0": quantize(f32, out / "q8_0.gguf", "Q8_0"),
-            "q4_k_m": quantize(f32, out / "q4_k_m.gguf", "Q4_K_M")}
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,9 @@ def test_summary_of_two_tokens_by_hand():
     assert got["tokens"] == 2 and got["kld_mean"] == pytest.approx(0.2) and got["kld_err"] == pytest.approx(0.1)
     assert got["kld_percentiles"]["max"] == pytest.approx(0.3) and got["kld_percentiles"]["p50"] == pytest.approx(0.2)
     assert got["dp_mean"] == pytest.approx(0.0) and got["dp_rms"] == pytest.approx(0.1)
+    # Δp's quartiles too, as llama-perplexity prints them: −0.1 + 0.75 × 0.2 and −0.1 + 0.25 × 0.2
+    assert got["dp_percentiles"]["p75"] == pytest.approx(0.05) and got["dp_percentiles"]["p25"] == pytest.approx(-0.05)
+    assert "p75" not in got["kld_percentiles"]
     assert got["same_top"] == 0.5 and got["same_top_ci"] == pytest.approx([0.0945, 0.9055], abs=1e-4)
     assert got["ln_ppl_ratio"] == pytest.approx(0.1) and math.isfinite(got["ln_ppl_ratio_err"])
 
