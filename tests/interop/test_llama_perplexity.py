@@ -49,7 +49,7 @@ LINES = {
     "75.0%   Δp": ("dp.p75", 0.01), "Median  Δp": ("dp.p50", 0.01), "25.0%   Δp": ("dp.p25", 0.01),
     "10.0%   Δp": ("dp.p10", 0.01), " 5.0%   Δp": ("dp.p5", 0.01), " 1.0%   Δp": ("dp.p1", 0.01),
     " 0.1%   Δp": ("dp.p0.1", 0.01), "Minimum Δp": ("dp.min", 0.01),
-    "RMS Δp    ": ("dp_rms", 0.01), "Same top p": ("same_top", 0.01),
+    "RMS Δp": ("dp_rms", 0.01), "Same top p": ("same_top", 0.01),
 }
 
 
@@ -58,8 +58,8 @@ def parse_summary(text: str) -> dict[str, float]:
     found = {}
     for line in text.splitlines():
         head, sep, rest = line.partition(":")
-        if sep and head in LINES:
-            key, unit = LINES[head]
+        if sep and head.rstrip() in LINES:
+            key, unit = LINES[head.rstrip()]
             found[key] = float(re.match(r"\s*(-?[\d.]+)", rest).group(1)) * unit  # the ± after it is not used
     return found
 
@@ -75,8 +75,10 @@ def canary_figures(summary: dict) -> dict[str, float]:
 def chunk_rows(gguf: Path, tokens: list[int], bos: int) -> list[np.ndarray]:
     """llama.cpp's log-softmax rows for each chunk's scored positions (n_ctx/2 … n_ctx − 2), the
     chunk's first token replaced by BOS, as llama-perplexity evaluates it."""
+    # flash attention as llama-perplexity's default ("auto") picks on the CPU: without it the two
+    # runtimes' log-probs differ by up to 3e-3 on this model
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=N_CTX, n_batch=N_CTX, logits_all=True, n_threads=2,
-                          verbose=False)
+                          flash_attn=True, verbose=False)
     first, rows = N_CTX // 2, []
     for c in range(CHUNKS):
         chunk = [bos, *tokens[c * N_CTX + 1 : (c + 1) * N_CTX]]
@@ -130,4 +132,4 @@ def test_kld_delta_p_and_same_top_p_agree_with_llama_perplexity(ggufs, text_file
         print(f"  {key:<14}{value:>18.6f}{ours[key]:>14.6f}{abs(ours[key] - value):>14.2e}")
     print(f"  largest |difference| {worst:.2e} (bound {TOLERANCE:g})")
     assert {k: ours[k] for k in theirs} == pytest.approx(theirs, abs=TOLERANCE)
-    assert theirs["kld_mean"] > 1e-4  # a real difference between the files was measured, not a zero
+    assert theirs["kld_mean"] > 1e-5  # a real difference between the files was measured, not a zero
