@@ -22,7 +22,13 @@ from app.schemas import ComparisonOut, FiguresOut, ProgressOut, RunConfigOut, Ru
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
 from app.summary import trade_off_points, verdict_summary
-from engines.zoo import ModelPathError, check_draft_tokenizer, check_group_divisible, check_reference_family
+from engines.zoo import (
+    ModelPathError,
+    check_checkpoint,
+    check_draft_tokenizer,
+    check_group_divisible,
+    check_reference_family,
+)
 from evals.suite import SuiteSpec
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,8 @@ def check_model_path(path: str, field: str = "model.path", project: str | None =
 def check_config_fits_model(spec: dict, model_path: str, field: str, project: str | None = None) -> None:
     """What config validation can check from the model's files before any GPU time is spent:
     a served model's URL only for engine openai, group-divisible layer widths for int weights, a
-    draft directory the project may read that shares the tokenizer."""
+    draft directory the project may read that shares the tokenizer, and a config's own checkpoint
+    that holds the model's tokenizer and the quantization its weights axis names."""
     draft = (spec.get("speculative") or {}).get("draft_model")
     if is_endpoint(model_path):
         if spec.get("engine") != "openai":
@@ -53,19 +60,24 @@ def check_config_fits_model(spec: dict, model_path: str, field: str, project: st
         return
     target = model_dir(model_path, f"{field}.model", project)
     draft_dir = model_dir(draft, f"{field}.speculative.draft_model", project) if draft else None
+    checkpoint = model_dir(spec["checkpoint"], f"{field}.checkpoint", project) if spec.get("checkpoint") else None
     try:
         if spec.get("engine") == "reference":
-            check_reference_family(str(target), spec.get("weights"))
-        if spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
+            check_reference_family(str(checkpoint or target), spec.get("weights"))
+        if checkpoint is not None:
+            check_checkpoint(str(target), str(checkpoint), spec.get("weights", "fp16"))
+        elif spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):
             check_group_divisible(str(target))
         if draft_dir is not None:
             check_draft_tokenizer(str(target), str(draft_dir))
-    except ModelPathError as e:
-        raise ValueError(f"{field}.{e}".replace(f"'{draft_dir}'", f"'{draft}'")) from None
+    except ModelPathError as e:  # named as the config named them, never by the real paths they resolved to
+        raise ValueError(f"{field}.{e}".replace(f"'{draft_dir}'", f"'{draft}'")
+                         .replace(f"'{checkpoint}'", f"'{spec.get('checkpoint')}'")) from None
     except (OSError, ValueError, KeyError, TypeError):
         # unreadable, or not the JSON expected: the same answer as a missing directory
-        where = f"{field}.speculative.draft_model" if draft else f"{field}.model"
-        raise unusable(where, draft or model_path, project) from None
+        where, named = ((f"{field}.speculative.draft_model", draft) if draft else
+                        (f"{field}.checkpoint", spec["checkpoint"]) if checkpoint else (f"{field}.model", model_path))
+        raise unusable(where, named, project) from None
 
 
 def model_context(path: str) -> int | None:

@@ -4,6 +4,7 @@ service (app/) validates requests against it, so this module must stay free of t
 
 A config is a point on three axes (docs/design.md §Domain model):
   weights      fp32 | fp16 | bf16 | int8 | rtn-int4 | rtn-int3 | rtn-int2 | awq-int4 |
+               gptq-int4 (only from a `checkpoint` that GPTQ made) |
                gguf-q8_0 | gguf-q4_k_m (llama.cpp's types, served by a llama.cpp server)
   kv_cache     auto | fp16 | bf16 | fp32 | fp8 | int8 | int4 | int2 | kivi-4 | kivi-2 |
                turbo-2 | turbo-2.5 | turbo-3 | turbo-3.5 | turbo-4 | turbo-ip-3
@@ -21,7 +22,8 @@ from typing import Annotated, Any, Literal, NamedTuple, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4", "gguf-q8_0", "gguf-q4_k_m")
+WEIGHTS = ("fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4", "gptq-int4", "gguf-q8_0",
+           "gguf-q4_k_m")
 KV_CACHE = (
     "auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
     "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3",
@@ -41,6 +43,7 @@ BITS_PER_WEIGHT = {
     "rtn-int3": 3 + 32 / GROUP_SIZE,
     "rtn-int2": 2 + 32 / GROUP_SIZE,
     "awq-int4": 4 + 32 / GROUP_SIZE,
+    "gptq-int4": 4 + 16 / GROUP_SIZE,  # llm-compressor's W4A16: symmetric, a scale per group and no zero
     # llama.cpp blocks: Q8_0 is 32 int8 + one fp16 scale; Q4_K is 256 4-bit weights in 144 bytes
     # (Q4_K_M keeps some tensors at Q6_K, 6.5625 bits, so its files come out near 4.8 bits)
     "gguf-q8_0": 8 + 16 / 32,
@@ -56,7 +59,8 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
         "speculative": frozenset({"off"}),
     },
     "reference": {
-        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"}),
+        "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4",
+                              "gptq-int4"}),
         "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
                                "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
         "speculative": frozenset({"off", "draft", "ngram"}),
@@ -206,6 +210,11 @@ class OptimizationSpec(BaseModel):
         description="true: this config computes what the baseline computes, so its greedy outputs must equal the "
                     "baseline's (gated on lossless_exact_match); false: never; unset: decided from the axes "
                     "(same weights and KV cache as the baseline, whatever the engine or speculative decoding)")
+    checkpoint: str | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="a directory holding this config's own weights of the project's model, quantized by the tool the "
+                    "team deploys with (llm-compressor's compressed-tensors, AutoAWQ): loaded instead of model.path, "
+                    "with the same tokenizer; its quantization_config decides the weights axis (engine reference)")
     step_back: bool | None = Field(
         None, exclude_if=lambda v: v is None,
         description="false: when this config stacks optimizations on two or more axes and breaches a quality "
@@ -287,6 +296,15 @@ class OptimizationSpec(BaseModel):
                        "tensor_parallel_size", "max_model_len") and cast(int, value) < 1:  # an int: checked above
                 raise ConfigNotAvailable(f"engine_options.{key}", str(value), self.engine, frozenset(),
                                          message=f"engine_options.{key}: must be ≥ 1, got {value}")
+        if self.checkpoint is not None and self.engine != "reference":
+            raise ConfigNotAvailable("checkpoint", self.checkpoint, self.engine, frozenset(), message=(
+                f"checkpoint: engine '{self.engine}' does not load a config's own checkpoint; use engine: reference, "
+                "or serve the checkpoint (vLLM) and point engine: openai at it"))
+        if self.weights == "gptq-int4" and self.engine != "openai" and self.checkpoint is None:
+            raise ConfigNotAvailable("weights", self.weights, self.engine, frozenset(), message=(
+                "weights: gptq-int4 comes from a checkpoint that GPTQ made (llm-compressor's oneshot with "
+                "GPTQModifier); name its directory in checkpoint:, or use rtn-int4 or awq-int4, which the reference "
+                "engine quantizes itself"))
         for field, value in (
             ("weights", self.weights),
             ("kv_cache", self.kv_cache),
@@ -357,8 +375,11 @@ def axis_value(spec: OptimizationSpec, axis: str) -> str:
 def single_axis_ablation(candidate: OptimizationSpec, baseline: OptimizationSpec, axis: str) -> OptimizationSpec:
     """The baseline with only `axis` taken from the candidate, on the candidate's engine and engine
     options: one layer of a stacked config alone. Whether it is lossless is decided from its axes
-    again, and it never steps back itself."""
+    again, and it never steps back itself. A config's own checkpoint is its weights: it goes with
+    the weights axis."""
     if axis not in AXES:
         raise ValueError(f"axis: '{axis}' is not an optimization axis; choose one of: {', '.join(AXES)}")
+    weights = {"checkpoint": candidate.checkpoint} if axis == "weights" else {}
     return baseline.model_copy(update={"engine": candidate.engine, "engine_options": dict(candidate.engine_options),
-                                       axis: getattr(candidate, axis), "lossless": None, "step_back": None})
+                                       axis: getattr(candidate, axis), "lossless": None, "step_back": None,
+                                       **weights})

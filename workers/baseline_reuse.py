@@ -29,8 +29,9 @@ _LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "triton", "v
 
 def inputs_key(job: Job) -> str | None:
     """sha256 of everything that decides a config-run's rows: the model's files (and a draft
-    model's) by content, the config's spec, the suite's spec and version, the samples in order,
-    the source of engines/, evals/ and workers/, the libraries' versions and the device kind.
+    model's, and a config's own checkpoint's) by content, the config's spec, the suite's spec and
+    version, the samples in order, the source of engines/, evals/ and workers/, the libraries'
+    versions and the device kind.
     None for a served model (engine openai): what the server runs is not ours to pin."""
     spec: OptimizationSpec = job.spec
     if spec.engine == "openai":
@@ -39,6 +40,8 @@ def inputs_key(job: Job) -> str | None:
     draft = getattr(spec.speculative, "draft_model", None)
     if draft:
         models.append(model_digest(resolve_model_path(draft)))
+    if spec.checkpoint:  # the config's own weights, loaded in the model's place
+        models.append(model_digest(resolve_model_path(spec.checkpoint)))
     versions = {}
     for name in _LIBRARIES:
         try:

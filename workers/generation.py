@@ -104,4 +104,5 @@ def baseline_scorer(engine, job: Job) -> BaselineScorer:
 
         check_engine(baseline, job.project)
         return BaselineScorer(engine_cache.get_engine(job.model_path, baseline))
-    return BaselineScorer(engine_cache.get_engine(str(loadable_model(job)[0]), baseline))
+    path, baseline = loadable_model(job, baseline)  # the baseline's own model (or checkpoint), not the job's
+    return BaselineScorer(engine_cache.get_engine(str(path), baseline))

@@ -72,17 +72,21 @@ def load_job(session, config_run_id: int) -> Job:
     )
 
 
-def loadable_model(job: Job) -> tuple[pathlib.Path, OptimizationSpec]:
+def loadable_model(job: Job, spec: OptimizationSpec | None = None) -> tuple[pathlib.Path, OptimizationSpec]:
     """The model directory to load, checked again at use against the project's model root (the
     row may predate the root, or a symlink may have moved since it was created), and the config's
-    spec with its draft model (if any) checked the same way: each named by the real path the check
-    resolved, so what loads is what was checked, whatever a symlink points at by then
-    (app/model_paths.py)."""
+    spec with its draft model (if any) checked the same way, or the config's own checkpoint in
+    the model's place: each named by the real path the check resolved, so what loads is what was
+    checked, whatever a symlink points at by then (app/model_paths.py). spec: another config of
+    the job's run (its baseline) in the job's own place."""
     from app.model_paths import model_dir
 
-    spec = job.spec
+    spec = spec or job.spec
     draft = getattr(spec.speculative, "draft_model", None)
     if draft:
         real = model_dir(draft, "speculative.draft_model", job.project)
         spec = spec.model_copy(update={"speculative": spec.speculative.model_copy(update={"draft_model": str(real)})})
+    if spec.checkpoint:  # the config's own quantized weights of the model: loaded in its place
+        real = model_dir(spec.checkpoint, "checkpoint", job.project)
+        return real, spec.model_copy(update={"checkpoint": str(real)})
     return model_dir(job.model_path, "model.path", job.project), spec

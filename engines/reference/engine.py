@@ -76,7 +76,8 @@ class ReferenceEngine:
         self.fault = EngineFault(spec.option("fault"), spec.kv_cache, model.args.vocab_size,
                                  lambda ids: cast(str, tok.decode(ids, skip_special_tokens=True)))
         self.fault.corrupt_weights(model)
-        quantized = (rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
+        # a config's own checkpoint holds weights quantized already (load_model dequantized them): none again
+        quantized = (Quantized() if spec.checkpoint else rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
                      else self._awq(model, calibration) if spec.weights == "awq-int4" else Quantized())
         self.packed = quantized.packed  # int4 layers: (q, zero, scale) for the W4A16 kernels
         self.quantized_params, self.quantized_bytes = quantized.params, quantized.bytes

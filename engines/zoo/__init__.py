@@ -84,6 +84,59 @@ def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
                              f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
 
 
+def checkpoint_weights(model_ref: str) -> tuple[str | None, str]:
+    """The weights axis a checkpoint's quantization_config (config.json) says it holds, and those
+    words for a message: (None, "no quantization_config") for dense weights (torch-free).
+    llm-compressor writes no method into the config, only into recipe.yaml beside it: a GPTQ
+    recipe is gptq-int4, an AWQ one awq-int4, a plain quantization (round to nearest) rtn-int4."""
+    import json
+
+    path = resolve_model_path(model_ref)
+    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    if not qcfg:
+        return None, "no quantization_config (dense weights)"
+    if method == "awq":
+        return ("awq-int4" if qcfg.get("bits") == 4 else None), f"AutoAWQ {qcfg.get('bits')}-bit"
+    if method != "compressed-tensors":
+        return None, f"quant_method '{method}'"
+    groups = list((qcfg.get("config_groups") or {}).values())
+    bits = {(g.get("weights") or {}).get("num_bits") for g in groups}
+    recipe = (path / "recipe.yaml").read_text() if (path / "recipe.yaml").is_file() else ""
+    how = "GPTQ" if "GPTQModifier" in recipe else "AWQ" if "AWQModifier" in recipe else "round to nearest"
+    words = f"compressed-tensors {qcfg.get('format')}, {'/'.join(str(b) for b in sorted(bits, key=str))}-bit, {how}"
+    if len(bits) != 1 or any(g.get("input_activations") for g in groups):
+        return None, words
+    b = int(next(iter(bits)) or 0)
+    axis = {4: {"GPTQ": "gptq-int4", "AWQ": "awq-int4"}.get(how, "rtn-int4"), 8: "int8", 3: "rtn-int3",
+            2: "rtn-int2"}.get(b)
+    return axis, words
+
+
+def check_checkpoint(model_ref: str, checkpoint_ref: str, weights: str | None) -> None:
+    """A config's own checkpoint: the project model's tokenizer, and a weights axis that says what
+    its quantization_config holds (torch-free)."""
+    import json
+
+    a, b = resolve_model_path(model_ref) / "tokenizer.json", resolve_model_path(checkpoint_ref) / "tokenizer.json"
+    if not b.is_file() or (a.is_file() and json.loads(a.read_text())["model"]["vocab"]
+                           != json.loads(b.read_text())["model"]["vocab"]):
+        raise ModelPathError(f"checkpoint: '{checkpoint_ref}' does not hold the model's tokenizer (tokenizer.json); "
+                             "a config's checkpoint must be the project's model, quantized")
+    axis, words = checkpoint_weights(checkpoint_ref)
+    if axis is None and words.startswith("no quantization_config"):
+        if weights not in ("fp32", "fp16", "bf16"):
+            raise ModelPathError(f"weights: '{weights}' contradicts the checkpoint's {words}; use fp32, fp16 or bf16, "
+                                 "or drop checkpoint: and let the engine quantize")
+        return
+    if axis is None:
+        raise ModelPathError(f"checkpoint: the reference engine reads weight-only int checkpoints, and this one is "
+                             f"{words}; use engine: vllm (served, engine: openai) for it")
+    if weights != axis:
+        raise ModelPathError(f"weights: '{weights}' contradicts the checkpoint's quantization_config ({words}); "
+                             f"use weights: {axis}")
+
+
 def check_group_divisible(model_ref: str, group: int = 128) -> None:
     """Group-wise weight quantization needs every linear layer's input width to be a multiple
     of the group (torch-free: read from config.json)."""

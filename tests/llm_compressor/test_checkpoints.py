@@ -64,3 +64,54 @@ def test_the_reference_engine_reads_llm_compressor_checkpoints_as_their_producer
           f"(relative {worst / np.abs(theirs).max():.2e}); the fp32 model's differ from them by {moved:.3f}")
     assert worst <= RELATIVE * np.abs(theirs).max()
     assert moved > 100 * worst  # the checkpoint holds quantized weights: a loader that ignored them would fail
+
+
+def canary(tmp_path, *args: str):
+    import sys
+
+    env = {**os.environ, "CANARY_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}", "CANARY_EXECUTION": "inline"}
+    env.pop("CANARY_BROKER_URL", None)
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_canary_run_takes_each_checkpoint_as_a_config_s_weights(made, tmp_path):
+    """`canary run` with the fp32 model as the baseline and llm-compressor's two checkpoints as
+    configs of their own (`checkpoint:`, the weights axis their quantization_config holds), through
+    a pipe; a weights axis that contradicts the checkpoint is refused in one line, nothing stored."""
+    import json
+
+    import yaml
+
+    lines = resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:12]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines))
+    configs = [{"name": "fp32", "baseline": True, "engine": "reference", "weights": "fp32"},
+               {"name": "gptq", "engine": "reference", "weights": "gptq-int4", "checkpoint": str(made / "gptq")},
+               {"name": "awq", "engine": "reference", "weights": "awq-int4", "checkpoint": str(made / "awq")}]
+    suite = {"name": "s", "corpus": str(tmp_path / "docs.jsonl"), "samples": 12, "seed": 0,
+             "scorers": ["perplexity", "generation"], "generation": {"prompts": 4, "max_new_tokens": 8}}
+
+    def write(cfgs) -> str:
+        path = tmp_path / "canary.yaml"
+        path.write_text(yaml.safe_dump({"project": "ckpt", "model": {"name": "pydoc-target",
+                                        "path": "builtin:pydoc-target"}, "configs": cfgs, "suites": [suite]}))
+        return str(path)
+
+    wrong = canary(tmp_path, "run", "-f", write([*configs[:1], {**configs[1], "weights": "rtn-int4"}]))
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "configs[1].weights: 'rtn-int4' contradicts the checkpoint's quantization_config (compressed-tensors " \
+           "pack-quantized, 4-bit, GPTQ); use weights: gptq-int4" in wrong.stderr
+    if (tmp_path / "c.db").exists():  # nothing stored: no project, no run
+        import sqlite3
+
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            assert db.execute("select count(*) from runs").fetchone()[0] == 0
+
+    r = canary(tmp_path, "run", "-f", write(configs), "--json")
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert all(c["status"] == "succeeded" for c in out["configs"]), [(c["config"], c["error"]) for c in out["configs"]]
+    ratio = {c["config"]: c["estimate"] for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
+    print(f"\nppl ratio against the fp32 model, 12 documents: GPTQ W4A16 {ratio['gptq']:.4f}, "
+          f"AWQ W4A16_ASYM {ratio['awq']:.4f}")
+    assert ratio["gptq"] != 1.0 and ratio["awq"] != 1.0 and 0.95 < min(ratio.values()) < max(ratio.values()) < 1.5
