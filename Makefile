@@ -102,9 +102,11 @@ test-package: $(VENV)/.installed
 test-vllm: $(VENV)/.installed $(VLLM_VENV)/.installed
 	CANARY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/vllm
 
-# Checkpoints made by llm-compressor's oneshot (AWQ, GPTQ) in the reference engine: .ci/run runs it after test-vllm
-test-llmcompressor: $(VENV)/.installed $(LLMC_VENV)/.installed
-	CANARY_LLMC_PYTHON=$(abspath $(LLMC_VENV))/bin/python $(PY) -m pytest tests/llm_compressor
+# Checkpoints made by llm-compressor's oneshot (AWQ, GPTQ) in the reference engine, and served by vLLM:
+# .ci/run runs it after test-vllm
+test-llmcompressor: $(VENV)/.installed $(LLMC_VENV)/.installed $(VLLM_VENV)/.installed
+	CANARY_LLMC_PYTHON=$(abspath $(LLMC_VENV))/bin/python CANARY_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	  $(PY) -m pytest tests/llm_compressor
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve
