@@ -208,18 +208,20 @@ def _distributions(summary: RunOut) -> str:
     if not found:
         return "<p class='dim'>Not measured in this run (the suite's perplexity.distribution_samples is 0).</p>"
     out = ["<table><tr><th>config</th><th>tokens</th><th>mean KLD [95% CI]</th><th>KLD p99</th><th>Δp RMS</th>"
-           "<th>same top p [95% CI]</th><th>top-20 bounds (self-check)</th></tr>"]
+           "<th>same top p [95% CI]</th><th>KLD by position</th><th>top-20 bounds (self-check)</th></tr>"]
     for c in found:
         d, bounds = c.details, c.details.get("topk_bounds") or {}
         low, high = d["same_top_ci"]
         at_least = "≥ " if d.get("kld_bound") == "lower" else ""  # a server's top-20 on both sides
+        by_position = " · ".join(f"{b['positions']} {b['estimate']:.4g}" for b in d.get("by_position") or []) or "—"
         held = (f"{bounds['bracketed'] * 100:.0f}% bracketed, width {bounds['width_mean']:.3g}"
                 if bounds and bounds.get("width_mean") is not None
                 else "lower bound: both sides' top-20" if at_least else "—")
         out.append(f"<tr><td>{escape(c.config)}</td><td>{d['tokens']}</td>"
                    f"<td>{at_least}{c.estimate:.5f} [{c.ci_low:.5f}, {c.ci_high:.5f}]</td>"
                    f"<td>{d['kld_percentiles']['p99']:.4f}</td><td>{d['dp_rms'] * 100:.2f}%</td>"
-                   f"<td>{d['same_top'] * 100:.1f}% [{low * 100:.1f}, {high * 100:.1f}]</td><td>{held}</td></tr>")
+                   f"<td>{d['same_top'] * 100:.1f}% [{low * 100:.1f}, {high * 100:.1f}]</td>"
+                   f"<td>{escape(by_position)}</td><td>{held}</td></tr>")
     return "".join(out) + "</table>"
 
 

@@ -231,6 +231,9 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
     estimate = float(sums.sum() / toks.sum())
     lo, hi = paired_bootstrap_ci(lambda w: (w @ sums) / (w @ toks), len(docs), clusters=groups, seed=seed)
     details = summarize([stats_of(d) for _, d in docs])
+    buckets = kld_by_position(docs, groups, seed)
+    if len(buckets) > 1:  # one bucket is the whole figure again
+        details["by_position"] = buckets
     exact = [d for _, d in docs if d.exact]
     if len(exact) < len(docs):  # a side gave only its top-k: the figure is a lower bound on KL
         details["kld_bound"] = "lower"
@@ -247,6 +250,35 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
             "width_mean": float((upper - lower)[finite].mean()) if finite.any() else None,
             "unbounded_tokens": int((~finite).sum())}
     return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n, gated=False, details=details)
+
+
+def _mean_of_sums(sums: np.ndarray, toks: np.ndarray):
+    """Σ values ÷ Σ tokens under bootstrap weights w [B, n]."""
+    return lambda w: (w @ sums) / (w @ toks)
+
+
+def kld_by_position(docs: Sequence[tuple[str, DocDistribution]], clusters: Sequence[str], seed: int = 0
+                    ) -> list[dict]:
+    """Mean KLD within each position bucket of the windows (evals/positions.py; DocDistribution
+    positions), Σ KLD ÷ Σ tokens over the documents with tokens there, each with its own bootstrap
+    CI over source documents: a KV loss that starts deep in the context shows in the late buckets."""
+    from evals.positions import bucket_label
+    from evals.stats import paired_bootstrap_ci
+
+    found: dict[tuple[int, int], list[tuple[float, int, str]]] = {}
+    for (_, d), cluster in zip(docs, clusters, strict=True):
+        for lo, hi, total, n in d.positions:
+            if n:
+                found.setdefault((lo, hi), []).append((total, n, cluster))
+    out = []
+    for (lo, hi), rows in sorted(found.items()):
+        sums = np.array([t for t, _, _ in rows])
+        toks = np.array([n for _, n, _ in rows], dtype=np.float64)
+        lo_ci, hi_ci = paired_bootstrap_ci(_mean_of_sums(sums, toks), len(rows), clusters=[c for _, _, c in rows],
+                                           seed=seed)
+        out.append({"positions": bucket_label(lo, hi), "lo": lo, "hi": hi, "estimate": float(sums.sum() / toks.sum()),
+                    "ci_low": lo_ci, "ci_high": hi_ci, "n": len(rows), "tokens": int(toks.sum())})
+    return out
 
 
 def top1_agreement_comparison(pairs: Sequence[tuple[Sequence[int], Sequence[int], str | None]], seed: int,

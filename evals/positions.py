@@ -38,13 +38,19 @@ def token_positions(n_tokens: int, window: WindowSpec) -> list[int]:
 
 def position_nll(logprobs: Sequence[float], window: WindowSpec) -> tuple[PositionBucket, ...]:
     """(lo, hi, Σ −log p, token count) for each bucket of position_buckets(window), in order."""
+    return position_totals([-lp for lp in logprobs], window)
+
+
+def position_totals(values: Sequence[float], window: WindowSpec) -> tuple[PositionBucket, ...]:
+    """(lo, hi, Σ value, token count) for each bucket of position_buckets(window), in order: a
+    per-token figure of a document's scored tokens (−log p, a KLD) summed by position."""
     buckets = position_buckets(window)
-    nll, count = [0.0] * len(buckets), [0] * len(buckets)
-    for lp, pos in zip(logprobs, token_positions(len(logprobs), window), strict=True):
+    total, count = [0.0] * len(buckets), [0] * len(buckets)
+    for value, pos in zip(values, token_positions(len(values), window), strict=True):
         b = next(i for i, (_, hi) in enumerate(buckets) if pos < hi)
-        nll[b] -= lp
+        total[b] += value
         count[b] += 1
-    return tuple((lo, hi, total, n) for (lo, hi), total, n in zip(buckets, nll, count, strict=True))
+    return tuple((lo, hi, t, n) for (lo, hi), t, n in zip(buckets, total, count, strict=True))
 
 
 def bucket_label(lo: int, hi: int) -> str:

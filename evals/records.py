@@ -61,19 +61,22 @@ class DocDistribution:
     # False where each side gave only its top-k (an HTTP server): kld then holds the lower bound
     # (evals/distribution.py doc_distribution_topk) and kl_upper is infinite
     exact: bool = True
+    positions: tuple[tuple[int, int, float, int], ...] = ()  # (lo, hi, Σ KLD, tokens) by position (evals/positions.py)
 
     def to_json(self) -> dict[str, Any]:
         # 6 significant digits; an infinite bound as null (JSON, and PostgreSQL's jsonb, have no infinity)
         short = lambda xs: [float(f"{x:.6g}") if math.isfinite(x) else None for x in xs]  # noqa: E731
         return {"kld": short(self.kld), "dp": short(self.dp), "same": list(self.same), "ln_ratio": short(self.ln_ratio),
                 "kl_lower": short(self.kl_lower), "kl_upper": short(self.kl_upper), "k": self.k,
-                **({} if self.exact else {"exact": False})}
+                **({} if self.exact else {"exact": False}),
+                **({"positions": [list(b) for b in self.positions]} if self.positions else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DocDistribution:
         floats = lambda key: tuple(math.inf if x is None else float(x) for x in d[key])  # noqa: E731
         return cls(floats("kld"), floats("dp"), tuple(int(x) for x in d["same"]), floats("ln_ratio"),
-                   floats("kl_lower"), floats("kl_upper"), int(d["k"]), bool(d.get("exact", True)))
+                   floats("kl_lower"), floats("kl_upper"), int(d["k"]), bool(d.get("exact", True)),
+                   tuple((int(lo), int(hi), float(t), int(n)) for lo, hi, t, n in d.get("positions") or ()))
 
 
 @dataclass(frozen=True)

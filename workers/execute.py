@@ -23,7 +23,7 @@ from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.distribution import TOP_K, doc_distribution, doc_distribution_topk, topk_rows
 from evals.figures import RunFigures
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
-from evals.positions import position_nll
+from evals.positions import position_nll, position_totals
 from evals.records import (
     DocDistribution,
     DocRecord,
@@ -56,11 +56,12 @@ def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[Doc
     for request in requests if baseline is not None else []:  # one document at a time: two [T, V] arrays live
         if whole:
             [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
-            out.append(doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None)
-            continue
-        (r, q_top), (b, p_top) = _top_k(engine, request), _top_k(baseline, request)
-        out.append(doc_distribution_topk(p_top, q_top, b.logprobs, r.logprobs) if r.token_ids == b.token_ids
-                   else None)
+            d = doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
+        else:
+            (r, q_top), (b, p_top) = _top_k(engine, request), _top_k(baseline, request)
+            d = doc_distribution_topk(p_top, q_top, b.logprobs, r.logprobs) if r.token_ids == b.token_ids else None
+        # KLD by position in the window (evals/positions.py), as the perplexity ratio is kept
+        out.append(replace(d, positions=position_totals(d.kld, request.window)) if d else None)
     return out
 
 

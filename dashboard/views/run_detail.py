@@ -97,8 +97,9 @@ def decode_rows(run: dict) -> list[dict]:
 def distribution_rows(run: dict) -> list[dict]:
     """Each candidate's next-token distributions against the baseline's, as llama-perplexity
     --kl-divergence prints them (kld_mean's details): mean KLD with its CI, its 99th percentile,
-    Δp's RMS, same top p, and whether the top-20 bounds held. Where a server gave only its top-20
-    (kld_bound "lower"), the mean KLD is a lower bound and shows as "≥"."""
+    Δp's RMS, same top p, mean KLD by position in the window, and whether the top-20 bounds held.
+    Where a server gave only its top-20 (kld_bound "lower"), the mean KLD is a lower bound and shows
+    as "≥"."""
     rows = []
     for c in run["comparisons"]:
         d = c.get("details") or {}
@@ -109,12 +110,17 @@ def distribution_rows(run: dict) -> list[dict]:
         rows.append({"config": c["config"], "tokens": d["tokens"],
                      "mean KLD [95% CI]": f"{at_least}{c['estimate']:.5f} [{c['ci_low']:.5f}, {c['ci_high']:.5f}]",
                      "KLD p99": f"{d['kld_percentiles']['p99']:.4f}", "Δp RMS": f"{d['dp_rms'] * 100:.2f}%",
-                     "same top p": f"{d['same_top'] * 100:.1f}%",
+                     "same top p": f"{d['same_top'] * 100:.1f}%", "KLD by position": kld_by_position(d),
                      "top-20 bounds (self-check)": (f"{bounds['bracketed'] * 100:.0f}% bracketed, width "
                                                     f"{bounds['width_mean']:.3g}" if bounds and bounds.get("width_mean")
                                                     is not None else "lower bound: both sides' top-20" if at_least
                                                     else "—")})
     return rows
+
+
+def kld_by_position(details: dict) -> str:
+    """Mean KLD per position bucket of the windows, "0–127 0.0121 · 128–255 0.0342"; "—" with one bucket."""
+    return " · ".join(f"{b['positions']} {b['estimate']:.4g}" for b in details.get("by_position") or []) or "—"
 
 
 def task_rows(run: dict) -> list[dict]:

@@ -37,7 +37,7 @@ def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env
                     served("served", engine_serve, "pydoc-target", "fp32"),
                     served("served-int2", engine_serve_int2, "pydoc-int2", "rtn-int2")],
         "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 3, "seed": 1,
-                    "scorers": ["perplexity"], "perplexity": {"window": 128, "distribution_samples": 3}}],
+                    "scorers": ["perplexity"], "perplexity": {"window": 256, "distribution_samples": 3}}],
     }
     with session_scope() as session:
         apply_config_file(session, parse_config(cfg))
@@ -59,4 +59,10 @@ def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env
     assert 1e-3 < lossy["estimate"] <= local["estimate"] * (1 + 1e-4)
     assert lossy["details"]["same_top"] == pytest.approx(local["details"]["same_top"], abs=1e-9)
     assert lossy["details"]["dp_rms"] == pytest.approx(local["details"]["dp_rms"], rel=1e-3)
+    # KLD by position in the window (0–127, 128–255), the same tokens in each bucket on both paths
+    buckets = {c: [(b["positions"], b["tokens"]) for b in kld[c]["details"]["by_position"]] for c in kld}
+    assert [p for p, _ in buckets["local-int2"]] == ["0–127", "128–255"], buckets
+    assert buckets["local-int2"] == buckets["served-int2"] == buckets["served"]
+    assert sum(n for _, n in buckets["local-int2"]) == local["details"]["tokens"]
+    print(f"rtn-int2 KLD by position: {[(b['positions'], round(b['estimate'], 5)) for b in local['details']['by_position']]}")
     print(f"rtn-int2 KL: whole vocabulary {local['estimate']:.5f}, served top-20 lower bound {lossy['estimate']:.5f}")

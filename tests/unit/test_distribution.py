@@ -257,3 +257,30 @@ def test_the_transformers_engine_gives_the_same_distributions_as_the_reference_e
     assert np.abs(p - q).max() < 1e-4
     assert p[np.arange(len(h.token_ids)), h.token_ids] == pytest.approx(h.logprobs, abs=1e-6)
     assert max(doc_distribution(p, q, r.token_ids).kld) < 1e-6
+
+
+def test_kld_by_position_by_hand():
+    """A 256-token window, its buckets cut at 128 (evals/positions.py). Document a: 130 tokens, KLD 0.01 on each of its
+    first 128 (positions 0–127) and 0.5 on the last 2 (128, 129); document b: 128 tokens at 0.03.
+    Bucket 0–127: (1.28 + 3.84) ÷ 256 = 0.02; bucket 128–255: 1.0 ÷ 2 = 0.5, from a alone. The
+    stored positions survive a round trip through JSON."""
+    from engines.protocol import WindowSpec
+    from evals.distribution import kld_comparison
+    from evals.positions import position_totals
+    from evals.records import DocDistribution
+
+    window = WindowSpec(256, 256)
+
+    def doc(klds):
+        n = len(klds)
+        d = DocDistribution(tuple(klds), (0.0,) * n, (1,) * n, (0.0,) * n, tuple(klds), tuple(klds), 20)
+        return DocDistribution.from_json(replace(d, positions=position_totals(d.kld, window)).to_json())
+
+    a, b = doc([0.01] * 128 + [0.5, 0.5]), doc([0.03] * 128)
+    assert a.positions == ((0, 128, pytest.approx(1.28), 128), (128, 256, pytest.approx(1.0), 2))
+    got = kld_comparison([("a", a), ("b", b)]).details["by_position"]
+    assert [(g["positions"], g["tokens"], g["n"]) for g in got] == [("0–127", 256, 2), ("128–255", 2, 1)]
+    assert got[0]["estimate"] == pytest.approx(0.02) and got[1]["estimate"] == pytest.approx(0.5)
+    assert got[0]["ci_low"] <= 0.02 <= got[0]["ci_high"]
+    # one bucket only (every document shorter than 128 tokens): no table, it is the whole figure again
+    assert "by_position" not in kld_comparison([("b", doc([0.03] * 100))]).details

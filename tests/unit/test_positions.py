@@ -93,10 +93,14 @@ def test_the_run_page_lists_each_candidate_s_distribution_figures():
         {"config": "int8", "metric": "ppl_ratio", "estimate": 1.01, "details": {}},
         # a served candidate: both sides' top 20 only, so the figure is a lower bound
         {"config": "served", "metric": "kld_mean", "estimate": 0.0368, "ci_low": 0.03, "ci_high": 0.04,
-         "details": {**details, "kld_bound": "lower", "topk_bounds": None}}]}
+         "details": {**details, "kld_bound": "lower", "topk_bounds": None,
+                     "by_position": [{"positions": "0–127", "estimate": 0.01213}, {"positions": "128–255",
+                                                                                   "estimate": 0.0612}]}}]}
     assert distribution_rows(run) == [{"config": "int8", "tokens": 310, "mean KLD [95% CI]": "0.00042 [0.00030, 0.00055]",
                                        "KLD p99": "0.0123", "Δp RMS": "1.05%", "same top p": "98.7%",
+                                       "KLD by position": "—",
                                        "top-20 bounds (self-check)": "100% bracketed, width 0.00021"},
                                       {"config": "served", "tokens": 310, "mean KLD [95% CI]": "≥ 0.03680 [0.03000, 0.04000]",
                                        "KLD p99": "0.0123", "Δp RMS": "1.05%", "same top p": "98.7%",
+                                       "KLD by position": "0–127 0.01213 · 128–255 0.0612",
                                        "top-20 bounds (self-check)": "lower bound: both sides' top-20"}]

@@ -88,14 +88,16 @@ def test_next_token_distributions_in_the_report():
                      "same_top_ci": [0.98, 0.992], "topk_bounds": {"bracketed": 1.0, "width_mean": 0.00021}}}))
     html = _distributions(s)
     assert ("<td>int8</td><td>310</td><td>0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td>"
-            "<td>98.7% [98.0, 99.2]</td><td>100% bracketed, width 0.00021</td>") in html
+            "<td>98.7% [98.0, 99.2]</td><td>—</td><td>100% bracketed, width 0.00021</td>") in html
     assert "distribution_samples is 0" in _distributions(summary())
     # a served candidate (both sides' top 20 only): a lower bound, said so
     served = s.comparisons[-1].model_copy(update={"details": {**s.comparisons[-1].details, "kld_bound": "lower",
-                                                              "topk_bounds": None}})
+                                                              "topk_bounds": None, "by_position": [
+                                                                  {"positions": "0–127", "estimate": 0.0002},
+                                                                  {"positions": "128–255", "estimate": 0.0009}]}})
     s.comparisons[-1] = served
     assert ("<td>≥ 0.00042 [0.00030, 0.00055]</td><td>0.0123</td><td>1.05%</td><td>98.7% [98.0, 99.2]</td>"
-            "<td>lower bound: both sides' top-20</td>") in _distributions(s)
+            "<td>0–127 0.0002 · 128–255 0.0009</td><td>lower bound: both sides' top-20</td>") in _distributions(s)
 
 
 def test_task_accuracy_in_the_report():
