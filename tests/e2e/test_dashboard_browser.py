@@ -92,6 +92,14 @@ def test_every_page_in_headless_chromium(dashboard, seeded_api, tmp_path):
             assert not missing, f"{page}: missing {missing}; page text: {text[:1500]}"
             assert "Traceback" not in text and "Error" not in text.split("\n")[0]
             assert path.stat().st_size > 10_000
+            if page == "Run+detail&run_id=1":  # the distributions table, opened as a reader opens it
+                browser.find_element("xpath", "//summary[contains(., 'Next-token distributions')]").click()
+                deadline = time.time() + 30
+                while "KLD by position" not in text and time.time() < deadline:
+                    time.sleep(0.5)
+                    text = browser.find_element("tag name", "body").text
+                browser.save_screenshot(str(shots / "run-detail-1-distributions.png"))
+                assert "KLD by position" in text and "0–127 " in text and "128–255 " in text, text[:3000]
             if page == "Overview":  # the answer at the top: the critical config first, with its CI
                 first = browser.find_elements("css selector", "table tbody tr")[0].text
                 assert first.startswith("int2") and "critical" in first and "% [" in first, first
