@@ -63,7 +63,8 @@ def check_config_fits_model(spec: dict, model_path: str, field: str, project: st
     checkpoint = model_dir(spec["checkpoint"], f"{field}.checkpoint", project) if spec.get("checkpoint") else None
     try:
         if spec.get("engine") == "reference":
-            check_reference_family(str(checkpoint or target), spec.get("weights"))
+            # a checkpoint's AWQ was done by its producer: no AWQ search runs on its experts here
+            check_reference_family(str(checkpoint or target), None if checkpoint else spec.get("weights"))
         if checkpoint is not None:
             check_checkpoint(str(target), str(checkpoint), spec.get("weights", "fp16"))
         elif spec.get("weights", "fp16") in ("int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4"):

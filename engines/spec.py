@@ -340,10 +340,11 @@ def lossless_against(candidate: OptimizationSpec, baseline: OptimizationSpec) ->
     so (`lossless`), or it keeps the baseline's weights and KV cache and changes only how they are
     served (the engine, its options, speculative decoding with greedy verification). A change of
     float precision (fp32 against an fp16 baseline) is not lossless by this rule: near-ties may
-    flip; a team that holds it exact says `lossless: true`."""
+    flip; a team that holds it exact says `lossless: true`. Another checkpoint is other weights."""
     if candidate.lossless is not None:
         return candidate.lossless
-    return candidate.weights == baseline.weights and _kv_format(candidate) == _kv_format(baseline)
+    return (candidate.weights == baseline.weights and candidate.checkpoint == baseline.checkpoint
+            and _kv_format(candidate) == _kv_format(baseline))
 
 
 # The axes a stacked config can step back on, in the order the advice lists them.
@@ -355,7 +356,7 @@ def changed_axes(candidate: OptimizationSpec, baseline: OptimizationSpec) -> lis
     stored (`auto` on a float model is that model's dtype), its speculative decoding. Two or more
     make it a *stacked* config (issue 17: "step back one layer")."""
     out = []
-    if candidate.weights != baseline.weights:
+    if candidate.weights != baseline.weights or candidate.checkpoint != baseline.checkpoint:  # a checkpoint is weights
         out.append("weights")
     if candidate.kv_cache != baseline.kv_cache and _kv_format(candidate) != _kv_format(baseline):
         out.append("kv_cache")

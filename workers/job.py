@@ -40,7 +40,7 @@ def load_job(session, config_run_id: int) -> Job:
     suite = session.get(Suite, run.suite_id)
     spec = OptimizationSpec.model_validate(config_run.config.spec)
     calibration = None
-    if spec.weights == "awq-int4":  # domain text the run does not score: no test leakage
+    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the run does not score: no test leakage
         scored = set(run.sample_keys)
         calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
                        if sample.key not in scored]

@@ -22,8 +22,6 @@ import re
 
 import torch
 
-SUPPORTED_FORMATS = ("pack-quantized", "naive-quantized")
-
 
 class CheckpointFormatError(ValueError):
     pass
@@ -56,31 +54,20 @@ def group_args(qcfg: dict, module: str) -> dict:
                                 f"targets it")
 
 
-def check_quantization_config(qcfg: dict, path: object) -> None:
-    """Refuse what the loader cannot read back exactly, naming what it reads."""
-    fmt = qcfg.get("format")
-    where = f"quantization_config in '{path}'"
-    if fmt not in SUPPORTED_FORMATS:
-        raise CheckpointFormatError(f"{where}: compressed-tensors format '{fmt}' is not supported; the reference "
-                                    f"engine loads {' and '.join(SUPPORTED_FORMATS)} (weight-only int) checkpoints")
-    for name, group in (qcfg.get("config_groups") or {}).items():
-        weights = group.get("weights") or {}
-        if group.get("input_activations") or group.get("output_activations"):
-            raise CheckpointFormatError(f"{where}: config group '{name}' quantizes activations; the reference engine "
-                                        f"runs weight-only quantization (W4A16, W8A16): use engine: vllm for it")
-        if weights.get("type", "int") != "int" or group.get("format", fmt) not in SUPPORTED_FORMATS:
-            raise CheckpointFormatError(f"{where}: config group '{name}' holds {weights.get('type')} weights in "
-                                        f"'{group.get('format', fmt)}'; the reference engine reads int weights "
-                                        f"in {' or '.join(SUPPORTED_FORMATS)}")
-        if weights.get("strategy") not in ("tensor", "channel", "group"):
-            raise CheckpointFormatError(f"{where}: config group '{name}' has strategy '{weights.get('strategy')}'; "
-                                        f"the reference engine reads tensor, channel and group")
+def check_quantization_config(qcfg: dict) -> None:
+    """Refuse what the loader cannot read back exactly (engines/zoo compressed_tensors_problem, the
+    same check the service makes at the door), naming it; never the checkpoint's path."""
+    from engines.zoo import compressed_tensors_problem
+
+    problem = compressed_tensors_problem(qcfg)
+    if problem:
+        raise CheckpointFormatError(f"the checkpoint's quantization_config: {problem}; use engine: vllm for it")
 
 
-def dequantize_state(state: dict[str, torch.Tensor], qcfg: dict, path: object) -> dict[str, torch.Tensor]:
+def dequantize_state(state: dict[str, torch.Tensor], qcfg: dict) -> dict[str, torch.Tensor]:
     """A compressed-tensors state dict → dense float32 weights under their `.weight` names; the
     rest as it was."""
-    check_quantization_config(qcfg, path)
+    check_quantization_config(qcfg)
     modules = {k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")}
     out = {k: v for k, v in state.items()
            if not any(k == f"{m}.{s}" for m in modules
@@ -114,7 +101,10 @@ def dequantize_state(state: dict[str, torch.Tensor], qcfg: dict, path: object) -
 
 def _zero_point(zp: torch.Tensor, bits: int, rows: int, n_groups: int) -> torch.Tensor:
     """An asymmetric zero point [rows, n_groups]: packed into int32 along the output dimension
-    (compressed-tensors ≥ 0.10), along the groups (older releases), or stored unpacked."""
+    (compressed-tensors ≥ 0.10), along the groups (older releases), stored unpacked, or one value
+    for the whole tensor (strategy tensor)."""
+    if zp.numel() == 1:
+        return zp.to(torch.int64).reshape(1, 1).expand(rows, n_groups)
     if zp.dtype != torch.int32 or zp.shape == (rows, n_groups):
         return zp.to(torch.int64).reshape(rows, n_groups)
     if zp.shape == (math.ceil(rows * bits / 32), n_groups):

@@ -31,7 +31,15 @@ from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
 from engines.reference.spec_loop import generate_speculative
 from engines.reference.speculative import DraftModelProposer, NgramProposer
-from engines.reference.weights import RTN_BITS, Quantized, awq, calibration_ids, rtn, use_w4a16_kernels
+from engines.reference.weights import (
+    RTN_BITS,
+    Quantized,
+    awq,
+    calibration_ids,
+    checkpoint_quantized,
+    rtn,
+    use_w4a16_kernels,
+)
 from engines.sampling import adjust, pick, token_logprob
 from engines.spec import OptimizationSpec
 from engines.zoo import MOE_AWQ
@@ -77,7 +85,8 @@ class ReferenceEngine:
                                  lambda ids: cast(str, tok.decode(ids, skip_special_tokens=True)))
         self.fault.corrupt_weights(model)
         # a config's own checkpoint holds weights quantized already (load_model dequantized them): none again
-        quantized = (Quantized() if spec.checkpoint else rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
+        quantized = (checkpoint_quantized(model, spec.bits_per_weight) if spec.checkpoint
+                     else rtn(model, RTN_BITS[spec.weights]) if spec.weights in RTN_BITS
                      else self._awq(model, calibration) if spec.weights == "awq-int4" else Quantized())
         self.packed = quantized.packed  # int4 layers: (q, zero, scale) for the W4A16 kernels
         self.quantized_params, self.quantized_bytes = quantized.params, quantized.bytes

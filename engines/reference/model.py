@@ -380,11 +380,14 @@ class Transformer(nn.Module):
         return h if hidden else self.lm_head(h)  # hidden=True: the caller applies lm_head where needed
 
 
-def _dequantize_awq_state(state: dict, qcfg: dict, path) -> dict:
-    """An AutoAWQ / llm-compressor GEMM checkpoint: qweight/qzeros/scales → fp weights."""
+def _dequantize_awq_state(state: dict, qcfg: dict) -> dict:
+    """An AutoAWQ / llm-compressor GEMM checkpoint: qweight/qzeros/scales → fp weights. A refusal
+    names the method, never the checkpoint's path (which may be the real one a symlink led to)."""
     if qcfg.get("quant_method") != "awq" or qcfg.get("bits") != 4 or qcfg.get("version", "gemm").lower() != "gemm":
-        raise ValueError(f"quantization_config {qcfg} in '{path}' is not supported; the reference engine loads "
-                         "AWQ 4-bit GEMM and compressed-tensors (llm-compressor) weight-only int checkpoints")
+        raise ValueError(f"the model's quantization_config (quant_method '{qcfg.get('quant_method')}', "
+                         f"{qcfg.get('bits')}-bit, version '{qcfg.get('version')}') is not supported; the reference "
+                         "engine loads AWQ 4-bit GEMM and compressed-tensors (llm-compressor) weight-only int "
+                         "checkpoints")
     out = {k: v for k, v in state.items() if not k.endswith((".qweight", ".qzeros", ".scales"))}
     for k in state:
         if k.endswith(".qweight"):
@@ -410,9 +413,9 @@ def load_model(path: str | pathlib.Path, dtype: torch.dtype = torch.float32,
     qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     if qcfg.get("quant_method") == "compressed-tensors":  # llm-compressor's output (AWQ, GPTQ, RTN recipes)
         state = {k: v.float() if v.is_floating_point() else v for k, v in
-                 dequantize_compressed_tensors(state, qcfg, path).items()}
+                 dequantize_compressed_tensors(state, qcfg).items()}
     elif qcfg:
-        state = _dequantize_awq_state(state, qcfg, path)
+        state = _dequantize_awq_state(state, qcfg)
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:

@@ -4,6 +4,7 @@ int4 layers kept for the W4A16 kernels and the bytes the quantized weights would
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -42,6 +43,19 @@ def rtn(model: Transformer, bits: int) -> Quantized:
                     out.packed[f"model.layers.{i}.{name}"] = (q, zero, scale)
                 out_f, in_f = lin.weight.shape
                 out.count(out_f, in_f, bits)
+    return out
+
+
+def checkpoint_quantized(model: Transformer, bits_per_weight: float) -> Quantized:
+    """What a config's own checkpoint holds, for the memory figures: every decoder linear at its
+    weights axis' bits per weight (scales and zeros included), as its producer quantizes them all
+    and keeps the embeddings and the head (llm-compressor's recipes ignore lm_head). load_model
+    dequantized them; nothing is quantized again."""
+    out = Quantized()
+    for layer in cast("Iterable[DecoderLayer]", model.model.layers):
+        for _, lin in layer_linears(layer):
+            out.params += lin.weight.numel()
+            out.bytes += math.ceil(lin.weight.numel() * bits_per_weight / 8)
     return out
 
 

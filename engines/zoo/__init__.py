@@ -84,6 +84,39 @@ def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
                              f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
 
 
+CT_FORMATS = ("pack-quantized", "naive-quantized")  # compressed-tensors formats the reference engine reads back
+
+
+def compressed_tensors_problem(qcfg: dict) -> str | None:
+    """Why the reference engine cannot read a compressed-tensors quantization_config back exactly
+    (engines/quant/compressed_tensors.py), or None: weight-only int in pack- or naive-quantized,
+    strategy tensor, channel or group, no activation or KV quantization, no online transform, no
+    sparsity. Torch-free: the door and the loader both ask it."""
+    fmt = qcfg.get("format")
+    if fmt not in CT_FORMATS:
+        return f"compressed-tensors format '{fmt}' (the reference engine reads {' and '.join(CT_FORMATS)})"
+    for key, what in (("transform_config", "an online transform (rotations)"), ("sparsity_config", "sparsity"),
+                      ("kv_cache_scheme", "a quantized KV cache")):
+        if qcfg.get(key):
+            return f"{what} in its {key}, which the reference engine does not apply"
+    groups = qcfg.get("config_groups") or {}
+    if not groups:
+        return "no config_groups"
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        if group.get("input_activations") or group.get("output_activations"):
+            return f"config group '{name}' quantizes activations (the reference engine runs weight-only W4A16, W8A16)"
+        if weights.get("type", "int") != "int" or group.get("format", fmt) not in CT_FORMATS:
+            return (f"config group '{name}' holds {weights.get('type')} weights in '{group.get('format', fmt)}' "
+                    f"(the reference engine reads int weights)")
+        if weights.get("strategy") not in ("tensor", "channel", "group"):
+            return (f"config group '{name}' has strategy '{weights.get('strategy')}' (the reference engine reads "
+                    f"tensor, channel and group)")
+        if not isinstance(weights.get("num_bits"), int) or not 1 <= weights["num_bits"] <= 8:
+            return f"config group '{name}' has {weights.get('num_bits')}-bit weights"
+    return None
+
+
 def checkpoint_weights(model_ref: str) -> tuple[str | None, str]:
     """The weights axis a checkpoint's quantization_config (config.json) says it holds, and those
     words for a message: (None, "no quantization_config") for dense weights (torch-free).
@@ -97,15 +130,19 @@ def checkpoint_weights(model_ref: str) -> tuple[str | None, str]:
     if not qcfg:
         return None, "no quantization_config (dense weights)"
     if method == "awq":
-        return ("awq-int4" if qcfg.get("bits") == 4 else None), f"AutoAWQ {qcfg.get('bits')}-bit"
+        gemm = qcfg.get("bits") == 4 and str(qcfg.get("version", "gemm")).lower() == "gemm"
+        return ("awq-int4" if gemm else None), f"AutoAWQ {qcfg.get('bits')}-bit {qcfg.get('version', 'gemm')}"
     if method != "compressed-tensors":
         return None, f"quant_method '{method}'"
+    problem = compressed_tensors_problem(qcfg)
+    if problem:
+        return None, problem
     groups = list((qcfg.get("config_groups") or {}).values())
     bits = {(g.get("weights") or {}).get("num_bits") for g in groups}
     recipe = (path / "recipe.yaml").read_text() if (path / "recipe.yaml").is_file() else ""
     how = "GPTQ" if "GPTQModifier" in recipe else "AWQ" if "AWQModifier" in recipe else "round to nearest"
     words = f"compressed-tensors {qcfg.get('format')}, {'/'.join(str(b) for b in sorted(bits, key=str))}-bit, {how}"
-    if len(bits) != 1 or any(g.get("input_activations") for g in groups):
+    if len(bits) != 1:
         return None, words
     b = int(next(iter(bits)) or 0)
     axis = {4: {"GPTQ": "gptq-int4", "AWQ": "awq-int4"}.get(how, "rtn-int4"), 8: "int8", 3: "rtn-int3",
@@ -118,11 +155,20 @@ def check_checkpoint(model_ref: str, checkpoint_ref: str, weights: str | None) -
     its quantization_config holds (torch-free)."""
     import json
 
-    a, b = resolve_model_path(model_ref) / "tokenizer.json", resolve_model_path(checkpoint_ref) / "tokenizer.json"
+    model, ckpt = resolve_model_path(model_ref), resolve_model_path(checkpoint_ref)
+    a, b = model / "tokenizer.json", ckpt / "tokenizer.json"
     if not b.is_file() or (a.is_file() and json.loads(a.read_text())["model"]["vocab"]
                            != json.loads(b.read_text())["model"]["vocab"]):
         raise ModelPathError(f"checkpoint: '{checkpoint_ref}' does not hold the model's tokenizer (tokenizer.json); "
                              "a config's checkpoint must be the project's model, quantized")
+    shape = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim")
+    mine, theirs = (json.loads((d / "config.json").read_text()) for d in (model, ckpt))
+    differ = [k for k in shape if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise ModelPathError(f"checkpoint: '{checkpoint_ref}' is another model ({differ[0]} {theirs.get(differ[0])} "
+                             f"against the model's {mine.get(differ[0])}); a config's checkpoint must be the "
+                             "project's model, quantized")
     axis, words = checkpoint_weights(checkpoint_ref)
     if axis is None and words.startswith("no quantization_config"):
         if weights not in ("fp32", "fp16", "bf16"):

@@ -7,7 +7,8 @@ logits it gives on fixed token ids, for the reference engine to be checked again
     python make_checkpoints.py MODEL_DIR CORPUS_JSONL OUT_DIR
 
 OUT_DIR/<recipe>/ is the checkpoint; OUT_DIR/<recipe>.logits.npy its producer's logits [1, T, V]
-on OUT_DIR/ids.npy. Recipes: gptq (GPTQModifier, W4A16: symmetric int4, group 128) and awq
+on OUT_DIR/ids.npy. Recipes: gptq (GPTQModifier, W4A16: symmetric int4, group 128; this release
+makes no group indices: its GPTQ takes activation orders "static" and "weight" only) and awq
 (AWQModifier, W4A16_ASYM: asymmetric int4 with zero points, group 128), calibrated on the
 corpus's first 32 documents."""
 

@@ -49,9 +49,13 @@ def made(tmp_path_factory) -> Path:
 def test_the_reference_engine_reads_llm_compressor_checkpoints_as_their_producer_does(made, recipe, symmetric):
     import json
 
+    from safetensors import safe_open
+
     qcfg = json.loads((made / recipe / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "pack-quantized"
     assert qcfg["config_groups"]["group_0"]["weights"]["symmetric"] is symmetric
+    with safe_open(str(made / recipe / "model.safetensors"), "np") as f:  # zero points where asymmetric
+        assert any(k.endswith(".weight_zero_point") for k in f.keys()) is not symmetric
     import torch
 
     ids = torch.from_numpy(np.load(made / "ids.npy"))

@@ -60,12 +60,27 @@ def test_a_checkpoint_is_refused_at_the_door_where_the_config_says_otherwise(tmp
     w8a8 = checkpoint(tmp_path, ct(group(8, input_activations={"num_bits": 8})), "", "w8a8")
     with pytest.raises(ValueError, match=r"configs\[1\]\.checkpoint: the reference engine reads weight-only int"):
         check_config_fits_model({**spec, "checkpoint": str(w8a8)}, "builtin:pydoc-target", "configs[1]")
+    nvfp4 = checkpoint(tmp_path, {**ct(group(4)), "format": "nvfp4-pack-quantized"}, "", "nvfp4")
+    with pytest.raises(ValueError, match=r"configs\[1\]\.checkpoint: the reference engine reads weight-only int"):
+        check_config_fits_model({**spec, "weights": "rtn-int4", "checkpoint": str(nvfp4)}, "builtin:pydoc-target",
+                                "configs[1]")
+    bigger = checkpoint(tmp_path, ct(group(4)), "GPTQModifier: {}\n", "bigger")
+    cfg = json.loads((bigger / "config.json").read_text())
+    (bigger / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    with pytest.raises(ValueError, match=r"configs\[1\]\.checkpoint: '.*bigger' is another model "
+                                         r"\(num_hidden_layers \d+ against the model's \d+\)"):
+        check_config_fits_model({**spec, "checkpoint": str(bigger)}, "builtin:pydoc-target", "configs[1]")
     other = checkpoint(tmp_path, ct(group(4)), "GPTQModifier: {}\n", "other")
     vocab = json.loads((other / "tokenizer.json").read_text())
     vocab["model"]["vocab"] = {f"x{k}": v for k, v in vocab["model"]["vocab"].items()}
     (other / "tokenizer.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match=r"configs\[1\]\.checkpoint: '.*other' does not hold the model's tokenizer"):
         check_config_fits_model({**spec, "checkpoint": str(other)}, "builtin:pydoc-target", "configs[1]")
+    # named as the config named it, never by the real path a symlink led to
+    (tmp_path / "link").symlink_to(other)
+    with pytest.raises(ValueError, match=r"checkpoint: '.*link' does not hold") as e:
+        check_config_fits_model({**spec, "checkpoint": str(tmp_path / "link")}, "builtin:pydoc-target", "configs[1]")
+    assert "other" not in str(e.value)
     with pytest.raises(ValueError, match=r"configs\[1\]\.checkpoint: .*nowhere. is not a usable path to a model directory"):
         check_config_fits_model({**spec, "checkpoint": str(tmp_path / "nowhere")}, "builtin:pydoc-target",
                                 "configs[1]")
@@ -85,3 +100,8 @@ def test_a_checkpoint_goes_with_the_weights_axis_when_a_stacked_config_steps_bac
     stacked = OptimizationSpec(engine="reference", weights="gptq-int4", checkpoint="/ckpt", kv_cache="int4")
     assert single_axis_ablation(stacked, base, "weights").checkpoint == "/ckpt"
     assert single_axis_ablation(stacked, base, "kv_cache").checkpoint is None
+    # another checkpoint is other weights, whatever its label says: never held to the baseline's outputs
+    from engines.spec import changed_axes, lossless_against
+
+    dense = OptimizationSpec(engine="reference", weights="fp32", checkpoint="/finetuned")
+    assert not lossless_against(dense, base) and changed_axes(dense, base) == ["weights"]

@@ -33,7 +33,7 @@ def test_symmetric_group_weights_by_hand():
     packed = torch.tensor([[(9) | (6 << 4) | (11 << 8) | (8 << 12)]], dtype=torch.int32)
     state = {"l.weight_packed": packed, "l.weight_scale": torch.tensor([[0.5, 0.25]]),
              "l.weight_shape": torch.tensor([1, 4]), "norm.weight": torch.ones(4)}
-    out = dequantize_state(state, cfg(), "ckpt")
+    out = dequantize_state(state, cfg())
     assert out["l.weight"].tolist() == [[0.5, -1.0, 0.75, 0.0]] and set(out) == {"l.weight", "norm.weight"}
 
 
@@ -45,24 +45,42 @@ def test_zero_point_packed_along_the_output_dimension_and_g_idx_by_hand():
     codes = torch.tensor([[11 | (11 << 4)], [10 | (10 << 4)]], dtype=torch.int32)
     state = {"l.weight_packed": codes, "l.weight_scale": torch.ones(2, 2), "l.weight_shape": torch.tensor([2, 2]),
              "l.weight_zero_point": zp}
-    assert dequantize_state(state, cfg(group_size=1, symmetric=False), "c")["l.weight"].tolist() == [[2, 4], [2, 0]]
+    assert dequantize_state(state, cfg(group_size=1, symmetric=False))["l.weight"].tolist() == [[2, 4], [2, 0]]
     # activation order: column 0 belongs to group 1 and column 1 to group 0
     state["l.weight_g_idx"] = torch.tensor([1, 0], dtype=torch.int32)
-    assert dequantize_state(state, cfg(group_size=1, symmetric=False), "c")["l.weight"].tolist() == [[4, 2], [0, 2]]
+    assert dequantize_state(state, cfg(group_size=1, symmetric=False))["l.weight"].tolist() == [[4, 2], [0, 2]]
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"format": "float-quantized"}, "format 'float-quantized' is not supported"),
-    ({"input_activations": {"num_bits": 8}}, "quantizes activations"),
-    ({"strategy": "block"}, "strategy 'block'"),
+def test_an_asymmetric_tensor_scale_by_hand():
+    # strategy tensor: one scale 0.5 and one unpacked zero point 2 for the whole weight: W = (q − 2) · 0.5
+    state = {"l.weight_packed": torch.tensor([[(3 + 8) | ((0 + 8) << 4)]], dtype=torch.int32),
+             "l.weight_scale": torch.tensor([0.5]), "l.weight_shape": torch.tensor([1, 2]),
+             "l.weight_zero_point": torch.tensor([2], dtype=torch.int8)}
+    c = cfg(strategy="tensor", group_size=None, symmetric=False)
+    assert dequantize_state(state, c)["l.weight"].tolist() == [[0.5, -1.0]]
+
+
+def set_path(c: dict, path: str, value) -> dict:
+    *parents, last = path.split(".")
+    node = c
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return c
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("format", "float-quantized", "format 'float-quantized'"),
+    ("format", "nvfp4-pack-quantized", "format 'nvfp4-pack-quantized'"),
+    ("config_groups.group_0.input_activations", {"num_bits": 8}, "quantizes activations"),
+    ("config_groups.group_0.output_activations", {"num_bits": 8}, "quantizes activations"),
+    ("config_groups.group_0.weights.type", "float", "holds float weights"),
+    ("config_groups.group_0.weights.strategy", "block", "strategy 'block'"),
+    ("transform_config", {"config_groups": {"u": {}}}, "an online transform"),
+    ("sparsity_config", {"format": "sparse-bitmask"}, "sparsity"),
+    ("kv_cache_scheme", {"num_bits": 8}, "a quantized KV cache"),
 ])
-def test_what_the_engine_cannot_read_back_is_refused_naming_it(change, match):
-    c = cfg()
-    if "format" in change:
-        c["format"] = change["format"]
-    elif "input_activations" in change:
-        c["config_groups"]["group_0"]["input_activations"] = change["input_activations"]
-    else:
-        c["config_groups"]["group_0"]["weights"]["strategy"] = change["strategy"]
-    with pytest.raises(CheckpointFormatError, match=match):
-        check_quantization_config(c, "ckpt")
+def test_what_the_engine_cannot_read_back_is_refused_naming_it_and_no_path(path, value, match):
+    with pytest.raises(CheckpointFormatError, match=match) as e:
+        check_quantization_config(set_path(cfg(), path, value))
+    assert "/" not in str(e.value).replace("W4A16, W8A16", "")  # never the checkpoint's (real) path

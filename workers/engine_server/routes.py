@@ -238,7 +238,7 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
         token_lps = [None, *scores.logprobs] + ([scores.next_logprob] if append else [])
         texts = server.token_strings(token_ids)
         offsets = text_offsets(texts)
-        tokens = [name(t) for t in token_ids]
+        tokens = [name(t) for t in token_ids] if body.return_tokens_as_token_ids else texts
         top = None
         if body.logprobs:  # top[t] holds the alternatives for the token at position t + 1
             top = [None] + [{name(t): lp for t, lp in alternatives}
