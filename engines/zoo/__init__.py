@@ -68,17 +68,20 @@ def resolve_corpus_path(ref: str) -> pathlib.Path:
     return pathlib.Path(ref).expanduser()
 
 
-def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
-    """A draft model must share the target's vocabulary token for token (torch-free check)."""
+def _vocab(model_ref: str) -> dict | None:
+    """A model directory's tokenizer.json vocabulary, None where it has no tokenizer.json."""
     import json
 
-    target, draft = resolve_model_path(target_ref), resolve_model_path(draft_ref)
-    a, b = target / "tokenizer.json", draft / "tokenizer.json"
-    if not (a.is_file() and b.is_file()):
+    path = resolve_model_path(model_ref) / "tokenizer.json"
+    return json.loads(path.read_text())["model"]["vocab"] if path.is_file() else None
+
+
+def check_draft_tokenizer(target_ref: str, draft_ref: str) -> None:
+    """A draft model must share the target's vocabulary token for token (torch-free check)."""
+    va, vb = _vocab(target_ref), _vocab(draft_ref)
+    if va is None or vb is None:
         raise ModelPathError("speculative.draft_model: both models need a tokenizer.json "
                              "to check they share a tokenizer")
-    va = json.loads(a.read_text())["model"]["vocab"]
-    vb = json.loads(b.read_text())["model"]["vocab"]
     if va != vb:
         raise ModelPathError(f"speculative.draft_model: '{draft_ref}' has a different tokenizer from the target "
                              f"({len(vb)} vs {len(va)} tokens); a draft must share the target's vocabulary")
@@ -156,9 +159,8 @@ def check_checkpoint(model_ref: str, checkpoint_ref: str, weights: str | None) -
     import json
 
     model, ckpt = resolve_model_path(model_ref), resolve_model_path(checkpoint_ref)
-    a, b = model / "tokenizer.json", ckpt / "tokenizer.json"
-    if not b.is_file() or (a.is_file() and json.loads(a.read_text())["model"]["vocab"]
-                           != json.loads(b.read_text())["model"]["vocab"]):
+    mine_vocab, theirs_vocab = _vocab(model_ref), _vocab(checkpoint_ref)
+    if theirs_vocab is None or (mine_vocab is not None and mine_vocab != theirs_vocab):
         raise ModelPathError(f"checkpoint: '{checkpoint_ref}' does not hold the model's tokenizer (tokenizer.json); "
                              "a config's checkpoint must be the project's model, quantized")
     shape = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
