@@ -79,6 +79,44 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
     return samples
 
 
+# characters per token a long document is sized by: more than English or code average on any common
+# tokenizer (about 3 to 5), so a document of window × this many characters fills its window
+LONG_CHARS_PER_TOKEN = 6
+
+
+def join_long(samples: list[SampleIn], window: int, max_chars: int, field: str = "perplexity.long_documents"
+              ) -> list[SampleIn]:
+    """The suite's documents joined, in corpus order and separated by a blank line, into documents
+    of at least window × LONG_CHARS_PER_TOKEN characters (the window's length in tokens on any
+    common tokenizer): long-context documents whose windows fill to the end, so that a loss deep
+    in the context is scored (perplexity.long_documents). A document already that long stays as
+    it is; a short remainder joins the last document. Each joined document is its own cluster,
+    keyed by its first document's key and how many followed it ("mod.func+9")."""
+    if any(s.reference is not None or s.contexts for s in samples):
+        raise CorpusError(f"{field}: the corpus's documents carry references or contexts (RAG items), which joining "
+                          "would lose; join plain documents only, or set long_documents: false")
+    target = window * LONG_CHARS_PER_TOKEN
+    if target > max_chars:
+        raise CorpusError(f"{field}: a window of {window} tokens needs documents of {target} characters, above the "
+                          f"limit of {max_chars} (CANARY_MAX_DOCUMENT_CHARS); use a smaller window")
+    groups: list[list[SampleIn]] = []
+    size = 0  # characters in the group being filled, with a separator after each document
+    for sample in samples:
+        n = len(sample.text) + 2
+        if not groups or size >= target or size + n > max_chars + 2:
+            groups.append([])
+            size = 0
+        groups[-1].append(sample)
+        size += n
+    if len(groups) > 1 and size < target and size + sum(len(s.text) + 2 for s in groups[-2]) <= max_chars + 2:
+        groups[-2].extend(groups.pop())  # a short remainder: no document below the window
+    joined = []
+    for group in groups:
+        key = group[0].key if len(group) == 1 else f"{group[0].key[:240]}+{len(group) - 1}"
+        joined.append(SampleIn(key=key, text="\n\n".join(s.text for s in group), cluster=key))
+    return joined
+
+
 ITEM_PREFIX = "item:"  # a labelled item's key among a suite's samples (kind "item"); documents never start so
 
 

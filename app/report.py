@@ -175,17 +175,22 @@ def _signals(summary: RunOut) -> str:
     return "".join(out) + "</table>"
 
 
+# the ratios kept by position bucket, and how their tokens were scored: the documents by prefill or a token
+# per decode step, the generated answers (buckets of token index in the answer)
+SCORED_BY = {"ppl_ratio": "prefill", "decode_nll_ratio": "decode", "gen_nll_ratio": "answer"}
+
+
 def _positions(summary: RunOut) -> str:
     """Each candidate's perplexity ratio per position bucket of its windows, by prefill and (for the
-    documents a lossy-KV config also scored a token per decode step) by decode, then each such
-    config's prefill-vs-decode gap on those documents."""
+    documents a lossy-KV config also scored a token per decode step) by decode, then its generated
+    answers' by token index in the answer, then each lossy-KV config's prefill-vs-decode gap."""
     rows, gaps = [], []
     for c in summary.comparisons:
-        if c.metric not in ("ppl_ratio", "decode_nll_ratio") or c.config == summary.baseline:
+        scored = SCORED_BY.get(c.metric)
+        if scored is None or c.config == summary.baseline:
             continue
-        scored = "prefill" if c.metric == "ppl_ratio" else "decode"
         for b in c.details.get("by_position") or []:
-            change = format_estimate(METRICS["ppl_ratio"], *bucket_interval(b))
+            change = format_estimate(METRICS[c.metric], *bucket_interval(b))
             rows.append(f"<tr><td>{escape(c.config)}</td><td>{scored}</td><td>{escape(b['positions'])}</td>"
                         f"<td>{escape(change)}</td><td>{b['tokens']}</td>"
                         f"<td class='v {escape(b['verdict'])}'>{escape(b['verdict'])}</td></tr>")
@@ -272,7 +277,7 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         "gain's, dashed where that comparison is inconclusive.</p>",
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
-        "<h2>Quality by position in the context</h2>", _positions(summary),
+        "<h2>Quality by position in the context and in the answer</h2>", _positions(summary),
         "<h2>Next-token distributions against the baseline</h2>", _distributions(summary),
         "<h2>Task accuracy on labelled items</h2>", _tasks(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),

@@ -87,11 +87,12 @@ class RollingResult:
 
 def tokenize_with_spans(tokenizer: Any, text: str) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """A document's token ids (no special tokens) and each token's [start, end) characters; no spans
-    where the tokenizer cannot give offsets (a slow tokenizer)."""
+    where the tokenizer cannot give offsets (a slow tokenizer). A document longer than the model's
+    context is scored in windows, so the tokenizer's warning about it is not printed (verbose)."""
     try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:  # slow (Python) tokenizers have no offsets
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), ()
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]), ()
     return list(encoded["input_ids"]), tuple((int(a), int(b)) for a, b in encoded["offset_mapping"])
 
 

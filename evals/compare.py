@@ -36,7 +36,7 @@ import numpy as np
 from evals.agreement import exact_match, first_divergence
 from evals.health import NEAR_TIE_NATS, divergence
 from evals.perplexity import ppl_ratio
-from evals.positions import bucket_label
+from evals.positions import answer_totals, bucket_label
 from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
 from evals.stats import TOO_FEW, Comparison, Thresholds, Verdict, decide, paired_bootstrap_ci, paired_mean_difference
 
@@ -215,8 +215,7 @@ def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: d
     tok_b = np.array([baseline[k].baseline_nll_tokens for k in keys], dtype=np.float64)
     rate_c, rate_b = nll_c.sum() / tok_c.sum(), nll_b.sum() / tok_b.sum()
     estimate = math.exp(rate_c - rate_b)
-    lo, hi = paired_bootstrap_ci(lambda w: np.exp((w @ nll_c) / (w @ tok_c) - (w @ nll_b) / (w @ tok_b)), len(keys),
-                                 seed=seed)
+    lo, hi = paired_bootstrap_ci(_rate_ratio(nll_c, tok_c, nll_b, tok_b), len(keys), seed=seed)
     verdict, rule = decide(estimate, lo, hi, len(keys), t)
     # an empty answer has no token to score: it is left out of the ratio, and said so (empty_answers judges it)
     empty = {"candidate": sum(not g.text.strip() for g in candidate.values()),
@@ -228,6 +227,41 @@ def gen_nll_ratio_comparison(candidate: dict[str, GenerationRecord], baseline: d
                       candidate_value=math.exp(rate_c),
                       details={"baseline_nll_per_token": rate_b, "candidate_nll_per_token": rate_c,
                                "empty_answers_left_out": empty})
+
+
+def gen_nll_ratio_by_position(candidate: Mapping[str, GenerationRecord], baseline: Mapping[str, GenerationRecord],
+                              t: Thresholds, seed: int = 0) -> list[dict]:
+    """gen_nll_ratio within each bucket of token index in the answer (evals/positions.py
+    ANSWER_EDGES): exp(Σ NLL_c / Σ tokens_c − Σ NLL_b / Σ tokens_b) over the prompts whose two
+    answers both reach that bucket, each side's tokens as the baseline model read them
+    (GenerationRecord.scored), with a paired bootstrap CI over prompts and the verdict
+    gen_nll_ratio's thresholds give it. A loss that grows with the answer's length shows in the
+    late buckets. Empty where an answer was not read token by token."""
+    found: dict[tuple[int, int], list[tuple[float, int, float, int]]] = {}
+    for key, b in baseline.items():
+        c = candidate.get(key)
+        if c is None or c.scored is None or b.scored is None:
+            continue
+        mine = {(lo, hi): (nll, n) for lo, hi, nll, n in answer_totals([-lp for lp in c.scored.logprobs])}
+        for lo, hi, base_nll, base_n in answer_totals([-lp for lp in b.scored.logprobs]):
+            if (lo, hi) in mine:
+                found.setdefault((lo, hi), []).append((*mine[(lo, hi)], base_nll, base_n))
+    out = []
+    for (lo, hi), rows in sorted(found.items()):
+        nll_c, tok_c, nll_b, tok_b = (np.array(col, dtype=np.float64) for col in zip(*rows, strict=True))
+        estimate = math.exp(nll_c.sum() / tok_c.sum() - nll_b.sum() / tok_b.sum())
+        ci_low, ci_high = paired_bootstrap_ci(_rate_ratio(nll_c, tok_c, nll_b, tok_b), len(rows), seed=seed)
+        verdict, rule = decide(estimate, ci_low, ci_high, len(rows), t)
+        out.append({"positions": bucket_label(lo, hi), "lo": lo, "hi": hi, "estimate": estimate, "ci_low": ci_low,
+                    "ci_high": ci_high, "n": len(rows), "tokens": int(tok_c.sum()), "baseline_tokens": int(tok_b.sum()),
+                    "verdict": verdict, "rule": rule})
+    return out
+
+
+def _rate_ratio(nll_c: np.ndarray, tok_c: np.ndarray, nll_b: np.ndarray, tok_b: np.ndarray):
+    """The resampled ratio exp(Σ w·NLL_c / Σ w·tokens_c − Σ w·NLL_b / Σ w·tokens_b): two sides of
+    their own lengths, for paired_bootstrap_ci."""
+    return lambda w: np.exp((w @ nll_c) / (w @ tok_c) - (w @ nll_b) / (w @ tok_b))
 
 
 def _ratio_of_sums(diff: np.ndarray, toks: np.ndarray):

@@ -95,14 +95,21 @@ def ppl_ratio(ctx: CompareContext) -> Comparison | None:
         return sanity.as_measurement_error(compare.unscored("ppl_ratio", ""), mismatch)
     ratio = compare.ppl_ratio(base, mine, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
     buckets = compare.ppl_ratio_by_position(ctx.mine.docs, ctx.base.docs, ctx.thresholds("ppl_ratio"), seed=ctx.seed)
-    if len(buckets) < 2:  # one bucket is the whole ratio again
+    return with_buckets(ratio, buckets, "positions")
+
+
+def with_buckets(ratio: Comparison, buckets: list[dict], what: str) -> Comparison:
+    """A ratio with its position buckets in details["by_position"] (none with one bucket: it is
+    the whole ratio again), its rule naming the worst bucket whose own verdict is worse than the
+    whole's: reported, not judged, a late loss that the whole ratio averages away."""
+    if len(buckets) < 2:
         return ratio
     rule = ratio.rule
     alarm = {"warn": 1, "critical": 2}
     worse = [b for b in buckets if alarm.get(b["verdict"], 0) > alarm.get(ratio.verdict, 0)]
-    if worse:  # reported, not judged: a late-context loss the whole-document ratio averages away
+    if worse:
         w = max(worse, key=lambda b: (alarm[b["verdict"]], b["lo"]))
-        rule += (f"; positions {w['positions']}: {w['verdict']} on their own "
+        rule += (f"; {what} {w['positions']}: {w['verdict']} on their own "
                  f"({w['estimate']:.4g} [{w['ci_low']:.4g}, {w['ci_high']:.4g}])")
     return replace(ratio, rule=rule, details={**ratio.details, "by_position": buckets})
 
@@ -211,8 +218,12 @@ def gen_nll_ratio(ctx: CompareContext) -> Comparison | None:
     scoring_error = ctx.figures.baseline_scoring_error if ctx.figures else None
     if scoring_error:
         return compare.unscored("gen_nll_ratio", f"the baseline model could not score outputs: {scoring_error}")
-    return compare.gen_nll_ratio_comparison(ctx.mine.generations, ctx.base.generations,
-                                            ctx.thresholds("gen_nll_ratio"), seed=ctx.seed)
+    t = ctx.thresholds("gen_nll_ratio")
+    ratio = compare.gen_nll_ratio_comparison(ctx.mine.generations, ctx.base.generations, t, seed=ctx.seed)
+    if ratio.estimate is None:
+        return ratio
+    buckets = compare.gen_nll_ratio_by_position(ctx.mine.generations, ctx.base.generations, t, seed=ctx.seed)
+    return with_buckets(ratio, buckets, "answer tokens")
 
 
 def _health(metric: str) -> Callable[[CompareContext], Comparison | None]:

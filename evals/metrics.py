@@ -163,8 +163,9 @@ register_metric(Metric(
     compare=_ROWS + "tpot_ratio"))
 register_metric(Metric(
     "kv_cache_usage", "KV use", "fraction", "above", "peak", "generation",
-    "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held ÷ "
-    "slots allocated, or the highest vllm:kv_cache_usage_perc an OpenAI-compatible server reported",
+    "peak fraction of the allocated KV cache in use during the config-run: the reference engine's tokens held for "
+    "its requests (not the perplexity windows) ÷ slots allocated, or the highest vllm:kv_cache_usage_perc an "
+    "OpenAI-compatible server reported",
     warn=0.85, critical=0.95, min_n=1, fmt=".2f", baseline_compared=True, valid=(0, 1), aspect="speed",
     compare=_ROWS + "kv_cache_usage"))
 register_metric(Metric(

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from engines.protocol import WindowSpec, strided_windows
 
 POSITION_EDGES = (128, 512, 2048, 8192, 32768)  # bucket bounds (slots), cut at the window's length
+ANSWER_EDGES = (16, 64, 256, 1024, 4096, 16384)  # bucket bounds by token index in a generated answer
+OPEN_END = 2**31  # the end of the last answer bucket: no end
 PositionBucket = tuple[int, int, float, int]  # first slot, the slot after the last, Σ −log p, tokens
 
 
@@ -54,5 +56,15 @@ def position_totals(values: Sequence[float], window: WindowSpec) -> tuple[Positi
 
 
 def bucket_label(lo: int, hi: int) -> str:
-    """How a bucket [lo, hi) reads: its first and last slot, "128–255"."""
-    return f"{lo}–{hi - 1}"
+    """How a bucket [lo, hi) reads: its first and last slot, "128–255" ("16384+" with no end)."""
+    return f"{lo}+" if hi >= OPEN_END else f"{lo}–{hi - 1}"
+
+
+def answer_totals(values: Sequence[float]) -> tuple[PositionBucket, ...]:
+    """(lo, hi, Σ value, token count) of a generated answer's per-token figures (−log p) by the
+    token's index in the answer, for each bucket of ANSWER_EDGES the answer reaches, in order: an
+    answer of 20 tokens gives (0, 16, …, 16) and (16, 64, …, 4). The last bucket runs past the last
+    edge."""
+    edges = [0, *ANSWER_EDGES, OPEN_END]
+    return tuple((lo, hi, float(sum(values[lo:hi])), len(values[lo:hi]))
+                 for lo, hi in itertools.pairwise(edges) if lo < len(values))

@@ -34,6 +34,11 @@ class PerplexitySettings(_Settings):
         "step, each token read back from its compressed cache (decode_nll_ratio and the prefill-vs-decode gap); "
         "0 = off. The reference engine only (others score nothing here): over HTTP, gen_nll_ratio is the "
         "decode-regime signal"))
+    long_documents: bool = Field(False, description=(
+        "join the corpus's documents, in order, into long-context documents that fill the window (at least "
+        "window × 6 characters each), so that every position bucket up to the window's length is scored: a loss "
+        "deep in the context (a compressed KV cache read far back) shows in the late buckets. Short documents "
+        "alone never reach them"))
     distribution_samples: int = Field(0, ge=0, le=1000, description=(
         "documents (the suite's first ones) on which a candidate's every next-token distribution is compared "
         "with the baseline's, as llama-perplexity --kl-divergence does: KLD mean and percentiles, Δp, same top p "

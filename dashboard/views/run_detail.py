@@ -61,14 +61,17 @@ def example_answers(run: dict, metrics: dict[str, dict]) -> list[dict]:
     return sorted(found, key=lambda e: (e["verdict"] != "critical", e["config"], e["metric"]))
 
 
-PASSES = {"ppl_ratio": "prefill", "decode_nll_ratio": "decode"}  # how the documents were scored
+# what was scored: the documents, by prefill or a token per decode step; the generated answers, whose
+# buckets are token indexes in the answer rather than slots of a window
+PASSES = {"ppl_ratio": "prefill", "decode_nll_ratio": "decode", "gen_nll_ratio": "answer"}
 
 
 def position_rows(run: dict) -> list[dict]:
     """Each candidate's perplexity ratio per position bucket of its windows (evals/positions.py),
     as ppl_ratio's details hold them (and decode_nll_ratio's, for the documents also scored a
-    token per decode step): a loss that starts deep in the context shows in the late buckets
-    while the whole-document ratio averages it away. Configs in the run's order."""
+    token per decode step), then gen_nll_ratio's per bucket of token index in the generated answers:
+    a loss that starts deep in the context, or late in an answer, shows in the late buckets while
+    the whole ratio averages it away. Configs in the run's order."""
     layers = ablations(run)
     rows = []
     for c in run["comparisons"]:
@@ -217,10 +220,13 @@ def render(api, project: str, params) -> None:
     by_position = position_rows(run)
     if by_position:
         flagged = sorted({r["config"] for r in by_position if r["verdict"] in BREACHING})
-        title = "Perplexity by position in the context" + (f" (flagged: {', '.join(flagged)})" if flagged else "")
+        title = ("Perplexity by position in the context and in the answer"
+                 + (f" (flagged: {', '.join(flagged)})" if flagged else ""))
         with st.expander(title, expanded=bool(flagged)):
-            st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window, "
-                       "with its own CI and verdict (ppl ratio's thresholds): reported, not judged.")
+            st.caption("Each config's perplexity ratio over the tokens predicted from those slots of their window "
+                       "(documents scored by prefill or by decode), and the baseline model's perplexity of its "
+                       "generated answers by token index in the answer against the baseline's own answers, with "
+                       "its own CI and verdict (ppl ratio's and gen NLL ratio's thresholds): reported, not judged.")
             st.table(style_verdict_column(pd.DataFrame(by_position)).hide(axis="index"))
     _rows_in_expander("Next-token distributions against the baseline (llama-perplexity --kl-divergence)",
                       "Over every token of the suite's first perplexity.distribution_samples documents. Reported, "

@@ -169,7 +169,10 @@ class ReferenceEngine:
         sizes a sequence's blocks up to max_model_len. The engine itself allocates just the width a
         batch needs, so held over allocated would read ~1.0 for every batch and say nothing.
         Speculative decoding: the target cache's high-water mark (drafts written for verification
-        count, rejected or not); the draft model's own cache counts as one more cache."""
+        count, rejected or not); the draft model's own cache counts as one more cache. Requests only
+        (generation, prompt log-probs served): the perplexity passes' windows are the canary's own
+        scoring, and a lossless config scores them without a cache, so counting them would judge a
+        lossy KV config alone, at 100 % whenever the window is the model's context."""
         rows = cache.k.shape[1]  # k: [L, B, H_kv, S, D]
         usage = tokens_held / (rows * (context or self.args.max_seq_len))
         self.peak_kv_usage = usage if self.peak_kv_usage is None else max(self.peak_kv_usage, usage)

@@ -26,7 +26,7 @@ PAGES = {
     "Trends": ["Trends", "Suite s only", "alert: int2"],
     "Alerts": ["Alerts", "The canary is stale", "CanaryStale", "Firing (", "Silences", "needs a write key"],
     "Run+detail&run_id=1": ["Run detail", "Breaching (", "Rank samples by",  # the seeded run of every config
-                            "Perplexity by position in the context",
+                            "Perplexity by position in the context and in the answer",
                             "Next-token distributions against the baseline", "Task accuracy on labelled items"],
     "Gates": ["CI gates"],
 }

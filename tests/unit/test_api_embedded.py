@@ -31,6 +31,18 @@ def test_embedded_server_runs_to_verdict(server):
     docs = [{"id": f"d{i}", "text": f"os.path.join() joins {i} path components intelligently. " * 3} for i in range(10)]
     r = http.post("/projects/e/suites", json={"name": "s", "documents": docs, "samples": 10, "generation": {"prompts": 1, "max_new_tokens": 3}})
     assert r.status_code == 201, r.text
+    # long-context documents: 10 of 171 characters (+2 between) join into documents of ≥ 64 × 6 = 384: three
+    # of three, then the tenth, too short alone, joins the last
+    long = http.post("/projects/e/suites", json={"name": "long", "documents": docs, "samples": 3,
+                                                 "perplexity": {"window": 64, "long_documents": True}})
+    assert long.status_code == 201 and long.json()["n_documents"] == 3, long.text
+    too_many = http.post("/projects/e/suites", json={"name": "long2", "documents": docs, "samples": 4,
+                                                     "perplexity": {"window": 64, "long_documents": True}})
+    assert too_many.status_code == 422 and "samples: 4 > 3 documents (long documents joined from 10)" in too_many.text
+    rag = [{**d, "reference": "an answer", "contexts": ["a passage"]} for d in docs]
+    refused = http.post("/projects/e/suites", json={"name": "rag", "documents": rag, "samples": 1,
+                                                    "perplexity": {"long_documents": True}})
+    assert refused.status_code == 422 and "perplexity.long_documents: the corpus's documents carry" in refused.text
     run = http.post("/projects/e/runs", json={"suite": "s"}).json()
     deadline = time.monotonic() + 120
     while run["status"] not in ("done", "failed") and time.monotonic() < deadline:

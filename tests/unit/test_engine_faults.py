@@ -165,3 +165,42 @@ def test_a_kv_fault_from_slot_n_shows_only_in_the_position_buckets_past_n():
     assert [(r["positions"], r["n"]) for r in rows] == [("0–127", 4), ("128–255", 4)]
     assert rows[0]["estimate"] == 1.0 and rows[0]["verdict"] == "ok"
     assert rows[1]["estimate"] > 1.05 and rows[1]["ci_low"] > 1.05 and rows[1]["verdict"] == "critical"
+
+
+def test_a_kv_fault_late_in_the_answers_shows_only_in_gen_nll_ratio_s_late_buckets():
+    """kv-corrupt from 16 slots past the longest prompt: every answer's first 16 tokens are
+    predicted from clean slots, the rest read noise. Scored by the clean model as a run scores
+    them (workers/generation.BaselineScorer), gen_nll_ratio's bucket of answer tokens 0–15 is the
+    baseline's and ok, the later ones critical (e.g. ×10 on this model)."""
+    from dataclasses import replace
+
+    from evals.compare_rows import CompareContext, gen_nll_ratio
+    from evals.records import ConfigRecords, GenerationRecord
+    from evals.stats import Thresholds
+    from workers.generation import BaselineScorer
+
+    names = ["json.dumps", "os.path.join", "re.compile", "shutil.copy", "time.sleep", "math.floor", "glob.glob",
+             "csv.reader", "copy.deepcopy", "random.choice"]
+    prompts = {f"p{i}": f"{name}()\n\n" for i, name in enumerate(names)}
+    requests = [GenerationRequest(k, p, max_new_tokens=48) for k, p in prompts.items()]
+    fault = {"kind": "kv-corrupt", "layers": 6, "sigma": 2.0}
+    clean = engine({**fault, "from_slot": 1000})  # the same lossy cache, past every slot: no noise
+    base = clean.generate(requests)
+    longest = max(g.prompt_tokens for g in base)
+    mine = engine({**fault, "from_slot": longest + 16}).generate(requests)
+    judge = BaselineScorer(clean)
+
+    def records(generations) -> ConfigRecords:
+        rows = {g.request_id: replace(GenerationRecord.from_result(g, prompts[g.request_id], False), baseline_nll=nll,
+                                      baseline_nll_tokens=n, scored=read)
+                for g, (nll, n, read) in zip(generations, judge.score(generations, prompts, WindowSpec(256, 256)),
+                                             strict=True)}
+        return replace(ConfigRecords.empty(), generations=rows)
+
+    c = gen_nll_ratio(CompareContext(mine=records(mine), base=records(base), thresholds=Thresholds.seed))
+    assert c is not None and c.estimate is not None
+    rows = {b["positions"]: b for b in c.details["by_position"]}
+    assert list(rows) == ["0–15", "16–63"] and rows["0–15"]["n"] == 10
+    assert rows["0–15"]["verdict"] == "ok"
+    assert rows["16–63"]["ci_low"] > 1.3 and rows["16–63"]["verdict"] == "critical"
+    assert rows["0–15"]["estimate"] == 1.0  # the same tokens: clean slots give the same answers

@@ -1,12 +1,14 @@
 """Quality by position (evals/positions.py, ppl_ratio's by_position details), worked by hand."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from engines.protocol import WindowSpec
-from evals.compare import ppl_ratio_by_position
-from evals.positions import position_buckets, position_nll, token_positions
-from evals.records import DocRecord
+from evals.compare import gen_nll_ratio_by_position, ppl_ratio_by_position
+from evals.health import Scored
+from evals.positions import answer_totals, bucket_label, position_buckets, position_nll, token_positions
+from evals.records import DocRecord, GenerationRecord
 from evals.stats import Thresholds
 
 
@@ -58,6 +60,53 @@ def test_records_keep_their_buckets_through_a_stored_row():
     assert ppl_ratio_by_position({"a": DocRecord.from_row("a", 15.75, old)}, {"a": d}, Thresholds(1.02, 1.05, "above")) == []
 
 
+def test_an_answer_s_tokens_are_bucketed_by_their_index_in_it():
+    # 20 tokens: indexes 0–15 (−log p 1 each), then 16–19 (2 each); a 3-token answer reaches one bucket
+    assert answer_totals([1.0] * 16 + [2.0] * 4) == ((0, 16, 16.0, 16), (16, 64, 8.0, 4))
+    assert answer_totals([0.5] * 3) == ((0, 16, 1.5, 3),)
+    assert answer_totals([]) == ()
+    last = answer_totals([0.0] * 16385)[-1]
+    assert last[:2] == (16384, 2**31) and last[3] == 1 and bucket_label(*last[:2]) == "16384+"
+
+
+def answer(key: str, logprobs: list[float]) -> GenerationRecord:
+    return GenerationRecord(key, 5.0, "prompt", "out", len(logprobs), 2, baseline_nll=-sum(logprobs),
+                            baseline_nll_tokens=len(logprobs), scored=Scored(tuple(range(len(logprobs))), tuple(logprobs)))
+
+
+def test_gen_nll_ratio_by_position_by_hand():
+    # baseline answers: 20 tokens at log p −0.5 (0–15 and 16–19); candidate p0 the same length, clean for its
+    # first 16 tokens then −1.5 each; candidate p1 stops after 10 tokens, so only 0–15 pairs for p1
+    base = {"p0": answer("p0", [-0.5] * 20), "p1": answer("p1", [-0.5] * 20)}
+    mine = {"p0": answer("p0", [-0.5] * 16 + [-1.5] * 4), "p1": answer("p1", [-0.5] * 10),
+            "p2": answer("p2", [-9.0] * 3)}  # no baseline answer: left out
+    rows = gen_nll_ratio_by_position(mine, base, Thresholds(1.15, 1.30, "above", min_n=1))
+    assert [(r["positions"], r["n"], r["tokens"], r["baseline_tokens"]) for r in rows] == [
+        ("0–15", 2, 26, 32), ("16–63", 1, 4, 4)]
+    # 0–15: both sides 0.5 nats per token → ratio 1; 16–63: 6/4 − 2/4 = 1 nat per token → e
+    assert rows[0]["estimate"] == pytest.approx(1.0) and rows[0]["verdict"] == "ok"
+    assert rows[1]["estimate"] == pytest.approx(math.e) and rows[1]["ci_low"] == pytest.approx(math.e)
+    assert rows[1]["verdict"] == "critical"
+    # an answer not read token by token (an older row, an engine that could not score it) has no buckets
+    unread = {"p0": GenerationRecord("p0", 5.0, "prompt", "out", 3, 2, baseline_nll=1.0, baseline_nll_tokens=3)}
+    assert gen_nll_ratio_by_position(unread, base, Thresholds(1.15, 1.30, "above")) == []
+
+
+def test_gen_nll_ratio_names_a_late_bucket_the_whole_ratio_averages_away():
+    from evals.compare_rows import CompareContext, gen_nll_ratio
+    from evals.records import ConfigRecords
+
+    # 12 prompts; the candidate's answers lose 1 nat per token past index 15 (4 of 20 tokens):
+    # whole ratio exp((16·0.5 + 4·1.5)/20 − 0.5) = exp(0.2) = 1.2214, warn; 16–63 alone e, critical
+    base = replace(ConfigRecords.empty(), generations={f"p{i}": answer(f"p{i}", [-0.5] * 20) for i in range(12)})
+    mine = replace(ConfigRecords.empty(),
+                   generations={f"p{i}": answer(f"p{i}", [-0.5] * 16 + [-1.5] * 4) for i in range(12)})
+    c = gen_nll_ratio(CompareContext(mine=mine, base=base, thresholds=Thresholds.seed))
+    assert c is not None and c.estimate == pytest.approx(math.exp(0.2)) and c.verdict == "warn"
+    assert [b["positions"] for b in c.details["by_position"]] == ["0–15", "16–63"]
+    assert c.rule.endswith("; answer tokens 16–63: critical on their own (2.718 [2.718, 2.718])")
+
+
 def test_the_run_page_lists_each_candidate_s_buckets():
     from dashboard.views.run_detail import decode_rows, position_rows
 
@@ -76,6 +125,11 @@ def test_the_run_page_lists_each_candidate_s_buckets():
                "details": {"by_position": [bucket], "prefill_ratio": 1.04, "prefill_decode_gap": 1.25}}
     run["comparisons"].append(decoded)
     assert [r["scored"] for r in position_rows(run)] == ["prefill", "decode"]
+    answered = {"config": "kv-late", "metric": "gen_nll_ratio", "estimate": 1.2, "ci_low": 1.1, "ci_high": 1.3,
+                "details": {"by_position": [{**bucket, "positions": "16–63", "lo": 16, "hi": 64, "tokens": 48}]}}
+    run["comparisons"].append(answered)
+    assert [(r["scored"], r["positions"], r["tokens"]) for r in position_rows(run)] == [
+        ("prefill", "128–255", 310), ("decode", "128–255", 310), ("answer", "16–63", 48)]
     assert decode_rows(run) == [{"config": "kv-late", "documents": 4, "prefill": "+4.0%",
                                  "decode [95% CI]": "+30.0% [+20.0, +40.0]", "decode ÷ prefill": "1.2500",
                                  "verdict": "critical"}]

@@ -117,23 +117,24 @@ def test_kv_cache_usage_is_the_peak_share_of_a_full_context_cache_holding_tokens
     e = ref(weights="fp32", kv_cache="int8")
     assert e.args.max_seq_len == 1024
     assert e.describe().kv_cache_usage is None  # no cache has held a token yet
-    # perplexity: TEXT is 89 tokens → two windows of 64 tokens in 2 rows (the second scores the last 25
-    # with a full window of context, as lm-eval does): 128 / (2 × 1024)
+    # perplexity windows are the canary's own scoring, not requests a server holds: they count nothing
+    # (TEXT is 89 tokens → two full windows of 64 through the int8 cache; a lossless config scores them
+    # with no cache at all, so counting them would judge the lossy one alone)
     e.loglikelihood_rolling([RollingRequest("d", TEXT, WindowSpec(64, 64))])
-    assert e.describe().kv_cache_usage == 128 / 2048
+    e.loglikelihood_decode([RollingRequest("d", TEXT, WindowSpec(64, 64))])
+    assert e.describe().kv_cache_usage is None and e.describe().peak_kv_cache_bytes > 0  # its memory counts
     # generation: a 12-token prompt (BOS included) and 8 new tokens; the prompt fills 12 positions,
     # each of the 7 decode steps one more (the 8th token is never written): 19 / 1024
-    g1 = ref(weights="fp32", kv_cache="int8")
-    g = g1.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])[0]
+    g = e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])[0]
     assert (g.prompt_tokens, len(g.token_ids)) == (12, 8)
-    assert g1.describe().kv_cache_usage == 19 / 1024
-    e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])
-    assert e.describe().kv_cache_usage == 128 / 2048  # the peak over both caches
+    assert e.describe().kv_cache_usage == 19 / 1024
+    e.generate([GenerationRequest("g", "os.path", max_new_tokens=8)])
+    assert e.describe().kv_cache_usage == 19 / 1024  # the peak over both caches (4 + 7 = 11 the second)
     # the engine is cached across config-runs: each run's window starts from nothing
     e.reset_peaks()
     assert e.describe().kv_cache_usage is None and e.describe().peak_kv_cache_bytes == 0
-    e.generate([GenerationRequest("g", "json.dumps()\n\nSerialize", max_new_tokens=8)])
-    assert e.describe().kv_cache_usage == 19 / 1024  # this window's peak, not the earlier 128 / 2048
+    e.generate([GenerationRequest("g", "os.path", max_new_tokens=8)])
+    assert e.describe().kv_cache_usage == 11 / 1024  # this window's peak, not the earlier 19 / 1024
     # a batch of two: prompts of 4 and 12 tokens left-padded to 12, max_new_tokens 6 and 4; 5 decode
     # steps write one position per row each (padding holds no token): (4 + 12 + 2 × 5) / (2 × 1024)
     b = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", engine_options={"concurrency": 2}))
