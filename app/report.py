@@ -185,7 +185,10 @@ def _positions(summary: RunOut) -> str:
     documents a lossy-KV config also scored a token per decode step) by decode, then its generated
     answers' by token index in the answer, then each lossy-KV config's prefill-vs-decode gap."""
     rows, gaps = [], []
-    for c in summary.comparisons:
+    configs = list(dict.fromkeys(c.config for c in summary.comparisons))
+    passes = list(SCORED_BY)  # each config's prefill rows, then decode, then its answers
+    for c in sorted(summary.comparisons, key=lambda c: (configs.index(c.config), passes.index(c.metric)
+                                                        if c.metric in passes else len(passes))):
         scored = SCORED_BY.get(c.metric)
         if scored is None or c.config == summary.baseline:
             continue

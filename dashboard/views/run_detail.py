@@ -81,7 +81,9 @@ def position_rows(run: dict) -> list[dict]:
             rows.append({"config": c["config"], "scored": PASSES[c["metric"]], "positions": b["positions"],
                          "change [95% CI]": pct_change(b["estimate"], b["ci_low"], b["ci_high"]),
                          "tokens": b["tokens"], "n": b["n"], "verdict": b["verdict"]})
-    return rows
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    passes = list(PASSES.values())  # each config's prefill rows, then decode, then its answers
+    return sorted(rows, key=lambda r: (configs.index(r["config"]), passes.index(r["scored"])))
 
 
 def decode_rows(run: dict) -> list[dict]:

@@ -37,7 +37,8 @@ def seed_config(corpus: str) -> dict:
                     "perplexity": {"window": 256, "distribution_samples": 4},
                     # the built-in labelled task's first 24 items (task_recovery, task_flips; min_n 20)
                     "labelled": {"items": "builtin:pydoc-next-word", "max_items": 24},
-                    "generation": {"prompts": 10, "prompt_words": 8, "max_new_tokens": 8}},
+                    # 20 new tokens: two buckets of the answers (0–15, 16–63) in gen_nll_ratio
+                    "generation": {"prompts": 10, "prompt_words": 8, "max_new_tokens": 20}},
                    # the second suite: perplexity only on 4 documents, run last over fp32 and int8 (a few
                    # seconds); 4 are too few to decide (min_n 10), so the run tops up to 8, then 12
                    {"name": SMOKE, "corpus": corpus, "samples": 4, "max_samples": 12, "seed": 3,

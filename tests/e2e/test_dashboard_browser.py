@@ -100,6 +100,21 @@ def test_every_page_in_headless_chromium(dashboard, seeded_api, tmp_path):
                     text = browser.find_element("tag name", "body").text
                 browser.save_screenshot(str(shots / "run-detail-1-distributions.png"))
                 assert "KLD by position" in text and "0–127 " in text and "128–255 " in text, text[:3000]
+                # the position table, open (a flagged config opens it) or opened: the generated answers'
+                # rows, by token index in the answer
+                positions = browser.find_element("xpath", "//details[summary[contains(., 'Perplexity by position')]]")
+                if positions.get_attribute("open") is None:
+                    positions.find_element("tag name", "summary").click()
+                deadline = time.time() + 30
+                rows: list[str] = []
+                while not rows and time.time() < deadline:
+                    time.sleep(0.5)
+                    rows = [" ".join(r.text.split()) for r in positions.find_elements("css selector", "tbody tr")
+                            if "answer" in r.text]
+                browser.execute_script("arguments[0].scrollIntoView()", positions)
+                browser.save_screenshot(str(shots / "run-detail-1-positions.png"))
+                assert any(r.startswith("int2 answer 0–15 ") for r in rows), rows or positions.text[:3000]
+                assert any(r.startswith("int2 answer 16–63 ") for r in rows), rows
             if page == "Overview":  # the answer at the top: the critical config first, with its CI
                 first = browser.find_elements("css selector", "table tbody tr")[0].text
                 assert first.startswith("int2") and "critical" in first and "% [" in first, first

@@ -67,7 +67,7 @@ def test_quality_by_position_and_the_decode_gap():
         {"config": "kv-late", "metric": "decode_nll_ratio", "estimate": 1.3, "ci_low": 1.2, "ci_high": 1.4, "n": 4,
          "verdict": "critical", "rule": "", "baseline_value": None, "candidate_value": None, "gated": False,
          "details": {"by_position": [bucket], "prefill_ratio": 1.04, "prefill_decode_gap": 1.25}}))
-    s.comparisons.append(ComparisonOut.model_validate(
+    s.comparisons.insert(0, ComparisonOut.model_validate(  # stored first, listed after the documents' rows
         {"config": "kv-late", "metric": "gen_nll_ratio", "estimate": 1.1, "ci_low": 1.0, "ci_high": 1.2, "n": 12,
          "verdict": "ok", "rule": "", "baseline_value": None, "candidate_value": None, "gated": True,
          "details": {"by_position": [{**bucket, "positions": "16–63", "tokens": 48}]}}))
@@ -76,6 +76,7 @@ def test_quality_by_position_and_the_decode_gap():
     assert f"<td>kv-late</td><td>prefill</td>{cells}" in html and f"<td>kv-late</td><td>decode</td>{cells}" in html
     assert ("<td>kv-late</td><td>answer</td><td>16–63</td><td>+25.00% [+10.00, +40.00]</td><td>48</td>"
             in html)  # the generated answers' tokens 16–63
+    assert html.index("<td>prefill</td>") < html.index("<td>decode</td>") < html.index("<td>answer</td>")
     assert "Decode ÷ prefill on the documents scored both ways: kv-late 1.2500." in html
     assert "Quality by position in the context" in render(s, "p", "daily", {})
     assert "No position buckets" in _positions(summary())
