@@ -204,7 +204,9 @@ def test_on_the_demo_s_configs_every_bound_brackets_the_whole_vocabulary_kl():
             assert (lower <= kld + 1e-9).all() and (kld <= upper + 1e-9).all(), config["name"]
             both = doc_distribution_topk(topk_rows(p, TOP_K), topk_rows(q, TOP_K), r.logprobs, c.logprobs)
             assert (np.asarray(both.kld) <= kld + 1e-9).all(), config["name"]
-            assert both.dp == pytest.approx(d.dp, abs=1e-6) and both.same == d.same
+            # Δp from the rolling pass's log-probs against the distributions' rows: both float32 log-probs,
+            # which at |log p| ≈ 10 carry ~1e-6 of rounding (one run read 1.008e-6 on one token)
+            assert both.dp == pytest.approx(d.dp, abs=1e-5) and both.same == d.same
             widths.append((config["name"], float(kld.mean()), float(lower.mean()), float(upper.mean()),
                            float(np.mean(both.kld))))
     for name, kld, lower, upper, both in widths:  # shown with -s: the figures the note quotes
