@@ -41,6 +41,10 @@ class AlertMessage:
     def headline(self) -> str:
         labels = self.labels
         state = "RESOLVED" if self.status == "resolved" else f"FIRING {self.severity}"
+        if labels.get("alertname") == "CanaryStale":  # the canary itself, no model (app/staleness.py)
+            what = "succeeds again" if self.status == "resolved" else "has not succeeded for over a period"
+            return (f"[{state}] CanaryStale: schedule '{labels.get('config')}' of project '{labels.get('project')}' "
+                    f"{what}")
         return (f"[{state}] {labels.get('config')} {labels.get('metric')} on {labels.get('model')} "
                 f"({labels.get('project')})")
 

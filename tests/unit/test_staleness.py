@@ -63,6 +63,10 @@ def test_a_success_moves_the_heartbeat_and_the_channel_hears_each_change_once(sq
     # the run never finishes (a worker that never came back): stale after Tuesday 06:00
     fired = _notify(T0 + 26 * H)
     assert [kind for kind, _ in fired] == ["firing"] and "schedule 'every-morning'" in fired[0][1]
+    with session_scope() as s:  # the message's headline names the schedule (it has no model or metric to name)
+        [message] = [n.payload for n in s.scalars(select(Notification)) if n.payload["status"] == "firing"]
+    assert message["commonAnnotations"]["summary"] == (
+        "[FIRING critical] CanaryStale: schedule 'every-morning' of project 'p' has not succeeded for over a period")
     assert _notify(T0 + 27 * H) == []  # still stale: no second message
     _succeed(run_id, T0 + 28 * H)  # Tuesday 09:00 it ends
     h = _health(T0 + 29 * H)
