@@ -79,19 +79,18 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
     return samples
 
 
-# characters per token a long document is sized by: more than English or code average on any common
-# tokenizer (about 3 to 5), so a document of window × this many characters fills its window
-LONG_CHARS_PER_TOKEN = 6
-
-
 def join_long(samples: list[SampleIn], window: int, max_chars: int, field: str = "perplexity.long_documents"
               ) -> list[SampleIn]:
     """The suite's documents joined, in corpus order and separated by a blank line, into documents
     of at least window × LONG_CHARS_PER_TOKEN characters (the window's length in tokens on any
     common tokenizer): long-context documents whose windows fill to the end, so that a loss deep
     in the context is scored (perplexity.long_documents). A document already that long stays as
-    it is; a short remainder joins the last document. Each joined document is its own cluster,
-    keyed by its first document's key and how many followed it ("mod.func+9")."""
+    it is; a short remainder joins the last document; a group that would pass max_chars ends
+    there, shorter. Keyed by the first document's key and how many followed it ("mod.func+9").
+    Clusters stay whole for the bootstrap: joined documents that hold parts of one source
+    (documents of one cluster) share a cluster."""
+    from evals.suite import LONG_CHARS_PER_TOKEN
+
     if any(s.reference is not None or s.contexts for s in samples):
         raise CorpusError(f"{field}: the corpus's documents carry references or contexts (RAG items), which joining "
                           "would lose; join plain documents only, or set long_documents: false")
@@ -110,11 +109,28 @@ def join_long(samples: list[SampleIn], window: int, max_chars: int, field: str =
         size += n
     if len(groups) > 1 and size < target and size + sum(len(s.text) + 2 for s in groups[-2]) <= max_chars + 2:
         groups[-2].extend(groups.pop())  # a short remainder: no document below the window
-    joined = []
-    for group in groups:
-        key = group[0].key if len(group) == 1 else f"{group[0].key[:240]}+{len(group) - 1}"
-        joined.append(SampleIn(key=key, text="\n\n".join(s.text for s in group), cluster=key))
+    joined, keys = [], set()
+    source_cluster: dict[str, str] = {}  # an original cluster → the joined cluster that holds it
+    for i, group in enumerate(groups):
+        key = group[0].key if len(group) == 1 else f"{group[0].key[:200]}+{len(group) - 1}"
+        if key in keys:  # another document's key, or the same first 200 characters: made unique
+            key = f"{key}~{i}"
+        keys.add(key)
+        sources = [s.cluster or s.key for s in group]
+        cluster = next((source_cluster[c] for c in sources if c in source_cluster), key)
+        source_cluster.update(dict.fromkeys(sources, cluster))
+        joined.append(SampleIn(key=key, text="\n\n".join(s.text for s in group), cluster=cluster))
     return joined
+
+
+def long_documents(samples: list[SampleIn], suite, max_chars: int, field: str = "perplexity.long_documents"
+                   ) -> tuple[list[SampleIn], str]:
+    """A suite's documents as its runs score them: joined when it sets perplexity.long_documents
+    (join_long), with the words a refusal of its `samples` adds ("(long documents joined from 526)")."""
+    if not suite.perplexity.long_documents:
+        return samples, ""
+    return (join_long(samples, suite.perplexity.window, max_chars, field),
+            f" (long documents joined from {len(samples)})")
 
 
 ITEM_PREFIX = "item:"  # a labelled item's key among a suite's samples (kind "item"); documents never start so

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.config_file import METRIC_DIRECTIONS, CanaryFile
-from app.corpus import join_long, load_corpus, load_items
+from app.corpus import load_corpus, load_items, long_documents
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
 from app.model_paths import is_endpoint, model_dir, unusable
@@ -131,11 +131,8 @@ def apply_config_file(session: Session, canary_file: CanaryFile) -> Project:
         check_window(suite, canary_file.model.path, f"suites[{i}].perplexity.window")
         samples = load_corpus(suite.corpus, f"suites[{i}].corpus", settings.max_suite_documents,
                               settings.max_document_chars)
-        joined = ""
-        if suite.perplexity.long_documents:
-            joined = f" (long documents joined from {len(samples)})"
-            samples = join_long(samples, suite.perplexity.window, settings.max_document_chars,
-                                f"suites[{i}].perplexity.long_documents")
+        samples, joined = long_documents(samples, suite, settings.max_document_chars,
+                                         f"suites[{i}].perplexity.long_documents")
         if suite.samples > len(samples):
             raise ValueError(
                 f"suites[{i}].samples: {suite.samples} > {len(samples)} documents{joined} in corpus "

@@ -8,7 +8,7 @@ shipped route (deploy/alertmanager: group_wait 30 s), whose receiver is a webhoo
        reaching Alertmanager's receiver. The project's own channel cannot hear of it: the
        reconciler that sends it runs in the beat.
     B  the beat back, a run succeeds again (CanaryStale resolves: Alertmanager says so at its next
-       group_interval, 5 min as shipped), then kill -9 the worker (the beat
+       group_interval, 1 min for CanaryStale's route as shipped), then kill -9 the worker (the beat
        keeps starting runs that never finish): the time from the kill to CanaryStale in the
        project's channel (the reconciler) and at Alertmanager's receiver (Prometheus).
 
@@ -95,9 +95,12 @@ def start_alertmanager(workdir: str, hook: str) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def stale_posts(receiver: Receiver, path: str, since: float, status: str = "firing") -> list[dict]:
+def stale_posts(receiver: Receiver, path: str, since: float, status: str = "firing",
+                started_after: datetime | None = None) -> list[dict]:
     """The receiver's POSTs on `path` after `since` (time.monotonic) holding a CanaryStale alert in
-    `status`: Alertmanager's webhook body, which the canary's webhook channel sends too."""
+    `status` (Alertmanager's webhook body, which the canary's webhook channel sends too); with
+    started_after, only an episode that began after it (the alert's startsAt), not a late message
+    about an earlier one."""
     found = []
     for r in receiver.requests:
         if r["path"] != path or r["t"] < since:
@@ -106,7 +109,9 @@ def stale_posts(receiver: Receiver, path: str, since: float, status: str = "firi
             alerts = json.loads(r["body"])["alerts"]
         except (ValueError, KeyError, TypeError):
             continue
-        if any(a["labels"].get("alertname") == "CanaryStale" and a["status"] == status for a in alerts):
+        if any(a["labels"].get("alertname") == "CanaryStale" and a["status"] == status
+               and (started_after is None or datetime.fromisoformat(a["startsAt"].replace("Z", "+00:00"))
+                    > started_after) for a in alerts):
             found.append(r)
     return found
 
@@ -192,20 +197,22 @@ def main() -> int:
                          240)
         log(f"last success {first['last_success_at']}")
 
-        # A: the beat dies
+        # A: the beat dies (once the schedule is not stale: before its first success it may have been)
+        wait_for("the schedule not stale", lambda: not schedule()["stale"], 120)
         time.sleep(2)
         heartbeat = schedule()["last_success_at"]
         t_kill, wall_kill = time.monotonic(), datetime.now(UTC)
         stack.kill("beat", 9)
         log("A: beat killed; waiting for CanaryStale at Alertmanager's receiver")
-        wait_for("CanaryStale at the receiver (beat dead)", lambda: stale_posts(receiver, "/am", t_kill), BOUND_S + 120)
-        t_alert = stale_posts(receiver, "/am", t_kill)[0]["t"]
+        wait_for("CanaryStale at the receiver (beat dead)", lambda: stale_posts(receiver, "/am", t_kill,
+                                                                                  started_after=wall_kill), BOUND_S + 120)
+        t_alert = stale_posts(receiver, "/am", t_kill, started_after=wall_kill)[0]["t"]
         stale_at = schedule()
         report["A_beat_killed"] = {
             "last_success_at": heartbeat, "killed_at": wall_kill.isoformat(),
             "seconds_kill_to_alertmanager_receiver": round(t_alert - t_kill, 1),
             "stale_reason": stale_at.get("stale_reason"),
-            "channel_messages_while_beat_dead": len(stale_posts(receiver, "/canary", t_kill)),
+            "channel_messages_while_beat_dead": len(stale_posts(receiver, "/canary", t_kill, started_after=wall_kill)),
             "within_bound": t_alert - t_kill <= BOUND_S}
         log(f"A: {report['A_beat_killed']}")
 
@@ -213,7 +220,7 @@ def main() -> int:
         t_back, wall_back = time.monotonic(), datetime.now(UTC)
         stack.worker("beat", "default,notify", "--concurrency", "1", "--beat")
         wait_for("a run that succeeds after the beat came back", lambda: succeeded_since(wall_back), 240)
-        # Alertmanager sends a group's resolution at its next group_interval (5 min as shipped)
+        # Alertmanager sends a group's resolution at its next group_interval (CanaryStale's route: 1 min)
         resolved = wait_for("CanaryStale resolved at the receiver",
                             lambda: stale_posts(receiver, "/am", t_back, "resolved"), 240 + 5 * 60)
         report["A_recovery_seconds_to_resolved"] = round(resolved[0]["t"] - t_back, 1)
@@ -222,16 +229,17 @@ def main() -> int:
         heartbeat2 = schedule()["last_success_at"]
         stack.kill("work", 9)
         log("B: worker killed; waiting for CanaryStale in the project's channel and at Alertmanager's receiver")
+        def episode(path: str) -> list[dict]:
+            return stale_posts(receiver, path, t_kill2, started_after=wall_kill2)
+
         wait_for("CanaryStale in the channel and at the receiver (worker dead)",
-                 lambda: stale_posts(receiver, "/canary", t_kill2) and stale_posts(receiver, "/am", t_kill2),
-                 BOUND_S + 120)
-        t_channel = stale_posts(receiver, "/canary", t_kill2)[0]["t"]
-        t_am = stale_posts(receiver, "/am", t_kill2)[0]["t"]
+                 lambda: episode("/canary") and episode("/am"), BOUND_S + 120)
+        t_channel, t_am = episode("/canary")[0]["t"], episode("/am")[0]["t"]
         report["B_worker_killed"] = {
             "last_success_at": heartbeat2, "killed_at": wall_kill2.isoformat(),
             "seconds_kill_to_project_channel": round(t_channel - t_kill2, 1),
             "seconds_kill_to_alertmanager_receiver": round(t_am - t_kill2, 1),
-            "channel_message": stale_posts(receiver, "/canary", t_kill2)[0]["body"].decode(errors="replace")[:400],
+            "channel_message": episode("/canary")[0]["body"].decode(errors="replace")[:400],
             "within_bound": max(t_channel, t_am) - t_kill2 <= BOUND_S}
         log(f"B: {report['B_worker_killed']}")
         report["alerts_prometheus_saw"] = [

@@ -48,5 +48,5 @@ STORED = tuple(f.name for f in fields(Comparison))  # the stored row's columns b
 
 def bucket_interval(bucket: dict[str, Any]) -> tuple[float, float, float]:
     """(estimate, CI low, CI high) of one position bucket in a comparison's details["by_position"]
-    (evals.compare.ppl_ratio_by_position writes them)."""
+    (evals.compare.ppl_ratio_by_position and gen_nll_ratio_by_position write them)."""
     return bucket["estimate"], bucket["ci_low"], bucket["ci_high"]

@@ -19,7 +19,8 @@ from engines.protocol import WindowSpec, strided_windows
 POSITION_EDGES = (128, 512, 2048, 8192, 32768)  # bucket bounds (slots), cut at the window's length
 ANSWER_EDGES = (16, 64, 256, 1024, 4096, 16384)  # bucket bounds by token index in a generated answer
 OPEN_END = 2**31  # the end of the last answer bucket: no end
-PositionBucket = tuple[int, int, float, int]  # first slot, the slot after the last, Σ −log p, tokens
+# first slot (an answer's: first token index), the one after the last, Σ of the figure (−log p, a KLD), tokens
+PositionBucket = tuple[int, int, float, int]
 
 
 def position_buckets(window: WindowSpec) -> list[tuple[int, int]]:

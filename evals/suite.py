@@ -23,6 +23,11 @@ class _Settings(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+# characters per token a long-context document is sized by (long_documents): more than English or code
+# average on any common tokenizer (about 3 to 5), so a document of window × this many characters fills its window
+LONG_CHARS_PER_TOKEN = 6
+
+
 class PerplexitySettings(_Settings):
     window: int = Field(256, ge=2, le=32768, description="tokens per window (≤ the model's context)")
     stride: int | None = Field(None, ge=1, description="tokens between window starts; default = window (disjoint)")
@@ -35,10 +40,12 @@ class PerplexitySettings(_Settings):
         "0 = off. The reference engine only (others score nothing here): over HTTP, gen_nll_ratio is the "
         "decode-regime signal"))
     long_documents: bool = Field(False, description=(
-        "join the corpus's documents, in order, into long-context documents that fill the window (at least "
-        "window × 6 characters each), so that every position bucket up to the window's length is scored: a loss "
-        "deep in the context (a compressed KV cache read far back) shows in the late buckets. Short documents "
-        "alone never reach them"))
+        f"join the corpus's documents, in order, into long-context documents that fill the window (at least "
+        f"window × {LONG_CHARS_PER_TOKEN} characters each, within the server's document limit), so that every "
+        f"position bucket up to the window's length is scored: a loss deep in the context (a compressed KV cache "
+        f"read far back) shows in the late buckets. Short documents alone never reach them. samples then counts "
+        f"joined documents; generation prompts are their openings (fewer documents, so fewer prompts to draw "
+        f"from); decode_samples and distribution_samples score whole joined documents (costlier)"))
     distribution_samples: int = Field(0, ge=0, le=1000, description=(
         "documents (the suite's first ones) on which a candidate's every next-token distribution is compared "
         "with the baseline's, as llama-perplexity --kl-divergence does: KLD mean and percentiles, Δp, same top p "

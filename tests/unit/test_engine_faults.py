@@ -203,4 +203,4 @@ def test_a_kv_fault_late_in_the_answers_shows_only_in_gen_nll_ratio_s_late_bucke
     assert list(rows) == ["0–15", "16–63"] and rows["0–15"]["n"] == 10
     assert rows["0–15"]["verdict"] == "ok"
     assert rows["16–63"]["ci_low"] > 1.3 and rows["16–63"]["verdict"] == "critical"
-    assert rows["0–15"]["estimate"] == 1.0  # the same tokens: clean slots give the same answers
+    assert rows["0–15"]["estimate"] == pytest.approx(1.0, abs=1e-9)  # the same tokens: clean slots, same answers

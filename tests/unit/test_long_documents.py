@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from app.corpus import LONG_CHARS_PER_TOKEN, CorpusError, SampleIn, join_long
+from app.corpus import CorpusError, SampleIn, join_long
+from evals.suite import LONG_CHARS_PER_TOKEN
 
 from tests.unit.test_cli import GOOD, run_cli, write  # noqa: F401 - run_cli is a fixture
 
@@ -27,10 +28,22 @@ def test_documents_join_in_order_until_each_fills_its_window():
 
 
 def test_a_joined_document_stays_within_the_character_limit():
-    # max 100: d0+d1 is 82 < 60? no: 40 + 40 = 84 ≥ 60 → full; d2 (90) would push d3's group past 100, so alone
+    # max 100, target 60: d0+d1 = 42 + 42 = 84 ≥ 60, full; d2 (50) + d3 (90) would pass 100, so d2 ends there,
+    # shorter than the target (the limit wins), and d3 stands alone
     joined = join_long(docs(40, 40, 50, 90), window=10, max_chars=100)
-    assert [s.key for s in joined] == ["d0+1", "d2", "d3"]
-    assert all(len(s.text) <= 100 for s in joined)
+    assert [(s.key, len(s.text)) for s in joined] == [("d0+1", 82), ("d2", 50), ("d3", 90)]
+
+
+def test_parts_of_one_source_keep_one_cluster_and_keys_stay_unique():
+    # a source split into parts (one cluster, as the built-in corpus's "stdlib:aifc#n" parts are) that lands
+    # in two joined documents: both get one cluster, so the bootstrap resamples them together
+    parts = [SampleIn(f"aifc#{i}", "x" * 30, cluster="aifc") for i in range(4)]
+    joined = join_long([*parts, SampleIn("zlib", "x" * 70, cluster="zlib")], window=10, max_chars=1000)
+    assert [(s.key, s.cluster) for s in joined] == [("aifc#0+1", "aifc#0+1"), ("aifc#2+1", "aifc#0+1"),
+                                                    ("zlib", "zlib")]
+    # a document whose own key reads like a joined one's ("a+1" alone, after a and b joined): made unique
+    clash = [SampleIn("a", "x" * 30), SampleIn("b", "x" * 30), SampleIn("a+1", "x" * 70)]
+    assert [s.key for s in join_long(clash, window=10, max_chars=1000)] == ["a+1", "a+1~1"]
 
 
 def test_rag_items_and_a_window_past_the_limit_are_refused_naming_the_field():
@@ -54,7 +67,7 @@ def test_long_documents_score_the_late_buckets_a_kv_fault_shows_in(run_cli, tmp_
                {"name": "kv-late", "engine": "reference", "weights": "fp32", "engine_options": {"fault": fault}}]
 
     def by_position(long_documents: bool) -> dict[str, dict]:
-        suite = {"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 10, "scorers": ["perplexity"],
+        suite = {"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 16, "scorers": ["perplexity"],
                  "perplexity": {"window": 256, "long_documents": long_documents}}
         data = {**GOOD, "configs": configs, "suites": [suite], "schedules": [], "channels": [], "thresholds": {}}
         r = run_cli("run", "-f", write(tmp_path, data), "--json")
@@ -67,7 +80,7 @@ def test_long_documents_score_the_late_buckets_a_kv_fault_shows_in(run_cli, tmp_
         return {b["positions"]: b for b in ratio["details"]["by_position"]}
 
     short, long = by_position(False), by_position(True)
-    assert short["128–255"]["n"] < 10  # documents that never reach slot 128
-    assert long["128–255"]["n"] == 10 and long["128–255"]["tokens"] > 2 * short["128–255"]["tokens"]
+    assert short["128–255"]["n"] < 16  # documents that never reach slot 128
+    assert long["128–255"]["n"] == 16 and long["128–255"]["tokens"] > 2 * short["128–255"]["tokens"]
     assert long["0–127"]["estimate"] == 1.0 and long["0–127"]["verdict"] == "ok"
     assert long["128–255"]["ci_low"] > 1.3 and long["128–255"]["verdict"] == "critical"

@@ -125,7 +125,8 @@ def test_the_run_page_lists_each_candidate_s_buckets():
                "details": {"by_position": [bucket], "prefill_ratio": 1.04, "prefill_decode_gap": 1.25}}
     run["comparisons"].append(decoded)
     assert [r["scored"] for r in position_rows(run)] == ["prefill", "decode"]
-    answered = {"config": "kv-late", "metric": "gen_nll_ratio",  # stored before ppl_ratio: listed after it "estimate": 1.2, "ci_low": 1.1, "ci_high": 1.3,
+    # stored before ppl_ratio: listed after it
+    answered = {"config": "kv-late", "metric": "gen_nll_ratio", "estimate": 1.2, "ci_low": 1.1, "ci_high": 1.3,
                 "details": {"by_position": [{**bucket, "positions": "16–63", "lo": 16, "hi": 64, "tokens": 48}]}}
     run["comparisons"].insert(0, answered)
     assert [(r["scored"], r["positions"], r["tokens"]) for r in position_rows(run)] == [

@@ -78,7 +78,7 @@ def test_quality_by_position_and_the_decode_gap():
             in html)  # the generated answers' tokens 16–63
     assert html.index("<td>prefill</td>") < html.index("<td>decode</td>") < html.index("<td>answer</td>")
     assert "Decode ÷ prefill on the documents scored both ways: kv-late 1.2500." in html
-    assert "Quality by position in the context" in render(s, "p", "daily", {})
+    assert "<h2>Quality by position in the context and in the answer</h2>" in render(s, "p", "daily", {})
     assert "No position buckets" in _positions(summary())
 
 

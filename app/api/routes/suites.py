@@ -4,7 +4,7 @@ from fastapi import APIRouter, status
 
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
-from app.corpus import SampleIn, join_long, load_corpus, load_items
+from app.corpus import SampleIn, load_corpus, load_items, long_documents
 from app.models import Suite
 from app.repo import Conflict, NotFound
 from app.schemas import SuiteIn, SuiteOut, error_responses
@@ -59,10 +59,7 @@ def create_suite(body: SuiteIn, project: ProjectDep, session: SessionDep) -> Sui
                              f"'{body.corpus[:80]}'; send the documents inline in 'documents', or name the file in "
                              "canary.yaml and apply it with `canary run -f`")
         samples = load_corpus(body.corpus, "corpus", settings.max_suite_documents, settings.max_document_chars)
-    joined = ""
-    if body.perplexity.long_documents:
-        joined = f" (long documents joined from {len(samples)})"
-        samples = join_long(samples, body.perplexity.window, settings.max_document_chars)
+    samples, joined = long_documents(samples, body, settings.max_document_chars)
     if body.samples > len(samples):
         raise ValueError(f"samples: {body.samples} > {len(samples)} documents{joined}; lower samples or add "
                          "documents")
