@@ -6,8 +6,7 @@ decode batch padding (M_PAD 2, 4, 8, 16), and the TurboQuant / fp8 / KIVI decode
 quantize kernels at head_dim 128, are compiled with the installed Triton for `--arch` (default 90,
 Hopper) and read back with the cuobjdump that ships with Triton. A kernel that spills (stack > 0)
 or needs more shared memory than the SM has runs, but slowly: the GEMV and attention
-configurations are chosen so that none does (the TurboQuant quantize-on-write kernel, one small
-program per decode step, still spills). Triton's version is printed: a GPU machine's Triton may
+configurations are chosen so that none does. Triton's version is printed: a GPU machine's Triton may
 allocate differently.
 
     python benchmarks/kernel_resources.py [--arch 90]
@@ -121,9 +120,12 @@ def main() -> int:
     for bits in (2, 3, 4):
         compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits))
         if args.only == "all":
-            compile_one(turbo.quantize_kernel, dict(x_ptr="*fp32", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
-                                                    norms_ptr="*fp32", N="i32"), dict(D=128, BITS=bits, BLOCK_N=16), {},
-                        f"D=128 bits={bits} BLOCK_N=16")
+            strides = {name: "i32" for name in ("x_sb", "x_sh", "x_st", "c_sb", "c_sh", "c_ss", "n_sb", "n_sh", "n_ss",
+                                                  "d_sb", "d_sh", "d_ss")}
+            write_sig = dict(x_ptr="*fp16", slot_ptr="*i64", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
+                             norms_ptr="*fp32", dq_ptr="*fp16", N="i32", T="i32", HKV="i32", **strides)
+            compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, BLOCK_N=16, DEQUANT=True), {"num_warps": turbo_kv.WRITE_WARPS},
+                        f"D=128 bits={bits} BLOCK_N=16 DEQUANT warps={turbo_kv.WRITE_WARPS}")
     for cache, tuning in (("fp8e4nv", fp8_kv.TUNING), ("fp16", FLOAT_TUNING)):
         consts, options, label, elements = launch_of(tuning)
         compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", len_ptr="*i64",

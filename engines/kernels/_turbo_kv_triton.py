@@ -23,29 +23,54 @@ def _codebook(idx, poly_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, N,
-                    D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows·D can pass 2^31
-    rd = tl.arange(0, D)
-    x = tl.load(x_ptr + rn[:, None] * D + rd[None, :], mask=rn[:, None] < N, other=0.0).to(tl.float32)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    unit = x / tl.maximum(norm, 1e-12)[:, None]
-    rot = tl.load(rot_ptr + rd[:, None] * D + rd[None, :])  # Π [D, D], row-major
-    u = tl.dot(unit, tl.trans(rot), input_precision="ieee")  # rotated unit vectors Π·x̂ [BLOCK_N, D]
-    best = tl.full((BLOCK_N, D), float("inf"), tl.float32)
-    idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
+def write_kernel(x_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dq_ptr, N, T, HKV,
+                 x_sb, x_sh, x_st, c_sb, c_sh, c_ss, n_sb, n_sh, n_ss, d_sb, d_sh, d_ss,
+                 D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
+    # quantize-on-write straight into the cache: rows of x [B, HKV, T, D] (any strides, channels
+    # contiguous) at slots[t] of codes [B, HKV, S, BITS, D/32], norms [B, HKV, S] and, with DEQUANT,
+    # the rotated-domain value ĉ·‖x‖ [B, HKV, S, D] in dq's dtype. Program (i, w) takes BLOCK_N rows
+    # and the 32 rotated channels of word w: one word per bit-plane, D/32 programs per row block
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets can pass 2^31
+    w = tl.program_id(1)
+    valid = rn < N
+    t = rn % T
+    b = rn // T // HKV
+    h = rn // T % HKV
+    x_row = x_ptr + b * x_sb + h * x_sh + t * x_st
+    lane = tl.arange(0, 32)
+    rc = w * 32 + lane
+    # Π·x over 32-channel slices of x (a [BLOCK_N, 32] × [32, 32] product each), ‖x‖² beside it:
+    # the whole [BLOCK_N, D] × [D, 32] product at once spilled registers at D = 128 on sm_90
+    rx = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in tl.static_range(0, D, 32):
+        xk = tl.load(x_row[:, None] + k0 + lane[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        sq += tl.sum(xk * xk, axis=1)
+        rot_t = tl.load(rot_ptr + rc[None, :] * D + k0 + lane[:, None])  # Πᵀ[k0 + i, rc_j] = Π[rc_j, k0 + i]
+        rx += tl.dot(xk, rot_t, input_precision="ieee")
+    norm = tl.sqrt(sq)
+    u = rx / tl.maximum(norm, 1e-12)[:, None]  # rotated unit vectors Π·x̂, channels rc [BLOCK_N, 32]
+    best = tl.full((BLOCK_N, 32), float("inf"), tl.float32)
+    idx = tl.zeros((BLOCK_N, 32), dtype=tl.int32)
+    val = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     for j in tl.static_range(2**BITS):
-        dist = tl.abs(u - tl.load(book_ptr + j))
+        c = tl.load(book_ptr + j)
+        dist = tl.abs(u - c)
         better = dist < best
         best = tl.where(better, dist, best)
         idx = tl.where(better, j, idx)
-    lanes = tl.reshape(idx, (BLOCK_N, D // 32, 32))
-    shift = tl.arange(0, 32)[None, None, :]
-    rw = tl.arange(0, D // 32)
+        val = tl.where(better, c, val)
+    slot = tl.load(slot_ptr + t, mask=valid, other=0)
+    c_off = b * c_sb + h * c_sh + slot * c_ss
     for k in tl.static_range(BITS):
-        word = tl.sum(((lanes >> k) & 1) << shift, axis=2)  # [BLOCK_N, D/32]
-        tl.store(codes_ptr + rn[:, None] * (BITS * (D // 32)) + k * (D // 32) + rw[None, :], word, mask=rn[:, None] < N)
-    tl.store(norms_ptr + rn, norm, mask=rn < N)
+        word = tl.sum(((idx >> k) & 1) << lane[None, :], axis=1)  # [BLOCK_N]: bit j is channel 32w + j
+        tl.store(codes_ptr + c_off + k * (D // 32) + w, word, mask=valid)
+    first_word = (tl.zeros((BLOCK_N,), tl.int32) + w) == 0  # the norm once per row
+    tl.store(norms_ptr + b * n_sb + h * n_sh + slot * n_ss, norm, mask=valid & first_word)
+    if DEQUANT:
+        dq = dq_ptr + (b * d_sb + h * d_sh + slot * d_ss)[:, None] + rc[None, :]
+        tl.store(dq, (val * norm[:, None]).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
+
 
 @triton.jit
 def _unpack(codes_ptr, row_off, rs, mask_s, D: tl.constexpr, BITS: tl.constexpr):

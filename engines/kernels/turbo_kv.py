@@ -27,6 +27,8 @@ from engines.quant import codebook_on, rotation_on
 # the fastest in the H200 sweep at 3 bits (benchmarks/results/gpu); 4 bits spill at 128-slot tiles
 TUNING = {2: Tuning(128, 8), 3: Tuning(128, 8), 4: Tuning(64, 8)}
 
+WRITE_WARPS = 4  # 90 registers, no spills at D = 128 on sm_90 (benchmarks/kernel_resources.py)
+
 _kernels: dict[str, object] = {}
 
 
@@ -109,22 +111,40 @@ def _get():
     if not _kernels:
         from engines.kernels import _turbo_kv_triton as k
 
-        _kernels["quantize"], _kernels["attention"] = k.quantize_kernel, k.attention_kernel
-    return _kernels["quantize"], _kernels["attention"]
+        _kernels["write"], _kernels["attention"] = k.write_kernel, k.attention_kernel
+    return _kernels["write"], _kernels["attention"]
+
+
+def write_slots(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
+                dequantized: torch.Tensor | None, bits: int, seed: int = 0, block_n: int = 16) -> None:
+    """Quantize-on-write of new cache entries, one launch: x [B, Hkv, T, D] (channels contiguous)
+    at `slots` [T] (on the device: no host sync, capturable) of codes [B, Hkv, S, bits, D/32]
+    int32, norms [B, Hkv, S] fp32 and, if given, dequantized [B, Hkv, S, D] (the rotated-domain
+    value ĉ·‖x‖ that the torch attention reads, in its dtype). The three are written in place."""
+    B, Hkv, T, D = x.shape
+    if D % 32 or D & (D - 1):
+        raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or codes.stride(-2) != D // 32:
+        raise ValueError("write_slots needs contiguous channels in x and whole code rows")
+    write, _ = _get()
+    rot, book = rotation_and_codebook(D, bits, seed, x.device)
+    dq = dequantized if dequantized is not None else norms  # a pointer the kernel never stores to
+    if dequantized is not None and dequantized.stride(-1) != 1:
+        raise ValueError("write_slots needs contiguous channels in the dequantized buffer")
+    N = B * Hkv * T
+    write[(math.ceil(N / block_n), D // 32)](
+        x, slots, rot, book, codes, norms, dq, N, T, Hkv, *x.stride()[:3], *codes.stride()[:3], *norms.stride()[:3],
+        *(dequantized.stride()[:3] if dequantized is not None else (0, 0, 0)),
+        D=D, BITS=bits, BLOCK_N=block_n, DEQUANT=dequantized is not None, num_warps=WRITE_WARPS)
 
 
 def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 16):
     """x [N, D] → (codes [N, bits, D/32] int32, norms [N] fp32). D must be a multiple of 32."""
     N, D = x.shape
-    if D % 32 or D & (D - 1):
-        raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
-    quantize, _ = _get()
-    rot, book = rotation_and_codebook(D, bits, seed, x.device)
-    codes = torch.empty(N, bits, D // 32, dtype=torch.int32, device=x.device)
-    norms = torch.empty(N, dtype=torch.float32, device=x.device)
-    quantize[(math.ceil(N / block_n),)](x.contiguous().float(), rot, book, codes, norms, N,
-                                        D=D, BITS=bits, BLOCK_N=block_n)
-    return codes, norms
+    codes = torch.empty(1, 1, N, bits, D // 32, dtype=torch.int32, device=x.device)
+    norms = torch.empty(1, 1, N, dtype=torch.float32, device=x.device)
+    write_slots(x.contiguous()[None, None], torch.arange(N, device=x.device), codes, norms, None, bits, seed, block_n)
+    return codes[0, 0], norms[0, 0]
 
 
 def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,

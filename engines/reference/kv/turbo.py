@@ -112,8 +112,10 @@ class RotatedTurboStore(DequantizedStore):
     """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
     attention rotates the query once (rotated_attention). Where the kernels run, also the packed
     codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py) and
-    norms [2, L, B, Hkv, S] fp32, written as slots are (made on first use); decode steps read them
-    with the TurboQuant decode kernel."""
+    norms [2, L, B, Hkv, S] fp32 (made on first use): one kernel launch for the keys and one for
+    the values writes a slot's codes, norm and rotated-domain value (an H200 decode step spent 3.6
+    of its 10.4 ms in torch's encode beside the codes: benchmarks/results/gpu); decode steps read
+    the codes with the TurboQuant decode kernel, other passes the rotated-domain values."""
 
     fmt: TurboKV
     codes: torch.Tensor | None = None
@@ -123,8 +125,11 @@ class RotatedTurboStore(DequantizedStore):
         return [*super().buffers(), *(t for t in (self.codes, self.norms) if t is not None)]
 
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
-        packed = self._write_codes(layer, k, v, slots) if kernels_fit(q) else None
-        self.write(layer, k, v, slots, seq_start)
+        if kernels_fit(q):
+            packed = self._write_codes(layer, k, v, slots)
+        else:
+            packed = None
+            self.write(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         if decode_step and packed is not None:
             from engines.kernels.turbo_kv import decode_attention
@@ -138,18 +143,16 @@ class RotatedTurboStore(DequantizedStore):
         return rotated_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], rotation.to(q.dtype), mask)
 
     def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize-on-write of the new slots (bit-planes and norms by the Triton kernel) → the
-        whole code and norm buffers."""
-        from engines.kernels.turbo_kv import quantize_on_write
+        """Quantize-on-write of the new slots by the Triton kernel: codes, norms and the
+        rotated-domain values kq, vq → the whole code and norm buffers."""
+        from engines.kernels.turbo_kv import write_slots
 
         L, B, Hkv, S_max, D = self.k.shape
-        T = len(slots)
         bits = int(self.fmt.bits)
         if self.codes is None or self.norms is None:
             self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
             self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
-        for i, x in enumerate((k, v)):
-            c, n = quantize_on_write(x.reshape(-1, D), bits, self.fmt.seed)
-            self.codes[i, layer].index_copy_(2, slots, c.reshape(B, Hkv, T, bits, D // 32))
-            self.norms[i, layer].index_copy_(2, slots, n.reshape(B, Hkv, T))
+        for i, (x, dq) in enumerate(((k, self.kq), (v, self.vq))):
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            write_slots(x, slots, self.codes[i, layer], self.norms[i, layer], dq[layer], bits, self.fmt.seed)
         return self.codes, self.norms
