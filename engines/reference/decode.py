@@ -14,9 +14,11 @@
   decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
   before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
   the sequence reaches that slot, whose real step overwrites them before reading. A format whose
-  step needs the host (KIVI re-encodes whole token groups; fractional TurboQuant picks channels by
-  mask) runs eagerly, and so does any step whose capture failed (remembered per process, per
-  format and batch, so it is not retried); `graphs_reason` says why.
+  step needs the host (fractional TurboQuant picks channels by mask; KIVI re-encodes whole token
+  groups, except where its kernels run: then before_step writes a step's codes outside the
+  graph, on the host's schedule, and the captured step reads them) runs eagerly, and so does
+  any step whose capture failed (remembered per process, per format and batch, so it is not
+  retried); `graphs_reason` says why.
 - The only host sync a caller needs per step is reading the chosen token out.
 
 Shapes: B batch, P prompt tokens, S cache slots, V vocabulary.
@@ -45,7 +47,8 @@ def _sdpa_backends(device: torch.device):
 
 
 def graph_safe(fmt: KVFormat) -> str | None:
-    """None when a decode step over `fmt` can be captured as a CUDA graph, else why not."""
+    """None when a decode step over `fmt` can be captured as a CUDA graph wherever it runs, else
+    why not (a store may lift the format's reason where its kernels run: KiviStore.graph_blocker)."""
     return fmt.graph_blocker
 
 
@@ -69,13 +72,14 @@ class Decoder:
         self.causal_prefill = fmt.causal_prefill and (self.device.type == "cuda" if causal_prefill is None
                                                       else causal_prefill)
         self.cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, dtype, self.device, fmt)
+        self.cache.store.steps_prepared = True  # step() calls before_step ahead of every decode step
         self.j = torch.arange(slots, device=self.device)  # [S] slot ids
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] first real slot per row
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # [B, 1] the step's input
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] the slot the step writes
         self.next_slot = 0  # the same, on the host, for bounds checks only
         want = self.device.type == "cuda" if graphs is None else graphs
-        why_not = graph_safe(fmt)
+        why_not = self.cache.store.graph_blocker(False)
         if want and self.device.type != "cuda":
             why_not = "CUDA graphs need a CUDA device"
         self._key = (fmt.name, batch, str(self.device))
@@ -105,6 +109,9 @@ class Decoder:
         else:
             self.pad.copy_(pad)
         self.cache.seq_start = self.pad.clone()  # the kernel-or-SDPA choice a captured step freezes
+        blocker = self.cache.store.graph_blocker(self.cache.left_padded)
+        if self.graphs_wanted and self.graph is None and blocker is not None:
+            self.graphs_wanted, self.graphs_reason = False, blocker
         if self.graphs_wanted and self.graph is None:
             self.slot.fill_(self.slots - 1)
             self._capture()
@@ -163,6 +170,7 @@ class Decoder:
         if self.next_slot >= self.slots:
             raise ValueError(f"the cache's {self.slots} slots are full")
         self.tokens.copy_(tokens.reshape(self.batch, 1))
+        self.cache.store.before_step(self.next_slot)  # host-scheduled work, outside any graph
         if self.graphs_wanted and self.graph is None:
             self._capture()
         if self.graph is not None:

@@ -27,3 +27,22 @@ def test_cuda_graph_replay_matches_eager_decoding(kv_cache):
     got = graphed.generate(req)[0].token_ids
     assert graphed.decode_graphs == "captured", graphed.decode_graphs
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run it with make gpu-report")
+def test_kivi_steps_replay_as_a_cuda_graph_across_a_key_flush():
+    # KIVI's codes are written by before_step outside the graph (decode.Decoder); the decode runs
+    # past a multiple of 128, where a whole key group leaves the full-precision window
+    spec = lambda graphs: OptimizationSpec(engine="reference", weights="fp16", kv_cache="kivi-2",  # noqa: E731
+                                           engine_options={"device": "cuda", "cuda_graphs": graphs})
+    eager = ReferenceEngine(TARGET, spec(False))
+    prompt = "os.path.join(a, *p)\n\nJoin two or more pathname components, inserting '/' as needed. " * 4
+    n_prompt = len(eager.tokenizer(prompt)["input_ids"])
+    new = 128 - n_prompt % 128 + 6
+    req = [GenerationRequest("g", prompt, max_new_tokens=new)]
+    graphed = ReferenceEngine(TARGET, spec(True))
+    want = eager.generate(req)[0].token_ids
+    got = graphed.generate(req)[0].token_ids
+    assert graphed.decode_graphs == "captured", graphed.decode_graphs
+    assert len(got) == new and got == want

@@ -69,9 +69,20 @@ class KVStore:
     def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
         self.fmt, self.k, self.v = fmt, k, v
 
+    # set by a decode loop that calls before_step ahead of every decode step (decode.Decoder)
+    steps_prepared = False
+
     def buffers(self) -> list[torch.Tensor]:
         """Tensors held beside the raw cache, counted in the cache's bytes."""
         return []
+
+    def graph_blocker(self, left_padded: bool) -> str | None:
+        """Why a decode step over this store cannot be captured as a CUDA graph, or None."""
+        return self.fmt.graph_blocker
+
+    def before_step(self, slot: int) -> None:
+        """Work a decode step at `slot` (known on the host) needs done first, outside a captured
+        graph: nothing here (KIVI flushes whole key groups on the host's schedule)."""
 
     def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | Causal, seq_start: torch.Tensor,
                decode_step: bool) -> torch.Tensor:

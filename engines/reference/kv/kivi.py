@@ -99,23 +99,29 @@ class KiviStore(DequantizedStore):
         cv = _compressed_mask(slots, S, seq_start, self.fmt.boundary_v)
         return two_tier_attention(q, keys, values, kq, vq, mask, ck, cv)
 
-    def _kernel_attend(self, layer: int, q, slots):
-        """KIVI codes written by the quantize-on-write kernels as slots leave the full-precision
-        window (keys in whole flushes, values token by token); attention by the two-tier kernel."""
-        from engines.kernels.kivi_kv import GROUP, decode_attention, quantize_keys, quantize_values
+    def graph_blocker(self, left_padded: bool) -> str | None:
+        """Where the kernels run and no row is left-padded, a decode step is the two-tier kernel
+        over codes that before_step wrote: capturable. Elsewhere groups re-encode on the host."""
+        return None if kernels_fit(self.k) and not left_padded else self.fmt.graph_blocker
+
+    def before_step(self, slot: int) -> None:
+        """Where the kernels run: the codes of the slots that leave the full-precision window when
+        the sequence reaches slot + 1 tokens (a whole key group every R steps, one value a step),
+        every layer. Those slots were all written by earlier passes."""
+        if kernels_fit(self.k):
+            for layer in range(self.k.shape[0]):
+                self._flush(layer, slot)
+
+    def _flush(self, layer: int, t: int) -> None:
+        """KIVI codes written by the quantize-on-write kernels for the query at slot t: keys in
+        whole flushes, values token by token, each once."""
+        from engines.kernels.kivi_kv import GROUP, quantize_keys, quantize_values
 
         bits = self.fmt.bits
         L, B, Hkv, S_max, D = self.k.shape
-        if not self.packed:
-            words, groups = D * bits // 32, -(-S_max // GROUP)
-            z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=q.device)  # noqa: E731
-            self.packed = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
-                           "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP),
-                           "vz": z(S_max, D // GROUP)}
-        c = self.packed
-        t = int(slots[-1])
-        n = torch.tensor([t + 1], device=q.device)  # the query's sequence length
-        nk, nv = int(self.fmt.boundary_k(n)), int(self.fmt.boundary_v(n))
+        c = self._packed()
+        R = self.fmt.residual
+        nk, nv = t // R * R, max(0, t - R)  # boundary_k, boundary_v at n = t + 1
         lo = self.packed_k[layer]
         if nk > lo:  # a flush: whole groups of GROUP tokens
             codes, scale, zero = quantize_keys(self.k[layer, :, :, lo:nk].reshape(-1, D), bits)
@@ -131,10 +137,35 @@ class KiviStore(DequantizedStore):
             c["vs"][layer, :, :, lo:nv] = scale.reshape(B, Hkv, nv - lo, -1)
             c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
             self.packed_v[layer] = nv
-        full = lambda x: torch.full((B,), x, device=q.device)  # noqa: E731
+
+    def _packed(self) -> dict[str, torch.Tensor]:
+        """The code buffers, made on first use (a capture's warm-up step makes them, before any flush)."""
+        from engines.kernels.kivi_kv import GROUP
+
+        if not self.packed:
+            L, B, Hkv, S_max, D = self.k.shape
+            words, groups = D * self.fmt.bits // 32, -(-S_max // GROUP)
+            z = lambda *shape, dtype=torch.float32: torch.zeros(L, B, Hkv, *shape, dtype=dtype, device=self.k.device)  # noqa: E731
+            self.packed = {"kc": z(S_max, words, dtype=torch.int32), "ks": z(groups, D), "kz": z(groups, D),
+                           "vc": z(S_max, words, dtype=torch.int32), "vs": z(S_max, D // GROUP),
+                           "vz": z(S_max, D // GROUP)}
+        return self.packed
+
+    def _kernel_attend(self, layer: int, q, slots):
+        """The two-tier kernel over the codes written as slots left the full-precision window.
+        With steps_prepared (decode.Decoder calls before_step) nothing here reads the host: the
+        lengths and boundaries come from `slots` on the device, so the step can be captured."""
+        from engines.kernels.kivi_kv import decode_attention
+
+        if not self.steps_prepared:
+            self._flush(layer, int(slots[-1]))
+        c = self._packed()
+        B = q.shape[0]
+        n = (slots[-1:] + 1).expand(B)  # [B] the query's sequence length, on the device
+        nk, nv = self.fmt.boundary_k(n), self.fmt.boundary_v(n)
         out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer],
                                c["kc"][layer], c["ks"][layer], c["kz"][layer], c["vc"][layer], c["vs"][layer],
-                               c["vz"][layer], full(t + 1), full(nk), full(nv), bits)
+                               c["vz"][layer], n.contiguous(), nk.contiguous(), nv.contiguous(), self.fmt.bits)
         return out[:, :, None].to(q.dtype)
 
 
