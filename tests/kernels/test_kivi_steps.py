@@ -2,7 +2,7 @@
 the codes of the slots leaving the full-precision window on the host's schedule (a whole key
 group every R steps, a value every step), so the step itself reads nothing from the host. Here on
 the Triton interpreter (the kernel path) against the torch path, on a small random model whose
-decode crosses a key flush."""
+decode crosses a key flush (on the GPU when there is one)."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 P, STEPS = 120, 12  # slots 120…131: the first key flush (slots 0…127) comes at slot 128
 
 
-def small_model() -> Transformer:
+def small_model(device="cpu") -> Transformer:
     a = ModelArgs(model_type="llama", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                   intermediate_size=96, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=256, tie_embeddings=False,
                   attention_bias=False, rope_scaling={"rope_type": "default"})
@@ -25,7 +25,7 @@ def small_model() -> Transformer:
             p.normal_(0, 0.2)
     model.fuse()
     model.inv_freq = rope_inv_freq(a)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class HostReads(TorchDispatchMode):
@@ -42,11 +42,11 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode(monkeypatch, mode: str):
+def decode(monkeypatch, mode: str, device: str):
     monkeypatch.setenv("CANARY_KERNELS", mode)
-    model = small_model()
-    d = Decoder(model, kv_format("kivi-2", torch.float32), 1, P + STEPS, "cpu", torch.float32)
-    ids = torch.randint(0, 64, (1, P), generator=torch.Generator().manual_seed(1))
+    model = small_model(device)
+    d = Decoder(model, kv_format("kivi-2", torch.float32), 1, P + STEPS, device, torch.float32, graphs=False)
+    ids = torch.randint(0, 64, (1, P), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.inference_mode():
         logits = d.prefill(ids)
         out, reads = [], []
@@ -65,13 +65,13 @@ def decode(monkeypatch, mode: str):
     return d, torch.stack(out), reads
 
 
-def test_kivi_kernel_steps_read_nothing_from_the_host_and_match_the_torch_path(monkeypatch):
-    d, kernel_logits, reads = decode(monkeypatch, "triton")
+def test_kivi_kernel_steps_read_nothing_from_the_host_and_match_the_torch_path(monkeypatch, device):
+    d, kernel_logits, reads = decode(monkeypatch, "triton", device)
     assert reads == []
     assert d.cache.store.packed_k == [128, 128]  # the key flush ran in before_step, every layer
     assert d.cache.store.graph_blocker(False) is None  # capturable where its kernels run
     assert d.cache.store.graph_blocker(True) is not None  # left padding: the torch path re-encodes
-    _, torch_logits, _ = decode(monkeypatch, "torch")
+    _, torch_logits, _ = decode(monkeypatch, "torch", device)
     torch.testing.assert_close(kernel_logits, torch_logits, rtol=2e-3, atol=2e-3)
 
 
@@ -82,7 +82,7 @@ def test_the_torch_path_still_says_why_it_cannot_be_captured(monkeypatch):
 
 
 @pytest.mark.parametrize("slot,keys,values", [(127, 0, 0), (128, 128, 0), (129, 128, 1), (300, 256, 172)])
-def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch, slot, keys, values):
+def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch, device, slot, keys, values):
     # keys compressed below R⌊t/R⌋, values below t − R, for the query at slot t (R = 128)
     monkeypatch.setenv("CANARY_KERNELS", "triton")
     fmt = kv_format("kivi-2", torch.float32)
@@ -90,6 +90,6 @@ def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch
     assert (int(fmt.boundary_k(n)), int(fmt.boundary_v(n))) == (keys, values)
     from engines.reference.cache import KVCache
 
-    cache = KVCache(1, 1, 320, 2, 32, torch.float32, torch.device("cpu"), fmt)
+    cache = KVCache(1, 1, 320, 2, 32, torch.float32, torch.device(device), fmt)
     cache.store.before_step(slot)
     assert (cache.store.packed_k[0], cache.store.packed_v[0]) == (keys, values)
