@@ -120,10 +120,11 @@ def main() -> int:
     for bits in (2, 3, 4):
         compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits))
         if args.only == "all":
-            strides = {name: "i32" for name in ("x_sb", "x_sh", "x_st", "c_sb", "c_sh", "c_ss", "n_sb", "n_sh", "n_ss",
-                                                  "d_sb", "d_sh", "d_ss")}
-            write_sig = dict(x_ptr="*fp16", slot_ptr="*i64", rot_ptr="*fp32", book_ptr="*fp32", codes_ptr="*i32",
-                             norms_ptr="*fp32", dq_ptr="*fp16", N="i32", T="i32", HKV="i32", **strides)
+            strides = {name: "i32" for name in ("x_sb", "x_sh", "x_st", "y_sb", "y_sh", "y_st", "c_kv", "c_sb", "c_sh",
+                                                  "c_ss", "n_kv", "n_sb", "n_sh", "n_ss", "d_sb", "d_sh", "d_ss")}
+            write_sig = dict(x_ptr="*fp16", y_ptr="*fp16", slot_ptr="*i64", rot_ptr="*fp32", book_ptr="*fp32",
+                             codes_ptr="*i32", norms_ptr="*fp32", dx_ptr="*fp16", dy_ptr="*fp16", N="i32", T="i32",
+                             HKV="i32", **strides)
             compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, BLOCK_N=16, DEQUANT=True), {"num_warps": turbo_kv.WRITE_WARPS},
                         f"D=128 bits={bits} BLOCK_N=16 DEQUANT warps={turbo_kv.WRITE_WARPS}")
     for cache, tuning in (("fp8e4nv", fp8_kv.TUNING), ("fp16", FLOAT_TUNING)):

@@ -23,20 +23,27 @@ def _codebook(idx, poly_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def write_kernel(x_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dq_ptr, N, T, HKV,
-                 x_sb, x_sh, x_st, c_sb, c_sh, c_ss, n_sb, n_sh, n_ss, d_sb, d_sh, d_ss,
+def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dx_ptr, dy_ptr, N, T, HKV,
+                 x_sb, x_sh, x_st, y_sb, y_sh, y_st, c_kv, c_sb, c_sh, c_ss, n_kv, n_sb, n_sh, n_ss, d_sb, d_sh, d_ss,
                  D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
-    # quantize-on-write straight into the cache: rows of x [B, HKV, T, D] (any strides, channels
-    # contiguous) at slots[t] of codes [B, HKV, S, BITS, D/32], norms [B, HKV, S] and, with DEQUANT,
-    # the rotated-domain value ĉ·‖x‖ [B, HKV, S, D] in dq's dtype. Program (i, w) takes BLOCK_N rows
-    # and the 32 rotated channels of word w: one word per bit-plane, D/32 programs per row block
+    # quantize-on-write straight into the cache, keys and values in one launch: program (i, w, z)
+    # takes rows of x (z = 0) or y (z = 1), both [B, HKV, T, D] (any strides, channels contiguous),
+    # and writes them at slots[t] of codes [2, B, HKV, S, BITS, D/32] and norms [2, B, HKV, S] (index
+    # z) and, with DEQUANT, the rotated-domain value ĉ·‖x‖ into dx or dy [B, HKV, S, D] (dq's dtype).
+    # It takes BLOCK_N rows and the 32 rotated channels of word w: one word per bit-plane
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets can pass 2^31
     w = tl.program_id(1)
+    z = tl.program_id(2)
     valid = rn < N
     t = rn % T
     b = rn // T // HKV
     h = rn // T % HKV
-    x_row = x_ptr + b * x_sb + h * x_sh + t * x_st
+    if z == 0:
+        x_row = x_ptr + b * x_sb + h * x_sh + t * x_st
+        dq_ptr = dx_ptr
+    else:
+        x_row = y_ptr + b * y_sb + h * y_sh + t * y_st
+        dq_ptr = dy_ptr
     lane = tl.arange(0, 32)
     rc = w * 32 + lane
     # Π·x over 32-channel slices of x (a [BLOCK_N, 32] × [32, 32] product each), ‖x‖² beside it:
@@ -61,12 +68,12 @@ def write_kernel(x_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dq_pt
         idx = tl.where(better, j, idx)
         val = tl.where(better, c, val)
     slot = tl.load(slot_ptr + t, mask=valid, other=0)
-    c_off = b * c_sb + h * c_sh + slot * c_ss
+    c_off = z * c_kv + b * c_sb + h * c_sh + slot * c_ss
     for k in tl.static_range(BITS):
         word = tl.sum(((idx >> k) & 1) << lane[None, :], axis=1)  # [BLOCK_N]: bit j is channel 32w + j
         tl.store(codes_ptr + c_off + k * (D // 32) + w, word, mask=valid)
     first_word = (tl.zeros((BLOCK_N,), tl.int32) + w) == 0  # the norm once per row
-    tl.store(norms_ptr + b * n_sb + h * n_sh + slot * n_ss, norm, mask=valid & first_word)
+    tl.store(norms_ptr + z * n_kv + b * n_sb + h * n_sh + slot * n_ss, norm, mask=valid & first_word)
     if DEQUANT:
         dq = dq_ptr + (b * d_sb + h * d_sh + slot * d_ss)[:, None] + rc[None, :]
         tl.store(dq, (val * norm[:, None]).to(dq_ptr.dtype.element_ty), mask=valid[:, None])

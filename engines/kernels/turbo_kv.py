@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -115,36 +116,42 @@ def _get():
     return _kernels["write"], _kernels["attention"]
 
 
-def write_slots(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
-                dequantized: torch.Tensor | None, bits: int, seed: int = 0, block_n: int = 16) -> None:
-    """Quantize-on-write of new cache entries, one launch: x [B, Hkv, T, D] (channels contiguous)
-    at `slots` [T] (on the device: no host sync, capturable) of codes [B, Hkv, S, bits, D/32]
-    int32, norms [B, Hkv, S] fp32 and, if given, dequantized [B, Hkv, S, D] (the rotated-domain
-    value ĉ·‖x‖ that the torch attention reads, in its dtype). The three are written in place."""
-    B, Hkv, T, D = x.shape
+def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
+                dequantized: Sequence[torch.Tensor] | None, bits: int, seed: int = 0, block_n: int = 16) -> None:
+    """Quantize-on-write of new cache entries in one launch: xs, the keys and the values (or one
+    tensor), each [B, Hkv, T, D] (channels contiguous), at `slots` [T] (on the device: no host
+    sync, capturable) of codes [len(xs), B, Hkv, S, bits, D/32] int32, norms [len(xs), B, Hkv, S]
+    fp32 and, if given, dequantized (one [B, Hkv, S, D] tensor per x, one layout: the
+    rotated-domain value ĉ·‖x‖ that the torch attention reads, in its dtype). All written in place."""
+    B, Hkv, T, D = xs[0].shape
     if D % 32 or D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
-    if x.stride(-1) != 1 or codes.stride(-1) != 1 or codes.stride(-2) != D // 32:
-        raise ValueError("write_slots needs contiguous channels in x and whole code rows")
+    if len(xs) not in (1, 2) or any(x.shape != xs[0].shape or x.stride(-1) != 1 for x in xs):
+        raise ValueError("write_slots takes one or two [B, Hkv, T, D] tensors with contiguous channels")
+    if codes.shape[0] != len(xs) or codes.stride(-1) != 1 or codes.stride(-2) != D // 32:
+        raise ValueError("write_slots needs a code buffer per tensor, with whole code rows")
+    if dequantized is not None and (len(dequantized) != len(xs) or any(
+            d.stride() != dequantized[0].stride() or d.stride(-1) != 1 for d in dequantized)):
+        raise ValueError("write_slots needs one dequantized buffer per tensor, all of one layout, channels contiguous")
     write, _ = _get()
-    rot, book = rotation_and_codebook(D, bits, seed, x.device)
-    dq = dequantized if dequantized is not None else norms  # a pointer the kernel never stores to
-    if dequantized is not None and dequantized.stride(-1) != 1:
-        raise ValueError("write_slots needs contiguous channels in the dequantized buffer")
+    rot, book = rotation_and_codebook(D, bits, seed, xs[0].device)
+    dq = list(dequantized) if dequantized is not None else [norms, norms]  # pointers the kernel never stores to
+    x, y = xs[0], xs[-1]
     N = B * Hkv * T
-    write[(math.ceil(N / block_n), D // 32)](
-        x, slots, rot, book, codes, norms, dq, N, T, Hkv, *x.stride()[:3], *codes.stride()[:3], *norms.stride()[:3],
-        *(dequantized.stride()[:3] if dequantized is not None else (0, 0, 0)),
+    write[(math.ceil(N / block_n), D // 32, len(xs))](
+        x, y, slots, rot, book, codes, norms, dq[0], dq[-1], N, T, Hkv, *x.stride()[:3], *y.stride()[:3],
+        *codes.stride()[:4], *norms.stride()[:4],
+        *(dequantized[0].stride()[:3] if dequantized is not None else (0, 0, 0)),
         D=D, BITS=bits, BLOCK_N=block_n, DEQUANT=dequantized is not None, num_warps=WRITE_WARPS)
 
 
 def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 16):
     """x [N, D] → (codes [N, bits, D/32] int32, norms [N] fp32). D must be a multiple of 32."""
     N, D = x.shape
-    codes = torch.empty(1, 1, N, bits, D // 32, dtype=torch.int32, device=x.device)
-    norms = torch.empty(1, 1, N, dtype=torch.float32, device=x.device)
-    write_slots(x.contiguous()[None, None], torch.arange(N, device=x.device), codes, norms, None, bits, seed, block_n)
-    return codes[0, 0], norms[0, 0]
+    codes = torch.empty(1, 1, 1, N, bits, D // 32, dtype=torch.int32, device=x.device)
+    norms = torch.empty(1, 1, 1, N, dtype=torch.float32, device=x.device)
+    write_slots([x.contiguous()[None, None]], torch.arange(N, device=x.device), codes, norms, None, bits, seed, block_n)
+    return codes[0, 0, 0], norms[0, 0, 0]
 
 
 def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,

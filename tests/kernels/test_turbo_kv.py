@@ -41,28 +41,31 @@ def test_quantize_on_write_matches_reference(device, bits, D):
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_write_slots_fills_codes_norms_and_values_at_the_slots_only(device, bits):
-    # new keys as the model hands them (a transposed view: [B, Hkv, T, D] with T not innermost)
-    # written at slots 5 and 2 of a 9-slot cache: those slots hold the reference's codes, norms and
-    # rotated-domain values c[idx]·‖x‖ (in the cache's fp16); every other slot keeps its sentinel
+    # new keys and values as the model hands them (transposed views: [B, Hkv, T, D] with T not
+    # innermost, each its own strides) written in one launch at slots 5 and 2 of a 9-slot cache:
+    # those slots hold the reference's codes, norms and rotated-domain values c[idx]·‖x‖ (in the
+    # cache's fp16), keys at index 0 and values at index 1; every other slot keeps its sentinel
     g = torch.Generator().manual_seed(bits)
     B, Hkv, T, S, D = 2, 3, 2, 9, 64
-    x = torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2).to(device)
+    k = torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2).to(device)
+    v = torch.randn(T, B, Hkv, D, generator=g).permute(1, 2, 0, 3).to(device)
     slots = torch.tensor([5, 2], device=device)
-    codes = torch.full((B, Hkv, S, bits, D // 32), 7, dtype=torch.int32, device=device)
-    norms = torch.full((B, Hkv, S), -1.0, device=device)
-    values = torch.full((B, Hkv, S, D), -3.0, dtype=torch.float16, device=device)
-    write_slots(x, slots, codes, norms, values, bits)
-    ref_codes, ref_norms = quantize_reference(x.cpu(), bits)
-    got_codes = codes.cpu()[:, :, [5, 2]]
-    agree = (unpack_bitplanes(got_codes, bits) == unpack_bitplanes(ref_codes, bits)).float().mean()
-    assert agree > 0.999  # a coordinate exactly between two centroids may round either way
-    torch.testing.assert_close(norms.cpu()[:, :, [5, 2]], ref_norms, rtol=1e-5, atol=1e-5)
-    want = turbo_mse_rotated(x.cpu(), bits, 0).half()
-    close = (values.cpu()[:, :, [5, 2]].float() - want.float()).abs() <= 1e-3 * want.float().abs() + 1e-3
-    assert close.float().mean() > 0.999
+    codes = torch.full((2, B, Hkv, S, bits, D // 32), 7, dtype=torch.int32, device=device)
+    norms = torch.full((2, B, Hkv, S), -1.0, device=device)
+    values = [torch.full((B, Hkv, S, D), -3.0, dtype=torch.float16, device=device) for _ in range(2)]
+    write_slots([k, v], slots, codes, norms, values, bits)
     untouched = [s for s in range(S) if s not in (5, 2)]
-    assert (codes.cpu()[:, :, untouched] == 7).all() and (norms.cpu()[:, :, untouched] == -1).all()
-    assert (values.cpu()[:, :, untouched] == -3).all()
+    for i, x in enumerate((k, v)):
+        ref_codes, ref_norms = quantize_reference(x.cpu(), bits)
+        got_codes = codes[i].cpu()[:, :, [5, 2]]
+        agree = (unpack_bitplanes(got_codes, bits) == unpack_bitplanes(ref_codes, bits)).float().mean()
+        assert agree > 0.999  # a coordinate exactly between two centroids may round either way
+        torch.testing.assert_close(norms[i].cpu()[:, :, [5, 2]], ref_norms, rtol=1e-5, atol=1e-5)
+        want = turbo_mse_rotated(x.cpu(), bits, 0).half()
+        close = (values[i].cpu()[:, :, [5, 2]].float() - want.float()).abs() <= 1e-3 * want.float().abs() + 1e-3
+        assert close.float().mean() > 0.999
+        assert (codes[i].cpu()[:, :, untouched] == 7).all() and (norms[i].cpu()[:, :, untouched] == -1).all()
+        assert (values[i].cpu()[:, :, untouched] == -3).all()
 
 
 @pytest.mark.parametrize("bits", [2, 3])

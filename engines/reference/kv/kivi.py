@@ -107,36 +107,47 @@ class KiviStore(DequantizedStore):
     def before_step(self, slot: int) -> None:
         """Where the kernels run: the codes of the slots that leave the full-precision window when
         the sequence reaches slot + 1 tokens (a whole key group every R steps, one value a step),
-        every layer. Those slots were all written by earlier passes."""
-        if kernels_fit(self.k):
+        every layer at once where all stand at the same slots (a handful of launches a step,
+        not a handful per layer). Those slots were all written by earlier passes."""
+        if not kernels_fit(self.k):
+            return
+        if len(set(self.packed_k)) == 1 and len(set(self.packed_v)) == 1:
+            self._flush(slice(None), slot)
+        else:
             for layer in range(self.k.shape[0]):
                 self._flush(layer, slot)
 
-    def _flush(self, layer: int, t: int) -> None:
+    def _flush(self, layer: int | slice, t: int) -> None:
         """KIVI codes written by the quantize-on-write kernels for the query at slot t: keys in
-        whole flushes, values token by token, each once."""
+        whole flushes, values token by token, each once; `layer` one layer or slice(None), all
+        (standing at the same slots)."""
         from engines.kernels.kivi_kv import GROUP, quantize_keys, quantize_values
 
-        bits = self.fmt.bits
-        L, B, Hkv, S_max, D = self.k.shape
+        bits, D = self.fmt.bits, self.k.shape[-1]
+        layers = range(self.k.shape[0])[layer] if isinstance(layer, slice) else [layer]
         c = self._packed()
         R = self.fmt.residual
         nk, nv = t // R * R, max(0, t - R)  # boundary_k, boundary_v at n = t + 1
-        lo = self.packed_k[layer]
+        lo = self.packed_k[layers[0]]
         if nk > lo:  # a flush: whole groups of GROUP tokens
-            codes, scale, zero = quantize_keys(self.k[layer, :, :, lo:nk].reshape(-1, D), bits)
-            n_g = (nk - lo) // GROUP
-            c["kc"][layer, :, :, lo:nk] = codes.reshape(B, Hkv, nk - lo, -1)
-            c["ks"][layer, :, :, lo // GROUP : nk // GROUP] = scale.reshape(B, Hkv, n_g, D)
-            c["kz"][layer, :, :, lo // GROUP : nk // GROUP] = zero.reshape(B, Hkv, n_g, D)
-            self.packed_k[layer] = nk
-        lo = self.packed_v[layer]
+            keys = self.k[layer, ..., lo:nk, :]  # [(L,) B, Hkv, nk − lo, D]: rows of one group stay together
+            codes, scale, zero = quantize_keys(keys.reshape(-1, D), bits)
+            lead, n_g = keys.shape[:-2], (nk - lo) // GROUP
+            c["kc"][layer, ..., lo:nk, :] = codes.reshape(*lead, nk - lo, -1)
+            c["ks"][layer, ..., lo // GROUP : nk // GROUP, :] = scale.reshape(*lead, n_g, D)
+            c["kz"][layer, ..., lo // GROUP : nk // GROUP, :] = zero.reshape(*lead, n_g, D)
+            for i in layers:
+                self.packed_k[i] = nk
+        lo = self.packed_v[layers[0]]
         if nv > lo:
-            codes, scale, zero = quantize_values(self.v[layer, :, :, lo:nv].reshape(-1, D), bits)
-            c["vc"][layer, :, :, lo:nv] = codes.reshape(B, Hkv, nv - lo, -1)
-            c["vs"][layer, :, :, lo:nv] = scale.reshape(B, Hkv, nv - lo, -1)
-            c["vz"][layer, :, :, lo:nv] = zero.reshape(B, Hkv, nv - lo, -1)
-            self.packed_v[layer] = nv
+            values = self.v[layer, ..., lo:nv, :]
+            codes, scale, zero = quantize_values(values.reshape(-1, D), bits)
+            lead = values.shape[:-2]
+            c["vc"][layer, ..., lo:nv, :] = codes.reshape(*lead, nv - lo, -1)
+            c["vs"][layer, ..., lo:nv, :] = scale.reshape(*lead, nv - lo, -1)
+            c["vz"][layer, ..., lo:nv, :] = zero.reshape(*lead, nv - lo, -1)
+            for i in layers:
+                self.packed_v[i] = nv
 
     def _packed(self) -> dict[str, torch.Tensor]:
         """The code buffers, made on first use (a capture's warm-up step makes them, before any flush)."""

@@ -112,8 +112,8 @@ class RotatedTurboStore(DequantizedStore):
     """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
     attention rotates the query once (rotated_attention). Where the kernels run, also the packed
     codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py) and
-    norms [2, L, B, Hkv, S] fp32 (made on first use): one kernel launch for the keys and one for
-    the values writes a slot's codes, norm and rotated-domain value (an H200 decode step spent 3.6
+    norms [2, L, B, Hkv, S] fp32 (made on first use): one kernel launch for the keys and the
+    values writes a slot's codes, norm and rotated-domain value (an H200 decode step spent 3.6
     of its 10.4 ms in torch's encode beside the codes: benchmarks/results/gpu); decode steps read
     the codes with the TurboQuant decode kernel, other passes the rotated-domain values."""
 
@@ -152,7 +152,7 @@ class RotatedTurboStore(DequantizedStore):
         if self.codes is None or self.norms is None:
             self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
             self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
-        for i, (x, dq) in enumerate(((k, self.kq), (v, self.vq))):
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            write_slots(x, slots, self.codes[i, layer], self.norms[i, layer], dq[layer], bits, self.fmt.seed)
+        xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (k, v)]
+        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], [self.kq[layer], self.vq[layer]], bits,
+                    self.fmt.seed)
         return self.codes, self.norms
