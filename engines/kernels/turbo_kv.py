@@ -5,7 +5,10 @@ bit-planes of 32-channel words — codes [b, D/32] int32, bit k of the code of c
 bit j of plane k, word w — exactly b bits per element with power-of-two tensor shapes; plus the
 vector's norm (fp32 here; 16 bits in the memory accounting).
 
-quantize_on_write: x [N, D] → (codes [N, b, D/32] int32, norms [N]); the caller rotates nothing.
+write_slots: new keys and values [B, Hkv, T, D] coded straight into the cache at a device tensor of
+slots, codes, norms and the rotated-domain values the torch path reads, in one launch (capturable);
+quantize_on_write: x [N, D] → (codes [N, b, D/32] int32, norms [N]), the same kernel into fresh
+buffers. The caller rotates nothing.
 decode_attention: q [B, H, D] (one new token per sequence) against the cached codes of keys and
 values [B, Hkv, S, b, D/32] with norms [B, Hkv, S] and per-sequence lengths; the query is rotated
 once (Π·q), scores are taken against codebook values, Σ p·ĉ·‖v‖ accumulates in the rotated
@@ -128,8 +131,19 @@ def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Te
         raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
     if len(xs) not in (1, 2) or any(x.shape != xs[0].shape or x.stride(-1) != 1 for x in xs):
         raise ValueError("write_slots takes one or two [B, Hkv, T, D] tensors with contiguous channels")
-    if codes.shape[0] != len(xs) or codes.stride(-1) != 1 or codes.stride(-2) != D // 32:
-        raise ValueError("write_slots needs a code buffer per tensor, with whole code rows")
+    if slots.shape != (T,) or slots.device != xs[0].device:
+        raise ValueError(f"write_slots needs slots [{T}] on {xs[0].device}, one per new token; "
+                         f"got {tuple(slots.shape)}")
+    if (codes.shape[0] != len(xs) or codes.shape[1:3] != (B, Hkv) or codes.shape[-2:] != (bits, D // 32)
+            or codes.stride(-1) != 1 or codes.stride(-2) != D // 32 or codes.dtype != torch.int32):
+        raise ValueError(f"write_slots needs int32 codes [{len(xs)}, {B}, {Hkv}, S, {bits}, {D // 32}] "
+                         "with whole code rows")
+    if norms.shape[:3] != (len(xs), B, Hkv) or norms.shape[3] != codes.shape[3] or norms.dtype != torch.float32:
+        raise ValueError(f"write_slots needs fp32 norms [{len(xs)}, {B}, {Hkv}, S] beside the codes")
+    if dequantized is not None and any(d.shape != (B, Hkv, codes.shape[3], D) for d in dequantized):
+        raise ValueError(f"write_slots needs dequantized buffers [{B}, {Hkv}, S, {D}] beside the codes")
+    if any(t.device != xs[0].device for t in (codes, norms, *(dequantized or ()))):
+        raise ValueError("write_slots needs every buffer on the device of the new values")
     if dequantized is not None and (len(dequantized) != len(xs) or any(
             d.stride() != dequantized[0].stride() or d.stride(-1) != 1 for d in dequantized)):
         raise ValueError("write_slots needs one dequantized buffer per tensor, all of one layout, channels contiguous")

@@ -46,12 +46,6 @@ def _sdpa_backends(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def graph_safe(fmt: KVFormat) -> str | None:
-    """None when a decode step over `fmt` can be captured as a CUDA graph wherever it runs, else
-    why not (a store may lift the format's reason where its kernels run: KiviStore.graph_blocker)."""
-    return fmt.graph_blocker
-
-
 _failed_captures: dict[tuple, str] = {}  # (format, batch, device) → why the capture failed
 
 
@@ -72,7 +66,6 @@ class Decoder:
         self.causal_prefill = fmt.causal_prefill and (self.device.type == "cuda" if causal_prefill is None
                                                       else causal_prefill)
         self.cache = KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, dtype, self.device, fmt)
-        self.cache.store.steps_prepared = True  # step() calls before_step ahead of every decode step
         self.j = torch.arange(slots, device=self.device)  # [S] slot ids
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)  # [B] first real slot per row
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # [B, 1] the step's input
@@ -109,12 +102,8 @@ class Decoder:
         else:
             self.pad.copy_(pad)
         self.cache.seq_start = self.pad.clone()  # the kernel-or-SDPA choice a captured step freezes
-        blocker = self.cache.store.graph_blocker(self.cache.left_padded)
-        if self.graphs_wanted and self.graph is None and blocker is not None:
-            self.graphs_wanted, self.graphs_reason = False, blocker
-        if self.graphs_wanted and self.graph is None:
-            self.slot.fill_(self.slots - 1)
-            self._capture()
+        self.slot.fill_(self.slots - 1)
+        self._capture_if_wanted()
 
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, P] (left-padded where pad [B] > 0; default: the padding given to prepare, or
@@ -127,6 +116,7 @@ class Decoder:
         elif pad is not None:
             raise ValueError("prefill: the padding differs from the one the decode step was captured with (prepare)")
         self.cache.seq_start = self.pad.clone()
+        self.cache.store.reset()  # a new sequence: nothing the store derived from an earlier one stands
         pos = (self.j[None, :P] - self.pad[:, None]).clamp(min=0)  # [B, P]
         with _sdpa_backends(self.device):
             if not (self.cache.left_padded or self.fmt.lossy):  # causal flash / memory-efficient SDPA, no mask
@@ -170,18 +160,48 @@ class Decoder:
         if self.next_slot >= self.slots:
             raise ValueError(f"the cache's {self.slots} slots are full")
         self.tokens.copy_(tokens.reshape(self.batch, 1))
-        self.cache.store.before_step(self.next_slot)  # host-scheduled work, outside any graph
-        if self.graphs_wanted and self.graph is None:
-            self._capture()
-        if self.graph is not None:
-            with torch.cuda.device(self.device):
-                self.graph.replay()
-            logits = cast(torch.Tensor, self.graph_logits)  # set by the capture with the graph
-        else:
-            logits = self._step()
+        with self._prepared_step():
+            self._capture_if_wanted()
+            if self.graph is not None:
+                with torch.cuda.device(self.device):
+                    self.graph.replay()
+                logits = cast(torch.Tensor, self.graph_logits)  # set by the capture with the graph
+            else:
+                logits = self._step()
         self.slot.add_(1)
         self.next_slot += 1
         return logits
+
+    @contextlib.contextmanager
+    def _prepared_step(self):
+        """A decode step whose host-scheduled work the store did first (before_step, outside any
+        graph; KIVI's codes), and whose attention may count on it (steps_prepared). Skipped under
+        left padding, where decode steps take the torch path and read no codes. Prefill passes,
+        a one-token chunk included, stay unprepared: the store does such work inline there."""
+        store = self.cache.store
+        if not self.cache.left_padded:
+            store.before_step(self.next_slot)
+        store.steps_prepared = True
+        try:
+            yield
+        finally:
+            store.steps_prepared = False
+
+    def _capture_if_wanted(self) -> None:
+        """Capture the decode step at self.slot unless captured, not wanted, or the store says
+        it cannot be for this padding (then the reason is kept and graphs are off for this decoder)."""
+        if not self.graphs_wanted or self.graph is not None:
+            return
+        blocker = self.cache.store.graph_blocker(self.cache.left_padded)
+        if blocker is not None:
+            self.graphs_wanted, self.graphs_reason = False, blocker
+            return
+        store = self.cache.store
+        prepared, store.steps_prepared = store.steps_prepared, True  # warm-up steps read no host value
+        try:
+            self._capture()
+        finally:
+            store.steps_prepared = prepared
 
     def _capture(self) -> None:
         """Warm up on a side stream (Triton autotuning and lazily made buffers happen here),

@@ -93,3 +93,42 @@ def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch
     cache = KVCache(1, 1, 320, 2, 32, torch.float32, torch.device(device), fmt)
     cache.store.before_step(slot)
     assert (cache.store.packed_k[0], cache.store.packed_v[0]) == (keys, values)
+
+
+def test_a_one_token_prefill_chunk_codes_what_it_reads(monkeypatch, device):
+    # a chunked prefill one query at a time (each chunk reads like a decode step) past the first
+    # key group: outside a decode step nothing is prepared, so the store codes inline
+    monkeypatch.setenv("CANARY_KERNELS", "triton")
+    ids = torch.randint(0, 64, (1, 136), generator=torch.Generator().manual_seed(2)).to(device)
+    logits = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("CANARY_KERNELS", mode)
+        d = Decoder(small_model(device), kv_format("kivi-2", torch.float32), 1, 140, device, torch.float32,
+                    graphs=False, prefill_chunk=1)
+        with torch.inference_mode():
+            logits[mode] = d.prefill(ids)
+        if mode == "triton":
+            assert d.cache.store.packed_k == [128, 128]
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=2e-3, atol=2e-3)
+
+
+def test_a_second_prefill_starts_the_codes_afresh(monkeypatch, device):
+    monkeypatch.setenv("CANARY_KERNELS", "triton")
+    d = Decoder(small_model(device), kv_format("kivi-2", torch.float32), 1, P + STEPS, device, torch.float32,
+                graphs=False)
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for _ in range(2):  # two sequences through one decoder: the second's codes are its own
+            ids = torch.randint(0, 64, (1, P), generator=gen).to(device)
+            logits = d.prefill(ids)
+            for _ in range(STEPS):
+                logits = d.step(logits.argmax(-1))
+            assert d.cache.store.packed_k == [128, 128]
+    monkeypatch.setenv("CANARY_KERNELS", "torch")
+    fresh = Decoder(small_model(device), kv_format("kivi-2", torch.float32), 1, P + STEPS, device, torch.float32,
+                    graphs=False)
+    with torch.inference_mode():
+        want = fresh.prefill(ids)
+        for _ in range(STEPS):
+            want = fresh.step(want.argmax(-1))
+    torch.testing.assert_close(logits, want, rtol=2e-3, atol=2e-3)

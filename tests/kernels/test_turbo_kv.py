@@ -55,15 +55,16 @@ def test_write_slots_fills_codes_norms_and_values_at_the_slots_only(device, bits
     values = [torch.full((B, Hkv, S, D), -3.0, dtype=torch.float16, device=device) for _ in range(2)]
     write_slots([k, v], slots, codes, norms, values, bits)
     untouched = [s for s in range(S) if s not in (5, 2)]
+    assert codes.cpu()[:, :, :, [5, 2]].ne(7).any()  # written at all
     for i, x in enumerate((k, v)):
         ref_codes, ref_norms = quantize_reference(x.cpu(), bits)
         got_codes = codes[i].cpu()[:, :, [5, 2]]
-        agree = (unpack_bitplanes(got_codes, bits) == unpack_bitplanes(ref_codes, bits)).float().mean()
-        assert agree > 0.999  # a coordinate exactly between two centroids may round either way
+        differ = (unpack_bitplanes(got_codes, bits) != unpack_bitplanes(ref_codes, bits)).sum()
+        assert differ <= 2  # of 768: a coordinate (almost) between two centroids may round either way
         torch.testing.assert_close(norms[i].cpu()[:, :, [5, 2]], ref_norms, rtol=1e-5, atol=1e-5)
         want = turbo_mse_rotated(x.cpu(), bits, 0).half()
-        close = (values[i].cpu()[:, :, [5, 2]].float() - want.float()).abs() <= 1e-3 * want.float().abs() + 1e-3
-        assert close.float().mean() > 0.999
+        far = (values[i].cpu()[:, :, [5, 2]].float() - want.float()).abs() > 1e-3 * want.float().abs() + 1e-3
+        assert far.sum() <= 2  # those coordinates' codes only
         assert (codes[i].cpu()[:, :, untouched] == 7).all() and (norms[i].cpu()[:, :, untouched] == -1).all()
         assert (values[i].cpu()[:, :, untouched] == -3).all()
 
@@ -105,3 +106,15 @@ def test_codebook_polynomial_gives_the_codebook(bits, tol):
     for coef in a.flip(0)[1:]:
         acc = acc * x * x + coef
     assert (x * acc - codebook_on(128, bits, "cpu")).abs().max().item() <= tol
+
+
+def test_write_slots_refuses_buffers_that_do_not_fit(device):
+    x = torch.randn(1, 2, 3, 32).to(device)
+    codes = torch.zeros(1, 1, 2, 8, 3, 1, dtype=torch.int32, device=device)
+    norms = torch.zeros(1, 1, 2, 8, device=device)
+    with pytest.raises(ValueError, match="slots"):
+        write_slots([x], torch.tensor([0, 1], device=device), codes, norms, None, 3)
+    with pytest.raises(ValueError, match="int32 codes"):
+        write_slots([x], torch.tensor([0, 1, 2], device=device), codes[..., :2, :], norms, None, 3)
+    with pytest.raises(ValueError, match="dequantized"):
+        write_slots([x], torch.tensor([0, 1, 2], device=device), codes, norms, [torch.zeros(1, 2, 9, 32, device=device)], 3)

@@ -69,7 +69,7 @@ class KVStore:
     def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
         self.fmt, self.k, self.v = fmt, k, v
 
-    # set by a decode loop that calls before_step ahead of every decode step (decode.Decoder)
+    # True while a decode loop runs a step it called before_step for (decode.Decoder)
     steps_prepared = False
 
     def buffers(self) -> list[torch.Tensor]:
@@ -79,6 +79,10 @@ class KVStore:
     def graph_blocker(self, left_padded: bool) -> str | None:
         """Why a decode step over this store cannot be captured as a CUDA graph, or None."""
         return self.fmt.graph_blocker
+
+    def reset(self) -> None:
+        """A new sequence starts at slot 0 (decode.Decoder's prefill): forget what was derived from
+        an earlier one (KIVI's count of slots already coded). Slots themselves are rewritten as written."""
 
     def before_step(self, slot: int) -> None:
         """Work a decode step at `slot` (known on the host) needs done first, outside a captured

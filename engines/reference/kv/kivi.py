@@ -104,18 +104,31 @@ class KiviStore(DequantizedStore):
         over codes that before_step wrote: capturable. Elsewhere groups re-encode on the host."""
         return None if kernels_fit(self.k) and not left_padded else self.fmt.graph_blocker
 
+    def reset(self) -> None:
+        self.packed_k, self.packed_v = [0] * len(self.packed_k), [0] * len(self.packed_v)
+
     def before_step(self, slot: int) -> None:
         """Where the kernels run: the codes of the slots that leave the full-precision window when
-        the sequence reaches slot + 1 tokens (a whole key group every R steps, one value a step),
-        every layer at once where all stand at the same slots (a handful of launches a step,
-        not a handful per layer). Those slots were all written by earlier passes."""
+        the sequence reaches slot + 1 tokens (a whole key group every R steps, one value a step).
+        Every layer in one call where all stand at the same slots and the flush is a step's (a
+        handful of launches a step, not a handful per layer); layer by layer for the first flush
+        after a long prefill, which copies what it codes (all layers at once: 16 GiB at 128K on
+        an 8B shape). Those slots were all written by earlier passes."""
         if not kernels_fit(self.k):
             return
-        if len(set(self.packed_k)) == 1 and len(set(self.packed_v)) == 1:
+        nk, nv = self._boundaries(slot)
+        R = self.fmt.residual
+        if (len(set(self.packed_k)) == 1 and len(set(self.packed_v)) == 1
+                and nk - self.packed_k[0] <= R and nv - self.packed_v[0] <= R):
             self._flush(slice(None), slot)
         else:
             for layer in range(self.k.shape[0]):
                 self._flush(layer, slot)
+
+    def _boundaries(self, t: int) -> tuple[int, int]:
+        """(keys, values) read compressed by the query at slot t: boundary_k and boundary_v at n = t + 1."""
+        n = torch.tensor(t + 1)  # a CPU scalar: no device read
+        return int(self.fmt.boundary_k(n)), int(self.fmt.boundary_v(n))
 
     def _flush(self, layer: int | slice, t: int) -> None:
         """KIVI codes written by the quantize-on-write kernels for the query at slot t: keys in
@@ -126,8 +139,7 @@ class KiviStore(DequantizedStore):
         bits, D = self.fmt.bits, self.k.shape[-1]
         layers = range(self.k.shape[0])[layer] if isinstance(layer, slice) else [layer]
         c = self._packed()
-        R = self.fmt.residual
-        nk, nv = t // R * R, max(0, t - R)  # boundary_k, boundary_v at n = t + 1
+        nk, nv = self._boundaries(t)
         lo = self.packed_k[layers[0]]
         if nk > lo:  # a flush: whole groups of GROUP tokens
             keys = self.k[layer, ..., lo:nk, :]  # [(L,) B, Hkv, nk − lo, D]: rows of one group stay together
