@@ -307,6 +307,24 @@ def results_check(db_url: str) -> dict:
     return {"runs_by_status": statuses, "config_runs_succeeded": len(succeeded), "lost": lost, "duplicated": dup}
 
 
+def service_stores(db: str, **settings: str) -> tuple[PgServer, RedisServer, dict[str, str]]:
+    """A Postgres and a Redis of the benchmark's own, database `db` made and migrated, and the
+    environment that points the service's processes at them (Celery execution, loopback URLs
+    allowed, no escalation), `settings` on top."""
+    import psycopg
+
+    pg = PgServer(_pg_bindir())
+    pg.start()
+    redis = RedisServer(shutil.which("redis-server") or "redis-server")
+    redis.start()
+    with psycopg.connect(pg.url(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{db}"')
+    env = {**os.environ, "CANARY_DATABASE_URL": pg.url(db), "CANARY_BROKER_URL": redis.url, "CANARY_EXECUTION": "celery",
+           "CANARY_ESCALATION": "false", "CANARY_URL_ALLOWLIST": "127.0.0.1:*", "PYTHONUNBUFFERED": "1", **settings}
+    subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)
+    return pg, redis, env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=20.0, help="the attack phase")
@@ -320,19 +338,10 @@ def main() -> int:
     import psycopg
 
     workdir = __import__("tempfile").mkdtemp(prefix="canary-soak-")
-    pg = PgServer(_pg_bindir())
-    pg.start()
-    redis = RedisServer(shutil.which("redis-server") or "redis-server")
-    redis.start()
-    with psycopg.connect(pg.url(), autocommit=True) as conn:
-        conn.execute('CREATE DATABASE "soak"')
-    env = {**os.environ, "CANARY_DATABASE_URL": pg.url("soak"), "CANARY_BROKER_URL": redis.url,
-           "CANARY_EXECUTION": "celery", "CANARY_REQUIRE_API_KEYS": "true", "CANARY_ESCALATION": "false",
-           "CANARY_URL_ALLOWLIST": "127.0.0.1:*", "CANARY_LEASE_SECONDS": "30", "CANARY_REQUEUE_AFTER_SECONDS": "5",
-           "CANARY_RECONCILE_SECONDS": "5", "CANARY_DB_RETRY_SECONDS": "60", "CANARY_BODY_TIMEOUT_SECONDS": "10",
-           "CANARY_NOTIFY_TIMEOUT_SECONDS": "5", "CANARY_MAX_QUEUED_CONFIG_RUNS_PER_PROJECT": "20",
-           "PYTHONUNBUFFERED": "1"}
-    subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True, capture_output=True)
+    pg, redis, env = service_stores("soak", CANARY_REQUIRE_API_KEYS="true", CANARY_LEASE_SECONDS="30",
+                                    CANARY_REQUEUE_AFTER_SECONDS="5", CANARY_RECONCILE_SECONDS="5",
+                                    CANARY_DB_RETRY_SECONDS="60", CANARY_BODY_TIMEOUT_SECONDS="10",
+                                    CANARY_NOTIFY_TIMEOUT_SECONDS="5", CANARY_MAX_QUEUED_CONFIG_RUNS_PER_PROJECT="20")
     stack = Stack(env, workdir)
     stop, attack_stop = threading.Event(), threading.Event()
     counts: dict[str, int] = {}

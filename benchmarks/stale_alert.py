@@ -39,8 +39,7 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.soak import Stack, log  # noqa: E402
-from tests.faults.conftest import PgServer, RedisServer, _pg_bindir  # noqa: E402
+from benchmarks.soak import Stack, log, service_stores  # noqa: E402
 from tests.http.receiver import Receiver  # noqa: E402
 from tests.loopback import free_port, serve_in_thread, wait_http  # noqa: E402
 
@@ -131,20 +130,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/stale_alert.json"))
     args = ap.parse_args()
 
-    import psycopg
-
     workdir = tempfile.mkdtemp(prefix="canary-stale-")
-    pg = PgServer(_pg_bindir())
-    pg.start()
-    redis = RedisServer(shutil.which("redis-server") or "redis-server")
-    redis.start()
-    with psycopg.connect(pg.url(), autocommit=True) as conn:
-        conn.execute('CREATE DATABASE "stale"')
-    env = {**os.environ, "CANARY_DATABASE_URL": pg.url("stale"), "CANARY_BROKER_URL": redis.url,
-           "CANARY_EXECUTION": "celery", "CANARY_ESCALATION": "false", "CANARY_URL_ALLOWLIST": "127.0.0.1:*",
-           "CANARY_RECONCILE_SECONDS": "10", "PYTHONUNBUFFERED": "1"}
-    subprocess.run([sys.executable, "-m", "app.cli", "db", "upgrade"], cwd=ROOT, env=env, check=True,
-                   capture_output=True)
+    pg, redis, env = service_stores("stale", CANARY_RECONCILE_SECONDS="10")
     receiver = Receiver()
     receiver_port = free_port()
     hook_server = serve_in_thread(receiver.app, receiver_port)
