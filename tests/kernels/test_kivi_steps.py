@@ -97,14 +97,16 @@ def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch
 
 def test_a_one_token_prefill_chunk_codes_what_it_reads(monkeypatch, device):
     # a chunked prefill one query at a time (each chunk reads like a decode step) past the first
-    # key group: outside a decode step nothing is prepared, so the store codes inline
+    # key group: outside a decode step nothing is prepared, so the store codes inline. The chunked
+    # pass is asked for by name: on CUDA a KIVI prefill defaults to the windowed causal pass,
+    # which codes nothing until the first decode step's before_step (h200-run10 caught this)
     monkeypatch.setenv("CANARY_KERNELS", "triton")
     ids = torch.randint(0, 64, (1, 136), generator=torch.Generator().manual_seed(2)).to(device)
     logits = {}
     for mode in ("triton", "torch"):
         monkeypatch.setenv("CANARY_KERNELS", mode)
         d = Decoder(small_model(device), kv_format("kivi-2", torch.float32), 1, 140, device, torch.float32,
-                    graphs=False, prefill_chunk=1)
+                    graphs=False, prefill_chunk=1, causal_prefill=False)
         with torch.inference_mode():
             logits[mode] = d.prefill(ids)
         if mode == "triton":
