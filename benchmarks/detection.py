@@ -34,7 +34,9 @@ answer costs it a second upstream call and streams at once, so ttft_ratio and tp
 reported apart, as the speculative nulls' own figures are). Faults: confident flips (at the most confident token, on a
 lossless config), empty answers and loops in a share p of answers, and answers swapped between
 requests that share the server (batch-corrupt). At or above threshold: p ≥ 0.10 (the issue's
-figure), batch-corrupt always.
+figure), batch-corrupt always. A field fault counts as flagged only by a quality metric (a flag on
+ttft_ratio or tpot_ratio alone is the proxy's timing: a miss); each row also says in how many
+trials the class's own metric (SIZE_METRICS) flagged it, and lists every trial's flags.
 
 http: every config is `engine: openai`. Upstream is a real `canary engine-serve` of the tiny
 target; every config reaches it through a proxy (tests/http/perturb.py; the baseline and the
@@ -318,11 +320,18 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
     def warn(name: str) -> tuple[float, str]:
         return float(METRICS[name].warn or 0), METRICS[name].direction
 
+    def flagged(kind: str, t: Trial) -> bool:
+        """A field class counts when a quality metric flags it: its timing figures are the simulating
+        proxy's (NOT_NULL_ON), not a server's. Every other class: any gated metric."""
+        if kind not in FIELD:
+            return t["flagged"]
+        return any(METRICS[b.split(":")[0]].aspect != "speed" for b in t["by"])
+
     rows = []
     for name, (half, kind, size, role) in kinds.items():
         if kind == "null":
             continue
-        ts = trials[name]
+        ts = [t | {"flagged": flagged(kind, t)} for t in trials[name]]
         above = [at_or_above(kind, size, t, warn) for t in ts]
         size_values: dict[str, list[float]] = defaultdict(list)
         for t in ts:
@@ -335,6 +344,10 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
                "missed_at_or_above": sum(a and not t["flagged"] for a, t in zip(above, ts, strict=True)),
                "inconclusive": sorted({m for t in ts if not t["flagged"] for m in t["inconclusive"]}),
                "by": sorted({b for t in ts for b in t["by"]}),
+               # trials flagged by a metric that measures this class's size (SIZE_METRICS), and each trial's flags
+               "flagged_by_own_metric": sum(any(b.split(":")[0] in SIZE_METRICS.get(kind, ()) for b in t["by"])
+                                            for t in ts),
+               "by_trial": [t["by"] for t in ts],
                "measured": {m: [round(min(v), 4), round(max(v), 4)] for m, v in size_values.items()},
                "failed": [t["error"] for t in ts if t["status"] != "succeeded"]}
         if kind in ("delay", "ttft-delay"):  # against the baseline's TTFT p50 measured beside it, in the same runs
@@ -393,6 +406,8 @@ def markdown(rows: list[dict], totals: dict) -> str:
         measured = "; ".join(f"{m} {lo:g}–{hi:g}" if lo != hi else f"{m} {lo:g}"
                              for m, (lo, hi) in r["measured"].items())
         by = ", ".join(r["by"]) or (f"— (inconclusive: {', '.join(r['inconclusive'])})" if r["inconclusive"] else "—")
+        if r["fault"] in SIZE_METRICS:
+            by += f"; own metric in {r['flagged_by_own_metric']} / {r['trials']}"
         n = "–".join(str(x) for x in (r["n"][0], r["n"][-1]) if r["n"]) if len(set(r["n"])) > 1 else \
             "".join(str(x) for x in r["n"])
         lines.append(f"| {r['half']} | {r['fault']} | {size} | {r['role']} | {r['flagged']} / {r['trials']} | {n} | "

@@ -18,7 +18,11 @@ concurrency 8 and 32 (decoded in batches) are compared with the same server's at
 composition; the compute dtype is what the engine uses for bf16 weights on this machine
 (engines/reference/engine.py compute_dtype_for). One JSON object at the end.
 
+--kv-cache KV runs the fp32 pair with that KV format (a lossy one batches with a compressed
+cache per row, batching.DecoderRows) and leaves out the bf16 server.
+
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
+    .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3
 """
 
 from __future__ import annotations
@@ -112,26 +116,30 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--prompts", type=int, default=64, help="prompts from the held-out docs (default 64)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--kv-cache", default="auto", help="the fp32 servers' KV format (default auto); not auto: no bf16 server")
     args = p.parse_args()
     if args.repeats < 3:
         raise SystemExit("--repeats must be at least 3 (a median and a spread need three)")
     texts = prompts(args.prompts)
     threads = ("--threads", str(args.threads)) if args.threads else ()  # the servers' torch threads
-    servers = {"batched": start(*threads), "serial": start(*threads, "--max-num-seqs", "1"),
-               "bf16": start(*threads, "--weights", "bf16")}
+    kv = ("--kv-cache", args.kv_cache)
+    servers = {"batched": start(*threads, *kv), "serial": start(*threads, *kv, "--max-num-seqs", "1")}
+    if args.kv_cache == "auto":
+        servers["bf16"] = start(*threads, "--weights", "bf16")
     try:
         for _, base in servers.values():  # warm-up: first-call allocations stay out of the timings
             run_set(base, texts[:8], 8, 4)
         t0 = time.perf_counter()
         fp32 = fp32_figures(servers["batched"][1], servers["serial"][1], texts, args.max_tokens, args.repeats)
-        bf16 = bf16_figures(servers["bf16"][1], texts, args.max_tokens)
+        bf16 = bf16_figures(servers["bf16"][1], texts, args.max_tokens) if "bf16" in servers else None
         seconds = round(time.perf_counter() - t0, 1)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(10)
     fp32_equal = all(f["batched_equal_to_serial"] == len(texts) for f in fp32.values())
-    print(json.dumps({"benchmark": "engine_serve_batching", "prompts": len(texts), "max_tokens": args.max_tokens,
+    print(json.dumps({"benchmark": "engine_serve_batching", "kv_cache": args.kv_cache, "prompts": len(texts),
+                      "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
                       "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,
                       "server_threads": args.threads or "engine-serve default (cores - 1)", "seconds": seconds, **host()}))

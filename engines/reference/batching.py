@@ -12,14 +12,21 @@ each in its own row of a cache.
   (pick / adjust, engines/sampling.py), per request, so a request's tokens do
   not depend on which others share its steps, up to the numerics of a batched matmul.
 
-Lossless KV formats only, without speculative decoding or a fault drill (`unbatchable` says why
-not); those keep the engine's own one-request-at-a-time generate().
+- DecoderRows: the same rows for a lossy KV format, whose store (codes, token groups, kernels)
+  is made for one batch: each row is its own decode.Decoder of batch 1, sized as the engine's
+  generate() sizes one request, so a row's prefill, its codes and its attention are the
+  one-request path's own; a decode step multiplies the weights for every row at once and runs
+  attention row by row through each row's cache.
+
+Not with speculative decoding or a fault drill (`unbatchable` says why not): those keep the
+engine's own one-request-at-a-time generate().
 
 Shapes: L layers, R rows, B active rows, Hkv key/value heads, S slots per row, D head dim, V vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 
 from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult
 from engines.reference.attention import masked_gqa_attention
-from engines.reference.decode import _sdpa_backends
+from engines.reference.decode import Decoder, _sdpa_backends
 from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
@@ -41,8 +48,6 @@ def unbatchable(engine) -> str | None:
     """None when `engine` can decode requests in a continuous batch, else why not."""
     if getattr(engine, "kv", None) is None or getattr(engine, "fault", None) is None:
         return "not the reference engine"
-    if engine.kv.lossy:
-        return f"kv_cache {engine.kv.name} is lossy (its store and kernels are per-batch)"
     if engine.proposer is not None:
         return "speculative decoding runs one request at a time"
     if engine.fault.fault is not None:
@@ -72,6 +77,21 @@ class RowCache:
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Row `row`'s prompt ids [1, T] → the last position's logits [1, V] (`width`, the row's
+        prompt + new tokens, is grown into as the row decodes)."""
+        pos = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, T]
+        self.prefill_row(row, ids.shape[1])
+        return model(ids, pos, pos[0], self, None, last_only=True)[:, -1]
+
+    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """One token per row of `rows` (tokens [B, 1]) → logits [B, V]."""
+        pos = self.decode_rows(rows)  # [B, 1]
+        return model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
+
+    def release(self, row: int) -> None:
+        self.lengths[row] = 0
 
     def _fit(self, width: int) -> None:
         """Grow S to hold `width` slots per row (doubling, at most the context), keeping what rows hold."""
@@ -135,6 +155,61 @@ class RowCache:
         return masked_gqa_attention(q, keys, values, self._mask)  # [B, H, 1, D]
 
 
+class DecoderRows:
+    """A lossy KV format's rows: row r is a decode.Decoder of batch 1 over its own KVCache, made
+    when the row's request joins (slots: prompt + max_new_tokens) and dropped when it leaves.
+    Prefill is the Decoder's own. A decode step is one forward over every active row's token; its
+    attention (this object stands in for the cache) runs row by row through each Decoder's cache,
+    with the Decoder's own step positions, mask and prepared-step work (KIVI's codes)."""
+
+    def __init__(self, engine: ReferenceEngine, rows: int):
+        self.engine = engine
+        self.decoders: list[Decoder | None] = [None] * rows
+        self.lengths = [0] * rows  # slots written per row (host)
+        self._active: list[tuple[Decoder, torch.Tensor]] = []  # decode: each row's Decoder and mask
+
+    def nbytes(self) -> int:
+        return sum(d.cache.nbytes() for d in self.decoders if d is not None)
+
+    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+        decoder = self.engine.decoder(1, width, graphs=False)  # its steps run inside the batch's forward
+        decoder.prepare()
+        logits = decoder.prefill(ids)
+        self.decoders[row] = decoder
+        self.lengths[row] = ids.shape[1]
+        return logits
+
+    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        decoders = [cast(Decoder, self.decoders[r]) for r in rows]
+        for d in decoders:
+            if d.next_slot >= d.slots:
+                raise ValueError(f"the row's cache of {d.slots} slots is full")
+        inputs = [d.step_inputs() for d in decoders]  # (positions [1, 1], mask [1, 1, 1, S]) per row
+        self._active = [(d, mask) for d, (_, mask) in zip(decoders, inputs, strict=True)]
+        pos = torch.cat([p for p, _ in inputs])  # [B, 1]
+        try:
+            with contextlib.ExitStack() as prepared:
+                for d in decoders:
+                    prepared.enter_context(d.prepared_step())
+                logits = model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
+        finally:
+            self._active = []
+        for r, d in zip(rows, decoders, strict=True):
+            d.advance()
+            self.lengths[r] += 1
+        return logits
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+        """q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]: row b's new key and value written at its Decoder's
+        slot and attended through its cache (the forward's `slots` and `mask` are unused)."""
+        return torch.cat([d.cache.attend(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], d.slot, row_mask)
+                          for b, (d, row_mask) in enumerate(self._active)])
+
+    def release(self, row: int) -> None:
+        self.decoders[row] = None
+        self.lengths[row] = 0
+
+
 @dataclass
 class Sequence:
     """One request in a row: its prompt, the tokens picked so far and their stamps."""
@@ -162,8 +237,9 @@ class ContinuousBatch:
             raise ValueError(f"continuous batching: {why}")
         a = engine.args
         self.engine = engine
-        self.cache = RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype,
-                              engine.device)
+        self.cache: RowCache | DecoderRows = (
+            DecoderRows(engine, rows) if engine.kv.lossy else
+            RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype, engine.device))
         self.seqs: dict[int, Sequence] = {}  # row → its sequence
         self.eos = engine.tokenizer.eos_token_id
 
@@ -197,10 +273,8 @@ class ContinuousBatch:
         seq = Sequence(request, row, prompt, torch.Generator(device=engine.device).manual_seed(request.seed),
                        time.perf_counter())
         ids = torch.tensor([prompt], device=engine.device)  # [1, T]
-        pos = torch.arange(len(prompt), device=engine.device)[None]  # [1, T]
-        self.cache.prefill_row(row, len(prompt))
         with _sdpa_backends(engine.device):
-            logits = engine.model(ids, pos, pos[0], self.cache, None, last_only=True)[:, -1]  # [1, V]
+            logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens)  # [1, V]
         self.seqs[row] = seq
         self._take(logits, [seq])
         return seq
@@ -213,9 +287,8 @@ class ContinuousBatch:
             return []
         device = self.engine.device
         tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)  # [B, 1]
-        pos = self.cache.decode_rows([s.row for s in active])  # [B, 1]
         with _sdpa_backends(device):
-            logits = self.engine.model(tokens, pos, pos[:, 0], self.cache, None, last_only=True)[:, -1]  # [B, V]
+            logits = self.cache.decode(self.engine.model, tokens, [s.row for s in active])  # [B, V]
         self._take(logits, active)
         return active
 
@@ -237,7 +310,7 @@ class ContinuousBatch:
     def remove(self, seq: Sequence) -> None:
         """Free the sequence's row (finished, or its client left)."""
         del self.seqs[seq.row]
-        self.cache.lengths[seq.row] = 0
+        self.cache.release(seq.row)
 
     def result(self, seq: Sequence) -> GenerationResult:
         return GenerationResult(

@@ -149,10 +149,21 @@ class Decoder:
             with _sdpa_backends(self.device):
                 return self.model(self.tokens, self.slot[None, :].expand(self.batch, 1), self.slot, self.cache,
                                   self.next_slot + 1, last_only=True)[:, -1]
+        pos, mask = self.step_inputs()
+        with _sdpa_backends(self.device):
+            return self.model(self.tokens, pos, self.slot, self.cache, mask, last_only=True)[:, -1]
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A masked decode step's positions [B, 1] and mask [B, 1, 1, S] at self.slot, made on
+        the device: slot j visible to row b iff pad_b ≤ j ≤ slot."""
         pos = (self.slot[None, :] - self.pad[:, None]).clamp(min=0)  # [B, 1]
         mask = (self.j[None, :] <= self.slot) & (self.j[None, :] >= self.pad[:, None])  # [B, S]
-        with _sdpa_backends(self.device):
-            return self.model(self.tokens, pos, self.slot, self.cache, mask[:, None, None], last_only=True)[:, -1]
+        return pos, mask[:, None, None]
+
+    def advance(self) -> None:
+        """The step at self.slot is done: the next one writes the slot after it."""
+        self.slot.add_(1)
+        self.next_slot += 1
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (on the device) → logits [B, V] of the next position. With a CUDA graph the
@@ -160,7 +171,7 @@ class Decoder:
         if self.next_slot >= self.slots:
             raise ValueError(f"the cache's {self.slots} slots are full")
         self.tokens.copy_(tokens.reshape(self.batch, 1))
-        with self._prepared_step():
+        with self.prepared_step():
             self._capture_if_wanted()
             if self.graph is not None:
                 with torch.cuda.device(self.device):
@@ -168,12 +179,11 @@ class Decoder:
                 logits = cast(torch.Tensor, self.graph_logits)  # set by the capture with the graph
             else:
                 logits = self._step()
-        self.slot.add_(1)
-        self.next_slot += 1
+        self.advance()
         return logits
 
     @contextlib.contextmanager
-    def _prepared_step(self):
+    def prepared_step(self):
         """A decode step whose host-scheduled work the store did first (before_step, outside any
         graph; KIVI's codes), and whose attention may count on it (steps_prepared). Skipped under
         left padding, where decode steps take the torch path and read no codes. Prefill passes,

@@ -148,10 +148,11 @@ class ReferenceEngine:
         return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.compute_dtype,
                                    self.device, self.kv))
 
-    def decoder(self, batch: int, slots: int) -> Decoder:
-        """The static decode loop (engines/reference/decode.py) over a fresh cache."""
+    def decoder(self, batch: int, slots: int, graphs: bool | None = None) -> Decoder:
+        """The static decode loop (engines/reference/decode.py) over a fresh cache; graphs:
+        capture its decode step (default: the spec's cuda_graphs option)."""
         d = Decoder(self.model, self.kv, batch, slots, self.device, self.compute_dtype,
-                    self.spec.option("cuda_graphs"))
+                    self.spec.option("cuda_graphs") if graphs is None else graphs)
         self._track(d.cache)
         return d
 

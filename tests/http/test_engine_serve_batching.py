@@ -99,6 +99,27 @@ def test_concurrent_greedy_outputs_equal_one_at_a_time(server, concurrency):
     assert sum(n for _, _, n, _ in serial) > concurrency  # not all cut at the first token
 
 
+def test_a_lossy_kv_server_batches_and_answers_as_one_at_a_time():
+    # each row keeps its own TurboQuant cache (batching.DecoderRows): decoded together, the
+    # answers are still those of one request at a time, and the KV gauge counts every row
+    proc, base = start_engine_serve("--served-model-name", MODEL, "--kv-cache", "turbo-3")
+    try:
+        c = client(base)
+        prompts = heldout_prompts(8)
+        serial = [greedy(c, p) for p in prompts]
+        with Peak(base, "num_requests_running") as running, Peak(base, "kv_cache_usage_perc") as usage, \
+                ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: greedy(c, p), prompts))
+        assert running.value > 1
+        assert usage.value > 0
+        for (text, tokens, n, lps), (text_b, tokens_b, n_b, lps_b) in zip(serial, together, strict=True):
+            assert (text_b, tokens_b, n_b) == (text, tokens, n)
+            assert max(abs(a - b) for a, b in zip(lps, lps_b, strict=True)) < 1e-4
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_seeded_sampling_with_penalties_is_the_same_inside_a_batch(server):
     # each request samples from its own generator (its seed), with its own penalties and bias: the
     # draws do not depend on which other requests share its decode steps

@@ -69,3 +69,24 @@ def test_field_classes_are_at_or_above_threshold_by_their_seeded_share():
     assert detection.at_or_above("empty", 0.25, trial(True), warn)
     assert not detection.at_or_above("loop", 0.05, trial(False), warn)
     assert detection.at_or_above("batch-corrupt", None, trial(True), warn)  # every batched answer: always
+
+
+def test_a_field_trial_counts_only_when_a_quality_metric_flags_it():
+    # the field half's timing is the simulating proxy's: a loop flagged by tpot_ratio alone is a miss
+    kinds = {"loop-0.1": ("field", "loop", 0.10, "lossless"), "ttft-5": ("engine", "ttft-delay", 5, "lossless")}
+    trials = {
+        "loop-0.1": [trial(True, ["tpot_ratio:critical"]),  # timing only: missed
+                     trial(True, ["empty_answers:warn", "tpot_ratio:critical"]),  # quality, not its own metric
+                     trial(True, ["degenerate_answers:warn"])],  # its own metric
+        # an engine-half timing fault is a real server's timing: flagged by ttft_ratio counts
+        "ttft-5": [trial(True, ["ttft_ratio:warn"], {"ttft_ratio": 1.3})],
+    }
+    rows, totals = detection.summarize(kinds, trials)
+    loop, ttft = rows
+    assert (loop["flagged"], loop["at_or_above_threshold"], loop["missed_at_or_above"]) == (2, 3, 1)
+    assert loop["flagged_by_own_metric"] == 1
+    assert loop["by_trial"] == [["tpot_ratio:critical"], ["empty_answers:warn", "tpot_ratio:critical"],
+                                ["degenerate_answers:warn"]]
+    assert (ttft["flagged"], ttft["missed_at_or_above"], ttft["flagged_by_own_metric"]) == (1, 0, 1)
+    assert totals["missed_at_or_above_threshold"] == 1
+    assert "own metric in 1 / 3" in detection.markdown(rows, totals)

@@ -8,8 +8,9 @@ completion's answer, whole or streamed, is answers.py's.
 One engine thread owns the engine (engine_thread.py; it is not thread-safe) and decodes
 concurrent requests in a continuous batch (engines/reference/batching.py): up to --max-num-seqs
 rows, requests joining between decode steps and leaving when done or when their client goes;
---max-queue bounds the requests waiting beyond the batch (a 429 past it). Lossy KV formats,
-speculative decoding and fault drills decode one request at a time. vllm:num_requests_waiting
+--max-queue bounds the requests waiting beyond the batch (a 429 past it); a lossy KV format's
+rows each keep their own compressed cache (batching.DecoderRows). Speculative decoding and fault
+drills decode one request at a time. vllm:num_requests_waiting
 counts the queue, vllm:num_requests_running the batch's rows; kv_cache_usage_perc = token
 positions the rows hold / max_num_seqs × the model's context (metrics.py).
 

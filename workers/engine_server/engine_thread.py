@@ -8,7 +8,7 @@ in a bounded queue (`max_queue`; a full queue is refused with QueueFull, a 429),
 batch between decode steps while it has a free row (`max_num_seqs`: their prompt is prefilled,
 then they take part in the next batched step) and leave it when they finish or their client goes
 (Job.cancel). Echo jobs (prompt log-probs) run between decode steps. Engines that cannot batch
-(a lossy KV format, speculative decoding, a fault drill: batching.unbatchable) decode one request
+(speculative decoding, a fault drill: batching.unbatchable) decode one request
 at a time with engine.generate, as before."""
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Continuous batching (engines/reference/batching.py) with lossy KV formats: requests that join a
+running batch between steps and leave it when done must pick, token for token, what each picks
+alone through the engine's own generate(), in fp32 on the tiny built-in model. Each row of a
+lossy format is its own Decoder: its codes (KIVI's token groups, TurboQuant's rotated codes, fp8)
+are written and read as the one-request path writes and reads them."""
+
+import pytest
+import torch
+from engines.protocol import GenerationRequest
+from engines.reference.batching import ContinuousBatch, DecoderRows, unbatchable
+from engines.reference.engine import ReferenceEngine
+from engines.spec import OptimizationSpec
+from engines.zoo import ARTIFACTS, resolve_model_path
+from engines.zoo.corpus import read_jsonl
+
+TARGET = str(resolve_model_path("builtin:pydoc-target"))
+EOS = 0
+NO_EOS = ((EOS, -100.0),)  # greedy to max_new_tokens (an adjusted pick, as an API's logit_bias gives it)
+
+
+def engine_for(kv: str, **options) -> ReferenceEngine:
+    return ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache=kv,
+                                                    engine_options={"device": "cpu", **options}))
+
+
+def requests() -> list[GenerationRequest]:
+    """Five prompts of different lengths; the second runs 150 tokens, past KIVI's first key group
+    of 128 slots (its codes are written at a group boundary while other rows decode beside it)."""
+    texts = [" ".join(d.text.split()[:w]) for d, w in zip(read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[:5],
+                                                          (24, 8, 40, 16, 30), strict=True)]
+    lengths = (20, 150, 12, 30, 25)
+    return [GenerationRequest(f"r{i}", t, max_new_tokens=n, logit_bias=NO_EOS, logprobs=0)
+            for i, (t, n) in enumerate(zip(texts, lengths, strict=True))]
+
+
+def batched(engine: ReferenceEngine, reqs: list[GenerationRequest], rows: int) -> dict[str, tuple]:
+    """The requests through a ContinuousBatch of `rows` rows: the first `rows` join at once, each
+    later one as soon as a row frees (between steps), as engine-serve schedules them."""
+    batch = ContinuousBatch(engine, rows)
+    waiting, out = list(reqs), {}
+    running = []
+    while waiting or running:
+        while waiting and batch.free_rows:
+            running.append(batch.add(waiting.pop(0)))
+        batch.step()
+        for seq in [s for s in running if s.done]:
+            result = batch.result(seq)
+            out[result.request_id] = (result.token_ids, [lp for lp, _ in result.token_logprobs])
+            batch.remove(seq)
+            running.remove(seq)
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp8", "kivi-2", "turbo-3"])
+def test_a_lossy_kv_batch_picks_what_each_request_picks_alone(kv):
+    engine = engine_for(kv)
+    assert engine.kv.lossy and unbatchable(engine) is None
+    reqs = requests()
+    alone = {}
+    for r in reqs:
+        [g] = engine.generate([r])
+        alone[r.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs])
+    together = batched(engine, reqs, rows=3)  # 3 rows for 5 requests: two join a running batch
+    for r in reqs:
+        ids, lps = together[r.request_id]
+        assert ids == alone[r.request_id][0], r.request_id
+        assert len(ids) == r.max_new_tokens
+        assert max(abs(a - b) for a, b in zip(lps, alone[r.request_id][1], strict=True)) < 1e-4
+    # the lossy cache changes what the model picks: the batch kept each row's own codes, not fp32 keys
+    lossless = engine_for("fp32")
+    assert any(lossless.generate([r])[0].token_ids != alone[r.request_id][0] for r in reqs)
+
+
+def test_a_lossy_format_gets_a_decoder_per_row_and_frees_it():
+    engine = engine_for("kivi-2")
+    batch = ContinuousBatch(engine, 2)
+    assert isinstance(batch.cache, DecoderRows)
+    seq = batch.add(requests()[0])
+    prompt = len(seq.prompt)
+    assert batch.cache.lengths == [prompt, 0] and batch.held() == prompt
+    for _ in range(3):
+        batch.step()
+    assert batch.cache.lengths[0] == prompt + 3 and batch.held() == prompt + 3
+    decoder = batch.cache.decoders[0]
+    assert decoder is not None and decoder.slots == prompt + 20 and decoder.next_slot == prompt + 3
+    assert batch.cache.nbytes() == decoder.cache.nbytes() > 0
+    batch.remove(seq)
+    assert batch.cache.decoders == [None, None] and batch.held() == 0 and batch.free_rows == 2
+
+
+def test_speculative_and_drill_engines_still_decode_one_request_at_a_time():
+    spec = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache="kivi-2",
+                                                    speculative={"method": "ngram", "k": 2},
+                                                    engine_options={"device": "cpu"}))
+    assert unbatchable(spec) == "speculative decoding runs one request at a time"
+    with pytest.raises(ValueError, match="continuous batching: speculative"):
+        ContinuousBatch(spec, 2)
+
+
+@torch.inference_mode()
+def test_a_full_row_cache_is_refused_not_overrun():
+    engine = engine_for("fp8")
+    batch = ContinuousBatch(engine, 1)
+    seq = batch.add(GenerationRequest("r", "import os", max_new_tokens=2, logit_bias=NO_EOS))
+    decoder = batch.cache.decoders[0]
+    batch.step()  # the second token: the row's last slot is now written
+    assert seq.done and decoder.next_slot == decoder.slots - 1
+    batch.cache.decode(engine.model, torch.tensor([[1]]), [0])  # the last slot, as the row allows
+    with pytest.raises(ValueError, match=r"cache of \d+ slots is full"):
+        batch.cache.decode(engine.model, torch.tensor([[1]]), [0])
