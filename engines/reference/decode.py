@@ -10,7 +10,9 @@
   default, queries run a chunk at a time under a mask [B, 1, chunk, S] over the slots written so far, so a 32K prompt
   never holds a [P, P] mask or score matrix (attention.query_chunk sizes the chunk). On an H200
   the chunked path had not finished an fp8-KV 128K prefill in 150 s (benchmarks/results/gpu).
-- On CUDA the decode step is captured once as a CUDA graph and replayed (docs/reference.md §12: eager
+- On CUDA the decode step is captured once as a CUDA graph and replayed, for every sequence the
+  decoder serves (the engine keeps one per batch bucket: ReferenceEngine.pooled_decoder; their
+  graphs share one memory pool) (docs/reference.md §12: eager
   decoding at batch 1 is bound by kernel launches, not by the GPU). `prepare(pad)` captures it
   before the caller's clock starts, at the last slot: the warm-up writes land there, masked until
   the sequence reaches that slot, whose real step overwrites them before reading. A format whose
@@ -56,7 +58,7 @@ class Decoder:
     new tokens. graphs: capture the decode step as a CUDA graph (default: on CUDA)."""
 
     def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None,
-                 prefill_chunk: int | None = None, causal_prefill: bool | None = None):
+                 prefill_chunk: int | None = None, causal_prefill: bool | None = None, graph_pool=None):
         a = model.args
         self.model, self.fmt, self.batch, self.slots = model, fmt, batch, slots
         self.prefill_chunk = prefill_chunk  # queries per masked prefill pass (default: attention.query_chunk)
@@ -82,6 +84,9 @@ class Decoder:
         self.graphs_reason = (why_not or "wanted, not captured yet") if want else "off"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_logits: torch.Tensor | None = None
+        # a memory pool shared with other decoders' graphs (torch.cuda.graph_pool_handle()): safe
+        # while they replay one at a time and each step's logits are read before another replays
+        self.graph_pool = graph_pool
 
     @property
     def eager_unmasked(self) -> bool:
@@ -96,12 +101,18 @@ class Decoder:
 
     def prepare(self, pad: torch.Tensor | None = None) -> None:
         """Set the rows' left padding [B] and, where graphs are wanted, capture the decode step
-        now (warm-up, Triton autotuning and the capture stay out of the caller's timings)."""
+        now (warm-up, Triton autotuning and the capture stay out of the caller's timings). A
+        decoder may serve sequence after sequence (the engine keeps one per batch bucket): the
+        step captured for the first is replayed for the rest, whose padding must then be of the
+        same kind (some rows padded, or none), since the capture froze the kernel-or-SDPA choice."""
         if pad is None:
             self.pad.zero_()
         else:
             self.pad.copy_(pad)
-        self.cache.seq_start = self.pad.clone()  # the kernel-or-SDPA choice a captured step freezes
+        left_padded = self.cache.left_padded
+        self.cache.seq_start = self.pad  # in place from here on: a captured step reads this tensor
+        if self.graph is not None and self.cache.left_padded != left_padded:
+            raise ValueError("prepare: rows padded where the captured decode step had none, or the reverse")
         self.slot.fill_(self.slots - 1)
         self._capture_if_wanted()
 
@@ -115,7 +126,7 @@ class Decoder:
             self.pad.copy_(pad)
         elif pad is not None:
             raise ValueError("prefill: the padding differs from the one the decode step was captured with (prepare)")
-        self.cache.seq_start = self.pad.clone()
+        self.cache.seq_start = self.pad
         self.cache.store.reset()  # a new sequence: nothing the store derived from an earlier one stands
         pos = (self.j[None, :P] - self.pad[:, None]).clamp(min=0)  # [B, P]
         with _sdpa_backends(self.device):
@@ -230,7 +241,7 @@ class Decoder:
                         self._step()
                 caller.wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream, capture_error_mode="thread_local"):
                     self.graph_logits = self._step()
                 self.graph = graph
                 self.graphs_reason = "captured"

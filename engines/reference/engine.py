@@ -48,6 +48,10 @@ from engines.zoo import MOE_AWQ
 OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# decode loops kept for reuse where their steps are captured as CUDA graphs: one per (batch rows,
+# slots bucket, padded or not), the most recently used kept; each holds its KV cache and graph
+DECODER_POOL = 2
+MIN_BUCKET = 128  # the smallest slots bucket (a power of two from there, at most the context)
 
 
 def compute_dtype_for(weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -99,6 +103,12 @@ class ReferenceEngine:
         self.peak_kv_bytes = 0
         self.peak_kv_usage: float | None = None  # see _track_usage; None until a cache has held a token
         self.decode_graphs = "not run yet"  # whether decode steps replayed a CUDA graph, or why not
+        # generation's decode loops are reused per batch bucket where their steps are captured (the
+        # capture's warm-up and graph are paid once per bucket, not per batch); elsewhere one per batch
+        self.reuse_decoders = self.device.type == "cuda" and spec.option("cuda_graphs") is not False
+        self._decoders: dict[tuple[int, int, bool], Decoder] = {}  # least recently used first
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.reuse_decoders else None
+        self.decoders_built, self.batches_decoded = 0, 0
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
@@ -155,6 +165,27 @@ class ReferenceEngine:
                     self.spec.option("cuda_graphs") if graphs is None else graphs)
         self._track(d.cache)
         return d
+
+    def pooled_decoder(self, batch: int, slots: int, padded: bool) -> Decoder:
+        """A decode loop of at least `slots` slots for a batch: with reuse_decoders, the pool's
+        for (batch, slots rounded up to a power of two from MIN_BUCKET, padded), made on first use
+        and kept (DECODER_POOL of them, least recently used dropped); else a fresh one."""
+        self.batches_decoded += 1
+        if not self.reuse_decoders:
+            self.decoders_built += 1
+            return self.decoder(batch, slots)
+        width = min(self.args.max_seq_len, max(MIN_BUCKET, 1 << (slots - 1).bit_length()))
+        key = (batch, max(width, slots), padded)
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            self.decoders_built += 1
+            decoder = Decoder(self.model, self.kv, batch, key[1], self.device, self.compute_dtype,
+                              self.spec.option("cuda_graphs"), graph_pool=self._graph_pool)
+            self._track(decoder.cache)
+        self._decoders[key] = decoder  # the most recently used last
+        while len(self._decoders) > DECODER_POOL:
+            del self._decoders[next(iter(self._decoders))]
+        return decoder
 
     def _track(self, cache: KVCache) -> KVCache:
         """Count a cache's buffers toward peak_kv_bytes: when it is made, and again after use
@@ -262,8 +293,8 @@ class ReferenceEngine:
                              f"{self.args.max_seq_len}")
         pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
         ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
-        decoder = self.decoder(B, P + steps)
-        decoder.prepare(pad)  # on CUDA: the decode step's graph is captured here, before the clock starts
+        decoder = self.pooled_decoder(B, P + steps, P > min(len(p) for p in prompts))
+        decoder.prepare(pad)  # on CUDA: the decode step's graph is captured here (once per bucket), before the clock
         gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
         greedy = all(r.temperature <= 0 and not r.adjusted for r in reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
@@ -351,6 +382,8 @@ class ReferenceEngine:
             kv_bytes_per_token=int(round(per_token_elems * (kb + vb) / 8)),
             versions={"torch": torch.__version__, "transformers": transformers.__version__},
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}",
+                   *([f"decode loops: {self.decoders_built} built for {self.batches_decoded} batches (reused per "
+                      f"batch bucket)"] if self.reuse_decoders else []),
                    *([computed] if computed else []), *([self.int4_note] if self.int4_note else []),
                    *self.fault.notes),
             resident_weight_bytes=int(resident),

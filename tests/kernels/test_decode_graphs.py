@@ -46,3 +46,25 @@ def test_kivi_steps_replay_as_a_cuda_graph_across_a_key_flush():
     got = graphed.generate(req)[0].token_ids
     assert graphed.decode_graphs == "captured", graphed.decode_graphs
     assert len(got) == new and got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run it with make gpu-report")
+@pytest.mark.parametrize("kv_cache", ["fp16", "turbo-3", "kivi-2"])
+def test_one_captured_step_serves_every_request_of_its_bucket(kv_cache):
+    # the engine keeps the decode loop (its cache and graph) per batch bucket: a second, shorter
+    # request replays the graph captured for the first, over what the first left in the cache
+    spec = lambda graphs: OptimizationSpec(engine="reference", weights="fp16", kv_cache=kv_cache,  # noqa: E731
+                                           engine_options={"device": "cuda", "cuda_graphs": graphs})
+    reqs = [GenerationRequest("long", "os.path.join(a, *p)\n\nJoin two or more pathname components, inserting",
+                              max_new_tokens=150, logit_bias=((0, -100.0),)),
+            GenerationRequest("short", "json.dumps(obj)\n\nSerialize", max_new_tokens=140, logit_bias=((0, -100.0),))]
+    # both in the 256-slot bucket; the second ends slots before where the first did
+    eager = ReferenceEngine(TARGET, spec(False))
+    graphed = ReferenceEngine(TARGET, spec(True))
+    assert graphed.reuse_decoders and not eager.reuse_decoders
+    want = [eager.generate([r])[0].token_ids for r in reqs]
+    got = [graphed.generate([r])[0].token_ids for r in reqs]
+    assert graphed.decode_graphs == "captured", graphed.decode_graphs
+    assert (graphed.decoders_built, graphed.batches_decoded) == (1, 2)
+    assert got == want
