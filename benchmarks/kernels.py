@@ -539,7 +539,9 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     """Greedy batch-1 decode through the Decoder: run 0 warms up (autotuning, graph capture,
     compilation) and is not counted; warmup_ids (a long context's row: the short prompt) gives
     run 0 another prompt, so that a 128K row pays its prefill once per counted run only, and its
-    tokens are then left out of the comparison between runs. Each counted run is a fresh Decoder: TTFT = prefill + the
+    tokens are then left out of the comparison between runs. Each counted run is a fresh Decoder, whose
+    prepare() (warm-up steps and graph capture: what a decode loop reused per bucket saves) is timed
+    apart as prepare_ms: TTFT = prefill + the
     first token's argmax (one sync to read it), then one untimed step, then new − 2 timed steps
     with no host sync inside. The Decoder captures its graph in prepare(), before the clock.
     profile > 0 (CUDA): after the last run, `profile` more steps under torch.profiler, and the row
@@ -550,12 +552,17 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
 
     P = ids.shape[1]
     ttft, tps, step_ms, tokens, graphs, graphs_reason, prefill_logits = [], [], [], [], None, None, None
+    prepare_ms: list[float] = []  # a fresh Decoder's prepare(): its warm-up and capture (the engine pays it per bucket)
     extra = profile if clock.cuda else 0
     step_profile = None
     for r in range(repeats + 1):
         run_ids = warmup_ids if r == 0 and warmup_ids is not None else ids
         dec = Decoder(model, kv_format(kv, torch.float16), 1, P + new + extra, torch.device(device), torch.float16)
+        clock.sync()
+        tp = time.perf_counter()
         dec.prepare()  # graph capture (where it applies) before the clock, as the engine does
+        clock.sync()
+        prepare_ms.append((time.perf_counter() - tp) * 1000)
         out = torch.empty(new, dtype=torch.long, device=device)
         clock.sync()
         t0 = time.perf_counter()
@@ -598,7 +605,7 @@ def decode_run(clock: Clock, model, kv: str, ids, new: int, device: str, repeats
     _free(device)
     return {"kv_cache": kv, "context": P, "new_tokens": new, "decode_loop": "engines.reference.decode.Decoder",
             "cuda_graphs": graphs, "cuda_graphs_reason": graphs_reason,
-            "ttft_ms": spread(ttft, 2), "decode_tok_s": spread(tps, 1), "step_ms_median_per_run": spread(step_ms, 3),
+            "ttft_ms": spread(ttft, 2), "decode_tok_s": spread(tps, 1), "prepare_ms": spread(prepare_ms[1:], 1), "step_ms_median_per_run": spread(step_ms, 3),
             "tokens_same_every_run": all(t == tokens[0] for t in tokens), "_tokens": tokens[0], "_prefill_logits": prefill_logits,
             **({"step_profile": step_profile} if step_profile else {})}
 
