@@ -109,6 +109,9 @@ class ReferenceEngine:
         self._decoders: dict[tuple[int, int, bool], Decoder] = {}  # least recently used first
         self._graph_pool = torch.cuda.graph_pool_handle() if self.reuse_decoders else None
         self.decoders_built, self.batches_decoded = 0, 0
+        # speculative decoding's verify pass at one width per request, captured where graphs are (spec_loop.py)
+        self.static_verify = self.reuse_decoders
+        self.verify_graphs = "not run yet"
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
@@ -384,6 +387,7 @@ class ReferenceEngine:
             notes=(f"kv bits/element: keys {kb:.3f}, values {vb:.3f}", f"decode CUDA graphs: {self.decode_graphs}",
                    *([f"decode loops: {self.decoders_built} built for {self.batches_decoded} batches (reused per "
                       f"batch bucket)"] if self.reuse_decoders else []),
+                   *([f"speculative verify CUDA graphs: {self.verify_graphs}"] if self.proposer is not None else []),
                    *([computed] if computed else []), *([self.int4_note] if self.int4_note else []),
                    *self.fault.notes),
             resident_weight_bytes=int(resident),

@@ -1,6 +1,12 @@
 """The reference engine's speculative decoding loop, one request at a time: prefill the prompt,
 then propose, verify in one forward pass of the target, accept (engines/reference/speculative.py
-holds the acceptance rule and the proposers), and count what was drafted and accepted."""
+holds the acceptance rule and the proposers), and count what was drafted and accepted.
+
+On CUDA (engine.static_verify) the verify pass has one shape for the whole request: the last
+token and k drafts, fewer drafts padded with copies of the last token, under a mask made on the
+device from the first slot (StaticVerify). It is captured as a CUDA graph once per request and
+replayed for every verification: eager, a pass of the 8B-shaped model is bound by kernel launches,
+as a plain decode step is (docs/reference.md §12)."""
 
 from __future__ import annotations
 
@@ -48,6 +54,72 @@ def _verify(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest,
     return new, accepted
 
 
+class StaticVerify:
+    """The target's verify pass at a fixed width of k + 1 positions over a cache of S slots:
+    tokens [1, k + 1] and the first slot [1] are static device buffers, the slots and the causal
+    mask [1, 1, k + 1, S] are made from them on the device, so the pass can be captured. A call
+    with n < k + 1 tokens pads with copies of the last one: their rows are not returned, and
+    the slots they write lie past every slot a later pass reads before writing it again (each pass
+    writes its own slots first). Formats that re-encode whole token groups (KIVI) stay eager:
+    padding would move their group boundaries."""
+
+    def __init__(self, engine: ReferenceEngine, cache, k: int, graphs: bool):
+        device = engine.device
+        self.engine, self.cache, self.width = engine, cache, k + 1
+        self.tokens = torch.zeros(1, k + 1, dtype=torch.long, device=device)
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
+        self.offsets = torch.arange(k + 1, device=device)
+        self.j = torch.arange(cache.k.shape[3], device=device)  # [S]
+        blocker = cache.store.graph_blocker(False)
+        self.graphs_wanted = graphs and device.type == "cuda" and blocker is None
+        self.reason = ("wanted, not captured yet" if self.graphs_wanted else
+                       blocker or ("CUDA graphs need a CUDA device" if graphs else "off"))
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_logits: torch.Tensor | None = None
+
+    def _forward(self) -> torch.Tensor:
+        slots = self.start + self.offsets  # [k + 1]
+        mask = (self.j[None, :] <= slots[:, None])[None, None]  # [1, 1, k + 1, S]
+        return self.engine.model(self.tokens, slots[None], slots, self.cache, mask)[0].float()
+
+    def __call__(self, tokens: list[int], start: int) -> torch.Tensor:
+        """tokens (1 to k + 1) written from slot `start` → their logits [len(tokens), V]."""
+        n = len(tokens)
+        if not 1 <= n <= self.width:
+            raise ValueError(f"a verify pass takes 1 to {self.width} tokens, not {n}")
+        self.tokens.copy_(torch.tensor([tokens + [tokens[-1]] * (self.width - n)]))
+        self.start.fill_(start)
+        if self.graphs_wanted and self.graph is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            return cast(torch.Tensor, self.graph_logits)[:n]
+        return self._forward()[:n]
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, then capture (the warm-up passes write the same slots with the
+        same tokens as the real one). A failure leaves the pass eager, with the reason kept."""
+        self.graphs_wanted = False
+        caller = torch.cuda.current_stream()
+        stream = torch.cuda.Stream()
+        try:
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward()
+            caller.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self.graph_logits = self._forward()
+            self.graph, self.reason = graph, "captured"
+        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+            self.graph, self.graph_logits = None, None
+            self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
+        finally:
+            torch.cuda.set_stream(caller)
+        caller.synchronize()
+
+
 @torch.inference_mode()
 def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
                          on_tokens: OnTokens | None = None) -> GenerationResult:
@@ -81,6 +153,19 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
         held = max(held, start + len(tokens))
         return engine.model(ids, slots[None], slots, cache, mask)[0].float()
 
+    verify = (StaticVerify(engine, cache, k, engine.spec.option("cuda_graphs") is not False)
+              if engine.static_verify and engine.kv.graph_blocker is None else None)
+    engine.verify_graphs = verify.reason if verify is not None else "off: verify passes as wide as their drafts"
+
+    def verify_pass(tokens: list[int], start: int) -> torch.Tensor:
+        nonlocal held
+        if verify is None:
+            return forward(tokens, start)
+        held = max(held, start + len(tokens))
+        logits = verify(tokens, start)
+        engine.verify_graphs = verify.reason
+        return logits
+
     first_logits = forward(prompt, 0)[-1]
     first = pick(adjust(first_logits, req, []), req, gen)
     sync()
@@ -93,7 +178,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
         room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
         drafts, qs = proposer.propose(seq, req.temperature, gen)
         drafts = drafts[:room]
-        logits = forward([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
+        logits = verify_pass([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
         new, accepted = _verify(logits, drafts, qs, req, out, gen)
         counters.record(len(drafts), accepted, k)
         if eos in new:

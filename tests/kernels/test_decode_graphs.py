@@ -68,3 +68,21 @@ def test_one_captured_step_serves_every_request_of_its_bucket(kv_cache):
     assert graphed.decode_graphs == "captured", graphed.decode_graphs
     assert (graphed.decoders_built, graphed.batches_decoded) == (1, 2)
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run it with make gpu-report")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_speculative_verify_pass_replays_as_a_cuda_graph(method):
+    # spec_loop.StaticVerify: one width (k + 1) per request, captured once, replayed per verification
+    speculative = ({"method": "ngram", "k": 4, "prompt_lookup_max": 3} if method == "ngram"
+                   else {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3})
+    spec = lambda graphs: OptimizationSpec.model_validate(  # noqa: E731
+        {"engine": "reference", "weights": "fp16", "speculative": speculative,
+         "engine_options": {"device": "cuda", "cuda_graphs": graphs}})
+    req = [GenerationRequest("g", "os.path.join(a, *p)\n\nJoin two or more pathname components", max_new_tokens=48)]
+    eager, graphed = ReferenceEngine(TARGET, spec(False)), ReferenceEngine(TARGET, spec(True))
+    want, got = eager.generate(req)[0], graphed.generate(req)[0]
+    assert graphed.verify_graphs == "captured", graphed.verify_graphs
+    assert eager.verify_graphs.startswith("off")
+    assert (got.token_ids, got.spec) == (want.token_ids, want.spec)

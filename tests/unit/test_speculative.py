@@ -142,3 +142,34 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     bins_b = [b[t] for t in common] + [n - sum(b[t] for t in common)]
     chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(bins_a, bins_b, strict=False) if x + y)  # equal sample sizes
     assert chi2 < 27.88  # 0.999 quantile of χ²(8)
+
+
+@pytest.mark.parametrize(("speculative", "kv"), [
+    ({"method": "ngram", "k": 4, "prompt_lookup_max": 3}, "fp32"),
+    ({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}, "fp32"),
+    ({"method": "ngram", "k": 3, "prompt_lookup_max": 2}, "turbo-3"),
+    ({"method": "ngram", "k": 3, "prompt_lookup_max": 2}, "fp8"),
+])
+def test_a_static_verify_pass_gives_what_the_eager_one_gives(speculative, kv):
+    # CUDA's verify pass (spec_loop.StaticVerify, captured there) at one width, fewer drafts
+    # padded, switched on here by hand: the same tokens, counters and log-probs, greedy and sampled
+    reqs = [GenerationRequest(str(i), p, max_new_tokens=40, logprobs=0, temperature=t, seed=i)
+            for i, p in enumerate(PROMPTS) for t in (0.0, 0.8)]
+    eager, static = engine(speculative, kv_cache=kv), engine(speculative, kv_cache=kv)
+    static.static_verify = True
+    want, got = eager.generate(reqs), static.generate(reqs)
+    assert static.verify_graphs == "CUDA graphs need a CUDA device"  # the static pass ran, uncaptured
+    assert eager.verify_graphs.startswith("off")
+    for w, g in zip(want, got, strict=True):
+        assert (g.token_ids, g.spec) == (w.token_ids, w.spec)
+        assert max(abs(a - b) for (a, _), (b, _) in zip(g.token_logprobs, w.token_logprobs, strict=True)) < 1e-4
+    assert sum(g.spec.num_draft_tokens for g in got) > sum(g.spec.num_drafts for g in got)  # drafts of several tokens
+    assert any(g.spec.num_accepted_tokens < g.spec.num_draft_tokens for g in got)  # rejections: padded re-writes
+
+
+def test_kivi_verifies_at_the_drafts_width_even_where_static_passes_are_on():
+    # KIVI re-encodes whole token groups: padded drafts would move its group boundaries
+    e = engine({"method": "ngram", "k": 3}, kv_cache="kivi-2")
+    e.static_verify = True
+    e.generate([GenerationRequest("0", PROMPTS[0], max_new_tokens=8)])
+    assert e.verify_graphs.startswith("off")
