@@ -911,6 +911,47 @@ def tiny_section(clock: Clock, args, devices: list[str]) -> dict:
         out["weights"][w] = row
         del engines
         _free(devices[0])
+    out["loops"] = {d: loop_peers(args, d, reqs) for d in devices}
+    return out
+
+
+def loop_peers(args, device: str, reqs) -> dict:
+    """fp16, each request its own generate() call (as a canary run's batches come): the decode
+    loops reused per batch bucket (capture paid once per bucket) against one built per call, wall
+    ms per request; and greedy ngram speculative decoding with the static verify pass (captured
+    on CUDA) against verify passes as wide as their drafts, decode tok/s. Alternating per repeat;
+    tokens compared."""
+    from engines.reference.engine import ReferenceEngine
+    from engines.spec import OptimizationSpec
+    from _common import TARGET
+
+    def build(speculative: dict, flag: str, on: bool):
+        e = ReferenceEngine(TARGET, OptimizationSpec.model_validate(
+            {"engine": "reference", "weights": "fp16", "speculative": speculative, "engine_options": {"device": device}}))
+        setattr(e, flag, on)
+        e.generate(reqs[:1])  # warm-up
+        return e
+
+    out = {}
+    for name, speculative, flag in (("decode_loops", {"method": "off"}, "reuse_decoders"),
+                                    ("speculative_verify", {"method": "ngram", "k": 4}, "static_verify")):
+        engines = {"on": build(speculative, flag, True), "off": build(speculative, flag, False)}
+        ms: dict[str, list] = {k: [] for k in engines}
+        tps: dict[str, list] = {k: [] for k in engines}
+        tokens: dict[str, list] = {}
+        for r in range(args.repeats):
+            for k in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                t0 = time.perf_counter()
+                res = [engines[k].generate([q])[0] for q in reqs]
+                ms[k].append((time.perf_counter() - t0) * 1000 / len(reqs))
+                tps[k].append(sum(len(g.token_ids) - 1 for g in res) / (sum(g.total_ms - g.ttft_ms for g in res) / 1000))
+                tokens[k] = [g.token_ids for g in res]
+        out[name] = {k: {flag: k == "on", "wall_ms_per_request": spread(ms[k], 1), "decode_tok_s": spread(tps[k], 1),
+                         "notes": [n for n in engines[k].describe().notes if "graph" in n or "loops" in n]}
+                     for k in engines}
+        out[name]["same_tokens"] = tokens["on"] == tokens["off"]
+        del engines
+        _free(device)
     return out
 
 

@@ -84,6 +84,9 @@ def test_cpu_smoke_checks_hold_and_figures_have_spread():
     if "skipped" not in tiny:  # needs pydantic (the GPU image may lack it)
         assert set(tiny["weights"]) == {"fp16", "rtn-int4"}
         assert all("median" in tiny["weights"][w]["cpu"]["decode_tok_s"] for w in tiny["weights"])
+        loops = tiny["loops"]["cpu"]  # reused decode loops and the static verify pass against their peers
+        assert loops["decode_loops"]["same_tokens"] and loops["speculative_verify"]["same_tokens"]
+        assert loops["decode_loops"]["on"]["reuse_decoders"] and not loops["decode_loops"]["off"]["reuse_decoders"]
 
 
 def test_a_failed_check_exits_1_after_printing_the_json():
