@@ -923,6 +923,7 @@ def loop_peers(args, device: str, reqs) -> dict:
     tokens compared."""
     from engines.reference.engine import ReferenceEngine
     from engines.spec import OptimizationSpec
+
     from _common import TARGET
 
     def build(speculative: dict, flag: str, on: bool):
