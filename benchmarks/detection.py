@@ -35,7 +35,8 @@ reported apart, as the speculative nulls' own figures are). Faults: confident fl
 lossless config), empty answers and loops in a share p of answers, and answers swapped between
 requests that share the server (batch-corrupt). At or above threshold: p ≥ 0.10 (the issue's
 figure), batch-corrupt always. A field fault counts as flagged only by a quality metric (a flag on
-ttft_ratio or tpot_ratio alone is the proxy's timing: a miss); each row also says in how many
+ttft_ratio or tpot_ratio alone is the proxy's timing: a miss, and the field half's suite does not
+time pairs at all, so that no such flag decides a run before it has topped up); each row also says in how many
 trials the class's own metric (SIZE_METRICS) flagged it, and lists every trial's flags.
 
 http: every config is `engine: openai`. Upstream is a real `canary engine-serve` of the tiny
@@ -260,7 +261,11 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
     cfg = {"project": project, "model": {"name": "tiny", "path": MODEL}, "configs": configs,
            "suites": [{"name": f"seed-{seed}", "corpus": "builtin:pydoc-heldout", "samples": args.samples,
                        "seed": seed, "scorers": ["perplexity", "generation"], "perplexity": {"window": 128},
-                       "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16},
+                       "generation": {"prompts": args.prompts, "prompt_words": 12, "max_new_tokens": 16,
+                                      # the field half's timings are its simulating proxy's (NOT_NULL_ON): not
+                                      # measured, so that no proxy-made TTFT or TPOT flag decides a run before
+                                      # the quality metrics have drawn the prompts they need
+                                      **({"paired_timing": False} if project.endswith("field") else {})},
                        # an undecided run draws more documents, doubling up to this many (workers/top_up.py)
                        **({"max_samples": args.max_samples} if args.max_samples > args.samples else {})}]}
     with session_scope() as session:
