@@ -945,7 +945,8 @@ def loop_peers(args, device: str, reqs) -> dict:
                 t0 = time.perf_counter()
                 res = [engines[k].generate([q])[0] for q in reqs]
                 ms[k].append((time.perf_counter() - t0) * 1000 / len(reqs))
-                tps[k].append(sum(len(g.token_ids) - 1 for g in res) / (sum(g.total_ms - g.ttft_ms for g in res) / 1000))
+                decode_s = sum(g.total_ms - g.ttft_ms for g in res) / 1000
+                tps[k].append(sum(len(g.token_ids) - 1 for g in res) / decode_s if decode_s > 0 else 0.0)
                 tokens[k] = [g.token_ids for g in res]
         out[name] = {k: {flag: k == "on", "wall_ms_per_request": spread(ms[k], 1), "decode_tok_s": spread(tps[k], 1),
                          "notes": [n for n in engines[k].describe().notes if "graph" in n or "loops" in n]}

@@ -177,6 +177,7 @@ class DecoderRows:
         logits = decoder.prefill(ids)
         self.decoders[row] = decoder
         self.lengths[row] = ids.shape[1]
+        self.engine.track_bytes(self.nbytes())  # every row's cache at once, not the largest row
         return logits
 
     def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -197,6 +198,8 @@ class DecoderRows:
         for r, d in zip(rows, decoders, strict=True):
             d.advance()
             self.lengths[r] += 1
+        self.engine.track_bytes(self.nbytes())  # the kernels' code buffers are made on first use
+        self.engine.decode_graphs = "off: continuous batching decodes each row's loop eagerly"
         return logits
 
     def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:

@@ -34,6 +34,13 @@ class KVCache:
         the kernels' packed codes once made)."""
         return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.store.buffers())
 
+    def zero_(self) -> None:
+        """Every slot and every buffer of the store back to zeros (a cache reused for a new sequence)."""
+        self.k.zero_()
+        self.v.zero_()
+        for t in self.store.buffers():
+            t.zero_()
+
     @property
     def token_slots(self) -> int:
         """Token positions allocated: batch rows × slots per row."""

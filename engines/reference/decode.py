@@ -87,6 +87,7 @@ class Decoder:
         # a memory pool shared with other decoders' graphs (torch.cuda.graph_pool_handle()): safe
         # while they replay one at a time and each step's logits are read before another replays
         self.graph_pool = graph_pool
+        self.captured_padded = False  # the padding kind the captured step was made for
 
     @property
     def eager_unmasked(self) -> bool:
@@ -99,20 +100,24 @@ class Decoder:
     def graphs_active(self) -> bool:
         return self.graph is not None
 
+    @property
+    def capture_refused(self) -> bool:
+        """Graphs were wanted, and the store blocked the capture or it failed."""
+        return self.graph is None and self.graphs_reason not in ("off", "wanted, not captured yet")
+
     def prepare(self, pad: torch.Tensor | None = None) -> None:
         """Set the rows' left padding [B] and, where graphs are wanted, capture the decode step
         now (warm-up, Triton autotuning and the capture stay out of the caller's timings). A
         decoder may serve sequence after sequence (the engine keeps one per batch bucket): the
         step captured for the first is replayed for the rest, whose padding must then be of the
         same kind (some rows padded, or none), since the capture froze the kernel-or-SDPA choice."""
+        if self.graph is not None and (pad is not None and bool(pad.any())) != self.captured_padded:
+            raise ValueError("prepare: rows padded where the captured decode step had none, or the reverse")
         if pad is None:
             self.pad.zero_()
         else:
             self.pad.copy_(pad)
-        left_padded = self.cache.left_padded
         self.cache.seq_start = self.pad  # in place from here on: a captured step reads this tensor
-        if self.graph is not None and self.cache.left_padded != left_padded:
-            raise ValueError("prepare: rows padded where the captured decode step had none, or the reverse")
         self.slot.fill_(self.slots - 1)
         self._capture_if_wanted()
 
@@ -245,6 +250,7 @@ class Decoder:
                     self.graph_logits = self._step()
                 self.graph = graph
                 self.graphs_reason = "captured"
+                self.captured_padded = self.cache.left_padded
             except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
                 self.graph, self.graph_logits = None, None
                 self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"[:500]

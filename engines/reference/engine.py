@@ -51,7 +51,16 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # decode loops kept for reuse where their steps are captured as CUDA graphs: one per (batch rows,
 # slots bucket, padded or not), the most recently used kept; each holds its KV cache and graph
 DECODER_POOL = 2
-MIN_BUCKET = 128  # the smallest slots bucket (a power of two from there, at most the context)
+MIN_BUCKET = 128  # the smallest slots bucket
+LINEAR_BUCKET = 4096  # buckets double up to this, then grow by it (a long context wastes at most this many slots)
+
+
+def slots_bucket(slots: int, context: int) -> int:
+    """The pool's cache width for `slots`: a power of two from MIN_BUCKET up to LINEAR_BUCKET, then
+    the next multiple of LINEAR_BUCKET; at most the context, never fewer than `slots`."""
+    width = (max(MIN_BUCKET, 1 << (slots - 1).bit_length()) if slots <= LINEAR_BUCKET
+             else -(-slots // LINEAR_BUCKET) * LINEAR_BUCKET)
+    return max(slots, min(context, width))
 
 
 def compute_dtype_for(weights_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -107,11 +116,13 @@ class ReferenceEngine:
         # capture's warm-up and graph are paid once per bucket, not per batch); elsewhere one per batch
         self.reuse_decoders = self.device.type == "cuda" and spec.option("cuda_graphs") is not False
         self._decoders: dict[tuple[int, int, bool], Decoder] = {}  # least recently used first
+        self._refused: set[tuple[int, int, bool]] = set()  # buckets whose step could not be captured
         self._graph_pool = torch.cuda.graph_pool_handle() if self.reuse_decoders else None
         self.decoders_built, self.batches_decoded = 0, 0
         # speculative decoding's verify pass at one width per request, captured where graphs are (spec_loop.py)
         self.static_verify = self.reuse_decoders
         self.verify_graphs = "not run yet"
+        self.verify_capture_failed: str | None = None  # why the verify pass's capture failed, once it has
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
@@ -171,30 +182,44 @@ class ReferenceEngine:
 
     def pooled_decoder(self, batch: int, slots: int, padded: bool) -> Decoder:
         """A decode loop of at least `slots` slots for a batch: with reuse_decoders, the pool's
-        for (batch, slots rounded up to a power of two from MIN_BUCKET, padded), made on first use
-        and kept (DECODER_POOL of them, least recently used dropped); else a fresh one."""
+        for (batch, slots_bucket(slots), padded), made on first use and kept (DECODER_POOL of
+        them, the least recently used dropped before another is made); else a fresh one. A loop
+        whose step could not be captured (its format or padding blocks it, or the capture failed)
+        is not kept: it would save nothing and read a wider cache. A reused loop's cache is
+        zeroed first, so nothing of an earlier sequence (a non-finite value included) reaches a
+        masked read."""
         self.batches_decoded += 1
         if not self.reuse_decoders:
             self.decoders_built += 1
             return self.decoder(batch, slots)
-        width = min(self.args.max_seq_len, max(MIN_BUCKET, 1 << (slots - 1).bit_length()))
-        key = (batch, max(width, slots), padded)
+        key = (batch, slots_bucket(slots, self.args.max_seq_len), padded)
         decoder = self._decoders.pop(key, None)
+        if decoder is not None and decoder.capture_refused:  # not kept: one per batch from here on
+            self._refused.add(key)
+        if key in self._refused:
+            self.decoders_built += 1
+            return self.decoder(batch, slots)
         if decoder is None:
+            while len(self._decoders) >= DECODER_POOL:  # before the new cache is allocated
+                del self._decoders[next(iter(self._decoders))]
             self.decoders_built += 1
             decoder = Decoder(self.model, self.kv, batch, key[1], self.device, self.compute_dtype,
                               self.spec.option("cuda_graphs"), graph_pool=self._graph_pool)
             self._track(decoder.cache)
+        else:
+            decoder.cache.zero_()
         self._decoders[key] = decoder  # the most recently used last
-        while len(self._decoders) > DECODER_POOL:
-            del self._decoders[next(iter(self._decoders))]
         return decoder
 
     def _track(self, cache: KVCache) -> KVCache:
         """Count a cache's buffers toward peak_kv_bytes: when it is made, and again after use
         (the kernels' packed buffers are made on first use)."""
-        self.peak_kv_bytes = max(self.peak_kv_bytes, cache.nbytes())
+        self.track_bytes(cache.nbytes())
         return cache
+
+    def track_bytes(self, nbytes: int) -> None:
+        """KV bytes held together at one moment (every row of a continuous batch's caches), toward peak_kv_bytes."""
+        self.peak_kv_bytes = max(self.peak_kv_bytes, nbytes)
 
     def _track_usage(self, tokens_held: int, cache: KVCache, context: int | None = None) -> None:
         """kv_cache_usage: the peak, over every KV cache this engine allocated, of the token
@@ -353,6 +378,9 @@ class ReferenceEngine:
         return None
 
     def reset_peaks(self) -> None:
+        self._decoders.clear()  # a pooled loop's cache would otherwise count in the next run's peaks
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.peak_kv_bytes = 0
         self.peak_kv_usage = None
         if self.device.type == "cuda":

@@ -61,7 +61,8 @@ class StaticVerify:
     with n < k + 1 tokens pads with copies of the last one: their rows are not returned, and
     the slots they write lie past every slot a later pass reads before writing it again (each pass
     writes its own slots first). Formats that re-encode whole token groups (KIVI) stay eager:
-    padding would move their group boundaries."""
+    padding would move their group boundaries. Captured once per request (its cache is the
+    request's own); a failed capture is remembered by the engine and not tried again."""
 
     def __init__(self, engine: ReferenceEngine, cache, k: int, graphs: bool):
         device = engine.device
@@ -70,7 +71,7 @@ class StaticVerify:
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.offsets = torch.arange(k + 1, device=device)
         self.j = torch.arange(cache.k.shape[3], device=device)  # [S]
-        blocker = cache.store.graph_blocker(False)
+        blocker = cache.store.graph_blocker(False) or engine.verify_capture_failed
         self.graphs_wanted = graphs and device.type == "cuda" and blocker is None
         self.reason = ("wanted, not captured yet" if self.graphs_wanted else
                        blocker or ("CUDA graphs need a CUDA device" if graphs else "off"))
@@ -100,24 +101,29 @@ class StaticVerify:
         """Warm up on a side stream, then capture (the warm-up passes write the same slots with the
         same tokens as the real one). A failure leaves the pass eager, with the reason kept."""
         self.graphs_wanted = False
-        caller = torch.cuda.current_stream()
-        stream = torch.cuda.Stream()
-        try:
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward()
-            caller.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                self.graph_logits = self._forward()
-            self.graph, self.reason = graph, "captured"
-        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
-            self.graph, self.graph_logits = None, None
-            self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
-        finally:
-            torch.cuda.set_stream(caller)
-        caller.synchronize()
+        with torch.cuda.device(self.engine.device):
+            caller = torch.cuda.current_stream()
+            stream = torch.cuda.Stream()
+            try:
+                stream.wait_stream(caller)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward()
+                caller.wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    self.graph_logits = self._forward()
+                self.graph, self.reason = graph, "captured"
+            except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+                self.graph, self.graph_logits = None, None
+                self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
+                self.engine.verify_capture_failed = self.reason  # not retried for later requests
+            finally:
+                torch.cuda.set_stream(caller)
+            try:
+                caller.synchronize()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 @torch.inference_mode()

@@ -84,11 +84,15 @@ def test_a_lossy_format_gets_a_decoder_per_row_and_frees_it():
     decoder = batch.cache.decoders[0]
     assert decoder is not None and decoder.slots == prompt + 20 and decoder.next_slot == prompt + 3
     assert batch.cache.nbytes() == decoder.cache.nbytes() > 0
+    second = batch.add(requests()[2])  # a second row: the engine's peak counts both caches together
+    both = batch.cache.nbytes()
+    assert both > decoder.cache.nbytes() and engine.peak_kv_bytes == both
+    batch.remove(second)
     batch.remove(seq)
     assert batch.cache.decoders == [None, None] and batch.held() == 0 and batch.free_rows == 2
 
 
-def test_speculative_and_drill_engines_still_decode_one_request_at_a_time():
+def test_speculative_engines_still_decode_one_request_at_a_time():
     spec = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache="kivi-2",
                                                     speculative={"method": "ngram", "k": 2},
                                                     engine_options={"device": "cpu"}))

@@ -64,3 +64,24 @@ def test_a_pooled_loop_keeps_its_bucket_and_refuses_nothing_that_fits():
     assert engine.pooled_decoder(1, 1024, False).slots == 1024  # the context caps the bucket
     assert engine.pooled_decoder(1, 100, False).slots == 128
     assert engine.pooled_decoder(1, 200, False) is not d  # dropped: the two most recent are kept
+
+
+def test_buckets_by_hand():
+    from engines.reference.engine import slots_bucket
+
+    assert [slots_bucket(n, 32768) for n in (1, 128, 129, 4096, 4097, 8193, 32768)] == \
+        [128, 128, 256, 4096, 8192, 12288, 32768]
+    assert slots_bucket(1000, 1024) == 1024 and slots_bucket(100, 64) == 100  # the context caps, never below slots
+
+
+def test_a_loop_whose_step_was_not_captured_is_not_kept_and_reset_peaks_empties_the_pool():
+    engine = engine_for("fp32", True)
+    d = engine.pooled_decoder(1, 100, False)
+    d.graphs_reason = "capture failed, decoding eagerly: RuntimeError: x"  # as a failed capture leaves it
+    assert engine.pooled_decoder(1, 100, False) is not d
+    assert engine.pooled_decoder(1, 100, False) is not d and (1, 128, False) not in engine._decoders
+    engine.pooled_decoder(1, 300, False)
+    assert engine._decoders
+    engine.reset_peaks()
+    assert not engine._decoders and engine.peak_kv_bytes == 0
+
