@@ -51,6 +51,32 @@ def _sdpa_backends(device: torch.device):
 _failed_captures: dict[tuple, str] = {}  # (format, batch, device) → why the capture failed
 
 
+def capture_graph(fn, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn() run twice on a side stream (Triton autotuning and lazily made buffers happen there),
+    then captured as a CUDA graph → (the graph, fn's output tensor, rewritten by each replay).
+    fn must write the same values each time it runs. Raises what the capture raised, with the
+    caller's stream restored and waited for."""
+    with torch.cuda.device(device):
+        caller = torch.cuda.current_stream()
+        stream = torch.cuda.Stream()
+        try:
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            caller.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                out = fn()
+            return graph, out
+        finally:
+            torch.cuda.set_stream(caller)  # torch.cuda.graph leaves its stream current when capture_end raises
+            try:
+                caller.synchronize()
+            except Exception:  # noqa: BLE001 — a failed capture can leave the stream in error: the caller says why
+                pass
+
+
 class Decoder:
     """Prefill once, then one token per step for a batch of B sequences in a static cache.
 
@@ -236,28 +262,11 @@ class Decoder:
         eager, with the reason in graphs_reason, the caller's stream restored, and the failure
         remembered so that later decoders of the same format and batch do not try again."""
         self.graphs_wanted = False
-        with torch.cuda.device(self.device):
-            caller = torch.cuda.current_stream()
-            stream = torch.cuda.Stream()
-            try:
-                stream.wait_stream(caller)
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._step()
-                caller.wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream, capture_error_mode="thread_local"):
-                    self.graph_logits = self._step()
-                self.graph = graph
-                self.graphs_reason = "captured"
-                self.captured_padded = self.cache.left_padded
-            except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
-                self.graph, self.graph_logits = None, None
-                self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"[:500]
-                _failed_captures[self._key] = self.graphs_reason
-            finally:
-                torch.cuda.set_stream(caller)  # torch.cuda.graph leaves its stream current when capture_end raises
-            try:
-                caller.synchronize()
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            self.graph, self.graph_logits = capture_graph(self._step, self.device, self.graph_pool)
+            self.graphs_reason = "captured"
+            self.captured_padded = self.cache.left_padded
+        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+            self.graph, self.graph_logits = None, None
+            self.graphs_reason = f"capture failed, decoding eagerly: {type(e).__name__}: {e}"[:500]
+            _failed_captures[self._key] = self.graphs_reason

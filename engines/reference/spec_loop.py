@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engines.protocol import GenerationRequest, GenerationResult, SpecStats
+from engines.reference.decode import capture_graph
 from engines.reference.speculative import DraftModelProposer, SpecCounters, causal_mask, sample_step
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
@@ -101,29 +102,13 @@ class StaticVerify:
         """Warm up on a side stream, then capture (the warm-up passes write the same slots with the
         same tokens as the real one). A failure leaves the pass eager, with the reason kept."""
         self.graphs_wanted = False
-        with torch.cuda.device(self.engine.device):
-            caller = torch.cuda.current_stream()
-            stream = torch.cuda.Stream()
-            try:
-                stream.wait_stream(caller)
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._forward()
-                caller.wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                    self.graph_logits = self._forward()
-                self.graph, self.reason = graph, "captured"
-            except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
-                self.graph, self.graph_logits = None, None
-                self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
-                self.engine.verify_capture_failed = self.reason  # not retried for later requests
-            finally:
-                torch.cuda.set_stream(caller)
-            try:
-                caller.synchronize()
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            self.graph, self.graph_logits = capture_graph(self._forward, self.engine.device)
+            self.reason = "captured"
+        except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
+            self.graph, self.graph_logits = None, None
+            self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
+            self.engine.verify_capture_failed = self.reason  # not retried for later requests
 
 
 @torch.inference_mode()
