@@ -379,10 +379,11 @@ class ReferenceEngine:
 
     def reset_peaks(self) -> None:
         self._decoders.clear()  # a pooled loop's cache would otherwise count in the next run's peaks
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.peak_kv_bytes = 0
         self.peak_kv_usage = None
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def describe(self) -> EngineDescription:

@@ -71,6 +71,7 @@ class StaticVerify:
         self.tokens = torch.zeros(1, k + 1, dtype=torch.long, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.offsets = torch.arange(k + 1, device=device)
+        self.j = torch.arange(cache.k.shape[3], device=device)  # [S]
         blocker = cache.store.graph_blocker(False) or engine.verify_capture_failed
         self.graphs_wanted = graphs and device.type == "cuda" and blocker is None
         self.reason = ("wanted, not captured yet" if self.graphs_wanted else
@@ -80,7 +81,7 @@ class StaticVerify:
 
     def _forward(self) -> torch.Tensor:
         slots = self.start + self.offsets  # [k + 1]
-        mask = causal_mask(slots, self.cache.k.shape[3])  # [1, 1, k + 1, S]
+        mask = (self.j[None, :] <= slots[:, None])[None, None]  # [1, 1, k + 1, S]
         return self.engine.model(self.tokens, slots[None], slots, self.cache, mask)[0].float()
 
     def __call__(self, tokens: list[int], start: int) -> torch.Tensor:
