@@ -24,6 +24,7 @@ from engines.protocol import (
     RollingResult,
     count_words,
     strided_windows,
+    token_texts,
     tokenize_with_spans,
 )
 from engines.quant import fake_quantize, quantized_bytes
@@ -107,9 +108,10 @@ class TransformersEngine:
                 jobs.append((i, seq[begin:end], n, seq[end - n + 1 : end + 1]))
         logprobs: list[list[float]] = [[] for _ in requests]
         greedy: list[list[int]] = [[] for _ in requests]
+        top: list[list[float]] = [[] for _ in requests]  # the argmax's log p
         # Windows are independent; batch those of one length together (no padding needed).
         order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
-        results: dict[int, tuple[list[float], list[int]]] = {}
+        results: dict[int, tuple[list[float], list[int], list[float]]] = {}
         kept: dict[int, torch.Tensor] = {}  # window → its scored rows [n, V], when asked
         for s in range(0, len(order), self.batch_size):
             chunk = [jobs[j] for j in order[s : s + self.batch_size]]
@@ -123,13 +125,15 @@ class TransformersEngine:
                 pos = torch.arange(len(inp) - n, len(inp), device=self.device)
                 t = torch.tensor(tgt, device=self.device)
                 lp = lsm[row, pos].gather(-1, t[:, None]).squeeze(-1)
-                results[j] = (lp.tolist(), lsm[row, pos].argmax(-1).tolist())
+                best, argmax = lsm[row, pos].max(-1)
+                results[j] = (lp.tolist(), argmax.tolist(), best.tolist())
                 if rows is not None:
                     kept[j] = lsm[row, pos].cpu()
         for j, (i, *_rest) in enumerate(jobs):  # jobs are in document then window order
-            window_lps, window_greedy = results[j]
+            window_lps, window_greedy, window_top = results[j]
             logprobs[i].extend(window_lps)
             greedy[i].extend(window_greedy)
+            top[i].extend(window_top)
             if rows is not None:
                 rows.setdefault(i, []).append(kept[j])
         return [
@@ -141,6 +145,9 @@ class TransformersEngine:
                 n_bytes=len(req.text.encode("utf-8")),
                 n_words=count_words(req.text),
                 char_spans=spans[i],
+                greedy_logprobs=tuple(top[i]),
+                token_texts=token_texts(self.tokenizer, encoded[i]) if req.texts else (),
+                greedy_texts=token_texts(self.tokenizer, greedy[i]) if req.texts else (),
             )
             for i, req in enumerate(requests)
         ]

@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import cast, overload
+from typing import cast
 
 import httpx
 
@@ -150,22 +150,33 @@ class OpenAIEngine:
                 logprobs: list[float] = []
                 top_ids: list[list[int]] = []
                 top_lps: list[list[float]] = []
+                greedy: list[tuple[str, float] | None] = []  # the top-1 (its text, log p) at each scored token
+                texts: list[str] = []
                 for begin, end, n in strided_windows(len(ids), req.window):
                     # window seq[begin:end] predicts seq[begin+1 : end+1]; echo scores the tokens it is
                     # given, so send the window plus its last target: [None, lp(seq[begin+1]), …, lp(seq[end])]
-                    if k is None:
-                        token_lps = self._echo(client, seq[begin : end + 1], req.doc_id)
-                    else:
-                        token_lps, top = self._echo(client, seq[begin : end + 1], req.doc_id, k)
+                    token_lps, top, tokens = self._echo(client, seq[begin : end + 1], req.doc_id, k)
+                    if k is not None:
                         for row in top[len(top) - n :]:
                             ranked = self._ranked(row, k, req.doc_id)
                             top_ids.append([i for i, _ in ranked])
                             top_lps.append([lp for _, lp in ranked])
+                    else:
+                        greedy += [max(row.items(), key=lambda kv: kv[1]) if row else None
+                                   for row in top[len(top) - n :]]
+                        texts += [str(t) for t in tokens[len(tokens) - n :]]
                     logprobs += cast("list[float]", token_lps[len(token_lps) - n :])  # the None is before the window
                 if self._text_prompts:  # llama-cpp-python: no log-prob for the first token (_echo_text)
-                    ids, logprobs = ids[1:], logprobs[1:]
+                    ids, logprobs, greedy, texts = ids[1:], logprobs[1:], greedy[1:], texts[1:]
+                # the top-1 of each position: from the top k, or the server's top_logprobs (texts asked)
+                best = [row[0] for row in top_lps] if k is not None else [g[1] for g in greedy if g is not None]
+                known = len(best) == len(ids)  # a server that leaves out a position's top_logprobs gives none
+                asked = req.texts and known and len(texts) == len(ids)
                 out.append((RollingResult(req.doc_id, tuple(ids), tuple(logprobs), (), len(req.text.encode("utf-8")),
-                                          count_words(req.text)), top_ids, top_lps))
+                                          count_words(req.text), greedy_logprobs=tuple(best) if known else (),
+                                          token_texts=tuple(texts) if asked else (),
+                                          greedy_texts=tuple(str(g[0]) for g in greedy if g is not None) if asked
+                                          else ()), top_ids, top_lps))
         return out
 
     def _ranked(self, row: dict | None, k: int, doc_id: str) -> list[tuple[int, float]]:
@@ -241,16 +252,11 @@ class OpenAIEngine:
                                 f"{error_message(response)}")
         return list(response.json()["tokens"])
 
-    @overload
-    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]: ...
-
-    @overload
-    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str,
-              top_k: int) -> tuple[list[float | None], list[dict | None]]: ...
-
-    def _echo(self, client, prompt_ids, doc_id, top_k=None):
-        """The prompt's log-probs [None, lp(token 1), …]; with top_k, also each position's top_k
-        alternatives keyed "token_id:<id>" (top_logprobs, None first)."""
+    def _echo(self, client: httpx.Client, prompt_ids: list[int], doc_id: str, top_k: int | None = None
+              ) -> tuple[list[float | None], list[dict | None], list[str]]:
+        """(the prompt's log-probs [None, lp(token 1), …], each position's top alternatives (its
+        top_logprobs: the top_k most likely keyed "token_id:<id>", else the most likely keyed by
+        its text; None first), each token's text (empty where the server names none))."""
         if self._text_prompts:
             return self._echo_text(client, prompt_ids, doc_id)
         body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": top_k or 1, "max_tokens": 0,
@@ -268,15 +274,15 @@ class OpenAIEngine:
         if not token_lps or len(token_lps) < len(prompt_ids):
             raise EndpointError(f"{self.shown}/completions returned no prompt log-probs for document '{doc_id}'; "
                                 f"perplexity needs echo=true support")
-        if top_k:
-            top = lps.get("top_logprobs") or []
-            if len(top) < len(prompt_ids):
-                raise EndpointError(f"{self.shown}/completions returned no prompt top_logprobs for document "
-                                    f"'{doc_id}'; next-token distributions need them with echo=true (vLLM does)")
-            return token_lps[: len(prompt_ids)], top[: len(prompt_ids)]
-        return token_lps[: len(prompt_ids)]
+        top = lps.get("top_logprobs") or []
+        if top_k and len(top) < len(prompt_ids):
+            raise EndpointError(f"{self.shown}/completions returned no prompt top_logprobs for document "
+                                f"'{doc_id}'; next-token distributions need them with echo=true (vLLM does)")
+        n = len(prompt_ids)
+        return token_lps[:n], top[:n], [str(t) for t in (lps.get("tokens") or [])[:n]]
 
-    def _echo_text(self, client: httpx.Client, prompt_ids: list[int], doc_id: str) -> list[float | None]:
+    def _echo_text(self, client: httpx.Client, prompt_ids: list[int], doc_id: str
+                   ) -> tuple[list[float | None], list[dict | None], list[str]]:
         """Prompt log-probs from a server that takes text prompts only (llama-cpp-python): the
         window is detokenized and sent as text, which the server tokenizes again after its BOS.
         That is exact only for a window that starts at the document's BOS (a later window would be
@@ -297,7 +303,10 @@ class OpenAIEngine:
             raise EndpointError(f"{self.shown}/completions returned {len(token_lps)} prompt log-probs for document "
                                 f"'{doc_id}' where its {n} tokens were sent; the server's tokenizer does not read "
                                 f"back the text it wrote")
-        return [None, None, *token_lps[1:n]]  # the first token's log-prob is not given: dropped by the caller
+        # the first token's log-prob is not given: dropped by the caller
+        top, tokens = lps.get("top_logprobs") or [], [str(t) for t in lps.get("tokens") or []]
+        return ([None, None, *token_lps[1:n]], [None, None, *top[1:n]] if len(top) >= n else [],
+                ["", "", *tokens[1:n]] if len(tokens) >= n else [])
 
     def _bos(self, client: httpx.Client) -> int:
         if self._bos_id is None:

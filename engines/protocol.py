@@ -53,6 +53,14 @@ def strided_windows(n_tokens: int, spec: WindowSpec) -> list[tuple[int, int, int
     return out
 
 
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
+    """Each token's own text (a byte-level token that ends inside a UTF-8 character decodes to a
+    replacement character, as a server's echo names it)."""
+    if not len(ids):
+        return ()
+    return tuple(tokenizer.batch_decode([[int(i)] for i in ids], clean_up_tokenization_spaces=False))
+
+
 def count_words(text: str) -> int:
     r"""Words for word perplexity, as lm-eval counts them: len(re.split(r"\s+", text)) (leading or
     trailing whitespace counts one empty word, as there)."""
@@ -64,6 +72,9 @@ class RollingRequest:
     doc_id: str
     text: str
     window: WindowSpec = WindowSpec()
+    # also each token's text and the greedy token's text at each position (RollingResult.token_texts,
+    # greedy_texts): an answer read by the baseline model (workers/generation.py), not a corpus document
+    texts: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,12 @@ class RollingResult:
     # each token's [start, end) characters in the document (domain-term NLL, evals/terms.py); empty
     # where the engine cannot place its tokens in the text (an HTTP server's tokenizer)
     char_spans: tuple[tuple[int, int], ...] = ()
+    # log p of the argmax token at each scored position (its top-1 log-prob); empty where the engine
+    # does not give it
+    greedy_logprobs: tuple[float, ...] = ()
+    # where the request asked for texts: each token's text and the argmax token's text at each position
+    token_texts: tuple[str, ...] = ()
+    greedy_texts: tuple[str, ...] = ()
 
     @property
     def nll(self) -> float:

@@ -42,8 +42,13 @@ def _scored(record: GenerationRecord) -> Scored | None:
 
 def _departs(a: GenerationRecord, b: GenerationRecord, tau: float) -> tuple[bool, bool, dict | None]:
     """(departs at all, departs at a confident token, the divergence) of two outputs of one prompt.
-    Where the baseline model did not score both, any difference in text counts as confident (the
-    near-tie rule needs its log-probs): the conservative reading."""
+
+    Confident: the outputs part at a token whose gap is beyond τ, or they part at a near-tie and
+    `b` later leaves the baseline model's greedy path by more than τ (Scored.leaves_after: once
+    two outputs part, their tokens no longer pair, but each can still be checked against the
+    model's own top token). A server that flips a near-tie early would otherwise hide a confident
+    flip after it. Where the baseline model did not score both, any difference in text counts as
+    confident (the near-tie rule needs its log-probs): the conservative reading."""
     sa, sb = _scored(a), _scored(b)
     if sa is None or sb is None:
         differs = a.text != b.text
@@ -51,7 +56,11 @@ def _departs(a: GenerationRecord, b: GenerationRecord, tau: float) -> tuple[bool
     d = divergence(sa, sb, tau)
     if d is None:
         return a.text != b.text, a.text != b.text, None
-    return True, not d.near_tie, {"position": d.position, "gap": round(d.gap, 4), "near_tie": d.near_tie}
+    where = {"position": d.position, "gap": round(d.gap, 4), "near_tie": d.near_tie}
+    later = sb.leaves_after(d.position, tau) if d.near_tie else None
+    if later is not None:
+        where |= {"leaves_greedy_at": later[0], "leaves_greedy_gap": later[1]}
+    return True, not d.near_tie or later is not None, where
 
 
 def _paired_shares(metric: str, floor: list[float], mine: list[float], t: Thresholds, seed: int,
@@ -72,23 +81,29 @@ def confident_divergence_comparison(candidate: Records, baseline: Records, repea
         return None
     floor_known = all(k in repeats for k in keys)
     mine, floor, near = [], [], {"candidate": 0, "baseline_repeat": 0}
+    after_tie = {"candidate": 0, "baseline_repeat": 0}  # confident only on the greedy path, after a near-tie
     examples: list[dict] = []
     for k in keys:
         departs, sure, where = _departs(baseline[k], candidate[k], tau)
         mine.append(float(sure))
         near["candidate"] += int(departs and not sure)
+        after_tie["candidate"] += int(sure and "leaves_greedy_at" in (where or {}))
         if sure and len(examples) < 1:
             examples.append({**_example(candidate[k]), "baseline_text": baseline[k].text[:EXAMPLE_CHARS],
                              **(where or {})})
         if floor_known:
-            f_departs, f_sure, _ = _departs(baseline[k], repeats[k], tau)
+            f_departs, f_sure, f_where = _departs(baseline[k], repeats[k], tau)
             floor.append(float(f_sure))
+            after_tie["baseline_repeat"] += int(f_sure and "leaves_greedy_at" in (f_where or {}))
             near["baseline_repeat"] += int(f_departs and not f_sure)
         else:
             floor.append(0.0)
     floor_exact = (sum(baseline[k].text == repeats[k].text for k in keys) / len(keys)) if floor_known else None
     details = {"near_tie_nats": tau, "confident": {"candidate": int(sum(mine)), "baseline_repeat": int(sum(floor))},
-               "near_tie": near, "baseline_self_agreement": floor_exact,
+               "near_tie": near, "confident_after_near_tie": after_tie,
+               # answers whose own tokens were checked against the baseline model's top token
+               "greedy_path_checked": sum(bool((s := _scored(candidate[k])) and s.greedy_known) for k in keys),
+               "baseline_self_agreement": floor_exact,
                **(_floor_spread(baseline, repeats, keys, tau) if floor_known else {}),
                "noise_floor": "the baseline's second pass" if floor_known else
                "none measured: the baseline is taken as deterministic",

@@ -59,10 +59,45 @@ def is_degenerate(text: str) -> bool:
 class Scored:
     """An output as the baseline model reads it, teacher-forced after its prompt: its tokens and
     log p of each (the baseline's own tokenizer and weights, so any two outputs of one prompt are
-    read the same way)."""
+    read the same way), and where the output leaves the model's greedy path (`leaves_greedy`):
+    (position, log p of the model's top token − log p of the output's) at each token whose text is
+    not the top token's, empty where it never does; `greedy_known` False where the engine gave no
+    top token to check against."""
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    leaves: tuple[tuple[int, float], ...] = ()
+    greedy_known: bool = False
+
+    def leaves_after(self, position: int, tau: float) -> tuple[int, float] | None:
+        """The first place at or after `position` where the output leaves the greedy path by more than τ."""
+        return next(((i, gap) for i, gap in self.leaves if i >= position and gap > tau), None)
+
+
+def leaves_greedy(texts: Sequence[str], logprobs: Sequence[float], greedy_texts: Sequence[str],
+                  greedy_logprobs: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """Where an output, teacher-forced token by token (each token's text and log p), leaves the
+    model's greedy path: (position, top log p − its log p) at each token that is not the model's
+    top one and whose text does not begin the way the top token's text does, up to the first
+    token read back in other tokens than were generated.
+
+    A greedy answer generated as "ation" + "s" reads back as "ations": a token below the model's
+    top "ation" though the model chose exactly this text. Reading stops there: the tokens after it
+    are read after other tokens than the ones they were generated after, and the model's top
+    choice can differ for that alone (seen on the zoo model: "," read after "ations" where "."
+    is the top, though "," was the top after "ation" + "s"). So the output is checked from its
+    start to its first such token; a departure later is not seen (the conservative reading)."""
+    rest = "".join(texts)
+    out, at = [], 0
+    for i, (text, lp, top_text, top_lp) in enumerate(zip(texts, logprobs, greedy_texts, greedy_logprobs,
+                                                           strict=True)):
+        gap = top_lp - lp
+        if gap > 1e-6:
+            if rest.startswith(top_text, at):
+                break  # the greedy text in other tokens: the tokens from here were generated otherwise
+            out.append((i, round(gap, 4)))
+        at += len(text)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,14 @@ class DocRecord:
                    DocDistribution.from_json(e["distribution"]) if e.get("distribution") else None)
 
 
+def _scored_from(stored: Mapping[str, Any] | None) -> Scored | None:
+    if not stored:
+        return None
+    leaves = stored.get("leaves")  # absent: stored before the greedy path was checked, or not known
+    return Scored(tuple(stored["ids"]), tuple(stored["logprobs"]),
+                  tuple((int(i), float(gap)) for i, gap in leaves or ()), leaves is not None)
+
+
 def _buckets(stored: Any) -> tuple[PositionBucket, ...]:
     return tuple((int(lo), int(hi), float(nll), int(n)) for lo, hi, nll, n in stored or ())
 
@@ -222,7 +230,9 @@ class GenerationRecord:
         if self.batch is not None:
             extra["batch"] = self.batch
         if self.scored is not None:
-            extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs]}
+            extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs],
+                               **({"leaves": [list(x) for x in self.scored.leaves]} if self.scored.greedy_known
+                                  else {})}
         if self.server_timing is not None:
             extra["server_timing"] = {k: v for k, v in asdict(self.server_timing).items() if v is not None}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
@@ -237,7 +247,7 @@ class GenerationRecord:
                    e.get("baseline_nll"), e.get("baseline_nll_tokens"),
                    (e.get("paired_baseline") or {}).get("ttft_ms"), (e.get("paired_baseline") or {}).get("tpot_ms"),
                    e.get("finish_reason"), e.get("batch"),
-                   Scored(tuple(e["scored"]["ids"]), tuple(e["scored"]["logprobs"])) if e.get("scored") else None,
+                   _scored_from(e.get("scored")),
                    ServerTiming(**e["server_timing"]) if e.get("server_timing") else None)
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from engines.protocol import RollingRequest, RollingResult, WindowSpec
 from engines.spec import OptimizationSpec
-from evals.health import Scored
+from evals.health import Scored, leaves_greedy
 from evals.suite import GenerationSettings
 from workers import engine_cache
 from workers.job import Job, loadable_model
@@ -42,7 +42,7 @@ class BaselineScorer:
         # config's, the baseline's second pass) is not read again
         todo = list(dict.fromkeys(t for pair in texts for t in pair if t not in self._read))
         try:
-            requests = [RollingRequest(str(i), t, window) for i, t in enumerate(todo)]
+            requests = [RollingRequest(str(i), t, window, texts=True) for i, t in enumerate(todo)]
             results = self.engine.loglikelihood_rolling(requests) if requests else []
         except Exception as e:  # noqa: BLE001 - the generations stand; only this figure is missing
             self.error = f"{type(e).__name__}: {e}"
@@ -54,10 +54,20 @@ class BaselineScorer:
         for full_text, prompt_text in texts:
             full, prompt = self._read[full_text], self._read[prompt_text]
             start = len(prompt.token_ids)
-            read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]))
+            read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]), *_leaves(full, start))
             n = len(read.ids)
             out.append((full.nll - prompt.nll, n, read) if n > 0 else (None, None, read))
         return out
+
+
+def _leaves(full: RollingResult, start: int) -> tuple[tuple[tuple[int, float], ...], bool]:
+    """(where the output from token `start` on leaves the baseline model's greedy path, whether the
+    engine gave what that takes: each token's text and the top token's, with its log p)."""
+    n = len(full.token_ids)
+    if not (len(full.token_texts) == len(full.greedy_texts) == len(full.greedy_logprobs) == n):
+        return (), False
+    return leaves_greedy(full.token_texts[start:], full.logprobs[start:], full.greedy_texts[start:],
+                         full.greedy_logprobs[start:]), True
 
 
 def scored_rows(kind, generations, judge: BaselineScorer, prompts: dict[str, str], window: WindowSpec,

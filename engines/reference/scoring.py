@@ -19,7 +19,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engines.protocol import RollingRequest, RollingResult, count_words, strided_windows, tokenize_with_spans
+from engines.protocol import (
+    RollingRequest,
+    RollingResult,
+    count_words,
+    strided_windows,
+    token_texts,
+    tokenize_with_spans,
+)
 from engines.reference.cache import NoCache
 
 
@@ -44,25 +51,31 @@ def windows(engine, requests: Sequence[RollingRequest]):
 
 def results(engine, requests, jobs, out, encoded, spans) -> list[RollingResult]:
     """Each document's result from its windows' scores, in the requests' order (a drill's prompt
-    log-prob fault applied, engines/reference/faults.py)."""
+    log-prob fault applied, engines/reference/faults.py); with each token's text and the greedy
+    one's where a request asks for them."""
     logprobs: list[list[float]] = [[] for _ in requests]
     greedy: list[list[int]] = [[] for _ in requests]
+    top: list[list[float]] = [[] for _ in requests]
     for j, job in enumerate(jobs):
         logprobs[job[0]].extend(out[j][0])
         greedy[job[0]].extend(out[j][1])
+        top[job[0]].extend(out[j][2])
     return [
         RollingResult(req.doc_id, tuple(encoded[i]), tuple(engine.fault.prompt_logprobs(logprobs[i])),
                       tuple(greedy[i]),
-                      len(req.text.encode("utf-8")), count_words(req.text), spans[i])
+                      len(req.text.encode("utf-8")), count_words(req.text), spans[i],
+                      greedy_logprobs=tuple(top[i]),
+                      token_texts=token_texts(engine.tokenizer, encoded[i]) if req.texts else (),
+                      greedy_texts=token_texts(engine.tokenizer, greedy[i]) if req.texts else ())
         for i, req in enumerate(requests)
     ]
 
 
 def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
-    """{job: (log p of its scored targets, argmax at each)}; with keep, also each job's
-    log-softmax rows [n, V] on the CPU."""
+    """{job: (log p of its scored targets, argmax at each, the argmax's log p)}; with keep, also
+    each job's log-softmax rows [n, V] on the CPU."""
     order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
-    out: dict[int, tuple[list[float], list[int]]] = {}
+    out: dict[int, tuple[list[float], list[int], list[float]]] = {}
     for s in range(0, len(order), engine.batch_size):
         idx = order[s : s + engine.batch_size]
         lengths = [len(jobs[j][1]) for j in idx]
@@ -91,18 +104,20 @@ def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
             # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
             logits = engine.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
             picked = logits.gather(-1, torch.tensor(tgt, device=engine.device)[:, None]).squeeze(-1)
-            out[j] = ((picked - torch.logsumexp(logits, -1)).tolist(), logits.argmax(-1).tolist())
+            norm = torch.logsumexp(logits, -1)
+            best, argmax = logits.max(-1)
+            out[j] = ((picked - norm).tolist(), argmax.tolist(), (best - norm).tolist())
             if keep is not None:
                 keep[j] = torch.log_softmax(logits, -1).cpu()
     return out
 
 
-def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int]]]:
-    """jobs as `windows` makes them → {job: (log p of its n targets, argmax token at each)}, each
+def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int], list[float]]]:
+    """jobs as `windows` makes them → {job: (log p of its n targets, argmax token at each, its log p)}, each
     token teacher-forced through a decode step. Windows of a batch are
     right-padded: a row's padding comes after its last input, so no real position reads it."""
     order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
-    out: dict[int, tuple[list[float], list[int]]] = {}
+    out: dict[int, tuple[list[float], list[int], list[float]]] = {}
     for s in range(0, len(order), engine.batch_size):
         idx = order[s : s + engine.batch_size]
         width = max(len(jobs[j][1]) for j in idx)
@@ -114,17 +129,20 @@ def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int]
         decoder = engine.decoder(len(idx), width)
         decoder.prepare()
         picked, greedy = torch.empty(len(idx), width), torch.empty(len(idx), width, dtype=torch.long)
+        best = torch.empty(len(idx), width)
         logits = decoder.prefill(x[:, :1])
         for t in range(width):
             if t:
                 logits = decoder.step(x[:, t])
             logprobs = torch.log_softmax(logits.float(), -1)  # [B, V]
             picked[:, t] = logprobs.gather(-1, y[:, t, None]).squeeze(-1).cpu()
-            greedy[:, t] = logprobs.argmax(-1).cpu()
+            top, argmax = logprobs.max(-1)
+            greedy[:, t], best[:, t] = argmax.cpu(), top.cpu()
         engine._track(decoder.cache)  # as for prefill_windows: memory, not kv_cache_usage
         for row, j in enumerate(idx):
             length, n = len(jobs[j][1]), jobs[j][2]
-            out[j] = (picked[row, length - n : length].tolist(), greedy[row, length - n : length].tolist())
+            out[j] = (picked[row, length - n : length].tolist(), greedy[row, length - n : length].tolist(),
+                      best[row, length - n : length].tolist())
     return out
 
 

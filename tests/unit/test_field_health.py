@@ -4,7 +4,7 @@ by hand from a tiny input."""
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 from evals.field import (
@@ -14,7 +14,7 @@ from evals.field import (
     health_share,
     output_length_comparison,
 )
-from evals.health import Scored, divergence, is_degenerate, is_empty, periodic_tail
+from evals.health import Scored, divergence, is_degenerate, is_empty, leaves_greedy, periodic_tail
 from evals.records import GenerationRecord, RepeatRecord, RunRecords, SoloRecord
 from evals.stats import Thresholds
 
@@ -102,6 +102,45 @@ def test_near_tie_noise_on_both_sides_is_ok_and_a_confident_bug_is_critical():
     assert bad.estimate == pytest.approx(0.5) and bad.verdict == "critical"
 
 
+def test_leaves_greedy_counts_tokens_off_the_models_top_up_to_the_first_one_read_back_otherwise():
+    # " b" sits 1.8 nats below the top " x": a departure; "a" and " c" are the top tokens
+    assert leaves_greedy(["a", " b", " c"], [-0.1, -2.0, -0.3], ["a", " x", " c"], [-0.1, -0.2, -0.3]) == ((1, 1.8),)
+    # a near-tie taken (0.1 below "x") and a later confident one (2.8 below "y"): both, in order
+    assert leaves_greedy(["a", "b", "c"], [-0.5, -0.1, -3.0], ["x", "b", "y"], [-0.4, -0.1, -0.2]) == (
+        (0, 0.1), (2, 2.8))
+    # "ations" is below the top "ation" but its text begins with it: the answer was generated as
+    # "ation" + "s"; from there on tokens are read after other tokens than generated, so "," below "."
+    # is not a departure
+    assert leaves_greedy(["ations", ","], [-1.5, -2.0], ["ation", "."], [-0.2, -0.1]) == ()
+    # ... and the other way: "the" read where the top is "there", with "re" next: the same text
+    assert leaves_greedy(["the", "re", "x"], [-1.0, -0.1, -5.0], ["there", "re", "y"], [-0.1, -0.1, -0.1]) == ()
+    assert leaves_greedy([], [], [], []) == ()
+
+
+def test_a_confident_flip_after_a_near_tie_is_confident():
+    """A server that flips a near-tie early hides a confident flip after it from the first-divergence
+    rule: the candidate's own path, checked against the baseline model's top token, shows it."""
+    base = GenerationRecord("k", 10.0, "p", "a b c d", 4, 3, scored=Scored((1, 2, 3, 4), (-0.1,) * 4, (), True))
+    # parts from the baseline at token 1 by a near-tie (gap 0.1), then leaves the greedy path at
+    # token 3 by 3.0 nats
+    flipped = Scored((1, 5, 6, 7), (-0.1, -0.2, -0.1, -3.1), ((1, 0.1), (3, 3.0)), True)
+    cand = GenerationRecord("k", 10.0, "p", "a e f g", 4, 3, scored=flipped)
+    c = confident_divergence_comparison({"k": cand}, {"k": base}, {"k": base}, seed_thresholds("confident_divergence"))
+    assert c.details["confident"] == {"candidate": 1, "baseline_repeat": 0}
+    assert c.details["example"]["leaves_greedy_at"] == 3 and c.details["example"]["leaves_greedy_gap"] == 3.0
+    # the same path with only near-ties off the top: a near-tie departure, not confident
+    noisy = GenerationRecord("k", 10.0, "p", "a e f g", 4, 3,
+                             scored=Scored((1, 5, 6, 7), (-0.1, -0.2, -0.1, -0.3), ((1, 0.1), (3, 0.2)), True))
+    c = confident_divergence_comparison({"k": noisy}, {"k": base}, {"k": base}, seed_thresholds("confident_divergence"))
+    assert c.details["confident"] == {"candidate": 0, "baseline_repeat": 0}
+    assert c.details["near_tie"] == {"candidate": 1, "baseline_repeat": 0}
+    # a departure before the outputs part is the baseline's path as much as the candidate's: not counted
+    early = Scored((1, 5, 6, 7), (-0.1, -0.2, -0.1, -0.3), ((0, 3.0), (1, 0.1)), True)
+    c = confident_divergence_comparison({"k": replace(noisy, scored=early)}, {"k": base}, {"k": base},
+                                        seed_thresholds("confident_divergence"))
+    assert c.details["confident"]["candidate"] == 0
+
+
 def test_without_a_second_pass_the_floor_is_zero_and_said():
     base = [(f"b{i}", (i, 1), (-0.1, -0.1)) for i in range(10)]
     c = confident_divergence_comparison(_pass(base), _pass(base), {}, seed_thresholds("confident_divergence"))
@@ -185,6 +224,12 @@ def test_records_round_trip_through_their_rows():
                 SoloRecord: table[1].solos}[kind]["k0"]
         assert type(back) is kind and back.finish_reason == "stop"
         assert back.scored == Scored((5, 6), (-0.12346, -1.0))
+    # where the greedy path was checked: where the output left it, even nowhere
+    for leaves in (((1, 2.5),), ()):
+        checked = replace(g, scored=Scored((5, 6), (-0.5, -1.0), leaves, True))
+        row = checked.to_row()
+        back = RunRecords.from_rows([(1, row["metric"], row["sample_key"], row["value"], row["extra"])])[1]
+        assert back.generations["k0"].scored == checked.scored
 
 
 def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
