@@ -212,7 +212,9 @@ register_metric(Metric(
     "confident_divergence", "confident div.", "fraction", "above", "paired_difference", "generation",
     "for a lossless config: the share of prompts whose greedy output departs from the baseline's at a token the "
     "baseline model was sure of (its log-prob gap between the two tokens, teacher-forced after the shared prefix, "
-    "above the suite's near_tie_nats τ, default vLLM's greedy_atol 0.25), minus the same share for the baseline's own "
+    "above the suite's near_tie_nats τ, default vLLM's greedy_atol 0.25), or that parts at a near-tie and later "
+    "leaves the baseline model's greedy path by more than τ (each token read back against the model's top token), "
+    "minus the same share for the baseline's own "
     "second pass (the noise floor); near-tie departures are reported, not judged; paired bootstrap over prompts",
     warn=0.01, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryConfidentDivergence", requires="lossless",
     compare=_ROWS + "confident_divergence"))
