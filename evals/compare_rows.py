@@ -144,12 +144,23 @@ def decode_nll_ratio(ctx: CompareContext) -> Comparison | None:
 
 
 def kld_mean(ctx: CompareContext) -> Comparison | None:
-    """Only on the documents a candidate compared whole next-token distributions on (suite
-    perplexity.distribution_samples): llama-perplexity --kl-divergence's figures."""
-    from evals.distribution import kld_comparison
+    """Only on the documents a candidate compared next-token distributions on (suite
+    perplexity.distribution_samples): llama-perplexity --kl-divergence's figures. Whole
+    distributions where the candidate's config-run compared them with the baseline engine's
+    (in-process on both sides); else the candidate's stored top-k table against the baseline's,
+    stored once by the baseline's config-run (a server gives only its top k)."""
+    from evals.distribution import doc_distribution_stored, kld_comparison
 
-    found = [(k, d.cluster or k, d.distribution) for k, d in ctx.mine.docs.items() if d.distribution is not None]
-    if ctx.is_base or not found:
+    if ctx.is_base:
+        return None
+    found = []
+    for k, d in ctx.mine.docs.items():
+        dist = d.distribution
+        if dist is None and d.topk is not None and (b := ctx.base.docs.get(k)) is not None and b.topk is not None:
+            dist = doc_distribution_stored(b.topk, d.topk)
+        if dist is not None:
+            found.append((k, d.cluster or k, dist))
+    if not found:
         return None
     return kld_comparison([(k, d) for k, _, d in found], seed=ctx.seed, min_n=METRICS["kld_mean"].min_n,
                           clusters=[c for _, c, _ in found])

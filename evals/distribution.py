@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from evals.agreement import top1_agreement
-from evals.records import DocDistribution
+from evals.records import DocDistribution, DocTopK
 from evals.stats import wilson_interval
 
 if TYPE_CHECKING:
@@ -169,6 +169,21 @@ def doc_distribution_topk(p_top: tuple[np.ndarray, np.ndarray], q_top: tuple[np.
     return DocDistribution(tuple(lower.tolist()), tuple((np.exp(lq) - np.exp(lp)).tolist()),
                            tuple(int(x) for x in same), tuple((lp - lq).tolist()), tuple(lower.tolist()),
                            (math.inf,) * len(lower), int(p_ids.shape[1]), exact=False)
+
+
+def doc_distribution_stored(base: DocTopK, mine: DocTopK) -> DocDistribution | None:
+    """A candidate's figures from two stored top-k tables (evals/records.py DocTopK): the
+    baseline's, stored once by its own config-run, and the candidate's, as doc_distribution_topk
+    reads them, with the KLD by position in the window; None where the two tokenized the document
+    differently (nothing pairs)."""
+    from engines.protocol import WindowSpec
+    from evals.positions import position_totals
+
+    if base.tokens != mine.tokens or len(base.target) != len(mine.target):
+        return None
+    table = lambda t: (np.asarray(t.ids).reshape(-1, t.k), np.asarray(t.logprobs, np.float64).reshape(-1, t.k))  # noqa: E731
+    d = doc_distribution_topk(table(base), table(mine), base.target, mine.target)
+    return replace(d, positions=position_totals(d.kld, WindowSpec(*mine.window)))
 
 
 def stats_of(d: DocDistribution) -> TokenStats:

@@ -8,7 +8,9 @@ and `read_row` picks the record by the row's kind. Nothing else reads a row's `e
 
     kind            record              value            what extra holds
     nll             DocRecord           Σ −log p (nats)  token/word/byte counts, top-1 hits, cluster, greedy ids,
-                                                         domain-term NLL and token count
+                                                         domain-term NLL and token count, position buckets, the
+                                                         decode-regime NLL, next-token distributions against the
+                                                         baseline's, the config's own top-k next tokens
     generation      GenerationRecord    TTFT (ms)        prompt, text, token counts and ids, ITL, tok/s, spec counters,
                                                          finish reason, the output as the baseline model scored it
     baseline_repeat RepeatRecord        TTFT (ms)        as generation: the baseline's second pass (the noise floor)
@@ -24,7 +26,11 @@ A config-run's own figures (config_runs.figures) are not a sample's: they are ev
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -79,6 +85,54 @@ class DocDistribution:
                    tuple((int(lo), int(hi), float(t), int(n)) for lo, hi, t, n in d.get("positions") or ()))
 
 
+def _packed(kind: str, values: Sequence[float] | Sequence[int]) -> str:
+    """Numbers as base64 of little-endian int32 ('i') or float32 ('f'): a top-k table is k times
+    a document's tokens, too many for JSON numbers."""
+    a = array(kind, values)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def _unpacked(kind: str, text: str) -> tuple:
+    a = array(kind)
+    a.frombytes(base64.b64decode(text))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return tuple(a)
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """A short digest of a document's token ids: two configs' top-k tables pair only over the same tokens."""
+    return hashlib.sha256(array("i", token_ids).tobytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DocTopK:
+    """A config's own k most likely next tokens at each scored token of a document, most likely
+    first, and the log p of the document's own token there: what a server gives (echo, `logprobs:
+    k`), stored once per config-run so that any candidate's table can be compared with the
+    baseline's later, at aggregation (evals/distribution.py doc_distribution_stored), and a reused
+    baseline carries its table with its rows. Flat, row-major [T × k]; float32."""
+
+    k: int
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    target: tuple[float, ...]  # log p of the document's own token at each position [T]
+    window: tuple[int, int]  # the suite's perplexity window (max_length, stride): positions by bucket
+    tokens: str  # tokens_digest of the document's token ids
+
+    def to_json(self) -> dict[str, Any]:
+        return {"k": self.k, "ids": _packed("i", self.ids), "logprobs": _packed("f", self.logprobs),
+                "target": _packed("f", self.target), "window": list(self.window), "tokens": self.tokens}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DocTopK:
+        max_length, stride = d["window"]
+        return cls(int(d["k"]), _unpacked("i", d["ids"]), _unpacked("f", d["logprobs"]), _unpacked("f", d["target"]),
+                   (int(max_length), int(stride)), str(d["tokens"]))
+
+
 @dataclass(frozen=True)
 class DocRecord:
     """One document's rolling log-likelihood (perplexity, top-1 agreement)."""
@@ -104,19 +158,20 @@ class DocRecord:
     decode_nll: float | None = None
     decode_positions: tuple[PositionBucket, ...] = ()
     distribution: DocDistribution | None = None  # a candidate's, on the suite's first distribution_samples
+    topk: DocTopK | None = None  # this config's own top-k, on the suite's first distribution_samples
 
     @classmethod
     def from_result(cls, r: RollingResult, cluster: str | None, keep_ids: bool,
                     terms: tuple[float, int] | None = None,
                     positions: Sequence[PositionBucket] = (),
                     decode: tuple[float, Sequence[PositionBucket]] | None = None,
-                    distribution: DocDistribution | None = None) -> DocRecord:
+                    distribution: DocDistribution | None = None, topk: DocTopK | None = None) -> DocRecord:
         top1 = sum(int(a == b) for a, b in zip(r.greedy_ids, r.token_ids, strict=False))  # no greedy ids: 0
         term_nll, term_tokens = terms or (None, None)
         decode_nll, decode_positions = decode or (None, ())
         return cls(r.doc_id, r.nll, len(r.token_ids), r.n_words, r.n_bytes, top1, cluster,
                    tuple(r.greedy_ids) if keep_ids else (), term_nll, term_tokens, tuple(positions),
-                   decode_nll, tuple(decode_positions), distribution)
+                   decode_nll, tuple(decode_positions), distribution, topk)
 
     def to_row(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"n_tokens": self.n_tokens, "n_words": self.n_words, "n_bytes": self.n_bytes,
@@ -132,6 +187,8 @@ class DocRecord:
             extra["decode_positions"] = [list(b) for b in self.decode_positions]
         if self.distribution is not None:
             extra["distribution"] = self.distribution.to_json()
+        if self.topk is not None:
+            extra["topk"] = self.topk.to_json()
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": extra}
 
     @classmethod
@@ -146,7 +203,8 @@ class DocRecord:
                    _buckets(e.get("positions")),
                    float(e["decode_nll"]) if e.get("decode_nll") is not None else None,
                    _buckets(e.get("decode_positions")),
-                   DocDistribution.from_json(e["distribution"]) if e.get("distribution") else None)
+                   DocDistribution.from_json(e["distribution"]) if e.get("distribution") else None,
+                   DocTopK.from_json(e["topk"]) if e.get("topk") else None)
 
 
 def _scored_from(stored: Mapping[str, Any] | None) -> Scored | None:

@@ -20,18 +20,20 @@ from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
-from evals.distribution import TOP_K, doc_distribution, doc_distribution_topk, topk_rows
+from evals.distribution import TOP_K, doc_distribution, topk_rows
 from evals.figures import RunFigures
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.positions import position_nll, position_totals
 from evals.records import (
     DocDistribution,
     DocRecord,
+    DocTopK,
     GenerationRecord,
     ItemRecord,
     RepeatRecord,
     SoloRecord,
     spec_to_json,
+    tokens_digest,
 )
 from evals.run_stats import RunStats, percentile
 from evals.terms import compile_terms, term_nll
@@ -47,32 +49,33 @@ DOC_BATCH = 8  # documents per engine call; progress and a commit after each (th
 
 
 def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
-    """Per document, the candidate's next-token distributions against the baseline's
-    (evals/distribution.py): whole ones where both engines give them (in-process), else each
-    side's top-k (a server gives at most 20), which bounds KL from below; None for a document the
-    two tokenize differently."""
+    """Per document, the candidate's whole next-token distributions against the baseline
+    engine's (evals/distribution.py; both in-process); None for a document the two tokenize
+    differently."""
     out: list[DocDistribution | None] = []
-    whole = all(hasattr(e, "next_token_logprobs") for e in (engine, baseline))
     for request in requests if baseline is not None else []:  # one document at a time: two [T, V] arrays live
-        if whole:
-            [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
-            d = doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
-        else:
-            (r, q_top), (b, p_top) = _top_k(engine, request), _top_k(baseline, request)
-            d = doc_distribution_topk(p_top, q_top, b.logprobs, r.logprobs) if r.token_ids == b.token_ids else None
+        [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
+        d = doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
         # KLD by position in the window (evals/positions.py), as the perplexity ratio is kept
         out.append(replace(d, positions=position_totals(d.kld, request.window)) if d else None)
     return out
 
 
-def _top_k(engine, request: RollingRequest):
-    """(the rolling result, (ids [T, k], log-probs [T, k])): an in-process engine's whole
-    distributions cut to their top-k, or what a server returns."""
-    if hasattr(engine, "next_token_logprobs"):
-        [(result, rows)] = engine.next_token_logprobs([request])
-        return result, topk_rows(rows, TOP_K)
-    [(result, ids, logprobs)] = engine.next_token_topk([request], TOP_K)
-    return result, (np.asarray(ids), np.asarray(logprobs, np.float64))
+def _own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
+    """Per document, the config's own top-k table (evals/records.py DocTopK): its whole
+    distributions cut to their top k in-process, or what a server returns (at most 20)."""
+    out = []
+    for request in requests:
+        if hasattr(engine, "next_token_logprobs"):
+            [(result, rows)] = engine.next_token_logprobs([request])
+            ids, logprobs = topk_rows(rows, TOP_K)
+        else:
+            [(result, ids, logprobs)] = engine.next_token_topk([request], TOP_K)
+            ids, logprobs = np.asarray(ids), np.asarray(logprobs, np.float64)
+        out.append(DocTopK(int(ids.shape[1]), tuple(int(x) for x in ids.ravel()),
+                           tuple(float(x) for x in logprobs.ravel()), tuple(result.logprobs),
+                           (request.window.max_length, request.window.stride), tokens_digest(result.token_ids)))
+    return out
 
 
 def _gives_distributions(engine) -> bool:
@@ -240,7 +243,10 @@ class ExecuteConfigRun(BaseTask):
         samples = work.job.samples
         # the first documents again, one token per decode step through a lossy KV cache (decode_nll_ratio)
         n_decode = work.job.suite.perplexity.decode_samples if getattr(work.engine, "scores_decode", False) else 0
-        n_dist, baseline = self._distribution_baseline(work)  # a candidate's next-token distributions (kld_mean)
+        # next-token distributions (kld_mean): a candidate's whole ones against the baseline engine's,
+        # else this config-run's own top-k table, compared with the baseline's stored one at aggregation
+        n_dist, baseline = self._distribution_baseline(work)
+        n_topk = self._topk_documents(work, baseline)
         nll_sum, n_tokens = 0.0, 0
         for i in range(0, len(samples), DOC_BATCH):
             documents = samples[i : i + DOC_BATCH]
@@ -249,6 +255,7 @@ class ExecuteConfigRun(BaseTask):
             results = work.engine.loglikelihood_rolling(requests)
             decoded = work.engine.loglikelihood_decode(requests[: max(0, n_decode - i)]) if n_decode > i else []
             distributions = _distributions(work.engine, baseline, requests[: max(0, n_dist - i)])
+            tables = _own_topk(work.engine, requests[: max(0, n_topk - i)])
             rows = []
             for j, (doc, (_, text, cluster)) in enumerate(zip(results, documents, strict=True)):
                 nll_sum += doc.nll
@@ -258,20 +265,32 @@ class ExecuteConfigRun(BaseTask):
                 decode = ((decoded[j].nll, position_nll(decoded[j].logprobs, work.window))
                           if j < len(decoded) else None)
                 rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions, decode,
-                                                  distributions[j] if j < len(distributions) else None).to_row())
+                                                  distributions[j] if j < len(distributions) else None,
+                                                  tables[j] if j < len(tables) else None).to_row())
             work.done += len(documents)
             self._write_fenced(work, rows, settings)
         return nll_sum, n_tokens
 
     @staticmethod
     def _distribution_baseline(work: _Pass):
-        """(how many documents, the baseline's engine) for a candidate whose next-token
-        distributions are compared with the baseline's; (0, None) where none are."""
+        """(how many documents, the baseline's engine) for a candidate whose whole next-token
+        distributions are compared with the baseline engine's (both in-process); (0, None) where
+        none are."""
         n = work.job.suite.perplexity.distribution_samples
-        if not n or work.job.is_baseline or not _gives_distributions(work.engine):
+        if not n or work.job.is_baseline or not hasattr(work.engine, "next_token_logprobs"):
             return 0, None
         baseline = baseline_scorer(work.engine, work.job).engine
-        return (n, baseline) if _gives_distributions(baseline) else (0, None)
+        return (n, baseline) if hasattr(baseline, "next_token_logprobs") else (0, None)
+
+    @staticmethod
+    def _topk_documents(work: _Pass, baseline) -> int:
+        """How many documents this config-run stores its own top-k table for: the baseline's always
+        (stored once, read by every candidate's aggregation and carried by a reused baseline), a
+        candidate's where it has no whole distributions compared already."""
+        n = work.job.suite.perplexity.distribution_samples
+        if not n or not _gives_distributions(work.engine) or (baseline is not None and not work.job.is_baseline):
+            return 0
+        return n
 
     def _generate(self, work: _Pass, n_prompts: int, stats: RunStats, settings) -> tuple[BaselineScorer | None, int]:
         """The prompts' generations, a batch (`step` requests in flight) at a time, each output read

@@ -1,7 +1,9 @@
 """Next-token distributions against the baseline where the candidate is a server: a real `canary
 engine-serve` returns each position's top 20 (echo, `logprobs: 20`, vLLM's
 `return_tokens_as_token_ids`), and the run's kld_mean is the lower bound that both sides' top 20
-give (evals/distribution.py doc_distribution_topk), said so in its details. The same model served
+give (evals/distribution.py doc_distribution_topk), said so in its details: the candidate's table
+against the baseline's, each stored once by its own config-run and compared at aggregation, so
+a gate that reuses the baseline's rows compares with the table they carry. The same model served
 in fp32 reads KL ≈ 0 with the same top token everywhere; RTN int2 weights served read a lower
 bound at most the in-process KL of the same config, and above the fp32 one."""
 
@@ -13,7 +15,10 @@ from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
 from app.schemas import jsonable
+from app.models import SampleResult
 from app.services import apply_config_file, run_summary, start_run
+from evals.records import read_row
+from sqlalchemy import select
 
 from tests.http.conftest import serving
 
@@ -41,11 +46,21 @@ def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env
     }
     with session_scope() as session:
         apply_config_file(session, parse_config(cfg))
-    run_id, _ = start_run("kl-http", "s", None, InlineDispatcher())
+    run_id, _ = start_run("kl-http", "s", None, InlineDispatcher(), trigger="gate", idempotency_key="g1")
     with session_scope() as session:
-        run = repo.get_run(session, repo.get_project(session, "kl-http"), run_id)
-        summary = jsonable(run_summary(session, run))
+        project = repo.get_project(session, "kl-http")
+        summary = jsonable(run_summary(session, repo.get_run(session, project, run_id)))
+        stored = {(c, r.sample_key): read_row(r.metric, r.sample_key, r.value, r.extra)
+                  for c in ("local", "served-int2", "local-int2")
+                  for r in session.execute(select(SampleResult).where(
+                      SampleResult.run_id == run_id, SampleResult.metric == "nll",
+                      SampleResult.config_id == repo.get_config(session, project, c).id)).scalars()}
     assert summary["status"] == "done", summary
+    # the baseline and the served candidate store their own top 20 once; the in-process candidate
+    # compared whole distributions with the baseline engine's and stores none
+    assert {c: sum(r.topk is not None for (cc, _), r in stored.items() if cc == c) for c in
+            ("local", "served-int2", "local-int2")} == {"local": 3, "served-int2": 3, "local-int2": 0}
+    assert all(r.topk.k == 20 for r in stored.values() if r.topk is not None)
     kld = {c["config"]: c for c in summary["comparisons"] if c["metric"] == "kld_mean"}
     assert set(kld) == {"local-int2", "served", "served-int2"}, [(c["config"], c["metric"]) for c in summary["comparisons"]]
     local, same, lossy = kld["local-int2"], kld["served"], kld["served-int2"]
@@ -64,5 +79,13 @@ def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env
     assert [p for p, _ in buckets["local-int2"]] == ["0–127", "128–255"], buckets
     assert buckets["local-int2"] == buckets["served-int2"] == buckets["served"]
     assert sum(n for _, n in buckets["local-int2"]) == local["details"]["tokens"]
+    # a second gate reuses the baseline's rows, its top-k tables with them: the same figures
+    again, _ = start_run("kl-http", "s", ["served-int2"], InlineDispatcher(), trigger="gate", idempotency_key="g2")
+    with session_scope() as session:
+        run = repo.get_run(session, repo.get_project(session, "kl-http"), again)
+        second = jsonable(run_summary(session, run))
+    assert second["figures"]["local"]["reused_from_run"] == run_id
+    (reused,) = [c for c in second["comparisons"] if c["config"] == "served-int2" and c["metric"] == "kld_mean"]
+    assert reused["estimate"] == pytest.approx(lossy["estimate"], rel=1e-6)
     print(f"rtn-int2 KLD by position: {[(b['positions'], round(b['estimate'], 5)) for b in local['details']['by_position']]}")
     print(f"rtn-int2 KL: whole vocabulary {local['estimate']:.5f}, served top-20 lower bound {lossy['estimate']:.5f}")

@@ -110,6 +110,28 @@ def test_a_server_s_top_k_on_both_sides_by_hand():
                               [0.0, 0.0], [0.0])
 
 
+def test_stored_top_k_tables_give_the_same_figures_at_aggregation_by_hand():
+    """The example above as two stored tables (evals/records.py DocTopK: float32, base64 in the row's
+    JSON), each config-run's own, compared at aggregation: the same figures to float32's precision,
+    the KLD in its position bucket, and nothing where the two tokenized the document differently."""
+    from evals.distribution import doc_distribution_stored
+    from evals.records import DocRecord, DocTopK, read_row, tokens_digest
+
+    digest = tokens_digest([7])
+    base = DocTopK(2, (0, 1), (math.log(0.5), math.log(0.3)), (math.log(0.3),), (64, 64), digest)
+    mine = DocTopK(2, (1, 0), (math.log(0.45), math.log(0.35)), (math.log(0.45),), (64, 64), digest)
+    row = DocRecord("doc", 1.2, 1, 1, 4, topk=base).to_row()
+    assert isinstance(row["extra"]["topk"]["logprobs"], str)  # packed, not a list of numbers
+    back = read_row(row["metric"], row["sample_key"], row["value"], row["extra"]).topk
+    assert back.ids == (0, 1) and back.window == (64, 64) and back.tokens == digest
+    assert back.logprobs == pytest.approx(base.logprobs, abs=1e-7)  # float32
+    d = doc_distribution_stored(back, mine)
+    assert d.kld[0] == pytest.approx(0.056698, abs=1e-6) and not d.exact
+    assert d.dp[0] == pytest.approx(0.15, abs=1e-6) and d.same == (0,)
+    assert d.positions == ((0, 64, pytest.approx(0.056698, abs=1e-6), 1),)
+    assert doc_distribution_stored(base, replace(mine, tokens=tokens_digest([8]))) is None
+
+
 def test_kld_mean_over_documents_and_the_stored_record():
     """Two documents: KLD 0.1, 0.3 and 0.2 → Σ 0.6 over 3 tokens = 0.2 (token-weighted, not the mean
     of the documents' means, 0.2 too here; 0.1 and 0.5 below would differ). The bounds hold on
