@@ -10,7 +10,7 @@ import math
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
+from engines.device import EngineLoadError
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.distribution import TOP_K, doc_distribution, topk_rows
 from evals.figures import RunFigures
@@ -115,6 +116,7 @@ class _Pass:
     total: int  # rows of progress in all: documents, then prompts
     check_lease: Callable[[], None]  # raises LostLease once a newer attempt holds the config-run
     done: int = 0
+    notes: list[str] = field(default_factory=list)  # said with the config-run's figures
 
 
 class ExecuteConfigRun(BaseTask):
@@ -227,7 +229,7 @@ class ExecuteConfigRun(BaseTask):
             kv_bytes_per_token=description.kv_bytes_per_token, versions=dict(description.versions),
             resident_weight_bytes=description.resident_weight_bytes,
             peak_kv_cache_bytes=description.peak_kv_cache_bytes, peak_device_bytes=description.peak_device_bytes,
-            notes=list(description.notes),
+            notes=[*description.notes, *work.notes],
             token_ppl=math.exp(nll_sum / n_tokens) if n_tokens else None,
             n_documents=len(job.samples), n_tokens=n_tokens, concurrency=step,
             **stats.figures(description.kv_cache_usage),
@@ -255,7 +257,12 @@ class ExecuteConfigRun(BaseTask):
             results = work.engine.loglikelihood_rolling(requests)
             decoded = work.engine.loglikelihood_decode(requests[: max(0, n_decode - i)]) if n_decode > i else []
             distributions = _distributions(work.engine, baseline, requests[: max(0, n_dist - i)])
-            tables = _own_topk(work.engine, requests[: max(0, n_topk - i)])
+            try:
+                tables = _own_topk(work.engine, requests[: max(0, n_topk - i)])
+            except EngineLoadError as e:  # a server that cannot give them (llama-cpp-python: text prompts only)
+                log.warning("config-run %s stores no next-token top-k: %s", work.attempt.config_run_id, e)
+                work.notes.append(f"no next-token distributions (kld_mean): {e}")
+                tables, n_topk = [], 0
             rows = []
             for j, (doc, (_, text, cluster)) in enumerate(zip(results, documents, strict=True)):
                 nll_sum += doc.nll
