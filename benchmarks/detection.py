@@ -71,6 +71,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -94,6 +95,9 @@ SIZE_METRICS = {
 # field classes judged "at or above threshold" by their seeded size: the share of answers changed is at
 # least this (a batching bug corrupts every batched answer: always)
 FIELD_SIZE_AT_THRESHOLD = 0.10
+# field fault config → its proxy's behaviour (tests/http/perturb.py), whose share() is the share of
+# the run's prompts it changed: the fault's realized size
+FIELD_BEHAVIOURS: dict[str, Any] = {}
 FIELD = ("confident-flip", "empty", "loop", "batch-corrupt")
 BROKEN = ("zero-logprobs", "impossible-gain")  # broken measurements: must be flagged, whatever their size
 TOKEN_CHANGING = ("weight-noise", "kv-corrupt", "token-corrupt")  # the engine faults run in both roles
@@ -238,6 +242,7 @@ def field_configs(args, servers: list, procs: list) -> tuple[list[dict], Kinds]:
     faults += [("batch-corrupt", None, corrupt_when_batched(seed=14), False)]
     for kind, size, behaviour, lossless in faults:
         name = f"f-{kind}" if size is None else f"f-{kind}-{size:g}"
+        FIELD_BEHAVIOURS[name] = behaviour
         kinds[name] = ("field", kind, size, "lossless" if lossless else "lossy")
         configs.append({"name": name, **served, "lossless": lossless, "engine_options": {"base_url": proxy(behaviour)}})
     for i in range(args.field_nulls):
@@ -270,6 +275,8 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
                        **({"max_samples": args.max_samples} if args.max_samples > args.samples else {})}]}
     with session_scope() as session:
         apply_config_file(session, parse_config(cfg))
+    for behaviour in FIELD_BEHAVIOURS.values():
+        behaviour.forget()
     started = time.perf_counter()
     run_id, _ = start_run(project, f"seed-{seed}", None, InlineDispatcher())
     with session_scope() as session:
@@ -289,6 +296,7 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
             "inconclusive": sorted(c["metric"] for c in comps if c["verdict"] == "inconclusive"),
             "estimates": {c["metric"]: c["estimate"] for c in comps if _finite(c["estimate"])},
             "n": max((c["n"] for c in comps), default=0),
+            **({"realized": FIELD_BEHAVIOURS[name].share()} if name in FIELD_BEHAVIOURS else {}),
             "baseline_ttft_p50_ms": next((c["baseline_value"] for c in comps if c["metric"] == "ttft_ratio"), None)})
     return {"half": project.removeprefix("detection-"), "seed": seed, "run_id": run_id, "verdict": summary["verdict"],
             "samples_drawn": summary["samples_drawn"], "seconds": round(time.perf_counter() - started, 1)}
@@ -302,8 +310,9 @@ def at_or_above(kind: str, size: float | None, trial: Trial, warn: Callable[[str
     """Whether this trial's fault was at or beyond the warn threshold of a metric that measures it."""
     if kind == "logprob-shift" and size is not None:
         return math.exp(size) >= warn("ppl_ratio")[0]
-    if kind in FIELD:
-        return size is None or size >= FIELD_SIZE_AT_THRESHOLD
+    if kind in FIELD:  # by the share of answers the fault changed in this run, where the proxy counted it
+        realized = trial.get("realized")
+        return size is None or (realized if realized is not None else size) >= FIELD_SIZE_AT_THRESHOLD
     names = (*SIZE_METRICS.get(kind, ()), "lossless_exact_match")
     for name in names:
         value = trial["estimates"].get(name)
@@ -354,6 +363,9 @@ def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict],
                                             for t in ts),
                "by_trial": [t["by"] for t in ts],
                "measured": {m: [round(min(v), 4), round(max(v), 4)] for m, v in size_values.items()},
+               # field: the share of the run's prompts whose answers the proxy changed, per trial
+               **({"realized": [round(t["realized"], 4) for t in ts if t.get("realized") is not None]}
+                  if any(t.get("realized") is not None for t in ts) else {}),
                "failed": [t["error"] for t in ts if t["status"] != "succeeded"]}
         if kind in ("delay", "ttft-delay"):  # against the baseline's TTFT p50 measured beside it, in the same runs
             p50s = [t["baseline_ttft_p50_ms"] for t in ts if t["baseline_ttft_p50_ms"]]
@@ -410,6 +422,8 @@ def markdown(rows: list[dict], totals: dict) -> str:
         size = "—" if r["size"] is None else f"{r['size']:g}"
         measured = "; ".join(f"{m} {lo:g}–{hi:g}" if lo != hi else f"{m} {lo:g}"
                              for m, (lo, hi) in r["measured"].items())
+        if r.get("realized"):  # the share of answers the proxy changed, trial by trial
+            measured += f"; answers changed {', '.join(f'{x:g}' for x in r['realized'])}"
         by = ", ".join(r["by"]) or (f"— (inconclusive: {', '.join(r['inconclusive'])})" if r["inconclusive"] else "—")
         if r["fault"] in SIZE_METRICS:
             by += f"; own metric in {r['flagged_by_own_metric']} / {r['trials']}"

@@ -191,6 +191,7 @@ class Generation:
             raise ValueError(f"rate must be in [0, 1], got {rate}")
         self.rate, self.seed = rate, seed
         self.affected: list[str] = []
+        self.asked: set[str] = set()  # every prompt this behaviour answered
         # per_request: each request of a prompt draws anew (its RNG keyed on the prompt and how many
         # times the prompt came before), as a server that is not batch-invariant answers the same
         # prompt differently from one request to the next; still reproducible for a seed
@@ -220,9 +221,20 @@ class Generation:
             request.get("n") in (None, 1) and not request.get("stop") and not request.get("stop_token_ids")
             and request.get("logprobs") is None and not request.get("echo") and request.get("best_of") in (None, 1))
 
+    def share(self) -> float | None:
+        """The share of the prompts answered whose answer this behaviour changed: a fault's realized
+        size, which on n prompts drawn at `rate` is Binomial(n, rate) / n."""
+        return len(set(self.affected) & self.asked) / len(self.asked) if self.asked else None
+
+    def forget(self) -> None:
+        """Start counting `share` anew (a new run through the same proxy)."""
+        self.affected.clear()
+        self.asked.clear()
+
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         """(the upstream's greedy answer, the answer to stream)."""
         prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        self.asked.add(prompt_key(prompt))
         rng = self.rng(prompt, draw=True)
         greedy = await upstream.greedy(request, prompt, max_tokens)
         if not rng.random() < self.rate:
@@ -347,6 +359,7 @@ class CorruptWhenBatched(Generation):
 
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        self.asked.add(prompt_key(prompt))
         me = _InFlight(prompt, list(self.in_flight))
         for other in self.in_flight:
             other.met.append(me)

@@ -69,6 +69,22 @@ def test_field_classes_are_at_or_above_threshold_by_their_seeded_share():
     assert detection.at_or_above("empty", 0.25, trial(True), warn)
     assert not detection.at_or_above("loop", 0.05, trial(False), warn)
     assert detection.at_or_above("batch-corrupt", None, trial(True), warn)  # every batched answer: always
+    # where the proxy counted the answers it changed, that share sizes the trial: a 10 % rate that
+    # changed 4 of 96 answers is below the 10 % the issue asks to catch, 10 of 96 is above
+    assert not detection.at_or_above("confident-flip", 0.10, {**trial(False), "realized": 4 / 96}, warn)
+    assert detection.at_or_above("confident-flip", 0.10, {**trial(True), "realized": 10 / 96}, warn)
+
+
+def test_a_proxy_behaviour_counts_the_share_of_answers_it_changed():
+    from tests.http.perturb import empty_answers
+
+    behaviour = empty_answers(0.1)
+    assert behaviour.share() is None
+    behaviour.asked |= {"a", "b", "c", "d"}
+    behaviour.affected += ["b", "b", "z"]  # a prompt changed twice counts once; one never asked counts not
+    assert behaviour.share() == 0.25
+    behaviour.forget()
+    assert behaviour.share() is None and behaviour.affected == []
 
 
 def test_a_field_trial_counts_only_when_a_quality_metric_flags_it():
