@@ -14,8 +14,8 @@ from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
-from app.schemas import jsonable
 from app.models import SampleResult
+from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from evals.records import read_row
 from sqlalchemy import select
