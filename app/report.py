@@ -214,7 +214,8 @@ def _distributions(summary: RunOut) -> str:
     found = [c for c in summary.comparisons if c.metric == "kld_mean" and c.estimate is not None
              and "same_top" in c.details]
     if not found:
-        return "<p class='dim'>Not measured in this run (the suite's perplexity.distribution_samples is 0).</p>"
+        return ("<p class='dim'>Not measured in this run (the suite's perplexity.distribution_samples is 0, "
+                "or the baseline stored no next-token top-k: its config-run's notes say why).</p>")
     out = ["<table><tr><th>config</th><th>tokens</th><th>mean KLD [95% CI]</th><th>KLD p99</th><th>Δp RMS</th>"
            "<th>same top p [95% CI]</th><th>KLD by position</th><th>top-20 bounds (self-check)</th></tr>"]
     for c in found:

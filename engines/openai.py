@@ -260,7 +260,9 @@ class OpenAIEngine:
         if self._text_prompts:
             return self._echo_text(client, prompt_ids, doc_id)
         body = {"model": self.model, "prompt": prompt_ids, "echo": True, "logprobs": top_k or 1, "max_tokens": 0,
-                "temperature": 0, **({"return_tokens_as_token_ids": True} if top_k else {})}
+                "temperature": 0,
+                # tokens by text for a plain echo, whatever the server's default (vLLM --return-tokens-as-token-ids)
+                "return_tokens_as_token_ids": bool(top_k)}
         response = client.post(f"{self.base_url}/completions", json=body)
         if response.status_code == 400 and "max_tokens" in response.text:  # servers that need at least one new token
             response = client.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})

@@ -179,7 +179,7 @@ def doc_distribution_stored(base: DocTopK, mine: DocTopK) -> DocDistribution | N
     from engines.protocol import WindowSpec
     from evals.positions import position_totals
 
-    if base.tokens != mine.tokens or len(base.target) != len(mine.target):
+    if base.tokens != mine.tokens or base.window != mine.window or len(base.target) != len(mine.target):
         return None
     table = lambda t: (np.asarray(t.ids).reshape(-1, t.k), np.asarray(t.logprobs, np.float64).reshape(-1, t.k))  # noqa: E731
     d = doc_distribution_topk(table(base), table(mine), base.target, mine.target)

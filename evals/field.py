@@ -40,11 +40,13 @@ def _scored(record: GenerationRecord) -> Scored | None:
     return record.scored
 
 
-def _departs(a: GenerationRecord, b: GenerationRecord, tau: float) -> tuple[bool, bool, dict | None]:
+def _departs(a: GenerationRecord, b: GenerationRecord, tau: float, greedy_path: bool = False
+             ) -> tuple[bool, bool, dict | None]:
     """(departs at all, departs at a confident token, the divergence) of two outputs of one prompt.
 
-    Confident: the outputs part at a token whose gap is beyond τ, or they part at a near-tie and
-    `b` later leaves the baseline model's greedy path by more than τ (Scored.leaves_after: once
+    Confident: the outputs part at a token whose gap is beyond τ, or (with `greedy_path`, for a
+    lossless config only: a lossy one leaves the baseline model's greedy path by design) they part
+    at a near-tie and `b` later leaves the baseline model's greedy path by more than τ (Scored.leaves_after: once
     two outputs part, their tokens no longer pair, but each can still be checked against the
     model's own top token). A server that flips a near-tie early would otherwise hide a confident
     flip after it. Where the baseline model did not score both, any difference in text counts as
@@ -57,7 +59,7 @@ def _departs(a: GenerationRecord, b: GenerationRecord, tau: float) -> tuple[bool
     if d is None:
         return a.text != b.text, a.text != b.text, None
     where = {"position": d.position, "gap": round(d.gap, 4), "near_tie": d.near_tie}
-    later = sb.leaves_after(d.position, tau) if d.near_tie else None
+    later = sb.leaves_after(d.position + 1, tau) if d.near_tie and greedy_path else None
     if later is not None:
         where |= {"leaves_greedy_at": later[0], "leaves_greedy_gap": later[1]}
     return True, not d.near_tie or later is not None, where
@@ -84,7 +86,7 @@ def confident_divergence_comparison(candidate: Records, baseline: Records, repea
     after_tie = {"candidate": 0, "baseline_repeat": 0}  # confident only on the greedy path, after a near-tie
     examples: list[dict] = []
     for k in keys:
-        departs, sure, where = _departs(baseline[k], candidate[k], tau)
+        departs, sure, where = _departs(baseline[k], candidate[k], tau, greedy_path=True)
         mine.append(float(sure))
         near["candidate"] += int(departs and not sure)
         after_tie["candidate"] += int(sure and "leaves_greedy_at" in (where or {}))
@@ -92,7 +94,7 @@ def confident_divergence_comparison(candidate: Records, baseline: Records, repea
             examples.append({**_example(candidate[k]), "baseline_text": baseline[k].text[:EXAMPLE_CHARS],
                              **(where or {})})
         if floor_known:
-            f_departs, f_sure, f_where = _departs(baseline[k], repeats[k], tau)
+            f_departs, f_sure, f_where = _departs(baseline[k], repeats[k], tau, greedy_path=True)
             floor.append(float(f_sure))
             after_tie["baseline_repeat"] += int(f_sure and "leaves_greedy_at" in (f_where or {}))
             near["baseline_repeat"] += int(f_departs and not f_sure)

@@ -54,20 +54,29 @@ class BaselineScorer:
         for full_text, prompt_text in texts:
             full, prompt = self._read[full_text], self._read[prompt_text]
             start = len(prompt.token_ids)
-            read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]), *_leaves(full, start))
+            read = Scored(tuple(full.token_ids[start:]), tuple(full.logprobs[start:]),
+                          *_leaves(full, prompt, window))
             n = len(read.ids)
             out.append((full.nll - prompt.nll, n, read) if n > 0 else (None, None, read))
         return out
 
 
-def _leaves(full: RollingResult, start: int) -> tuple[tuple[tuple[int, float], ...], bool]:
-    """(where the output from token `start` on leaves the baseline model's greedy path, whether the
-    engine gave what that takes: each token's text and the top token's, with its log p)."""
-    n = len(full.token_ids)
+def _leaves(full: RollingResult, prompt: RollingResult, window: WindowSpec
+            ) -> tuple[tuple[tuple[int, float], ...], bool]:
+    """(where the output after the prompt leaves the baseline model's greedy path, whether the
+    engine gave what that takes: each token's text and the top token's, with its log p). Not
+    known where the prompt's tokens are not the first of the whole text's (the answer's first
+    token merged with the prompt's last) or a server named tokens by id; read only up to the end
+    of the first window, past which a token is read with less context than it was generated with."""
+    n, start = len(full.token_ids), len(prompt.token_ids)
     if not (len(full.token_texts) == len(full.greedy_texts) == len(full.greedy_logprobs) == n):
         return (), False
-    return leaves_greedy(full.token_texts[start:], full.logprobs[start:], full.greedy_texts[start:],
-                         full.greedy_logprobs[start:]), True
+    if tuple(full.token_ids[:start]) != tuple(prompt.token_ids) or any(
+            t.startswith("token_id:") for t in full.greedy_texts):
+        return (), False
+    end = max(start, min(n, window.max_length))
+    return leaves_greedy(full.token_texts[start:end], full.logprobs[start:end], full.greedy_texts[start:end],
+                         full.greedy_logprobs[start:end]), True
 
 
 def scored_rows(kind, generations, judge: BaselineScorer, prompts: dict[str, str], window: WindowSpec,

@@ -38,6 +38,28 @@ def test_the_models_own_greedy_answers_stay_on_its_greedy_path(engine):
     assert [s.leaves_after(0, NEAR_TIE_NATS) for s in scored if s is not None] == [None] * len(scored)
 
 
+def test_an_answer_that_merges_with_its_prompt_or_runs_past_the_window_is_not_read_there():
+    """A prompt that ends mid-word: the answer's first token merges with the prompt's last when
+    read back, so the answer is not checked (greedy_known False). A window shorter than prompt +
+    answer: tokens past it are read with less context than generated, so they are not checked."""
+    model = load_engine(TARGET, OptimizationSpec(engine="reference"))
+    [answer] = model.generate([GenerationRequest("m", "the compiler exp", 8, 0.0)])
+    merged = 0
+    for prompt, text in (("the compiler exp", "oled"), ("the function", "s"), ("return the value 1", "0.5")):
+        ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if model.tokenizer(prompt + text, add_special_tokens=False)["input_ids"][: len(ids)] == ids:
+            continue  # no merge in this tokenizer
+        merged += 1
+        [(_, _, read)] = BaselineScorer(model).score([replace(answer, text=text)], {"m": prompt}, WINDOW)
+        assert not read.greedy_known and read.leaves == ()
+    assert merged
+    requests = prompts(8)
+    answers = model.generate(requests)
+    short = WindowSpec(max_length=24, stride=24)
+    read = BaselineScorer(model).score(answers, {r.request_id: r.prompt for r in requests}, short)
+    assert [s.leaves_after(0, NEAR_TIE_NATS) for _, _, s in read] == [None] * len(read)
+
+
 def test_an_answer_flipped_at_a_confident_token_leaves_the_greedy_path_there():
     model = load_engine(TARGET, OptimizationSpec(engine="reference"))
     tokenizer = model.tokenizer
