@@ -56,6 +56,12 @@ class NoTokenizer(EndpointError):
     """The server has no tokenizer endpoint (/tokenize, or llama-cpp-python's /extras/tokenize)."""
 
 
+class NoDistributions(EndpointError):
+    """The server cannot give next-token top-k (kld_mean): it takes text prompts only, names
+    tokens by text, caps top log-probs below k, or refuses them (HTTP 400, 422). Not raised for a
+    server error (5xx), a 429 or an unreachable server: those fail the pass as any other echo would."""
+
+
 # the server's gauges (KV use, requests waiting and running) are read while a generate call's requests are in
 # flight, first after 0.1 s, then twice as far apart up to every 2 s: a /metrics scrape costs the server it
 # measures. Scraped every 0.1 s throughout, it put the canary's TTFT p50 45 % over `vllm bench serve`'s on
@@ -144,7 +150,7 @@ class OpenAIEngine:
                 if not ids:
                     raise ValueError(f"document '{req.doc_id}' has no tokens")
                 if k is not None and self._text_prompts:
-                    raise EndpointError(f"{self.shown}: next-token distributions need token-id prompts and "
+                    raise NoDistributions(f"{self.shown}: next-token distributions need token-id prompts and "
                                         f"/tokenize (vLLM, engine-serve); drop perplexity.distribution_samples for "
                                         f"this config")
                 logprobs: list[float] = []
@@ -184,13 +190,13 @@ class OpenAIEngine:
         adds the prompt's own token to the k)."""
         ranked = sorted(((self._token_id(key), lp) for key, lp in (row or {}).items()), key=lambda pair: -pair[1])[:k]
         if len(ranked) < k:
-            raise EndpointError(f"{self.shown}/completions returned {len(ranked)} of {k} top log-probs for document "
+            raise NoDistributions(f"{self.shown}/completions returned {len(ranked)} of {k} top log-probs for document "
                                 f"'{doc_id}'; the server caps them (vLLM: --max-logprobs)")
         return ranked
 
     def _token_id(self, key: str) -> int:
         if not key.startswith("token_id:"):
-            raise EndpointError(f"{self.shown}/completions named top log-prob tokens by text ({key!r}), not "
+            raise NoDistributions(f"{self.shown}/completions named top log-prob tokens by text ({key!r}), not "
                                 f"'token_id:<id>'; next-token distributions need a server that honours "
                                 f"return_tokens_as_token_ids (vLLM, engine-serve)")
         return int(key.removeprefix("token_id:"))
@@ -266,6 +272,9 @@ class OpenAIEngine:
         response = client.post(f"{self.base_url}/completions", json=body)
         if response.status_code == 400 and "max_tokens" in response.text:  # servers that need at least one new token
             response = client.post(f"{self.base_url}/completions", json={**body, "max_tokens": 1})
+        if top_k and response.status_code in (400, 422):  # a refusal, e.g. vLLM past its --max-logprobs
+            raise NoDistributions(f"{self.shown}/completions refused {top_k} prompt top log-probs for document "
+                                  f"'{doc_id}' (HTTP {response.status_code}: {error_message(response)})")
         if response.status_code >= 400:
             raise EndpointError(f"{self.shown}/completions refused prompt log-probs for document '{doc_id}' "
                                 f"(HTTP {response.status_code}: {error_message(response)}); perplexity needs a server "
@@ -278,7 +287,7 @@ class OpenAIEngine:
                                 f"perplexity needs echo=true support")
         top = lps.get("top_logprobs") or []
         if top_k and len(top) < len(prompt_ids):
-            raise EndpointError(f"{self.shown}/completions returned no prompt top_logprobs for document "
+            raise NoDistributions(f"{self.shown}/completions returned no prompt top_logprobs for document "
                                 f"'{doc_id}'; next-token distributions need them with echo=true (vLLM does)")
         n = len(prompt_ids)
         return token_lps[:n], top[:n], [str(t) for t in (lps.get("tokens") or [])[:n]]

@@ -19,7 +19,7 @@ from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
-from engines.device import EngineLoadError
+from engines.openai import NoDistributions
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.distribution import TOP_K, doc_distribution, topk_rows
 from evals.figures import RunFigures
@@ -259,7 +259,9 @@ class ExecuteConfigRun(BaseTask):
             distributions = _distributions(work.engine, baseline, requests[: max(0, n_dist - i)])
             try:
                 tables = _own_topk(work.engine, requests[: max(0, n_topk - i)])
-            except EngineLoadError as e:  # a server that cannot give them (llama-cpp-python: text prompts only)
+            except NoDistributions as e:  # a server that cannot give them (llama-cpp-python: text prompts only);
+                # a server error (5xx) fails the pass as the echo for perplexity would, rather than leave
+                # every candidate of the run without kld_mean
                 log.warning("config-run %s stores no next-token top-k: %s", work.attempt.config_run_id, e)
                 work.notes.append(f"no next-token distributions (kld_mean): {e}")
                 tables, n_topk = [], 0

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 
 def zero_logprobs(answer: dict) -> dict:
@@ -436,9 +436,12 @@ def stream_answer(greedy: Greedy, answer: Answer, include_usage: bool):
 
 def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
               stream_fault: Callable[[dict], dict] = lambda x: x, delay_ms: float = 0.0,
-              generation: Generation | None = None) -> FastAPI:
+              generation: Generation | None = None,
+              refuse: Callable[[dict], tuple[int, str] | None] = lambda asked: None) -> FastAPI:
     """`generation`: a seeded behaviour that computes the answer of each streamed greedy completion
-    (Generation.handles); other completions are relayed (through `stream_fault`) as before."""
+    (Generation.handles); other completions are relayed (through `stream_fault`) as before.
+    `refuse`: given a completion's body, (status, message) to answer it with instead of the
+    server's answer (an OpenAI-style error body), or None to relay it."""
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=120)
     engine = Upstream(client)
@@ -448,6 +451,11 @@ def proxy_app(upstream: str, fault: Callable[[dict], dict] = lambda x: x,
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         asked = json.loads(body or b"{}") if path == "v1/completions" else {}
+        refusal = refuse(asked) if isinstance(asked, dict) and asked else None
+        if refusal is not None:
+            status, message = refusal
+            return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500
+                                           else "InternalServerError", "code": status}}, status_code=status)
         if generation is not None and isinstance(asked, dict) and generation.handles(asked):
             if delay_ms:
                 await asyncio.sleep(delay_ms / 1000)

@@ -89,3 +89,57 @@ def test_a_served_candidate_s_kl_is_the_lower_bound_from_both_top_20s(sqlite_env
     assert reused["estimate"] == pytest.approx(lossy["estimate"], rel=1e-6)
     print(f"rtn-int2 KLD by position: {[(b['positions'], round(b['estimate'], 5)) for b in local['details']['by_position']]}")
     print(f"rtn-int2 KL: whole vocabulary {local['estimate']:.5f}, served top-20 lower bound {lossy['estimate']:.5f}")
+
+
+def _refusing(status: int, message: str):
+    """A proxy in front of the real engine-serve that answers every echo asking for top-20
+    log-probs with `status` (tests/http/perturb.py proxy_app `refuse`); everything else is relayed."""
+    from tests.http.perturb import proxy_app
+
+    def refuse(asked: dict):
+        return (status, message) if asked.get("echo") and asked.get("logprobs") == 20 else None
+    return refuse, proxy_app
+
+
+@pytest.mark.parametrize("status", [400, 503])
+def test_a_baseline_server_that_refuses_top_k_is_noted_and_one_that_errors_fails_the_pass(sqlite_env, engine_serve,
+                                                                                       status):
+    """A refusal (HTTP 400: vLLM past its --max-logprobs) means the server cannot give top-k: the
+    baseline's config-run completes with a note and no candidate gets kld_mean. A server error
+    (503) is not a refusal: the pass fails naming it, as the echo for perplexity would, rather than
+    leave every candidate of the run silently without kld_mean."""
+    from tests.loopback import free_port, serve_in_thread
+
+    refuse, proxy_app = _refusing(status, "requested logprobs of 20 exceeds max_logprobs" if status == 400
+                                  else "engine is overloaded")
+    port = free_port()
+    server = serve_in_thread(proxy_app(engine_serve, refuse=refuse), port)
+    try:
+        project = f"kl-refused-{status}"
+        cfg = {
+            "project": project, "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+            "configs": [{"name": "base", "baseline": True, "engine": "openai", "weights": "fp32",
+                         "engine_options": {"base_url": f"http://127.0.0.1:{port}/v1", "served_model": "pydoc-target"}},
+                        {"name": "cand", "engine": "openai", "weights": "fp32",
+                         "engine_options": {"base_url": engine_serve + "/v1", "served_model": "pydoc-target"}}],
+            "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 2, "seed": 1,
+                        "scorers": ["perplexity"], "perplexity": {"window": 128, "distribution_samples": 2}}],
+        }
+        with session_scope() as session:
+            apply_config_file(session, parse_config(cfg))
+        run_id, _ = start_run(project, "s", None, InlineDispatcher())
+        with session_scope() as session:
+            summary = jsonable(run_summary(session, repo.get_run(session, repo.get_project(session, project), run_id)))
+    finally:
+        server.should_exit = True
+    configs = {c["config"]: c for c in summary["configs"]}
+    metrics = {c["metric"] for c in summary["comparisons"]}
+    if status == 400:
+        assert summary["status"] == "done", summary
+        assert configs["base"]["status"] == "succeeded" and "kld_mean" not in metrics and "ppl_ratio" in metrics
+        [note] = [n for n in summary["figures"]["base"]["notes"] if "kld_mean" in n]
+        assert "HTTP 400" in note and "max_logprobs" in note, note
+    else:
+        assert configs["base"]["status"] == "failed", configs["base"]
+        assert "HTTP 503" in configs["base"]["error"] and "engine is overloaded" in configs["base"]["error"]
+        assert summary["status"] != "done" and summary["verdict"] != "pass", summary

@@ -101,28 +101,39 @@ def text_file(tmp_path_factory) -> Path:
     return path
 
 
-def run_perplexity(*args: str) -> str:
+def run_perplexity(*args: str) -> tuple[str, str]:
+    """llama-perplexity's stdout (the chunk table and the statistics) and stderr (its log)."""
     r = subprocess.run([BINARY, "-c", str(N_CTX), "-b", str(N_CTX), "--chunks", str(CHUNKS), "-t", "2", *args],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    return r.stdout + r.stderr
+    return r.stdout, r.stderr
+
+
+def complete(stdout: str) -> bool:
+    """A KL run that scored all CHUNKS chunks and printed every statistic in LINES."""
+    rows = [line.split()[0] for line in stdout.splitlines() if re.match(r"\s*\d+\s+\d", line)]
+    return rows[-1:] == [str(CHUNKS)] and len(parse_summary(stdout)) == len(LINES)
 
 
 def kl_divergence(base_model: Path, model: Path, text: Path, base: Path) -> str:
     """llama-perplexity's base file from base_model, then its --kl-divergence output for model.
     Up to five tries: under CI, in a full run of this folder, a KL run that exited 0 sometimes
-    stopped after its first chunk and printed no statistics (three times in seven runs; never
-    when the file ran alone). The tries write the base again; each is the same computation."""
-    out = ""
+    stopped early: after its first chunk with no statistics (three times in seven runs), or
+    after a few chunks with the Δp percentiles missing (once); never when the file ran alone.
+    Each try writes the base again and is the same computation; a try counts only when the
+    chunk table reaches the last chunk and every statistic is printed."""
+    tries = []
     for _ in range(5):
         base.unlink(missing_ok=True)
-        written = run_perplexity("-m", str(base_model), "-f", str(text), "--kl-divergence-base", str(base))
-        out = run_perplexity("-m", str(model), "-f", str(text), "--kl-divergence-base", str(base), "--kl-divergence")
-        if "Same top p" in out:
+        written, log = run_perplexity("-m", str(base_model), "-f", str(text), "--kl-divergence-base", str(base))
+        out, err = run_perplexity("-m", str(model), "-f", str(text), "--kl-divergence-base", str(base),
+                                  "--kl-divergence")
+        if complete(out):
             return out
+        tries.append(f"base run stdout:\n{written[-800:]}\nKL run stdout:\n{out[-2500:]}\nKL run log:\n{err[-600:]}")
         time.sleep(1)
-    raise AssertionError(f"llama-perplexity printed no statistics in 5 tries; base run:\n{written[-1500:]}\n"
-                         f"KL run:\n{out[-3000:]}")
+    raise AssertionError(f"llama-perplexity did not print all {CHUNKS} chunks and statistics in 5 tries; "
+                         f"the last:\n{tries[-1]}")
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
