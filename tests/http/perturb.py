@@ -182,7 +182,8 @@ class Generation:
     """A seeded server behaviour on streamed greedy completions. Each request is affected with
     probability `rate`, decided by `random.Random(f"{seed}:{prompt}")` (the same prompt, the same
     decision, whatever the arrival order); an unaffected one gets the upstream's greedy answer.
-    `affected` lists the prompts (token-id prompts as JSON) whose answers were changed."""
+    `affected` lists the prompts (token-id prompts as JSON) whose answers were changed: drawn,
+    and given an answer whose text or finish reason differs from the greedy one."""
 
     name = "greedy"
 
@@ -239,8 +240,12 @@ class Generation:
         greedy = await upstream.greedy(request, prompt, max_tokens)
         if not rng.random() < self.rate:
             return greedy, greedy.answer()
-        self.affected.append(prompt_key(prompt))
-        return greedy, await self.change(upstream, request, greedy, rng)
+        changed = await self.change(upstream, request, greedy, rng)
+        unchanged = greedy.answer()
+        # drawn but not changed (no top-two gap to flip, an answer already empty): not counted in share()
+        if (changed.text, changed.finish_reason) != (unchanged.text, unchanged.finish_reason):
+            self.affected.append(prompt_key(prompt))
+        return greedy, changed
 
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
         return greedy.answer()
