@@ -19,10 +19,14 @@ composition; the compute dtype is what the engine uses for bf16 weights on this 
 (engines/reference/engine.py compute_dtype_for). One JSON object at the end.
 
 --kv-cache KV runs the fp32 pair with that KV format (a lossy one batches with a compressed
-cache per row, batching.DecoderRows) and leaves out the bf16 server.
+cache per row, batching.DecoderRows) and leaves out the bf16 server. --speculative JSON runs the
+fp32 pair with that speculative decoding (rows draft on their own, one pass verifies every row's
+drafts) and leaves out the bf16 server; the serial peer is the same speculative server at
+--max-num-seqs 1.
 
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
     .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3
+    .venv/bin/python benchmarks/engine_serve_batching.py --speculative '{"method": "ngram", "k": 4}'
 """
 
 from __future__ import annotations
@@ -117,14 +121,17 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64, help="prompts from the held-out docs (default 64)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--kv-cache", default="auto", help="the fp32 servers' KV format (default auto); not auto: no bf16 server")
+    p.add_argument("--speculative", default="off",
+                   help='the fp32 servers\' speculative decoding, e.g. \'{"method": "ngram", "k": 4}\' (default off); '
+                        'not off: no bf16 server')
     args = p.parse_args()
     if args.repeats < 3:
         raise SystemExit("--repeats must be at least 3 (a median and a spread need three)")
     texts = prompts(args.prompts)
     threads = ("--threads", str(args.threads)) if args.threads else ()  # the servers' torch threads
-    kv = ("--kv-cache", args.kv_cache)
+    kv = ("--kv-cache", args.kv_cache, "--speculative", args.speculative)
     servers = {"batched": start(*threads, *kv), "serial": start(*threads, *kv, "--max-num-seqs", "1")}
-    if args.kv_cache == "auto":
+    if args.kv_cache == "auto" and args.speculative == "off":
         servers["bf16"] = start(*threads, "--weights", "bf16")
     try:
         for _, base in servers.values():  # warm-up: first-call allocations stay out of the timings
@@ -138,7 +145,9 @@ def main() -> None:
             proc.terminate()
             proc.wait(10)
     fp32_equal = all(f["batched_equal_to_serial"] == len(texts) for f in fp32.values())
-    print(json.dumps({"benchmark": "engine_serve_batching", "kv_cache": args.kv_cache, "prompts": len(texts),
+    print(json.dumps({"benchmark": "engine_serve_batching", "kv_cache": args.kv_cache,
+                      "speculative": json.loads(args.speculative) if args.speculative != "off" else "off",
+                      "prompts": len(texts),
                       "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
                       "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,

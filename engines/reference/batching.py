@@ -18,8 +18,16 @@ each in its own row of a cache.
   one-request path's own; a decode step multiplies the weights for every row at once and runs
   attention row by row through each row's cache.
 
-Not with speculative decoding or a fault drill (`unbatchable` says why not): those keep the
-engine's own one-request-at-a-time generate().
+- Speculative decoding (a lossless KV format): each row proposes its own drafts (an n-gram
+  lookup over its own tokens, or its own draft-model cache of batch 1), then one forward of the
+  target verifies every row's last token and drafts together (`verify_rows`: k + 1 positions per
+  row, a row with fewer drafts padded, each query seeing its row's slots up to its own), and each
+  row accepts as the one-request loop does (spec_loop._verify, with the row's own generator), so
+  a row's tokens and its acceptance counts are those of the request alone. Rejected drafts stay
+  in the row's slots past its length, unread, and are overwritten by the next pass.
+
+Not with a fault drill, nor with speculative decoding over a lossy KV format (`unbatchable` says
+why not): those keep the engine's own one-request-at-a-time generate().
 
 Shapes: L layers, R rows, B active rows, Hkv key/value heads, S slots per row, D head dim, V vocab.
 """
@@ -35,9 +43,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult
+from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpecStats
 from engines.reference.attention import masked_gqa_attention
 from engines.reference.decode import Decoder, _sdpa_backends
+from engines.reference.spec_loop import verify_drafts
+from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters
 from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
@@ -48,8 +58,8 @@ def unbatchable(engine) -> str | None:
     """None when `engine` can decode requests in a continuous batch, else why not."""
     if getattr(engine, "kv", None) is None or getattr(engine, "fault", None) is None:
         return "not the reference engine"
-    if engine.proposer is not None:
-        return "speculative decoding runs one request at a time"
+    if engine.proposer is not None and engine.kv.lossy:
+        return "speculative decoding over a lossy KV format runs one request at a time"
     if engine.fault.fault is not None:
         return "a canary fault drill is active"
     return None
@@ -73,6 +83,7 @@ class RowCache:
         self._span: slice | None = None  # decode: the same rows as a slice, when they are consecutive
         self._at = torch.zeros(0, dtype=torch.long)  # decode: [B] the slot each row writes
         self._mask: torch.Tensor | None = None  # decode: [B, 1, 1, W] slot j visible to row b iff j ≤ _at[b]
+        self._slots = torch.zeros(0, dtype=torch.long)  # verify: [B, T] the slot each row's token t writes
         self._width = 0  # decode: slots read per row
 
     def nbytes(self) -> int:
@@ -89,6 +100,17 @@ class RowCache:
         """One token per row of `rows` (tokens [B, 1]) → logits [B, V]."""
         pos = self.decode_rows(rows)  # [B, 1]
         return model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
+
+    def verify(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """T tokens per row of `rows` (tokens [B, T]: each row's last token and its drafts,
+        padded) → logits [B, T, V]. The rows' lengths stay: `keep` sets each once its drafts are
+        accepted or rejected."""
+        pos = self.verify_rows(rows, tokens.shape[1])  # [B, T]
+        return model(tokens, pos, pos[0], self, None)
+
+    def keep(self, row: int, n: int) -> None:
+        """Row `row` holds its first n slots (the rest of what a verify pass wrote is dropped)."""
+        self.lengths[row] = n
 
     def release(self, row: int) -> None:
         self.lengths[row] = 0
@@ -120,9 +142,7 @@ class RowCache:
         self._width = max(at) + 1
         self._fit(self._width)
         device = self.k.device
-        self._rows = torch.tensor(rows, device=device)
-        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        self._span = slice(rows[0], rows[0] + len(rows)) if consecutive else None
+        self._set_rows(rows)
         self._at = torch.tensor(at, device=device)
         # rows of one length see every slot read: no mask (the engine's own unpadded decode step)
         self._mask = None
@@ -133,26 +153,50 @@ class RowCache:
             self.lengths[r] += 1
         return self._at[:, None]
 
+    def verify_rows(self, rows: list[int], width: int) -> torch.Tensor:
+        """The next forward is `width` tokens per row of `rows`: token t of row b written at slot
+        lengths[r] + t, seeing its row's slots up to that one (causal within the new tokens).
+        Returns their positions [B, T]."""
+        at = [self.lengths[r] for r in rows]
+        self._width = max(at) + width
+        self._fit(self._width)
+        device = self.k.device
+        self._set_rows(rows)
+        self._at = torch.tensor(at, device=device)
+        self._slots = self._at[:, None] + torch.arange(width, device=device)[None]  # [B, T]
+        self._mask = (torch.arange(self._width, device=device)[None, None, :] <= self._slots[:, :, None])[:, None]
+        self._mode = "verify"
+        return self._slots
+
+    def _set_rows(self, rows: list[int]) -> None:
+        self._rows = torch.tensor(rows, device=self.k.device)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        self._span = slice(rows[0], rows[0] + len(rows)) if consecutive else None
+
     def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D]. `slots` and `mask` are the forward's and unused:
-        prefill_row / decode_rows set what this pass writes and reads."""
+        prefill_row / decode_rows / verify_rows set what this pass writes and reads."""
         if self._mode == "prefill":
             # q, k, v: [1, ·, T, ·] — the prompt attends itself causally, as the engine's prefill does
             T = k.shape[2]
             self.k[layer, self._row, :, :T] = k[0]
             self.v[layer, self._row, :, :T] = v[0]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        if self._mode != "decode":
-            raise RuntimeError("RowCache.attend: call prefill_row or decode_rows before the forward")
+        if self._mode not in ("decode", "verify"):
+            raise RuntimeError("RowCache.attend: call prefill_row, decode_rows or verify_rows before the forward")
         kl, vl = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
-        kl[self._rows, :, self._at] = k[:, :, 0]  # row b's new key at its own slot _at[b]: [B, Hkv, D]
-        vl[self._rows, :, self._at] = v[:, :, 0]
+        if self._mode == "verify":  # row b's token t at slot _slots[b, t]: [B, T, Hkv, D]
+            kl[self._rows[:, None], :, self._slots] = k.transpose(1, 2)
+            vl[self._rows[:, None], :, self._slots] = v.transpose(1, 2)
+        else:
+            kl[self._rows, :, self._at] = k[:, :, 0]  # row b's new key at its own slot _at[b]: [B, Hkv, D]
+            vl[self._rows, :, self._at] = v[:, :, 0]
         W = self._width
         if self._span is not None:  # a view: no copy of the rows' keys and values
             keys, values = kl[self._span, :, :W], vl[self._span, :, :W]
         else:
             keys, values = kl[:, :, :W].index_select(0, self._rows), vl[:, :, :W].index_select(0, self._rows)
-        return masked_gqa_attention(q, keys, values, self._mask)  # [B, H, 1, D]
+        return masked_gqa_attention(q, keys, values, self._mask)  # [B, H, T, D]
 
 
 class DecoderRows:
@@ -226,6 +270,11 @@ class Sequence:
     stamps: list[float] = field(default_factory=list)
     scored: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     done: bool = False
+    # speculative decoding: the row's own proposer, its counts so far, and its last step's (None
+    # when that step had no drafts), which a server adds to its counters
+    proposer: NgramProposer | DraftModelProposer | None = None
+    counters: SpecCounters | None = None
+    last_spec: SpecStats | None = None
 
     @property
     def greedy(self) -> bool:
@@ -245,6 +294,11 @@ class ContinuousBatch:
             RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype, engine.device))
         self.seqs: dict[int, Sequence] = {}  # row → its sequence
         self.eos = engine.tokenizer.eos_token_id
+        # speculative decoding: k drafts at most per row and step, and the slots they need past an answer
+        self.k: int = engine.proposer.k if engine.proposer is not None else 0
+        self.extra = self.k + 1 if self.k else 0
+        if self.k:
+            engine.verify_graphs = "off: continuous batching verifies every row's drafts in one eager pass"
 
     @property
     def free_rows(self) -> int:
@@ -267,8 +321,9 @@ class ContinuousBatch:
         prompt = engine.prompt_token_ids(request)
         if not prompt:
             raise ValueError("the prompt has no tokens")
-        if len(prompt) + request.max_new_tokens > engine.args.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceed the "
+        if len(prompt) + request.max_new_tokens + self.extra > engine.args.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens})"
+                             f"{f' + k + 1 ({self.extra}, speculative decoding)' if self.extra else ''} exceed the "
                              f"model's context of {engine.args.max_seq_len}")
         if not self.free_rows:
             raise RuntimeError("ContinuousBatch.add: every row is taken")
@@ -280,6 +335,10 @@ class ContinuousBatch:
             logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens)  # [1, V]
         self.seqs[row] = seq
         self._take(logits, [seq])
+        if self.k:
+            seq.proposer = engine.proposer.fresh()
+            seq.proposer.reset(len(prompt) + request.max_new_tokens + self.extra)
+            seq.counters = SpecCounters()
         return seq
 
     @torch.inference_mode()
@@ -289,11 +348,50 @@ class ContinuousBatch:
         if not active:
             return []
         device = self.engine.device
+        if self.k:
+            self._speculate(active)
+            return active
         tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)  # [B, 1]
         with _sdpa_backends(device):
             logits = self.cache.decode(self.engine.model, tokens, [s.row for s in active])  # [B, V]
         self._take(logits, active)
         return active
+
+    def _speculate(self, active: list[Sequence]) -> None:
+        """One speculative step over the active rows: each proposes (at most what its answer has
+        room for, less the correction or bonus token), one target pass verifies every row's last
+        token and drafts, and each accepts as the one-request loop does (spec_loop.generate_speculative)."""
+        proposed = []
+        for s in active:
+            proposer = cast(NgramProposer | DraftModelProposer, s.proposer)
+            drafts, qs = proposer.propose(s.prompt + s.tokens, s.request.temperature, s.generator)
+            proposed.append((drafts[: s.request.max_new_tokens - len(s.tokens) - 1], qs))
+        width = 1 + max(len(d) for d, _ in proposed)
+        # a row with fewer drafts is padded with its last token: those positions' logits are not read
+        tokens = torch.tensor([[s.tokens[-1], *d, *[s.tokens[-1]] * (width - 1 - len(d))]
+                               for s, (d, _) in zip(active, proposed, strict=True)], device=self.engine.device)
+        cache = cast(RowCache, self.cache)
+        rows = [s.row for s in active]
+        with _sdpa_backends(self.engine.device):
+            # no row drafted (n-gram lookup found nothing): a plain decode step
+            logits = (cache.verify(self.engine.model, tokens, rows) if width > 1
+                      else cache.decode(self.engine.model, tokens, rows)[:, None]).float()  # [B, T, V]
+        for b, (s, (drafts, qs)) in enumerate(zip(active, proposed, strict=True)):
+            scores = logits[b, : len(drafts) + 1]  # row i predicts the token after drafts[:i]
+            new, accepted = verify_drafts(scores, drafts, qs, s.request, s.tokens, s.generator)
+            cast(SpecCounters, s.counters).record(len(drafts), accepted, self.k)
+            s.last_spec = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(self.k)))
+                           if drafts else None)
+            if self.eos in new:
+                new = new[: new.index(self.eos) + 1]
+            new = new[: s.request.max_new_tokens - len(s.tokens)]
+            if (want := s.request.logprobs) is not None:  # the i-th new token was picked from row i
+                s.scored += [token_logprob(scores[i], t, want) for i, t in enumerate(new)]
+            s.tokens += new
+            cache.keep(s.row, len(s.prompt) + len(s.tokens) - 1)  # the last token is written by the next pass
+            cast(NgramProposer | DraftModelProposer, s.proposer).accept(len(s.prompt) + len(s.tokens))
+            s.stamps.append(time.perf_counter())  # the tokens of one verification arrive together
+            s.done = s.tokens[-1] == self.eos or len(s.tokens) >= s.request.max_new_tokens
 
     def _take(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Each row's pick from its logits [B, V], as the engine picks (_generate_batch)."""
@@ -316,6 +414,7 @@ class ContinuousBatch:
         self.cache.release(seq.row)
 
     def result(self, seq: Sequence) -> GenerationResult:
+        c = seq.counters
         return GenerationResult(
             request_id=seq.request.request_id,
             text=cast(str, self.engine.tokenizer.decode(seq.tokens, skip_special_tokens=True)),
@@ -326,4 +425,6 @@ class ContinuousBatch:
             total_ms=(seq.stamps[-1] - seq.started) * 1000,
             token_logprobs=tuple(seq.scored),
             finish_reason="stop" if seq.tokens[-1] == self.eos else "length",
+            spec=(SpecStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_position))
+                  if c is not None else None),
         )

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from engines.reference.engine import OnTokens, ReferenceEngine
 
 
-def _verify(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
+def verify_drafts(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
             gen: torch.Generator) -> tuple[list[int], int]:
     """The tokens one verification pass yields (the accepted drafts, then a correction or a bonus
     token) and how many drafts it accepted. logits[i] predicts the token after drafts[:i]."""
@@ -170,7 +170,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
         drafts, qs = proposer.propose(seq, req.temperature, gen)
         drafts = drafts[:room]
         logits = verify_pass([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
-        new, accepted = _verify(logits, drafts, qs, req, out, gen)
+        new, accepted = verify_drafts(logits, drafts, qs, req, out, gen)
         counters.record(len(drafts), accepted, k)
         if eos in new:
             new = new[: new.index(eos) + 1]

@@ -62,6 +62,10 @@ class NgramProposer:
     def reset(self, total_slots: int) -> None:
         pass
 
+    def fresh(self) -> NgramProposer:
+        """A proposer for another sequence: this one (it keeps no state)."""
+        return self
+
     def propose(self, seq: list[int], temperature: float, gen) -> tuple[list[int], list[torch.Tensor] | None]:
         for n in range(min(self.n_max, len(seq) - 1), self.n_min - 1, -1):
             tail = seq[-n:]
@@ -79,6 +83,10 @@ class NgramProposer:
 class DraftModelProposer:
     def __init__(self, model, k: int, new_cache):
         self.model, self.k, self.new_cache = model, k, new_cache
+
+    def fresh(self) -> DraftModelProposer:
+        """A proposer for another sequence decoded beside this one: the same draft model, its own cache."""
+        return DraftModelProposer(self.model, self.k, self.new_cache)
 
     def reset(self, total_slots: int) -> None:
         self.cache: KVCache = self.new_cache(total_slots)

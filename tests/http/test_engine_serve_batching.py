@@ -120,6 +120,44 @@ def test_a_lossy_kv_server_batches_and_answers_as_one_at_a_time():
         proc.wait(10)
 
 
+def test_a_speculative_server_batches_and_each_answer_and_its_acceptance_are_as_alone():
+    # n-gram speculative decoding in a continuous batch: each row drafts on its own, one pass
+    # verifies every row's drafts; each answer, its per-request acceptance figures and the
+    # server's spec_decode counters are what one request at a time gives
+    proc, base = start_engine_serve("--served-model-name", MODEL, "--speculative", '{"method": "ngram", "k": 4}',
+                                    "--per-request-spec-decode-metrics", "summary")
+    try:
+        c = client(base)
+        prompts = heldout_prompts(8)
+
+        def ask(prompt: str) -> tuple[tuple, dict]:
+            out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, logprobs=0)
+            choice = out.choices[0]
+            return ((choice.text, choice.logprobs.tokens, out.usage.completion_tokens, choice.logprobs.token_logprobs),
+                    out.model_extra["metrics"]["speculative_decoding"])
+
+        serial = [ask(p) for p in prompts]
+        before = metrics(base)
+        with Peak(base, "num_requests_running") as running, ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(ask, prompts))
+        after = metrics(base)
+        assert running.value > 1  # decoded together, not one after another
+        for ((text, tokens, n, lps), spec), ((text_b, tokens_b, n_b, lps_b), spec_b) in zip(serial, together,
+                                                                                            strict=True):
+            assert (text_b, tokens_b, n_b) == (text, tokens, n)
+            assert max(abs(a - b) for a, b in zip(lps, lps_b, strict=True)) < 1e-4
+            assert spec_b == spec
+        steps = sum(spec["num_spec_steps"] for _, spec in together)
+        accepted = sum(spec["num_accepted_draft_tokens"] for _, spec in together)
+        assert steps > 0 and accepted > 0
+        counted = {name: (metric_sum(after, f"vllm:{name}_total") or 0) - (metric_sum(before, f"vllm:{name}_total") or 0)
+                   for name in ("spec_decode_num_drafts", "spec_decode_num_accepted_tokens")}
+        assert counted == {"spec_decode_num_drafts": steps, "spec_decode_num_accepted_tokens": accepted}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_seeded_sampling_with_penalties_is_the_same_inside_a_batch(server):
     # each request samples from its own generator (its seed), with its own penalties and bias: the
     # draws do not depend on which other requests share its decode steps

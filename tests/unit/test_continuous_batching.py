@@ -92,13 +92,49 @@ def test_a_lossy_format_gets_a_decoder_per_row_and_frees_it():
     assert batch.cache.decoders == [None, None] and batch.held() == 0 and batch.free_rows == 2
 
 
-def test_speculative_engines_still_decode_one_request_at_a_time():
+def test_speculative_decoding_over_a_lossy_kv_format_still_decodes_one_request_at_a_time():
     spec = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache="kivi-2",
                                                     speculative={"method": "ngram", "k": 2},
                                                     engine_options={"device": "cpu"}))
-    assert unbatchable(spec) == "speculative decoding runs one request at a time"
+    assert unbatchable(spec) == "speculative decoding over a lossy KV format runs one request at a time"
     with pytest.raises(ValueError, match="continuous batching: speculative"):
         ContinuousBatch(spec, 2)
+
+
+@pytest.mark.parametrize("speculative", [{"method": "ngram", "k": 4},
+                                         {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}])
+def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(speculative):
+    """Rows that draft different numbers of tokens (an n-gram row often none) verified in one pass,
+    joining and leaving between steps: each request's tokens, log-probs and acceptance counts are
+    those of the engine's one-request loop, a sampled request (its own seeded generator) included."""
+    engine = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", speculative=speculative,
+                                                      engine_options={"device": "cpu"}))
+    assert unbatchable(engine) is None
+    reqs = [r for i, r in enumerate(requests()) if i != 1]  # the 150-token one left out: time
+    reqs.append(GenerationRequest("sampled", "def parse(text):", max_new_tokens=24, temperature=0.8, seed=5,
+                                  logprobs=0))
+    alone = {}
+    for r in reqs:
+        [g] = engine.generate([r])
+        alone[r.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs], g.spec)
+    batch = ContinuousBatch(engine, 3)
+    waiting, out, running = list(reqs), {}, []
+    while waiting or running:
+        while waiting and batch.free_rows:
+            running.append(batch.add(waiting.pop(0)))
+        batch.step()
+        for seq in [s for s in running if s.done]:
+            g = batch.result(seq)
+            out[g.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs], g.spec)
+            batch.remove(seq)
+            running.remove(seq)
+    for r in reqs:
+        (ids, lps, spec), (b_ids, b_lps, b_spec) = alone[r.request_id], out[r.request_id]
+        assert b_ids == ids and b_spec == spec, r.request_id
+        assert b_lps == pytest.approx(lps, abs=1e-4)
+    assert sum(s.num_drafts for _, _, s in out.values()) > 0  # drafts were verified, not only plain steps
+    assert sum(s.num_accepted_tokens for _, _, s in out.values()) > 0
+    assert batch.held() == 0 and batch.free_rows == 3
 
 
 @torch.inference_mode()

@@ -7,9 +7,10 @@ Continuous batching (engines/reference/batching.py), as vLLM schedules: generati
 in a bounded queue (`max_queue`; a full queue is refused with QueueFull, a 429), join the running
 batch between decode steps while it has a free row (`max_num_seqs`: their prompt is prefilled,
 then they take part in the next batched step) and leave it when they finish or their client goes
-(Job.cancel). Echo jobs (prompt log-probs) run between decode steps. Engines that cannot batch
-(speculative decoding, a fault drill: batching.unbatchable) decode one request
-at a time with engine.generate, as before."""
+(Job.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
+step verifies every row's drafts in one pass and a row may gain several tokens at once, as in
+vLLM. Engines that cannot batch (a fault drill, speculative decoding over a lossy KV format:
+batching.unbatchable) decode one request at a time with engine.generate, as before."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.protocol import GenerationRequest
+from engines.protocol import GenerationRequest, SpecStats
 from engines.reference.batching import ContinuousBatch, Sequence, unbatchable
 from workers.engine_server.metrics import ServeMetrics
 
@@ -240,8 +241,11 @@ class EngineServer:
                 self._retire(run, emit=False, count=False)
             self._flush()
             return
-        self.metrics.iteration_tokens.observe(len(stepped))  # one token per row
+        # the step's tokens: one per row, or each row's accepted drafts and its correction or bonus token
+        self.metrics.iteration_tokens.observe(sum(len(seq.tokens) - self.rows[seq.row].sent for seq in stepped))
         for seq in stepped:
+            if seq.last_spec is not None:
+                self._count_spec(seq.last_spec)
             self._deliver(self.rows[seq.row])
         self.metrics.kv_usage.set(self._kv_usage())
         for seq in stepped:
@@ -318,11 +322,7 @@ class EngineServer:
             held[0] += len(tokens)
             metrics.kv_usage.set(min(1.0, held[0] / self.max_model_len))
             if spec_decode is not None:
-                metrics.drafts.inc(spec_decode.num_drafts)
-                metrics.draft_tokens.inc(spec_decode.num_draft_tokens)
-                metrics.accepted.inc(spec_decode.num_accepted_tokens)
-                for pos, accepted in enumerate(spec_decode.accepted_per_position):
-                    metrics.accepted_at(pos).inc(accepted)
+                self._count_spec(spec_decode)
             if job.stream:
                 self._emit(job, ("tokens", tokens))
                 self._flush()  # now: this token's step is done
@@ -338,6 +338,15 @@ class EngineServer:
         self._finished(job, started, job.stamps[0] if job.stamps else time.perf_counter(), n_prompt,
                        len(result.token_ids), reason)
         self._emit(job, ("done", result))
+
+    def _count_spec(self, step: SpecStats) -> None:
+        """A speculative step's drafts and accepted tokens in vLLM's spec_decode counters."""
+        metrics = self.metrics
+        metrics.drafts.inc(step.num_drafts)
+        metrics.draft_tokens.inc(step.num_draft_tokens)
+        metrics.accepted.inc(step.num_accepted_tokens)
+        for pos, accepted in enumerate(step.accepted_per_position):
+            metrics.accepted_at(pos).inc(accepted)
 
     def _finished(self, job: Job, started: float, started_decode: float, n_prompt: int, n_generated: int,
                   reason: str) -> None:
