@@ -35,7 +35,8 @@ def requests() -> list[GenerationRequest]:
 
 def batched(engine: ReferenceEngine, reqs: list[GenerationRequest], rows: int) -> dict[str, tuple]:
     """The requests through a ContinuousBatch of `rows` rows: the first `rows` join at once, each
-    later one as soon as a row frees (between steps), as engine-serve schedules them."""
+    later one as soon as a row frees (between steps), as engine-serve schedules them. Per request:
+    (token ids, log-probs, speculative counts or None)."""
     batch = ContinuousBatch(engine, rows)
     waiting, out = list(reqs), {}
     running = []
@@ -45,9 +46,10 @@ def batched(engine: ReferenceEngine, reqs: list[GenerationRequest], rows: int) -
         batch.step()
         for seq in [s for s in running if s.done]:
             result = batch.result(seq)
-            out[result.request_id] = (result.token_ids, [lp for lp, _ in result.token_logprobs])
+            out[result.request_id] = (result.token_ids, [lp for lp, _ in result.token_logprobs], result.spec)
             batch.remove(seq)
             running.remove(seq)
+    assert batch.held() == 0 and batch.free_rows == rows
     return out
 
 
@@ -62,7 +64,7 @@ def test_a_lossy_kv_batch_picks_what_each_request_picks_alone(kv):
         alone[r.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs])
     together = batched(engine, reqs, rows=3)  # 3 rows for 5 requests: two join a running batch
     for r in reqs:
-        ids, lps = together[r.request_id]
+        ids, lps, _ = together[r.request_id]
         assert ids == alone[r.request_id][0], r.request_id
         assert len(ids) == r.max_new_tokens
         assert max(abs(a - b) for a, b in zip(lps, alone[r.request_id][1], strict=True)) < 1e-4
@@ -117,24 +119,13 @@ def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(specu
     for r in reqs:
         [g] = engine.generate([r])
         alone[r.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs], g.spec)
-    batch = ContinuousBatch(engine, 3)
-    waiting, out, running = list(reqs), {}, []
-    while waiting or running:
-        while waiting and batch.free_rows:
-            running.append(batch.add(waiting.pop(0)))
-        batch.step()
-        for seq in [s for s in running if s.done]:
-            g = batch.result(seq)
-            out[g.request_id] = (g.token_ids, [lp for lp, _ in g.token_logprobs], g.spec)
-            batch.remove(seq)
-            running.remove(seq)
+    out = batched(engine, reqs, rows=3)
     for r in reqs:
         (ids, lps, spec), (b_ids, b_lps, b_spec) = alone[r.request_id], out[r.request_id]
         assert b_ids == ids and b_spec == spec, r.request_id
         assert b_lps == pytest.approx(lps, abs=1e-4)
     assert sum(s.num_drafts for _, _, s in out.values()) > 0  # drafts were verified, not only plain steps
     assert sum(s.num_accepted_tokens for _, _, s in out.values()) > 0
-    assert batch.held() == 0 and batch.free_rows == 3
 
 
 @torch.inference_mode()
