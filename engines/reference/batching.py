@@ -22,7 +22,7 @@ each in its own row of a cache.
   lookup over its own tokens, or its own draft-model cache of batch 1), then one forward of the
   target verifies every row's last token and drafts together (`verify_rows`: k + 1 positions per
   row, a row with fewer drafts padded, each query seeing its row's slots up to its own), and each
-  row accepts as the one-request loop does (spec_loop._verify, with the row's own generator), so
+  row accepts as the one-request loop does (spec_loop.accept, with the row's own generator), so
   a row's tokens and its acceptance counts are those of the request alone. Rejected drafts stay
   in the row's slots past its length, unread, and are overwritten by the next pass.
 
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpecStats
 from engines.reference.attention import masked_gqa_attention
 from engines.reference.decode import Decoder, _sdpa_backends
-from engines.reference.spec_loop import verify_drafts
+from engines.reference.spec_loop import accept, propose
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters
 from engines.sampling import adjust, pick, token_logprob
 
@@ -361,11 +361,8 @@ class ContinuousBatch:
         """One speculative step over the active rows: each proposes (at most what its answer has
         room for, less the correction or bonus token), one target pass verifies every row's last
         token and drafts, and each accepts as the one-request loop does (spec_loop.generate_speculative)."""
-        proposed = []
-        for s in active:
-            proposer = cast(NgramProposer | DraftModelProposer, s.proposer)
-            drafts, qs = proposer.propose(s.prompt + s.tokens, s.request.temperature, s.generator)
-            proposed.append((drafts[: s.request.max_new_tokens - len(s.tokens) - 1], qs))
+        proposed = [propose(cast(NgramProposer | DraftModelProposer, s.proposer), s.prompt + s.tokens, s.request,
+                            s.tokens, s.generator) for s in active]
         width = 1 + max(len(d) for d, _ in proposed)
         # a row with fewer drafts is padded with its last token: those positions' logits are not read
         tokens = torch.tensor([[s.tokens[-1], *d, *[s.tokens[-1]] * (width - 1 - len(d))]
@@ -378,16 +375,11 @@ class ContinuousBatch:
                       else cache.decode(self.engine.model, tokens, rows)[:, None]).float()  # [B, T, V]
         for b, (s, (drafts, qs)) in enumerate(zip(active, proposed, strict=True)):
             scores = logits[b, : len(drafts) + 1]  # row i predicts the token after drafts[:i]
-            new, accepted = verify_drafts(scores, drafts, qs, s.request, s.tokens, s.generator)
-            cast(SpecCounters, s.counters).record(len(drafts), accepted, self.k)
-            s.last_spec = (SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(self.k)))
-                           if drafts else None)
-            if self.eos in new:
-                new = new[: new.index(self.eos) + 1]
-            new = new[: s.request.max_new_tokens - len(s.tokens)]
-            if (want := s.request.logprobs) is not None:  # the i-th new token was picked from row i
-                s.scored += [token_logprob(scores[i], t, want) for i, t in enumerate(new)]
-            s.tokens += new
+            step = accept(scores, drafts, qs, s.request, s.tokens, s.generator, cast(SpecCounters, s.counters),
+                          self.k, self.eos)
+            s.last_spec = step.step
+            s.scored += step.scored
+            s.tokens += step.tokens
             cache.keep(s.row, len(s.prompt) + len(s.tokens) - 1)  # the last token is written by the next pass
             cast(NgramProposer | DraftModelProposer, s.proposer).accept(len(s.prompt) + len(s.tokens))
             s.stamps.append(time.perf_counter())  # the tokens of one verification arrive together

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, cast
 
@@ -19,7 +20,7 @@ import torch
 
 from engines.protocol import GenerationRequest, GenerationResult, SpecStats
 from engines.reference.decode import capture_graph
-from engines.reference.speculative import DraftModelProposer, SpecCounters, causal_mask, sample_step
+from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
 if TYPE_CHECKING:
@@ -53,6 +54,42 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRe
     new.append(best[len(drafts)] if best is not None  # bonus token
                else pick(adjust(logits[len(drafts)], req, out + new), req, gen))
     return new, accepted
+
+
+def propose(proposer: NgramProposer | DraftModelProposer, seq: list[int], req: GenerationRequest, out: list[int],
+            gen: torch.Generator) -> tuple[list[int], list[torch.Tensor] | None]:
+    """The proposer's drafts after seq (prompt and answer so far), cut to what the answer has room
+    for: one correction or bonus token always follows them."""
+    drafts, qs = proposer.propose(seq, req.temperature, gen)
+    return drafts[: req.max_new_tokens - len(out) - 1], qs
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verification pass gives a request: its new tokens (cut after an EOS and at
+    max_new_tokens), their log-probs when asked, and the step's counts (None when nothing was
+    drafted: a plain decode step)."""
+
+    tokens: list[int]
+    scored: list
+    step: SpecStats | None
+
+
+def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
+           gen: torch.Generator, counters: SpecCounters, k: int, eos: int | None) -> Verified:
+    """One request's verification: the acceptance rule (verify_drafts), the request's counters,
+    and the cuts. The one-request loop and engine-serve's batch (batching._speculate) both take
+    each step through here. logits[i] predicts the token after drafts[:i]."""
+    new, accepted = verify_drafts(logits, drafts, qs, req, out, gen)
+    counters.record(len(drafts), accepted, k)
+    if eos in new:
+        new = new[: new.index(eos) + 1]
+    new = new[: req.max_new_tokens - len(out)]
+    want = req.logprobs
+    # the i-th new token was picked from the verification's i-th row
+    scored = [token_logprob(logits[i], t, want) for i, t in enumerate(new)] if want is not None else []
+    step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
+    return Verified(new, scored, step)
 
 
 class StaticVerify:
@@ -166,25 +203,17 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
     if on_tokens:
         on_tokens(req.request_id, [first], None)
     while len(out) < req.max_new_tokens and out[-1] != eos:
-        room = req.max_new_tokens - len(out) - 1  # one correction or bonus token always follows
-        drafts, qs = proposer.propose(seq, req.temperature, gen)
-        drafts = drafts[:room]
+        drafts, qs = propose(proposer, seq, req, out, gen)
         logits = verify_pass([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
-        new, accepted = verify_drafts(logits, drafts, qs, req, out, gen)
-        counters.record(len(drafts), accepted, k)
-        if eos in new:
-            new = new[: new.index(eos) + 1]
-        new = new[: req.max_new_tokens - len(out)]
-        if want is not None:  # the i-th new token was picked from the verification's i-th row
-            scored += [token_logprob(logits[i], t, want) for i, t in enumerate(new)]
-        seq += new
+        step = accept(logits, drafts, qs, req, out, gen, counters, k, eos)
+        scored += step.scored
+        seq += step.tokens
         proposer.accept(len(seq))
         sync()
-        out += new
+        out += step.tokens
         stamps.append(time.perf_counter())  # the tokens one verification accepts arrive together: one gap per step
         if on_tokens:
-            step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
-            on_tokens(req.request_id, new, step)
+            on_tokens(req.request_id, step.tokens, step.step)
     engine._track_usage(held, cache)
     if isinstance(proposer, DraftModelProposer):
         engine._track_usage(proposer.held, proposer.cache, proposer.model.args.max_seq_len)

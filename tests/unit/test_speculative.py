@@ -2,12 +2,15 @@
 and counters with vLLM's definitions."""
 
 import json
+import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from engines.protocol import GenerationRequest, SpecStats
 from engines.reference.engine import ReferenceEngine
+from engines.reference.spec_loop import accept
 from engines.reference.speculative import NgramProposer, SpecCounters, sample_step
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
@@ -84,6 +87,33 @@ def test_counters_by_hand():
     assert s.accepted_per_position == (2, 2, 1, 1)
     assert s.acceptance_rate == pytest.approx(6 / 11)
     assert s.mean_acceptance_length == pytest.approx(1 + 6 / 3)
+
+
+def test_one_verification_step_by_hand():
+    # 10 tokens, EOS 3; the target's argmax after each draft prefix: 4, 3, 6, then the bonus 8
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([4, 3, 6, 8]):
+        logits[i, t] = 5.0
+    gen = torch.Generator().manual_seed(0)
+    req = GenerationRequest("r", "", max_new_tokens=10, logprobs=0)
+    c = SpecCounters()
+    step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, c, 4, eos=3)
+    # all three drafts match, so 4, 3, 6 and the bonus 8 come out, cut after the EOS
+    assert step.tokens == [4, 3]
+    assert step.step == SpecStats(1, 3, 3, (1, 1, 1, 0))
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (1, 3, 3)
+    # log p of a logit 5 among nine at -5: -log(1 + 9 e^-10)
+    assert [lp for lp, _ in step.scored] == pytest.approx([-math.log1p(9 * math.exp(-10))] * 2, abs=1e-6)  # float32 log_softmax
+    # the second draft rejected (the target says 9): the correction ends the step
+    logits[1] = -5.0
+    logits[1, 9] = 5.0
+    step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, SpecCounters(), 4, eos=3)
+    assert step.tokens == [4, 9] and step.step == SpecStats(1, 3, 1, (1, 0, 0, 0))
+    # two tokens left of max_new_tokens: the accepted tokens are cut to them
+    assert accept(logits, [4], None, replace(req, max_new_tokens=3), [1, 2], gen, SpecCounters(), 4, 3).tokens == [4]
+    # nothing drafted: a plain step, no counts
+    step = accept(logits[:1], [], None, req, [1, 2], gen, c, 4, eos=3)
+    assert step.tokens == [4] and step.step is None and c.num_drafts == 1
 
 
 def test_ngram_lookup_by_hand():
