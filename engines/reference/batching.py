@@ -18,16 +18,19 @@ each in its own row of a cache.
   one-request path's own; a decode step multiplies the weights for every row at once and runs
   attention row by row through each row's cache.
 
-- Speculative decoding (a lossless KV format): each row proposes its own drafts (an n-gram
+- Speculative decoding: each row proposes its own drafts (an n-gram
   lookup over its own tokens, or its own draft-model cache of batch 1), then one forward of the
   target verifies every row's last token and drafts together (`verify_rows`: k + 1 positions per
   row, a row with fewer drafts padded, each query seeing its row's slots up to its own), and each
   row accepts as the one-request loop does (spec_loop.accept, with the row's own generator), so
   a row's tokens and its acceptance counts are those of the request alone. Rejected drafts stay
   in the row's slots past its length, unread, and are overwritten by the next pass.
+  Over a lossy KV format the rows are SpecRows: each row's own KVCache of batch 1, prefilled and
+  verified as the one-request loop does its cache, attention row by row over each row's own
+  tokens (padding is not written there), the weights multiplied for every row at once.
 
-Not with a fault drill, nor with speculative decoding over a lossy KV format (`unbatchable` says
-why not): those keep the engine's own one-request-at-a-time generate().
+Not with a fault drill (`unbatchable` says why not): it keeps the engine's own
+one-request-at-a-time generate().
 
 Shapes: L layers, R rows, B active rows, Hkv key/value heads, S slots per row, D head dim, V vocab.
 """
@@ -45,9 +48,10 @@ import torch.nn.functional as F
 
 from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpecStats
 from engines.reference.attention import masked_gqa_attention
+from engines.reference.cache import KVCache
 from engines.reference.decode import Decoder, _sdpa_backends
 from engines.reference.spec_loop import accept, propose
-from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters
+from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask
 from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
@@ -58,8 +62,6 @@ def unbatchable(engine) -> str | None:
     """None when `engine` can decode requests in a continuous batch, else why not."""
     if getattr(engine, "kv", None) is None or getattr(engine, "fault", None) is None:
         return "not the reference engine"
-    if engine.proposer is not None and engine.kv.lossy:
-        return "speculative decoding over a lossy KV format runs one request at a time"
     if engine.fault.fault is not None:
         return "a canary fault drill is active"
     return None
@@ -101,10 +103,11 @@ class RowCache:
         pos = self.decode_rows(rows)  # [B, 1]
         return model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
 
-    def verify(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def verify(self, model, tokens: torch.Tensor, rows: list[int], widths: list[int] | None = None) -> torch.Tensor:
         """T tokens per row of `rows` (tokens [B, T]: each row's last token and its drafts,
-        padded) → logits [B, T, V]. The rows' lengths stay: `keep` sets each once its drafts are
-        accepted or rejected."""
+        padded; `widths`, each row's unpadded count, changes nothing here: a padded position is
+        written past the row's length and overwritten later) → logits [B, T, V]. The rows'
+        lengths stay: `keep` sets each once its drafts are accepted or rejected."""
         pos = self.verify_rows(rows, tokens.shape[1])  # [B, T]
         return model(tokens, pos, pos[0], self, None)
 
@@ -257,6 +260,70 @@ class DecoderRows:
         self.lengths[row] = 0
 
 
+class SpecRows:
+    """Speculative decoding over a lossy KV format: row r is a KVCache of batch 1 (slots: prompt
+    + max_new_tokens + k + 1), prefilled, written and read as the one-request loop does its own
+    (spec_loop.generate_speculative: a causal mask over the slots up to each pass's last token).
+    A verify pass is one forward over every active row's last token and drafts; its attention runs
+    row by row through each row's cache, over that row's own tokens only, as the one-request loop
+    writes them (a shorter row's padding is not written into its cache)."""
+
+    def __init__(self, engine: ReferenceEngine, rows: int):
+        self.engine = engine
+        self.caches: list[KVCache | None] = [None] * rows
+        self.lengths = [0] * rows  # slots a row holds (host): prompt and accepted tokens
+        self._active: list[tuple[KVCache, torch.Tensor, int]] = []  # verify: each row's cache, slots, width
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches if c is not None)
+
+    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+        cache = KVCache(self.engine.args.n_layers, 1, width, self.engine.args.n_kv_heads, self.engine.args.head_dim,
+                        self.engine.compute_dtype, self.engine.device, self.engine.kv)
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        logits = model(ids, slots[None], slots, cache, causal_mask(slots, ids.shape[1]), last_only=True)[:, -1]
+        self.caches[row] = cache
+        self.lengths[row] = ids.shape[1]
+        self.engine.track_bytes(self.nbytes())  # every row's cache at once, not the largest row
+        return logits
+
+    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A step in which no row drafted: one token per row → logits [B, V]."""
+        return self.verify(model, tokens, rows, [1] * len(rows))[:, 0]
+
+    def verify(self, model, tokens: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
+        """tokens [B, T]: each row's last token and its widths[b] − 1 drafts, padded → logits
+        [B, T, V] (a padded position's are not to be read). Lengths stay until `keep`."""
+        at = [self.lengths[r] for r in rows]
+        device = tokens.device
+        pos = torch.tensor(at, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)[None]  # [B, T]
+        self._active = [(cast(KVCache, self.caches[r]), pos[b, :w], w)
+                        for b, (r, w) in enumerate(zip(rows, widths, strict=True))]
+        try:
+            logits = model(tokens, pos, pos[0], self, None)
+        finally:
+            self._active = []
+        self.engine.track_bytes(self.nbytes())  # the kernels' code buffers are made on first use
+        return logits
+
+    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+        """q: [B, H, T, D]; k, v: [B, Hkv, T, D]: row b's first widths[b] tokens written at its
+        slots and attended through its cache, causally (the forward's `slots` and `mask` are unused)."""
+        out = q.new_zeros(q.shape)
+        for b, (cache, row_slots, w) in enumerate(self._active):
+            out[b : b + 1, :, :w] = cache.attend(layer, q[b : b + 1, :, :w], k[b : b + 1, :, :w], v[b : b + 1, :, :w],
+                                                 row_slots, causal_mask(row_slots, int(row_slots[-1]) + 1))
+        return out
+
+    def keep(self, row: int, n: int) -> None:
+        """Row `row` holds its first n slots (what a verify pass wrote past them is overwritten later)."""
+        self.lengths[row] = n
+
+    def release(self, row: int) -> None:
+        self.caches[row] = None
+        self.lengths[row] = 0
+
+
 @dataclass
 class Sequence:
     """One request in a row: its prompt, the tokens picked so far and their stamps."""
@@ -289,7 +356,8 @@ class ContinuousBatch:
             raise ValueError(f"continuous batching: {why}")
         a = engine.args
         self.engine = engine
-        self.cache: RowCache | DecoderRows = (
+        self.cache: RowCache | DecoderRows | SpecRows = (
+            SpecRows(engine, rows) if engine.kv.lossy and engine.proposer is not None else
             DecoderRows(engine, rows) if engine.kv.lossy else
             RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype, engine.device))
         self.seqs: dict[int, Sequence] = {}  # row → its sequence
@@ -332,7 +400,7 @@ class ContinuousBatch:
                        time.perf_counter())
         ids = torch.tensor([prompt], device=engine.device)  # [1, T]
         with _sdpa_backends(engine.device):
-            logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens)  # [1, V]
+            logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens + self.extra)
         self.seqs[row] = seq
         self._take(logits, [seq])
         if self.k:
@@ -367,11 +435,11 @@ class ContinuousBatch:
         # a row with fewer drafts is padded with its last token: those positions' logits are not read
         tokens = torch.tensor([[s.tokens[-1], *d, *[s.tokens[-1]] * (width - 1 - len(d))]
                                for s, (d, _) in zip(active, proposed, strict=True)], device=self.engine.device)
-        cache = cast(RowCache, self.cache)
+        cache = cast(RowCache | SpecRows, self.cache)
         rows = [s.row for s in active]
         with _sdpa_backends(self.engine.device):
             # no row drafted (n-gram lookup found nothing): a plain decode step
-            logits = (cache.verify(self.engine.model, tokens, rows) if width > 1
+            logits = (cache.verify(self.engine.model, tokens, rows, [1 + len(d) for d, _ in proposed]) if width > 1
                       else cache.decode(self.engine.model, tokens, rows)[:, None]).float()  # [B, T, V]
         for b, (s, (drafts, qs)) in enumerate(zip(active, proposed, strict=True)):
             scores = logits[b, : len(drafts) + 1]  # row i predicts the token after drafts[:i]

@@ -120,12 +120,14 @@ def test_a_lossy_kv_server_batches_and_answers_as_one_at_a_time():
         proc.wait(10)
 
 
-def test_a_speculative_server_batches_and_each_answer_and_its_acceptance_are_as_alone():
+@pytest.mark.parametrize("kv", [[], ["--kv-cache", "kivi-2"]], ids=["default-kv", "kivi-2"])
+def test_a_speculative_server_batches_and_each_answer_and_its_acceptance_are_as_alone(kv):
     # n-gram speculative decoding in a continuous batch: each row drafts on its own, one pass
     # verifies every row's drafts; each answer, its per-request acceptance figures and the
-    # server's spec_decode counters are what one request at a time gives
+    # server's spec_decode counters are what one request at a time gives. Over KIVI each row
+    # keeps its own compressed cache (batching.SpecRows)
     proc, base = start_engine_serve("--served-model-name", MODEL, "--speculative", '{"method": "ngram", "k": 4}',
-                                    "--per-request-spec-decode-metrics", "summary")
+                                    "--per-request-spec-decode-metrics", "summary", *kv)
     try:
         c = client(base)
         prompts = heldout_prompts(8)

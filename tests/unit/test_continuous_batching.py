@@ -94,25 +94,24 @@ def test_a_lossy_format_gets_a_decoder_per_row_and_frees_it():
     assert batch.cache.decoders == [None, None] and batch.held() == 0 and batch.free_rows == 2
 
 
-def test_speculative_decoding_over_a_lossy_kv_format_still_decodes_one_request_at_a_time():
-    spec = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache="kivi-2",
-                                                    speculative={"method": "ngram", "k": 2},
-                                                    engine_options={"device": "cpu"}))
-    assert unbatchable(spec) == "speculative decoding over a lossy KV format runs one request at a time"
-    with pytest.raises(ValueError, match="continuous batching: speculative"):
-        ContinuousBatch(spec, 2)
-
-
-@pytest.mark.parametrize("speculative", [{"method": "ngram", "k": 4},
-                                         {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}])
-def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(speculative):
+@pytest.mark.parametrize(("speculative", "kv"), [
+    ({"method": "ngram", "k": 4}, "fp32"),
+    ({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}, "fp32"),
+    # over a lossy KV format each row is its own cache (SpecRows); the 150-token request crosses
+    # KIVI's first key group while other rows verify beside it
+    ({"method": "ngram", "k": 4}, "kivi-2"),
+    ({"method": "ngram", "k": 4}, "turbo-3"),
+    ({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}, "fp8"),
+])
+def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(speculative, kv):
     """Rows that draft different numbers of tokens (an n-gram row often none) verified in one pass,
     joining and leaving between steps: each request's tokens, log-probs and acceptance counts are
     those of the engine's one-request loop, a sampled request (its own seeded generator) included."""
-    engine = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", speculative=speculative,
-                                                      engine_options={"device": "cpu"}))
+    engine = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache=kv,
+                                                      speculative=speculative, engine_options={"device": "cpu"}))
     assert unbatchable(engine) is None
-    reqs = [r for i, r in enumerate(requests()) if i != 1]  # the 150-token one left out: time
+    # the 150-token request only where KIVI's group boundary needs it: time
+    reqs = [r for i, r in enumerate(requests()) if i != 1 or kv == "kivi-2"]
     reqs.append(GenerationRequest("sampled", "def parse(text):", max_new_tokens=24, temperature=0.8, seed=5,
                                   logprobs=0))
     alone = {}
@@ -126,6 +125,9 @@ def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(specu
         assert b_lps == pytest.approx(lps, abs=1e-4)
     assert sum(s.num_drafts for _, _, s in out.values()) > 0  # drafts were verified, not only plain steps
     assert sum(s.num_accepted_tokens for _, _, s in out.values()) > 0
+    if kv != "fp32":  # the rows kept their own lossy caches: the lossless engine answers otherwise
+        lossless = engine_for("fp32")
+        assert any(lossless.generate([r])[0].token_ids != alone[r.request_id][0] for r in reqs)
 
 
 @torch.inference_mode()

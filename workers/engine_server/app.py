@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                          "vLLM's flag of this name does")
     ap.add_argument("--max-num-seqs", type=positive, default=32,
                     help="requests decoded together in one continuous batch, as vLLM's flag of this name (default 32; "
-                         "1 decodes one request at a time). --speculative with a lossy --kv-cache, and a fault drill, "
-                         "decode one at a time")
+                         "1 decodes one request at a time). A fault drill decodes one at a time")
     ap.add_argument("--max-queue", type=positive, default=256,
                     help="generation requests that may wait beyond the running batch (default 256); a request "
                          "arriving when that many wait is answered 429")

@@ -9,8 +9,8 @@ batch between decode steps while it has a free row (`max_num_seqs`: their prompt
 then they take part in the next batched step) and leave it when they finish or their client goes
 (Job.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
 step verifies every row's drafts in one pass and a row may gain several tokens at once, as in
-vLLM. Engines that cannot batch (a fault drill, speculative decoding over a lossy KV format:
-batching.unbatchable) decode one request at a time with engine.generate, as before."""
+vLLM. An engine that cannot batch (a fault drill: batching.unbatchable) decodes one request at
+a time with engine.generate, as before."""
 
 from __future__ import annotations
 
