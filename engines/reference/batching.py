@@ -266,13 +266,15 @@ class SpecRows:
     (spec_loop.generate_speculative: a causal mask over the slots up to each pass's last token).
     A verify pass is one forward over every active row's last token and drafts; its attention runs
     row by row through each row's cache, over that row's own tokens only, as the one-request loop
-    writes them (a shorter row's padding is not written into its cache)."""
+    writes them (a shorter row's padding is not written into its cache). The rows equal the eager
+    loop's; on CUDA, where that loop verifies at a fixed width (spec_loop.StaticVerify), a row
+    differs from it at kernel precision, as a batched row of bf16 does."""
 
     def __init__(self, engine: ReferenceEngine, rows: int):
         self.engine = engine
         self.caches: list[KVCache | None] = [None] * rows
         self.lengths = [0] * rows  # slots a row holds (host): prompt and accepted tokens
-        self._active: list[tuple[KVCache, torch.Tensor, int]] = []  # verify: each row's cache, slots, width
+        self._active: list[tuple[KVCache, torch.Tensor, torch.Tensor, int]] = []  # verify: cache, slots, mask, width
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches if c is not None)
@@ -297,8 +299,9 @@ class SpecRows:
         at = [self.lengths[r] for r in rows]
         device = tokens.device
         pos = torch.tensor(at, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)[None]  # [B, T]
-        self._active = [(cast(KVCache, self.caches[r]), pos[b, :w], w)
-                        for b, (r, w) in enumerate(zip(rows, widths, strict=True))]
+        # each row's slots and causal mask, made once for every layer
+        self._active = [(cast(KVCache, self.caches[r]), pos[b, :w], causal_mask(pos[b, :w], start + w), w)
+                        for b, (r, start, w) in enumerate(zip(rows, at, widths, strict=True))]
         try:
             logits = model(tokens, pos, pos[0], self, None)
         finally:
@@ -310,9 +313,9 @@ class SpecRows:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D]: row b's first widths[b] tokens written at its
         slots and attended through its cache, causally (the forward's `slots` and `mask` are unused)."""
         out = q.new_zeros(q.shape)
-        for b, (cache, row_slots, w) in enumerate(self._active):
+        for b, (cache, row_slots, row_mask, w) in enumerate(self._active):
             out[b : b + 1, :, :w] = cache.attend(layer, q[b : b + 1, :, :w], k[b : b + 1, :, :w], v[b : b + 1, :, :w],
-                                                 row_slots, causal_mask(row_slots, int(row_slots[-1]) + 1))
+                                                 row_slots, row_mask)
         return out
 
     def keep(self, row: int, n: int) -> None:

@@ -1,13 +1,14 @@
 """Continuous batching (engines/reference/batching.py) with lossy KV formats: requests that join a
 running batch between steps and leave it when done must pick, token for token, what each picks
 alone through the engine's own generate(), in fp32 on the tiny built-in model. Each row of a
-lossy format is its own Decoder: its codes (KIVI's token groups, TurboQuant's rotated codes, fp8)
-are written and read as the one-request path writes and reads them."""
+lossy format is its own Decoder (with speculative decoding, its own KVCache as the one-request
+speculative loop keeps it): its codes (KIVI's token groups, TurboQuant's rotated codes, fp8) are
+written and read as the one-request path writes and reads them."""
 
 import pytest
 import torch
 from engines.protocol import GenerationRequest
-from engines.reference.batching import ContinuousBatch, DecoderRows, unbatchable
+from engines.reference.batching import ContinuousBatch, DecoderRows, SpecRows, unbatchable
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
@@ -92,6 +93,28 @@ def test_a_lossy_format_gets_a_decoder_per_row_and_frees_it():
     batch.remove(second)
     batch.remove(seq)
     assert batch.cache.decoders == [None, None] and batch.held() == 0 and batch.free_rows == 2
+
+
+def test_a_speculative_lossy_format_gets_a_cache_per_row_and_frees_it():
+    engine = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache="turbo-3",
+                                                      speculative={"method": "ngram", "k": 4},
+                                                      engine_options={"device": "cpu"}))
+    batch = ContinuousBatch(engine, 2)
+    assert isinstance(batch.cache, SpecRows)
+    seq = batch.add(requests()[0])  # max_new_tokens 20
+    prompt = len(seq.prompt)
+    cache = batch.cache.caches[0]
+    # the one-request loop's cache: prompt + max_new_tokens + k + 1 slots
+    assert cache is not None and cache.k.shape[3] == prompt + 20 + 5
+    assert batch.cache.lengths == [prompt, 0] and len(seq.tokens) == 1
+    batch.step()
+    # the row holds its prompt and every token but the newest (the next pass writes that one)
+    assert batch.cache.lengths[0] == prompt + len(seq.tokens) - 1 == batch.held()
+    second = batch.add(requests()[2])  # the engine's peak counts both rows' caches together
+    assert engine.peak_kv_bytes == batch.cache.nbytes() > cache.nbytes()
+    batch.remove(second)
+    batch.remove(seq)
+    assert batch.cache.caches == [None, None] and batch.held() == 0 and batch.free_rows == 2
 
 
 @pytest.mark.parametrize(("speculative", "kv"), [
