@@ -280,8 +280,7 @@ class SpecRows:
         return sum(c.nbytes() for c in self.caches if c is not None)
 
     def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
-        cache = KVCache(self.engine.args.n_layers, 1, width, self.engine.args.n_kv_heads, self.engine.args.head_dim,
-                        self.engine.compute_dtype, self.engine.device, self.engine.kv)
+        cache = self.engine.new_cache(1, width)  # as the one-request loop makes its own
         slots = torch.arange(ids.shape[1], device=ids.device)
         logits = model(ids, slots[None], slots, cache, causal_mask(slots, ids.shape[1]), last_only=True)[:, -1]
         self.caches[row] = cache
