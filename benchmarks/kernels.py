@@ -12,23 +12,28 @@ On a host without CUDA and without `--device cpu` it prints why it is skipped an
 Prints ONE JSON object. Every timed figure is measured `--repeats` times (each repeat: the median
 of its iterations, CUDA events on CUDA, perf_counter on CPU; the peers of one figure alternate
 order between repeats) and reported as {"median", "min", "max", "repeats"} in ms (tok/s for decode).
-Bandwidth fractions are against the device-to-device copy bandwidth measured in the same run
-(read + write bytes). Each figure carries the issue-14 target beside it ("target", "meets_target";
+Bandwidth fractions and bounds divide by the READ bandwidth measured in the same run (decode reads
+weights and KV and writes a few KB). Kernel figures are timed with a cold L2: each peer rotates
+through copies of its own inputs that together span ≥ 4 × the L2 (benchmarks/_yardstick.py; the
+row's "cold_l2" says how many). Each figure carries its target beside it ("target",
+"meets_target"; the targets are ../gpu-review-round3 §4.4's, docs/benchmarks.md "GPU report";
 meets_target is null in --smoke, whose shapes say nothing about the targets).
 
-  - copy_bandwidth: 1 GiB device-to-device copy.
+  - yardstick: a Triton read stream over 2 GiB (the divisor), a 1 GiB device-to-device copy
+    timed eagerly, and on CUDA the same copy replayed from a CUDA graph (the divisor before,
+    ~35 % low on an H200: kept to show the gap).
   - w4a16: W4A16 GEMV (engines.kernels.w4a16) at batch 1 and batch 16 (and prefills of
     64 to 1024 rows, tiled GEMM vs dequantize + matmul) for K×N 4096×4096,
     4096×14336, 14336×4096 vs torch fp16 matmul (F.linear) on the same shapes; the kernel's
     output is checked against w4a16_reference first.
   - decode_attention: TurboQuant-3, KIVI-2 (128-token fp16 window) and fp8 decode attention at
-    8K / 32K / 128K context (32 query heads over 8 KV heads, head_dim 128, batch 1: Llama-3-8B)
-    vs torch SDPA on an fp16 KV cache of the same shape; each kernel is checked against its
-    decode_attention_reference on the same inputs first.
+    8K / 32K / 128K context at batch 1 and 32K at batch 16 (32 query heads over 8 KV heads,
+    head_dim 128: Llama-3-8B) vs two peers on an fp16 KV cache of the same shape, torch SDPA and
+    the engine's own fp16 grouped kernel; each kernel is checked against its reference first.
   - decode_8b: an 8B-shaped Llama (random weights, --layers layers), --prompt-token prompt, batch
     1, greedy, through the engine's decode loop (engines.reference.decode.Decoder), per config
     (weights × KV cache): TTFT (prefill + first token) and decode tok/s; the fp16 bandwidth bound
-    (bytes read per token / copy bandwidth); at --long-context, fp16 vs turbo-3 and kivi-2. The
+    (bytes read per token / read bandwidth); at --long-context, fp16 vs turbo-3 and kivi-2. The
     peer is transformers' own `generate` on the SAME weights (a LlamaForCausalLM of the same
     config holding our model's tensors), eager with its default dynamic cache and with
     cache_implementation="static"; greedy tokens and prefill top-1 of ours vs theirs are compared
@@ -55,6 +60,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # as benchmarks/_common.py: the scripts run from a checkout, uninstalled
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its siblings, however it is loaded (runpy, importlib)
+from _yardstick import clones, cold_sets, copy_bandwidth, graph_copy_bandwidth, l2_bytes, read_bandwidth  # noqa: E402
 
 CONFIGS_1K = (("fp16", "fp16"), ("fp16", "fp8"), ("fp16", "kivi-2"), ("fp16", "turbo-3"),
               ("rtn-int4", "fp16"), ("rtn-int4", "turbo-3"))
@@ -87,6 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--attention-sweep", type=int, nargs="*", default=[],
                     help="contexts at which each decode-attention kernel is also timed at every launch shape (tuning_sweep)")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
+    ap.add_argument("--l2-bytes", type=int, default=None,
+                    help="the L2 size that cold-L2 timings rotate input copies against (default: the device's; 1 MiB on CPU)")
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.smoke else 5
@@ -129,30 +139,37 @@ class Clock:
             self.torch.cuda.synchronize()
 
     def time_calls(self, fn, iters: int) -> float:
-        """GPU ms per call of fn (after the clock's warm-up calls, which also autotune)."""
+        """GPU ms per call of fn (after the clock's warm-up calls, which also autotune). fn may be
+        a list of calls on different copies of the same inputs (_yardstick.cold_sets): the timed
+        calls rotate through them, so that with enough copies each call reads its bytes from
+        memory, not from the L2 the call before it filled."""
+        fns = fn if isinstance(fn, list) else [fn]
         for _ in range(self.warmup):
-            fn()
+            for f in fns:
+                f()
         self.sync()
         if self.cuda:
             try:
-                return self._graph_ms(fn, iters)
+                return self._graph_ms(fns, iters)
             except Exception as e:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
-                self.fallbacks.append(f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:200])
+                self.fallbacks.append(f"{getattr(fns[0], '__name__', fns[0])}: {type(e).__name__}: {e}"[:200])
                 self.sync()
-            return self._event_ms(fn, iters)
-        return self.host_calls(fn, iters, sync=False)
+            return self._event_ms(fns, iters)
+        return self.host_calls(fns, iters, sync=False)
 
-    def _graph_ms(self, fn, iters: int) -> float:
+    def _graph_ms(self, fns: list, iters: int) -> float:
         torch = self.torch
+        iters = max(iters, len(fns))  # every copy read once at least
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn()  # warm on the capture stream
+            for f in fns:
+                f()  # warm on the capture stream
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
+            for i in range(iters):
+                fns[i % len(fns)]()
         graph.replay()  # first replay uploads the graph
         self.sync()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,22 +180,23 @@ class Clock:
         del graph
         return start.elapsed_time(end) / iters
 
-    def _event_ms(self, fn, iters: int) -> float:
+    def _event_ms(self, fns: list, iters: int) -> float:
         ev = [(self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for s, e in ev:
+        for i, (s, e) in enumerate(ev):
             s.record()
-            fn()
+            fns[i % len(fns)]()
             e.record()
         self.sync()
         return statistics.median(s.elapsed_time(e) for s, e in ev)
 
     def host_calls(self, fn, iters: int, sync: bool = True) -> float:
         """Median host ms of one call of fn (eager; on CUDA the launch cost the host pays, since
-        the GPU is not waited for inside the loop)."""
+        the GPU is not waited for inside the loop); a list of calls rotates."""
+        fns = fn if isinstance(fn, list) else [fn]
         times = []
-        for _ in range(iters):
+        for i in range(iters):
             t = time.perf_counter()
-            fn()
+            fns[i % len(fns)]()
             times.append((time.perf_counter() - t) * 1000)
         if sync:
             self.sync()
@@ -218,30 +236,15 @@ def verdict(value, ok: bool, target: str, smoke: bool) -> dict:
     return {"value": value, "target": target, "meets_target": None if smoke else bool(ok)}
 
 
-# -- copy bandwidth ---------------------------------------------------------------------------------
-def copy_bandwidth(clock: Clock, device: str, repeats: int, smoke: bool) -> dict:
-    import torch
-
-    n = (64 << 20) if smoke else (1 << 30)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = measure(clock, {"copy": lambda: b.copy_(a)}, iters=10, repeats=repeats)["copy"]
-
-    def gbps(m):
-        return round(2 * n / (m / 1000) / 1e9, 1)
-
-    return {"bytes": n, "ms": ms, "GBps": {"median": gbps(ms["median"]), "min": gbps(ms["max"]), "max": gbps(ms["min"]),
-                                           "repeats": ms["repeats"]}}
-
-
 # -- W4A16 ------------------------------------------------------------------------------------------
-def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[list, list]:
+def w4a16_section(clock: Clock, device: str, args, peak_gbps: float, shapes=None, prefill_rows=None) -> tuple[list, list]:
+    """W4A16 at batch 1 and 16 (and prefill rows) on each K × N of `shapes`; prefill_rows=() runs none."""
     import torch
     import torch.nn.functional as F
     from engines.kernels.w4a16 import w4a16_reference, w4a16_triton
     from engines.quant import pack_awq_gemm, quantize_groupwise
 
-    shapes = ((128, 64),) if args.smoke else ((4096, 4096), (4096, 14336), (14336, 4096))
+    shapes = shapes or (((128, 64),) if args.smoke else ((4096, 4096), (4096, 14336), (14336, 4096)))
     batches = (1, 16)
     rows, checks = [], []
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -257,30 +260,37 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[li
             got, want = w4a16_triton(x, qw, qz, sc), w4a16_reference(x, qw, qz, sc)
             c = {"check": name, **check(got, want, rtol=1e-2, atol=1e-3)}
             checks.append(c)
-            fns = {"w4a16": lambda x=x, qw=qw, qz=qz, sc=sc: w4a16_triton(x, qw, qz, sc),
-                   "fp16": lambda x=x, w16=w16: F.linear(x, w16)}
-            tiny = tinygemm_peer(w16, x) if device.startswith("cuda") and not args.smoke else None
-            if tiny and "fn" in tiny:
-                fns["tinygemm"] = tiny.pop("fn")
-            t = measure(clock, fns, args.iters, args.repeats)
+            # cold L2: each peer rotates through copies of its own inputs (_yardstick.cold_sets)
             moved = qw.nbytes + qz.nbytes + sc.nbytes + x.nbytes + M * N * 2
+            moved16 = w16.nbytes + x.nbytes + M * N * 2
+            sets4 = clones((x, qw, qz, sc), cold_sets(moved, args.l2_bytes))
+            sets16 = clones((x, w16), cold_sets(moved16, args.l2_bytes))
+            fns = {"w4a16": [lambda a=a: w4a16_triton(*a) for a in sets4],
+                   "fp16": [lambda a=a: F.linear(*a) for a in sets16]}
+            tiny = tinygemm_peer(w16, x, args.l2_bytes) if device.startswith("cuda") and not args.smoke else None
+            if tiny and "fns" in tiny:
+                fns["tinygemm"] = tiny.pop("fns")
+            t = measure(clock, fns, args.iters, args.repeats)
             bw = moved / (t["w4a16"]["median"] / 1000) / 1e9 / peak_gbps
-            bw16 = (w16.nbytes + x.nbytes + M * N * 2) / (t["fp16"]["median"] / 1000) / 1e9 / peak_gbps
+            bw16 = moved16 / (t["fp16"]["median"] / 1000) / 1e9 / peak_gbps
             speedup = t["fp16"]["median"] / t["w4a16"]["median"]
             row = {"K": K, "N": N, "batch": M, "equal_to_reference": c["equal"], "w4a16_ms": t["w4a16"], "torch_fp16_ms": t["fp16"],
-                   "w4a16_bytes": moved, "torch_fp16_bandwidth_fraction": round(bw16, 3)}
+                   "w4a16_bytes": moved, "torch_fp16_bytes": moved16, "torch_fp16_bandwidth_fraction": round(bw16, 3),
+                   "cold_l2": {"l2_bytes": args.l2_bytes, "w4a16_sets": len(sets4), "fp16_sets": len(sets16)}}
             if tiny is not None:
                 row["tinygemm_int4"] = {**tiny, **({"ms": t["tinygemm"],
                                                      "w4a16_speedup": round(t["tinygemm"]["median"] / t["w4a16"]["median"], 2)}
                                                     if "tinygemm" in t else {})}
             if M == 1:
-                row["w4a16_bandwidth_fraction"] = verdict(round(bw, 3), bw >= 0.75, ">= 0.75 of copy bandwidth", args.smoke)
-                row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 2.5, ">= 2.5x torch fp16 matmul", args.smoke)
+                row["w4a16_bandwidth_fraction"] = verdict(round(bw, 3), bw >= 0.5, ">= 0.5 of read bandwidth", args.smoke)
+                row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 2.0, ">= 2x torch fp16 matmul (cold L2)", args.smoke)
             else:
                 row["w4a16_bandwidth_fraction"] = round(bw, 3)
-                row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 2.0, ">= 2x torch fp16 matmul", args.smoke)
+                row["speedup_vs_fp16"] = verdict(round(speedup, 2), speedup >= 1.5, ">= 1.5x torch fp16 matmul (cold L2)", args.smoke)
             rows.append(row)
-        for M in (32,) if args.smoke else (args.prefill_rows or PREFILL_ROWS):
+            del sets4, sets16
+        rows_m = prefill_rows if prefill_rows is not None else (32,) if args.smoke else (args.prefill_rows or PREFILL_ROWS)
+        for M in rows_m:
             rows.append(w4a16_prefill_row(clock, args, qw, qz, sc, w16, M, g, device, checks))
         _free(device)
     return rows, checks
@@ -315,11 +325,12 @@ def w4a16_prefill_row(clock: Clock, args, qw, qz, sc, w16, M: int, g, device: st
             "best_vs_fp16": round(t["fp16"]["median"] / t[best]["median"], 2)}
 
 
-def tinygemm_peer(w16, x) -> dict:
+def tinygemm_peer(w16, x, l2_bytes: int) -> dict:
     """torch's own int4 GEMM (tinygemm, aten._weight_int4pack_mm) on the same fp16 weights,
     quantized its way (asymmetric, groups of 128, (q − 8)·scale + zero, bf16 activations), as a
-    speed peer. Its output is checked against x · its own dequantized weights. → {"fn": callable,
-    "equal_to_its_dequantized": …} or {"error": …} where this torch build lacks it."""
+    speed peer. Its output is checked against x · its own dequantized weights. → {"fns": calls
+    on cold copies of its weights (cold_sets), "equal_to_its_dequantized": …} or {"error": …}
+    where this torch build lacks it."""
     import torch
 
     try:
@@ -339,82 +350,122 @@ def tinygemm_peer(w16, x) -> dict:
         deq = ((q.reshape(N, K // G, G).float() - 8) * sz.transpose(0, 1)[..., 0:1].float()
                + sz.transpose(0, 1)[..., 1:2].float()).reshape(N, K)
         c = check(fn(), xb.float() @ deq.T, rtol=2e-2, atol=1e-2)
-        return {"fn": fn, "equal_to_its_dequantized": c["equal"], "max_abs_error": c["max_abs_error"]}
+        sets = clones((xb, packed, sz), cold_sets(packed.nbytes + sz.nbytes + xb.nbytes, l2_bytes))
+        fns = [lambda a=a: torch.ops.aten._weight_int4pack_mm(a[0], a[1], G, a[2]) for a in sets]
+        return {"fns": fns, "sets": len(sets), "equal_to_its_dequantized": c["equal"], "max_abs_error": c["max_abs_error"]}
     except Exception as e:  # noqa: BLE001 - the peer is missing on this build: said in the row
         return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 # -- decode attention -------------------------------------------------------------------------------
-ATTN_TARGETS = {"turbo3": 3.0, "kivi2": 2.5, "fp8": 1.6}
+# (context, batch) → each compressed format's target speedup over SDPA on fp16 KV, cold L2
+# (../gpu-review-round3 §4.4: the bytes model's ceiling and the instruction floor; 8K: none slower)
+ATTN_TARGETS = {(8192, 1): {"turbo3": 1.0, "kivi2": 1.0, "fp8": 1.0},
+                (32768, 1): {"turbo3": 1.3, "kivi2": 1.5, "fp8": 1.6},
+                (131072, 1): {"turbo3": 1.5, "kivi2": 1.8, "fp8": 1.6},
+                (32768, 16): {"turbo3": 2.0, "kivi2": 1.5, "fp8": 1.6}}
+ATTN_POINTS = ((8192, 1), (32768, 1), (131072, 1), (32768, 16))  # (context, batch)
 
 
-def attention_section(clock: Clock, device: str, args, peak_gbps: float) -> tuple[list, list]:
-    contexts = (64,) if args.smoke else (8192, 32768, 131072)
+def attention_section(clock: Clock, device: str, args, peak_gbps: float, points=None) -> tuple[list, list]:
+    points = points or (((64, 1), (64, 2)) if args.smoke else ATTN_POINTS)
     rows, checks = [], []
-    for S in contexts:
-        row, c = attention_point(clock, device, args, S, peak_gbps)
+    for S, B in points:
+        row, c = attention_point(clock, device, args, S, peak_gbps, batch=B)
         rows.append(row)
         checks += c
         _free(device)
     return rows, checks
 
 
-def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float):
+def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float, batch: int = 1):
+    """Decode attention at context S for `batch` sequences: SDPA on fp16 KV and the engine's own
+    fp16 grouped kernel (the path an fp16 cache's decode step takes) as the two peers, and the
+    fp8, TurboQuant-3 and KIVI-2 kernels, each checked against its torch reference first. Each is
+    timed over copies of its own inputs (cold_sets: together ≥ 4 × L2), so no call reads bytes
+    the call before it left in L2."""
     import torch
     import torch.nn.functional as F
     from engines.kernels import fp8_kv, kivi_kv, turbo_kv
+    from engines.kernels.decode import float_decode_attention
 
+    B = batch
     H, Hkv, D = (2, 1, 32) if args.smoke else (32, 8, 128)
-    g = torch.Generator(device="cpu").manual_seed(S)
-    q = torch.randn(1, H, D, generator=g).to(device=device, dtype=torch.float16)
-    k16 = torch.randn(1, Hkv, S, D, generator=g).to(device=device, dtype=torch.float16)
-    v16 = torch.randn(1, Hkv, S, D, generator=g).to(device=device, dtype=torch.float16)
-    lengths = torch.tensor([S], device=device)
-    kernels, refs, nbytes = {}, {}, {"sdpa_fp16": k16.nbytes + v16.nbytes}
+    g = torch.Generator(device="cpu").manual_seed(S + B)
+    q = torch.randn(B, H, D, generator=g).to(device=device, dtype=torch.float16)
+    k16 = torch.randn(B, Hkv, S, D, generator=g).to(device=device, dtype=torch.float16)
+    v16 = torch.randn(B, Hkv, S, D, generator=g).to(device=device, dtype=torch.float16)
+    lengths = torch.full((B,), S, device=device)
+    inputs, kernels, refs, nbytes = {}, {}, {}, {}
+
+    inputs["sdpa_fp16"] = (q, k16, v16)
+    kernels["sdpa_fp16"] = lambda q, k, v, **kw: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    inputs["grouped_fp16"] = (q, k16, v16, lengths)
+    kernels["grouped_fp16"] = lambda q, k, v, n, **kw: float_decode_attention(q, k, v, n, **kw)
+    refs["grouped_fp16"] = lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)[:, :, 0]
+    nbytes["sdpa_fp16"] = nbytes["grouped_fp16"] = k16.nbytes + v16.nbytes
 
     # TurboQuant 3-bit: 3 bit-planes per 32 channels + a norm per vector
     kc, kn = turbo_kv.quantize_on_write(k16.reshape(-1, D), 3)
     vc, vn = turbo_kv.quantize_on_write(v16.reshape(-1, D), 3)
-    kc, vc = kc.reshape(1, Hkv, S, 3, D // 32), vc.reshape(1, Hkv, S, 3, D // 32)
-    kn, vn = kn.reshape(1, Hkv, S), vn.reshape(1, Hkv, S)
-    kernels["turbo3"] = lambda **kw: turbo_kv.decode_attention(q, kc, kn, vc, vn, lengths, 3, **kw)
+    kc, vc = kc.reshape(B, Hkv, S, 3, D // 32), vc.reshape(B, Hkv, S, 3, D // 32)
+    kn, vn = kn.reshape(B, Hkv, S), vn.reshape(B, Hkv, S)
+    inputs["turbo3"] = (q, kc, kn, vc, vn, lengths)
+    kernels["turbo3"] = lambda *a, **kw: turbo_kv.decode_attention(*a, 3, **kw)
     refs["turbo3"] = lambda: turbo_kv.decode_attention_reference(q, kc, kn, vc, vn, lengths, 3)
     nbytes["turbo3"] = kc.nbytes + vc.nbytes + kn.nbytes + vn.nbytes
 
     # KIVI 2-bit: everything but the last 128 tokens compressed (the fp16 window read in full precision)
-    kq = [t.reshape(1, Hkv, -1, t.shape[-1]) for t in kivi_kv.quantize_keys(k16.reshape(-1, D), 2)]
-    vq = [t.reshape(1, Hkv, -1, t.shape[-1]) for t in kivi_kv.quantize_values(v16.reshape(-1, D), 2)]
+    kq = [t.reshape(B, Hkv, -1, t.shape[-1]) for t in kivi_kv.quantize_keys(k16.reshape(-1, D), 2)]
+    vq = [t.reshape(B, Hkv, -1, t.shape[-1]) for t in kivi_kv.quantize_values(v16.reshape(-1, D), 2)]
     window = min(128, S // 2)
-    nk = torch.tensor([S - window], device=device)
-    kernels["kivi2"] = lambda **kw: kivi_kv.decode_attention(q, k16, v16, *kq, *vq, lengths, nk, nk, 2, **kw)
+    nk = torch.full((B,), S - window, device=device)
+    inputs["kivi2"] = (q, k16, v16, *kq, *vq, lengths, nk, nk)
+    kernels["kivi2"] = lambda *a, **kw: kivi_kv.decode_attention(*a, 2, **kw)
     refs["kivi2"] = lambda: kivi_kv.decode_attention_reference(q, k16, v16, *kq, *vq, lengths, nk, nk, 2)
-    nbytes["kivi2"] = sum(t.nbytes for t in kq + vq) * (S - window) // S + 2 * Hkv * window * D * 2
+    nbytes["kivi2"] = sum(t.nbytes for t in kq + vq) * (S - window) // S + 2 * B * Hkv * window * D * 2
 
     k8, v8 = fp8_kv.quantize_on_write(k16), fp8_kv.quantize_on_write(v16)
-    kernels["fp8"] = lambda **kw: fp8_kv.decode_attention(q, k8, v8, lengths, **kw)
+    inputs["fp8"] = (q, k8, v8, lengths)
+    kernels["fp8"] = lambda *a, **kw: fp8_kv.decode_attention(*a, **kw)
     refs["fp8"] = lambda: fp8_kv.decode_attention_reference(q, k8, v8, lengths)
     nbytes["fp8"] = k8.nbytes + v8.nbytes
 
     checks = []
-    for name, kernel in kernels.items():  # correctness on the same inputs, before any timing
-        c = {"check": f"{name} decode attention S={S}", **check(kernel(), refs[name](), rtol=1e-2, atol=1e-3)}
+    for name in refs:  # correctness on the same inputs, before any timing
+        c = {"check": f"{name} decode attention S={S} B={B}", **check(kernels[name](*inputs[name]), refs[name](), rtol=1e-2, atol=1e-3)}
         checks.append(c)
         _free(device)
-    def sdpa():
-        return F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)
+    sets = {}
+    for name, args_ in inputs.items():
+        # every tensor of a set is copied, KIVI's fp16 cache too (its kernel reads only the
+        # window's 128 slots of it, which nbytes counts)
+        n = cold_sets(nbytes[name], args.l2_bytes)
+        sets[name] = clones(args_, n) if n > 1 else [args_]
+    fns = {name: [lambda a=a, k=kernels[name]: k(*a) for a in sets[name]] for name in kernels}
+    t = measure(clock, fns, args.iters, args.repeats)
+    sweep = tuning_sweep(clock, {n: (lambda n=n, **kw: kernels[n](*inputs[n], **kw)) for n in ("turbo3", "kivi2", "fp8")},
+                         refs, S, B * Hkv, args) if S in args.attention_sweep and B == 1 else None
 
-    t = measure(clock, {"sdpa_fp16": sdpa, **kernels}, args.iters, args.repeats)
-    sweep = tuning_sweep(clock, kernels, refs, S, Hkv, args) if S in args.attention_sweep else None
-    row = {"context": S, "heads": H, "kv_heads": Hkv, "head_dim": D, "sdpa_fp16_ms": t["sdpa_fp16"],
-           "sdpa_fp16_bytes": nbytes["sdpa_fp16"],
-           "sdpa_fp16_bandwidth_fraction": round(nbytes["sdpa_fp16"] / (t["sdpa_fp16"]["median"] / 1000) / 1e9 / peak_gbps, 3)}
-    for name, c in zip(kernels, checks, strict=False):
+    def fraction(name):
+        return round(nbytes[name] / (t[name]["median"] / 1000) / 1e9 / peak_gbps, 3)
+
+    targets = ATTN_TARGETS.get((S, B), {})
+    row = {"context": S, "batch": B, "heads": H, "kv_heads": Hkv, "head_dim": D,
+           "cold_l2": {"l2_bytes": args.l2_bytes, "sets": {n: len(v) for n, v in sets.items()}},
+           "sdpa_fp16_ms": t["sdpa_fp16"], "sdpa_fp16_bytes": nbytes["sdpa_fp16"], "sdpa_fp16_bandwidth_fraction": fraction("sdpa_fp16"),
+           "grouped_fp16": {"equal_to_reference": checks[0]["equal"], "ms": t["grouped_fp16"], "bandwidth_fraction": fraction("grouped_fp16"),
+                            "speedup_vs_sdpa_fp16": round(t["sdpa_fp16"]["median"] / t["grouped_fp16"]["median"], 2)}}
+    for name, c in zip(refs, checks, strict=True):
+        if name == "grouped_fp16":
+            continue
         sp = t["sdpa_fp16"]["median"] / t[name]["median"]
-        want = 1.0 if S < 32768 else ATTN_TARGETS[name]
-        row[name] = {"equal_to_reference": c["equal"], "ms": t[name], "bytes": nbytes[name],
-                     "bandwidth_fraction": round(nbytes[name] / (t[name]["median"] / 1000) / 1e9 / peak_gbps, 3),
-                     "speedup_vs_sdpa_fp16": verdict(round(sp, 2), sp >= want, f">= {want:g}x SDPA on fp16 KV"
-                                                     + (" (at 8K: none slower)" if S < 32768 else ""), args.smoke)}
+        sp_grouped = t["grouped_fp16"]["median"] / t[name]["median"]
+        want = targets.get(name)
+        row[name] = {"equal_to_reference": c["equal"], "ms": t[name], "bytes": nbytes[name], "bandwidth_fraction": fraction(name),
+                     "speedup_vs_grouped_fp16": round(sp_grouped, 2),
+                     "speedup_vs_sdpa_fp16": (verdict(round(sp, 2), sp >= want, f">= {want:g}x SDPA on fp16 KV (cold L2)", args.smoke)
+                                              if want else round(sp, 2))}
         if sweep:
             row[name]["tuning_sweep"] = sweep[name]
     return row, checks
@@ -743,6 +794,19 @@ def int4_batch1_triton(model) -> list:
     return layers
 
 
+def kv_target(kv: str, context: int, batch: int = 1) -> float:
+    """A KV format's decode tok/s against fp16 KV at the same context (../gpu-review-round3 §4.4,
+    under the bytes model's ceiling): an overhead budget at 1K, a gain where the KV is a large share
+    of the bytes a step reads."""
+    if batch >= 16:
+        return 1.25 if kv == "fp8" else 1.5
+    if context <= 4096:
+        return 0.97
+    if context < 131072:
+        return 1.0
+    return 1.15 if kv == "fp8" else 1.3
+
+
 def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: dict[str, str]) -> dict:
     """The 8B-shaped decode rows; a config that raises records its error in its row and in
     `errors` (the run then exits 1), and the others still run."""
@@ -845,16 +909,17 @@ def decode_section(clock: Clock, device: str, args, peak_gbps: float, errors: di
             row["bandwidth_bound"] = {"bytes_per_token": weight_bytes + kv_bytes, "weight_bytes": weight_bytes,
                                       "tok_s": round(bound, 1), "fraction": round(tps / bound, 3)}
             if r["context"] == prompt:
-                row["target"] = verdict(tps, tps >= 150 and tps >= 0.8 * bound, ">= 150 tok/s and >= 0.8 of the bandwidth bound", smoke)
+                row["target"] = verdict(round(tps / bound, 3), tps >= 0.7 * bound, ">= 0.70 of the read-bandwidth bound", smoke)
         elif w == "rtn-int4" and r["kv_cache"] == "fp16" and fp16:
             x = tps / fp16["decode_tok_s"]["median"]
-            row["target"] = verdict(round(x, 2), x >= 2.5, ">= 2.5x fp16 tok/s", smoke)
-            new_len = r.get("ttft_new_length")
-            if new_len:
-                new_len["target"] = verdict(new_len["worst_ratio"], new_len["worst_ratio"] <= 1.1,
-                                            "a new prompt length's TTFT within 10 % of a repeated length's", smoke)
-        elif w == "fp16" and r["kv_cache"] in ("turbo-3", "kivi-2"):
-            base, want = (fp16, 1.0) if r["context"] == prompt else (fp16_long, 1.5)
+            row["target"] = verdict(round(x, 2), x >= 1.6, ">= 1.6x fp16 tok/s (stretch 2.0x)", smoke)
+            new_len, fp16_len = r.get("ttft_new_length"), fp16.get("ttft_new_length")
+            if new_len and fp16_len:  # the first call at a new shape costs fp16 too: judged against it
+                new_len["target"] = verdict(new_len["worst_ratio"], new_len["worst_ratio"] <= fp16_len["worst_ratio"] + 0.10,
+                                            "a new prompt length's TTFT penalty within fp16's own + 0.10 (same run)", smoke)
+        elif w == "fp16" and r["kv_cache"] in ("turbo-3", "kivi-2", "fp8"):
+            base = fp16 if r["context"] == prompt else fp16_long
+            want = kv_target(r["kv_cache"], r["context"])
             if base:
                 x = tps / base["decode_tok_s"]["median"]
                 row["target"] = verdict(round(x, 2), x >= want, f">= {want:g}x fp16 KV tok/s at the same context", smoke)
@@ -967,6 +1032,18 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def yardstick(device: str, args) -> dict:
+    """The figures every fraction divides by (_yardstick): the read stream (the divisor), the
+    eager copy, and on CUDA the graph-replayed copy that served before (2.7 against 4.26 TB/s on
+    an H200), kept to show the gap."""
+    out = {"read_bandwidth": read_bandwidth(device, args.repeats, args.smoke),
+           "copy_bandwidth": copy_bandwidth(device, args.repeats, args.smoke),
+           "divisor": "read_bandwidth: decode reads weights and KV and writes a few KB"}
+    if str(device).startswith("cuda"):
+        out["graph_copy_bandwidth"] = graph_copy_bandwidth(device, args.repeats, args.smoke)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -1001,9 +1078,10 @@ def main(argv=None) -> int:
     checks: list[dict] = []
     errors: dict[str, str] = {}
     t_start = time.perf_counter()
-    cb = copy_bandwidth(clock, device, args.repeats, args.smoke)
-    report["copy_bandwidth"] = cb
-    peak = cb["GBps"]["median"]
+    report["yardstick"] = yardstick(device, args)
+    peak = report["yardstick"]["read_bandwidth"]["GBps"]["median"]
+    args.l2_bytes = l2_bytes(device, args.l2_bytes)
+    report["l2_bytes"] = args.l2_bytes
 
     def section(name, fn):
         t = time.perf_counter()

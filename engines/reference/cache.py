@@ -23,23 +23,40 @@ class KVCache:
     def __init__(self, n_layers: int, batch: int, slots: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, fmt: KVFormat):
         shape = (n_layers, batch, n_kv_heads, slots, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # raw keys and values only where the format reads them (KVFormat.keeps_raw); otherwise k
+        # and v are one zero broadcast to the cache's shape (2 bytes: shapes and devices still
+        # answer), never written, and the store holds everything the cache has
+        self.keeps_raw = fmt.keeps_raw
+        if self.keeps_raw:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.k = self.v = torch.zeros((), dtype=dtype, device=device).expand(shape)
         self.fmt = fmt
         self.store = fmt.new_store(self.k, self.v)
         self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)
 
     def nbytes(self) -> int:
-        """Bytes held: the raw cache and every buffer of the format's store (dequantized values,
-        the kernels' packed codes once made)."""
-        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.store.buffers())
+        """Bytes held: the raw cache where the format keeps one, and every buffer of the format's
+        store (dequantized values, or the kernels' packed codes)."""
+        raw = self.k.nbytes + self.v.nbytes if self.keeps_raw else 0
+        return raw + sum(t.nbytes for t in self.store.buffers())
 
     def zero_(self) -> None:
         """Every slot and every buffer of the store back to zeros (a cache reused for a new sequence)."""
-        self.k.zero_()
-        self.v.zero_()
+        if self.keeps_raw:
+            self.k.zero_()
+            self.v.zero_()
         for t in self.store.buffers():
             t.zero_()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k, v [B, Hkv, T, D] at `slots` [T] as a pass would, without attending: the raw
+        cache (where kept) and the format's store (decode.Decoder.fill_synthetic)."""
+        if self.keeps_raw:
+            self.k[layer].index_copy_(2, slots, k)
+            self.v[layer].index_copy_(2, slots, v)
+        self.store.fill(layer, k, v, slots, self.seq_start)
 
     @property
     def token_slots(self) -> int:
@@ -54,7 +71,8 @@ class KVCache:
     @seq_start.setter
     def seq_start(self, value: torch.Tensor) -> None:
         self._seq_start = value
-        self.left_padded = bool(value.any())  # read once here, never inside a decode step
+        # read once here, never inside a decode step (a cache on the meta device, sized only, has none)
+        self.left_padded = False if value.is_meta else bool(value.any())
 
     def attend(self, layer: int, q, k, v, slots: torch.Tensor,
                mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
@@ -64,8 +82,9 @@ class KVCache:
         n for one new token per row that attends all of slots 0…n−1 (an eager decode step with no
         left padding: a lossless format reads just those slots with no mask; a lossy one gets the
         all-True mask as wide)."""
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        if self.keeps_raw:
+            self.k[layer].index_copy_(2, slots, k)
+            self.v[layer].index_copy_(2, slots, v)
         if isinstance(mask, int):
             if not self.fmt.lossy and not self.left_padded:
                 return float_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], slots, None,

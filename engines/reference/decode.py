@@ -183,6 +183,30 @@ class Decoder:
         self.next_slot = P
         return logits
 
+    def fill_synthetic(self, length: int, seed: int = 0) -> None:
+        """Instead of a prefill: slots 0…length−1 of every row and layer hold random keys and
+        values N(0, 1), written through the format's own write path (KVCache.write: its
+        quantize-on-write kernel where kernels run), with no forward pass and no attention. A
+        decode step then reads a cache of `length` tokens as it would after a prompt of that
+        length (benchmarks/gpu_slot.py: a batch 16 × 16K cache in seconds, not a prefill's
+        minutes). No padding; the next step writes slot `length`."""
+        if not 0 < length < self.slots:
+            raise ValueError(f"fill_synthetic: length {length} must leave a slot of the {self.slots} free")
+        a = self.model.args
+        self.pad.zero_()
+        self.cache.seq_start = self.pad
+        self.cache.store.reset()
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        slots = self.j[:length]
+        dtype = self.cache.k.dtype
+        for layer in range(a.n_layers):
+            k, v = (torch.randn(self.batch, a.n_kv_heads, length, a.head_dim, generator=g, device=self.device,
+                                dtype=torch.float32).to(dtype) for _ in range(2))
+            self.cache.write(layer, k, v, slots)
+            del k, v
+        self.slot.fill_(length)
+        self.next_slot = length
+
     def _step(self) -> torch.Tensor:
         """One decode step on the static buffers: tokens [B, 1] at self.slot → logits [B, V]."""
         if self.eager_unmasked:

@@ -117,9 +117,12 @@ def test_prepare_fixes_the_padding_that_prefill_uses(engine):
     assert fresh.pad.tolist() == [0] and not fresh.cache.left_padded
 
 
-def test_peak_kv_bytes_count_the_kernels_packed_buffers_too(engine):
-    # the packed TurboQuant codes are made on first use; a cache that holds them counts them
+def test_a_lossy_cache_on_the_torch_path_holds_one_copy_not_raw_beside_it(engine):
+    # turbo-3 without kernels: each slot's dequantized value is what attention reads, so the cache
+    # keeps no raw keys and values beside it: one [L, B, Hkv, S, D] pair, as a lossless cache's
+    a = engine.model.args
     d = Decoder(engine.model, kv_format("turbo-3", torch.float32), 1, 64, "cpu", torch.float32)
-    before = d.cache.nbytes()
-    d.cache.store.codes = torch.zeros(2, 6, 1, 2, 64, 3, 1, dtype=torch.int32)
-    assert d.cache.nbytes() == before + d.cache.store.codes.nbytes
+    one_pair = 2 * a.n_layers * 1 * a.n_kv_heads * 64 * a.head_dim * 4
+    assert not d.cache.keeps_raw and d.cache.nbytes() == one_pair
+    lossless = Decoder(engine.model, kv_format("fp32", torch.float32), 1, 64, "cpu", torch.float32)
+    assert lossless.cache.keeps_raw and lossless.cache.nbytes() == one_pair

@@ -48,6 +48,14 @@ class KVFormat:
             return f"kv_cache {self.name}: whole token groups are re-encoded on the host's schedule"
         return None
 
+    @property
+    def keeps_raw(self) -> bool:
+        """Whether a cache of this format keeps the raw keys and values beside its store. A
+        lossless format reads them; a windowed one (KIVI) reads recent slots raw and re-encodes
+        whole groups from them. Every other lossy format reads only what its store holds (codes,
+        or each slot's dequantized value), so its cache keeps no raw copy."""
+        return not self.lossy or self.windowed
+
     def calibrate(self, model) -> None:
         """Choices a format makes from the model's weights before use (fractional TurboQuant's outlier channels)."""
 
@@ -80,6 +88,10 @@ class KVStore:
         """Why a decode step over this store cannot be captured as a CUDA graph, or None."""
         return self.fmt.graph_blocker
 
+    def fill(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+        """Store new slots k, v [B, Hkv, T, D] at `slots` [T] as attend would, without attending
+        (decode.Decoder.fill_synthetic): nothing beyond the raw cache here."""
+
     def reset(self) -> None:
         """A new sequence starts at slot 0 (decode.Decoder's prefill): forget what was derived from
         an earlier one (KIVI's count of slots already coded). Slots themselves are rewritten as written."""
@@ -98,20 +110,37 @@ class KVStore:
 
 
 class DequantizedStore(KVStore):
-    """A lossy format whose slots encode on their own: each slot's dequantized value, encoded
-    once when the slot is written; every readable slot is read compressed, the current one too."""
+    """A lossy format whose slots encode on their own: each slot's dequantized value kq, vq
+    [L, B, Hkv, S, D], encoded once when the slot is written; every readable slot is read
+    compressed, the current one too. A store whose kernels read packed codes (`shadowed` False:
+    fp8 and whole-bit TurboQuant where the kernels run) keeps no such copy: it holds the codes
+    only, and a pass that is not a decode step dequantizes the slots it reads, one layer at a time."""
+
+    kq: torch.Tensor
+    vq: torch.Tensor
 
     def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
         super().__init__(fmt, k, v)
-        self.kq, self.vq = torch.zeros_like(k), torch.zeros_like(v)
+        if self.shadowed:  # torch.zeros, not zeros_like: a cache without a raw copy passes an expanded k
+            self.kq = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+            self.vq = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+
+    @property
+    def shadowed(self) -> bool:
+        """Whether this store keeps each slot's dequantized value (the torch path reads them)."""
+        return True
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.kq, self.vq]
+        return [self.kq, self.vq] if self.shadowed else []
 
     def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)
         self.kq[layer].index_copy_(2, slots, kq_new)
         self.vq[layer].index_copy_(2, slots, vq_new)
+
+    def fill(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+        """Store new slots as attend does, without attending (a synthetic cache's fill)."""
+        self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
         self.write(layer, k, v, slots, seq_start)

@@ -52,43 +52,57 @@ class Fp8KV(KVFormat):
 
 
 class Fp8Store(DequantizedStore):
-    """Where the kernels run and the GPU has the type (fp8_native: compute capability ≥ 8.9),
-    also the fp8 codes k8, v8 [L, B, Hkv, S, D], written as slots are (made on first use);
-    decode steps read them with the fp8 decode kernel."""
+    """Where the kernels run and the GPU has the type (fp8_native: compute capability ≥ 8.9), the
+    fp8 codes k8, v8 [L, B, Hkv, S, D] and nothing else: each slot is cast once as it is written,
+    decode steps read the codes with the fp8 decode kernel, and other passes widen the slots they
+    read (fp8 → the compute type is exact, so they read what a dequantized copy would hold).
+    Elsewhere each slot's dequantized value, as DequantizedStore."""
 
-    k8: torch.Tensor | None = None
-    v8: torch.Tensor | None = None
+    def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
+        self.kernels = kernels_fit(k) and fp8_native(str(k.device))
+        super().__init__(fmt, k, v)
+        if self.kernels:
+            from engines.kernels.fp8_kv import FP8
+
+            self.k8 = torch.zeros(k.shape, dtype=FP8, device=k.device)
+            self.v8 = torch.zeros(v.shape, dtype=FP8, device=v.device)
+
+    @property
+    def shadowed(self) -> bool:
+        return not self.kernels
 
     def buffers(self):
-        return [*super().buffers(), *(t for t in (self.k8, self.v8) if t is not None)]
+        return [self.k8, self.v8] if self.kernels else super().buffers()
+
+    def fill(self, layer, k, v, slots, seq_start):
+        if self.kernels:
+            self._write_codes(layer, k, v, slots)
+        else:
+            self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
-        codes = self._write_codes(layer, k, v, slots) if kernels_fit(q) and fp8_native(str(q.device)) else None
-        self.write(layer, k, v, slots, seq_start)
+        self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        if decode_step and codes is not None:
+        if not self.kernels:
+            return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+        k8, v8 = self.k8[layer, :, :, :S], self.v8[layer, :, :, :S]
+        if decode_step:
             from engines.kernels.fp8_kv import decode_attention
 
-            k8, v8 = codes
-            out = decode_attention(q[:, :, 0], k8[layer, :, :, :S], v8[layer, :, :, :S], decode_lengths(q, slots))
+            out = decode_attention(q[:, :, 0], k8, v8, decode_lengths(q, slots))
             return out[:, :, None].to(q.dtype)
-        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
+        return masked_gqa_attention(q, k8.to(q.dtype), v8.to(q.dtype), mask)
 
-    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize-on-write of the new slots (the cast kernel on CUDA, torch's cast elsewhere)
-        → the whole code buffers k8, v8."""
-        from engines.kernels.fp8_kv import FP8, quantize_on_write, quantize_reference
+    def _write_codes(self, layer: int, k, v, slots) -> None:
+        """Quantize-on-write of the new slots into k8, v8 (the cast kernel on CUDA, torch's cast elsewhere)."""
+        from engines.kernels.fp8_kv import quantize_on_write, quantize_reference
 
         # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
         # off CUDA the cast is torch's, so both paths hold the same codes.
         to_fp8 = quantize_on_write if k.is_cuda else quantize_reference
-        if self.k8 is None or self.v8 is None:
-            self.k8 = torch.zeros(self.k.shape, dtype=FP8, device=k.device)
-            self.v8 = torch.zeros(self.v.shape, dtype=FP8, device=k.device)
         # index_copy_ has no fp8 kernels: write the codes' bytes
         self.k8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(k).view(torch.uint8))
         self.v8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(v).view(torch.uint8))
-        return self.k8, self.v8
 
 
 @dataclass

@@ -69,11 +69,13 @@ class KiviKV(KVFormat):
 
 
 class KiviStore(DequantizedStore):
-    """Key groups span tokens, so a pass re-encodes whole groups of the slots it reads, and a
+    """Key groups span tokens, so a pass re-encodes whole groups of the slots it reads (a
+    transient copy, one layer at a time: nothing dequantized is kept between passes), and a
     query reads slot j compressed iff j < boundary(n), n its sequence length (two-tier attention).
     Decode steps where the kernels run take the two-tier kernel instead, over packed codes written
-    as slots leave the full-precision window (made on first use; the next multi-token pass
-    re-encodes all groups)."""
+    as slots leave the full-precision window (made with the store where kernels run; the next
+    multi-token pass re-encodes all groups). The raw cache stays: the window is read from it and
+    groups are coded from it."""
 
     fmt: KiviKV
 
@@ -82,17 +84,25 @@ class KiviStore(DequantizedStore):
         self.packed: dict[str, torch.Tensor] = {}
         L = k.shape[0]
         self.packed_k, self.packed_v = [0] * L, [0] * L  # per layer: leading slots whose codes are written
+        if kernels_fit(k):
+            self._packed()
+
+    @property
+    def shadowed(self) -> bool:
+        return False
 
     def buffers(self):
-        return [*super().buffers(), *self.packed.values()]
+        return list(self.packed.values())
+
+    def fill(self, layer, k, v, slots, seq_start):
+        """Nothing beyond the raw cache: codes are written as slots leave the window (before_step)."""
 
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
         if decode_step and kernels_fit(q):
             return self._kernel_attend(layer, q, slots)
         S = mask.shape[-1]
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
-        self.kq[layer, :, :, :S], self.vq[layer, :, :, :S] = self.fmt.encode(keys, values, seq_start, layer)
-        kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        kq, vq = self.fmt.encode(keys, values, seq_start, layer)
         if isinstance(mask, Causal):  # slots 0…S−1, no padding: no [S, S] mask or scores
             return windowed_causal_attention(q, keys, values, kq, vq, self.fmt.residual)
         ck = _compressed_mask(slots, S, seq_start, self.fmt.boundary_k)

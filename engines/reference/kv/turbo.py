@@ -110,49 +110,63 @@ class TurboKV(KVFormat):
 
 class RotatedTurboStore(DequantizedStore):
     """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
-    attention rotates the query once (rotated_attention). Where the kernels run, also the packed
-    codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py) and
-    norms [2, L, B, Hkv, S] fp32 (made on first use): one kernel launch for the keys and the
-    values writes a slot's codes, norm and rotated-domain value (an H200 decode step spent 3.6
-    of its 10.4 ms in torch's encode beside the codes: benchmarks/results/gpu); decode steps read
-    the codes with the TurboQuant decode kernel, other passes the rotated-domain values."""
+    attention rotates the query once (rotated_attention). Where the kernels run it holds only the
+    packed codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py)
+    and norms [2, L, B, Hkv, S] fp32: one kernel launch for the keys and the values writes a slot's
+    codes and norm; decode steps read the codes with the TurboQuant decode kernel, and other passes
+    dequantize the slots they read, one layer at a time (dequantize_rotated: the same ĉ·‖x‖ in the
+    same fp32 arithmetic as the write kernel's DEQUANT output). Elsewhere the rotated-domain
+    values, as DequantizedStore."""
 
     fmt: TurboKV
-    codes: torch.Tensor | None = None
-    norms: torch.Tensor | None = None
 
-    def buffers(self):
-        return [*super().buffers(), *(t for t in (self.codes, self.norms) if t is not None)]
-
-    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
-        if kernels_fit(q):
-            packed = self._write_codes(layer, k, v, slots)
-        else:
-            packed = None
-            self.write(layer, k, v, slots, seq_start)
-        S = mask.shape[-1]
-        if decode_step and packed is not None:
-            from engines.kernels.turbo_kv import decode_attention
-
-            codes, norms = packed
-            out = decode_attention(q[:, :, 0], codes[0, layer, :, :, :S], norms[0, layer, :, :, :S],
-                                   codes[1, layer, :, :, :S], norms[1, layer, :, :, :S], decode_lengths(q, slots),
-                                   int(self.fmt.bits), self.fmt.seed)
-            return out[:, :, None].to(q.dtype)
-        rotation = self.fmt.rotation(q.shape[-1], q.device)
-        return rotated_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], rotation.to(q.dtype), mask)
-
-    def _write_codes(self, layer: int, k, v, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize-on-write of the new slots by the Triton kernel: codes, norms and the
-        rotated-domain values kq, vq → the whole code and norm buffers."""
-        from engines.kernels.turbo_kv import write_slots
-
-        L, B, Hkv, S_max, D = self.k.shape
-        bits = int(self.fmt.bits)
-        if self.codes is None or self.norms is None:
+    def __init__(self, fmt: TurboKV, k: torch.Tensor, v: torch.Tensor):
+        self.kernels = kernels_fit(k)
+        super().__init__(fmt, k, v)
+        if self.kernels:
+            L, B, Hkv, S_max, D = k.shape
+            bits = int(fmt.bits)
             self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
             self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
+
+    @property
+    def shadowed(self) -> bool:
+        return not self.kernels
+
+    def buffers(self):
+        return [self.codes, self.norms] if self.kernels else super().buffers()
+
+    def fill(self, layer, k, v, slots, seq_start):
+        if self.kernels:
+            self._write_codes(layer, k, v, slots)
+        else:
+            self.write(layer, k, v, slots, seq_start)
+
+    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+        self.fill(layer, k, v, slots, seq_start)
+        S = mask.shape[-1]
+        if self.kernels and decode_step:
+            from engines.kernels.turbo_kv import decode_attention
+
+            out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S],
+                                   self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S],
+                                   decode_lengths(q, slots), int(self.fmt.bits), self.fmt.seed)
+            return out[:, :, None].to(q.dtype)
+        if self.kernels:
+            from engines.kernels.turbo_kv import dequantize_rotated
+
+            bits = int(self.fmt.bits)
+            kq = dequantize_rotated(self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S], bits).to(q.dtype)
+            vq = dequantize_rotated(self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S], bits).to(q.dtype)
+        else:
+            kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
+        rotation = self.fmt.rotation(q.shape[-1], q.device)
+        return rotated_attention(q, kq, vq, rotation.to(q.dtype), mask)
+
+    def _write_codes(self, layer: int, k, v, slots) -> None:
+        """Quantize-on-write of the new slots by the Triton kernel: codes and norms only (no
+        dequantized copy: DEQUANT off)."""
+        from engines.kernels.turbo_kv import write_slots
+
         xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (k, v)]
-        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], [self.kq[layer], self.vq[layer]], bits,
-                    self.fmt.seed)
-        return self.codes, self.norms
+        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], None, int(self.fmt.bits), self.fmt.seed)
