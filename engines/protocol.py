@@ -275,3 +275,41 @@ class Engine(Protocol):
         """Start a new measurement window: the peaks describe() reports (KV cache bytes and usage,
         device memory) count from here. A cached engine serves many config-runs; each reports its own."""
         ...
+
+
+# -- optional capabilities: an engine has one when it has its methods (isinstance checks them) --------------
+@runtime_checkable
+class ScoresDecode(Protocol):
+    """The rolling pass's windows teacher-forced one token per decode step through the KV cache
+    (decode_nll_ratio); `scores_decode` says whether that can differ from the rolling pass (a
+    lossy KV cache), else the producer skips it."""
+
+    @property
+    def scores_decode(self) -> bool: ...
+
+    def loglikelihood_decode(self, requests: Sequence[RollingRequest]) -> list[RollingResult]: ...
+
+
+@runtime_checkable
+class GivesDistributions(Protocol):
+    """Each scored token's whole next-token distribution (in-process engines: kld_mean against the
+    baseline engine's own)."""
+
+    def next_token_logprobs(self, requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, Any]]: ...
+
+
+@runtime_checkable
+class GivesTopK(Protocol):
+    """Each scored token's top-k next tokens and their log-probs, as a server returns them (at most 20)."""
+
+    def next_token_topk(self, requests: Sequence[RollingRequest], k: int) -> list[tuple[RollingResult, list, list]]: ...
+
+
+def scores_decode(engine: object) -> bool:
+    """Whether `engine` scores decode-regime log-likelihoods that can differ from its rolling pass."""
+    return isinstance(engine, ScoresDecode) and engine.scores_decode
+
+
+def gives_distributions(engine: object) -> bool:
+    """Whether `engine` gives next-token distributions, whole (in-process) or as a top-k table (a server)."""
+    return isinstance(engine, (GivesDistributions, GivesTopK))

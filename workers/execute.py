@@ -20,7 +20,14 @@ from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
 from engines.openai import NoDistributions
-from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.protocol import (
+    GenerationRequest,
+    GivesDistributions,
+    RollingRequest,
+    WindowSpec,
+    gives_distributions,
+    scores_decode,
+)
 from evals.distribution import TOP_K, doc_distribution, topk_rows
 from evals.figures import RunFigures
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
@@ -67,7 +74,7 @@ def _own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
     distributions cut to their top k in-process, or what a server returns (at most 20)."""
     out = []
     for request in requests:
-        if hasattr(engine, "next_token_logprobs"):
+        if isinstance(engine, GivesDistributions):
             [(result, rows)] = engine.next_token_logprobs([request])
             ids, logprobs = topk_rows(rows, TOP_K)
         else:
@@ -77,10 +84,6 @@ def _own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
                            tuple(float(x) for x in logprobs.ravel()), tuple(result.logprobs),
                            (request.window.max_length, request.window.stride), tokens_digest(result.token_ids)))
     return out
-
-
-def _gives_distributions(engine) -> bool:
-    return hasattr(engine, "next_token_logprobs") or hasattr(engine, "next_token_topk")
 
 
 def answer_choices(engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
@@ -244,7 +247,7 @@ class ExecuteConfigRun(BaseTask):
         term_pattern = compile_terms(work.job.suite.perplexity.terms)  # the suite's domain terms (term_nll_ratio)
         samples = work.job.samples
         # the first documents again, one token per decode step through a lossy KV cache (decode_nll_ratio)
-        n_decode = work.job.suite.perplexity.decode_samples if getattr(work.engine, "scores_decode", False) else 0
+        n_decode = work.job.suite.perplexity.decode_samples if scores_decode(work.engine) else 0
         # next-token distributions (kld_mean): a candidate's whole ones against the baseline engine's,
         # else this config-run's own top-k table, compared with the baseline's stored one at aggregation
         n_dist, baseline = self._distribution_baseline(work)
@@ -286,10 +289,10 @@ class ExecuteConfigRun(BaseTask):
         distributions are compared with the baseline engine's (both in-process); (0, None) where
         none are."""
         n = work.job.suite.perplexity.distribution_samples
-        if not n or work.job.is_baseline or not hasattr(work.engine, "next_token_logprobs"):
+        if not n or work.job.is_baseline or not isinstance(work.engine, GivesDistributions):
             return 0, None
         baseline = baseline_scorer(work.engine, work.job).engine
-        return (n, baseline) if hasattr(baseline, "next_token_logprobs") else (0, None)
+        return (n, baseline) if isinstance(baseline, GivesDistributions) else (0, None)
 
     @staticmethod
     def _topk_documents(work: _Pass, baseline) -> int:
@@ -297,7 +300,7 @@ class ExecuteConfigRun(BaseTask):
         (stored once, read by every candidate's aggregation and carried by a reused baseline), a
         candidate's where it has no whole distributions compared already."""
         n = work.job.suite.perplexity.distribution_samples
-        if not n or not _gives_distributions(work.engine) or (baseline is not None and not work.job.is_baseline):
+        if not n or not gives_distributions(work.engine) or (baseline is not None and not work.job.is_baseline):
             return 0
         return n
 

@@ -224,7 +224,7 @@ class DecoderRows:
         logits = decoder.prefill(ids)
         self.decoders[row] = decoder
         self.lengths[row] = ids.shape[1]
-        self.engine.track_bytes(self.nbytes())  # every row's cache at once, not the largest row
+        self.engine.usage.bytes(self.nbytes())  # every row's cache at once, not the largest row
         return logits
 
     def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -245,7 +245,7 @@ class DecoderRows:
         for r, d in zip(rows, decoders, strict=True):
             d.advance()
             self.lengths[r] += 1
-        self.engine.track_bytes(self.nbytes())  # the kernels' code buffers are made on first use
+        self.engine.usage.bytes(self.nbytes())  # the kernels' code buffers are made on first use
         self.engine.decode_graphs = "off: continuous batching decodes each row's loop eagerly"
         return logits
 
@@ -285,7 +285,7 @@ class SpecRows:
         logits = model(ids, slots[None], slots, cache, causal_mask(slots, ids.shape[1]), last_only=True)[:, -1]
         self.caches[row] = cache
         self.lengths[row] = ids.shape[1]
-        self.engine.track_bytes(self.nbytes())  # every row's cache at once, not the largest row
+        self.engine.usage.bytes(self.nbytes())  # every row's cache at once, not the largest row
         return logits
 
     def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -305,7 +305,7 @@ class SpecRows:
             logits = model(tokens, pos, pos[0], self, None)
         finally:
             self._active = []
-        self.engine.track_bytes(self.nbytes())  # the kernels' code buffers are made on first use
+        self.engine.usage.bytes(self.nbytes())  # the kernels' code buffers are made on first use
         return logits
 
     def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
@@ -368,7 +368,7 @@ class ContinuousBatch:
         self.k: int = engine.proposer.k if engine.proposer is not None else 0
         self.extra = self.k + 1 if self.k else 0
         if self.k:
-            engine.verify_graphs = "off: continuous batching verifies every row's drafts in one eager pass"
+            engine.verify.reason = "off: continuous batching verifies every row's drafts in one eager pass"
 
     @property
     def free_rows(self) -> int:

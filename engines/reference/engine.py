@@ -31,6 +31,7 @@ from engines.reference.kv import kv_format
 from engines.reference.model import Transformer, load_model
 from engines.reference.spec_loop import generate_speculative
 from engines.reference.speculative import DraftModelProposer, NgramProposer
+from engines.reference.usage import KVUsage, VerifyGraphs
 from engines.reference.weights import (
     RTN_BITS,
     Quantized,
@@ -109,8 +110,7 @@ class ReferenceEngine:
         self.model: Transformer = model.to(device=self.device, dtype=self.dtype).to(self.compute_dtype).fuse()
         self.args = model.args
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.peak_kv_bytes = 0
-        self.peak_kv_usage: float | None = None  # see _track_usage; None until a cache has held a token
+        self.usage = KVUsage(model.args.max_seq_len)  # KV bytes and kv_cache_usage at their peaks (usage.py)
         self.decode_graphs = "not run yet"  # whether decode steps replayed a CUDA graph, or why not
         # generation's decode loops are reused per batch bucket where their steps are captured (the
         # capture's warm-up and graph are paid once per bucket, not per batch); elsewhere one per batch
@@ -121,8 +121,7 @@ class ReferenceEngine:
         self.decoders_built, self.batches_decoded = 0, 0
         # speculative decoding's verify pass at one width per request, captured where graphs are (spec_loop.py)
         self.static_verify = self.reuse_decoders
-        self.verify_graphs = "not run yet"
-        self.verify_capture_failed: str | None = None  # why the verify pass's capture failed, once it has
+        self.verify = VerifyGraphs()  # how the speculative verify pass ran (spec_loop.py)
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
@@ -169,15 +168,15 @@ class ReferenceEngine:
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         a = self.args
-        return self._track(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.compute_dtype,
-                                   self.device, self.kv))
+        return self.usage.cache(KVCache(a.n_layers, batch, slots, a.n_kv_heads, a.head_dim, self.compute_dtype,
+                                        self.device, self.kv))
 
     def decoder(self, batch: int, slots: int, graphs: bool | None = None) -> Decoder:
         """The static decode loop (engines/reference/decode.py) over a fresh cache; graphs:
         capture its decode step (default: the spec's cuda_graphs option)."""
         d = Decoder(self.model, self.kv, batch, slots, self.device, self.compute_dtype,
                     self.spec.option("cuda_graphs") if graphs is None else graphs)
-        self._track(d.cache)
+        self.usage.cache(d.cache)
         return d
 
     def pooled_decoder(self, batch: int, slots: int, padded: bool) -> Decoder:
@@ -205,37 +204,19 @@ class ReferenceEngine:
             self.decoders_built += 1
             decoder = Decoder(self.model, self.kv, batch, key[1], self.device, self.compute_dtype,
                               self.spec.option("cuda_graphs"), graph_pool=self._graph_pool)
-            self._track(decoder.cache)
+            self.usage.cache(decoder.cache)
         else:
             decoder.cache.zero_()
         self._decoders[key] = decoder  # the most recently used last
         return decoder
 
-    def _track(self, cache: KVCache) -> KVCache:
-        """Count a cache's buffers toward peak_kv_bytes: when it is made, and again after use
-        (the kernels' packed buffers are made on first use)."""
-        self.track_bytes(cache.nbytes())
-        return cache
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.usage.peak_bytes
 
-    def track_bytes(self, nbytes: int) -> None:
-        """KV bytes held together at one moment (every row of a continuous batch's caches), toward peak_kv_bytes."""
-        self.peak_kv_bytes = max(self.peak_kv_bytes, nbytes)
-
-    def _track_usage(self, tokens_held: int, cache: KVCache, context: int | None = None) -> None:
-        """kv_cache_usage: the peak, over every KV cache this engine allocated, of the token
-        positions it held (rows × positions written: prompt + generated; a left- or right-padding
-        slot is written but holds no request's token, so it is not counted) over what a server
-        would reserve for those rows: each row's full context (the model's max_seq_len), as vLLM
-        sizes a sequence's blocks up to max_model_len. The engine itself allocates just the width a
-        batch needs, so held over allocated would read ~1.0 for every batch and say nothing.
-        Speculative decoding: the target cache's high-water mark (drafts written for verification
-        count, rejected or not); the draft model's own cache counts as one more cache. Requests only
-        (generation, prompt log-probs served): the perplexity passes' windows are the canary's own
-        scoring, and a lossless config scores them without a cache, so counting them would judge a
-        lossy KV config alone, at 100 % whenever the window is the model's context."""
-        rows = cache.k.shape[1]  # k: [L, B, H_kv, S, D]
-        usage = tokens_held / (rows * (context or self.args.max_seq_len))
-        self.peak_kv_usage = usage if self.peak_kv_usage is None else max(self.peak_kv_usage, usage)
+    @property
+    def verify_graphs(self) -> str:
+        return self.verify.reason
 
     # -- perplexity --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -276,7 +257,7 @@ class ReferenceEngine:
         cache = self.new_cache(1, len(ids)) if self.kv.lossy else NoCache()
         h = self.model(x, slots[None], slots, cache, mask, hidden=True)
         if isinstance(cache, KVCache):
-            self._track_usage(len(ids), cache)
+            self.usage.tokens(len(ids), cache)
         logprobs = torch.log_softmax(self.model.lm_head(h[0]).float(), -1)  # [T, V]: position t predicts t + 1
         picked = logprobs[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
         top: list[list[tuple[int, float]]] = []
@@ -354,9 +335,9 @@ class ReferenceEngine:
                 break
             logits = decoder.step(nxt_dev)
         self.decode_graphs = decoder.graphs_reason
-        self._track(decoder.cache)
+        self.usage.cache(decoder.cache)
         # every row: its prompt (no padding), then one slot per decode step (the last token picked is never written)
-        self._track_usage(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache)
+        self.usage.tokens(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache)
         return [
             GenerationResult(
                 request_id=r.request_id,
@@ -381,8 +362,7 @@ class ReferenceEngine:
         self._decoders.clear()  # a pooled loop's cache would otherwise count in the next run's peaks
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.peak_kv_bytes = 0
-        self.peak_kv_usage = None
+        self.usage.reset()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -419,7 +399,7 @@ class ReferenceEngine:
                    *([computed] if computed else []), *([self.int4_note] if self.int4_note else []),
                    *self.fault.notes),
             resident_weight_bytes=int(resident),
-            peak_kv_cache_bytes=int(self.peak_kv_bytes),
-            kv_cache_usage=self.peak_kv_usage,
+            peak_kv_cache_bytes=int(self.usage.peak_bytes),
+            kv_cache_usage=self.usage.peak_usage,
             peak_device_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )

@@ -88,7 +88,7 @@ def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
             mask = torch.ones(width, width, dtype=torch.bool, device=engine.device).tril()[None, None]
             cache = engine.new_cache(len(idx), width)
             h = engine.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
-            engine._track(cache)  # memory, not kv_cache_usage: a scoring window is not a request a server holds
+            engine.usage.cache(cache)  # memory, not kv_cache_usage: a scoring window is not a request a server holds
             rows = [(row, 0) for row in range(len(idx))]  # (batch row, first position) per window
         else:
             # packed: the windows end to end in one row with no padding, positions restarting
@@ -138,7 +138,7 @@ def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int]
             picked[:, t] = logprobs.gather(-1, y[:, t, None]).squeeze(-1).cpu()
             top, argmax = logprobs.max(-1)
             greedy[:, t], best[:, t] = argmax.cpu(), top.cpu()
-        engine._track(decoder.cache)  # as for prefill_windows: memory, not kv_cache_usage
+        engine.usage.cache(decoder.cache)  # as for prefill_windows: memory, not kv_cache_usage
         for row, j in enumerate(idx):
             length, n = len(jobs[j][1]), jobs[j][2]
             out[j] = (picked[row, length - n : length].tolist(), greedy[row, length - n : length].tolist(),

@@ -109,7 +109,7 @@ class StaticVerify:
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.offsets = torch.arange(k + 1, device=device)
         self.j = torch.arange(cache.k.shape[3], device=device)  # [S]
-        blocker = cache.store.graph_blocker(False) or engine.verify_capture_failed
+        blocker = cache.store.graph_blocker(False) or engine.verify.capture_failed
         self.graphs_wanted = graphs and device.type == "cuda" and blocker is None
         self.reason = ("wanted, not captured yet" if self.graphs_wanted else
                        blocker or ("CUDA graphs need a CUDA device" if graphs else "off"))
@@ -145,7 +145,7 @@ class StaticVerify:
         except Exception as e:  # noqa: BLE001 — a capture failure must not fail the request
             self.graph, self.graph_logits = None, None
             self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
-            self.engine.verify_capture_failed = self.reason  # not retried for later requests
+            self.engine.verify.capture_failed = self.reason  # not retried for later requests
 
 
 @torch.inference_mode()
@@ -183,7 +183,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
 
     verify = (StaticVerify(engine, cache, k, engine.spec.option("cuda_graphs") is not False)
               if engine.static_verify and engine.kv.graph_blocker is None else None)
-    engine.verify_graphs = verify.reason if verify is not None else "off: verify passes as wide as their drafts"
+    engine.verify.reason = verify.reason if verify is not None else "off: verify passes as wide as their drafts"
 
     def verify_pass(tokens: list[int], start: int) -> torch.Tensor:
         nonlocal held
@@ -191,7 +191,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
             return forward(tokens, start)
         held = max(held, start + len(tokens))
         logits = verify(tokens, start)
-        engine.verify_graphs = verify.reason
+        engine.verify.reason = verify.reason
         return logits
 
     first_logits = forward(prompt, 0)[-1]
@@ -214,9 +214,9 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
         stamps.append(time.perf_counter())  # the tokens one verification accepts arrive together: one gap per step
         if on_tokens:
             on_tokens(req.request_id, step.tokens, step.step)
-    engine._track_usage(held, cache)
+    engine.usage.tokens(held, cache)
     if isinstance(proposer, DraftModelProposer):
-        engine._track_usage(proposer.held, proposer.cache, proposer.model.args.max_seq_len)
+        engine.usage.tokens(proposer.held, proposer.cache, proposer.model.args.max_seq_len)
     return GenerationResult(
         request_id=req.request_id,
         text=cast(str, engine.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
