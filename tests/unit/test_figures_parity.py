@@ -11,7 +11,10 @@ on another), while a change in what is computed moves them by far more (the last
 fp32: the fp32 caches double the peak KV bytes, the quantized-KV configs' figures move by up to
 5e-3, and fp16 perplexity by less than 1e-4. kivi-2's and turbo-3.5's kv_cache_usage were edited
 from 0.25 to 0.0889 when the perplexity windows stopped counting toward it (a 256-token window of
-the 1024-position context was their peak; their generation's is 91 / 1024). Record again (only when a figure is meant to change,
+the 1024-position context was their peak; their generation's is 91 / 1024). kivi-2's and turbo-3.5's
+peak_kv_cache_bytes were edited from 12582912 to 6291456 when lossy caches stopped holding a second
+copy they never read (turbo-3.5: a raw cache beside its dequantized one; kivi-2: a dequantized one
+beside its raw one, re-encoded every pass anyway); every other figure stayed. Record again (only when a figure is meant to change,
 and say why in the commit) with
     CANARY_RECORD_PARITY=1 python -m pytest tests/unit/test_figures_parity.py
 """
