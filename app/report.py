@@ -26,7 +26,7 @@ COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "criti
            "measurement_error": "#6a1b9a", "baseline": "#000000"}
 WORST_SAMPLES = 3  # documents per candidate
 FIELD_SIGNALS = ("confident_divergence", "batch_divergence", "empty_answers", "degenerate_answers", "max_tokens_hits",
-                 "output_length_ratio")
+                 "early_stops", "output_length_ratio")
 STYLE = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem auto;max-width:1100px;color:#212121}
 h1{font-size:1.5rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}

@@ -17,7 +17,7 @@ them the config's typed records.
     tpot_ratio            paired_ratio       paired_timing_ratio
     lossless_exact_match  rate (exact)       lossless_exact_comparison (reported only on a server shown noisy)
     confident_divergence, batch_divergence, empty_answers, degenerate_answers, max_tokens_hits,
-    output_length_ratio: evals/field.py
+    early_stops, output_length_ratio: evals/field.py
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     evals.distribution.top1_agreement_comparison
     kld_mean              mean (no gate)     evals.distribution.kld_comparison

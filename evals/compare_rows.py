@@ -20,6 +20,7 @@ from evals import compare, sanity
 from evals.field import (
     batch_divergence_comparison,
     confident_divergence_comparison,
+    early_stop_share,
     health_share,
     output_length_comparison,
 )
@@ -250,6 +251,13 @@ def _health(metric: str) -> Callable[[CompareContext], Comparison | None]:
 empty_answers = _health("empty_answers")
 degenerate_answers = _health("degenerate_answers")
 max_tokens_hits = _health("max_tokens_hits")
+
+
+def early_stops(ctx: CompareContext) -> Comparison | None:
+    if ctx.is_base or not ctx.timed:
+        return None
+    return early_stop_share(ctx.mine.generations, ctx.base.generations, ctx.mine.repeats, ctx.thresholds("early_stops"),
+                            seed=ctx.seed)
 
 
 def output_length_ratio(ctx: CompareContext) -> Comparison | None:

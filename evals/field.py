@@ -7,6 +7,7 @@ that keep prompt log-probs exact. Plain records in, a `Comparison` out, as in ev
     empty_answers         paired_difference   health_share
     degenerate_answers    paired_difference   health_share
     max_tokens_hits       paired_difference   health_share
+    early_stops           paired_difference   early_stop_share
     output_length_ratio   paired_ratio        output_length_comparison
 
 The noise floor: a GPU server is not batch-invariant, so the same greedy request can come back
@@ -28,6 +29,10 @@ from evals.records import GenerationRecord
 from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
 
 EXAMPLE_CHARS = 120  # of an example answer shown in a verdict's reason
+# an answer stops early when it ends of its own accord (finish_reason stop) with fewer than this
+# share of the tokens the baseline gave the same prompt, the baseline's answer at least this long
+EARLY_STOP_SHARE = 0.5
+EARLY_STOP_MIN_TOKENS = 8
 Records = Mapping[str, GenerationRecord]  # by prompt key
 
 
@@ -177,6 +182,38 @@ def health_share(metric: str, candidate: Records, baseline: Records, t: Threshol
     example = next((_example(candidate[k]) for k in keys if found(candidate[k]) and not found(baseline[k])), None)
     details = {"candidate": int(sum(mine)), "baseline": int(sum(theirs)), **({"example": example} if example else {})}
     return _paired_shares(metric, theirs, mine, t, seed, details)
+
+
+def stopped_early(answer: GenerationRecord, reference: GenerationRecord) -> bool:
+    """`answer` ended of its own accord (finish_reason stop) well before `reference`, an answer to
+    the same prompt, did: under EARLY_STOP_SHARE of its tokens, `reference` being at least
+    EARLY_STOP_MIN_TOKENS long. An empty answer is empty_answers', not this."""
+    return (answer.finish_reason == "stop" and not is_empty(answer.text)
+            and reference.n_tokens >= EARLY_STOP_MIN_TOKENS and answer.n_tokens < EARLY_STOP_SHARE * reference.n_tokens)
+
+
+def early_stop_share(candidate: Records, baseline: Records, repeats: Records, t: Thresholds,
+                     seed: int = 0) -> Comparison | None:
+    """Answers that stop early (an early-EOS bug: a format or kernel that makes the end token
+    likely), paired by prompt: the share of the candidate's answers that stopped early against the
+    baseline's answer, minus the share of the baseline's second pass (RepeatRecord) that did
+    against its first (a server whose answers fork at near-ties can end one sooner by itself; no
+    second pass: a floor of 0, said in the details). None when no prompt has both sides, or the
+    candidate did not say why its answers ended."""
+    keys = [k for k in candidate if k in baseline]
+    if not keys or not all(candidate[k].finish_reason for k in keys):
+        return None
+    mine = [float(stopped_early(candidate[k], baseline[k])) for k in keys]
+    floor_known = all(k in repeats and repeats[k].finish_reason for k in keys)
+    floor = [float(stopped_early(repeats[k], baseline[k])) for k in keys] if floor_known else [0.0] * len(keys)
+    example = next((_example(candidate[k]) | {"tokens": candidate[k].n_tokens, "baseline_tokens": baseline[k].n_tokens}
+                    for k, m in zip(keys, mine, strict=True) if m), None)
+    details = {"candidate": int(sum(mine)), "baseline_repeat": int(sum(floor)) if floor_known else None,
+               "floor": "the baseline's second pass" if floor_known else "none measured: 0 assumed",
+               "definition": f"finish_reason stop with < {EARLY_STOP_SHARE:g} of the baseline's tokens "
+                             f"(baseline ≥ {EARLY_STOP_MIN_TOKENS} tokens), not empty",
+               **({"example": example} if example else {})}
+    return _paired_shares("early_stops", floor, mine, t, seed, details)
 
 
 def output_length_comparison(candidate: Records, baseline: Records, t: Thresholds, seed: int = 0) -> Comparison | None:

@@ -245,6 +245,13 @@ register_metric(Metric(
     warn=0.05, critical=0.15, fmt="+.3f", valid=(-1, 1), alert="CanaryMaxTokensHits",
     compare=_ROWS + "max_tokens_hits"))
 register_metric(Metric(
+    "early_stops", "stopped early", "fraction", "above", "paired_difference", "generation",
+    "share of the candidate's answers that end of their own accord (finish_reason stop, not empty) with under half "
+    "the tokens of the baseline's answer to the same prompt (≥ 8 tokens), minus the baseline's second pass's share "
+    "against its first (evals/field.py); paired bootstrap over prompts",
+    warn=0.02, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryEarlyStops",
+    compare=_ROWS + "early_stops"))
+register_metric(Metric(
     "output_length_ratio", "length ratio", "ratio", "below", "paired_ratio", "generation",
     "Σ output tokens of the candidate ÷ Σ output tokens of the baseline over the same prompts: answers cut short; "
     "paired bootstrap over prompts",

@@ -35,7 +35,8 @@ TILES = (
     # the field signals (issue 30): a lossless config's departures beyond the baseline's own noise
     # floor, and answers that broke while prompt log-probs stayed exact
     ("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
-    ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "output_length_ratio")),
+    ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "early_stops",
+                           "output_length_ratio")),
     # labelled items (the labelled scorer): accuracy recovered, and answers flipped either way at any accuracy
     ("task accuracy", ("task_recovery", "task_flips")),
     # issue 34's signals, reported without thresholds: the next-token distributions against the
