@@ -15,6 +15,11 @@ from dataclasses import dataclass
 # a tail unit of at most this many characters repeated is a loop ("not not not", "_IN_IN_IN")
 MAX_LOOP_PERIOD = 32
 MIN_DEGENERATE_CHARS = 8  # shorter answers are judged empty or fine, never a loop
+# a phrase of at most this many words repeated back to back (three copies at least) over at least
+# MIN_LOOP_SPAN words, anywhere in the answer, is a loop: "a b c a b c a b c" (9 words), "no no no
+# no no no" (6); a word said three times ("very very very") is not
+MAX_LOOP_WORDS = 8
+MIN_LOOP_SPAN = 6
 # vLLM's greedy tolerance: a greedy token within this many nats of the reference's best is a tie
 # (vLLM tests/v1/e2e/general/accuracy_utils.py, AccuracyTolerance(greedy_atol=0.25))
 NEAR_TIE_NATS = 0.25
@@ -41,17 +46,45 @@ def periodic_tail(text: str, max_period: int = MAX_LOOP_PERIOD) -> tuple[int, in
     return best
 
 
+def repeated_phrase(words: Sequence[str], max_words: int = MAX_LOOP_WORDS,
+                    min_span: int = MIN_LOOP_SPAN) -> tuple[int, int, int]:
+    """(phrase length n, copies, first word) of the longest run ANYWHERE in `words` where a phrase
+    of n ≤ max_words words follows itself back to back at least three times, the copies spanning
+    at least min_span words; (0, 0, −1) if none. "a b c d c d c d e" has none (6 words? only
+    "c d" ×3 = 6 words: yes, (2, 3, 2)); "x y x y" has none (two copies)."""
+    best, best_span = (0, 0, -1), 0
+    for n in range(1, max_words + 1):
+        j = n
+        while j < len(words):
+            if words[j] != words[j - n]:
+                j += 1
+                continue
+            k = j
+            while k < len(words) and words[k] == words[k - n]:
+                k += 1
+            span = k - j + n  # the first copy and every word that repeats the one n before it
+            if span // n >= 3 and span >= min_span and span > best_span:
+                best, best_span = (n, span // n, j - n), span
+            j = k
+    return best
+
+
 def is_degenerate(text: str) -> bool:
     """A loop or a collapse: the answer (at least MIN_DEGENERATE_CHARS characters) ends in a
-    repeating unit of ≤ 32 characters that covers at least half of it, or it has ≥ 10
-    whitespace-separated words of which at most a fifth are distinct. A loop of whitespace
-    ("\n\n\n…" to max_tokens) is one too, and empty as well."""
+    repeating unit of ≤ 32 characters that covers at least half of it; or anywhere in it a phrase
+    of 1 to 8 whitespace-separated words (about as many tokens) repeats back to back at least three
+    times over at least MIN_LOOP_SPAN words, whether the answer then goes on or not (a loop the
+    model broke out of, or one shorter than half the answer); or it has ≥ 10 words of which at most
+    a fifth are distinct. A loop of whitespace ("\n\n\n…" to max_tokens) is one too, and empty
+    as well."""
     if len(text) < MIN_DEGENERATE_CHARS:
         return False
     period, covered = periodic_tail(text)
     if period and covered >= len(text) / 2:
         return True
     words = text.split()
+    if repeated_phrase(words)[0]:
+        return True
     return len(words) >= 10 and len(set(words)) / len(words) <= 0.2
 
 

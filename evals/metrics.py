@@ -234,7 +234,8 @@ register_metric(Metric(
 register_metric(Metric(
     "degenerate_answers", "degenerate", "fraction", "above", "paired_difference", "generation",
     "share of the candidate's answers that loop (a tail unit of ≤ 32 characters repeated over at least half the "
-    "answer) or collapse (≥ 10 words, at most a fifth distinct), minus the baseline's on the same prompts "
+    "answer, or anywhere a phrase of ≤ 8 words repeated back to back ≥ 3 times over ≥ 6 words) or collapse "
+    "(≥ 10 words, at most a fifth distinct), minus the baseline's on the same prompts "
     "(evals/health.py); paired bootstrap over prompts",
     warn=0.03, critical=0.10, fmt="+.3f", valid=(-1, 1), alert="CanaryDegenerateAnswers",
     compare=_ROWS + "degenerate_answers"))

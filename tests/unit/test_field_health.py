@@ -256,3 +256,26 @@ def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
     assert "1 of 10 outputs diverge, each at a near-tie" in noisy.rule
     judged = lossless_exact_comparison(batched(sure, 8), batched(base, 8), t, repeats)
     assert judged.verdict == "warn" and judged.gated
+
+
+def test_a_repeated_phrase_of_up_to_eight_words_anywhere_is_a_loop():
+    from evals.health import repeated_phrase
+
+    # (phrase length, copies, first word), worked by hand
+    assert repeated_phrase("a b c d c d c d e".split()) == (2, 3, 2)  # "c d" ×3 from word 2, then the answer goes on
+    assert repeated_phrase("x y x y".split()) == (0, 0, -1)  # two copies are not a loop
+    assert repeated_phrase("very very very good".split()) == (0, 0, -1)  # 3 words: under the 6-word span
+    assert repeated_phrase("no no no no no no".split()) == (1, 6, 0)
+    eight = "the value of the key is not found".split()  # 8 words, three times, mid-answer
+    assert repeated_phrase(["Returns", *eight * 3, "then", "stops."]) == (8, 3, 1)
+    assert repeated_phrase(["Returns", *eight * 3]) == (8, 3, 1)
+    # the field scenario: six words of answer, then a three-word phrase to the end
+    answer = "Return the list of all keys".split() + "in the mapping".split() * 6
+    assert repeated_phrase(answer) == (3, 6, 6)
+    assert is_degenerate(" ".join(answer))
+    # a loop the model broke out of, shorter than half the answer: the tail check alone missed it
+    broke_out = "Open the file and read it. " + "and then " * 4 + "close the file when the block ends, as with any context manager."
+    assert periodic_tail(broke_out) == (0, 0) and is_degenerate(broke_out)
+    # natural text with a repeated word or a two-copy phrase stays fine
+    assert not is_degenerate("It is very very very important that the name is set before the call is made.")
+    assert not is_degenerate("Return x if x is set, else return y if y is set, else None.")
