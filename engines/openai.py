@@ -73,12 +73,15 @@ class OpenAIEngine:
     """``transport`` / ``async_transport``: factories of the httpx transports every request goes
     through (the service passes ones that check each URL against its outbound policy and pin the
     checked address); ``secret``: how api_key_env is read (the service passes one that refuses
-    variables off its allow-list). The defaults are plain httpx and os.environ, for library use."""
+    variables off its allow-list). The defaults are plain httpx and os.environ, for library use.
+    ``tokenizer``: a local model directory whose own tokenizer names the start token where the
+    server names none (the service passes the config's model directory once it has checked it
+    against the project's model root); default: the model itself when it is a builtin zoo model."""
 
     def __init__(self, model: str, spec: OptimizationSpec, *,
                  transport: Callable[[], httpx.BaseTransport] | None = None,
                  async_transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
-                 secret: Callable[[str], str | None] = os.environ.get):
+                 secret: Callable[[str], str | None] = os.environ.get, tokenizer: str | None = None):
         spec.check_available()
         self._transport, self._async_transport = transport, async_transport
         opts = spec.engine_options
@@ -102,6 +105,8 @@ class OpenAIEngine:
         self._bos_id: int | None = None
         self._start: int | None = None  # the start token the canary prepends (_start_token)
         self._start_known = False
+        self.tokenizer_dir = tokenizer or (model if model.startswith("builtin:") else None)
+        self.notes: list[str] = []  # what describe() says beyond the fixed note (where the start token came from)
         self.max_model_len = self._check_model()
 
     # -- checks ------------------------------------------------------------------------------------
@@ -214,7 +219,9 @@ class OpenAIEngine:
     def _start_token(self, client: httpx.Client) -> int | None:
         """None where the server's tokenizer adds the start token itself (found once, on a probe);
         else the id to prepend: engine_options.start_token_id, or the BOS (else EOS) token the
-        server names on /tokenizer_info. An EndpointError naming the option when neither says."""
+        server names on /tokenizer_info, or the one the model's own tokenizer names (tokenizer_dir)
+        when the server names none and reads that token as the same id. An EndpointError naming the
+        option when none of them says."""
         if self._start_known:
             return self._start
         special = self._tokenize(client, "a")
@@ -237,10 +244,43 @@ class OpenAIEngine:
                 ids = self._tokenize(client, token, special=False)
                 if len(ids) == 1:
                     return ids[0]
+        own = self._start_from_own_tokenizer(client)
+        if own is not None:
+            return own
         raise EndpointError(f"engine_options.start_token_id: {self.shown}'s tokenizer adds no start token to a prompt "
                             f"and {redact_url(self.root)}/tokenizer_info does not name one (vLLM serves it with "
-                            f"--enable-tokenizer-info-endpoint); set start_token_id to the id of the model's BOS "
-                            f"token (its EOS where it has none), which the in-process engines prepend")
+                            f"--enable-tokenizer-info-endpoint), nor is the config's model a local directory whose "
+                            f"tokenizer could; set start_token_id to the id of the model's BOS token (its EOS where it "
+                            f"has none), which the in-process engines prepend")
+
+    def _start_from_own_tokenizer(self, client: httpx.Client) -> int | None:
+        """The BOS (else EOS) token of the config's model's own tokenizer (tokenizer_dir), where the
+        server reads that token's text as the same single id; None where there is no local tokenizer.
+        A server that reads it otherwise serves another tokenizer: an EndpointError says so."""
+        if self.tokenizer_dir is None:
+            return None
+        from transformers import AutoTokenizer
+
+        from engines.zoo import ModelPathError, resolve_model_path
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(resolve_model_path(self.tokenizer_dir)), local_files_only=True)
+        except (ModelPathError, OSError, ValueError):
+            return None
+        for token, token_id in ((tok.bos_token, tok.bos_token_id), (tok.eos_token, tok.eos_token_id)):
+            if not token or token_id is None:
+                continue
+            served = self._tokenize(client, str(token), special=False)
+            if served != [int(token_id)]:
+                raise EndpointError(f"engine_options.start_token_id: the model's own tokenizer starts prompts with "
+                                    f"{str(token)!r} (id {token_id}), which {self.shown} reads as {served}: does it "
+                                    f"serve this model's tokenizer? Set start_token_id to the id its prompts start "
+                                    f"with")
+            self.notes.append(f"start token {token_id} ({str(token)!r}) from the model's own tokenizer: "
+                              f"{redact_url(self.root)}/tokenizer_info names none (engine_options.start_token_id "
+                              f"overrides)")
+            return int(token_id)
+        return None
 
     def _tokenize(self, client: httpx.Client, text: str, special: bool = True) -> list[int]:
         response = client.post(f"{self.root}/tokenize",
@@ -481,5 +521,5 @@ class OpenAIEngine:
             speculative=spec.speculative.method,
             device=self.base_url, compute_dtype="server", parameters=0, weight_bytes=0, kv_bytes_per_token=0,
             versions={"httpx": httpx.__version__},
-            notes=("figures measured over HTTP; memory is the server's (see its /metrics)",),
+            notes=("figures measured over HTTP; memory is the server's (see its /metrics)", *self.notes),
         )

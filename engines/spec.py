@@ -117,9 +117,9 @@ ENGINE_OPTIONS: dict[str, dict[str, EngineOption]] = {
         "served_model": EngineOption(str, "the model id the server answers to (vLLM's --served-model-name; default: "
                                           "the config's model path)"),
         "start_token_id": EngineOption(int, "the token every prompt starts with, as the in-process engines prepend it "
-                                            "(the model's BOS, else its EOS): only for a server whose tokenizer adds "
-                                            "none and that does not say its BOS on /tokenizer_info (vLLM: "
-                                            "--enable-tokenizer-info-endpoint)"),
+                                            "(the model's BOS, else its EOS), for a server whose tokenizer adds none: "
+                                            "overrides what /tokenizer_info (vLLM: --enable-tokenizer-info-endpoint) "
+                                            "or the config's local model's own tokenizer would name"),
         "dedicated_server": EngineOption(
             bool, "true: the server serves only the canary while it runs, so its spec-decode counter deltas are the "
                   "run's acceptance (default false: they are reported in figures.server, flagged when other traffic "

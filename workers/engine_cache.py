@@ -20,16 +20,19 @@ def calibration_id(calibration: list[str] | None) -> str:
     return hashlib.sha256("\x00".join(calibration or []).encode()).hexdigest()
 
 
-def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] | None = None):
+def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] | None = None,
+               tokenizer: str | None = None):
+    """tokenizer: an openai config's checked model directory (workers/job.served_model_tokenizer)."""
     from engines.registry import load_engine
 
-    key = json.dumps([model_path, spec.model_dump(), calibration_id(calibration)], sort_keys=True)
+    key = json.dumps([model_path, spec.model_dump(), calibration_id(calibration), tokenizer], sort_keys=True)
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
     from workers.outbound import engine_options
 
-    engine = load_engine(model_path, spec, calibration=calibration, **engine_options(spec))
+    options = engine_options(spec) | ({"tokenizer": tokenizer} if tokenizer and spec.engine == "openai" else {})
+    engine = load_engine(model_path, spec, calibration=calibration, **options)
     _ENGINES[key] = engine
     while len(_ENGINES) > MAX_CACHED_ENGINES:
         _ENGINES.popitem(last=False)

@@ -49,7 +49,7 @@ from workers import baseline_reuse, engine_cache
 from workers.base import BaseTask
 from workers.engine_cache import reset_engine_cache
 from workers.generation import BaselineScorer, baseline_scorer, concurrency, scored_rows, timings
-from workers.job import Job, load_job, loadable_model
+from workers.job import Job, load_job, loadable_model, served_model_tokenizer
 from workers.lease import Attempt, LeaseKeeper, LostLease, claim
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,8 @@ class ExecuteConfigRun(BaseTask):
         if key is not None and job.trigger == "gate" and baseline_reuse.reuse(self.transaction, attempt, job, key,
                                                                                 settings.lease_seconds):
             return
-        engine = engine_cache.get_engine(model, spec, job.calibration)
+        engine = engine_cache.get_engine(model, spec, job.calibration,
+                                         served_model_tokenizer(job) if spec.engine == "openai" else None)
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
         ppl, scorers = job.suite.perplexity, job.suite.scorers
         n_prompts = min(job.prompts, len(job.samples)) if "generation" in scorers else 0

@@ -12,7 +12,7 @@ from engines.spec import OptimizationSpec
 from evals.health import Scored, leaves_greedy
 from evals.suite import GenerationSettings
 from workers import engine_cache
-from workers.job import Job, loadable_model
+from workers.job import Job, loadable_model, served_model_tokenizer
 
 log = logging.getLogger(__name__)
 SERVING_ENGINES = ("openai", "vllm")  # engines that take many requests at once, as a server does
@@ -122,6 +122,6 @@ def baseline_scorer(engine, job: Job) -> BaselineScorer:
         from workers.outbound import check_engine
 
         check_engine(baseline, job.project)
-        return BaselineScorer(engine_cache.get_engine(job.model_path, baseline))
+        return BaselineScorer(engine_cache.get_engine(job.model_path, baseline, tokenizer=served_model_tokenizer(job)))
     path, baseline = loadable_model(job, baseline)  # the baseline's own model (or checkpoint), not the job's
     return BaselineScorer(engine_cache.get_engine(str(path), baseline))

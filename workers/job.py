@@ -72,6 +72,18 @@ def load_job(session, config_run_id: int) -> Job:
     )
 
 
+def served_model_tokenizer(job: Job) -> str | None:
+    """For an openai config: the config's model directory, checked against the project's model
+    root as loadable_model checks it, whose own tokenizer names the prompts' start token where the
+    server names none (engines/openai.py); None when model.path is only the served model's name."""
+    from app.model_paths import model_dir
+
+    try:
+        return str(model_dir(job.model_path, "model.path", job.project))
+    except ValueError:
+        return None
+
+
 def loadable_model(job: Job, spec: OptimizationSpec | None = None) -> tuple[pathlib.Path, OptimizationSpec]:
     """The model directory to load, checked again at use against the project's model root (the
     row may predate the root, or a symlink may have moved since it was created), and the config's

@@ -209,15 +209,21 @@ def test_a_canary_run_with_a_reference_baseline_and_vllm_as_the_candidate(vllm, 
 def test_ngram_speculative_decoding_on_vllm_is_lossless_and_its_counters_are_read(vllm_ngram):
     """vLLM's own n-gram speculative decoding on the CPU build, read as a dedicated server: the
     greedy answers are the reference engine's (speculation is lossless), and the spec-decode
-    counters move by what these requests drafted and accepted. Without /tokenizer_info the start
-    token must be given: one line says which option."""
+    counters move by what these requests drafted and accepted. A plain `vllm serve` (no
+    /tokenizer_info): the start token comes from the config's model's own tokenizer, the notes say
+    so, and it is the one a user would set by hand; a model named only by its served name has no
+    local tokenizer, and one line says which option to set."""
     ngram = {"method": "ngram", "k": 4}
     docs = [json.loads(line)["text"] for line in resolve_corpus_path("builtin:pydoc-heldout").read_text().splitlines()[:8]]
     prompts = [GenerationRequest(f"g{i}", " ".join(doc.split()[:24]), 32) for i, doc in enumerate(docs)]
     with pytest.raises(EndpointError, match=r"^engine_options.start_token_id: .* --enable-tokenizer-info-endpoint"):
-        OpenAIEngine("builtin:pydoc-target", spec(vllm_ngram, ngram)).generate(prompts[:1])
+        OpenAIEngine(SERVED, spec(vllm_ngram, ngram)).generate(prompts[:1])
+    own = OpenAIEngine("builtin:pydoc-target", spec(vllm_ngram, ngram))
+    first = own.generate(prompts[:2])
+    assert any(n.startswith("start token 0 (") and "own tokenizer" in n for n in own.describe().notes), own.describe().notes
     engine = OpenAIEngine("builtin:pydoc-target", spec(vllm_ngram, ngram, start_token_id=0, dedicated_server=True))
     remote = engine.generate(prompts)
+    assert [g.text for g in first] == [g.text for g in remote[:2]]  # the same start token as given by hand
     assert [g.text for g in remote] == [g.text for g in reference().generate(prompts)]
     counters = engine.server_stats().spec
     print(f"\nvLLM n-gram k=4 over {len(prompts)} prompts: {counters.num_drafts} drafts, {counters.num_accepted_tokens} of "
