@@ -204,8 +204,9 @@ register_metric(Metric(
 register_metric(Metric(
     "lossless_exact_match", "lossless EM", "fraction", "below", "rate", "generation",
     "for a config that keeps the baseline's weights and KV cache (engines.spec.lossless_against), the share of "
-    "greedy outputs equal to the baseline's token for token; any divergence is at least warn, critical when the "
-    "Wilson interval's top is at or below critical",
+    "greedy outputs equal to the baseline's token for token up to near-ties (a divergence where the baseline "
+    "model's log-prob gap is within near_tie_nats is counted and shown, never gated); any confident divergence is "
+    "at least warn, critical when the Wilson interval's top is at or below critical",
     warn=1.0, critical=0.9, fmt=".2f", valid=(0, 1), alert="CanaryLosslessDiverged", requires="lossless",
     compare=_ROWS + "lossless_exact_match"))
 register_metric(Metric(

@@ -232,10 +232,11 @@ def test_records_round_trip_through_their_rows():
         assert back.generations["k0"].scored == checked.scored
 
 
-def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
-    """A batched server that flips one answer at a near-tie (gap 0.1 ≤ τ 0.25) while its second
-    pass happened to agree: reported, not judged. Served one at a time, the same flip is a defect;
-    batched, a confident flip (gap 2.9) is still judged."""
+def test_lossless_exact_match_gates_confident_divergences_and_reports_near_ties_however_served():
+    """A server shared with other requests flips answers at near-ties whether or not the canary
+    batches its own: a flip at a near-tie (gap 0.1 ≤ τ 0.25) is counted and shown, never gated, on
+    a deterministic baseline served one at a time or batched; a confident flip (gap 2.9) is
+    judged either way, and the two together count only the confident one."""
     from dataclasses import replace
 
     from evals.compare import lossless_exact_comparison
@@ -249,13 +250,23 @@ def test_lossless_exact_match_excuses_near_ties_only_on_a_server_that_batches():
         return {k: replace(g, batch=i // size) for i, (k, g) in enumerate(records.items())}
 
     t = seed_thresholds("lossless_exact_match")
-    serial = lossless_exact_comparison(batched(flip, 1), batched(base, 1), t, repeats)
-    assert serial.verdict == "warn" and serial.gated
-    noisy = lossless_exact_comparison(batched(flip, 8), batched(base, 8), t, repeats)
-    assert noisy.estimate == pytest.approx(0.9) and noisy.verdict == "ok" and not noisy.gated
-    assert "1 of 10 outputs diverge, each at a near-tie" in noisy.rule
-    judged = lossless_exact_comparison(batched(sure, 8), batched(base, 8), t, repeats)
-    assert judged.verdict == "warn" and judged.gated
+    for size in (1, 8):
+        tie = lossless_exact_comparison(batched(flip, size), batched(base, size), t, repeats)
+        assert tie.estimate == 1.0 and tie.verdict == "ok" and tie.gated, (size, tie.rule)
+        assert tie.details["matches"] == 9 and tie.details["near_tie"]["count"] == 1 and tie.details["confident"] == 0
+        assert tie.details["near_tie"]["examples"][0]["sample_key"] == "k0"
+        assert "9 of 10 outputs identical to the baseline's; 1 more diverge at a near-tie" in tie.rule
+        judged = lossless_exact_comparison(batched(sure, size), batched(base, size), t, repeats)
+        assert judged.estimate == pytest.approx(0.9) and judged.verdict == "warn" and judged.gated
+        assert "1 of 10 outputs diverge confidently" in judged.rule
+    # one confident and one near-tie flip: 9 of 10 held up to near-ties (Wilson [0.596, 0.982])
+    both = dict(sure, k1=gen("k1", "c1", (1, 98), (-0.1, -0.2)))
+    c = lossless_exact_comparison(both, base, t, repeats)
+    assert c.estimate == pytest.approx(0.9) and c.details["confident"] == 1 and c.details["near_tie"]["count"] == 1
+    assert c.ci_low == pytest.approx(0.5958, abs=1e-3) and c.verdict == "warn"
+    # half the answers flipped confidently: Wilson high 0.763 ≤ critical 0.9
+    half = {**base, **{f"k{i}": gen(f"k{i}", f"c{i}", (i, 99), (-0.1, -3.0)) for i in range(5)}}
+    assert lossless_exact_comparison(half, base, t, repeats).verdict == "critical"
 
 
 def test_a_repeated_phrase_of_up_to_eight_words_anywhere_is_a_loop():

@@ -56,7 +56,7 @@ def test_one_divergent_output_is_a_warn_naming_where_it_diverged():
     c = lossless_exact_comparison(gens([(1, 2, 9, 4)] + BASE[1:]), gens(BASE), SEED)
     assert (c.verdict, c.estimate) == ("warn", pytest.approx(11 / 12))
     assert c.details["first_divergence"] == {"p0": 2} and c.details["matches"] == 11
-    assert c.rule == "1 of 12 outputs diverge from the baseline's; lossless should be exact"
+    assert c.rule == "1 of 12 outputs diverge confidently from the baseline's; lossless should be exact"  # unscored: confident
 
 
 def test_half_divergent_is_critical():
