@@ -1,6 +1,6 @@
 """One prepared script for a 15-minute GPU slot: stages in priority order, each written to its own
 JSON file the moment it ends, under one global deadline, so a slot cut short still returns every
-stage it reached (docs/benchmarks.md "GPU report"; ../gpu-review-round3 §6.2).
+stage it reached (docs/benchmarks.md "GPU report"; the round-3 GPU review, §6.2).
 
     python3 benchmarks/gpu_slot.py --out "$OUT" --deadline 380          # on the lent GPU
     python3 benchmarks/gpu_slot.py --out out/slot --device cpu --smoke   # rehearse every stage here
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("S0", "S1", "S2", "S3", "S4", "S5")
 ESTIMATE_S = {"S0": 5, "S1": 20, "S2": 60, "S3": 90, "S4": 150, "S5": 30}  # on an H200, start-up included
 NAMES = {"S0": "capacity", "S1": "yardstick", "S2": "w4a16", "S3": "attention", "S4": "decode", "S5": "profile"}
-PREDICTED = {  # ../gpu-review-round3 §6.2, written before the run
+PREDICTED = {  # the round-3 GPU review (§6.2), written before the run
     "S1": {"eager_copy_TBps": "4.2-4.3", "read_stream_TBps": "4.4-4.7", "graph_copy_TBps": "~2.7"},
     "S2": {"gemv1 4096x14336 batch 1 (us)": "30-35", "tinygemm (us)": "19-22", "fp16 (us)": "30-31"},
     "S3": {"32K batch 1 (us)": {"sdpa": "38-40", "grouped_fp16": "~35", "fp8": "30-32", "turbo3": "95-106", "kivi2": "115-128"}},

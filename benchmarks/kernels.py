@@ -16,7 +16,7 @@ Bandwidth fractions and bounds divide by the READ bandwidth measured in the same
 weights and KV and writes a few KB). Kernel figures are timed with a cold L2: each peer rotates
 through copies of its own inputs that together span ≥ 4 × the L2 (benchmarks/_yardstick.py; the
 row's "cold_l2" says how many). Each figure carries its target beside it ("target",
-"meets_target"; the targets are ../gpu-review-round3 §4.4's, docs/benchmarks.md "GPU report";
+"meets_target"; the targets are the round-3 GPU review's (§4.4), docs/benchmarks.md "GPU report";
 meets_target is null in --smoke, whose shapes say nothing about the targets).
 
   - yardstick: a Triton read stream over 2 GiB (the divisor), a 1 GiB device-to-device copy
@@ -359,7 +359,7 @@ def tinygemm_peer(w16, x, l2_bytes: int) -> dict:
 
 # -- decode attention -------------------------------------------------------------------------------
 # (context, batch) → each compressed format's target speedup over SDPA on fp16 KV, cold L2
-# (../gpu-review-round3 §4.4: the bytes model's ceiling and the instruction floor; 8K: none slower)
+# (the round-3 GPU review, §4.4: the bytes model's ceiling and the instruction floor; 8K: none slower)
 ATTN_TARGETS = {(8192, 1): {"turbo3": 1.0, "kivi2": 1.0, "fp8": 1.0},
                 (32768, 1): {"turbo3": 1.3, "kivi2": 1.5, "fp8": 1.6},
                 (131072, 1): {"turbo3": 1.5, "kivi2": 1.8, "fp8": 1.6},
@@ -795,7 +795,7 @@ def int4_batch1_triton(model) -> list:
 
 
 def kv_target(kv: str, context: int, batch: int = 1) -> float:
-    """A KV format's decode tok/s against fp16 KV at the same context (../gpu-review-round3 §4.4,
+    """A KV format's decode tok/s against fp16 KV at the same context (the round-3 GPU review, §4.4,
     under the bytes model's ceiling): an overhead budget at 1K, a gain where the KV is a large share
     of the bytes a step reads."""
     if batch >= 16:
