@@ -66,3 +66,29 @@ def test_capacity_at_32k_in_a_fixed_budget(kernel_path):
     seqs = {kv: (budget - weights) // cache(kv, batch=1).nbytes() for kv in ("fp16", "fp8", "turbo-3")}
     assert seqs == {"fp16": 19, "fp8": 39, "turbo-3": 97}
     assert seqs["turbo-3"] >= 3.5 * seqs["fp16"]
+
+
+@pytest.mark.parametrize("kv", ["turbo-3", "fp8"])
+def test_a_pass_that_rereads_the_cache_makes_the_shadow_once_and_writes_keep_it(kernel_path, kv):
+    # on the Triton interpreter here (tests/kernels/conftest.py), on the GPU there: codes only until a
+    # masked pass (left-padded decode, speculative verify, masked prefill chunk) reads the whole cache;
+    # then the dequantized shadow is made from the codes once, and later writes fill both
+    from engines.reference.attention import Causal
+
+    g = torch.Generator().manual_seed(0)
+    c = KVCache(1, 2, 32, 2, 32, torch.float32, torch.device("cpu"), kv_format(kv, torch.float32))
+    codes_only = c.nbytes()
+    k, v = torch.randn(2, 2, 8, 32, generator=g), torch.randn(2, 2, 8, 32, generator=g)
+    q = torch.randn(2, 4, 8, 32, generator=g)
+    c.attend(0, q, k, v, torch.arange(8), Causal(8))  # an unpadded first pass keeps nothing
+    assert not c.store.has_shadow and c.nbytes() == codes_only
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    c.seq_start = torch.tensor([0, 1])  # a left-padded step: the torch path over the whole cache
+    k1, v1 = torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
+    c.attend(0, q[:, :, :1], k1, v1, torch.tensor([8]), mask)
+    assert c.store.has_shadow and c.nbytes() == codes_only + 2 * 1 * 2 * 2 * 32 * 32 * 4  # + one fp32 [L,B,Hkv,S,D] pair
+    kq, vq = c.store.dequantized(0, 9)
+    assert torch.equal(c.store.kq[0, :, :, :9], kq) and torch.equal(c.store.vq[0, :, :, :9], vq)
+    c.write(0, k1 * 2, v1 * 2, torch.tensor([9]))  # a later write fills the shadow beside the codes
+    kq, vq = c.store.dequantized(0, 10)
+    assert torch.equal(c.store.kq[0, :, :, 9], kq[:, :, 9]) and torch.equal(c.store.vq[0, :, :, 9], vq[:, :, 9])

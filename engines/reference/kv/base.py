@@ -111,27 +111,46 @@ class KVStore:
 
 class DequantizedStore(KVStore):
     """A lossy format whose slots encode on their own: each slot's dequantized value kq, vq
-    [L, B, Hkv, S, D], encoded once when the slot is written; every readable slot is read
-    compressed, the current one too. A store whose kernels read packed codes (`shadowed` False:
-    fp8 and whole-bit TurboQuant where the kernels run) keeps no such copy: it holds the codes
-    only, and a pass that is not a decode step dequantizes the slots it reads, one layer at a time."""
+    [L, B, Hkv, S, D] (the shadow), encoded once when the slot is written; every readable slot is
+    read compressed, the current one too. A store whose kernels read packed codes (fp8 and
+    whole-bit TurboQuant where the kernels run) starts with the codes only: its decode steps and an
+    unpadded first pass read them; the first pass that needs the whole cache dequantized again and
+    again (a left-padded decode step, a speculative verify pass, a masked prefill chunk) makes the
+    shadow from the codes once (ensure_shadow), and from then on each write fills both."""
 
     kq: torch.Tensor
     vq: torch.Tensor
 
     def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
         super().__init__(fmt, k, v)
-        if self.shadowed:  # torch.zeros, not zeros_like: a cache without a raw copy passes an expanded k
-            self.kq = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-            self.vq = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        self.has_shadow = False
+        if self.shadow_at_start:
+            self._allocate_shadow()
 
     @property
-    def shadowed(self) -> bool:
-        """Whether this store keeps each slot's dequantized value (the torch path reads them)."""
+    def shadow_at_start(self) -> bool:
+        """Whether the shadow is made with the store (the torch path reads nothing else)."""
         return True
 
+    def _allocate_shadow(self) -> None:
+        # torch.zeros, not zeros_like: a cache without a raw copy passes an expanded k
+        self.kq = torch.zeros(self.k.shape, dtype=self.k.dtype, device=self.k.device)
+        self.vq = torch.zeros(self.v.shape, dtype=self.v.dtype, device=self.v.device)
+        self.has_shadow = True
+
+    def ensure_shadow(self) -> None:
+        """Make the shadow from the codes written so far, once (a store that starts with it has it)."""
+        if not self.has_shadow:
+            self._allocate_shadow()
+            for layer in range(self.k.shape[0]):
+                self.kq[layer], self.vq[layer] = self.dequantized(layer, self.k.shape[3])
+
+    def dequantized(self, layer: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots 0…S−1 of a layer dequantized from the codes, in the cache's dtype (stores with codes)."""
+        raise NotImplementedError
+
     def buffers(self) -> list[torch.Tensor]:
-        return [self.kq, self.vq] if self.shadowed else []
+        return [self.kq, self.vq] if self.has_shadow else []
 
     def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)

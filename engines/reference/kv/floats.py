@@ -8,7 +8,7 @@ import torch
 
 from engines.kernels import fp8_native
 from engines.quant import minmax_quant
-from engines.reference.attention import masked_gqa_attention
+from engines.reference.attention import Causal, masked_gqa_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
 
 
@@ -53,10 +53,11 @@ class Fp8KV(KVFormat):
 
 class Fp8Store(DequantizedStore):
     """Where the kernels run and the GPU has the type (fp8_native: compute capability ≥ 8.9), the
-    fp8 codes k8, v8 [L, B, Hkv, S, D] and nothing else: each slot is cast once as it is written,
-    decode steps read the codes with the fp8 decode kernel, and other passes widen the slots they
-    read (fp8 → the compute type is exact, so they read what a dequantized copy would hold).
-    Elsewhere each slot's dequantized value, as DequantizedStore."""
+    fp8 codes k8, v8 [L, B, Hkv, S, D]: each slot is cast once as it is written, decode steps read
+    the codes with the fp8 decode kernel, and an unpadded first pass widens the slots it reads
+    (fp8 → the compute type is exact: what a dequantized copy would hold); passes that read the
+    whole cache again and again make the shadow once (DequantizedStore.ensure_shadow). Elsewhere
+    each slot's dequantized value only, as DequantizedStore."""
 
     def __init__(self, fmt: KVFormat, k: torch.Tensor, v: torch.Tensor):
         self.kernels = kernels_fit(k) and fp8_native(str(k.device))
@@ -68,30 +69,35 @@ class Fp8Store(DequantizedStore):
             self.v8 = torch.zeros(v.shape, dtype=FP8, device=v.device)
 
     @property
-    def shadowed(self) -> bool:
+    def shadow_at_start(self) -> bool:
         return not self.kernels
 
+    def dequantized(self, layer, S):
+        return self.k8[layer, :, :, :S].to(self.k.dtype), self.v8[layer, :, :, :S].to(self.v.dtype)
+
     def buffers(self):
-        return [self.k8, self.v8] if self.kernels else super().buffers()
+        return [self.k8, self.v8, *super().buffers()] if self.kernels else super().buffers()
 
     def fill(self, layer, k, v, slots, seq_start):
         if self.kernels:
             self._write_codes(layer, k, v, slots)
-        else:
+        if self.has_shadow:
             self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
         self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        if not self.kernels:
-            return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
-        k8, v8 = self.k8[layer, :, :, :S], self.v8[layer, :, :, :S]
-        if decode_step:
+        if self.kernels and decode_step:
             from engines.kernels.fp8_kv import decode_attention
 
-            out = decode_attention(q[:, :, 0], k8, v8, decode_lengths(q, slots))
+            out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :S], self.v8[layer, :, :, :S],
+                                   decode_lengths(q, slots))
             return out[:, :, None].to(q.dtype)
-        return masked_gqa_attention(q, k8.to(q.dtype), v8.to(q.dtype), mask)
+        if self.kernels and not self.has_shadow and isinstance(mask, Causal):  # once per sequence: widen, keep nothing
+            kq, vq = self.dequantized(layer, S)
+            return masked_gqa_attention(q, kq, vq, mask)
+        self.ensure_shadow()
+        return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
 
     def _write_codes(self, layer: int, k, v, slots) -> None:
         """Quantize-on-write of the new slots into k8, v8 (the cast kernel on CUDA, torch's cast elsewhere)."""

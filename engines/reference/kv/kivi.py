@@ -88,8 +88,8 @@ class KiviStore(DequantizedStore):
             self._packed()
 
     @property
-    def shadowed(self) -> bool:
-        return False
+    def shadow_at_start(self) -> bool:
+        return False  # and never made: a pass re-encodes the slots it reads from the raw cache
 
     def buffers(self):
         return list(self.packed.values())

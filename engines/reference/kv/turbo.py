@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.quant import qjl_residual, rotation_on, turbo_mse, turbo_mse_rotated
-from engines.reference.attention import rotated_attention
+from engines.reference.attention import Causal, rotated_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
 
 
@@ -110,13 +110,15 @@ class TurboKV(KVFormat):
 
 class RotatedTurboStore(DequantizedStore):
     """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
-    attention rotates the query once (rotated_attention). Where the kernels run it holds only the
-    packed codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes, engines/kernels/turbo_kv.py)
-    and norms [2, L, B, Hkv, S] fp32: one kernel launch for the keys and the values writes a slot's
-    codes and norm; decode steps read the codes with the TurboQuant decode kernel, and other passes
-    dequantize the slots they read, one layer at a time (dequantize_rotated: the same ĉ·‖x‖ in the
-    same fp32 arithmetic as the write kernel's DEQUANT output). Elsewhere the rotated-domain
-    values, as DequantizedStore."""
+    attention rotates the query once (rotated_attention). Where the kernels run it starts with only
+    the packed codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes,
+    engines/kernels/turbo_kv.py) and norms [2, L, B, Hkv, S] fp32: one kernel launch for the keys
+    and the values writes a slot's codes and norm; decode steps read the codes with the TurboQuant
+    decode kernel, and an unpadded first pass dequantizes the slots it reads, one layer at a time
+    (dequantize_rotated: the same ĉ·‖x‖ in the same fp32 arithmetic as the write kernel's DEQUANT
+    output). A pass that reads the whole cache again and again (left-padded decode, speculative
+    verify, masked prefill chunks) makes the rotated-domain shadow once, which the write kernel
+    then fills beside the codes. Elsewhere the rotated-domain values only, as DequantizedStore."""
 
     fmt: TurboKV
 
@@ -130,15 +132,22 @@ class RotatedTurboStore(DequantizedStore):
             self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
 
     @property
-    def shadowed(self) -> bool:
+    def shadow_at_start(self) -> bool:
         return not self.kernels
 
+    def dequantized(self, layer, S):
+        from engines.kernels.turbo_kv import dequantize_rotated
+
+        bits, c, n = int(self.fmt.bits), self.codes[:, layer, :, :, :S], self.norms[:, layer, :, :, :S]
+        return (dequantize_rotated(c[0], n[0], bits).to(self.k.dtype),
+                dequantize_rotated(c[1], n[1], bits).to(self.v.dtype))
+
     def buffers(self):
-        return [self.codes, self.norms] if self.kernels else super().buffers()
+        return [self.codes, self.norms, *super().buffers()] if self.kernels else super().buffers()
 
     def fill(self, layer, k, v, slots, seq_start):
         if self.kernels:
-            self._write_codes(layer, k, v, slots)
+            self._write_codes(layer, k, v, slots)  # the shadow too, once made (the write kernel's DEQUANT)
         else:
             self.write(layer, k, v, slots, seq_start)
 
@@ -152,21 +161,19 @@ class RotatedTurboStore(DequantizedStore):
                                    self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S],
                                    decode_lengths(q, slots), int(self.fmt.bits), self.fmt.seed)
             return out[:, :, None].to(q.dtype)
-        if self.kernels:
-            from engines.kernels.turbo_kv import dequantize_rotated
-
-            bits = int(self.fmt.bits)
-            kq = dequantize_rotated(self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S], bits).to(q.dtype)
-            vq = dequantize_rotated(self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S], bits).to(q.dtype)
-        else:
+        if self.kernels and not self.has_shadow and isinstance(mask, Causal):  # once per sequence: keep nothing
+            kq, vq = self.dequantized(layer, S)
+        else:  # a pass that reads the whole cache again and again: the shadow, made once from the codes
+            self.ensure_shadow()
             kq, vq = self.kq[layer, :, :, :S], self.vq[layer, :, :, :S]
         rotation = self.fmt.rotation(q.shape[-1], q.device)
         return rotated_attention(q, kq, vq, rotation.to(q.dtype), mask)
 
     def _write_codes(self, layer: int, k, v, slots) -> None:
-        """Quantize-on-write of the new slots by the Triton kernel: codes and norms only (no
-        dequantized copy: DEQUANT off)."""
+        """Quantize-on-write of the new slots by the Triton kernel: codes and norms, and the
+        rotated-domain values into the shadow once it exists (DEQUANT on only then)."""
         from engines.kernels.turbo_kv import write_slots
 
         xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (k, v)]
-        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], None, int(self.fmt.bits), self.fmt.seed)
+        shadow = [self.kq[layer], self.vq[layer]] if self.has_shadow else None
+        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], shadow, int(self.fmt.bits), self.fmt.seed)
