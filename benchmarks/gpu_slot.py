@@ -159,36 +159,33 @@ def stage_s1(args, f: StageFile) -> bool:
     return bool(out["read_bandwidth"]["sum_equal"])
 
 
-def stage_s2(args, f: StageFile) -> bool:
+def kernel_stage(args, f: StageFile, points, run_one) -> bool:
+    """A kernel stage: run_one(kernels, clock, ns, peak, point) → (rows, checks) for each point in
+    turn, the stage's JSON rewritten after each; True when every output equals its reference."""
     kernels, ns = kernel_args(args)
     clock = kernels.Clock(args.device, warmup=0 if args.smoke else 2)
     peak = read_bw(args)
-    shapes = ((128, 64),) if args.smoke else ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336))
     rows, checks = [], []
-    for shape in shapes:
-        r, c = kernels.w4a16_section(clock, args.device, ns, peak, shapes=(shape,), prefill_rows=())
+    for point in points:
+        r, c = run_one(kernels, clock, ns, peak, point)
         rows += r
         checks += c
         f.save(read_GBps=peak, l2_bytes=ns.l2_bytes, rows=rows, checks=checks, timing_fallbacks=clock.fallbacks)
     ok = all(c["equal"] for c in checks)
     f.save(all_checks_equal=ok, complete=True)
     return ok
+
+
+def stage_s2(args, f: StageFile) -> bool:
+    shapes = ((128, 64),) if args.smoke else ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336))
+    return kernel_stage(args, f, shapes, lambda kernels, clock, ns, peak, shape: kernels.w4a16_section(
+        clock, args.device, ns, peak, shapes=(shape,), prefill_rows=()))
 
 
 def stage_s3(args, f: StageFile) -> bool:
-    kernels, ns = kernel_args(args)
-    clock = kernels.Clock(args.device, warmup=0 if args.smoke else 2)
-    peak = read_bw(args)
     points = ((64, 1), (64, 2)) if args.smoke else ((32768, 1), (131072, 1), (32768, 16))
-    rows, checks = [], []
-    for point in points:
-        r, c = kernels.attention_section(clock, args.device, ns, peak, points=(point,))
-        rows += r
-        checks += c
-        f.save(read_GBps=peak, l2_bytes=ns.l2_bytes, rows=rows, checks=checks, timing_fallbacks=clock.fallbacks)
-    ok = all(c["equal"] for c in checks)
-    f.save(all_checks_equal=ok, complete=True)
-    return ok
+    return kernel_stage(args, f, points, lambda kernels, clock, ns, peak, point: kernels.attention_section(
+        clock, args.device, ns, peak, points=(point,)))
 
 
 def synthetic_row(kernels, clock, model, kv: str, batch: int, length: int, new: int, args, weight_bytes: int,
