@@ -14,7 +14,7 @@ from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals import suite as suite_settings
 from evals.metrics import METRICS, Metric, gated_metrics
-from evals.suite import NEEDS_GENERATION, SCORERS
+from evals.suite import SCORER_TABLE, scorer
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
 NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -122,27 +122,26 @@ class SuiteEntry(suite_settings.SuiteSpec):
         if self.max_samples is not None and self.max_samples < self.samples:
             raise ValueError(f"max_samples: {self.max_samples} is below samples ({self.samples}); a top-up only adds "
                              f"documents, so set max_samples ≥ {self.samples} or leave it unset")
-        for scorer in NEEDS_GENERATION:
-            if scorer in self.scorers and "generation" not in self.scorers:
-                raise ValueError(f"scorers: '{scorer}' scores generated answers; add 'generation' to the suite's "
-                                 "scorers")
-        if "labelled" in self.scorers and not self.labelled.items:
-            raise ValueError("labelled: the labelled scorer needs labelled.items (builtin:pydoc-next-word or a .jsonl "
-                             "file of items)")
-        judged_faithfulness = "faithfulness" in self.scorers and self.faithfulness.method == "judge"
-        if ("judge" in self.scorers or judged_faithfulness) and not (self.judge.base_url and self.judge.model):
-            raise ValueError("judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and "
-                             "judge.model")
+        # each scorer the suite runs, checked against its row of the scorer table (evals/suite.py)
+        for name in self.scorers:
+            row = scorer(name)
+            for need in row.needs:
+                if need not in self.scorers:
+                    raise ValueError(f"scorers: '{name}' reads the {need} scorer's output; add '{need}' to the "
+                                     "suite's scorers")
+            problem = row.check(self) if row.check is not None else None
+            if problem:
+                raise ValueError(problem)
         return self
 
     @field_validator("scorers")
     @classmethod
     def _scorers(cls, v: list[str]) -> list[str]:
-        for scorer in v:
-            if scorer not in SCORERS:
-                raise ValueError(f"unknown scorer '{scorer}'; choose from {', '.join(SCORERS)}")
-        if "perplexity" not in v:
-            raise ValueError("the perplexity scorer is required (it is what every comparison pairs on)")
+        for name in v:
+            scorer(name)  # an unknown name is an error listing the table's
+        missing = [row.name for row in SCORER_TABLE.values() if row.required and row.name not in v]
+        if missing:
+            raise ValueError(f"the {', '.join(missing)} scorer is required (it is what every comparison pairs on)")
         return v
 
 
@@ -364,7 +363,7 @@ def _uses_lossless(file: CanaryFile) -> bool:
     if not bases:  # refused already for that: "exactly one config needs 'baseline: true'"
         return True
     base = bases[0]
-    greedy = any("generation" in suite.scorers and suite.generation.temperature < SAMPLING_EPS for suite in file.suites)
+    greedy = any(suite.runs("generation") and suite.generation.temperature < SAMPLING_EPS for suite in file.suites)
     return greedy and any(not config.baseline and lossless_against(config.to_spec(), base) for config in file.configs)
 
 

@@ -305,6 +305,33 @@ class GivesTopK(Protocol):
     def next_token_topk(self, requests: Sequence[RollingRequest], k: int) -> list[tuple[RollingResult, list, list]]: ...
 
 
+@dataclass(frozen=True)
+class LayerStates:
+    """One document's first window as a forward pass saw it, layer by layer (GivesLayerStates):
+    T tokens (the start token first), L layers. Arrays are numpy float32.
+
+    hidden [L + 1, T, dim]: the residual stream before layer 0 (the embeddings) and after each layer;
+    attention [L, T, dim]: each layer's attention output (after o_proj);
+    keys, values [L, T, Hkv·D]: what each layer's KV cache holds for the window's tokens after the
+    pass, as a later token reads them back, in the keys' own domain (a lossless cache: the keys
+    themselves). A format that reads a prefill's own tokens in full precision (KIVI) holds codes
+    all the same: its keys drift while the pass's attention does not."""
+
+    token_ids: tuple[int, ...]
+    hidden: Any
+    attention: Any
+    keys: Any
+    values: Any
+
+
+@runtime_checkable
+class GivesLayerStates(Protocol):
+    """A document's per-layer states (in-process engines: where a candidate's drift from the
+    baseline starts, workers/producers/layer_drift.py)."""
+
+    def layer_states(self, request: RollingRequest) -> LayerStates: ...
+
+
 def scores_decode(engine: object) -> bool:
     """Whether `engine` scores decode-regime log-likelihoods that can differ from its rolling pass."""
     return isinstance(engine, ScoresDecode) and engine.scores_decode

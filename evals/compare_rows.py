@@ -290,8 +290,9 @@ def confident_divergence(ctx: CompareContext) -> Comparison | None:
 
 def faithfulness(ctx: CompareContext) -> Comparison | None:
     """Judged on the baseline too (its own absolute threshold)."""
-    if "faithfulness" in ctx.failed_scorers:
-        return compare.unscored("faithfulness", f"scorer 'faithfulness' failed: {ctx.failed_scorers['faithfulness']}")
+    failed = ctx.failed_scorers.get("faithfulness")
+    if failed is not None:
+        return compare.unscored("faithfulness", f"scorer 'faithfulness' failed: {failed}")
     if not ctx.mine.faithfulness:
         return None
     return compare.faithfulness_comparison(list(ctx.mine.faithfulness.values()), list(ctx.base.faithfulness.values()),
@@ -301,8 +302,9 @@ def faithfulness(ctx: CompareContext) -> Comparison | None:
 def judge_win_rate(ctx: CompareContext) -> Comparison | None:
     if ctx.is_base:
         return None
-    if "judge" in ctx.failed_scorers:  # said once, on the judge's headline metric
-        return compare.unscored("judge_win_rate", f"scorer 'judge' failed: {ctx.failed_scorers['judge']}")
+    failed = ctx.failed_scorers.get("judge")
+    if failed is not None:  # said once, on the judge's headline metric
+        return compare.unscored("judge_win_rate", f"scorer 'judge' failed: {failed}")
     if not ctx.mine.pairwise:
         return None
     return compare.judge_win_rate_comparison(list(ctx.mine.pairwise.values()), ctx.thresholds("judge_win_rate"),
@@ -310,7 +312,7 @@ def judge_win_rate(ctx: CompareContext) -> Comparison | None:
 
 
 def judge_score_delta(ctx: CompareContext) -> Comparison | None:
-    if ctx.is_base or "judge" in ctx.failed_scorers or not ctx.mine.rubric:
+    if ctx.is_base or ctx.failed_scorers.get("judge") is not None or not ctx.mine.rubric:
         return None
     return compare.judge_score_delta_comparison(ctx.mine.rubric, ctx.base.rubric, ctx.thresholds("judge_score_delta"),
                                                 ctx.seed)

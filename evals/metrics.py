@@ -282,6 +282,13 @@ register_metric(Metric(
     "share of document positions where the candidate's argmax token equals the baseline's; clustered bootstrap CI",
     gated=False, fmt=".3f", valid=(0, 1),
     compare=_ROWS + "top1_agreement"))
+register_metric(Metric(
+    "layer_drift", "layer drift", "fraction", "above", "mean", "layers",
+    "relative error of the candidate's hidden state after the last layer against the baseline's on the same window "
+    "(in-process engines); where the drift starts (the first layer and site past 1e-3: keys, values, attention, "
+    "hidden) and its growth per layer in its details; bootstrap CI over documents (evals/layer_drift.py)",
+    gated=False, fmt=".4f", valid=(0, None),
+    compare="evals.layer_drift:layer_drift_comparison"))
 
 
 def gated_metrics() -> dict[str, Metric]:

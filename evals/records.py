@@ -431,12 +431,42 @@ class ItemRecord:
         return cls(sample_key, bool(value), e.get("answer"), tuple(e.get("scores") or ()), e.get("output"))
 
 
-# what a config-run's engine pass writes (a reused baseline's rows are these; a top-up keeps them); scorers (a
-# judge, faithfulness) add the other kinds later
-ENGINE_KINDS = (DocRecord.KIND, GenerationRecord.KIND, RepeatRecord.KIND, SoloRecord.KIND, ItemRecord.KIND)
 Record = DocRecord | GenerationRecord | PairwiseRecord | RubricRecord | FaithfulnessRecord | ItemRecord
 RECORDS: dict[str, Any] = {cls.KIND: cls for cls in (DocRecord, GenerationRecord, RepeatRecord, SoloRecord,
                                                       PairwiseRecord, RubricRecord, FaithfulnessRecord, ItemRecord)}
+# what a config-run's engine pass writes (a reused baseline's rows are these; a top-up keeps them); scorers (a
+# judge, faithfulness) add the other kinds later. A producer's own kinds join with register_record
+_ENGINE_KINDS: list[str] = [DocRecord.KIND, GenerationRecord.KIND, RepeatRecord.KIND, SoloRecord.KIND, ItemRecord.KIND]
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """The record kinds a config-run's engine pass writes."""
+    return tuple(_ENGINE_KINDS)
+
+
+def register_record(cls: Any, *, engine_pass: bool = False) -> Any:
+    """Make a record kind readable (a producer's own: KIND, to_row, from_row); engine_pass: written
+    by a config-run's engine pass, so a reused baseline copies it and a top-up keeps it. Registering
+    the same class again is a no-op; another class under a known kind is an error."""
+    known = RECORDS.get(cls.KIND)
+    if known is not None and known is not cls:
+        raise ValueError(f"record kind '{cls.KIND}' is {known.__name__}'s already")
+    RECORDS[cls.KIND] = cls
+    if engine_pass and cls.KIND not in _ENGINE_KINDS:
+        _ENGINE_KINDS.append(cls.KIND)
+    return cls
+
+
+def unregister_record(cls: Any) -> None:
+    """Forget a kind registered by register_record (a test's toy)."""
+    kind: str = cls.KIND
+    if RECORDS.get(kind) is cls and cls not in _BUILTIN:
+        del RECORDS[kind]
+        if kind in _ENGINE_KINDS:
+            _ENGINE_KINDS.remove(kind)
+
+
+_BUILTIN = tuple(RECORDS.values())
 
 
 def read_row(kind: str, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> Record:
@@ -461,6 +491,7 @@ class ConfigRecords:
     repeats: dict[str, RepeatRecord] = field(default_factory=dict)  # the baseline's second pass (a candidate's run)
     solos: dict[str, SoloRecord] = field(default_factory=dict)  # prompts sent alone
     items: dict[str, ItemRecord] = field(default_factory=dict)  # labelled items answered
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)  # a registered producer's own kinds, by kind
 
     @classmethod
     def empty(cls) -> ConfigRecords:
@@ -471,7 +502,10 @@ class ConfigRecords:
             DocRecord: self.docs, GenerationRecord: self.generations, RepeatRecord: self.repeats,
             SoloRecord: self.solos, PairwiseRecord: self.pairwise, RubricRecord: self.rubric,
             FaithfulnessRecord: self.faithfulness, ItemRecord: self.items}
-        tables[type(record)][record.sample_key] = record
+        table = tables.get(type(record))
+        if table is None:  # a kind a producer registered (register_record)
+            table = self.kinds.setdefault(record.KIND, {})
+        table[record.sample_key] = record
 
 
 class RunRecords(dict[int, ConfigRecords]):

@@ -9,12 +9,58 @@ spec stored by an older release lacks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SCORERS = ("perplexity", "generation", "judge", "faithfulness", "agreement", "labelled")
-NEEDS_GENERATION = ("judge", "faithfulness", "agreement")  # they score the generated answers
+
+@dataclass(frozen=True)
+class Scorer:
+    """A name a suite's `scorers` may list: what it measures, which other scorers' output it reads,
+    and what it needs of the suite's settings. The worker's producers (workers/producers/) and the
+    run's CPU scorers (workers/score.py) each name the scorer that switches them on; the canary.yaml
+    and the API check a suite against this table (app/config_file.py), never against a list of their own."""
+
+    name: str
+    what: str  # one line, for the error that lists the choices
+    needs: tuple[str, ...] = ()  # scorers whose output it reads (judge, faithfulness and agreement: generation)
+    required: bool = False  # every suite runs it
+    check: Callable[[SuiteSpec], str | None] | None = None  # a settings problem with its fix, or None
+
+
+SCORER_TABLE: dict[str, Scorer] = {}
+
+
+def register_scorer(scorer: Scorer) -> Scorer:
+    """Add a scorer to the table (a new producer's, or a test's toy); a name already there is an error."""
+    if scorer.name in SCORER_TABLE:
+        raise ValueError(f"scorer '{scorer.name}' is registered already")
+    unknown = [need for need in scorer.needs if need not in SCORER_TABLE]
+    if unknown:
+        raise ValueError(f"scorer '{scorer.name}' needs unknown scorer(s) {', '.join(unknown)}")
+    SCORER_TABLE[scorer.name] = scorer
+    return scorer
+
+
+def scorer(name: str) -> Scorer:
+    """The table's row for a scorer; a name not in it is an error naming the choices."""
+    try:
+        return SCORER_TABLE[name]
+    except KeyError:
+        raise ValueError(f"unknown scorer '{name}'; choose from {', '.join(SCORER_TABLE)}") from None
+
+
+def _judge_configured(suite: SuiteSpec) -> str | None:
+    if suite.judge.base_url and suite.judge.model:
+        return None
+    return "judge: the judge scorer (or faithfulness with method 'judge') needs judge.base_url and judge.model"
+
+
+def _labelled_items(suite: SuiteSpec) -> str | None:
+    return None if suite.labelled.items else ("labelled: the labelled scorer needs labelled.items "
+                                              "(builtin:pydoc-next-word or a .jsonl file of items)")
 
 
 class _Settings(BaseModel):
@@ -50,6 +96,11 @@ class PerplexitySettings(_Settings):
         "documents (the suite's first ones) on which a candidate's every next-token distribution is compared "
         "with the baseline's, as llama-perplexity --kl-divergence does: KLD mean and percentiles, Δp, same top p "
         "(kld_mean); 0 = off. The reference engine on both sides"))
+
+    layer_samples: int = Field(2, ge=1, le=100, description=(
+        "documents (the suite's first ones) on which the layers scorer compares a candidate's forward pass with the "
+        "baseline's layer by layer, on each one's first window (layer_drift): where the drift starts and how it "
+        "grows. In-process engines on both sides"))
 
     @field_validator("terms")
     @classmethod
@@ -148,4 +199,24 @@ class SuiteSpec(_Settings):
     judge: JudgeSettings = Field(default_factory=JudgeSettings)
     faithfulness: FaithfulnessSettings = Field(default_factory=FaithfulnessSettings)
     labelled: LabelledSettings = Field(default_factory=LabelledSettings)
+
+    def runs(self, name: str) -> bool:
+        """Whether the suite runs a scorer; a name not in the scorer table is an error (a typo never
+        reads as "off")."""
+        return scorer(name).name in self.scorers
+
+
+for _row in (
+    Scorer("perplexity", "documents' rolling log-likelihood (and the signals read beside it)", required=True),
+    Scorer("generation", "greedy or sampled answers to prompts, their timings and the baseline's reading"),
+    Scorer("judge", "an LLM judge's pairwise or rubric verdict on the answers", needs=("generation",),
+           check=_judge_configured),
+    Scorer("faithfulness", "the share of an answer's statements its contexts support", needs=("generation",),
+           check=lambda suite: _judge_configured(suite) if suite.faithfulness.method == "judge" else None),
+    Scorer("agreement", "top-1 and exact-match agreement with the baseline's tokens", needs=("generation",)),
+    Scorer("labelled", "labelled items answered right (task accuracy and flips)", check=_labelled_items),
+    Scorer("layers", "where a candidate's forward pass starts to drift from the baseline's, layer by layer "
+                     "(perplexity.layer_samples documents; in-process engines)"),
+):
+    register_scorer(_row)
 

@@ -28,7 +28,7 @@ from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, 
 from evals.records import RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
 from evals.suite import SuiteSpec
-from workers import step_back, top_up
+from workers import producers, step_back, top_up  # noqa: F401 - producers: the record kinds rows are read by
 
 
 class RunThresholds:

@@ -17,7 +17,7 @@ from app.models import ConfigRun, Run
 from engines.fingerprint import model_digest, source_digest
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
-from evals.records import ENGINE_KINDS
+from evals.records import engine_kinds
 from workers.engine_cache import calibration_id
 from workers.job import Job
 from workers.lease import Attempt
@@ -80,7 +80,7 @@ def reuse(transaction, attempt: Attempt, job: Job, key: str, lease_seconds: floa
             return None
         attempt.heartbeat_or_stop(session, lease_seconds, source.progress_total, source.progress_total)
         # what the engine wrote, not what judges added later (a remote judge is not in the key)
-        repo.copy_sample_results(session, source.run_id, job.run_id, job.config_id, ENGINE_KINDS)
+        repo.copy_sample_results(session, source.run_id, job.run_id, job.config_id, engine_kinds())
         assert source.figures is not None  # reusable_config_run matched the figures' inputs_key
         figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id}
         attempt.finish_or_stop(session, "succeeded", figures=figures)

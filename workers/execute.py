@@ -1,125 +1,32 @@
 """Execute one config-run: claim it (an attempt with a lease: workers/lease.py), load the engine
-for its config (cached per worker process: workers/engine_cache.py), run it over the run's
-documents and prompts, write raw per-sample results idempotently, fenced by the attempt, and
-hand over to aggregation when the run's last config finishes."""
+for its config (cached per worker process: workers/engine_cache.py), loop over the suite's
+producers (workers/producers/: documents, generation, labelled items, and any registered since),
+write each batch of their raw per-sample rows idempotently, fenced by the attempt, and hand over
+to aggregation when the run's last config finishes."""
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
-
-import numpy as np
 
 from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
-from engines.openai import NoDistributions
-from engines.protocol import (
-    GenerationRequest,
-    GivesDistributions,
-    RollingRequest,
-    WindowSpec,
-    gives_distributions,
-    scores_decode,
-)
-from evals.distribution import TOP_K, doc_distribution, topk_rows
+from engines.protocol import WindowSpec
 from evals.figures import RunFigures
-from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
-from evals.positions import position_nll, position_totals
-from evals.records import (
-    DocDistribution,
-    DocRecord,
-    DocTopK,
-    GenerationRecord,
-    ItemRecord,
-    RepeatRecord,
-    SoloRecord,
-    spec_to_json,
-    tokens_digest,
-)
 from evals.run_stats import RunStats, percentile
-from evals.terms import compile_terms, term_nll
 from workers import baseline_reuse, engine_cache
 from workers.base import BaseTask
 from workers.engine_cache import reset_engine_cache
-from workers.generation import BaselineScorer, baseline_scorer, concurrency, scored_rows, timings
+from workers.generation import concurrency
 from workers.job import Job, load_job, loadable_model, served_model_tokenizer
 from workers.lease import Attempt, LeaseKeeper, LostLease, claim
+from workers.producers import Work, producers_for
 
 log = logging.getLogger(__name__)
-DOC_BATCH = 8  # documents per engine call; progress and a commit after each (the lease: LeaseKeeper)
-
-
-def _distributions(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
-    """Per document, the candidate's whole next-token distributions against the baseline
-    engine's (evals/distribution.py; both in-process); None for a document the two tokenize
-    differently."""
-    out: list[DocDistribution | None] = []
-    for request in requests if baseline is not None else []:  # one document at a time: two [T, V] arrays live
-        [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
-        d = doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
-        # KLD by position in the window (evals/positions.py), as the perplexity ratio is kept
-        out.append(replace(d, positions=position_totals(d.kld, request.window)) if d else None)
-    return out
-
-
-def _own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
-    """Per document, the config's own top-k table (evals/records.py DocTopK): its whole
-    distributions cut to their top k in-process, or what a server returns (at most 20)."""
-    out = []
-    for request in requests:
-        if isinstance(engine, GivesDistributions):
-            [(result, rows)] = engine.next_token_logprobs([request])
-            ids, logprobs = topk_rows(rows, TOP_K)
-        else:
-            [(result, ids, logprobs)] = engine.next_token_topk([request], TOP_K)
-            ids, logprobs = np.asarray(ids), np.asarray(logprobs, np.float64)
-        out.append(DocTopK(int(ids.shape[1]), tuple(int(x) for x in ids.ravel()),
-                           tuple(float(x) for x in logprobs.ravel()), tuple(result.logprobs),
-                           (request.window.max_length, request.window.stride), tokens_digest(result.token_ids)))
-    return out
-
-
-def answer_choices(engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
-    """Multiple-choice items answered by log-likelihood, every choice of every item in one engine
-    call (the reference engine packs them into batches): each choice's Σ log p after the prompt
-    (evals/labelled.py continuation_loglikelihood)."""
-    requests = [RollingRequest(f"{item.key}#{j}", item.prompt + choice, window)
-                for item in items for j, choice in enumerate(item.choices)]
-    results = iter(engine.loglikelihood_rolling(requests))
-    rows = [[next(results) for _ in item.choices] for item in items]
-    spanless = [item for item, row in zip(items, rows, strict=True) if any(not r.char_spans for r in row)]
-    # a server's tokens have no place in the text: each choice's whole text less the prompt scored alone
-    prompts = dict(zip((item.key for item in spanless), engine.loglikelihood_rolling(
-        [RollingRequest(f"{item.key}#prompt", item.prompt, window) for item in spanless]), strict=True)) \
-        if spanless else {}
-    records = []
-    for item, row in zip(items, rows, strict=True):
-        scores = [continuation_loglikelihood(r, len(item.prompt), prompts.get(item.key)) for r in row]
-        correct, chosen = choice_correct(item, scores)
-        records.append(ItemRecord(item.key, correct, str(chosen), tuple(scores)))
-    return records
-
-
-@dataclass
-class _Pass:
-    """One attempt's work in progress: its engine, what it writes rows with, and its counts."""
-
-    attempt: Attempt
-    job: Job
-    engine: Any  # an engines.protocol.Engine
-    window: WindowSpec
-    keep_ids: bool  # top-1 and exact-match agreement pair token ids with the baseline's
-    total: int  # rows of progress in all: documents, then prompts
-    check_lease: Callable[[], None]  # raises LostLease once a newer attempt holds the config-run
-    done: int = 0
-    notes: list[str] = field(default_factory=list)  # said with the config-run's figures
 
 
 class ExecuteConfigRun(BaseTask):
@@ -216,15 +123,14 @@ class ExecuteConfigRun(BaseTask):
         engine = engine_cache.get_engine(model, spec, job.calibration,
                                          served_model_tokenizer(job) if spec.engine == "openai" else None)
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
-        ppl, scorers = job.suite.perplexity, job.suite.scorers
-        n_prompts = min(job.prompts, len(job.samples)) if "generation" in scorers else 0
-        work = _Pass(attempt, job, engine, WindowSpec(max_length=ppl.window, stride=ppl.stride or ppl.window),
-                     "agreement" in scorers, len(job.samples) + n_prompts + len(job.items),
-                     check_lease=lease.check if lease is not None else (lambda: None))
-        nll_sum, n_tokens = self._score_documents(work, settings)
-        stats = RunStats(dedicated=bool(spec.option("dedicated_server")))
-        judge, step = self._generate(work, n_prompts, stats, settings)
-        self._answer_items(work, settings)
+        ppl = job.suite.perplexity
+        work = Work(job, engine, WindowSpec(max_length=ppl.window, stride=ppl.stride or ppl.window),
+                    attempt.config_run_id, RunStats(dedicated=bool(spec.option("dedicated_server"))),
+                    check_lease=lease.check if lease is not None else (lambda: None))
+        # requests in flight at once, had the suite generated (the generation producer's figure when it did);
+        # a serving engine is told so before any producer sends it anything
+        step = concurrency(engine, spec, job.suite.generation, None)
+        produced = self._produce(work, attempt, settings)
         description = engine.describe()
         figures = RunFigures(
             engine=description.engine, weights=description.weights, kv_cache=description.kv_cache,
@@ -234,159 +140,41 @@ class ExecuteConfigRun(BaseTask):
             resident_weight_bytes=description.resident_weight_bytes,
             peak_kv_cache_bytes=description.peak_kv_cache_bytes, peak_device_bytes=description.peak_device_bytes,
             notes=[*description.notes, *work.notes],
-            token_ppl=math.exp(nll_sum / n_tokens) if n_tokens else None,
-            n_documents=len(job.samples), n_tokens=n_tokens, concurrency=step,
-            **stats.figures(description.kv_cache_usage),
-            baseline_scoring_error=judge.error if judge is not None else None,
+            **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
+               "concurrency": step, **produced},
+            **work.stats.figures(description.kv_cache_usage),
             inputs_key=key,
         ).to_json()
         self.transaction(lambda session: attempt.finish_or_stop(session, "succeeded", figures=figures),
                          f"finish config-run {attempt.config_run_id}")
 
-    def _score_documents(self, work: _Pass, settings) -> tuple[float, int]:
-        """The documents' rolling log-likelihoods, DOC_BATCH at a time; (Σ NLL, Σ tokens)."""
-        term_pattern = compile_terms(work.job.suite.perplexity.terms)  # the suite's domain terms (term_nll_ratio)
-        samples = work.job.samples
-        # the first documents again, one token per decode step through a lossy KV cache (decode_nll_ratio)
-        n_decode = work.job.suite.perplexity.decode_samples if scores_decode(work.engine) else 0
-        # next-token distributions (kld_mean): a candidate's whole ones against the baseline engine's,
-        # else this config-run's own top-k table, compared with the baseline's stored one at aggregation
-        n_dist, baseline = self._distribution_baseline(work)
-        n_topk = self._topk_documents(work, baseline)
-        nll_sum, n_tokens = 0.0, 0
-        for i in range(0, len(samples), DOC_BATCH):
-            documents = samples[i : i + DOC_BATCH]
-            work.check_lease()
-            requests = [RollingRequest(key, text, work.window) for key, text, _ in documents]
-            results = work.engine.loglikelihood_rolling(requests)
-            decoded = work.engine.loglikelihood_decode(requests[: max(0, n_decode - i)]) if n_decode > i else []
-            distributions = _distributions(work.engine, baseline, requests[: max(0, n_dist - i)])
-            try:
-                tables = _own_topk(work.engine, requests[: max(0, n_topk - i)])
-            except NoDistributions as e:  # a server that cannot give them (llama-cpp-python: text prompts only);
-                # a server error (5xx) fails the pass as the echo for perplexity would, rather than leave
-                # every candidate of the run without kld_mean
-                log.warning("config-run %s stores no next-token top-k: %s", work.attempt.config_run_id, e)
-                work.notes.append(f"no next-token distributions (kld_mean): {e}")
-                tables, n_topk = [], 0
-            rows = []
-            for j, (doc, (_, text, cluster)) in enumerate(zip(results, documents, strict=True)):
-                nll_sum += doc.nll
-                n_tokens += len(doc.token_ids)
-                terms = term_nll(text, doc.logprobs, doc.char_spans, term_pattern) if term_pattern else None
-                positions = position_nll(doc.logprobs, work.window)  # quality by position (evals/positions.py)
-                decode = ((decoded[j].nll, position_nll(decoded[j].logprobs, work.window))
-                          if j < len(decoded) else None)
-                rows.append(DocRecord.from_result(doc, cluster, work.keep_ids, terms, positions, decode,
-                                                  distributions[j] if j < len(distributions) else None,
-                                                  tables[j] if j < len(tables) else None).to_row())
-            work.done += len(documents)
-            self._write_fenced(work, rows, settings)
-        return nll_sum, n_tokens
+    def _produce(self, work: Work, attempt: Attempt, settings) -> dict[str, Any]:
+        """Run the suite's producers in order (workers/producers/), each batch written fenced by the
+        attempt after a check of the lease; returns the figures they measured."""
+        producers = producers_for(work)
+        work.total = sum(producer.total() for producer in producers)
+        figures: dict[str, Any] = {}
+        for producer in producers:
+            batches = producer.batches()
+            while True:
+                work.check_lease()  # before each engine call: a superseded attempt stops here
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                work.done += batch.progress
+                self._write_fenced(work, attempt, batch.rows, settings)
+            figures |= producer.figures()
+        return figures
 
-    @staticmethod
-    def _distribution_baseline(work: _Pass):
-        """(how many documents, the baseline's engine) for a candidate whose whole next-token
-        distributions are compared with the baseline engine's (both in-process); (0, None) where
-        none are."""
-        n = work.job.suite.perplexity.distribution_samples
-        if not n or work.job.is_baseline or not isinstance(work.engine, GivesDistributions):
-            return 0, None
-        baseline = baseline_scorer(work.engine, work.job).engine
-        return (n, baseline) if isinstance(baseline, GivesDistributions) else (0, None)
-
-    @staticmethod
-    def _topk_documents(work: _Pass, baseline) -> int:
-        """How many documents this config-run stores its own top-k table for: the baseline's always
-        (stored once, read by every candidate's aggregation and carried by a reused baseline), a
-        candidate's where it has no whole distributions compared already."""
-        n = work.job.suite.perplexity.distribution_samples
-        if not n or not gives_distributions(work.engine) or (baseline is not None and not work.job.is_baseline):
-            return 0
-        return n
-
-    def _generate(self, work: _Pass, n_prompts: int, stats: RunStats, settings) -> tuple[BaselineScorer | None, int]:
-        """The prompts' generations, a batch (`step` requests in flight) at a time, each output read
-        by the baseline model; then the batch-invariance probes. Returns (the baseline scorer, step).
-
-        A candidate's prompts also run on the baseline engine, batch by batch, in alternating order
-        (ABBA): the paired timings that ttft_ratio and tpot_ratio compare, and the baseline's second
-        pass over the prompts (RepeatRecord), the noise floor that confident_divergence is judged beyond."""
-        gen, engine = work.job.suite.generation, work.engine
-        requests = [GenerationRequest(key, " ".join(text.split()[: gen.prompt_words]), gen.max_new_tokens,
-                                      gen.temperature)
-                    for key, text, _ in work.job.samples[:n_prompts]]
-        prompts = {request.request_id: request.prompt for request in requests}
-        judge = baseline_scorer(engine, work.job) if requests else None  # it scores every config's outputs
-        step = concurrency(engine, work.job.spec, gen, judge)  # requests in flight at once (a batch)
-        timing, floor = gen.paired_timing, gen.noise_floor
-        repeat = judge is not None and judge.engine is not engine and (timing or floor)
-        for batch_number, i in enumerate(range(0, len(requests), step)):
-            work.check_lease()
-            batch = requests[i : i + step]
-            # (repeat implies a judge: `judge is not None` first, for the type checker)
-            baseline_pass = (judge.engine.generate(batch) if judge is not None and repeat and batch_number % 2 == 0
-                             else [])
-            generations = engine.generate(batch)
-            if judge is not None and repeat and batch_number % 2 == 1:
-                baseline_pass = judge.engine.generate(batch)
-            baseline_timing = timings(baseline_pass) if timing else {}
-            rows = []
-            for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, work.window) if judge
-                                                  else [(None, None, None)] * len(generations), strict=True):
-                stats.add(generation)
-                record = GenerationRecord.from_result(generation, prompts[generation.request_id], work.keep_ids)
-                base_ttft, base_tpot = baseline_timing.get(generation.request_id, (None, None))
-                rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n, paired_baseline_ttft_ms=base_ttft,
-                                    paired_baseline_tpot_ms=base_tpot, scored=read, batch=batch_number).to_row())
-            if floor and baseline_pass and judge is not None:
-                rows += scored_rows(RepeatRecord, baseline_pass, judge, prompts, work.window, work.keep_ids)
-            # a serving process's own figures over this batch (None in-process)
-            batch_spec = stats.add_server(engine.server_stats(), generations)
-            if batch_spec is not None:
-                rows[0]["extra"]["spec"] = spec_to_json(batch_spec) | {"scope": "batch"}
-            work.done += len(generations)
-            self._write_fenced(work, rows, settings)
-        # batch invariance: a few prompts again, each alone, against their answers inside a full batch
-        probes = requests[: gen.solo_probes] if step > 1 and judge is not None else []
-        if probes and judge is not None:
-            work.check_lease()
-            alone = [engine.generate([request])[0] for request in probes]
-            self._write_fenced(work, scored_rows(SoloRecord, alone, judge, prompts, work.window, work.keep_ids),
-                               settings)
-        return judge, step
-
-    def _answer_items(self, work: _Pass, settings) -> None:
-        """The suite's labelled items (evals/labelled.py), DOC_BATCH at a time: a multiple-choice
-        item by each choice's Σ log p after the prompt (the log-likelihood of prompt + choice less the
-        prompt's own, as lm-eval's loglikelihood requests give it), any other by a greedy answer."""
-        max_new_tokens = work.job.suite.labelled.max_new_tokens
-        for i in range(0, len(work.job.items), DOC_BATCH):
-            work.check_lease()
-            batch = work.job.items[i : i + DOC_BATCH]
-            asked = [item for item in batch if item.match != "choice"]  # generated together, as one batch
-            answers = {answer.request_id: answer.text for answer in work.engine.generate(
-                [GenerationRequest(item.key, item.prompt, max_new_tokens, 0.0) for item in asked])} if asked else {}
-            chosen = iter(answer_choices(work.engine, [item for item in batch if item.match == "choice"], work.window))
-            records = []
-            for item in batch:
-                if item.match == "choice":
-                    records.append(next(chosen))
-                else:
-                    correct, read = generated_correct(item, answers[item.key])
-                    records.append(ItemRecord(item.key, correct, read, output=answers[item.key]))
-            work.done += len(batch)
-            self._write_fenced(work, [record.to_row() for record in records], settings)
-
-    def _write_fenced(self, work: _Pass, rows: list[dict], settings) -> None:
+    def _write_fenced(self, work: Work, attempt: Attempt, rows: list[dict], settings) -> None:
         """One transaction: record progress and renew the lease (fenced by the attempt number), then
         write the rows. If a newer attempt holds the run, nothing is written. Retried as a unit
         while the database is away."""
         def write(session) -> None:
-            work.attempt.heartbeat_or_stop(session, settings.lease_seconds, work.done, work.total)
+            attempt.heartbeat_or_stop(session, settings.lease_seconds, work.done, work.total)
             repo.write_sample_results(session, work.job.run_id, work.job.config_id, rows)
 
-        self.transaction(write, f"write results of config-run {work.attempt.config_run_id}")
+        self.transaction(write, f"write results of config-run {attempt.config_run_id}")
 
 
 execute_config_run = ExecuteConfigRun()

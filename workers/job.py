@@ -68,7 +68,7 @@ def load_job(session, config_run_id: int) -> Job:
         items=tuple(LabelledItem.from_stored(sample.key.removeprefix(ITEM_PREFIX), sample.text,
                                              sample.reference or "{}")
                     for sample in repo.suite_samples(session, suite.id, run.suite_version, items=True)
-                    [: settings.labelled.max_items]) if "labelled" in settings.scorers else (),
+                    [: settings.labelled.max_items]) if settings.runs("labelled") else (),
     )
 
 

@@ -9,6 +9,7 @@ results stand."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app import repo
@@ -53,7 +54,7 @@ def scoring_inputs(session, run: Run) -> Scoring | None:
     """The run's scoring inputs; None when its suite runs no CPU scorer."""
     suite = session.get(Suite, run.suite_id)
     spec = suite.settings
-    if not {"judge", "faithfulness"} & set(spec.scorers):
+    if not any(spec.runs(name) for name in RUN_SCORERS):
         return None
     samples = {x.key: x for x in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)}
     return Scoring(run.id, run.baseline_config_id, session.get(Project, run.project_id).name, spec, samples,
@@ -65,16 +66,12 @@ def score_run(scoring: Scoring, table: RunRecords) -> dict[str, str]:
     what they score is stored and added to it); returns {scorer: why it failed} for those that failed."""
     failed: dict[str, str] = {}
     gens = {config_id: table[config_id].generations for config_id in scoring.config_ids}
-    if "faithfulness" in scoring.spec.scorers:
-        try:
-            _faithfulness(scoring, gens, table)
-        except (JudgeError, MissingContexts, RuntimeError, ValueError) as e:
-            failed["faithfulness"] = str(e)
-    if "judge" in scoring.spec.scorers:
-        try:
-            _judge(scoring, gens, table)
-        except (JudgeError, ValueError) as e:  # ValueError: the SSRF policy refused the judge URL
-            failed["judge"] = str(e)
+    for name, (score, errors) in RUN_SCORERS.items():
+        if scoring.spec.runs(name):
+            try:
+                score(scoring, gens, table)
+            except errors as e:
+                failed[name] = str(e)
     return failed
 
 
@@ -143,3 +140,12 @@ def _judge(scoring: Scoring, gens: dict[int, dict[str, GenerationRecord]], table
 
             _store(scoring, config_id, [rec for batch in client.map(one, todo) for rec in batch], table)
         log.info("judge usage for run %s: %s", scoring.run_id, client.usage)
+
+
+# the run's CPU scorers, by the suite scorer that switches each on (evals/suite.py), in the order they run,
+# with the errors that fail the scorer (not the run). ValueError: the SSRF policy refused the judge URL
+RUN_SCORERS: dict[str, tuple[Callable[[Scoring, dict[int, dict[str, GenerationRecord]], RunRecords], None],
+                             tuple[type[Exception], ...]]] = {
+    "faithfulness": (_faithfulness, (JudgeError, MissingContexts, RuntimeError, ValueError)),
+    "judge": (_judge, (JudgeError, ValueError)),
+}

@@ -33,7 +33,7 @@ from app import repo
 from app.models import Run, Suite
 from app.settings import get_settings
 from evals.metrics import informational
-from evals.records import ENGINE_KINDS
+from evals.records import engine_kinds
 from evals.stats import TOO_FEW, Comparison
 from workers import step_back
 
@@ -100,7 +100,7 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
     # what a judge or faithfulness scorer said of the outputs that run again no longer applies
     return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
-                           keep_metrics=ENGINE_KINDS)
+                           keep_metrics=engine_kinds())
 
 
 def reason(run: Run, suite: Suite | None) -> str:

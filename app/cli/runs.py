@@ -46,7 +46,8 @@ DEMO_CONFIG: dict[str, Any] = {
     ],
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
-         "scorers": ["perplexity", "generation", "faithfulness", "agreement"],
+         # layers: where each config's forward pass starts to drift from the baseline's (layer_drift)
+         "scorers": ["perplexity", "generation", "faithfulness", "agreement", "layers"],
          # dotted names and dunders: the term NLL ratio scores their tokens apart (term_nll_ratio)
          # the first 4 documents also one token per decode step through each lossy KV cache (decode_nll_ratio),
         # the first 8 with every next-token distribution against the baseline's (kld_mean)

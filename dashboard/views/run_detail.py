@@ -123,6 +123,29 @@ def distribution_rows(run: dict) -> list[dict]:
     return rows
 
 
+LAYER_ROWS = 5  # the configs that drift most; the rest are in the run's comparisons
+
+
+def layer_rows(run: dict) -> list[dict]:
+    """The configs that drift most from the baseline's forward pass, worst first (layer_drift's
+    details, evals/layer_drift.py): where the drift starts (the first layer and site past its
+    bound), how it grows per layer, the hidden state's error after each layer and after the last."""
+    found = [c for c in run["comparisons"]
+             if c["metric"] == "layer_drift" and c.get("estimate") is not None and c["config"] != run["baseline"]]
+    rows = []
+    for c in sorted(found, key=lambda c: -c["estimate"])[:LAYER_ROWS]:
+        d = c.get("details") or {}
+        per_layer = d.get("per_layer") or {}
+        growth = d.get("growth_per_layer")
+        rows.append({"config": c["config"], "drift starts at": d.get("first_divergent", "—"),
+                     "growth per layer": f"×{growth:.2f}" if growth is not None else "—",
+                     "hidden error after each layer": " · ".join(f"{x:.3g}" for x in per_layer.get("hidden") or []),
+                     "after the last [95% CI]": f"{c['estimate']:.4f} [{c['ci_low']:.4f}, {c['ci_high']:.4f}]",
+                     "cosine after the last": f"{(per_layer.get('hidden_cos') or [float('nan')])[-1]:.4f}",
+                     "documents": c["n"]})
+    return rows
+
+
 def kld_by_position(details: dict) -> str:
     """Mean KLD per position bucket of the windows, "0–127 0.0121 · 128–255 0.0342"; "—" with one bucket."""
     return " · ".join(f"{b['positions']} {b['estimate']:.4g}" for b in details.get("by_position") or []) or "—"
@@ -234,6 +257,12 @@ def render(api, project: str, params) -> None:
                       "Over every token of the suite's first perplexity.distribution_samples documents. Reported, "
                       "not judged: near the baseline KL stops ranking configs. Bounds: what the baseline's top 20 "
                       "log-probs alone (what a server returns) say of each token's KLD.", distribution_rows(run))
+    _rows_in_expander("Where the drift starts, layer by layer",
+                      f"The {LAYER_ROWS} configs whose forward pass drifts most from the baseline's on the same "
+                      "window (the suite's layers scorer): the first layer and site (keys and values as the KV "
+                      "cache holds them, attention output, hidden state) whose relative error passes 0.001, and "
+                      "how the hidden state's error grows per layer from there. Reported, not judged: it says "
+                      "where to look.", layer_rows(run))
     _rows_in_expander("KV cache: scored by prefill and by decode",
                       "The same documents scored in one prefill and one token per decode step through the KV "
                       "cache: a gap above 1 is loss only decoding reads. Reported, not judged (verdict: ppl "

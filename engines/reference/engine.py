@@ -18,6 +18,7 @@ from engines.protocol import (
     EngineDescription,
     GenerationRequest,
     GenerationResult,
+    LayerStates,
     PromptScores,
     RollingRequest,
     RollingResult,
@@ -28,6 +29,7 @@ from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
 from engines.reference.faults import EngineFault
 from engines.reference.kv import kv_format
+from engines.reference.layer_states import layer_states as reference_layer_states
 from engines.reference.model import Transformer, load_model
 from engines.reference.spec_loop import generate_speculative
 from engines.reference.speculative import DraftModelProposer, NgramProposer
@@ -243,6 +245,11 @@ class ReferenceEngine:
         its result and a numpy array [T, V] of log-softmax rows, row i the distribution token i was
         drawn from (evals/distribution.py: KLD, Δp, same top p)."""
         return scoring.with_distributions(self, requests)
+
+    def layer_states(self, request: RollingRequest) -> LayerStates:
+        """The request's first window layer by layer: hidden states, attention outputs, and the keys
+        and values read back from the KV cache (engines/reference/layer_states.py)."""
+        return reference_layer_states(self, request)
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: Sequence[int], top_k: int = 0) -> PromptScores:

@@ -93,7 +93,7 @@ def test_lm_eval_multiple_choice_samples_import_as_items_the_canary_answers_alik
     with `canary tasks import-lm-eval`: the same items come back, and the canary's labelled scorer
     (the reference engine in-process) answers each one right or wrong exactly as lm-eval's `acc` did."""
     from evals.labelled import builtin_items, parse_items
-    from workers.execute import answer_choices
+    from workers.producers.labelled import answer_choices
 
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     listed = subprocess.run([sys.executable, "-m", "app.cli", "tasks", "builtin", "pydoc-next-word"], cwd=ROOT,

@@ -98,7 +98,7 @@ def test_a_rag_item_without_contexts_fails_faithfulness_naming_the_sample(sqlite
 
 
 @pytest.mark.parametrize("suite,message", [
-    ({"scorers": ["perplexity", "judge"]}, "'judge' scores generated answers; add 'generation'"),
+    ({"scorers": ["perplexity", "judge"]}, "'judge' reads the generation scorer's output; add 'generation'"),
     ({"scorers": ["perplexity", "generation", "judge"], "judge": {"model": "m"}}, "judge.base_url and judge.model"),
     ({"judge": {"base_url": "ftp://x", "model": "m"}}, "'ftp://x' is not an http(s) URL"),
 ])

@@ -2,7 +2,9 @@
 code the Celery workers run, on the real tiny model."""
 
 import math
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import ClassVar
 
 import pytest
 from app import repo
@@ -227,3 +229,90 @@ def test_a_compare_target_that_cannot_be_imported_names_its_row():
                  compare="evals.compare_rows:no_such_function")
     with pytest.raises(LookupError, match=r"metric toy_missing: compare target 'evals.compare_rows:no_such_function'"):
         row.compare_target()
+
+
+@dataclass(frozen=True)
+class ToyHeadRecord:
+    """A toy producer's own record kind: Σ −log p of a document's first words alone."""
+
+    KIND: ClassVar[str] = "toy_head_nll"
+    sample_key: str
+    nll: float
+
+    def to_row(self) -> dict:
+        return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.nll, "extra": {}}
+
+    @classmethod
+    def from_row(cls, sample_key, value, extra):
+        return cls(sample_key, float(value))
+
+
+def toy_head_difference(ctx):
+    """The toy metric's compare target: the candidate's mean head NLL less the baseline's, over the
+    documents both scored (from the toy producer's own records)."""
+    from evals.compare import reported
+
+    mine, base = ctx.mine.kinds.get("toy_head_nll", {}), ctx.base.kinds.get("toy_head_nll", {})
+    keys = [k for k in mine if k in base]
+    if ctx.is_base or not keys:
+        return None
+    diffs = [mine[k].nll - base[k].nll for k in keys]
+    mean = sum(diffs) / len(diffs)
+    return reported("toy_head_difference", mean, min(diffs), max(diffs), len(keys), min_n=1)
+
+
+def test_a_producer_registered_in_a_test_reaches_the_comparisons_with_no_worker_edit(sqlite_env):
+    """A new per-document signal is one producer (its engine requests, its record kind) and one
+    metric row: registered here, run by the worker's loop over the suite's producers, read by the
+    aggregation and compared, with no file under workers/ naming it."""
+    from engines.protocol import RollingRequest
+    from evals.metrics import METRICS, Metric, register_metric
+    from evals.records import unregister_record
+    from evals.suite import SCORER_TABLE, Scorer, register_scorer
+    from workers.producers import PRODUCERS, Batch, Producer, register_producer
+
+    calls = []
+
+    class ToyHead(Producer):
+        scorer = "toy_head"
+        records = (ToyHeadRecord,)
+
+        def total(self):
+            return len(self.work.job.samples)
+
+        def batches(self):
+            requests = [RollingRequest(key, " ".join(text.split()[:6]), self.work.window)
+                        for key, text, _ in self.work.job.samples]
+            calls.append(len(requests))
+            results = self.work.engine.loglikelihood_rolling(requests)
+            yield Batch([ToyHeadRecord(r.doc_id, r.nll).to_row() for r in results], len(results))
+
+    register_scorer(Scorer("toy_head", "a test's toy: the first six words' log-likelihood"))
+    register_producer(ToyHead)
+    toy = register_metric(Metric("toy_head_difference", "head Δ", "points", "above", "mean", "toy_head",
+                                 "a test's toy row: mean head NLL, candidate less baseline", gated=False,
+                                 compare=f"{__name__}:toy_head_difference"))
+    config = {**CONFIG, "configs": CONFIG["configs"][:2],
+              "suites": [{**CONFIG["suites"][0], "samples": 4, "scorers": ["perplexity", "toy_head"]}]}
+    try:
+        with session_scope() as s:
+            apply_config_file(s, parse_config(config))
+        run_id, _ = start_run("t", "s", None, InlineDispatcher())
+        with session_scope() as s:
+            summary = jsonable(run_summary(s, repo.get_run(s, repo.get_project(s, "t"), run_id)))
+            stored = s.scalars(select(SampleResult).where(SampleResult.run_id == run_id,
+                                                          SampleResult.metric == "toy_head_nll")).all()
+    finally:
+        METRICS.pop(toy.name)
+        PRODUCERS.remove(ToyHead)
+        SCORER_TABLE.pop("toy_head")
+        unregister_record(ToyHeadRecord)
+    assert calls == [4, 4]  # one call per config-run: the baseline's and int4's
+    assert len(stored) == 8 and all(r.value > 0 for r in stored)
+    toys = [c for c in summary["comparisons"] if c["metric"] == "toy_head_difference"]
+    by_key = {}
+    for r in stored:
+        by_key.setdefault(r.sample_key, {})[r.config_id] = r.value
+    diffs = [v[max(v)] - v[min(v)] for v in by_key.values()]  # int4 is the config created second
+    assert [(c["config"], c["n"]) for c in toys] == [("int4", 4)]
+    assert toys[0]["estimate"] == pytest.approx(sum(diffs) / 4, abs=1e-9)

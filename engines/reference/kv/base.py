@@ -20,6 +20,11 @@ class KVFormat:
         """k, v: [B, Hkv, S, D] raw → what the cache holds for them (same shapes)."""
         raise NotImplementedError
 
+    def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
+        """What the cache gives back for raw k, v [B, Hkv, S, D], in their own domain (a format
+        that stores a rotated domain rotates back): the error a pass reads them with."""
+        return self.encode(k, v, seq_start, layer)
+
     def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
         """Leading key positions held compressed when the sequence holds n tokens (all of them,
         the current one included, unless the format keeps a full-precision window)."""

@@ -79,6 +79,13 @@ class TurboKV(KVFormat):
     def rotation(self, d: int, device) -> torch.Tensor:
         return rotation_on(d, self.seed, device)
 
+    def read_back(self, k, v, seq_start, layer=0):
+        kq, vq = self.encode(k, v, seq_start, layer)
+        if not self.rotated:
+            return kq, vq
+        rot = self.rotation(k.shape[-1], k.device)  # stored Π·x (x @ Πᵀ): back by x = y @ Π
+        return (kq.float() @ rot).to(k.dtype), (vq.float() @ rot).to(v.dtype)
+
     def encode(self, k, v, seq_start, layer=0):
         if self.rotated:  # stored in the rotated domain: codes × norms (Π·k̂, Π·v̂)
             return (turbo_mse_rotated(k, int(self.bits), self.seed).to(k.dtype),

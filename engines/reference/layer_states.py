@@ -1,0 +1,70 @@
+"""A document's first window through the model, layer by layer (engines.protocol.LayerStates):
+the residual stream before and after each layer, each attention output, and the keys and values
+each layer's KV cache holds for the window afterwards, as a later token reads them back. Read
+with forward hooks on the model's own modules and a cache that notes what it was given, so the
+pass is the one perplexity runs (a lossy format's prefill through its store, a lossless one's
+causal pass)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engines.protocol import LayerStates, RollingRequest, tokenize_with_spans
+from engines.reference.cache import NoCache
+
+
+class _ReadBack:
+    """A cache in front of the pass's own: notes, per layer, the keys and values as the format
+    gives them back to a later token (KVFormat.read_back; [T, Hkv·D], float32 on the CPU), then
+    attends through the real one."""
+
+    def __init__(self, cache, fmt):
+        self.cache, self.fmt = cache, fmt
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def attend(self, layer: int, q, k, v, slots, mask):
+        kb, vb = k, v
+        if self.fmt.lossy:
+            kb, vb = self.fmt.read_back(k, v, torch.zeros(k.shape[0], dtype=torch.long, device=k.device), layer)
+        for out, x in ((self.keys, kb), (self.values, vb)):  # [1, Hkv, T, D] → [T, Hkv·D]
+            out.append(x[0].transpose(0, 1).reshape(x.shape[2], -1).float().cpu().numpy())
+        return self.cache.attend(layer, q, k, v, slots, mask)
+
+
+@torch.inference_mode()
+def layer_states(engine, request: RollingRequest) -> LayerStates:
+    """The request's first window (at most window.max_length tokens, the start token first)."""
+    ids, _ = tokenize_with_spans(engine.tokenizer, request.text)
+    if not ids:
+        raise ValueError(f"document '{request.doc_id}' has no tokens")
+    seq = ([engine.start_id] + ids)[: min(request.window.max_length, engine.args.max_seq_len)]
+    T, device, model = len(seq), engine.device, engine.model
+    x = torch.tensor([seq], device=device)
+    slots = torch.arange(T, device=device)
+    if engine.kv.lossy:  # through the format's store, as prefill_windows scores a lossy window
+        cache, mask = engine.new_cache(1, T), torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    else:
+        cache, mask = NoCache(), None
+    readback = _ReadBack(cache, engine.kv)
+    hidden: list[np.ndarray] = []  # before each layer (its input norm's input), then after the last
+    attention: list[np.ndarray] = []
+
+    def note_hidden(module, args):
+        hidden.append(args[0][0].float().cpu().numpy())
+
+    def note_attention(module, args, out):
+        attention.append(out[0].float().cpu().numpy())
+
+    layers = list(model.model.layers)
+    hooks = [layer.input_layernorm.register_forward_pre_hook(note_hidden) for layer in layers]
+    hooks.append(model.model.norm.register_forward_pre_hook(note_hidden))
+    hooks += [layer.self_attn.register_forward_hook(note_attention) for layer in layers]
+    try:
+        model(x, slots[None], slots, readback, mask, hidden=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return LayerStates(tuple(seq), np.stack(hidden), np.stack(attention), np.stack(readback.keys),
+                       np.stack(readback.values))
