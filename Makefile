@@ -69,7 +69,7 @@ $(LLMC_VENV)/.installed:
 	$(LLMC_VENV)/bin/python -m pip install --quiet $(LLMCOMPRESSOR)
 	touch $@
 
-.PHONY: install demo test test-fast test-interop test-vllm test-llmcompressor test-package serve gpu-report bench
+.PHONY: install check demo test test-fast test-interop test-vllm test-llmcompressor test-package serve gpu-report bench
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -85,9 +85,15 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The quick tier while developing: every test not marked `integration` (no PostgreSQL, Redis,
-# server or worker processes, browser, or long model work; tests/conftest.py "test tiers")
-test-fast: $(VENV)/.installed
+# The quick gate: lint, types and the import contracts (seconds when mypy's cache is warm)
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+# The quick tier while developing: `make check`, then every test not marked `integration` (no PostgreSQL,
+# Redis, server or worker processes, browser, or long model work; tests/conftest.py "test tiers")
+test-fast: check
 	$(PY) -m pytest -m "not integration"
 
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`

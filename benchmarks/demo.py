@@ -1,4 +1,4 @@
-"""How long `canary demo` takes (README quick start; issue 20's goal: at most 2 minutes on an idle
+"""How long `canary demo` takes (README quick start; the goal, docs/benchmarks.md: at most 2 minutes on an idle
 2-core machine), through a pipe as `make demo` runs it: every config of the demo (15) on the
 embedded default. Cold: a fresh HOME, so the AWQ search's on-disk cache is empty and the search
 runs; warm: the same HOME again, the cache filled by the cold run (what every run after a user's

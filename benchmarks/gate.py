@@ -9,7 +9,7 @@ on by default; `warm_baseline_reused` says whether it did, and `warm_config_run_
 config-run of the warm gate took). Each repeat
 starts a fresh server on a fresh database. Also printed: where the cold gate's time went (server
 start, each config-run from the database's timestamps, the rest), the server's peak RSS, and the
-thread count and load average. One JSON object. Goal (issue 20): cold <= 8 s, warm <= 3 s on an
+thread count and load average. One JSON object. Goal (docs/benchmarks.md): cold <= 8 s, warm <= 3 s on an
 idle 2-core machine.
 
     python benchmarks/gate.py [--repeats 3] [--samples 12]

@@ -354,7 +354,7 @@ AXES = ("weights", "kv_cache", "speculative")
 def changed_axes(candidate: OptimizationSpec, baseline: OptimizationSpec) -> list[str]:
     """The axes on which the candidate differs from the baseline: its weights, its KV cache as
     stored (`auto` on a float model is that model's dtype), its speculative decoding. Two or more
-    make it a *stacked* config (issue 17: "step back one layer")."""
+    make it a *stacked* config (docs/scorers.md, "step back one layer")."""
     out = []
     if candidate.weights != baseline.weights or candidate.checkpoint != baseline.checkpoint:  # a checkpoint is weights
         out.append("weights")

@@ -27,9 +27,9 @@ them the config's typed records.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -117,7 +117,7 @@ def peak_comparison(metric: str, peak: float | None, t: Thresholds, source: str)
                       details={"source": source})
 
 
-def reported(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw) -> Comparison:
+def reported(metric: str, est: float, lo: float, hi: float, n: int, min_n: int = 10, **kw: Any) -> Comparison:
     """A metric reported with its CI but no threshold (agreement): never 'ok' on too few samples."""
     if n < min_n:
         why = f"n={n} < min_n={min_n}: {TOO_FEW}"
@@ -267,13 +267,14 @@ def gen_nll_ratio_by_position(candidate: Mapping[str, GenerationRecord], baselin
     return out
 
 
-def _rate_ratio(nll_c: np.ndarray, tok_c: np.ndarray, nll_b: np.ndarray, tok_b: np.ndarray):
+def _rate_ratio(nll_c: np.ndarray, tok_c: np.ndarray, nll_b: np.ndarray, tok_b: np.ndarray
+                ) -> Callable[[np.ndarray], np.ndarray]:
     """The resampled ratio exp(Σ w·NLL_c / Σ w·tokens_c − Σ w·NLL_b / Σ w·tokens_b): two sides of
     their own lengths, for paired_bootstrap_ci."""
     return lambda w: np.exp((w @ nll_c) / (w @ tok_c) - (w @ nll_b) / (w @ tok_b))
 
 
-def _ratio_of_sums(diff: np.ndarray, toks: np.ndarray):
+def _ratio_of_sums(diff: np.ndarray, toks: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """The resampled ratio exp(Σ w·ΔNLL / Σ w·tokens), for paired_bootstrap_ci."""
     return lambda w: np.exp((w @ diff) / (w @ toks))
 

@@ -29,7 +29,7 @@ Shapes: T scored tokens, V vocabulary, k top-k. numpy only (no torch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -229,7 +229,7 @@ def summarize(stats: Sequence[TokenStats]) -> dict:
 
 
 def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, min_n: int = 10,
-                   clusters: Sequence[str] | None = None):
+                   clusters: Sequence[str] | None = None) -> Comparison:
     """kld_mean: Σ KLD ÷ Σ tokens over the documents (key, distribution) a candidate compared,
     with a bootstrap CI over their source documents (clusters; n and min_n count those);
     reported, no threshold (near the baseline KL stops ranking configs). details: `summarize`'s
@@ -267,7 +267,7 @@ def kld_comparison(docs: Sequence[tuple[str, DocDistribution]], seed: int = 0, m
     return reported("kld_mean", estimate, lo, hi, len(set(groups)), min_n=min_n, gated=False, details=details)
 
 
-def _mean_of_sums(sums: np.ndarray, toks: np.ndarray):
+def _mean_of_sums(sums: np.ndarray, toks: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """Σ values ÷ Σ tokens under bootstrap weights w [B, n]."""
     return lambda w: (w @ sums) / (w @ toks)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from evals.judge import JudgeClient
 
@@ -66,7 +66,7 @@ class OfflineFaithfulness:
         self._cache: dict[str, object] = {}  # sentence → embedding: every config's answer meets the same contexts
         self._cache_size = cache_size
 
-    def _load(self):
+    def _load(self) -> tuple[Any, Any, Any]:
         if self._model is None:
             import importlib.resources
 
@@ -86,7 +86,7 @@ class OfflineFaithfulness:
             self._model = (tok, model, torch)
         return self._model
 
-    def embed(self, texts: Sequence[str]):
+    def embed(self, texts: Sequence[str]) -> Any:
         """Mean-pooled, L2-normalised sentence embeddings [N, 384] (sentence-transformers' recipe)."""
         tok, model, torch = self._load()
         todo = list(dict.fromkeys(t for t in texts if t not in self._cache))

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import httpx
 
@@ -89,7 +89,7 @@ class JudgeClient:
     def __enter__(self) -> JudgeClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @staticmethod
@@ -174,7 +174,8 @@ class JudgeClient:
             self.usage.completion_tokens += ct
         return ChatReply(text, top, pt, ct)
 
-    def ask_json(self, messages: list[dict], validate: Callable[[dict], object], *, logprobs: bool = False):
+    def ask_json(self, messages: list[dict], validate: Callable[[dict], object], *, logprobs: bool = False
+                 ) -> tuple[Any, Any, int]:
         """(parsed value, reply, parse failures) — re-asks up to max_parse_retries times; returns
         (None, last reply, failures) when every answer was malformed."""
         failures, reply = 0, None

@@ -16,7 +16,7 @@ aggregation calls for every row), its producer (the engine or scorer that measur
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
@@ -351,5 +351,5 @@ def informational(c: Judged) -> bool:
     return not METRICS[c.metric].gated or not c.gated
 
 
-def worst_verdict(verdicts) -> str:
+def worst_verdict(verdicts: Iterable[str]) -> str:
     return max(verdicts, key=VERDICT_ORDER.__getitem__, default="ok")

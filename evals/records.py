@@ -31,7 +31,7 @@ import hashlib
 import math
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -259,7 +259,7 @@ class GenerationRecord:
         return sum(self.itl_ms) / len(self.itl_ms) if self.itl_ms else None
 
     @classmethod
-    def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool):
+    def from_result(cls, g: GenerationResult, prompt: str, keep_ids: bool) -> GenerationRecord:
         return cls(g.request_id, g.ttft_ms, prompt, g.text, g.n_tokens, g.prompt_tokens,
                    tuple(round(x, 3) for x in g.itl_ms), g.tokens_per_second,
                    tuple(g.token_ids) if keep_ids and g.token_ids else (), g.spec, finish_reason=g.finish_reason,
@@ -296,7 +296,7 @@ class GenerationRecord:
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
 
     @classmethod
-    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None):
+    def from_row(cls, sample_key: str, value: float | None, extra: Mapping[str, Any] | None) -> GenerationRecord:
         e = extra or {}
         spec = e.get("spec")
         return cls(sample_key, value, e.get("prompt", ""), e.get("text", ""), int(e.get("n_tokens") or 0),
@@ -516,7 +516,7 @@ class RunRecords(dict[int, ConfigRecords]):
         return self[config_id]
 
     @classmethod
-    def from_rows(cls, rows) -> RunRecords:
+    def from_rows(cls, rows: Iterable[tuple[int, str, str, float | None, Mapping[str, Any] | None]]) -> RunRecords:
         """rows: (config_id, kind, sample_key, value, extra) in storage order."""
         table = cls()
         for config_id, kind, sample_key, value, extra in rows:

@@ -1,4 +1,4 @@
-"""Step back one layer (issue 17 item 6): how much of a stacked config's quality loss each of its
+"""Step back one layer (docs/scorers.md): how much of a stacked config's quality loss each of its
 optimizations causes on its own, from the ratios of its single-optimization ablations (each the
 baseline with one axis of the stacked config: engines.spec.single_axis_ablation), all measured on
 the same samples against the same baseline.

@@ -1,4 +1,4 @@
-"""Step back one layer (issue 17 item 6). A config is *stacked* when two or more of its axes differ
+"""Step back one layer (docs/scorers.md). A config is *stacked* when two or more of its axes differ
 from the baseline's (engines.spec.changed_axes). When the aggregation finds a stacked config warn or
 critical on a quality ratio (evals.step_back.LOSS_METRICS), the run gains one config-run per
 single-optimization ablation — the baseline with one axis of the stacked config, on its engine —

@@ -1,4 +1,4 @@
-"""Top up an undecided run (issue 17: a fault at or above its threshold must be flagged). A
+"""Top up an undecided run (docs/scorers.md, "Verdict rule": a fault at or above its threshold must be flagged). A
 comparison whose CI straddles the warn threshold, or that has fewer paired samples than its
 min_n, is `inconclusive`: the data cannot tell, and the answer is more samples (evals/stats.py).
 When the suite sets `max_samples`, the aggregation does not stop there. It draws as many

@@ -1,4 +1,4 @@
-"""The Overview's per-model card (issue 19, the seed's §11 card): one tile per headline figure —
+"""The Overview's per-model card (docs/service.md, the model card): one tile per headline figure —
 domain perplexity, judge score, faithfulness, spec-decode acceptance, TTFT p50/p99, throughput,
 KV-cache usage, lossless outputs against the noise floor, generation health — each with its
 value, the config it comes from and its threshold state as a colour and a word, plus the model's
@@ -32,14 +32,14 @@ TILES = (
     ("TTFT p50 / p99", ("ttft_ms",)),
     ("throughput", ("tpot_ratio",)),
     ("KV-cache usage", ("kv_cache_usage",)),
-    # the field signals (issue 30): a lossless config's departures beyond the baseline's own noise
-    # floor, and answers that broke while prompt log-probs stayed exact
+    # the field signals (docs/scorers.md, "Servers in the field"): a lossless config's departures beyond the
+    # baseline's own noise floor, and answers that broke while prompt log-probs stayed exact
     ("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
     ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits", "early_stops",
                            "output_length_ratio")),
     # labelled items (the labelled scorer): accuracy recovered, and answers flipped either way at any accuracy
     ("task accuracy", ("task_recovery", "task_flips")),
-    # issue 34's signals, reported without thresholds: the next-token distributions against the
+    # the distribution signals (docs/concepts.md), reported without thresholds: the next-token distributions against the
     # baseline's (llama-perplexity --kl-divergence), and a lossy KV cache read one token per decode step
     ("next-token KLD", ("kld_mean",)),
     ("KV cache by decode", ("decode_nll_ratio",)),

@@ -125,7 +125,7 @@ def test_every_page_in_headless_chromium(dashboard, seeded_api, tmp_path):
                 assert tile.value_of_css_property("background-color") == "rgba(255, 205, 210, 1)"  # #ffcdd2
                 table = browser.find_element("css selector", "table")
                 assert tile.location["y"] < table.location["y"]
-                # the field signals' tiles (issue 30), drawn with a state in words
+                # the field signals' tiles (docs/scorers.md), drawn with a state in words
                 drawn = {t.text.split("\n")[0]: t for t in browser.find_elements("css selector", ".canary-tile")}
                 for title in ("lossless outputs", "generation health"):
                     assert title in drawn, list(drawn)

@@ -1,4 +1,4 @@
-"""The charts on long and crowded histories (issue 36): the Trends page on 2 runs and on 30 runs of
+"""The charts on long and crowded histories (docs/service.md): the Trends page on 2 runs and on 30 runs of
 15 configs, one of them collapsed (7× its baseline's perplexity), with alerts; read under
 Streamlit's AppTest (the Vega-Lite spec as drawn) and in headless Chromium (the drawn chart's
 size and that no label lies over another). The history is written straight into the database

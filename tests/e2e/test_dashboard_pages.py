@@ -114,9 +114,9 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     faith = [c["comparisons"]["faithfulness"] for c in over["models"]["tiny"]]
     assert not any(f["judged"] for f in faith) and ppl["judged"]
     assert tiles["faithfulness"] == "not judged" and "offline approximation" in card
-    assert "faithful" not in df.columns  # judged on no row: no column of 0 % [0, 0] (issue 36)
+    assert "faithful" not in df.columns  # judged on no row: no column of 0 % [0, 0]
     assert {"TTFT p50 / p99", "throughput", "KV-cache usage"} <= set(tiles)
-    # the field signals (issue 30) have tiles too: each the worst verdict the API gave on its metrics
+    # the field signals (docs/scorers.md) have tiles too: each the worst verdict the API gave on its metrics
     configs = over["models"]["tiny"]
     for title, names in (("lossless outputs", ("confident_divergence", "lossless_exact_match", "batch_divergence")),
                          ("generation health", ("empty_answers", "degenerate_answers", "max_tokens_hits",
@@ -131,7 +131,7 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     recovery = {c["config"]: c["comparisons"]["task_recovery"] for c in configs if "task_recovery" in c["comparisons"]}
     assert set(recovery) == {"int8", "int2", "spec-ngram"} and all(r["n"] == 24 for r in recovery.values())
     assert re.search(r"accuracy \d+% → \d+% \((int8|int2|spec-ngram)\)", shown)
-    # issue 34's: the next-token KLD of the candidate furthest from the baseline's distributions (int2, the
+    # the distribution signals': the next-token KLD of the candidate furthest from the baseline's distributions (int2, the
     # broken one), reported without a threshold; no KV config in the suite, so nothing decoded
     klds = {c["config"]: c["comparisons"]["kld_mean"]["estimate"] for c in configs if "kld_mean" in c["comparisons"]}
     assert set(klds) == {"int8", "int2", "spec-ngram"} and max(klds, key=klds.__getitem__) == "int2"

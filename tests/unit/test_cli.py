@@ -142,7 +142,7 @@ def test_demo_json_covers_every_config(run_cli):
     ratios = {c["config"] for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
     assert ratios == set(names) - {"fp16"}
     assert out["verdict"] == "fail"  # the demo's 12 documents (seed 0): int2 weights cost ≈ 6 % perplexity
-    # the verdict for people (issue 36): at most 12 lines at 15 configs, every critical config named
+    # the verdict for people (docs/service.md): at most 12 lines at 15 configs, every critical config named
     # with its worst figure; no stray progress bar from a model load on stderr
     lines = out["summary"]["lines"]
     assert len(lines) <= 12 and lines[0].startswith("drop or fix ("), lines

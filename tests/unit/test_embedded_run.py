@@ -198,7 +198,7 @@ def toy_prompt_count(ctx):
 
 
 def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env):
-    """Issue 33's acceptance: a metric is its row and its compare target; the aggregation loops over
+    """A metric is its row and its compare target; the aggregation loops over
     the table, so a toy row registered here reaches the stored comparisons of a real run."""
     from evals.metrics import METRICS, Metric, register_metric
 

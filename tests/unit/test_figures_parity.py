@@ -1,4 +1,4 @@
-"""Moving the metrics, comparisons and sample records to one home each (issue 16) changed no
+"""Moving the metrics, comparisons and sample records to one home each (docs/design.md) changed no
 figure: the demo's suite over a few of its configs, on a small sample, stores the comparisons and
 figures recorded from the code before the move (tests/unit/data/demo_parity.json).
 

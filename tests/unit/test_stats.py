@@ -115,7 +115,7 @@ def test_an_inconclusive_rule_says_what_would_decide_it():
 
 
 def test_a_clear_failure_below_min_n_is_critical():
-    """Issue 36: int2's ppl ratio 1.059 [1.045, 1.082] on 8 documents (min_n 10) lies wholly beyond
+    """Measured once: int2's ppl ratio 1.059 [1.045, 1.082] on 8 documents (min_n 10) lies wholly beyond
     critical 1.03: critical, not 'inconclusive', so neither `canary run` nor a gate passes it. On
     at least half of min_n only (clear_failure_n): at 4 documents it stays inconclusive. Mirrored
     for a metric bad below its threshold: 0.2 [0.1, 0.25] against critical 0.3 on 5 of min_n 10."""
