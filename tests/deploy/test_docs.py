@@ -35,7 +35,7 @@ from tests.loopback import canary_serve
 DOCS_DIR = ROOT / "docs"
 # the order a reader follows; the runbooks inspect the project and run that api.md created
 DOCS = ["api.md", "ci-gate.md", "configuration.md", "concepts.md", "scorers.md", "service.md", "gpu-cluster.md",
-        "runbooks.md", "design.md", "reference.md", "benchmarks.md"]
+        "runbooks.md", "design.md", "reference.md", "benchmarks.md", "development.md"]
 FENCE = re.compile(r"^```(\S*)(.*)$")
 SCRIPT_TIMEOUT_S = 240
 
