@@ -247,11 +247,21 @@ def secret_grants() -> dict[str, set[str]]:
     return grants
 
 
+def secret_slug(project: str) -> str:
+    """A project's own part of its secret names: its name in capitals, each run of characters
+    other than a letter or digit as one '_', none at either end ('ml-infra', 'ML.Infra' and
+    'ml__infra' all read ML_INFRA). No two projects may share one (get_or_create_project refuses
+    the second), and a slug never holds '__', so no project's prefix begins another's."""
+    return re.sub(r"[^A-Z0-9]+", "_", project.upper()).strip("_")
+
+
 def project_secret_prefix(project: str) -> str:
-    """The variables a project owns: the secret prefix, its name in capitals (every character
-    other than a letter or digit as '_'), then '__' — CANARY_SECRET_ALPHA__ENGINE_KEY for 'alpha'."""
+    """The variables a project owns: the secret prefix, its slug (secret_slug), then '__' —
+    CANARY_SECRET_ALPHA__ENGINE_KEY for 'alpha'. The owner of a name is the text between the
+    prefix and its first '__', exactly: CANARY_SECRET_ALPHA__X__KEY is alpha's, never 'alpha--x''s
+    (whose slug is ALPHA_X)."""
     prefix, _, _ = _secret_policy()
-    return f"{prefix}{re.sub(r'[^A-Z0-9]', '_', project.upper())}__"
+    return f"{prefix}{secret_slug(project)}__"
 
 
 def _in_space(name: str) -> bool:
@@ -320,10 +330,31 @@ def read_secret(name: str, field: str, project: str | None = None) -> str | None
 
 
 # -- checks of stored configuration, at create -----------------------------------------------------
+def refuse_literal_credentials(url: str, field: str) -> None:
+    """In production (CANARY_ENVIRONMENT=production), an engine's or a judge's literal URL that
+    carries a credential (user info, a query string, a token in the path, a fragment) is refused,
+    as a channel's is: it would be stored in plain text and shown to read-only keys. The key goes
+    in the workers' environment, named by api_key_env."""
+    from app.settings import get_settings
+
+    if get_settings().environment != "production":
+        return
+    try:
+        fragment = urlsplit(url).fragment
+    except ValueError:
+        fragment = ""
+    secret = has_credentials(url) or ("a fragment" if fragment else None)
+    if secret:
+        raise UnsafeURL(f"{field}: '{mask_url(url)}' carries a credential ({secret}), which would be stored in plain "
+                        "text and shown to read-only keys; in production give the URL without it and put the key in "
+                        "the workers' environment, named by api_key_env")
+
+
 def check_engine_options(opts: dict | None, field: str = "engine_options", project: str | None = None) -> None:
     opts = opts or {}
     for key in ("base_url", "metrics_url"):
         if opts.get(key) is not None:
+            refuse_literal_credentials(str(opts[key]), f"{field}.{key}")
             check_url(str(opts[key]), f"{field}.{key}")
     if opts.get("api_key_env") is not None:
         check_secret_name(str(opts["api_key_env"]), f"{field}.api_key_env", project)
@@ -332,6 +363,7 @@ def check_engine_options(opts: dict | None, field: str = "engine_options", proje
 def check_judge(judge: dict | None, field: str = "judge", project: str | None = None) -> None:
     judge = judge or {}
     if judge.get("base_url") is not None:
+        refuse_literal_credentials(str(judge["base_url"]), f"{field}.base_url")
         check_url(str(judge["base_url"]), f"{field}.base_url")
     if judge.get("api_key_env") is not None:
         check_secret_name(str(judge["api_key_env"]), f"{field}.api_key_env", project)

@@ -49,7 +49,17 @@ from engines.spec import OptimizationSpec
 
 
 class EndpointError(EngineLoadError):
-    """The endpoint is unreachable, not OpenAI-compatible, or lacks what a scorer needs."""
+    """The endpoint is unreachable, not OpenAI-compatible, or lacks what a scorer needs. Its text
+    quotes what the server said (model ids, error bodies): control characters in it are escaped
+    (a newline as \\n), so a server cannot forge a line of the worker's log or of a config-run's error."""
+
+    def __init__(self, message: object = "", *args: object):
+        super().__init__(escape_controls(str(message)), *args)
+
+
+def escape_controls(text: str) -> str:
+    """Control characters (newlines, carriage returns, escape sequences) as Python escapes; the rest unchanged."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 class NoTokenizer(EndpointError):

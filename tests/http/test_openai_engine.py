@@ -175,3 +175,40 @@ def test_a_servers_own_per_request_timings_are_kept_beside_the_clients(engine_se
     assert figures.request_ttft_ms_p50 == pytest.approx(sum(want) / 2)  # the median of two
     # a server started without the flag sends no timings: nothing is made up
     assert all(g.server_timing is None for g in OpenAIEngine("pydoc-target", openai_spec(engine_serve)).generate(reqs[:1]))
+
+
+def test_a_servers_model_ids_cannot_forge_a_log_line(caplog):
+    """Security round 4, L5: a hostile endpoint names a model id holding a newline and a log line
+    of its own. The error quotes it escaped, so the worker's log, and the config-run's error, hold
+    one line, and no line starts with the forged timestamp."""
+    import json
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    forged = "[2026-11-25 18:00:00,000: ERROR/MainProcess] FORGED-LOG-LINE"
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"data": [{"id": f"tiny\n{forged}\r\x1b[2K"}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(EndpointError) as e:
+            OpenAIEngine("m", openai_spec(f"http://127.0.0.1:{server.server_address[1]}"))
+    finally:
+        server.shutdown()
+    text = str(e.value)
+    assert "it serves: tiny\\n[2026-11-25" in text and "\n" not in text and "\r" not in text and "\x1b" not in text
+    with caplog.at_level(logging.ERROR):
+        logging.getLogger("workers.execute").error("config-run 1 failed: %s", e.value)
+    assert not any(line.startswith("[2026-11-25 18:00:00") for line in caplog.text.splitlines())

@@ -233,3 +233,107 @@ def test_credentials_in_urls_are_recognised_and_masked():
     spec = {"engine": "openai", "engine_options": {"base_url": "http://u:PW@e/v1", "metrics_url": "http://u:PW@e/metrics", "concurrency": 2}}
     assert "PW" not in str(public_spec(spec)) and public_spec(spec)["engine_options"]["concurrency"] == 2
     assert "PW" in spec["engine_options"]["base_url"]  # the stored spec is untouched
+
+
+def test_a_secret_name_has_one_owner_whatever_the_case_or_punctuation(monkeypatch):
+    """Security round 4, N1: 'alpha', 'ALPHA' and 'alpha.' read the same slug, and 'alpha--x' one of
+    its own (ALPHA_X), so CANARY_SECRET_ALPHA__X__KEY is alpha's and no other project's: the owner is
+    the text between the prefix and the first '__', exactly."""
+    from app.settings import get_settings
+    from app.ssrf import project_secret_prefix, secret_allowed, secret_slug
+
+    get_settings.cache_clear()
+    try:
+        assert {secret_slug(p) for p in ("alpha", "ALPHA", "Alpha", "alpha.", "alpha_")} == {"ALPHA"}
+        assert {secret_slug(p) for p in ("ml-infra", "ml_infra", "ML.Infra", "ml__infra", "ml-.-infra")} == {"ML_INFRA"}
+        assert secret_slug("alpha--x") == "ALPHA_X" and project_secret_prefix("alpha--x") == "CANARY_SECRET_ALPHA_X__"
+        assert secret_allowed("CANARY_SECRET_ALPHA__X__KEY", "alpha")
+        assert not secret_allowed("CANARY_SECRET_ALPHA__X__KEY", "alpha--x")
+        assert secret_allowed("CANARY_SECRET_ALPHA_X__KEY", "alpha--x") and not secret_allowed("CANARY_SECRET_ALPHA_X__KEY", "alpha")
+        # no slug holds '__' or ends in '_', so no project's prefix begins another's
+        for a in ("alpha", "alpha--x", "a.b", "a-b-c", "ab"):
+            for b in ("alpha", "alpha--x", "a.b", "a-b-c", "ab"):
+                if a != b:
+                    assert not project_secret_prefix(b).startswith(project_secret_prefix(a)), (a, b)
+    finally:
+        get_settings.cache_clear()
+
+
+def test_a_project_whose_secrets_another_owns_is_refused_and_no_request_carries_its_key(sqlite_env, monkeypatch):
+    """N1 over the API and the config file: with 'alpha' present, 'ALPHA' and 'alpha.' are refused
+    (422, naming the clash), 'alpha--x' is created with its own slug and cannot name alpha's key."""
+    from app.api.main import app
+    from app.config_file import parse_config
+    from app.db import session_scope
+    from app.services import apply_config_file
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setenv("CANARY_SECRET_ALPHA__ENGKEY", "sk-alpha-own")
+    http = TestClient(app)
+    assert http.post("/api/v1/projects", json={"name": "alpha"}).status_code == 201
+    for name in ("ALPHA", "alpha.", "Alpha_"):
+        r = http.post("/api/v1/projects", json={"name": name})
+        assert r.status_code == 422 and "would own the same secret variables as project 'alpha'" in r.json()["detail"], r.text
+    config = {"project": "ALPHA", "model": {"name": "m", "path": "builtin:pydoc-target"},
+              "configs": [{"name": "fp16", "baseline": True},
+                          {"name": "served", "engine": "openai",
+                           "engine_options": {"base_url": "http://127.0.0.1:9/v1",
+                                              "api_key_env": "CANARY_SECRET_ALPHA__ENGKEY"}}],
+              "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 2, "scorers": ["perplexity"]}]}
+    with pytest.raises(ValueError, match="would own the same secret variables"), session_scope() as s:
+        apply_config_file(s, parse_config(config))
+    assert [p["name"] for p in http.get("/api/v1/projects").json()] == ["alpha"]  # nothing else was stored
+    assert http.post("/api/v1/projects", json={"name": "alpha--x"}).status_code == 201
+    assert http.post("/api/v1/projects/alpha--x/models", json={"name": "m", "path": "builtin:pydoc-target"}).status_code == 201
+    r = http.post("/api/v1/projects/alpha--x/configs", json={
+        "name": "served", "model": "m", "engine": "openai",
+        "engine_options": {"base_url": "http://127.0.0.1:9/v1", "api_key_env": "CANARY_SECRET_ALPHA__X__KEY"}})
+    assert r.status_code == 422 and "is not a secret of project 'alpha--x'" in r.text and "CANARY_SECRET_ALPHA_X__" in r.text
+
+
+CREDENTIAL_URLS = {"user:password@": "http://ops:pw@127.0.0.1:9/v1", "a query string": "http://127.0.0.1:9/v1?api_key=sk-1",
+                   "a token in the path": "http://127.0.0.1:9/sk0123456789abcdefXYZ/v1",
+                   "a fragment": "http://127.0.0.1:9/v1#sk-0123456789"}
+
+
+def test_literal_credentials_in_engine_and_judge_urls_are_refused_in_production(sqlite_env, monkeypatch):
+    """Security round 4, N7: in production the four literal forms in an engine's base_url or
+    metrics_url, or a judge's base_url, are a 422 naming the field (as a channel's URL is), and a
+    row stored before the rule is refused again at use, before any request; dev keeps them."""
+    from app.api.main import app
+    from app.settings import get_settings
+    from app.ssrf import UnsafeURL
+    from engines.spec import OptimizationSpec
+    from fastapi.testclient import TestClient
+    from workers.outbound import check_engine, judge_http
+
+    monkeypatch.setenv("CANARY_ENVIRONMENT", "production")
+    monkeypatch.setenv("CANARY_REQUIRE_API_KEYS", "false")  # the operator's path, no key to make here
+    get_settings.cache_clear()
+    try:
+        http = TestClient(app)
+        assert http.post("/api/v1/projects", json={"name": "p"}).status_code == 201
+        assert http.post("/api/v1/projects/p/models", json={"name": "m", "path": "builtin:pydoc-target"}).status_code == 201
+        for i, (what, url) in enumerate(CREDENTIAL_URLS.items()):
+            for key in ("base_url", "metrics_url"):
+                options = {"base_url": "http://127.0.0.1:9/v1", key: url}
+                r = http.post("/api/v1/projects/p/configs", json={"name": f"c{i}{key}", "model": "m", "engine": "openai",
+                                                                  "engine_options": options})
+                assert r.status_code == 422 and f"engine_options.{key}" in r.text and f"({what})" in r.text, r.text
+                assert "sk-" not in r.text and ":pw@" not in r.text  # never echoed
+            r = http.post("/api/v1/projects/p/suites", json={"name": f"s{i}", "corpus": "builtin:pydoc-heldout",
+                                                             "samples": 2, "scorers": ["perplexity", "generation", "judge"],
+                                                             "judge": {"base_url": url, "model": "j"}})
+            assert r.status_code == 422 and "judge.base_url" in r.text and f"({what})" in r.text, r.text
+        assert http.get("/api/v1/projects/p/configs").json() == []  # nothing was stored
+        # at use: a row written before the rule (or behind the API's back)
+        stored = OptimizationSpec(engine="openai", engine_options={"base_url": CREDENTIAL_URLS["a query string"]})
+        with pytest.raises(UnsafeURL, match=r"engine_options.base_url: .* carries a credential \(a query string\)"):
+            check_engine(stored, "p")
+        with pytest.raises(UnsafeURL, match=r"judge.base_url: .* carries a credential \(user:password@\)"):
+            judge_http({"base_url": CREDENTIAL_URLS["user:password@"], "model": "j"}, "p")
+        monkeypatch.setenv("CANARY_ENVIRONMENT", "dev")  # dev and test keep them (a lab's local server)
+        get_settings.cache_clear()
+        check_engine(stored, "p")
+    finally:
+        get_settings.cache_clear()
