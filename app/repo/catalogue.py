@@ -40,8 +40,8 @@ def get_or_create_project(session: Session, name: str) -> Project:
         for other in session.scalars(select(Project.name)):
             if secret_slug(other) == slug:
                 raise ValueError(f"name: project '{name}' would own the same secret variables as project '{other}' "
-                                 f"({project_secret_prefix(name)}…): project names must differ in their letters or digits, "
-                                 "not only in case or punctuation; choose another name")
+                                 f"({project_secret_prefix(name)}…): project names must differ in their letters or "
+                                 "digits, not only in case or punctuation; choose another name")
         project = Project(name=name)
         session.add(project)
         session.flush()

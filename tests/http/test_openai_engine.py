@@ -189,7 +189,7 @@ def test_a_servers_model_ids_cannot_forge_a_log_line(caplog):
     forged = "[2026-11-25 18:00:00,000: ERROR/MainProcess] FORGED-LOG-LINE"
 
     class Hostile(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):
             body = json.dumps({"data": [{"id": f"tiny\n{forged}\r\x1b[2K"}]}).encode()
             self.send_response(200)
             self.send_header("content-type", "application/json")
