@@ -210,10 +210,18 @@ class BodyLimit:
 
     async def _one_large_body(self, scope, receive, send, settings) -> None:
         """A large body waits for a place in the process and its sender's one place, before a byte
-        of it is read: while it waits it holds a socket, no memory and no thread."""
+        of it is read: while it waits it holds a socket, no memory and no thread. The sender is the
+        API key the header names, looked up first (one indexed hash lookup), so a made-up or revoked
+        key holds no place: where keys are required it is answered 401 unread, elsewhere it counts
+        as no key (the client's address)."""
         headers = dict(scope.get("headers", ()))
-        sender = ("key", hash(headers[b"authorization"])) if b"authorization" in headers else (
-            "address", (scope.get("client") or ("?",))[0])
+        key_id = await self._key_id(headers.get(b"authorization"))
+        if key_id is None and b"authorization" in headers and settings.auth_required:
+            start, body = _json_error(401, "invalid or revoked API key")
+            await send(start)
+            await send(body)
+            return
+        sender = ("key", key_id) if key_id is not None else ("address", (scope.get("client") or ("?",))[0])
         if self._large is None:
             self._large = asyncio.Semaphore(settings.large_bodies_in_flight)
         entry = self._large_by_sender.setdefault(sender, [asyncio.Semaphore(1), 0])
@@ -242,6 +250,25 @@ class BodyLimit:
             entry[1] -= 1
             if not entry[1]:
                 self._large_by_sender.pop(sender, None)
+
+    @staticmethod
+    async def _key_id(authorization: bytes | None) -> int | None:
+        """The id of the live API key the header names (however it is spaced), else None."""
+        if not authorization:
+            return None
+
+        def lookup() -> int | None:
+            from app.auth import Unauthorized, authenticate
+            from app.db import session_scope
+
+            try:
+                with session_scope() as session:
+                    key = authenticate(session, authorization.decode("latin-1"), False)
+                    return key.id if key is not None else None
+            except Unauthorized:
+                return None
+
+        return await anyio.to_thread.run_sync(lookup)
 
     @staticmethod
     async def _busy(send, settings) -> None:

@@ -420,3 +420,34 @@ def test_one_keys_large_bodies_queue_behind_each_other_not_in_front_of_other_ten
     assert waited >= 4.0, waited  # behind the first: it started at 1 s, the place freed at about 6 s
     assert second.status_code == 422 and "pad" in second.text  # then read and handled like any body
     assert small[1] == 200 and small[0] < 1
+
+
+def test_made_up_keys_hold_no_large_body_place(tmp_path):
+    """Security round 4, N2: four clients with made-up keys trickling 2000-byte bodies (the large
+    threshold 1000, two places in the process) are answered 401 at once, before a byte is read and
+    without a place, so alpha's legitimate large upload is answered at once, not after their deadline."""
+    env = production_env(tmp_path, CANARY_BODY_TIMEOUT_SECONDS="6", CANARY_LARGE_BODY_BYTES="1000",
+                         CANARY_LARGE_BODIES_IN_FLIGHT="2")
+    r = cli(env, "keys", "create", "--project", "alpha")
+    assert r.returncode == 0, r.stderr
+    alpha = f"Bearer {r.stdout.strip()}"
+    with canary_serve_process(env, str(tmp_path / "api.log")) as (base, _):
+        attackers = [Tricklers(base, "/api/v1/projects/alpha/models", 1, declared=2000, every=1.0,
+                               auth=f"Bearer made-up-{i}") for i in range(4)]
+        try:
+            time.sleep(1.0)
+            body = json.dumps({"name": "m", "path": "builtin:pydoc-target", "pad": "x" * 1500})
+            start = time.monotonic()
+            upload = httpx.post(base + "/api/v1/projects/alpha/models", content=body, timeout=30,
+                                headers={"Authorization": alpha, "Content-Type": "application/json"})
+            took = time.monotonic() - start
+            for attacker in attackers:
+                attacker.wait(5)
+        finally:
+            for attacker in attackers:
+                attacker.close()
+    answers = [a.answers[0] for a in attackers]
+    print(f"\nalpha's large upload answered {upload.status_code} in {took:.2f} s; the made-up keys: "
+          f"{[(round(t, 1), s) for t, s, _ in answers]}")
+    assert all(status == 401 and t < 2 for t, status, _ in answers), answers  # at once, unread
+    assert upload.status_code == 422 and "pad" in upload.text and took < 2, (upload.status_code, took)
