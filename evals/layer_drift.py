@@ -1,23 +1,27 @@
 """Where a regression starts: how far a candidate's forward pass has drifted from the baseline's,
 layer by layer, on the same document (the `layers` scorer; workers/producers/layer_drift.py).
 
-At each layer four sites, in the order the pass reaches them: the keys and the values attention
-read back from the KV cache, the attention output, and the residual stream after the layer. Each
-is compared with the baseline's as a relative error, ‖candidate − baseline‖ / ‖baseline‖ over the
-window's tokens (Frobenius norms), and the hidden state also as the mean cosine over tokens.
+At each layer four sites, in the order the pass reaches them: the keys and the values as the KV
+cache holds them for the next token, the attention output, and the residual stream after the
+layer (before the final norm). Each is compared with the baseline's as a relative error,
+‖candidate − baseline‖ / ‖baseline‖ over the window's tokens after the start token (Frobenius
+norms; the start token's activations are often far larger than the rest and would hide them),
+and the hidden state also as the mean cosine over those tokens.
 
 The first divergent site is the first, in that order, whose relative error (mean over documents)
 exceeds DIVERGES. A KV-cache format's starts at layer 0's keys or values (the same weights and
 inputs give the same keys; the cache alone changes what is read back); a weight format's at
 layer 0's keys or attention. The growth per layer is the geometric mean of the hidden state's
-error ratio, layer over layer, from the first divergent layer on: ×3 means each layer triples
-what it was given. Reported, not gated: it says where to look, not whether to ship.
+relative error's ratio, layer over layer, from the first divergent layer on (×1.1: the relative
+error is 10 % larger after each layer than before it). It mixes what a layer passes on with what
+it adds of its own (a KV format adds error at every layer), and each error is relative to a
+residual stream that itself grows with depth, so it is not how much one layer amplifies an error
+it is given. Reported, not gated: it says where to look, not whether to ship.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,11 +41,12 @@ DIVERGES = 1e-3
 
 
 def relative_error(base: np.ndarray, cand: np.ndarray) -> float:
-    """‖cand − base‖ / ‖base‖ (Frobenius); 0 where both are zero."""
+    """‖cand − base‖ / ‖base‖ (Frobenius); where the baseline's is all zeros, 0 if the candidate's
+    is too, else 1 (a whole departure: a stored figure is always finite)."""
     b, c = base.astype(np.float64), cand.astype(np.float64)
     norm = float(np.linalg.norm(b))
     diff = float(np.linalg.norm(c - b))
-    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else 1.0)
 
 
 def mean_cosine(base: np.ndarray, cand: np.ndarray) -> float:
@@ -72,13 +77,13 @@ class LayerDriftRecord:
         """None where the two read different tokens (different tokenizers) or models of another depth."""
         if base.token_ids != cand.token_ids or base.hidden.shape != cand.hidden.shape:
             return None
-        layers = range(base.attention.shape[0])
+        layers, t = range(base.attention.shape[0]), slice(1 if len(base.token_ids) > 1 else 0, None)
         return cls(sample_key,
-                   tuple(relative_error(base.keys[i], cand.keys[i]) for i in layers),
-                   tuple(relative_error(base.values[i], cand.values[i]) for i in layers),
-                   tuple(relative_error(base.attention[i], cand.attention[i]) for i in layers),
-                   tuple(relative_error(base.hidden[i + 1], cand.hidden[i + 1]) for i in layers),
-                   tuple(mean_cosine(base.hidden[i + 1], cand.hidden[i + 1]) for i in layers),
+                   tuple(relative_error(base.keys[i][t], cand.keys[i][t]) for i in layers),
+                   tuple(relative_error(base.values[i][t], cand.values[i][t]) for i in layers),
+                   tuple(relative_error(base.attention[i][t], cand.attention[i][t]) for i in layers),
+                   tuple(relative_error(base.hidden[i + 1][t], cand.hidden[i + 1][t]) for i in layers),
+                   tuple(mean_cosine(base.hidden[i + 1][t], cand.hidden[i + 1][t]) for i in layers),
                    len(base.token_ids))
 
     def to_row(self) -> dict[str, Any]:
@@ -141,4 +146,4 @@ def layer_drift_comparison(ctx: Any) -> Comparison | None:
     details = {"first_divergent": summary.where(), "growth_per_layer": summary.growth,
                "per_layer": {site: [float(f"{x:.4g}") for x in xs] for site, xs in summary.per_layer.items()},
                "diverges_past": DIVERGES}
-    return reported(LayerDriftRecord.KIND, float(last.mean()), lo, hi, len(records), min_n=1, details=details)
+    return reported(LayerDriftRecord.KIND, float(last.mean()), lo, hi, len(records), min_n=2, details=details)

@@ -97,7 +97,7 @@ class PerplexitySettings(_Settings):
         "with the baseline's, as llama-perplexity --kl-divergence does: KLD mean and percentiles, Δp, same top p "
         "(kld_mean); 0 = off. The reference engine on both sides"))
 
-    layer_samples: int = Field(2, ge=1, le=100, description=(
+    layer_samples: int = Field(4, ge=1, le=100, description=(
         "documents (the suite's first ones) on which the layers scorer compares a candidate's forward pass with the "
         "baseline's layer by layer, on each one's first window (layer_drift): where the drift starts and how it "
         "grows. In-process engines on both sides"))

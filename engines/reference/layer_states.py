@@ -13,6 +13,10 @@ import torch
 from engines.protocol import LayerStates, RollingRequest, tokenize_with_spans
 from engines.reference.cache import NoCache
 
+# tokens of the first window read: two engines' states of every layer are held at once, as float32
+# on the CPU (hidden states, attention outputs, keys and values: an 8B model's 512 tokens, about 0.7 GiB a side)
+MAX_TOKENS = 512
+
 
 class _ReadBack:
     """A cache in front of the pass's own: notes, per layer, the keys and values as the format
@@ -29,17 +33,18 @@ class _ReadBack:
         if self.fmt.lossy:
             kb, vb = self.fmt.read_back(k, v, torch.zeros(k.shape[0], dtype=torch.long, device=k.device), layer)
         for out, x in ((self.keys, kb), (self.values, vb)):  # [1, Hkv, T, D] → [T, Hkv·D]
-            out.append(x[0].transpose(0, 1).reshape(x.shape[2], -1).float().cpu().numpy())
+            out.append(x[0].transpose(0, 1).reshape(x.shape[2], -1).float().cpu().numpy().copy())
         return self.cache.attend(layer, q, k, v, slots, mask)
 
 
 @torch.inference_mode()
 def layer_states(engine, request: RollingRequest) -> LayerStates:
-    """The request's first window (at most window.max_length tokens, the start token first)."""
+    """The request's first window (at most window.max_length and MAX_TOKENS tokens, the start
+    token first)."""
     ids, _ = tokenize_with_spans(engine.tokenizer, request.text)
     if not ids:
         raise ValueError(f"document '{request.doc_id}' has no tokens")
-    seq = ([engine.start_id] + ids)[: min(request.window.max_length, engine.args.max_seq_len)]
+    seq = ([engine.start_id] + ids)[: min(request.window.max_length, engine.args.max_seq_len, MAX_TOKENS)]
     T, device, model = len(seq), engine.device, engine.model
     x = torch.tensor([seq], device=device)
     slots = torch.arange(T, device=device)
@@ -52,10 +57,10 @@ def layer_states(engine, request: RollingRequest) -> LayerStates:
     attention: list[np.ndarray] = []
 
     def note_hidden(module, args):
-        hidden.append(args[0][0].float().cpu().numpy())
+        hidden.append(args[0][0].float().cpu().numpy().copy())  # a copy: the pass's tensors are its own
 
     def note_attention(module, args, out):
-        attention.append(out[0].float().cpu().numpy())
+        attention.append(out[0].float().cpu().numpy().copy())
 
     layers = list(model.model.layers)
     hooks = [layer.input_layernorm.register_forward_pre_hook(note_hidden) for layer in layers]

@@ -86,24 +86,46 @@ def test_states_are_the_pass_perplexity_runs(base_states):
     ids = list(s.token_ids)
     picked = [float(logprobs[i, ids[i + 1]]) for i in range(T - 1)]
     rolling = engine.loglikelihood_rolling([RollingRequest("d", TEXT, WindowSpec(64, 64))])[0]
-    assert np.allclose(picked, rolling.logprobs[: T - 1], atol=1e-4)
+    assert np.allclose(picked, rolling.logprobs[: T - 1], atol=1e-3)  # 1e-6 apart as measured; another pass: > 0.1
+
+
+def _long_request() -> RollingRequest:
+    """A 256-token window: past KIVI's 128-token full-precision window, so its cache holds codes."""
+    from engines.zoo import ARTIFACTS
+    from engines.zoo.corpus import read_jsonl
+
+    text = " ".join(d.text for d in read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[:6])
+    return RollingRequest("long", text, WindowSpec(256, 256))
+
+
+@pytest.fixture(scope="module")
+def long_base_states():
+    return _engine().layer_states(_long_request())
 
 
 @pytest.mark.parametrize("kv", ["int2", "kivi-2", "turbo-3", "turbo-3.5"])
-def test_a_kv_format_drifts_first_at_layer_zeros_cache_read_back(base_states, kv):
+def test_a_kv_format_drifts_first_at_layer_zeros_cache_read_back(long_base_states, kv):
     """The same weights and input give the same layer-0 keys and values; what the cache holds for
-    them (what a later token reads back) is where the drift starts. turbo-3 stores a rotated domain and is read back rotated back:
-    its error is the codebook's (well under 1), not a rotation's (√2)."""
-    cand = _engine(kv).layer_states(RollingRequest("d", TEXT, WindowSpec(64, 64)))
-    assert np.array_equal(cand.hidden[0], base_states.hidden[0])  # the embeddings
-    record = LayerDriftRecord.measure("d", base_states, cand)
+    them (what the next token reads back) is where the drift starts. turbo-3 stores a rotated domain
+    and is read back rotated back: its error is the codebook's (well under 1), not a rotation's (√2)."""
+    cand = _engine(kv).layer_states(_long_request())
+    assert len(cand.token_ids) == 256
+    assert np.array_equal(cand.hidden[0], long_base_states.hidden[0])  # the embeddings
+    record = LayerDriftRecord.measure("long", long_base_states, cand)
     assert record is not None
     assert summarize([record]).where() == "layer 0 keys"
     assert DIVERGES < record.keys[0] < 0.6 and DIVERGES < record.values[0] < 0.6
-    if kv == "kivi-2":  # its prefill reads the window's own keys in full precision: only later tokens read codes
-        assert record.attention[0] < 0.01 * record.keys[0]
-    else:
-        assert record.hidden[-1] > DIVERGES
+    assert record.hidden[-1] > DIVERGES
+
+
+def test_kivi_drifts_nowhere_on_a_window_inside_its_full_precision_window(base_states):
+    """KIVI keeps the last 128 keys and values in full precision (fp16): on a 43-token window the
+    next token reads every one of them so, and the prefill read them so, so nothing drifts past
+    fp16 rounding (about 2e-4 here, under DIVERGES)."""
+    cand = _engine("kivi-2").layer_states(RollingRequest("d", TEXT, WindowSpec(64, 64)))
+    record = LayerDriftRecord.measure("d", base_states, cand)
+    assert record is not None and max(record.keys + record.values + record.hidden) < DIVERGES
+    assert summarize([record]).first is None
 
 
 def test_the_baselines_own_config_drifts_nowhere(base_states):

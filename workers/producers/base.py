@@ -28,7 +28,6 @@ class Work:
     stats: RunStats  # the generations' serving figures
     check_lease: Callable[[], None] = lambda: None  # raises LostLease once a newer attempt holds the config-run
     notes: list[str] = field(default_factory=list)  # said with the config-run's figures
-    figures: dict[str, Any] = field(default_factory=dict)  # RunFigures fields a producer measured
     done: int = 0  # rows of progress so far
     total: int = 0
 

@@ -21,8 +21,9 @@ class KVFormat:
         raise NotImplementedError
 
     def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
-        """What the cache gives back for raw k, v [B, Hkv, S, D], in their own domain (a format
-        that stores a rotated domain rotates back): the error a pass reads them with."""
+        """What the cache gives back for raw k, v [B, Hkv, S, D] to the token after them, in their
+        own domain (a format that stores a rotated domain rotates back; one that keeps a recent
+        window in full precision gives that window raw)."""
         return self.encode(k, v, seq_start, layer)
 
     def boundary_k(self, n: torch.Tensor) -> torch.Tensor:

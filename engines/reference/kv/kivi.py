@@ -59,6 +59,15 @@ class KiviKV(KVFormat):
             vq = minmax_quant(v.float(), self.bits, -1).to(v.dtype)
         return kq, vq
 
+    def read_back(self, k, v, seq_start, layer=0):
+        """What the token after these S reads back: keys coded up to the last multiple of R
+        (boundary_k), values up to R before the end (boundary_v); the rest full precision."""
+        kq, vq = self.encode(k, v, seq_start, layer)
+        n = torch.tensor(k.shape[2] + 1)
+        kb, vb = int(self.boundary_k(n)), int(self.boundary_v(n))
+        kq[:, :, kb:], vq[:, :, vb:] = k[:, :, kb:], v[:, :, vb:]
+        return kq, vq
+
     def bits_per_element(self, head_dim):
         """Quantized part only; the full-precision window (up to R keys, R values) comes on top."""
         per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
