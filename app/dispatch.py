@@ -114,6 +114,17 @@ class InlineDispatcher:
         finally:
             self._running = False
 
+    def _run_then_drain(self, task: str, args: tuple, enqueued_at: float) -> None:
+        """Run one task now, then every task it sent (and they sent), in the queue's order."""
+        with self._lock:
+            self._running = True
+        try:
+            self._queue.put((DEFAULT_PRIORITY, next(self._sent), task, args, enqueued_at))
+            while not self._queue.empty():
+                self._run_one(*self._queue.get())
+        finally:
+            self._running = False
+
     def _run_one(self, _priority: int, _sequence: int, task: str, args: tuple, enqueued_at: float) -> None:
         try:
             _inline_tasks()[task](*args, dispatcher=self, enqueued_at=enqueued_at)
@@ -136,6 +147,56 @@ class InlineDispatcher:
     def join(self) -> None:
         """Wait until every task sent so far (and those they sent) has run."""
         self._queue.join()
+
+
+def _pool_init(threads: int) -> None:
+    """A pool process's start: its share of the cores as OpenMP threads, before torch loads (an
+    operator's OMP_NUM_THREADS is kept)."""
+    import os
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    logging.basicConfig(level=logging.WARNING)
+
+
+def _pool_run(task: str, args: tuple, enqueued_at: float) -> None:
+    """One task in a pool process, with what it sends (its run's aggregation, a notification, a
+    top-up's config-runs) run after it in the same process, in order."""
+    InlineDispatcher()._run_then_drain(task, args, enqueued_at)
+
+
+class LocalPoolDispatcher:
+    """Runs config-runs in `processes` processes of this machine at once (spawned, each with its
+    own engine cache and its share of the cores as torch threads); what a config-run sends runs
+    after it in its process. For a one-shot run on the embedded default (`canary demo`): on the
+    demo's tiny model a config-run is bound by Python, not by its matrix products, so two at once
+    on two cores take about half as long as one after the other with two threads each
+    (benchmarks/demo.py). The results are a config-run's own whichever process runs it; the
+    database (SQLite in WAL mode) takes each process's writes in turn."""
+
+    def __init__(self, processes: int, cores: int | None = None):
+        import multiprocessing
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        threads = max(1, (cores or os.cpu_count() or 1) // processes)
+        self._pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_pool_init, initargs=(threads,))
+        self._futures: list = []
+
+    def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
+        self._futures.append(self._pool.submit(_pool_run, task, args, time.time()))
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for every task sent so far (and what they sent), then let the
+        processes go; True when none is left."""
+        from concurrent.futures import wait
+
+        _, pending = wait(self._futures, timeout=timeout)
+        for future in self._futures:
+            if future.done() and future.exception() is not None:
+                log.error("pool task failed: %s", future.exception())
+        self._pool.shutdown(wait=not pending, cancel_futures=bool(pending))
+        return not pending
 
 
 @lru_cache

@@ -5,7 +5,14 @@ runs; warm: the same HOME again, the cache filled by the cold run (what every ru
 first one sees). Each run writes a fresh database. Also printed: each config-run's seconds from
 the database (the slowest first), the thread count and the load average. One JSON object.
 
-    python benchmarks/demo.py [--repeats 1] [--samples 100]
+With --peer DIR (a checkout of another commit: `git worktree add DIR COMMIT`), that checkout's
+demo is timed in the same run, alternating with this one's (ours cold, peer cold, ours warm, peer
+warm, each side in its own HOME), and the two runs' quality comparisons are compared: the
+perplexity ratios must agree to 1e-4 (thread counts move float sums by about 1e-6), and every
+other comparison they share that differs is listed (a greedy answer can flip at a near-tie when
+the thread count changes).
+
+    python benchmarks/demo.py [--repeats 1] [--samples 100] [--peer DIR]
 """
 
 from __future__ import annotations
@@ -34,40 +41,73 @@ def config_run_seconds(db: Path) -> dict[str, float]:
     return {name: round(s, 1) for name, s in sorted(took.items(), key=lambda kv: -kv[1])}
 
 
-def one(home: Path, work: Path, samples: int) -> dict:
+def one(home: Path, work: Path, samples: int, root: Path = ROOT) -> dict:
     db = work / f"demo-{time.monotonic_ns()}.db"
-    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": str(root)}
     env.pop("CANARY_AWQ_CACHE", None)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "app.cli", "demo", "--json", "--samples", str(samples),
-                        "--database-url", f"sqlite:///{db}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "--database-url", f"sqlite:///{db}"], cwd=root, env=env, capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, timeout=3600, check=False)
     took = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"canary demo failed (exit {r.returncode}): {r.stderr[-2000:]}")
     summary = json.loads(r.stdout)
     return {"seconds": round(took, 1), "configs": len(summary["configs"]), "status": summary["status"],
-            "config_run_s": config_run_seconds(db)}
+            "config_run_s": config_run_seconds(db), "comparisons": summary["comparisons"]}
+
+
+TIMING = {"ttft_ratio", "tpot_ratio", "ttft_ms", "kv_cache_usage"}
+
+
+def agreement(ours: dict, peer: dict) -> dict:
+    """The quality comparisons both runs made: perplexity ratios within 1e-4, the others listed where they differ."""
+    a = {(c["config"], c["metric"]): c for c in ours["comparisons"] if c["metric"] not in TIMING}
+    b = {(c["config"], c["metric"]): c for c in peer["comparisons"] if c["metric"] not in TIMING}
+    shared = sorted(set(a) & set(b))
+    ppl = [k for k in shared if k[1] == "ppl_ratio"]
+    worst = max((abs(a[k]["estimate"] - b[k]["estimate"]) / abs(b[k]["estimate"]) for k in ppl), default=0.0)
+    differ = [f"{k[0]} {k[1]}: {a[k]['estimate']:.6g} ({a[k]['verdict']}) vs {b[k]['estimate']:.6g} ({b[k]['verdict']})"
+              for k in shared if (a[k]["estimate"], a[k]["verdict"]) != (b[k]["estimate"], b[k]["verdict"])]
+    return {"shared": len(shared), "ppl_ratio_max_rel_diff": worst, "ppl_ratio_equal": worst <= 1e-4,
+            "only_ours": sorted(f"{c} {m}" for c, m in set(a) - set(b)), "differ": differ}
+
+
+def spread(xs: list[float]) -> dict:
+    return {"runs": xs, "median": sorted(xs)[len(xs) // 2], "min": min(xs), "max": max(xs)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1, help="cold + warm pairs, each in a fresh HOME (default 1)")
     p.add_argument("--samples", type=int, default=100, help="documents per config, as `make demo` (default 100)")
+    p.add_argument("--peer", type=Path, help="a checkout of another commit, timed in the same run")
     args = p.parse_args()
-    cold, warm = [], []
+    sides = {"ours": ROOT, **({"peer": args.peer.resolve()} if args.peer else {})}
+    cold: dict[str, list] = {side: [] for side in sides}
+    warm: dict[str, list] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="canary-demo-bench-") as tmp:
         for i in range(args.repeats):
-            home = Path(tmp) / f"home-{i}"
-            home.mkdir()
-            cold.append(one(home, Path(tmp), args.samples))
-            warm.append(one(home, Path(tmp), args.samples))
+            homes = {side: Path(tmp) / f"home-{side}-{i}" for side in sides}
+            for home in homes.values():
+                home.mkdir()
+            for side, root in sides.items():
+                cold[side].append(one(homes[side], Path(tmp), args.samples, root))
+            for side, root in sides.items():
+                warm[side].append(one(homes[side], Path(tmp), args.samples, root))
     load = os.getloadavg()
-    print(json.dumps({"benchmark": "demo", "samples": args.samples, "repeats": args.repeats,
-                      "configs": cold[0]["configs"], "cold_s": [r["seconds"] for r in cold],
-                      "warm_s": [r["seconds"] for r in warm], "status": warm[0]["status"],
-                      "cold_config_run_s": cold[0]["config_run_s"], "warm_config_run_s": warm[0]["config_run_s"],
-                      "cpu_count": os.cpu_count(), "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S}, indent=1))
+    out = {"benchmark": "demo", "samples": args.samples, "repeats": args.repeats, "configs": cold["ours"][0]["configs"],
+           "cold_s": [r["seconds"] for r in cold["ours"]], "warm_s": [r["seconds"] for r in warm["ours"]],
+           "status": warm["ours"][0]["status"], "cold_config_run_s": cold["ours"][0]["config_run_s"],
+           "warm_config_run_s": warm["ours"][0]["config_run_s"], "cpu_count": os.cpu_count(),
+           "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S}
+    if args.peer:
+        out["peer"] = {"checkout": str(args.peer), "cold_s": spread([r["seconds"] for r in cold["peer"]]),
+                       "warm_s": spread([r["seconds"] for r in warm["peer"]]),
+                       "warm_config_run_s": warm["peer"][0]["config_run_s"]}
+        out["ours"] = {"cold_s": spread(out["cold_s"]), "warm_s": spread(out["warm_s"])}
+        out["agreement"] = agreement(warm["ours"][0], warm["peer"][0])
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -183,10 +183,11 @@ class Started:
 
 
 def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str] | None, samples: int | None,
-                  as_json: bool, wait: bool, timeout: float = 3600, heartbeat: float = 30) -> Started:
+                  as_json: bool, wait: bool, timeout: float = 3600, heartbeat: float = 30,
+                  processes: int = 1) -> Started:
     from app import repo
     from app.db import session_scope
-    from app.dispatch import InlineDispatcher, get_dispatcher
+    from app.dispatch import Dispatcher, InlineDispatcher, LocalPoolDispatcher, get_dispatcher
     from app.services import apply_config_file, run_summary, start_run
     from app.settings import get_settings
 
@@ -203,7 +204,9 @@ def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str]
         # (canary serve, or workers), so this process does not start them
         os.environ["CANARY_ESCALATION"] = "false"
         get_settings.cache_clear()
-    dispatcher = InlineDispatcher(background=True) if inline else get_dispatcher()
+    dispatcher: InlineDispatcher | LocalPoolDispatcher | Dispatcher = (
+        (LocalPoolDispatcher(processes) if processes > 1 else InlineDispatcher(background=True)) if inline
+        else get_dispatcher())
     started = time.perf_counter()
     run_id, _ = start_run(canary_file.project, canary_file.suite(suite).name, configs, dispatcher, samples=samples)
     if not wait:
@@ -223,7 +226,7 @@ def _run_and_wait(canary_file: CanaryFile, suite: str | None, configs: list[str]
                          f"queue? (`canary worker`); the run goes on and "
                          f"GET /api/v1/projects/{canary_file.project}/runs/{run_id} shows it")
             time.sleep(0.5)
-    if isinstance(dispatcher, InlineDispatcher):  # inline: this process runs the tasks
+    if isinstance(dispatcher, (InlineDispatcher, LocalPoolDispatcher)):  # inline: this machine runs the tasks
         dispatcher.drain(60)  # notifications the aggregation queued: let them go out before exiting
     return Started(run_id, summary, round(time.perf_counter() - started, 1))
 
@@ -250,8 +253,10 @@ def demo(
                                      help="where the demo writes (never CANARY_DATABASE_URL)"),
     wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
     heartbeat: float = typer.Option(30, min=1, help="without a terminal: seconds between progress lines on stderr"),
+    processes: int = typer.Option(min(2, os.cpu_count() or 1), min=1, max=64,
+                                  help="config-runs at once, each in a process of its own with its share of the cores"),
 ) -> None:
-    """fp16 vs int8 vs int4 vs int2 … on the tiny Python-documentation model, in-process. Exits 0
+    """fp16 vs int8 vs int4 vs int2 … on the tiny Python-documentation model, on this machine. Exits 0
     whatever the verdict: some of its configs are broken on purpose."""
     # The demo never follows CANARY_DATABASE_URL: it must not write into a production database.
     os.environ["CANARY_DATABASE_URL"] = database_url
@@ -265,7 +270,8 @@ def demo(
     canary_file = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]},
                                "demo config")
     try:
-        done = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat)
+        done = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat,
+                             processes=processes)
     except ValueError as e:
         fail(str(e))
     assert done.summary is not None  # waited for
@@ -273,8 +279,25 @@ def demo(
         _json_out(done.summary, done.wall_seconds)
     else:
         _print_summary(done.summary, wide)
-        console.print(f"browse it: CANARY_DATABASE_URL={database_url} canary serve  →  http://127.0.0.1:8000/docs",
-                      highlight=False, soft_wrap=True)
+        for line in _open_it(database_url):
+            console.print(line, highlight=False, soft_wrap=True)
+
+
+def _open_it(database_url: str) -> list[str]:
+    """How to look at the demo's run: the API on its database, then the dashboard on the API; absolute
+    paths, so the commands work from any folder and without the virtual environment on the PATH."""
+    import importlib.util
+    import shlex
+
+    url = database_url
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        url = "sqlite:///" + os.path.abspath(url.removeprefix("sqlite:///"))
+    bin_dir = os.path.dirname(sys.executable)
+    spec = importlib.util.find_spec("dashboard")
+    app_py = os.path.join(os.path.dirname(spec.origin), "app.py") if spec and spec.origin else "dashboard/app.py"
+    return [f"open it: CANARY_DATABASE_URL={shlex.quote(url)} {shlex.quote(os.path.join(bin_dir, 'canary'))} serve",
+            f"   then: CANARY_API_URL=http://127.0.0.1:8000 {shlex.quote(os.path.join(bin_dir, 'streamlit'))} run "
+            f"{shlex.quote(app_py)}  →  http://127.0.0.1:8501 (project demo)"]
 
 
 @app.command()
@@ -291,6 +314,8 @@ def run(
                                              "or never"),
     wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
     heartbeat: float = typer.Option(30, min=1, help="without a terminal: seconds between progress lines on stderr"),
+    processes: int = typer.Option(1, min=1, max=64, help="on the embedded default (no broker): config-runs at once, "
+                                                         "each in a process of its own with its share of the cores"),
 ) -> None:
     """Apply a config file and run a suite over its configs. Exit 0 on pass (and on warn or
     inconclusive unless --fail-on warn), 1 on fail or incomplete, 2 when it cannot run."""
@@ -305,7 +330,7 @@ def run(
         canary_file = load_config_file(file)
         _upgrade_db()
         names = configs.split(",") if configs else None
-        done = _run_and_wait(canary_file, suite, names, samples, as_json, wait, timeout, heartbeat)
+        done = _run_and_wait(canary_file, suite, names, samples, as_json, wait, timeout, heartbeat, processes)
     except (ConfigFileError, CorpusError, NotFound, ValueError) as e:
         fail(str(e))
     if done.summary is None:  # --no-wait

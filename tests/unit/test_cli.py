@@ -164,3 +164,30 @@ def test_worker_processes_share_the_cores():
     assert worker_threads(3, {}, 2) == {"OMP_NUM_THREADS": "1"}  # never fewer than one
     assert worker_threads(1, {}, 16) == {}  # one process: torch's default, a thread per core
     assert worker_threads(4, {"OMP_NUM_THREADS": "8"}, 16) == {}  # the operator's choice is kept
+
+
+@pytest.mark.integration
+def test_config_runs_in_a_pool_of_processes_give_the_same_results(tmp_path):
+    """`--processes 2` (the demo's default on two cores) runs two config-runs at once, each in a
+    spawned process of its own: every comparison but the wall-clock ones is the one a run of the
+    same configs one after the other gives, on one thread each (thread counts change float sums)."""
+    config = {"project": "pool", "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+              "configs": [{"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
+                          {"name": "int4", "engine": "reference", "weights": "rtn-int4"},
+                          {"name": "kv-int8", "engine": "reference", "kv_cache": "int8"},
+                          {"name": "ngram", "engine": "reference", "speculative": {"method": "ngram", "k": 2}}],
+              "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 6, "seed": 3,
+                          "scorers": ["perplexity", "generation", "agreement", "layers"],
+                          "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}
+    path = write(tmp_path, config)
+    out = {}
+    for processes in (1, 2):
+        r = canary("run", "-f", path, "--json", "--processes", str(processes), cwd=tmp_path,
+                   env_db=f"sqlite:///{tmp_path / f'p{processes}.db'}", timeout=600, OMP_NUM_THREADS="1")
+        assert r.returncode in (0, 1), r.stderr[-3000:]
+        out[processes] = json.loads(r.stdout)
+    timing = {"ttft_ratio", "tpot_ratio", "ttft_ms"}
+    rows = {p: sorted((c["config"], c["metric"], c["estimate"], c["ci_low"], c["ci_high"], c["n"], c["verdict"])
+                      for c in o["comparisons"] if c["metric"] not in timing) for p, o in out.items()}
+    assert rows[1] == rows[2] and len(rows[1]) > 30
+    assert [c["status"] for c in out[2]["configs"]] == ["succeeded"] * 4
