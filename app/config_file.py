@@ -72,7 +72,7 @@ class ConfigEntry(OptimizationSpec):
     @field_validator("engine_options")
     @classmethod
     def _secret_name(cls, v: dict) -> dict:
-        from app.ssrf import check_secret_name
+        from app.secret_names import check_secret_name
 
         if isinstance(v, dict) and v.get("api_key_env") is not None:
             check_secret_name(str(v["api_key_env"]), "api_key_env")
@@ -93,7 +93,7 @@ class JudgeSettings(suite_settings.JudgeSettings):
     @field_validator("api_key_env")
     @classmethod
     def _secret_name(cls, v: str | None) -> str | None:
-        from app.ssrf import check_secret_name
+        from app.secret_names import check_secret_name
 
         return None if v is None else check_secret_name(v, "api_key_env")
 
@@ -211,7 +211,7 @@ class ChannelEntry(_Strict):
     @field_validator("signing_secret")
     @classmethod
     def _secret(cls, v: str | None) -> str | None:
-        from app.ssrf import ENV_REF, check_secret_ref
+        from app.secret_names import ENV_REF, check_secret_ref
 
         if v is not None and not ENV_REF.fullmatch(v):
             raise ValueError("give the signing secret as an ${ENV_VAR} reference, never the secret itself")
@@ -220,8 +220,9 @@ class ChannelEntry(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        from app.secret_names import ENV_REF, check_secret_ref
         from app.settings import get_settings
-        from app.ssrf import ENV_REF, check_secret_ref, has_credentials, mask_url
+        from app.ssrf import has_credentials, mask_url
 
         if ENV_REF.fullmatch(v):
             check_secret_ref(v, "url")  # an allowed variable, or SecretNotAllowed naming it

@@ -37,14 +37,8 @@ from sqlalchemy.orm import Session
 
 from app.channels import alertmanager, discord, slack, teams, webhook
 from app.models import Channel, Notification, Project, aware, utcnow
-from app.ssrf import (
-    ENV_REF,
-    AsyncPinnedTransport,
-    SecretNotAllowed,
-    UnsafeURL,
-    check_secret_name,
-    check_url,
-)
+from app.secret_names import ENV_REF, SecretNotAllowed, check_secret_name
+from app.ssrf import AsyncPinnedTransport, UnsafeURL, check_url
 
 log = logging.getLogger(__name__)
 MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}

@@ -9,13 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.ssrf import (
-    AsyncPinnedTransport,
-    PinnedTransport,
-    check_engine_options,
-    check_judge,
-    read_secret,
-)
+from app.secret_names import read_secret
+from app.ssrf import AsyncPinnedTransport, PinnedTransport, check_engine_options, check_judge
 from engines.spec import OptimizationSpec
 
 ENGINE_URL = "engine_options.base_url / metrics_url"

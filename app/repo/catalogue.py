@@ -34,7 +34,7 @@ def get_or_create_project(session: Session, name: str) -> Project:
 
         if problem := name_problem(name):
             raise ValueError(f"project {problem}")
-        from app.ssrf import project_secret_prefix, secret_slug
+        from app.secret_names import project_secret_prefix, secret_slug
 
         slug = secret_slug(name)  # one owner per secret name (app/ssrf.py project_secret_prefix)
         for other in session.scalars(select(Project.name)):
@@ -247,7 +247,8 @@ def upsert_channel(session: Session, project: Project, name: str, kind: str, url
     """``url`` may be a ${ENV_VAR} template, expanded only at send time (the secret stays out of
     the DB); a literal URL must pass the outbound URL policy now, and again at every send. A
     ${ENV_VAR} (the url, the signing secret) must name a secret of this project."""
-    from app.ssrf import ENV_REF, check_secret_ref, check_url
+    from app.secret_names import ENV_REF, check_secret_ref
+    from app.ssrf import check_url
 
     if not ENV_REF.fullmatch(url):
         check_url(url, field)

@@ -307,8 +307,9 @@ def test_stored_rows_are_checked_again_when_a_worker_uses_them(receiver, monkeyp
     from app.db import session_scope
     from app.models import Channel, Notification, Project
     from app.notify import deliver_due
+    from app.secret_names import SecretNotAllowed
     from app.settings import get_settings
-    from app.ssrf import SecretNotAllowed, UnsafeURL
+    from app.ssrf import UnsafeURL
     from engines.spec import OptimizationSpec
     from workers.outbound import check_engine, engine_options, judge_http
 

@@ -160,8 +160,8 @@ def test_a_6to4_address_of_a_public_ipv4_passes(monkeypatch):
 
 # -- secret names: only from the operator's allow-list ---------------------------------------------
 def test_secret_names_come_from_the_allow_list_only(monkeypatch):
+    from app.secret_names import SecretNotAllowed, check_secret_name, check_secret_ref, read_secret
     from app.settings import get_settings
-    from app.ssrf import SecretNotAllowed, check_secret_name, check_secret_ref, read_secret
 
     monkeypatch.setenv("CANARY_SECRET_ENV_NAMES", "VLLM_API_KEY")
     monkeypatch.setenv("CANARY_SECRET_JUDGE", "judge-key")
@@ -185,8 +185,14 @@ def test_secret_names_come_from_the_allow_list_only(monkeypatch):
 def test_each_secret_belongs_to_projects(monkeypatch):
     """Security round 3, H1: a project names its own variables (CANARY_SECRET_<PROJECT>__…), those
     granted to it, or those listed for all; another team's is refused by name, with the fix."""
+    from app.secret_names import (
+        SecretNotAllowed,
+        check_secret_name,
+        project_secret_prefix,
+        read_secret,
+        secret_allowed,
+    )
     from app.settings import get_settings
-    from app.ssrf import SecretNotAllowed, check_secret_name, project_secret_prefix, read_secret, secret_allowed
 
     monkeypatch.setenv("CANARY_SECRET_ENV_NAMES", "VLLM_API_KEY")
     monkeypatch.setenv("CANARY_SECRET_GRANTS", "CANARY_SECRET_SHARED_JUDGE=*,CANARY_SECRET_HOOK=alpha+beta.team")
@@ -239,8 +245,8 @@ def test_a_secret_name_has_one_owner_whatever_the_case_or_punctuation(monkeypatc
     """Security round 4, N1: 'alpha', 'ALPHA' and 'alpha.' read the same slug, and 'alpha--x' one of
     its own (ALPHA_X), so CANARY_SECRET_ALPHA__X__KEY is alpha's and no other project's: the owner is
     the text between the prefix and the first '__', exactly."""
+    from app.secret_names import project_secret_prefix, secret_allowed, secret_slug
     from app.settings import get_settings
-    from app.ssrf import project_secret_prefix, secret_allowed, secret_slug
 
     get_settings.cache_clear()
     try:
