@@ -168,10 +168,10 @@ class LocalPoolDispatcher:
     """Runs config-runs in `processes` processes of this machine at once (spawned, each with its
     own engine cache and its share of the cores as torch threads); what a config-run sends runs
     after it in its process. For a one-shot run on the embedded default (`canary demo`): on the
-    demo's tiny model a config-run is bound by Python, not by its matrix products, so two at once
-    on two cores take about half as long as one after the other with two threads each
-    (benchmarks/demo.py). The results are a config-run's own whichever process runs it; the
-    database (SQLite in WAL mode) takes each process's writes in turn."""
+    demo's tiny model a config-run is bound more by Python than by its matrix products, so two at
+    once on two cores, one thread each, take less time than one after the other with two threads
+    (benchmarks/demo.py: 123 s against 162 s warm). The results are a config-run's own whichever
+    process runs it; the database (SQLite in WAL mode) takes each process's writes in turn."""
 
     def __init__(self, processes: int, cores: int | None = None):
         import multiprocessing
