@@ -18,8 +18,8 @@ from workers.job import Job
 
 @dataclass
 class Work:
-    """One attempt's engine pass: its job, its engine, and what the producers add to the
-    config-run's figures and notes as they go."""
+    """One attempt's engine pass: its job, its engine, its progress, and the notes the producers
+    add to the config-run's figures as they go (each producer's own figures: Producer.figures)."""
 
     job: Job
     engine: Any  # an engines.protocol.Engine
