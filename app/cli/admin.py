@@ -155,15 +155,36 @@ def db_upgrade(revision: str = "head") -> None:
     """Apply migrations up to REVISION."""
     from app.db import upgrade
 
-    upgrade(revision=revision)
+    _migrate(upgrade, "upgrade", revision)
     console.print(f"database at revision {revision}")
 
 
 @db_app.command("downgrade")
 def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base")) -> None:
+    """Revert migrations down to REVISION (with no run in flight: a downgrade past 0005 drops the
+    attempt fence of config-runs that are still running)."""
     from app.db import downgrade
 
-    downgrade(revision=revision)
+    _migrate(downgrade, "downgrade", revision)
+    console.print(f"database at revision {revision}")
+
+
+def _migrate(step, verb: str, revision: str) -> None:
+    """Run a migration; one that the database refuses (not one it could not reach) is named as a
+    failed migration, with the database's first line: the whole step ran in one transaction on
+    PostgreSQL, so its revision stays where it was."""
+    from sqlalchemy.exc import DBAPIError
+
+    from app.db import is_transient
+
+    try:
+        step(revision=revision)
+    except DBAPIError as e:
+        if is_transient(e):
+            raise  # unreachable: main() says so in one line
+        first = (str(e.orig or e).strip().splitlines() or [""])[0][:300]
+        fail(f"the {verb} to revision {revision} failed in a migration: {first}; on PostgreSQL the whole step runs "
+             "in one transaction, so the database stays at the revision it had")
 
 
 @app.command()

@@ -25,6 +25,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        # deferred foreign-key checks queued earlier in the same transaction (a longer downgrade runs
+        # every step in one) would make the ALTER below fail with "pending trigger events": run them now
+        op.execute(sa.text("SET CONSTRAINTS ALL IMMEDIATE"))
     # a measurement_error does not fit the old width: it reads as inconclusive there (no data)
     op.execute(sa.text("UPDATE comparisons SET verdict = 'inconclusive' WHERE verdict = 'measurement_error'"))
     with op.batch_alter_table("comparisons") as batch:
