@@ -102,7 +102,9 @@ def main() -> None:
            "warm_config_run_s": warm["ours"][0]["config_run_s"], "cpu_count": os.cpu_count(),
            "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S}
     if args.peer:
-        out["peer"] = {"checkout": str(args.peer), "cold_s": spread([r["seconds"] for r in cold["peer"]]),
+        commit = subprocess.run(["git", "-C", str(args.peer), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or "unknown"
+        out["peer"] = {"commit": commit, "cold_s": spread([r["seconds"] for r in cold["peer"]]),
                        "warm_s": spread([r["seconds"] for r in warm["peer"]]),
                        "warm_config_run_s": warm["peer"][0]["config_run_s"]}
         out["ours"] = {"cold_s": spread(out["cold_s"]), "warm_s": spread(out["warm_s"])}
