@@ -254,7 +254,8 @@ def stream_in_thread(base: str, body: dict, out: list) -> threading.Thread:
 
 
 def test_a_full_queue_is_a_429_and_sigterm_ends_a_running_batch_promptly():
-    proc, base = start_engine_serve("--served-model-name", MODEL, "--max-num-seqs", "1", "--max-queue", "2")
+    proc, base = start_engine_serve("--served-model-name", MODEL, "--max-num-seqs", "1", "--max-queue", "2",
+                                    "--drain-timeout", "0")
     try:
         long = {"model": MODEL, "prompt": "import os", "max_tokens": 900, "temperature": 0, "logit_bias": NO_EOS,
                 "stream": True}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,10 +16,66 @@ from workers.engine_server.engine_thread import EngineServer
 from workers.engine_server.errors import error, param_of
 from workers.engine_server.routes import router
 
+MAX_BODY_BYTES = 16 << 20  # a 256-prompt batch of long documents as token ids fits; a bigger body is refused unread
+API_KEY_ENV = "CANARY_ENGINE_API_KEY"  # --api-key's default, as vLLM reads VLLM_API_KEY
 
-def build_app(server: EngineServer) -> FastAPI:
+
+class Guard:
+    """ASGI middleware in front of every route. A body longer than max_body bytes is refused with a
+    413 before it is read (by its Content-Length) or as soon as it passes the bound (a chunked one):
+    the server holds at most max_body bytes of any request. With an api_key, the /v1 routes ask for
+    `Authorization: Bearer <key>` and answer 401 without it, as vLLM's --api-key does (the health,
+    metrics and tokenizer routes stay open, as in vLLM)."""
+
+    def __init__(self, app, max_body: int, api_key: str | None):
+        self.app, self.max_body, self.api_key = app, max_body, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                await error(401, "a valid API key is required: send `Authorization: Bearer <key>` (the server was "
+                                 "started with --api-key)", "AuthenticationError")(scope, receive, send)
+                return
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            await self._too_large(scope, receive, send, int(declared))
+            return
+        body, more = bytearray(), True
+        while more:  # read the body here, within the bound, and hand it to the route whole
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await self._too_large(scope, receive, send, None)
+                return
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else f"more than {self.max_body} bytes"
+        await error(413, f"the body is {size}; this server takes at most {self.max_body} (--max-body-bytes). Send "
+                         f"fewer prompts per request", "RequestTooLargeError")(scope, receive, send)
+
+
+def build_app(server: EngineServer, max_body: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="canary engine-serve", version="1")
     app.state.engine_server = server
+    app.add_middleware(Guard, max_body=max_body, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,6 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-queue", type=positive, default=256,
                     help="generation requests that may wait beyond the running batch (default 256); a request "
                          "arriving when that many wait is answered 429")
+    ap.add_argument("--max-logprob-entries", type=positive, default=1 << 18,
+                    help="log-probs one response may carry, counting each token's alternatives (default 262144, "
+                         "about 7 MB of JSON); a request asking for more is answered 400")
+    ap.add_argument("--max-body-bytes", type=positive, default=MAX_BODY_BYTES,
+                    help=f"the largest request body, refused with 413 before it is read (default {MAX_BODY_BYTES})")
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                    help=f"ask every /v1 request for `Authorization: Bearer <key>`, as vLLM's flag of this name "
+                         f"(default: ${API_KEY_ENV}, else no key; the environment keeps it out of the process list)")
+    ap.add_argument("--drain-timeout", type=float, default=5.0,
+                    help="on SIGTERM, seconds the requests already taken may go on (new ones get 503); those "
+                         "left then end with an error (default 5; 0 ends them at once)")
     ap.add_argument("--threads", type=positive, default=None,
                     help="torch threads for the engine (default: every core but one, at least 1: the HTTP front "
                          "end decodes and streams every request's tokens on a core of its own, as vLLM's CPU engine "
@@ -97,8 +166,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--speculative: {'.'.join(str(x) for x in first['loc'][1:])}: {first['msg']}")
     except ModelPathError as e:
         ap.error(f"--model: {e}")
-    import os
-
     import torch
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -109,15 +176,18 @@ def main(argv: list[str] | None = None) -> None:
     server = EngineServer(engine, args.served_model_name or args.model, prompt_logprobs=not args.no_prompt_logprobs,
                           per_request_spec_metrics=args.per_request_spec_decode_metrics == "summary",
                           max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                          per_request_metrics=args.enable_per_request_metrics)
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5)  # a backstop: requests end at once (below)
+                          per_request_metrics=args.enable_per_request_metrics,
+                          max_logprob_entries=args.max_logprob_entries)
+    drain = max(0.0, args.drain_timeout)
+    config = uvicorn.Config(build_app(server, args.max_body_bytes, args.api_key), host=args.host, port=args.port,
+                            log_level="warning",
+                            timeout_graceful_shutdown=int(drain) + 5)  # a backstop: the engine ends them by then
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            # SIGTERM / SIGINT: uvicorn waits for open requests before it exits, so the engine fails
-            # every queued and running one first (a running batch would otherwise hold it up)
-            server.request_stop()
+            # SIGTERM / SIGINT: uvicorn stops listening and waits for open requests; the engine takes no
+            # new one, lets those it holds finish until the drain deadline, then fails the rest
+            server.request_stop(drain)
             super().handle_exit(sig, frame)
 
     Server(config).run()

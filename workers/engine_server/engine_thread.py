@@ -4,8 +4,10 @@ the model. Each request's tokens go back to its route's event loop as events: ("
 refuses, ("error", message) for anything else.
 
 Continuous batching (engines/reference/batching.py), as vLLM schedules: generation requests wait
-in a bounded queue (`max_queue`; a full queue is refused with QueueFull, a 429), join the running
-batch between decode steps while it has a free row (`max_num_seqs`: their prompt is prefilled,
+in a bounded queue (`max_queue` sequences, whichever requests they came in; a request that does
+not fit is refused whole with QueueFull, a 429), join the running batch between decode steps
+while it has a free row (`max_num_seqs`; a request of many prompts takes turns with later ones,
+_take_fairly, where vLLM serves first come first served: their prompt is prefilled,
 then they take part in the next batched step) and leave it when they finish or their client goes
 (Job.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
 step verifies every row's drafts in one pass and a row may gain several tokens at once, as in
@@ -15,6 +17,7 @@ a time with engine.generate, as before."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections import deque
@@ -28,7 +31,11 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 class QueueFull(Exception):
-    """The waiting queue holds max_queue generation requests: the route answers 429."""
+    """The waiting queue cannot take a request's sequences within max_queue: the route answers 429."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining (SIGTERM): it takes no new request, the route answers 503."""
 
 
 class Cancelled(Exception):
@@ -49,6 +56,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_reason: str = "abort"  # how a cancelled job counts in vllm:request_success
     started: float | None = None  # when the engine took it from the queue (scheduled, in vLLM's words)
+    group: int = 0  # the request it came in: its prompts × n choices share one
 
     def cancel(self, reason: str = "abort") -> None:
         if not self.cancelled.is_set():
@@ -68,7 +76,8 @@ class Running:
 
 class EngineServer:
     def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False,
-                 max_num_seqs: int = 32, max_queue: int = 256, per_request_metrics: bool = False):
+                 max_num_seqs: int = 32, max_queue: int = 256, per_request_metrics: bool = False,
+                 max_logprob_entries: int = 1 << 18):
         self.engine = engine
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
@@ -87,13 +96,20 @@ class EngineServer:
                                          and getattr(spec.speculative, "method", "off") != "off" else 0)
         self.why_serial = unbatchable(engine)  # None: continuous batching
         self.max_num_seqs = max_num_seqs if self.why_serial is None else 1
-        self.max_queue = max_queue
+        self.max_queue = max_queue  # sequences (prompts × n) waiting, whichever requests they came in
+        # log-probs one response may carry (tokens × (1 + alternatives)): a bound on its size
+        self.max_logprob_entries = max_logprob_entries
         self.batch = ContinuousBatch(engine, max_num_seqs) if self.why_serial is None else None
         self.rows: dict[int, Running] = {}  # batch row → its job (engine thread only)
         self._lock = threading.Condition()  # guards the two queues
         self._waiting: deque[Job] = deque()  # generation jobs not started yet
+        self._groups = itertools.count(1)  # a request's number (Job.group)
+        self._served: dict[int, int] = {}  # request → its sequences started, while some still wait
         self._scoring: deque[Job] = deque()  # echo jobs
-        self._stopping = False  # set by request_stop (a signal handler: no lock taken there)
+        # set by request_stop (a signal handler: plain assignments, no lock taken there): the server
+        # takes no new request, finishes those it holds, and fails what is left at the deadline
+        self.draining = False
+        self._stop_at: float | None = None
         self._outbox: list[tuple[Job, tuple]] = []  # events of this step, sent together (_flush)
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self.thread.start()
@@ -105,10 +121,14 @@ class EngineServer:
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[GenerationRequest], stream: bool = True) -> list[Job]:
-        """Jobs for generation requests, queued together. QueueFull when max_queue already wait (a
-        request of several prompts or choices that arrives before that is taken whole). stream:
+        """Jobs for generation requests, queued together. QueueFull when they would take the waiting
+        sequences past max_queue (a request is taken whole or not at all). stream:
         the route reads each token as it comes; else it gets the result alone."""
-        return self._enqueue([self._job(r, stream=stream) for r in requests], self._waiting)
+        jobs = [self._job(r, stream=stream) for r in requests]
+        group = next(self._groups)
+        for job in jobs:
+            job.group = group
+        return self._enqueue(jobs, self._waiting)
 
     def _job(self, request: GenerationRequest, prompt_ids: list[int] | None = None, top_k: int = 0,
              stream: bool = True) -> Job:
@@ -116,11 +136,16 @@ class EngineServer:
                    stream=stream)
 
     def _enqueue(self, jobs: list[Job], into: deque[Job]) -> list[Job]:
+        """Queue the jobs of one request whole, or none of them. The cap counts sequences (a job is
+        one prompt's one choice), whichever requests they came in."""
         with self._lock:
-            if into is self._waiting and len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"The server's queue is full: {len(self._waiting)} waiting (--max-queue "
-                                f"{self.max_queue}) beyond the {self.max_num_seqs} being decoded (--max-num-seqs "
-                                f"{self.max_num_seqs}). Retry later, or start the server with a larger --max-queue.")
+            if self.draining:
+                raise ShuttingDown(SHUTTING_DOWN)
+            if into is self._waiting and len(self._waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"The server's queue is full: {len(self._waiting)} sequences wait and this request "
+                                f"brings {len(jobs)} (--max-queue {self.max_queue}) beyond the {self.max_num_seqs} "
+                                f"being decoded (--max-num-seqs {self.max_num_seqs}). Retry later, or start the "
+                                f"server with a larger --max-queue.")
             into.extend(jobs)
             self._gauge_waiting()
             self._lock.notify()
@@ -139,10 +164,22 @@ class EngineServer:
                     self.metrics.request_success["abort"].inc()
             self._gauge_waiting()
 
-    def request_stop(self) -> None:
-        """Shutdown (SIGTERM): the engine thread fails every queued and running job with an error
-        event, so their routes answer at once, and ends. Safe in a signal handler: a flag only."""
-        self._stopping = True
+    def request_stop(self, drain_s: float = 0.0) -> None:
+        """Shutdown (SIGTERM): new requests are refused (503) at once; the jobs queued and running
+        go on for up to drain_s seconds, then the engine thread fails those left with an error
+        event (their routes answer at once) and ends. Safe in a signal handler: assignments only."""
+        self._stop_at = time.monotonic() + max(0.0, drain_s)
+        self.draining = True
+
+    def _past_deadline(self) -> bool:
+        return self._stop_at is not None and time.monotonic() >= self._stop_at
+
+    def _done_draining(self, taken: list[Job]) -> bool:
+        """Whether the engine thread stops now: past the drain deadline, or draining with no job
+        left (`taken`: those just taken from the queues)."""
+        if self._stop_at is None:
+            return False
+        return self._past_deadline() or not (taken or self._waiting or self._scoring or self.rows)
 
     def _gauge_waiting(self) -> None:
         self.metrics.waiting.set(len(self._waiting) + len(self._scoring))
@@ -151,7 +188,7 @@ class EngineServer:
     def _run(self) -> None:
         while True:
             scoring, starting = self._next_jobs()
-            if self._stopping:
+            if self._done_draining(scoring + starting):
                 self._shutdown(scoring + starting)
                 return
             for job in scoring:
@@ -165,15 +202,32 @@ class EngineServer:
         """Every echo job queued, and as many generation jobs as the batch has free rows; waits
         while there is nothing to do (polling so that a stop request is noticed)."""
         with self._lock:
-            while not (self._stopping or self._scoring or self._waiting or self.rows):
+            while not (self.draining or self._scoring or self._waiting or self.rows):
                 self._lock.wait(0.2)
             scoring = list(self._scoring)
             self._scoring.clear()
             starting: list[Job] = []
             while self._waiting and len(self.rows) + len(starting) < self.max_num_seqs:
-                starting.append(self._waiting.popleft())
+                starting.append(self._take_fairly(starting))
             self._gauge_waiting()
         return scoring, starting
+
+    def _take_fairly(self, starting: list[Job]) -> Job:
+        """The next waiting job to start: the oldest of the request that holds the fewest rows and,
+        among those, has started the fewest of its sequences. A request of many prompts or
+        choices takes turns with those that came after it instead of keeping them out of the
+        batch until all of its own have run; requests of one sequence each are served first come,
+        first served."""
+        holds: dict[int, int] = {}
+        for job in [*(r.job for r in self.rows.values()), *starting]:
+            holds[job.group] = holds.get(job.group, 0) + 1
+        pick = min(self._waiting, key=lambda job: (holds.get(job.group, 0), self._served.get(job.group, 0)))
+        self._waiting.remove(pick)  # min keeps the first (the oldest) of equals
+        if any(job.group == pick.group for job in self._waiting):
+            self._served[pick.group] = self._served.get(pick.group, 0) + 1
+        else:
+            self._served.pop(pick.group, None)  # its last sequence: nothing left to count
+        return pick
 
     def _guarded(self, job: Job, run) -> None:
         """run(job, started), its refusal or failure sent to the job's route; the server stays up."""
@@ -314,7 +368,7 @@ class EngineServer:
         held = [n_prompt]  # tokens in the KV cache
 
         def on_tokens(request_id, tokens, spec_decode):
-            if job.cancelled.is_set() or self._stopping:
+            if job.cancelled.is_set() or self._past_deadline():
                 raise Cancelled  # out of engine.generate: the request stops here
             if job.stamps:  # a decode step of this request alone: its tokens are the step's
                 metrics.iteration_tokens.observe(len(tokens))
@@ -330,7 +384,7 @@ class EngineServer:
         try:
             result = self.engine.generate([job.request], on_tokens=on_tokens)[0]
         except Cancelled:
-            if self._stopping:
+            if self._past_deadline():
                 self._emit(job, ("error", SHUTTING_DOWN))
             raise
         eos = self.engine.tokenizer.eos_token_id

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.protocol import GenerationRequest
 from workers.engine_server.answers import ClientGone, Events, answer, text_offsets
-from workers.engine_server.engine_thread import EngineServer, Job, QueueFull
+from workers.engine_server.engine_thread import EngineServer, Job, QueueFull, ShuttingDown
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 
@@ -129,6 +129,8 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
     """`n` choices of each request, each its own engine job, in OpenAI's order (prompt by prompt,
     each prompt's choices together); choice i samples with seed + i. A full queue: a 429."""
     n = body.n or 1
+    if (refused := too_many(server, requests, n)) is not None:
+        return refused
     choices = [replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
                        seed=(request.seed + i) % (2**63))
                for request in requests for i in range(n)]
@@ -136,9 +138,29 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
         jobs = server.submit_all(choices, stream=bool(body.stream))
     except QueueFull as e:
         return error(429, str(e), "RateLimitError")
+    except ShuttingDown as e:
+        return error(503, str(e), "ServiceUnavailableError")
     for _ in requests:
         server.metrics.params_n.observe(n)
     return jobs
+
+
+def too_many(server: EngineServer, requests: list[GenerationRequest], n: int) -> JSONResponse | None:
+    """A request bigger than the server ever admits (a 400 naming the field to shrink, not a 429:
+    retrying cannot help): more sequences (prompts × n) than --max-queue, or more generated
+    log-probs (sequences × max_tokens × (1 + logprobs)) than --max-logprob-entries."""
+    sequences = len(requests) * n
+    if sequences > server.max_queue:
+        return error(400, f"this request asks for {len(requests)} prompt(s) × n={n} = {sequences} sequences; the "
+                          f"server queues at most {server.max_queue} (--max-queue). Send fewer prompts or a smaller n",
+                     param="n" if n > 1 else "prompt")
+    entries = sum(r.max_new_tokens * (1 + r.logprobs) for r in requests if r.logprobs is not None) * n
+    if entries > server.max_logprob_entries:
+        return error(400, f"this request asks for {entries} generated log-probs (prompts × n × max_tokens × (1 + "
+                          f"logprobs)); the server returns at most {server.max_logprob_entries} in one response "
+                          f"(--max-logprob-entries). Ask fewer alternatives, fewer tokens or fewer prompts",
+                     param="logprobs")
+    return None
 
 
 def check_model(server: EngineServer, model: str | None, required: bool = True) -> JSONResponse | None:
@@ -219,13 +241,22 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
                               f"{len(ids)} tokens{' and asks for 1 more' if append else ''}. Please reduce the length "
                               f"of the prompt.", param="prompt")
         batch.append(ids)
+    entries = sum(len(ids) + append for ids in batch) * (1 + body.logprobs)
+    if entries > server.max_logprob_entries:
+        return error(400, f"this echo asks for {entries} prompt log-probs (prompt tokens × (1 + logprobs)); the "
+                          f"server returns at most {server.max_logprob_entries} in one response "
+                          f"(--max-logprob-entries). Send fewer prompts per request, or ask fewer alternatives",
+                     param="prompt" if len(batch) > 1 else "logprobs")
     choices, prompt_tokens = [], 0
 
     def name(t: int) -> str:  # vLLM's return_tokens_as_token_ids names tokens "token_id:<id>", never by text
         return f"token_id:{t}" if body.return_tokens_as_token_ids else server.token_strings([t])[0]
 
     for index, ids in enumerate(batch):
-        job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
+        try:
+            job = server.submit(None, prompt_ids=ids, top_k=body.logprobs)
+        except ShuttingDown as e:
+            return error(503, str(e), "ServiceUnavailableError")
         try:
             kind, scores = await Events(http).next(job)
         except ClientGone:
