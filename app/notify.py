@@ -168,49 +168,86 @@ def backoff_s(attempts: int) -> float:
     return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
 
 
+SLOW_FRACTION = 0.5  # a post that takes this share of its deadline or more marks its receiver slow
+
+
 def deliver_due(session: Session, *, now: datetime | None = None, transport: Transport | None = None,
                 deadline_s: float | None = None, sleep: Callable[[float], None] = time.sleep,
                 max_attempts: int = MAX_ATTEMPTS, limit: int = 500) -> dict[str, int]:
     """Post every due pending notification once; returns counts by outcome. `now`: the clock at
-    the start of the pass (each retry is scheduled from the end of its attempt, on that clock)."""
+    the start of the pass (each retry is scheduled from the end of its attempt, on that clock).
+
+    Fair to every tenant (security round 4, N3): the pass goes in rounds, each project and each
+    channel posting at most once a round, oldest row first, so one project's backlog or one
+    channel's many rows never queue another project's alert behind them. A receiver that fails
+    (a retry: timeout, refused, 429, 5xx) trips its channel: the channel's other due rows wait
+    for that row's retry (their next attempt moves there, their attempts unchanged), so a dead or
+    dripping receiver costs one deadline a retry, not one per row. One that answers but slowly
+    (half the deadline or more) posts no more in this pass."""
     from app.settings import get_settings
 
     now = now or utcnow()
     started = time.monotonic()
     deadline_s = deadline_s or get_settings().notify_timeout_seconds
-    due = (select(Notification).where(Notification.status == "pending")
-         .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
-         .order_by(Notification.id).limit(1))
     assert session.bind is not None, "deliver_due needs a session bound to an engine"
-    if session.bind.dialect.name == "postgresql":
-        # one row per transaction, locked until its outcome commits: a second notifier skips it
-        due = due.with_for_update(skip_locked=True)
+    locking = session.bind.dialect.name == "postgresql"
+    seen: set[int] = set()  # rows taken in this pass
+    resting: set[int] = set()  # channels tripped or slow: no more posts in this pass
+    round_projects: set[int] = set()
+    round_channels: set[int] = set()
 
-    def rows():
-        seen: set[int] = set()
-        for _ in range(limit):
-            notification = session.scalars(due.where(Notification.id.not_in(seen)) if seen else due).first()
-            if notification is None:
-                return
-            seen.add(notification.id)
-            yield notification
+    def next_row() -> Notification | None:
+        """The oldest due row of a project and channel that have not posted in this round; a new
+        round when every one has."""
+        for new_round in (False, True):
+            if new_round:
+                if not (round_projects or round_channels):
+                    return None
+                round_projects.clear()
+                round_channels.clear()
+            due = (select(Notification).outerjoin(Channel, Channel.id == Notification.channel_id)
+                   .where(Notification.status == "pending")
+                   .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now)))
+            if seen:
+                due = due.where(Notification.id.not_in(seen))
+            if resting or round_channels:
+                due = due.where(Notification.channel_id.not_in(resting | round_channels))
+            if round_projects:
+                due = due.where(Channel.project_id.is_(None) | Channel.project_id.not_in(round_projects))
+            due = due.order_by(Notification.id).limit(1)
+            if locking:
+                # one row per transaction, locked until its outcome commits: a second notifier skips it
+                due = due.with_for_update(skip_locked=True, of=Notification)
+            found = session.scalars(due).first()
+            if found is not None:
+                return found
+        return None
 
     counts = {"sent": 0, "retry": 0, "dead": 0}
     last_post: dict[int, float] = {}
-    for notification in rows():
+    for _ in range(limit):
+        notification = next_row()
+        if notification is None:
+            break
+        seen.add(notification.id)
         channel = session.get(Channel, notification.channel_id)
         if channel is None or not channel.enabled:
             notification.status, notification.last_error = "dead", "channel disabled or deleted"
             counts["dead"] += 1
             session.commit()
             continue
+        round_projects.add(channel.project_id)
+        round_channels.add(channel.id)
         pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
         wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
         if wait > 0:
             sleep(wait)
         owner = session.get(Project, channel.project_id)
+        began = time.monotonic()
         outcome, retry_after, what = post(channel, notification, owner.name if owner else "", deadline_s, transport)
         last_post[channel.id] = time.monotonic()
+        if last_post[channel.id] - began >= SLOW_FRACTION * deadline_s:
+            resting.add(channel.id)
         notification.attempts += 1
         notification.last_error = None if outcome == "sent" else what
         if outcome == "sent":
@@ -222,6 +259,8 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
             ended = now + timedelta(seconds=time.monotonic() - started)
             notification.next_attempt_at = ended + timedelta(seconds=delay_s)
             counts["retry"] += 1
+            resting.add(channel.id)
+            _wait_with(session, channel, notification, now)
         else:
             if outcome == "disable":
                 channel.enabled = False
@@ -234,6 +273,23 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
                         notification.last_error)
         session.commit()  # each outcome is durable before the next post
     return counts
+
+
+def _wait_with(session: Session, channel: Channel, tripped: Notification, now: datetime) -> None:
+    """The circuit breaker: the channel's other rows due now wait for the retry of the row that
+    failed (never made earlier, never counted as attempts)."""
+    retry_at = tripped.next_attempt_at
+    siblings = session.scalars(select(Notification).where(
+        Notification.channel_id == channel.id, Notification.status == "pending", Notification.id != tripped.id,
+        (Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= retry_at))
+        .with_for_update(skip_locked=True))  # a row another notifier holds is its to decide
+    held = 0
+    for row in siblings:
+        row.next_attempt_at = retry_at
+        held += 1
+    if held:
+        log.info("channel '%s' failed (%s): %d more notification(s) wait for its retry at %s", channel.name,
+                 tripped.last_error, held, retry_at)
 
 
 def next_due(session: Session) -> datetime | None:

@@ -17,9 +17,9 @@ from app.models import Channel, Notification, Project, aware, utcnow
 from app.notify import deliver_due
 
 
-def add(kind: str, url: str, n: int = 1, **settings) -> tuple[int, list[int]]:
+def add(kind: str, url: str, n: int = 1, project: str = "p", **settings) -> tuple[int, list[int]]:
     with session_scope() as s:
-        p = s.query(Project).filter_by(name="p").one_or_none() or Project(name="p")
+        p = s.query(Project).filter_by(name=project).one_or_none() or Project(name=project)
         s.add(p)
         s.flush()
         ch = Channel(project_id=p.id, name=f"{kind}-{len(s.query(Channel).all())}", kind=kind, url=url, settings=settings or None)
@@ -32,6 +32,34 @@ def add(kind: str, url: str, n: int = 1, **settings) -> tuple[int, list[int]]:
             s.flush()
             ids.append(row.id)
         return ch.id, ids
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_env(request, tmp_path, monkeypatch):
+    """sqlite_env, or the same on a throwaway PostgreSQL database (its row locks: skip_locked)."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("sqlite_env")
+        return
+    import os
+
+    from app.db import upgrade
+    from app.settings import get_settings
+
+    from tests.conftest import throwaway_pg_database
+
+    server = os.environ.get("CANARY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+    with throwaway_pg_database(server, "canary_notify") as url:
+        monkeypatch.setenv("CANARY_DATABASE_URL", url)
+        monkeypatch.setenv("CANARY_EXECUTION", "inline")
+        monkeypatch.setenv("CANARY_URL_ALLOWLIST", "127.0.0.1:*,localhost:*")
+        monkeypatch.delenv("CANARY_BROKER_URL", raising=False)
+        get_settings.cache_clear()
+        upgrade(url)
+        yield url
+        from app.db import get_engine
+
+        get_engine(url).dispose()  # its connections closed before the database is dropped
+    get_settings.cache_clear()
 
 
 def deliver(now=None, **kw) -> dict:
@@ -154,15 +182,18 @@ def test_receiver_text_cannot_forge_a_log_line(sqlite_env, receiver, caplog):
     assert not any(line.startswith("[2026") for r in caplog.records for line in r.getMessage().splitlines())
 
 
-def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(sqlite_env, receiver):
+def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(db_env, receiver):
     from tests.http.receiver import Receiver
     from tests.loopback import refused_port, serve_in_thread
 
     with refused_port() as port:  # held until the receiver comes back on it
         _, ids = add("webhook", f"http://127.0.0.1:{port}/hook", n=3)
         t = utcnow()
-        assert deliver(now=t)["retry"] == 3  # connection refused: all three wait
+        # connection refused: the first is retried, the other two wait for its retry untried
+        assert deliver(now=t)["retry"] == 1
     assert {row(i).status for i in ids} == {"pending"}
+    assert [row(i).attempts for i in ids] == [1, 0, 0]
+    assert row(ids[1]).next_attempt_at == row(ids[2]).next_attempt_at == row(ids[0]).next_attempt_at
     back = Receiver()
     server = serve_in_thread(back.app, port)
     try:
@@ -281,3 +312,40 @@ def test_a_long_slack_section_is_cut_to_slacks_limit():
     section = build("slack", msg)["blocks"][1]["text"]["text"]
     assert len(section) == SECTION_LIMIT == 3000 and section.endswith("…")
     assert section.startswith(":red_circle: ppl_ratio = 1.057")  # the figure itself survives the cut
+
+
+def test_a_projects_backlog_does_not_queue_another_projects_alert(db_env, receiver):
+    """Security round 4, N3: a noisy project has five rows due before a quiet project's one; the
+    pass takes turns by project, so the quiet one is among the first two posts, not the sixth."""
+    _, noisy = add("webhook", receiver.url + "/noisy", n=5, project="noisy")
+    _, (quiet,) = add("webhook", receiver.url + "/quiet")
+    assert deliver(limit=2)["sent"] == 2
+    assert [r["path"] for r in receiver.requests] == ["/noisy", "/quiet"]
+    assert row(quiet).status == "sent" and [row(i).status for i in noisy].count("sent") == 1
+    assert deliver()["sent"] == 4  # the rest in the next pass, oldest first
+    assert [r["path"] for r in receiver.requests][2:] == ["/noisy"] * 4
+
+
+def test_a_dripping_receiver_costs_one_deadline_and_holds_up_no_other_channel(db_env, receiver):
+    """A noisy project's receiver drips its answers; its four rows are due before the quiet
+    project's. The first one times out and trips the channel: the other three wait for its retry
+    untried, and the quiet row is sent in the same pass (before: four deadlines first)."""
+    from tests.http.receiver import Receiver
+    from tests.loopback import free_port, serve_in_thread
+
+    dripping = Receiver()
+    dripping.script = [{"drip": 0.2}] * 4
+    port = free_port()
+    server = serve_in_thread(dripping.app, port)
+    try:
+        _, noisy = add("webhook", f"http://127.0.0.1:{port}/hook", n=4, project="noisy")
+        _, (quiet,) = add("webhook", receiver.url + "/quiet")
+        t = utcnow()
+        assert deliver(now=t, timeout=1.0) == {"sent": 1, "retry": 1, "dead": 0}
+    finally:
+        server.should_exit = True
+    assert row(quiet).status == "sent" and len(dripping.requests) == 1
+    assert [row(i).attempts for i in noisy] == [1, 0, 0, 0]
+    retry_at = row(noisy[0]).next_attempt_at
+    assert all(row(i).next_attempt_at == retry_at for i in noisy[1:])
+    assert deliver(now=t)["retry"] == 0  # nothing of that channel is due before the retry
