@@ -53,6 +53,23 @@ def priority_of(trigger: str | None) -> int:
     return TRIGGER_PRIORITY.get(trigger or "", DEFAULT_PRIORITY)
 
 
+def fair_priorities(trigger: str | None, queued_before: int, n: int, fair_share: int) -> list[int]:
+    """The priority of each of a run's n new config-runs: its trigger's, and one step behind for
+    each config-run that takes its project past `fair_share` queued (counting the project's
+    config-runs already queued, then this run's in order), so a project's first large run is held
+    back as much as a backlog of small ones. A gate's are never held back."""
+    base = priority_of(trigger)
+    if trigger == "gate":
+        return [base] * n
+    behind = min(base + PRIORITY_STEPS[1] - PRIORITY_STEPS[0], PRIORITY_STEPS[-1])
+    return [base if queued_before + i < fair_share else behind for i in range(n)]
+
+
+def stored_priority(priority: int | None, trigger: str | None) -> int:
+    """A config-run's priority for a re-send: the one it was first sent with, else its trigger's."""
+    return priority if priority is not None else priority_of(trigger)
+
+
 class Dispatcher(Protocol):
     def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None: ...
 

@@ -173,6 +173,9 @@ class ConfigRun(TimestampMixin, Base):
     worker: Mapped[str | None] = mapped_column(String(256))
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # the queue priority it was first sent with (app/dispatch.py; null: its run's trigger's), kept
+    # for every re-send: a project past its fair share stays one step behind
+    priority: Mapped[int | None] = mapped_column(Integer)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     progress_done: Mapped[int] = mapped_column(Integer, default=0, nullable=False)

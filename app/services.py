@@ -15,7 +15,7 @@ from app import repo
 from app.config_file import METRIC_DIRECTIONS, CanaryFile
 from app.corpus import load_corpus, load_items, long_documents
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN, PRIORITY_STEPS, Dispatcher, priority_of
+from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher, fair_priorities
 from app.model_paths import is_endpoint, model_dir, unusable
 from app.models import Project, Run
 from app.schemas import ComparisonOut, FiguresOut, ProgressOut, RunConfigOut, RunOut, StepBackOut
@@ -204,12 +204,15 @@ def start_run(
         run, created = repo.create_run(s, project, suite, configs, n_samples=samples, seed=seed,
                                        trigger=trigger, idempotency_key=idempotency_key)
         run_id = run.id
-        cr_ids = [cr.id for cr in run.config_runs] if created else []
-    priority = priority_of(trigger)
-    if trigger != "gate" and queued >= settings.fair_share_queued_config_runs:
-        # a project with a backlog waits behind the others' work of the same kind, not in front of it
-        priority = min(priority + PRIORITY_STEPS[1] - PRIORITY_STEPS[0], PRIORITY_STEPS[-1])
-    for cr_id in cr_ids:
+        sends: list[tuple[int, int]] = []
+        if created:
+            # past its fair share a project's config-runs wait behind the others' work of the same
+            # kind, not in front of it; each keeps its priority for every re-send
+            priorities = fair_priorities(trigger, queued, len(run.config_runs), settings.fair_share_queued_config_runs)
+            for config_run, priority in zip(run.config_runs, priorities, strict=True):
+                config_run.priority = priority
+                sends.append((config_run.id, priority))
+    for cr_id, priority in sends:
         try:
             dispatcher.send(EXECUTE_CONFIG_RUN, cr_id, priority=priority)
         except Exception as e:  # noqa: BLE001 - the rows are committed; the reconciler re-enqueues them

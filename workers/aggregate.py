@@ -14,7 +14,7 @@ from sqlalchemy import update
 from app import repo
 from app.alerts import escalate, evaluate_run
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, priority_of
+from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, priority_of, stored_priority
 from app.gates import decide as decide_gate
 from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
@@ -179,8 +179,12 @@ def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
     if alerts.get("execute"):  # a top-up's config-runs (workers/top_up.py), a stacked config's ablations (step_back.py)
         with session_scope() as session:
             trigger = repo.run_trigger(session, run_id)
+            # each at the priority it was first sent with (a new ablation: its run's trigger's)
+            priorities = {config_run.id: stored_priority(config_run.priority, trigger)
+                          for config_run in repo.config_runs_by_id(session, alerts["execute"])}
         for config_run_id in alerts["execute"]:
-            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
+            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priorities.get(config_run_id,
+                                                                                      priority_of(trigger)))
     if alerts["notifications"]:
         dispatcher.send(NOTIFY)
     if alerts["escalate"] and get_settings().escalation:

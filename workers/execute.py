@@ -39,9 +39,15 @@ class ExecuteConfigRun(BaseTask):
 
     def run_impl(self, config_run_id: int, *, dispatcher: Dispatcher) -> str:
         settings = get_settings()
+        # this message is a turn on the GPU: another project's queued config-run may deserve it more
+        picked = self.transaction(lambda session: repo.fair_pick(session, config_run_id),
+                                  f"pick for config-run {config_run_id}")
         # the claim commits on its own, before anything can fail
-        attempt, run_id, gave_up = self.transaction(lambda session: claim(session, config_run_id, settings),
-                                                    f"claim config-run {config_run_id}")
+        attempt, run_id, gave_up = self.transaction(lambda session: claim(session, picked, settings),
+                                                    f"claim config-run {picked}")
+        if picked != config_run_id and attempt is None and not gave_up:  # another worker took it first
+            attempt, run_id, gave_up = self.transaction(lambda session: claim(session, config_run_id, settings),
+                                                        f"claim config-run {config_run_id}")
         if run_id is None or (attempt is None and not gave_up):
             return "skipped"  # gone, finished, or another worker holds a live lease
         outcome = "failed" if attempt is None else self._attempt(attempt, settings)

@@ -8,6 +8,7 @@ import logging
 from datetime import timedelta
 
 from app import repo
+from app.broker import held_args
 from app.db import is_transient
 from app.dispatch import (
     AGGREGATE_RUN,
@@ -20,6 +21,7 @@ from app.dispatch import (
     WARM_UP,
     Dispatcher,
     priority_of,
+    stored_priority,
 )
 from app.models import utcnow
 from app.settings import get_settings
@@ -56,26 +58,40 @@ class AggregateRun(BaseTask):
 
 
 class Reconcile(BaseTask):
-    """Re-enqueue what the broker may have lost (the broker is not a database): config-runs
-    queued or lease-expired for longer than requeue_after_seconds, and runs whose config-runs
-    all finished but whose aggregation never completed. Every re-send is idempotent. Not
-    retried: the beat runs it again within reconcile_seconds."""
+    """Re-enqueue what the broker lost (the broker is not a database): config-runs queued or
+    lease-expired for longer than requeue_after_seconds whose message the broker no longer holds
+    (app/broker.py: a backlog waiting its turn is not lost, and is never sent twice), each at the
+    priority it was first sent with, and runs whose config-runs all finished but whose aggregation
+    never completed. Every re-send is idempotent. Not retried: the beat runs it again within
+    reconcile_seconds."""
 
     name = RECONCILE
 
     def run_impl(self, *, dispatcher: Dispatcher) -> int:
         settings = get_settings()
         cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
+        held = held_args(settings.broker_url, EXECUTE_CONFIG_RUN) if settings.execution_mode == "celery" else None
         with self.session() as session:
-            stale = {config_run.id: config_run.run.trigger for config_run in repo.stale_config_runs(session, cutoff)}
+            stale = {config_run.id: stored_priority(config_run.priority, config_run.run.trigger)
+                     for config_run in repo.stale_config_runs(session, cutoff)
+                     # a queued one whose message waits in the broker is not lost; a running one
+                     # whose lease expired is re-sent whatever the broker holds (its worker died)
+                     if not (held is not None and config_run.status == "queued" and config_run.id in held.all)}
+            if held is not None and stale:
+                # a waiting message whose config-run is no longer queued is a turn for another one
+                # (repo.fair_pick ran that one in another's place): as many of the unheld are not lost
+                spare = len(held.waiting - set(repo.queued_ids(session, held.waiting)))
+                queued = sorted(i for i in stale if i not in repo.running_ids(session, list(stale)))
+                for config_run_id in queued[:spare]:
+                    del stale[config_run_id]
             config_run_ids = list(stale)
             repo.mark_enqueued(session, config_run_ids)
             run_ids = repo.stalled_runs(session, cutoff)
             stalled = {run_id: repo.run_trigger(session, run_id) for run_id in run_ids}
             for run_id in run_ids:
                 repo.reopen_aggregation(session, run_id)
-        for config_run_id, trigger in stale.items():
-            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority_of(trigger))
+        for config_run_id, priority in stale.items():
+            dispatcher.send(EXECUTE_CONFIG_RUN, config_run_id, priority=priority)
         for run_id, run_trigger in stalled.items():
             dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(run_trigger))
         with self.session() as session:  # the canary itself: schedules whose runs stopped succeeding

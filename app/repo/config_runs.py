@@ -4,13 +4,14 @@ baseline's reuse, and the config-runs a top-up or a step back adds."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, delete, insert, literal, or_, select, update
+from sqlalchemy import and_, delete, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
+from app.dispatch import stored_priority
 from app.models import (
     ConfigRun,
     OptimizationConfig,
@@ -55,6 +56,49 @@ def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: 
     session.flush()
     session.expire_all()  # the bulk updates are not in the loaded objects
     return ids
+
+
+def fair_pick(session: Session, config_run_id: int) -> int:
+    """The config-run a worker that received config_run_id's message runs instead, for fairness
+    between projects (security round 4, N5): a message is a turn on a GPU at its priority, and
+    the turn goes to the project that deserves it most among the queued config-runs of the same
+    priority: the one with the fewest config-runs running, then the one whose last config-run
+    started longest ago, then the oldest queued (first come, first served). Within one project
+    nothing changes: the message's own config-run runs when its project is that one (or when it
+    is not queued: running with an expired lease, finished, or gone). A config-run passed over
+    keeps its queued row; the message of the one taken instead is its turn later (the reconciler
+    counts such messages, workers/tasks.py)."""
+    own = session.get(ConfigRun, config_run_id)
+    if own is None:
+        return config_run_id
+    own_run = session.get(Run, own.run_id)
+    if own_run is None:
+        return config_run_id
+    level = stored_priority(own.priority, own_run.trigger)
+    queued = session.execute(
+        select(ConfigRun.id, ConfigRun.priority, ConfigRun.enqueued_at, Run.trigger, Run.project_id)
+        .join(Run, Run.id == ConfigRun.run_id).where(ConfigRun.status == "queued")).all()
+    peers = [row for row in queued if stored_priority(row.priority, row.trigger) == level]
+    if not peers:
+        return config_run_id
+    projects = {row.project_id for row in peers}
+    running = dict(session.execute(
+        select(Run.project_id, func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
+        .where(ConfigRun.status == "running", Run.project_id.in_(projects)).group_by(Run.project_id)).all())
+    last_start = dict(session.execute(
+        select(Run.project_id, func.max(ConfigRun.started_at)).select_from(ConfigRun)
+        .join(Run, Run.id == ConfigRun.run_id).where(Run.project_id.in_(projects)).group_by(Run.project_id)).all())
+    never = datetime.min
+
+    def turn(row) -> tuple:
+        started = last_start.get(row.project_id)
+        return (running.get(row.project_id, 0), started.replace(tzinfo=None) if started else never,
+                row.enqueued_at.replace(tzinfo=None) if row.enqueued_at else never, row.id)
+
+    best = min(peers, key=turn)
+    if own.status == "queued" and best.project_id == own_run.project_id:
+        return config_run_id  # its own project's turn: its own config-run, as sent
+    return best.id
 
 
 def claim_config_run(session: Session, config_run_id: int, worker: str, lease_seconds: int,
@@ -190,6 +234,24 @@ def stale_config_runs(session: Session, older_than: datetime) -> list[ConfigRun]
             or_(ConfigRun.status == "queued", and_(ConfigRun.status == "running", ConfigRun.lease_expires_at < now)),
         )
     ))
+
+
+def config_runs_by_id(session: Session, ids: Sequence[int]) -> list[ConfigRun]:
+    return list(session.scalars(select(ConfigRun).where(ConfigRun.id.in_(list(ids))))) if ids else []
+
+
+def queued_ids(session: Session, ids: Iterable[int]) -> list[int]:
+    """Those of `ids` whose config-run is queued."""
+    ids = list(ids)
+    return list(session.scalars(select(ConfigRun.id).where(ConfigRun.id.in_(ids), ConfigRun.status == "queued"))) \
+        if ids else []
+
+
+def running_ids(session: Session, ids: Iterable[int]) -> list[int]:
+    """Those of `ids` whose config-run is running (with an expired lease, when the reconciler asks)."""
+    ids = list(ids)
+    return list(session.scalars(select(ConfigRun.id).where(ConfigRun.id.in_(ids), ConfigRun.status == "running"))) \
+        if ids else []
 
 
 def mark_enqueued(session: Session, config_run_ids: Sequence[int]) -> None:

@@ -1,0 +1,31 @@
+"""A config-run keeps the queue priority it was first sent with: config_runs.priority. A project
+past its fair share sends its further config-runs one priority step behind (app/services.py), and
+the reconciler and a top-up re-send each at that stored priority rather than at its run's
+trigger's. Existing rows: null, read as their run's trigger's priority (app/dispatch.priority_of).
+
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-11-29
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0007"
+down_revision: str | Sequence[str] | None = "0006"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("config_runs") as batch:
+        batch.add_column(sa.Column("priority", sa.Integer(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("config_runs") as batch:
+        batch.drop_column("priority")

@@ -1,0 +1,67 @@
+"""A message is a turn on a GPU (security round 4, N5): the worker runs the config-run of the
+project that deserves the turn most among those queued at the message's priority: fewest running,
+then longest since its last start, then first queued. Within one project, nothing changes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from app import repo
+from app.config_file import parse_config
+from app.db import session_scope
+from app.models import ConfigRun, utcnow
+from app.services import apply_config_file, start_run
+from sqlalchemy import select, update
+
+
+class Recorder:
+    def send(self, task, *args, priority=3):
+        pass
+
+
+def projects(*names: str) -> None:
+    with session_scope() as s:
+        for name in names:
+            apply_config_file(s, parse_config({
+                "project": name, "model": {"name": "tiny", "path": "builtin:pydoc-target"},
+                "configs": [{"name": "base", "baseline": True}, {"name": "int8", "weights": "int8"}],
+                "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 4}]}))
+
+
+def ids(run_id: int) -> list[int]:
+    with session_scope() as s:
+        return list(s.scalars(select(ConfigRun.id).where(ConfigRun.run_id == run_id).order_by(ConfigRun.id)))
+
+
+def pick(config_run_id: int) -> int:
+    with session_scope() as s:
+        return repo.fair_pick(s, config_run_id)
+
+
+def test_a_later_project_takes_the_turn_of_a_backlog(sqlite_env):
+    projects("noisy", "quiet")
+    noisy = [i for _ in range(3) for i in ids(start_run("noisy", "s", None, Recorder())[0])]
+    with session_scope() as s:  # noisy has one running and started a moment ago
+        s.execute(update(ConfigRun).where(ConfigRun.id == noisy[0]).values(status="running", started_at=utcnow()))
+    quiet = ids(start_run("quiet", "s", None, Recorder())[0])
+    # noisy's next message is quiet's turn: quiet runs nothing and never started
+    assert pick(noisy[1]) == quiet[0]
+    with session_scope() as s:
+        s.execute(update(ConfigRun).where(ConfigRun.id == quiet[0]).values(status="running", started_at=utcnow()))
+    # one running each: the project whose last start is older goes first (noisy), with its own
+    assert pick(noisy[1]) == noisy[1]
+    assert pick(quiet[1]) == noisy[1]  # quiet's message is noisy's turn now
+    # at another priority nothing is shared: a gate's message runs the gate's config-run
+    gate = ids(start_run("quiet", "s", None, Recorder(), trigger="gate")[0])
+    assert pick(gate[0]) == gate[0]
+
+
+def test_within_one_project_the_message_runs_its_own_config_run(sqlite_env):
+    projects("solo")
+    first = ids(start_run("solo", "s", None, Recorder())[0])
+    second = ids(start_run("solo", "s", None, Recorder())[0])
+    assert [pick(i) for i in first + second] == first + second
+    with session_scope() as s:  # a message whose config-run finished is a turn for another project's
+        s.execute(update(ConfigRun).where(ConfigRun.id == first[0]).values(
+            status="succeeded", started_at=utcnow() - timedelta(minutes=1)))
+    assert pick(first[0]) == first[1]  # its project's oldest queued: the one after it
