@@ -162,6 +162,8 @@ class EngineServer:
                 if job in self._waiting:  # never started: it counts as aborted, as in vLLM
                     self._waiting.remove(job)
                     self.metrics.request_success["abort"].inc()
+                    if not any(other.group == job.group for other in self._waiting):
+                        self._served.pop(job.group, None)
             self._gauge_waiting()
 
     def request_stop(self, drain_s: float = 0.0) -> None:
