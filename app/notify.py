@@ -35,13 +35,13 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.channels import alertmanager, discord, slack, teams, webhook
+from app import channels
+from app.channels import webhook
 from app.models import Channel, Notification, Project, aware, utcnow
 from app.secret_names import ENV_REF, SecretNotAllowed, check_secret_name
 from app.ssrf import AsyncPinnedTransport, UnsafeURL, check_url
 
 log = logging.getLogger(__name__)
-MODULES = {"slack": slack, "teams": teams, "discord": discord, "webhook": webhook, "alertmanager": alertmanager}
 MAX_ATTEMPTS = 8
 BACKOFF_S = 2.0
 MAX_BACKOFF_S = 600.0
@@ -129,7 +129,7 @@ def post(channel: Channel, n: Notification, project: str | None = None, deadline
     """One attempt: ("sent" | "retry" | "dead" | "disable", retry-after seconds, what happened).
     `project`: the channel's project, whose secrets its ${VAR}s may name; `transport`: the
     client's (by default one that checks the URL again and connects to the address it checked)."""
-    mod = MODULES[channel.kind]
+    mod = channels.module(channel.kind)
     try:
         url = resolve(channel.url, channel.name, "url", project)
         secret = resolve((channel.settings or {}).get("signing_secret", ""), channel.name, "signing_secret", project)
@@ -238,7 +238,7 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
             continue
         round_projects.add(channel.project_id)
         round_channels.add(channel.id)
-        pace = 1.0 / MODULES[channel.kind].PACE_PER_SECOND
+        pace = 1.0 / channels.module(channel.kind).PACE_PER_SECOND
         wait = last_post.get(channel.id, -1e9) + pace - time.monotonic()
         if wait > 0:
             sleep(wait)

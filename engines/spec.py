@@ -61,8 +61,7 @@ AVAILABLE: dict[str, dict[str, frozenset[str]]] = {
     "reference": {
         "weights": frozenset({"fp32", "fp16", "bf16", "int8", "rtn-int4", "rtn-int3", "rtn-int2", "awq-int4",
                               "gptq-int4"}),
-        "kv_cache": frozenset({"auto", "fp16", "bf16", "fp32", "fp8", "int8", "int4", "int2", "kivi-4", "kivi-2",
-                               "turbo-2", "turbo-2.5", "turbo-3", "turbo-3.5", "turbo-4", "turbo-ip-3"}),
+        "kv_cache": frozenset(KV_CACHE),  # every name: engines/reference/kv.kv_format builds each
         "speculative": frozenset({"off", "draft", "ngram"}),
     },
     # vLLM: what engines/vllm.py maps onto LLM(quantization=, kv_cache_dtype=, speculative_config=)

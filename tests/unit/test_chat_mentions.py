@@ -54,3 +54,19 @@ def test_teams_text_escapes_mentions():
     blocks = p["attachments"][0]["content"]["body"]
     text = json.dumps([b["text"] for b in blocks])
     assert "&lt;!here&gt;" in text and "&lt;!channel&gt; &amp;" in text and "<" not in text
+
+
+def test_every_list_of_channel_kinds_is_the_registrys():
+    # app/channels.KINDS is the one list: the config file's field accepts exactly those, and each
+    # has its module with a payload, a success test and a pace
+    from typing import get_args
+
+    from app import channels
+    from app.config_file import ChannelEntry
+
+    assert get_args(ChannelEntry.model_fields["kind"].annotation) == channels.KINDS
+    for kind in channels.KINDS:
+        mod = channels.module(kind)
+        assert callable(mod.payload) and callable(mod.succeeded) and mod.PACE_PER_SECOND > 0
+    with pytest.raises(KeyError, match="one of slack, teams"):
+        channels.module("pager")

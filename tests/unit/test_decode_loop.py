@@ -126,3 +126,11 @@ def test_a_lossy_cache_on_the_torch_path_holds_one_copy_not_raw_beside_it(engine
     assert not d.cache.keeps_raw and d.cache.nbytes() == one_pair
     lossless = Decoder(engine.model, kv_format("fp32", torch.float32), 1, 64, "cpu", torch.float32)
     assert lossless.cache.keeps_raw and lossless.cache.nbytes() == one_pair
+
+
+def test_every_kv_cache_name_builds_a_format_of_that_name():
+    # engines/spec.KV_CACHE is the one list of KV names; the reference engine builds each one
+    from engines.spec import AVAILABLE, KV_CACHE
+
+    assert AVAILABLE["reference"]["kv_cache"] == frozenset(KV_CACHE)
+    assert [kv_format(name, torch.float32).name for name in KV_CACHE if name != "auto"] == list(KV_CACHE[1:])
