@@ -67,9 +67,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             prev = _state(row, labels)
             new, transition = evaluate(prev, comparison.verdict, comparison.estimate, rule.for_runs, now)
             if transition in ("pending", "firing") and (row is None or row.state in ("resolved", "inactive")):
-                row = Alert(project_id=run.project_id, rule_id=rule.id, fingerprint=fp, labels=labels, state=new.state,
-                            severity=severity, started_at=new.started_at)
-                session.add(row)
+                row = repo.open_alert(session, run.project_id, rule.id, fp, labels, new.state, severity,
+                                      new.started_at)
             if row is None or (transition is None and row.state not in ACTIVE):
                 continue  # a resolved or inactive episode keeps the run and annotations it ended with
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
@@ -100,10 +99,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                                if st.labels["config"] in verdicts and kind == "firing" else {})},
                                starts_at=st.fired_at or st.started_at or now,
                                ends_at=st.resolved_at if kind == "resolved" else alertmanager_ends_at(channel, now))
-            notification = Notification(channel_id=channel.id, alert_id=row.id, idempotency_key=key,
-                                        payload=build(channel.kind, msg), status="pending")
-            session.add(notification)
-            session.flush()
+            notification = repo.queue_notification(session, channel.id, key, build(channel.kind, msg), row.id)
             notification_ids.append(notification.id)
             row.last_notified_at = now
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
@@ -220,11 +216,7 @@ def refresh_alertmanager(session: Session, now: datetime | None = None) -> list[
             if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is not None:
                 continue
             payload = [{**last.payload[0], "endsAt": (now + timedelta(seconds=4 * interval)).isoformat()}]
-            notification = Notification(channel_id=channel.id, alert_id=alert.id, idempotency_key=key,
-                                        payload=payload, status="pending")
-            session.add(notification)
-            session.flush()
-            queued.append(notification.id)
+            queued.append(repo.queue_notification(session, channel.id, key, payload, alert.id).id)
     return queued
 
 

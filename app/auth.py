@@ -39,10 +39,7 @@ def create_key(session: Session, project_name: str, name: str, scope: str = "wri
         raise ValueError(f"scope: one of {', '.join(SCOPES)}")
     project = repo.get_or_create_project(session, project_name)
     key = PREFIX + secrets.token_urlsafe(32)  # 256 bits
-    row = ApiKey(project_id=project.id, name=name, key_hash=hash_key(key), scope=scope)
-    session.add(row)
-    session.flush()
-    return row, key
+    return repo.add_api_key(session, project.id, name, hash_key(key), scope), key
 
 
 def revoke_key(session: Session, key_id: int) -> ApiKey:

@@ -48,11 +48,7 @@ def check_request(session: Session, project: Project, candidate: str, baseline: 
 
 def record_gate(session: Session, project: Project, run_id: int, candidate: str, baseline: str, policy: dict | None,
                 idempotency_key: str | None) -> Gate:
-    gate = Gate(project_id=project.id, run_id=run_id, idempotency_key=idempotency_key, candidate=candidate,
-                baseline=baseline, policy=policy or None)
-    session.add(gate)
-    session.flush()
-    return gate
+    return repo.record_gate(session, project.id, run_id, candidate, baseline, policy, idempotency_key)
 
 
 def find_gate(session: Session, project: Project, idempotency_key: str | None) -> Gate | None:

@@ -24,6 +24,7 @@ from croniter import croniter
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from app import repo
 from app.models import Channel, Notification, Project, Run, Schedule, aware, utcnow
 
 METRIC = "canary_stale"
@@ -148,10 +149,7 @@ def notify_stale(session: Session, now: datetime | None = None) -> list[int]:
                     continue
                 if kind == "resolved" and not (channel.settings or {}).get("send_resolved", True):
                     continue
-                notification = Notification(channel_id=channel.id, idempotency_key=key, status="pending",
-                                            payload=build(channel.kind, _message(health, kind, now, url)))
-                session.add(notification)
-                session.flush()
-                queued.append(notification.id)
+                payload = build(channel.kind, _message(health, kind, now, url))
+                queued.append(repo.queue_notification(session, channel.id, key, payload).id)
     session.commit()
     return queued

@@ -5,6 +5,14 @@ their docstring says so — the caller owns the transaction (enqueue only after 
 One module per part: app/repo/catalogue.py, runs.py, config_runs.py (the errors and helpers they
 share: base.py). Callers import the package: `from app import repo; repo.get_run(...)`."""
 
+from app.repo.alerting import (
+    add_api_key,
+    add_silence,
+    open_alert,
+    queue_notification,
+    record_gate,
+    upsert_alert_rule,
+)
 from app.repo.base import (
     TERMINAL,
     Conflict,
@@ -77,7 +85,9 @@ __all__ = [
     "Conflict",
     "NotFound",
     "QueueFull",
+    "add_api_key",
     "add_config_runs",
+    "add_silence",
     "aggregation_lock",
     "alert_rules",
     "cancel_run",
@@ -104,9 +114,12 @@ __all__ = [
     "list_suites",
     "mark_enqueued",
     "most_specific_rule",
+    "open_alert",
     "project_name",
+    "queue_notification",
     "queued_config_runs",
     "queued_ids",
+    "record_gate",
     "release_lease",
     "reopen_aggregation",
     "reusable_config_run",
@@ -122,6 +135,7 @@ __all__ = [
     "top_up_run",
     "try_start_aggregation",
     "upsert_ablation",
+    "upsert_alert_rule",
     "upsert_channel",
     "upsert_config",
     "upsert_model",

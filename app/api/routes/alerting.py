@@ -73,17 +73,9 @@ def put_rule(body: RuleIn, project: ProjectDep, session: SessionDep) -> dict:
     """Create or replace the rule for (metric, model, config); config beats model beats project."""
     model_id = repo.get_model(session, project, body.model).id if body.model else None
     config_id = repo.get_config(session, project, body.config).id if body.config else None
-    rule = session.scalar(select(AlertRule).where(
-        AlertRule.project_id == project.id, AlertRule.metric == body.metric,
-        AlertRule.model_id.is_(None) if model_id is None else AlertRule.model_id == model_id,
-        AlertRule.config_id.is_(None) if config_id is None else AlertRule.config_id == config_id))
-    if rule is None:
-        rule = AlertRule(project_id=project.id, metric=body.metric, direction=METRIC_DIRECTIONS[body.metric],
-                         warn=body.warn, model_id=model_id, config_id=config_id)
-        session.add(rule)
-    rule.warn, rule.critical, rule.min_n = body.warn, body.critical, body.min_n
-    rule.for_runs, rule.enabled = body.for_runs, body.enabled
-    session.flush()
+    rule = repo.upsert_alert_rule(session, project.id, body.metric, METRIC_DIRECTIONS[body.metric], model_id,
+                                  config_id, warn=body.warn, critical=body.critical, min_n=body.min_n,
+                                  for_runs=body.for_runs, enabled=body.enabled)
     return rule_out(rule)
 
 
@@ -182,10 +174,7 @@ def create_silence(body: SilenceIn, project: ProjectDep, session: SessionDep) ->
         raise ValueError("ends_at must be after starts_at")
     matchers = [{"name": matcher.name, "value": matcher.value, "isRegex": str(matcher.isRegex).lower()}
                 for matcher in body.matchers]
-    silence = Silence(project_id=project.id, matchers=matchers, starts_at=start, ends_at=end, author=body.author,
-                      comment=body.comment)
-    session.add(silence)
-    session.flush()
+    silence = repo.add_silence(session, project.id, matchers, start, end, body.author, body.comment)
     return silence_out(silence)
 
 
