@@ -4,12 +4,15 @@ gates show` and GET .../gates/{id}) cannot drift apart."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from typing import cast
+
+from sqlalchemy import and_, select
+from sqlalchemy.orm import Session, aliased
 
 from app import repo
 from app.alerts import ACTIVE
 from app.gates import summary_markdown
-from app.models import Alert, Gate, Project, Suite
+from app.models import Alert, Gate, Project, Run, SampleResult, Suite
 from app.services import run_summary
 from app.settings import get_settings
 
@@ -77,3 +80,43 @@ def gates(session, project: Project, limit: int = 50) -> list[dict]:
     return [{"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
              "run_id": gate.run_id, "created_at": gate.created_at.isoformat() if gate.created_at else None,
              "decided_at": gate.decided_at.isoformat() if gate.decided_at else None} for gate in rows]
+
+
+def worst_samples(session: Session, run: Run, cand_id: int, metric: str, limit: int) -> list[dict]:
+    """The candidate's samples that regressed most against the baseline on one metric (higher
+    NLL / lower score is worse), with both sides' raw values and extras: the API's WorstSample
+    items, which the report shows too."""
+    if metric == "judge_pairwise":  # judged against the baseline already: 0 = baseline won, ½ tie, 1 candidate won
+        rows = session.scalars(select(SampleResult)
+                               .where(SampleResult.run_id == run.id, SampleResult.config_id == cand_id,
+                                      SampleResult.metric == metric, SampleResult.value.is_not(None))
+                               .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
+        return [{"sample_key": r.sample_key, "delta": 0.5 - cast(float, r.value),  # the query's value IS NOT NULL
+                 "baseline_value": 0.5, "candidate_value": r.value, "baseline_extra": None, "candidate_extra": r.extra,
+                 "outputs": _outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {})} for r in rows]
+    b, c = aliased(SampleResult), aliased(SampleResult)
+    lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
+    delta = (b.value - c.value) if lower_is_worse else (c.value - b.value)
+    pairs = session.execute(
+        select(c, b, delta.label("delta"))
+        .join(b, and_(b.run_id == c.run_id, b.sample_key == c.sample_key, b.metric == c.metric,
+                      b.config_id == run.baseline_config_id))
+        .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None),
+               b.value.is_not(None))
+        .order_by(delta.desc()).limit(limit)).all()
+    gens = _outputs(session, run, cand_id, [row[0].sample_key for row in pairs])
+    return [{"sample_key": cr.sample_key, "delta": d, "baseline_value": br.value, "candidate_value": cr.value,
+             "baseline_extra": br.extra, "candidate_extra": cr.extra, "outputs": gens.get(cr.sample_key, {})}
+            for cr, br, d in pairs]
+
+
+def _outputs(session: Session, run: Run, cand_id: int, keys: list[str]) -> dict:
+    """Generations, judge verdicts and faithfulness statements of both sides, by sample."""
+    gens: dict = {}
+    if keys:
+        for r in session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.metric.in_(
+                ("generation", "judge_pairwise", "faithfulness")), SampleResult.sample_key.in_(keys),
+                SampleResult.config_id.in_((cand_id, run.baseline_config_id)))):
+            side = "candidate" if r.config_id == cand_id else "baseline"
+            gens.setdefault(r.sample_key, {}).setdefault(side, {})[r.metric] = r.extra
+    return gens

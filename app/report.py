@@ -291,14 +291,13 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
 
 def build(session: Session, project: Project, run: Run) -> str:
     """The report of one run, read from the database."""
-    from app.api.routes.views import worst_samples
+    from app.queries import worst_samples
     from app.services import run_summary
 
     summary = run_summary(session, run)
     candidates = [c.config for c in summary.configs if c.config != summary.baseline
                   and c.status == "succeeded" and not c.ablation_of]
-    worst = {name: [item.model_dump() for item in
-                    worst_samples(run.id, project, session, config=name, metric="nll", limit=WORST_SAMPLES)["items"]]
+    worst = {name: worst_samples(session, run, repo.get_config(session, project, name).id, "nll", WORST_SAMPLES)
              for name in candidates}
     suite = session.get(Suite, run.suite_id)
     keys = {item["sample_key"] for items in worst.values() for item in items}

@@ -3,14 +3,13 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import AliasChoices, BaseModel, Field
 from sqlalchemy import and_, func, select
-from sqlalchemy.orm import aliased
 
-from app import repo
+from app import queries, repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.api.routes.schedules import ScheduleOut
 from app.api.routes.schedules import out as schedule_out
@@ -23,7 +22,6 @@ from app.models import (
     OptimizationConfig,
     Project,
     Run,
-    SampleResult,
     Schedule,
     Suite,
 )
@@ -309,40 +307,7 @@ def worst_samples(run_id: RowId, project: ProjectDep, session: SessionDep, confi
     NLL / lower score is worse), with both sides' raw values and extras."""
     run = repo.get_run(session, project, run_id)
     cand_id = repo.get_config(session, project, config).id
-    if metric == "judge_pairwise":  # judged against the baseline already: 0 = baseline won, ½ tie, 1 candidate won
-        rows = session.scalars(select(SampleResult)
-                               .where(SampleResult.run_id == run.id, SampleResult.config_id == cand_id,
-                                      SampleResult.metric == metric, SampleResult.value.is_not(None))
-                               .order_by(SampleResult.value, SampleResult.sample_key).limit(limit)).all()
-        return {"run_id": run.id, "config": config, "metric": metric, "items": [
-            WorstSample(sample_key=r.sample_key, delta=0.5 - cast(float, r.value),  # the query's value IS NOT NULL
-                        baseline_value=0.5, candidate_value=r.value, baseline_extra=None, candidate_extra=r.extra,
-                        outputs=_outputs(session, run, cand_id, [r.sample_key]).get(r.sample_key, {}))
-            for r in rows]}
-    b, c = aliased(SampleResult), aliased(SampleResult)
-    lower_is_worse = metric in ("faithfulness", "judge_score", "judge_pairwise")
-    delta = (b.value - c.value) if lower_is_worse else (c.value - b.value)
-    pairs = session.execute(
-        select(c, b, delta.label("delta"))
-        .join(b, and_(b.run_id == c.run_id, b.sample_key == c.sample_key, b.metric == c.metric,
-                      b.config_id == run.baseline_config_id))
-        .where(c.run_id == run.id, c.config_id == cand_id, c.metric == metric, c.value.is_not(None),
-               b.value.is_not(None))
-        .order_by(delta.desc()).limit(limit)).all()
-    gens = _outputs(session, run, cand_id, [row[0].sample_key for row in pairs])
-    return {"run_id": run.id, "config": config, "metric": metric, "items": [
-        WorstSample(sample_key=cr.sample_key, delta=d, baseline_value=br.value, candidate_value=cr.value,
-                    baseline_extra=br.extra, candidate_extra=cr.extra, outputs=gens.get(cr.sample_key, {}))
-        for cr, br, d in pairs]}
+    return {"run_id": run.id, "config": config, "metric": metric,
+            "items": queries.worst_samples(session, run, cand_id, metric, limit)}
 
 
-def _outputs(session, run, cand_id: int, keys: list[str]) -> dict:
-    """Generations, judge verdicts and faithfulness statements of both sides, by sample."""
-    gens: dict = {}
-    if keys:
-        for r in session.scalars(select(SampleResult).where(SampleResult.run_id == run.id, SampleResult.metric.in_(
-                ("generation", "judge_pairwise", "faithfulness")), SampleResult.sample_key.in_(keys),
-                SampleResult.config_id.in_((cand_id, run.baseline_config_id)))):
-            side = "candidate" if r.config_id == cand_id else "baseline"
-            gens.setdefault(r.sample_key, {}).setdefault(side, {})[r.metric] = r.extra
-    return gens
