@@ -220,6 +220,15 @@ def start_run(
     return run_id, created
 
 
+def cancel_run(session: Session, project: Project, run_id: int, who: str) -> Run:
+    """Cancel a run (repo.cancel_run), and let a gate waiting on it decide now (error)."""
+    from app.gates import decide
+
+    run = repo.cancel_run(session, project, run_id, who)
+    decide(session, run.id)
+    return run
+
+
 def samples_label(run: RunOut, noun: str = "documents") -> str:
     """'12 documents', or '24 documents (topped up from 12)' for a run that drew more after an
     inconclusive pass (workers/top_up.py)."""

@@ -101,10 +101,11 @@ def runs_cancel(run_id: int = typer.Argument(..., help="the run's id (from `cana
 
     from app import repo
     from app.db import session_scope
+    from app.services import cancel_run
 
     try:
         with session_scope() as session:
-            run = repo.cancel_run(session, repo.get_project(session, project), run_id, f"{getpass.getuser()} (CLI)")
+            run = cancel_run(session, repo.get_project(session, project), run_id, f"{getpass.getuser()} (CLI)")
             cancelled = [cr.config.name for cr in run.config_runs if cr.status == "cancelled"]
     except (repo.Conflict, repo.NotFound) as e:
         fail(str(e))

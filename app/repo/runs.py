@@ -107,7 +107,8 @@ def cancel_run(session: Session, project: Project, run_id: int, who: str) -> Run
     and CI stops waiting), its unfinished config-runs end `cancelled` — a worker still on one
     loses its lease at its next write (every write is fenced by a running attempt) — and what
     they had written so far is deleted, so no half-measured config is left to read. Conflict
-    when the run has ended or is being aggregated (its verdict is seconds away)."""
+    when the run has ended or is being aggregated (its verdict is seconds away). A gate on it is
+    decided by the caller (app/services.cancel_run)."""
     run = get_run(session, project, run_id)
     now = utcnow()
     reason = f"cancelled by {who} at {now:%Y-%m-%d %H:%M:%S} UTC"
@@ -127,9 +128,6 @@ def cancel_run(session: Session, project: Project, run_id: int, who: str) -> Run
                                                        select(ConfigRun.config_id).where(ConfigRun.id.in_(unfinished)))))
     session.flush()
     session.refresh(run)
-    from app.gates import decide
-
-    decide(session, run.id)  # a gate waiting on the run decides error now
     return run
 
 

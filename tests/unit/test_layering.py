@@ -39,3 +39,24 @@ def test_the_parts_of_evals_that_app_reads_need_neither_numpy_nor_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_design_doc_states_the_contracts_of_pyproject():
+    # docs/design.md's app row names what app may read of evals, and its paragraph on app's layers
+    # names every module of the contract in order: both as pyproject.toml has them
+    import re
+
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    design = (ROOT / "docs/design.md").read_text()
+    app_row = next(line for line in design.splitlines() if line.startswith("| `app/` |"))
+    forbidden = next(c for c in contracts if c["source_modules"] == ["app"] and c["type"] == "forbidden")
+    readable = [rule.split("->")[1].strip() for rule in forbidden.get("ignore_imports", [])]
+    assert re.findall(r"`(evals\.\w+)`", app_row) == readable
+    layers = next(c for c in contracts if c["type"] == "layers")
+    paragraph = design[design.index("Inside `app/`, a `layers` contract"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    named = re.findall(r"`(app\.\w+)`", paragraph)
+    in_contract = [m.strip() for layer in layers["layers"] for m in re.split(r"[:|]", layer)]
+    assert named == in_contract

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import HTMLResponse
 from sqlalchemy import func, select
 
-from app import repo
+from app import repo, services
 from app.api.deps import KeyDep, ProjectDep, RowId, SessionDep
 from app.config_file import DB_INT_MAX
 from app.dispatch import get_dispatcher
@@ -84,7 +84,7 @@ def cancel_run(run_id: RowId, project: ProjectDep, session: SessionDep, key: Key
     unfinished configs end `cancelled` with nothing of theirs kept; 409 once it has ended or is
     being aggregated."""
     who = f"API key {key.id}" if key is not None else "an API client"
-    return run_summary(session, repo.cancel_run(session, project, run_id, who))
+    return run_summary(session, services.cancel_run(session, project, run_id, who))
 
 
 @router.get("/projects/{project}/runs/{run_id}/samples", response_model=SamplePage)
