@@ -22,7 +22,7 @@ composition; the compute dtype is what the engine uses for bf16 weights on this 
 cache per row, batching.DecoderRows) and leaves out the bf16 server. --speculative JSON runs the
 fp32 pair with that speculative decoding (rows draft on their own, one pass verifies every row's
 drafts) and leaves out the bf16 server; the serial peer is the same speculative server at
---max-num-seqs 1. Both together run speculative decoding over that KV format (batching.SpecRows).
+--max-num-seqs 1. Both together run speculative decoding over that KV format (batching.SpeculativeRows).
 
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
     .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3

@@ -50,9 +50,9 @@ def step_cost(path: str) -> float:
 
 def theory(outs, c: float) -> dict:
     """The expected speedup from the measured counters (see the module docstring)."""
-    from engines.protocol import SpecStats
+    from engines.protocol import SpeculativeStats
 
-    stats = reduce(lambda a, b: a + b, (g.spec or SpecStats() for g in outs), SpecStats())
+    stats = reduce(lambda a, b: a + b, (g.spec or SpeculativeStats() for g in outs), SpeculativeStats())
     passes = sum(len(g.itl_ms) for g in outs)  # one delivery per verification (or plain) step
     no_draft = max(passes - stats.num_drafts, 0)
     e = 1 + sum(stats.per_position_rate)
@@ -71,7 +71,7 @@ def pass_costs(e, reqs, plain_outs) -> dict:
     one, a CPU does not."""
     import statistics
 
-    from engines.reference.spec_loop import generate_speculative
+    from engines.reference.speculative_loop import generate_speculative
 
     kinds: list[bool] = []
     with_draft, without = [], []

@@ -40,7 +40,7 @@ from engines.protocol import (
     RollingResult,
     ServerStats,
     ServerTiming,
-    SpecStats,
+    SpeculativeStats,
     count_words,
     strided_windows,
 )
@@ -479,7 +479,7 @@ class OpenAIEngine:
         text: list[str] = []
         stamps: list[float] = []
         usage: dict = {}
-        spec: SpecStats | None = None
+        spec: SpeculativeStats | None = None
         timing: ServerTiming | None = None
         finish: str | None = None
         t0 = time.perf_counter()

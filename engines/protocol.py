@@ -153,7 +153,7 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
-class SpecStats:
+class SpeculativeStats:
     """Speculative-decoding counters with vLLM's definitions (docs/reference.md §3)."""
 
     num_drafts: int = 0
@@ -173,12 +173,12 @@ class SpecStats:
     def per_position_rate(self) -> tuple[float, ...]:  # accepted at draft position i / drafts
         return tuple(a / self.num_drafts for a in self.accepted_per_position) if self.num_drafts else ()
 
-    def __add__(self, other: SpecStats) -> SpecStats:
+    def __add__(self, other: SpeculativeStats) -> SpeculativeStats:
         """Counters of two spans of work (requests, batches): every total adds, position by position."""
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + (0,) * (n - len(self.accepted_per_position))
         theirs = other.accepted_per_position + (0,) * (n - len(other.accepted_per_position))
-        return SpecStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+        return SpeculativeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
                          self.num_accepted_tokens + other.num_accepted_tokens,
                          tuple(a + b for a, b in zip(mine, theirs, strict=True)))
 
@@ -204,7 +204,7 @@ class GenerationResult:
     ttft_ms: float  # request start → first new token available
     itl_ms: tuple[float, ...]  # time between consecutive deliveries of new tokens (one per decode step)
     total_ms: float
-    spec: SpecStats | None = None
+    spec: SpeculativeStats | None = None
     completion_tokens: int | None = None  # when token_ids are not known (an HTTP server's stream)
     # per generated token, when the request asked: (log p(token), ((alternative id, log p), …))
     token_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
@@ -253,7 +253,7 @@ class ServerStats:
     that server is counted too. None where the server does not report a figure."""
 
     metrics_url: str | None = None  # where they were read, without credentials
-    spec: SpecStats | None = None  # vllm:spec_decode_* counter deltas over the call
+    spec: SpeculativeStats | None = None  # vllm:spec_decode_* counter deltas over the call
     max_kv_cache_usage: float | None = None  # vllm:kv_cache_usage_perc (0–1), highest sample
     max_num_requests_waiting: float | None = None  # vllm:num_requests_waiting, highest sample
     max_num_requests_running: float | None = None  # vllm:num_requests_running, highest sample

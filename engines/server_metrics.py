@@ -4,7 +4,7 @@ a response that carries vLLM's `metrics.speculative_decoding` (engines/openai.py
 
 from __future__ import annotations
 
-from engines.protocol import ServerTiming, SpecStats
+from engines.protocol import ServerTiming, SpeculativeStats
 
 SPEC_COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts_total",
@@ -48,7 +48,7 @@ def metric_sum(samples: dict, name: str, **match: str) -> float | None:
     return sum(vals) if vals else None
 
 
-def spec_from_response(chunk: dict) -> SpecStats | None:
+def spec_from_response(chunk: dict) -> SpeculativeStats | None:
     """One request's speculative-decoding figures from a response (or stream chunk) that carries
     vLLM's `metrics.speculative_decoding` object (vLLM PR #48915): num_spec_steps (verification
     steps with a draft), num_draft_tokens, num_accepted_draft_tokens and acceptance_histogram,
@@ -61,7 +61,7 @@ def spec_from_response(chunk: dict) -> SpecStats | None:
         return None
     try:
         histogram = [int(x) for x in figures.get("acceptance_histogram") or []]
-        return SpecStats(int(figures["num_spec_steps"]), int(figures["num_draft_tokens"]),
+        return SpeculativeStats(int(figures["num_spec_steps"]), int(figures["num_draft_tokens"]),
                          int(figures["num_accepted_draft_tokens"]),
                          tuple(sum(histogram[i + 1:]) for i in range(len(histogram) - 1)))
     except (KeyError, TypeError, ValueError):
@@ -83,7 +83,7 @@ def timing_from_response(chunk: dict) -> ServerTiming | None:
     return ServerTiming(**found) if found else None
 
 
-def spec_delta(before: dict, after: dict) -> SpecStats | None:
+def spec_delta(before: dict, after: dict) -> SpeculativeStats | None:
     """Counter deltas between two scrapes (vLLM: acceptance rate = Δaccepted / Δdraft_tokens)."""
     d = {}
     for field, name in SPEC_COUNTERS.items():
@@ -95,4 +95,4 @@ def spec_delta(before: dict, after: dict) -> SpecStats | None:
     per = tuple(int(round((metric_sum(after, PER_POS, position=str(p)) or 0)
                           - (metric_sum(before, PER_POS, position=str(p)) or 0)))
                 for p in positions)
-    return SpecStats(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], per)
+    return SpeculativeStats(d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"], per)

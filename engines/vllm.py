@@ -26,7 +26,7 @@ from engines.protocol import (
     RollingRequest,
     RollingResult,
     ServerStats,
-    SpecStats,
+    SpeculativeStats,
     count_words,
     strided_windows,
     tokenize_with_spans,
@@ -120,7 +120,7 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         after = spec_counters(self.llm.get_metrics())
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        spec = (SpecStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),
+        spec = (SpeculativeStats(int(delta.get("vllm:spec_decode_num_drafts", 0)),
                           int(delta.get("vllm:spec_decode_num_draft_tokens", 0)),
                           int(delta.get("vllm:spec_decode_num_accepted_tokens", 0)))
                 if delta.get("vllm:spec_decode_num_draft_tokens") else None)

@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from engines.protocol import SpecStats
+from engines.protocol import SpeculativeStats
 
 
 @dataclass(frozen=True)
-class SpecFigures:
-    """A run's spec-decode counters and what follows from them (SpecStats: vLLM's definitions —
+class SpeculativeFigures:
+    """A run's spec-decode counters and what follows from them (SpeculativeStats: vLLM's definitions —
     acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts,
     per-position rate = accepted at position i / drafts)."""
 
@@ -27,7 +27,7 @@ class SpecFigures:
     per_position_rate: list[float]
 
     @classmethod
-    def from_stats(cls, spec: SpecStats) -> SpecFigures:
+    def from_stats(cls, spec: SpeculativeStats) -> SpeculativeFigures:
         return cls(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position),
                    spec.acceptance_rate, spec.mean_acceptance_length, list(spec.per_position_rate))
 
@@ -42,7 +42,7 @@ class ServerFigures:
     max_num_requests_running: float | None
     # spec-decode counter deltas over the run's generate calls, and how they were used: judged as the
     # run's acceptance only on a dedicated server (engine_options.dedicated_server)
-    spec: SpecFigures | None = None
+    spec: SpeculativeFigures | None = None
     dedicated: bool = False
     # batches whose counters moved more than the canary's own requests could explain
     foreign_traffic_batches: int = 0
@@ -85,7 +85,7 @@ class RunFigures:
     concurrency: int
     kv_cache_usage: float | None  # peak 0–1: the engine's own, or the highest its server reported
     server: ServerFigures | None = None
-    spec: SpecFigures | None = None
+    spec: SpeculativeFigures | None = None
     baseline_scoring_error: str | None = None  # why the baseline model could not score these outputs
     # sha256 of everything that decides this config-run's results (workers/baseline_reuse.py inputs_key);
     # None where they cannot be pinned (a served model)
@@ -108,8 +108,8 @@ class RunFigures:
         if values["server"] is not None:
             server = dict(values["server"])
             if server.get("spec") is not None:
-                server["spec"] = SpecFigures(**server["spec"])
+                server["spec"] = SpeculativeFigures(**server["spec"])
             values["server"] = ServerFigures(**server)
         if values["spec"] is not None:
-            values["spec"] = SpecFigures(**values["spec"])
+            values["spec"] = SpeculativeFigures(**values["spec"])
         return cls(**values)

@@ -35,19 +35,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from engines.protocol import GenerationResult, RollingResult, ServerTiming, SpecStats
+from engines.protocol import GenerationResult, RollingResult, ServerTiming, SpeculativeStats
 from evals.health import Scored
 from evals.positions import PositionBucket
 
 
-def _spec_from(extra: Mapping[str, Any] | None) -> SpecStats | None:
+def _spec_from(extra: Mapping[str, Any] | None) -> SpeculativeStats | None:
     if not extra:
         return None
-    return SpecStats(int(extra["num_drafts"]), int(extra["num_draft_tokens"]), int(extra["num_accepted_tokens"]),
+    return SpeculativeStats(int(extra["num_drafts"]), int(extra["num_draft_tokens"]), int(extra["num_accepted_tokens"]),
                      tuple(int(a) for a in extra.get("accepted_per_position") or ()))
 
 
-def spec_to_json(spec: SpecStats) -> dict[str, Any]:
+def spec_to_json(spec: SpeculativeStats) -> dict[str, Any]:
     return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
             "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": list(spec.accepted_per_position)}
 
@@ -235,7 +235,7 @@ class GenerationRecord:
     itl_ms: tuple[float, ...] = ()
     tokens_per_second: float | None = None
     token_ids: tuple[int, ...] = ()  # kept when the suite scores agreement
-    spec: SpecStats | None = None
+    spec: SpeculativeStats | None = None
     spec_scope: str = "request"  # "request" or "batch"
     # the output scored by the run's baseline model, teacher-forced after the prompt (gen_nll_ratio):
     # Σ −log p of its tokens and how many there were; None where the baseline engine could not score it

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.protocol import GenerationResult, ServerStats, ServerTiming, SpecStats
-from evals.figures import ServerFigures, SpecFigures
+from engines.protocol import GenerationResult, ServerStats, ServerTiming, SpeculativeStats
+from evals.figures import ServerFigures, SpeculativeFigures
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -45,10 +45,11 @@ class RunStats:
     itl: list[float] = field(default_factory=list)
     tps: list[float] = field(default_factory=list)
     generated_tokens: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)  # requests' own counters plus a dedicated server's per batch
+    # requests' own counters plus a dedicated server's per batch
+    spec: SpeculativeStats = field(default_factory=SpeculativeStats)
     servers: list[ServerStats] = field(default_factory=list)  # one per batch, from an engine that runs in a server
-    server_spec: SpecStats = field(default_factory=SpecStats)  # a server's spec-decode counter deltas
-    own_spec: SpecStats = field(default_factory=SpecStats)  # the responses' own spec-decode figures
+    server_spec: SpeculativeStats = field(default_factory=SpeculativeStats)  # a server's spec-decode counter deltas
+    own_spec: SpeculativeStats = field(default_factory=SpeculativeStats)  # the responses' own spec-decode figures
     foreign: int = 0  # batches whose server counters someone else's requests moved
     foreign_excess: int = 0  # the server's counters beyond own_spec so far
     server_timings: list[ServerTiming] = field(default_factory=list)  # the server's own clock, per request
@@ -63,7 +64,8 @@ class RunStats:
         if generation.spec is not None:
             self.spec += generation.spec
 
-    def add_server(self, server: ServerStats | None, generations: Sequence[GenerationResult]) -> SpecStats | None:
+    def add_server(self, server: ServerStats | None,
+                   generations: Sequence[GenerationResult]) -> SpeculativeStats | None:
         """A serving process's own figures over one batch (None: the engine runs in-process). Returns
         the server's counters when they stand for the batch (a dedicated server, and no request
         carried its own figures): the batch's first row carries them."""
@@ -103,7 +105,7 @@ class RunStats:
             max_kv_cache_usage=peak([batch.max_kv_cache_usage for batch in self.servers]),
             max_num_requests_waiting=peak([batch.max_num_requests_waiting for batch in self.servers]),
             max_num_requests_running=peak([batch.max_num_requests_running for batch in self.servers]),
-            spec=SpecFigures.from_stats(self.server_spec) if self.server_spec.num_drafts else None,
+            spec=SpeculativeFigures.from_stats(self.server_spec) if self.server_spec.num_drafts else None,
             dedicated=self.dedicated, foreign_traffic_batches=self.foreign,
             request_ttft_ms_p50=percentile([t.ttft_ms for t in self.server_timings if t.ttft_ms is not None], 50),
             request_queue_ms_p50=percentile([t.queue_ms for t in self.server_timings if t.queue_ms is not None], 50),
@@ -120,5 +122,5 @@ class RunStats:
             "generated_tokens": self.generated_tokens,
             "kv_cache_usage": peak([engine_kv_cache_usage, *(batch.max_kv_cache_usage for batch in self.servers)]),
             "server": self.server_figures(),
-            "spec": SpecFigures.from_stats(self.spec) if self.spec.num_drafts else None,
+            "spec": SpeculativeFigures.from_stats(self.spec) if self.spec.num_drafts else None,
         }

@@ -22,10 +22,10 @@ each in its own row of a cache.
   lookup over its own tokens, or its own draft-model cache of batch 1), then one forward of the
   target verifies every row's last token and drafts together (`verify_rows`: k + 1 positions per
   row, a row with fewer drafts padded, each query seeing its row's slots up to its own), and each
-  row accepts as the one-request loop does (spec_loop.accept, with the row's own generator), so
+  row accepts as the one-request loop does (speculative_loop.accept, with the row's own generator), so
   a row's tokens and its acceptance counts are those of the request alone. Rejected drafts stay
   in the row's slots past its length, unread, and are overwritten by the next pass.
-  Over a lossy KV format the rows are SpecRows: each row's own KVCache of batch 1, prefilled and
+  Over a lossy KV format the rows are SpeculativeRows: each row's own KVCache of batch 1, prefilled and
   verified as the one-request loop does its cache, attention row by row over each row's own
   tokens (padding is not written there), the weights multiplied for every row at once.
 
@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpecStats
+from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpeculativeStats
 from engines.reference.attention import masked_gqa_attention
 from engines.reference.cache import KVCache
 from engines.reference.decode import Decoder, _sdpa_backends
-from engines.reference.spec_loop import accept, propose
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask
+from engines.reference.speculative_loop import accept, propose
 from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
@@ -260,14 +260,14 @@ class DecoderRows:
         self.lengths[row] = 0
 
 
-class SpecRows:
+class SpeculativeRows:
     """Speculative decoding over a lossy KV format: row r is a KVCache of batch 1 (slots: prompt
     + max_new_tokens + k + 1), prefilled, written and read as the one-request loop does its own
-    (spec_loop.generate_speculative: a causal mask over the slots up to each pass's last token).
+    (speculative_loop.generate_speculative: a causal mask over the slots up to each pass's last token).
     A verify pass is one forward over every active row's last token and drafts; its attention runs
     row by row through each row's cache, over that row's own tokens only, as the one-request loop
     writes them (a shorter row's padding is not written into its cache). The rows equal the eager
-    loop's; on CUDA, where that loop verifies at a fixed width (spec_loop.StaticVerify), a row
+    loop's; on CUDA, where that loop verifies at a fixed width (speculative_loop.StaticVerify), a row
     differs from it at kernel precision, as a batched row of bf16 does."""
 
     def __init__(self, engine: ReferenceEngine, rows: int):
@@ -343,7 +343,7 @@ class Sequence:
     # when that step had no drafts), which a server adds to its counters
     proposer: NgramProposer | DraftModelProposer | None = None
     counters: SpecCounters | None = None
-    last_spec: SpecStats | None = None
+    last_spec: SpeculativeStats | None = None
 
     @property
     def greedy(self) -> bool:
@@ -358,8 +358,8 @@ class ContinuousBatch:
             raise ValueError(f"continuous batching: {why}")
         a = engine.args
         self.engine = engine
-        self.cache: RowCache | DecoderRows | SpecRows = (
-            SpecRows(engine, rows) if engine.kv.lossy and engine.proposer is not None else
+        self.cache: RowCache | DecoderRows | SpeculativeRows = (
+            SpeculativeRows(engine, rows) if engine.kv.lossy and engine.proposer is not None else
             DecoderRows(engine, rows) if engine.kv.lossy else
             RowCache(a.n_layers, rows, a.n_kv_heads, a.head_dim, a.max_seq_len, engine.compute_dtype, engine.device))
         self.seqs: dict[int, Sequence] = {}  # row → its sequence
@@ -430,14 +430,14 @@ class ContinuousBatch:
     def _speculate(self, active: list[Sequence]) -> None:
         """One speculative step over the active rows: each proposes (at most what its answer has
         room for, less the correction or bonus token), one target pass verifies every row's last
-        token and drafts, and each accepts as the one-request loop does (spec_loop.generate_speculative)."""
+        token and drafts, and each accepts as the one-request loop does (speculative_loop.generate_speculative)."""
         proposed = [propose(cast(NgramProposer | DraftModelProposer, s.proposer), s.prompt + s.tokens, s.request,
                             s.tokens, s.generator) for s in active]
         width = 1 + max(len(d) for d, _ in proposed)
         # a row with fewer drafts is padded with its last token: those positions' logits are not read
         tokens = torch.tensor([[s.tokens[-1], *d, *[s.tokens[-1]] * (width - 1 - len(d))]
                                for s, (d, _) in zip(active, proposed, strict=True)], device=self.engine.device)
-        cache = cast(RowCache | SpecRows, self.cache)
+        cache = cast(RowCache | SpeculativeRows, self.cache)
         rows = [s.row for s in active]
         with _sdpa_backends(self.engine.device):
             # no row drafted (n-gram lookup found nothing): a plain decode step
@@ -487,6 +487,6 @@ class ContinuousBatch:
             total_ms=(seq.stamps[-1] - seq.started) * 1000,
             token_logprobs=tuple(seq.scored),
             finish_reason="stop" if seq.tokens[-1] == self.eos else "length",
-            spec=(SpecStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_position))
-                  if c is not None else None),
+            spec=(SpeculativeStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                                   tuple(c.accepted_per_position)) if c is not None else None),
         )

@@ -22,7 +22,7 @@ from engines.protocol import (
     PromptScores,
     RollingRequest,
     RollingResult,
-    SpecStats,
+    SpeculativeStats,
 )
 from engines.reference import scoring
 from engines.reference.cache import KVCache, NoCache
@@ -31,8 +31,8 @@ from engines.reference.faults import EngineFault
 from engines.reference.kv import kv_format
 from engines.reference.layer_states import layer_states as reference_layer_states
 from engines.reference.model import Transformer, load_model
-from engines.reference.spec_loop import generate_speculative
 from engines.reference.speculative import DraftModelProposer, NgramProposer
+from engines.reference.speculative_loop import generate_speculative
 from engines.reference.usage import KVUsage, VerifyGraphs
 from engines.reference.weights import (
     RTN_BITS,
@@ -48,7 +48,7 @@ from engines.spec import OptimizationSpec
 from engines.zoo import MOE_AWQ
 
 # streaming hook: (request_id, new token ids, this step's spec-decode counters or None)
-OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
+OnTokens = Callable[[str, list[int], "SpeculativeStats | None"], None]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # decode loops kept for reuse where their steps are captured as CUDA graphs: one per (batch rows,
@@ -121,9 +121,9 @@ class ReferenceEngine:
         self._refused: set[tuple[int, int, bool]] = set()  # buckets whose step could not be captured
         self._graph_pool = torch.cuda.graph_pool_handle() if self.reuse_decoders else None
         self.decoders_built, self.batches_decoded = 0, 0
-        # speculative decoding's verify pass at one width per request, captured where graphs are (spec_loop.py)
+        # speculative decoding's verify pass at one width per request, captured where graphs are (speculative_loop.py)
         self.static_verify = self.reuse_decoders
-        self.verify = VerifyGraphs()  # how the speculative verify pass ran (spec_loop.py)
+        self.verify = VerifyGraphs()  # how the speculative verify pass ran (speculative_loop.py)
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)

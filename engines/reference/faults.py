@@ -41,13 +41,13 @@ from engines.drills import (
     WeightNoiseFault,
     parse_fault,
 )
-from engines.protocol import GenerationResult, SpecStats
+from engines.protocol import GenerationResult, SpeculativeStats
 from engines.reference.kv.base import DequantizedStore, KVFormat, KVStore
 
 if TYPE_CHECKING:
     from engines.reference.model import DecoderLayer, Transformer
 
-OnTokens = Callable[[str, list[int], "SpecStats | None"], None]
+OnTokens = Callable[[str, list[int], "SpeculativeStats | None"], None]
 
 
 class EngineFault:
@@ -120,7 +120,7 @@ class EngineFault:
         sent: dict[str, int] = {}
         hook = on_tokens
 
-        def emit(request_id: str, ids: list[int], step: SpecStats | None) -> None:
+        def emit(request_id: str, ids: list[int], step: SpeculativeStats | None) -> None:
             start = sent.get(request_id, 0)
             sent[request_id] = start + len(ids)
             hook(request_id, self._emitted(request_id, ids, start), step)

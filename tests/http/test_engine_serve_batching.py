@@ -126,7 +126,7 @@ def test_a_speculative_server_batches_and_each_answer_and_its_acceptance_are_as_
     # n-gram speculative decoding in a continuous batch: each row drafts on its own, one pass
     # verifies every row's drafts; each answer, its per-request acceptance figures and the
     # server's spec_decode counters are what one request at a time gives. Over turbo-3 each row
-    # keeps its own compressed cache (batching.SpecRows)
+    # keeps its own compressed cache (batching.SpeculativeRows)
     proc, base = start_engine_serve("--served-model-name", MODEL, "--speculative", '{"method": "ngram", "k": 4}',
                                     "--per-request-spec-decode-metrics", "summary", *kv)
     try:

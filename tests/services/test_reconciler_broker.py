@@ -33,7 +33,6 @@ class Recorder:
 @pytest.fixture
 def broker(sqlite_env, monkeypatch):
     import redis
-
     from app.settings import get_settings
 
     client = redis.Redis.from_url(SPARE_REDIS_URL, socket_connect_timeout=3)

@@ -9,8 +9,8 @@ import dataclasses
 
 from app.api.main import app
 from app.schemas import ComparisonOut, FiguresOut
-from engines.protocol import SpecStats
-from evals.figures import RunFigures, ServerFigures, SpecFigures
+from engines.protocol import SpeculativeStats
+from evals.figures import RunFigures, ServerFigures, SpeculativeFigures
 from evals.stats import Comparison
 
 
@@ -59,7 +59,7 @@ def _figures(**changes) -> RunFigures:
 
 
 def test_figures_round_trip_and_their_response_shape():
-    spec = SpecFigures.from_stats(SpecStats(4, 8, 6, (3, 3)))  # 6/8 accepted; 1 + 6/4 per pass; 3/4 at each position
+    spec = SpeculativeFigures.from_stats(SpeculativeStats(4, 8, 6, (3, 3)))  # 6/8 accepted; 1 + 6/4 per pass; 3/4 at each position
     assert (spec.acceptance_rate, spec.mean_acceptance_length, spec.per_position_rate) == (0.75, 2.5, [0.75, 0.75])
     server = ServerFigures("http://h:8000/metrics", 0.5, 2.0, 4.0)
     full = _figures(server=server, spec=spec)

@@ -38,9 +38,9 @@ def test_spread_rate_and_ratio_by_hand():
 
 
 def gen(itl_steps: int, drafts: int, draft_tokens: int, accepted: int, per_position: tuple[int, ...]):
-    from engines.protocol import SpecStats
+    from engines.protocol import SpeculativeStats
 
-    return SimpleNamespace(itl_ms=(1.0,) * itl_steps, spec=SpecStats(drafts, draft_tokens, accepted, per_position))
+    return SimpleNamespace(itl_ms=(1.0,) * itl_steps, spec=SpeculativeStats(drafts, draft_tokens, accepted, per_position))
 
 
 def test_speculative_theory_by_hand():

@@ -8,7 +8,7 @@ written and read as the one-request path writes and reads them."""
 import pytest
 import torch
 from engines.protocol import GenerationRequest
-from engines.reference.batching import ContinuousBatch, DecoderRows, SpecRows, unbatchable
+from engines.reference.batching import ContinuousBatch, DecoderRows, SpeculativeRows, unbatchable
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
@@ -100,7 +100,7 @@ def test_a_speculative_lossy_format_gets_a_cache_per_row_and_frees_it():
                                                       speculative={"method": "ngram", "k": 4},
                                                       engine_options={"device": "cpu"}))
     batch = ContinuousBatch(engine, 2)
-    assert isinstance(batch.cache, SpecRows)
+    assert isinstance(batch.cache, SpeculativeRows)
     seq = batch.add(requests()[0])  # max_new_tokens 20
     prompt = len(seq.prompt)
     cache = batch.cache.caches[0]
@@ -120,7 +120,7 @@ def test_a_speculative_lossy_format_gets_a_cache_per_row_and_frees_it():
 @pytest.mark.parametrize(("speculative", "kv"), [
     ({"method": "ngram", "k": 4}, "fp32"),
     ({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}, "fp32"),
-    # over a lossy KV format each row is its own cache (SpecRows); the 150-token request crosses
+    # over a lossy KV format each row is its own cache (SpeculativeRows); the 150-token request crosses
     # KIVI's first key group while other rows verify beside it
     ({"method": "ngram", "k": 4}, "kivi-2"),
     ({"method": "ngram", "k": 4}, "turbo-3"),

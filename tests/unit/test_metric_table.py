@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from app.config_file import ConfigFileError, Thresholds, parse_config
-from engines.protocol import SpecStats
+from engines.protocol import SpeculativeStats
 from evals.compare import peak_comparison
 from evals.metrics import METRICS, RUN_VERDICT, VERDICTS, gated_metrics, get_metric, worst_verdict
 from evals.records import DocRecord, GenerationRecord, PairwiseRecord, RunRecords
@@ -134,16 +134,16 @@ def test_an_unreported_peak_is_inconclusive_with_why():
 
 
 def test_spec_stats_add_position_by_position():
-    a = SpecStats(2, 8, 5, (2, 2, 1, 0))
-    b = SpecStats(1, 2, 1, (1, 0))
+    a = SpeculativeStats(2, 8, 5, (2, 2, 1, 0))
+    b = SpeculativeStats(1, 2, 1, (1, 0))
     total = a + b
-    assert total == SpecStats(3, 10, 6, (3, 2, 1, 0))
+    assert total == SpeculativeStats(3, 10, 6, (3, 2, 1, 0))
     assert total.acceptance_rate == 0.6 and total.mean_acceptance_length == 3.0 and total.per_position_rate == (1.0, 2 / 3, 1 / 3, 0.0)
 
 
 def test_records_round_trip_through_their_rows():
     doc = DocRecord("d1", 12.5, 10, 4, 30, 7, "os", (1, 2, 3))
-    gen = GenerationRecord("p1", 40.0, "Return", " x", 2, 3, (1.5,), 50.0, (9, 8), SpecStats(1, 4, 2, (1, 1, 0, 0)), "batch")
+    gen = GenerationRecord("p1", 40.0, "Return", " x", 2, 3, (1.5,), 50.0, (9, 8), SpeculativeStats(1, 4, 2, (1, 1, 0, 0)), "batch")
     vote = PairwiseRecord("p1", "tie", True, ("tie", "tie"), 0, "same", "os")
     table = RunRecords.from_rows([(7, r["metric"], r["sample_key"], r["value"], r["extra"])
                                   for r in (doc.to_row(), gen.to_row(), vote.to_row())])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from app.alerting import AlertState, evaluate
-from engines.protocol import SpecStats
+from engines.protocol import SpeculativeStats
 from evals import sanity
 from evals.metrics import RUN_VERDICT, worst_verdict
 from evals.records import DocRecord, GenerationRecord
@@ -19,7 +19,7 @@ def doc(key: str, nll: float, n_tokens: int = 5) -> DocRecord:
 
 
 def gen(n_tokens: int, drafts: int, drafted: int, accepted: int) -> GenerationRecord:
-    return GenerationRecord("p", 10.0, "prompt", "text", n_tokens, 4, spec=SpecStats(drafts, drafted, accepted))
+    return GenerationRecord("p", 10.0, "prompt", "text", n_tokens, 4, spec=SpeculativeStats(drafts, drafted, accepted))
 
 
 def test_logprobs_that_cannot_come_from_a_model_are_named():

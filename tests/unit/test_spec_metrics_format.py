@@ -3,7 +3,7 @@ PR's own example: histogram [39, 1, 0, 3] over k = 3 is 43 steps, 1·1 + 3·3 = 
 position 0 was accepted by the 1 + 0 + 3 = 4 steps that accepted at least one draft, position 1
 by 0 + 3 = 3, position 2 by 3."""
 
-from engines.protocol import SpecStats
+from engines.protocol import SpeculativeStats
 from engines.server_metrics import spec_from_response
 from workers.engine_server.answers import spec_decode_metrics
 
@@ -14,12 +14,12 @@ EXAMPLE = {"mean_acceptance_length": 1.2325581395348837, "draft_acceptance_rate"
 
 def test_the_summary_read_into_counters():
     stats = spec_from_response({"choices": [], "metrics": {"speculative_decoding": EXAMPLE}})
-    assert stats == SpecStats(43, 129, 10, (4, 3, 3))
+    assert stats == SpeculativeStats(43, 129, 10, (4, 3, 3))
     assert stats.acceptance_rate == 10 / 129 and stats.mean_acceptance_length == 1 + 10 / 43
 
 
 def test_counters_written_as_the_summary():
-    assert spec_decode_metrics(SpecStats(43, 129, 10, (4, 3, 3))) == EXAMPLE
+    assert spec_decode_metrics(SpeculativeStats(43, 129, 10, (4, 3, 3))) == EXAMPLE
 
 
 def test_no_summary_or_one_that_is_not_numbers_is_none():

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from engines.protocol import GenerationRequest, SpecStats
+from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.engine import ReferenceEngine
-from engines.reference.spec_loop import accept
 from engines.reference.speculative import NgramProposer, SpecCounters, sample_step
+from engines.reference.speculative_loop import accept
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
 from engines.zoo.corpus import read_jsonl
@@ -82,7 +82,7 @@ def test_counters_by_hand():
     c.record(4, 4, 4)
     c.record(3, 0, 4)
     c.record(0, 0, 4)  # no proposal: not a draft
-    s = SpecStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_position))
+    s = SpeculativeStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, tuple(c.accepted_per_position))
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 11, 6)
     assert s.accepted_per_position == (2, 2, 1, 1)
     assert s.acceptance_rate == pytest.approx(6 / 11)
@@ -100,7 +100,7 @@ def test_one_verification_step_by_hand():
     step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, c, 4, eos=3)
     # all three drafts match, so 4, 3, 6 and the bonus 8 come out, cut after the EOS
     assert step.tokens == [4, 3]
-    assert step.step == SpecStats(1, 3, 3, (1, 1, 1, 0))
+    assert step.step == SpeculativeStats(1, 3, 3, (1, 1, 1, 0))
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (1, 3, 3)
     # log p of a logit 5 among nine at -5: -log(1 + 9 e^-10)
     assert [lp for lp, _ in step.scored] == pytest.approx([-math.log1p(9 * math.exp(-10))] * 2, abs=1e-6)  # float32 log_softmax
@@ -108,7 +108,7 @@ def test_one_verification_step_by_hand():
     logits[1] = -5.0
     logits[1, 9] = 5.0
     step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, SpecCounters(), 4, eos=3)
-    assert step.tokens == [4, 9] and step.step == SpecStats(1, 3, 1, (1, 0, 0, 0))
+    assert step.tokens == [4, 9] and step.step == SpeculativeStats(1, 3, 1, (1, 0, 0, 0))
     # two tokens left of max_new_tokens: the accepted tokens are cut to them
     assert accept(logits, [4], None, replace(req, max_new_tokens=3), [1, 2], gen, SpecCounters(), 4, 3).tokens == [4]
     # nothing drafted: a plain step, no counts
@@ -181,7 +181,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     ({"method": "ngram", "k": 3, "prompt_lookup_max": 2}, "fp8"),
 ])
 def test_a_static_verify_pass_gives_what_the_eager_one_gives(speculative, kv):
-    # CUDA's verify pass (spec_loop.StaticVerify, captured there) at one width, fewer drafts
+    # CUDA's verify pass (speculative_loop.StaticVerify, captured there) at one width, fewer drafts
     # padded, switched on here by hand: the same tokens, counters and log-probs, greedy and sampled
     reqs = [GenerationRequest(str(i), p, max_new_tokens=40, logprobs=0, temperature=t, seed=i)
             for i, p in enumerate(PROMPTS) for t in (0.0, 0.8)]

@@ -11,7 +11,7 @@ rows, requests joining between decode steps and leaving when done or when their 
 --max-queue bounds the requests waiting beyond the batch (a 429 past it); a lossy KV format's
 rows each keep their own compressed cache (batching.DecoderRows). Speculative decoding batches
 too (each row drafts on its own, one target pass verifies every row's drafts), over a lossy KV
-format with a compressed cache per row (batching.SpecRows); with a fault drill, requests decode
+format with a compressed cache per row (batching.SpeculativeRows); with a fault drill, requests decode
 one at a time. vllm:num_requests_waiting
 counts the queue, vllm:num_requests_running the batch's rows; kv_cache_usage_perc = token
 positions the rows hold / max_num_seqs × the model's context (metrics.py).

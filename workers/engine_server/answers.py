@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.protocol import SpecStats
+from engines.protocol import SpeculativeStats
 from workers.engine_server.engine_thread import EngineServer, Job
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import SamplingIn
@@ -208,7 +208,7 @@ def timing_metrics(job: Job, n_generated: int) -> dict:
     return out
 
 
-def spec_decode_metrics(spec: SpecStats) -> dict:
+def spec_decode_metrics(spec: SpeculativeStats) -> dict:
     """A request's counters in vLLM's `metrics.speculative_decoding` summary (vLLM PR #48915):
     acceptance_histogram[j] = verification steps that accepted exactly j draft tokens. Drafts are
     accepted from the front, so the steps that accepted at least i + 1 are accepted_per_position[i],

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.protocol import GenerationRequest, SpecStats
+from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.batching import ContinuousBatch, Sequence, unbatchable
 from workers.engine_server.metrics import ServeMetrics
 
@@ -395,7 +395,7 @@ class EngineServer:
                        len(result.token_ids), reason)
         self._emit(job, ("done", result))
 
-    def _count_spec(self, step: SpecStats) -> None:
+    def _count_spec(self, step: SpeculativeStats) -> None:
         """A speculative step's drafts and accepted tokens in vLLM's spec_decode counters."""
         metrics = self.metrics
         metrics.drafts.inc(step.num_drafts)

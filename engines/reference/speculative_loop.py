@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engines.protocol import GenerationRequest, GenerationResult, SpecStats
+from engines.protocol import GenerationRequest, GenerationResult, SpeculativeStats
 from engines.reference.decode import capture_graph
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
@@ -72,7 +72,7 @@ class Verified:
 
     tokens: list[int]
     scored: list
-    step: SpecStats | None
+    step: SpeculativeStats | None
 
 
 def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
@@ -88,7 +88,7 @@ def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, 
     want = req.logprobs
     # the i-th new token was picked from the verification's i-th row
     scored = [token_logprob(logits[i], t, want) for i, t in enumerate(new)] if want is not None else []
-    step = SpecStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
+    step = SpeculativeStats(1, len(drafts), accepted, tuple(int(i < accepted) for i in range(k))) if drafts else None
     return Verified(new, scored, step)
 
 
@@ -225,7 +225,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
         ttft_ms=(stamps[0] - t0) * 1000,
         itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),  # vLLM: per step, not per token
         total_ms=(stamps[-1] - t0) * 1000,
-        spec=SpecStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
+        spec=SpeculativeStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
                        tuple(counters.accepted_per_position)),
         token_logprobs=tuple(scored),
         finish_reason="stop" if out[-1] == eos else "length",
