@@ -10,6 +10,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from app.channels import ChannelKind
 from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals import suite as suite_settings
@@ -201,7 +202,7 @@ Thresholds = create_model("Thresholds", __base__=_ThresholdsBase,
 
 class ChannelEntry(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    kind: Literal["slack", "teams", "discord", "webhook", "alertmanager"]
+    kind: ChannelKind
     url: str = Field(max_length=2048, description=(
         "webhook URL, or ${ENV_VAR}: the secret then stays out of the file and the database"))
     send_resolved: bool = True

@@ -47,7 +47,7 @@ def _spec_from(extra: Mapping[str, Any] | None) -> SpeculativeStats | None:
                      tuple(int(a) for a in extra.get("accepted_per_position") or ()))
 
 
-def spec_to_json(spec: SpeculativeStats) -> dict[str, Any]:
+def speculative_to_json(spec: SpeculativeStats) -> dict[str, Any]:
     return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
             "num_accepted_tokens": spec.num_accepted_tokens, "accepted_per_position": list(spec.accepted_per_position)}
 
@@ -277,7 +277,7 @@ class GenerationRecord:
         if self.token_ids:
             extra["token_ids"] = list(self.token_ids)
         if self.spec is not None:
-            extra["spec"] = spec_to_json(self.spec) | ({"scope": "batch"} if self.spec_scope == "batch" else {})
+            extra["spec"] = speculative_to_json(self.spec) | ({"scope": "batch"} if self.spec_scope == "batch" else {})
         if self.baseline_nll is not None:
             extra["baseline_nll"], extra["baseline_nll_tokens"] = self.baseline_nll, self.baseline_nll_tokens
         if self.paired_baseline_ttft_ms is not None:

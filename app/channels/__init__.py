@@ -8,6 +8,7 @@ import importlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import ModuleType
+from typing import Literal, get_args
 
 
 def escape_markup(text: str) -> str:
@@ -80,9 +81,10 @@ class AlertMessage:
 
 
 # The one list of channel kinds: each is the module app/channels/<kind>.py (its payload, its
-# success test, its pace). Every other list of kinds derives from this one or is tested against it
-# (app/config_file.py ChannelEntry.kind: tests/unit/test_chat_mentions.py).
-KINDS = ("slack", "teams", "discord", "webhook", "alertmanager")
+# success test, its pace). The config file's field is this type; KINDS and the delivery's modules
+# derive from it (tests/unit/test_chat_mentions.py).
+ChannelKind = Literal["slack", "teams", "discord", "webhook", "alertmanager"]
+KINDS: tuple[str, ...] = get_args(ChannelKind)
 
 
 def module(kind: str) -> ModuleType:

@@ -50,7 +50,7 @@ from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, 
 from engines.reference.attention import masked_gqa_attention
 from engines.reference.cache import KVCache
 from engines.reference.decode import Decoder, _sdpa_backends
-from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask
+from engines.reference.speculative import DraftModelProposer, NgramProposer, SpeculativeCounters, causal_mask
 from engines.reference.speculative_loop import accept, propose
 from engines.sampling import adjust, pick, token_logprob
 
@@ -342,7 +342,7 @@ class Sequence:
     # speculative decoding: the row's own proposer, its counts so far, and its last step's (None
     # when that step had no drafts), which a server adds to its counters
     proposer: NgramProposer | DraftModelProposer | None = None
-    counters: SpecCounters | None = None
+    counters: SpeculativeCounters | None = None
     last_spec: SpeculativeStats | None = None
 
     @property
@@ -408,7 +408,7 @@ class ContinuousBatch:
         if self.k:
             seq.proposer = engine.proposer.fresh()
             seq.proposer.reset(len(prompt) + request.max_new_tokens + self.extra)
-            seq.counters = SpecCounters()
+            seq.counters = SpeculativeCounters()
         return seq
 
     @torch.inference_mode()
@@ -445,7 +445,7 @@ class ContinuousBatch:
                       else cache.decode(self.engine.model, tokens, rows)[:, None]).float()  # [B, T, V]
         for b, (s, (drafts, qs)) in enumerate(zip(active, proposed, strict=True)):
             scores = logits[b, : len(drafts) + 1]  # row i predicts the token after drafts[:i]
-            step = accept(scores, drafts, qs, s.request, s.tokens, s.generator, cast(SpecCounters, s.counters),
+            step = accept(scores, drafts, qs, s.request, s.tokens, s.generator, cast(SpeculativeCounters, s.counters),
                           self.k, self.eos)
             s.last_spec = step.step
             s.scored += step.scored

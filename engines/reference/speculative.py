@@ -37,7 +37,7 @@ def sample_step(p: torch.Tensor, q: torch.Tensor, x: int, gen: torch.Generator) 
 
 
 @dataclass
-class SpecCounters:
+class SpeculativeCounters:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -20,7 +20,13 @@ import torch
 
 from engines.protocol import GenerationRequest, GenerationResult, SpeculativeStats
 from engines.reference.decode import capture_graph
-from engines.reference.speculative import DraftModelProposer, NgramProposer, SpecCounters, causal_mask, sample_step
+from engines.reference.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    SpeculativeCounters,
+    causal_mask,
+    sample_step,
+)
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
 if TYPE_CHECKING:
@@ -76,7 +82,7 @@ class Verified:
 
 
 def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
-           gen: torch.Generator, counters: SpecCounters, k: int, eos: int | None) -> Verified:
+           gen: torch.Generator, counters: SpeculativeCounters, k: int, eos: int | None) -> Verified:
     """One request's verification: the acceptance rule (verify_drafts), the request's counters,
     and the cuts. The one-request loop and engine-serve's batch (batching._speculate) both take
     each step through here. logits[i] predicts the token after drafts[:i]."""
@@ -163,7 +169,7 @@ def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
     gen = torch.Generator(device=engine.device).manual_seed(req.seed)
     eos = engine.tokenizer.eos_token_id
     sync: Callable[[], None] = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    counters = SpecCounters()
+    counters = SpeculativeCounters()
     held = 0  # the target cache's high-water mark: slots written so far
     t0 = time.perf_counter()
     engine.fault.before_first_token()  # a ttft-delay drill

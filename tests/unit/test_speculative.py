@@ -10,7 +10,7 @@ import pytest
 import torch
 from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.engine import ReferenceEngine
-from engines.reference.speculative import NgramProposer, SpecCounters, sample_step
+from engines.reference.speculative import NgramProposer, SpeculativeCounters, sample_step
 from engines.reference.speculative_loop import accept
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
@@ -77,7 +77,7 @@ def test_sampling_mode_runs_and_is_seeded():
 
 
 def test_counters_by_hand():
-    c = SpecCounters()
+    c = SpeculativeCounters()
     c.record(4, 2, 4)  # 4 drafted, first 2 accepted
     c.record(4, 4, 4)
     c.record(3, 0, 4)
@@ -96,7 +96,7 @@ def test_one_verification_step_by_hand():
         logits[i, t] = 5.0
     gen = torch.Generator().manual_seed(0)
     req = GenerationRequest("r", "", max_new_tokens=10, logprobs=0)
-    c = SpecCounters()
+    c = SpeculativeCounters()
     step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, c, 4, eos=3)
     # all three drafts match, so 4, 3, 6 and the bonus 8 come out, cut after the EOS
     assert step.tokens == [4, 3]
@@ -107,10 +107,10 @@ def test_one_verification_step_by_hand():
     # the second draft rejected (the target says 9): the correction ends the step
     logits[1] = -5.0
     logits[1, 9] = 5.0
-    step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, SpecCounters(), 4, eos=3)
+    step = accept(logits, [4, 3, 6], None, req, [1, 2], gen, SpeculativeCounters(), 4, eos=3)
     assert step.tokens == [4, 9] and step.step == SpeculativeStats(1, 3, 1, (1, 0, 0, 0))
     # two tokens left of max_new_tokens: the accepted tokens are cut to them
-    assert accept(logits, [4], None, replace(req, max_new_tokens=3), [1, 2], gen, SpecCounters(), 4, 3).tokens == [4]
+    assert accept(logits, [4], None, replace(req, max_new_tokens=3), [1, 2], gen, SpeculativeCounters(), 4, 3).tokens == [4]
     # nothing drafted: a plain step, no counts
     step = accept(logits[:1], [], None, req, [1, 2], gen, c, 4, eos=3)
     assert step.tokens == [4] and step.step is None and c.num_drafts == 1

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from engines.protocol import GenerationRequest
-from evals.records import GenerationRecord, RepeatRecord, SoloRecord, spec_to_json
+from evals.records import GenerationRecord, RepeatRecord, SoloRecord, speculative_to_json
 from workers.generation import BaselineScorer, concurrency, scored_rows, timings
 from workers.producers.base import Batch, Producer, Work, register_producer
 
@@ -63,7 +63,7 @@ class Generation(Producer):
             # a serving process's own figures over this batch (None in-process)
             batch_spec = work.stats.add_server(engine.server_stats(), generations)
             if batch_spec is not None:
-                rows[0]["extra"]["spec"] = spec_to_json(batch_spec) | {"scope": "batch"}
+                rows[0]["extra"]["spec"] = speculative_to_json(batch_spec) | {"scope": "batch"}
             yield Batch(rows, len(generations))
         # batch invariance: a few prompts again, each alone, against their answers inside a full batch
         probes = requests[: gen.solo_probes] if step > 1 and judge is not None else []
