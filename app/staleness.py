@@ -43,10 +43,6 @@ class ScheduleHealth:
     due: datetime  # the slot whose run should have succeeded next
     stale: bool
 
-    @property
-    def overdue_by(self) -> timedelta:
-        return max(timedelta(0), utcnow() - self.due)
-
     def reason(self) -> str:
         since = (f"its last successful run (run {self.last_success_run_id}) ended {self.heartbeat:%Y-%m-%d %H:%M} UTC"
                  if self.last_success_run_id else f"it has had no successful run since it was created "

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import httpx
 
-from evals.stats import cohen_kappa, wilson_interval
+from evals.stats import wilson_interval
 
 
 class JudgeError(RuntimeError):
@@ -371,16 +371,6 @@ def rubric(client: JudgeClient, sample_id: str, question: str, answer: str,
     stated, reason = parsed
     w = probability_weighted(reply.top_logprobs, stated)
     return RubricScore(sample_id, w if w is not None else float(stated), stated, w is not None, failures, reason)
-
-
-# -- calibration against people ----------------------------------------------------------------------
-def agreement_with_humans(judge_labels: Sequence, human_labels: Sequence) -> dict:
-    """Cohen's κ between the judge and human labels on the samples both labelled."""
-    pairs = [(j, h) for j, h in zip(judge_labels, human_labels, strict=True) if j is not None and h is not None]
-    if not pairs:
-        return {"n": 0, "kappa": None, "raw_agreement": None}
-    j, h = zip(*pairs, strict=True)
-    return {"n": len(pairs), "kappa": cohen_kappa(j, h), "raw_agreement": sum(a == b for a, b in pairs) / len(pairs)}
 
 
 def _shown(url: str) -> str:

@@ -59,11 +59,6 @@ class KVCache:
         self.store.fill(layer, k, v, slots, self.seq_start)
 
     @property
-    def token_slots(self) -> int:
-        """Token positions allocated: batch rows × slots per row."""
-        return self.k.shape[1] * self.k.shape[3]
-
-    @property
     def seq_start(self) -> torch.Tensor:
         """[B] first real slot per row (left padding)."""
         return self._seq_start
