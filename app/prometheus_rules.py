@@ -14,7 +14,7 @@ from evals.metrics import VERDICT_CODES, Metric, gated_metrics
 
 HEADER = """\
 # Prometheus alerting rules for teams that alert from Prometheus instead of the canary's own
-# channels. They read the canary API's /metrics (app/metrics.py). canary_verdict already applies
+# channels. They read the canary API's /metrics (app/prometheus.py). canary_verdict already applies
 # each metric's thresholds and confidence intervals (2 = warn, 3 = critical, 4 = measurement
 # error): alert on it rather than re-implementing thresholds here; the raw figures are there for
 # dashboards.

@@ -10,7 +10,7 @@ from sqlalchemy import and_, select
 from sqlalchemy.orm import Session, aliased
 
 from app import repo
-from app.alerts import ACTIVE
+from app.alert_evaluation import ACTIVE
 from app.gates import summary_markdown
 from app.models import Alert, Gate, Project, Run, SampleResult, Suite
 from app.services import run_summary

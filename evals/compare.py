@@ -1,6 +1,6 @@
 """Every comparison of a candidate config with its baseline: plain values in, a `Comparison` out
 (evals/stats.py decides the verdict from the CI). Each function implements one comparison kind
-of the metric table (evals/metrics.py); each row's compare target (evals/compare_rows.py) feeds
+of the metric table (evals/metrics.py); each row's compare target (evals/compare_targets.py) feeds
 them the config's typed records.
 
     metric                comparison         function
@@ -21,7 +21,7 @@ them the config's typed records.
     exact_match           rate (no gate)     exact_match_comparison
     top1_agreement        mean (no gate)     evals.distribution.top1_agreement_comparison
     kld_mean              mean (no gate)     evals.distribution.kld_comparison
-    decode_nll_ratio      paired_ratio       evals.perplexity.ppl_ratio on the decode pass (compare_rows)
+    decode_nll_ratio      paired_ratio       evals.perplexity.ppl_ratio on the decode pass (compare_targets)
 """
 
 from __future__ import annotations

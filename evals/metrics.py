@@ -2,14 +2,14 @@
 (in the manner of lm-eval's `register_metric`: a metric describes itself).
 
 Everything else derives from it: the thresholds a canary.yaml accepts and their defaults
-(app/config_file.py), the alert rules the API accepts, the Prometheus gauges (app/metrics.py),
+(app/config_file.py), the alert rules the API accepts, the Prometheus gauges (app/prometheus.py),
 the API's catalogue (GET /api/v1/metrics) that the dashboard reads for its columns, the
 Prometheus alerting rules file (`canary alert-rules`), and the verdict order used by the
 statistics, the aggregation and the exporters.
 
 Torch-free and numpy-free: app/ imports it (the API image stays small).
 
-Adding a metric: its row here, naming its compare target (evals/compare_rows.py, which the
+Adding a metric: its row here, naming its compare target (evals/compare_targets.py, which the
 aggregation calls for every row), its producer (the engine or scorer that measures it) and its test.
 """
 
@@ -68,7 +68,7 @@ class Metric:
     # with more memory than the baseline ("speed"); the verdict summary groups configs by it (app/summary.py)
     aspect: Aspect = "quality"
     # the function that compares a config on it, as "module:function" (imported when first used, so app/ reads
-    # the table without numpy or torch): CompareContext → Comparison | None (evals/compare_rows.py). The
+    # the table without numpy or torch): CompareContext → Comparison | None (evals/compare_targets.py). The
     # aggregation calls each row's target; "" for a row nothing compares (yet)
     compare: str = ""
 
@@ -102,7 +102,7 @@ class Metric:
 
 
 METRICS: dict[str, Metric] = {}
-_ROWS = "evals.compare_rows:"  # where the table's own compare targets live
+_ROWS = "evals.compare_targets:"  # where the table's own compare targets live
 
 
 def register_metric(metric: Metric) -> Metric:

@@ -12,7 +12,7 @@ from typing import cast
 from sqlalchemy import update
 
 from app import repo
-from app.alerts import escalate, evaluate_run
+from app.alert_evaluation import escalate, evaluate_run
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, priority_of, stored_priority
 from app.gates import decide as decide_gate
@@ -20,8 +20,8 @@ from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
 from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
-from evals import compare_rows
-from evals.compare_rows import CompareContext
+from evals import compare_targets
+from evals.compare_targets import CompareContext
 from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
 from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
@@ -50,7 +50,7 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
                        failed_scorers: dict[str, str], scorers: list[str], greedy: bool = False,
                        tau: float = NEAR_TIE_NATS) -> list[Comparison]:
     """Every comparison of one config (the baseline included, for the metrics judged on their own):
-    the metric table's rows, each comparing through its own target (evals/compare_rows.py).
+    the metric table's rows, each comparing through its own target (evals/compare_targets.py).
     greedy: the suite generates greedily, so a lossless config's outputs must equal the baseline's
     (beyond the baseline's own noise floor); tau: the suite's near-tie gap in nats."""
     is_base = cr.config_id == run.baseline_config_id
@@ -59,7 +59,7 @@ def config_comparisons(run: Run, cr: ConfigRun, table: RunRecords, thresholds: R
         thresholds=lambda metric: thresholds(cr.config_id, metric), seed=run.seed, is_base=is_base,
         figures=RunFigures.from_json(cr.figures) if cr.figures else None, failed_scorers=failed_scorers,
         scorers=scorers, greedy=greedy, lossless=greedy and not is_base and _lossless(run, cr), tau=tau)
-    return compare_rows.config_comparisons(context)
+    return compare_targets.config_comparisons(context)
 
 
 def _lossless(run: Run, cr: ConfigRun) -> bool:
@@ -154,7 +154,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         reason = _reason(judged, config_runs) + top_up.reason(run, suite)
         if not any(not informational(r) for r in judged) and not failed:
             # nothing compared (no candidate, no samples, only reported figures): never a pass, and
-            # no alert resolves on it (app/alerts.py reads comparisons only)
+            # no alert resolves on it (app/alert_evaluation.py reads comparisons only)
             verdict = "error"
             reason = ("nothing was compared: the run has no candidate result a threshold judges (no candidate "
                       "config, no samples, or only reported figures); it is not a pass")

@@ -134,12 +134,12 @@ class TickSchedules(BaseTask):
 
 class RefreshAlerts(BaseTask):
     """Re-send firing alerts to Alertmanager channels with endsAt moved ahead, then deliver them
-    (app/alerts.py refresh_alertmanager): Alertmanager keeps them active while the canary fires."""
+    (app/alert_evaluation.py refresh_alertmanager): Alertmanager keeps them active while the canary fires."""
 
     name = REFRESH_ALERTS
 
     def run_impl(self, *, dispatcher: Dispatcher | None = None) -> dict:
-        from app.alerts import refresh_alertmanager
+        from app.alert_evaluation import refresh_alertmanager
         from app.notify import deliver_due
 
         with self.session() as session:

@@ -147,7 +147,7 @@ async def _invalid(_: Request, exc: ValueError) -> JSONResponse:
 
 @app.get("/metrics", tags=["health"], include_in_schema=False)
 def metrics(request: Request) -> Response:
-    """Prometheus exposition (app/metrics.py). Without a key: only figures with no project in them.
+    """Prometheus exposition (app/prometheus.py). Without a key: only figures with no project in them.
     With a `metrics` key: its project's figures too; with a `metrics-all` key: every project's.
     Prometheus sends the key with `authorization: {credentials_file: …}` (docs/api.md)."""
     from prometheus_client import (
@@ -162,7 +162,7 @@ def metrics(request: Request) -> Response:
     from app.api import limits
     from app.auth import METRICS_SCOPES, authenticate
     from app.db import session_scope
-    from app.metrics import CanaryCollector, PublicCollector
+    from app.prometheus import CanaryCollector, PublicCollector
 
     registry = CollectorRegistry()
     for collector in (ProcessCollector, PlatformCollector, GCCollector):

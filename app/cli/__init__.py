@@ -10,7 +10,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from app.cli import admin, gate, read, runs, tasks  # noqa: F401 - each registers its commands on `app`
+from app.cli import admin, gate, labelled, read, runs  # noqa: F401 - each registers its commands on `app`
 from app.cli.base import _ago, app, console
 from app.cli.output import _print_summary, layers_under_their_config, worst_comparison
 from app.cli.runs import DEMO_CONFIG, RunWatch, run_exit_code

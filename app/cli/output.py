@@ -117,7 +117,7 @@ def _print_summary(summary: RunOut, wide: bool = False) -> None:
                   + ", ".join(f"{c.config} {'≥' if c.details.get('kld_bound') == 'lower' else ''}{c.estimate:.2g} "
                               f"{c.details['same_top'] * 100:.1f}%" for c in klds), highlight=False, soft_wrap=True)
     decoded = [c for c in summary.comparisons if c.metric == "decode_nll_ratio" and c.estimate is not None]
-    if decoded:  # the KV configs' prefill-vs-decode gap (evals/compare_rows.decode_nll_ratio)
+    if decoded:  # the KV configs' prefill-vs-decode gap (evals/compare_targets.decode_nll_ratio)
         out.print(f"decode ÷ prefill ppl ratio ({max(c.n for c in decoded)} documents also scored a token per decode "
                   "step through the KV cache): " + ", ".join(f"{c.config} {c.details['prefill_decode_gap']:.4f}"
                                                               for c in decoded), highlight=False, soft_wrap=True)

@@ -24,7 +24,7 @@ def queue_notification(session: Session, channel_id: int, idempotency_key: str, 
 
 def open_alert(session: Session, project_id: int, rule_id: int, fingerprint: str, labels: dict[str, str], state: str,
                severity: str, started_at: datetime | None) -> Alert:
-    """A new alert episode (app/alerts.py moves it through its states)."""
+    """A new alert episode (app/alert_evaluation.py moves it through its states)."""
     row = Alert(project_id=project_id, rule_id=rule_id, fingerprint=fingerprint, labels=labels, state=state,
                 severity=severity, started_at=started_at)
     session.add(row)

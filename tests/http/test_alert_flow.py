@@ -83,7 +83,7 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
         assert everything["warn"]["inhibited_by"] == everything["critical"]["id"]
         assert everything["critical"]["inhibited_by"] is None
     # re-evaluating the first run (a retried aggregation) queues and sends nothing new
-    from app.alerts import evaluate_run
+    from app.alert_evaluation import evaluate_run
 
     with session_scope() as s:
         again = evaluate_run(s, s.get(Run, run_id))

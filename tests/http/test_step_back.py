@@ -16,8 +16,8 @@ from app.api.routes.views import overview
 from app.config_file import parse_config
 from app.db import session_scope
 from app.gates import decide, record_gate
-from app.metrics import CanaryCollector
 from app.models import ConfigRun, Gate, Run, SampleResult
+from app.prometheus import CanaryCollector
 from app.schemas import RunOut, jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path

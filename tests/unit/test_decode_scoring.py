@@ -1,4 +1,4 @@
-"""Decode-regime scoring (engines/reference/scoring.py, evals/compare_rows.decode_nll_ratio):
+"""Decode-regime scoring (engines/reference/scoring.py, evals/compare_targets.decode_nll_ratio):
 a document's tokens teacher-forced one per decode step through the KV cache."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from engines.protocol import RollingRequest, WindowSpec
 from engines.reference.engine import ReferenceEngine
 from engines.spec import OptimizationSpec
 from engines.zoo import resolve_model_path
-from evals.compare_rows import CompareContext, decode_nll_ratio
+from evals.compare_targets import CompareContext, decode_nll_ratio
 from evals.positions import position_nll, token_positions
 from evals.records import ConfigRecords, DocRecord
 from evals.stats import Thresholds

@@ -48,8 +48,8 @@ def test_prometheus_rules_parse():
 
 def test_prometheus_rules_are_written_from_the_metric_table():
     """The committed rules file is what `canary alert-rules` writes from evals/metrics.py, with one
-    seed-threshold rule per gated metric on the gauge app/metrics.py exports for it."""
-    from app.metrics import COMPARISON_GAUGES
+    seed-threshold rule per gated metric on the gauge app/prometheus.py exports for it."""
+    from app.prometheus import COMPARISON_GAUGES
     from app.prometheus_rules import render
     from evals.metrics import gated_metrics
 

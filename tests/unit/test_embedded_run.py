@@ -226,8 +226,8 @@ def test_a_compare_target_that_cannot_be_imported_names_its_row():
     from evals.metrics import Metric
 
     row = Metric("toy_missing", "x", "points", "below", "mean", "generation", "a toy", gated=False,
-                 compare="evals.compare_rows:no_such_function")
-    with pytest.raises(LookupError, match=r"metric toy_missing: compare target 'evals.compare_rows:no_such_function'"):
+                 compare="evals.compare_targets:no_such_function")
+    with pytest.raises(LookupError, match=r"metric toy_missing: compare target 'evals.compare_targets:no_such_function'"):
         row.compare_target()
 
 

@@ -174,7 +174,7 @@ def test_a_kv_fault_late_in_the_answers_shows_only_in_gen_nll_ratio_s_late_bucke
     baseline's and ok, the later ones critical (e.g. ×10 on this model)."""
     from dataclasses import replace
 
-    from evals.compare_rows import CompareContext, gen_nll_ratio
+    from evals.compare_targets import CompareContext, gen_nll_ratio
     from evals.records import ConfigRecords, GenerationRecord
     from evals.stats import Thresholds
     from workers.generation import BaselineScorer

@@ -93,7 +93,7 @@ def test_gen_nll_ratio_by_position_by_hand():
 
 
 def test_gen_nll_ratio_names_a_late_bucket_the_whole_ratio_averages_away():
-    from evals.compare_rows import CompareContext, gen_nll_ratio
+    from evals.compare_targets import CompareContext, gen_nll_ratio
     from evals.records import ConfigRecords
 
     # 12 prompts; the candidate's answers lose 1 nat per token past index 15 (4 of 20 tokens):

@@ -73,7 +73,7 @@ def test_documents_tokenized_differently_make_a_measurement_error_that_names_the
     """A candidate served by a server that adds no start token scores each document with one token
     fewer than an in-process baseline: no ratio is computed from such pairs, and the comparison
     says why and what to set, instead of the aggregation failing the run."""
-    from evals.compare_rows import CompareContext, ppl_ratio
+    from evals.compare_targets import CompareContext, ppl_ratio
     from evals.records import ConfigRecords
 
     def records(n_tokens: dict[str, int]) -> ConfigRecords:

@@ -76,7 +76,7 @@ def test_a_success_moves_the_heartbeat_and_the_channel_hears_each_change_once(sq
 
 
 def test_a_stale_schedule_is_a_metric_for_prometheus(sqlite_env):
-    from app.metrics import CanaryCollector
+    from app.prometheus import CanaryCollector
     from prometheus_client import CollectorRegistry, generate_latest
 
     _setup()

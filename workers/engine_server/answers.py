@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.protocol import SpeculativeStats
-from workers.engine_server.engine_thread import EngineServer, Job
+from workers.engine_server.engine_thread import EngineServer, ServeRequest
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import SamplingIn
 from workers.engine_server.stops import StopScanner
@@ -32,7 +32,7 @@ class Events:
     def __init__(self, http: Request | None):
         self.http, self.checked = http, time.monotonic()
 
-    async def next(self, job: Job) -> tuple:
+    async def next(self, job: ServeRequest) -> tuple:
         while True:
             if self.http is not None and time.monotonic() - self.checked >= 0.5:
                 self.checked = time.monotonic()
@@ -52,7 +52,8 @@ class Events:
 class _Answer:
     """The pieces of one answer: its id and object names, a choice's shape, the usage block."""
 
-    def __init__(self, server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
+    def __init__(self, server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None,
+                 chat: bool):
         self.server, self.jobs, self.body, self.http, self.chat = server, jobs, body, http, chat
         self.rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.request_id
         self.obj = "chat.completion" if chat else "text_completion"
@@ -168,7 +169,7 @@ class _Answer:
                 **self.per_request_metrics()}
 
 
-async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
+async def answer(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None, chat: bool):
     """The jobs' answer: streamed with `body.stream`, else whole; a refusal before any token is a
     400 either way (a stream's first event decides its status)."""
     reply = _Answer(server, jobs, body, http, chat)
@@ -188,7 +189,7 @@ async def answer(server: EngineServer, jobs: list[Job], body: SamplingIn, http: 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def timing_metrics(job: Job, n_generated: int) -> dict:
+def timing_metrics(job: ServeRequest, n_generated: int) -> dict:
     """A request's own timings as vLLM's build_per_request_timing_metrics gives them, in ms: TTFT
     from scheduling (the engine taking it from the queue) to its first token; the queue wait;
     the decode interval (first to last token) and its mean per gap; output tokens per second from

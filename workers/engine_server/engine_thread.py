@@ -9,7 +9,7 @@ not fit is refused whole with QueueFull, a 429), join the running batch between 
 while it has a free row (`max_num_seqs`; a request of many prompts takes turns with later ones,
 _take_fairly, where vLLM serves first come first served: their prompt is prefilled,
 then they take part in the next batched step) and leave it when they finish or their client goes
-(Job.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
+(ServeRequest.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
 step verifies every row's drafts in one pass and a row may gain several tokens at once, as in
 vLLM. An engine that cannot batch (a fault drill: batching.unbatchable) decodes one request at
 a time with engine.generate, as before."""
@@ -43,7 +43,7 @@ class Cancelled(Exception):
 
 
 @dataclass(eq=False)  # a job is itself: `in` and remove() on the queue compare identity
-class Job:
+class ServeRequest:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
@@ -68,7 +68,7 @@ class Job:
 class Running:
     """A job in a row of the batch."""
 
-    job: Job
+    job: ServeRequest
     seq: Sequence
     started: float  # when the engine took it from the queue
     sent: int = 0  # tokens emitted so far
@@ -102,25 +102,26 @@ class EngineServer:
         self.batch = ContinuousBatch(engine, max_num_seqs) if self.why_serial is None else None
         self.rows: dict[int, Running] = {}  # batch row → its job (engine thread only)
         self._lock = threading.Condition()  # guards the two queues
-        self._waiting: deque[Job] = deque()  # generation jobs not started yet
-        self._groups = itertools.count(1)  # a request's number (Job.group)
+        self._waiting: deque[ServeRequest] = deque()  # generation jobs not started yet
+        self._groups = itertools.count(1)  # a request's number (ServeRequest.group)
         self._served: dict[int, int] = {}  # request → its sequences started, while some still wait
-        self._scoring: deque[Job] = deque()  # echo jobs
+        self._scoring: deque[ServeRequest] = deque()  # echo jobs
         # set by request_stop (a signal handler: plain assignments, no lock taken there): the server
         # takes no new request, finishes those it holds, and fails what is left at the deadline
         self.draining = False
         self._stop_at: float | None = None
-        self._outbox: list[tuple[Job, tuple]] = []  # events of this step, sent together (_flush)
+        self._outbox: list[tuple[ServeRequest, tuple]] = []  # events of this step, sent together (_flush)
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine")
         self.thread.start()
 
     # -- submitting and cancelling (the routes' event loop) -----------------------------------------------
-    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None, top_k: int = 0) -> Job:
+    def submit(self, request: GenerationRequest | None, prompt_ids: list[int] | None = None,
+               top_k: int = 0) -> ServeRequest:
         if request is None:
             return self._enqueue([self._job(GenerationRequest("echo", ""), prompt_ids, top_k)], self._scoring)[0]
         return self.submit_all([request])[0]
 
-    def submit_all(self, requests: list[GenerationRequest], stream: bool = True) -> list[Job]:
+    def submit_all(self, requests: list[GenerationRequest], stream: bool = True) -> list[ServeRequest]:
         """Jobs for generation requests, queued together. QueueFull when they would take the waiting
         sequences past max_queue (a request is taken whole or not at all). stream:
         the route reads each token as it comes; else it gets the result alone."""
@@ -131,11 +132,11 @@ class EngineServer:
         return self._enqueue(jobs, self._waiting)
 
     def _job(self, request: GenerationRequest, prompt_ids: list[int] | None = None, top_k: int = 0,
-             stream: bool = True) -> Job:
-        return Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), prompt_ids, top_k,
-                   stream=stream)
+             stream: bool = True) -> ServeRequest:
+        return ServeRequest(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), prompt_ids,
+                            top_k, stream=stream)
 
-    def _enqueue(self, jobs: list[Job], into: deque[Job]) -> list[Job]:
+    def _enqueue(self, jobs: list[ServeRequest], into: deque[ServeRequest]) -> list[ServeRequest]:
         """Queue the jobs of one request whole, or none of them. The cap counts sequences (a job is
         one prompt's one choice), whichever requests they came in."""
         with self._lock:
@@ -151,7 +152,7 @@ class EngineServer:
             self._lock.notify()
         return jobs
 
-    def cancel(self, jobs: list[Job], reason: str = "abort") -> None:
+    def cancel(self, jobs: list[ServeRequest], reason: str = "abort") -> None:
         """Nobody reads these jobs any more: a queued one is dropped now, a running one leaves the
         batch before its next step (one-at-a-time: at its next token)."""
         with self._lock:
@@ -176,7 +177,7 @@ class EngineServer:
     def _past_deadline(self) -> bool:
         return self._stop_at is not None and time.monotonic() >= self._stop_at
 
-    def _done_draining(self, taken: list[Job]) -> bool:
+    def _done_draining(self, taken: list[ServeRequest]) -> bool:
         """Whether the engine thread stops now: past the drain deadline, or draining with no job
         left (`taken`: those just taken from the queues)."""
         if self._stop_at is None:
@@ -200,7 +201,7 @@ class EngineServer:
             if self.rows:
                 self._step()
 
-    def _next_jobs(self) -> tuple[list[Job], list[Job]]:
+    def _next_jobs(self) -> tuple[list[ServeRequest], list[ServeRequest]]:
         """Every echo job queued, and as many generation jobs as the batch has free rows; waits
         while there is nothing to do (polling so that a stop request is noticed)."""
         with self._lock:
@@ -208,13 +209,13 @@ class EngineServer:
                 self._lock.wait(0.2)
             scoring = list(self._scoring)
             self._scoring.clear()
-            starting: list[Job] = []
+            starting: list[ServeRequest] = []
             while self._waiting and len(self.rows) + len(starting) < self.max_num_seqs:
                 starting.append(self._take_fairly(starting))
             self._gauge_waiting()
         return scoring, starting
 
-    def _take_fairly(self, starting: list[Job]) -> Job:
+    def _take_fairly(self, starting: list[ServeRequest]) -> ServeRequest:
         """The next waiting job to start: the oldest of the request that holds the fewest rows and,
         among those, has started the fewest of its sequences. A request of many prompts or
         choices takes turns with those that came after it instead of keeping them out of the
@@ -231,7 +232,7 @@ class EngineServer:
             self._served.pop(pick.group, None)  # its last sequence: nothing left to count
         return pick
 
-    def _guarded(self, job: Job, run) -> None:
+    def _guarded(self, job: ServeRequest, run) -> None:
         """run(job, started), its refusal or failure sent to the job's route; the server stays up."""
         started = job.started = time.perf_counter()
         self.metrics.queue_time.observe(started - job.arrived)
@@ -249,7 +250,7 @@ class EngineServer:
                 self.metrics.kv_usage.set(0)
             self._flush()
 
-    def _score(self, job: Job, started: float) -> None:
+    def _score(self, job: ServeRequest, started: float) -> None:
         metrics = self.metrics
         assert job.prompt_ids is not None
         scores = self.engine.prompt_logprobs(job.prompt_ids, job.top_k)
@@ -259,7 +260,7 @@ class EngineServer:
         self._finished(job, started, started_decode=time.perf_counter(), n_prompt=n, n_generated=0, reason="length")
         self._emit(job, ("scored", scores))
 
-    def _start(self, job: Job, started: float) -> None:
+    def _start(self, job: ServeRequest, started: float) -> None:
         if job.cancelled.is_set():  # its client left between the queue and here
             self.metrics.request_success[job.stop_reason].inc()
             return
@@ -318,7 +319,7 @@ class EngineServer:
         if job.stream:
             self._emit(job, ("tokens", new))
 
-    def _observe(self, job: Job, now: float, n_new: int, prefill_tokens: int) -> None:
+    def _observe(self, job: ServeRequest, now: float, n_new: int, prefill_tokens: int) -> None:
         """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens),
         the gap since its last delivery after."""
         metrics = self.metrics
@@ -354,7 +355,7 @@ class EngineServer:
         assert self.batch is not None
         return min(1.0, self.batch.held() / (self.max_num_seqs * self.max_model_len))
 
-    def _shutdown(self, taken: list[Job]) -> None:
+    def _shutdown(self, taken: list[ServeRequest]) -> None:
         """Fail every job still queued or running (their routes answer at once) and stop."""
         with self._lock:
             jobs = [*taken, *self._waiting, *self._scoring, *(r.job for r in self.rows.values())]
@@ -365,7 +366,7 @@ class EngineServer:
         self._flush()
 
     # -- one request at a time (engines that cannot batch) ------------------------------------------------
-    def _generate(self, job: Job, started: float, n_prompt: int) -> None:
+    def _generate(self, job: ServeRequest, started: float, n_prompt: int) -> None:
         metrics = self.metrics
         held = [n_prompt]  # tokens in the KV cache
 
@@ -404,7 +405,7 @@ class EngineServer:
         for pos, accepted in enumerate(step.accepted_per_position):
             metrics.accepted_at(pos).inc(accepted)
 
-    def _finished(self, job: Job, started: float, started_decode: float, n_prompt: int, n_generated: int,
+    def _finished(self, job: ServeRequest, started: float, started_decode: float, n_prompt: int, n_generated: int,
                   reason: str) -> None:
         """A request's phases as vLLM splits them: queued (arrival → the engine takes it), prefill
         (→ first token), decode (→ done), inference (prefill + decode), end to end."""
@@ -418,13 +419,13 @@ class EngineServer:
         metrics.inference_time.observe(now - started)
         metrics.e2e.observe(now - job.arrived)
 
-    def _emit(self, job: Job, event) -> None:
+    def _emit(self, job: ServeRequest, event) -> None:
         self._outbox.append((job, event))
 
     def _flush(self) -> None:
         """Send the events emitted since the last flush: one wake-up of each event loop per step,
         not one per row (a thread-safe call writes to the loop's wake-up pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ServeRequest, tuple]]] = {}
         for job, event in self._outbox:
             by_loop.setdefault(job.loop, []).append((job, event))
         self._outbox = []
@@ -448,6 +449,6 @@ class EngineServer:
         return [self.engine.tokenizer.decode([i]) for i in ids]
 
 
-def _put_all(items: list[tuple[Job, tuple]]) -> None:
+def _put_all(items: list[tuple[ServeRequest, tuple]]) -> None:
     for job, event in items:
         job.events.put_nowait(event)

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.protocol import GenerationRequest
 from workers.engine_server.answers import ClientGone, Events, answer, text_offsets
-from workers.engine_server.engine_thread import EngineServer, Job, QueueFull, ShuttingDown
+from workers.engine_server.engine_thread import EngineServer, QueueFull, ServeRequest, ShuttingDown
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 
@@ -125,7 +125,7 @@ async def chat(body: ChatIn, server: ServerDep, http: Request):
 
 
 def submit_choices(server: EngineServer, requests: list[GenerationRequest],
-                   body: SamplingIn) -> list[Job] | JSONResponse:
+                   body: SamplingIn) -> list[ServeRequest] | JSONResponse:
     """`n` choices of each request, each its own engine job, in OpenAI's order (prompt by prompt,
     each prompt's choices together); choice i samples with seed + i. A full queue: a 429."""
     n = body.n or 1
@@ -285,7 +285,7 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def respond(server: EngineServer, jobs: list[Job], body: SamplingIn, http: Request | None, chat: bool):
+async def respond(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None, chat: bool):
     """The `n` generations as one response, or as server-sent events with `stream` (the choices one
     after another, each chunk naming its index), cut at `stop` / `stop_token_ids` (stops.py). Once
     nobody will read a job (the client left, the response failed, or its stop string was reached)
