@@ -5,7 +5,7 @@ refuses, ("error", message) for anything else.
 
 Continuous batching (engines/reference/batching.py), as vLLM schedules: generation requests wait
 in a bounded queue (`max_queue` sequences, whichever requests they came in; a request that does
-not fit is refused whole with QueueFull, a 429), join the running batch between decode steps
+not fit is refused whole with ServeQueueFull, a 429), join the running batch between decode steps
 while it has a free row (`max_num_seqs`; a request of many prompts takes turns with later ones,
 _take_fairly, where vLLM serves first come first served: their prompt is prefilled,
 then they take part in the next batched step) and leave it when they finish or their client goes
@@ -30,7 +30,7 @@ from workers.engine_server.metrics import ServeMetrics
 SHUTTING_DOWN = "the server is shutting down"
 
 
-class QueueFull(Exception):
+class ServeQueueFull(Exception):
     """The waiting queue cannot take a request's sequences within max_queue: the route answers 429."""
 
 
@@ -122,7 +122,7 @@ class EngineServer:
         return self.submit_all([request])[0]
 
     def submit_all(self, requests: list[GenerationRequest], stream: bool = True) -> list[ServeRequest]:
-        """Jobs for generation requests, queued together. QueueFull when they would take the waiting
+        """Jobs for generation requests, queued together. ServeQueueFull when they would take the waiting
         sequences past max_queue (a request is taken whole or not at all). stream:
         the route reads each token as it comes; else it gets the result alone."""
         jobs = [self._job(r, stream=stream) for r in requests]
@@ -143,7 +143,7 @@ class EngineServer:
             if self.draining:
                 raise ShuttingDown(SHUTTING_DOWN)
             if into is self._waiting and len(self._waiting) + len(jobs) > self.max_queue:
-                raise QueueFull(f"The server's queue is full: {len(self._waiting)} sequences wait and this request "
+                raise ServeQueueFull(f"The server's queue is full: {len(self._waiting)} sequences wait and this request "
                                 f"brings {len(jobs)} (--max-queue {self.max_queue}) beyond the {self.max_num_seqs} "
                                 f"being decoded (--max-num-seqs {self.max_num_seqs}). Retry later, or start the "
                                 f"server with a larger --max-queue.")

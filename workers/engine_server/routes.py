@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.protocol import GenerationRequest
 from workers.engine_server.answers import ClientGone, Events, answer, text_offsets
-from workers.engine_server.engine_thread import EngineServer, QueueFull, ServeRequest, ShuttingDown
+from workers.engine_server.engine_thread import EngineServer, ServeQueueFull, ServeRequest, ShuttingDown
 from workers.engine_server.errors import error
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 
@@ -136,7 +136,7 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
                for request in requests for i in range(n)]
     try:
         jobs = server.submit_all(choices, stream=bool(body.stream))
-    except QueueFull as e:
+    except ServeQueueFull as e:
         return error(429, str(e), "RateLimitError")
     except ShuttingDown as e:
         return error(503, str(e), "ServiceUnavailableError")
