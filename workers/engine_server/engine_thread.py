@@ -143,10 +143,11 @@ class EngineServer:
             if self.draining:
                 raise ShuttingDown(SHUTTING_DOWN)
             if into is self._waiting and len(self._waiting) + len(jobs) > self.max_queue:
-                raise ServeQueueFull(f"The server's queue is full: {len(self._waiting)} sequences wait and this request "
-                                f"brings {len(jobs)} (--max-queue {self.max_queue}) beyond the {self.max_num_seqs} "
-                                f"being decoded (--max-num-seqs {self.max_num_seqs}). Retry later, or start the "
-                                f"server with a larger --max-queue.")
+                raise ServeQueueFull(
+                    f"The server's queue is full: {len(self._waiting)} sequences wait and this request brings "
+                    f"{len(jobs)} (--max-queue {self.max_queue}) beyond the {self.max_num_seqs} being decoded "
+                    f"(--max-num-seqs {self.max_num_seqs}). Retry later, or start the server with a larger "
+                    f"--max-queue.")
             into.extend(jobs)
             self._gauge_waiting()
             self._lock.notify()
