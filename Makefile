@@ -94,7 +94,7 @@ check: $(VENV)/.installed
 # The quick tier while developing: `make check`, then every test not marked `integration` (no PostgreSQL,
 # Redis, server or worker processes, browser, or long model work; tests/conftest.py "test tiers")
 test-fast: check
-	$(PY) -m pytest -m "not integration"
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 # GGUF configs against a real llama.cpp (llama_cpp.server): .ci/run runs it after `make test`
 test-interop: $(VENV)/.interop $(LLAMA_TOOLS)/bin/llama-perplexity
