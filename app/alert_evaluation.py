@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempotency_key, should_notify
-from app.channels import AlertMessage, build
+from app.channels import AlertMessage, build, build_group
 from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
 from app.schemas import ComparisonOut
 from app.settings import get_settings
@@ -80,6 +80,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     firing = [st for _, st, _, _ in touched if st.state == "firing"]
     notification_ids = []
     settings = get_settings()
+    # per channel and kind (firing, resolved): the alerts this run announces there, grouped below
+    outgoing: dict[tuple[int, str], list[tuple[Alert, str, AlertMessage]]] = {}
     for row, st, transition, comparison in touched:
         for channel in channels:
             kind = should_notify(st, transition, now, send_resolved=(channel.settings or {}).get("send_resolved", True),
@@ -99,8 +101,22 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                                if st.labels["config"] in verdicts and kind == "firing" else {})},
                                starts_at=st.fired_at or st.started_at or now,
                                ends_at=st.resolved_at if kind == "resolved" else alertmanager_ends_at(channel, now))
-            notification = repo.queue_notification(session, channel.id, key, build(channel.kind, msg), row.id)
-            notification_ids.append(notification.id)
+            outgoing.setdefault((channel.id, kind), []).append((row, key, msg))
+    by_id = {channel.id: channel for channel in channels}
+    for (channel_id, _kind), items in outgoing.items():
+        channel = by_id[channel_id]
+        if channel.kind == "alertmanager" or len(items) == 1:
+            # Alertmanager groups alerts itself (and the refresher re-sends each one's own body)
+            for row, key, msg in items:
+                notification_ids.append(repo.queue_notification(session, channel.id, key, build(channel.kind, msg),
+                                                                row.id).id)
+        else:  # one message per run and channel: an alert storm is one message, every alert inside
+            key = hashlib.sha256("|".join(sorted(key for _, key, _ in items)).encode()).hexdigest()[:40]
+            if session.scalar(select(Notification.id).where(Notification.idempotency_key == key)) is None:
+                payload = build_group(channel.kind, [msg for _, _, msg in items])
+                notification_ids.append(repo.queue_notification(session, channel.id, key, payload,
+                                                                items[0][0].id).id)
+        for row, _, _ in items:
             row.last_notified_at = now
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
 

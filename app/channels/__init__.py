@@ -3,9 +3,10 @@ receiver expects (docs/reference.md §9). Delivery, retries and pacing live in a
 
 from __future__ import annotations
 
+import hashlib
 import html
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from types import ModuleType
 from typing import Literal, get_args
@@ -48,6 +49,9 @@ class AlertMessage:
             what = "succeeds again" if self.status == "resolved" else "has not succeeded for over a period"
             return (f"[{state}] CanaryStale: schedule '{labels.get('config')}' of project '{labels.get('project')}' "
                     f"{what}")
+        if labels.get("alertname") == GROUP:  # several alerts of one run (grouped)
+            return (f"[{state}] {labels.get('alerts')} alerts of run {self.run_id} on {labels.get('model')} "
+                    f"({labels.get('project')}): {labels.get('config')}")
         return (f"[{state}] {labels.get('config')} {labels.get('metric')} on {labels.get('model')} "
                 f"({labels.get('project')})")
 
@@ -96,3 +100,28 @@ def module(kind: str) -> ModuleType:
 
 def build(kind: str, msg: AlertMessage) -> dict | list:
     return module(kind).payload(msg)
+
+
+GROUP = "CanaryRun"  # the alertname of one message that carries several alerts of a run
+
+
+def grouped(msgs: list[AlertMessage]) -> AlertMessage:
+    """One message for several alerts of one run on one channel (an alert storm is one message,
+    not one per config and metric): the worst severity in its headline, every config named, and
+    each alert's own headline and detail, worst first, as its description."""
+    order = sorted(msgs, key=lambda m: (m.status != "firing", m.severity != "critical", m.labels.get("config", "")))
+    first = order[0]
+    configs = list(dict.fromkeys(m.labels.get("config", "") for m in order))
+    labels = {"alertname": GROUP, "project": first.labels.get("project", ""), "model": first.labels.get("model", ""),
+              "config": ", ".join(configs), "alerts": str(len(msgs)), "severity": first.severity}
+    description = "\n".join(f"{m.headline()}: {m.detail()}" for m in order)
+    fingerprint = hashlib.sha256("|".join(sorted(m.fingerprint for m in msgs)).encode()).hexdigest()[:16]
+    return replace(first, labels=labels, fingerprint=fingerprint, annotations={"description": description},
+                   starts_at=min(m.starts_at for m in msgs))
+
+
+def build_group(kind: str, msgs: list[AlertMessage]) -> dict | list:
+    """The body of one message carrying several alerts of a run: the kind's own group_payload where
+    it has one (the webhook: every alert in Alertmanager's list), else its payload of `grouped`."""
+    mod = module(kind)
+    return mod.group_payload(msgs) if hasattr(mod, "group_payload") else mod.payload(grouped(msgs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from app.channels import AlertMessage
+from app.channels import AlertMessage, grouped
 
 PACE_PER_SECOND = 10.0
 SIGNATURE_HEADER = "X-Canary-Signature"
@@ -37,6 +37,25 @@ def payload(msg: AlertMessage) -> dict:
         "commonAnnotations": {"summary": msg.headline()},
         "externalURL": msg.dashboard_url,
         "alerts": [alert_entry(msg)],
+    }
+
+
+def group_payload(msgs: list[AlertMessage]) -> dict:
+    """Several alerts of one run in one body, as Alertmanager groups them: grouped by run, the
+    labels every alert shares as commonLabels, each alert its own entry."""
+    head = grouped(msgs)
+    common = dict(set.intersection(*(set(m.labels.items()) for m in msgs)))
+    return {
+        "version": "4",
+        "groupKey": f"{{}}:{{run=\"{head.run_id}\"}}",
+        "truncatedAlerts": 0,
+        "status": "firing" if any(m.status == "firing" for m in msgs) else "resolved",
+        "receiver": "inference-canary",
+        "groupLabels": {"run": str(head.run_id)},
+        "commonLabels": common,
+        "commonAnnotations": {"summary": head.headline()},
+        "externalURL": head.dashboard_url,
+        "alerts": [alert_entry(m) for m in msgs],
     }
 
 

@@ -101,3 +101,30 @@ def test_regression_to_chat_once_escalates_once_and_resolves(sqlite_env, receive
     assert "verdict" not in bodies[1]["alerts"][0]["annotations"]  # a resolved alert carries no verdict line
     with session_scope() as s:
         assert {a.state for a in s.scalars(select(Alert))} == {"resolved"}
+
+
+def test_an_alert_storm_is_one_message_per_run_and_chat_channel(sqlite_env, receiver, tmp_path):
+    """Security round 4, N8: three configs regress in one run. The webhook and Slack channels each
+    get one message with every alert inside; Alertmanager, which groups alerts itself, gets each
+    alert on its own (its refresher re-sends each one's body)."""
+    config = cfg(receiver.url + "/hook", small_corpus(tmp_path))
+    config["configs"] += [{"name": "cand-b", "engine": "reference", "weights": "rtn-int2"},
+                          {"name": "cand-c", "engine": "reference", "weights": "rtn-int2"}]
+    config["channels"] += [{"name": "chat", "kind": "slack", "url": receiver.url + "/slack"},
+                           {"name": "am", "kind": "alertmanager", "url": receiver.url + "/am"}]
+    with session_scope() as s:
+        apply_config_file(s, parse_config(config))
+    run_id, _ = start_run("p", "s", None, InlineDispatcher())
+    by_path: dict[str, list] = {}
+    for request in receiver.delivered():
+        by_path.setdefault(request["path"], []).append(json.loads(request["body"]))
+    assert len(by_path["/hook"]) == 1 and len(by_path["/slack"]) == 1
+    hook = by_path["/hook"][0]
+    assert sorted(a["labels"]["config"] for a in hook["alerts"]) == ["cand", "cand-b", "cand-c"]
+    assert {a["labels"]["severity"] for a in hook["alerts"]} == {"critical"}  # the warn ones are inhibited
+    assert hook["commonLabels"] == {"project": "p", "model": "tiny", "metric": "ppl_ratio", "severity": "critical"}
+    assert hook["groupLabels"] == {"run": str(run_id)}
+    slack = by_path["/slack"][0]
+    assert f"3 alerts of run {run_id}" in slack["text"] and "cand, cand-b, cand-c" in slack["text"]
+    assert slack["text"].count("FIRING critical") == 4  # the headline, then each alert's own
+    assert len(by_path["/am/api/v2/alerts"]) == 3 and all(len(body) == 1 for body in by_path["/am/api/v2/alerts"])
