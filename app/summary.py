@@ -3,16 +3,19 @@ one line each, worst first. The run's stored reason lists every breaching compar
 (`verdict_reason`, kept for --json, --wide and the run page); this is what a person reads first:
 the CLI after its table, the dashboard's banners, the gate's pull-request comment.
 
-Groups, in this order:
+Groups, in this order; every candidate is in exactly one:
     drop or fix                a quality metric is critical (or its figure cannot be right)
     watch                      a quality metric is warn
     slower than the baseline   only a speed metric (evals/metrics.py `aspect`) breaches
     undecided                  nothing breaches, but a gated comparison is inconclusive
+    ship                       every gated comparison is ok
 A config's line names its worst quality finding and its worst speed finding (metric, change vs
-the baseline with its 95% CI, verdict) and the step-back advice of a stacked config. Within a
-group, the config whose worst finding lies furthest past its threshold comes first (`severity`),
-then the one with more critical findings. At most
-`max_lines` lines in all (group headings included), the last saying how many configs are left out.
+the baseline with its 95% CI, verdict) and the step-back advice of a stacked config; an
+undecided one says at how many samples it stands and how many would decide it. Within a group,
+the config whose worst finding lies furthest past its threshold comes first (`severity`), then
+the one with more critical findings. The breaching groups take at most `max_lines` lines (group
+headings included), the last saying how many configs are left out; the undecided configs are
+never cut, and the ship group is one line naming every config in it.
 
 The run summary's comparisons (ComparisonOut) and step-back findings (StepBackOut) in, the
 summary's models out (app/schemas.py: VerdictSummaryOut, TradeOffPointOut); no torch.
@@ -35,7 +38,8 @@ from app.schemas import (
 )
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
 
-GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided")
+GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided", "ship")
+BREACHING = GROUPS[:3]  # what the line cap applies to
 MAX_LINES = 12
 
 
@@ -64,7 +68,7 @@ def _to_decide(c: ComparisonOut) -> str:
     if found:
         return f" (about {found.group(1) or found.group(2)} samples would decide it)"
     min_n = METRICS[c.metric].min_n
-    return f" (n={c.n} < min_n {min_n})" if c.n < min_n else ""
+    return f" (below min_n {min_n})" if c.n < min_n else ""
 
 
 def severity(c: ComparisonOut) -> float:
@@ -86,7 +90,10 @@ def severity(c: ComparisonOut) -> float:
 
 
 def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None) -> SummaryLineOut | None:
-    """The summary line of one candidate from its judged comparisons, or None when every one is ok."""
+    """The summary line of one candidate from its judged comparisons (the ship group's when every
+    one is ok; None when it has none at all)."""
+    if not rows:
+        return None
     quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
     speed = [c for c in rows if METRICS[c.metric].aspect == "speed" and c.verdict != "ok"]
     breach = ("warn", "critical", "measurement_error")
@@ -100,13 +107,13 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
     elif q is not None or s is not None:
         group = "undecided"
     else:
-        return None
-    shown = [finding(x) + (_to_decide(x) if group == "undecided" else "")
+        group = "ship"
+    shown = [finding(x) + (f" at n={x.n}{_to_decide(x)}" if group == "undecided" else "")
              for x in (q, s) if x is not None and (x.verdict in breach or group == "undecided")]
     findings = "; ".join(shown)
-    text = f"{config}: {findings}" + (f" — step back: {advice}" if advice else "")
+    text = (f"{config}: {findings}" if findings else config) + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c.verdict == v for c in rows) for v in ("critical", "warn")}
-    worst = q if group in ("drop or fix", "watch") else s
+    worst = q if group in ("drop or fix", "watch") else s if group == "slower than the baseline" else q or s
     return SummaryLineOut(config=config, group=group, text=text, findings=findings,
                           severity=severity(worst) if worst is not None else 0.0,
                           critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
@@ -131,12 +138,17 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
     groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
-    text = _render(groups, len(lines), max_lines)
+    breaching = {g: rows for g, rows in groups.items() if g in BREACHING}
+    text = _render(breaching, sum(len(rows) for rows in breaching.values()), max_lines)
     shown = sum(line.startswith("  ") for line in text)
-    more = len(lines) - shown
+    more = sum(len(rows) for rows in breaching.values()) - shown
     if more:
         plural = "s" if more != 1 else ""
         text.append(f"… and {more} more config{plural} (every finding: --wide, --json or the run page)")
+    if "undecided" in groups:  # never cut: each says what would decide it
+        text += _render({"undecided": groups["undecided"]}, len(groups["undecided"]), len(groups["undecided"]) + 1)
+    if "ship" in groups:
+        text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,
                              counts={g: len(rows) for g, rows in groups.items()})
 

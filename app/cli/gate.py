@@ -79,7 +79,11 @@ def gate(
             else:
                 _log(f"the run's report could not be read (HTTP {response.status_code}): {_detail(response)}")
     _gate_out(gate, summary_md, as_json, step_summary=True)
-    raise typer.Exit({"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]])
+    code = {"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]]
+    # the decision itself, last, whatever the verdict's name: what the pipeline does next
+    _log("no verdict yet (--no-wait): exit 0" if gate["verdict"] is None
+         else f"deploy {'allowed' if code == 0 else 'blocked'}: {gate['verdict']} (exit {code})")
+    raise typer.Exit(code)
 
 
 def _start(http, url: str, body: dict, api: str, retry_for: float, error_exit_code: int,

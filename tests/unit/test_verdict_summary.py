@@ -47,10 +47,11 @@ def test_each_config_gets_one_line_in_its_group_worst_first():
         "slower than the baseline (1):",
         "  fp8-kv: TPOT ratio +60.00% [+55.00, +70.00] critical",
         "undecided (1):",
-        "  kivi: ppl ratio +10.00% [+0.00, +20.00] inconclusive (about 80 samples would decide it)",
+        "  kivi: ppl ratio +10.00% [+0.00, +20.00] inconclusive at n=20 (about 80 samples would decide it)",
+        "ship (1): int8",
     ]
     assert summary.more == 0
-    assert summary.counts == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1}
+    assert summary.counts == {"drop or fix": 2, "watch": 1, "slower than the baseline": 1, "undecided": 1, "ship": 1}
     assert [round(line.severity, 2) for line in summary.groups["drop or fix"]] == [1.55, 0.22]
     int2 = summary.groups["drop or fix"][1]
     assert (int2.critical, int2.warn, int2.quality.metric, int2.speed.metric) == (2, 1, "ppl_ratio",
@@ -72,8 +73,29 @@ def test_fifteen_breaching_configs_fit_twelve_lines_with_a_count_of_the_rest():
     assert len(lines) == 11 and "watch (6):" not in lines and lines[-1].startswith("… and 6 more configs")
 
 
-def test_nothing_breaching_gives_no_line_and_a_measurement_error_is_to_fix():
-    assert verdict_summary([row("int8", "ppl_ratio", 1.0, 0.99, 1.01, "ok")]).lines == []
+def test_nothing_breaching_is_ship_and_a_measurement_error_is_to_fix():
+    assert verdict_summary([row("int8", "ppl_ratio", 1.0, 0.99, 1.01, "ok")]).lines == ["ship (1): int8"]
+    assert verdict_summary([]).lines == []
     broken = verdict_summary([row("x", "ppl_ratio", None, None, None, "measurement_error")])
     assert broken.lines == ["drop or fix (1):", "  x: ppl ratio measurement_error"]
     assert finding(row("x", "empty_answers", 0.25, 0.1, 0.4, "critical")) == "empty 25.0% [10.0, 40.0] critical"
+
+
+def test_the_cap_never_cuts_the_undecided_and_every_candidate_has_one_group():
+    # 15 critical configs fill the cap (a heading, 10 lines, the count of 5 more); the 2 undecided
+    # ones still show, each with its n and what decides it, and the 3 that are fine in one ship line
+    rows = [row(f"c{i:02d}", "ppl_ratio", 1.5, 1.4, 1.6, "critical") for i in range(15)]
+    rows += [row("u1", "ppl_ratio", 1.1, 1.0, 1.2, "inconclusive", n=12, rule="… (about 48 at this effect)"),
+             row("u2", "ttft_ratio", 1.1, 0.9, 1.4, "inconclusive", n=3)]
+    rows += [row(name, "ppl_ratio", 1.0, 0.99, 1.01, "ok") for name in ("s1", "s2", "s3")]
+    summary = verdict_summary(rows)
+    assert summary.lines[:12][-1].startswith("… and 5 more configs")
+    assert summary.lines[12:] == [
+        # the one nearer its critical threshold first: log 1.1 / log 1.3 = 0.36 against log 1.1 / log 1.5 = 0.24
+        "undecided (2):",
+        "  u1: ppl ratio +10.00% [+0.00, +20.00] inconclusive at n=12 (about 48 samples would decide it)",
+        "  u2: TTFT ratio +10.00% [-10.00, +40.00] inconclusive at n=3 (below min_n 10)",
+        "ship (3): s1, s2, s3",
+    ]
+    every = [line.config for lines in summary.groups.values() for line in lines]
+    assert sorted(every) == sorted({r.config for r in rows}) and len(every) == len(set(every))
