@@ -15,7 +15,7 @@ from app import repo
 from app.config_file import parse_config
 from app.db import session_scope
 from app.models import ConfigRun, Gate, Run, SampleResult
-from app.services import apply_config_file, start_run
+from app.services import apply_config_file, cancel_run, start_run
 from sqlalchemy import func, select
 
 from tests.conftest import ROOT
@@ -39,7 +39,7 @@ def test_cancel_stops_the_run_fences_its_worker_and_keeps_nothing_half_written(s
         s.add(Gate(project_id=s.get(Run, run_id).project_id, run_id=run_id, candidate="int8", baseline="fp16",
                    idempotency_key="k"))
     with session_scope() as s:
-        run = repo.cancel_run(s, repo.get_project(s, "p"), run_id, "ana")
+        run = cancel_run(s, repo.get_project(s, "p"), run_id, "ana")  # app/services: the gate decides too
         assert (run.status, run.verdict) == ("cancelled", "error") and run.verdict_reason.startswith("cancelled by ana")
     with session_scope() as s:
         assert [cr.status for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))] == ["cancelled"] * 2
@@ -48,7 +48,7 @@ def test_cancel_stops_the_run_fences_its_worker_and_keeps_nothing_half_written(s
         assert repo.claim_config_run(s, fp16.id, "gpu-b", 60, 3) is None  # and nobody takes the other
         assert s.scalar(select(Gate.verdict).where(Gate.run_id == run_id)) == "error"
     with session_scope() as s, pytest.raises(repo.Conflict, match=f"run {run_id} is cancelled: only a queued or running"):
-        repo.cancel_run(s, repo.get_project(s, "p"), run_id, "ana")
+        cancel_run(s, repo.get_project(s, "p"), run_id, "ana")
 
 
 def test_the_cli_cancels_through_a_pipe_and_refuses_an_ended_run_in_one_line(sqlite_env):
