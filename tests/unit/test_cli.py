@@ -142,10 +142,16 @@ def test_demo_json_covers_every_config(run_cli):
     ratios = {c["config"] for c in out["comparisons"] if c["metric"] == "ppl_ratio"}
     assert ratios == set(names) - {"fp16"}
     assert out["verdict"] == "fail"  # the demo's 12 documents (seed 0): int2 weights cost ≈ 6 % perplexity
-    # the verdict for people (docs/service.md): at most 12 lines at 15 configs, every critical config named
-    # with its worst figure; no stray progress bar from a model load on stderr
+    # the verdict for people (docs/service.md): the breaching groups in at most 12 lines at 15 configs,
+    # every critical config named with its worst figure, then every undecided config (never cut) and
+    # the ship line; each of the 14 candidates in exactly one group; no stray progress bar on stderr
     lines = out["summary"]["lines"]
-    assert len(lines) <= 12 and lines[0].startswith("drop or fix ("), lines
+    tail = next((i for i, line in enumerate(lines) if line.startswith(("undecided (", "ship ("))), len(lines))
+    assert tail <= 12 and lines[0].startswith("drop or fix ("), lines
+    for line in out["summary"]["groups"].get("undecided", []):
+        assert f"  {line['text']}" in lines[tail:], (line, lines)
+    grouped = [line["config"] for group in out["summary"]["groups"].values() for line in group]
+    assert sorted(grouped) == sorted(set(names) - {"fp16"})
     critical = {c["config"] for c in out["comparisons"] if c["verdict"] == "critical"
                 and c["gated"] and c["metric"] != "exact_match"}
     for line in out["summary"]["groups"]["drop or fix"]:
