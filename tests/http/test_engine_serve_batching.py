@@ -240,10 +240,10 @@ def test_a_request_whose_client_times_out_unstreamed_is_dropped_too(server):
     assert running_and_generated(server)[1] - before < 600
 
 
-def stream_in_thread(base: str, body: dict, out: list) -> threading.Thread:
+def stream_in_thread(base: str, body: dict, out: list, headers: dict | None = None) -> threading.Thread:
     def run() -> None:
         try:
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=60) as r:
                 out.append((r.status_code, [line for line in r.iter_lines() if line]))
         except httpx.HTTPError as e:
             out.append((None, [repr(e)]))

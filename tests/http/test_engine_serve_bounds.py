@@ -57,6 +57,10 @@ def test_a_request_bigger_than_the_queue_is_a_400_naming_n(server):
     assert refused.value.body["param"] == "prompt"
 
 
+def stream_in_thread_with_key(base: str, body: dict, out: list) -> threading.Thread:
+    return stream_in_thread(base, body, out, headers=AUTH)
+
+
 def test_the_queue_counts_sequences_across_requests(server):
     # one request decodes (--max-num-seqs 1); a 3-prompt request waits (3 of --max-queue 4); a
     # 2-prompt request would make 5: a 429 (before: admitted, the cap counted only requests waiting);
@@ -77,19 +81,6 @@ def test_the_queue_counts_sequences_across_requests(server):
     for t in threads:
         t.join(60)
     assert [status for status, _ in outs] == [200, 200], outs
-
-
-def stream_in_thread_with_key(base: str, body: dict, out: list) -> threading.Thread:
-    def run() -> None:
-        try:
-            with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
-                out.append((r.status_code, [line for line in r.iter_lines() if line]))
-        except httpx.HTTPError as e:
-            out.append((None, [repr(e)]))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
 
 
 def test_log_probs_past_the_bound_are_a_400_before_any_work(server):
