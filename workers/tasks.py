@@ -72,17 +72,16 @@ class Reconcile(BaseTask):
         cutoff = utcnow() - timedelta(seconds=settings.requeue_after_seconds)
         held = held_args(settings.broker_url, EXECUTE_CONFIG_RUN) if settings.execution_mode == "celery" else None
         with self.session() as session:
-            stale = {config_run.id: stored_priority(config_run.priority, config_run.run.trigger)
-                     for config_run in repo.stale_config_runs(session, cutoff)
-                     # a queued one whose message waits in the broker is not lost; a running one
-                     # whose lease expired is re-sent whatever the broker holds (its worker died)
-                     if not (held is not None and config_run.status == "queued" and config_run.id in held.all)}
+            # a queued one whose message waits in the broker is not lost; a running one whose
+            # lease expired is re-sent whatever the broker holds (its worker died)
+            rows = [config_run for config_run in repo.stale_config_runs(session, cutoff)
+                    if not (held is not None and config_run.status == "queued" and config_run.id in held.all)]
+            stale = {config_run.id: stored_priority(config_run.priority, config_run.run.trigger) for config_run in rows}
             if held is not None and stale:
                 # a waiting message whose config-run is no longer queued is a turn for another one
                 # (repo.fair_pick ran that one in another's place): as many of the unheld are not lost
                 spare = len(held.waiting - set(repo.queued_ids(session, held.waiting)))
-                queued = sorted(i for i in stale if i not in repo.running_ids(session, list(stale)))
-                for config_run_id in queued[:spare]:
+                for config_run_id in sorted(cr.id for cr in rows if cr.status == "queued")[:spare]:
                     del stale[config_run_id]
             config_run_ids = list(stale)
             repo.mark_enqueued(session, config_run_ids)

@@ -247,13 +247,6 @@ def queued_ids(session: Session, ids: Iterable[int]) -> list[int]:
         if ids else []
 
 
-def running_ids(session: Session, ids: Iterable[int]) -> list[int]:
-    """Those of `ids` whose config-run is running (with an expired lease, when the reconciler asks)."""
-    ids = list(ids)
-    return list(session.scalars(select(ConfigRun.id).where(ConfigRun.id.in_(ids), ConfigRun.status == "running"))) \
-        if ids else []
-
-
 def mark_enqueued(session: Session, config_run_ids: Sequence[int]) -> None:
     if config_run_ids:
         session.execute(update(ConfigRun).where(ConfigRun.id.in_(list(config_run_ids))).values(enqueued_at=utcnow()))
