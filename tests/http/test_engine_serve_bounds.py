@@ -96,6 +96,10 @@ def test_log_probs_past_the_bound_are_a_400_before_any_work(server):
         client(server).completions.create(model=MODEL, prompt=["a", "b"], logprobs=5, max_tokens=200,
                                           temperature=0)
     assert refused.value.body["param"] == "logprobs" and "2400" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:  # chat names the field top_logprobs: 400 × (1 + 5) = 2400
+        client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               logprobs=True, top_logprobs=5, max_tokens=400)
+    assert refused.value.body["param"] == "top_logprobs" and "2400" in refused.value.body["message"]
 
 
 def test_a_body_past_its_bound_is_refused_before_it_is_read(server):

@@ -129,7 +129,8 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
     """`n` choices of each request, each its own engine job, in OpenAI's order (prompt by prompt,
     each prompt's choices together); choice i samples with seed + i. A full queue: a 429."""
     n = body.n or 1
-    if (refused := too_many(server, requests, n)) is not None:
+    alternatives = "top_logprobs" if isinstance(body, ChatIn) else "logprobs"  # the field each API names them by
+    if (refused := too_many(server, requests, n, alternatives)) is not None:
         return refused
     choices = [replace(request, request_id=f"{request.request_id}-{i}" if i else request.request_id,
                        seed=(request.seed + i) % (2**63))
@@ -145,7 +146,8 @@ def submit_choices(server: EngineServer, requests: list[GenerationRequest],
     return jobs
 
 
-def too_many(server: EngineServer, requests: list[GenerationRequest], n: int) -> JSONResponse | None:
+def too_many(server: EngineServer, requests: list[GenerationRequest], n: int,
+             logprobs_param: str = "logprobs") -> JSONResponse | None:
     """A request bigger than the server ever admits (a 400 naming the field to shrink, not a 429:
     retrying cannot help): more sequences (prompts × n) than --max-queue, or more generated
     log-probs (sequences × max_tokens × (1 + logprobs)) than --max-logprob-entries."""
@@ -159,7 +161,7 @@ def too_many(server: EngineServer, requests: list[GenerationRequest], n: int) ->
         return error(400, f"this request asks for {entries} generated log-probs (prompts × n × max_tokens × (1 + "
                           f"logprobs)); the server returns at most {server.max_logprob_entries} in one response "
                           f"(--max-logprob-entries). Ask fewer alternatives, fewer tokens or fewer prompts",
-                     param="logprobs")
+                     param=logprobs_param)
     return None
 
 
