@@ -13,6 +13,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from app import migration_stash
+
 revision: str = "0001"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -447,6 +449,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Indexes and Postgres sequences go with their tables.
+    # Indexes and Postgres sequences go with their tables; what later downgrades stashed goes too
+    migration_stash.drop()
     for table in reversed(TABLES):
         op.drop_table(table)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app import migration_stash
+
 revision: str = "0005"
 down_revision: str | Sequence[str] | None = "0004"
 branch_labels: str | Sequence[str] | None = None
@@ -25,8 +27,12 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("config_runs") as batch:
         batch.add_column(sa.Column("attempt_base", sa.Integer(), nullable=False, server_default="0"))
+    migration_stash.restore(revision, "config_runs")
 
 
 def downgrade() -> None:
+    # a pass's first attempt, kept for the upgrade (app/migration_stash.py): a round trip keeps each
+    # config-run's attempt budget where it was
+    migration_stash.stash(revision, "config_runs", ["attempt_base"], lambda t: t.c.attempt_base != 0)
     with op.batch_alter_table("config_runs") as batch:
         batch.drop_column("attempt_base")

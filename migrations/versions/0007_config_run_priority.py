@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from app import migration_stash
+
 revision: str = "0007"
 down_revision: str | Sequence[str] | None = "0006"
 branch_labels: str | Sequence[str] | None = None
@@ -24,8 +26,11 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("config_runs") as batch:
         batch.add_column(sa.Column("priority", sa.Integer(), nullable=True))
+    migration_stash.restore(revision, "config_runs")
 
 
 def downgrade() -> None:
+    # the priority each config-run was sent with, kept for the upgrade (app/migration_stash.py)
+    migration_stash.stash(revision, "config_runs", ["priority"], lambda t: t.c.priority.is_not(None))
     with op.batch_alter_table("config_runs") as batch:
         batch.drop_column("priority")

@@ -1,0 +1,68 @@
+"""What a downgrade would drop, kept for the upgrade that adds it back: a round trip loses nothing.
+
+A downgrade that drops a column (or narrows one) first copies each row's values that the old
+schema cannot hold into the table `migration_stash` (revision, table, row id, values as JSON); the
+upgrade of the same revision writes them back into the rows that still exist, then forgets them.
+The old code never reads the stash table, and it goes with the last revision's rows: the table
+exists only while some revision is downgraded.
+
+A row the old code deleted in between is not restored; a row it added gets the column's default;
+a stashed reference to a row that is gone is left out (`keep`). Only for the migrations
+(migrations/versions), inside their transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import op
+
+STASH = "migration_stash"
+_stash = sa.table(STASH, sa.column("revision", sa.String), sa.column("table_name", sa.String),
+                  sa.column("row_id", sa.BigInteger), sa.column("stashed", sa.JSON))
+
+
+def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], Any]) -> int:
+    """Copy `columns` of the rows of `table` that `where(table)` selects (those whose values the
+    downgrade loses) into the stash, under `revision`; returns how many rows it kept."""
+    conn = op.get_bind()
+    if not sa.inspect(conn).has_table(STASH):
+        op.create_table(STASH, sa.Column("revision", sa.String(32), nullable=False),
+                        sa.Column("table_name", sa.String(64), nullable=False),
+                        sa.Column("row_id", sa.BigInteger(), nullable=False),
+                        sa.Column("stashed", sa.JSON(), nullable=False))
+    source = sa.table(table, sa.column("id"), *(sa.column(name) for name in columns))
+    rows = [{"revision": revision, "table_name": table, "row_id": row.id,
+             "stashed": {name: getattr(row, name) for name in columns}}
+            for row in conn.execute(sa.select(source).where(where(source)))]
+    if rows:
+        conn.execute(sa.insert(_stash), rows)
+    return len(rows)
+
+
+def restore(revision: str, table: str,
+            keep: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda conn, values: values) -> int:
+    """Write the values stashed under `revision` back into the rows of `table` that still exist
+    (`keep(conn, values)` may leave some out), forget them, and drop the stash once it is empty;
+    returns how many rows it wrote."""
+    conn = op.get_bind()
+    if not sa.inspect(conn).has_table(STASH):
+        return 0
+    mine = sa.and_(_stash.c.revision == revision, _stash.c.table_name == table)
+    written = 0
+    for row_id, values in conn.execute(sa.select(_stash.c.row_id, _stash.c.stashed).where(mine)).all():
+        values = keep(conn, values)
+        if values:
+            target = sa.table(table, sa.column("id"), *(sa.column(name) for name in values))
+            written += conn.execute(sa.update(target).where(target.c.id == row_id).values(**values)).rowcount
+    conn.execute(sa.delete(_stash).where(mine))
+    if conn.execute(sa.select(sa.func.count()).select_from(_stash)).scalar() == 0:
+        op.drop_table(STASH)
+    return written
+
+
+def drop() -> None:
+    """The stash with the schema itself (the first revision's downgrade)."""
+    if sa.inspect(op.get_bind()).has_table(STASH):
+        op.drop_table(STASH)
