@@ -49,7 +49,8 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                 for silence in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
     comparisons = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
     rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
-    verdicts = _config_verdicts(comparisons, names)
+    verdicts = _config_verdicts(comparisons, names, {config_run.config.name: config_run.figures or {}
+                                                     for config_run in run.config_runs})
     touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or not comparison.gated:
@@ -121,16 +122,18 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
 
 
-def _config_verdicts(comparisons: list[Comparison], names: dict[int, str]) -> dict[str, str]:
+def _config_verdicts(comparisons: list[Comparison], names: dict[int, str],
+                     figures: dict[str, dict]) -> dict[str, str]:
     """Each candidate's line of the verdict summary (app/summary.py), e.g. 'drop or fix: ppl ratio
-    +5.90% [+4.50, +8.20] critical; TTFT ratio +30% [...] warn': an alert on one metric then says
-    where its config stands on all of them, quality and speed."""
+    +5.90% [+4.50, +8.20] critical; TTFT ratio +30% [...] warn (reference engine on cpu)': an alert
+    on one metric then says where its config stands on all of them, quality and speed, in the words
+    of every other surface."""
     rows: dict[str, list[ComparisonOut]] = {}
     for c in comparisons:
         rows.setdefault(names[c.config_id], []).append(ComparisonOut.of(c, names[c.config_id]))
     out = {}
     for config, found in rows.items():
-        line = config_line(config, judged(found))
+        line = config_line(config, judged(found), figures=figures.get(config))
         if line is not None:
             out[config] = f"{line.group}: {line.findings}"
     return out

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Gate, Project, Run, utcnow
 from app.schemas import ComparisonOut, RunOut
-from app.summary import verdict_summary
+from app.summary import deploy_decision
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
@@ -132,10 +132,10 @@ def summary_markdown(gate: Gate, summary: RunOut, dashboard_url: str, suite: str
              f"`{gate.candidate}` vs baseline `{gate.baseline}` on suite `{suite}` "
              f"({samples_label(summary)}), run {summary.run_id}. [Open the run]({link})", ""]
     rows: list[ComparisonOut] = [c for c in summary.comparisons if c.config == gate.candidate]
-    # the verdict for people (app/summary.py), the step-back advice left to its own lines below
-    found = verdict_summary(rows).groups
-    for group, line in ((g, ls[0]) for g, ls in found.items()):
-        lines += [f"**{group[0].upper()}{group[1:]}:** {line.findings}", ""]
+    # the decision, then the verdict for people as every surface prints it (app/summary.py)
+    lines += [f"**Decision:** {deploy_decision(gate.verdict)}", ""]
+    if summary.summary.lines:
+        lines += ["```text", *summary.summary.lines, "```", ""]
     rows.sort(key=lambda c: (not c.gated, -VERDICT_ORDER.get(c.verdict, 0)))
     if rows:
         lines += ["| metric | change vs baseline [95% CI] | n | verdict | rule |", "|---|---|---|---|---|"]

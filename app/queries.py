@@ -64,7 +64,8 @@ def gate_out(session, project, gate: Gate) -> dict:
             "created_at": gate.created_at.isoformat() if gate.created_at else None,
             "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
                                                  session.get(Suite, summary.suite_id).name),
-            "comparisons": [c for c in summary.comparisons if c.config == gate.candidate]}
+            "comparisons": [c for c in summary.comparisons if c.config == gate.candidate],
+            "summary": summary.summary.lines}
 
 
 def gate(session, project: Project, gate_id: int) -> dict:

@@ -221,6 +221,7 @@ class SummaryLineOut(BaseModel):
     quality: ComparisonOut | None = Field(description="its worst quality comparison (null when none is off ok)")
     speed: ComparisonOut | None = Field(description="its worst speed comparison (null when none is off ok)")
     advice: str | None = Field(description="the step-back advice of a stacked config")
+    decide_samples: int | None = Field(None, description="undecided: about how many samples would decide it")
 
 
 class VerdictSummaryOut(BaseModel):

@@ -17,7 +17,7 @@ from app.corpus import load_corpus, load_items, long_documents
 from app.db import session_scope
 from app.dispatch import EXECUTE_CONFIG_RUN, Dispatcher, fair_priorities
 from app.model_paths import is_endpoint, model_dir, unusable
-from app.models import Project, Run
+from app.models import Project, Run, Suite
 from app.schemas import ComparisonOut, FiguresOut, ProgressOut, RunConfigOut, RunOut, StepBackOut
 from app.settings import get_settings
 from app.ssrf import check_url, public_spec
@@ -105,7 +105,7 @@ def check_project_room(session: Session, project: Project, kind: str, names: Seq
     field and the limit."""
     from sqlalchemy import select
 
-    from app.models import Channel, OptimizationConfig, Schedule, Suite
+    from app.models import Channel, OptimizationConfig, Schedule
 
     rooms: dict[str, tuple[type[OptimizationConfig | Suite | Channel | Schedule], str]] = {
         "configs": (OptimizationConfig, "max_configs"), "suites": (Suite, "max_suites"),
@@ -236,6 +236,23 @@ def samples_label(run: RunOut, noun: str = "documents") -> str:
     return f"{drawn} {noun}" + (f" (topped up from {asked})" if drawn != asked else "")
 
 
+DEMO_PROJECT = "demo"  # `canary demo`'s project (app/cli/runs.py DEMO_CONFIG)
+
+
+def decide_command(project: str, suite: str, trigger: str) -> str:
+    """The command that runs a run's undecided configs again on more samples, as its user started
+    it: `canary demo` for the demo, `canary gate` for a gate, else `canary run` on the config file.
+    `{configs}` and `{samples}` are left for app/summary.verdict_summary to fill in."""
+    import shlex
+
+    if project == DEMO_PROJECT:
+        return "canary demo --samples {samples}"
+    where = f"--suite {shlex.quote(suite)}" + (f" --project {shlex.quote(project)}" if trigger == "gate" else "")
+    if trigger == "gate":
+        return f"canary gate --candidate {{configs}} {where} --samples {{samples}}"
+    return f"canary run -f canary.yaml {where} --configs {{configs}} --samples {{samples}}"
+
+
 def run_summary(session: Session, run: Run) -> RunOut:
     """The run as the API gives it (app/schemas.RunOut): its configs, comparisons and figures, the
     step-back findings, the verdict for people (`summary`) and each candidate's quality lost against
@@ -256,6 +273,8 @@ def run_summary(session: Session, run: Run) -> RunOut:
                                              **(c.details or {})["step_back"]})
                  for c in comps if (c.details or {}).get("step_back")]
     figures = {cr.config.name: FiguresOut.model_validate(cr.figures) for cr in crs if cr.figures}
+    run_figures = {name: f.model_dump() for name, f in figures.items()}
+    suite = session.get(Suite, run.suite_id)
     baseline = names.get(run.baseline_config_id)
     ablations = [c.config for c in configs if c.ablation_of]
     return RunOut(
@@ -264,6 +283,7 @@ def run_summary(session: Session, run: Run) -> RunOut:
         seed=run.seed, created_at=run.created_at.isoformat() if run.created_at else None,
         finished_at=run.finished_at.isoformat() if run.finished_at else None, configs=configs,
         comparisons=comparisons, figures=figures, step_back=step_back,
-        summary=verdict_summary(comparisons, step_back, baseline, ablations),
-        trade_off=trade_off_points(configs, comparisons,
-                                   {name: f.model_dump() for name, f in figures.items()}, baseline))
+        summary=verdict_summary(comparisons, step_back, baseline, ablations, figures=run_figures,
+                                decide_with=decide_command(repo.project_name(session, run.project_id),
+                                                           suite.name if suite else str(run.suite_id), run.trigger)),
+        trade_off=trade_off_points(configs, comparisons, run_figures, baseline))

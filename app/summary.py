@@ -15,7 +15,15 @@ undecided one says at how many samples it stands and how many would decide it. W
 the config whose worst finding lies furthest past its threshold comes first (`severity`), then
 the one with more critical findings. The breaching groups take at most `max_lines` lines (group
 headings included), the last saying how many configs are left out; the undecided configs are
-never cut, and the ship group is one line naming every config in it.
+never cut, and are followed by the command that decides them (`decide_with`, the run's own
+command with more samples); the ship group is one line naming every config in it.
+
+A speed finding says which engine on which device it measured (`figures`): a TPOT ratio of the
+reference engine on a CPU is not a forecast of vLLM on a GPU.
+
+Every surface renders these lines as they are: the CLI, the dashboard's banners, the gate's
+stdout and pull-request comment, the HTML report and the chat message of an alert
+(tests/unit/test_decision_surfaces.py holds them to one text).
 
 The run summary's comparisons (ComparisonOut) and step-back findings (StepBackOut) in, the
 summary's models out (app/schemas.py: VerdictSummaryOut, TradeOffPointOut); no torch.
@@ -27,6 +35,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from app.schemas import (
     ComparisonOut,
@@ -38,9 +47,21 @@ from app.schemas import (
 )
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
 
+# `canary gate`'s exit codes by its defaults (--warn-exit-code 0, --error-exit-code 2): what the
+# gate's pull-request comment says happens; the CLI says it again with its own flags
+GATE_EXIT = {"pass": 0, "warn": 0, "fail": 1, "error": 2}
 GROUPS = ("drop or fix", "watch", "slower than the baseline", "undecided", "ship")
 BREACHING = GROUPS[:3]  # what the line cap applies to
 MAX_LINES = 12
+
+
+def deploy_decision(verdict: str | None, code: int | None = None) -> str:
+    """What a gate's verdict does to the deploy: 'deploy blocked: fail (exit 1)'. `code`: the exit
+    code the gate's caller chose for it (default GATE_EXIT's)."""
+    if verdict is None:
+        return "no verdict yet"
+    code = GATE_EXIT.get(verdict, 2) if code is None else code
+    return f"deploy {'allowed' if code == 0 else 'blocked'}: {verdict} (exit {code})"
 
 
 def judged(comparisons: Iterable[ComparisonOut]) -> list[ComparisonOut]:
@@ -62,13 +83,36 @@ def finding(c: ComparisonOut) -> str:
     return f"{metric.label} {format_estimate(metric, c.estimate, c.ci_low, c.ci_high)} {c.verdict}"
 
 
-def _to_decide(c: ComparisonOut) -> str:
-    """What would decide an inconclusive comparison, from its rule (evals/stats.decide)."""
+def _rule_samples(c: ComparisonOut) -> int | None:
+    """The samples an inconclusive comparison's rule says would decide it (evals/stats.decide)."""
     found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", c.rule or "")
-    if found:
-        return f" (about {found.group(1) or found.group(2)} samples would decide it)"
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def samples_to_decide(c: ComparisonOut) -> int | None:
+    """About how many samples would decide an inconclusive comparison: its rule's figure, else the
+    metric's min_n when it stands below it; None when neither says."""
     min_n = METRICS[c.metric].min_n
+    return _rule_samples(c) or (min_n if c.n < min_n else None)
+
+
+def _to_decide(c: ComparisonOut) -> str:
+    """What would decide an inconclusive comparison, in words."""
+    found, min_n = _rule_samples(c), METRICS[c.metric].min_n
+    if found:
+        return f" (about {found} samples would decide it)"
     return f" (below min_n {min_n})" if c.n < min_n else ""
+
+
+def measured_on(figures: Mapping[str, Any] | None) -> str:
+    """'reference engine on cpu' from a config's figures: what a speed finding describes. A served
+    model's device is its server: named by host, never by a URL that could carry a credential."""
+    if not figures or not figures.get("engine"):
+        return ""
+    device = str(figures.get("device") or "")
+    if "://" in device:
+        device = urlsplit(device).hostname or "a server"
+    return f"{figures['engine']} engine on {device}" if device else f"{figures['engine']} engine"
 
 
 def severity(c: ComparisonOut) -> float:
@@ -89,9 +133,10 @@ def severity(c: ComparisonOut) -> float:
     return est / bound if bound else 0.0
 
 
-def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None) -> SummaryLineOut | None:
+def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None,
+                figures: Mapping[str, Any] | None = None) -> SummaryLineOut | None:
     """The summary line of one candidate from its judged comparisons (the ship group's when every
-    one is ok; None when it has none at all)."""
+    one is ok; None when it has none at all); `figures`, its own, name what a speed finding measured."""
     if not rows:
         return None
     quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
@@ -108,23 +153,33 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
         group = "undecided"
     else:
         group = "ship"
-    shown = [finding(x) + (f" at n={x.n}{_to_decide(x)}" if group == "undecided" else "")
+    where = measured_on(figures)
+    shown = [finding(x) + (f" ({where})" if x is s and where else "")
+             + (f" at n={x.n}{_to_decide(x)}" if group == "undecided" else "")
              for x in (q, s) if x is not None and (x.verdict in breach or group == "undecided")]
     findings = "; ".join(shown)
     text = (f"{config}: {findings}" if findings else config) + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c.verdict == v for c in rows) for v in ("critical", "warn")}
     worst = q if group in ("drop or fix", "watch") else s if group == "slower than the baseline" else q or s
-    return SummaryLineOut(config=config, group=group, text=text, findings=findings,
+    decide = None
+    if group == "undecided":  # the most any of its inconclusive gated comparisons needs; twice its n when none says
+        wanted = [samples_to_decide(x) for x in rows if x.verdict == "inconclusive" and x.gated]
+        known = [n for n in wanted if n is not None]
+        decide = max(known) if known else 2 * max(x.n for x in rows)
+    return SummaryLineOut(config=config, group=group, text=text, findings=findings, decide_samples=decide,
                           severity=severity(worst) if worst is not None else 0.0,
                           critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
 
 
 def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
-                    max_lines: int = MAX_LINES) -> VerdictSummaryOut:
+                    max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
+                    decide_with: str | None = None) -> VerdictSummaryOut:
     """The lines by group, the text as printed (at most max_lines), how many configs it leaves
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
-    diagnosis, not a deploy) get no line of their own."""
+    diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
+    `decide_with`: the command that decides the undecided configs, with `{configs}` and `{samples}`
+    to fill in (app/services.decide_command)."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -134,7 +189,9 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     for s in step_back:  # the first (the worst ratio's) advice of each stacked config
         if s.advice:
             advice.setdefault(s.config, s.advice)
-    lines = [line for config, rows in by_config.items() if (line := config_line(config, rows, advice.get(config)))]
+    figures = figures or {}
+    lines = [line for config, rows in by_config.items()
+             if (line := config_line(config, rows, advice.get(config), figures.get(config)))]
     lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
     groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
@@ -146,7 +203,12 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
         plural = "s" if more != 1 else ""
         text.append(f"… and {more} more config{plural} (every finding: --wide, --json or the run page)")
     if "undecided" in groups:  # never cut: each says what would decide it
-        text += _render({"undecided": groups["undecided"]}, len(groups["undecided"]), len(groups["undecided"]) + 1)
+        undecided = groups["undecided"]
+        text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
+        if decide_with:
+            samples = max(line.decide_samples or 0 for line in undecided)
+            text.append("  decide: " + decide_with.format(configs=",".join(line.config for line in undecided),
+                                                          samples=samples))
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,

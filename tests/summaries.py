@@ -26,7 +26,8 @@ def run_out(**fields: Any) -> RunOut:
     run = RunOut.model_validate({**fields, "summary": {"groups": {}, "lines": [], "more": 0, "counts": {}}})
     if "summary" not in fields:
         ablations = [c.config for c in run.configs if c.ablation_of]
-        run.summary = verdict_summary(run.comparisons, run.step_back, run.baseline, ablations)
+        run.summary = verdict_summary(run.comparisons, run.step_back, run.baseline, ablations,
+                                      figures={n: run.figures_of(n) for n in run.figures})
     if "trade_off" not in fields:
         run.trade_off = trade_off_points(run.configs, run.comparisons, {n: run.figures_of(n) for n in run.figures},
                                          run.baseline)

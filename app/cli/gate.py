@@ -16,6 +16,7 @@ from rich.markup import escape
 if TYPE_CHECKING:
     pass
 from app.cli.base import _ago, _log, app, console, fail
+from app.summary import deploy_decision
 
 
 @app.command()
@@ -78,11 +79,14 @@ def gate(
                 report_html.write_text(response.text, encoding="utf-8")
             else:
                 _log(f"the run's report could not be read (HTTP {response.status_code}): {_detail(response)}")
-    _gate_out(gate, summary_md, as_json, step_summary=True)
     code = {"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]]
+    # the comment says what this call does: the API wrote it with the default exit codes
+    gate["summary_markdown"] = gate["summary_markdown"].replace(
+        f"**Decision:** {deploy_decision(gate['verdict'])}", f"**Decision:** {deploy_decision(gate['verdict'], code)}")
+    _gate_out(gate, summary_md, as_json, step_summary=True)
     # the decision itself, last, whatever the verdict's name: what the pipeline does next
     _log("no verdict yet (--no-wait): exit 0" if gate["verdict"] is None
-         else f"deploy {'allowed' if code == 0 else 'blocked'}: {gate['verdict']} (exit {code})")
+         else deploy_decision(gate["verdict"], code))
     raise typer.Exit(code)
 
 
@@ -195,3 +199,5 @@ def _gate_out(g: dict, summary_md, as_json: bool, step_summary: bool = False) ->
         console.print(f"gate {g['gate_id']}: [bold]{g['verdict'] or 'pending'}[/] — candidate {g['candidate']} vs "
                       f"{g['baseline']}, run {g['run_id']} ({g['run_status']}); {escape(g['reason'] or '')}",
                       highlight=False, soft_wrap=True)
+        for line in g.get("summary") or []:  # the verdict for people, as every surface prints it
+            console.print(escape(line), highlight=False, soft_wrap=True)

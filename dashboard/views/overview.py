@@ -4,6 +4,8 @@ threshold state."""
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import streamlit as st
 
@@ -101,16 +103,16 @@ def frame(rows: list[dict], metrics: list[dict]):
 
 
 SUMMARY_GROUPS = ("drop or fix", "watch", "slower than the baseline")  # the API's verdict summary, breaching groups
-BANNER_LINES = 10  # config lines in a banner; the rest counted
 
 
 def headline(model: str, rows: list[dict], metrics: list[dict], summary: dict | None = None) -> tuple[str, str | None]:
     """The answer first: which configs breach, on what, by how much and since when. With the API's
-    verdict summary (app/summary.py), a line per config under its group (drop or fix, watch, slower
-    than the baseline), its worst quality and speed figures as the table shows them; else one line."""
+    verdict summary (app/summary.py), its lines as every surface prints them, a config's line
+    followed by since when it breaches; else one line."""
     bad = [r for r in rows if r["verdict"] in BREACHING or r["verdict"] == "measurement_error"]
-    if bad and summary and any(summary["groups"].get(g) for g in SUMMARY_GROUPS):
-        return _grouped(model, rows, metrics, summary), worst_verdict(r["verdict"] for r in bad)
+    worst = worst_verdict(r["verdict"] for r in bad) if bad else None
+    if summary and summary.get("lines"):
+        return _grouped(model, rows, summary), worst
     if not bad:
         measured = [r for r in rows if not r["baseline"] and r["verdict"] not in ("", "not measured")]
         unsure = [r["config"] for r in measured if r["verdict"] == "inconclusive"]
@@ -122,35 +124,36 @@ def headline(model: str, rows: list[dict], metrics: list[dict], summary: dict | 
         what = ", ".join(f"{label} {text}" for label, text in cells[:2])
         since = f", since {r['breaching since'].split(' (')[0]}" if r["breaching since"] else ""
         parts.append(f"**{r['config']}** {r['verdict']} ({what}{since})")
-    return f"{model}: " + "; ".join(parts), worst_verdict(r["verdict"] for r in bad)
+    return f"{model}: " + "; ".join(parts), worst
 
 
-def _grouped(model: str, rows: list[dict], metrics: list[dict], summary: dict) -> str:
-    """The banner's lines: a heading per group, then '**config**: figure; figure (since …)'."""
+def _grouped(model: str, rows: list[dict], summary: dict) -> str:
+    """The banner: a count, then the summary's lines as printed, in Markdown: '*Group (n):*',
+    '• **config**: finding; finding (since …)', the command that decides the undecided ones as
+    code. Escaped: a config's name is the user's."""
     by_config = {r["config"]: r for r in rows}
     total = sum(len(summary["groups"].get(g) or []) for g in SUMMARY_GROUPS)
-    out, shown = [f"{model}: {total} config{'s' if total != 1 else ''} to act on"], 0
-    for group in SUMMARY_GROUPS:
-        lines = summary["groups"].get(group) or []
-        if lines and shown < BANNER_LINES:
-            out.append(f"*{group[0].upper()}{group[1:]} ({len(lines)}):*")
-        for line in lines:
-            if shown == BANNER_LINES:
-                break
-            row = by_config.get(line["config"]) or {"cells": {}, "breaching since": ""}
-            figures = []
-            for comp in (line["quality"], line["speed"]):
-                if comp and comp["verdict"] in BREACHING + ("measurement_error",):
-                    label = _label(metrics, comp["metric"])
-                    text = (row["cells"].get(label) or ("",))[0]
-                    figures.append(f"{label} {text} {comp['verdict']}".replace("  ", " "))
+    out = [f"{model}: {total} config{'s' if total != 1 else ''} to act on" if total
+           else f"{model}: no config breaches a threshold"]
+    for line in summary["lines"]:
+        if line.startswith("  decide: "):
+            out.append(f"decide: `{line.removeprefix('  decide: ')}`")
+        elif line.startswith("  "):
+            config, _, rest = line.strip().partition(": ")
+            row = by_config.get(config) or {"breaching since": ""}
             since = f" (since {row['breaching since'].split(' (')[0]})" if row["breaching since"] else ""
-            advice = f"; step back: {line['advice']}" if line.get("advice") else ""
-            out.append(f"• **{line['config']}**: {'; '.join(figures)}{since}{advice}")
-            shown += 1
-    if total > shown:
-        out.append(f"… and {total - shown} more (the table lists every config)")
+            out.append(f"• **{_md(config)}**" + (f": {_md(rest)}" if rest else "") + since)
+        elif line.endswith(":"):
+            out.append(f"*{_md(line[0].upper() + line[1:-1])}:*")
+        else:
+            out.append(_md(line))
     return "  \n".join(out)
+
+
+def _md(text: str) -> str:
+    """Text shown as itself in Streamlit's Markdown: emphasis, code, HTML and LaTeX characters escaped
+    (a config's name is the user's); brackets stay, as no parenthesis follows them to make a link."""
+    return re.sub(r"([\\`*$<~])", r"\\\1", text)
 
 
 def stale_banner(api, project: str) -> None:

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change, verdict_rank
+from evals.metrics import METRICS, format_estimate
 from streamlit.testing.v1 import AppTest
 
 from tests.conftest import ROOT
@@ -94,7 +95,9 @@ def test_overview_lists_the_critical_config_first_with_its_ci(seeded_api, monkey
     # above it all, the seeded schedule's staleness (tests/e2e/conftest.py), then the model's headline
     stale, headline = (e.value for e in at.error[:2])
     assert stale.startswith("The canary is stale: schedule 'daily' (0 6 * * *) of project 'dash'")
-    assert "int2" in headline and cell in headline  # the headline names it, with its CI
+    # the headline names it with its CI, in the words of every surface (app/summary.py)
+    said = over["summaries"]["tiny"]["groups"]["drop or fix"][0]
+    assert said["config"] == "int2" and f"• **int2**: {said['findings']} (since " in headline
     # the card under the banner: a tile per headline figure, from the configs' latest runs of the suite
     card = next(m.value for m in at.markdown if "canary-card" in m.value)
     tiles = {title: state for state, title in
@@ -199,9 +202,9 @@ def test_compare_one_row_per_config_worst_first_and_the_trade_off(seeded_api, mo
     # the answer above the table: the run's breaching configs, the worst first, with the figure and its CI
     # grouped as the API's verdict summary groups it (app/summary.py), a line per config
     banner = at.error[0].value.split("  \n")
+    cells = (ppl["estimate"], ppl["ci_low"], ppl["ci_high"])  # as every surface prints it (app/summary.py)
     assert banner[:3] == [f"Run {first}: 2 configs to act on", "*Drop or fix (1):*",
-                          f"• **int2**: ppl ratio {pct_change(ppl['estimate'], ppl['ci_low'], ppl['ci_high'])} "
-                          "critical"], banner
+                          f"• **int2**: ppl ratio {format_estimate(METRICS['ppl_ratio'], *cells)} critical"], banner
     assert banner[3] == "*Slower than the baseline (1):*" and banner[4].startswith("• **spec-ngram**: accept ")
     assert at.subheader[0].value == "Quality lost vs speed and memory gained"
     data = chart_data(at)

@@ -64,7 +64,8 @@ def test_gate_waits_through_an_api_restart(tmp_path):
         assert gate.returncode == 1, err  # int2 weights: ≈ 6 % perplexity (CI low ≈ 1.027), past critical
         assert "retrying in 1s" in err and "retrying in 2s" in err, err  # backoff through the outage
         assert "still waiting" in err, err  # heartbeat lines while it waits
-        assert "fail" in err.splitlines()[-2]
+        assert any(x.startswith("gate ") and ": fail — candidate int2" in x for x in err.splitlines())
+        assert err.splitlines()[-2].startswith("  int2: ppl ratio +")  # the verdict for people, under it
         assert err.splitlines()[-1] == "canary: deploy blocked: fail (exit 1)"
         summary = step_summary.read_text()
         assert summary.startswith("earlier step\n") and "fail" in summary  # appended, not overwritten

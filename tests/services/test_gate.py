@@ -58,13 +58,17 @@ def test_pass_warn_fail_and_exit_codes(stack, project, tmp_path):
     # its baseline took the first gate's rows (the same samples and inputs), in the worker, on Postgres
     figures = stack.http.get(f"{P}/runs/{g['run_id']}").json()["figures"]
     assert figures["fp32"]["reused_from_run"] < g["run_id"] and figures["int2"]["reused_from_run"] is None
-    strict = gate(stack, "--candidate", "int2", "--warn-exit-code", "1")
-    assert strict.returncode == 1  # …and blocks it when CI says so
+    assert "**Decision:** deploy allowed: warn (exit 0)" in g["summary_markdown"]
+    strict = gate(stack, "--candidate", "int2", "--warn-exit-code", "1", "--summary-md", str(tmp_path / "warn.md"))
+    assert strict.returncode == 1  # …and blocks it when CI says so, in its comment too
+    assert strict.stderr.strip().splitlines()[-1] == "canary: deploy blocked: warn (exit 1)"
+    assert "**Decision:** deploy blocked: warn (exit 1)" in (tmp_path / "warn.md").read_text()
     bad = gate(stack, "--candidate", "kv-int2", "--summary-md", str(tmp_path / "fail.md"),
                "--report-html", str(tmp_path / "fail.html"))
     assert bad.returncode == 1 and "fail" in bad.stderr
     md = (tmp_path / "fail.md").read_text()
-    assert "gate: **fail**" in md and "**Drop or fix:** ppl ratio +" in md  # the verdict for people, first
+    assert "gate: **fail**" in md and "**Decision:** deploy blocked: fail (exit 1)" in md  # the decision, first
+    assert "drop or fix (1):\n  " in md and ": ppl ratio +" in md  # then the verdict for people
     # the run's report, through the API, as the CI artifact: one HTML file naming the candidate's group
     html = (tmp_path / "fail.html").read_text()
     assert html.startswith("<!doctype html>") and "drop or fix (1):" in html and "kv-int2" in html

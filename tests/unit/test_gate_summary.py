@@ -16,7 +16,7 @@ def comparison(metric, estimate, low, high, n, verdict, rule, informational=Fals
 
 
 SUMMARY = {
-    "run_id": 7, "n_samples": 50, "verdict_reason": "ppl_ratio critical",
+    "run_id": 7, "n_samples": 50, "verdict_reason": "ppl_ratio critical", "baseline": "fp16",
     "comparisons": [
         comparison("exact_match", 0.9, 0.8, 0.95, 40, "ok", "", informational=True),
         comparison("ttft_ratio", 0.8, 0.75, 0.86, 40, "ok", "warn > 1.2"),
@@ -51,8 +51,10 @@ def test_summary_leads_with_the_verdict_suite_and_the_worst_change_with_its_ci()
             "weights 4.00× smaller (100.0 MB vs 400.0 MB); KV cache per token 1.00× the baseline's "
             "(4,096 B vs 4,096 B).") in lines
     assert lines[-1] == "Reason: ppl_ratio critical"
-    # the verdict for people (app/summary.py) above the table: its group and its worst quality finding
-    assert lines[5] == "**Drop or fix:** ppl ratio +4.50% [+2.40, +6.60] critical"
+    # the decision with the gate's default exit codes, then the verdict for people (app/summary.py)
+    # as every surface prints it, above the table: its group and its worst quality finding
+    assert lines[5:11] == ["**Decision:** deploy blocked: fail (exit 1)", "", "```text", "drop or fix (1):",
+                           "  int4: ppl ratio +4.50% [+2.40, +6.60] critical", "```"]
 
 
 def test_a_pending_gate_and_a_run_without_figures():

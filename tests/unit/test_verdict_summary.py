@@ -99,3 +99,26 @@ def test_the_cap_never_cuts_the_undecided_and_every_candidate_has_one_group():
     ]
     every = [line.config for lines in summary.groups.values() for line in lines]
     assert sorted(every) == sorted({r.config for r in rows}) and len(every) == len(set(every))
+
+
+def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_command():
+    from app.services import decide_command
+
+    rows = [row("fp8-kv", "tpot_ratio", 1.6, 1.55, 1.7, "critical"),
+            row("served", "tpot_ratio", 1.6, 1.55, 1.7, "critical"),
+            # two undecided configs: the command asks for the most either needs (80), for both
+            row("a", "ppl_ratio", 1.1, 1.0, 1.2, "inconclusive", rule="… (about 80 at this effect)"),
+            row("b", "ppl_ratio", 1.1, 1.0, 1.2, "inconclusive", n=4, rule="CI straddles warn")]
+    figures = {"fp8-kv": {"engine": "reference", "device": "cuda:0:NVIDIA H200"},
+               # a served model's device is its URL: named by host, never with a credential it may carry
+               "served": {"engine": "openai", "device": "http://user:secret@vllm.internal:8000/v1"}}
+    gate = decide_command("serving", "pydoc smoke", "gate")
+    lines = verdict_summary(rows, figures=figures, decide_with=gate).lines
+    assert "  fp8-kv: TPOT ratio +60.00% [+55.00, +70.00] critical (reference engine on cuda:0:NVIDIA H200)" in lines
+    assert "  served: TPOT ratio +60.00% [+55.00, +70.00] critical (openai engine on vllm.internal)" in lines
+    assert "secret" not in "\n".join(lines)
+    # b stands below ppl_ratio's min_n with no figure in its rule: min_n decides it; a's 80 is more
+    assert lines[-1] == ("  decide: canary gate --candidate a,b --suite 'pydoc smoke' --project serving "
+                         "--samples 80")
+    assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
+    assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"

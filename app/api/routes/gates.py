@@ -50,6 +50,7 @@ class GateOut(GateListItem):
     idempotency_key: str | None
     summary_markdown: str = Field(description="the gate's result as a pull-request comment")
     comparisons: list[ComparisonOut] = Field(description="the candidate's")
+    summary: list[str] = Field(description="the verdict for people, as every surface prints it (app/summary.py)")
 
 
 @router.post("/projects/{project}/gates", status_code=status.HTTP_202_ACCEPTED, response_model=GateOut,

@@ -26,6 +26,7 @@ from app.models import (
     Suite,
 )
 from app.schemas import ComparisonOut, FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
+from app.services import decide_command
 from app.ssrf import public_spec
 from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER
@@ -186,6 +187,18 @@ def _worst_metric(cells: dict[str, dict]) -> str | None:
     return name if cells[name]["verdict"] in BREACHING else None
 
 
+def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int, tuple]) -> VerdictSummaryOut:
+    """The verdict for people over a model's configs' latest comparisons (app/summary.py), naming
+    the engine and device of a speed finding; the command that decides the undecided ones only
+    where every config's latest run is the same run (else no one command reruns them as they ran)."""
+    comparisons = [ComparisonOut.model_validate({**cell, "config": c["config"], "metric": metric, "details": {},
+                                                 "gated": cell["judged"]})
+                   for c in configs if not c["baseline"] for metric, cell in c["comparisons"].items()]
+    run_ids = {c["run_id"] for c in configs if c["run_id"] is not None}
+    decide = decide_command(project, suite, runs[run_ids.pop()][2]) if len(run_ids) == 1 else None
+    return verdict_summary(comparisons, figures={c["config"]: c["figures"] for c in configs}, decide_with=decide)
+
+
 @router.get("/projects/{project}/overview", response_model=OverviewOut)
 def overview(project: ProjectDep, session: SessionDep, suite: str | None = SuiteQuery) -> dict:
     """Per model, each config's latest finished run of one suite: comparisons (estimate, CI, n,
@@ -212,7 +225,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     # estimate and verdict over the suite's recent history (the sparkline, "breaching since")
     history: dict[tuple[int, str], dict[int, dict]] = {}
     figures: dict[tuple[int, int], dict] = {}
-    runs: dict[int, tuple] = {}  # run id → (created_at, finished_at)
+    runs: dict[int, tuple] = {}  # run id → (created_at, finished_at, trigger)
     if latest_ids:
         # columns, not Comparison objects: no eager join of each row's config, no identity map
         for c in session.execute(select(*CELL_COLUMNS).where(Comparison.run_id.in_(latest_ids))):
@@ -228,8 +241,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             if run_id in older_ids:
                 history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     if latest_ids or older_ids:
-        runs = {run_id: (created, finished) for run_id, created, finished in session.execute(
-            select(Run.id, Run.created_at, Run.finished_at).where(Run.id.in_(latest_ids | older_ids)))}
+        runs = {run_id: (created, finished, trigger) for run_id, created, finished, trigger in session.execute(
+            select(Run.id, Run.created_at, Run.finished_at, Run.trigger).where(Run.id.in_(latest_ids | older_ids)))}
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
@@ -249,10 +262,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
-    summaries = {model: verdict_summary([ComparisonOut.model_validate({**cell, "config": c["config"], "metric": metric,
-                                                                       "details": {}, "gated": cell["judged"]})
-                                         for c in configs if not c["baseline"]
-                                         for metric, cell in c["comparisons"].items()])
+    summaries = {model: _model_summary(configs, project.name, chosen.name if chosen else "", runs)
                  for model, configs in models.items()}
     schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id,
                                                                                  Schedule.enabled.is_(True)))]

@@ -1,0 +1,151 @@
+"""One decision, the same on every surface: a run's verdict for people (app/summary.py), read from
+one stored run, as the CLI prints it, as `canary gate` prints it and writes its pull-request
+comment, as the HTML report and the Overview's banner show it, and as an alert's chat message says
+it. Every line below is worked out by hand from the seeded comparisons.
+
+The seeded run holds four candidates, one per group (drop or fix, slower, undecided, ship). A gate
+row points at it so that the gate's surfaces render the same run; a real gate run has one
+candidate, and its lines are that candidate's."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+import pytest
+from app.summary import deploy_decision
+from sqlalchemy import select
+
+# ppl 1.30 [1.20, 1.40] → +30.00% [+20.00, +40.00]; TPOT 2.0 [1.8, 2.2] → +100.00% [+80.00, +120.00],
+# measured by the reference engine on the CPU its figures name; u1's 1.10 [1.00, 1.20] at n=12, its
+# rule saying about 48 samples decide it; int8 ok everywhere.
+INT2 = "int2: ppl ratio +30.00% [+20.00, +40.00] critical"
+KIVI = "kivi-4: TPOT ratio +100.00% [+80.00, +120.00] critical (reference engine on cpu)"
+U1 = "u1: ppl ratio +10.00% [+0.00, +20.00] inconclusive at n=12 (about 48 samples would decide it)"
+LINES = ["drop or fix (1):", f"  {INT2}", "slower than the baseline (1):", f"  {KIVI}", "undecided (1):", f"  {U1}",
+         "  decide: canary run -f canary.yaml --suite daily --configs u1 --samples 48", "ship (1): int8"]
+
+
+def _seed(url: str) -> int:
+    """The project 'shop' with one done run of suite 'daily'; returns the run's id."""
+    from app.models import (
+        AlertRule,
+        Channel,
+        Comparison,
+        ConfigRun,
+        Gate,
+        Model,
+        OptimizationConfig,
+        Project,
+        Run,
+        Suite,
+    )
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    engine = create_engine(url)
+    rows = {  # config: (metric, estimate, low, high, n, verdict, rule)
+        "int2": ("ppl_ratio", 1.30, 1.20, 1.40, 12, "critical", "critical > 1.15"),
+        "kivi-4": ("tpot_ratio", 2.0, 1.8, 2.2, 12, "critical", "critical > 1.5"),
+        "u1": ("ppl_ratio", 1.10, 1.00, 1.20, 12, "inconclusive", "CI spans warn 1.05; about 48 at this effect"),
+        "int8": ("ppl_ratio", 1.001, 1.0, 1.002, 12, "ok", "below warn 1.05"),
+    }
+    with Session(engine) as s, s.begin():
+        project = Project(name="shop")
+        s.add(project)
+        s.flush()
+        model = Model(project_id=project.id, name="tiny", path="builtin:pydoc-target")
+        s.add(model)
+        s.flush()
+        configs = {name: OptimizationConfig(project_id=project.id, model_id=model.id, name=name,
+                                            is_baseline=name == "fp16", spec={"engine": "reference"})
+                   for name in ("fp16", *rows)}
+        s.add_all(configs.values())
+        suite = Suite(project_id=project.id, name="daily", version="v1", spec={}, n_documents=12)
+        s.add(suite)
+        s.flush()
+        run = Run(project_id=project.id, suite_id=suite.id, suite_version="v1", model_id=model.id,
+                  baseline_config_id=configs["fp16"].id, trigger="manual", status="done", verdict="fail",
+                  verdict_reason="int2 ppl_ratio critical", n_samples=12, sample_keys=[f"d{i}" for i in range(12)])
+        s.add(run)
+        s.flush()
+        for config in configs.values():
+            s.add(ConfigRun(run_id=run.id, config_id=config.id, status="succeeded",
+                            figures={"engine": "reference", "device": "cpu"}))
+        for name, (metric, est, low, high, n, verdict, rule) in rows.items():
+            s.add(Comparison(run_id=run.id, config_id=configs[name].id, metric=metric, estimate=est, ci_low=low,
+                             ci_high=high, n=n, verdict=verdict, rule=rule, details={}))
+        s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.05, critical=1.15, direction="above"))
+        s.add(Channel(project_id=project.id, name="team", kind="slack", url="http://127.0.0.1:9/hook"))
+        s.add(Gate(project_id=project.id, candidate="int2", baseline="fp16", run_id=run.id, verdict="fail"))
+        run_id = run.id
+    engine.dispose()
+    return run_id
+
+
+@pytest.fixture
+def seeded(sqlite_env):
+    return _seed(sqlite_env)
+
+
+def _plain(markdown: str) -> str:
+    """Markdown as read: emphasis, bullets and code ticks gone, escapes undone."""
+    text = re.sub(r"^\*(.*)\*$", r"\1", markdown.replace("**", "").replace("• ", "  ").replace("`", ""))
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def test_every_surface_says_the_same_decision(seeded, capsys):
+    from app.api.routes.catalogue import catalogue
+    from app.api.routes.views import overview
+    from app.cli.gate import _gate_out
+    from app.cli.output import _print_summary
+    from app.db import session_scope
+    from app.models import Gate, Notification, Run
+    from app.queries import gate_out
+    from app.repo import get_project, get_run
+    from app.report import build
+    from app.schemas import jsonable
+    from app.services import run_summary
+    from dashboard.views.overview import config_rows, headline
+
+    with session_scope() as s:
+        project = get_project(s, "shop")
+        run = get_run(s, project, seeded)
+        summary = run_summary(s, run)
+        gate = jsonable(gate_out(s, project, s.scalar(select(Gate))))
+        report = build(s, project, run)
+        view = jsonable(overview(project, s, None))
+    assert summary.summary.lines == LINES  # the text itself, worked by hand above
+
+    _print_summary(summary)  # the CLI: `canary run`, `canary demo`, `canary runs show`
+    cli = capsys.readouterr().out.splitlines()
+    assert cli[-len(LINES):] == LINES
+
+    _gate_out(gate, None, False)  # `canary gate` without --json: its lines on stderr, as the CLI's
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith(f"gate 1: fail — candidate int2 vs fp16, run {seeded} (done)") and said[1:] == LINES
+    md = gate["summary_markdown"].splitlines()  # its pull-request comment
+    assert f"**Decision:** {deploy_decision('fail')}" in md and "deploy blocked: fail (exit 1)" in md[5]
+    start = md.index("```text") + 1
+    assert md[start:start + len(LINES)] == LINES
+
+    pre = re.search(r"<pre>(.*?)</pre>", report, re.S)  # the HTML report's banner
+    assert pre and html.unescape(pre.group(1)).splitlines() == LINES
+
+    metrics = [m for m in jsonable(catalogue())["metrics"] if m["gated"]]  # as the Overview page reads them
+    configs = view["models"]["tiny"]
+    text, worst = headline("tiny", config_rows(configs, metrics), metrics, view["summaries"]["tiny"])
+    banner = [_plain(line) for line in text.split("  \n")]  # the Overview's banner
+    assert worst == "critical" and banner[0] == "tiny: 2 configs to act on"
+    assert " (since " in banner[2]  # the Overview adds since when a breaching config breaches, and nothing else
+    banner = [re.sub(r" \(since [^)]*\)$", "", line).strip() for line in banner]
+    assert banner[1:] == [line[0].upper() + line[1:] if line.endswith(":") else line.strip() for line in LINES]
+
+    from app.alert_evaluation import evaluate_run
+
+    with session_scope() as s:  # an alert's chat message: int2 fires, its line says where it stands
+        evaluate_run(s, s.get(Run, seeded))
+    with session_scope() as s:
+        payloads = [json.dumps(n.payload, ensure_ascii=False) for n in s.scalars(select(Notification))]
+    assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2.removeprefix('int2: ')}." in payloads[0]
