@@ -13,7 +13,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app import repo
-from app.alerting import AlertState, SilenceRule, evaluate, fingerprint, idempotency_key, should_notify
+from app.alerting import (
+    SEVERITY_VERDICTS,
+    AlertState,
+    SilenceRule,
+    evaluate,
+    fingerprint,
+    idempotency_key,
+    should_notify,
+)
 from app.channels import AlertMessage, build, build_group
 from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
 from app.schemas import ComparisonOut
@@ -66,16 +74,21 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             fp = fingerprint(labels)
             row = _latest(session, run.project_id, fp)
             prev = _state(row, labels)
-            new, transition = evaluate(prev, comparison.verdict, comparison.estimate, rule.for_runs, now)
+            verdict, held = _weighed(row, comparison, severity)
+            new, transition = evaluate(prev, verdict, comparison.estimate, rule.for_runs, now)
             if transition in ("pending", "firing") and (row is None or row.state in ("resolved", "inactive")):
                 row = repo.open_alert(session, run.project_id, rule.id, fp, labels, new.state, severity,
                                       new.started_at)
             if row is None or (transition is None and row.state not in ACTIVE):
                 continue  # a resolved or inactive episode keeps the run and annotations it ended with
+            if held:  # the episode keeps its state, run, value, CI and n: the evidence that raised it
+                row.annotations = {**(row.annotations or {}), "held": held}
+                continue
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
             row.annotations = {"rule": comparison.rule, "ci": f"[{comparison.ci_low}, {comparison.ci_high}]",
-                               "n": str(comparison.n), **_step_back(comparison)}
+                               "n": str(comparison.n), "raised_n": str(_raised_n(row) or comparison.n),
+                               **_step_back(comparison)}
             touched.append((row, new, transition, comparison))
     session.flush()
     firing = [st for _, st, _, _ in touched if st.state == "firing"]
@@ -120,6 +133,27 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
         for row, _, _ in items:
             row.last_notified_at = now
     return {"notifications": notification_ids, "escalate": _escalations(session, run, touched)}
+
+
+def _raised_n(alert: Alert | None) -> int:
+    """The samples of the run that raised an active alert (0 for none; a later breaching run, an
+    escalation's larger one included, does not raise the bar): what a later run must have at least
+    to resolve it or to say it is no longer this severe."""
+    if alert is None or alert.state not in ACTIVE:
+        return 0
+    return int((alert.annotations or {}).get("raised_n") or (alert.annotations or {}).get("n") or 0)
+
+
+def _weighed(alert: Alert | None, comparison: Comparison, severity: str) -> tuple[str, str | None]:
+    """The verdict the alert's state machine sees, and why it was held. A run with fewer samples
+    than the evidence that raised an active alert never resolves or downgrades it (a 12-sample gate
+    after a 100-sample nightly): its not-breaching verdict counts as no data, and the alert says so.
+    A breaching verdict always counts."""
+    raised = _raised_n(alert)
+    if comparison.verdict in SEVERITY_VERDICTS[severity] or not raised or comparison.n >= raised:
+        return comparison.verdict, None
+    return "inconclusive", (f"run {comparison.run_id} said {comparison.verdict} at n={comparison.n}, fewer samples "
+                            f"than the n={raised} that raised this alert: kept as it was")
 
 
 def _config_verdicts(comparisons: list[Comparison], names: dict[int, str],

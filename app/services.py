@@ -285,5 +285,7 @@ def run_summary(session: Session, run: Run) -> RunOut:
         comparisons=comparisons, figures=figures, step_back=step_back,
         summary=verdict_summary(comparisons, step_back, baseline, ablations, figures=run_figures,
                                 decide_with=decide_command(repo.project_name(session, run.project_id),
-                                                           suite.name if suite else str(run.suite_id), run.trigger)),
+                                                           suite.name if suite else str(run.suite_id), run.trigger),
+                                decide_cap=min(suite.n_documents if suite else get_settings().max_samples_per_run,
+                                               get_settings().max_samples_per_run)),
         trade_off=trade_off_points(configs, comparisons, run_figures, baseline))

@@ -174,12 +174,13 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
 def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
-                    decide_with: str | None = None) -> VerdictSummaryOut:
+                    decide_with: str | None = None, decide_cap: int | None = None) -> VerdictSummaryOut:
     """The lines by group, the text as printed (at most max_lines), how many configs it leaves
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
     diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
     `decide_with`: the command that decides the undecided configs, with `{configs}` and `{samples}`
-    to fill in (app/services.decide_command)."""
+    to fill in (app/services.decide_command); `decide_cap`: the most samples it may ask for (the
+    suite's documents, the per-run limit), said when it is less than they need."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -206,9 +207,11 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
         undecided = groups["undecided"]
         text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
         if decide_with:
-            samples = max(line.decide_samples or 0 for line in undecided)
+            wanted = max(line.decide_samples or 0 for line in undecided)
+            samples = min(wanted, decide_cap) if decide_cap else wanted
+            short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
             text.append("  decide: " + decide_with.format(configs=",".join(line.config for line in undecided),
-                                                          samples=samples))
+                                                          samples=samples) + short)
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,

@@ -62,7 +62,7 @@ def _seed(url: str) -> int:
                                             is_baseline=name == "fp16", spec={"engine": "reference"})
                    for name in ("fp16", *rows)}
         s.add_all(configs.values())
-        suite = Suite(project_id=project.id, name="daily", version="v1", spec={}, n_documents=12)
+        suite = Suite(project_id=project.id, name="daily", version="v1", spec={}, n_documents=100)
         s.add(suite)
         s.flush()
         run = Run(project_id=project.id, suite_id=suite.id, suite_version="v1", model_id=model.id,

@@ -120,5 +120,8 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     # b stands below ppl_ratio's min_n with no figure in its rule: min_n decides it; a's 80 is more
     assert lines[-1] == ("  decide: canary gate --candidate a,b --suite 'pydoc smoke' --project serving "
                          "--samples 80")
+    # a suite of 50 documents cannot give 80: the command asks for what there is, and says so
+    capped = verdict_summary(rows, figures=figures, decide_with=gate, decide_cap=50).lines[-1]
+    assert capped.endswith("--samples 50 (the most there are; about 80 would decide them)")
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"

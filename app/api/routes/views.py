@@ -3,6 +3,7 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -27,6 +28,7 @@ from app.models import (
 )
 from app.schemas import ComparisonOut, FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
 from app.services import decide_command
+from app.settings import get_settings
 from app.ssrf import public_spec
 from app.summary import verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER
@@ -62,7 +64,9 @@ class OverviewConfig(BaseModel):
     config: str
     baseline: bool
     spec: dict[str, Any]
-    run_id: int | None = Field(description="the config's latest finished run of the suite; null: never measured on it")
+    run_id: int | None = Field(description="the run that stands for the config: of the suite's last 10 done runs, "
+                                           "the one with the most samples, the newest among equals (else its latest "
+                                           "run of the suite); null: never measured on it")
     checked_at: Time | None
     comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
     figures: FiguresOut
@@ -79,7 +83,7 @@ class OverviewOut(BaseModel):
     suites: list[str] = Field(description="every suite of the project")
     models: dict[str, list[OverviewConfig]] = Field(description="by model name")
     summaries: dict[str, VerdictSummaryOut] = Field(default_factory=dict, description=(
-        "by model name: the verdict for people over each config's latest run (app/summary.py)"))
+        "by model name: the verdict for people over each config's strongest recent run (app/summary.py)"))
     last_check_at: Time | None = Field(description="the suite's last finished run")
     next_check_at: Time | None = Field(description="the next slot of a schedule of the suite")
     schedules: list[ScheduleOut]
@@ -149,6 +153,21 @@ SuiteQuery = Query(None, max_length=128,
                    description="a suite name; default: the enabled schedule's suite, else the suite of the last "
                                "finished run. Other suites' runs are never mixed in")
 HISTORY_RUNS = 100  # how far back "breaching since" and the sparkline look (runs of the suite)
+EVIDENCE_RUNS = 10  # how far back the Overview looks for a config's strongest evidence (runs of the suite)
+
+
+def _strongest_evidence(session, done, rows: Sequence) -> list:
+    """Each (config, latest run id) with the run that stands for it instead: among the suite's last
+    EVIDENCE_RUNS done runs, the config's run with the most samples drawn, the newest among equals.
+    A smaller, later run (a 12-sample gate after a 100-sample nightly) never hides stronger
+    evidence; a config none of those runs measured keeps its latest run."""
+    recent = select(Run.id).where(done).order_by(Run.id.desc()).limit(EVIDENCE_RUNS).subquery()
+    best: dict[int, tuple[int, int]] = {}
+    for config_id, run_id, keys in session.execute(
+            select(ConfigRun.config_id, ConfigRun.run_id, Run.sample_keys).join(Run, Run.id == ConfigRun.run_id)
+            .where(ConfigRun.run_id.in_(select(recent.c.id)), ConfigRun.status == "succeeded")):
+        best[config_id] = max(best.get(config_id, (-1, -1)), (len(keys or ()), run_id))
+    return [(cfg, best[cfg.id][1] if cfg.id in best else run_id) for cfg, run_id in rows]
 BREACHING = ("warn", "critical")
 
 
@@ -187,7 +206,8 @@ def _worst_metric(cells: dict[str, dict]) -> str | None:
     return name if cells[name]["verdict"] in BREACHING else None
 
 
-def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int, tuple]) -> VerdictSummaryOut:
+def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int, tuple], documents: int | None,
+                   limit: int) -> VerdictSummaryOut:
     """The verdict for people over a model's configs' latest comparisons (app/summary.py), naming
     the engine and device of a speed finding; the command that decides the undecided ones only
     where every config's latest run is the same run (else no one command reruns them as they ran)."""
@@ -196,14 +216,16 @@ def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int
                    for c in configs if not c["baseline"] for metric, cell in c["comparisons"].items()]
     run_ids = {c["run_id"] for c in configs if c["run_id"] is not None}
     decide = decide_command(project, suite, runs[run_ids.pop()][2]) if len(run_ids) == 1 else None
-    return verdict_summary(comparisons, figures={c["config"]: c["figures"] for c in configs}, decide_with=decide)
+    return verdict_summary(comparisons, figures={c["config"]: c["figures"] for c in configs}, decide_with=decide,
+                           decide_cap=min(documents or limit, limit))
 
 
 @router.get("/projects/{project}/overview", response_model=OverviewOut)
 def overview(project: ProjectDep, session: SessionDep, suite: str | None = SuiteQuery) -> dict:
-    """Per model, each config's latest finished run of one suite: comparisons (estimate, CI, n,
-    verdict), serving figures, since when it breaches and its ppl_ratio history; when the suite
-    was last checked and when its schedule checks next."""
+    """Per model, each config's strongest recent evidence on one suite (of the suite's last 10 done
+    runs, the config's run with the most samples: a smaller, later run never hides a larger one):
+    comparisons (estimate, CI, n, verdict), serving figures, since when it breaches and its
+    ppl_ratio history; when the suite was last checked and when its schedule checks next."""
     chosen = _suite(session, project, suite)
     suite_id = chosen.id if chosen else -1
     done = and_(Run.project_id == project.id, Run.status == "done", Run.suite_id == suite_id)
@@ -219,6 +241,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                            .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
                            .where(Model.project_id == project.id, OptimizationConfig.ablation_of_id.is_(None))
                            .order_by(Model.name, OptimizationConfig.id)).all()
+    rows = _strongest_evidence(session, done, rows)
     latest_ids = {r for _, r in rows if r is not None}
     older_ids = set(recent) - latest_ids
     # by (config, metric): run id → cell; whole cells for each config's latest run, and only the
@@ -262,7 +285,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
-    summaries = {model: _model_summary(configs, project.name, chosen.name if chosen else "", runs)
+    summaries = {model: _model_summary(configs, project.name, chosen.name if chosen else "", runs,
+                                       chosen.n_documents if chosen else None, get_settings().max_samples_per_run)
                  for model, configs in models.items()}
     schedules = [schedule_out(s) for s in session.scalars(select(Schedule).where(Schedule.project_id == project.id,
                                                                                  Schedule.enabled.is_(True)))]
