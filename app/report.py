@@ -3,9 +3,11 @@ elsewhere, no request when opened) for a reviewer outside the dashboard. `canary
 writes it, GET /api/v1/projects/{project}/runs/{run_id}/report serves it, and `canary gate
 --report-html` saves it beside the gate's markdown summary as a CI artifact.
 
-It holds: the verdict for people (app/summary.py), every comparison with its 95% CI, the quality
-lost against the speed gained as an inline SVG, each candidate's worst documents, and the field
-signals where the run measured them (the baseline's noise floor, generation health).
+It holds: the verdict for people (app/summary.py), the thresholds that judged the run, every
+comparison with its 95% CI, the quality lost against the speed gained as an inline SVG, each
+candidate's worst documents, the field signals where the run measured them (the baseline's noise
+floor, generation health), and the environment (model, seed, samples, engines, devices, library
+versions; app/report_context.py). `build(..., form="md")` gives it as Markdown for a pull request.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Project, Run, Suite
+from app.report_context import ReportContext, bound, gather, markdown, when
 from app.schemas import ComparisonOut, RunOut
 from evals.comparison import bucket_interval
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
@@ -260,8 +263,33 @@ def _tasks(summary: RunOut) -> str:
     return "".join(out) + "</table>"
 
 
-def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]]) -> str:
-    """The report's HTML from a run summary (app/services.run_summary) and each candidate's worst documents."""
+def _thresholds(ctx: ReportContext) -> str:
+    out = ["<table><tr><th>metric</th><th>breaches when</th><th>warn</th><th>critical</th><th>min n</th><th>from</th>"
+           "<th>judged</th></tr>"]
+    for t in ctx.thresholds:
+        out.append(f"<tr><td>{escape(t.label)}</td><td>{escape(t.direction)}</td><td>{bound(t.warn)}</td>"
+                   f"<td>{bound(t.critical)}</td><td>{t.min_n}</td><td>{escape(t.source)}</td>"
+                   f"<td>{escape(', '.join(t.configs))}</td></tr>")
+    return "".join(out) + "</table>"
+
+
+def _environment(ctx: ReportContext) -> str:
+    out = ["<table>", *(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in ctx.environment)]
+    if ctx.versions:
+        out.append("<tr><th>libraries</th><td>" + escape(", ".join(f"{k} {v}" for k, v in ctx.versions.items()))
+                   + "</td></tr>")
+    out.append("</table><table><tr><th>config</th><th>engine</th><th>device</th><th>dtype</th><th>weights</th>"
+               "<th>KV cache</th><th>speculative</th></tr>")
+    for c in ctx.configs:
+        out.append("<tr>" + "".join(f"<td>{_cell(c[k])}</td>" for k in (
+            "config", "engine", "device", "dtype", "weights", "kv cache", "speculative")) + "</tr>")
+    return "".join(out) + "</table>"
+
+
+def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict[str, Any]]],
+           ctx: ReportContext | None = None) -> str:
+    """The report's HTML from a run summary (app/services.run_summary), each candidate's worst
+    documents and the run's thresholds and environment (app/report_context.py)."""
     from app.services import samples_label
 
     verdict = summary.verdict or summary.status
@@ -272,37 +300,44 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         f"<style>{STYLE}</style></head><body>",
         f"<h1>inference-canary · project {escape(project)} · run {summary.run_id}</h1>",
         f"<p>Suite <b>{escape(suite)}</b> ({escape(samples_label(summary))}), baseline "
-        f"<b>{escape(summary.baseline or '—')}</b>, started {_cell(summary.created_at)}, finished "
-        f"{_cell(summary.finished_at)}.</p>",
+        f"<b>{escape(summary.baseline or '—')}</b>, started {escape(when(summary.created_at))}, finished "
+        f"{escape(when(summary.finished_at))}.</p>",
         f"<div class='banner {escape(verdict)}'><p class='v'>verdict: {escape(verdict)}</p>",
         f"<pre>{escape(chr(10).join(lines))}</pre></div>",
         "<h2>Quality lost against speed gained</h2>", trade_off_svg([p.model_dump() for p in summary.trade_off]),
         "<p class='dim'>Colour: the perplexity ratio's verdict. Vertical bars: its 95% CI; horizontal bars: the speed "
         "gain's, dashed where that comparison is inconclusive.</p>",
+        *(["<h2>Thresholds</h2>", _thresholds(ctx)] if ctx else []),
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
         "<h2>Quality by position in the context and in the answer</h2>", _positions(summary),
         "<h2>Next-token distributions against the baseline</h2>", _distributions(summary),
         "<h2>Task accuracy on labelled items</h2>", _tasks(summary),
         f"<h2>Worst documents per candidate (top {WORST_SAMPLES} by NLL)</h2>", _worst(worst),
+        *(["<h2>Environment</h2>", _environment(ctx)] if ctx else []),
         f"<h2>The stored reason</h2><pre>{escape(summary.verdict_reason or '—')}</pre>",
         "</body></html>\n"])
 
 
-def build(session: Session, project: Project, run: Run) -> str:
-    """The report of one run, read from the database."""
+def build(session: Session, project: Project, run: Run, form: str = "html") -> str:
+    """The report of one run, read from the database: HTML, or Markdown (`form` "md") for a pull
+    request (the decision, thresholds, gated comparisons and environment; no worst documents)."""
     from app.queries import worst_samples
     from app.services import run_summary
 
     summary = run_summary(session, run)
+    ctx = gather(session, run, summary)
+    suite = session.get(Suite, run.suite_id)
+    suite_name = suite.name if suite is not None else str(run.suite_id)
+    if form == "md":
+        return markdown(summary, project.name, suite_name, ctx)
     candidates = [c.config for c in summary.configs if c.config != summary.baseline
                   and c.status == "succeeded" and not c.ablation_of]
     worst = {name: worst_samples(session, run, repo.get_config(session, project, name).id, "nll", WORST_SAMPLES)
              for name in candidates}
-    suite = session.get(Suite, run.suite_id)
     keys = {item["sample_key"] for items in worst.values() for item in items}
     texts = {s.key: s.text for s in repo.suite_samples(session, run.suite_id, run.suite_version, keys)}
     for items in worst.values():
         for item in items:
             item["text"] = texts.get(item["sample_key"])
-    return render(summary, project.name, suite.name if suite is not None else str(run.suite_id), worst)
+    return render(summary, project.name, suite_name, worst, ctx)

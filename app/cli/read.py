@@ -69,27 +69,38 @@ def runs_show(run_id: int = typer.Argument(..., help="the run's id (from `canary
 
 @app.command()
 def report(run_id: int = typer.Argument(..., help="the run's id (from `canary runs list`)"), project: str = PROJECT,
-           output: pathlib.Path | None = typer.Option(None, "--output", "-o",
-                                                      help="the HTML file to write (default: canary-run-RUN.html)")
+           output: str | None = typer.Option(None, "--output", "-o",
+                                             help="the file to write (default: canary-run-RUN.html or .md); - for "
+                                                  "stdout"),
+           form: str | None = typer.Option(None, "--format", help="html (one self-contained file) or md (Markdown "
+                                                                  "for a pull request); default: from --output's "
+                                                                  "suffix, else html"),
            ) -> None:
-    """One run's report to share: a self-contained HTML file (the verdict summary, every comparison
-    with its CI, quality vs speed, the worst documents per candidate, the field signals) that opens
-    offline in any browser."""
+    """One run's report to share: a self-contained HTML file (the verdict summary, the thresholds,
+    every comparison with its CI, quality vs speed, the worst documents per candidate, the field
+    signals, the environment) that opens offline in any browser; or the same decision, thresholds,
+    gated comparisons and environment as Markdown (--format md) for a pull request."""
     from app import repo
     from app import report as reports
     from app.db import session_scope
 
-    path = output or pathlib.Path(f"canary-run-{run_id}.html")
+    form = form or ("md" if output and output.endswith(".md") else "html")
+    if form not in ("html", "md"):
+        fail(f"--format must be html or md, not '{form}'")
+    target = output or f"canary-run-{run_id}.{form}"
     try:
         with session_scope() as session:
             proj = repo.get_project(session, project)
-            html = reports.build(session, proj, repo.get_run(session, proj, run_id))
-        path.write_text(html, encoding="utf-8")
+            text = reports.build(session, proj, repo.get_run(session, proj, run_id), form)
+        if target == "-":
+            sys.stdout.write(text)
+            return
+        pathlib.Path(target).write_text(text, encoding="utf-8")
     except repo.NotFound as e:
         fail(str(e))
     except OSError as e:
-        fail(f"--output: cannot write {path}: {e.strerror or e}")
-    console.print(f"report of run {run_id} written to {path} ({len(html.encode()) // 1024} KB)", highlight=False)
+        fail(f"--output: cannot write {target}: {e.strerror or e}")
+    console.print(f"report of run {run_id} written to {target} ({len(text.encode()) // 1024} KB)", highlight=False)
 
 
 @runs_app.command("cancel")

@@ -149,3 +149,32 @@ def test_every_surface_says_the_same_decision(seeded, capsys):
     with session_scope() as s:
         payloads = [json.dumps(n.payload, ensure_ascii=False) for n in s.scalars(select(Notification))]
     assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2.removeprefix('int2: ')}." in payloads[0]
+
+
+def test_the_release_review_report_holds_thresholds_environment_and_markdown(seeded):
+    """`canary report` (app/report.py, app/report_context.py): the thresholds that judged the run,
+    the environment that measured it, and the same as Markdown for a pull request."""
+    from app.db import session_scope
+    from app.report import build
+    from app.repo import get_project, get_run
+    from evals.metrics import METRICS
+
+    with session_scope() as s:
+        project = get_project(s, "shop")
+        run = get_run(s, project, seeded)
+        page, md = build(s, project, run), build(s, project, run, "md")
+    tpot = METRICS["tpot_ratio"]  # no rule of the project's: the metric table's seed thresholds
+    thresholds = ["| ppl ratio | above | 1.05 | 1.15 | 10 | project rule | int2, int8, u1 |",
+                  f"| TPOT ratio | above | {tpot.warn:g} | {tpot.critical:g} | {tpot.min_n} | seed | kivi-4 |"]
+    lines = md.splitlines()
+    assert lines[0] == f"# inference-canary · project `shop` · run {seeded}: **fail**"
+    start = lines.index("## Decision") + 3
+    assert lines[start:start + len(LINES)] == LINES  # the decision, as every surface prints it
+    assert [line for line in lines if line.startswith(("| ppl ratio | above", "| TPOT ratio | above"))] == thresholds
+    assert "| int2 | ppl ratio | +30.00% [+20.00, +40.00] | 12 | critical |" in lines
+    assert "| model | tiny (builtin:pydoc-target) |" in lines and "| samples | 12 drawn |" in lines
+    assert "| suite | daily, version v1 |" in lines
+    assert "| int2 | reference | cpu | — | — | — | — |" in lines  # the seeded figures name engine and device only
+    # the HTML report: the same tables, and times in UTC
+    assert "<h2>Thresholds</h2>" in page and "<td>project rule</td>" in page and "<h2>Environment</h2>" in page
+    assert re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d UTC", page)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import HTMLResponse
@@ -65,16 +65,25 @@ _JSON_ERRORS = {code: {**{k: v for k, v in r.items() if k != "model"}, "content"
 
 
 @router.get("/projects/{project}/runs/{run_id}/report", response_class=HTMLResponse,
-            responses={200: {"content": {"text/html": {"schema": {"type": "string"}}},
-                             "description": "one self-contained HTML file"}, **_JSON_ERRORS})
-def get_run_report(run_id: RowId, project: ProjectDep, session: SessionDep) -> HTMLResponse:
-    """The run's report to share (app/report.py): the verdict for people, every comparison with its
-    CI, quality lost against speed gained as an inline SVG, the worst documents per candidate and
-    the field signals. No script and nothing from elsewhere: it opens offline."""
+            responses={200: {"content": {"text/html": {"schema": {"type": "string"}},
+                                         "text/markdown": {"schema": {"type": "string"}}},
+                             "description": "one self-contained HTML file, or Markdown with format=md"},
+                       **_JSON_ERRORS})
+def get_run_report(run_id: RowId, project: ProjectDep, session: SessionDep,
+                   form: Literal["html", "md"] = Query("html", alias="format", description=(
+                       "html: one self-contained file; md: the decision, thresholds, gated comparisons and "
+                       "environment as Markdown for a pull request"))) -> Response:
+    """The run's report to share (app/report.py): the verdict for people, the thresholds, every
+    comparison with its CI, quality lost against speed gained as an inline SVG, the worst documents
+    per candidate, the field signals and the environment. No script and nothing from elsewhere: it
+    opens offline."""
     from app import report
 
-    html = report.build(session, project, repo.get_run(session, project, run_id))
-    return HTMLResponse(html, headers={"Content-Disposition": f'inline; filename="canary-run-{run_id}.html"'})
+    text = report.build(session, project, repo.get_run(session, project, run_id), form)
+    disposition = {"Content-Disposition": f'inline; filename="canary-run-{run_id}.{form}"'}
+    if form == "md":
+        return Response(text, media_type="text/markdown; charset=utf-8", headers=disposition)
+    return HTMLResponse(text, headers=disposition)
 
 
 @router.post("/projects/{project}/runs/{run_id}/cancel", response_model=RunOut,
