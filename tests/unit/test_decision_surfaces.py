@@ -155,8 +155,8 @@ def test_the_release_review_report_holds_thresholds_environment_and_markdown(see
     """`canary report` (app/report.py, app/report_context.py): the thresholds that judged the run,
     the environment that measured it, and the same as Markdown for a pull request."""
     from app.db import session_scope
-    from app.report import build
     from app.repo import get_project, get_run
+    from app.report import build
     from evals.metrics import METRICS
 
     with session_scope() as s:
