@@ -23,7 +23,7 @@ from app.alerting import (
     should_notify,
 )
 from app.channels import AlertMessage, build, build_group
-from app.models import Alert, AlertRule, Channel, Comparison, Notification, Run, Silence, Suite, aware, utcnow
+from app.models import Alert, AlertRule, Channel, ComparisonRow, Notification, Run, Silence, Suite, aware, utcnow
 from app.schemas import ComparisonOut
 from app.settings import get_settings
 from app.summary import config_line, judged
@@ -55,11 +55,11 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                                           Channel.enabled.is_(True))))
     silences = [SilenceRule(tuple(silence.matchers), aware(silence.starts_at), aware(silence.ends_at))
                 for silence in session.scalars(select(Silence).where(Silence.project_id == run.project_id))]
-    comparisons = list(session.scalars(select(Comparison).where(Comparison.run_id == run.id)))
+    comparisons = list(session.scalars(select(ComparisonRow).where(ComparisonRow.run_id == run.id)))
     rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
     verdicts = _config_verdicts(comparisons, names, {config_run.config.name: config_run.figures or {}
                                                      for config_run in run.config_runs})
-    touched: list[tuple[Alert, AlertState, str | None, Comparison]] = []
+    touched: list[tuple[Alert, AlertState, str | None, ComparisonRow]] = []
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or not comparison.gated:
             continue
@@ -144,7 +144,7 @@ def _raised_n(alert: Alert | None) -> int:
     return int((alert.annotations or {}).get("raised_n") or (alert.annotations or {}).get("n") or 0)
 
 
-def _weighed(alert: Alert | None, comparison: Comparison, severity: str) -> tuple[str, str | None]:
+def _weighed(alert: Alert | None, comparison: ComparisonRow, severity: str) -> tuple[str, str | None]:
     """The verdict the alert's state machine sees, and why it was held. A run with fewer samples
     than the evidence that raised an active alert never resolves or downgrades it (a 12-sample gate
     after a 100-sample nightly): its not-breaching verdict counts as no data, and the alert says so.
@@ -156,7 +156,7 @@ def _weighed(alert: Alert | None, comparison: Comparison, severity: str) -> tupl
                             f"than the n={raised} that raised this alert: kept as it was")
 
 
-def _config_verdicts(comparisons: list[Comparison], names: dict[int, str],
+def _config_verdicts(comparisons: list[ComparisonRow], names: dict[int, str],
                      figures: dict[str, dict]) -> dict[str, str]:
     """Each candidate's line of the verdict summary (app/summary.py), e.g. 'drop or fix: ppl ratio
     +5.90% [+4.50, +8.20] critical; TTFT ratio +30% [...] warn (reference engine on cpu)': an alert
@@ -173,7 +173,7 @@ def _config_verdicts(comparisons: list[Comparison], names: dict[int, str],
     return out
 
 
-def _step_back(comparison: Comparison) -> dict[str, str]:
+def _step_back(comparison: ComparisonRow) -> dict[str, str]:
     """{"step_back": the layer to disable, with each layer's share} when the comparison's stacked
     config stepped back (workers/step_back.py), else nothing."""
     found = (comparison.details or {}).get("step_back")

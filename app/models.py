@@ -200,7 +200,7 @@ class SampleResult(TimestampMixin, Base):
     extra: Mapped[dict[str, Any] | None] = mapped_column(JSONType)  # token counts, text, timings
 
 
-class Comparison(TimestampMixin, Base):
+class ComparisonRow(TimestampMixin, Base):
     __tablename__ = "comparisons"
     __table_args__ = (UniqueConstraint("run_id", "config_id", "metric"),)
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -34,7 +34,7 @@ from sqlalchemy import func, select
 from app.models import (
     Alert,
     Channel,
-    Comparison,
+    ComparisonRow,
     ConfigRun,
     Model,
     Notification,
@@ -156,7 +156,7 @@ class CanaryCollector(Collector):
             by_run.setdefault(run_id, []).append((config_id, config, model, project))
         for run_id, configs in by_run.items():
             comparisons = {(row.config_id, row.metric): row
-                           for row in session.scalars(select(Comparison).where(Comparison.run_id == run_id))}
+                           for row in session.scalars(select(ComparisonRow).where(ComparisonRow.run_id == run_id))}
             figures = {config_run.config_id: config_run.figures or {}
                        for config_run in session.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id))}
             for config_id, config, model, project in configs:

@@ -12,7 +12,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from app.models import (
-    Comparison,
+    ComparisonRow,
     ConfigRun,
     OptimizationConfig,
     Project,
@@ -24,7 +24,7 @@ from app.models import (
 from app.repo.base import TERMINAL, Conflict, NotFound, _insert, _rowcount
 from app.repo.catalogue import suite_samples
 from evals.comparison import STORED
-from evals.comparison import Comparison as Measured  # app.models.Comparison is its stored row
+from evals.comparison import Comparison as Measured  # app.models.ComparisonRow is its stored row
 
 
 def draw_samples(keys: Sequence[str], n: int, seed: int) -> list[str]:
@@ -185,7 +185,7 @@ def write_comparisons(session: Session, run_id: int, rows: Sequence[Measured]) -
         raise ValueError("write_comparisons: every comparison needs its config_id")
     insert = _insert(session)
     now = utcnow()
-    stmt = insert(Comparison).values([{"run_id": run_id, "created_at": now, **c.to_row()} for c in rows])
+    stmt = insert(ComparisonRow).values([{"run_id": run_id, "created_at": now, **c.to_row()} for c in rows])
     stmt = stmt.on_conflict_do_update(
         index_elements=["run_id", "config_id", "metric"],
         set_={c: getattr(stmt.excluded, c) for c in STORED if c not in ("config_id", "metric")},
@@ -193,9 +193,9 @@ def write_comparisons(session: Session, run_id: int, rows: Sequence[Measured]) -
     session.execute(stmt)
 
 
-def comparisons(session: Session, run_id: int) -> list[Comparison]:
-    return list(session.scalars(select(Comparison).where(Comparison.run_id == run_id)
-                                .order_by(Comparison.config_id, Comparison.metric)))
+def comparisons(session: Session, run_id: int) -> list[ComparisonRow]:
+    return list(session.scalars(select(ComparisonRow).where(ComparisonRow.run_id == run_id)
+                                .order_by(ComparisonRow.config_id, ComparisonRow.metric)))
 
 
 AGGREGATION_LOCK = 0x63616E61  # advisory-lock namespace of run aggregations

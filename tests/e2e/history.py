@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 def seed_history(url: str, runs: int, configs: int, seed: int = 0) -> dict:
     """Fill the (migrated, empty) database at `url`; returns {"project", "configs", "run_ids"}."""
     from app.config_file import SuiteEntry
-    from app.models import Alert, AlertRule, Comparison, ConfigRun, Model, OptimizationConfig, Project, Run, Suite, utcnow
+    from app.models import Alert, AlertRule, ComparisonRow, ConfigRun, Model, OptimizationConfig, Project, Run, Suite, utcnow
 
     rng = random.Random(seed)
     engine = create_engine(url)
@@ -61,11 +61,11 @@ def seed_history(url: str, runs: int, configs: int, seed: int = 0) -> dict:
                     ratio += 0.2
                 half = 0.02 * ratio
                 verdict = "critical" if ratio - half >= 1.30 else "warn" if ratio - half >= 1.15 else "ok"
-                s.add(Comparison(run_id=run.id, config_id=cfg.id, metric="ppl_ratio", estimate=ratio,
+                s.add(ComparisonRow(run_id=run.id, config_id=cfg.id, metric="ppl_ratio", estimate=ratio,
                                  ci_low=ratio - half, ci_high=ratio + half, n=100, verdict=verdict,
                                  rule="seeded history", details={}))
                 tpot = 0.8 + 0.05 * i + rng.gauss(0, 0.01)
-                s.add(Comparison(run_id=run.id, config_id=cfg.id, metric="tpot_ratio", estimate=tpot,
+                s.add(ComparisonRow(run_id=run.id, config_id=cfg.id, metric="tpot_ratio", estimate=tpot,
                                  ci_low=tpot - 0.03, ci_high=tpot + 0.03, n=16, verdict="ok", rule="seeded history",
                                  details={}))
                 if verdict != "ok" and (k % 3 == 0 or k == runs - 1):

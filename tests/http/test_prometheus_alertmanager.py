@@ -19,7 +19,7 @@ from app.channels import AlertMessage, build
 from app.config_file import parse_config
 from app.db import session_scope
 from app.dispatch import InlineDispatcher
-from app.models import Channel, Comparison, Notification, Project
+from app.models import Channel, ComparisonRow, Notification, Project
 from app.notify import deliver_due
 from app.services import apply_config_file, start_run
 
@@ -87,7 +87,7 @@ def test_prometheus_scrapes_metrics_and_fires_the_rules(sqlite_env, tmp_path, re
     start_run("p", "s", ["cand"], InlineDispatcher())
     with session_scope() as s:
         # the latest run's figure is exposed (the critical alert escalated to a full-suite run)
-        comp = max((c for c in s.query(Comparison).all() if c.metric == "ppl_ratio"), key=lambda c: c.run_id)
+        comp = max((c for c in s.query(ComparisonRow).all() if c.metric == "ppl_ratio"), key=lambda c: c.run_id)
         want = comp.estimate
         _, key = create_key(s, "p", "prometheus", "metrics")
         _, other_key = create_key(s, "other", "prometheus", "metrics")  # another project's metrics key sees none of p

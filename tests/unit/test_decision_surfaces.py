@@ -32,7 +32,7 @@ def _seed(url: str) -> int:
     from app.models import (
         AlertRule,
         Channel,
-        Comparison,
+        ComparisonRow,
         ConfigRun,
         Gate,
         Model,
@@ -74,7 +74,7 @@ def _seed(url: str) -> int:
             s.add(ConfigRun(run_id=run.id, config_id=config.id, status="succeeded",
                             figures={"engine": "reference", "device": "cpu"}))
         for name, (metric, est, low, high, n, verdict, rule) in rows.items():
-            s.add(Comparison(run_id=run.id, config_id=configs[name].id, metric=metric, estimate=est, ci_low=low,
+            s.add(ComparisonRow(run_id=run.id, config_id=configs[name].id, metric=metric, estimate=est, ci_low=low,
                              ci_high=high, n=n, verdict=verdict, rule=rule, details={}))
         s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.05, critical=1.15, direction="above"))
         s.add(Channel(project_id=project.id, name="team", kind="slack", url="http://127.0.0.1:9/hook"))

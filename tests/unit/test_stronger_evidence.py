@@ -39,7 +39,7 @@ def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, 
     """One finished run of int4 against fp16, evaluated; each severity's alert: (state, held note)."""
     from app.alert_evaluation import evaluate_run
     from app.db import session_scope
-    from app.models import Alert, Comparison, ConfigRun, Run
+    from app.models import Alert, ComparisonRow, ConfigRun, Run
 
     project, model, base, int4, suite = ids
     with session_scope() as s:
@@ -48,7 +48,7 @@ def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, 
         s.add(run)
         s.flush()
         s.add_all([ConfigRun(run_id=run.id, config_id=c, status="succeeded") for c in (base, int4)])
-        s.add(Comparison(run_id=run.id, config_id=int4, metric="ppl_ratio", estimate=ratio, ci_low=ratio - 0.01,
+        s.add(ComparisonRow(run_id=run.id, config_id=int4, metric="ppl_ratio", estimate=ratio, ci_low=ratio - 0.01,
                          ci_high=ratio + 0.01, n=samples, verdict=verdict, rule="seeded", details={}))
         s.flush()
         evaluate_run(s, run)

@@ -17,7 +17,7 @@ from app.api.routes.schedules import out as schedule_out
 from app.models import (
     Alert,
     AlertRule,
-    Comparison,
+    ComparisonRow,
     ConfigRun,
     Model,
     OptimizationConfig,
@@ -188,13 +188,13 @@ def _suite_names(session, project: Project) -> list[str]:
     return list(session.scalars(select(Suite.name).where(Suite.project_id == project.id).order_by(Suite.id)))
 
 
-CELL_COLUMNS = (Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate, Comparison.ci_low,
-                Comparison.ci_high, Comparison.n, Comparison.verdict, Comparison.rule, Comparison.baseline_value,
-                Comparison.candidate_value, Comparison.details, Comparison.gated)
+CELL_COLUMNS = tuple(getattr(ComparisonRow, name) for name in (
+    "run_id", "config_id", "metric", "estimate", "ci_low", "ci_high", "n", "verdict", "rule", "baseline_value",
+    "candidate_value", "details", "gated"))
 
 
 def _cell(c) -> dict:
-    """A comparison (a Comparison or a row of CELL_COLUMNS) as the overview's cell."""
+    """A comparison (a ComparisonRow or a row of CELL_COLUMNS) as the overview's cell."""
     return ComparisonCell.model_validate(c, from_attributes=True).model_dump()
 
 
@@ -250,8 +250,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     figures: dict[tuple[int, int], dict] = {}
     runs: dict[int, tuple] = {}  # run id → (created_at, finished_at, trigger)
     if latest_ids:
-        # columns, not Comparison objects: no eager join of each row's config, no identity map
-        for c in session.execute(select(*CELL_COLUMNS).where(Comparison.run_id.in_(latest_ids))):
+        # columns, not ComparisonRow objects: no eager join of each row's config, no identity map
+        for c in session.execute(select(*CELL_COLUMNS).where(ComparisonRow.run_id.in_(latest_ids))):
             history.setdefault((c.config_id, c.metric), {})[c.run_id] = _cell(c)
         for run_id, config_id, figs in session.execute(select(ConfigRun.run_id, ConfigRun.config_id, ConfigRun.figures)
                                                        .where(ConfigRun.run_id.in_(latest_ids))):
@@ -259,8 +259,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     if older_ids:
         recent_sq = recent_q.subquery()
         for run_id, config_id, metric, estimate, verdict in session.execute(
-                select(Comparison.run_id, Comparison.config_id, Comparison.metric, Comparison.estimate,
-                       Comparison.verdict).join(recent_sq, recent_sq.c.id == Comparison.run_id)):
+                select(ComparisonRow.run_id, ComparisonRow.config_id, ComparisonRow.metric, ComparisonRow.estimate,
+                       ComparisonRow.verdict).join(recent_sq, recent_sq.c.id == ComparisonRow.run_id)):
             if run_id in older_ids:
                 history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     if latest_ids or older_ids:
@@ -307,15 +307,16 @@ def trends(project: ProjectDep, session: SessionDep,
     it from that suite's runs."""
     chosen = _suite(session, project, suite)
     suite_id = chosen.id if chosen else -1
-    q = (select(Comparison.run_id, Comparison.estimate, Comparison.ci_low, Comparison.ci_high, Comparison.n,
-                Comparison.verdict, Run.created_at, OptimizationConfig.name).join(Run, Run.id == Comparison.run_id)
-         .join(OptimizationConfig, OptimizationConfig.id == Comparison.config_id)
-         .where(Run.project_id == project.id, Run.suite_id == suite_id, Comparison.metric == metric,
+    q = (select(ComparisonRow.run_id, ComparisonRow.estimate, ComparisonRow.ci_low, ComparisonRow.ci_high,
+                ComparisonRow.n, ComparisonRow.verdict, Run.created_at, OptimizationConfig.name)
+         .join(Run, Run.id == ComparisonRow.run_id)
+         .join(OptimizationConfig, OptimizationConfig.id == ComparisonRow.config_id)
+         .where(Run.project_id == project.id, Run.suite_id == suite_id, ComparisonRow.metric == metric,
                 OptimizationConfig.ablation_of_id.is_(None)))  # a stacked config's layers: on its run's page
     if config:
-        q = q.where(Comparison.config_id == repo.get_config(session, project, config).id)
+        q = q.where(ComparisonRow.config_id == repo.get_config(session, project, config).id)
     points = [TrendPoint.model_validate({**c._mapping, "config": c.name, "at": iso(c.created_at)})
-              for c in session.execute(q.order_by(Comparison.run_id.desc()).limit(limit))]
+              for c in session.execute(q.order_by(ComparisonRow.run_id.desc()).limit(limit))]
     points.reverse()
     names = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.name)
                                  .join(Model, Model.id == OptimizationConfig.model_id)
