@@ -79,9 +79,15 @@ class AlertMessage:
         return f" Step back: {advice}." if advice else ""
 
     def link(self) -> str:
+        """The dashboard's page for the run (its project chosen: the dashboard opens on the first
+        project otherwise), or its front page."""
+        from urllib.parse import urlencode
+
+        base = self.dashboard_url.rstrip("/") + "/"
+        project = {"project": self.labels["project"]} if self.labels.get("project") else {}
         if not self.run_id:
-            return self.dashboard_url.rstrip("/") + "/"
-        return f"{self.dashboard_url.rstrip('/')}/?page=run&run_id={self.run_id}"
+            return base + (f"?{urlencode(project)}" if project else "")
+        return base + "?" + urlencode({"page": "run", "run_id": self.run_id, **project})
 
 
 # The one list of channel kinds: each is the module app/channels/<kind>.py (its payload, its

@@ -149,6 +149,7 @@ def test_every_surface_says_the_same_decision(seeded, capsys):
     with session_scope() as s:
         payloads = [json.dumps(n.payload, ensure_ascii=False) for n in s.scalars(select(Notification))]
     assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2.removeprefix('int2: ')}." in payloads[0]
+    assert f"/?page=run&run_id={seeded}&project=shop" in payloads[0]  # its link opens the run in its project
 
 
 def test_the_release_review_report_holds_thresholds_environment_and_markdown(seeded):
