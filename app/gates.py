@@ -95,15 +95,17 @@ def gains(figures: dict[str, Any], candidate: str, baseline: str) -> list[str]:
 
 
 def step_back_lines(summary: RunOut, candidate: str) -> list[str]:
-    """For a stacked candidate that breaches, the layer to disable and each layer's share of the
-    loss on its worst quality ratio (workers/step_back.py); nothing when its ablations did not run."""
+    """For a stacked candidate that breaches, each layer's share of the loss on its worst quality
+    ratio (workers/step_back.py; the layer to disable is in the verdict's lines); nothing when its
+    ablations did not run."""
     found = [s for s in summary.step_back if s.config == candidate]
     if not found:
         return []
     worst = found[0] if len(found) == 1 else max(
         found, key=lambda s: (max(VERDICT_ORDER.get(c.verdict, 0) for c in summary.comparisons
                                   if c.config == candidate and c.metric == s.metric), s.stacked_ratio))
-    lines = ["", f"**Step back one layer:** {worst.advice}.", "",
+    # the advice itself is in the verdict's lines above (app/summary.py): here, each layer's share
+    lines = ["", f"**Step back one layer** (each layer's share of the loss on {worst.metric}):", "",
              f"| layer | {worst.metric} alone | share of the loss | run alone as |", "|---|---|---|---|"]
     for layer in worst.layers:
         share = "—" if layer.share is None else f"{layer.share * 100:.1f} %"  # the advice rounds; the table not

@@ -135,7 +135,7 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
     # the verdict, the gate summary and the alert name the layer to disable; the layers decide nothing
     assert f"step back int8-kv2: {advice}" in summary["verdict_reason"]
     assert "~" not in summary["verdict_reason"].split("; step back")[0]
-    assert f"**Step back one layer:** {advice}." in out["summary_markdown"]
+    assert f" — step back: {advice}" in out["summary_markdown"]  # in the verdict's lines, as on every surface
     assert "| kv_cache int2 |" in out["summary_markdown"]
     delivered = [json.loads(d["body"]) for d in receiver.delivered()]
     assert len(delivered) == 1  # one message: the critical alert of the stacked config (it inhibits the warn)

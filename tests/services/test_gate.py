@@ -169,4 +169,5 @@ def test_a_stacked_gate_steps_back_in_the_worker(stack, tmp_path):
         "int8-kv2~kv_cache-only": "succeeded"}
     [found] = run["step_back"]
     assert found["config"] == "int8-kv2" and found["disable"] == "kv_cache"
-    assert f"**Step back one layer:** {found['advice']}." in md.read_text()
+    # the advice in the verdict's lines, each layer's share in the table under them
+    assert f" — step back: {found['advice']}" in md.read_text() and "**Step back one layer**" in md.read_text()

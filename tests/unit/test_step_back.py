@@ -107,7 +107,7 @@ def test_gate_summary_lines_from_a_step_back():
                               "disable": "kv_cache", "advice": "disable kv_cache int2: 90 %", "layers": layers}]}
     assert step_back_lines(run_out(**summary), "other") == []
     assert step_back_lines(run_out(**summary), "s") == [
-        "", "**Step back one layer:** disable kv_cache int2: 90 %.", "",
+        "", "**Step back one layer** (each layer's share of the loss on ppl_ratio):", "",
         "| layer | ppl_ratio alone | share of the loss | run alone as |", "|---|---|---|---|",
         "| kv_cache int2 | 1.5 | 90.0 % | `s~kv_cache-only` |",
         "| weights int8 | 1.046 | 10.0 % | `s~weights-only` |"]
