@@ -6,7 +6,9 @@ upgrade of the same revision writes them back into the rows that still exist, th
 The old code never reads the stash table, and it goes with the last revision's rows: the table
 exists only while some revision is downgraded.
 
-A row the old code deleted in between is not restored; a row it added gets the column's default;
+A row the old code deleted in between is not restored, and a row it added gets the column's
+default: a value goes back only to the row with the same id and the same natural key (a new row
+may take a deleted row's id on SQLite). A value the old code changed since stays its (`still`);
 a stashed reference to a row that is gone is left out (`keep`). Only for the migrations
 (migrations/versions), inside their transaction."""
 
@@ -23,18 +25,22 @@ _stash = sa.table(STASH, sa.column("revision", sa.String), sa.column("table_name
                   sa.column("row_id", sa.BigInteger), sa.column("stashed", sa.JSON))
 
 
-def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], Any]) -> int:
+def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], Any], key: list[str]) -> int:
     """Copy `columns` of the rows of `table` that `where(table)` selects (those whose values the
-    downgrade loses) into the stash, under `revision`; returns how many rows it kept."""
+    downgrade loses) into the stash under `revision`, each with its natural `key` (columns that name
+    the row whatever its id: a new row may take a deleted row's id on SQLite); returns how many rows
+    it kept. What an earlier downgrade of the same revision stashed, never restored, is replaced."""
     conn = op.get_bind()
     if not sa.inspect(conn).has_table(STASH):
         op.create_table(STASH, sa.Column("revision", sa.String(32), nullable=False),
                         sa.Column("table_name", sa.String(64), nullable=False),
                         sa.Column("row_id", sa.BigInteger(), nullable=False),
                         sa.Column("stashed", sa.JSON(), nullable=False))
-    source = sa.table(table, sa.column("id"), *(sa.column(name) for name in columns))
+    conn.execute(sa.delete(_stash).where(_stash.c.revision == revision, _stash.c.table_name == table))
+    source = sa.table(table, sa.column("id"), *(sa.column(name) for name in {*columns, *key}))
     rows = [{"revision": revision, "table_name": table, "row_id": row.id,
-             "stashed": {name: getattr(row, name) for name in columns}}
+             "stashed": {"values": {name: getattr(row, name) for name in columns},
+                         "key": {name: getattr(row, name) for name in key}}}
             for row in conn.execute(sa.select(source).where(where(source)))]
     if rows:
         conn.execute(sa.insert(_stash), rows)
@@ -42,20 +48,27 @@ def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], 
 
 
 def restore(revision: str, table: str,
-            keep: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda conn, values: values) -> int:
+            keep: Callable[[Any, dict[str, Any]], dict[str, Any]] = lambda conn, values: values,
+            still: Callable[[Any], Any] | None = None) -> int:
     """Write the values stashed under `revision` back into the rows of `table` that still exist
-    (`keep(conn, values)` may leave some out), forget them, and drop the stash once it is empty;
-    returns how many rows it wrote."""
+    with the same id and natural key (and, with `still`, still as the downgrade left them: a value
+    the old code wrote since is kept); `keep(conn, values)` may leave some out. Then forget them,
+    and drop the stash once it is empty; returns how many rows it wrote."""
     conn = op.get_bind()
     if not sa.inspect(conn).has_table(STASH):
         return 0
     mine = sa.and_(_stash.c.revision == revision, _stash.c.table_name == table)
     written = 0
-    for row_id, values in conn.execute(sa.select(_stash.c.row_id, _stash.c.stashed).where(mine)).all():
-        values = keep(conn, values)
-        if values:
-            target = sa.table(table, sa.column("id"), *(sa.column(name) for name in values))
-            written += conn.execute(sa.update(target).where(target.c.id == row_id).values(**values)).rowcount
+    for row_id, stashed in conn.execute(sa.select(_stash.c.row_id, _stash.c.stashed).where(mine)).all():
+        values = keep(conn, stashed["values"])
+        if not values:
+            continue
+        names = {*values, *stashed["key"]}
+        target = sa.table(table, sa.column("id"), *(sa.column(name) for name in names))
+        match = [target.c.id == row_id, *(target.c[name] == value for name, value in stashed["key"].items())]
+        if still is not None:
+            match.append(still(target))
+        written += conn.execute(sa.update(target).where(*match).values(**values)).rowcount
     conn.execute(sa.delete(_stash).where(mine))
     if conn.execute(sa.select(sa.func.count()).select_from(_stash)).scalar() == 0:
         op.drop_table(STASH)

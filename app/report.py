@@ -307,7 +307,8 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         "<h2>Quality lost against speed gained</h2>", trade_off_svg([p.model_dump() for p in summary.trade_off]),
         "<p class='dim'>Colour: the perplexity ratio's verdict. Vertical bars: its 95% CI; horizontal bars: the speed "
         "gain's, dashed where that comparison is inconclusive.</p>",
-        *(["<h2>Thresholds</h2>", _thresholds(ctx)] if ctx else []),
+        *(["<h2>Thresholds (the rules as they stand now; each comparison's rule is in its row)</h2>",
+           _thresholds(ctx)] if ctx else []),
         "<h2>Every comparison</h2>", _comparisons(summary),
         "<h2>Field signals</h2>", _signals(summary),
         "<h2>Quality by position in the context and in the answer</h2>", _positions(summary),

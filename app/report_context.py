@@ -2,8 +2,9 @@
 it, the environment that measured it, and the report as Markdown for a pull request.
 
 - **Thresholds:** per gated metric of the run, the warn and critical bounds, the direction, min_n,
-  which rule set them (the metric table's seed, or a rule of the project, the model or one config,
-  app/repo `most_specific_rule`) and the candidates it applies to.
+  which rule sets them (the metric table's seed, or a rule of the project, the model or one config,
+  app/repo `most_specific_rule`) and the candidates it applies to: the rules as they stand when the
+  report is made. Each comparison's own row keeps the rule that judged it, in words.
 - **Environment:** the model (name, path), the suite and its version, the seed, the samples asked
   and drawn, when it ran (UTC), the canary's version, and per config the engine, device, compute
   dtype and the libraries it ran on (`versions` in its figures). What differs between configs is
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Model, Run, Suite
 from app.schemas import RunOut
+from app.ssrf import mask_url
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 
@@ -46,10 +48,12 @@ class ReportContext:
 
 
 def when(iso: str | None) -> str:
-    """'2026-11-29 06:10 UTC' from a stored time ('—' for none)."""
+    """'2026-11-29 06:10 UTC' from a stored time ('—' for none; one without a zone is UTC, as the
+    service writes it)."""
     if not iso:
         return "—"
-    return datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M UTC")
+    at = datetime.fromisoformat(iso)
+    return (at.astimezone(timezone.utc) if at.tzinfo else at).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
@@ -80,7 +84,7 @@ def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
     model = session.get(Model, run.model_id)
     suite = session.get(Suite, run.suite_id)
     figures = {name: summary.figures_of(name) for name in summary.figures}
-    configs = [{"config": name, "engine": f.get("engine"), "device": f.get("device"),
+    configs = [{"config": name, "engine": f.get("engine"), "device": _public(f.get("device")),
                 "dtype": f.get("compute_dtype"), "weights": f.get("weights"), "kv cache": f.get("kv_cache"),
                 "speculative": f.get("speculative"), "versions": f.get("versions") or {}}
                for name, f in figures.items()]
@@ -91,7 +95,7 @@ def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
         canary = "unknown (not installed)"
     drawn = len(run.sample_keys or [])
     environment = [
-        ("model", f"{model.name} ({model.path})" if model else str(run.model_id)),
+        ("model", f"{model.name} ({_public(model.path)})" if model else str(run.model_id)),
         ("suite", f"{suite.name}, version {run.suite_version}" if suite else str(run.suite_id)),
         ("samples", f"{drawn} drawn" + (f" ({run.n_samples} asked, topped up)" if drawn != run.n_samples else "")),
         ("seed", str(run.seed)),
@@ -100,6 +104,12 @@ def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
         ("inference-canary", canary),
     ]
     return ReportContext(thresholds, environment, configs, shared)
+
+
+def _public(text: Any) -> Any:
+    """A served model's URL (its device, a model's path) as scheme and host only: the report is
+    shared, and a URL may carry a credential (app/ssrf.mask_url)."""
+    return mask_url(text) if isinstance(text, str) and "://" in text else text
 
 
 def _shared(versions: list[dict[str, str]]) -> dict[str, str]:
@@ -128,7 +138,8 @@ def markdown(summary: RunOut, project: str, suite: str, ctx: ReportContext) -> s
              f"Suite `{suite}`, baseline `{summary.baseline or '—'}`, started {when(summary.created_at)}, "
              f"finished {when(summary.finished_at)}.", "", "## Decision", "", "```text",
              *(summary.summary.lines or [summary.verdict_reason or "every comparison is ok"]), "```", "",
-             "## Thresholds", "", "| metric | breaches when | warn | critical | min n | from | judged |",
+             "## Thresholds (the rules as they stand now)", "",
+             "| metric | breaches when | warn | critical | min n | from | judged |",
              "|---|---|---|---|---|---|---|"]
     for t in ctx.thresholds:
         lines.append(f"| {t.label} | {t.direction} | {bound(t.warn)} | {bound(t.critical)} | {t.min_n} | {t.source} "

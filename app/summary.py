@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from app.schemas import (
@@ -171,7 +171,14 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
                           critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
 
 
-def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut] = (),
+class Advice(NamedTuple):
+    """A stacked config's step-back advice where the whole finding (StepBackOut) is not at hand."""
+
+    config: str
+    advice: str | None
+
+
+def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut | Advice] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
                     decide_with: str | None = None, decide_cap: int | None = None) -> VerdictSummaryOut:

@@ -161,9 +161,10 @@ def db_upgrade(revision: str = "head") -> None:
 
 @db_app.command("downgrade")
 def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base")) -> None:
-    """Revert migrations down to REVISION (best with no run in flight: the old code runs without
-    the newer columns). What a downgrade drops is kept in a stash table and put back by the next
-    upgrade, so a round trip loses nothing (app/migration_stash.py)."""
+    """Revert migrations down to REVISION, with no run in flight: a downgrade past 0005 drops the
+    attempt fence of config-runs that are still running. What a downgrade drops is kept in a stash
+    table and put back by the next upgrade into the rows that are still there, so a round trip
+    loses nothing (app/migration_stash.py)."""
     from app.db import downgrade
 
     _migrate(downgrade, "downgrade", revision)

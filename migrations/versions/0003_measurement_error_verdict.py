@@ -26,7 +26,8 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("comparisons") as batch:
         batch.alter_column("verdict", type_=sa.String(32), existing_type=sa.String(16), existing_nullable=False)
-    migration_stash.restore(revision, "comparisons")
+    # where the old code has not judged the row again since (it could only say inconclusive there)
+    migration_stash.restore(revision, "comparisons", still=lambda t: t.c.verdict == "inconclusive")
 
 
 def downgrade() -> None:
@@ -36,7 +37,8 @@ def downgrade() -> None:
         op.execute(sa.text("SET CONSTRAINTS ALL IMMEDIATE"))
     # a measurement_error does not fit the old width: it reads as inconclusive there (no data), and
     # comes back with the upgrade
-    migration_stash.stash(revision, "comparisons", ["verdict"], lambda t: t.c.verdict == "measurement_error")
+    migration_stash.stash(revision, "comparisons", ["verdict"], lambda t: t.c.verdict == "measurement_error",
+                          key=["run_id", "config_id", "metric"])
     op.execute(sa.text("UPDATE comparisons SET verdict = 'inconclusive' WHERE verdict = 'measurement_error'"))
     with op.batch_alter_table("comparisons") as batch:
         batch.alter_column("verdict", type_=sa.String(16), existing_type=sa.String(32), existing_nullable=False)

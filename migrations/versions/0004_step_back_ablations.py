@@ -41,7 +41,7 @@ def _stacked_config_left(conn, values: dict) -> dict:
 def downgrade() -> None:
     # which config is an ablation of which, kept for the upgrade (app/migration_stash.py)
     migration_stash.stash(revision, "optimization_configs", ["ablation_of_id", "ablation_axis"],
-                          lambda t: t.c.ablation_of_id.is_not(None))
+                          lambda t: t.c.ablation_of_id.is_not(None), key=["project_id", "name"])
     with op.batch_alter_table("optimization_configs") as batch:
         batch.drop_constraint(op.f("fk_optimization_configs_ablation_of_id_optimization_configs"), type_="foreignkey")
         batch.drop_column("ablation_axis")

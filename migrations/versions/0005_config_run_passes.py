@@ -33,6 +33,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     # a pass's first attempt, kept for the upgrade (app/migration_stash.py): a round trip keeps each
     # config-run's attempt budget where it was
-    migration_stash.stash(revision, "config_runs", ["attempt_base"], lambda t: t.c.attempt_base != 0)
+    migration_stash.stash(revision, "config_runs", ["attempt_base"], lambda t: t.c.attempt_base != 0,
+                          key=["run_id", "config_id"])
     with op.batch_alter_table("config_runs") as batch:
         batch.drop_column("attempt_base")

@@ -31,6 +31,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # the priority each config-run was sent with, kept for the upgrade (app/migration_stash.py)
-    migration_stash.stash(revision, "config_runs", ["priority"], lambda t: t.c.priority.is_not(None))
+    migration_stash.stash(revision, "config_runs", ["priority"], lambda t: t.c.priority.is_not(None),
+                          key=["run_id", "config_id"])
     with op.batch_alter_table("config_runs") as batch:
         batch.drop_column("priority")

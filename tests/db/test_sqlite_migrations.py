@@ -69,3 +69,28 @@ def test_sqlite_every_downgrade_keeps_rows_of_every_kind_on_a_round_trip(sqlite_
         with sqlite_engine.connect() as conn:
             assert dump(conn) == before, revision
     assert table_names(sqlite_engine) == model_tables | {"alembic_version"}
+
+
+def test_sqlite_a_row_added_while_downgraded_takes_no_stashed_value(sqlite_url, sqlite_engine):
+    """SQLite gives a deleted row's id to the next row. An ablation deleted while the database was
+    at 0003 and a new config inserted in its place (same id): the upgrade leaves the new config an
+    ordinary one, as the stash matches the natural key (project, name), not the id alone."""
+    from tests.db.every_kind import seed_every_table
+
+    upgrade(sqlite_url, "head")
+    with sqlite_engine.begin() as conn:
+        seed_every_table(conn)
+    downgrade(sqlite_url, "0003")
+    with sqlite_engine.begin() as conn:
+        old = conn.execute(text("SELECT id FROM optimization_configs WHERE name = 'stacked-kv'")).scalar()
+        conn.execute(text("DELETE FROM optimization_configs WHERE name = 'stacked-kv'"))
+        conn.execute(text("INSERT INTO optimization_configs (project_id, model_id, name, spec, is_baseline, created_at) "
+                          "SELECT project_id, model_id, 'new-config', spec, 0, created_at FROM optimization_configs "
+                          "WHERE name = 'stacked'"))
+        assert conn.execute(text("SELECT id FROM optimization_configs WHERE name = 'new-config'")).scalar() == old
+    upgrade(sqlite_url, "head")
+    with sqlite_engine.connect() as conn:
+        row = conn.execute(text("SELECT ablation_of_id, ablation_axis FROM optimization_configs "
+                                "WHERE name = 'new-config'")).one()
+        assert tuple(row) == (None, None)
+        assert "migration_stash" not in {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master"))}

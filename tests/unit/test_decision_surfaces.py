@@ -20,7 +20,9 @@ from sqlalchemy import select
 # ppl 1.30 [1.20, 1.40] → +30.00% [+20.00, +40.00]; TPOT 2.0 [1.8, 2.2] → +100.00% [+80.00, +120.00],
 # measured by the reference engine on the CPU its figures name; u1's 1.10 [1.00, 1.20] at n=12, its
 # rule saying about 48 samples decide it; int8 ok everywhere.
-INT2 = "int2: ppl ratio +30.00% [+20.00, +40.00] critical"
+INT2_FOUND = "ppl ratio +30.00% [+20.00, +40.00] critical"
+ADVICE = "disable kv_cache int2: 100 % of the ppl_ratio loss"  # int2 is stacked: its step-back advice
+INT2 = f"int2: {INT2_FOUND} — step back: {ADVICE}"
 KIVI = "kivi-4: TPOT ratio +100.00% [+80.00, +120.00] critical (reference engine on cpu)"
 U1 = "u1: ppl ratio +10.00% [+0.00, +20.00] inconclusive at n=12 (about 48 samples would decide it)"
 LINES = ["drop or fix (1):", f"  {INT2}", "slower than the baseline (1):", f"  {KIVI}", "undecided (1):", f"  {U1}",
@@ -73,9 +75,12 @@ def _seed(url: str) -> int:
         for config in configs.values():
             s.add(ConfigRun(run_id=run.id, config_id=config.id, status="succeeded",
                             figures={"engine": "reference", "device": "cpu"}))
+        step_back = {"metric": "ppl_ratio", "stacked_ratio": 1.3, "interaction": 0.0, "disable": "kv_cache",
+                     "advice": ADVICE, "layers": []}
         for name, (metric, est, low, high, n, verdict, rule) in rows.items():
             s.add(ComparisonRow(run_id=run.id, config_id=configs[name].id, metric=metric, estimate=est, ci_low=low,
-                             ci_high=high, n=n, verdict=verdict, rule=rule, details={}))
+                                ci_high=high, n=n, verdict=verdict, rule=rule,
+                                details={"step_back": step_back} if name == "int2" else {}))
         s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.05, critical=1.15, direction="above"))
         s.add(Channel(project_id=project.id, name="team", kind="slack", url="http://127.0.0.1:9/hook"))
         s.add(Gate(project_id=project.id, candidate="int2", baseline="fp16", run_id=run.id, verdict="fail"))
@@ -148,7 +153,7 @@ def test_every_surface_says_the_same_decision(seeded, capsys):
         evaluate_run(s, s.get(Run, seeded))
     with session_scope() as s:
         payloads = [json.dumps(n.payload, ensure_ascii=False) for n in s.scalars(select(Notification))]
-    assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2.removeprefix('int2: ')}." in payloads[0]
+    assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2_FOUND}. Step back: {ADVICE}." in payloads[0]
     assert f"/?page=run&run_id={seeded}&project=shop" in payloads[0]  # its link opens the run in its project
 
 
@@ -177,5 +182,14 @@ def test_the_release_review_report_holds_thresholds_environment_and_markdown(see
     assert "| suite | daily, version v1 |" in lines
     assert "| int2 | reference | cpu | — | — | — | — |" in lines  # the seeded figures name engine and device only
     # the HTML report: the same tables, and times in UTC
-    assert "<h2>Thresholds</h2>" in page and "<td>project rule</td>" in page and "<h2>Environment</h2>" in page
+    assert "<h2>Thresholds (the rules as they stand now" in page and "<td>project rule</td>" in page and "<h2>Environment</h2>" in page
     assert re.search(r"started \d{4}-\d\d-\d\d \d\d:\d\d UTC", page)
+
+
+def test_the_report_names_a_served_model_by_host_and_times_in_utc():
+    from app.report_context import _public, when
+
+    assert _public("http://user:secret@vllm.internal:8000/v1?api_key=x") == "http://vllm.internal:8000/***"
+    assert _public("cuda:0:NVIDIA H200") == "cuda:0:NVIDIA H200"  # a device that is no URL stays as it is
+    assert when("2026-11-29T07:10:00+01:00") == "2026-11-29 06:10 UTC" and when("2026-11-29T06:10:00") == \
+        "2026-11-29 06:10 UTC"

@@ -112,16 +112,19 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     figures = {"fp8-kv": {"engine": "reference", "device": "cuda:0:NVIDIA H200"},
                # a served model's device is its URL: named by host, never with a credential it may carry
                "served": {"engine": "openai", "device": "http://user:secret@vllm.internal:8000/v1"}}
-    gate = decide_command("serving", "pydoc smoke", "gate")
-    lines = verdict_summary(rows, figures=figures, decide_with=gate).lines
+    run = decide_command("serving", "pydoc-smoke", "manual")
+    lines = verdict_summary(rows, figures=figures, decide_with=run).lines
     assert "  fp8-kv: TPOT ratio +60.00% [+55.00, +70.00] critical (reference engine on cuda:0:NVIDIA H200)" in lines
     assert "  served: TPOT ratio +60.00% [+55.00, +70.00] critical (openai engine on vllm.internal)" in lines
     assert "secret" not in "\n".join(lines)
     # b stands below ppl_ratio's min_n with no figure in its rule: min_n decides it; a's 80 is more
-    assert lines[-1] == ("  decide: canary gate --candidate a,b --suite 'pydoc smoke' --project serving "
-                         "--samples 80")
+    assert lines[-1] == "  decide: canary run -f canary.yaml --suite pydoc-smoke --configs a,b --samples 80"
+    # a gate's run has one candidate: the gate again, on more samples
+    gate = decide_command("serving", "pydoc-smoke", "gate")
+    assert verdict_summary(rows[2:3], decide_with=gate).lines[-1] == (
+        "  decide: canary gate --candidate a --suite pydoc-smoke --project serving --samples 80")
     # a suite of 50 documents cannot give 80: the command asks for what there is, and says so
-    capped = verdict_summary(rows, figures=figures, decide_with=gate, decide_cap=50).lines[-1]
+    capped = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50).lines[-1]
     assert capped.endswith("--samples 50 (the most there are; about 80 would decide them)")
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"

@@ -30,7 +30,7 @@ from app.schemas import ComparisonOut, FiguresOut, Time, Verdict, VerdictSummary
 from app.services import decide_command
 from app.settings import get_settings
 from app.ssrf import public_spec
-from app.summary import verdict_summary
+from app.summary import Advice, verdict_summary
 from evals.metrics import METRICS, VERDICT_ORDER
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
@@ -52,6 +52,8 @@ class ComparisonCell(BaseModel):
     judged: bool = Field(True, validation_alias=AliasChoices("judged", "gated"),  # the stored row's `gated`
                          description="false: reported but not judged against its threshold (e.g. faithfulness "
                                      "by the offline approximation); its verdict says nothing")
+    advice: str | None = Field(None, description="a stacked config's step-back advice on this metric (the layer "
+                                                 "to disable), else null")
 
 
 class HistoryPoint(BaseModel):
@@ -158,16 +160,22 @@ EVIDENCE_RUNS = 10  # how far back the Overview looks for a config's strongest e
 
 def _strongest_evidence(session, done, rows: Sequence) -> list:
     """Each (config, latest run id) with the run that stands for it instead: among the suite's last
-    EVIDENCE_RUNS done runs, the config's run with the most samples drawn, the newest among equals.
-    A smaller, later run (a 12-sample gate after a 100-sample nightly) never hides stronger
-    evidence; a config none of those runs measured keeps its latest run."""
-    recent = select(Run.id).where(done).order_by(Run.id.desc()).limit(EVIDENCE_RUNS).subquery()
+    EVIDENCE_RUNS done runs at the newest run's suite version, the config's run with the most
+    samples drawn, the newest among equals. A smaller, later run (a 12-sample gate after a
+    100-sample nightly) never hides stronger evidence; a config none of those runs measured keeps
+    its latest run."""
+    recent = session.execute(select(Run.id, Run.suite_version, Run.sample_keys).where(done)
+                             .order_by(Run.id.desc()).limit(EVIDENCE_RUNS)).all()
+    if not recent:
+        return list(rows)
+    size = {run_id: len(keys or ()) for run_id, version, keys in recent if version == recent[0][1]}
     best: dict[int, tuple[int, int]] = {}
-    for config_id, run_id, keys in session.execute(
-            select(ConfigRun.config_id, ConfigRun.run_id, Run.sample_keys).join(Run, Run.id == ConfigRun.run_id)
-            .where(ConfigRun.run_id.in_(select(recent.c.id)), ConfigRun.status == "succeeded")):
-        best[config_id] = max(best.get(config_id, (-1, -1)), (len(keys or ()), run_id))
+    for config_id, run_id in session.execute(select(ConfigRun.config_id, ConfigRun.run_id).where(
+            ConfigRun.run_id.in_(list(size)), ConfigRun.status == "succeeded")):
+        best[config_id] = max(best.get(config_id, (-1, -1)), (size[run_id], run_id))
     return [(cfg, best[cfg.id][1] if cfg.id in best else run_id) for cfg, run_id in rows]
+
+
 BREACHING = ("warn", "critical")
 
 
@@ -195,7 +203,10 @@ CELL_COLUMNS = tuple(getattr(ComparisonRow, name) for name in (
 
 def _cell(c) -> dict:
     """A comparison (a ComparisonRow or a row of CELL_COLUMNS) as the overview's cell."""
-    return ComparisonCell.model_validate(c, from_attributes=True).model_dump()
+    cell = ComparisonCell.model_validate(c, from_attributes=True).model_dump()
+    found = (c.details or {}).get("step_back")
+    cell["advice"] = found.get("advice") if isinstance(found, dict) else None
+    return cell
 
 
 def _worst_metric(cells: dict[str, dict]) -> str | None:
@@ -216,7 +227,11 @@ def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int
                    for c in configs if not c["baseline"] for metric, cell in c["comparisons"].items()]
     run_ids = {c["run_id"] for c in configs if c["run_id"] is not None}
     decide = decide_command(project, suite, runs[run_ids.pop()][2]) if len(run_ids) == 1 else None
-    return verdict_summary(comparisons, figures={c["config"]: c["figures"] for c in configs}, decide_with=decide,
+    # a stacked config's advice, the first by metric name as the run's own summary takes it (app/services.py)
+    step_back = [Advice(c["config"], c["comparisons"][metric]["advice"])
+                 for c in configs for metric in sorted(c["comparisons"]) if c["comparisons"][metric].get("advice")]
+    return verdict_summary(comparisons, step_back, figures={c["config"]: c["figures"] for c in configs},
+                           decide_with=decide,
                            decide_cap=min(documents or limit, limit))
 
 
