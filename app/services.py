@@ -287,5 +287,6 @@ def run_summary(session: Session, run: Run) -> RunOut:
                                 decide_with=decide_command(repo.project_name(session, run.project_id),
                                                            suite.name if suite else str(run.suite_id), run.trigger),
                                 decide_cap=min(suite.n_documents if suite else get_settings().max_samples_per_run,
-                                               get_settings().max_samples_per_run)),
+                                               get_settings().max_samples_per_run),
+                                drawn=len(run.sample_keys or ())),
         trade_off=trade_off_points(configs, comparisons, run_figures, baseline))

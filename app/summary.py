@@ -181,13 +181,15 @@ class Advice(NamedTuple):
 def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[StepBackOut | Advice] = (),
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
-                    decide_with: str | None = None, decide_cap: int | None = None) -> VerdictSummaryOut:
+                    decide_with: str | None = None, decide_cap: int | None = None,
+                    drawn: int | None = None) -> VerdictSummaryOut:
     """The lines by group, the text as printed (at most max_lines), how many configs it leaves
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
     diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
     `decide_with`: the command that decides the undecided configs, with `{configs}` and `{samples}`
     to fill in (app/services.decide_command); `decide_cap`: the most samples it may ask for (the
-    suite's documents, the per-run limit), said when it is less than they need."""
+    suite's documents, the per-run limit), said when it is less than they need; `drawn`: the
+    samples the run holds already (no command when the cap gives no more)."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -217,8 +219,12 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
             wanted = max(line.decide_samples or 0 for line in undecided)
             samples = min(wanted, decide_cap) if decide_cap else wanted
             short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
-            text.append("  decide: " + decide_with.format(configs=",".join(line.config for line in undecided),
-                                                          samples=samples) + short)
+            if drawn is not None and samples <= drawn:  # the suite has nothing more to give
+                text.append(f"  decide: not on this suite: it has {samples} documents and the run drew "
+                            f"{drawn}; about {wanted} would decide them (a larger corpus)")
+            else:
+                text.append("  decide: " + decide_with.format(configs=",".join(line.config for line in undecided),
+                                                              samples=samples) + short)
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,

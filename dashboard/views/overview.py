@@ -136,9 +136,11 @@ def _grouped(model: str, rows: list[dict], summary: dict) -> str:
     out = [f"{model}: {total} config{'s' if total != 1 else ''} to act on" if total
            else f"{model}: no config breaches a threshold"]
     for line in summary["lines"]:
-        if line.startswith("  decide: "):  # the command as code, what it says of itself as text
+        if line.startswith("  decide: canary "):  # the command as code, what it says of itself as text
             command, _, why = line.removeprefix("  decide: ").partition(" (")
             out.append(f"decide: `{command}`" + (f" ({_md(why)}" if why else ""))
+        elif line.startswith("  decide: "):  # no command: what would decide them, in words
+            out.append(_md(line.strip()))
         elif line.startswith("  "):
             config, _, rest = line.strip().partition(": ")
             row = by_config.get(config) or {"breaching since": ""}

@@ -126,5 +126,9 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     # a suite of 50 documents cannot give 80: the command asks for what there is, and says so
     capped = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50).lines[-1]
     assert capped.endswith("--samples 50 (the most there are; about 80 would decide them)")
+    # …and when the run drew all 50 already, no command can decide them there
+    spent = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50, drawn=50).lines[-1]
+    assert spent == ("  decide: not on this suite: it has 50 documents and the run drew 50; about 80 would decide "
+                     "them (a larger corpus)")
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"
