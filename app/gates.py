@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Gate, Project, Run, utcnow
 from app.schemas import ComparisonOut, RunOut
-from app.summary import deploy_decision
+from app.summary import decision_line
 from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
@@ -135,7 +135,7 @@ def summary_markdown(gate: Gate, summary: RunOut, dashboard_url: str, suite: str
              f"({samples_label(summary)}), run {summary.run_id}. [Open the run]({link})", ""]
     rows: list[ComparisonOut] = [c for c in summary.comparisons if c.config == gate.candidate]
     # the decision, then the verdict for people as every surface prints it (app/summary.py)
-    lines += [f"**Decision:** {deploy_decision(gate.verdict)}", ""]
+    lines += [decision_line(gate.verdict), ""]
     if summary.summary.lines:
         lines += ["```text", *summary.summary.lines, "```", ""]
     rows.sort(key=lambda c: (not c.gated, -VERDICT_ORDER.get(c.verdict, 0)))

@@ -64,6 +64,12 @@ def deploy_decision(verdict: str | None, code: int | None = None) -> str:
     return f"deploy {'allowed' if code == 0 else 'blocked'}: {verdict} (exit {code})"
 
 
+def decision_line(verdict: str | None, code: int | None = None) -> str:
+    """The gate comment's decision line (app/gates.py writes it with GATE_EXIT's codes; `canary
+    gate` rewrites it with the codes it was called with)."""
+    return f"**Decision:** {deploy_decision(verdict, code)}"
+
+
 def judged(comparisons: Iterable[ComparisonOut]) -> list[ComparisonOut]:
     """The comparisons that have a say in a verdict: a metric of the table, a known verdict, not informational."""
     return [c for c in comparisons if c.metric in METRICS and c.verdict in VERDICT_ORDER and not informational(c)]

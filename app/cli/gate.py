@@ -8,15 +8,12 @@ import os
 import pathlib
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
 
-if TYPE_CHECKING:
-    pass
 from app.cli.base import _ago, _log, app, console, fail
-from app.summary import deploy_decision
+from app.summary import decision_line, deploy_decision
 
 
 @app.command()
@@ -81,8 +78,8 @@ def gate(
                 _log(f"the run's report could not be read (HTTP {response.status_code}): {_detail(response)}")
     code = {"pass": 0, "fail": 1, "warn": warn_exit_code, "error": error_exit_code, None: 0}[gate["verdict"]]
     # the comment says what this call does: the API wrote it with the default exit codes
-    gate["summary_markdown"] = gate["summary_markdown"].replace(
-        f"**Decision:** {deploy_decision(gate['verdict'])}", f"**Decision:** {deploy_decision(gate['verdict'], code)}")
+    gate["summary_markdown"] = gate["summary_markdown"].replace(decision_line(gate["verdict"]),
+                                                                decision_line(gate["verdict"], code))
     _gate_out(gate, summary_md, as_json, step_summary=True)
     # the decision itself, last, whatever the verdict's name: what the pipeline does next
     _log("no verdict yet (--no-wait): exit 0" if gate["verdict"] is None

@@ -16,26 +16,19 @@ from sqlalchemy.orm import Session
 def seed_history(url: str, runs: int, configs: int, seed: int = 0) -> dict:
     """Fill the (migrated, empty) database at `url`; returns {"project", "configs", "run_ids"}."""
     from app.config_file import SuiteEntry
-    from app.models import Alert, AlertRule, ComparisonRow, ConfigRun, Model, OptimizationConfig, Project, Run, Suite, utcnow
+    from app.models import Alert, AlertRule, ComparisonRow, ConfigRun, Run, utcnow
+
+    from tests.seed import catalogue
 
     rng = random.Random(seed)
     engine = create_engine(url)
     names = ["fp16", *[f"cfg-{i:02d}" for i in range(1, configs - 1)], "kv-int2-collapsed"][:configs]
     with Session(engine) as s, s.begin():
-        project = Project(name="history")
-        s.add(project)
-        s.flush()
-        model = Model(project_id=project.id, name="tiny", path="builtin:pydoc-target")
-        s.add(model)
-        s.flush()
-        rows = [OptimizationConfig(project_id=project.id, model_id=model.id, name=name, is_baseline=i == 0,
-                                   spec={"engine": "reference", "weights": "fp16"}) for i, name in enumerate(names)]
-        s.add_all(rows)
         # the suite's spec as a canary.yaml entry stores it (app/config_file.py), every default filled in
         spec = SuiteEntry(name="daily", corpus="builtin:pydoc-heldout", samples=100).model_dump(exclude={"name"})
-        suite = Suite(project_id=project.id, name="daily", version="v1", spec=spec, n_documents=100)
-        s.add(suite)
-        s.flush()
+        project, model, made, suite = catalogue(s, "history", "tiny", names,
+                                                spec={"engine": "reference", "weights": "fp16"}, suite_spec=spec)
+        rows = list(made.values())
         rule = AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.15, critical=1.30, direction="above")
         s.add(rule)
         s.flush()

@@ -37,14 +37,12 @@ def _seed(url: str) -> int:
         ComparisonRow,
         ConfigRun,
         Gate,
-        Model,
-        OptimizationConfig,
-        Project,
         Run,
-        Suite,
     )
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
+
+    from tests.seed import catalogue
 
     engine = create_engine(url)
     rows = {  # config: (metric, estimate, low, high, n, verdict, rule)
@@ -54,19 +52,7 @@ def _seed(url: str) -> int:
         "int8": ("ppl_ratio", 1.001, 1.0, 1.002, 12, "ok", "below warn 1.05"),
     }
     with Session(engine) as s, s.begin():
-        project = Project(name="shop")
-        s.add(project)
-        s.flush()
-        model = Model(project_id=project.id, name="tiny", path="builtin:pydoc-target")
-        s.add(model)
-        s.flush()
-        configs = {name: OptimizationConfig(project_id=project.id, model_id=model.id, name=name,
-                                            is_baseline=name == "fp16", spec={"engine": "reference"})
-                   for name in ("fp16", *rows)}
-        s.add_all(configs.values())
-        suite = Suite(project_id=project.id, name="daily", version="v1", spec={}, n_documents=100)
-        s.add(suite)
-        s.flush()
+        project, model, configs, suite = catalogue(s, "shop", "tiny", ["fp16", *rows], spec={"engine": "reference"})
         run = Run(project_id=project.id, suite_id=suite.id, suite_version="v1", model_id=model.id,
                   baseline_config_id=configs["fp16"].id, trigger="manual", status="done", verdict="fail",
                   verdict_reason="int2 ppl_ratio critical", n_samples=12, sample_keys=[f"d{i}" for i in range(12)])

@@ -17,22 +17,15 @@ OK_100 = (100, 1.00, "ok")
 
 def _setup():
     from app.db import session_scope
-    from app.models import AlertRule, Model, OptimizationConfig, Project, Suite
+    from app.models import AlertRule
+
+    from tests.seed import catalogue
 
     with session_scope() as s:
-        project = Project(name="p")
-        s.add(project)
-        s.flush()
-        model = Model(project_id=project.id, name="m", path="builtin:pydoc-target")
-        s.add(model)
-        s.flush()
-        base = OptimizationConfig(project_id=project.id, model_id=model.id, name="fp16", is_baseline=True, spec={})
-        int4 = OptimizationConfig(project_id=project.id, model_id=model.id, name="int4", spec={})
-        suite = Suite(project_id=project.id, name="daily", version="v1", spec={}, n_documents=100)
-        s.add_all([base, int4, suite])
+        project, model, configs, suite = catalogue(s, "p", "m", ["fp16", "int4"])
         s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=1.05, critical=1.15, direction="above"))
         s.flush()
-        return project.id, model.id, base.id, int4.id, suite.id
+        return project.id, model.id, configs["fp16"].id, configs["int4"].id, suite.id
 
 
 def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, str | None]]:
