@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import typer
 
-if TYPE_CHECKING:
-    pass
 from app.cli.base import app, console, db_app, fail, keys_app
 from app.cli.runs import _upgrade_db
 
@@ -21,8 +19,11 @@ from app.cli.runs import _upgrade_db
 def serve(host: str = "127.0.0.1", port: int = 8000,
           upgrade_db: bool = typer.Option(True, help="run migrations first"),
           workers: int = typer.Option(1, min=1, max=64, help="API processes (with Celery only: the embedded "
-                                                             "default runs its tasks in the one process)")) -> None:
-    """Run the API server (OpenAPI docs at /docs)."""
+                                                             "default runs its tasks in the one process)"),
+          dashboard: bool = typer.Option(False, "--dashboard", help="also start the Streamlit dashboard on this "
+                                                                   "API (stopped with it)"),
+          dashboard_port: int = typer.Option(8501, min=1, max=65535, help="with --dashboard: its port")) -> None:
+    """Run the API server (OpenAPI docs at /docs); with --dashboard, the dashboard beside it."""
     import uvicorn
 
     from app.settings import get_settings
@@ -30,14 +31,48 @@ def serve(host: str = "127.0.0.1", port: int = 8000,
     if workers > 1 and get_settings().execution_mode != "celery":
         fail("--workers: more than one API process needs Celery (set CANARY_BROKER_URL); the embedded default "
              "runs tasks inside the one API process")
+    if dashboard and dashboard_port == port:
+        fail(f"--dashboard-port: {dashboard_port} is the API's own --port; give the dashboard another one")
     if upgrade_db:
         _upgrade_db()
     # X-Forwarded-For is taken only from the proxies named (uvicorn would trust loopback by
     # default, so any local client could pick its own address); FORWARDED_ALLOW_IPS, uvicorn's own
     # variable, is still read when the setting is empty
     proxies = get_settings().forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
-    uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers,
-                proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
+    ui = _start_dashboard(host, port, dashboard_port) if dashboard else None
+    try:
+        uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers,
+                    proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
+    finally:
+        if ui is not None:
+            ui.terminate()
+            try:
+                ui.wait(20)
+            except subprocess.TimeoutExpired:
+                ui.kill()
+
+
+def dashboard_script() -> str:
+    """The dashboard's entry point (dashboard/app.py), wherever the package is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("dashboard")
+    if spec is None or spec.origin is None:
+        fail("the dashboard package is not installed beside the canary; reinstall the project")
+    return os.path.join(os.path.dirname(spec.origin), "app.py")
+
+
+def _start_dashboard(host: str, port: int, dashboard_port: int) -> subprocess.Popen:
+    """`streamlit run dashboard/app.py` on this API (CANARY_API_URL), in a child process the API's
+    exit stops; its output goes to this terminal, prefixed by nothing but Streamlit's own."""
+    api_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    env = {**os.environ, "CANARY_API_URL": f"http://{api_host}:{port}"}
+    cmd = [sys.executable, "-m", "streamlit", "run", dashboard_script(), "--server.port", str(dashboard_port),
+           "--server.address", host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    ui = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    console.print(f"dashboard: http://{api_host}:{dashboard_port} (on the API at {env['CANARY_API_URL']})",
+                  highlight=False, soft_wrap=True)
+    return ui
 
 
 @app.command()

@@ -284,20 +284,17 @@ def demo(
 
 
 def _open_it(database_url: str) -> list[str]:
-    """How to look at the demo's run: the API on its database, then the dashboard on the API; absolute
-    paths, so the commands work from any folder and without the virtual environment on the PATH."""
-    import importlib.util
+    """How to look at the demo's run: one command that starts the API on its database and the
+    dashboard on the API; absolute paths, so it works from any folder and without the virtual
+    environment on the PATH."""
     import shlex
 
     url = database_url
     if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
         url = "sqlite:///" + os.path.abspath(url.removeprefix("sqlite:///"))
-    bin_dir = os.path.dirname(sys.executable)
-    spec = importlib.util.find_spec("dashboard")
-    app_py = os.path.join(os.path.dirname(spec.origin), "app.py") if spec and spec.origin else "dashboard/app.py"
-    return [f"open it: CANARY_DATABASE_URL={shlex.quote(url)} {shlex.quote(os.path.join(bin_dir, 'canary'))} serve",
-            f"   then: CANARY_API_URL=http://127.0.0.1:8000 {shlex.quote(os.path.join(bin_dir, 'streamlit'))} run "
-            f"{shlex.quote(app_py)}  →  http://127.0.0.1:8501 (project demo)"]
+    canary = os.path.join(os.path.dirname(sys.executable), "canary")
+    return [f"open it: CANARY_DATABASE_URL={shlex.quote(url)} {shlex.quote(canary)} serve --dashboard",
+            "   then: http://127.0.0.1:8501/?project=demo (the API: http://127.0.0.1:8000/docs)"]
 
 
 @app.command()

@@ -33,8 +33,9 @@ def test_a_reused_loop_over_the_kernels_codes_decodes_as_a_fresh_one(monkeypatch
     # both in the 256-slot bucket, past KIVI's full-precision window of 128 slots (long prompts,
     # few new tokens: the interpreter is slow); the second ends slots before the first did
     text = "os.path.join(a, *p)\n\nJoin two or more pathname components, inserting '/' as needed. "
-    reqs = [GenerationRequest("a", text * 5, max_new_tokens=12, logit_bias=NO_EOS),
-            GenerationRequest("b", text * 4 + "json.dumps(obj)", max_new_tokens=10, logit_bias=NO_EOS)]
+    # (147 + 5 and 132 + 4 slots: each passes the window in its prefill and codes more each step)
+    reqs = [GenerationRequest("a", text * 5, max_new_tokens=5, logit_bias=NO_EOS),
+            GenerationRequest("b", text * 4 + "json.dumps(obj) " * 2, max_new_tokens=4, logit_bias=NO_EOS)]
     with torch.inference_mode():
         for r in reqs:
             got, want = pooled.generate([r])[0], fresh.generate([r])[0]

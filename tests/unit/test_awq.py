@@ -85,6 +85,31 @@ def test_search_beats_round_to_nearest_on_a_salient_channel():
     assert err_clip <= err_plain and (max_val < w.abs().reshape(64, 1, 128).amax(-1, keepdim=True)).any()
 
 
+
+def test_clip_search_picks_what_the_elementwise_definition_picks():
+    # llm-awq's auto_clip: per (row, group) and shrink i, the output error mean_n (Σ_g X[n,G,g]·(Q(clip W) − W)[c,G,g])²,
+    # computed here over the whole [co, n, G, g] product; search_clip takes it as one matmul per group
+    torch.manual_seed(1)
+    w, x = torch.randn(24, 256), torch.randn(40, 256)
+    x[:, 7] *= 30
+    xg, wg = x.reshape(1, 40, 2, 128), w.reshape(24, 1, 2, 128)
+    max0 = wg.abs().amax(-1, keepdim=True)
+    errs = []
+    for i in range(10):
+        m = max0 * (1 - i / 20)
+        q = fake_quantize(torch.clamp(wg, -m, m).reshape(24, 256), 4).reshape(wg.shape)
+        errs.append(((xg * (q - wg)).sum(-1)).pow(2).mean(1))  # [co, G]
+    errs_t = torch.stack(errs)  # [shrink, co, G]
+    best = errs_t.argmin(0)
+    got = search_clip(w, x).reshape(24, 2)
+    shrink = torch.round((1 - got / max0.reshape(24, 2)) * 20).long()  # which grid point it kept
+    assert torch.allclose(got, max0.reshape(24, 2) * (1 - shrink / 20))
+    # the same point, or one whose error ties the best's to float rounding (sums in another order)
+    chosen = errs_t.gather(0, shrink[None])[0]
+    assert torch.all(chosen <= errs_t.min(0).values * (1 + 1e-5))
+    assert (shrink == best).float().mean() > 0.9
+    assert (best > 0).any() and (best == 0).any()  # both clipped and unclipped groups
+
 @pytest.mark.integration
 def test_awq_checkpoint_in_autoawq_layout_loads_with_its_dequantized_weights(tmp_path):
     from transformers import AutoTokenizer

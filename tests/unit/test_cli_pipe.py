@@ -191,3 +191,35 @@ def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
     assert (listed["n_samples"], listed["samples_drawn"]) == (4, 8)
     table = canary("runs", "list", "-p", "pipe", cwd=tmp_path, db=db).stdout
     assert "8 (of 4, topped up)" in " ".join(table.split()), table
+
+
+@pytest.mark.integration
+def test_serve_with_the_dashboard_starts_both_and_stopping_it_stops_both(tmp_path):
+    """`canary serve --dashboard` (the demo's last line): the API and, on it, the Streamlit dashboard,
+    one command; an interrupt stops the API and the dashboard with it. The same port twice is a one-line error."""
+    import signal
+
+    import httpx
+
+    from tests.loopback import free_port, wait_http
+
+    db = f"sqlite:///{tmp_path / 'd.db'}"
+    same = canary("serve", "--port", "8123", "--dashboard", "--dashboard-port", "8123", cwd=tmp_path, db=db, timeout=60)
+    assert same.returncode == 2 and "--dashboard-port: 8123 is the API's own --port" in same.stderr, same.stderr
+    api, ui = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    env = {"CANARY_DATABASE_URL": db, "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(api), "--dashboard",
+                             "--dashboard-port", str(ui)], cwd=tmp_path, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{api}/healthz", proc, str(log))
+        wait_http(f"http://127.0.0.1:{ui}/_stcore/health", proc, str(log))
+        assert f"dashboard: http://127.0.0.1:{ui} (on the API at http://127.0.0.1:{api})" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(60)
+    for port in (api, ui):  # both gone
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
