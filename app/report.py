@@ -71,14 +71,38 @@ def _symlog(v: float) -> float:
     return math.copysign(math.log1p(abs(v)), v)
 
 
-def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 380) -> str:
+def round_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
+    """Ticks at round values (1, 2, 2.5 or 5 × 10^k apart) from lo to hi, at most `most` of them."""
+    if hi - lo < 1e-12:
+        return [lo]
+    raw = (hi - lo) / max(1, most - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    return [round(k * step, 10) for k in range(first, math.floor(hi / step + 1e-9) + 1)]
+
+
+def _symlog_ticks(lo: float, hi: float) -> list[float]:
+    """Ticks of a symmetric log axis (in %): 0 and ±1, ±10, ±100 … that lie from lo to hi."""
+    ticks = [0.0] if lo <= 0 <= hi else []
+    for k in range(0, 7):
+        ticks += [v for v in (10.0**k, -(10.0**k)) if lo <= v <= hi]
+    return sorted(ticks)
+
+
+def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 380,
+                  lines: list[tuple[str, float]] | None = None) -> str:
     """Quality lost (ppl ratio as % change, up is worse) against speed gained (× the baseline's), one
     point per config with its CIs, coloured by the perplexity verdict; a symmetric log y axis when
-    one config's loss dwarfs the rest (as the dashboard's Compare plot)."""
+    one config's loss dwarfs the rest (as the dashboard's Compare plot). lines: (label, loss in %)
+    drawn across the plot, dashed: the perplexity ratio's warn and critical thresholds. Ticks sit
+    at round values."""
     pts = [p for p in points if p.get("speed") is not None]
     if len(pts) < 2:
         return "<p class='dim'>No speed figures to plot against quality.</p>"
+    lines = lines or []
     ys = [v for p in pts for v in (p["loss"], p["loss_low"], p["loss_high"]) if v is not None]
+    ys += [value for _, value in lines]
     mags = sorted(abs(v) for v in ys)
     symlog = mags[-1] >= 10 * max(mags[len(mags) // 2], 1.0)
     ty = _symlog if symlog else (lambda v: v)
@@ -99,13 +123,23 @@ def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 
            "aria-label='quality lost against speed gained' font-size='11' font-family='sans-serif'>",
            f"<rect x='{left}' y='{top}' width='{width - left - right}' height='{height - top - bottom}' "
            "fill='none' stroke='#bbb'/>"]
-    for frac in (0, 0.25, 0.5, 0.75, 1):  # y ticks at even steps of the drawn axis, labelled in %
-        yv = y0 + frac * (y1 - y0)
-        value = math.copysign(math.expm1(abs(yv)), yv) if symlog else yv
-        out.append(f"<text x='{left - 6}' y='{py(value) + 4:.1f}' text-anchor='end'>{value:+.1f}%</text>")
-    for frac in (0, 0.5, 1):
-        xv = x0 + frac * (x1 - x0)
-        out.append(f"<text x='{px(xv):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{xv:.2f}×</text>")
+    def inverse(yv: float) -> float:  # the drawn axis back to % loss
+        return math.copysign(math.expm1(abs(yv)), yv) if symlog else yv
+
+    for value in (_symlog_ticks if symlog else round_ticks)(inverse(y0), inverse(y1)):
+        out.append(f"<line x1='{left - 3}' x2='{left}' y1='{py(value):.1f}' y2='{py(value):.1f}' stroke='#888'/>")
+        label = f"{value:+g}" if value else "0"
+        out.append(f"<text x='{left - 6}' y='{py(value) + 4:.1f}' text-anchor='end'>{label}%</text>")
+    for xv in round_ticks(x0, x1):
+        out.append(f"<line x1='{px(xv):.1f}' x2='{px(xv):.1f}' y1='{height - bottom}' y2='{height - bottom + 3}' "
+                   "stroke='#888'/>")
+        out.append(f"<text x='{px(xv):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{xv:g}×</text>")
+    for label, value in lines:
+        colour = COLOURS.get(label.split()[0], "#888")
+        out.append(f"<line x1='{left}' x2='{width - right}' y1='{py(value):.1f}' y2='{py(value):.1f}' "
+                   f"stroke='{colour}' stroke-dasharray='6 4'/>")
+        out.append(f"<text x='{width - right - 4}' y='{py(value) - 4:.1f}' text-anchor='end' fill='{colour}'>"
+                   f"{escape(label)}</text>")
     scale = ", symmetric log scale" if symlog else ""
     out.append(f"<text x='{left + (width - left - right) / 2}' y='{height - 8}' text-anchor='middle'>"
                "speed gain × (1 / paired TPOT ratio; right is the win)</text>")
@@ -127,6 +161,18 @@ def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 
         dy = _label_dy(placed, x + 7, y, len(p["config"]))
         out.append(f"<text x='{x + 7:.1f}' y='{y + dy:.1f}'>{escape(p['config'])}</text>")
     return "".join(out) + "</svg>"
+
+
+def threshold_lines(ctx: ReportContext | None) -> list[tuple[str, float]]:
+    """The perplexity ratio's warn and critical thresholds as % loss lines ("warn 1.01"), each rule's
+    when the candidates have more than one (its configs named)."""
+    rules = [t for t in (ctx.thresholds if ctx else []) if t.metric == "ppl_ratio"]
+    out = []
+    for t in rules:
+        whose = f" ({', '.join(t.configs)})" if len(rules) > 1 else ""
+        out += [(f"{level} {limit:g}{whose}", (limit - 1) * 100) for level, limit in
+                (("warn", t.warn), ("critical", t.critical)) if limit is not None]
+    return out
 
 
 def _label_dy(placed: list[tuple[float, float, float, float]], x: float, y: float, chars: int) -> float:
@@ -304,7 +350,8 @@ def render(summary: RunOut, project: str, suite: str, worst: dict[str, list[dict
         f"{escape(when(summary.finished_at))}.</p>",
         f"<div class='banner {escape(verdict)}'><p class='v'>verdict: {escape(verdict)}</p>",
         f"<pre>{escape(chr(10).join(lines))}</pre></div>",
-        "<h2>Quality lost against speed gained</h2>", trade_off_svg([p.model_dump() for p in summary.trade_off]),
+        "<h2>Quality lost against speed gained</h2>", trade_off_svg([p.model_dump() for p in summary.trade_off],
+                                                                 lines=threshold_lines(ctx)),
         "<p class='dim'>Colour: the perplexity ratio's verdict. Vertical bars: its 95% CI; horizontal bars: the speed "
         "gain's, dashed where that comparison is inconclusive.</p>",
         *(["<h2>Thresholds (the rules as they stand now; each comparison's rule is in its row)</h2>",

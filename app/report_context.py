@@ -5,10 +5,11 @@ it, the environment that measured it, and the report as Markdown for a pull requ
   which rule sets them (the metric table's seed, or a rule of the project, the model or one config,
   app/repo `most_specific_rule`) and the candidates it applies to: the rules as they stand when the
   report is made. Each comparison's own row keeps the rule that judged it, in words.
-- **Environment:** the model (name, path), the suite and its version, the seed, the samples asked
-  and drawn, when it ran (UTC), the canary's version, and per config the engine, device, compute
-  dtype and the libraries it ran on (`versions` in its figures). What differs between configs is
-  said per config; what they share, once.
+- **Environment:** the model (name, path, and the digest of the weights each config loaded), the
+  suite and its version, the seed, the samples asked and drawn, when it ran (UTC), the canary's
+  version, and per config the engine, device, compute dtype and the libraries it ran on
+  (`versions` in its figures). What differs between configs is said per config; what they
+  share, once.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
     drawn = len(run.sample_keys or [])
     environment = [
         ("model", f"{model.name} ({_public(model.path)})" if model else str(run.model_id)),
+        ("model digest", _digests({name: f.get("model_digest") for name, f in figures.items()})),
         ("suite", f"{suite.name}, version {run.suite_version}" if suite else str(run.suite_id)),
         ("samples", f"{drawn} drawn" + (f" ({run.n_samples} asked, topped up)" if drawn != run.n_samples else "")),
         ("seed", str(run.seed)),
@@ -104,6 +106,21 @@ def gather(session: Session, run: Run, summary: RunOut) -> ReportContext:
         ("inference-canary", canary),
     ]
     return ReportContext(thresholds, environment, configs, shared)
+
+
+def _digests(by_config: dict[str, str | None]) -> str:
+    """The sha256 of the weights each config loaded (weight files and config.json), cut to 16 hex
+    digits: once when every config loaded the same, else per digest with its configs (a config's own
+    checkpoint); a served model's cannot be read."""
+    groups: dict[str | None, list[str]] = {}
+    for name, digest in by_config.items():
+        groups.setdefault(digest, []).append(name)
+
+    def text(digest: str | None) -> str:
+        return f"sha256 {digest[:16]}…" if digest else "not stored (a served model, or a run stored before it was)"
+    if len(groups) == 1:
+        return text(next(iter(groups)))
+    return "; ".join(f"{', '.join(names)}: {text(digest)}" for digest, names in groups.items())
 
 
 def _public(text: Any) -> Any:

@@ -221,7 +221,12 @@ class SummaryLineOut(BaseModel):
     quality: ComparisonOut | None = Field(description="its worst quality comparison (null when none is off ok)")
     speed: ComparisonOut | None = Field(description="its worst speed comparison (null when none is off ok)")
     advice: str | None = Field(description="the step-back advice of a stacked config")
-    decide_samples: int | None = Field(None, description="undecided: about how many samples would decide it")
+    decide_samples: int | None = Field(None, description="undecided: about how many documents would decide it "
+                                                         "(its comparisons over the run's documents)")
+    decide_settings: dict[str, int] = Field(default_factory=dict, description=(
+        "undecided: the suite settings that count what its other comparisons are over (generation.prompts, "
+        "labelled.max_items, perplexity.decode_samples, perplexity.distribution_samples), each with about how "
+        "many would decide it"))
 
 
 class VerdictSummaryOut(BaseModel):

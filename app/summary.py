@@ -95,6 +95,20 @@ def _rule_samples(c: ComparisonOut) -> int | None:
     return int(found.group(1) or found.group(2)) if found else None
 
 
+# What a comparison's n counts when it is not the run's documents: the suite setting that sets it
+# (evals/suite.py). More documents (`--samples`, a top-up) leave these counts as they are.
+COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.prompts",
+              "judge": "generation.prompts", "faithfulness": "generation.prompts",
+              "labelled": "labelled.max_items"}
+COUNTED_BY_METRIC = {"decode_nll_ratio": "perplexity.decode_samples",
+                     "kld_mean": "perplexity.distribution_samples"}
+
+
+def counted_by(metric: str) -> str | None:
+    """The suite setting that counts a metric's samples; None for the run's documents."""
+    return COUNTED_BY_METRIC.get(metric) or COUNTED_BY.get(METRICS[metric].producer)
+
+
 def samples_to_decide(c: ComparisonOut) -> int | None:
     """About how many samples would decide an inconclusive comparison: its rule's figure, else the
     metric's min_n when it stands below it; None when neither says."""
@@ -167,12 +181,21 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
     text = (f"{config}: {findings}" if findings else config) + (f" — step back: {advice}" if advice else "")
     counts = {v: sum(c.verdict == v for c in rows) for v in ("critical", "warn")}
     worst = q if group in ("drop or fix", "watch") else s if group == "slower than the baseline" else q or s
-    decide = None
+    decide: int | None = None
+    settings: dict[str, int] = {}
     if group == "undecided":  # the most any of its inconclusive gated comparisons needs; twice its n when none says
-        wanted = [samples_to_decide(x) for x in rows if x.verdict == "inconclusive" and x.gated]
-        known = [n for n in wanted if n is not None]
-        decide = max(known) if known else 2 * max(x.n for x in rows)
+        for x in rows:
+            if x.verdict == "inconclusive" and x.gated:
+                wanted = samples_to_decide(x) or 2 * x.n
+                setting = counted_by(x.metric)
+                if setting is None:
+                    decide = max(decide or 0, wanted)
+                else:
+                    settings[setting] = max(settings.get(setting, 0), wanted)
+        if decide is None and not settings:
+            decide = 2 * max(x.n for x in rows)
     return SummaryLineOut(config=config, group=group, text=text, findings=findings, decide_samples=decide,
+                          decide_settings=settings,
                           severity=severity(worst) if worst is not None else 0.0,
                           critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
 
@@ -221,16 +244,25 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     if "undecided" in groups:  # never cut: each says what would decide it
         undecided = groups["undecided"]
         text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
-        if decide_with:
-            wanted = max(line.decide_samples or 0 for line in undecided)
+        by_documents = [line for line in undecided if line.decide_samples]
+        if decide_with and by_documents:
+            wanted = max(line.decide_samples or 0 for line in by_documents)
             samples = min(wanted, decide_cap) if decide_cap else wanted
             short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
-            if drawn is not None and samples <= drawn:  # the suite has nothing more to give
-                text.append(f"  decide: not on this suite: it has {samples} documents and the run drew "
+            if drawn is not None and decide_cap is not None and decide_cap <= drawn:  # nothing more to give
+                text.append(f"  decide: not on this suite: it has {decide_cap} documents and the run drew "
                             f"{drawn}; about {wanted} would decide them (a larger corpus)")
             else:
-                text.append("  decide: " + decide_with.format(configs=",".join(line.config for line in undecided),
-                                                              samples=samples) + short)
+                text.append("  decide: " + decide_with.format(
+                    configs=",".join(line.config for line in by_documents), samples=samples) + short)
+        settings: dict[str, int] = {}
+        for line in undecided:
+            for setting, wanted in line.decide_settings.items():
+                settings[setting] = max(settings.get(setting, 0), wanted)
+        if decide_with and settings:  # more documents would not add these: the suite's own counts would
+            asks = ", ".join(f"{setting} about {wanted}" for setting, wanted in sorted(settings.items()))
+            whose = [line.config for line in undecided if line.decide_settings]
+            text.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,

@@ -41,6 +41,19 @@ def model_digest(model_dir: str | pathlib.Path, patterns: tuple[str, ...] = ("*"
     return h.hexdigest()
 
 
+WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "config.json")  # what decides a model's outputs, beside code
+
+
+def weights_digest(path: str | pathlib.Path) -> str:
+    """sha256 of a model as it was loaded: a directory's weight files and config (model_digest over
+    WEIGHTS), or a single weights file (a GGUF) by its content; the release report names it."""
+    p = pathlib.Path(path)
+    if p.is_file():
+        stat = p.stat()
+        return _cached_file_digest(str(p.resolve()), stat.st_size, stat.st_mtime_ns)
+    return model_digest(p, WEIGHTS)
+
+
 @cache
 def source_digest(*packages: pathlib.Path) -> str:
     """sha256 over the .py files of `packages` (relative name and content), read once per process:

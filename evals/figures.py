@@ -92,11 +92,14 @@ class RunFigures:
     inputs_key: str | None = None
     # the run whose results (rows and figures) this config-run took instead of computing them again
     reused_from_run: int | None = None
+    # sha256 of the model as this config loaded it (engines/fingerprint.weights_digest: weight files and
+    # config.json, or a GGUF file); None for a served model, whose weights the canary cannot read
+    model_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
-        for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run"):
+        for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run", "model_digest"):
             if out[section] is None:
                 del out[section]
         return out

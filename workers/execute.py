@@ -15,6 +15,7 @@ from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
 from app.settings import get_settings
+from engines.fingerprint import weights_digest
 from engines.protocol import WindowSpec
 from evals.figures import RunFigures
 from evals.run_stats import RunStats, percentile
@@ -116,10 +117,10 @@ class ExecuteConfigRun(BaseTask):
             from workers.outbound import check_engine
 
             check_engine(spec, job.project)
-        model = job.model_path
+        model, digest = job.model_path, None
         if spec.engine != "openai":  # local files: the checked real paths, the draft's in the spec it loads with
             path, spec = loadable_model(job)
-            model = str(path)
+            model, digest = str(path), weights_digest(path)  # hashed once per process and file
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
         key = baseline_reuse.inputs_key(job) if job.is_baseline and settings.gate_reuse_baseline else None
@@ -149,7 +150,7 @@ class ExecuteConfigRun(BaseTask):
             **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
                "concurrency": step, **produced},
             **work.stats.figures(description.kv_cache_usage),
-            inputs_key=key,
+            inputs_key=key, model_digest=digest,
         ).to_json()
         self.transaction(lambda session: attempt.finish_or_stop(session, "succeeded", figures=figures),
                          f"finish config-run {attempt.config_run_id}")

@@ -82,9 +82,13 @@ def test_a_second_gate_takes_the_first_gates_baseline_rows(sqlite_env, model_cop
 def test_a_rewritten_model_file_a_manual_run_or_the_setting_off_compute_the_baseline_again(
         sqlite_env, model_copy, monkeypatch):
     from app.settings import get_settings
+    from engines.fingerprint import weights_digest
 
     _apply(model_copy)
+    loaded = weights_digest(model_copy)
     first = _gate("g1")
+    # the weights each config loaded, by content (the release report's environment names them)
+    assert first["figures"]["fp16"]["model_digest"] == first["figures"]["int8"]["model_digest"] == loaded
     assert _gate("m1", trigger="manual")["figures"]["fp16"].get("reused_from_run") is None  # only gates reuse
     monkeypatch.setenv("CANARY_GATE_REUSE_BASELINE", "false")
     get_settings.cache_clear()
@@ -97,4 +101,5 @@ def test_a_rewritten_model_file_a_manual_run_or_the_setting_off_compute_the_base
     changed = _gate("g3")
     assert changed["figures"]["fp16"].get("reused_from_run") is None
     assert changed["figures"]["fp16"]["inputs_key"] != first["figures"]["fp16"]["inputs_key"]
+    assert changed["figures"]["fp16"]["model_digest"] == weights_digest(model_copy) != loaded
     assert _gate("g4")["figures"]["fp16"]["reused_from_run"] == changed["run_id"]

@@ -60,7 +60,7 @@ def _seed(url: str) -> int:
         s.flush()
         for config in configs.values():
             s.add(ConfigRun(run_id=run.id, config_id=config.id, status="succeeded",
-                            figures={"engine": "reference", "device": "cpu"}))
+                            figures={"engine": "reference", "device": "cpu", "model_digest": "ab12" * 16}))
         step_back = {"metric": "ppl_ratio", "stacked_ratio": 1.3, "interaction": 0.0, "disable": "kv_cache",
                      "advice": ADVICE, "layers": []}
         for name, (metric, est, low, high, n, verdict, rule) in rows.items():
@@ -166,6 +166,7 @@ def test_the_release_review_report_holds_thresholds_environment_and_markdown(see
     assert "| int2 | ppl ratio | +30.00% [+20.00, +40.00] | 12 | critical |" in lines
     assert "| model | tiny (builtin:pydoc-target) |" in lines and "| samples | 12 drawn |" in lines
     assert "| suite | daily, version v1 |" in lines
+    assert "| model digest | sha256 ab12ab12ab12ab12… |" in lines  # every config loaded the same weights
     assert "| int2 | reference | cpu | — | — | — | — |" in lines  # the seeded figures name engine and device only
     # the HTML report: the same tables, and times in UTC
     assert "<h2>Thresholds (the rules as they stand now" in page and "<td>project rule</td>" in page and "<h2>Environment</h2>" in page
@@ -179,3 +180,13 @@ def test_the_report_names_a_served_model_by_host_and_times_in_utc():
     assert _public("cuda:0:NVIDIA H200") == "cuda:0:NVIDIA H200"  # a device that is no URL stays as it is
     assert when("2026-11-29T07:10:00+01:00") == "2026-11-29 06:10 UTC" and when("2026-11-29T06:10:00") == \
         "2026-11-29 06:10 UTC"
+
+
+def test_the_report_names_the_weights_each_config_loaded():
+    """One digest for configs that loaded the same files; a config's own checkpoint apart; a served model none."""
+    from app.report_context import _digests
+
+    assert _digests({"fp16": "a" * 64, "int8": "a" * 64}) == "sha256 aaaaaaaaaaaaaaaa…"
+    assert _digests({"fp16": "a" * 64, "int8": "a" * 64, "awq-ckpt": "b" * 64, "vllm": None}) == (
+        "fp16, int8: sha256 aaaaaaaaaaaaaaaa…; awq-ckpt: sha256 bbbbbbbbbbbbbbbb…; "
+        "vllm: not stored (a served model, or a run stored before it was)")

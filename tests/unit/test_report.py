@@ -3,6 +3,9 @@ escaped, the plot's axis chosen and its labels kept apart as worked out by hand.
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from app.report import _label_dy, render, trade_off_svg
 from app.schemas import ComparisonOut, RunOut
 
@@ -45,6 +48,31 @@ def test_trade_off_points_and_the_plot():
     assert "symmetric log scale" in trade_off_svg(wide)
     assert "No speed figures" in trade_off_svg(points[:1])  # the baseline alone: nothing to plot
 
+
+
+def test_the_plot_has_round_ticks_and_the_perplexity_thresholds():
+    """Ticks by hand: 0 to 7 in at most 6 ticks → a raw step of 1.4, rounded up to 2: 0, 2, 4, 6;
+    −0.3 to 0.95 → raw 0.25 → 0.25: −0.25 … 0.75. The y axis of the tested points (+6 % [+4.5, +8]
+    and the baseline's 0) with warn 1.01 and critical 1.03 drawn as +1 % and +3 % lines."""
+    from app.report import round_ticks, threshold_lines
+    from app.report_context import ReportContext, Threshold
+
+    assert round_ticks(0, 7) == [0, 2, 4, 6]
+    assert round_ticks(-0.3, 0.95) == [-0.25, 0, 0.25, 0.5, 0.75]
+    assert round_ticks(1.55, 2.55) == [1.6, 1.8, 2.0, 2.2, 2.4]
+    rule = Threshold("ppl_ratio", "ppl ratio", "above", 1.01, 1.03, 10, "project rule", ("every candidate",))
+    ctx = ReportContext([rule, Threshold("tpot_ratio", "TPOT ratio", "above", 1.1, 1.25, 10, "seed", ("x",))], [], [])
+    assert threshold_lines(ctx) == [("warn 1.01", pytest.approx(1.0)), ("critical 1.03", pytest.approx(3.0))]
+    svg = trade_off_svg([p.model_dump() for p in summary().trade_off], lines=threshold_lines(ctx))
+    labels = re.findall(r"text-anchor='end'>([^<]+)%</text>", svg)
+    assert labels == ["0", "+2", "+4", "+6", "+8"]  # y: -0.64 … 8.64 drawn, round steps of 2
+    assert re.findall(r"text-anchor='middle'>([^<]+)×</text>", svg) == ["1", "1.5", "2", "2.5"]
+    assert svg.count("stroke-dasharray='6 4'") == 2 and ">warn 1.01</text>" in svg and ">critical 1.03</text>" in svg
+    # two ppl rules: each line names its configs
+    other = Threshold("ppl_ratio", "ppl ratio", "above", 1.05, None, 10, "config rule", ("int2",))
+    assert [label for label, _ in threshold_lines(ReportContext([rule, other], [], []))] == [
+        "warn 1.01 (every candidate)", "critical 1.03 (every candidate)", "warn 1.05 (int2)"]
+    assert threshold_lines(None) == []
 
 def test_labels_of_points_on_one_spot_are_kept_apart():
     """Three labels of 10 characters (65 px wide, 12 high) at one point: above (−6), below (+14),

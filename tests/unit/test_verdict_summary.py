@@ -130,5 +130,21 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     spent = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50, drawn=50).lines[-1]
     assert spent == ("  decide: not on this suite: it has 50 documents and the run drew 50; about 80 would decide "
                      "them (a larger corpus)")
+    # the demo's case: 100 documents drawn of a larger corpus, and configs undecided on answers (n = the
+    # suite's 16 prompts, "about 60 would decide"): more documents add no prompts, so no --samples command
+    # for them (it asked for 60, fewer than drawn, and called the suite spent); the suite's
+    # generation.prompts is what decides them, said for the configs it counts
+    answers = [row("kv-fp8", "degenerate_answers", 0.0625, 0.0, 0.188, "inconclusive", n=16,
+                   rule="… (about 60 at this effect)"),
+               row("int8", "degenerate_answers", 0.125, 0.0, 0.312, "inconclusive", n=16,
+                   rule="… (about 28 at this effect)")]
+    demo = decide_command("demo", "pydoc", "manual")
+    assert verdict_summary(answers, decide_with=demo, decide_cap=1000, drawn=100).lines[-1] == (
+        "  decide: raise the suite's generation.prompts about 60 (int8, kv-fp8: more documents alone would not)")
+    # both kinds: a --samples command for the documents' comparison, and the setting for the answers'
+    both = verdict_summary([*answers, rows[2]], decide_with=demo, decide_cap=1000, drawn=100).lines
+    assert both[-2:] == ["  decide: canary demo --samples 80",
+                         "  decide: raise the suite's generation.prompts about 60 (int8, kv-fp8: more documents "
+                         "alone would not)"]
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"
