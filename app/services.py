@@ -253,6 +253,12 @@ def decide_command(project: str, suite: str, trigger: str) -> str:
     return f"canary run -f canary.yaml {where} --configs {{configs}} --samples {{samples}}"
 
 
+def decide_settings_commands(project: str) -> dict[str, str]:
+    """The commands that raise a suite setting on their own, by setting (`{n}` for app/summary to fill
+    in): the demo's `--prompts`; elsewhere the setting lives in the team's canary.yaml, so none."""
+    return {"generation.prompts": "canary demo --prompts {n}"} if project == DEMO_PROJECT else {}
+
+
 def run_summary(session: Session, run: Run) -> RunOut:
     """The run as the API gives it (app/schemas.RunOut): its configs, comparisons and figures, the
     step-back findings, the verdict for people (`summary`) and each candidate's quality lost against
@@ -275,6 +281,7 @@ def run_summary(session: Session, run: Run) -> RunOut:
     figures = {cr.config.name: FiguresOut.model_validate(cr.figures) for cr in crs if cr.figures}
     run_figures = {name: f.model_dump() for name, f in figures.items()}
     suite = session.get(Suite, run.suite_id)
+    project_name = repo.project_name(session, run.project_id)
     baseline = names.get(run.baseline_config_id)
     ablations = [c.config for c in configs if c.ablation_of]
     return RunOut(
@@ -284,8 +291,9 @@ def run_summary(session: Session, run: Run) -> RunOut:
         finished_at=run.finished_at.isoformat() if run.finished_at else None, configs=configs,
         comparisons=comparisons, figures=figures, step_back=step_back,
         summary=verdict_summary(comparisons, step_back, baseline, ablations, figures=run_figures,
-                                decide_with=decide_command(repo.project_name(session, run.project_id),
-                                                           suite.name if suite else str(run.suite_id), run.trigger),
+                                decide_with=decide_command(project_name, suite.name if suite else str(run.suite_id),
+                                                           run.trigger),
+                                decide_settings_with=decide_settings_commands(project_name),
                                 decide_cap=min(suite.n_documents if suite else get_settings().max_samples_per_run,
                                                get_settings().max_samples_per_run),
                                 drawn=len(run.sample_keys or ())),

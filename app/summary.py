@@ -211,14 +211,16 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
                     decide_with: str | None = None, decide_cap: int | None = None,
-                    drawn: int | None = None) -> VerdictSummaryOut:
+                    drawn: int | None = None, decide_settings_with: Mapping[str, str] | None = None
+                    ) -> VerdictSummaryOut:
     """The lines by group, the text as printed (at most max_lines), how many configs it leaves
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
     diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
     `decide_with`: the command that decides the undecided configs, with `{configs}` and `{samples}`
     to fill in (app/services.decide_command); `decide_cap`: the most samples it may ask for (the
     suite's documents, the per-run limit), said when it is less than they need; `drawn`: the
-    samples the run holds already (no command when the cap gives no more)."""
+    samples the run holds already (no command when the cap gives no more); `decide_settings_with`:
+    a command per suite setting that raises it on its own (the demo's `--prompts`, `{n}` to fill in)."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -259,9 +261,12 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
         for line in undecided:
             for setting, wanted in line.decide_settings.items():
                 settings[setting] = max(settings.get(setting, 0), wanted)
+        commands = decide_settings_with or {}
+        for setting in sorted(set(settings) & set(commands)) if decide_with else ():
+            text.append("  decide: " + commands[setting].format(n=settings.pop(setting)))
         if decide_with and settings:  # more documents would not add these: the suite's own counts would
             asks = ", ".join(f"{setting} about {wanted}" for setting, wanted in sorted(settings.items()))
-            whose = [line.config for line in undecided if line.decide_settings]
+            whose = [line.config for line in undecided if set(line.decide_settings) & set(settings)]
             text.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")

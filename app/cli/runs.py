@@ -249,6 +249,8 @@ def run_exit_code(verdict: str | None, fail_on: str = "fail") -> int:
 def demo(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     samples: int = typer.Option(100, min=1, help="held-out documents scored per config"),
+    prompts: int | None = typer.Option(None, min=1, max=1000, help="generation prompts per config (default 16): "
+                                                                   "the count the answers' comparisons are over"),
     database_url: str = typer.Option("sqlite:///canary-demo.db",
                                      help="where the demo writes (never CANARY_DATABASE_URL)"),
     wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
@@ -267,8 +269,10 @@ def demo(
     get_settings.cache_clear()
     _ensure_zoo()
     _upgrade_db()
-    canary_file = parse_config({**DEMO_CONFIG, "suites": [{**DEMO_CONFIG["suites"][0], "samples": samples}]},
-                               "demo config")
+    suite = {**DEMO_CONFIG["suites"][0], "samples": samples}
+    if prompts is not None:
+        suite["generation"] = {**suite["generation"], "prompts": prompts}
+    canary_file = parse_config({**DEMO_CONFIG, "suites": [suite]}, "demo config")
     try:
         done = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat,
                              processes=processes)

@@ -146,5 +146,12 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     assert both[-2:] == ["  decide: canary demo --samples 80",
                          "  decide: raise the suite's generation.prompts about 60 (int8, kv-fp8: more documents "
                          "alone would not)"]
+    # the demo raises its prompts itself: its own command, not a setting of a canary.yaml
+    from app.services import decide_settings_commands
+
+    demo_lines = verdict_summary([*answers, rows[2]], decide_with=demo, decide_cap=1000, drawn=100,
+                                 decide_settings_with=decide_settings_commands("demo")).lines
+    assert demo_lines[-2:] == ["  decide: canary demo --samples 80", "  decide: canary demo --prompts 60"]
+    assert decide_settings_commands("shop") == {}
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"

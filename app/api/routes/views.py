@@ -27,7 +27,7 @@ from app.models import (
     Suite,
 )
 from app.schemas import ComparisonOut, FiguresOut, Time, Verdict, VerdictSummaryOut, error_responses
-from app.services import decide_command
+from app.services import decide_command, decide_settings_commands
 from app.settings import get_settings
 from app.ssrf import public_spec
 from app.summary import Advice, verdict_summary
@@ -231,7 +231,7 @@ def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int
     step_back = [Advice(c["config"], c["comparisons"][metric]["advice"])
                  for c in configs for metric in sorted(c["comparisons"]) if c["comparisons"][metric].get("advice")]
     return verdict_summary(comparisons, step_back, figures={c["config"]: c["figures"] for c in configs},
-                           decide_with=decide,
+                           decide_with=decide, decide_settings_with=decide_settings_commands(project),
                            decide_cap=min(documents or limit, limit))
 
 
