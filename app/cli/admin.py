@@ -62,6 +62,18 @@ def dashboard_script() -> str:
     return os.path.join(os.path.dirname(spec.origin), "app.py")
 
 
+def _die_with_parent() -> None:
+    """In the dashboard's process before it starts (Linux): SIGTERM when the API's process ends, however
+    it ends (uvicorn re-raises a SIGTERM it handled, which ends the process before any `finally`)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):  # not Linux: the API's `finally` stops it on an interrupt
+        pass
+
+
 def _start_dashboard(host: str, port: int, dashboard_port: int) -> subprocess.Popen:
     """`streamlit run dashboard/app.py` on this API (CANARY_API_URL), in a child process the API's
     exit stops; its output goes to this terminal, prefixed by nothing but Streamlit's own."""
@@ -69,7 +81,7 @@ def _start_dashboard(host: str, port: int, dashboard_port: int) -> subprocess.Po
     env = {**os.environ, "CANARY_API_URL": f"http://{api_host}:{port}"}
     cmd = [sys.executable, "-m", "streamlit", "run", dashboard_script(), "--server.port", str(dashboard_port),
            "--server.address", host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    ui = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    ui = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     console.print(f"dashboard: http://{api_host}:{dashboard_port} (on the API at {env['CANARY_API_URL']})",
                   highlight=False, soft_wrap=True)
     return ui

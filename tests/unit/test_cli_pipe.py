@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -194,7 +195,8 @@ def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
 
 
 @pytest.mark.integration
-def test_serve_with_the_dashboard_starts_both_and_stopping_it_stops_both(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_serve_with_the_dashboard_starts_both_and_stopping_it_stops_both(tmp_path, stop):
     """`canary serve --dashboard` (the demo's last line): the API and, on it, the Streamlit dashboard,
     one command; an interrupt stops the API and the dashboard with it. The same port twice is a one-line error."""
     import signal
@@ -218,8 +220,15 @@ def test_serve_with_the_dashboard_starts_both_and_stopping_it_stops_both(tmp_pat
         wait_http(f"http://127.0.0.1:{ui}/_stcore/health", proc, str(log))
         assert f"dashboard: http://127.0.0.1:{ui} (on the API at http://127.0.0.1:{api})" in log.read_text()
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.send_signal(getattr(signal, stop))  # Ctrl-C, or a service manager's stop
         proc.wait(60)
-    for port in (api, ui):  # both gone
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # both gone (the dashboard a moment after the API)
+        try:
+            httpx.get(f"http://127.0.0.1:{ui}/_stcore/health", timeout=2)
+        except httpx.HTTPError:
+            break
+        time.sleep(0.3)
+    for port in (api, ui):
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
