@@ -24,6 +24,7 @@ from app.alerting import (
 )
 from app.channels import AlertMessage, build, build_group
 from app.models import Alert, AlertRule, Channel, ComparisonRow, Notification, Run, Silence, Suite, aware, utcnow
+from app.runbooks import alert_runbook
 from app.schemas import ComparisonOut
 from app.settings import get_settings
 from app.summary import config_line, judged
@@ -111,6 +112,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                baseline_value=comparison.baseline_value, candidate_value=comparison.candidate_value,
                                rule=comparison.rule, run_id=run.id, dashboard_url=settings.dashboard_url,
                                annotations={**_step_back(comparison),
+                                            "runbook_url": alert_runbook(st.labels, settings.runbook_url),
                                             **({"verdict": verdicts[st.labels["config"]]}
                                                if st.labels["config"] in verdicts and kind == "firing" else {})},
                                starts_at=st.fired_at or st.started_at or now,

@@ -13,6 +13,7 @@ from app import repo
 from app.alert_evaluation import ACTIVE
 from app.gates import summary_markdown
 from app.models import Alert, Gate, Project, Run, SampleResult, Suite
+from app.runbooks import alert_runbook
 from app.services import run_summary
 from app.settings import get_settings
 
@@ -20,7 +21,9 @@ from app.settings import get_settings
 def alert_out(alert: Alert, inhibited_by: int | None = None) -> dict:
     iso = lambda t: t.isoformat() if t else None  # noqa: E731
     return {"id": alert.id, "fingerprint": alert.fingerprint, "labels": alert.labels,
-            "annotations": alert.annotations, "state": alert.state, "severity": alert.severity, "value": alert.value,
+            "annotations": {**(alert.annotations or {}),
+                            "runbook_url": alert_runbook(alert.labels or {}, get_settings().runbook_url)},
+            "state": alert.state, "severity": alert.severity, "value": alert.value,
             "consecutive": alert.consecutive, "run_id": alert.run_id, "started_at": iso(alert.started_at),
             "fired_at": iso(alert.fired_at), "resolved_at": iso(alert.resolved_at),
             "last_notified_at": iso(alert.last_notified_at), "escalation_run_id": alert.escalation_run_id,

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     max_config_values: int = Field(
         50_000, ge=100, description="YAML values (scalars, lists, mappings, aliases expanded) in a config file")
     dashboard_url: str = "http://localhost:8501"
+    # where the canary's docs/runbooks.md is published (e.g. a repository's …/blob/main/docs/runbooks.md): an
+    # alert's runbook link is it with the alert's section (app/runbooks.py); empty: the path docs/runbooks.md
+    runbook_url: str = ""
     # a newly firing alert starts one full-suite run of its config (off for one-shot CLI runs)
     escalation: bool = True
     # threads per API process that run the (synchronous) route handlers; requests beyond it wait

@@ -66,7 +66,7 @@ class AlertMessage:
         return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, "
                 f"n={self.n}); baseline {self.baseline}: {f(self.baseline_value)}, candidate "
                 f"{self.labels.get('config')}: {f(self.candidate_value)}. "
-                f"Rule: {self.rule}. Run {self.run_id}." + self.verdict() + self.step_back())
+                f"Rule: {self.rule}. Run {self.run_id}." + self.verdict() + self.step_back() + self.runbook())
 
     def verdict(self) -> str:
         """Where the alert's config stands on every metric (its verdict-summary line), when firing."""
@@ -77,6 +77,11 @@ class AlertMessage:
         """The layer of a stacked config to disable, when its ablations ran (workers/step_back.py)."""
         advice = self.annotations.get("step_back")
         return f" Step back: {advice}." if advice else ""
+
+    def runbook(self) -> str:
+        """Where the alert's runbook is (app/runbooks.py), when the alert names one."""
+        url = self.annotations.get("runbook_url")
+        return f" Runbook: {url}" if url else ""
 
     def link(self) -> str:
         """The dashboard's page for the run (its project chosen: the dashboard opens on the first

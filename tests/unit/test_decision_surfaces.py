@@ -133,7 +133,9 @@ def test_every_surface_says_the_same_decision(seeded, capsys):
     banner = [re.sub(r" \(since [^)]*\)$", "", line).strip() for line in banner]
     assert banner[1:] == [line[0].upper() + line[1:] if line.endswith(":") else line.strip() for line in LINES]
 
+    from app import repo
     from app.alert_evaluation import evaluate_run
+    from app.queries import alerts as read_alerts
 
     with session_scope() as s:  # an alert's chat message: int2 fires, its line says where it stands
         evaluate_run(s, s.get(Run, seeded))
@@ -141,6 +143,11 @@ def test_every_surface_says_the_same_decision(seeded, capsys):
         payloads = [json.dumps(n.payload, ensure_ascii=False) for n in s.scalars(select(Notification))]
     assert len(payloads) == 1 and f"int2 overall: drop or fix: {INT2_FOUND}. Step back: {ADVICE}." in payloads[0]
     assert f"/?page=run&run_id={seeded}&project=shop" in payloads[0]  # its link opens the run in its project
+    assert "Runbook: docs/runbooks.md#canaryperplexityratiohigh" in payloads[0]  # app/runbooks.py
+    with session_scope() as s:  # the alerts API gives the same runbook link with each alert
+        runbooks = {(a["labels"]["config"], a["labels"]["metric"]): a["annotations"]["runbook_url"]
+                    for a in read_alerts(s, repo.get_project(s, "shop"))}
+    assert runbooks[("int2", "ppl_ratio")] == "docs/runbooks.md#canaryperplexityratiohigh"
 
 
 def test_the_release_review_report_holds_thresholds_environment_and_markdown(seeded):
