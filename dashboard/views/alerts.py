@@ -21,6 +21,28 @@ def stale_alert(schedule: dict) -> dict:
             "annotations": {"rule": schedule["stale_reason"]}}
 
 
+SEVERITY = {"critical": 0, "warn": 1}  # an incident's worst first, and inside it
+
+
+def incidents(alerts: list[dict], label, value) -> list[dict]:
+    """Firing alerts as incidents, Alertmanager's grouping by config and run: one row per (config, run)
+    with every breaching metric inside, critical first (label: an alert's metric label; value: its
+    value in the metric's unit), the earliest fire time, and the worst alert's runbook link."""
+    by: dict[tuple, list[dict]] = {}
+    for alert in alerts:
+        by.setdefault((alert["labels"].get("config"), alert["run_id"]), []).append(alert)
+    out = []
+    for (config, run), group in by.items():
+        group.sort(key=lambda a: (SEVERITY.get(a["severity"], 2), label(a)))
+        since = min((a["fired_at"] or a["started_at"] or "" for a in group), default="")
+        out.append({"config": config, "run": run, "severity": group[0]["severity"], "alerts": len(group),
+                    "findings": "; ".join(f"{label(a)} {value(a)} {a['severity']}".replace("  ", " ").strip()
+                                          for a in group),
+                    "since": since, "runbook": (group[0]["annotations"] or {}).get("runbook_url", "")})
+    out.sort(key=lambda row: (SEVERITY.get(row["severity"], 2), -row["alerts"], str(row["config"])))
+    return out
+
+
 def render(api, project: str, params) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
@@ -29,6 +51,10 @@ def render(api, project: str, params) -> None:
     def in_unit(alert: dict) -> str:  # in the metric's unit, as on the other pages: a ratio as % change
         metric = metrics.get(alert["labels"].get("metric"))
         return metric_cell(metric["unit"], metric["fmt"], alert["value"]) if metric else fmt(alert["value"])
+
+    def label(alert: dict) -> str:  # the metric's label, as the other pages name it
+        name = alert["labels"].get("metric", "")
+        return metrics[name]["label"] if name in metrics else name
 
     # the canary itself (app/staleness.py): a schedule whose runs stopped succeeding fires CanaryStale
     # to the channels; here it leads the firing list, as on the overview it leads the page
@@ -50,6 +76,15 @@ def render(api, project: str, params) -> None:
         if not rows:
             st.caption(f"No {state} alerts.")
             continue
+        if state == "firing":  # incidents first: one per config and run, every breaching metric inside
+            found = incidents(rows, label, in_unit)
+            links = all(row["runbook"].startswith(("http://", "https://")) for row in found if row["runbook"])
+            st.caption(f"{len(found)} incident(s): one per config and run, its alerts critical first; "
+                       "each alert below.")
+            st.dataframe(pd.DataFrame([{**row, "since": human_time(row["since"] or None)} for row in found]),
+                         hide_index=True, width="stretch",
+                         column_config={"runbook": st.column_config.LinkColumn("runbook") if links
+                                        else st.column_config.TextColumn("runbook")})
         st.dataframe(drop_empty_columns(pd.DataFrame([{
                                     "config": alert["labels"].get("config"), "metric": alert["labels"].get("metric"),
                                     "severity": alert["severity"], "value": in_unit(alert),

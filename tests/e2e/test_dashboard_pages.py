@@ -240,7 +240,14 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     seeded = api(seeded_api, "/alerts")
     pairs = [(a["labels"]["config"], a["labels"]["metric"]) for a in seeded if a["state"] == "firing"]
     assert pairs.count(("int2", "ppl_ratio")) == 2  # both severities fire on the server
-    firing = frames(at)[0]
+    # incidents first: one per config and run, every breaching metric inside, critical first, a runbook link
+    found = frames(at)[0]
+    assert list(found.columns) == ["config", "run", "severity", "alerts", "findings", "since", "runbook"]
+    int2 = found[found["config"] == "int2"].iloc[0]
+    assert int2["severity"] == "critical" and int2["findings"].startswith("ppl ratio ")
+    assert int2["runbook"] == "docs/runbooks.md#canaryperplexityratiohigh"
+    assert len(found) == len(set(zip(found["config"], found["run"], strict=True)))
+    firing = frames(at)[1]
     shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
     assert list(shown["severity"]) == ["critical"], firing.to_dict()
     # the canary itself: the seeded stale schedule (tests/e2e/conftest.py) leads the firing list and the page
@@ -255,7 +262,7 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     assert silences["until"].iloc[0].startswith("in ") and silences["until"].iloc[0].endswith(" UTC)")
     assert any("hidden, inhibited by the critical alert" in c.value for c in at.caption)
     at.toggle(key="inhibited").set_value(True).run()
-    firing = frames(at)[0]
+    firing = frames(at)[1]
     shown = firing[(firing["config"] == "int2") & (firing["metric"] == "ppl_ratio")]
     assert sorted(shown["severity"]) == ["critical", "warn"]
 

@@ -144,3 +144,24 @@ def test_clock_time_for_labels_that_must_not_change_while_the_page_is_open():
     assert clock_time("2026-11-25T06:37:04.831299") == "25 Nov 06:37 UTC"  # stored without an offset: UTC
     assert clock_time("2026-01-05T23:59:59+00:00") == "5 Jan 23:59 UTC"
     assert clock_time(None) == "—"
+
+
+def test_firing_alerts_group_into_incidents_by_config_and_run():
+    """Four firing alerts: int2's ppl warn and critical and its TPOT warn in run 7, kv-fp8's
+    empty-answers warn in run 7: two incidents, int2's first (critical), its findings critical
+    first, then by label; the earliest fire time; the worst alert's runbook."""
+    from dashboard.views.alerts import incidents
+
+    def alert(config, metric, severity, value, fired, runbook):
+        return {"labels": {"config": config, "metric": metric}, "severity": severity, "value": value,
+                "run_id": 7, "fired_at": fired, "started_at": None, "annotations": {"runbook_url": runbook}}
+    rows = [alert("kv-fp8", "empty_answers", "warn", 0.1, "2026-11-29T10:00:00", "r#empty"),
+            alert("int2", "tpot_ratio", "warn", 1.3, "2026-11-29T09:00:00", "r#tpot"),
+            alert("int2", "ppl_ratio", "warn", 1.3, "2026-11-29T09:30:00", "r#ppl"),
+            alert("int2", "ppl_ratio", "critical", 1.3, "2026-11-29T09:30:00", "r#ppl")]
+    labels = {"empty_answers": "empty", "tpot_ratio": "TPOT ratio", "ppl_ratio": "ppl ratio"}
+    found = incidents(rows, lambda a: labels[a["labels"]["metric"]], lambda a: f"{a['value']:g}")
+    assert [(i["config"], i["run"], i["severity"], i["alerts"]) for i in found] == [
+        ("int2", 7, "critical", 3), ("kv-fp8", 7, "warn", 1)]
+    assert found[0]["findings"] == "ppl ratio 1.3 critical; TPOT ratio 1.3 warn; ppl ratio 1.3 warn"
+    assert found[0]["since"] == "2026-11-29T09:00:00" and found[0]["runbook"] == "r#ppl"
