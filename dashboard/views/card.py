@@ -126,9 +126,10 @@ def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
         elif metric["name"] == "tpot_ratio" and figures.get("tokens_per_second") is not None:
             # throughput: the tokens/s of the config whose decoding slowed most; its state is the TPOT ratio's
             tile.value, tile.ci = f"{figures['tokens_per_second']:.0f} tok/s", ""
-            base_tps = ((baseline or {}).get("figures") or {}).get("tokens_per_second")
+            # the baseline in the same run: each config's evidence may come from a run of its own
+            base_tps = (config.get("baseline_figures") or {}).get("tokens_per_second")
             if base_tps is not None and not config["baseline"]:
-                tile.lines.append(f"baseline {base_tps:.0f} tok/s")
+                tile.lines.append(f"baseline {base_tps:.0f} tok/s (same run)")
             tile.lines.append(f"{metric['label']} {value} {ci}".strip())
         recovery = (config.get("comparisons") or {}).get("task_recovery") if title == "task accuracy" else None
         if recovery and recovery.get("baseline_value") is not None and recovery.get("candidate_value") is not None:

@@ -40,7 +40,9 @@ def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, 
                   trigger="manual", status="done", n_samples=samples, sample_keys=[f"d{i}" for i in range(samples)])
         s.add(run)
         s.flush()
-        s.add_all([ConfigRun(run_id=run.id, config_id=c, status="succeeded") for c in (base, int4)])
+        # the baseline's tokens/s names its run: a tile compares int4 with the baseline of int4's own run
+        s.add_all([ConfigRun(run_id=run.id, config_id=c, status="succeeded",
+                             figures={"tokens_per_second": float(run.id)} if c == base else None) for c in (base, int4)])
         s.add(ComparisonRow(run_id=run.id, config_id=int4, metric="ppl_ratio", estimate=ratio, ci_low=ratio - 0.01,
                          ci_high=ratio + 0.01, n=samples, verdict=verdict, rule="seeded", details={}))
         s.flush()
@@ -88,6 +90,7 @@ def test_the_overview_shows_the_strongest_recent_evidence(sqlite_env):
             view = jsonable(overview(get_project(s, "p"), s, None))
         int4 = next(c for c in view["models"]["m"] if c["config"] == "int4")
         ppl = int4["comparisons"]["ppl_ratio"]
+        assert int4["baseline_figures"]["tokens_per_second"] == int4["run_id"]
         return int4["run_id"], ppl["n"], ppl["verdict"]
 
     ids = _setup()

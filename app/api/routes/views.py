@@ -72,6 +72,9 @@ class OverviewConfig(BaseModel):
     checked_at: Time | None
     comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
     figures: FiguresOut
+    baseline_figures: FiguresOut | None = Field(None, description=(
+        "the baseline's figures in the same run (run_id): what a tile compares this config with; null for the "
+        "baseline itself, or where the run has no baseline config-run"))
     breaching_metric: str | None = Field(description="the worst metric of the latest run when it is warn or critical")
     breaching_since: Time | None = Field(
         description="start of the first run of the unbroken streak of warn/critical on breaching_metric (this suite)")
@@ -282,6 +285,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
         runs = {run_id: (created, finished, trigger) for run_id, created, finished, trigger in session.execute(
             select(Run.id, Run.created_at, Run.finished_at, Run.trigger).where(Run.id.in_(latest_ids | older_ids)))}
     models: dict[str, list] = {}
+    baseline_of = {cfg.model_id: cfg.id for cfg, _ in rows if cfg.is_baseline}  # each model's baseline config
     for cfg, run_id in rows:
         run = runs.get(run_id)
         cells = {m: by_run[run_id] for (cid, m), by_run in history.items() if cid == cfg.id and run_id in by_run}
@@ -297,7 +301,9 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
         models.setdefault(cfg.model.name, []).append({
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
             "checked_at": iso(run[1]) if run else None, "comparisons": cells,
-            "figures": figures.get((run_id, cfg.id), {}), "breaching_metric": worst, "breaching_since": iso(since),
+            "figures": figures.get((run_id, cfg.id), {}),
+            "baseline_figures": None if cfg.is_baseline else figures.get((run_id, baseline_of.get(cfg.model_id, -1))),
+            "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
     summaries = {model: _model_summary(configs, project.name, chosen.name if chosen else "", runs,
