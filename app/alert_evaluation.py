@@ -85,11 +85,13 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             if held:  # the episode keeps its state, run, value, CI and n: the evidence that raised it
                 row.annotations = {**(row.annotations or {}), "held": held}
                 continue
+            # the run the episode fired on (the Trends page marks it there): later runs re-check it, not fire it
+            fired_run = str(run.id) if transition == "firing" else (row.annotations or {}).get("fired_run")
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
             row.annotations = {"rule": comparison.rule, "ci": f"[{comparison.ci_low}, {comparison.ci_high}]",
                                "n": str(comparison.n), "raised_n": str(_raised_n(row) or comparison.n),
-                               **_step_back(comparison)}
+                               **({"fired_run": fired_run} if fired_run else {}), **_step_back(comparison)}
             touched.append((row, new, transition, comparison))
     session.flush()
     firing = [st for _, st, _, _ in touched if st.state == "firing"]

@@ -113,3 +113,21 @@ def test_an_escalation_does_not_raise_the_bar(sqlite_env):
     _run(ids, 500, 1.25, "critical")  # the escalation's larger run, still breaching
     after = _run(ids, *OK_100)
     assert {k: v[0] for k, v in after.items()} == {"warn": "resolved", "critical": "resolved"}
+
+
+def test_trends_marks_an_alert_at_the_run_it_fired_on(sqlite_env):
+    """Critical on run 1 (fires), critical again on run 2 (re-checked, still firing): the alert's run
+    is run 2 on the Alerts page, but Trends marks it where it fired, run 1."""
+    from app.api.routes.views import trends
+    from app.db import session_scope
+    from app.repo import get_project
+    from app.schemas import jsonable
+
+    ids = _setup()
+    fired = _run(ids, *CRITICAL_100)["critical"][2]
+    again = _run(ids, *CRITICAL_100)["critical"]
+    assert again[0] == "firing" and again[2] > fired  # the alert's run_id follows the runs that re-check it
+    with session_scope() as s:
+        view = jsonable(trends(get_project(s, "p"), s, metric="ppl_ratio", config=None, suite=None, limit=200))
+    marks = {(a["severity"], a["run_id"]) for a in view["alerts"]}
+    assert marks == {("critical", fired), ("warn", fired)}

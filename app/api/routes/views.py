@@ -120,7 +120,7 @@ class TrendAlert(BaseModel):
     state: str
     fired_at: Time | None
     resolved_at: Time | None
-    run_id: int | None
+    run_id: int | None = Field(description="the run it fired on (later runs that re-checked it are not marked)")
 
 
 class TrendsOut(BaseModel):
@@ -348,7 +348,8 @@ def trends(project: ProjectDep, session: SessionDep,
                                                               AlertRule.metric == metric))]
     suite_runs = select(Run.id).where(Run.project_id == project.id, Run.suite_id == suite_id)
     alerts = [{"config": a.labels.get("config"), "severity": a.severity, "state": a.state, "fired_at": iso(a.fired_at),
-               "resolved_at": iso(a.resolved_at), "run_id": a.run_id}
+               "resolved_at": iso(a.resolved_at),
+               "run_id": int((a.annotations or {}).get("fired_run") or a.run_id or 0) or None}
               for a in session.scalars(select(Alert).where(Alert.project_id == project.id, Alert.fired_at.is_not(None),
                                                            Alert.run_id.in_(suite_runs))
                                        .order_by(Alert.id.desc()).limit(500)) if a.labels.get("metric") == metric]
