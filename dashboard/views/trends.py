@@ -7,7 +7,15 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import CONFIG_COLORS, VERDICT_MARKS, catalogue, log_domain, spans_decades, y_domain
+from dashboard.views.common import (
+    CONFIG_COLORS,
+    VERDICT_MARKS,
+    catalogue,
+    log_domain,
+    metric_cell,
+    spans_decades,
+    y_domain,
+)
 from dashboard.views.overview import suite_choice
 
 SHAPES = {"ok": "circle", "inconclusive": "diamond", "warn": "triangle-up", "critical": "square",
@@ -98,6 +106,10 @@ def render(api, project: str, params) -> None:
     layers = [base.mark_rule(opacity=0.5, strokeWidth=2).encode(x=x, y=ci, y2="ci_high:Q", color=colour),
               base.mark_line().encode(x=x, y=y, color=colour),
               base.mark_point(size=90, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip)]
+    # each line named at its end (its newest run), so that the legend need not be read colour by colour
+    ends = pts.sort_values("run_id").groupby("config").tail(1).assign(end=lambda d: d["config"])
+    layers.append(alt.Chart(ends).mark_text(align="left", dx=8, fontSize=11)
+                  .encode(x=x, y=y, color=colour, text="end:N"))
     if not off.empty:
         layers += _off_scale_layers(off, x, scale, colour, tooltip)
     layers += _threshold_layers(lines, scale)
@@ -116,6 +128,7 @@ def render(api, project: str, params) -> None:
         left = len(listed) - ALERTS_LISTED
         earlier = f"  \n({left} earlier in the chart's tooltips)" if left > 0 else ""
         st.markdown("  \n".join(f"▼ run {run}: {label}" for run, label in listed[-ALERTS_LISTED:]) + earlier)
+    _run_vs_run(pts, metrics[metric])
     st.caption(f"Suite {data['suite']} only. Points: the estimate, shaped by verdict (circle ok, diamond "
                "inconclusive, triangle warn, square critical, cross measurement error); vertical bars: 95% CI. "
                "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "
@@ -164,3 +177,41 @@ def _alerts_by_run(alerts: pd.DataFrame, pts: pd.DataFrame, shown: list[str]) ->
     named["run"] = [labels[r] for r in named["run_id"]]
     named["label"] = "alert: " + named["what"]
     return named
+
+
+def run_diff(pts: pd.DataFrame, a: int, b: int, cell) -> pd.DataFrame:
+    """Run b against run a, per config both measured: each side's estimate with its CI and n (cell:
+    how the metric is written, as on the other pages), the change b − a, and both verdicts; the configs
+    whose verdict changed first, then by the size of the change."""
+    one, two = (pts[pts["run_id"] == r].set_index("config") for r in (a, b))
+    rows = []
+    for config in sorted(set(one.index) & set(two.index)):
+        x, y = one.loc[config], two.loc[config]
+        change = y["estimate"] - x["estimate"] if pd.notna(x["estimate"]) and pd.notna(y["estimate"]) else None
+        rows.append({"config": config, f"run {a}": f"{cell(x)} n={x['n']}", f"run {b}": f"{cell(y)} n={y['n']}",
+                     "change": change, "verdict": f"{x['verdict']} → {y['verdict']}",
+                     "_moved": x["verdict"] != y["verdict"]})
+    rows.sort(key=lambda r: (not r["_moved"], -abs(r["change"] or 0.0)))
+    return pd.DataFrame([{k: v for k, v in r.items() if k != "_moved"} for r in rows])
+
+
+def _run_vs_run(pts: pd.DataFrame, metric: dict) -> None:
+    """Two runs of the chart side by side: what changed between them, config by config."""
+    runs = sorted(pts["run_id"].unique())
+    if len(runs) < 2 or not st.toggle("Run against run", key="run_diff"):
+        return
+    left, right = st.columns(2)
+    a = left.selectbox("From run", runs, index=len(runs) - 2, key="diff_a")
+    b = right.selectbox("To run", runs, index=len(runs) - 1, key="diff_b")
+
+    def cell(row) -> str:
+        def known(v):
+            return None if pd.isna(v) else float(v)
+        return metric_cell(metric["unit"], metric["fmt"], *(known(row[k]) for k in ("estimate", "ci_low", "ci_high")))
+    diff = run_diff(pts, int(a), int(b), cell)
+    if diff.empty:
+        st.caption(f"Runs {a} and {b} share no config on this metric.")
+        return
+    st.dataframe(diff, hide_index=True, width="stretch")
+    st.caption(f"Run {b} against run {a}: each side's estimate [95% CI] and n, the change in the metric's own "
+               "numbers, and the verdict before → after; configs whose verdict changed first.")

@@ -173,6 +173,17 @@ def test_trends_one_suite_named_alerts_config_filter_and_empty_state(seeded_api,
     assert any("int2 critical" in label for label in alerts["label"])  # the marker names its config
     lines = [f for f in frames_ if "level" in f.columns]
     assert {"all warn 1.01", "all critical 1.03"} <= {x for f in lines for x in f["label"]}
+    ends = next(f for f in frames_ if "end" in f.columns)  # each line named at its newest run
+    assert sorted(ends["end"]) == sorted(points["config"].unique())
+    assert all(ends.loc[ends["end"] == c, "run_id"].iloc[0] == points.loc[points["config"] == c, "run_id"].max()
+               for c in ends["end"])
+    # run against run: the two newest runs, config by config
+    at.toggle(key="run_diff").set_value(True).run()
+    diff = next(df for df in frames(at) if "verdict" in df.columns and "change" in df.columns)
+    newest = sorted(points["run_id"].unique())[-2:]
+    assert list(diff.columns) == ["config", f"run {newest[0]}", f"run {newest[1]}", "change", "verdict"]
+    assert set(diff["config"]) <= set(points["config"]) and len(diff) >= 1
+    at.toggle(key="run_diff").set_value(False).run()
     # the config filter: only int8 is drawn
     at.multiselect(key="configs-s-ppl_ratio").set_value(["int8"]).run()
     points = next(f for f in chart_data(at) if "estimate" in f.columns)

@@ -165,3 +165,25 @@ def test_firing_alerts_group_into_incidents_by_config_and_run():
         ("int2", 7, "critical", 3), ("kv-fp8", 7, "warn", 1)]
     assert found[0]["findings"] == "ppl ratio 1.3 critical; TPOT ratio 1.3 warn; ppl ratio 1.3 warn"
     assert found[0]["since"] == "2026-11-29T09:00:00" and found[0]["runbook"] == "r#ppl"
+
+
+def test_run_against_run_by_hand():
+    """Runs 3 and 5: int2 went ok → critical (+0.05), int8 stayed ok (−0.001), kv only in run 5 (left out);
+    the config whose verdict moved comes first."""
+    import pandas as pd
+    from dashboard.views.trends import run_diff
+
+    pts = pd.DataFrame([
+        {"config": "int2", "run_id": 3, "estimate": 1.02, "ci_low": 1.01, "ci_high": 1.03, "n": 100, "verdict": "ok"},
+        {"config": "int8", "run_id": 3, "estimate": 1.002, "ci_low": 1.0, "ci_high": 1.004, "n": 100, "verdict": "ok"},
+        {"config": "int2", "run_id": 5, "estimate": 1.07, "ci_low": 1.05, "ci_high": 1.09, "n": 50,
+         "verdict": "critical"},
+        {"config": "int8", "run_id": 5, "estimate": 1.001, "ci_low": 0.999, "ci_high": 1.003, "n": 50, "verdict": "ok"},
+        {"config": "kv", "run_id": 5, "estimate": 1.5, "ci_low": 1.4, "ci_high": 1.6, "n": 50, "verdict": "critical"},
+    ])
+    diff = run_diff(pts, 3, 5, lambda row: f"{row['estimate']:.3f}")
+    assert list(diff.columns) == ["config", "run 3", "run 5", "change", "verdict"]
+    assert list(diff["config"]) == ["int2", "int8"]
+    assert list(diff["run 5"]) == ["1.070 n=50", "1.001 n=50"] and diff["run 3"].iloc[0] == "1.020 n=100"
+    assert diff["change"].round(6).tolist() == [0.05, -0.001]
+    assert list(diff["verdict"]) == ["ok → critical", "ok → ok"]
