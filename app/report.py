@@ -95,14 +95,15 @@ def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 
     """Quality lost (ppl ratio as % change, up is worse) against speed gained (× the baseline's), one
     point per config with its CIs, coloured by the perplexity verdict; a symmetric log y axis when
     one config's loss dwarfs the rest (as the dashboard's Compare plot). lines: (label, loss in %)
-    drawn across the plot, dashed: the perplexity ratio's warn and critical thresholds. Ticks sit
-    at round values."""
+    drawn across the plot, dashed: the perplexity ratio's warn and critical thresholds; one beyond the
+    points' axis is named at that edge (the axis stays the points'). Ticks sit at round values."""
     pts = [p for p in points if p.get("speed") is not None]
     if len(pts) < 2:
         return "<p class='dim'>No speed figures to plot against quality.</p>"
     lines = lines or []
+    # the axis is the points' (a threshold far from them must not squash them): a threshold outside
+    # it is named at the edge it lies beyond
     ys = [v for p in pts for v in (p["loss"], p["loss_low"], p["loss_high"]) if v is not None]
-    ys += [value for _, value in lines]
     mags = sorted(abs(v) for v in ys)
     symlog = mags[-1] >= 10 * max(mags[len(mags) // 2], 1.0)
     ty = _symlog if symlog else (lambda v: v)
@@ -134,12 +135,20 @@ def trade_off_svg(points: list[dict[str, Any]], width: int = 760, height: int = 
         out.append(f"<line x1='{px(xv):.1f}' x2='{px(xv):.1f}' y1='{height - bottom}' y2='{height - bottom + 3}' "
                    "stroke='#888'/>")
         out.append(f"<text x='{px(xv):.1f}' y='{height - bottom + 16}' text-anchor='middle'>{xv:g}×</text>")
+    beyond = {"above": 0, "below": 0}
     for label, value in lines:
         colour = COLOURS.get(label.split()[0], "#888")
-        out.append(f"<line x1='{left}' x2='{width - right}' y1='{py(value):.1f}' y2='{py(value):.1f}' "
-                   f"stroke='{colour}' stroke-dasharray='6 4'/>")
-        out.append(f"<text x='{width - right - 4}' y='{py(value) - 4:.1f}' text-anchor='end' fill='{colour}'>"
-                   f"{escape(label)}</text>")
+        if y0 <= ty(value) <= y1:
+            out.append(f"<line x1='{left}' x2='{width - right}' y1='{py(value):.1f}' y2='{py(value):.1f}' "
+                       f"stroke='{colour}' stroke-dasharray='6 4'/>")
+            out.append(f"<text x='{width - right - 4}' y='{py(value) - 4:.1f}' text-anchor='end' fill='{colour}'>"
+                       f"{escape(label)}</text>")
+            continue
+        side = "above" if ty(value) > y1 else "below"
+        at = top + 12 + 13 * beyond[side] if side == "above" else height - bottom - 6 - 13 * beyond[side]
+        beyond[side] += 1
+        out.append(f"<text x='{width - right - 4}' y='{at:.1f}' text-anchor='end' fill='{colour}'>"
+                   f"{escape(label)} {'↑' if side == 'above' else '↓'} (off the axis)</text>")
     scale = ", symmetric log scale" if symlog else ""
     out.append(f"<text x='{left + (width - left - right) / 2}' y='{height - 8}' text-anchor='middle'>"
                "speed gain × (1 / paired TPOT ratio; right is the win)</text>")

@@ -254,9 +254,10 @@ def decide_command(project: str, suite: str, trigger: str) -> str:
 
 
 def decide_settings_commands(project: str) -> dict[str, str]:
-    """The commands that raise a suite setting on their own, by setting (`{n}` for app/summary to fill
-    in): the demo's `--prompts`; elsewhere the setting lives in the team's canary.yaml, so none."""
-    return {"generation.prompts": "canary demo --prompts {n}"} if project == DEMO_PROJECT else {}
+    """The commands that raise a suite setting, by setting (`{n}` and `{samples}` for app/summary to
+    fill in): the demo's `--prompts`, with the documents they are drawn from; elsewhere the setting
+    lives in the team's canary.yaml, so none."""
+    return {"generation.prompts": "canary demo --samples {samples} --prompts {n}"} if project == DEMO_PROJECT else {}
 
 
 def run_summary(session: Session, run: Run) -> RunOut:

@@ -102,6 +102,8 @@ def _key(channel_id: int, schedule_id: int, heartbeat: datetime, kind: str) -> s
 
 def _message(health: ScheduleHealth, kind: str, now: datetime, dashboard_url: str):
     from app.channels import AlertMessage
+    from app.runbooks import alert_runbook
+    from app.settings import get_settings
 
     labels = {"project": health.project, "model": "", "config": health.schedule, "metric": METRIC,
               "severity": "critical", "alertname": "CanaryStale"}
@@ -111,7 +113,8 @@ def _message(health: ScheduleHealth, kind: str, now: datetime, dashboard_url: st
     return AlertMessage(status=kind, labels=labels, fingerprint=hashlib.sha256(
         f"stale|{health.schedule_id}".encode()).hexdigest()[:16], estimate=None, ci_low=None, ci_high=None, n=0,
         baseline="", baseline_value=None, candidate_value=None, rule=text, run_id=health.last_success_run_id or 0,
-        dashboard_url=dashboard_url, starts_at=health.due + health.period, annotations={"description": text},
+        dashboard_url=dashboard_url, starts_at=health.due + health.period,
+        annotations={"description": text, "runbook_url": alert_runbook(labels, get_settings().runbook_url)},
         ends_at=now if kind == "resolved" else None)
 
 

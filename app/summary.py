@@ -96,7 +96,9 @@ def _rule_samples(c: ComparisonOut) -> int | None:
 
 
 # What a comparison's n counts when it is not the run's documents: the suite setting that sets it
-# (evals/suite.py). More documents (`--samples`, a top-up) leave these counts as they are.
+# (evals/suite.py). Asking for more documents (`--samples`) leaves these counts as they are (a top-up
+# scales the prompts with the documents it adds, workers/job.py).
+MAX_PROMPTS = 1000  # generation.prompts' bound (evals/suite.py GenerationSettings)
 COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.prompts",
               "judge": "generation.prompts", "faithfulness": "generation.prompts",
               "labelled": "labelled.max_items"}
@@ -154,9 +156,11 @@ def severity(c: ComparisonOut) -> float:
 
 
 def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None,
-                figures: Mapping[str, Any] | None = None) -> SummaryLineOut | None:
+                figures: Mapping[str, Any] | None = None, drawn: int | None = None) -> SummaryLineOut | None:
     """The summary line of one candidate from its judged comparisons (the ship group's when every
-    one is ok; None when it has none at all); `figures`, its own, name what a speed finding measured."""
+    one is ok; None when it has none at all); `figures`, its own, name what a speed finding measured;
+    `drawn`, the documents its run drew (a comparison over fewer of them, the documents with domain
+    terms, needs proportionally more drawn to reach the n that decides it)."""
     if not rows:
         return None
     quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
@@ -189,6 +193,8 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
                 wanted = samples_to_decide(x) or 2 * x.n
                 setting = counted_by(x.metric)
                 if setting is None:
+                    if drawn and 0 < x.n < drawn:  # n counts some of the documents: scale up what to draw
+                        wanted = math.ceil(wanted * drawn / x.n)
                     decide = max(decide or 0, wanted)
                 else:
                     settings[setting] = max(settings.get(setting, 0), wanted)
@@ -232,7 +238,7 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
             advice.setdefault(s.config, s.advice)
     figures = figures or {}
     lines = [line for config, rows in by_config.items()
-             if (line := config_line(config, rows, advice.get(config), figures.get(config)))]
+             if (line := config_line(config, rows, advice.get(config), figures.get(config), drawn))]
     lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
     groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
@@ -247,24 +253,29 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
         undecided = groups["undecided"]
         text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
         by_documents = [line for line in undecided if line.decide_samples]
-        if decide_with and by_documents:
-            wanted = max(line.decide_samples or 0 for line in by_documents)
-            samples = min(wanted, decide_cap) if decide_cap else wanted
-            short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
-            if drawn is not None and decide_cap is not None and decide_cap <= drawn:  # nothing more to give
-                text.append(f"  decide: not on this suite: it has {decide_cap} documents and the run drew "
-                            f"{drawn}; about {wanted} would decide them (a larger corpus)")
-            else:
-                text.append("  decide: " + decide_with.format(
-                    configs=",".join(line.config for line in by_documents), samples=samples) + short)
         settings: dict[str, int] = {}
         for line in undecided:
             for setting, wanted in line.decide_settings.items():
                 settings[setting] = max(settings.get(setting, 0), wanted)
         commands = decide_settings_with or {}
-        for setting in sorted(set(settings) & set(commands)) if decide_with else ():
-            text.append("  decide: " + commands[setting].format(n=settings.pop(setting)))
-        if decide_with and settings:  # more documents would not add these: the suite's own counts would
+        wanted = max((line.decide_samples or 0 for line in by_documents), default=0)
+        samples = min(wanted, decide_cap) if decide_cap else wanted
+        if decide_with and "generation.prompts" in settings and "generation.prompts" in commands:
+            # one command for both (the demo's): its prompts are openings of the documents it draws
+            prompts = min(settings.pop("generation.prompts"), MAX_PROMPTS)
+            docs = max(samples, drawn or 0, prompts)
+            docs = min(docs, decide_cap) if decide_cap else docs
+            text.append("  decide: " + commands["generation.prompts"].format(samples=docs, n=min(prompts, docs)))
+        elif decide_with and by_documents:
+            short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
+            if drawn is not None and samples <= drawn:  # more documents cannot be had here
+                if decide_cap is not None and decide_cap <= drawn:
+                    text.append(f"  decide: not on this suite: it can give {decide_cap} documents and the run "
+                                f"drew {drawn}; about {wanted} would decide them (a larger corpus)")
+            else:
+                text.append("  decide: " + decide_with.format(
+                    configs=",".join(line.config for line in by_documents), samples=samples) + short)
+        if decide_with and settings:  # more documents asked would not add these: the suite's own counts would
             asks = ", ".join(f"{setting} about {wanted}" for setting, wanted in sorted(settings.items()))
             whose = [line.config for line in undecided if set(line.decide_settings) & set(settings)]
             text.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")

@@ -41,16 +41,20 @@ def model_digest(model_dir: str | pathlib.Path, patterns: tuple[str, ...] = ("*"
     return h.hexdigest()
 
 
-WEIGHTS = ("*.safetensors", "*.bin", "*.gguf", "config.json")  # what decides a model's outputs, beside code
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")  # what decides a model's outputs
 
 
-def weights_digest(path: str | pathlib.Path) -> str:
+def weights_digest(path: str | pathlib.Path) -> str | None:
     """sha256 of a model as it was loaded: a directory's weight files and config (model_digest over
-    WEIGHTS), or a single weights file (a GGUF) by its content; the release report names it."""
+    WEIGHTS, top level), or a single weights file (a GGUF) by its content; None when the directory
+    holds none of them (its weights lie elsewhere: no digest rather than the digest of nothing). The
+    release report names it. Each file is read once per process (tens of seconds for a 16 GB one)."""
     p = pathlib.Path(path)
     if p.is_file():
         stat = p.stat()
         return _cached_file_digest(str(p.resolve()), stat.st_size, stat.st_mtime_ns)
+    if not any(f.is_file() for pattern in WEIGHTS if pattern != "config.json" for f in p.glob(pattern)):
+        return None
     return model_digest(p, WEIGHTS)
 
 

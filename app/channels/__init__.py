@@ -59,7 +59,7 @@ class AlertMessage:
         """What regressed and by how much, with its CI, baseline vs candidate; or an alert's own
         description (CanaryStale: the canary itself, app/staleness.py)."""
         if "description" in self.annotations:
-            return self.annotations["description"]
+            return self.annotations["description"] + self.runbook()
 
         def f(x):
             return "—" if x is None else f"{x:.4g}"

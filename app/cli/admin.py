@@ -22,7 +22,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000,
                                                              "default runs its tasks in the one process)"),
           dashboard: bool = typer.Option(False, "--dashboard", help="also start the Streamlit dashboard on this "
                                                                    "API (stopped with it)"),
-          dashboard_port: int = typer.Option(8501, min=1, max=65535, help="with --dashboard: its port")) -> None:
+          dashboard_port: int = typer.Option(8501, min=1, max=65535, help="with --dashboard: its port"),
+          dashboard_host: str = typer.Option("127.0.0.1", help="with --dashboard: the address it listens on (it "
+                                                              "reads the API with this process's keys: loopback "
+                                                              "unless you mean to share it)")) -> None:
     """Run the API server (OpenAPI docs at /docs); with --dashboard, the dashboard beside it."""
     import uvicorn
 
@@ -33,13 +36,18 @@ def serve(host: str = "127.0.0.1", port: int = 8000,
              "runs tasks inside the one API process")
     if dashboard and dashboard_port == port:
         fail(f"--dashboard-port: {dashboard_port} is the API's own --port; give the dashboard another one")
+    if dashboard:
+        import importlib.util
+
+        if importlib.util.find_spec("streamlit") is None:
+            fail("--dashboard needs Streamlit, which is not installed: pip install 'inference-canary[dashboard]'")
     if upgrade_db:
         _upgrade_db()
     # X-Forwarded-For is taken only from the proxies named (uvicorn would trust loopback by
     # default, so any local client could pick its own address); FORWARDED_ALLOW_IPS, uvicorn's own
     # variable, is still read when the setting is empty
     proxies = get_settings().forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
-    ui = _start_dashboard(host, port, dashboard_port) if dashboard else None
+    ui = _start_dashboard(host, port, dashboard_host, dashboard_port) if dashboard else None
     try:
         uvicorn.run("app.api.main:app", host=host, port=port, log_level="info", workers=workers,
                     proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None)
@@ -62,27 +70,33 @@ def dashboard_script() -> str:
     return os.path.join(os.path.dirname(spec.origin), "app.py")
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In the dashboard's process before it starts (Linux): SIGTERM when the API's process ends, however
-    it ends (uvicorn re-raises a SIGTERM it handled, which ends the process before any `finally`)."""
+    it ends (uvicorn re-raises a SIGTERM it handled, which ends the process before any `finally`); if the
+    API ended before this ran, at once."""
     import ctypes
     import signal
 
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (AttributeError, OSError):  # not Linux: the API's `finally` stops it on an interrupt
-        pass
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
 
 
-def _start_dashboard(host: str, port: int, dashboard_port: int) -> subprocess.Popen:
+def _start_dashboard(host: str, port: int, dashboard_host: str, dashboard_port: int) -> subprocess.Popen:
     """`streamlit run dashboard/app.py` on this API (CANARY_API_URL), in a child process the API's
-    exit stops; its output goes to this terminal, prefixed by nothing but Streamlit's own."""
+    exit stops (on Linux whatever ends the API; elsewhere an interrupt, through serve's `finally`); its
+    output goes to this terminal."""
+    import functools
+
     api_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     env = {**os.environ, "CANARY_API_URL": f"http://{api_host}:{port}"}
     cmd = [sys.executable, "-m", "streamlit", "run", dashboard_script(), "--server.port", str(dashboard_port),
-           "--server.address", host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    ui = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    console.print(f"dashboard: http://{api_host}:{dashboard_port} (on the API at {env['CANARY_API_URL']})",
+           "--server.address", dashboard_host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    linux = sys.platform.startswith("linux")
+    ui = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                          preexec_fn=functools.partial(_die_with_parent, os.getpid()) if linux else None)
+    shown = "127.0.0.1" if dashboard_host in ("0.0.0.0", "::", "") else dashboard_host
+    console.print(f"dashboard: http://{shown}:{dashboard_port} (on the API at {env['CANARY_API_URL']})",
                   highlight=False, soft_wrap=True)
     return ui
 

@@ -86,6 +86,7 @@ def render(api, project: str, params) -> None:
     off = pts[pts["estimate"] > bound] if bound is not None else pts.iloc[0:0]
     if len(off) == len(pts):  # only far-off points picked: their own scale
         off = pts.iloc[0:0]
+    picked = pts  # every point of the shown configs, off-scale ones too (the run-against-run table)
     pts = pts.drop(off.index)
     values = [*pts["estimate"], *pts["ci_low"], *pts["ci_high"], *(x["y"] for x in lines)]
     # ratios that span decades (a collapsed config at 7× beside configs near 1) on a log axis: a linear
@@ -128,7 +129,7 @@ def render(api, project: str, params) -> None:
         left = len(listed) - ALERTS_LISTED
         earlier = f"  \n({left} earlier in the chart's tooltips)" if left > 0 else ""
         st.markdown("  \n".join(f"▼ run {run}: {label}" for run, label in listed[-ALERTS_LISTED:]) + earlier)
-    _run_vs_run(pts, metrics[metric])
+    _run_vs_run(picked, metrics[metric])
     st.caption(f"Suite {data['suite']} only. Points: the estimate, shaped by verdict (circle ok, diamond "
                "inconclusive, triangle warn, square critical, cross measurement error); vertical bars: 95% CI. "
                "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "

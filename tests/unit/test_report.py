@@ -68,6 +68,15 @@ def test_the_plot_has_round_ticks_and_the_perplexity_thresholds():
     assert labels == ["0", "+2", "+4", "+6", "+8"]  # y: -0.64 … 8.64 drawn, round steps of 2
     assert re.findall(r"text-anchor='middle'>([^<]+)×</text>", svg) == ["1", "1.5", "2", "2.5"]
     assert svg.count("stroke-dasharray='6 4'") == 2 and ">warn 1.01</text>" in svg and ">critical 1.03</text>" in svg
+    # the seed thresholds (1.15, 1.30) lie far above a healthy run's points: the axis stays the points'
+    # (linear, the same ticks as without lines) and each is named at the top edge instead
+    seed = [("warn 1.15", 15.0), ("critical 1.3", 30.0)]
+    plain = trade_off_svg([p.model_dump() for p in summary().trade_off])
+    far = trade_off_svg([p.model_dump() for p in summary().trade_off], lines=seed)
+    assert re.findall(r"text-anchor='end'>([^<]+)%</text>", far) == re.findall(r"text-anchor='end'>([^<]+)%</text>",
+                                                                               plain)
+    assert "symmetric log" not in far and "stroke-dasharray='6 4'" not in far
+    assert ">warn 1.15 ↑ (off the axis)</text>" in far and ">critical 1.3 ↑ (off the axis)</text>" in far
     # two ppl rules: each line names its configs
     other = Threshold("ppl_ratio", "ppl ratio", "above", 1.05, None, 10, "config rule", ("int2",))
     assert [label for label, _ in threshold_lines(ReportContext([rule, other], [], []))] == [

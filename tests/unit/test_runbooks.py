@@ -32,3 +32,4 @@ def test_every_gated_metric_has_a_section_or_the_quality_alerts_part():
     # the metrics without a section of their own are listed: a new metric's alert should get one
     without = sorted(m.name for m in METRICS.values() if m.gated and section(m.alert) == FALLBACK)
     assert without == ["task_flips", "task_recovery", "term_nll_ratio"], without
+

@@ -67,6 +67,7 @@ def test_a_success_moves_the_heartbeat_and_the_channel_hears_each_change_once(sq
         [message] = [n.payload for n in s.scalars(select(Notification)) if n.payload["status"] == "firing"]
     assert message["commonAnnotations"]["summary"] == (
         "[FIRING critical] CanaryStale: schedule 'every-morning' of project 'p' has not succeeded for over a period")
+    assert message["alerts"][0]["annotations"]["runbook_url"] == "docs/runbooks.md#canarystale"  # app/runbooks.py
     assert _notify(T0 + 27 * H) == []  # still stale: no second message
     _succeed(run_id, T0 + 28 * H)  # Tuesday 09:00 it ends
     h = _health(T0 + 29 * H)

@@ -128,8 +128,9 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     assert capped.endswith("--samples 50 (the most there are; about 80 would decide them)")
     # …and when the run drew all 50 already, no command can decide them there
     spent = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50, drawn=50).lines[-1]
-    assert spent == ("  decide: not on this suite: it has 50 documents and the run drew 50; about 80 would decide "
-                     "them (a larger corpus)")
+    # (a's n, 12, counts 12 of the 50 drawn: about 80 of them means 80 × 50 / 12 = 334 drawn)
+    assert spent == ("  decide: not on this suite: it can give 50 documents and the run drew 50; about 334 would "
+                     "decide them (a larger corpus)")
     # the demo's case: 100 documents drawn of a larger corpus, and configs undecided on answers (n = the
     # suite's 16 prompts, "about 60 would decide"): more documents add no prompts, so no --samples command
     # for them (it asked for 60, fewer than drawn, and called the suite spent); the suite's
@@ -142,16 +143,29 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     assert verdict_summary(answers, decide_with=demo, decide_cap=1000, drawn=100).lines[-1] == (
         "  decide: raise the suite's generation.prompts about 60 (int8, kv-fp8: more documents alone would not)")
     # both kinds: a --samples command for the documents' comparison, and the setting for the answers'
-    both = verdict_summary([*answers, rows[2]], decide_with=demo, decide_cap=1000, drawn=100).lines
-    assert both[-2:] == ["  decide: canary demo --samples 80",
+    ppl = row("b2", "ppl_ratio", 1.1, 1.0, 1.2, "inconclusive", n=100, rule="… (about 180 at this effect)")
+    both = verdict_summary([*answers, ppl], decide_with=run, decide_cap=1000, drawn=100).lines
+    assert both[-2:] == ["  decide: canary run -f canary.yaml --suite pydoc-smoke --configs b2 --samples 180",
                          "  decide: raise the suite's generation.prompts about 60 (int8, kv-fp8: more documents "
                          "alone would not)"]
-    # the demo raises its prompts itself: its own command, not a setting of a canary.yaml
+    # a comparison over some of the documents (those with domain terms: 40 of 100) needs 80 of them: about
+    # 80 × 100 / 40 = 200 drawn, never a --samples at or below the 100 the run drew
+    terms = row("t", "term_nll_ratio", 1.1, 1.0, 1.2, "inconclusive", n=40, rule="… (about 80 at this effect)")
+    assert verdict_summary([terms], decide_with=run, decide_cap=1000, drawn=100).lines[-1] == (
+        "  decide: canary run -f canary.yaml --suite pydoc-smoke --configs t --samples 200")
+    # the demo: one command for both, its prompts drawn from its documents (so at least as many documents)
     from app.services import decide_settings_commands
 
-    demo_lines = verdict_summary([*answers, rows[2]], decide_with=demo, decide_cap=1000, drawn=100,
-                                 decide_settings_with=decide_settings_commands("demo")).lines
-    assert demo_lines[-2:] == ["  decide: canary demo --samples 80", "  decide: canary demo --prompts 60"]
+    commands = decide_settings_commands("demo")
+    demo_lines = verdict_summary([*answers, ppl], decide_with=demo, decide_cap=1000, drawn=100,
+                                 decide_settings_with=commands).lines
+    assert demo_lines[-1] == "  decide: canary demo --samples 180 --prompts 60"
+    assert verdict_summary(answers, decide_with=demo, decide_cap=1000, drawn=100,
+                           decide_settings_with=commands).lines[-1] == "  decide: canary demo --samples 100 --prompts 60"
+    # more prompts than a suite takes (1000) or than the corpus gives: both capped
+    many = [row("kv-fp8", "degenerate_answers", 0.01, 0.0, 0.05, "inconclusive", n=16, rule="… (about 2400 at this effect)")]
+    assert verdict_summary(many, decide_with=demo, decide_cap=600, drawn=100,
+                           decide_settings_with=commands).lines[-1] == "  decide: canary demo --samples 600 --prompts 600"
     assert decide_settings_commands("shop") == {}
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"

@@ -281,11 +281,13 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                        ComparisonRow.verdict).join(recent_sq, recent_sq.c.id == ComparisonRow.run_id)):
             if run_id in older_ids:
                 history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
+    baseline_of: dict[int, int] = {}  # run id → its baseline config (what a tile compares a config with)
     if latest_ids or older_ids:
-        runs = {run_id: (created, finished, trigger) for run_id, created, finished, trigger in session.execute(
-            select(Run.id, Run.created_at, Run.finished_at, Run.trigger).where(Run.id.in_(latest_ids | older_ids)))}
+        for run_id, created, finished, trigger, base in session.execute(
+                select(Run.id, Run.created_at, Run.finished_at, Run.trigger, Run.baseline_config_id)
+                .where(Run.id.in_(latest_ids | older_ids))):
+            runs[run_id], baseline_of[run_id] = (created, finished, trigger), base
     models: dict[str, list] = {}
-    baseline_of = {cfg.model_id: cfg.id for cfg, _ in rows if cfg.is_baseline}  # each model's baseline config
     for cfg, run_id in rows:
         run = runs.get(run_id)
         cells = {m: by_run[run_id] for (cid, m), by_run in history.items() if cid == cfg.id and run_id in by_run}
@@ -302,7 +304,8 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
             "checked_at": iso(run[1]) if run else None, "comparisons": cells,
             "figures": figures.get((run_id, cfg.id), {}),
-            "baseline_figures": None if cfg.is_baseline else figures.get((run_id, baseline_of.get(cfg.model_id, -1))),
+            "baseline_figures": None if cfg.is_baseline or run_id not in baseline_of
+            else figures.get((run_id, baseline_of[run_id])),
             "breaching_metric": worst, "breaching_since": iso(since),
             "ppl_history": [{"run_id": rid, "estimate": ppl[rid]["estimate"], "verdict": ppl[rid]["verdict"]}
                             for rid in sorted(ppl) if rid in recent or rid == run_id]})
