@@ -142,7 +142,8 @@ def test_a_breaching_stacked_gate_steps_back_and_names_the_kv_layer(sqlite_env, 
     alert = delivered[0]["alerts"][0]
     assert alert["labels"]["config"] == "int8-kv2" and alert["labels"]["metric"] == "ppl_ratio"
     assert alert["annotations"]["step_back"] == advice
-    assert alert["annotations"]["description"].endswith(f"Step back: {advice}.")
+    assert alert["annotations"]["description"].endswith(
+        f"Step back: {advice}. Runbook: docs/runbooks.md#canaryperplexityratiohigh")  # app/runbooks.py
 
 
 def test_a_config_of_the_run_is_reused_as_a_layer_and_step_back_false_opts_out(sqlite_env, receiver, tmp_path,
