@@ -120,6 +120,9 @@ class SuiteEntry(suite_settings.SuiteSpec):
 
     @model_validator(mode="after")
     def _scorer_settings(self) -> SuiteEntry:
+        if self.max_samples is not None and not self.top_up:
+            raise ValueError(f"max_samples: {self.max_samples} asks for top-ups that top_up: false turns off; "
+                             "drop one of the two")
         if self.max_samples is not None and self.max_samples < self.samples:
             raise ValueError(f"max_samples: {self.max_samples} is below samples ({self.samples}); a top-up only adds "
                              f"documents, so set max_samples ≥ {self.samples} or leave it unset")

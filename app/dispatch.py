@@ -175,19 +175,37 @@ def _pool_init(threads: int) -> None:
     logging.basicConfig(level=logging.WARNING)
 
 
-def _pool_run(task: str, args: tuple, enqueued_at: float) -> None:
-    """One task in a pool process, with what it sends (its run's aggregation, a notification, a
-    top-up's config-runs) run after it in the same process, in order."""
-    InlineDispatcher()._run_then_drain(task, args, enqueued_at)
+class _HandBack(InlineDispatcher):
+    """A pool process's dispatcher: what a task sends runs after it in the same process, in order,
+    except config-runs (a top-up's, a step back's), which go back to the pool to run side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed_back: list[tuple[str, tuple]] = []
+
+    def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
+        if task == EXECUTE_CONFIG_RUN:
+            self.handed_back.append((task, args))
+            return
+        super().send(task, *args, priority=priority)
+
+
+def _pool_run(task: str, args: tuple, enqueued_at: float) -> list[tuple[str, tuple]]:
+    """One task in a pool process, with what it sends (its run's aggregation, a notification) run
+    after it in the same process, in order; returns the config-runs it sent, for the pool."""
+    dispatcher = _HandBack()
+    dispatcher._run_then_drain(task, args, enqueued_at)
+    return dispatcher.handed_back
 
 
 class LocalPoolDispatcher:
     """Runs config-runs in `processes` processes of this machine at once (spawned, each with its
     own engine cache and its share of the cores as torch threads); what a config-run sends runs
-    after it in its process. For a one-shot run on the embedded default (`canary demo`): on the
-    demo's tiny model a config-run is bound more by Python than by its matrix products, so two at
-    once on two cores, one thread each, take less time than one after the other with two threads
-    (benchmarks/demo.py: 123 s against 162 s warm). The results are a config-run's own whichever
+    after it in its process, but for config-runs (a top-up's), which come back to the pool. For a
+    one-shot run on the embedded default (`canary demo`): on the demo's tiny model a config-run is
+    bound more by Python than by its matrix products, so two at once on two cores, one thread each,
+    take less time than one after the other with two threads (benchmarks/demo.py: 123 s against
+    162 s warm). The results are a config-run's own whichever
     process runs it; the database (SQLite in WAL mode) takes each process's writes in turn."""
 
     def __init__(self, processes: int, cores: int | None = None):
@@ -199,20 +217,46 @@ class LocalPoolDispatcher:
         self._pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_pool_init, initargs=(threads,))
         self._futures: list = []
+        self._done = 0  # tasks finished with what they handed back sent
+        self._settled = threading.Condition()
 
     def send(self, task: str, *args: Any, priority: int = DEFAULT_PRIORITY) -> None:
-        self._futures.append(self._pool.submit(_pool_run, task, args, time.time()))
+        future = self._pool.submit(_pool_run, task, args, time.time())
+        with self._settled:
+            self._futures.append(future)
+        future.add_done_callback(self._hand_back)
+
+    def _hand_back(self, future) -> None:
+        """The config-runs a finished task sent (a top-up's, a step back's) go to the pool in turn, so
+        two run side by side as the first pass's did; sent from a thread of its own (the callback
+        runs on the pool's manager thread), then the task counts as settled."""
+        sent = [] if future.cancelled() or future.exception() is not None else future.result()
+
+        def settle() -> None:
+            try:
+                for task, args in sent:
+                    self.send(task, *args)
+            except RuntimeError as e:  # the pool was let go (a drain that timed out): they stay queued
+                log.error("config-runs %s not sent: %s", [args for _, args in sent], e)
+            finally:
+                with self._settled:
+                    self._done += 1
+                    self._settled.notify_all()
+
+        threading.Thread(target=settle, name="canary-pool-hand-back", daemon=True).start()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to timeout seconds for every task sent so far (and what they sent), then let the
         processes go; True when none is left."""
-        from concurrent.futures import wait
-
-        _, pending = wait(self._futures, timeout=timeout)
-        for future in self._futures:
-            if future.done() and future.exception() is not None:
+        deadline = time.monotonic() + timeout
+        with self._settled:
+            while self._done < len(self._futures) and time.monotonic() < deadline:
+                self._settled.wait(max(0.0, deadline - time.monotonic()))
+            futures, pending = list(self._futures), self._done < len(self._futures)
+        for future in futures:
+            if future.done() and not future.cancelled() and future.exception() is not None:
                 log.error("pool task failed: %s", future.exception())
-        self._pool.shutdown(wait=not pending, cancel_futures=bool(pending))
+        self._pool.shutdown(wait=not pending, cancel_futures=pending)
         return not pending
 
 

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     # with model_root: a project reads only <model_root>/<project>/ and <model_root>/_shared/
     model_root_per_project: bool = False
     max_samples_per_run: int = 5000
+    # a suite that sets no max_samples tops an undecided run up by default (workers/top_up.py), while the
+    # run's age plus the next pass's estimate stays within this many seconds (0: default top-ups never run)
+    top_up_budget_s: float = Field(1800.0, ge=0)
     # one project's queue cannot starve the others: past this many of its config-runs queued, a new
     # run of it is refused (429; 0 = no cap) ...
     max_queued_config_runs_per_project: int = Field(100, ge=0)

@@ -32,7 +32,6 @@ summary's models out (app/schemas.py: VerdictSummaryOut, TradeOffPointOut); no t
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -45,7 +44,7 @@ from app.schemas import (
     TradeOffPointOut,
     VerdictSummaryOut,
 )
-from evals.metrics import METRICS, VERDICT_ORDER, format_estimate, informational
+from evals.metrics import METRICS, VERDICT_ORDER, counted_by, format_estimate, informational, rule_samples
 
 # `canary gate`'s exit codes by its defaults (--warn-exit-code 0, --error-exit-code 2): what the
 # gate's pull-request comment says happens; the CLI says it again with its own flags
@@ -90,25 +89,11 @@ def finding(c: ComparisonOut) -> str:
 
 
 def _rule_samples(c: ComparisonOut) -> int | None:
-    """The samples an inconclusive comparison's rule says would decide it (evals/stats.decide)."""
-    found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", c.rule or "")
-    return int(found.group(1) or found.group(2)) if found else None
+    """The samples an inconclusive comparison's rule says would decide it at its effect (evals/stats.decide)."""
+    return rule_samples(c.rule)
 
 
-# What a comparison's n counts when it is not the run's documents: the suite setting that sets it
-# (evals/suite.py). Asking for more documents (`--samples`) leaves these counts as they are (a top-up
-# scales the prompts with the documents it adds, workers/job.py).
 MAX_PROMPTS = 1000  # generation.prompts' bound (evals/suite.py GenerationSettings)
-COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.prompts",
-              "judge": "generation.prompts", "faithfulness": "generation.prompts",
-              "labelled": "labelled.max_items"}
-COUNTED_BY_METRIC = {"decode_nll_ratio": "perplexity.decode_samples",
-                     "kld_mean": "perplexity.distribution_samples"}
-
-
-def counted_by(metric: str) -> str | None:
-    """The suite setting that counts a metric's samples; None for the run's documents."""
-    return COUNTED_BY_METRIC.get(metric) or COUNTED_BY.get(METRICS[metric].producer)
 
 
 def samples_to_decide(c: ComparisonOut) -> int | None:

@@ -41,9 +41,10 @@ def config_run_seconds(db: Path) -> dict[str, float]:
     return {name: round(s, 1) for name, s in sorted(took.items(), key=lambda kv: -kv[1])}
 
 
-def one(home: Path, work: Path, samples: int, root: Path = ROOT) -> dict:
+def one(home: Path, work: Path, samples: int, root: Path = ROOT, **extra_env: str) -> dict:
     db = work / f"demo-{time.monotonic_ns()}.db"
-    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": str(root)}
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": str(root),
+           **extra_env}
     env.pop("CANARY_AWQ_CACHE", None)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "app.cli", "demo", "--json", "--samples", str(samples),
@@ -54,7 +55,8 @@ def one(home: Path, work: Path, samples: int, root: Path = ROOT) -> dict:
         raise SystemExit(f"canary demo failed (exit {r.returncode}): {r.stderr[-2000:]}")
     summary = json.loads(r.stdout)
     return {"seconds": round(took, 1), "configs": len(summary["configs"]), "status": summary["status"],
-            "config_run_s": config_run_seconds(db), "comparisons": summary["comparisons"]}
+            "config_run_s": config_run_seconds(db), "comparisons": summary["comparisons"],
+            "samples_drawn": summary.get("samples_drawn"), "summary": summary.get("summary")}
 
 
 TIMING = {"ttft_ratio", "tpot_ratio", "ttft_ms", "kv_cache_usage"}

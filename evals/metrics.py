@@ -16,6 +16,7 @@ aggregation calls for every row), its producer (the engine or scorer that measur
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
@@ -289,6 +290,38 @@ register_metric(Metric(
     "hidden) and its growth per layer in its details; bootstrap CI over documents (evals/layer_drift.py)",
     gated=False, fmt=".4f", valid=(0, None),
     compare="evals.layer_drift:layer_drift_comparison"))
+
+
+# What a comparison's n counts when it is not the run's documents: the suite setting that sets it
+# (evals/suite.py). Asking for more documents (`--samples`) leaves these counts as they are; a top-up
+# scales the prompts with the documents it adds (workers/job.py), and nothing else.
+COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.prompts",
+              "judge": "generation.prompts", "faithfulness": "generation.prompts",
+              "labelled": "labelled.max_items"}
+COUNTED_BY_METRIC = {"decode_nll_ratio": "perplexity.decode_samples",
+                     "kld_mean": "perplexity.distribution_samples"}
+
+
+def counted_by(metric: str) -> str | None:
+    """The suite setting that counts a metric's samples; None for the run's documents."""
+    return COUNTED_BY_METRIC.get(metric) or COUNTED_BY.get(METRICS[metric].producer)
+
+
+def grows_with_samples(metric: str) -> bool:
+    """Whether more documents drawn give a metric more paired samples: the run's documents, or the
+    prompts (a top-up scales them with the documents)."""
+    return counted_by(metric) in (None, "generation.prompts")
+
+
+def rule_samples(rule: str | None, below_min_n: bool = False) -> int | None:
+    """The paired samples an inconclusive rule of evals.stats.decide says would decide it: about so many at
+    the current effect, or the CI's verdict at min_n; below_min_n: else the rule's min_n. None where
+    it says none of these."""
+    found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", rule or "")
+    if found:
+        return int(found.group(1) or found.group(2))
+    below = re.search(r"< min_n=(\d+)", rule or "") if below_min_n else None
+    return int(below.group(1)) if below else None
 
 
 def gated_metrics() -> dict[str, Metric]:

@@ -184,14 +184,19 @@ class LabelledSettings(_Settings):
                                                                "generating (match exact, regex or number)")
 
 
+TOP_UP_FACTOR = 4  # without max_samples, an undecided run tops up to this many times its samples at most
+
+
 class SuiteSpec(_Settings):
     """A suite's stored settings (the canary.yaml's suite entry without its name)."""
 
     samples: int = Field(100, ge=1, description="documents drawn per run (daily ≈ 100, weekly ≥ 500)")
     max_samples: int | None = Field(
         None, ge=1, description="top up an undecided run: while a gated comparison is inconclusive, draw as many "
-                                "documents again (up to this many in all) and rerun the baseline and the undecided "
-                                "configs on all of them; unset: never (workers/top_up.py)")
+                                "documents again (up to this many in all) and score the baseline and the undecided "
+                                "configs on those added; unset: up to TOP_UP_FACTOR × samples within the "
+                                "deployment's CANARY_TOP_UP_BUDGET_S (workers/top_up.py)")
+    top_up: bool = Field(True, description="false: an undecided run is never topped up (it ends inconclusive)")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     scorers: list[str] = Field(default_factory=lambda: ["perplexity", "generation"], max_length=16)
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)

@@ -98,6 +98,10 @@ def pytest_configure(config):
         fd, path = tempfile.mkstemp(prefix="canary-fault-report-", suffix=".jsonl")
         os.close(fd)
         os.environ[FAULT_REPORT_ENV] = path
+    # An undecided run tops itself up by default (workers/top_up.py): each test judges the samples it
+    # draws, so here the default's time budget is none (every process a test starts inherits it). A
+    # suite's own max_samples still tops up; the tests of the default set a budget of their own.
+    os.environ.setdefault("CANARY_TOP_UP_BUDGET_S", "0")
     share_cores(config)
 
 

@@ -137,6 +137,9 @@ class ExecuteConfigRun(BaseTask):
         # requests in flight at once, had the suite generated (the generation producer's figure when it did);
         # a serving engine is told so before any producer sends it anything
         step = concurrency(engine, spec, job.suite.generation, None)
+        if job.recorded:
+            work.notes.append(f"a top-up pass: it scored only the samples the run added ({len(job.samples)} in "
+                              "all now); its serving and memory figures are this pass's")
         produced = self._produce(work, attempt, settings)
         description = engine.describe()
         figures = RunFigures(

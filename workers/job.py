@@ -4,7 +4,9 @@ worker's task passes around instead of a dict, and the model directory it may lo
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from app import repo
 from app.corpus import ITEM_PREFIX
@@ -32,6 +34,18 @@ class Job:
     samples: tuple[tuple[str, str, str], ...]  # (key, text, cluster) in the run's order
     prompts: int  # generation prompts: the suite's, scaled as a top-up scales the samples
     items: tuple[LabelledItem, ...] = ()  # the labelled scorer's items, the suite's first labelled.max_items
+    # (record kind, sample key) the config already holds from an earlier pass of the run: a top-up
+    # pass (workers/top_up.py) scores only what comes after them; empty on a first pass
+    recorded: frozenset[tuple[str, str]] = frozenset()
+    earlier: dict[str, Any] | None = None  # a top-up pass: the figures of the config's pass before it
+
+    def first_unscored(self, kind: str, keys: Sequence[str]) -> int:
+        """How many of `keys` (in the run's order) lead with a `kind` record from an earlier pass:
+        a top-up appends its samples, so a pass picks up where the config's last one stopped."""
+        n = 0
+        while n < len(keys) and (kind, keys[n]) in self.recorded:
+            n += 1
+        return n
 
 
 def load_job(session, config_run_id: int) -> Job:
@@ -69,6 +83,9 @@ def load_job(session, config_run_id: int) -> Job:
                                              sample.reference or "{}")
                     for sample in repo.suite_samples(session, suite.id, run.suite_version, items=True)
                     [: settings.labelled.max_items]) if settings.runs("labelled") else (),
+        # a pass after the first (attempt_base moved: repo.top_up_run) adds to what the config holds
+        recorded=repo.recorded_keys(session, run.id, config_run.config_id) if config_run.attempt_base else frozenset(),
+        earlier=config_run.figures if config_run.attempt_base else None,
     )
 
 

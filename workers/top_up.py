@@ -1,17 +1,24 @@
 """Top up an undecided run (docs/scorers.md, "Verdict rule": a fault at or above its threshold must be flagged). A
 comparison whose CI straddles the warn threshold, or that has fewer paired samples than its
 min_n, is `inconclusive`: the data cannot tell, and the answer is more samples (evals/stats.py).
-When the suite sets `max_samples`, the aggregation does not stop there. It draws as many
-documents again as the run holds (doubling, up to `max_samples`, the suite's size and the
-per-run limit), appends them to the run's samples, and queues the baseline and each undecided
-config again on all of them. A config already critical, or a measurement error, on some metric
-is not undecided: it fails the run whatever more samples would say of its other metrics. The
-configs that were decided keep their results; every comparison pairs by sample, so theirs stay
-as they were. The run, and a gate on it, wait; the last aggregation judges on the larger sample
-and its reason says how far the run was topped up.
+So the aggregation does not stop there. It draws as many documents again as the run holds
+(doubling), appends them to the run's samples, and queues the baseline and each undecided config
+again: each scores only the samples it does not hold yet (workers/job.py `recorded`: the documents
+and the prompts added), so a top-up pass costs what its new samples cost. A config already
+critical, or a measurement error, on some metric is not undecided: it fails the run whatever more
+samples would say of its other metrics. The configs that were decided keep their results; every
+comparison pairs by sample, so theirs stay as they were. The run, and a gate on it, wait; the last
+aggregation judges on the larger sample and its reason says how far the run was topped up.
 
-What it costs: each pass reruns the undecided configs on every sample (so their timings and
-figures cover one pass), and stops once every gated comparison is decided or nothing is left to
+How far: the suite's `max_samples` when it sets one; otherwise by default up to TOP_UP_FACTOR ×
+its samples, while the run's age (queue wait included) plus the next pass's estimate (each rerun
+config's last pass, per sample, times the samples to add) stays within CANARY_TOP_UP_BUDGET_S.
+Both within the suite's documents and the per-run limit. `top_up: false` turns it off. A
+comparison whose rule says it needs more samples than that limit leaves (evals/stats.py: about so
+many at its effect) is not topped up for: a pass could not settle it.
+
+What it costs: each pass scores the undecided configs on the samples added (their serving
+figures cover that pass), and stops once every gated comparison is decided or nothing is left to
 draw. Each top-up is one more look at the data, uncorrected: a null config near its threshold
 gets more chances to cross it, and a real regression just past warn more chances to be judged
 ok (docs/scorers.md, "Verdict rule", says what the detection benchmark does and does not measure of this).
@@ -25,16 +32,19 @@ the documents a run does not score) a quarter of the suite is never drawn by a t
 from __future__ import annotations
 
 import logging
+import math
 import random
+from datetime import datetime, timezone
 
 from sqlalchemy.orm import Session
 
 from app import repo
-from app.models import Run, Suite
+from app.models import Run, Suite, utcnow
 from app.settings import get_settings
-from evals.metrics import informational
+from evals.metrics import grows_with_samples, informational, rule_samples
 from evals.records import engine_kinds
 from evals.stats import TOO_FEW, Comparison
+from evals.suite import TOP_UP_FACTOR
 from workers import step_back
 
 log = logging.getLogger(__name__)
@@ -44,23 +54,67 @@ SETTLED = ("critical", "measurement_error")  # a config with one of these needs 
 
 def undecided(row: Comparison) -> bool:
     """A gated comparison that more samples could decide: inconclusive with some paired samples,
-    its CI across the warn threshold or its n below min_n (not one that had nothing to score)."""
-    if row.verdict != "inconclusive" or not row.n or informational(row):
+    its CI across the warn threshold or its n below min_n (not one that had nothing to score), on a
+    metric whose n grows with the documents drawn (not the labelled items, nor the suite's first
+    few documents that the distribution and decode-step signals read: evals.metrics.counted_by)."""
+    if row.verdict != "inconclusive" or not row.n or informational(row) or not grows_with_samples(row.metric):
         return False
     rule = row.rule or ""
     return STRADDLES in rule or TOO_FEW in rule
 
 
+def reachable(row: Comparison, have: int, most: int) -> bool:
+    """Whether the samples its rule says would decide it (evals/stats.rule_samples: at its effect, or
+    its min_n), scaled from its n to the run's samples (`have`: prompts are a share of them), fit
+    within the `most` the run may hold. A comparison that needs thousands where the run may hold
+    hundreds stays undecided without a pass that cannot settle it; one whose rule names no figure
+    is tried."""
+    need = rule_samples(row.rule, below_min_n=True)
+    return need is None or not row.n or math.ceil(need * have / row.n) <= most
+
+
+def cap(run: Run, suite: Suite) -> int:
+    """The most samples the suite lets a run hold: its max_samples, else TOP_UP_FACTOR × the run's
+    first draw; the samples drawn already when it turns top-ups off."""
+    settings = suite.settings
+    if not settings.top_up:
+        return len(run.sample_keys)
+    return settings.max_samples or TOP_UP_FACTOR * run.n_samples
+
+
 def room(run: Run, suite: Suite, documents: int) -> int:
-    """How many samples the run may hold in all: the suite's max_samples, within the run's suite
-    version's `documents` (less a quarter kept for AWQ calibration when a config needs it) and the
-    per-run limit."""
-    cap = suite.settings.max_samples
-    if not cap:
+    """How many samples the run may hold in all: cap(), within the run's suite version's
+    `documents` (less a quarter kept for AWQ calibration when a config needs it) and the per-run
+    limit."""
+    if cap(run, suite) <= len(run.sample_keys):
         return len(run.sample_keys)
     if any((cr.config.spec or {}).get("weights") == "awq-int4" for cr in run.config_runs):
         documents -= documents // 4
-    return max(len(run.sample_keys), min(int(cap), documents, get_settings().max_samples_per_run))
+    return max(len(run.sample_keys), min(cap(run, suite), documents, get_settings().max_samples_per_run))
+
+
+def next_pass_seconds(run: Run, config_ids: list[int], added: int) -> float:
+    """About how long the next pass takes on one worker: each config's last pass, per sample of
+    the run's first draw (a later pass scored at least as many), times the samples to add."""
+    seconds = 0.0
+    for cr in run.config_runs:
+        if cr.config_id in config_ids and cr.started_at is not None and cr.finished_at is not None:
+            seconds += (_aware(cr.finished_at) - _aware(cr.started_at)).total_seconds()
+    return seconds * added / max(1, run.n_samples)
+
+
+def within_budget(run: Run, suite: Suite, config_ids: list[int], added: int) -> bool:
+    """A suite's own max_samples is always honoured; a default top-up runs while the run's age plus
+    the next pass's estimate stays within CANARY_TOP_UP_BUDGET_S."""
+    if suite.settings.max_samples:
+        return True
+    age = (utcnow() - _aware(run.created_at)).total_seconds()
+    return age + next_pass_seconds(run, config_ids, added) <= get_settings().top_up_budget_s
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
@@ -76,20 +130,20 @@ def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
 def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]) -> list[int]:
     """Top the run up when a candidate is undecided and the suite allows more samples: the new
     config-runs' ids (the baseline's and each undecided config's), else [] (judge as it is)."""
-    if suite is None or not suite.settings.max_samples:
+    if suite is None or not suite.settings.top_up:
         return []
     configs = {cr.config_id: cr for cr in run.config_runs}
     # a config already critical (or a measurement error) fails the run whatever more samples say
     settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
+    keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
+    have, most = len(run.sample_keys), room(run, suite, len(keys))
     waiting = sorted({r.config_id for r in rows
                       if r.config_id is not None and r.config_id != run.baseline_config_id
-                      and r.config_id not in settled and undecided(r)
+                      and r.config_id not in settled and undecided(r) and reachable(r, have, most)
                       and not step_back.is_ablation(configs[r.config_id].config)})
     if not waiting:
         return []
-    keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
-    have = len(run.sample_keys)
-    new_keys = draw_more(run, keys, min(2 * have, room(run, suite, len(keys))) - have)
+    new_keys = draw_more(run, keys, min(2 * have, most) - have)
     if not new_keys:
         return []
     # a stacked config that breaches steps back once the run is decided: it reruns too, so that it
@@ -97,6 +151,10 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
     stacked = sorted(cr.config_id for cr in run.config_runs
                      if cr.config_id not in waiting and step_back.would_step_back(run, cr, rows))
     names = ", ".join(configs[c].config.name for c in waiting)
+    if not within_budget(run, suite, [run.baseline_config_id, *waiting, *stacked], len(new_keys)):
+        log.info("run %s: %s undecided at %d samples; a top-up would pass CANARY_TOP_UP_BUDGET_S", run.id, names,
+                 have)
+        return []
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
     # what a judge or faithfulness scorer said of the outputs that run again no longer applies
     return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
@@ -108,5 +166,6 @@ def reason(run: Run, suite: Suite | None) -> str:
     drawn = len(run.sample_keys)
     if drawn <= run.n_samples:
         return ""
-    cap = (suite.settings.max_samples if suite is not None else None) or drawn
-    return f"; topped up from {run.n_samples} to {drawn} samples (max_samples {cap}) after an inconclusive pass"
+    settings = suite.settings if suite is not None else None
+    limit = f"max_samples {settings.max_samples}" if settings is not None and settings.max_samples else "by default"
+    return f"; topped up from {run.n_samples} to {drawn} samples ({limit}) after an inconclusive pass"

@@ -133,10 +133,13 @@ def _print_verdict(out: Console, summary: RunOut, wide: bool) -> None:
     the stored reason (every finding with its rule) with --wide, or when there is no line to show."""
     lines = summary.summary.lines
     reason = escape(summary.verdict_reason or "")
+    # how many samples decided it, when the run topped itself up (workers/top_up.py)
+    drawn = (f" on {summary.samples_drawn} samples (topped up from {summary.n_samples})"
+             if summary.samples_drawn > summary.n_samples else "")
     if not lines:
-        out.print(f"verdict: [bold]{summary.verdict}[/] — {reason}", highlight=False)
+        out.print(f"verdict: [bold]{summary.verdict}[/]{drawn} — {reason}", highlight=False)
         return
-    out.print(f"verdict: [bold]{summary.verdict}[/]", highlight=False)
+    out.print(f"verdict: [bold]{summary.verdict}[/]{drawn}", highlight=False)
     for line in lines:
         out.print(escape(line), highlight=False, soft_wrap=True)
     if wide:
@@ -147,7 +150,7 @@ def _json_out(summary: RunOut, wall_seconds: float | None = None) -> None:
     """The run as one JSON object: the API's RunOut fields a CI step reads, and the wall time
     `canary run` waited when it did."""
     keep = {"run_id", "status", "verdict", "verdict_reason", "baseline", "comparisons", "figures", "configs",
-            "summary"}
+            "summary", "n_samples", "samples_drawn"}
     out = summary.model_dump(mode="json", include=keep)
     if wall_seconds is not None:
         out["wall_seconds"] = wall_seconds

@@ -38,7 +38,8 @@ def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: 
     """Append `new_keys` to the run's samples and queue the named configs again on all of them
     (workers/top_up.py), each in its own row: queued, its pass beginning at its current attempt
     (attempt_base), so the attempt number keeps fencing off any earlier attempt while the attempt
-    budget is the new pass's own. Rows already written stay; the new pass overwrites them. Rows of
+    budget is the new pass's own. Rows already written stay: the new pass scores only the samples
+    appended, and its figures start from the last pass's (workers/job.py `recorded`). Rows of
     any other metric than `keep_metrics` (what scorers added: a judge's, faithfulness) are deleted
     from the whole run when given, so the next aggregation scores the outputs as they now are. The
     run goes back to 'running'. Returns the config-runs' ids."""
@@ -49,7 +50,7 @@ def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: 
     session.execute(
         update(ConfigRun).where(ConfigRun.id.in_(ids), ConfigRun.status.in_(TERMINAL))
         .values(status="queued", attempt_base=ConfigRun.attempt, enqueued_at=utcnow(), started_at=None,
-                finished_at=None, lease_expires_at=None, worker=None, error=None, figures=None, progress_done=0,
+                finished_at=None, lease_expires_at=None, worker=None, error=None, progress_done=0,
                 progress_total=0))
     session.execute(update(Run).where(Run.id == run.id)
                     .values(status="running", sample_keys=[*run.sample_keys, *new_keys]))

@@ -169,6 +169,14 @@ def sample_results(session: Session, run_id: int, config_id: int | None = None, 
     return list(session.scalars(q))
 
 
+def recorded_keys(session: Session, run_id: int, config_id: int) -> frozenset[tuple[str, str]]:
+    """(record kind, sample key) of every row a config holds in a run: what a top-up pass of it need
+    not score again (workers/job.py)."""
+    return frozenset((metric, key) for metric, key in session.execute(
+        select(SampleResult.metric, SampleResult.sample_key)
+        .where(SampleResult.run_id == run_id, SampleResult.config_id == config_id)))
+
+
 def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, float | None, dict | None]]:
     """Every sample result of a run as (config_id, metric, sample_key, value, extra), in storage order."""
     return [tuple(row) for row in session.execute(

@@ -176,13 +176,15 @@ def test_worker_processes_share_the_cores():
 def test_config_runs_in_a_pool_of_processes_give_the_same_results(tmp_path):
     """`--processes 2` (the demo's default on two cores) runs two config-runs at once, each in a
     spawned process of its own: every comparison but the wall-clock ones is the one a run of the
-    same configs one after the other gives, on one thread each (thread counts change float sums)."""
+    same configs one after the other gives, on one thread each (thread counts change float sums).
+    Six samples are too few for the perplexity comparisons (min_n 10): the run tops up to twelve,
+    its second pass's config-runs handed back to the pool."""
     config = {"project": "pool", "model": {"name": "tiny", "path": "builtin:pydoc-target"},
               "configs": [{"name": "fp16", "baseline": True, "engine": "reference", "weights": "fp16"},
                           {"name": "int4", "engine": "reference", "weights": "rtn-int4"},
                           {"name": "kv-int8", "engine": "reference", "kv_cache": "int8"},
                           {"name": "ngram", "engine": "reference", "speculative": {"method": "ngram", "k": 2}}],
-              "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 6, "seed": 3,
+              "suites": [{"name": "s", "corpus": "builtin:pydoc-heldout", "samples": 6, "max_samples": 12, "seed": 3,
                           "scorers": ["perplexity", "generation", "agreement", "layers"],
                           "generation": {"prompts": 4, "prompt_words": 8, "max_new_tokens": 8}}]}
     path = write(tmp_path, config)
@@ -197,3 +199,4 @@ def test_config_runs_in_a_pool_of_processes_give_the_same_results(tmp_path):
                       for c in o["comparisons"] if c["metric"] not in timing) for p, o in out.items()}
     assert rows[1] == rows[2] and len(rows[1]) > 30
     assert [c["status"] for c in out[2]["configs"]] == ["succeeded"] * 4
+    assert out[1]["samples_drawn"] == out[2]["samples_drawn"] == 12

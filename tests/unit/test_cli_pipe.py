@@ -184,7 +184,7 @@ def test_an_undecided_run_tops_up_through_a_pipe(tmp_path):
     assert r.returncode == 1, r.stderr[-3000:]
     out = " ".join(r.stdout.split())
     assert "run 1 — baseline fp32, 8 documents (topped up from 4)" in out, r.stdout
-    assert "verdict: fail drop or fix (1): int2: ppl ratio +" in out
+    assert "verdict: fail on 8 samples (topped up from 4) drop or fix (1): int2: ppl ratio +" in out
     assert "every finding: int2 ppl_ratio critical" in out and "though n=8 < min_n=10" in out  # --wide: the reason
     assert out.endswith("topped up from 4 to 8 samples (max_samples 12) after an inconclusive pass"), out
     db = f"sqlite:///{tmp_path / 'c.db'}"

@@ -6,6 +6,10 @@ decided candidate as it was, and judges on 12. A gate on it waits for the top-up
 
 from __future__ import annotations
 
+import math
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
 import pytest
 from app import repo
 from app.config_file import parse_config
@@ -14,14 +18,16 @@ from app.gates import record_gate
 from app.models import AlertRule, ConfigRun, Gate, Run, SampleResult
 from app.schemas import RunOut, jsonable
 from app.services import apply_config_file, run_summary, start_run
+from app.settings import get_settings
 from engines.zoo import resolve_corpus_path
+from evals.suite import SuiteSpec
 from sqlalchemy import select
 from workers import top_up
 
 from tests.http.test_step_back import StepDispatcher
 
 
-def canary(corpus: str, max_samples: int | None = 12, weights: str = "rtn-int4") -> dict:
+def canary(corpus: str, max_samples: int | None = 12, weights: str = "rtn-int4", **suite) -> dict:
     return {
         "project": "p",
         "model": {"name": "tiny", "path": "builtin:pydoc-target"},
@@ -29,7 +35,7 @@ def canary(corpus: str, max_samples: int | None = 12, weights: str = "rtn-int4")
                     {"name": "int8", "engine": "reference", "weights": "int8"},
                     {"name": "int4", "engine": "reference", "weights": weights}],
         "suites": [{"name": "s", "corpus": corpus, "samples": 6, "seed": 5, "scorers": ["perplexity"],
-                    "perplexity": {"window": 64}, **({"max_samples": max_samples} if max_samples else {})}],
+                    "perplexity": {"window": 64}, **({"max_samples": max_samples} if max_samples else {}), **suite}],
         # wide thresholds: both candidates are surely inside them once they have enough documents
         "thresholds": {"ppl_ratio": {"warn": 2.0, "critical": 3.0, "min_n": 3}},
     }
@@ -42,9 +48,9 @@ def corpus(tmp_path, n: int = 24) -> str:
     return str(path)
 
 
-def start(tmp_path, max_samples: int | None = 12, weights: str = "rtn-int4") -> tuple[int, StepDispatcher]:
+def start(tmp_path, max_samples: int | None = 12, weights: str = "rtn-int4", **suite) -> tuple[int, StepDispatcher]:
     with session_scope() as s:
-        project = apply_config_file(s, parse_config(canary(corpus(tmp_path), max_samples, weights)))
+        project = apply_config_file(s, parse_config(canary(corpus(tmp_path), max_samples, weights, **suite)))
         int4 = repo.get_config(s, project, "int4")
         # int4 alone needs 8 paired documents to be judged: at 6 it is 'too few samples'
         s.add(AlertRule(project_id=project.id, metric="ppl_ratio", warn=2.0, critical=3.0, direction="above",
@@ -93,6 +99,14 @@ def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sql
         summary = jsonable(run_summary(s, run))
         assert s.get(Gate, gate_id).verdict == "pass"
         assert all(cr.status == "succeeded" for cr in s.scalars(select(ConfigRun).where(ConfigRun.run_id == run_id)))
+        # the second pass scored only the 6 documents it added; its figures count all 12
+        int4_run = next(cr for cr in s.get(Run, run_id).config_runs if cr.config.name == "int4")
+        assert int4_run.progress_total == 6
+        docs = repo.sample_results(s, run_id, ids["int4"], "nll")
+        nll, tokens = sum(r.value for r in docs), sum(r.extra["n_tokens"] for r in docs)
+        assert len(docs) == 12 and int4_run.figures["n_tokens"] == tokens
+        assert int4_run.figures["token_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-9)
+        assert any("top-up pass" in note for note in int4_run.figures["notes"])
     comps = {(c["config"], c["metric"]): c for c in summary["comparisons"]}
     assert comps[("int4", "ppl_ratio")]["n"] == 12 and comps[("int4", "ppl_ratio")]["verdict"] == "ok"
     assert comps[("int8", "ppl_ratio")]["n"] == 6  # paired on the documents it ran
@@ -102,13 +116,70 @@ def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sql
     RunOut.model_validate(summary)
 
 
-def test_without_max_samples_an_undecided_run_stays_inconclusive(sqlite_env, tmp_path):
+@pytest.mark.integration
+def test_by_default_an_undecided_run_tops_up_within_the_time_budget(sqlite_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("CANARY_TOP_UP_BUDGET_S", "600")
+    get_settings.cache_clear()
     run_id, dispatcher = start(tmp_path, max_samples=None)
+    assert "top-up" in dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert run.verdict == "pass" and len(run.sample_keys) == 12, run.verdict_reason
+        assert run.verdict_reason.endswith("; topped up from 6 to 12 samples (by default) after an inconclusive pass")
+
+
+@pytest.mark.parametrize("suite, budget", [({"top_up": False}, "600"), ({}, "0")], ids=["top_up false", "no budget"])
+def test_an_undecided_run_stays_inconclusive_when_top_ups_are_off_or_out_of_time(sqlite_env, tmp_path, monkeypatch,
+                                                                                 suite, budget):
+    monkeypatch.setenv("CANARY_TOP_UP_BUDGET_S", budget)
+    get_settings.cache_clear()
+    run_id, dispatcher = start(tmp_path, max_samples=None, **suite)
     assert "top-up" not in dispatcher.run_all()
     with session_scope() as s:
         run = s.get(Run, run_id)
         assert run.verdict == "inconclusive" and len(run.sample_keys) == 6
         assert "topped up" not in run.verdict_reason
+
+
+def test_the_default_cap_and_the_next_passs_estimate_by_hand():
+    """A first draw of 10: by default at most 40 in all (TOP_UP_FACTOR 4), or the suite's
+    max_samples, or the drawn ones with top_up false. Two configs to rerun whose last passes took
+    10 s and 20 s: adding 10 samples costs about 30 s, adding 5 about 15 s; a config not rerun,
+    or not finished, does not count."""
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    config_runs = [SimpleNamespace(config_id=1, started_at=t0, finished_at=t0 + timedelta(seconds=10)),
+                   SimpleNamespace(config_id=2, started_at=t0, finished_at=t0 + timedelta(seconds=20)),
+                   SimpleNamespace(config_id=3, started_at=t0, finished_at=t0 + timedelta(seconds=99)),
+                   SimpleNamespace(config_id=4, started_at=t0, finished_at=None)]
+    run = SimpleNamespace(n_samples=10, sample_keys=[f"k{i}" for i in range(10)], config_runs=config_runs)
+    assert top_up.next_pass_seconds(run, [1, 2, 4], 10) == pytest.approx(30.0)
+    assert top_up.next_pass_seconds(run, [1, 2], 5) == pytest.approx(15.0)
+    suite = SimpleNamespace(settings=SuiteSpec())
+    assert top_up.cap(run, suite) == 40
+    assert top_up.cap(run, SimpleNamespace(settings=SuiteSpec(max_samples=25))) == 25
+    assert top_up.cap(run, SimpleNamespace(settings=SuiteSpec(top_up=False))) == 10
+
+
+def test_a_comparison_is_topped_up_for_only_when_the_samples_it_needs_fit_the_cap():
+    """Prompts are 16 of the run's 100 samples. About 60 prompts would decide it: 60 × 100 / 16 =
+    375 samples, within a cap of 400, not within 300. About 20827 would not fit any cap here. Below
+    min_n 8 at n=6 of 6 samples: 8 samples, within 12."""
+    from evals.comparison import Comparison
+
+    row = {"config_id": 2, "metric": "degenerate_answers", "estimate": 0.06, "ci_low": 0.0, "ci_high": 0.19,
+           "n": 16, "verdict": "inconclusive"}
+    about = "CI [0, 0.19] straddles warn 0.03: more samples needed (about {} at this effect)"
+    assert top_up.reachable(Comparison(**{**row, "rule": about.format(60)}), 100, 400)
+    assert not top_up.reachable(Comparison(**{**row, "rule": about.format(60)}), 100, 300)
+    assert not top_up.reachable(Comparison(**{**row, "rule": about.format(20827)}), 100, 400)
+    assert top_up.reachable(Comparison(**{**row, "n": 6, "rule": "n=6 < min_n=8: too few samples to decide"}), 6, 12)
+    assert top_up.reachable(Comparison(**{**row, "rule": "CI [0, 0.19] straddles warn 0.03: more samples needed"}),
+                            100, 101)  # no figure: tried
+
+
+def test_top_up_false_with_max_samples_is_refused_naming_both(tmp_path):
+    with pytest.raises(ValueError, match=r"max_samples: 12 asks for top-ups that top_up: false turns off"):
+        parse_config(canary(corpus(tmp_path), max_samples=12, top_up=False))
 
 
 def test_undecided_takes_only_comparisons_more_samples_can_decide():
@@ -123,6 +194,12 @@ def test_undecided_takes_only_comparisons_more_samples_can_decide():
     assert not top_up.undecided(Comparison(**{**row, "metric": "exact_match", "rule": "CI [0.4, 0.6] straddles warn 0.5"}))
     # a gated metric its producer reported without judging it: more samples would not give it a say
     assert not top_up.undecided(Comparison(**{**row, "rule": "CI [0.99, 1.03] straddles warn 1.02", "gated": False}))
+    # prompts grow with a top-up (a health metric among them); labelled items and the first few
+    # documents the distribution signal reads do not
+    straddles = {**row, "rule": "CI [0.0, 0.3] straddles warn 0.03: more samples needed"}
+    assert top_up.undecided(Comparison(**{**straddles, "metric": "degenerate_answers"}))
+    assert not top_up.undecided(Comparison(**{**straddles, "metric": "task_recovery"}))
+    assert not top_up.undecided(Comparison(**{**straddles, "metric": "kld_mean"}))
 
 
 def test_max_samples_below_samples_is_refused_naming_the_field(tmp_path):

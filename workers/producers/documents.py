@@ -1,7 +1,7 @@
 """The documents producer (scorer `perplexity`): each document's rolling log-likelihood, DOC_BATCH
 documents per engine call, one DocRecord per document with what the document signals read beside
 it (workers/producers/terms.py, positions.py, decode.py, distributions.py: each fills its own
-fields of the record). Its figures: the documents' token perplexity and counts."""
+fields of the record). Its figures: the documents' token perplexity and counts, over every pass."""
 
 from __future__ import annotations
 
@@ -48,14 +48,17 @@ class Documents(Producer):
     def __init__(self, work: Work):
         super().__init__(work)
         self.nll_sum, self.n_tokens = 0.0, 0
+        samples = work.job.samples
+        # a top-up pass scores only the documents it appended (the config holds the rest)
+        self.start = work.job.first_unscored(DocRecord.KIND, [key for key, _, _ in samples])
 
     def total(self) -> int:
-        return len(self.work.job.samples)
+        return len(self.work.job.samples) - self.start
 
     def batches(self) -> Iterator[Batch]:
         work, samples = self.work, self.work.job.samples
         signals = [cls(work) for cls in SIGNALS]
-        for i in range(0, len(samples), DOC_BATCH):
+        for i in range(self.start, len(samples), DOC_BATCH):
             documents = samples[i : i + DOC_BATCH]
             requests = [RollingRequest(key, text, work.window) for key, text, _ in documents]
             results = work.engine.loglikelihood_rolling(requests)
@@ -71,8 +74,14 @@ class Documents(Producer):
             yield Batch([record.to_row() for record in records], len(documents))
 
     def figures(self) -> dict[str, Any]:
-        return {"token_ppl": math.exp(self.nll_sum / self.n_tokens) if self.n_tokens else None,
-                "n_documents": len(self.work.job.samples), "n_tokens": self.n_tokens}
+        nll_sum, n_tokens = self.nll_sum, self.n_tokens
+        earlier = self.work.job.earlier or {}
+        if self.start and earlier.get("token_ppl") and earlier.get("n_tokens"):
+            # a top-up pass: the earlier passes' documents count too (their Σ NLL from their figures)
+            nll_sum += math.log(earlier["token_ppl"]) * earlier["n_tokens"]
+            n_tokens += earlier["n_tokens"]
+        return {"token_ppl": math.exp(nll_sum / n_tokens) if n_tokens else None,
+                "n_documents": len(self.work.job.samples), "n_tokens": n_tokens}
 
 
 # the document signals, in the order they read (their engine calls follow the documents' in this order)

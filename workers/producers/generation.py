@@ -28,6 +28,9 @@ class Generation(Producer):
         self.requests = [GenerationRequest(key, " ".join(text.split()[: gen.prompt_words]), gen.max_new_tokens,
                                            gen.temperature)
                          for key, text, _ in work.job.samples[: min(work.job.prompts, len(work.job.samples))]]
+        # a top-up pass generates only the prompts it added (the config holds the answers to the rest)
+        self.requests = self.requests[work.job.first_unscored(GenerationRecord.KIND,
+                                                              [r.request_id for r in self.requests]):]
         self.judge: BaselineScorer | None = None
         self.step = 1
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.records import ItemRecord
-from workers.producers.base import Batch, Producer, register_producer
+from workers.producers.base import Batch, Producer, Work, register_producer
 from workers.producers.documents import DOC_BATCH
 
 
@@ -40,11 +40,17 @@ class Labelled(Producer):
     scorer = "labelled"
     records = (ItemRecord,)
 
+    def __init__(self, work: Work):
+        super().__init__(work)
+        # the items are the suite's, not the run's samples: a top-up pass finds them all answered
+        items = work.job.items
+        self.items = items[work.job.first_unscored(ItemRecord.KIND, [item.key for item in items]):]
+
     def total(self) -> int:
-        return len(self.work.job.items)
+        return len(self.items)
 
     def batches(self) -> Iterator[Batch]:
-        work, items = self.work, self.work.job.items
+        work, items = self.work, self.items
         max_new_tokens = work.job.suite.labelled.max_new_tokens
         for i in range(0, len(items), DOC_BATCH):
             batch = items[i : i + DOC_BATCH]

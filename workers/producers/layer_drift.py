@@ -19,23 +19,26 @@ class LayerDrift(Producer):
 
     def __init__(self, work: Work):
         super().__init__(work)
-        self.n = 0 if work.job.is_baseline else min(work.job.suite.perplexity.layer_samples, len(work.job.samples))
+        n = 0 if work.job.is_baseline else min(work.job.suite.perplexity.layer_samples, len(work.job.samples))
+        # a top-up pass finds the first documents measured already
+        self.start = work.job.first_unscored(LayerDriftRecord.KIND, [key for key, _, _ in work.job.samples[:n]])
+        self.n = n
 
     def total(self) -> int:
-        return self.n
+        return self.n - self.start
 
     def batches(self) -> Iterator[Batch]:
         work = self.work
-        if not self.n:
+        if self.start >= self.n:
             return
         baseline = work.baseline().engine
         if not (isinstance(work.engine, GivesLayerStates) and isinstance(baseline, GivesLayerStates)):
             side = "the candidate's" if not isinstance(work.engine, GivesLayerStates) else "the baseline's"
             work.notes.append(f"no layer drift (layers scorer): {side} engine does not give per-layer states "
                               "(in-process engines only)")
-            yield Batch([], self.n)
+            yield Batch([], self.total())
             return
-        for key, text, _ in work.job.samples[: self.n]:  # one document at a time: two passes' states live
+        for key, text, _ in work.job.samples[self.start : self.n]:  # one document at a time: two passes' states live
             request = RollingRequest(key, text, work.window)
             record = LayerDriftRecord.measure(key, baseline.layer_states(request), work.engine.layer_states(request))
             if record is None:
