@@ -87,7 +87,9 @@ class SuiteOut(BaseModel):
     name: str
     n_documents: int
     samples: int
-    max_samples: int | None = Field(None, description="an undecided run tops up to this many samples; null: never")
+    max_samples: int | None = Field(None, description="an undecided run tops up to this many samples; null: by "
+                                                      "default (4 × samples within CANARY_TOP_UP_BUDGET_S)")
+    top_up: bool = Field(True, description="false: an undecided run is never topped up")
     seed: int
     scorers: list[str]
     perplexity: PerplexitySettings

@@ -45,6 +45,7 @@ from app.schemas import (
     VerdictSummaryOut,
 )
 from evals.metrics import METRICS, VERDICT_ORDER, counted_by, format_estimate, informational, rule_samples
+from evals.suite import GenerationSettings
 
 # `canary gate`'s exit codes by its defaults (--warn-exit-code 0, --error-exit-code 2): what the
 # gate's pull-request comment says happens; the CLI says it again with its own flags
@@ -93,7 +94,8 @@ def _rule_samples(c: ComparisonOut) -> int | None:
     return rule_samples(c.rule)
 
 
-MAX_PROMPTS = 1000  # generation.prompts' bound (evals/suite.py GenerationSettings)
+# generation.prompts' bound, read from its field (evals/suite.py GenerationSettings)
+MAX_PROMPTS = next(m.le for m in GenerationSettings.model_fields["prompts"].metadata if getattr(m, "le", None))
 
 
 def samples_to_decide(c: ComparisonOut) -> int | None:

@@ -313,15 +313,16 @@ def grows_with_samples(metric: str) -> bool:
     return counted_by(metric) in (None, "generation.prompts")
 
 
-def rule_samples(rule: str | None, below_min_n: bool = False) -> int | None:
-    """The paired samples an inconclusive rule of evals.stats.decide says would decide it: about so many at
-    the current effect, or the CI's verdict at min_n; below_min_n: else the rule's min_n. None where
-    it says none of these."""
+def rule_samples(rule: str | None, min_n_first: bool = False) -> int | None:
+    """The paired samples an inconclusive rule of evals.stats.decide says would decide it: about so
+    many at the current effect, or the CI's verdict at min_n. min_n_first: a rule below min_n gives
+    its min_n (the firm need: an effect read off fewer samples is too unsure to project). None
+    where it says none of these."""
+    below = re.search(r"< min_n=(\d+)", rule or "")
+    if min_n_first and below:
+        return int(below.group(1))
     found = re.search(r"about (\d+) at this effect|\((\d+) samples decide it\)", rule or "")
-    if found:
-        return int(found.group(1) or found.group(2))
-    below = re.search(r"< min_n=(\d+)", rule or "") if below_min_n else None
-    return int(below.group(1)) if below else None
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 def gated_metrics() -> dict[str, Metric]:

@@ -42,7 +42,6 @@ from app import repo
 from app.models import Run, Suite, utcnow
 from app.settings import get_settings
 from evals.metrics import grows_with_samples, informational, rule_samples
-from evals.records import engine_kinds
 from evals.stats import TOO_FEW, Comparison
 from evals.suite import TOP_UP_FACTOR
 from workers import step_back
@@ -64,12 +63,12 @@ def undecided(row: Comparison) -> bool:
 
 
 def reachable(row: Comparison, have: int, most: int) -> bool:
-    """Whether the samples its rule says would decide it (evals/stats.rule_samples: at its effect, or
-    its min_n), scaled from its n to the run's samples (`have`: prompts are a share of them), fit
+    """Whether the samples its rule says would decide it (evals.metrics.rule_samples: its min_n while
+    below it, else about so many at its effect), scaled from its n to the run's samples (`have`: prompts are a share of them), fit
     within the `most` the run may hold. A comparison that needs thousands where the run may hold
     hundreds stays undecided without a pass that cannot settle it; one whose rule names no figure
     is tried."""
-    need = rule_samples(row.rule, below_min_n=True)
+    need = rule_samples(row.rule, min_n_first=True)
     return need is None or not row.n or math.ceil(need * have / row.n) <= most
 
 
@@ -156,9 +155,7 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
                  have)
         return []
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
-    # what a judge or faithfulness scorer said of the outputs that run again no longer applies
-    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
-                           keep_metrics=engine_kinds())
+    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked])
 
 
 def reason(run: Run, suite: Suite | None) -> str:

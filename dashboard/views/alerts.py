@@ -5,7 +5,15 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.views.common import catalogue, drop_empty_columns, fmt, human_time, metric_cell, parse_time
+from dashboard.views.common import (
+    catalogue,
+    drop_empty_columns,
+    fmt,
+    human_time,
+    metric_cell,
+    parse_time,
+    verdict_rank,
+)
 
 
 def until(t: str) -> str:
@@ -21,9 +29,6 @@ def stale_alert(schedule: dict) -> dict:
             "annotations": {"rule": schedule["stale_reason"]}}
 
 
-SEVERITY = {"critical": 0, "warn": 1}  # an incident's worst first, and inside it
-
-
 def incidents(alerts: list[dict], label, value) -> list[dict]:
     """Firing alerts as incidents, Alertmanager's grouping by config and run: one row per (config, run)
     with every breaching metric inside, critical first (label: an alert's metric label; value: its
@@ -33,13 +38,13 @@ def incidents(alerts: list[dict], label, value) -> list[dict]:
         by.setdefault((alert["labels"].get("config"), alert["run_id"]), []).append(alert)
     out = []
     for (config, run), group in by.items():
-        group.sort(key=lambda a: (SEVERITY.get(a["severity"], 2), label(a)))
+        group.sort(key=lambda a: (verdict_rank(a["severity"]), label(a)))  # an incident's worst first, and inside it
         since = min((a["fired_at"] or a["started_at"] or "" for a in group), default="")
         out.append({"config": config, "run": run, "severity": group[0]["severity"], "alerts": len(group),
                     "findings": "; ".join(f"{label(a)} {value(a)} {a['severity']}".replace("  ", " ").strip()
                                           for a in group),
                     "since": since, "runbook": (group[0]["annotations"] or {}).get("runbook_url", "")})
-    out.sort(key=lambda row: (SEVERITY.get(row["severity"], 2), -row["alerts"], str(row["config"])))
+    out.sort(key=lambda row: (verdict_rank(row["severity"]), -row["alerts"], str(row["config"])))
     return out
 
 

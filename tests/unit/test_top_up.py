@@ -173,6 +173,9 @@ def test_a_comparison_is_topped_up_for_only_when_the_samples_it_needs_fit_the_ca
     assert not top_up.reachable(Comparison(**{**row, "rule": about.format(60)}), 100, 300)
     assert not top_up.reachable(Comparison(**{**row, "rule": about.format(20827)}), 100, 400)
     assert top_up.reachable(Comparison(**{**row, "n": 6, "rule": "n=6 < min_n=8: too few samples to decide"}), 6, 12)
+    # below min_n its min_n counts, not an effect projected from 6 samples
+    assert top_up.reachable(Comparison(**{**row, "n": 6, "rule": "n=6 < min_n=8: too few samples to decide; "
+                                          + about.format(900)}), 6, 12)
     assert top_up.reachable(Comparison(**{**row, "rule": "CI [0, 0.19] straddles warn 0.03: more samples needed"}),
                             100, 101)  # no figure: tried
 
@@ -243,17 +246,18 @@ def test_a_config_already_critical_is_not_topped_up(sqlite_env, tmp_path):
         assert len(nll_keys(s, run_id, int4)) == 6
 
 
-def test_a_top_up_drops_scorer_rows_and_a_stalled_run_sweep_leaves_it_running(sqlite_env, tmp_path):
+def test_a_top_up_keeps_scorer_rows_and_a_stalled_run_sweep_leaves_it_running(sqlite_env, tmp_path):
     run_id, dispatcher = start(tmp_path)
     with session_scope() as s:
         int8 = repo.get_config(s, repo.get_project(s, "p"), "int8").id
-        # a judge's score of an output written before the top-up: it no longer applies once outputs rerun
+        # a judge's score of an output written before the top-up: the output stays the config's (a
+        # top-up pass scores only the samples it adds), so the score still applies
         s.add(SampleResult(run_id=run_id, config_id=int8, sample_key=s.get(Run, run_id).sample_keys[0],
                            metric="judge_score", value=7.0))
     assert dispatcher.run_all(until="top-up")[-1] == "top-up"
     with session_scope() as s:
         metrics = set(s.scalars(select(SampleResult.metric).where(SampleResult.run_id == run_id)))
-        assert metrics == {"nll"}
+        assert metrics == {"nll", "judge_score"}
         # the reconciler found the run stalled just before the top-up committed: its sweep must not
         # put a run with queued config-runs into 'aggregating'
         repo.reopen_aggregation(s, run_id)

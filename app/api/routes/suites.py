@@ -17,7 +17,8 @@ router = APIRouter(tags=["suites"], responses=error_responses(404))
 def _out(suite: Suite) -> SuiteOut:
     settings = suite.settings
     return SuiteOut(id=suite.id, name=suite.name, n_documents=suite.n_documents, samples=settings.samples,
-                    max_samples=settings.max_samples, seed=settings.seed, scorers=settings.scorers,
+                    max_samples=settings.max_samples, top_up=settings.top_up, seed=settings.seed,
+                    scorers=settings.scorers,
                     perplexity=settings.perplexity.model_dump(), generation=settings.generation.model_dump())
 
 
