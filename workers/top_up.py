@@ -64,10 +64,10 @@ def undecided(row: Comparison) -> bool:
 
 def reachable(row: Comparison, have: int, most: int) -> bool:
     """Whether the samples its rule says would decide it (evals.metrics.rule_samples: its min_n while
-    below it, else about so many at its effect), scaled from its n to the run's samples (`have`: prompts are a share of them), fit
-    within the `most` the run may hold. A comparison that needs thousands where the run may hold
-    hundreds stays undecided without a pass that cannot settle it; one whose rule names no figure
-    is tried."""
+    below it, else about so many at its effect), scaled from its n to the run's samples (`have`:
+    prompts are a share of them), fit within the `most` the run may hold. A comparison that needs
+    thousands where the run may hold hundreds stays undecided without a pass that cannot settle
+    it; one whose rule names no figure is tried."""
     need = rule_samples(row.rule, min_n_first=True)
     return need is None or not row.n or math.ceil(need * have / row.n) <= most
 
