@@ -151,7 +151,10 @@ class ExecuteConfigRun(BaseTask):
             peak_kv_cache_bytes=description.peak_kv_cache_bytes, peak_device_bytes=description.peak_device_bytes,
             notes=[*description.notes, *work.notes],
             **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
-               "concurrency": step, **produced},
+               "concurrency": step,
+               # a top-up pass that left the documents out: their figures are the earlier passes'
+               **{k: (job.earlier or {}).get(k) for k in ("token_ppl", "n_tokens") if (job.earlier or {}).get(k)},
+               **produced},
             **work.stats.figures(description.kv_cache_usage),
             inputs_key=key, model_digest=digest,
         ).to_json()

@@ -39,6 +39,12 @@ class Job:
     recorded: frozenset[tuple[str, str]] = frozenset()
     earlier: dict[str, Any] | None = None  # a top-up pass: the figures of the config's pass before it
 
+    def runs(self, scorer: str) -> bool:
+        """Whether this pass runs a scorer's producer: the suite's scorers, less those a top-up pass
+        leaves out (its `pass_scorers`: the producers of what is undecided)."""
+        wanted = (self.earlier or {}).get("pass_scorers")
+        return self.suite.runs(scorer) and (wanted is None or scorer in wanted)
+
     def first_unscored(self, kind: str, keys: Sequence[str]) -> int:
         """How many of `keys` (in the run's order) lead with a `kind` record from an earlier pass:
         a top-up appends its samples, so a pass picks up where the config's last one stopped."""

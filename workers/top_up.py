@@ -4,7 +4,9 @@ min_n, is `inconclusive`: the data cannot tell, and the answer is more samples (
 So the aggregation does not stop there. It draws as many documents again as the run holds
 (doubling), appends them to the run's samples, and queues the baseline and each undecided config
 again: each scores only the samples it does not hold yet (workers/job.py `recorded`: the documents
-and the prompts added), so a top-up pass costs what its new samples cost. A config already
+and the prompts added), and only with the producers of what is undecided (the documents' for a
+perplexity metric, the prompts' for an answer's), so a top-up pass costs what its new samples
+cost. A comparison of the other producer stays on the samples it had. A config already
 critical, or a measurement error, on some metric is not undecided: it fails the run whatever more
 samples would say of its other metrics. The configs that were decided keep their results; every
 comparison pairs by sample, so theirs stay as they were. The run, and a gate on it, wait; the last
@@ -41,7 +43,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Run, Suite, utcnow
 from app.settings import get_settings
-from evals.metrics import grows_with_samples, informational, rule_samples
+from evals.metrics import counted_by, grows_with_samples, informational, rule_samples
 from evals.stats import TOO_FEW, Comparison
 from evals.suite import TOP_UP_FACTOR
 from workers import step_back
@@ -136,10 +138,10 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
     settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
     keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
     have, most = len(run.sample_keys), room(run, suite, len(keys))
-    waiting = sorted({r.config_id for r in rows
-                      if r.config_id is not None and r.config_id != run.baseline_config_id
-                      and r.config_id not in settled and undecided(r) and reachable(r, have, most)
-                      and not step_back.is_ablation(configs[r.config_id].config)})
+    asked = [r for r in rows if r.config_id is not None and r.config_id != run.baseline_config_id
+             and r.config_id not in settled and undecided(r) and reachable(r, have, most)
+             and not step_back.is_ablation(configs[r.config_id].config)]
+    waiting = sorted({r.config_id for r in asked if r.config_id is not None})
     if not waiting:
         return []
     new_keys = draw_more(run, keys, min(2 * have, most) - have)
@@ -155,7 +157,17 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
                  have)
         return []
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
-    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked])
+    # only the producers of what is undecided score the samples added (a stacked config's ablations
+    # will need every producer's rows on them: then all of them)
+    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
+                           scorers=None if stacked else pass_scorers(asked))
+
+
+def pass_scorers(asked: list[Comparison]) -> list[str]:
+    """The suite scorers whose producers a top-up pass runs: the documents' (`perplexity`) for a
+    metric of the documents, the prompts' (`generation`) for one of the prompts (what a judge,
+    faithfulness and agreement read are the prompts' answers)."""
+    return sorted({"perplexity" if counted_by(r.metric) is None else "generation" for r in asked})
 
 
 def reason(run: Run, suite: Suite | None) -> str:

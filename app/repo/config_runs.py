@@ -33,16 +33,22 @@ def add_config_runs(session: Session, run: Run, configs: Sequence[OptimizationCo
     return [row.id for row in rows]
 
 
-def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int]) -> list[int]:
+def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: Sequence[int],
+               scorers: Sequence[str] | None = None) -> list[int]:
     """Append `new_keys` to the run's samples and queue the named configs again on them
     (workers/top_up.py), each in its own row: queued, its pass beginning at its current attempt
     (attempt_base), so the attempt number keeps fencing off any earlier attempt while the attempt
     budget is the new pass's own. Rows already written stay, a judge's and faithfulness scores
     too: the new pass scores only the samples appended (workers/job.py `recorded`), so the outputs
     they scored are still the config's, and the next aggregation scores only the new ones. Its
-    figures start from the last pass's. The run goes back to 'running'. Returns the config-runs'
-    ids."""
+    figures start from the last pass's; `scorers` (None: all the suite's) go with them as
+    `pass_scorers`, the producers the pass runs. The run goes back to 'running'. Returns the
+    config-runs' ids."""
     ids = [cr.id for cr in run.config_runs if cr.config_id in set(config_ids)]
+    for cr in run.config_runs:
+        if cr.id in ids and cr.status in TERMINAL:
+            cr.figures = {**(cr.figures or {}), "pass_scorers": list(scorers) if scorers is not None else None}
+    session.flush()
     session.execute(
         update(ConfigRun).where(ConfigRun.id.in_(ids), ConfigRun.status.in_(TERMINAL))
         .values(status="queued", attempt_base=ConfigRun.attempt, enqueued_at=utcnow(), started_at=None,

@@ -49,6 +49,40 @@ def off_scale_bound(metric: dict, lines: list[dict], factor: float = 2.0) -> flo
     return factor * max(levels) if levels else None
 
 
+PARITY = {"paired_ratio": 1.0, "paired_difference": 0.0}  # a comparison's value at no change
+
+
+def near_threshold(pts: pd.DataFrame, metric: dict, lines: list[dict], bound: float | None) -> list[str]:
+    """The configs Trends opens on: those whose newest point is on the scale (not beyond `bound`)
+    and is judged other than ok, or whose CI's bad end has come at least halfway from parity to its
+    warn threshold (the config's own line, else the project's, else the seed): where drift shows
+    before it breaches. The collapsed ones (beyond `bound`) too, drawn apart as markers along the
+    top. Every config where none on the scale is near, or where the metric has no parity or warn
+    to measure against."""
+    newest = pts.sort_values("run_id").groupby("config").tail(1)
+    collapsed = newest[newest["estimate"] > bound] if bound is not None else newest.iloc[0:0]
+    on_scale = newest.drop(collapsed.index)
+    parity = PARITY.get(metric.get("comparison", ""))
+
+    def warn_of(config: str) -> float | None:
+        own = [line["y"] for line in lines if line["level"] == "warn" and line["config"] == config]
+        shared = [line["y"] for line in lines if line["level"] == "warn" and line["config"] == "all configs"]
+        return (own or shared or [metric.get("warn")])[0]
+
+    def near(row) -> bool:
+        warn = warn_of(row["config"])
+        if parity is None or warn is None or row["verdict"] not in ("ok", None):
+            return True
+        above = metric["direction"] == "above"
+        end = row["ci_high"] if above else row["ci_low"]
+        end = row["estimate"] if end is None or end != end else end  # no CI: the estimate
+        halfway = parity + (warn - parity) / 2
+        return end >= halfway if above else end <= halfway
+
+    picked = [row["config"] for _, row in on_scale.iterrows() if near(row)]
+    return sorted([*picked, *collapsed["config"]]) if picked else sorted(newest["config"])
+
+
 def axis_title(metric: dict) -> str:
     """The y axis in words: the catalogue's label and what its numbers are."""
     unit = {"ratio": "candidate ÷ baseline, 1 = parity", "fraction": "0–1", "ms": "milliseconds",
@@ -71,7 +105,12 @@ def render(api, project: str, params) -> None:
         st.info(f"No {metric} comparisons on suite {data['suite']} yet.")
         return
     all_configs = sorted(pts["config"].unique())
-    shown = top[2].multiselect("Configs", all_configs, default=all_configs, key=f"configs-{data['suite']}-{metric}")
+    # it opens on the configs near a threshold; the collapsed ones and those far inside stay a pick away
+    near = near_threshold(pts, metrics[metric], threshold_lines(data["thresholds"], all_configs),
+                          off_scale_bound(metrics[metric], threshold_lines(data["thresholds"], all_configs)))
+    shown = top[2].multiselect("Configs", all_configs, default=near, key=f"configs-{data['suite']}-{metric}",
+                               help="opens on the configs near a threshold: judged other than ok at their newest "
+                                    "run, or with a CI halfway or more from parity to warn")
     pts = pts[pts["config"].isin(shown)]
     if pts.empty:
         st.info("Pick at least one config.")

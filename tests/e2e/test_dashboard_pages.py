@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import httpx
+import pandas as pd
 import pytest
 from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change, verdict_rank
 from evals.metrics import METRICS, format_estimate
@@ -166,6 +168,18 @@ def test_trends_one_suite_named_alerts_config_filter_and_empty_state(seeded_api,
     runs = suite_runs(seeded_api)
     at = page(seeded_api, monkeypatch, "Trends")
     assert not at.info and at.selectbox(key="suite").value == "s"
+    # it opens on the configs near a threshold (dashboard/views/trends.near_threshold, worked by hand in
+    # tests/unit/test_dashboard_format.py); then every config is picked
+    from dashboard.views.trends import near_threshold, off_scale_bound, threshold_lines
+
+    picker = at.multiselect(key="configs-s-ppl_ratio")
+    trend = api(seeded_api, "/trends", metric="ppl_ratio", suite="s", limit=1000)
+    metric = next(m for m in httpx.get(f"{seeded_api['url']}/api/v1/metrics").json()["metrics"]
+                  if m["name"] == "ppl_ratio")
+    every = sorted({p["config"] for p in trend["points"]})
+    lines = threshold_lines(trend["thresholds"], every)
+    assert picker.value == near_threshold(pd.DataFrame(trend["points"]), metric, lines, off_scale_bound(metric, lines))
+    picker.set_value(every).run()
     frames_ = chart_data(at)
     points = next(f for f in frames_ if "estimate" in f.columns)
     assert set(points["run_id"]) <= runs["s"] and {"int2", "int8"} <= set(points["config"])

@@ -187,3 +187,34 @@ def test_run_against_run_by_hand():
     assert list(diff["run 5"]) == ["1.070 n=50", "1.001 n=50"] and diff["run 3"].iloc[0] == "1.020 n=100"
     assert diff["change"].round(6).tolist() == [0.05, -0.001]
     assert list(diff["verdict"]) == ["ok → critical", "ok → ok"]
+
+
+def test_trends_opens_on_the_configs_near_a_threshold_by_hand():
+    """ppl_ratio, the project's warn 1.02 (halfway from parity: 1.01), critical 1.03, so off the scale
+    beyond 2.06; f has its own warn 1.005 (halfway 1.0025). Newest points: a's CI ends at 1.005
+    (far), b's at 1.014 (near), c inconclusive (near), d at 7.0 (collapsed: shown, as a marker along
+    the top), e near at run 1 and far at run 2 (its newest counts), f at 1.004 past its own halfway
+    (near)."""
+    import pandas as pd
+    from dashboard.views.trends import near_threshold, off_scale_bound, threshold_lines
+
+    metric = {"name": "ppl_ratio", "unit": "ratio", "direction": "above", "comparison": "paired_ratio",
+              "warn": 1.02, "critical": 1.03}
+
+    def point(config, run, estimate, low, high, verdict="ok"):
+        return {"config": config, "run_id": run, "estimate": estimate, "ci_low": low, "ci_high": high, "n": 100,
+                "verdict": verdict}
+
+    pts = pd.DataFrame([point("a", 2, 1.003, 1.001, 1.005), point("b", 2, 1.009, 1.004, 1.014),
+                        point("c", 2, 1.01, 0.99, 1.03, "inconclusive"), point("d", 2, 7.0, 6.5, 7.5, "critical"),
+                        point("e", 1, 1.015, 1.012, 1.018), point("e", 2, 1.002, 1.0, 1.004),
+                        point("f", 2, 1.002, 1.0, 1.004)])
+    rules = [{"config": None, "warn": 1.02, "critical": 1.03}, {"config": "f", "warn": 1.005, "critical": 1.03}]
+    lines = threshold_lines(rules, sorted(pts["config"].unique()))
+    bound = off_scale_bound(metric, lines)
+    assert bound == pytest.approx(2.06)
+    assert near_threshold(pts, metric, lines, bound) == ["b", "c", "d", "f"]
+    # none on the scale near, or a metric without a parity: every config
+    far = pts[pts["config"].isin(["a", "d", "e"])]
+    assert near_threshold(far, metric, lines, bound) == ["a", "d", "e"]
+    assert near_threshold(pts, {**metric, "comparison": "percentile"}, lines, bound) == list("abcdef")

@@ -117,6 +117,41 @@ def test_an_undecided_candidate_is_topped_up_and_judged_on_twice_the_samples(sql
 
 
 @pytest.mark.integration
+def test_a_top_up_pass_runs_only_the_producers_of_what_is_undecided(sqlite_env, tmp_path):
+    """Perplexity decided at 6 documents (min_n 3); the answers' metrics too few at 6 prompts (min_n
+    10): the second pass generates the 6 prompts added and scores no document."""
+    suite = {"scorers": ["perplexity", "generation"],
+             "generation": {"prompts": 6, "prompt_words": 8, "max_new_tokens": 8}}
+    with session_scope() as s:
+        apply_config_file(s, parse_config(canary(corpus(tmp_path), 12, **suite)))
+    dispatcher = StepDispatcher()
+    run_id, _ = start_run("p", "s", None, dispatcher)
+    assert "top-up" in dispatcher.run_all()
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        assert len(run.sample_keys) == 12
+        int4 = next(cr for cr in run.config_runs if cr.config.name == "int4")
+        answered = {r.sample_key for r in repo.sample_results(s, run_id, int4.config_id, "generation")}
+        assert answered == set(run.sample_keys)  # 6 prompts in each pass
+        assert nll_keys(s, run_id, int4.config_id) == set(run.sample_keys[:6])  # no document added
+        assert int4.attempt_base == 1 and int4.progress_total == 6
+        assert int4.figures["n_tokens"] > 0 and int4.figures["token_ppl"] is not None  # the first pass's
+        assert "pass_scorers" not in int4.figures
+
+
+def test_pass_scorers_by_hand():
+    from evals.comparison import Comparison
+
+    def row(metric: str) -> Comparison:
+        return Comparison(config_id=2, metric=metric, estimate=1.0, ci_low=0.9, ci_high=1.1, n=6,
+                          verdict="inconclusive", rule="n=6 < min_n=10: too few samples to decide")
+
+    assert top_up.pass_scorers([row("ppl_ratio")]) == ["perplexity"]
+    assert top_up.pass_scorers([row("degenerate_answers"), row("judge_win_rate")]) == ["generation"]
+    assert top_up.pass_scorers([row("term_nll_ratio"), row("ttft_ratio")]) == ["generation", "perplexity"]
+
+
+@pytest.mark.integration
 def test_by_default_an_undecided_run_tops_up_within_the_time_budget(sqlite_env, tmp_path, monkeypatch):
     monkeypatch.setenv("CANARY_TOP_UP_BUDGET_S", "600")
     get_settings.cache_clear()

@@ -88,5 +88,6 @@ def register_producer(cls: type[Producer]) -> type[Producer]:
 
 
 def producers_for(work: Work) -> list[Producer]:
-    """The producers the job's suite switches on, made for this attempt, in registry order."""
-    return [cls(work) for cls in PRODUCERS if work.job.suite.runs(cls.scorer)]
+    """The producers the job's suite switches on (less those a top-up pass leaves out), made for
+    this attempt, in registry order."""
+    return [cls(work) for cls in PRODUCERS if work.job.runs(cls.scorer)]
