@@ -169,7 +169,9 @@ def render(api, project: str, params) -> None:
         earlier = f"  \n({left} earlier in the chart's tooltips)" if left > 0 else ""
         st.markdown("  \n".join(f"▼ run {run}: {label}" for run, label in listed[-ALERTS_LISTED:]) + earlier)
     _run_vs_run(picked, metrics[metric])
-    st.caption(f"Suite {data['suite']} only. Points: the estimate, shaped by verdict (circle ok, diamond "
+    st.caption(f"Suite {data['suite']} only. It opens on the configs near a threshold (judged other than ok at their "
+               "newest run, or with a CI halfway or more from parity to warn) and the collapsed ones; pick others "
+               "above. Points: the estimate, shaped by verdict (circle ok, diamond "
                "inconclusive, triangle warn, square critical, cross measurement error); vertical bars: 95% CI. "
                "Dashed: warn / critical thresholds, labelled by the config they apply to ('all': every config). "
                "Red verticals (▼): alerts that fired, listed above by run and config. ▲ along the top: a point off the "
