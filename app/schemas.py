@@ -268,8 +268,8 @@ class RunOut(BaseModel):
     suite_id: int
     trigger: str
     n_samples: int = Field(description="the samples the run was asked for")
-    samples_drawn: int = Field(description="the samples it holds: more than n_samples once topped up (the suite's "
-                                           "max_samples) after an inconclusive pass")
+    samples_drawn: int = Field(description="the samples it holds: more than n_samples once topped up after an "
+                                           "inconclusive pass (by default, or to the suite's max_samples)")
     seed: int
     created_at: Time | None
     finished_at: Time | None

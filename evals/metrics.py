@@ -299,7 +299,7 @@ COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.promp
               "judge": "generation.prompts", "faithfulness": "generation.prompts",
               "labelled": "labelled.max_items"}
 COUNTED_BY_METRIC = {"decode_nll_ratio": "perplexity.decode_samples",
-                     "kld_mean": "perplexity.distribution_samples"}
+                     "kld_mean": "perplexity.distribution_samples", "batch_divergence": "generation.solo_probes"}
 
 
 def counted_by(metric: str) -> str | None:

@@ -194,7 +194,7 @@ class SuiteSpec(_Settings):
     max_samples: int | None = Field(
         None, ge=1, description="top up an undecided run: while a gated comparison is inconclusive, draw as many "
                                 "documents again (up to this many in all) and score the baseline and the undecided "
-                                "configs on those added; unset: up to TOP_UP_FACTOR × samples within the "
+                                f"configs on those added; unset: up to {TOP_UP_FACTOR} × samples within the "
                                 "deployment's CANARY_TOP_UP_BUDGET_S (workers/top_up.py)")
     top_up: bool = Field(True, description="false: an undecided run is never topped up (it ends inconclusive)")
     seed: int = Field(0, ge=0, le=2**31 - 1)

@@ -124,8 +124,9 @@ class ExecuteConfigRun(BaseTask):
         # a baseline's inputs key: a later gate on the same samples may take its rows (computed only
         # for baselines, the only source of reuse: the first call in a process hashes the model's files)
         key = baseline_reuse.inputs_key(job) if job.is_baseline and settings.gate_reuse_baseline else None
-        if key is not None and job.trigger == "gate" and baseline_reuse.reuse(self.transaction, attempt, job, key,
-                                                                                settings.lease_seconds):
+        # a top-up pass adds to the rows the config holds: it never takes another run's in their place
+        if key is not None and job.trigger == "gate" and job.earlier is None \
+                and baseline_reuse.reuse(self.transaction, attempt, job, key, settings.lease_seconds):
             return
         engine = engine_cache.get_engine(model, spec, job.calibration,
                                          served_model_tokenizer(job) if spec.engine == "openai" else None)
@@ -151,13 +152,12 @@ class ExecuteConfigRun(BaseTask):
             peak_kv_cache_bytes=description.peak_kv_cache_bytes, peak_device_bytes=description.peak_device_bytes,
             notes=[*description.notes, *work.notes],
             **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
-               "concurrency": step,
-               # a top-up pass that left the documents out: their figures are the earlier passes'
-               **{k: (job.earlier or {}).get(k) for k in ("token_ppl", "n_tokens") if (job.earlier or {}).get(k)},
-               **produced},
+               "concurrency": step, **produced},
             **work.stats.figures(description.kv_cache_usage),
             inputs_key=key, model_digest=digest,
         ).to_json()
+        if job.earlier is not None:
+            figures = with_earlier(figures, job.earlier, documents=job.runs("perplexity"))
         self.transaction(lambda session: attempt.finish_or_stop(session, "succeeded", figures=figures),
                          f"finish config-run {attempt.config_run_id}")
 
@@ -190,6 +190,26 @@ class ExecuteConfigRun(BaseTask):
         self.transaction(write, f"write results of config-run {attempt.config_run_id}")
 
 
+PEAKS = ("kv_cache_usage", "peak_kv_cache_bytes", "peak_device_bytes")  # the larger of two passes'
+
+
+def with_earlier(figures: dict[str, Any], earlier: dict[str, Any], documents: bool) -> dict[str, Any]:
+    """A top-up pass's figures over its config's earlier passes' (workers/top_up.py): what this pass
+    did not measure (None: a serving figure of a pass that generated nothing, the documents'
+    figures of one that scored none) stays the earlier pass's; a peak is the larger of the two; the
+    documents' count and perplexity are the earlier ones when this pass scored no document (the
+    documents producer counts its earlier rows itself when it ran)."""
+    merged = dict(figures)
+    for name, value in earlier.items():
+        if name == "pass_scorers" or name not in merged:
+            continue
+        if name in PEAKS and value is not None and merged[name] is not None:
+            merged[name] = max(merged[name], value)
+        elif merged[name] is None or (not documents and name in ("token_ppl", "n_documents", "n_tokens")):
+            merged[name] = value
+    return merged
+
+
 execute_config_run = ExecuteConfigRun()
 
-__all__ = ["execute_config_run", "percentile", "reset_engine_cache"]
+__all__ = ["execute_config_run", "percentile", "reset_engine_cache", "with_earlier"]

@@ -38,6 +38,8 @@ class Job:
     # pass (workers/top_up.py) scores only what comes after them; empty on a first pass
     recorded: frozenset[tuple[str, str]] = frozenset()
     earlier: dict[str, Any] | None = None  # a top-up pass: the figures of the config's pass before it
+    # a top-up pass: Σ NLL and Σ tokens of the documents the config holds (its token perplexity counts them)
+    recorded_nll: tuple[float, int] = (0.0, 0)
 
     def runs(self, scorer: str) -> bool:
         """Whether this pass runs a scorer's producer: the suite's scorers, less those a top-up pass
@@ -91,7 +93,8 @@ def load_job(session, config_run_id: int) -> Job:
                     [: settings.labelled.max_items]) if settings.runs("labelled") else (),
         # a pass after the first (attempt_base moved: repo.top_up_run) adds to what the config holds
         recorded=repo.recorded_keys(session, run.id, config_run.config_id) if config_run.attempt_base else frozenset(),
-        earlier=config_run.figures if config_run.attempt_base else None,
+        earlier=(config_run.figures or {}) if config_run.attempt_base else None,
+        recorded_nll=repo.recorded_nll(session, run.id, config_run.config_id) if config_run.attempt_base else (0.0, 0),
     )
 
 

@@ -113,8 +113,8 @@ class RunWatch:
             again = [cr.config.name for cr in config_runs
                      if self.passes.get(cr.config.name, cr.attempt_base) != cr.attempt_base]
             self.finished -= set(again)
-            self.say(f"run {run.id}: undecided at {self.drawn} samples; topping up to {drawn} and rerunning "
-                     f"{', '.join(again)}")
+            self.say(f"run {run.id}: undecided at {self.drawn} samples; topping up to {drawn}: "
+                     f"{', '.join(again)} score the samples added")
         self.drawn, self.passes = drawn, {cr.config.name: cr.attempt_base for cr in config_runs}
         for config_run in config_runs:
             name = config_run.config.name

@@ -177,6 +177,17 @@ def recorded_keys(session: Session, run_id: int, config_id: int) -> frozenset[tu
         .where(SampleResult.run_id == run_id, SampleResult.config_id == config_id)))
 
 
+def recorded_nll(session: Session, run_id: int, config_id: int) -> tuple[float, int]:
+    """Σ NLL and Σ tokens of the documents (nll rows) a config holds in a run."""
+    total, tokens = 0.0, 0
+    for value, extra in session.execute(select(SampleResult.value, SampleResult.extra).where(
+            SampleResult.run_id == run_id, SampleResult.config_id == config_id, SampleResult.metric == "nll")):
+        if value is not None:
+            total += value
+            tokens += int((extra or {}).get("n_tokens") or 0)
+    return total, tokens
+
+
 def sample_rows(session: Session, run_id: int) -> list[tuple[int, str, str, float | None, dict | None]]:
     """Every sample result of a run as (config_id, metric, sample_key, value, extra), in storage order."""
     return [tuple(row) for row in session.execute(

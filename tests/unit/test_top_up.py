@@ -135,8 +135,33 @@ def test_a_top_up_pass_runs_only_the_producers_of_what_is_undecided(sqlite_env, 
         assert answered == set(run.sample_keys)  # 6 prompts in each pass
         assert nll_keys(s, run_id, int4.config_id) == set(run.sample_keys[:6])  # no document added
         assert int4.attempt_base == 1 and int4.progress_total == 6
-        assert int4.figures["n_tokens"] > 0 and int4.figures["token_ppl"] is not None  # the first pass's
-        assert "pass_scorers" not in int4.figures
+        # the documents' figures stay the first pass's (no document scored since), over its 6 documents
+        docs = repo.sample_results(s, run_id, int4.config_id, "nll")
+        nll, tokens = sum(r.value for r in docs), sum(r.extra["n_tokens"] for r in docs)
+        assert (int4.figures["n_documents"], int4.figures["n_tokens"]) == (6, tokens)
+        assert int4.figures["token_ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-9)
+        assert int4.figures["tokens_per_second"] is not None and "pass_scorers" not in int4.figures
+        # each pass's batches numbered apart: no timing cluster spans two passes
+        batches = {r.sample_key: r.extra["batch"] for r in repo.sample_results(s, run_id, int4.config_id, "generation")}
+        first = {batches[k] for k in run.sample_keys[:6]}
+        added = {batches[k] for k in run.sample_keys[6:]}
+        assert first and added and not first & added
+
+
+def test_a_top_up_pass_keeps_what_it_did_not_measure_by_hand():
+    """A pass that scored no document and generated nothing: its None figures and the documents'
+    count and perplexity are the earlier pass's; a peak is the larger; pass_scorers goes."""
+    from workers.execute import with_earlier
+
+    earlier = {"tokens_per_second": 50.0, "kv_cache_usage": 0.4, "token_ppl": 3.0, "n_documents": 6,
+               "n_tokens": 100, "concurrency": 4, "pass_scorers": ["perplexity"]}
+    new = {"tokens_per_second": None, "kv_cache_usage": 0.2, "token_ppl": None, "n_documents": 12, "n_tokens": 0,
+           "concurrency": 4}
+    assert with_earlier(new, earlier, documents=False) == {
+        "tokens_per_second": 50.0, "kv_cache_usage": 0.4, "token_ppl": 3.0, "n_documents": 6, "n_tokens": 100,
+        "concurrency": 4}
+    scored = {**new, "token_ppl": 2.5, "n_documents": 12, "n_tokens": 220, "kv_cache_usage": 0.7}
+    assert with_earlier(scored, earlier, documents=True) == {**scored, "tokens_per_second": 50.0}
 
 
 def test_pass_scorers_by_hand():

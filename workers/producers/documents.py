@@ -75,11 +75,9 @@ class Documents(Producer):
 
     def figures(self) -> dict[str, Any]:
         nll_sum, n_tokens = self.nll_sum, self.n_tokens
-        earlier = self.work.job.earlier or {}
-        if self.start and earlier.get("token_ppl") and earlier.get("n_tokens"):
-            # a top-up pass: the earlier passes' documents count too (their Σ NLL from their figures)
-            nll_sum += math.log(earlier["token_ppl"]) * earlier["n_tokens"]
-            n_tokens += earlier["n_tokens"]
+        if self.start:  # a top-up pass: the documents the config held count too, read from their rows
+            nll_sum += self.work.job.recorded_nll[0]
+            n_tokens += self.work.job.recorded_nll[1]
         return {"token_ppl": math.exp(nll_sum / n_tokens) if n_tokens else None,
                 "n_documents": len(self.work.job.samples), "n_tokens": n_tokens}
 

@@ -28,9 +28,10 @@ class Generation(Producer):
         self.requests = [GenerationRequest(key, " ".join(text.split()[: gen.prompt_words]), gen.max_new_tokens,
                                            gen.temperature)
                          for key, text, _ in work.job.samples[: min(work.job.prompts, len(work.job.samples))]]
-        # a top-up pass generates only the prompts it added (the config holds the answers to the rest)
-        self.requests = self.requests[work.job.first_unscored(GenerationRecord.KIND,
-                                                              [r.request_id for r in self.requests]):]
+        # a top-up pass generates only the prompts it added (the config holds the answers to the rest);
+        # its batches are numbered on from there, so that no batch of two passes reads as one cluster
+        self.start = work.job.first_unscored(GenerationRecord.KIND, [r.request_id for r in self.requests])
+        self.requests = self.requests[self.start :]
         self.judge: BaselineScorer | None = None
         self.step = 1
 
@@ -60,7 +61,8 @@ class Generation(Producer):
                 record = GenerationRecord.from_result(generation, prompts[generation.request_id], work.keep_ids)
                 base_ttft, base_tpot = baseline_timing.get(generation.request_id, (None, None))
                 rows.append(replace(record, baseline_nll=nll, baseline_nll_tokens=n, paired_baseline_ttft_ms=base_ttft,
-                                    paired_baseline_tpot_ms=base_tpot, scored=read, batch=batch_number).to_row())
+                                    paired_baseline_tpot_ms=base_tpot, scored=read,
+                                    batch=self.start + batch_number).to_row())
             if floor and baseline_pass and judge is not None:
                 rows += scored_rows(RepeatRecord, baseline_pass, judge, prompts, work.window, work.keep_ids)
             # a serving process's own figures over this batch (None in-process)
