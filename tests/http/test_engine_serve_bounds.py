@@ -126,9 +126,10 @@ def test_sigterm_lets_the_requests_it_holds_finish_and_refuses_new_ones():
     try:
         prompts = heldout_prompts(2)
         outs: list = []
-        threads = [stream_in_thread(base, {"model": MODEL, "prompt": p, "max_tokens": 48, "temperature": 0,
+        # answers long enough that both are still streaming when the second starts, on a loaded machine too
+        threads = [stream_in_thread(base, {"model": MODEL, "prompt": p, "max_tokens": 128, "temperature": 0,
                                            "logit_bias": NO_EOS, "stream": True}, outs) for p in prompts]
-        wait_for(lambda: gauge(base, "num_requests_running") == 2)
+        wait_for(lambda: gauge(base, "num_requests_running") == 2, seconds=60)
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)

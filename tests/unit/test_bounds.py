@@ -40,7 +40,7 @@ def configs_yaml(n: int) -> str:
 def canary(*args: str, stdin: str | None = None, cwd) -> subprocess.CompletedProcess:
     """The CLI through pipes: no terminal on any stream."""
     env = {"CANARY_DATABASE_URL": f"sqlite:///{cwd}/c.db", "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin",
-           "HOME": str(cwd), "PYTHONPATH": str(ROOT)}
+           "HOME": str(cwd), "PYTHONPATH": str(ROOT), "CANARY_TOP_UP_BUDGET_S": "0"}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=env, input=stdin,
                           capture_output=True, text=True, timeout=120)
 

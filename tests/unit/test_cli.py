@@ -1,6 +1,7 @@
 """The `canary` CLI as a user runs it: a subprocess, its exit code and its output."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ GOOD = yaml.safe_load((ROOT / "canary.example.yaml").read_text())
 
 
 def canary(*args, cwd, env_db, timeout: float = 300, **extra: str):
-    env = {"CANARY_DATABASE_URL": env_db, "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    env = {"CANARY_DATABASE_URL": env_db, "CANARY_EXECUTION": "inline", "PATH": "/usr/bin:/bin", "HOME": str(cwd),
+           # the tests' default-top-up budget (tests/conftest.py): a fresh environment would not inherit it
+           "CANARY_TOP_UP_BUDGET_S": os.environ.get("CANARY_TOP_UP_BUDGET_S", "0")}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd,
                           env={**env, "PYTHONPATH": str(ROOT), **extra}, capture_output=True, text=True, timeout=timeout)
 

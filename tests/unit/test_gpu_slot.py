@@ -55,9 +55,11 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
 
 
 def test_a_short_deadline_skips_what_does_not_fit_and_cuts_what_overruns(tmp_path):
-    # S4's rehearsal takes about a minute here and its estimate admits it with 30 s left: given 31 s
-    # it starts, is stopped at the deadline keeping its JSON, and S5 is skipped for want of time
-    p = run("--device", "cpu", "--smoke", "--out", str(tmp_path), "--deadline", "31", "--only", "S4", "S5")
+    # S4's rehearsal at 8 repeats takes minutes here (at 1 repeat, 24 s on a fast machine: too short
+    # to be cut), and its estimate admits it with 30 s left: given 31 s it starts, is stopped at the
+    # deadline keeping its JSON, and S5 is skipped for want of time
+    p = run("--device", "cpu", "--smoke", "--repeats", "8", "--out", str(tmp_path), "--deadline", "31",
+            "--only", "S4", "S5")
     assert p.returncode == 1
     got = json.loads(p.stdout.strip().splitlines()[-1])["stages"]
     assert "stopped at the deadline" in got["S4_decode"]["error"]
