@@ -140,7 +140,8 @@ class ExecuteConfigRun(BaseTask):
         step = concurrency(engine, spec, job.suite.generation, None)
         if job.recorded:
             work.notes.append(f"a top-up pass: it scored only the samples the run added ({len(job.samples)} in "
-                              "all now); its serving and memory figures are this pass's")
+                              "all now); the serving figures it measured are this pass's, the rest the earlier "
+                              "pass's (peaks the larger)")
         produced = self._produce(work, attempt, settings)
         description = engine.describe()
         figures = RunFigures(
