@@ -71,13 +71,11 @@ def pass_costs(e, reqs, plain_outs) -> dict:
     one, a CPU does not."""
     import statistics
 
-    from engines.reference.speculative_loop import generate_speculative
-
     kinds: list[bool] = []
     with_draft, without = [], []
     for r in reqs:
         kinds.clear()
-        g = generate_speculative(e, r, lambda _rid, _tokens, step: kinds.append(step is not None))
+        [g] = e.generate([r], on_tokens=lambda _rid, _tokens, step: kinds.append(step is not None))
         for gap, drafted in zip(g.itl_ms, kinds[1:], strict=False):  # the first callback is the first token
             (with_draft if drafted else without).append(gap)
     step = statistics.fmean(x for g in plain_outs for x in g.itl_ms)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from itertools import pairwise
 from typing import cast
 
 import numpy as np
@@ -14,7 +12,6 @@ import torch
 
 from engines.device import resolve_device
 from engines.protocol import (
-    SAMPLING_EPS,
     EngineDescription,
     GenerationRequest,
     GenerationResult,
@@ -25,6 +22,7 @@ from engines.protocol import (
     SpeculativeStats,
 )
 from engines.reference import scoring
+from engines.reference.batching import ContinuousBatch
 from engines.reference.cache import KVCache, NoCache
 from engines.reference.decode import Decoder
 from engines.reference.faults import EngineFault
@@ -32,7 +30,6 @@ from engines.reference.kv import kv_format
 from engines.reference.layer_states import layer_states as reference_layer_states
 from engines.reference.model import Transformer, load_model
 from engines.reference.speculative import DraftModelProposer, NgramProposer
-from engines.reference.speculative_loop import generate_speculative
 from engines.reference.usage import KVUsage, VerifyGraphs
 from engines.reference.weights import (
     RTN_BITS,
@@ -43,7 +40,6 @@ from engines.reference.weights import (
     rtn,
     use_w4a16_kernels,
 )
-from engines.sampling import adjust, pick, token_logprob
 from engines.spec import OptimizationSpec
 from engines.zoo import MOE_AWQ
 
@@ -121,9 +117,9 @@ class ReferenceEngine:
         self._refused: set[tuple[int, int, bool]] = set()  # buckets whose step could not be captured
         self._graph_pool = torch.cuda.graph_pool_handle() if self.reuse_decoders else None
         self.decoders_built, self.batches_decoded = 0, 0
-        # speculative decoding's verify pass at one width per request, captured where graphs are (speculative_loop.py)
+        # speculative decoding's verify pass at one width per request, captured where graphs are (speculative_verify.py)
         self.static_verify = self.reuse_decoders
-        self.verify = VerifyGraphs()  # how the speculative verify pass ran (speculative_loop.py)
+        self.verify = VerifyGraphs()  # how the speculative verify pass ran (speculative_verify.py)
         from engines.kernels import use_triton
 
         self.int4_note = ""  # which kernel multiplies one row through the int4 layers (describe's notes)
@@ -277,19 +273,37 @@ class ReferenceEngine:
     # -- generation --------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest],
                  on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        """Requests run `concurrency` at a time as one batch (left-padded prefill, then lockstep
-        decode); each request's TTFT counts from its batch's start. With speculative decoding,
-        one request at a time. on_tokens(request_id, new token ids, spec counters delta) is
-        called as tokens are produced (the OpenAI-compatible server streams from it)."""
-        # vLLM's rule (SamplingParams, _SAMPLING_EPS): a temperature under 1e-5 is greedy. Dividing
-        # logits by 3e-300 overflows to ±inf and softmax to NaN; the limit of softmax(x / T) is the argmax.
-        requests = [replace(r, temperature=0.0) if r.temperature < SAMPLING_EPS else r for r in requests]
+        """The requests through the engine's one decode loop (engines/reference/batching.py), the
+        scheduler engine-serve drives: `concurrency` at a time as one wave (left-padded prefill,
+        then lockstep decode steps), stepped until the batch is empty, then the next wave; each
+        request's TTFT counts from its wave's start. With speculative decoding, one request at a
+        time. on_tokens(request_id, new token ids, spec counters delta) is called as tokens are
+        produced (the OpenAI-compatible server streams from it)."""
         on_tokens = self.fault.stream(on_tokens)  # a token-corrupt drill streams the ids it emits
-        if self.proposer is not None:
-            return self.fault.results([generate_speculative(self, r, on_tokens) for r in requests])
+        batch = ContinuousBatch(self, 1 if self.proposer is not None else self.concurrency, waves=True)
         out: list[GenerationResult] = []
-        for s in range(0, len(requests), self.concurrency):
-            out.extend(self._generate_batch(list(requests[s : s + self.concurrency]), on_tokens))
+        with torch.inference_mode():
+            for s in range(0, len(requests), len(batch.cache.lengths)):
+                wave = list(requests[s : s + len(batch.cache.lengths)])
+                if self.proposer is not None:
+                    t0 = time.perf_counter()
+                    self.fault.before_first_token()  # a ttft-delay drill
+                    seqs = [batch.add(wave[0])]
+                    seqs[0].started = t0
+                else:
+                    seqs = batch.add_wave(wave, self.fault.before_first_token)
+                sent = [0] * len(seqs)
+                while True:
+                    for i, seq in enumerate(seqs):
+                        if on_tokens and len(seq.tokens) > sent[i]:
+                            on_tokens(seq.request.request_id, seq.tokens[sent[i]:], seq.last_spec)
+                        sent[i] = len(seq.tokens)
+                    if all(seq.done for seq in seqs):
+                        break
+                    batch.step()
+                for seq in seqs:
+                    out.append(batch.result(seq))
+                    batch.remove(seq)
         return self.fault.results(out)
 
     def prompt_token_ids(self, req: GenerationRequest) -> list[int]:
@@ -297,68 +311,6 @@ class ReferenceEngine:
         if req.prompt_ids is not None:
             return list(req.prompt_ids)
         return [self.start_id] + self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-
-    @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenerationRequest],
-                        on_tokens: OnTokens | None = None) -> list[GenerationResult]:
-        prompts = [self.prompt_token_ids(r) for r in reqs]
-        B, P = len(reqs), max(len(p) for p in prompts)
-        steps = max(r.max_new_tokens for r in reqs)
-        if P + steps > self.args.max_seq_len:
-            raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({steps}) exceed the model's context of "
-                             f"{self.args.max_seq_len}")
-        pad = torch.tensor([P - len(p) for p in prompts], device=self.device)
-        ids = torch.tensor([[self.start_id] * (P - len(p)) + p for p in prompts], device=self.device)
-        decoder = self.pooled_decoder(B, P + steps, P > min(len(p) for p in prompts))
-        decoder.prepare(pad)  # on CUDA: the decode step's graph is captured here (once per bucket), before the clock
-        gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
-        greedy = all(r.temperature <= 0 and not r.adjusted for r in reqs)
-        tokens: list[list[int]] = [[] for _ in reqs]
-        stamps: list[list[float]] = [[] for _ in reqs]
-        scored: list[list[tuple[float, tuple[tuple[int, float], ...]]]] = [[] for _ in reqs]
-        done = [False] * B
-        eos = self.tokenizer.eos_token_id
-        t0 = time.perf_counter()
-        self.fault.before_first_token()  # a ttft-delay drill
-        logits = decoder.prefill(ids)
-        for step in range(steps):
-            if greedy:  # the pick stays on the device; reading it out is the step's one host sync
-                nxt_dev = logits.argmax(-1)
-                nxt = nxt_dev.tolist()
-            else:
-                nxt = [pick(adjust(logits[b], reqs[b], tokens[b]), reqs[b], gens[b]) for b in range(B)]
-                nxt_dev = torch.tensor(nxt, device=self.device)
-            now = time.perf_counter()
-            for b in range(B):
-                if not done[b] and len(tokens[b]) < reqs[b].max_new_tokens:
-                    tokens[b].append(nxt[b])
-                    stamps[b].append(now)
-                    if (want := reqs[b].logprobs) is not None:
-                        scored[b].append(token_logprob(logits[b], nxt[b], want))
-                    if on_tokens:
-                        on_tokens(reqs[b].request_id, [nxt[b]], None)
-                    done[b] = nxt[b] == eos or len(tokens[b]) >= reqs[b].max_new_tokens
-            if all(done) or step == steps - 1:
-                break
-            logits = decoder.step(nxt_dev)
-        self.decode_graphs = decoder.graphs_reason
-        self.usage.cache(decoder.cache)
-        # every row: its prompt (no padding), then one slot per decode step (the last token picked is never written)
-        self.usage.tokens(sum(len(p) for p in prompts) + B * (decoder.next_slot - P), decoder.cache)
-        return [
-            GenerationResult(
-                request_id=r.request_id,
-                text=cast(str, self.tokenizer.decode(tokens[b], skip_special_tokens=True)),  # one sequence: one str
-                token_ids=tuple(tokens[b]),
-                prompt_tokens=len(prompts[b]),
-                ttft_ms=(stamps[b][0] - t0) * 1000,
-                itl_ms=tuple((y - x) * 1000 for x, y in pairwise(stamps[b])),
-                total_ms=(stamps[b][-1] - t0) * 1000,
-                token_logprobs=tuple(scored[b]),
-                finish_reason="stop" if tokens[b][-1] == eos else "length",
-            )
-            for b, r in enumerate(reqs)
-        ]
 
     # -- description -------------------------------------------------------------------------------
     def server_stats(self) -> None:

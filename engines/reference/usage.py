@@ -1,5 +1,5 @@
 """What the reference engine's KV caches held, and how its speculative verify pass ran: state the
-engine owns and hands to the loops and scorers that make caches (scoring.py, speculative_loop.py,
+engine owns and hands to the loops and scorers that make caches (scoring.py, speculative_verify.py,
 batching.py), so that none of them reaches into the engine's own members."""
 
 from __future__ import annotations

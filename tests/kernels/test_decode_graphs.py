@@ -86,7 +86,7 @@ def test_one_captured_step_serves_every_request_of_its_bucket(kv_cache):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run it with make gpu-report")
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_the_speculative_verify_pass_replays_as_a_cuda_graph(method):
-    # speculative_loop.StaticVerify: one width (k + 1) per request, captured once, replayed per verification
+    # speculative_verify.StaticVerify: one width (k + 1) per request, captured once, replayed per verification
     speculative = ({"method": "ngram", "k": 4, "prompt_lookup_max": 3} if method == "ngram"
                    else {"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3})
     spec = lambda graphs: OptimizationSpec.model_validate(  # noqa: E731

@@ -11,7 +11,7 @@ import torch
 from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.engine import ReferenceEngine
 from engines.reference.speculative import NgramProposer, SpeculativeCounters, sample_step
-from engines.reference.speculative_loop import accept
+from engines.reference.speculative_verify import accept
 from engines.spec import OptimizationSpec
 from engines.zoo import ARTIFACTS, resolve_model_path
 from engines.zoo.corpus import read_jsonl
@@ -147,7 +147,12 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     # plain sampling, 300 seeded draws each.
     from collections import Counter
 
-    class ForcedProposer:
+    class ForcedProposer:  # the proposers' interface (speculative.NgramProposer)
+        k = 1
+
+        def fresh(self):
+            return self
+
         def reset(self, total_slots):
             pass
 
@@ -181,7 +186,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     ({"method": "ngram", "k": 3, "prompt_lookup_max": 2}, "fp8"),
 ])
 def test_a_static_verify_pass_gives_what_the_eager_one_gives(speculative, kv):
-    # CUDA's verify pass (speculative_loop.StaticVerify, captured there) at one width, fewer drafts
+    # CUDA's verify pass (speculative_verify.StaticVerify, captured there) at one width, fewer drafts
     # padded, switched on here by hand: the same tokens, counters and log-probs, greedy and sampled
     reqs = [GenerationRequest(str(i), p, max_new_tokens=40, logprobs=0, temperature=t, seed=i)
             for i, p in enumerate(PROMPTS) for t in (0.0, 0.8)]

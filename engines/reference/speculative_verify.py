@@ -1,8 +1,10 @@
-"""The reference engine's speculative decoding loop, one request at a time: prefill the prompt,
-then propose, verify in one forward pass of the target, accept (engines/reference/speculative.py
-holds the acceptance rule and the proposers), and count what was drafted and accepted.
+"""Speculative decoding's verify step, as the one decode loop (engines/reference/batching.py)
+takes it for every row: propose (cut to what the answer has room for), verify in one forward pass
+of the target, accept (engines/reference/speculative.py holds the acceptance rule and the
+proposers), and count what was drafted and accepted.
 
-On CUDA (engine.static_verify) the verify pass has one shape for the whole request: the last
+On CUDA (engine.static_verify), for generate()'s one request at a time (rows.SpeculativeRows),
+the verify pass has one shape for the whole request: the last
 token and k drafts, fewer drafts padded with copies of the last token, under a mask made on the
 device from the first slot (StaticVerify). It is captured as a CUDA graph once per request and
 replayed for every verification: eager, a pass of the 8B-shaped model is bound by kernel launches,
@@ -10,27 +12,23 @@ as a plain decode step is (docs/reference.md §12)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engines.protocol import GenerationRequest, GenerationResult, SpeculativeStats
+from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.decode import capture_graph
 from engines.reference.speculative import (
     DraftModelProposer,
     NgramProposer,
     SpeculativeCounters,
-    causal_mask,
     sample_step,
 )
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
 if TYPE_CHECKING:
-    from engines.reference.engine import OnTokens, ReferenceEngine
+    from engines.reference.engine import ReferenceEngine
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
@@ -84,8 +82,8 @@ class Verified:
 def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
            gen: torch.Generator, counters: SpeculativeCounters, k: int, eos: int | None) -> Verified:
     """One request's verification: the acceptance rule (verify_drafts), the request's counters,
-    and the cuts. The one-request loop and engine-serve's batch (batching._speculate) both take
-    each step through here. logits[i] predicts the token after drafts[:i]."""
+    and the cuts. Every row of the loop (batching.ContinuousBatch._speculate) takes each step through
+    here. logits[i] predicts the token after drafts[:i]."""
     new, accepted = verify_drafts(logits, drafts, qs, req, out, gen)
     counters.record(len(drafts), accepted, k)
     if eos in new:
@@ -152,87 +150,3 @@ class StaticVerify:
             self.graph, self.graph_logits = None, None
             self.reason = f"capture failed, verifying eagerly: {type(e).__name__}: {e}"[:500]
             self.engine.verify.capture_failed = self.reason  # not retried for later requests
-
-
-@torch.inference_mode()
-def generate_speculative(engine: ReferenceEngine, req: GenerationRequest,
-                         on_tokens: OnTokens | None = None) -> GenerationResult:
-    k = engine.spec.speculative.k  # type: ignore[union-attr]  # a proposer exists, so not "off"
-    proposer = engine.proposer
-    prompt = engine.prompt_token_ids(req)
-    total = len(prompt) + req.max_new_tokens + k + 1
-    if total > engine.args.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens + k exceed the model's context of "
-                         f"{engine.args.max_seq_len}")
-    cache = engine.new_cache(1, total)
-    proposer.reset(total)
-    gen = torch.Generator(device=engine.device).manual_seed(req.seed)
-    eos = engine.tokenizer.eos_token_id
-    sync: Callable[[], None] = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    counters = SpeculativeCounters()
-    held = 0  # the target cache's high-water mark: slots written so far
-    t0 = time.perf_counter()
-    engine.fault.before_first_token()  # a ttft-delay drill
-
-    def forward(tokens: list[int], start: int) -> torch.Tensor:  # → logits [T, V]
-        nonlocal held
-        # the verify pass reads the slots up to its last token (a causal mask as wide as
-        # they are); the unpadded lossless prefill needs no mask
-        slots = torch.arange(start, start + len(tokens), device=engine.device)
-        ids = torch.tensor([tokens], device=engine.device)
-        # one token (a pass without a draft) attends every slot written so far: the plain decode
-        # step's int mask (KVCache.attend), with no mask tensor built
-        mask = (None if start == 0 and not engine.kv.lossy else start + 1 if len(tokens) == 1
-                else causal_mask(slots, start + len(tokens)))
-        held = max(held, start + len(tokens))
-        return engine.model(ids, slots[None], slots, cache, mask)[0].float()
-
-    verify = (StaticVerify(engine, cache, k, engine.spec.option("cuda_graphs") is not False)
-              if engine.static_verify and engine.kv.graph_blocker is None else None)
-    engine.verify.reason = verify.reason if verify is not None else "off: verify passes as wide as their drafts"
-
-    def verify_pass(tokens: list[int], start: int) -> torch.Tensor:
-        nonlocal held
-        if verify is None:
-            return forward(tokens, start)
-        held = max(held, start + len(tokens))
-        logits = verify(tokens, start)
-        engine.verify.reason = verify.reason
-        return logits
-
-    first_logits = forward(prompt, 0)[-1]
-    first = pick(adjust(first_logits, req, []), req, gen)
-    sync()
-    seq, out, stamps = prompt + [first], [first], [time.perf_counter()]
-    want = req.logprobs
-    scored = [token_logprob(first_logits, first, want)] if want is not None else []
-    if on_tokens:
-        on_tokens(req.request_id, [first], None)
-    while len(out) < req.max_new_tokens and out[-1] != eos:
-        drafts, qs = propose(proposer, seq, req, out, gen)
-        logits = verify_pass([seq[-1]] + drafts, len(seq) - 1)  # position i predicts the token after drafts[:i]
-        step = accept(logits, drafts, qs, req, out, gen, counters, k, eos)
-        scored += step.scored
-        seq += step.tokens
-        proposer.accept(len(seq))
-        sync()
-        out += step.tokens
-        stamps.append(time.perf_counter())  # the tokens one verification accepts arrive together: one gap per step
-        if on_tokens:
-            on_tokens(req.request_id, step.tokens, step.step)
-    engine.usage.tokens(held, cache)
-    if isinstance(proposer, DraftModelProposer):
-        engine.usage.tokens(proposer.held, proposer.cache, proposer.model.args.max_seq_len)
-    return GenerationResult(
-        request_id=req.request_id,
-        text=cast(str, engine.tokenizer.decode(out, skip_special_tokens=True)),  # one sequence: one str
-        token_ids=tuple(out),
-        prompt_tokens=len(prompt),
-        ttft_ms=(stamps[0] - t0) * 1000,
-        itl_ms=tuple((b - a) * 1000 for a, b in pairwise(stamps)),  # vLLM: per step, not per token
-        total_ms=(stamps[-1] - t0) * 1000,
-        spec=SpeculativeStats(counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
-                       tuple(counters.accepted_per_position)),
-        token_logprobs=tuple(scored),
-        finish_reason="stop" if out[-1] == eos else "length",
-    )
