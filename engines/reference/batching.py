@@ -46,7 +46,7 @@ from engines.reference.speculative_verify import accept, propose
 from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
-    from engines.reference.engine import ReferenceEngine
+    from engines.reference.host import DecodeHost
 
 
 def unbatchable(engine) -> str | None:
@@ -96,7 +96,7 @@ class ContinuousBatch:
     static batch (WaveRows); with speculative decoding, one request at a time (rows must be 1)
     through SpeculativeRows' one-request passes."""
 
-    def __init__(self, engine: ReferenceEngine, rows: int, waves: bool = False):
+    def __init__(self, engine: DecodeHost, rows: int, waves: bool = False):
         if not waves and (why := unbatchable(engine)) is not None:
             raise ValueError(f"continuous batching: {why}")
         a = engine.args
@@ -159,7 +159,7 @@ class ContinuousBatch:
             logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens + self.extra)
         self.seqs[row] = seq
         self._take(logits, [seq])
-        if self.k:
+        if engine.proposer is not None:
             seq.proposer = engine.proposer.fresh()
             seq.proposer.reset(len(prompt) + request.max_new_tokens + self.extra)
             seq.counters = SpeculativeCounters()

@@ -37,7 +37,7 @@ from engines.reference.speculative import causal_mask
 from engines.reference.speculative_verify import StaticVerify
 
 if TYPE_CHECKING:
-    from engines.reference.engine import ReferenceEngine
+    from engines.reference.host import DecodeHost
 
 
 class WaveRows:
@@ -47,7 +47,7 @@ class WaveRows:
     rows once this one has left (`release` of its last row hands the cache's figures to the
     engine's KVUsage)."""
 
-    def __init__(self, engine: ReferenceEngine, rows: int):
+    def __init__(self, engine: DecodeHost, rows: int):
         self.engine = engine
         self.lengths = [0] * rows  # slots written per row (host): its prompt, then one per step
         self.decoder: Decoder | None = None
@@ -258,7 +258,7 @@ class DecoderRows:
     attention (this object stands in for the cache) runs row by row through each Decoder's cache,
     with the Decoder's own step positions, mask and prepared-step work (KIVI's codes)."""
 
-    def __init__(self, engine: ReferenceEngine, rows: int):
+    def __init__(self, engine: DecodeHost, rows: int):
         self.engine = engine
         self.decoders: list[Decoder | None] = [None] * rows
         self.lengths = [0] * rows  # slots written per row (host)
@@ -323,7 +323,7 @@ class SpeculativeRows:
     equals such a row; on CUDA it differs from the captured pass at kernel precision, as a batched
     row of bf16 does."""
 
-    def __init__(self, engine: ReferenceEngine, rows: int, one_request: bool = False):
+    def __init__(self, engine: DecodeHost, rows: int, one_request: bool = False):
         if one_request and rows != 1:
             raise ValueError("SpeculativeRows: one_request takes one row")
         self.engine, self.one_request = engine, one_request

@@ -28,7 +28,7 @@ from engines.reference.speculative import (
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
 if TYPE_CHECKING:
-    from engines.reference.engine import ReferenceEngine
+    from engines.reference.host import DecodeHost
 
 
 def verify_drafts(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
@@ -106,7 +106,7 @@ class StaticVerify:
     padding would move their group boundaries. Captured once per request (its cache is the
     request's own); a failed capture is remembered by the engine and not tried again."""
 
-    def __init__(self, engine: ReferenceEngine, cache, k: int, graphs: bool):
+    def __init__(self, engine: DecodeHost, cache, k: int, graphs: bool):
         device = engine.device
         self.engine, self.cache, self.width = engine, cache, k + 1
         self.tokens = torch.zeros(1, k + 1, dtype=torch.long, device=device)
