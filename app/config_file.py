@@ -6,59 +6,27 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from difflib import get_close_matches
-from typing import Annotated, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from app.channels import ChannelKind
+from app.config_base import (
+    DB_INT_MAX,
+    NAME_PATTERN,
+    STRICT,
+    ConfigFileError,
+    Strict,
+    format_validation_error,
+)
 from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
 from evals import suite as suite_settings
 from evals.metrics import METRICS, Metric, gated_metrics
 from evals.suite import SCORER_TABLE, scorer
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"  # ≤ 64 characters, as stored
-NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 
-
-def name_problem(name: str) -> str | None:
-    """Why `name` cannot name a project (or another stored object), or None. Names reach URLs,
-    Prometheus labels and chat messages, so every way in (API, canary.yaml, CLI) checks them."""
-    if re.fullmatch(NAME_PATTERN, name):
-        return None
-    return f"{name!r} is not a valid name: use {NAME_RULE} (pattern {NAME_PATTERN})"
-# a reference to a stored name (suite, config, model): bounded like the columns that hold names
-NameRef = Annotated[str, Field(min_length=1, max_length=128)]
-DB_INT_MAX = 2**31 - 1  # the largest count or id an INTEGER column holds (PostgreSQL)
-
-
-class ConfigFileError(ValueError):
-    """A canary.yaml problem, phrased as 'field: what is wrong; how to fix it'."""
-
-
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for e in err.errors():
-        loc = prefix
-        for part in e["loc"]:
-            if isinstance(part, int):
-                loc += f"[{part}]"
-            else:
-                loc += f".{part}" if loc else str(part)
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)  # cross-field checks name their fields themselves
-    return "\n".join(lines)
-
-
-# NaN and ±Infinity (which JSON parsers accept) are never a threshold or a setting; an unknown key is refused
-STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class _Strict(BaseModel):
-    model_config = STRICT
-
-
-class ModelEntry(_Strict):
+class ModelEntry(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     path: str = Field(description="local Hugging Face directory (safetensors), or builtin:pydoc-target")
 
@@ -149,7 +117,7 @@ class SuiteEntry(suite_settings.SuiteSpec):
         return v
 
 
-class Threshold(_Strict):
+class Threshold(Strict):
     warn: float
     critical: float | None = None
     min_n: int = Field(10, ge=1, le=DB_INT_MAX, description="fewer paired samples than this → inconclusive")
@@ -161,7 +129,7 @@ class Threshold(_Strict):
 METRIC_DIRECTIONS = {name: metric.direction for name, metric in gated_metrics().items()}
 
 
-class _ThresholdsBase(_Strict):
+class _ThresholdsBase(Strict):
     @model_validator(mode="before")
     @classmethod
     def _known(cls, data):
@@ -203,7 +171,7 @@ Thresholds = create_model("Thresholds", __base__=_ThresholdsBase,
                           **{name: _threshold_field(metric) for name, metric in gated_metrics().items()})
 
 
-class ChannelEntry(_Strict):
+class ChannelEntry(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     kind: ChannelKind
     url: str = Field(max_length=2048, description=(
@@ -260,7 +228,7 @@ def check_cron(v: str) -> str:
     return v
 
 
-class ScheduleEntry(_Strict):
+class ScheduleEntry(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     cron: str = Field(description="five-field cron expression, UTC, e.g. '0 6 * * *'")
     suite: str
@@ -273,7 +241,7 @@ class ScheduleEntry(_Strict):
         return check_cron(v)
 
 
-class CanaryFile(_Strict):
+class CanaryFile(Strict):
     project: str = Field("default", pattern=NAME_PATTERN)
     model: ModelEntry
     configs: list[ConfigEntry] = Field(min_length=1)

@@ -7,15 +7,8 @@ from typing import Any, Literal, get_type_hints
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from pydantic_core import to_jsonable_python
 
-from app.config_file import (
-    DB_INT_MAX,
-    NAME_PATTERN,
-    ConfigEntry,
-    GenerationSettings,
-    NameRef,
-    PerplexitySettings,
-    SuiteEntry,
-)
+from app.config_base import DB_INT_MAX, NAME_PATTERN, NameRef
+from app.config_file import ConfigEntry, GenerationSettings, PerplexitySettings, SuiteEntry
 from evals.comparison import STORED
 from evals.figures import RunFigures
 from evals.metrics import VERDICTS

@@ -19,10 +19,10 @@ composition; the compute dtype is what the engine uses for bf16 weights on this 
 (engines/reference/engine.py compute_dtype_for). One JSON object at the end.
 
 --kv-cache KV runs the fp32 pair with that KV format (a lossy one batches with a compressed
-cache per row, batching.DecoderRows) and leaves out the bf16 server. --speculative JSON runs the
+cache per row, rows.DecoderRows) and leaves out the bf16 server. --speculative JSON runs the
 fp32 pair with that speculative decoding (rows draft on their own, one pass verifies every row's
 drafts) and leaves out the bf16 server; the serial peer is the same speculative server at
---max-num-seqs 1. Both together run speculative decoding over that KV format (batching.SpeculativeRows).
+--max-num-seqs 1. Both together run speculative decoding over that KV format (rows.SpeculativeRows).
 
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
     .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.api import limits
 from app.auth import Forbidden, Unauthorized, authenticate
-from app.config_file import DB_INT_MAX
+from app.config_base import DB_INT_MAX
 from app.db import get_sessionmaker
 from app.models import ApiKey, Project
 from app.settings import get_settings

@@ -165,7 +165,7 @@ def keys_create(project: str = typer.Option(..., help="the project the key opens
     scope = scope or ("read" if read_only else "write")
     if scope not in SCOPES:
         fail(f"--scope must be one of {', '.join(SCOPES)}")
-    from app.config_file import name_problem
+    from app.config_base import name_problem
 
     if problem := name_problem(project):
         fail(f"--project {problem}")

@@ -30,7 +30,7 @@ def get_or_create_project(session: Session, name: str) -> Project:
     """The project named `name`, created if missing; a name outside NAME_PATTERN is a ValueError."""
     project = session.scalar(select(Project).where(Project.name == name))
     if project is None:
-        from app.config_file import name_problem
+        from app.config_base import name_problem
 
         if problem := name_problem(name):
             raise ValueError(f"project {problem}")

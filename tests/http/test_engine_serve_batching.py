@@ -100,7 +100,7 @@ def test_concurrent_greedy_outputs_equal_one_at_a_time(server, concurrency):
 
 
 def test_a_lossy_kv_server_batches_and_answers_as_one_at_a_time():
-    # each row keeps its own TurboQuant cache (batching.DecoderRows): decoded together, the
+    # each row keeps its own TurboQuant cache (rows.DecoderRows): decoded together, the
     # answers are still those of one request at a time, and the KV gauge counts every row
     proc, base = start_engine_serve("--served-model-name", MODEL, "--kv-cache", "turbo-3")
     try:
@@ -126,7 +126,7 @@ def test_a_speculative_server_batches_and_each_answer_and_its_acceptance_are_as_
     # n-gram speculative decoding in a continuous batch: each row drafts on its own, one pass
     # verifies every row's drafts; each answer, its per-request acceptance figures and the
     # server's spec_decode counters are what one request at a time gives. Over turbo-3 each row
-    # keeps its own compressed cache (batching.SpeculativeRows)
+    # keeps its own compressed cache (rows.SpeculativeRows)
     proc, base = start_engine_serve("--served-model-name", MODEL, "--speculative", '{"method": "ngram", "k": 4}',
                                     "--per-request-spec-decode-metrics", "summary", *kv)
     try:

@@ -9,9 +9,9 @@ One engine thread owns the engine (engine_thread.py; it is not thread-safe) and 
 concurrent requests in a continuous batch (engines/reference/batching.py): up to --max-num-seqs
 rows, requests joining between decode steps and leaving when done or when their client goes;
 --max-queue bounds the requests waiting beyond the batch (a 429 past it); a lossy KV format's
-rows each keep their own compressed cache (batching.DecoderRows). Speculative decoding batches
+rows each keep their own compressed cache (rows.DecoderRows). Speculative decoding batches
 too (each row drafts on its own, one target pass verifies every row's drafts), over a lossy KV
-format with a compressed cache per row (batching.SpeculativeRows); with a fault drill, requests decode
+format with a compressed cache per row (rows.SpeculativeRows); with a fault drill, requests decode
 one at a time. vllm:num_requests_waiting
 counts the queue, vllm:num_requests_running the batch's rows; kv_cache_usage_perc = token
 positions the rows hold / max_num_seqs × the model's context (metrics.py).

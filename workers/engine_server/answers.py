@@ -14,8 +14,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.protocol import SpeculativeStats
-from workers.engine_server.engine_thread import EngineServer, ServeRequest
+from workers.engine_server.engine_thread import EngineServer
 from workers.engine_server.errors import error
+from workers.engine_server.jobs import ServeRequest
 from workers.engine_server.schemas import SamplingIn
 from workers.engine_server.stops import StopScanner
 

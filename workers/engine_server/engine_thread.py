@@ -21,57 +21,18 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from engines.protocol import GenerationRequest, SpeculativeStats
-from engines.reference.batching import ContinuousBatch, Sequence, unbatchable
+from engines.protocol import GenerationRequest
+from engines.reference.batching import ContinuousBatch, unbatchable
+from workers.engine_server.jobs import (
+    SHUTTING_DOWN,
+    Cancelled,
+    Running,
+    ServeQueueFull,
+    ServeRequest,
+    ShuttingDown,
+)
 from workers.engine_server.metrics import ServeMetrics
-
-SHUTTING_DOWN = "the server is shutting down"
-
-
-class ServeQueueFull(Exception):
-    """The waiting queue cannot take a request's sequences within max_queue: the route answers 429."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining (SIGTERM): it takes no new request, the route answers 503."""
-
-
-class Cancelled(Exception):
-    """Raised from the streaming hook of a one-at-a-time generation whose client left: it stops there."""
-
-
-@dataclass(eq=False)  # a job is itself: `in` and remove() on the queue compare identity
-class ServeRequest:
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrived: float
-    prompt_ids: list[int] | None = None  # echo: score these instead of generating
-    top_k: int = 0  # echo: alternatives per position (OpenAI's logprobs)
-    stamps: list[float] = field(default_factory=list)
-    stream: bool = True  # its route reads ("tokens", ids) events; else only the outcome is sent
-    # set from the route's event loop when nobody reads the job any more; the engine thread retires it
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    stop_reason: str = "abort"  # how a cancelled job counts in vllm:request_success
-    started: float | None = None  # when the engine took it from the queue (scheduled, in vLLM's words)
-    group: int = 0  # the request it came in: its prompts × n choices share one
-
-    def cancel(self, reason: str = "abort") -> None:
-        if not self.cancelled.is_set():
-            self.stop_reason = reason
-            self.cancelled.set()
-
-
-@dataclass
-class Running:
-    """A job in a row of the batch."""
-
-    job: ServeRequest
-    seq: Sequence
-    started: float  # when the engine took it from the queue
-    sent: int = 0  # tokens emitted so far
 
 
 class EngineServer:
@@ -258,7 +219,8 @@ class EngineServer:
         n = len(job.prompt_ids)  # echo requests count too: a prefill of the prompt
         metrics.prompt_tokens.inc(n)
         metrics.iteration_tokens.observe(n)
-        self._finished(job, started, started_decode=time.perf_counter(), n_prompt=n, n_generated=0, reason="length")
+        metrics.request_finished(job, started, started_decode=time.perf_counter(), n_prompt=n, n_generated=0,
+                                 reason="length")
         self._emit(job, ("scored", scores))
 
     def _start(self, job: ServeRequest, started: float) -> None:
@@ -303,7 +265,7 @@ class EngineServer:
         self.metrics.iteration_tokens.observe(sum(len(seq.tokens) - self.rows[seq.row].sent for seq in stepped))
         for seq in stepped:
             if seq.last_spec is not None:
-                self._count_spec(seq.last_spec)
+                self.metrics.speculative_step(seq.last_spec)
             self._deliver(self.rows[seq.row])
         self.metrics.kv_usage.set(self._kv_usage())
         for seq in stepped:
@@ -316,22 +278,9 @@ class EngineServer:
         job = run.job
         new = run.seq.tokens[run.sent:]
         run.sent = len(run.seq.tokens)
-        self._observe(job, run.seq.stamps[-1], len(new), prefill_tokens)
+        self.metrics.tokens_delivered(job, run.seq.stamps[-1], len(new), prefill_tokens)
         if job.stream:
             self._emit(job, ("tokens", new))
-
-    def _observe(self, job: ServeRequest, now: float, n_new: int, prefill_tokens: int) -> None:
-        """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens),
-        the gap since its last delivery after."""
-        metrics = self.metrics
-        if not job.stamps:
-            metrics.ttft.observe(now - job.arrived)
-            metrics.iteration_tokens.observe(prefill_tokens + n_new)  # the prefill step
-        else:
-            metrics.itl.observe(now - job.stamps[-1])
-            metrics.tpot.observe((now - job.stamps[-1]) / max(1, n_new))
-        job.stamps.append(now)
-        metrics.generation_tokens.inc(n_new)
 
     def _retire(self, run: Running, emit: bool = True, count: bool = True) -> None:
         """The row leaves the batch: finished (its result sent) or cancelled (counted as its stop reason)."""
@@ -348,7 +297,7 @@ class EngineServer:
             return
         result = self.batch.result(seq)
         reason = "stop" if seq.tokens[-1] == self.batch.eos else "length"
-        self._finished(job, run.started, job.stamps[0], len(seq.prompt), len(seq.tokens), reason)
+        self.metrics.request_finished(job, run.started, job.stamps[0], len(seq.prompt), len(seq.tokens), reason)
         self._emit(job, ("done", result))
 
     def _kv_usage(self) -> float:
@@ -376,11 +325,11 @@ class EngineServer:
                 raise Cancelled  # out of engine.generate: the request stops here
             if job.stamps:  # a decode step of this request alone: its tokens are the step's
                 metrics.iteration_tokens.observe(len(tokens))
-            self._observe(job, time.perf_counter(), len(tokens), n_prompt)
+            self.metrics.tokens_delivered(job, time.perf_counter(), len(tokens), n_prompt)
             held[0] += len(tokens)
             metrics.kv_usage.set(min(1.0, held[0] / self.max_model_len))
             if spec_decode is not None:
-                self._count_spec(spec_decode)
+                self.metrics.speculative_step(spec_decode)
             if job.stream:
                 self._emit(job, ("tokens", tokens))
                 self._flush()  # now: this token's step is done
@@ -393,32 +342,9 @@ class EngineServer:
             raise
         eos = self.engine.tokenizer.eos_token_id
         reason = "stop" if result.token_ids and result.token_ids[-1] == eos else "length"
-        self._finished(job, started, job.stamps[0] if job.stamps else time.perf_counter(), n_prompt,
+        self.metrics.request_finished(job, started, job.stamps[0] if job.stamps else time.perf_counter(), n_prompt,
                        len(result.token_ids), reason)
         self._emit(job, ("done", result))
-
-    def _count_spec(self, step: SpeculativeStats) -> None:
-        """A speculative step's drafts and accepted tokens in vLLM's spec_decode counters."""
-        metrics = self.metrics
-        metrics.drafts.inc(step.num_drafts)
-        metrics.draft_tokens.inc(step.num_draft_tokens)
-        metrics.accepted.inc(step.num_accepted_tokens)
-        for pos, accepted in enumerate(step.accepted_per_position):
-            metrics.accepted_at(pos).inc(accepted)
-
-    def _finished(self, job: ServeRequest, started: float, started_decode: float, n_prompt: int, n_generated: int,
-                  reason: str) -> None:
-        """A request's phases as vLLM splits them: queued (arrival → the engine takes it), prefill
-        (→ first token), decode (→ done), inference (prefill + decode), end to end."""
-        metrics, now = self.metrics, time.perf_counter()
-        metrics.request_success[reason].inc()
-        metrics.request_prompt_tokens.observe(n_prompt)
-        metrics.request_generation_tokens.observe(n_generated)
-        metrics.prefill_time.observe(started_decode - started)
-        metrics.prefill_per_token.observe((started_decode - started) / max(1, n_prompt))
-        metrics.decode_time.observe(now - started_decode)
-        metrics.inference_time.observe(now - started)
-        metrics.e2e.observe(now - job.arrived)
 
     def _emit(self, job: ServeRequest, event) -> None:
         self._outbox.append((job, event))

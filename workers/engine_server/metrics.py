@@ -8,7 +8,14 @@ prefix-cache queries and hits (not exported: there is no prefix cache)."""
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from engines.protocol import SpeculativeStats
+    from workers.engine_server.jobs import ServeRequest
 
 ENGINE = "0"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -111,3 +118,37 @@ class ServeMetrics:
 
     def accepted_at(self, position: int) -> Counter:
         return self._accepted_pos.labels(self.model, ENGINE, str(position))
+
+    def tokens_delivered(self, job: ServeRequest, now: float, n_new: int, prefill_tokens: int) -> None:
+        """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens),
+        the gap since its last delivery after."""
+        if not job.stamps:
+            self.ttft.observe(now - job.arrived)
+            self.iteration_tokens.observe(prefill_tokens + n_new)  # the prefill step
+        else:
+            self.itl.observe(now - job.stamps[-1])
+            self.tpot.observe((now - job.stamps[-1]) / max(1, n_new))
+        job.stamps.append(now)
+        self.generation_tokens.inc(n_new)
+
+    def speculative_step(self, step: SpeculativeStats) -> None:
+        """A speculative step's drafts and accepted tokens in vLLM's spec_decode counters."""
+        self.drafts.inc(step.num_drafts)
+        self.draft_tokens.inc(step.num_draft_tokens)
+        self.accepted.inc(step.num_accepted_tokens)
+        for pos, accepted in enumerate(step.accepted_per_position):
+            self.accepted_at(pos).inc(accepted)
+
+    def request_finished(self, job: ServeRequest, started: float, started_decode: float, n_prompt: int,
+                         n_generated: int, reason: str) -> None:
+        """A request's phases as vLLM splits them: queued (arrival → the engine takes it), prefill
+        (→ first token), decode (→ done), inference (prefill + decode), end to end."""
+        now = time.perf_counter()
+        self.request_success[reason].inc()
+        self.request_prompt_tokens.observe(n_prompt)
+        self.request_generation_tokens.observe(n_generated)
+        self.prefill_time.observe(started_decode - started)
+        self.prefill_per_token.observe((started_decode - started) / max(1, n_prompt))
+        self.decode_time.observe(now - started_decode)
+        self.inference_time.observe(now - started)
+        self.e2e.observe(now - job.arrived)

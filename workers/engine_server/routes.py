@@ -14,8 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.protocol import GenerationRequest
 from workers.engine_server.answers import ClientGone, Events, answer, text_offsets
-from workers.engine_server.engine_thread import EngineServer, ServeQueueFull, ServeRequest, ShuttingDown
+from workers.engine_server.engine_thread import EngineServer
 from workers.engine_server.errors import error
+from workers.engine_server.jobs import ServeQueueFull, ServeRequest, ShuttingDown
 from workers.engine_server.schemas import ChatIn, CompletionIn, DetokenizeIn, SamplingIn, TokenizeIn
 
 

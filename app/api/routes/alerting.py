@@ -11,7 +11,8 @@ from sqlalchemy import select
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
-from app.config_file import DB_INT_MAX, METRIC_DIRECTIONS, NameRef
+from app.config_base import DB_INT_MAX, NameRef
+from app.config_file import METRIC_DIRECTIONS
 from app.models import AlertRule, Silence, aware, utcnow
 from app.queries import alerts as read_alerts
 from app.schemas import Time, error_responses

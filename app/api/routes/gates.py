@@ -8,7 +8,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
-from app.config_file import DB_INT_MAX, NameRef
+from app.config_base import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
 from app.gates import check_request, find_gate, record_gate
 from app.queries import gate as read_gate

@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 
 from app import repo, services
 from app.api.deps import KeyDep, ProjectDep, RowId, SessionDep
-from app.config_file import DB_INT_MAX
+from app.config_base import DB_INT_MAX
 from app.dispatch import get_dispatcher
 from app.models import SampleResult
 from app.schemas import ERROR_CODES, RunIn, RunListItem, RunOut, SamplePage, SampleResultOut, error_responses

@@ -6,7 +6,8 @@ from sqlalchemy import select
 
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
-from app.config_file import DB_INT_MAX, NAME_PATTERN, NameRef, check_cron
+from app.config_base import DB_INT_MAX, NAME_PATTERN, NameRef
+from app.config_file import check_cron
 from app.models import Schedule
 from app.schedules import latest_slot
 from app.schemas import Time, error_responses
