@@ -73,6 +73,7 @@ async def served(engine: ReferenceEngine, reqs: list[GenerationRequest], rows: i
         server.thread.join(10)
 
 
+@pytest.mark.integration  # 18 cases, 1 to 10 s of model work each
 @pytest.mark.parametrize("concurrency", [1, 4])
 @pytest.mark.parametrize("speculative", ["off", "ngram", "draft"])
 @pytest.mark.parametrize("kv", ["fp16", "kivi-2", "turbo-3"])
