@@ -138,8 +138,8 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
                                                  greedy=generation.temperature < SAMPLING_EPS,
                                                  tau=generation.near_tie_nats)]
         topped = top_up.plan(session, run, suite, rows)
-        if topped:  # a candidate undecided: more samples for it and the baseline, before any verdict
-            return "top-up", {"notifications": [], "escalate": [], "execute": topped}
+        if topped.execute:  # a candidate undecided: more samples for it and the baseline, before any verdict
+            return "top-up", {"notifications": [], "escalate": [], "execute": topped.execute}
         added = step_back.plan(session, run, rows)
         if added:  # a stacked config breaches: its layers alone, on the same samples, before any verdict
             execute = repo.add_config_runs(session, run, added)
@@ -151,7 +151,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         # A measured critical regression fails the run even when other configs are missing;
         # otherwise missing results make it incomplete (never a pass by omission).
         verdict = RUN_VERDICT[worst_verdict(r.verdict for r in judged if not informational(r))]
-        reason = _reason(judged, config_runs) + top_up.reason(run, suite)
+        reason = _reason(judged, config_runs) + top_up.reason(run, suite) + topped.refused
         if not any(not informational(r) for r in judged) and not failed:
             # nothing compared (no candidate, no samples, only reported figures): never a pass, and
             # no alert resolves on it (app/alert_evaluation.py reads comparisons only)

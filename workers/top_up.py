@@ -37,6 +37,7 @@ import logging
 import math
 import random
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -104,13 +105,19 @@ def next_pass_seconds(run: Run, config_ids: list[int], added: int) -> float:
     return seconds * added / max(1, run.n_samples)
 
 
-def within_budget(run: Run, suite: Suite, config_ids: list[int], added: int) -> bool:
-    """A suite's own max_samples is always honoured; a default top-up runs while the run's age plus
-    the next pass's estimate stays within CANARY_TOP_UP_BUDGET_S."""
+def over_budget(run: Run, suite: Suite, config_ids: list[int], added: int) -> str:
+    """Why a default top-up would not fit CANARY_TOP_UP_BUDGET_S ('' when it fits): the run's age
+    plus the next pass's estimate must stay within it. A suite's own max_samples is always
+    honoured."""
     if suite.settings.max_samples:
-        return True
+        return ""
     age = (utcnow() - _aware(run.created_at)).total_seconds()
-    return age + next_pass_seconds(run, config_ids, added) <= get_settings().top_up_budget_s
+    estimate = next_pass_seconds(run, config_ids, added)
+    budget = get_settings().top_up_budget_s
+    if age + estimate <= budget:
+        return ""
+    return (f"another pass (about {estimate:.0f} s) would take the run, {age:.0f} s old, past its top-up budget "
+            f"of {budget:.0f} s (CANARY_TOP_UP_BUDGET_S; or set the suite's max_samples)")
 
 
 def _aware(moment: datetime) -> datetime:
@@ -128,11 +135,19 @@ def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
     return [key for i, key in enumerate(remaining) if i in picked]
 
 
-def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]) -> list[int]:
+class TopUp(NamedTuple):
+    """What plan decided: the new config-runs' ids (empty: judge the run as it is), and, when a
+    default top-up was wanted but does not fit the time budget, the run reason's clause saying so."""
+
+    execute: list[int]
+    refused: str = ""
+
+
+def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]) -> TopUp:
     """Top the run up when a candidate is undecided and the suite allows more samples: the new
-    config-runs' ids (the baseline's and each undecided config's), else [] (judge as it is)."""
+    config-runs (the baseline's and each undecided config's), else none (judge as it is)."""
     if suite is None or not suite.settings.top_up:
-        return []
+        return TopUp([])
     configs = {cr.config_id: cr for cr in run.config_runs}
     # a config already critical (or a measurement error) fails the run whatever more samples say
     settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
@@ -143,24 +158,25 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
              and not step_back.is_ablation(configs[r.config_id].config)]
     waiting = sorted({r.config_id for r in asked if r.config_id is not None})
     if not waiting:
-        return []
+        return TopUp([])
     new_keys = draw_more(run, keys, min(2 * have, most) - have)
     if not new_keys:
-        return []
+        return TopUp([])
     # a stacked config that breaches steps back once the run is decided: it reruns too, so that it
     # and its single-optimization ablations are measured on the same samples
     stacked = sorted(cr.config_id for cr in run.config_runs
                      if cr.config_id not in waiting and step_back.would_step_back(run, cr, rows))
     names = ", ".join(configs[c].config.name for c in waiting)
-    if not within_budget(run, suite, [run.baseline_config_id, *waiting, *stacked], len(new_keys)):
-        log.info("run %s: %s undecided at %d samples; a top-up would pass CANARY_TOP_UP_BUDGET_S", run.id, names,
-                 have)
-        return []
+    refused = over_budget(run, suite, [run.baseline_config_id, *waiting, *stacked], len(new_keys))
+    if refused:
+        log.info("run %s: %s undecided at %d samples; not topped up: %s", run.id, names, have, refused)
+        # a budget of 0 turns default top-ups off for the deployment: nothing to say per run
+        return TopUp([], f"; not topped up for {names}: {refused}" if get_settings().top_up_budget_s else "")
     log.info("run %s: %s undecided at %d samples; topping up to %d", run.id, names, have, have + len(new_keys))
     # only the producers of what is undecided score the samples added (a stacked config's ablations
     # will need every producer's rows on them: then all of them)
-    return repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
-                           scorers=None if stacked else pass_scorers(asked))
+    return TopUp(repo.top_up_run(session, run, new_keys, [run.baseline_config_id, *waiting, *stacked],
+                                 scorers=None if stacked else pass_scorers(asked)))
 
 
 def pass_scorers(asked: list[Comparison]) -> list[str]:

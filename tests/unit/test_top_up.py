@@ -7,6 +7,7 @@ decided candidate as it was, and judges on 12. A gate on it waits for the top-up
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
@@ -188,7 +189,8 @@ def test_by_default_an_undecided_run_tops_up_within_the_time_budget(sqlite_env, 
         assert run.verdict_reason.endswith("; topped up from 6 to 12 samples (by default) after an inconclusive pass")
 
 
-@pytest.mark.parametrize("suite, budget", [({"top_up": False}, "600"), ({}, "0")], ids=["top_up false", "no budget"])
+@pytest.mark.parametrize("suite, budget", [({"top_up": False}, "600"), ({}, "0"), ({}, "0.001")],
+                         ids=["top_up false", "no budget", "out of time"])
 def test_an_undecided_run_stays_inconclusive_when_top_ups_are_off_or_out_of_time(sqlite_env, tmp_path, monkeypatch,
                                                                                  suite, budget):
     monkeypatch.setenv("CANARY_TOP_UP_BUDGET_S", budget)
@@ -198,7 +200,12 @@ def test_an_undecided_run_stays_inconclusive_when_top_ups_are_off_or_out_of_time
     with session_scope() as s:
         run = s.get(Run, run_id)
         assert run.verdict == "inconclusive" and len(run.sample_keys) == 6
-        assert "topped up" not in run.verdict_reason
+        assert "topped up from" not in run.verdict_reason
+        # off (top_up false, or a budget of 0 for the deployment) says nothing; out of time says why
+        refused = re.search(r"; not topped up for [\w., -]+: another pass \(about \d+ s\) would take the run, \d+ s old, "
+                            r"past its top-up budget of 0 s \(CANARY_TOP_UP_BUDGET_S; or set the suite's max_samples\)$",
+                            run.verdict_reason)
+        assert (refused is not None) == (budget == "0.001"), run.verdict_reason
 
 
 def test_the_default_cap_and_the_next_passs_estimate_by_hand():
