@@ -116,8 +116,13 @@ def over_budget(run: Run, suite: Suite, config_ids: list[int], added: int) -> st
     budget = get_settings().top_up_budget_s
     if age + estimate <= budget:
         return ""
-    return (f"another pass (about {estimate:.0f} s) would take the run, {age:.0f} s old, past its top-up budget "
-            f"of {budget:.0f} s (CANARY_TOP_UP_BUDGET_S; or set the suite's max_samples)")
+    return (f"another pass (about {_seconds(estimate)} s) would take the run, {_seconds(age)} s old, past its "
+            f"top-up budget of {_seconds(budget)} s (CANARY_TOP_UP_BUDGET_S; or set the suite's max_samples)")
+
+
+def _seconds(x: float) -> str:
+    """Whole seconds from 10 s up, two significant figures below (1800, 42, 2.3, 0.001)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def _aware(moment: datetime) -> datetime:

@@ -135,15 +135,18 @@ class ContinuousBatch:
         return sum(self.cache.lengths[r] for r in self.seqs)
 
     @torch.inference_mode()
-    def add(self, request: GenerationRequest) -> Sequence:
+    def add(self, request: GenerationRequest, before_prefill: Callable[[], None] = lambda: None) -> Sequence:
         """Prefill `request` into a free row and pick its first token (the sequence is `done`
-        at once when that token is EOS or max_new_tokens is 1). ValueError: the input does not fit."""
+        at once when that token is EOS or max_new_tokens is 1). Its TTFT counts from just before the
+        prefill, once the prompt is tokenized and its proposer ready; before_prefill() runs there
+        (a canary drill's TTFT delay). ValueError: the input does not fit."""
         engine = self.engine
         request = greedy_below_eps(request)
         prompt = engine.prompt_token_ids(request)
         if not prompt:
             raise ValueError("the prompt has no tokens")
-        if len(prompt) + request.max_new_tokens + self.extra > engine.args.max_seq_len:
+        width = len(prompt) + request.max_new_tokens + self.extra
+        if width > engine.args.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens})"
                              f"{f' + k + 1 ({self.extra}, speculative decoding)' if self.extra else ''} exceed the "
                              f"model's context of {engine.args.max_seq_len}")
@@ -152,17 +155,18 @@ class ContinuousBatch:
         if not self.free_rows:
             raise RuntimeError("ContinuousBatch.add: every row is taken")
         row = self._free_row()
-        seq = Sequence(request, row, prompt, torch.Generator(device=engine.device).manual_seed(request.seed),
-                       time.perf_counter())
+        generator = torch.Generator(device=engine.device).manual_seed(request.seed)
+        proposer = engine.proposer.fresh() if engine.proposer is not None else None
+        if proposer is not None:
+            proposer.reset(width)
         ids = torch.tensor([prompt], device=engine.device)  # [1, T]
+        seq = Sequence(request, row, prompt, generator, time.perf_counter(), proposer=proposer,
+                       counters=SpeculativeCounters() if proposer is not None else None)
+        before_prefill()
         with _sdpa_backends(engine.device):
-            logits = self.cache.prefill(engine.model, row, ids, len(prompt) + request.max_new_tokens + self.extra)
+            logits = self.cache.prefill(engine.model, row, ids, width)
         self.seqs[row] = seq
         self._take(logits, [seq])
-        if engine.proposer is not None:
-            seq.proposer = engine.proposer.fresh()
-            seq.proposer.reset(len(prompt) + request.max_new_tokens + self.extra)
-            seq.counters = SpeculativeCounters()
         return seq
 
     @torch.inference_mode()

@@ -3,7 +3,6 @@ generation at a set concurrency with per-request timings, memory figures."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -285,13 +284,9 @@ class ReferenceEngine:
         with torch.inference_mode():
             for s in range(0, len(requests), len(batch.cache.lengths)):
                 wave = list(requests[s : s + len(batch.cache.lengths)])
-                if self.proposer is not None:
-                    t0 = time.perf_counter()
-                    self.fault.before_first_token()  # a ttft-delay drill
-                    seqs = [batch.add(wave[0])]
-                    seqs[0].started = t0
-                else:
-                    seqs = batch.add_wave(wave, self.fault.before_first_token)
+                # a ttft-delay drill's delay runs once the clock has started
+                seqs = ([batch.add(wave[0], self.fault.before_first_token)] if self.proposer is not None
+                        else batch.add_wave(wave, self.fault.before_first_token))
                 sent = [0] * len(seqs)
                 while True:
                     for i, seq in enumerate(seqs):

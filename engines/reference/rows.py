@@ -6,7 +6,7 @@ slots a row holds), `prefill`, `decode`, `release` and `nbytes`.
 - WaveRows: generate()'s static batch. A wave of requests admitted together is prefilled at once,
   left-padded, into one pooled decode.Decoder, whose lockstep decode step is captured as a CUDA
   graph per batch bucket (ReferenceEngine.pooled_decoder). A row that has finished keeps being fed
-  its last token, unread, so every step has the shapes the graph was captured with.
+  its greedy pick, unread, so every step has the shapes the graph was captured with.
 - RowCache: engine-serve's rows of a lossless format: k, v [L, R, Hkv, S, D], one sequence per row
   with its own length, joining and leaving between steps.
 - DecoderRows: the same rows for a lossy KV format, whose store (codes, token groups, kernels) is
@@ -55,7 +55,7 @@ class WaveRows:
         self._width = 0  # the wave's prompt width (its longest prompt)
         self._prompt_tokens = 0  # the wave's prompt tokens, padding not counted
         self._live: set[int] = set()  # rows of the wave not yet released
-        self._fed: torch.Tensor | None = None  # [B] the tokens the last step fed every row
+        self._logits: torch.Tensor | None = None  # [B, V] every row's logits from the last pass
 
     def nbytes(self) -> int:
         return self.decoder.cache.nbytes() if self.decoder is not None else 0
@@ -80,23 +80,23 @@ class WaveRows:
         logits = self.decoder.prefill(ids)
         self._batch, self._width, self._prompt_tokens = B, P, sum(len(p) for p in prompts)
         self._live = set(range(B))
-        self._fed = None
+        self._logits = logits
         for b, p in enumerate(prompts):
             self.lengths[b] = len(p)
         return logits, started
 
     def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """One token per row of `rows` (tokens [b, 1]) → logits [b, V]. Every row of the wave
-        steps: one that has finished is fed the token it was fed last, and its logits are dropped."""
+        steps: one that has finished is fed its greedy pick from the last pass, and its logits are
+        dropped (a finished row's input changes no other row's values, but a mixture of experts
+        groups tokens by expert: fed as before, the others' expert batches stay as they were)."""
         decoder = cast(Decoder, self.decoder)
         fed = tokens.reshape(-1)
         if len(rows) != self._batch:
             index = torch.tensor(rows, device=fed.device)
-            # a row done at its first token (EOS, or one new token) has never been fed: any token will do
-            last = self._fed if self._fed is not None else fed.new_zeros(self._batch)
-            fed = last.index_copy(0, index, fed)
-        self._fed = fed
+            fed = cast(torch.Tensor, self._logits).argmax(-1).index_copy(0, index, fed)
         logits = decoder.step(fed)
+        self._logits = logits  # on CUDA the captured step's output, read before the next replay
         for r in rows:
             self.lengths[r] += 1
         return logits if len(rows) == self._batch else logits.index_select(0, index)
@@ -341,7 +341,8 @@ class SpeculativeRows:
         cache = engine.new_cache(1, width)
         slots = torch.arange(ids.shape[1], device=ids.device)
         if self.one_request:
-            mask = None if not engine.kv.lossy else causal_mask(slots, ids.shape[1])
+            # one prompt token over a lossy cache: the one-token pass's int mask, as a later pass of one token
+            mask = (None if not engine.kv.lossy else 1 if ids.shape[1] == 1 else causal_mask(slots, ids.shape[1]))
             logits = model(ids, slots[None], slots, cache, mask)[0].float()[-1:]
             k = cast(int, engine.spec.speculative.k)  # type: ignore[union-attr]  # a proposer exists
             self._static = (StaticVerify(engine, cache, k, engine.spec.option("cuda_graphs") is not False)

@@ -1,9 +1,9 @@
 """Continuous batching (engines/reference/batching.py) with lossy KV formats: requests that join a
 running batch between steps and leave it when done must pick, token for token, what each picks
 alone through the engine's own generate(), in fp32 on the tiny built-in model. Each row of a
-lossy format is its own Decoder (with speculative decoding, its own KVCache as the one-request
-speculative loop keeps it): its codes (KIVI's token groups, TurboQuant's rotated codes, fp8) are
-written and read as the one-request path writes and reads them."""
+lossy format is its own Decoder (with speculative decoding, its own KVCache as generate() keeps
+its one request's): its codes (KIVI's token groups, TurboQuant's rotated codes, fp8)
+are written and read as a request alone writes and reads them."""
 
 import pytest
 import torch
@@ -104,7 +104,7 @@ def test_a_speculative_lossy_format_gets_a_cache_per_row_and_frees_it():
     seq = batch.add(requests()[0])  # max_new_tokens 20
     prompt = len(seq.prompt)
     cache = batch.cache.caches[0]
-    # the one-request loop's cache: prompt + max_new_tokens + k + 1 slots
+    # the cache generate() makes for its one request: prompt + max_new_tokens + k + 1 slots
     assert cache is not None and cache.k.shape[3] == prompt + 20 + 5
     assert batch.cache.lengths == [prompt, 0] and len(seq.tokens) == 1
     batch.step()
@@ -129,7 +129,7 @@ def test_a_speculative_lossy_format_gets_a_cache_per_row_and_frees_it():
 def test_a_speculative_batch_picks_and_counts_what_each_request_does_alone(speculative, kv):
     """Rows that draft different numbers of tokens (an n-gram row often none) verified in one pass,
     joining and leaving between steps: each request's tokens, log-probs and acceptance counts are
-    those of the engine's one-request loop, a sampled request (its own seeded generator) included."""
+    those of the engine's generate() (one request at a time), a sampled request (its own seeded generator) included."""
     engine = ReferenceEngine(TARGET, OptimizationSpec(engine="reference", weights="fp32", kv_cache=kv,
                                                       speculative=speculative, engine_options={"device": "cpu"}))
     assert unbatchable(engine) is None

@@ -37,11 +37,12 @@ def engine_for(kv: str, speculative: str, concurrency: int) -> ReferenceEngine:
 
 
 def requests() -> list[GenerationRequest]:
-    """Prompts of different lengths with answers of different lengths (greedy; two end at an EOS),
-    and a sampled one with its own seed."""
+    """Prompts of different lengths with answers of different lengths: four plain greedy ones, two
+    made to end at an EOS (a logit bias), and a sampled one with its own seed."""
     texts = [" ".join(d.text.split()[:w]) for d, w in zip(read_jsonl(ARTIFACTS / "pydoc-heldout.jsonl")[:4],
                                                           (24, 8, 40, 16), strict=True)]
-    out = [GenerationRequest(f"r{i}", t, max_new_tokens=n, logit_bias=NO_EOS, logprobs=1)
+    # plain greedy: a wave (or an engine-serve step) of these alone feeds its picks back on the device
+    out = [GenerationRequest(f"r{i}", t, max_new_tokens=n, logprobs=1)
            for i, (t, n) in enumerate(zip(texts, (20, 36, 12, 28), strict=True))]
     # EOS made likelier: one stops after a few tokens (5 in fp32), one at its first (a row of a wave
     # done at its prefill, stepped with the wave unread)

@@ -202,10 +202,15 @@ def test_an_undecided_run_stays_inconclusive_when_top_ups_are_off_or_out_of_time
         assert run.verdict == "inconclusive" and len(run.sample_keys) == 6
         assert "topped up from" not in run.verdict_reason
         # off (top_up false, or a budget of 0 for the deployment) says nothing; out of time says why
-        refused = re.search(r"; not topped up for [\w., -]+: another pass \(about \d+ s\) would take the run, \d+ s old, "
-                            r"past its top-up budget of 0 s \(CANARY_TOP_UP_BUDGET_S; or set the suite's max_samples\)$",
-                            run.verdict_reason)
+        refused = re.search(r"; not topped up for [\w., -]+: another pass \(about [\d.]+ s\) would take the run, "
+                            r"[\d.]+ s old, past its top-up budget of 0.001 s \(CANARY_TOP_UP_BUDGET_S; or set the "
+                            r"suite's max_samples\)$", run.verdict_reason)
         assert (refused is not None) == (budget == "0.001"), run.verdict_reason
+
+
+def test_a_refused_top_ups_seconds_read_at_every_scale_by_hand():
+    assert [top_up._seconds(x) for x in (1800.0, 42.4, 9.96, 2.34, 0.001, 0.0)] == ["1800", "42", "10", "2.3",
+                                                                                  "0.001", "0"]
 
 
 def test_the_default_cap_and_the_next_passs_estimate_by_hand():
