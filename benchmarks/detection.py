@@ -253,8 +253,75 @@ def field_configs(args, servers: list, procs: list) -> tuple[list[dict], Kinds]:
     return configs, kinds
 
 
-def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, trials: dict[str, list[Trial]]) -> dict:
-    """One run of one half at one seed; each config's trial appended to `trials`."""
+GENERATED_SUITE = {"corpus": "builtin:pydoc-heldout", "samples": 16, "scorers": ["perplexity", "generation"],
+                   "perplexity": {"window": 128},
+                   # the issue's field tries: a 16-prompt suite, 24 new tokens; timing off as in the field half
+                   "generation": {"prompts": 16, "prompt_words": 12, "max_new_tokens": 24, "paired_timing": False}}
+
+
+def generated_half(args, servers: list, procs: list) -> dict:
+    """The generated half (benchmarks/detection_generated.py): `args.gen_trials` draws, each of its
+    own seed from one master seed drawn fresh (or --gen-seed), every run through proxies in front of
+    one engine-serve, at the suite's defaults (no max_samples: default top-ups). Returns its summary."""
+    import random as _random
+
+    import detection_generated as gen
+    from evals.metrics import METRICS
+    from tests.http.conftest import start_engine_serve
+    from tests.http.perturb import proxy_app
+    from tests.loopback import free_port, serve_in_thread
+
+    master = args.gen_seed if args.gen_seed is not None else _random.SystemRandom().randrange(1 << 31)
+    print(json.dumps({"half": "generated", "master_seed": master,
+                      "repeat_with": f"--halves generated --gen-seed {master} --gen-trials {args.gen_trials}"}),
+          flush=True)
+    proc, upstream = start_engine_serve("--model", MODEL)
+    procs.append(proc)
+
+    def proxy(made) -> str:
+        port = free_port()
+        servers.append(serve_in_thread(proxy_app(upstream, generation=made), port))
+        return f"http://127.0.0.1:{port}/v1"
+
+    served = {"engine": "openai", "weights": "fp32"}
+    max_tokens = GENERATED_SUITE["generation"]["max_new_tokens"]
+    cases: dict[str, gen.Case] = {}
+    trials: dict[str, dict] = {}
+    seeds = _random.Random(master)
+    for trial in range(args.gen_trials):
+        seed = seeds.randrange(1 << 30)
+        for k, run in enumerate(gen.draw(seed, max_tokens, faults=args.gen_faults, one_sided=args.gen_one_sided,
+                                         concurrency_nulls=args.gen_concurrency_nulls, both_nulls=args.gen_both_nulls)):
+            made = {case.name: gen.behaviour(case) for case in run.cases}
+            base = gen.behaviour(run.baseline) if run.baseline is not None else None
+            configs = [{"name": "baseline", "baseline": True, **served, "engine_options": {"base_url": proxy(base)}}]
+            configs += [{"name": case.name, **served, "lossless": case.lossless,
+                         "engine_options": {"base_url": proxy(made[case.name])}} for case in run.cases]
+            for behaviour in (base, *made.values()):
+                if behaviour is not None:
+                    behaviour.forget()
+            kinds: Kinds = {case.name: ("generated", case.family, case.rate, case.side) for case in run.cases}
+            named: dict[str, list[Trial]] = defaultdict(list)
+            FIELD_BEHAVIOURS.clear()
+            info = run_half(f"detection-gen-{trial}-{k}", configs, kinds, seed % 100000, args, named,
+                            suite=GENERATED_SUITE)
+            print(json.dumps(info | {"run": run.label, "baseline_case": run.baseline.describe() if run.baseline else None}),
+                  flush=True)
+            for case in run.cases:
+                (t,) = named[case.name]
+                quality = [b for b in t["by"] if METRICS[b.split(":")[0]].aspect != "speed"]
+                trials[case.name] = t | {"flagged": bool(quality), "by": quality} | gen.realized(made[case.name])
+                cases[case.name] = case
+    summary = gen.summarize(cases, trials)
+    for row in summary.pop("rows"):
+        print(json.dumps({"generated": row}), flush=True)
+    return {"benchmark": "detection-generated", "master_seed": master, "trials": args.gen_trials, **summary}
+
+
+def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, trials: dict[str, list[Trial]],
+             suite: dict | None = None) -> dict:
+    """One run of one half at one seed; each config's trial appended to `trials`. `suite`: the run's
+    suite in place of the named halves' (the generated half's)."""
     from app import repo
     from app.config_file import parse_config
     from app.db import session_scope
@@ -273,6 +340,8 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
                                       **({"paired_timing": False} if project.endswith("field") else {})},
                        # an undecided run draws more documents, doubling up to this many (workers/top_up.py)
                        **({"max_samples": args.max_samples} if args.max_samples > args.samples else {})}]}
+    if suite is not None:
+        cfg["suites"] = [{"name": f"seed-{seed}", "seed": seed, **suite}]
     with session_scope() as session:
         apply_config_file(session, parse_config(cfg))
     for behaviour in FIELD_BEHAVIOURS.values():
@@ -452,7 +521,15 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=96,
                     help="the suite's max_samples: a run with an undecided config tops up, doubling its documents "
                          "and prompts up to this many documents (default 96; at or below --samples: no top-up)")
-    ap.add_argument("--halves", nargs="+", choices=("engine", "http", "field"), default=["engine", "http", "field"],
+    ap.add_argument("--gen-trials", type=int, default=3, help="generated: draws, each a seed of its own (default 3)")
+    ap.add_argument("--gen-seed", type=int, default=None, help="generated: the master seed (default: drawn fresh)")
+    ap.add_argument("--gen-faults", type=int, default=8, help="generated: candidate-side faults per draw")
+    ap.add_argument("--gen-one-sided", type=int, default=8, help="generated: one-sided nondeterministic nulls per draw")
+    ap.add_argument("--gen-concurrency-nulls", type=int, default=6,
+                    help="generated: nulls nondeterministic only under concurrency, per draw")
+    ap.add_argument("--gen-both-nulls", type=int, default=6, help="generated: both-sided nondeterministic nulls per draw")
+    ap.add_argument("--halves", nargs="+", choices=("engine", "http", "field", "generated"),
+                    default=["engine", "http", "field"],
                     help="which faults to run: injected in the engine, through HTTP proxies, on field-like servers "
                          "(a nondeterministic baseline; default all three)")
     ap.add_argument("--field-rates", type=float, nargs="*", default=[0.1, 0.25],
@@ -500,16 +577,22 @@ def main() -> None:
             kinds.update(names)
             for seed in range(args.seeds):
                 print(json.dumps(run_half(project, configs, names, seed, args, trials)), flush=True)
-        rows, totals = summarize(kinds, trials)
-        for row in rows:
-            print(json.dumps(row), flush=True)
-        print(json.dumps({"benchmark": "detection", **totals, "halves": args.halves, "roles": args.roles,
-                          "samples": args.samples, "prompts": args.prompts, "max_samples": args.max_samples,
-                          "seeds": args.seeds,
-                          "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
-                          "seconds": round(time.perf_counter() - started, 1)}), flush=True)
-        if args.markdown:
-            print(markdown(rows, totals), flush=True)
+        if halves:
+            rows, totals = summarize(kinds, trials)
+            for row in rows:
+                print(json.dumps(row), flush=True)
+            print(json.dumps({"benchmark": "detection", **totals, "halves": args.halves, "roles": args.roles,
+                              "samples": args.samples, "prompts": args.prompts, "max_samples": args.max_samples,
+                              "seeds": args.seeds,
+                              "load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
+                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+            if args.markdown:
+                print(markdown(rows, totals), flush=True)
+        if "generated" in args.halves:  # reported apart from the named halves
+            generated_started = time.perf_counter()
+            summary = generated_half(args, servers, procs)
+            print(json.dumps(summary | {"load_average": os.getloadavg()[0], "cpus": os.cpu_count(),
+                                        "seconds": round(time.perf_counter() - generated_started, 1)}), flush=True)
     finally:
         for server in servers:
             server.should_exit = True

@@ -9,7 +9,8 @@ Every other route (/v1/models, /metrics) passes through untouched.
 
 `generation` replaces the generation of a streamed greedy POST /v1/completions (temperature 0,
 one choice, no stop, no logprobs) by a seeded server behaviour of known truth (a `Generation`:
-near_tie_flips, confident_flips, empty_answers, loops, truncation, corrupt_when_batched): the
+near_tie_flips, confident_flips, empty_answers, loops, phrase loops, truncation, unrelated text,
+corrupt_when_batched, and any of them only under load: WhenBatched): the
 proxy computes the whole answer through the upstream's public API (greedy completions with
 `logprobs: 2`, continuations, /detokenize), then streams it back in engine-serve's shape: one
 event per token piece, a final event with `finish_reason`, a usage chunk when
@@ -198,6 +199,8 @@ class Generation:
         # prompt differently from one request to the next; still reproducible for a seed
         self.per_request = per_request
         self.seen: dict[str, int] = {}
+        # per prompt answered: (the upstream's greedy answer's tokens, the answer's), the latest request's
+        self.lengths: dict[str, tuple[int, int]] = {}
 
     def rng(self, prompt: str | list[int], draw: bool = False) -> random.Random:
         key = prompt_key(prompt)
@@ -227,10 +230,16 @@ class Generation:
         size, which on n prompts drawn at `rate` is Binomial(n, rate) / n."""
         return len(set(self.affected) & self.asked) / len(self.asked) if self.asked else None
 
+    def length_ratio(self) -> float | None:
+        """Σ tokens answered ÷ Σ tokens of the upstream's greedy answers, over the prompts answered."""
+        greedy = sum(g for g, _ in self.lengths.values())
+        return sum(a for _, a in self.lengths.values()) / greedy if greedy else None
+
     def forget(self) -> None:
         """Start counting `share` anew (a new run through the same proxy)."""
         self.affected.clear()
         self.asked.clear()
+        self.lengths.clear()
 
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         """(the upstream's greedy answer, the answer to stream)."""
@@ -239,13 +248,20 @@ class Generation:
         rng = self.rng(prompt, draw=True)
         greedy = await upstream.greedy(request, prompt, max_tokens)
         if not rng.random() < self.rate:
-            return greedy, greedy.answer()
-        changed = await self.change(upstream, request, greedy, rng)
-        unchanged = greedy.answer()
-        # drawn but not changed (no top-two gap to flip, an answer already empty): not counted in share()
+            return greedy, self.answered(prompt, greedy, greedy.answer())
+        return greedy, await self.changed(upstream, request, greedy, rng)
+
+    async def changed(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        """The changed answer to a request drawn, counted in `affected` when it differs from the greedy one
+        (drawn but not changed, as with no top-two gap to flip or an answer already empty: not counted)."""
+        changed, unchanged = await self.change(upstream, request, greedy, rng), greedy.answer()
         if (changed.text, changed.finish_reason) != (unchanged.text, unchanged.finish_reason):
-            self.affected.append(prompt_key(prompt))
-        return greedy, changed
+            self.affected.append(prompt_key(request["prompt"]))
+        return self.answered(request["prompt"], greedy, changed)
+
+    def answered(self, prompt: str | list[int], greedy: Greedy, answer: Answer) -> Answer:
+        self.lengths[prompt_key(prompt)] = (len(greedy.tokens), answer.completion_tokens)
+        return answer
 
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
         return greedy.answer()
@@ -272,12 +288,20 @@ class _Flips(Generation):
 
     largest = False
 
-    def __init__(self, rate: float = 0.0, seed: int = 0, per_request: bool = False):
+    def __init__(self, rate: float = 0.0, seed: int = 0, per_request: bool = False,
+                 window: tuple[float, float] = (0.0, 1.0), max_gap: float | None = None):
         super().__init__(rate, seed, per_request)
         self.records: list[Flip] = []
+        # the share of the answer's positions a flip may fall in: (0, 0.5) early, (0.5, 1) late
+        self.window = window
+        # flip only where the top two are at most this many nats apart (None: wherever the pick falls); an
+        # answer with no such position is left as it is
+        self.max_gap = max_gap
 
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
-        gaps = greedy.gaps()
+        lo, hi = (round(edge * len(greedy.tokens)) for edge in self.window)
+        gaps = [g for g in greedy.gaps() if lo <= g[0] < max(hi, lo + 1)
+                and (self.max_gap is None or g[1] <= self.max_gap)]
         if not gaps:
             return greedy.answer()
         pick = max if self.largest else min  # the earliest of equal gaps
@@ -319,27 +343,84 @@ class EmptyAnswers(Generation):
 
 
 class Loops(Generation):
-    """The answer's first token repeated up to max_tokens (the runner-up at position 0 when the
-    first is the end of text)."""
+    """From token `after` on (0: the whole answer), the answer's token there repeated up to
+    max_tokens (at position 0 the runner-up when the first is the end of text; past the answer's
+    end, its last token)."""
 
     name = "loops"
 
+    def __init__(self, rate: float = 0.0, seed: int = 0, after: int = 0):
+        super().__init__(rate, seed)
+        self.after = after
+
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
         max_tokens = request.get("max_tokens") or 16
-        first = greedy.tokens[0] if greedy.tokens else ""
-        if first == greedy.eos:
-            first = next((t for t in sorted(greedy.top[0], key=lambda t: -greedy.top[0][t]) if t != greedy.eos), " ")
-        return Answer([first] * max_tokens, "length", greedy.prompt_tokens, max_tokens)
+        pieces = greedy.pieces
+        keep = min(self.after, len(pieces), max_tokens - 1)
+        if keep < len(pieces):
+            unit = pieces[keep]
+        elif pieces:
+            unit = pieces[-1]
+        else:  # the answer is the end of text alone: its runner-up
+            unit = next((t for t in sorted(greedy.top[0], key=lambda t: -greedy.top[0][t]) if t != greedy.eos), " ")
+        return Answer([*pieces[:keep], *[unit] * (max_tokens - keep)], "length", greedy.prompt_tokens, max_tokens)
+
+
+class PhraseLoops(Generation):
+    """After the answer's first `after` tokens, its last `n` of those repeated back to back up to
+    max_tokens: a loop of a short phrase that starts mid-answer (an answer shorter than `after`
+    loops its own last `n` tokens; one shorter than `n`, all of them)."""
+
+    name = "phrase_loops"
+
+    def __init__(self, rate: float = 0.0, seed: int = 0, n: int = 3, after: int = 6):
+        super().__init__(rate, seed)
+        if n < 1 or after < 0:
+            raise ValueError(f"n must be ≥ 1 and after ≥ 0, got n={n}, after={after}")
+        self.n, self.after = n, after
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        max_tokens = request.get("max_tokens") or 16
+        head = greedy.pieces[: max(self.after, self.n)] or [" "]
+        phrase = head[-self.n:]
+        out = list(head)
+        while len(out) < max_tokens:
+            out.extend(phrase)
+        return Answer(out[:max_tokens], "length", greedy.prompt_tokens, max_tokens)
 
 
 class Truncation(Generation):
-    """The answer cut to its first quarter of tokens (at least one), finish_reason "stop"."""
+    """The answer cut to the first `keep` share of its tokens (default a quarter; at least one),
+    finish_reason "stop"."""
 
     name = "truncation"
 
+    def __init__(self, rate: float = 0.0, seed: int = 0, keep: float = 0.25):
+        super().__init__(rate, seed)
+        if not 0.0 < keep < 1.0:
+            raise ValueError(f"keep must be in (0, 1), got {keep}")
+        self.keep = keep
+
     async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
-        keep = max(1, len(greedy.tokens) // 4)
+        keep = max(1, int(len(greedy.tokens) * self.keep))
         return Answer([t for t in greedy.tokens[:keep] if t != greedy.eos], "stop", greedy.prompt_tokens, keep)
+
+
+# openings of text that no prompt of the project's corpora continues: an answer to one of them, in
+# place of the answer asked for, is an unrelated answer (a cache that serves another prompt's text)
+UNRELATED_PROMPTS = ("The recipe calls for two cups of flour and", "On the third day of the voyage the captain",
+                     "Photosynthesis converts light energy into", "The referee blew the whistle and the crowd")
+
+
+class UnrelatedText(Generation):
+    """The answer replaced by the upstream's greedy answer to an unrelated prompt
+    (UNRELATED_PROMPTS, one drawn per affected request), of the same max_tokens."""
+
+    name = "unrelated_text"
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        other = await upstream.greedy(request, rng.choice(UNRELATED_PROMPTS), request.get("max_tokens") or 16)
+        return Answer(other.answer().pieces, other.finish_reason, greedy.prompt_tokens, len(other.tokens))
 
 
 @dataclass(eq=False)
@@ -348,35 +429,50 @@ class _InFlight:
     met: list[_InFlight] = field(default_factory=list)  # requests in flight at some moment of this one's life
 
 
+class _Overlaps:
+    """The generation requests in flight at the proxy: `enter` one, and its `met` fills with every
+    request in flight at some moment of its life (one arrived while the other was in flight)."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[_InFlight] = []
+
+    def enter(self, prompt: str | list[int]) -> _InFlight:
+        me = _InFlight(prompt, list(self.in_flight))
+        for other in self.in_flight:
+            other.met.append(me)
+        self.in_flight.append(me)
+        return me
+
+    def leave(self, me: _InFlight) -> None:
+        self.in_flight.remove(me)
+
+
 class CorruptWhenBatched(Generation):
     """Batch-row crosstalk: a request that shared the proxy with another generation request at any
     moment of its life (one arrived while the other was in flight) gets the greedy answer of one of
     those requests' prompts instead of its own (chosen by its seeded RNG among those whose greedy
     answer differs from its own; random vocabulary tokens when none does). A request alone at the
-    proxy passes through untouched. `records` holds (prompt, the partner's prompt or None)."""
+    proxy passes through untouched. At `rate` < 1, only that share of the batched requests (drawn by
+    prompt). `records` holds (prompt, the partner's prompt or None)."""
 
     name = "corrupt_when_batched"
 
-    def __init__(self, seed: int = 0):
-        super().__init__(1.0, seed)
-        self.in_flight: list[_InFlight] = []
+    def __init__(self, seed: int = 0, rate: float = 1.0):
+        super().__init__(rate, seed)
+        self.overlaps = _Overlaps()
         self.records: list[tuple[str, str | None]] = []
 
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
         self.asked.add(prompt_key(prompt))
-        me = _InFlight(prompt, list(self.in_flight))
-        for other in self.in_flight:
-            other.met.append(me)
-        self.in_flight.append(me)
+        me = self.overlaps.enter(prompt)
         try:
             greedy = await upstream.greedy(request, prompt, max_tokens)
         finally:
-            self.in_flight.remove(me)
-        if not me.met:
-            return greedy, greedy.answer()
+            self.overlaps.leave(me)
         key, rng = prompt_key(prompt), self.rng(prompt)
-        rng.random()  # the draw every behaviour makes first
+        if not me.met or not rng.random() < self.rate:  # alone, or batched but not drawn (at rate < 1)
+            return greedy, self.answered(prompt, greedy, greedy.answer())
         self.affected.append(key)
         partners = sorted({prompt_key(o.prompt): o.prompt for o in me.met if prompt_key(o.prompt) != key}.items())
         rng.shuffle(partners)
@@ -384,14 +480,46 @@ class CorruptWhenBatched(Generation):
             other = await upstream.greedy(request, partner, max_tokens)
             if other.text != greedy.text:
                 self.records.append((key, partner_key))
-                return greedy, Answer(other.answer().pieces, other.finish_reason, greedy.prompt_tokens,
-                                      len(other.tokens))
+                return greedy, self.answered(prompt, greedy, Answer(other.answer().pieces, other.finish_reason,
+                                                                    greedy.prompt_tokens, len(other.tokens)))
         info = await upstream.info()
         vocabulary = [t for t in range(int(info["vocab_size"])) if t != info.get("eos_token_id")]
         ids = [rng.choice(vocabulary) for _ in range(max_tokens)]
         self.records.append((key, None))
         pieces = list(await asyncio.gather(*(upstream.token_text(t) for t in ids)))
-        return greedy, Answer(pieces, "length", greedy.prompt_tokens, max_tokens)
+        return greedy, self.answered(prompt, greedy, Answer(pieces, "length", greedy.prompt_tokens, max_tokens))
+
+
+class WhenBatched(Generation):
+    """Another behaviour (`inner`) only for a request that shared the proxy with another generation
+    request at some moment of its life; a request alone passes through untouched: a fault, or a
+    nondeterminism, that shows only under load. `affected` lists the prompts it changed; the inner
+    behaviour keeps its own records."""
+
+    def __init__(self, inner: Generation):
+        super().__init__(inner.rate, inner.seed, inner.per_request)
+        self.inner, self.name = inner, f"{inner.name}_when_batched"
+        self.overlaps = _Overlaps()
+
+    async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
+        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        self.asked.add(prompt_key(prompt))
+        me = self.overlaps.enter(prompt)
+        try:
+            greedy = await upstream.greedy(request, prompt, max_tokens)
+        finally:
+            self.overlaps.leave(me)
+        rng = self.inner.rng(prompt, draw=True)
+        if not me.met or not rng.random() < self.inner.rate:
+            return greedy, self.answered(prompt, greedy, greedy.answer())
+        return greedy, await self.changed(upstream, request, greedy, rng)
+
+    async def change(self, upstream: Upstream, request: dict, greedy: Greedy, rng: random.Random) -> Answer:
+        return await self.inner.change(upstream, request, greedy, rng)
+
+    def forget(self) -> None:
+        super().forget()
+        self.inner.forget()
 
 
 def near_tie_flips(p: float, seed: int = 0, per_request: bool = False) -> NearTieFlips:
@@ -416,8 +544,8 @@ def truncation(p: float, seed: int = 0) -> Truncation:
     return Truncation(p, seed)
 
 
-def corrupt_when_batched(seed: int = 0) -> CorruptWhenBatched:
-    return CorruptWhenBatched(seed)
+def corrupt_when_batched(seed: int = 0, rate: float = 1.0) -> CorruptWhenBatched:
+    return CorruptWhenBatched(seed, rate)
 
 
 def stream_answer(greedy: Greedy, answer: Answer, include_usage: bool):

@@ -17,6 +17,13 @@ import openai
 import pytest
 
 from tests.http.perturb import (
+    UNRELATED_PROMPTS,
+    Loops,
+    NearTieFlips,
+    PhraseLoops,
+    Truncation,
+    UnrelatedText,
+    WhenBatched,
     confident_flips,
     corrupt_when_batched,
     empty_answers,
@@ -207,3 +214,74 @@ def test_a_sampled_completion_is_relayed_untouched(engine_serve):
 
     with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
         assert text(proxy) == text(engine_serve) and behaviour.affected == []  # only greedy requests are changed
+
+
+def test_loops_phrase_loops_and_truncation_start_where_they_are_told(engine_serve, greedy):
+    prompts = PROMPTS[3:6]
+    with serving(proxy_app(engine_serve, generation=Loops(1.0, after=5))) as proxy:
+        for prompt in prompts:
+            got, plain = ask(proxy, prompt), greedy[prompt]
+            assert got.pieces[:5] == plain.pieces[:5] and set(got.pieces[5:]) == {plain.pieces[5]}, got
+            assert got.completion_tokens == MAX_TOKENS and got.finish_reason == "length"
+    with serving(proxy_app(engine_serve, generation=PhraseLoops(1.0, n=3, after=6))) as proxy:
+        for prompt in prompts:
+            got, plain = ask(proxy, prompt), greedy[prompt]
+            phrase = plain.pieces[3:6]
+            expected = (list(plain.pieces[:6]) + list(phrase) * MAX_TOKENS)[:MAX_TOKENS]
+            assert list(got.pieces) == [p for p in expected if p], got  # the proxy streams no empty piece
+            assert got.completion_tokens == MAX_TOKENS and got.finish_reason == "length"
+    with serving(proxy_app(engine_serve, generation=Truncation(1.0, keep=0.75))) as proxy:
+        for prompt in prompts:
+            got, plain = ask(proxy, prompt), greedy[prompt]
+            keep = int(plain.completion_tokens * 0.75)
+            assert got == Streamed(plain.pieces[:keep], "stop", plain.prompt_tokens, keep), got
+    with pytest.raises(ValueError, match="keep"):
+        Truncation(0.5, keep=1.0)
+    with pytest.raises(ValueError, match="n must be"):
+        PhraseLoops(0.5, n=0)
+
+
+def test_unrelated_text_answers_another_prompt(engine_serve, greedy):
+    behaviour = UnrelatedText(1.0, seed=2)
+    with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
+        got = {prompt: ask(proxy, prompt) for prompt in PROMPTS[:4]}
+        others = {ask(engine_serve, other).text for other in UNRELATED_PROMPTS}
+    for prompt, answer in got.items():
+        assert answer.text in others and answer.text != greedy[prompt].text, prompt
+        assert answer.prompt_tokens == greedy[prompt].prompt_tokens  # still the asked prompt's usage
+    assert sorted(behaviour.affected) == sorted(PROMPTS[:4]) and behaviour.share() == 1.0
+
+
+def test_near_tie_flips_never_flip_a_gap_wider_than_max_gap(engine_serve, greedy):
+    behaviour = NearTieFlips(1.0, seed=4, max_gap=0.1)
+    with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
+        got = {prompt: ask(proxy, prompt) for prompt in PROMPTS}
+    nearest = {prompt: min(gaps(engine_serve, prompt)) for prompt in PROMPTS}
+    assert all(record.gap <= 0.1 for record in behaviour.records)
+    for prompt in PROMPTS:  # a prompt whose nearest tie is wider than 0.1 nats keeps its greedy answer
+        assert (got[prompt] != greedy[prompt]) == (prompt in behaviour.affected), prompt
+        if nearest[prompt] > 0.1 + 1e-6:
+            assert got[prompt] == greedy[prompt], (prompt, nearest[prompt])
+    wide = [p for p in PROMPTS if nearest[p] > 0.1 + 1e-6]
+    print(f"max_gap 0.1: {len(behaviour.affected)} of {len(PROMPTS)} flipped; {len(wide)} had no tie that near")
+    assert behaviour.affected and wide  # both kinds among these prompts: the bound is what decided
+
+
+def test_a_fault_when_batched_leaves_lone_requests_alone(engine_serve, greedy):
+    prompts = PROMPTS[8:14]
+    behaviour = WhenBatched(empty_answers(1.0, seed=6))
+    with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
+        alone = {prompt: ask(proxy, prompt) for prompt in prompts}
+        assert alone == {prompt: greedy[prompt] for prompt in prompts} and behaviour.affected == []
+        start = threading.Barrier(len(prompts))
+
+        def together(prompt: str) -> Streamed:
+            start.wait()
+            return ask(proxy, prompt)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            batched = dict(zip(prompts, pool.map(together, prompts), strict=True))
+    emptied = [prompt for prompt in prompts if batched[prompt].text == ""]
+    assert sorted(emptied) == sorted(behaviour.affected) and len(emptied) >= len(prompts) - 1, emptied
+    assert behaviour.name == "empty_answers_when_batched"
+    assert behaviour.length_ratio() is not None and behaviour.length_ratio() < 0.5

@@ -106,3 +106,72 @@ def test_a_field_trial_counts_only_when_a_quality_metric_flags_it():
     assert (ttft["flagged"], ttft["missed_at_or_above"], ttft["flagged_by_own_metric"]) == (1, 0, 1)
     assert totals["missed_at_or_above_threshold"] == 1
     assert "own metric in 1 / 3" in detection.markdown(rows, totals)
+
+
+import detection_generated as gen  # noqa: E402 - beside detection, on the benchmarks path above
+
+
+def test_a_generated_draw_is_its_seed_s_and_covers_every_family_and_side():
+    runs = gen.draw(123, max_tokens=24)
+    assert [(r.label, r.baseline is None) for r in runs][:2] == [("deterministic baseline", True),
+                                                                 ("nondeterministic baseline", False)]
+    assert gen.draw(123, max_tokens=24)[0].cases == runs[0].cases  # the same seed, the same draw
+    assert gen.draw(124, max_tokens=24)[0].cases != runs[0].cases
+    det = runs[0].cases
+    faults = [c for c in det if c.family in gen.FAMILIES]
+    assert {c.family for c in faults} == set(gen.FAMILIES)  # 8 faults cycle through the 7 families
+    assert all(c.regression and c.side in ("candidate", "concurrency") for c in faults)
+    assert all(gen.RATES[0] <= c.rate <= gen.RATES[1] for c in faults)
+    nulls = [c for c in det if not c.regression]
+    assert sorted({c.side for c in nulls}) == ["candidate", "concurrency", "plain"]
+    assert all(c.lossless and c.params.get("max_gap", 0) <= 0.25 for c in nulls)
+    both = runs[1].cases
+    assert {c.side for c in both if c.family == "nondeterminism"} == {"both"}
+    base = runs[2].baseline
+    plain, same = runs[2].cases
+    assert (plain.side, same.side) == ("baseline", "both") and not plain.regression and not same.regression
+    assert gen.behaviour(plain) is None and type(gen.behaviour(same)) is type(gen.behaviour(base))
+
+
+def test_a_generated_fault_s_shape_stays_in_its_range():
+    rng = __import__("random").Random(5)
+    for _ in range(200):
+        case = gen.draw_fault(rng, "x", "candidate", 24)
+        p = case.params
+        if case.family == "phrase-loop":  # at least three copies of the phrase fit in the answer
+            assert 2 <= p["phrase_tokens"] <= 8 and p["after"] >= p["phrase_tokens"]
+            assert p["after"] + 2 * p["phrase_tokens"] <= 24
+        if case.family == "truncation":
+            assert (0.10 <= p["keep"] <= 0.30) if case.position == "early" else (0.55 <= p["keep"] <= 0.85)
+        if case.family == "swap":
+            assert case.side == "concurrency"  # a swap needs another request in flight
+        if case.family == "confident-flip":
+            assert case.lossless
+
+
+def test_generated_figures_by_hand():
+    fault = gen.Case("f", "empty", "candidate", 0.2)
+    small = gen.Case("s", "token-loop", "concurrency", 0.05, "early", params={"after": 2})
+    cut = gen.Case("t", "truncation", "candidate", 0.3, "late", params={"keep": 0.7})
+    null = gen.Case("n", "nondeterminism", "candidate", 0.5, lossless=True)
+    base_side = gen.Case("b", "empty", "baseline", 0.2, plays=False)
+    cases = {c.name: c for c in (fault, small, cut, null, base_side)}
+    trials = {
+        # changed 3 of 16 answers (0.1875 ≥ 0.10): at or above, and missed
+        "f": trial(False, inconclusive=["empty_answers"]) | {"share": 3 / 16, "length_ratio": 0.8, "cut_under_half": 0},
+        # 1 of 16 (0.0625): below threshold, flagged anyway
+        "s": trial(True, ["degenerate_answers:warn"]) | {"share": 1 / 16, "length_ratio": 1.0, "cut_under_half": 0},
+        # late cuts: none under half, but the whole length at 0.85 ≤ 0.90: at or above, and flagged
+        "t": trial(True, ["output_length_ratio:warn"]) | {"share": 0.5, "length_ratio": 0.85, "cut_under_half": 0},
+        "n": trial(True, ["lossless_exact_match:warn"]) | {"share": 0.4, "length_ratio": 1.0, "cut_under_half": 0},
+        "b": trial(True, ["max_tokens_hits:warn"]) | {"share": 0.0, "length_ratio": 1.0, "cut_under_half": 0},
+    }
+    s = gen.summarize(cases, trials)
+    assert (s["faults_at_or_above_threshold"], s["flagged_at_or_above_threshold"]) == (2, 1)
+    assert [m["config"] for m in s["misses"]] == ["f"] and s["misses"][0]["inconclusive"] == ["empty_answers"]
+    assert (s["faults_below_threshold"], s["faults_below_threshold_flagged"]) == (1, 1)
+    assert (s["null_trials"], s["null_trials_one_sided_or_concurrency"], s["false_alarms"]) == (1, 1, 1)
+    assert s["false_alarm_rate"] == 1.0 and s["false_alarm_list"][0]["by"] == ["lossless_exact_match:warn"]
+    assert s["baseline_side_trials"] == 1 and [r["config"] for r in s["baseline_side_false_alarms"]] == ["b"]
+    assert not gen.at_or_above(cut, {"share": 0.5, "length_ratio": 0.95, "cut_under_half": 0.0})
+    assert gen.at_or_above(cut, {"share": 0.5, "length_ratio": 0.95, "cut_under_half": 0.125})
