@@ -265,11 +265,12 @@ def generated_half(args, servers: list, procs: list) -> dict:
     one engine-serve, at the suite's defaults (no max_samples: default top-ups). Returns its summary."""
     import random as _random
 
-    import detection_generated as gen
     from evals.metrics import METRICS
     from tests.http.conftest import start_engine_serve
     from tests.http.perturb import proxy_app
     from tests.loopback import free_port, serve_in_thread
+
+    import detection_generated as gen
 
     master = args.gen_seed if args.gen_seed is not None else _random.SystemRandom().randrange(1 << 31)
     print(json.dumps({"half": "generated", "master_seed": master,
