@@ -6,15 +6,17 @@ alert rules. Idempotent: comparisons are upserted on (run, config, metric)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import cast
 
 from sqlalchemy import update
+from sqlalchemy.orm import Session
 
 from app import repo
 from app.alert_evaluation import escalate, evaluate_run
 from app.db import session_scope
-from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, priority_of, stored_priority
+from app.dispatch import EXECUTE_CONFIG_RUN, NOTIFY, Dispatcher, priority_of, stored_priority
 from app.gates import decide as decide_gate
 from app.models import AlertRule, ConfigRun, Run, Suite
 from app.settings import get_settings
@@ -69,7 +71,7 @@ def _lossless(run: Run, cr: ConfigRun) -> bool:
                             OptimizationSpec.model_validate(base.config.spec))
 
 
-def aggregate_run(run_id: int, dispatcher=None) -> str:
+def aggregate_run(run_id: int, dispatcher: Dispatcher | None = None) -> str:
     """Comparisons, the run's verdict, then alert evaluation (and, with a dispatcher, delivery
     and escalation)."""
     verdict, alerts = aggregate_pass(run_id)
@@ -88,7 +90,8 @@ def aggregate_pass(run_id: int) -> tuple[str, dict | None]:
         return _aggregate_pass(run_id)
 
 
-def finish_run(session, run_id: int, status: str, verdict: str, reason: str | None, only_if=None) -> bool:
+def finish_run(session: Session, run_id: int, status: str, verdict: str, reason: str | None,
+               only_if: Sequence[str] | None = None) -> bool:
     """The run's outcome and, in the same transaction, the durable verdict of a gate on it."""
     if not repo.finish_run(session, run_id, status, verdict, reason, only_if=only_if):
         return False
@@ -171,7 +174,7 @@ def _aggregate_pass(run_id: int) -> tuple[str, dict | None]:
     return verdict, alerts
 
 
-def after_commit(run_id: int, alerts: dict, dispatcher) -> None:
+def after_commit(run_id: int, alerts: dict, dispatcher: Dispatcher | None) -> None:
     """Deliver what the evaluation queued and escalate newly firing alerts, or start the ablations
     of a step back — after the commit, so the tasks and the escalation run see the rows."""
     if dispatcher is None:
@@ -200,10 +203,11 @@ def _example(row: Comparison) -> str:
     return f", e.g. {example['sample_key']}: {json.dumps(example['text'][:60], ensure_ascii=False)}"
 
 
-def _reason(rows: list[Comparison], config_runs) -> str:
+def _reason(rows: list[Comparison], config_runs: Iterable[ConfigRun]) -> str:
     """The run verdict's reason, worst first: each breaching comparison with its rule, then the
     comparisons that had too few samples to decide, in one clause (`int8 ttft_ratio, gen_nll_ratio`)."""
-    names = {cr.config_id: cr.config.name for cr in config_runs}
+    # looked up by Comparison.config_id (int | None; set on every row of a run)
+    names: dict[int | None, str] = {cr.config_id: cr.config.name for cr in config_runs}
     notable = sorted((r for r in rows if r.verdict != "ok" and not informational(r)),
                      key=lambda r: -VERDICT_ORDER[r.verdict])
     parts: list[str] = []

@@ -11,6 +11,9 @@ import logging
 import os
 import pathlib
 import platform
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import ConfigRun, Run
@@ -65,16 +68,18 @@ def inputs_key(job: Job) -> str | None:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def reuse(transaction, attempt: Attempt, job: Job, key: str, lease_seconds: float) -> bool:
+def reuse(transaction: Callable[[Callable[[Session], int | None], str], int | None], attempt: Attempt, job: Job,
+          key: str, lease_seconds: float) -> bool:
     """A gate's baseline: take the rows and figures of the newest earlier config-run of this
     config with the same inputs key on the same samples, in one transaction (`transaction`, the
     task's retrying one) fenced by the attempt. False when there is none (the engine computes them)."""
-    def take(session) -> int | None:
+    def take(session: Session) -> int | None:
         mine = session.get(ConfigRun, attempt.config_run_id)
         if mine is not None and mine.attempt == attempt.number and mine.status == "succeeded":
             # this transaction committed already and its acknowledgement was lost: done
             return (mine.figures or {}).get("reused_from_run")
         run = session.get(Run, job.run_id)
+        assert run is not None  # a foreign key: the row exists
         source = repo.reusable_config_run(session, run, job.config_id, key)
         if source is None:
             return None

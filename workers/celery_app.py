@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from celery import Celery
 from celery.signals import worker_process_init
@@ -53,7 +54,7 @@ celery_app.conf.update(
 
 
 @worker_process_init.connect
-def serve_metrics(**_kwargs) -> None:
+def serve_metrics(**_kwargs: Any) -> None:
     port = get_settings().worker_metrics_port
     if not port:
         return

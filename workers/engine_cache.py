@@ -9,6 +9,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from engines.protocol import Engine
 from engines.spec import OptimizationSpec
 
 _ENGINES: OrderedDict[str, Any] = OrderedDict()
@@ -21,7 +22,7 @@ def calibration_id(calibration: list[str] | None) -> str:
 
 
 def get_engine(model_path: str, spec: OptimizationSpec, calibration: list[str] | None = None,
-               tokenizer: str | None = None):
+               tokenizer: str | None = None) -> Engine:
     """tokenizer: an openai config's checked model directory (workers/job.served_model_tokenizer)."""
     from engines.registry import load_engine
 

@@ -11,10 +11,12 @@ import threading
 import traceback
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from app import repo
 from app.db import is_transient
 from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority_of
-from app.settings import get_settings
+from app.settings import Settings, get_settings
 from engines.fingerprint import weights_digest
 from engines.protocol import WindowSpec
 from evals.figures import RunFigures
@@ -55,7 +57,7 @@ class ExecuteConfigRun(BaseTask):
         if outcome in ("superseded", "interrupted"):
             return outcome
 
-        def start_aggregation(session) -> str | None:  # the run's trigger when this attempt won, else None
+        def start_aggregation(session: Session) -> str | None:  # the run's trigger when this attempt won, else None
             return repo.run_trigger(session, run_id) if repo.try_start_aggregation(session, run_id) else None
 
         trigger = self.transaction(start_aggregation, f"aggregation trigger of run {run_id}")
@@ -63,7 +65,7 @@ class ExecuteConfigRun(BaseTask):
             dispatcher.send(AGGREGATE_RUN, run_id, priority=priority_of(trigger))
         return outcome
 
-    def _attempt(self, attempt: Attempt, settings) -> str:
+    def _attempt(self, attempt: Attempt, settings: Settings) -> str:
         """The attempt's work under its lease, renewed from here on by a thread of this process
         whatever the task is doing (model load, calibration, a long batch), until it ends."""
         with LeaseKeeper(attempt, settings.lease_seconds) as lease:
@@ -90,7 +92,7 @@ class ExecuteConfigRun(BaseTask):
                                  f"record the failure of config-run {attempt.config_run_id}")
                 return "failed"
 
-    def _note_interruption(self, attempt: Attempt, settings, why: str) -> None:
+    def _note_interruption(self, attempt: Attempt, settings: Settings, why: str) -> None:
         """An attempt that lets go of a config-run while its process lives says why, and frees the
         lease so the reconciler re-sends it without waiting for the lease to run out. The database
         was just unreachable, so a daemon thread keeps trying for one lease's length; the note is
@@ -107,7 +109,7 @@ class ExecuteConfigRun(BaseTask):
         threading.Thread(target=keep_trying, name=f"release-{attempt.config_run_id}-{attempt.number}",
                          daemon=True).start()
 
-    def _run_engine(self, attempt: Attempt, job: Job, settings, lease: LeaseKeeper | None = None) -> None:
+    def _run_engine(self, attempt: Attempt, job: Job, settings: Settings, lease: LeaseKeeper | None = None) -> None:
         """Run the config's engine over the run's documents (log-likelihoods) and prompts
         (generations), writing each batch's rows fenced by the attempt, then finish the config-run
         with its serving and memory figures."""
@@ -162,7 +164,7 @@ class ExecuteConfigRun(BaseTask):
         self.transaction(lambda session: attempt.finish_or_stop(session, "succeeded", figures=figures),
                          f"finish config-run {attempt.config_run_id}")
 
-    def _produce(self, work: Work, attempt: Attempt, settings) -> dict[str, Any]:
+    def _produce(self, work: Work, attempt: Attempt, settings: Settings) -> dict[str, Any]:
         """Run the suite's producers in order (workers/producers/), each batch written fenced by the
         attempt after a check of the lease; returns the figures they measured."""
         producers = producers_for(work)
@@ -180,11 +182,11 @@ class ExecuteConfigRun(BaseTask):
             figures |= producer.figures()
         return figures
 
-    def _write_fenced(self, work: Work, attempt: Attempt, rows: list[dict], settings) -> None:
+    def _write_fenced(self, work: Work, attempt: Attempt, rows: list[dict], settings: Settings) -> None:
         """One transaction: record progress and renew the lease (fenced by the attempt number), then
         write the rows. If a newer attempt holds the run, nothing is written. Retried as a unit
         while the database is away."""
-        def write(session) -> None:
+        def write(session: Session) -> None:
             attempt.heartbeat_or_stop(session, settings.lease_seconds, work.done, work.total)
             repo.write_sample_results(session, work.job.run_id, work.job.config_id, rows)
 

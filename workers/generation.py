@@ -5,11 +5,13 @@ and the paired timings of the baseline's pass."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from engines.protocol import RollingRequest, RollingResult, WindowSpec
+from engines.protocol import Engine, GenerationResult, RollingRequest, RollingResult, WindowSpec
 from engines.spec import OptimizationSpec
 from evals.health import Scored, leaves_greedy
+from evals.records import GenerationRecord
 from evals.suite import GenerationSettings
 from workers import engine_cache
 from workers.job import Job, loadable_model, served_model_tokenizer
@@ -25,12 +27,13 @@ class BaselineScorer:
     engine that cannot score text (a server without prompt log-probs) scores nothing, once, and
     the run says so instead of failing the config-run."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.error: str | None = None
         self._read: dict[str, RollingResult] = {}  # text → its rolling result: each prompt, and each output, read once
 
-    def score(self, generations, prompts: dict[str, str], window: WindowSpec) -> list[tuple]:
+    def score(self, generations: Sequence[GenerationResult], prompts: dict[str, str],
+              window: WindowSpec) -> list[tuple]:
         """Per generation, in order: (Σ NLL of its tokens, how many, Scored: the tokens and each one's
         log-prob), all None where it could not be scored; an empty answer is (None, None, Scored of
         nothing): no NLL to average, but a divergence at its first token all the same."""
@@ -79,8 +82,8 @@ def _leaves(full: RollingResult, prompt: RollingResult, window: WindowSpec
                          full.greedy_logprobs[start:end]), True
 
 
-def scored_rows(kind, generations, judge: BaselineScorer, prompts: dict[str, str], window: WindowSpec,
-             keep_ids: bool) -> list[dict]:
+def scored_rows(kind: type[GenerationRecord], generations: Sequence[GenerationResult], judge: BaselineScorer,
+                prompts: dict[str, str], window: WindowSpec, keep_ids: bool) -> list[dict]:
     """Rows of a pass beside the main one (the baseline's second pass, the prompts sent alone),
     each output read by the baseline model as the main pass's are."""
     return [replace(kind.from_result(generation, prompts[generation.request_id], keep_ids), baseline_nll=nll,
@@ -88,7 +91,8 @@ def scored_rows(kind, generations, judge: BaselineScorer, prompts: dict[str, str
             for generation, (nll, n, read) in zip(generations, judge.score(generations, prompts, window), strict=True)]
 
 
-def concurrency(engine, spec: OptimizationSpec, generation: GenerationSettings, judge: BaselineScorer | None) -> int:
+def concurrency(engine: Engine, spec: OptimizationSpec, generation: GenerationSettings,
+                judge: BaselineScorer | None) -> int:
     """Generation requests in flight at once: engine_options.concurrency where the config sets it;
     else, for an engine that serves requests in parallel (a server: openai, vllm), the suite's
     generation.concurrency, as production traffic has them, given to the baseline's serving engine
@@ -107,12 +111,12 @@ def concurrency(engine, spec: OptimizationSpec, generation: GenerationSettings, 
     return step
 
 
-def timings(generations) -> dict[str, tuple[float, float | None]]:
+def timings(generations: Iterable[GenerationResult]) -> dict[str, tuple[float, float | None]]:
     """(TTFT, time per output token after the first) of each request, in ms."""
     return {g.request_id: (g.ttft_ms, sum(g.itl_ms) / len(g.itl_ms) if g.itl_ms else None) for g in generations}
 
 
-def baseline_scorer(engine, job: Job) -> BaselineScorer:
+def baseline_scorer(engine: Engine, job: Job) -> BaselineScorer:
     """The engine's own for the baseline config; else the baseline config's engine (cached beside
     this one: a second model in memory while the run's configs execute)."""
     baseline: OptimizationSpec = job.baseline_spec

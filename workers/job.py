@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from app import repo
 from app.corpus import ITEM_PREFIX
 from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite
@@ -56,10 +58,13 @@ class Job:
         return n
 
 
-def load_job(session, config_run_id: int) -> Job:
+def load_job(session: Session, config_run_id: int) -> Job:
     config_run = session.get(ConfigRun, config_run_id)
+    assert config_run is not None  # the attempt's claim holds it
     run = session.get(Run, config_run.run_id)
+    assert run is not None  # a foreign key: the row exists
     suite = session.get(Suite, run.suite_id)
+    assert suite is not None  # a foreign key: the row exists
     spec = OptimizationSpec.model_validate(config_run.config.spec)
     calibration = None
     if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the run does not score: no test leakage
@@ -69,9 +74,11 @@ def load_job(session, config_run_id: int) -> Job:
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     order = {key: i for i, key in enumerate(run.sample_keys)}
     settings = suite.settings
+    project = session.get(Project, run.project_id)
+    assert project is not None  # a foreign key: the row exists
     return Job(
         run_id=run.id,
-        project=session.get(Project, run.project_id).name,
+        project=project.name,
         trigger=run.trigger,
         is_baseline=config_run.config_id == run.baseline_config_id,
         config_id=config_run.config_id,

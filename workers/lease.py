@@ -11,10 +11,14 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timezone
+from typing import Any
+
+from sqlalchemy.orm import Session
 
 from app import repo
 from app.db import is_transient, session_scope
 from app.models import ConfigRun, aware
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -40,16 +44,17 @@ class Attempt:
     def __str__(self) -> str:
         return f"config-run {self.config_run_id} attempt {self.number}"
 
-    def heartbeat(self, session, lease_seconds: float, done: int | None = None, total: int | None = None) -> bool:
+    def heartbeat(self, session: Session, lease_seconds: float, done: int | None = None,
+                  total: int | None = None) -> bool:
         """Renew the lease (and record progress); False once a newer attempt holds the config-run."""
         return repo.heartbeat(session, self.config_run_id, self.number, lease_seconds, done, total)
 
-    def heartbeat_or_stop(self, session, lease_seconds: float, done: int | None = None,
+    def heartbeat_or_stop(self, session: Session, lease_seconds: float, done: int | None = None,
                           total: int | None = None) -> None:
         if not self.heartbeat(session, lease_seconds, done, total):
             raise LostLease(self)
 
-    def finish(self, session, status: str, **kw) -> bool:
+    def finish(self, session: Session, status: str, **kw: Any) -> bool:
         """Fenced by the attempt; True also when this attempt already finished it with that status
         (a retry after a commit whose acknowledgement was lost with the connection)."""
         if repo.finish_config_run(session, self.config_run_id, self.number, status, **kw):
@@ -57,22 +62,23 @@ class Attempt:
         config_run = session.get(ConfigRun, self.config_run_id)
         return config_run is not None and config_run.attempt == self.number and config_run.status == status
 
-    def finish_or_stop(self, session, status: str, **kw) -> None:
+    def finish_or_stop(self, session: Session, status: str, **kw: Any) -> None:
         if not self.finish(session, status, **kw):
             raise LostLease(self)
 
-    def release(self, session, why: str) -> bool:
+    def release(self, session: Session, why: str) -> bool:
         """Let go of the lease, saying why (the reconciler re-sends the config-run at once)."""
         return repo.release_lease(session, self.config_run_id, self.number,
                                   INTERRUPTED.format(attempt=self.number) + why)
 
 
-def claim(session, config_run_id: int, settings) -> tuple[Attempt | None, int | None, bool]:
+def claim(session: Session, config_run_id: int, settings: Settings) -> tuple[Attempt | None, int | None, bool]:
     """(the attempt this worker now holds, the run, whether the config-run was given up)."""
     number = repo.claim_config_run(session, config_run_id, WORKER_ID, settings.lease_seconds, settings.max_attempts)
     config_run = session.get(ConfigRun, config_run_id)
     if config_run is None or number is not None:
-        return (Attempt(config_run_id, number) if number is not None else None), config_run and config_run.run_id, False
+        return ((Attempt(config_run_id, number) if number is not None else None),
+                config_run.run_id if config_run is not None else None, False)
     if config_run.status == "running" and config_run.worker == WORKER_ID:
         # our own claim, whose commit was in doubt when the connection dropped (this
         # process runs one task at a time, so a running row in its name is this task's)
@@ -128,7 +134,7 @@ class LeaseKeeper:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> None:

@@ -12,12 +12,21 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy.orm import Session
+
 from app import repo
 from app.db import session_scope
 from app.models import Project, Run, Suite, SuiteSample
 from evals.faithfulness import JudgeFaithfulness, MissingContexts, OfflineFaithfulness
 from evals.judge import JudgeClient, JudgeConfig, JudgeError, pairwise, rubric
-from evals.records import FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord, RunRecords
+from evals.records import (
+    ConfigRecords,
+    FaithfulnessRecord,
+    GenerationRecord,
+    PairwiseRecord,
+    RubricRecord,
+    RunRecords,
+)
 from evals.suite import JudgeSettings, SuiteSpec
 
 log = logging.getLogger(__name__)
@@ -50,14 +59,17 @@ class Scoring:
     config_ids: list[int]  # the config-runs that succeeded
 
 
-def scoring_inputs(session, run: Run) -> Scoring | None:
+def scoring_inputs(session: Session, run: Run) -> Scoring | None:
     """The run's scoring inputs; None when its suite runs no CPU scorer."""
     suite = session.get(Suite, run.suite_id)
+    assert suite is not None  # a foreign key: the row exists
     spec = suite.settings
     if not any(spec.runs(name) for name in RUN_SCORERS):
         return None
     samples = {x.key: x for x in repo.suite_samples(session, suite.id, run.suite_version, run.sample_keys)}
-    return Scoring(run.id, run.baseline_config_id, session.get(Project, run.project_id).name, spec, samples,
+    project = session.get(Project, run.project_id)
+    assert project is not None  # a foreign key: the row exists
+    return Scoring(run.id, run.baseline_config_id, project.name, spec, samples,
                    [cr.config_id for cr in run.config_runs if cr.status == "succeeded"])
 
 
@@ -124,7 +136,8 @@ def _judge(scoring: Scoring, gens: dict[int, dict[str, GenerationRecord]], table
             mine = table[config_id]
             todo = [k for k in by_key if k in base]
 
-            def one(key: str, config_id=config_id, by_key=by_key, mine=mine) -> list:
+            def one(key: str, config_id: int = config_id, by_key: dict[str, GenerationRecord] = by_key,
+                    mine: ConfigRecords = mine) -> list:
                 sample, gen = samples[key], by_key[key]
                 records: list = []
                 candidate = config_id != scoring.baseline_config_id

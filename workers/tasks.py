@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 from app import repo
 from app.broker import held_args
@@ -185,7 +186,7 @@ def _register() -> None:
     from workers.celery_app import celery_app
 
     def register(task: BaseTask) -> None:
-        def run(celery_task, *args):
+        def run(celery_task: Any, *args: Any) -> Any:  # celery_task: the bound celery.Task (celery is untyped)
             request = celery_task.request
             enqueued_at = getattr(request, ENQUEUED_AT_HEADER, None) or (request.headers or {}).get(ENQUEUED_AT_HEADER)
             return task(*args, dispatcher=get_dispatcher(), enqueued_at=enqueued_at)

@@ -9,11 +9,12 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engines.protocol import SpeculativeStats
+from engines.protocol import GenerationResult, SpeculativeStats
 from workers.engine_server.engine_thread import EngineServer
 from workers.engine_server.errors import error
 from workers.engine_server.jobs import ServeRequest
@@ -66,7 +67,8 @@ class _Answer:
         return (StopScanner(self.body.stops(), self.body.stop_token_ids or [], self.server.decode) if self.stopping
                 else None)
 
-    def choice(self, index: int, text: str, finish: str | None, delta: bool, stop_reason=None) -> dict:
+    def choice(self, index: int, text: str, finish: str | None, delta: bool,
+               stop_reason: str | int | None = None) -> dict:
         if self.chat:
             out = {"index": index, ("delta" if delta else "message"): {"role": "assistant", "content": text},
                    "finish_reason": finish, "logprobs": None}
@@ -76,7 +78,7 @@ class _Answer:
             out["stop_reason"] = stop_reason  # vLLM: the stop string or token id, None at EOS or the length
         return out
 
-    def finish_of(self, result) -> str:
+    def finish_of(self, result: GenerationResult) -> str:
         return "stop" if result.token_ids and result.token_ids[-1] == self.eos_id else "length"
 
     @staticmethod
@@ -100,7 +102,7 @@ class _Answer:
     def failure(kind: str, payload: str) -> JSONResponse:
         return error(400, payload, param="prompt") if kind == "invalid" else error(500, payload, "InternalServerError")
 
-    def chunk(self, choices: list[dict], **more) -> str:
+    def chunk(self, choices: list[dict], **more: Any) -> str:
         head = {"id": self.rid, "object": self.obj + (".chunk" if self.chat else ""), "model": self.server.model_name}
         return f"data: {json.dumps({**head, 'choices': choices, **more})}\n\n"
 
@@ -170,7 +172,8 @@ class _Answer:
                 **self.per_request_metrics()}
 
 
-async def answer(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None, chat: bool):
+async def answer(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None,
+                 chat: bool) -> dict | JSONResponse | StreamingResponse:
     """The jobs' answer: streamed with `body.stream`, else whole; a refusal before any token is a
     400 either way (a stream's first event decides its status)."""
     reply = _Answer(server, jobs, body, http, chat)
@@ -180,7 +183,7 @@ async def answer(server: EngineServer, jobs: list[ServeRequest], body: SamplingI
     if first[0] in ("invalid", "error"):
         return reply.failure(*first)
 
-    async def events():
+    async def events() -> AsyncIterator[str]:
         try:
             async for event in reply.stream(first):
                 yield event
@@ -223,7 +226,7 @@ def spec_decode_metrics(spec: SpeculativeStats) -> dict:
             "num_draft_tokens": spec.num_draft_tokens, "num_spec_tokens": len(spec.accepted_per_position)}
 
 
-def generated_logprobs(server: EngineServer, result, kept: int, chat: bool) -> dict:
+def generated_logprobs(server: EngineServer, result: GenerationResult, kept: int, chat: bool) -> dict:
     """The generated tokens' log-probs in OpenAI's shape: for a completion, {tokens, token_logprobs,
     top_logprobs, text_offset}; for chat, {content: [{token, logprob, bytes, top_logprobs}]}."""
     ids = list(result.token_ids[:kept])

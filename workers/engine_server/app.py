@@ -6,11 +6,13 @@ import argparse
 import hmac
 import json
 import os
+from types import FrameType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from workers.engine_server.engine_thread import EngineServer
 from workers.engine_server.errors import error, param_of
@@ -27,10 +29,10 @@ class Guard:
     `Authorization: Bearer <key>` and answer 401 without it, as vLLM's --api-key does (the health,
     metrics and tokenizer routes stay open, as in vLLM)."""
 
-    def __init__(self, app, max_body: int, api_key: str | None):
+    def __init__(self, app: ASGIApp, max_body: int, api_key: str | None) -> None:
         self.app, self.max_body, self.api_key = app, max_body, api_key
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -57,7 +59,7 @@ class Guard:
                 return
         sent = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -66,7 +68,7 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope, receive, send, declared: int | None) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else f"more than {self.max_body} bytes"
         await error(413, f"the body is {size}; this server takes at most {self.max_body} (--max-body-bytes). Send "
                          f"fewer prompts per request", "RequestTooLargeError")(scope, receive, send)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                             timeout_graceful_shutdown=int(drain) + 5)  # a backstop: the engine ends them by then
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # SIGTERM / SIGINT: uvicorn stops listening and waits for open requests; the engine takes no
             # new one, lets those it holds finish until the drain deadline, then fails the rest
             server.request_stop(drain)

@@ -21,8 +21,10 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
-from engines.protocol import GenerationRequest
+from engines.protocol import GenerationRequest, SpeculativeStats
 from engines.reference.batching import ContinuousBatch, unbatchable
 from workers.engine_server.jobs import (
     SHUTTING_DOWN,
@@ -36,9 +38,10 @@ from workers.engine_server.metrics import ServeMetrics
 
 
 class EngineServer:
-    def __init__(self, engine, model_name: str, prompt_logprobs: bool = True, per_request_spec_metrics: bool = False,
-                 max_num_seqs: int = 32, max_queue: int = 256, per_request_metrics: bool = False,
-                 max_logprob_entries: int = 1 << 18):
+    # engine: the reference engine as load_engine gives it, read beyond engines.protocol.Engine (args, tokenizer, …)
+    def __init__(self, engine: Any, model_name: str, prompt_logprobs: bool = True,
+                 per_request_spec_metrics: bool = False, max_num_seqs: int = 32, max_queue: int = 256,
+                 per_request_metrics: bool = False, max_logprob_entries: int = 1 << 18) -> None:
         self.engine = engine
         self.model_name = model_name
         self.prompt_logprobs = prompt_logprobs
@@ -194,7 +197,7 @@ class EngineServer:
             self._served.pop(pick.group, None)  # its last sequence: nothing left to count
         return pick
 
-    def _guarded(self, job: ServeRequest, run) -> None:
+    def _guarded(self, job: ServeRequest, run: Callable[[ServeRequest, float], None]) -> None:
         """run(job, started), its refusal or failure sent to the job's route; the server stays up."""
         started = job.started = time.perf_counter()
         self.metrics.queue_time.observe(started - job.arrived)
@@ -320,7 +323,7 @@ class EngineServer:
         metrics = self.metrics
         held = [n_prompt]  # tokens in the KV cache
 
-        def on_tokens(request_id, tokens, spec_decode):
+        def on_tokens(request_id: str, tokens: list[int], spec_decode: SpeculativeStats | None) -> None:
             if job.cancelled.is_set() or self._past_deadline():
                 raise Cancelled  # out of engine.generate: the request stops here
             if job.stamps:  # a decode step of this request alone: its tokens are the step's
@@ -346,7 +349,7 @@ class EngineServer:
                        len(result.token_ids), reason)
         self._emit(job, ("done", result))
 
-    def _emit(self, job: ServeRequest, event) -> None:
+    def _emit(self, job: ServeRequest, event: tuple) -> None:
         self._outbox.append((job, event))
 
     def _flush(self) -> None:

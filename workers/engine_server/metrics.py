@@ -9,6 +9,7 @@ prefix-cache queries and hits (not exported: there is no prefix cache)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,7 +57,7 @@ class ServeMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=registry).labels(*mine)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(*mine)
 
         tokens = one_two_five(max_model_len)

@@ -39,8 +39,9 @@ def models(server: ServerDep) -> dict:
                                         "max_model_len": server.max_model_len}]}
 
 
-@router.get("/v1/models/{model_id:path}")
-def model(model_id: str, server: ServerDep):
+# response_model=None where a route answers a dict or a Response: FastAPI would take the union it returns for a model
+@router.get("/v1/models/{model_id:path}", response_model=None)
+def model(model_id: str, server: ServerDep) -> JSONResponse | dict:
     if model_id != server.model_name:
         return error(404, f"The model `{model_id}` does not exist. This server serves `{server.model_name}`.",
                      "NotFoundError", "model")
@@ -63,8 +64,8 @@ def tokenizer_info(server: ServerDep) -> dict:
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "add_bos_token": True}
 
 
-@router.post("/detokenize")
-async def detokenize(body: DetokenizeIn, server: ServerDep):
+@router.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeIn, server: ServerDep) -> JSONResponse | dict:
     if (bad := check_model(server, body.model, required=False)) is not None:
         return bad
     bad_ids = [i for i in body.tokens if not 0 <= i < server.vocab_size]
@@ -79,8 +80,8 @@ def metrics(server: ServerDep) -> Response:
     return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeIn, server: ServerDep):
+@router.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeIn, server: ServerDep) -> JSONResponse | dict:
     if (bad := check_model(server, body.model, required=False)) is not None:
         return bad
     ids = server.engine.tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
@@ -89,8 +90,8 @@ async def tokenize(body: TokenizeIn, server: ServerDep):
     return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionIn, server: ServerDep, http: Request):
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionIn, server: ServerDep, http: Request) -> Response | dict:
     if (bad := check_model(server, body.model)) is not None:
         return bad
     if body.echo:
@@ -110,8 +111,8 @@ async def completions(body: CompletionIn, server: ServerDep, http: Request):
     return jobs if isinstance(jobs, JSONResponse) else await respond(server, jobs, body, http, chat=False)
 
 
-@router.post("/v1/chat/completions")
-async def chat(body: ChatIn, server: ServerDep, http: Request):
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(body: ChatIn, server: ServerDep, http: Request) -> Response | dict:
     if (bad := check_model(server, body.model)) is not None:
         return bad
     # the tiny zoo has no chat template: a plain transcript
@@ -288,7 +289,8 @@ async def echo_logprobs(server: EngineServer, body: CompletionIn, http: Request 
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def respond(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None, chat: bool):
+async def respond(server: EngineServer, jobs: list[ServeRequest], body: SamplingIn, http: Request | None,
+                  chat: bool) -> Response | dict:
     """The `n` generations as one response, or as server-sent events with `stream` (the choices one
     after another, each chunk naming its index), cut at `stop` / `stop_token_ids` (stops.py). Once
     nobody will read a job (the client left, the response failed, or its stop string was reached)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from engines.openai import NoDistributions
-from engines.protocol import GivesDistributions, RollingRequest, RollingResult, gives_distributions
+from engines.protocol import GivesDistributions, GivesTopK, RollingRequest, RollingResult, gives_distributions
 from evals.distribution import TOP_K, doc_distribution, topk_rows
 from evals.positions import position_totals
 from evals.records import DocDistribution, DocTopK, tokens_digest
@@ -24,7 +24,8 @@ from workers.producers.documents import DocumentSignal, register_signal
 log = logging.getLogger(__name__)
 
 
-def compared_with_baseline(engine, baseline, requests: list[RollingRequest]) -> list[DocDistribution | None]:
+def compared_with_baseline(engine: GivesDistributions, baseline: GivesDistributions,
+                           requests: list[RollingRequest]) -> list[DocDistribution | None]:
     """Per document, the candidate's whole next-token distributions against the baseline
     engine's (both in-process); None for a document the two tokenize differently."""
     out: list[DocDistribution | None] = []
@@ -36,7 +37,7 @@ def compared_with_baseline(engine, baseline, requests: list[RollingRequest]) -> 
     return out
 
 
-def own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
+def own_topk(engine: GivesDistributions | GivesTopK, requests: list[RollingRequest]) -> list[DocTopK]:
     """Per document, the config's own top-k table: its whole distributions cut to their top k
     in-process, or what a server returns (at most 20)."""
     out = []
@@ -45,8 +46,8 @@ def own_topk(engine, requests: list[RollingRequest]) -> list[DocTopK]:
             [(result, rows)] = engine.next_token_logprobs([request])
             ids, logprobs = topk_rows(rows, TOP_K)
         else:
-            [(result, ids, logprobs)] = engine.next_token_topk([request], TOP_K)
-            ids, logprobs = np.asarray(ids), np.asarray(logprobs, np.float64)
+            [(result, top_ids, top_logprobs)] = engine.next_token_topk([request], TOP_K)
+            ids, logprobs = np.asarray(top_ids), np.asarray(top_logprobs, np.float64)
         out.append(DocTopK(int(ids.shape[1]), tuple(int(x) for x in ids.ravel()),
                            tuple(float(x) for x in logprobs.ravel()), tuple(result.logprobs),
                            (request.window.max_length, request.window.stride), tokens_digest(result.token_ids)))

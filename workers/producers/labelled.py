@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engines.protocol import GenerationRequest, RollingRequest, WindowSpec
+from engines.protocol import Engine, GenerationRequest, RollingRequest, WindowSpec
 from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.records import ItemRecord
 from workers.producers.base import Batch, Producer, Work, register_producer
 from workers.producers.documents import DOC_BATCH
 
 
-def answer_choices(engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
+def answer_choices(engine: Engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
     """Multiple-choice items answered by log-likelihood, every choice of every item in one engine
     call (the reference engine packs them into batches): each choice's Σ log p after the prompt
     (evals/labelled.py continuation_loglikelihood)."""
