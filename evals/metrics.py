@@ -308,9 +308,10 @@ def counted_by(metric: str) -> str | None:
 
 
 def grows_with_samples(metric: str) -> bool:
-    """Whether more documents drawn give a metric more paired samples: the run's documents, or the
-    prompts (a top-up scales them with the documents)."""
-    return counted_by(metric) in (None, "generation.prompts")
+    """Whether more documents drawn give a metric more paired samples: the run's documents, the
+    prompts (a top-up scales them with the documents), or the prompts also sent alone (a top-up
+    adds as many per prompt as the first pass had: workers/producers/generation.py)."""
+    return counted_by(metric) in (None, "generation.prompts", "generation.solo_probes")
 
 
 def rule_samples(rule: str | None, min_n_first: bool = False) -> int | None:

@@ -144,7 +144,8 @@ class GenerationSettings(_Settings):
         "(vLLM's greedy_atol)"))
     solo_probes: int = Field(8, ge=0, le=256, description=(
         "prompts each config also sends alone, one at a time, to compare with its answers inside a full batch "
-        "(batch_divergence); only where generation runs more than one request at a time"))
+        "(batch_divergence); only where generation runs more than one request at a time. A top-up adds as many "
+        "per prompt it adds (solo_probes per prompts)"))
 
 
 class JudgeSettings(_Settings):

@@ -273,6 +273,8 @@ def test_undecided_takes_only_comparisons_more_samples_can_decide():
     # documents the distribution signal reads do not
     straddles = {**row, "rule": "CI [0.0, 0.3] straddles warn 0.03: more samples needed"}
     assert top_up.undecided(Comparison(**{**straddles, "metric": "degenerate_answers"}))
+    # the prompts sent alone grow with the prompts a pass adds (workers/producers/generation.py)
+    assert top_up.undecided(Comparison(**{**straddles, "metric": "batch_divergence"}))
     assert not top_up.undecided(Comparison(**{**straddles, "metric": "task_recovery"}))
     assert not top_up.undecided(Comparison(**{**straddles, "metric": "kld_mean"}))
 
@@ -338,3 +340,19 @@ def test_a_top_up_keeps_scorer_rows_and_a_stalled_run_sweep_leaves_it_running(sq
     dispatcher.run_all()
     with session_scope() as s:
         assert s.get(Run, run_id).verdict == "pass"
+
+
+def test_a_top_up_pass_sends_as_many_prompts_alone_per_prompt_as_the_first_pass_by_hand():
+    from workers.producers.generation import Generation
+
+    def probes(start: int, requests: int, solo_probes: int = 8, prompts: int = 16) -> int:
+        producer = Generation.__new__(Generation)  # only the pass's position and its prompts matter here
+        producer.start, producer.requests = start, [None] * requests
+        return producer.probes(solo_probes, prompts)
+
+    assert probes(0, 16) == 8 and probes(0, 5) == 5  # the first pass: solo_probes, within its prompts
+    assert probes(0, 16, solo_probes=0) == 0
+    # a top-up pass of 16 (16 → 32) adds 8, one of 48 (32 → 80) 24: half of each, as 8 of 16 first
+    assert probes(16, 16) == 8 and probes(32, 48) == 24
+    assert probes(16, 5, prompts=16) == 3  # ⌈5 × 8 / 16⌉
+    assert probes(16, 16, solo_probes=40) == 16  # never more than the pass's own prompts

@@ -7,6 +7,7 @@ Its figures: the concurrency it ran at, and why the baseline could not read the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,15 @@ class Generation(Producer):
 
     def total(self) -> int:
         return len(self.requests)
+
+    def probes(self, solo_probes: int, prompts: int) -> int:
+        """How many of this pass's prompts are sent alone too: the suite's solo_probes on the first
+        pass; on a top-up pass, as many more per prompt added as the first pass had per prompt
+        (solo_probes per `prompts`), so that batch_divergence's probes grow with the prompts and
+        a top-up can decide it as it decides the prompts' other metrics."""
+        if self.start == 0:
+            return min(solo_probes, len(self.requests))
+        return min(len(self.requests), math.ceil(len(self.requests) * solo_probes / max(1, prompts)))
 
     def batches(self) -> Iterator[Batch]:
         work, engine, gen, requests = self.work, self.work.engine, self.work.job.suite.generation, self.requests
@@ -71,7 +81,7 @@ class Generation(Producer):
                 rows[0]["extra"]["spec"] = speculative_to_json(batch_spec) | {"scope": "batch"}
             yield Batch(rows, len(generations))
         # batch invariance: a few prompts again, each alone, against their answers inside a full batch
-        probes = requests[: gen.solo_probes] if step > 1 and judge is not None else []
+        probes = requests[: self.probes(gen.solo_probes, gen.prompts)] if step > 1 and judge is not None else []
         if probes and judge is not None:
             alone = [engine.generate([request])[0] for request in probes]
             yield Batch(scored_rows(SoloRecord, alone, judge, prompts, work.window, work.keep_ids), 0)
