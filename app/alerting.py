@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from evals.metrics import NO_DATA_VERDICTS
+from vocabulary.metrics import NO_DATA_VERDICTS
 
 REPEAT_INTERVAL = timedelta(hours=4)  # Alertmanager's default
 SEVERITY_VERDICTS = {"warn": ("warn", "critical"), "critical": ("critical",)}

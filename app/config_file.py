@@ -21,9 +21,9 @@ from app.config_base import (
 )
 from engines.protocol import SAMPLING_EPS
 from engines.spec import ConfigNotAvailable, OptimizationSpec, lossless_against
-from evals import suite as suite_settings
-from evals.metrics import METRICS, Metric, gated_metrics
-from evals.suite import SCORER_TABLE, scorer
+from vocabulary import suite as suite_settings
+from vocabulary.metrics import METRICS, Metric, gated_metrics
+from vocabulary.suite import SCORER_TABLE, scorer
 
 
 class ModelEntry(Strict):
@@ -94,7 +94,7 @@ class SuiteEntry(suite_settings.SuiteSpec):
         if self.max_samples is not None and self.max_samples < self.samples:
             raise ValueError(f"max_samples: {self.max_samples} is below samples ({self.samples}); a top-up only adds "
                              f"documents, so set max_samples ≥ {self.samples} or leave it unset")
-        # each scorer the suite runs, checked against its row of the scorer table (evals/suite.py)
+        # each scorer the suite runs, checked against its row of the scorer table (vocabulary/suite.py)
         for name in self.scorers:
             row = scorer(name)
             for need in row.needs:
@@ -125,7 +125,7 @@ class Threshold(Strict):
         1, ge=1, le=100, description="consecutive breaching runs before the alert fires (Prometheus 'for')")
 
 
-# The metrics that take thresholds, their directions and seed defaults: evals/metrics.py, the one table.
+# The metrics that take thresholds, their directions and seed defaults: vocabulary/metrics.py, the one table.
 METRIC_DIRECTIONS = {name: metric.direction for name, metric in gated_metrics().items()}
 
 
@@ -340,7 +340,7 @@ def _uses_lossless(file: CanaryFile) -> bool:
     return greedy and any(not config.baseline and lossless_against(config.to_spec(), base) for config in file.configs)
 
 
-# what a metric row's `requires` (evals/metrics.py) names: how the file uses it, and the fix when it does not
+# what a metric row's `requires` (vocabulary/metrics.py) names: how the file uses it, and the fix when it does not
 _REQUIREMENTS = {
     "speculative": _Requirement(
         lambda file: any(config.speculative.method != "off" for config in file.configs),

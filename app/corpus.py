@@ -46,7 +46,7 @@ def _load_corpus(ref: str, field: str, max_documents: int, max_chars: int) -> li
         for document in sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file()):
             samples.append(SampleIn(key=str(document.relative_to(path)), text=document.read_text(encoding="utf-8")))
     elif path.suffix == ".jsonl":
-        from evals.labelled import json_lines
+        from vocabulary.labelled import json_lines
 
         with path.open(encoding="utf-8") as lines:
             for lineno, row in json_lines(lines, f"{field}: {path}", CorpusError):
@@ -89,7 +89,7 @@ def join_long(samples: list[SampleIn], window: int, max_chars: int, field: str =
     there, shorter. Keyed by the first document's key and how many followed it ("mod.func+9").
     Clusters stay whole for the bootstrap: joined documents that hold parts of one source
     (documents of one cluster) share a cluster."""
-    from evals.suite import LONG_CHARS_PER_TOKEN
+    from vocabulary.suite import LONG_CHARS_PER_TOKEN
 
     if any(s.reference is not None or s.contexts for s in samples):
         raise CorpusError(f"{field}: the corpus's documents carry references or contexts (RAG items), which joining "
@@ -137,9 +137,9 @@ ITEM_PREFIX = "item:"  # a labelled item's key among a suite's samples (kind "it
 
 
 def load_items(ref: str, field: str = "labelled.items", max_items: int = 20000) -> list[SampleIn]:
-    """A suite's labelled items (evals/labelled.py) as samples of kind "item": the prompt as the
+    """A suite's labelled items (vocabulary/labelled.py) as samples of kind "item": the prompt as the
     text, the answer, choices and match as the reference. builtin:NAME is a built-in task."""
-    from evals.labelled import ItemError, builtin_items, parse_items
+    from vocabulary.labelled import ItemError, builtin_items, parse_items
 
     try:
         if ref.startswith("builtin:"):

@@ -18,7 +18,7 @@ from app import repo
 from app.models import Gate, Project, Run, utcnow
 from app.schemas import ComparisonOut, RunOut
 from app.summary import decision_line
-from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
+from vocabulary.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 GATE_VERDICTS = ("pass", "warn", "fail", "error")
 

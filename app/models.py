@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.db import Base
-from evals.suite import SuiteSpec
+from vocabulary.suite import SuiteSpec
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -211,12 +211,12 @@ class ComparisonRow(TimestampMixin, Base):
     ci_low: Mapped[float | None] = mapped_column(Float)
     ci_high: Mapped[float | None] = mapped_column(Float)
     n: Mapped[int] = mapped_column(Integer, nullable=False)
-    verdict: Mapped[str] = mapped_column(String(32), nullable=False)  # evals.metrics.VERDICTS
+    verdict: Mapped[str] = mapped_column(String(32), nullable=False)  # vocabulary.metrics.VERDICTS
     rule: Mapped[str] = mapped_column(Text, nullable=False)
     baseline_value: Mapped[float | None] = mapped_column(Float)
     candidate_value: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
-    # False: reported with its CI, no say in any verdict (evals.comparison.Comparison.gated)
+    # False: reported with its CI, no say in any verdict (vocabulary.comparison.Comparison.gated)
     gated: Mapped[bool] = mapped_column(Boolean, nullable=False, default=True, server_default=true())
     config: Mapped[OptimizationConfig] = relationship(lazy="joined")
 

@@ -13,7 +13,7 @@ Service metrics:
   canary_config_run_duration_seconds                 a summary: {quantile} over the last 24 h's config-runs,
                                                     _count and _sum over every finished config-run
 Canary metrics per model and config, from each config's latest finished run:
-  canary_<metric> for every metric of the table (evals/metrics.py) but ttft_ms, whose figure is
+  canary_<metric> for every metric of the table (vocabulary/metrics.py) but ttft_ms, whose figure is
   the one below: canary_ppl_ratio, canary_judge_win_rate, …  {project,model,config} + _ci_low / _ci_high
   canary_ttft_p50_seconds, canary_ttft_p99_seconds (the latest run's percentiles, in seconds: a
   run's figure, not a summary of observations), canary_tokens_per_second, canary_kv_bytes_per_token
@@ -44,7 +44,7 @@ from app.models import (
     aware,
     utcnow,
 )
-from evals.metrics import METRICS, VERDICT_CODES, VERDICTS
+from vocabulary.metrics import METRICS, VERDICT_CODES, VERDICTS
 
 # every metric of the table is a gauge with its CI; TTFT is exported from the config-run's
 # figures instead (p50 and p99 in seconds, canary_ttft_p50_seconds below)

@@ -1,5 +1,5 @@
 """The Prometheus alerting rules file (deploy/prometheus/canary-rules.yml), written from the metric
-table (evals/metrics.py): `canary alert-rules > deploy/prometheus/canary-rules.yml`. A test holds
+table (vocabulary/metrics.py): `canary alert-rules > deploy/prometheus/canary-rules.yml`. A test holds
 the committed file to what this writes, so a new metric's rule comes with its row.
 
 Two kinds of rule: canary_verdict (the canary's own CI-based verdict under each metric's
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import yaml
 
-from evals.metrics import VERDICT_CODES, Metric, gated_metrics
+from vocabulary.metrics import VERDICT_CODES, Metric, gated_metrics
 
 HEADER = """\
 # Prometheus alerting rules for teams that alert from Prometheus instead of the canary's own
@@ -18,7 +18,7 @@ HEADER = """\
 # each metric's thresholds and confidence intervals (2 = warn, 3 = critical, 4 = measurement
 # error): alert on it rather than re-implementing thresholds here; the raw figures are there for
 # dashboards.
-# Written by `canary alert-rules` from the metric table (evals/metrics.py): do not edit by hand.
+# Written by `canary alert-rules` from the metric table (vocabulary/metrics.py): do not edit by hand.
 """
 
 

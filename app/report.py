@@ -22,8 +22,8 @@ from app import repo
 from app.models import Project, Run, Suite
 from app.report_context import ReportContext, bound, gather, markdown, when
 from app.schemas import ComparisonOut, RunOut
-from evals.comparison import bucket_interval
-from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
+from vocabulary.comparison import bucket_interval
+from vocabulary.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 COLOURS = {"ok": "#2e7d32", "inconclusive": "#757575", "warn": "#ef6c00", "critical": "#c62828",
            "measurement_error": "#6a1b9a", "baseline": "#000000"}

@@ -25,7 +25,7 @@ from app import repo
 from app.models import Model, Run, Suite
 from app.schemas import RunOut
 from app.ssrf import mask_url
-from evals.metrics import METRICS, VERDICT_ORDER, format_estimate
+from vocabulary.metrics import METRICS, VERDICT_ORDER, format_estimate
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def runbook_url(alertname: str, base: str = "") -> str:
 
 def alert_runbook(labels: dict[str, str], base: str = "") -> str:
     """The runbook of an alert by its labels: its alertname (CanaryStale, …), else its metric's alert."""
-    from evals.metrics import METRICS
+    from vocabulary.metrics import METRICS
 
     name = labels.get("alertname") or ""
     metric = METRICS.get(labels.get("metric", ""))

@@ -9,9 +9,9 @@ from pydantic_core import to_jsonable_python
 
 from app.config_base import DB_INT_MAX, NAME_PATTERN, NameRef
 from app.config_file import ConfigEntry, GenerationSettings, PerplexitySettings, SuiteEntry
-from evals.comparison import STORED
-from evals.figures import RunFigures
-from evals.metrics import VERDICTS
+from vocabulary.comparison import STORED
+from vocabulary.figures import RunFigures
+from vocabulary.metrics import VERDICTS
 
 Verdict = Literal[VERDICTS]  # type: ignore[valid-type]  # the metric table's verdicts, best to worst
 RunVerdict = Literal["pass", "warn", "fail", "inconclusive", "incomplete", "error"]
@@ -126,7 +126,7 @@ class SamplePage(BaseModel):
     items: list[SampleResultOut]
 
 
-# A config-run's figures: the fields of evals.figures.RunFigures, each optional (a run stored by an
+# A config-run's figures: the fields of vocabulary.figures.RunFigures, each optional (a run stored by an
 # older version lacks newer ones), and any other key the engine reported kept as it is.
 FiguresOut = create_model(
     "FiguresOut", __config__=ConfigDict(extra="allow"),
@@ -153,7 +153,7 @@ class RunConfigOut(BaseModel):
 
 
 class ComparisonOut(BaseModel):
-    """Candidate vs baseline on one metric (evals.stats.Comparison, named by config)."""
+    """Candidate vs baseline on one metric (vocabulary.comparison.Comparison, named by config)."""
 
     config: str
     metric: str = Field(description="a name of the metric catalogue (GET /metrics)")
@@ -172,7 +172,7 @@ class ComparisonOut(BaseModel):
 
     @classmethod
     def of(cls, row: Any, config: str) -> ComparisonOut:
-        """A stored comparison (app/models.py, the columns of evals.comparison.Comparison), named by config."""
+        """A stored comparison (app/models.py, the columns of vocabulary.comparison.Comparison), named by config."""
         fields = {name: getattr(row, name) for name in STORED if name != "config_id"}
         return cls.model_validate({**fields, "config": config, "details": row.details or {}})
 
@@ -278,7 +278,7 @@ class RunOut(BaseModel):
                                                    "comparisons hold every finding")
 
     def figures_of(self, config: str | None) -> dict[str, Any]:
-        """A config's figures as a mapping (every field of evals.figures.RunFigures, None where not
+        """A config's figures as a mapping (every field of vocabulary.figures.RunFigures, None where not
         measured, and any other key the engine reported); empty when it has none."""
         found = self.figures.get(config or "")
         return found.model_dump() if found is not None else {}

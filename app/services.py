@@ -29,7 +29,7 @@ from engines.zoo import (
     check_group_divisible,
     check_reference_family,
 )
-from evals.suite import SuiteSpec
+from vocabulary.suite import SuiteSpec
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the CLI after its table, the dashboard's banners, the gate's pull-request commen
 Groups, in this order; every candidate is in exactly one:
     drop or fix                a quality metric is critical (or its figure cannot be right)
     watch                      a quality metric is warn
-    slower than the baseline   only a speed metric (evals/metrics.py `aspect`) breaches
+    slower than the baseline   only a speed metric (vocabulary/metrics.py `aspect`) breaches
     undecided                  nothing breaches, but a gated comparison is inconclusive
     ship                       every gated comparison is ok
 A config's line names its worst quality finding and its worst speed finding (metric, change vs
@@ -44,8 +44,8 @@ from app.schemas import (
     TradeOffPointOut,
     VerdictSummaryOut,
 )
-from evals.metrics import METRICS, VERDICT_ORDER, counted_by, format_estimate, informational, rule_samples
-from evals.suite import GenerationSettings
+from vocabulary.metrics import METRICS, VERDICT_ORDER, counted_by, format_estimate, informational, rule_samples
+from vocabulary.suite import GenerationSettings
 
 # `canary gate`'s exit codes by its defaults (--warn-exit-code 0, --error-exit-code 2): what the
 # gate's pull-request comment says happens; the CLI says it again with its own flags
@@ -94,7 +94,7 @@ def _rule_samples(c: ComparisonOut) -> int | None:
     return rule_samples(c.rule)
 
 
-# generation.prompts' bound, read from its field (evals/suite.py GenerationSettings)
+# generation.prompts' bound, read from its field (vocabulary/suite.py GenerationSettings)
 MAX_PROMPTS = next(m.le for m in GenerationSettings.model_fields["prompts"].metadata if getattr(m, "le", None))
 
 

@@ -265,7 +265,7 @@ def generated_half(args, servers: list, procs: list) -> dict:
     one engine-serve, at the suite's defaults (no max_samples: default top-ups). Returns its summary."""
     import random as _random
 
-    from evals.metrics import METRICS
+    from vocabulary.metrics import METRICS
     from tests.http.conftest import start_engine_serve
     from tests.http.perturb import proxy_app
     from tests.loopback import free_port, serve_in_thread
@@ -329,7 +329,7 @@ def run_half(project: str, configs: list[dict], kinds: Kinds, seed: int, args, t
     from app.dispatch import InlineDispatcher
     from app.schemas import jsonable
     from app.services import apply_config_file, run_summary, start_run
-    from evals.metrics import METRICS
+    from vocabulary.metrics import METRICS
 
     cfg = {"project": project, "model": {"name": "tiny", "path": MODEL}, "configs": configs,
            "suites": [{"name": f"seed-{seed}", "corpus": "builtin:pydoc-heldout", "samples": args.samples,
@@ -399,7 +399,7 @@ def at_or_above(kind: str, size: float | None, trial: Trial, warn: Callable[[str
 
 
 def summarize(kinds: Kinds, trials: dict[str, list[Trial]]) -> tuple[list[dict], dict]:
-    from evals.metrics import METRICS
+    from vocabulary.metrics import METRICS
 
     def warn(name: str) -> tuple[float, str]:
         return float(METRICS[name].warn or 0), METRICS[name].direction

@@ -87,7 +87,7 @@ class RollingResult:
     greedy_ids: tuple[int, ...]  # argmax token at each scored position (top-1 agreement)
     n_bytes: int  # UTF-8 bytes of the text (byte perplexity)
     n_words: int  # words (word perplexity): count_words, lm-eval's definition
-    # each token's [start, end) characters in the document (domain-term NLL, evals/terms.py); empty
+    # each token's [start, end) characters in the document (domain-term NLL, vocabulary/terms.py); empty
     # where the engine cannot place its tokens in the text (an HTTP server's tokenizer)
     char_spans: tuple[tuple[int, int], ...] = ()
     # log p of the argmax token at each scored position (its top-1 log-prob); empty where the engine

@@ -1,6 +1,6 @@
 """Every comparison of a candidate config with its baseline: plain values in, a `Comparison` out
 (evals/stats.py decides the verdict from the CI). Each function implements one comparison kind
-of the metric table (evals/metrics.py); each row's compare target (evals/compare_targets.py) feeds
+of the metric table (vocabulary/metrics.py); each row's compare target (evals/compare_targets.py) feeds
 them the config's typed records.
 
     metric                comparison         function
@@ -310,7 +310,7 @@ def ppl_ratio_by_position(candidate: Mapping[str, DocRecord], baseline: Mapping[
 
 def term_nll_ratio_comparison(candidate: dict[str, DocRecord], baseline: dict[str, DocRecord], t: Thresholds,
                               seed: int = 0) -> Comparison:
-    """The perplexity ratio restricted to the suite's domain-term tokens (evals/terms.py):
+    """The perplexity ratio restricted to the suite's domain-term tokens (vocabulary/terms.py):
     exp((Σ term NLL_c − Σ term NLL_b) / Σ term tokens) over the documents that hold a term, both
     sides scoring the same tokens; CI by paired bootstrap over source documents (min_n counts them)."""
     missing = [side for side, docs in (("candidate", candidate), ("baseline", baseline))

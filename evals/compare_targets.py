@@ -1,4 +1,4 @@
-"""The compare target of each metric row (evals/metrics.py, `Metric.compare`): one config's typed
+"""The compare target of each metric row (vocabulary/metrics.py, `Metric.compare`): one config's typed
 records and its run's context in, that metric's comparison out, or None when the config has
 nothing to compare on it (no generations, the baseline itself, a scorer the suite does not run).
 
@@ -24,12 +24,12 @@ from evals.field import (
     health_share,
     output_length_comparison,
 )
-from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
-from evals.metrics import METRICS
 from evals.perplexity import DocNLL, token_mismatch
 from evals.records import ConfigRecords, GenerationRecord
 from evals.stats import Comparison, Thresholds
+from vocabulary.figures import RunFigures
+from vocabulary.metrics import METRICS
 
 
 @dataclass(frozen=True)

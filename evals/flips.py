@@ -9,7 +9,7 @@ paired, only the discordant ones carry evidence of a difference. An unpaired two
 the two accuracies (lm-eval's scripts/model_comparator.py) is computed too, for contrast: it
 ignores the pairing, so it is both weaker and mis-calibrated here.
 
-The labelled scorer (evals/labelled.py) feeds it: `task_recovery` and `task_flips` are its two
+The labelled scorer (vocabulary/labelled.py) feeds it: `task_recovery` and `task_flips` are its two
 metric rows.
 """
 

@@ -32,7 +32,7 @@ from engines.protocol import LayerStates
 from evals.stats import bootstrap_counts
 
 if TYPE_CHECKING:
-    from evals.comparison import Comparison
+    from vocabulary.comparison import Comparison
 
 SITES = ("keys", "values", "attention", "hidden")  # in the order a layer's pass reaches them
 # a site diverges past this relative error: far above float32 round-off between two runs of the same
@@ -130,7 +130,7 @@ def summarize(records: Sequence[LayerDriftRecord], eps: float = DIVERGES) -> Dri
 
 
 def layer_drift_comparison(ctx: Any) -> Comparison | None:
-    """The compare target of `layer_drift` (evals/metrics.py): the hidden state's relative error
+    """The compare target of `layer_drift` (vocabulary/metrics.py): the hidden state's relative error
     after the last layer, mean over documents with a bootstrap CI, and in its details where the
     drift starts and how it grows. None for the baseline, or where nothing was measured."""
     from evals.compare import reported

@@ -21,7 +21,7 @@ and `read_row` picks the record by the row's kind. Nothing else reads a row's `e
     item            ItemRecord          1 right / 0      the answer read (the chosen index, or the text), each choice's
                                                          Σ log p (multiple choice)
 
-A config-run's own figures (config_runs.figures) are not a sample's: they are evals/figures.py's.
+A config-run's own figures (config_runs.figures) are not a sample's: they are vocabulary/figures.py's.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class DocRecord:
     top1_hits: int = 0  # positions where the argmax token is the document's token
     cluster: str | None = None  # documents that share a source are resampled together
     greedy_ids: tuple[int, ...] = ()  # argmax token per position, kept when the suite scores agreement
-    # the suite's domain terms (evals/terms.py): Σ −log p over the tokens that overlap one, and their
+    # the suite's domain terms (vocabulary/terms.py): Σ −log p over the tokens that overlap one, and their
     # count; None when the suite lists no terms or the engine cannot place its tokens in the text
     term_nll: float | None = None
     term_tokens: int | None = None

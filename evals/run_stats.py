@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.protocol import GenerationResult, ServerStats, ServerTiming, SpeculativeStats
-from evals.figures import ServerFigures, SpeculativeFigures
+from vocabulary.figures import ServerFigures, SpeculativeFigures
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -10,7 +10,7 @@ the `measurement_error` verdict for the comparison it would have corrupted, whic
     logprobs               each config's documents   a document's Σ log p is NaN/inf, or above 0 (a
                                                      probability over 1), or every document's is 0
     bounds                 every comparison          its estimate is outside the metric's valid range
-                                                     (evals/metrics.py `valid`): e.g. a perplexity
+                                                     (vocabulary/metrics.py `valid`): e.g. a perplexity
                                                      ratio below 0.9 (a candidate far better than its
                                                      own baseline), an acceptance outside [0, 1]
     spec_counters          spec-decode counters      a counter is negative (a server restarted), more
@@ -25,9 +25,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from evals.metrics import get_metric
 from evals.records import DocRecord, GenerationRecord
 from evals.stats import Comparison
+from vocabulary.metrics import get_metric
 
 MEASUREMENT_ERROR = "measurement_error"
 

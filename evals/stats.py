@@ -27,8 +27,8 @@ from typing import Literal
 
 import numpy as np
 
-from evals.comparison import Comparison as Comparison  # re-exported: evals.comparison holds it, numpy-free
-from evals.comparison import Verdict as Verdict
+from vocabulary.comparison import Comparison as Comparison  # re-exported: vocabulary.comparison holds it, numpy-free
+from vocabulary.comparison import Verdict as Verdict
 
 TOO_FEW = "too few samples to decide"  # the rule of an inconclusive comparison below min_n (run reasons group them)
 
@@ -42,8 +42,8 @@ class Thresholds:
 
     @classmethod
     def seed(cls, metric: str) -> Thresholds:
-        """The metric table's seed thresholds for `metric` (evals/metrics.py)."""
-        from evals.metrics import METRICS
+        """The metric table's seed thresholds for `metric` (vocabulary/metrics.py)."""
+        from vocabulary.metrics import METRICS
 
         m = METRICS[metric]
         return cls(m.warn if m.warn is not None else math.nan, m.critical, m.direction, m.min_n)

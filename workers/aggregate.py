@@ -1,5 +1,5 @@
 """Aggregate a finished run: read its sample records once, compare every candidate config with
-the baseline (each row of the metric table, evals/metrics.py, through its compare target), write the
+the baseline (each row of the metric table, vocabulary/metrics.py, through its compare target), write the
 comparisons, set the run's verdict and the gate's in the same transaction, then evaluate the
 alert rules. Idempotent: comparisons are upserted on (run, config, metric)."""
 
@@ -24,12 +24,12 @@ from engines.protocol import SAMPLING_EPS
 from engines.spec import OptimizationSpec, lossless_against
 from evals import compare_targets
 from evals.compare_targets import CompareContext
-from evals.figures import RunFigures
 from evals.health import NEAR_TIE_NATS
-from evals.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
 from evals.records import RunRecords
 from evals.stats import TOO_FEW, Comparison, Thresholds
-from evals.suite import SuiteSpec
+from vocabulary.figures import RunFigures
+from vocabulary.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
+from vocabulary.suite import SuiteSpec
 from workers import producers, step_back, top_up  # noqa: F401 - producers: the record kinds rows are read by
 
 

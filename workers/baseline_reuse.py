@@ -33,8 +33,8 @@ _LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "triton", "v
 def inputs_key(job: Job) -> str | None:
     """sha256 of everything that decides a config-run's rows: the model's files (and a draft
     model's, and a config's own checkpoint's) by content, the config's spec, the suite's spec and
-    version, the samples in order, the source of engines/, evals/ and workers/, the libraries'
-    versions and the device kind.
+    version, the samples in order, the source of engines/, vocabulary/, evals/ and workers/, the
+    libraries' versions and the device kind.
     None for a served model (engine openai): what the server runs is not ours to pin."""
     spec: OptimizationSpec = job.spec
     if spec.engine == "openai":
@@ -60,7 +60,8 @@ def inputs_key(job: Job) -> str | None:
         "models": models, "spec": spec.model_dump(mode="json"), "baseline_spec": job.baseline_spec.model_dump(
             mode="json"), "suite": job.suite.model_dump(mode="json"), "suite_version": job.suite_version,
         "samples": [key for key, _, _ in job.samples],
-        "code": source_digest(_CODE / "engines", _CODE / "evals", _CODE / "workers"), "versions": versions,
+        "code": source_digest(_CODE / "engines", _CODE / "vocabulary", _CODE / "evals", _CODE / "workers"),
+        "versions": versions,
         "device": str(device), "machine": platform.machine(), "python": platform.python_version(),
         "threads": torch.get_num_threads(), "kernels": os.environ.get("CANARY_KERNELS"),
         "calibration": calibration_id(job.calibration),

@@ -19,8 +19,8 @@ from app.dispatch import AGGREGATE_RUN, EXECUTE_CONFIG_RUN, Dispatcher, priority
 from app.settings import Settings, get_settings
 from engines.fingerprint import weights_digest
 from engines.protocol import WindowSpec
-from evals.figures import RunFigures
 from evals.run_stats import RunStats, percentile
+from vocabulary.figures import RunFigures
 from workers import baseline_reuse, engine_cache
 from workers.base import BaseTask
 from workers.engine_cache import reset_engine_cache

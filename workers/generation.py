@@ -12,7 +12,7 @@ from engines.protocol import Engine, GenerationResult, RollingRequest, RollingRe
 from engines.spec import OptimizationSpec
 from evals.health import Scored, leaves_greedy
 from evals.records import GenerationRecord
-from evals.suite import GenerationSettings
+from vocabulary.suite import GenerationSettings
 from workers import engine_cache
 from workers.job import Job, loadable_model, served_model_tokenizer
 

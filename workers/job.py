@@ -14,8 +14,8 @@ from app import repo
 from app.corpus import ITEM_PREFIX
 from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite
 from engines.spec import OptimizationSpec
-from evals.labelled import LabelledItem
-from evals.suite import SuiteSpec
+from vocabulary.labelled import LabelledItem
+from vocabulary.suite import SuiteSpec
 
 
 @dataclass(frozen=True)

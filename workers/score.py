@@ -27,7 +27,7 @@ from evals.records import (
     RubricRecord,
     RunRecords,
 )
-from evals.suite import JudgeSettings, SuiteSpec
+from vocabulary.suite import JudgeSettings, SuiteSpec
 
 log = logging.getLogger(__name__)
 _OFFLINE: dict[float, OfflineFaithfulness] = {}  # the embedder loads once per process
@@ -155,7 +155,7 @@ def _judge(scoring: Scoring, gens: dict[int, dict[str, GenerationRecord]], table
         log.info("judge usage for run %s: %s", scoring.run_id, client.usage)
 
 
-# the run's CPU scorers, by the suite scorer that switches each on (evals/suite.py), in the order they run,
+# the run's CPU scorers, by the suite scorer that switches each on (vocabulary/suite.py), in the order they run,
 # with the errors that fail the scorer (not the run). ValueError: the SSRF policy refused the judge URL
 RUN_SCORERS: dict[str, tuple[Callable[[Scoring, dict[int, dict[str, GenerationRecord]], RunRecords], None],
                              tuple[type[Exception], ...]]] = {

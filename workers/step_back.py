@@ -34,9 +34,9 @@ from engines.spec import (
     lossless_against,
     single_axis_ablation,
 )
-from evals.metrics import VERDICT_ORDER
 from evals.stats import Comparison
 from evals.step_back import LOSS_METRICS, Layer, StepBack
+from vocabulary.metrics import VERDICT_ORDER
 
 log = logging.getLogger(__name__)
 BREACH = ("warn", "critical")

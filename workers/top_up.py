@@ -44,9 +44,9 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Run, Suite, utcnow
 from app.settings import get_settings
-from evals.metrics import counted_by, grows_with_samples, informational, rule_samples
 from evals.stats import TOO_FEW, Comparison
-from evals.suite import TOP_UP_FACTOR
+from vocabulary.metrics import counted_by, grows_with_samples, informational, rule_samples
+from vocabulary.suite import TOP_UP_FACTOR
 from workers import step_back
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def undecided(row: Comparison) -> bool:
     """A gated comparison that more samples could decide: inconclusive with some paired samples,
     its CI across the warn threshold or its n below min_n (not one that had nothing to score), on a
     metric whose n grows with the documents drawn (not the labelled items, nor the suite's first
-    few documents that the distribution and decode-step signals read: evals.metrics.counted_by)."""
+    few documents that the distribution and decode-step signals read: vocabulary.metrics.counted_by)."""
     if row.verdict != "inconclusive" or not row.n or informational(row) or not grows_with_samples(row.metric):
         return False
     rule = row.rule or ""
@@ -66,7 +66,7 @@ def undecided(row: Comparison) -> bool:
 
 
 def reachable(row: Comparison, have: int, most: int) -> bool:
-    """Whether the samples its rule says would decide it (evals.metrics.rule_samples: its min_n while
+    """Whether the samples its rule says would decide it (vocabulary.metrics.rule_samples: its min_n while
     below it, else about so many at its effect), scaled from its n to the run's samples (`have`:
     prompts are a share of them), fit within the `most` the run may hold. A comparison that needs
     thousands where the run may hold hundreds stays undecided without a pass that cannot settle

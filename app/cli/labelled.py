@@ -1,4 +1,4 @@
-"""Labelled items for a suite's labelled scorer (evals/labelled.py): convert lm-eval's
+"""Labelled items for a suite's labelled scorer (vocabulary/labelled.py): convert lm-eval's
 `--log_samples` output into an items file, and list the built-in tasks."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def import_lm_eval(
     `labelled.items`: a multiple-choice task's choices and right index, or a generate_until
     task's prompt and target (scored by exact match). The canary then asks every config the same
     items and compares them item by item."""
-    from evals.labelled import ItemError, from_lm_eval_sample, parse_item
+    from vocabulary.labelled import ItemError, from_lm_eval_sample, parse_item
 
     items: list[dict] = []
     for path in samples:
@@ -66,7 +66,7 @@ def builtin(name: str | None = typer.Argument(None, help="a built-in task: print
     """List the built-in tasks (labelled.items: builtin:NAME), or print one task's items: one JSON
     object per line, the answer as the right choice's index (what an lm-eval multiple_choice task
     reads: docs/lm_eval/pydoc_next_word.yaml)."""
-    from evals.labelled import BUILTIN_TASKS, ItemError, builtin_items
+    from vocabulary.labelled import BUILTIN_TASKS, ItemError, builtin_items
 
     if name is None:
         for task, what in BUILTIN_TASKS.items():

@@ -28,7 +28,7 @@ def metric_cell(comp: ComparisonOut | None) -> str:
 def worst_comparison(comparisons: list[ComparisonOut]) -> ComparisonOut | None:
     """The config's comparison that decides its standing: the worst verdict among its gated
     comparisons (informational ones never decide), ppl_ratio first among equals."""
-    from evals.metrics import METRICS, VERDICT_ORDER, informational
+    from vocabulary.metrics import METRICS, VERDICT_ORDER, informational
 
     gated = [c for c in comparisons if c.metric in METRICS and not informational(c) and c.verdict in VERDICT_ORDER]
     return max(gated, key=lambda c: (VERDICT_ORDER[c.verdict], c.metric == "ppl_ratio"), default=None)

@@ -23,8 +23,8 @@ from app.models import (
 )
 from app.repo.base import TERMINAL, Conflict, NotFound, _insert, _rowcount
 from app.repo.catalogue import suite_samples
-from evals.comparison import STORED
-from evals.comparison import Comparison as Measured  # app.models.ComparisonRow is its stored row
+from vocabulary.comparison import STORED
+from vocabulary.comparison import Comparison as Measured  # app.models.ComparisonRow is its stored row
 
 
 def draw_samples(keys: Sequence[str], n: int, seed: int) -> list[str]:

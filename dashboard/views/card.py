@@ -5,7 +5,7 @@ value, the config it comes from and its threshold state as a colour and a word, 
 last and next check in human time.
 
 A tile's state is the verdict the API computed for the catalogue metric behind it (GET /metrics;
-evals/metrics.py is the metric's one home): the dashboard never judges a figure itself. A tile
+vocabulary/metrics.py is the metric's one home): the dashboard never judges a figure itself. A tile
 whose metrics are not in the catalogue is left out; the figures with no comparison on the suite
 are named in one small "no data" tile, with no figure."""
 

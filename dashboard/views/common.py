@@ -24,7 +24,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def catalogue(api) -> list[dict]:
-    """The metric catalogue (GET /metrics: evals/metrics.py's table), in display order."""
+    """The metric catalogue (GET /metrics: vocabulary/metrics.py's table), in display order."""
     return api.get("/metrics")["metrics"]
 
 

@@ -1,5 +1,5 @@
 """A comparison says whether it has a say in a verdict as a column of its own: comparisons.gated
-(evals.comparison.Comparison.gated), where it had been a key of its details JSON
+(vocabulary.comparison.Comparison.gated), where it had been a key of its details JSON
 (details.informational = true). Existing rows: gated is false where that key was true, and the key
 is dropped from details; downgrade puts it back.
 

@@ -119,7 +119,7 @@ def test_api_runs_without_the_model_stack(tmp_path):
 def test_the_api_image_copies_every_project_package_the_api_imports():
     """The API image installs only the directories its Dockerfile COPYs: every module of this
     repository that the API and the CLI load must come from one of them (app reads the metric
-    table, the records and the term lists from evals/)."""
+    table, the figures, the suite settings and the term lists from vocabulary/)."""
     copied = {m.group(1).rstrip("/") for m in re.finditer(r"^COPY (?!--)(\S+) \./", (ROOT / "deploy/docker/Dockerfile.api")
                                                             .read_text(), re.M)}
     code = ("import sys, app.api.main, app.cli\n"

@@ -10,8 +10,8 @@ import httpx
 import pandas as pd
 import pytest
 from dashboard.views.common import doc_ppl_ratio, human_time, keep_ci_whole, pct_change, verdict_rank
-from evals.metrics import METRICS, format_estimate
 from streamlit.testing.v1 import AppTest
+from vocabulary.metrics import METRICS, format_estimate
 
 from tests.conftest import ROOT
 from tests.e2e.conftest import SMOKE

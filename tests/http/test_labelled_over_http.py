@@ -2,7 +2,7 @@
 tiny model in fp32, asked the built-in task's items through the openai engine, answers each item as
 the reference engine in-process does. Over HTTP the engine cannot place the server's tokens in the
 text, so a choice's Σ log p is the whole text's log-likelihood less the prompt's own
-(evals/labelled.py continuation_loglikelihood)."""
+(vocabulary/labelled.py continuation_loglikelihood)."""
 
 from __future__ import annotations
 

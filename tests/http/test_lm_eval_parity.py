@@ -92,7 +92,7 @@ def test_lm_eval_multiple_choice_samples_import_as_items_the_canary_answers_alik
     as a multiple_choice task (docs/lm_eval/pydoc_next_word.yaml) with --log_samples, and read back
     with `canary tasks import-lm-eval`: the same items come back, and the canary's labelled scorer
     (the reference engine in-process) answers each one right or wrong exactly as lm-eval's `acc` did."""
-    from evals.labelled import builtin_items, parse_items
+    from vocabulary.labelled import builtin_items, parse_items
     from workers.producers.labelled import answer_choices
 
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

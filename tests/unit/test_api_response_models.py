@@ -1,6 +1,6 @@
 """Every API answer has a declared shape: each 2xx response of each route carries a schema with
 named properties (not a bare `object`), and the run, comparison and figures shapes follow the
-records the workers write (evals.figures.RunFigures, evals.stats.Comparison). Whether the
+records the workers write (vocabulary.figures.RunFigures, vocabulary.comparison.Comparison). Whether the
 answers really match their schemas is schemathesis's check (test_api_schemathesis.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import dataclasses
 from app.api.main import app
 from app.schemas import ComparisonOut, FiguresOut
 from engines.protocol import SpeculativeStats
-from evals.figures import RunFigures, ServerFigures, SpeculativeFigures
 from evals.stats import Comparison
+from vocabulary.figures import RunFigures, ServerFigures, SpeculativeFigures
 
 
 def _untyped(schema: dict) -> bool:

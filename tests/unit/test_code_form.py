@@ -1,6 +1,6 @@
 """The form gate: ruff (line length 120, 160 in tests/ and benchmarks/; the bug-finding rule sets)
-over the whole repository, and mypy (check_untyped_defs) over the service code (engines/, evals/,
-workers/, app/, dashboard/), configured in
+over the whole repository, and mypy (check_untyped_defs) over the service code (engines/, vocabulary/,
+evals/, workers/, app/, dashboard/), configured in
 pyproject.toml. Either one reporting a problem fails the test with its report."""
 
 import subprocess
@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration  # ruff and mypy subprocesses (mypy: a minute cold)
 
-CODE = ["engines", "evals", "workers", "app", "dashboard"]
+CODE = ["engines", "vocabulary", "evals", "workers", "app", "dashboard"]
 # ruff and mypy hold every file of CODE: no module is exempt (no [[tool.mypy.overrides]] with
 # ignore_errors in pyproject.toml).
 
@@ -28,7 +28,7 @@ def test_ruff_finds_nothing():
 
 
 def test_mypy_finds_nothing():
-    # The files (pyproject.toml [tool.mypy] files) are engines, evals, workers, app and dashboard.
+    # The files (pyproject.toml [tool.mypy] files) are engines, vocabulary, evals, workers, app and dashboard.
     # The cache is mypy's own (.mypy_cache in the checkout), the one `make check` fills: .ci/run runs
     # `make check` first, so here it is warm (seconds; minutes cold on a busy 2-core machine). mypy
     # checks every entry against the sources, so a stale one cannot hide an error.

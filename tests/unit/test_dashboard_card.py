@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from dashboard.views.card import card_html, check_times, model_tiles
-from evals.metrics import METRICS
+from vocabulary.metrics import METRICS
 
 NOW = datetime(2026, 11, 25, 12, 0, 0, tzinfo=timezone.utc)
 CATALOGUE = [m.as_dict() for m in METRICS.values()]  # what GET /metrics serves

@@ -156,7 +156,7 @@ def test_the_release_review_report_holds_thresholds_environment_and_markdown(see
     from app.db import session_scope
     from app.repo import get_project, get_run
     from app.report import build
-    from evals.metrics import METRICS
+    from vocabulary.metrics import METRICS
 
     with session_scope() as s:
         project = get_project(s, "shop")

@@ -47,11 +47,11 @@ def test_prometheus_rules_parse():
 
 
 def test_prometheus_rules_are_written_from_the_metric_table():
-    """The committed rules file is what `canary alert-rules` writes from evals/metrics.py, with one
+    """The committed rules file is what `canary alert-rules` writes from vocabulary/metrics.py, with one
     seed-threshold rule per gated metric on the gauge app/prometheus.py exports for it."""
     from app.prometheus import COMPARISON_GAUGES
     from app.prometheus_rules import render
-    from evals.metrics import gated_metrics
+    from vocabulary.metrics import gated_metrics
 
     assert (ROOT / "deploy/prometheus/canary-rules.yml").read_text() == render(), \
         "regenerate: canary alert-rules > deploy/prometheus/canary-rules.yml"

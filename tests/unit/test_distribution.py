@@ -202,7 +202,7 @@ def test_on_the_demo_s_configs_every_bound_brackets_the_whole_vocabulary_kl():
     from engines.spec import OptimizationSpec
     from engines.zoo import BUILTIN_CORPORA, resolve_model_path
     from evals.distribution import TOP_K, doc_distribution, topk_rows
-    from evals.labelled import json_lines
+    from vocabulary.labelled import json_lines
 
     target = str(resolve_model_path(DEMO_CONFIG["model"]["path"]))
     with open(BUILTIN_CORPORA["pydoc-heldout"], encoding="utf-8") as f:

@@ -26,7 +26,7 @@ from tests.conftest import ROOT
 
 SUFFIXES = (".py", ".toml", ".md", ".yml", ".yaml")
 SKIP_DIRS = {"node_modules", "__pycache__", "build", "dist", "out"}  # and every folder whose name starts with "."
-OUR_FOLDERS = {"docs", "benchmarks", "deploy", "app", "engines", "evals", "workers", "dashboard", "tests", "migrations"}
+OUR_FOLDERS = {"docs", "benchmarks", "deploy", "app", "engines", "vocabulary", "evals", "workers", "dashboard", "tests", "migrations"}
 BARE_NAMES = {"design.md", "reference.md"}
 
 URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s)\]>\"'`]+|\b(?:[\w-]+\.)+(?:com|org|io|net|ai|dev)/[^\s)\]>\"'`]*")

@@ -200,7 +200,7 @@ def toy_prompt_count(ctx):
 def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env):
     """A metric is its row and its compare target; the aggregation loops over
     the table, so a toy row registered here reaches the stored comparisons of a real run."""
-    from evals.metrics import METRICS, Metric, register_metric
+    from vocabulary.metrics import METRICS, Metric, register_metric
 
     toy = register_metric(Metric("toy_prompt_count", "prompts", "points", "below", "mean", "generation",
                                  "prompts the candidate answered (a test's toy row)", gated=False,
@@ -223,7 +223,7 @@ def test_a_metric_added_to_the_table_is_compared_with_no_worker_edit(sqlite_env)
 
 
 def test_a_compare_target_that_cannot_be_imported_names_its_row():
-    from evals.metrics import Metric
+    from vocabulary.metrics import Metric
 
     row = Metric("toy_missing", "x", "points", "below", "mean", "generation", "a toy", gated=False,
                  compare="evals.compare_targets:no_such_function")
@@ -266,9 +266,9 @@ def test_a_producer_registered_in_a_test_reaches_the_comparisons_with_no_worker_
     metric row: registered here, run by the worker's loop over the suite's producers, read by the
     aggregation and compared, with no file under workers/ naming it."""
     from engines.protocol import RollingRequest
-    from evals.metrics import METRICS, Metric, register_metric
     from evals.records import unregister_record
-    from evals.suite import SCORER_TABLE, Scorer, register_scorer
+    from vocabulary.metrics import METRICS, Metric, register_metric
+    from vocabulary.suite import SCORER_TABLE, Scorer, register_scorer
     from workers.producers import PRODUCERS, Batch, Producer, register_producer
 
     calls = []

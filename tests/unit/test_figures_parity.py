@@ -80,7 +80,7 @@ def test_the_demo_suite_stores_the_recorded_comparisons_and_figures(sqlite_env):
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
         pytest.skip(f"recorded {GOLDEN.name}")
     want = json.loads(GOLDEN.read_text())
-    # metrics added since the recording (a new row in evals/metrics.py) are checked by their own tests
+    # metrics added since the recording (a new row in vocabulary/metrics.py) are checked by their own tests
     recorded = {(c["config"], c["metric"]) for c in want["comparisons"]}
     got["comparisons"] = [c for c in got["comparisons"] if (c["config"], c["metric"]) in recorded]
     problems = _close(got, want, "summary")

@@ -1,11 +1,13 @@
-"""Labelled items (evals/labelled.py) and their comparisons (evals/flips.py), worked by hand."""
+"""Labelled items (vocabulary/labelled.py) and their comparisons (evals/flips.py), worked by hand."""
 
 import json
 import math
 
 import pytest
 from evals.flips import flips_comparison, recovery_comparison
-from evals.labelled import (
+from evals.records import ItemRecord
+from evals.stats import Thresholds, wilson_interval
+from vocabulary.labelled import (
     ItemError,
     builtin_items,
     choice_correct,
@@ -14,8 +16,6 @@ from evals.labelled import (
     parse_item,
     parse_items,
 )
-from evals.records import ItemRecord
-from evals.stats import Thresholds, wilson_interval
 
 
 def test_an_item_parses_with_its_match_and_answer_checked():

@@ -12,7 +12,7 @@ from app.dispatch import InlineDispatcher
 from app.schemas import jsonable
 from app.services import apply_config_file, run_summary, start_run
 from engines.zoo import resolve_corpus_path
-from evals.labelled import builtin_items
+from vocabulary.labelled import builtin_items
 
 pytestmark = pytest.mark.integration
 

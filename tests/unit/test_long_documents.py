@@ -7,7 +7,7 @@ import json
 
 import pytest
 from app.corpus import CorpusError, SampleIn, join_long
-from evals.suite import LONG_CHARS_PER_TOKEN
+from vocabulary.suite import LONG_CHARS_PER_TOKEN
 
 from tests.unit.test_cli import GOOD, run_cli, write  # noqa: F401 - run_cli is a fixture
 

@@ -1,4 +1,4 @@
-"""The metric table (evals/metrics.py) is the one home of a metric: the config file's thresholds,
+"""The metric table (vocabulary/metrics.py) is the one home of a metric: the config file's thresholds,
 the API's catalogue, the Prometheus gauges and the comparison each metric gets all come from it.
 Figures here are worked by hand."""
 
@@ -10,9 +10,9 @@ import pytest
 from app.config_file import ConfigFileError, Thresholds, parse_config
 from engines.protocol import SpeculativeStats
 from evals.compare import peak_comparison
-from evals.metrics import METRICS, RUN_VERDICT, VERDICTS, gated_metrics, get_metric, worst_verdict
 from evals.records import DocRecord, GenerationRecord, PairwiseRecord, RunRecords
 from evals.stats import Thresholds as StatThresholds
+from vocabulary.metrics import METRICS, RUN_VERDICT, VERDICTS, gated_metrics, get_metric, worst_verdict
 
 BASE = {"project": "m", "model": {"name": "tiny", "path": "builtin:pydoc-target"},
         "configs": [{"name": "fp16", "baseline": True}, {"name": "int8", "weights": "int8"}],

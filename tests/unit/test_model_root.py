@@ -164,7 +164,7 @@ def test_the_worker_loads_the_draft_it_checked_by_its_real_path(sqlite_env, monk
 
     from app.settings import get_settings
     from engines.spec import OptimizationSpec
-    from evals.suite import SuiteSpec
+    from vocabulary.suite import SuiteSpec
     from workers.job import Job, loadable_model
 
     monkeypatch.setenv("CANARY_MODEL_ROOT", str(tree))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from app.runbooks import FALLBACK, SECTIONS, alert_runbook, anchor, runbook_url, section
-from evals.metrics import METRICS
+from vocabulary.metrics import METRICS
 
 from tests.conftest import ROOT
 

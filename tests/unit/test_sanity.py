@@ -9,9 +9,9 @@ import math
 from app.alerting import AlertState, evaluate
 from engines.protocol import SpeculativeStats
 from evals import sanity
-from evals.metrics import RUN_VERDICT, worst_verdict
 from evals.records import DocRecord, GenerationRecord
 from evals.stats import Comparison, Thresholds
+from vocabulary.metrics import RUN_VERDICT, worst_verdict
 
 
 def doc(key: str, nll: float, n_tokens: int = 5) -> DocRecord:

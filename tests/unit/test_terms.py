@@ -1,4 +1,4 @@
-"""Domain-term NLL (evals/terms.py) and term_nll_ratio (evals/compare.py), worked by hand."""
+"""Domain-term NLL (vocabulary/terms.py) and term_nll_ratio (evals/compare.py), worked by hand."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from evals.compare import term_nll_ratio_comparison
 from evals.perplexity import DocNLL, ppl_ratio
 from evals.records import DocRecord, RunRecords
 from evals.stats import Thresholds
-from evals.terms import compile_terms, term_nll, term_spans, term_token_mask
+from vocabulary.terms import compile_terms, term_nll, term_spans, term_token_mask
 
 
 def test_terms_mark_the_tokens_that_overlap_them():

@@ -21,8 +21,8 @@ from app.schemas import RunOut, jsonable
 from app.services import apply_config_file, run_summary, start_run
 from app.settings import get_settings
 from engines.zoo import resolve_corpus_path
-from evals.suite import SuiteSpec
 from sqlalchemy import select
+from vocabulary.suite import SuiteSpec
 from workers import top_up
 
 from tests.http.test_step_back import StepDispatcher
@@ -166,7 +166,7 @@ def test_a_top_up_pass_keeps_what_it_did_not_measure_by_hand():
 
 
 def test_pass_scorers_by_hand():
-    from evals.comparison import Comparison
+    from vocabulary.comparison import Comparison
 
     def row(metric: str) -> Comparison:
         return Comparison(config_id=2, metric=metric, estimate=1.0, ci_low=0.9, ci_high=1.1, n=6,
@@ -236,7 +236,7 @@ def test_a_comparison_is_topped_up_for_only_when_the_samples_it_needs_fit_the_ca
     """Prompts are 16 of the run's 100 samples. About 60 prompts would decide it: 60 × 100 / 16 =
     375 samples, within a cap of 400, not within 300. About 20827 would not fit any cap here. Below
     min_n 8 at n=6 of 6 samples: 8 samples, within 12."""
-    from evals.comparison import Comparison
+    from vocabulary.comparison import Comparison
 
     row = {"config_id": 2, "metric": "degenerate_answers", "estimate": 0.06, "ci_low": 0.0, "ci_high": 0.19,
            "n": 16, "verdict": "inconclusive"}
@@ -258,7 +258,7 @@ def test_top_up_false_with_max_samples_is_refused_naming_both(tmp_path):
 
 
 def test_undecided_takes_only_comparisons_more_samples_can_decide():
-    from evals.comparison import Comparison
+    from vocabulary.comparison import Comparison
 
     row = {"config_id": 2, "metric": "ppl_ratio", "estimate": 1.01, "ci_low": 0.99, "ci_high": 1.03, "n": 6,
            "verdict": "inconclusive"}

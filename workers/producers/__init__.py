@@ -1,6 +1,6 @@
 """A config-run's engine pass as producers: objects the worker loops over (workers/execute.py).
 
-Each producer is one module. It names the suite scorer that switches it on (evals/suite.py's
+Each producer is one module. It names the suite scorer that switches it on (vocabulary/suite.py's
 scorer table), asks the engine for what it needs, and turns the results into rows of its own
 record kinds (evals/records.py: one writer and one reader per kind), batch by batch. The worker
 keeps the lease, the progress and the fenced writes; a producer never touches the database.
@@ -18,7 +18,7 @@ The document signals (workers/producers/terms.py, positions.py, decode.py, distr
 read beside each batch of documents and stored on the document's row; a signal that needs a row
 of its own is a producer of its own. A new producer is a module here (or anywhere) that calls
 `register_producer`; the aggregation finds its records in `ConfigRecords.kinds` and a metric's
-compare target reads them (evals/metrics.py).
+compare target reads them (vocabulary/metrics.py).
 """
 
 from workers.producers import documents, generation, labelled, layer_drift  # noqa: F401 - each registers itself

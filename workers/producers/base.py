@@ -11,7 +11,7 @@ from typing import Any, ClassVar, NamedTuple
 from engines.protocol import WindowSpec
 from evals.records import register_record
 from evals.run_stats import RunStats
-from evals.suite import scorer
+from vocabulary.suite import scorer
 from workers.generation import BaselineScorer, baseline_scorer
 from workers.job import Job
 
@@ -54,7 +54,7 @@ class Producer:
     engine for what it needs and yields its rows a batch at a time; the worker checks the lease
     before each batch and writes each one fenced by the attempt."""
 
-    scorer: ClassVar[str]  # the suite scorer that switches it on (evals/suite.py SCORER_TABLE)
+    scorer: ClassVar[str]  # the suite scorer that switches it on (vocabulary/suite.py SCORER_TABLE)
     records: ClassVar[tuple[type, ...]] = ()  # the record kinds it writes (evals/records.py)
 
     def __init__(self, work: Work):
@@ -77,7 +77,7 @@ PRODUCERS: list[type[Producer]] = []
 
 def register_producer(cls: type[Producer]) -> type[Producer]:
     """Add a producer after those registered before it. Its scorer must be in the scorer table
-    (register a new one with evals.suite.register_scorer); its record kinds become readable
+    (register a new one with vocabulary.suite.register_scorer); its record kinds become readable
     (evals.records.register_record) and a reused baseline or a top-up keeps them."""
     scorer(cls.scorer)  # an unknown scorer is an error naming the table's
     for record in cls.records:

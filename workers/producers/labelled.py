@@ -1,4 +1,4 @@
-"""The labelled producer (scorer `labelled`): the suite's labelled items (evals/labelled.py),
+"""The labelled producer (scorer `labelled`): the suite's labelled items (vocabulary/labelled.py),
 DOC_BATCH at a time. A multiple-choice item is answered by each choice's Σ log p after the prompt
 (the log-likelihood of prompt + choice less the prompt's own, as lm-eval's loglikelihood requests
 give it), any other by a greedy answer."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from engines.protocol import Engine, GenerationRequest, RollingRequest, WindowSpec
-from evals.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from evals.records import ItemRecord
+from vocabulary.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from workers.producers.base import Batch, Producer, Work, register_producer
 from workers.producers.documents import DOC_BATCH
 
@@ -17,7 +17,7 @@ from workers.producers.documents import DOC_BATCH
 def answer_choices(engine: Engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
     """Multiple-choice items answered by log-likelihood, every choice of every item in one engine
     call (the reference engine packs them into batches): each choice's Σ log p after the prompt
-    (evals/labelled.py continuation_loglikelihood)."""
+    (vocabulary/labelled.py continuation_loglikelihood)."""
     requests = [RollingRequest(f"{item.key}#{j}", item.prompt + choice, window)
                 for item in items for j, choice in enumerate(item.choices)]
     results = iter(engine.loglikelihood_rolling(requests))

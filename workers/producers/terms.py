@@ -1,12 +1,12 @@
 """Document signal: the suite's domain terms (perplexity.terms; term_nll_ratio): Σ −log p over the
-tokens that overlap a term, and their count (evals/terms.py)."""
+tokens that overlap a term, and their count (vocabulary/terms.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engines.protocol import RollingRequest, RollingResult
-from evals.terms import compile_terms, term_nll
+from vocabulary.terms import compile_terms, term_nll
 from workers.producers.base import Work
 from workers.producers.documents import DocumentSignal, register_signal
 

@@ -1,4 +1,4 @@
-"""The metric catalogue: the rows of evals/metrics.py as the API serves them. The dashboard reads
+"""The metric catalogue: the rows of vocabulary/metrics.py as the API serves them. The dashboard reads
 its columns, labels, formats and directions from here, so a new metric shows up without a
 dashboard change."""
 
@@ -9,7 +9,7 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from evals.metrics import METRICS, VERDICTS
+from vocabulary.metrics import METRICS, VERDICTS
 
 router = APIRouter(tags=["catalogue"])
 

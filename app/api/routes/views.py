@@ -31,7 +31,7 @@ from app.services import decide_command, decide_settings_commands
 from app.settings import get_settings
 from app.ssrf import public_spec
 from app.summary import Advice, verdict_summary
-from evals.metrics import METRICS, VERDICT_ORDER
+from vocabulary.metrics import METRICS, VERDICT_ORDER
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
 if TYPE_CHECKING:  # a Literal built at run time: to a type checker, a str

@@ -293,7 +293,7 @@ register_metric(Metric(
 
 
 # What a comparison's n counts when it is not the run's documents: the suite setting that sets it
-# (evals/suite.py). Asking for more documents (`--samples`) leaves these counts as they are; a top-up
+# (vocabulary/suite.py). Asking for more documents (`--samples`) leaves these counts as they are; a top-up
 # scales the prompts with the documents it adds (workers/job.py), and nothing else.
 COUNTED_BY = {"generation": "generation.prompts", "agreement": "generation.prompts",
               "judge": "generation.prompts", "faithfulness": "generation.prompts",
@@ -370,7 +370,7 @@ def format_estimate(metric: Metric, estimate: float | None, low: float | None = 
 
 
 class Judged(Protocol):
-    """What informational() reads of a comparison: evals.stats.Comparison, the stored row
+    """What informational() reads of a comparison: vocabulary.comparison.Comparison, the stored row
     (app/models.py) and the API's ComparisonOut all have both."""
 
     @property

@@ -105,7 +105,7 @@ class PerplexitySettings(_Settings):
     @field_validator("terms")
     @classmethod
     def _terms(cls, v: list[str]) -> list[str]:
-        from evals.terms import compile_terms
+        from vocabulary.terms import compile_terms
 
         for i, entry in enumerate(v):
             try:
@@ -177,7 +177,7 @@ class FaithfulnessSettings(_Settings):
 
 class LabelledSettings(_Settings):
     items: str | None = Field(None, max_length=4096, description=(
-        "labelled items the labelled scorer asks every config (evals/labelled.py): builtin:pydoc-next-word, or a "
+        "labelled items the labelled scorer asks every config (vocabulary/labelled.py): builtin:pydoc-next-word, or a "
         ".jsonl file of {id, prompt, answer, choices?, match?} objects; lm-eval's --log_samples output converts "
         "with `canary tasks import-lm-eval`"))
     max_items: int = Field(500, ge=1, le=20000, description="items each run scores: the first ones, in file order")
