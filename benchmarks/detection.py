@@ -47,6 +47,15 @@ ratio. Faults: prompt log-probs lowered by s (logprob-shift), streamed text garb
 broken measurement), and a second engine-serve of a checkpoint whose decoder weights carry noise
 σ (weight-noise). Nulls: identity proxies in front of the same upstream.
 
+generated: faults and nulls no test names, drawn at random (benchmarks/detection_generated.py): seven
+fault families (confident flips, truncation, token and phrase loops, empty answers, unrelated
+answers, answers swapped between concurrent requests) at rates of 5–40 %, early or late in the
+answer, on the candidate, only under concurrency, on the baseline or on both; nulls whose greedy
+answers flip at near-ties in 10–90 % of answers on the candidate only, on both sides, or only under
+concurrency. Its seed is drawn fresh at each run and printed (--gen-seed repeats a run), its suite
+is a user's defaults (16 prompts, 24 new tokens, no max_samples: default top-ups), and it is
+reported apart from the named halves, every miss and false alarm listed with its parameters.
+
 "At or above threshold": the fault's size on a metric that measures it (e^s for a log-prob shift;
 the measured estimate of ppl_ratio, gen_nll_ratio, ttft_ratio, and lossless_exact_match where it
 is gated) is at or beyond that metric's seed warn threshold. The issue's targets: every such
@@ -56,6 +65,7 @@ flagged.
     .venv/bin/python benchmarks/detection.py [--seeds 2] [--nulls 10] [--samples 12] [--prompts 12]
         [--max-samples 96] [--halves engine http field] [--roles lossless lossy] [--field-rates 0.1 0.25]
         [--field-nulls 10] [--markdown]
+    .venv/bin/python benchmarks/detection.py --halves generated [--gen-trials 3] [--gen-seed N]
 """
 
 from __future__ import annotations
@@ -265,10 +275,10 @@ def generated_half(args, servers: list, procs: list) -> dict:
     one engine-serve, at the suite's defaults (no max_samples: default top-ups). Returns its summary."""
     import random as _random
 
-    from vocabulary.metrics import METRICS
     from tests.http.conftest import start_engine_serve
     from tests.http.perturb import proxy_app
     from tests.loopback import free_port, serve_in_thread
+    from vocabulary.metrics import METRICS
 
     import detection_generated as gen
 

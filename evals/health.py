@@ -101,6 +101,10 @@ class Scored:
     logprobs: tuple[float, ...]
     leaves: tuple[tuple[int, float], ...] = ()
     greedy_known: bool = False
+    # the first token that is not the model's top one but whose text begins the way the top token's
+    # does (the model's own choice read back in other, longer tokens: `greedy_reading`); None where
+    # there is none or the greedy path was not checked
+    read_back_at: int | None = None
 
     def leaves_after(self, position: int, tau: float) -> tuple[int, float] | None:
         """The first place at or after `position` where the output leaves the greedy path by more than τ."""
@@ -109,6 +113,12 @@ class Scored:
 
 def leaves_greedy(texts: Sequence[str], logprobs: Sequence[float], greedy_texts: Sequence[str],
                   greedy_logprobs: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """Where an output leaves the model's greedy path (greedy_reading's first half)."""
+    return greedy_reading(texts, logprobs, greedy_texts, greedy_logprobs)[0]
+
+
+def greedy_reading(texts: Sequence[str], logprobs: Sequence[float], greedy_texts: Sequence[str],
+                   greedy_logprobs: Sequence[float]) -> tuple[tuple[tuple[int, float], ...], int | None]:
     """Where an output, teacher-forced token by token (each token's text and log p), leaves the
     model's greedy path: (position, top log p − its log p) at each token that is not the model's
     top one and whose text does not begin the way the top token's text does, up to the first
@@ -119,18 +129,22 @@ def leaves_greedy(texts: Sequence[str], logprobs: Sequence[float], greedy_texts:
     are read after other tokens than the ones they were generated after, and the model's top
     choice can differ for that alone (seen on the zoo model: "," read after "ations" where "."
     is the top, though "," was the top after "ation" + "s"). So the output is checked from its
-    start to its first such token; a departure later is not seen (the conservative reading)."""
+    start to its first such token; a departure later is not seen (the conservative reading).
+
+    Returns (those departures, the position of that first token read back otherwise or None)."""
     rest = "".join(texts)
-    out, at = [], 0
+    out: list[tuple[int, float]] = []
+    at = 0
     for i, (text, lp, top_text, top_lp) in enumerate(zip(texts, logprobs, greedy_texts, greedy_logprobs,
                                                            strict=True)):
         gap = top_lp - lp
         if gap > 1e-6:
             if rest.startswith(top_text, at):
-                break  # the greedy text in other tokens: the tokens from here were generated otherwise
+                # the greedy text in other tokens: the tokens from here were generated otherwise
+                return tuple(out), i
             out.append((i, round(gap, 4)))
         at += len(text)
-    return tuple(out)
+    return tuple(out), None
 
 
 @dataclass(frozen=True)
@@ -140,11 +154,21 @@ class Divergence:
     the same prefix); near_tie when the gap is within τ. When one output is a prefix of the other,
     only the longer side's token is scored (the other ended: an end-of-sequence token or its
     length), so the gap is bounded below by log p − log(1 − p) of that token: near_tie unless
-    even that bound exceeds τ."""
+    even that bound exceeds τ.
+
+    `read_back`: at that position, or before it, one side's text is read back in other tokens
+    than it was generated in (Scored.read_back_at: a token whose text begins with the model's top
+    token's, " C" + "I" read back as " CI" beside the other side's " C" + "D"; "2" + "2" read as
+    "22"). At that token both texts go on the way the model's top token does and part inside it;
+    after it every token is read after other tokens than it was generated after, and the model's
+    preference there is not the one it chose by. Either way these tokens cannot tell a near-tie
+    from a confident choice: not confident (near_tie), as leaves_greedy stops reading there too (a
+    departure the reading cannot see is not counted: the price of not calling noise a defect)."""
 
     position: int
     gap: float
     near_tie: bool
+    read_back: bool = False
 
 
 def divergence(a: Scored, b: Scored, tau: float = NEAR_TIE_NATS) -> Divergence | None:
@@ -152,6 +176,8 @@ def divergence(a: Scored, b: Scored, tau: float = NEAR_TIE_NATS) -> Divergence |
     for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)):
         if x != y:
             gap = abs(a.logprobs[i] - b.logprobs[i])
+            if any(r is not None and r <= i for r in (a.read_back_at, b.read_back_at)):
+                return Divergence(i, gap, True, read_back=True)
             return Divergence(i, gap, gap <= tau)
     if len(a.ids) == len(b.ids):
         return None

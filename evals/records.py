@@ -211,8 +211,10 @@ def _scored_from(stored: Mapping[str, Any] | None) -> Scored | None:
     if not stored:
         return None
     leaves = stored.get("leaves")  # absent: stored before the greedy path was checked, or not known
+    read_back = stored.get("read_back_at")  # absent: none, or stored before it was kept
     return Scored(tuple(stored["ids"]), tuple(stored["logprobs"]),
-                  tuple((int(i), float(gap)) for i, gap in leaves or ()), leaves is not None)
+                  tuple((int(i), float(gap)) for i, gap in leaves or ()), leaves is not None,
+                  None if read_back is None else int(read_back))
 
 
 def _buckets(stored: Any) -> tuple[PositionBucket, ...]:
@@ -290,7 +292,9 @@ class GenerationRecord:
         if self.scored is not None:
             extra["scored"] = {"ids": list(self.scored.ids), "logprobs": [round(x, 5) for x in self.scored.logprobs],
                                **({"leaves": [list(x) for x in self.scored.leaves]} if self.scored.greedy_known
-                                  else {})}
+                                  else {}),
+                               **({"read_back_at": self.scored.read_back_at}
+                                  if self.scored.read_back_at is not None else {})}
         if self.server_timing is not None:
             extra["server_timing"] = {k: v for k, v in asdict(self.server_timing).items() if v is not None}
         return {"sample_key": self.sample_key, "metric": self.KIND, "value": self.ttft_ms, "extra": extra}
@@ -412,7 +416,7 @@ class FaithfulnessRecord:
 
 @dataclass(frozen=True)
 class ItemRecord:
-    """One labelled item as a config answered it (evals/labelled.py; the labelled scorer)."""
+    """One labelled item as a config answered it (vocabulary/labelled.py; the labelled scorer)."""
 
     KIND: ClassVar[str] = "item"
     sample_key: str  # the item's id

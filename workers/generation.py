@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from engines.protocol import Engine, GenerationResult, RollingRequest, RollingResult, WindowSpec
 from engines.spec import OptimizationSpec
-from evals.health import Scored, leaves_greedy
+from evals.health import Scored, greedy_reading
 from evals.records import GenerationRecord
 from vocabulary.suite import GenerationSettings
 from workers import engine_cache
@@ -65,21 +65,23 @@ class BaselineScorer:
 
 
 def _leaves(full: RollingResult, prompt: RollingResult, window: WindowSpec
-            ) -> tuple[tuple[tuple[int, float], ...], bool]:
+            ) -> tuple[tuple[tuple[int, float], ...], bool, int | None]:
     """(where the output after the prompt leaves the baseline model's greedy path, whether the
-    engine gave what that takes: each token's text and the top token's, with its log p). Not
+    engine gave what that takes: each token's text and the top token's, with its log p, and the
+    first token read back in other tokens than generated: evals.health.greedy_reading). Not
     known where the prompt's tokens are not the first of the whole text's (the answer's first
     token merged with the prompt's last) or a server named tokens by id; read only up to the end
     of the first window, past which a token is read with less context than it was generated with."""
     n, start = len(full.token_ids), len(prompt.token_ids)
     if not (len(full.token_texts) == len(full.greedy_texts) == len(full.greedy_logprobs) == n):
-        return (), False
+        return (), False, None
     if tuple(full.token_ids[:start]) != tuple(prompt.token_ids) or any(
             t.startswith("token_id:") for t in full.greedy_texts):
-        return (), False
+        return (), False, None
     end = max(start, min(n, window.max_length))
-    return leaves_greedy(full.token_texts[start:end], full.logprobs[start:end], full.greedy_texts[start:end],
-                         full.greedy_logprobs[start:end]), True
+    leaves, read_back = greedy_reading(full.token_texts[start:end], full.logprobs[start:end],
+                                       full.greedy_texts[start:end], full.greedy_logprobs[start:end])
+    return leaves, True, read_back
 
 
 def scored_rows(kind: type[GenerationRecord], generations: Sequence[GenerationResult], judge: BaselineScorer,

@@ -290,3 +290,41 @@ def test_a_repeated_phrase_of_up_to_eight_words_anywhere_is_a_loop():
     # natural text with a repeated word or a two-copy phrase stays fine
     assert not is_degenerate("It is very very very important that the name is set before the call is made.")
     assert not is_degenerate("Return x if x is set, else return y if y is set, else None.")
+
+
+def test_a_divergence_inside_a_token_read_back_longer_is_not_confident():
+    """A server flips " C" + "D" to " C" + "I" at a near-tie and goes on greedily; the baseline model
+    reads the flipped answer back as " CI" + "OD", where its top token is " C" (6.7 nats above
+    " CI"). The texts part inside " CI", after the top token's text, where these tokens cannot
+    tell: not confident. The same gap at a token read as generated is confident."""
+    from evals.compare import lossless_exact_comparison
+    from evals.health import greedy_reading
+
+    # " CI" is below the top " C" and its text begins with it: read back otherwise, at position 1
+    assert greedy_reading([" a", " CI", "OD"], [-0.1, -6.8, -0.2], [" a", " C", "OD"], [-0.1, -0.1, -0.2]) == ((), 1)
+    assert greedy_reading([" a", " b"], [-0.1, -2.0], [" a", " x"], [-0.1, -0.2]) == (((1, 1.8),), None)
+    base = Scored((5, 7, 8), (-0.1, -0.1, -0.6), (), True)
+    merged = Scored((5, 9, 10), (-0.1, -6.8, -0.2), (), True, read_back_at=1)
+    d = divergence(base, merged)
+    assert (d.position, round(d.gap, 1), d.near_tie, d.read_back) == (1, 6.7, True, True)
+    sure = Scored((5, 9, 10), (-0.1, -6.8, -0.2), ((1, 6.7),), True)  # the same gap, read as generated
+    assert not divergence(base, sure).near_tie and not divergence(base, sure).read_back
+    # a side read back otherwise before the divergence ("2" + "2" read as "22" at 0): the tokens after it
+    # are read after other tokens than generated, so a gap there is not the model's choice either
+    early = Scored((5, 7, 8), (-0.1, -0.1, -0.6), (), True, read_back_at=0)
+    assert divergence(early, sure).read_back and divergence(early, sure).near_tie
+    assert not divergence(Scored((5, 7, 8), (-0.1, -0.1, -0.6), (), True, read_back_at=2), sure).near_tie
+    # the record keeps it through its row; a row stored before it was kept reads None
+    g = GenerationRecord("k", 10.0, "p", " a CIOD", 3, 3, finish_reason="length", scored=merged)
+    def back(record: GenerationRecord) -> Scored:
+        row = record.to_row()
+        return RunRecords.from_rows([(1, row["metric"], row["sample_key"], row["value"], row["extra"])])[1] \
+            .generations["k"].scored
+
+    assert back(g) == merged and back(replace(g, scored=sure)).read_back_at is None
+    baseline = {f"k{i}": GenerationRecord(f"k{i}", 10.0, "p", " a CD", 3, 3, scored=base) for i in range(10)}
+    t = seed_thresholds("lossless_exact_match")
+    read_back = lossless_exact_comparison(dict(baseline, k0=g), baseline, t)
+    assert read_back.verdict == "ok" and read_back.details["near_tie"]["count"] == 1, read_back.rule
+    confident = lossless_exact_comparison(dict(baseline, k0=replace(g, scored=sure)), baseline, t)
+    assert confident.verdict == "warn" and confident.details["confident"] == 1
