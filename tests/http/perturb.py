@@ -446,6 +446,16 @@ class _Overlaps:
     def leave(self, me: _InFlight) -> None:
         self.in_flight.remove(me)
 
+    async def greedy(self, upstream: Upstream, request: dict) -> tuple[Greedy, _InFlight]:
+        """The upstream's greedy answer to the request, in flight here while it is computed, and the
+        request's record of whom it met."""
+        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        me = self.enter(prompt)
+        try:
+            return await upstream.greedy(request, prompt, max_tokens), me
+        finally:
+            self.leave(me)
+
 
 class CorruptWhenBatched(Generation):
     """Batch-row crosstalk: a request that shared the proxy with another generation request at any
@@ -465,11 +475,7 @@ class CorruptWhenBatched(Generation):
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
         prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
         self.asked.add(prompt_key(prompt))
-        me = self.overlaps.enter(prompt)
-        try:
-            greedy = await upstream.greedy(request, prompt, max_tokens)
-        finally:
-            self.overlaps.leave(me)
+        greedy, me = await self.overlaps.greedy(upstream, request)
         key, rng = prompt_key(prompt), self.rng(prompt)
         if not me.met or not rng.random() < self.rate:  # alone, or batched but not drawn (at rate < 1)
             return greedy, self.answered(prompt, greedy, greedy.answer())
@@ -502,13 +508,9 @@ class WhenBatched(Generation):
         self.overlaps = _Overlaps()
 
     async def answer(self, upstream: Upstream, request: dict) -> tuple[Greedy, Answer]:
-        prompt, max_tokens = request["prompt"], request.get("max_tokens") or 16
+        prompt = request["prompt"]
         self.asked.add(prompt_key(prompt))
-        me = self.overlaps.enter(prompt)
-        try:
-            greedy = await upstream.greedy(request, prompt, max_tokens)
-        finally:
-            self.overlaps.leave(me)
+        greedy, me = await self.overlaps.greedy(upstream, request)
         rng = self.inner.rng(prompt, draw=True)
         if not me.met or not rng.random() < self.inner.rate:
             return greedy, self.answered(prompt, greedy, greedy.answer())

@@ -77,6 +77,18 @@ def serving(app):
         server.should_exit = True
 
 
+def all_at_once(base: str, prompts: list[str]) -> dict[str, Streamed]:
+    """Each prompt asked from its own thread, all released together: every request in flight at once."""
+    start = threading.Barrier(len(prompts))
+
+    def together(prompt: str) -> Streamed:
+        start.wait()
+        return ask(base, prompt)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return dict(zip(prompts, pool.map(together, prompts), strict=True))
+
+
 @pytest.fixture(scope="module")
 def greedy(engine_serve) -> dict[str, Streamed]:
     """The upstream's own greedy answer to each prompt, streamed to the client directly."""
@@ -184,14 +196,7 @@ def test_corrupt_when_batched_leaves_lone_requests_alone_and_corrupts_concurrent
     with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
         alone = {prompt: ask(proxy, prompt) for prompt in prompts}
         assert alone == {prompt: greedy[prompt] for prompt in prompts} and behaviour.affected == []
-        start = threading.Barrier(len(prompts))
-
-        def together(prompt: str) -> Streamed:
-            start.wait()
-            return ask(proxy, prompt)
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            batched = dict(zip(prompts, pool.map(together, prompts), strict=True))
+        batched = all_at_once(proxy, prompts)
     changed = [prompt for prompt in prompts if batched[prompt].text != greedy[prompt].text]
     assert sorted(changed) == sorted(behaviour.affected)  # every corrupted answer differs from its own
     assert len(changed) >= 6, changed  # mostly: all eight are in flight together
@@ -273,14 +278,7 @@ def test_a_fault_when_batched_leaves_lone_requests_alone(engine_serve, greedy):
     with serving(proxy_app(engine_serve, generation=behaviour)) as proxy:
         alone = {prompt: ask(proxy, prompt) for prompt in prompts}
         assert alone == {prompt: greedy[prompt] for prompt in prompts} and behaviour.affected == []
-        start = threading.Barrier(len(prompts))
-
-        def together(prompt: str) -> Streamed:
-            start.wait()
-            return ask(proxy, prompt)
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            batched = dict(zip(prompts, pool.map(together, prompts), strict=True))
+        batched = all_at_once(proxy, prompts)
     emptied = [prompt for prompt in prompts if batched[prompt].text == ""]
     assert sorted(emptied) == sorted(behaviour.affected) and len(emptied) >= len(prompts) - 1, emptied
     assert behaviour.name == "empty_answers_when_batched"
