@@ -15,6 +15,7 @@ a stashed reference to a row that is gone is left out (`keep`). Only for the mig
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,6 +24,19 @@ from alembic import op
 STASH = "migration_stash"
 _stash = sa.table(STASH, sa.column("revision", sa.String), sa.column("table_name", sa.String),
                   sa.column("row_id", sa.BigInteger), sa.column("stashed", sa.JSON))
+
+
+_DATETIME = "__stashed_datetime__"  # a timestamp's mark in the JSON (PostgreSQL gives datetimes; SQLite, text)
+
+
+def _to_json(value: Any) -> Any:
+    return {_DATETIME: value.isoformat()} if isinstance(value, datetime) else value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {_DATETIME}:
+        return datetime.fromisoformat(value[_DATETIME])
+    return value
 
 
 def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], Any], key: list[str]) -> int:
@@ -39,7 +53,7 @@ def stash(revision: str, table: str, columns: list[str], where: Callable[[Any], 
     conn.execute(sa.delete(_stash).where(_stash.c.revision == revision, _stash.c.table_name == table))
     source = sa.table(table, sa.column("id"), *(sa.column(name) for name in {*columns, *key}))
     rows = [{"revision": revision, "table_name": table, "row_id": row.id,
-             "stashed": {"values": {name: getattr(row, name) for name in columns},
+             "stashed": {"values": {name: _to_json(getattr(row, name)) for name in columns},
                          "key": {name: getattr(row, name) for name in key}}}
             for row in conn.execute(sa.select(source).where(where(source)))]
     if rows:
@@ -60,7 +74,7 @@ def restore(revision: str, table: str,
     mine = sa.and_(_stash.c.revision == revision, _stash.c.table_name == table)
     written = 0
     for row_id, stashed in conn.execute(sa.select(_stash.c.row_id, _stash.c.stashed).where(mine)).all():
-        values = keep(conn, stashed["values"])
+        values = keep(conn, {name: _from_json(value) for name, value in stashed["values"].items()})
         if not values:
             continue
         names = {*values, *stashed["key"]}

@@ -282,6 +282,10 @@ class Channel(TimestampMixin, Base):
     url: Mapped[str] = mapped_column(Text, nullable=False)  # a secret: never logged, masked in responses
     settings: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True, nullable=False)
+    # the circuit breaker (app/notify.py): failed or slow answers in a row, and no post before
+    # breaker_until; a quick success closes it
+    breaker_strikes: Mapped[int] = mapped_column(Integer, default=0, server_default="0", nullable=False)
+    breaker_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Notification(TimestampMixin, Base):

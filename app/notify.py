@@ -32,7 +32,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app import channels
@@ -179,11 +179,13 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
 
     Fair to every tenant (security round 4, N3): the pass goes in rounds, each project and each
     channel posting at most once a round, oldest row first, so one project's backlog or one
-    channel's many rows never queue another project's alert behind them. A receiver that fails
-    (a retry: timeout, refused, 429, 5xx) trips its channel: the channel's other due rows wait
-    for that row's retry (their next attempt moves there, their attempts unchanged), so a dead or
-    dripping receiver costs one deadline a retry, not one per row. One that answers but slowly
-    (half the deadline or more) posts no more in this pass."""
+    channel's many rows never queue another project's alert behind them. Each channel has a
+    circuit breaker (`strike`): a receiver that fails (a retry: timeout, refused, 429, 5xx) or
+    answers slowly (half the deadline or more) opens it, and the channel posts nothing until
+    its cool-down ends, rows created since included; the cool-down doubles with each strike in
+    a row. When it ends, one post tries the receiver again: a quick success closes the breaker,
+    another strike opens it for longer. A dead or dripping receiver therefore costs one
+    deadline per cool-down, fewer and fewer, however many rows it has."""
     from app.settings import get_settings
 
     now = now or utcnow()
@@ -192,28 +194,28 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
     assert session.bind is not None, "deliver_due needs a session bound to an engine"
     locking = session.bind.dialect.name == "postgresql"
     seen: set[int] = set()  # rows taken in this pass
-    resting: set[int] = set()  # channels tripped or slow: no more posts in this pass
     round_projects: set[int] = set()
     round_channels: set[int] = set()
 
     def next_row() -> Notification | None:
-        """The oldest due row of a project and channel that have not posted in this round; a new
-        round when every one has."""
+        """The oldest due row of a project and channel that have not posted in this round, on a
+        channel whose breaker is closed or has cooled down; a new round when every one has."""
         for new_round in (False, True):
             if new_round:
                 if not (round_projects or round_channels):
                     return None
                 round_projects.clear()
                 round_channels.clear()
-            due = (select(Notification).outerjoin(Channel, Channel.id == Notification.channel_id)
+            due = (select(Notification).join(Channel, Channel.id == Notification.channel_id)
                    .where(Notification.status == "pending")
-                   .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now)))
+                   .where((Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= now))
+                   .where((Channel.breaker_until.is_(None)) | (Channel.breaker_until <= now)))
             if seen:
                 due = due.where(Notification.id.not_in(seen))
-            if resting or round_channels:
-                due = due.where(Notification.channel_id.not_in(resting | round_channels))
+            if round_channels:
+                due = due.where(Notification.channel_id.not_in(round_channels))
             if round_projects:
-                due = due.where(Channel.project_id.is_(None) | Channel.project_id.not_in(round_projects))
+                due = due.where(Channel.project_id.not_in(round_projects))
             due = due.order_by(Notification.id).limit(1)
             if locking:
                 # one row per transaction, locked until its outcome commits: a second notifier skips it
@@ -246,28 +248,34 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
         began = time.monotonic()
         outcome, retry_after, what = post(channel, notification, owner.name if owner else "", deadline_s, transport)
         last_post[channel.id] = time.monotonic()
-        if last_post[channel.id] - began >= SLOW_FRACTION * deadline_s:
-            resting.add(channel.id)
+        # the end of this attempt on the pass's clock: a slow receiver's cool-down starts from there
+        ended = now + timedelta(seconds=last_post[channel.id] - started)
+        slow = last_post[channel.id] - began >= SLOW_FRACTION * deadline_s
         notification.attempts += 1
         notification.last_error = None if outcome == "sent" else what
         if outcome == "sent":
             notification.status, notification.sent_at = "sent", utcnow()
             counts["sent"] += 1
-        elif outcome == "retry" and notification.attempts < max_attempts:
-            delay_s = retry_after if retry_after is not None else backoff_s(notification.attempts)
-            # from the end of this attempt: a slow receiver does not make its retry due at once
-            ended = now + timedelta(seconds=time.monotonic() - started)
-            notification.next_attempt_at = ended + timedelta(seconds=delay_s)
-            counts["retry"] += 1
-            resting.add(channel.id)
-            _wait_with(session, channel, notification, now)
+            if slow:
+                strike(channel, ended, None, what="answered slowly")
+            else:
+                channel.breaker_strikes, channel.breaker_until = 0, None
+        elif outcome == "retry":
+            cooled = strike(channel, ended, retry_after, attempts=notification.attempts, what=what)
+            if notification.attempts < max_attempts:
+                notification.next_attempt_at = cooled
+                counts["retry"] += 1
+            else:
+                notification.status = "dead"
+                notification.last_error = f"gave up after {notification.attempts} attempts: {what}"
+                counts["dead"] += 1
+                log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
+                            notification.last_error)
         else:
             if outcome == "disable":
                 channel.enabled = False
                 what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
-            notification.status = "dead"
-            notification.last_error = (what if outcome != "retry"
-                                       else f"gave up after {notification.attempts} attempts: {what}")
+            notification.status, notification.last_error = "dead", what
             counts["dead"] += 1
             log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
                         notification.last_error)
@@ -275,27 +283,38 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
     return counts
 
 
-def _wait_with(session: Session, channel: Channel, tripped: Notification, now: datetime) -> None:
-    """The circuit breaker: the channel's other rows due now wait for the retry of the row that
-    failed (never made earlier, never counted as attempts)."""
-    retry_at = tripped.next_attempt_at
-    siblings = session.scalars(select(Notification).where(
-        Notification.channel_id == channel.id, Notification.status == "pending", Notification.id != tripped.id,
-        (Notification.next_attempt_at.is_(None)) | (Notification.next_attempt_at <= retry_at))
-        .with_for_update(skip_locked=True))  # a row another notifier holds is its to decide
-    held = 0
-    for row in siblings:
-        row.next_attempt_at = retry_at
-        held += 1
-    if held:
-        log.info("channel '%s' failed (%s): %d more notification(s) wait for its retry at %s", channel.name,
-                 tripped.last_error, held, retry_at)
+def strike(channel: Channel, ended: datetime, retry_after: float | None, *, attempts: int = 0,
+           what: str) -> datetime:
+    """Open the channel's breaker after a failed or slow answer that ended at `ended`; returns when
+    it may post again. The cool-down is the receiver's Retry-After when it gave one, else the
+    backoff of the strikes in a row (or of the row's own attempts, when more): 2 s, 4 s, 8 s, ...
+    up to 10 minutes, each ±50 %."""
+    channel.breaker_strikes += 1
+    delay_s = retry_after if retry_after is not None else backoff_s(max(channel.breaker_strikes, attempts))
+    channel.breaker_until = ended + timedelta(seconds=delay_s)
+    log.info("channel '%s' %s: its breaker opens for %.0f s (strike %d in a row)", channel.name, printable(what),
+             delay_s, channel.breaker_strikes)
+    return channel.breaker_until
 
 
 def next_due(session: Session) -> datetime | None:
-    """When the earliest pending notification is due; a row never tried yet (a crash between its
-    commit and the first send) has no next attempt time and is due now."""
-    pending = select(Notification.next_attempt_at).where(Notification.status == "pending")
-    if session.scalar(pending.where(Notification.next_attempt_at.is_(None)).limit(1).exists().select()):
-        return utcnow()
-    return aware(session.scalar(pending.order_by(Notification.next_attempt_at).limit(1)))
+    """When the earliest pending notification is due: its own retry time, or its channel's
+    cool-down when that ends later. A row never tried yet (a crash between its commit and the
+    first send) has no next attempt time and is due now, unless its channel is cooling down."""
+    now = utcnow()
+    pending = (select(Notification.next_attempt_at).join(Channel, Channel.id == Notification.channel_id)
+               .where(Notification.status == "pending"))
+    closed = pending.where(Channel.breaker_until.is_(None) | (Channel.breaker_until <= now))
+    due: list[datetime] = []
+    if session.scalar(closed.where(Notification.next_attempt_at.is_(None)).limit(1).exists().select()):
+        due.append(now)
+    first = aware(session.scalar(closed.where(Notification.next_attempt_at.is_not(None))
+                                 .order_by(Notification.next_attempt_at).limit(1)))
+    if first is not None:
+        due.append(first)
+    cooling = aware(session.scalar(select(func.min(Channel.breaker_until)).where(
+        Channel.breaker_until > now, Channel.id.in_(select(Notification.channel_id)
+                                                    .where(Notification.status == "pending")))))
+    if cooling is not None:
+        due.append(cooling)
+    return min(due, default=None)

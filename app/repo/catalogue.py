@@ -260,6 +260,8 @@ def upsert_channel(session: Session, project: Project, name: str, kind: str, url
         ch = Channel(project_id=project.id, name=name, kind=kind, url=url, settings=settings)
         session.add(ch)
     else:
+        if (ch.kind, ch.url, ch.settings) != (kind, url, settings):  # another receiver: its breaker starts closed
+            ch.breaker_strikes, ch.breaker_until = 0, None
         ch.kind, ch.url, ch.settings = kind, url, settings
     session.flush()
     return ch

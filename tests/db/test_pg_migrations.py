@@ -70,7 +70,7 @@ def test_a_downgrade_the_database_refuses_is_named_as_a_failed_migration(make_da
         assert "value too long" in line, line
         with engine.connect() as conn:
             # the head: nothing of the downgrade stayed
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
             assert conn.execute(text("SELECT count(*) FROM comparisons")).scalar() == 2
             assert conn.execute(text("SELECT verdict FROM comparisons WHERE metric = 'ppl_ratio'")).scalar() == \
                 "measurement_error"  # the step's UPDATE rolled back with it
@@ -78,7 +78,7 @@ def test_a_downgrade_the_database_refuses_is_named_as_a_failed_migration(make_da
         engine.dispose()
 
 
-REVISIONS = ["0006", "0005", "0004", "0003", "0002", "0001"]  # each downgrade target below head
+REVISIONS = ["0007", "0006", "0005", "0004", "0003", "0002", "0001"]  # each downgrade target below head
 
 
 def test_every_downgrade_keeps_rows_of_every_kind_on_a_round_trip(make_database, table_names, model_tables,

@@ -63,7 +63,7 @@ def test_sqlite_every_downgrade_keeps_rows_of_every_kind_on_a_round_trip(sqlite_
         assert set(seed_every_table(conn)) == model_tables
     with sqlite_engine.connect() as conn:
         before = dump(conn)
-    for revision in ["0006", "0005", "0004", "0003", "0002", "0001"]:
+    for revision in ["0007", "0006", "0005", "0004", "0003", "0002", "0001"]:
         downgrade(sqlite_url, revision)
         upgrade(sqlite_url, "head")
         with sqlite_engine.connect() as conn:

@@ -75,6 +75,13 @@ def row(nid: int) -> Notification:
         return n
 
 
+def breaker(nid: int) -> tuple[int, object]:
+    """The breaker of the row's channel: strikes in a row, and no post before when."""
+    with session_scope() as s:
+        channel = s.get(Channel, s.get(Notification, nid).channel_id)
+        return channel.breaker_strikes, aware(channel.breaker_until)
+
+
 def test_delivered_once_with_idempotency_key_and_signature(sqlite_env, receiver, monkeypatch):
     monkeypatch.setenv("CANARY_SECRET_P__HOOK", "s3cret")
     _, (nid,) = add("webhook", receiver.url + "/hook", signing_secret="${CANARY_SECRET_P__HOOK}")
@@ -193,7 +200,7 @@ def test_receiver_down_then_back_loses_nothing_and_delivers_once_per_key(db_env,
         assert deliver(now=t)["retry"] == 1
     assert {row(i).status for i in ids} == {"pending"}
     assert [row(i).attempts for i in ids] == [1, 0, 0]
-    assert row(ids[1]).next_attempt_at == row(ids[2]).next_attempt_at == row(ids[0]).next_attempt_at
+    assert breaker(ids[0]) == (1, aware(row(ids[0]).next_attempt_at))  # the channel rests until that retry
     back = Receiver()
     server = serve_in_thread(back.app, port)
     try:
@@ -346,6 +353,68 @@ def test_a_dripping_receiver_costs_one_deadline_and_holds_up_no_other_channel(db
         server.should_exit = True
     assert row(quiet).status == "sent" and len(dripping.requests) == 1
     assert [row(i).attempts for i in noisy] == [1, 0, 0, 0]
-    retry_at = row(noisy[0]).next_attempt_at
-    assert all(row(i).next_attempt_at == retry_at for i in noisy[1:])
+    assert breaker(noisy[0]) == (1, aware(row(noisy[0]).next_attempt_at))
     assert deliver(now=t)["retry"] == 0  # nothing of that channel is due before the retry
+
+
+def test_a_cooling_channel_holds_rows_created_after_it_tripped(db_env, receiver, monkeypatch):
+    """The breaker is the channel's, not its rows': a row created while the channel cools down
+    waits for the cool-down untried (before: posted at once, another deadline on a dead receiver),
+    and next_due names the cool-down's end, not now."""
+    import app.notify
+    from app.notify import next_due
+
+    monkeypatch.setattr(app.notify.random, "uniform", lambda a, b: 1.0)  # backoffs exactly 2 s, 4 s, 8 s
+    receiver.script = [{"status": 503}]
+    cid, (first,) = add("webhook", receiver.url + "/hook")
+    t = utcnow()
+    assert deliver(now=t)["retry"] == 1
+    strikes, until = breaker(first)
+    assert strikes == 1 and 2.0 <= (until - t).total_seconds() < 3.0
+    with session_scope() as s:  # an alert of a later run, on the same channel
+        s.add(Notification(channel_id=cid, idempotency_key="later", payload={"text": "later"}, status="pending"))
+    with session_scope() as s:
+        assert next_due(s) == until  # not now: the new row is held by the channel
+    assert deliver(now=t + timedelta(seconds=1)) == {"sent": 0, "retry": 0, "dead": 0}
+    assert len(receiver.requests) == 1
+    assert deliver(now=until) == {"sent": 2, "retry": 0, "dead": 0}  # half-open: the receiver is back
+    assert breaker(first) == (0, None)
+
+
+def test_the_cool_down_doubles_with_each_strike_in_a_row_and_a_quick_success_resets_it(db_env, receiver,
+                                                                                        monkeypatch):
+    """Each row gets one attempt (max_attempts=1), so every failure is a new row's first: by its
+    own attempts each would rest the channel 2 s, and before, the three were posted in one pass.
+    The channel's strikes in a row give 2, 4, 8 s, and one quick 200 closes it."""
+    import app.notify
+
+    monkeypatch.setattr(app.notify.random, "uniform", lambda a, b: 1.0)
+    receiver.script = [{"status": 500}] * 3
+    _, ids = add("webhook", receiver.url + "/hook", n=5)
+    t = utcnow()
+    rests = []
+    for _ in range(3):
+        assert deliver(now=t, max_attempts=1) == {"sent": 0, "retry": 0, "dead": 1}
+        _, until = breaker(ids[0])
+        rests.append(round((until - t).total_seconds()))
+        t = until
+    assert rests == [2, 4, 8] and len(receiver.requests) == 3
+    assert [row(i).status for i in ids] == ["dead"] * 3 + ["pending"] * 2
+    assert deliver(now=t)["sent"] == 2 and breaker(ids[0]) == (0, None)
+
+
+def test_a_slow_but_successful_receiver_rests_for_its_cool_down(db_env, receiver):
+    """A receiver that answers 200 after more than half the deadline delivers that row and opens
+    the breaker: its next rows wait for the cool-down (before: one pass, then a slow post each
+    pass again); a quiet project's row in the same pass is not held."""
+    receiver.script = [{"sleep": 0.7}]
+    _, slow = add("webhook", receiver.url + "/slow", n=3, project="noisy")
+    _, (quiet,) = add("webhook", receiver.url + "/quiet")
+    t = utcnow()
+    assert deliver(now=t, timeout=1.0) == {"sent": 2, "retry": 0, "dead": 0}
+    assert row(slow[0]).status == "sent" and row(quiet).status == "sent"
+    strikes, until = breaker(slow[0])
+    assert strikes == 1 and until > t
+    assert deliver(now=t + timedelta(milliseconds=1)) == {"sent": 0, "retry": 0, "dead": 0}  # still cooling
+    assert deliver(now=until, timeout=1.0) == {"sent": 2, "retry": 0, "dead": 0}  # quick now: closed again
+    assert breaker(slow[0]) == (0, None)

@@ -82,3 +82,27 @@ def test_a_rejected_channel_body_is_not_echoed(project):
                                                   "signing_secret": "${CANARY_SECRET_S}", "extra": "ECHOSECRET"})
     assert r.status_code == 422 and {"kind", "extra"} <= {d["loc"][-1] for d in r.json()["detail"]}
     assert "ECHOTOKEN" not in r.text and "ECHOSECRET" not in r.text
+
+
+def test_a_resting_channel_says_until_when_and_a_new_url_closes_its_breaker(project, tmp_path):
+    """GET …/channels shows a channel's open breaker (app/notify.py opened it: its receiver failed
+    or was slow); re-applying the same channel keeps it resting, pointing it at another URL closes it."""
+    from datetime import UTC, datetime, timedelta
+
+    import sqlalchemy as sa
+
+    body = {"name": "ops", "kind": "webhook", "url": "https://hooks.test/one"}
+    assert project.put("/projects/a/channels", json=body).json()["resting_until"] is None
+    until = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
+    db = sa.create_engine(f"sqlite:///{tmp_path / 'api.db'}")
+    with db.begin() as conn:  # as the notifier leaves it after a third failure in a row
+        conn.execute(sa.text("UPDATE channels SET breaker_strikes = 3, breaker_until = :u WHERE name = 'ops'"),
+                     {"u": until.replace(tzinfo=None)})
+    (shown,) = project.get("/projects/a/channels").json()
+    assert datetime.fromisoformat(shown["resting_until"]) == until
+    assert datetime.fromisoformat(project.put("/projects/a/channels", json=body).json()["resting_until"]) == until
+    moved = project.put("/projects/a/channels", json={**body, "url": "https://hooks.test/two"}).json()
+    assert moved["resting_until"] is None
+    with db.connect() as conn:
+        assert conn.execute(sa.text("SELECT breaker_strikes, breaker_until FROM channels")).one() == (0, None)
+    db.dispose()

@@ -3,6 +3,8 @@ it masked, and `${ENV_VAR}` references keep it out of the database altogether.""
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from fastapi import APIRouter, status
 from pydantic import BaseModel, Field
 from sqlalchemy import select
@@ -10,7 +12,7 @@ from sqlalchemy import select
 from app import repo
 from app.api.deps import ProjectDep, SessionDep
 from app.config_file import ChannelEntry
-from app.models import Channel
+from app.models import Channel, aware, utcnow
 from app.schemas import error_responses
 from app.services import check_project_room
 from app.ssrf import mask_url
@@ -30,13 +32,22 @@ class ChannelOut(BaseModel):
     send_resolved: bool
     signing_secret_set: bool
     enabled: bool
+    resting_until: datetime | None = Field(
+        default=None, description="its receiver failed or answered slowly: nothing is posted to it before "
+        "this time (the circuit breaker, app/notify.py); null when it is closed")
 
 
 def out(channel: Channel) -> dict:
     settings = channel.settings or {}
     return {"id": channel.id, "name": channel.name, "kind": channel.kind, "url": mask_url(channel.url),
             "send_resolved": settings.get("send_resolved", True),
-            "signing_secret_set": bool(settings.get("signing_secret")), "enabled": channel.enabled}
+            "signing_secret_set": bool(settings.get("signing_secret")), "enabled": channel.enabled,
+            "resting_until": resting_until(channel)}
+
+
+def resting_until(channel: Channel) -> datetime | None:
+    until = aware(channel.breaker_until)
+    return until if until is not None and until > utcnow() else None
 
 
 @router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut,
