@@ -63,27 +63,29 @@ def top_up_run(session: Session, run: Run, new_keys: Sequence[str], config_ids: 
 
 def fair_pick(session: Session, config_run_id: int) -> int:
     """The config-run a worker that received config_run_id's message runs instead, for fairness
-    between projects (security round 4, N5): a message is a turn on a GPU at its priority, and
-    the turn goes to the project that deserves it most among the queued config-runs of the same
-    priority: the one with the fewest config-runs running, then the one whose last config-run
-    started longest ago, then the oldest queued (first come, first served). Within one project
-    nothing changes: the message's own config-run runs when its project is that one (or when it
-    is not queued: running with an expired lease, finished, or gone). A config-run passed over
-    keeps its queued row; the message of the one taken instead is its turn later (the reconciler
-    counts such messages, workers/tasks.py)."""
+    between projects (security round 4, N5): a message is a turn on a GPU, and the turn goes to
+    the most urgent work queued (the lowest priority number among the queued config-runs, whatever
+    the message's own: a worker that prefetched a message held one step behind before a manual run
+    arrived runs the manual run), then, within that priority, to the project that deserves it most:
+    the one with the fewest config-runs running, then the one whose last config-run started longest
+    ago, then the oldest queued (first come, first served). Within one project nothing changes:
+    the message's own config-run runs when its project is that one and it is at that priority (or
+    when it is not queued: running with an expired lease, finished, or gone). A config-run passed
+    over keeps its queued row; the message of the one taken instead is its turn later (the
+    reconciler counts such messages, workers/tasks.py)."""
     own = session.get(ConfigRun, config_run_id)
     if own is None:
         return config_run_id
     own_run = session.get(Run, own.run_id)
     if own_run is None:
         return config_run_id
-    level = stored_priority(own.priority, own_run.trigger)
     queued = session.execute(
         select(ConfigRun.id, ConfigRun.priority, ConfigRun.enqueued_at, Run.trigger, Run.project_id)
         .join(Run, Run.id == ConfigRun.run_id).where(ConfigRun.status == "queued")).all()
-    peers = [row for row in queued if stored_priority(row.priority, row.trigger) == level]
-    if not peers:
+    if not queued:
         return config_run_id
+    level = min(stored_priority(row.priority, row.trigger) for row in queued)
+    peers = [row for row in queued if stored_priority(row.priority, row.trigger) == level]
     projects = {row.project_id for row in peers}
     running = dict(session.execute(
         select(Run.project_id, func.count()).select_from(ConfigRun).join(Run, Run.id == ConfigRun.run_id)
@@ -99,8 +101,9 @@ def fair_pick(session: Session, config_run_id: int) -> int:
                 row.enqueued_at.replace(tzinfo=None) if row.enqueued_at else never, row.id)
 
     best = min(peers, key=turn)
-    if own.status == "queued" and best.project_id == own_run.project_id:
-        return config_run_id  # its own project's turn: its own config-run, as sent
+    if (own.status == "queued" and best.project_id == own_run.project_id
+            and stored_priority(own.priority, own_run.trigger) == level):
+        return config_run_id  # its own project's turn at its own priority: its own config-run, as sent
     return best.id
 
 

@@ -1,6 +1,7 @@
 """A message is a turn on a GPU (security round 4, N5): the worker runs the config-run of the
-project that deserves the turn most among those queued at the message's priority: fewest running,
-then longest since its last start, then first queued. Within one project, nothing changes."""
+project that deserves the turn most among the most urgent queued work, whatever the message's own
+priority: fewest running, then longest since its last start, then first queued. Within one
+project, nothing changes."""
 
 from __future__ import annotations
 
@@ -65,3 +66,34 @@ def test_within_one_project_the_message_runs_its_own_config_run(sqlite_env):
         s.execute(update(ConfigRun).where(ConfigRun.id == first[0]).values(
             status="succeeded", started_at=utcnow() - timedelta(minutes=1)))
     assert pick(first[0]) == first[1]  # its project's oldest queued: the one after it
+
+
+def test_a_message_held_behind_runs_a_more_urgent_config_run_queued_since(sqlite_env, monkeypatch):
+    """The worker prefetched noisy's next message, one step behind its fair share (priority 6),
+    before quiet's manual run (priority 3) was queued: that message is quiet's turn. Before, the
+    turn was shared only at the message's own priority, so quiet waited a config-run more."""
+    from app.dispatch import DEFAULT_PRIORITY
+
+    monkeypatch.setenv("CANARY_FAIR_SHARE_QUEUED_CONFIG_RUNS", "2")
+    from app.settings import get_settings
+
+    get_settings.cache_clear()
+    projects("noisy", "quiet")
+    noisy = [i for _ in range(2) for i in ids(start_run("noisy", "s", None, Recorder())[0])]
+    with session_scope() as s:
+        behind = [cr.id for cr in s.scalars(select(ConfigRun).where(ConfigRun.id.in_(noisy))) if cr.priority > 3]
+    assert behind == noisy[2:]  # past its share of 2: one step behind
+    with session_scope() as s:  # noisy holds the GPU
+        s.execute(update(ConfigRun).where(ConfigRun.id == noisy[0]).values(status="running", started_at=utcnow()))
+    quiet = ids(start_run("quiet", "s", None, Recorder())[0])
+    assert pick(noisy[2]) == quiet[0]  # the held-behind message is quiet's turn
+    assert pick(noisy[1]) == quiet[0]  # as is noisy's own message at quiet's priority
+    with session_scope() as s:
+        s.execute(update(ConfigRun).where(ConfigRun.id.in_(quiet)).values(status="succeeded", started_at=utcnow()))
+    # nothing more urgent left: noisy's messages run noisy's work in order, the urgent one first
+    assert pick(noisy[2]) == noisy[1] and pick(noisy[1]) == noisy[1]
+    # an escalation's message (the last priority) runs the manual work queued before it
+    escalation = ids(start_run("quiet", "s", None, Recorder(), trigger="alert")[0])
+    assert pick(escalation[0]) == noisy[1]
+    assert DEFAULT_PRIORITY == 3
+    get_settings.cache_clear()
