@@ -21,6 +21,15 @@ def until(t: str) -> str:
     return f"{human_time(t)} ({parse_time(t):%H:%M} UTC)"
 
 
+def resting_line(channel: dict) -> str:
+    """A channel whose breaker is open: 'Channel ops (webhook) rests until 16:42:10 UTC (in 5 minutes): ...'."""
+    times = channel.get("failed_in_a_row") or 1
+    return (f"Channel {channel['name']} ({channel['kind']}) rests until "
+            f"{parse_time(channel['resting_until']):%H:%M:%S} UTC ({human_time(channel['resting_until'])}): its "
+            f"receiver failed or answered slowly {times} time{'s' if times != 1 else ''} in a row, so alerts to it "
+            "wait (docs/runbooks.md, \"Webhook receiver down\").")
+
+
 def stale_alert(schedule: dict) -> dict:
     """A stale schedule as a row of the firing list, shaped as the alerts API shapes one."""
     last = schedule.get("last_success_at")
@@ -66,6 +75,11 @@ def render(api, project: str, params) -> None:
     stale = [schedule for schedule in api.get(f"/projects/{project}/schedules") if schedule.get("stale")]
     for schedule in stale:
         st.error(f"The canary is stale: {schedule['stale_reason']}")
+    # a channel whose receiver failed or answered slowly rests (app/notify.py's circuit breaker):
+    # its alerts wait, so the page says so where the alerts are
+    for channel in api.get(f"/projects/{project}/channels"):
+        if channel.get("resting_until"):
+            st.warning(resting_line(channel))
     show_inhibited = st.toggle("Show warn alerts inhibited by a critical one", value=False, key="inhibited")
     inhibited = [alert for alert in alerts if alert.get("inhibited_by") is not None]
     for state in ("firing", "pending", "resolved"):

@@ -292,6 +292,31 @@ def test_alerts_history_and_read_only_silences(seeded_api, monkeypatch):
     assert sorted(shown["severity"]) == ["critical", "warn"]
 
 
+def test_alerts_says_which_channel_rests_and_until_when(seeded_api, monkeypatch):
+    """A channel whose breaker is open (its receiver failed three times in a row, app/notify.py):
+    the Alerts page says that its alerts wait, until when, and where the runbook is."""
+    import sqlite3
+    from datetime import UTC, datetime, timedelta
+
+    r = httpx.put(f"{seeded_api['url']}/api/v1/projects/dash/channels", timeout=30,
+                  json={"name": "oncall", "kind": "webhook", "url": "http://127.0.0.1:9/hook"})
+    assert r.status_code == 200, r.text
+    until = datetime.now(UTC) + timedelta(minutes=7, seconds=30)
+    with sqlite3.connect(seeded_api["tmp"] / "dash.db") as db:
+        db.execute("UPDATE channels SET breaker_strikes = 3, breaker_until = ? WHERE name = 'oncall'",
+                   (until.replace(tzinfo=None).isoformat(sep=" "),))
+    try:
+        at = page(seeded_api, monkeypatch, "Alerts")
+        (line,) = [w.value for w in at.warning if w.value.startswith("Channel oncall")]
+        assert line == (f"Channel oncall (webhook) rests until {until:%H:%M:%S} UTC (in 7 minutes): its receiver "
+                        "failed or answered slowly 3 times in a row, so alerts to it wait (docs/runbooks.md, "
+                        '"Webhook receiver down").')
+    finally:
+        with sqlite3.connect(seeded_api["tmp"] / "dash.db") as db:
+            db.execute("DELETE FROM channels WHERE name = 'oncall'")
+    assert not [w for w in page(seeded_api, monkeypatch, "Alerts").warning if w.value.startswith("Channel ")]
+
+
 def test_run_detail_opens_on_the_worst_candidate_breaches_first(seeded_api, monkeypatch):
     at = page(seeded_api, monkeypatch, "Run detail")
     first = min(r["run_id"] for r in api(seeded_api, "/runs"))  # the seeded run of every config

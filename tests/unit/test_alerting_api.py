@@ -99,10 +99,10 @@ def test_a_resting_channel_says_until_when_and_a_new_url_closes_its_breaker(proj
         conn.execute(sa.text("UPDATE channels SET breaker_strikes = 3, breaker_until = :u WHERE name = 'ops'"),
                      {"u": until.replace(tzinfo=None)})
     (shown,) = project.get("/projects/a/channels").json()
-    assert datetime.fromisoformat(shown["resting_until"]) == until
+    assert datetime.fromisoformat(shown["resting_until"]) == until and shown["failed_in_a_row"] == 3
     assert datetime.fromisoformat(project.put("/projects/a/channels", json=body).json()["resting_until"]) == until
     moved = project.put("/projects/a/channels", json={**body, "url": "https://hooks.test/two"}).json()
-    assert moved["resting_until"] is None
+    assert moved["resting_until"] is None and moved["failed_in_a_row"] == 0
     with db.connect() as conn:
         assert conn.execute(sa.text("SELECT breaker_strikes, breaker_until FROM channels")).one() == (0, None)
     db.dispose()

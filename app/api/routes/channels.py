@@ -35,6 +35,7 @@ class ChannelOut(BaseModel):
     resting_until: datetime | None = Field(
         default=None, description="its receiver failed or answered slowly: nothing is posted to it before "
         "this time (the circuit breaker, app/notify.py); null when it is closed")
+    failed_in_a_row: int = Field(default=0, description="failed or slow answers in a row; 0 after a quick success")
 
 
 def out(channel: Channel) -> dict:
@@ -42,7 +43,7 @@ def out(channel: Channel) -> dict:
     return {"id": channel.id, "name": channel.name, "kind": channel.kind, "url": mask_url(channel.url),
             "send_resolved": settings.get("send_resolved", True),
             "signing_secret_set": bool(settings.get("signing_secret")), "enabled": channel.enabled,
-            "resting_until": resting_until(channel)}
+            "resting_until": resting_until(channel), "failed_in_a_row": channel.breaker_strikes}
 
 
 def resting_until(channel: Channel) -> datetime | None:
