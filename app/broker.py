@@ -17,8 +17,12 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from app.dispatch import PRIORITY_STEPS, TASK_QUEUES
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 PRIORITY_SEP = "\x06\x16"  # kombu.transport.redis.Channel.sep
@@ -47,7 +51,7 @@ def _first_arg(envelope: dict, task: str) -> int | None:
         return None
 
 
-def _waiting(client, queue: str) -> Iterable[dict]:
+def _waiting(client: redis.Redis, queue: str) -> Iterable[dict]:
     for key in queue_keys(queue):
         start = 0
         while True:
@@ -62,7 +66,7 @@ def _waiting(client, queue: str) -> Iterable[dict]:
             start += BATCH
 
 
-def _unacked(client) -> Iterable[dict]:
+def _unacked(client: redis.Redis) -> Iterable[dict]:
     for item in client.hvals(UNACKED):
         try:
             envelope = json.loads(item)[0]

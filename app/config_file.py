@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from difflib import get_close_matches
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
@@ -132,7 +132,7 @@ METRIC_DIRECTIONS = {name: metric.direction for name, metric in gated_metrics().
 class _ThresholdsBase(Strict):
     @model_validator(mode="before")
     @classmethod
-    def _known(cls, data):
+    def _known(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for metric in data:
                 if metric in METRIC_DIRECTIONS:
@@ -147,7 +147,7 @@ class _ThresholdsBase(Strict):
         return data
 
     @model_validator(mode="after")
-    def _order(self):
+    def _order(self) -> _ThresholdsBase:
         for metric, direction in METRIC_DIRECTIONS.items():
             threshold: Threshold = getattr(self, metric)
             warn, critical = threshold.warn, threshold.critical
@@ -159,7 +159,9 @@ class _ThresholdsBase(Strict):
         return self
 
 
-def _threshold_field(metric: Metric):
+# Any, not tuple[type[Threshold], FieldInfo]: create_model's **field_definitions would be checked against its
+# own keywords (__doc__: str, __module__: str, ...) too
+def _threshold_field(metric: Metric) -> Any:
     seed = Threshold(warn=metric.warn, critical=metric.critical, min_n=metric.min_n)
     bad = "above" if metric.direction == "above" else "below"
     return (Threshold, Field(default_factory=seed.model_copy,
@@ -252,7 +254,7 @@ class CanaryFile(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _counts(cls, data):
+    def _counts(cls, data: Any) -> Any:
         """More entries than the limits (settings) are refused before any entry is validated."""
         if isinstance(data, dict):
             for field, n, limit in list_limits():

@@ -4,6 +4,7 @@ of it is parsed against the schema (app/config_file.py), so a hostile file costs
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import yaml
 
@@ -16,7 +17,7 @@ class _BoundedLoader(yaml.SafeLoader):
     max_config_values values (aliases counted as expanded, so an alias bomb stops too), and at
     the first entry past a top-level list's limit (a 200,000-config file stops at config 201)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: str) -> None:
         from app.settings import get_settings
 
         super().__init__(stream)
@@ -31,7 +32,8 @@ class _BoundedLoader(yaml.SafeLoader):
         mark = self.peek_event().start_mark
         return f" (line {mark.line + 1})" if mark else ""
 
-    def compose_node(self, parent, index):
+    # index: the key node of a mapping's value, the position in a sequence, None at the root (yaml is untyped)
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         key = index.value if isinstance(index, yaml.ScalarNode) else index
         if len(self.path) >= self.max_depth:
             raise ConfigFileError(f"nesting deeper than {self.max_depth} levels{self._where()}; the limit is the "

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engines.zoo import ModelPathError, resolve_corpus_path
+
+if TYPE_CHECKING:
+    from vocabulary.suite import SuiteSpec
 
 
 class CorpusError(ValueError):
@@ -123,7 +127,7 @@ def join_long(samples: list[SampleIn], window: int, max_chars: int, field: str =
     return joined
 
 
-def long_documents(samples: list[SampleIn], suite, max_chars: int, field: str = "perplexity.long_documents"
+def long_documents(samples: list[SampleIn], suite: SuiteSpec, max_chars: int, field: str = "perplexity.long_documents"
                    ) -> tuple[list[SampleIn], str]:
     """A suite's documents as its runs score them: joined when it sets perplexity.long_documents
     (join_long), with the words a refusal of its `samples` adds ("(long documents joined from 526)")."""

@@ -23,9 +23,12 @@ import threading
 import time
 from functools import lru_cache
 from importlib.metadata import entry_points
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from app.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +229,7 @@ class LocalPoolDispatcher:
             self._futures.append(future)
         future.add_done_callback(self._hand_back)
 
-    def _hand_back(self, future) -> None:
+    def _hand_back(self, future: Future[list[tuple[str, tuple]]]) -> None:
         """The config-runs a finished task sent (a top-up's, a step back's) go to the pool in turn, so
         two run side by side as the first pass's did; sent from a thread of its own (the callback
         runs on the pool's manager thread), then the task counts as settled."""

@@ -25,11 +25,15 @@ Canary metrics per model and config, from each config's latest finished run:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from app.models import (
     Alert,
@@ -46,6 +50,11 @@ from app.models import (
 )
 from vocabulary.metrics import METRICS, VERDICT_CODES, VERDICTS
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    AnySelect = Select[Unpack[tuple[Any, ...]]]  # a select of any columns
+
 # every metric of the table is a gauge with its CI; TTFT is exported from the config-run's
 # figures instead (p50 and p99 in seconds, canary_ttft_p50_seconds below)
 COMPARISON_GAUGES = tuple(name for name in METRICS if name != "ttft_ms")
@@ -53,19 +62,20 @@ VERDICT_HELP = ", ".join(f"{VERDICT_CODES[v]} {v}" for v in VERDICTS)
 
 
 class CanaryCollector(Collector):
-    def __init__(self, session_factory, project_id: int | None = None):
+    def __init__(self, session_factory: Callable[[], AbstractContextManager[Session]],
+                 project_id: int | None = None) -> None:
         self.session_factory = session_factory
         self.project_id = project_id  # None: every project
 
-    def _mine(self, q, project_column):
+    def _mine(self, q: AnySelect, project_column: InstrumentedAttribute[int]) -> AnySelect:
         return q if self.project_id is None else q.where(project_column == self.project_id)
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         with self.session_factory() as session:
             yield from self._service(session)
             yield from self._canary(session)
 
-    def _service(self, session):
+    def _service(self, session: Session) -> Iterator[Metric]:
         runs = GaugeMetricFamily("canary_runs", "Runs by status", labels=["project", "status"])
         by_status = self._mine(select(Project.name, Run.status, func.count())
                                .join(Project, Project.id == Run.project_id), Run.project_id)
@@ -127,7 +137,7 @@ class CanaryCollector(Collector):
         yield stale
         yield beat
 
-    def _canary(self, session):
+    def _canary(self, session: Session) -> Iterator[Metric]:
         # each config's latest finished (done) run that included it
         latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
                   .join(Run, Run.id == ConfigRun.run_id).where(Run.status == "done", ConfigRun.status == "succeeded")
@@ -167,7 +177,7 @@ class CanaryCollector(Collector):
                         gauges[metric].add_metric(values, comparison.estimate)
                         if comparison.ci_low is not None:
                             bounds[(metric, "low")].add_metric(values, comparison.ci_low)
-                            bounds[(metric, "high")].add_metric(values, comparison.ci_high)
+                            bounds[(metric, "high")].add_metric(values, cast(float, comparison.ci_high))  # with ci_low
                 for (compared_config, metric), comparison in comparisons.items():
                     if compared_config == config_id:
                         verdict.add_metric([*values, metric], VERDICT_CODES.get(comparison.verdict, 1))
@@ -192,7 +202,7 @@ class PublicCollector(Collector):
         self.version = version
         self.buckets = buckets  # kind -> (entries, cap)
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("canary_build_info", "The API's version", labels=["version"])
         info.add_metric([self.version], 1)
         yield info

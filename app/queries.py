@@ -34,7 +34,7 @@ def _without_severity(labels: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in labels.items() if k != "severity"))
 
 
-def alerts(session, project: Project, state: str | None = None, limit: int = 100,
+def alerts(session: Session, project: Project, state: str | None = None, limit: int = 100,
            inhibited: bool = True) -> list[dict]:
     """The project's alerts, newest first; with inhibited=False, an active warn alert that a firing
     critical alert with the same labels inhibits is left out (one alert per regression)."""
@@ -58,7 +58,7 @@ def alerts(session, project: Project, state: str | None = None, limit: int = 100
     return out
 
 
-def gate_out(session, project, gate: Gate) -> dict:
+def gate_out(session: Session, project: Project, gate: Gate) -> dict:
     summary = run_summary(session, repo.get_run(session, project, gate.run_id))
     return {"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,
             "decided_at": gate.decided_at.isoformat() if gate.decided_at else None, "run_id": gate.run_id,
@@ -66,19 +66,19 @@ def gate_out(session, project, gate: Gate) -> dict:
             "idempotency_key": gate.idempotency_key,
             "created_at": gate.created_at.isoformat() if gate.created_at else None,
             "summary_markdown": summary_markdown(gate, summary, get_settings().dashboard_url,
-                                                 session.get(Suite, summary.suite_id).name),
+                                                 cast(Suite, session.get(Suite, summary.suite_id)).name),  # an FK
             "comparisons": [c for c in summary.comparisons if c.config == gate.candidate],
             "summary": summary.summary.lines}
 
 
-def gate(session, project: Project, gate_id: int) -> dict:
+def gate(session: Session, project: Project, gate_id: int) -> dict:
     found = session.get(Gate, gate_id)
     if found is None or found.project_id != project.id:
         raise repo.NotFound(f"gate {gate_id} not found in project '{project.name}'")
     return gate_out(session, project, found)
 
 
-def gates(session, project: Project, limit: int = 50) -> list[dict]:
+def gates(session: Session, project: Project, limit: int = 50) -> list[dict]:
     """The project's newest gates."""
     rows = session.scalars(select(Gate).where(Gate.project_id == project.id).order_by(Gate.id.desc()).limit(limit))
     return [{"gate_id": gate.id, "candidate": gate.candidate, "baseline": gate.baseline, "verdict": gate.verdict,

@@ -10,6 +10,8 @@ run per missed tick. A new schedule starts at its next slot.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import cast
 
@@ -19,6 +21,7 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from app import repo
+from app.dispatch import Dispatcher
 from app.models import Schedule, Suite, aware, utcnow
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,8 @@ def claim_due(session: Session, now: datetime | None = None) -> list[tuple]:
     return due
 
 
-def tick(session_factory, dispatcher, now: datetime | None = None) -> list[int]:
+def tick(session_factory: Callable[[], AbstractContextManager[Session]], dispatcher: Dispatcher,
+         now: datetime | None = None) -> list[int]:
     from app.services import start_run
 
     with session_factory() as session:

@@ -25,11 +25,18 @@ import ipaddress
 import logging
 import re
 import socket
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from app.secret_names import ENV_REF, check_secret_name
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    # socket.getaddrinfo or a stand-in (tests): (host, port, proto=…) → entries whose [4][0] is an address
+    Resolve = Callable[..., Sequence[tuple[Any, ...]]]
 
 CGNAT = ipaddress.ip_network("100.64.0.0/10")
 NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052 well-known prefix: the last 32 bits are the IPv4 address
@@ -166,7 +173,7 @@ def _bad(ip: ipaddress._BaseAddress) -> str | None:
     return None
 
 
-def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, list[str] | None]:
+def resolve_checked(url: str, field: str = "url", resolve: Resolve | None = None) -> tuple[str, list[str] | None]:
     """(host, the addresses it may be reached at) — None for an allow-listed host name, which is
     connected to as named — or UnsafeURL naming the field and the reason."""
     try:
@@ -207,7 +214,7 @@ def resolve_checked(url: str, field: str = "url", resolve=None) -> tuple[str, li
     return host, ips
 
 
-def check_url(url: str, field: str = "url", resolve=None) -> str:
+def check_url(url: str, field: str = "url", resolve: Resolve | None = None) -> str:
     """The URL unchanged, or UnsafeURL naming the field and the reason."""
     resolve_checked(url, field, resolve)
     return url
@@ -258,7 +265,7 @@ class _Pins:
     """Per transport: the address each (scheme, host, port) was checked at, reused for every
     request of the transport's life (one client, one batch of requests)."""
 
-    def __init__(self, field: str, resolve=None):
+    def __init__(self, field: str, resolve: Resolve | None = None) -> None:
         self.field, self.resolve = field, resolve
         self.pins: dict[tuple[str, str, int | None], str | None] = {}
 
@@ -281,7 +288,7 @@ class PinnedTransport(httpx.HTTPTransport):
     """An httpx transport that checks every request's URL against the policy and connects to the
     address it checked. ``field`` names the URL in the UnsafeURL it raises."""
 
-    def __init__(self, field: str = "url", resolve=None, **kw):
+    def __init__(self, field: str = "url", resolve: Resolve | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self._pins = _Pins(field, resolve)
 
@@ -290,7 +297,7 @@ class PinnedTransport(httpx.HTTPTransport):
 
 
 class AsyncPinnedTransport(httpx.AsyncHTTPTransport):
-    def __init__(self, field: str = "url", resolve=None, **kw):
+    def __init__(self, field: str = "url", resolve: Resolve | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self._pins = _Pins(field, resolve)
 

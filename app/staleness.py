@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from croniter import croniter
 from sqlalchemy import func, select
@@ -26,6 +27,9 @@ from sqlalchemy.orm import Session
 
 from app import repo
 from app.models import Channel, Notification, Project, Run, Schedule, aware, utcnow
+
+if TYPE_CHECKING:
+    from app.channels import AlertMessage
 
 METRIC = "canary_stale"
 
@@ -100,7 +104,7 @@ def _key(channel_id: int, schedule_id: int, heartbeat: datetime, kind: str) -> s
     return hashlib.sha256(raw.encode()).hexdigest()[:40]
 
 
-def _message(health: ScheduleHealth, kind: str, now: datetime, dashboard_url: str):
+def _message(health: ScheduleHealth, kind: str, now: datetime, dashboard_url: str) -> AlertMessage:
     from app.channels import AlertMessage
     from app.runbooks import alert_runbook
     from app.settings import get_settings

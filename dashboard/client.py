@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import httpx
 
@@ -26,7 +27,7 @@ class Api:
     def can_write(self) -> bool:
         return bool(self.write_key)
 
-    def _call(self, method: str, path: str, write: bool = False, **kw):
+    def _call(self, method: str, path: str, write: bool = False, **kw: Any) -> Any:  # the answer's JSON
         key = self.write_key if write else self.key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         url = f"{self.base_url}/api/v1{path}"
@@ -54,11 +55,11 @@ class Api:
             raise ApiError(f"{detail} (HTTP {response.status_code})")
         return response.json()
 
-    def get(self, path: str, **params):
+    def get(self, path: str, **params: str | int | float | None) -> Any:
         return self._call("GET", path, params={name: value for name, value in params.items() if value is not None})
 
-    def post(self, path: str, body: dict):
+    def post(self, path: str, body: dict) -> Any:
         return self._call("POST", path, write=True, json=body)
 
-    def delete(self, path: str):
+    def delete(self, path: str) -> Any:
         return self._call("DELETE", path, write=True)

@@ -33,8 +33,9 @@ from collections import OrderedDict, deque
 
 import anyio
 from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.settings import get_settings
+from app.settings import Settings, get_settings
 
 
 class RateLimited(Exception):
@@ -163,11 +164,11 @@ class InFlightLimit:
     before the request gets here: a client that trickles its body never holds a place. /healthz
     is not counted (it has its own threads, app/api/main.py)."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._slots: asyncio.Semaphore | None = None
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in UNLIMITED_PATHS:
             return await self.app(scope, receive, send)
         if self._slots is None:  # made in the server's event loop, on its first request
@@ -190,13 +191,13 @@ class BodyLimit:
     The buffer is what the app would have read into memory anyway (a JSON body is parsed whole),
     bounded by the same limit."""
 
-    def __init__(self, app, max_bytes: int | None = None):
+    def __init__(self, app: ASGIApp, max_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self._large: asyncio.Semaphore | None = None  # large bodies in this process (made in its event loop)
         self._large_by_sender: dict[object, list] = {}  # sender → [its semaphore, requests holding or waiting]
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -208,7 +209,7 @@ class BodyLimit:
             return
         await self._read_then_app(scope, receive, send, settings)
 
-    async def _one_large_body(self, scope, receive, send, settings) -> None:
+    async def _one_large_body(self, scope: Scope, receive: Receive, send: Send, settings: Settings) -> None:
         """A large body waits for a place in the process and its sender's one place, before a byte
         of it is read: while it waits it holds a socket, no memory and no thread. The sender is the
         API key the header names, looked up first (one indexed hash lookup), so a made-up or revoked
@@ -271,7 +272,7 @@ class BodyLimit:
         return await anyio.to_thread.run_sync(lookup)
 
     @staticmethod
-    async def _busy(send, settings) -> None:
+    async def _busy(send: Send, settings: Settings) -> None:
         message = (f"too many large request bodies in flight (over {settings.large_body_bytes} bytes: one per API key, "
                    f"{settings.large_bodies_in_flight} per API process); retry after the others finish")
         start, body = _json_error(429, message)
@@ -279,7 +280,7 @@ class BodyLimit:
         await send(start)
         await send(body)
 
-    def _limit(self, scope, settings) -> int:
+    def _limit(self, scope: Scope, settings: Settings) -> int:
         limit = self.max_bytes if self.max_bytes is not None else settings.max_body_bytes
         if settings.auth_required and not any(name == b"authorization" for name, _ in scope.get("headers", ())):
             # no key where one is required: the answer is a 401 whatever the body holds, so at most
@@ -287,14 +288,14 @@ class BodyLimit:
             limit = min(limit, UNAUTHENTICATED_MAX_BYTES)
         return limit
 
-    async def _read_then_app(self, scope, receive, send, settings) -> None:
+    async def _read_then_app(self, scope: Scope, receive: Receive, send: Send, settings: Settings) -> None:
         limit = self._limit(scope, settings)
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.strip().isdigit() and int(value) > limit:
                 await self._refuse(send, limit)
                 return
         deadline = settings.body_timeout_seconds
-        messages: deque[dict] = deque()
+        messages: deque[Message] = deque()
         received = 0
         try:
             with anyio.fail_after(deadline):
@@ -316,7 +317,7 @@ class BodyLimit:
             await self._refuse(send, limit)
             return
 
-        async def buffered_receive():
+        async def buffered_receive() -> Message:
             # the body as it was received, then (a streaming answer listening for the client
             # leaving) the server's own messages
             return messages.popleft() if messages else await receive()
@@ -324,7 +325,7 @@ class BodyLimit:
         await self.app(scope, buffered_receive, send)
 
     @staticmethod
-    async def _refuse(send, limit: int) -> None:
+    async def _refuse(send: Send, limit: int) -> None:
         for reply in _json_error(413, f"request body exceeds the limit of {limit} bytes: send a smaller body (split a "
                                       "suite's documents over several suites, or name a server-side corpus) or have "
                                       "the operator raise CANARY_MAX_BODY_BYTES"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -33,7 +34,7 @@ hide_url_logs()
 
 
 @asynccontextmanager
-async def lifespan(_: FastAPI):
+async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     # Embedded default: no Celery beat, so the API process runs the reconciler itself — once at
     # start (runs left queued by a previous process) and then every CANARY_RECONCILE_SECONDS. With Celery, the
     # single beat (`canary worker --beat` on one worker) schedules it instead.

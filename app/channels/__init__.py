@@ -61,7 +61,7 @@ class AlertMessage:
         if "description" in self.annotations:
             return self.annotations["description"] + self.runbook()
 
-        def f(x):
+        def f(x: float | None) -> str:
             return "—" if x is None else f"{x:.4g}"
         return (f"{self.labels.get('metric')} = {f(self.estimate)} (95% CI {f(self.ci_low)}–{f(self.ci_high)}, "
                 f"n={self.n}); baseline {self.baseline}: {f(self.baseline_value)}, candidate "

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import typer
 
@@ -232,7 +232,7 @@ def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g.
     console.print(f"database at revision {revision}")
 
 
-def _migrate(step, verb: str, revision: str) -> None:
+def _migrate(step: Callable[..., None], verb: str, revision: str) -> None:
     """Run a migration; one that the database refuses (not one it could not reach) is named as a
     failed migration, with the database's first line: the whole step ran in one transaction on
     PostgreSQL, so its revision stays where it was."""

@@ -8,12 +8,16 @@ import os
 import pathlib
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 
 from app.cli.base import _ago, _log, app, console, fail
 from app.summary import decision_line, deploy_decision
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @app.command()
@@ -87,7 +91,7 @@ def gate(
     raise typer.Exit(code)
 
 
-def _start(http, url: str, body: dict, api: str, retry_for: float, error_exit_code: int,
+def _start(http: httpx.Client, url: str, body: dict, api: str, retry_for: float, error_exit_code: int,
            unreachable_exit_code: int) -> dict:
     """POST the gate (retried through connection errors and 5xx for up to 15 s); the gate as the
     API answered, or a one-line exit naming why it could not start."""
@@ -112,8 +116,9 @@ def _start(http, url: str, body: dict, api: str, retry_for: float, error_exit_co
     return response.json()
 
 
-def _wait(http, url: str, gate: dict, started: float, api: str, timeout: float, heartbeat: float, retry_for: float,
-          summary_md: pathlib.Path | None, as_json: bool, error_exit_code: int, unreachable_exit_code: int) -> dict:
+def _wait(http: httpx.Client, url: str, gate: dict, started: float, api: str, timeout: float, heartbeat: float,
+          retry_for: float, summary_md: pathlib.Path | None, as_json: bool, error_exit_code: int,
+          unreachable_exit_code: int) -> dict:
     """Poll the gate until it has a verdict, a line on stderr every `heartbeat` seconds; past
     `timeout`, or with the API away for longer than `retry_for`, exit saying the gate goes on."""
     import httpx
@@ -150,7 +155,7 @@ def _poll_interval(elapsed: float) -> float:
     return 0.25 if elapsed < 10 else 1.0 if elapsed < 60 else 2.0
 
 
-def _call(http, method: str, url: str, retry_for: float, **kw):
+def _call(http: httpx.Client, method: str, url: str, retry_for: float, **kw: Any) -> httpx.Response:
     """One API request, retried with exponential backoff (1, 2, 4 … 30 s) through connection
     errors and 5xx answers for up to retry_for seconds; the last answer (or error) is the result."""
     import httpx
@@ -174,7 +179,7 @@ def _call(http, method: str, url: str, retry_for: float, **kw):
         delay = min(delay * 2, 30.0)
 
 
-def _detail(response) -> str:
+def _detail(response: httpx.Response) -> str:
     try:
         detail = response.json().get("detail")
         return detail if isinstance(detail, str) else json.dumps(detail)
@@ -182,7 +187,7 @@ def _detail(response) -> str:
         return response.text[:300]
 
 
-def _gate_out(g: dict, summary_md, as_json: bool, step_summary: bool = False) -> None:
+def _gate_out(g: dict, summary_md: pathlib.Path | None, as_json: bool, step_summary: bool = False) -> None:
     if summary_md:
         summary_md.write_text(g["summary_markdown"], encoding="utf-8")
     if step_summary and os.environ.get("GITHUB_STEP_SUMMARY"):

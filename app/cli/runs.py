@@ -8,14 +8,16 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 if TYPE_CHECKING:
     from app.config_file import CanaryFile
+    from app.models import ConfigRun, Run
     from app.schemas import RunOut
 from app.cli.base import _ago, _log, app, console, fail
 from app.cli.output import _json_out, _print_summary
@@ -77,7 +79,7 @@ class RunWatch:
     Without one (CI logs, nohup, `make demo | tee`): one stderr line when the run starts, one per
     config as it finishes, and a heartbeat line whenever `heartbeat` seconds pass without one."""
 
-    def __init__(self, run_id: int, heartbeat: float, bars: bool, clock=time.monotonic):
+    def __init__(self, run_id: int, heartbeat: float, bars: bool, clock: Callable[[], float] = time.monotonic):
         self.run_id, self.heartbeat, self.bars, self.clock = run_id, heartbeat, bars, clock
         self.progress = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not bars,
@@ -93,7 +95,7 @@ class RunWatch:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:  # forwarded to Progress.__exit__ as they came
         self.progress.__exit__(*exc)
 
     def say(self, line: str) -> None:
@@ -101,7 +103,7 @@ class RunWatch:
         if not self.bars:
             _log(line)
 
-    def update(self, run) -> None:
+    def update(self, run: Run) -> None:
         config_runs = list(run.config_runs)
         elapsed = self.clock() - self.started
         if not self.announced:
@@ -126,13 +128,13 @@ class RunWatch:
             if config_run.status in ("succeeded", "failed") and name not in self.finished:
                 self.finished.add(name)
                 failed = config_run.status == "failed" and config_run.error
-                why = f": {config_run.error.splitlines()[0][:200]}" if failed else ""
+                why = f": {cast(str, config_run.error).splitlines()[0][:200]}" if failed else ""  # failed: an error
                 self.say(f"{name} {config_run.status} ({len(self.finished)}/{len(config_runs)} configs done, "
                          f"{_ago(elapsed)} elapsed){why}")
         if self.clock() - self.last_line >= self.heartbeat:
             self.say(self.heartbeat_line(config_runs, elapsed))
 
-    def heartbeat_line(self, config_runs, elapsed: float) -> str:
+    def heartbeat_line(self, config_runs: list[ConfigRun], elapsed: float) -> str:
         """`run 7 running: 1/3 configs done; int8 40/100; 1m30s elapsed, about 2m15s left`. The
         estimate counts a config's progress as the fraction of its items done."""
         done = sum(1.0 if config_run.status in ("succeeded", "failed") else

@@ -4,7 +4,8 @@ dialect-portable insert."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import CursorResult, Result, func, select
 from sqlalchemy.orm import Session
@@ -13,6 +14,10 @@ from app.models import (
     ConfigRun,
     Run,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PostgresInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 TERMINAL = ("succeeded", "failed")
 
@@ -35,7 +40,7 @@ def queued_config_runs(session: Session, project_id: int) -> int:
                           .where(Run.project_id == project_id, ConfigRun.status == "queued")) or 0
 
 
-def _insert(session: Session):
+def _insert(session: Session) -> Callable[[type], PostgresInsert | SqliteInsert]:
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert as pg_insert
 

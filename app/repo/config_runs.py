@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, delete, func, insert, literal, or_, select, update
+from sqlalchemy import Row, and_, delete, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.dispatch import stored_priority
@@ -95,7 +95,7 @@ def fair_pick(session: Session, config_run_id: int) -> int:
         .join(Run, Run.id == ConfigRun.run_id).where(Run.project_id.in_(projects)).group_by(Run.project_id)).all())
     never = datetime.min
 
-    def turn(row) -> tuple:
+    def turn(row: Row[int, int | None, datetime | None, str, int]) -> tuple:
         started = last_start.get(row.project_id)
         return (running.get(row.project_id, 0), started.replace(tzinfo=None) if started else never,
                 row.enqueued_at.replace(tzinfo=None) if row.enqueued_at else never, row.id)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Exists, delete, func, select, update
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from app.models import (
     ComparisonRow,
@@ -137,7 +138,7 @@ def list_runs(session: Session, project: Project, limit: int = 50, offset: int =
     ))
 
 
-def _unfinished(run_id):
+def _unfinished(run_id: int | InstrumentedAttribute[int]) -> Exists:
     """EXISTS a config-run of the run (an id or the Run.id column) that is not yet terminal."""
     return select(ConfigRun.id).where(ConfigRun.run_id == run_id, ConfigRun.status.not_in(TERMINAL)).exists()
 
@@ -220,7 +221,7 @@ def comparisons(session: Session, run_id: int) -> list[ComparisonRow]:
 AGGREGATION_LOCK = 0x63616E61  # advisory-lock namespace of run aggregations
 
 
-def aggregation_lock(run_id: int):
+def aggregation_lock(run_id: int) -> AbstractContextManager[bool]:
     """Held by the one aggregation pass of a run (app.db.advisory_lock)."""
     from app.db import advisory_lock
 

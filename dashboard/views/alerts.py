@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
 import pandas as pd
 import streamlit as st
 
@@ -14,6 +17,9 @@ from dashboard.views.common import (
     parse_time,
     verdict_rank,
 )
+
+if TYPE_CHECKING:
+    from dashboard.client import Api
 
 
 def until(t: str) -> str:
@@ -38,7 +44,7 @@ def stale_alert(schedule: dict) -> dict:
             "annotations": {"rule": schedule["stale_reason"]}}
 
 
-def incidents(alerts: list[dict], label, value) -> list[dict]:
+def incidents(alerts: list[dict], label: Callable[[dict], str], value: Callable[[dict], str]) -> list[dict]:
     """Firing alerts as incidents, Alertmanager's grouping by config and run: one row per (config, run)
     with every breaching metric inside, critical first (label: an alert's metric label; value: its
     value in the metric's unit), the earliest fire time, and the worst alert's runbook link."""
@@ -57,7 +63,7 @@ def incidents(alerts: list[dict], label, value) -> list[dict]:
     return out
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("Alerts")
     alerts = api.get(f"/projects/{project}/alerts")
     metrics = {m["name"]: m for m in catalogue(api)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from dashboard.views.common import (
     VERDICT_COLORS,
@@ -146,7 +147,7 @@ def model_tiles(configs: list[dict], metrics: list[dict]) -> list[Tile]:
     return tiles
 
 
-def check_times(configs: list[dict], next_check_at: str | None, now=None) -> tuple[str, str]:
+def check_times(configs: list[dict], next_check_at: str | None, now: datetime | None = None) -> tuple[str, str]:
     """The model's last check (its configs' latest finished run) and the suite's next scheduled
     check, in human time."""
     checked = [c["checked_at"] for c in configs if c.get("checked_at")]

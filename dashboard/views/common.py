@@ -5,7 +5,15 @@ tests/unit/test_dashboard_format.py)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pandas.io.formats.style import Styler
+
+    from dashboard.client import Api
 
 # colour carries the threshold state (no emoji: a headless browser's fonts may lack them)
 VERDICT_COLORS = {"ok": "#c8e6c9", "warn": "#ffe0b2", "critical": "#ffcdd2", "inconclusive": "#eeeeee",
@@ -23,12 +31,12 @@ BREACHING = ("warn", "critical")
 SPARK = "▁▂▃▄▅▆▇█"
 
 
-def catalogue(api) -> list[dict]:
+def catalogue(api: Api) -> list[dict]:
     """The metric catalogue (GET /metrics: vocabulary/metrics.py's table), in display order."""
     return api.get("/metrics")["metrics"]
 
 
-def fmt(x, spec: str = ".4g") -> str:
+def fmt(x: float | None, spec: str = ".4g") -> str:
     return "—" if x is None else format(x, spec)
 
 
@@ -45,7 +53,7 @@ def judged_verdict(cell: dict) -> str:
     return "" if unjudged else cell["verdict"]
 
 
-def worst_verdict(verdicts) -> str | None:
+def worst_verdict(verdicts: Iterable[str | None]) -> str | None:
     ranked = sorted((v for v in verdicts if v), key=verdict_rank)
     return ranked[0] if ranked else None
 
@@ -102,7 +110,7 @@ COLOUR_KEY = ("Colour is the threshold state: green ok, orange warn, red critica
               "is the estimate and its 95% CI.")
 
 
-def drop_empty_columns(df, empty=("", "—", None)):
+def drop_empty_columns(df: pd.DataFrame, empty: tuple[str | None, ...] = ("", "—", None)) -> pd.DataFrame:
     """A table without the columns that are empty in every row (an "escalation run" column of blanks
     tells a reader nothing)."""
     return df[[c for c in df.columns if not df[c].isin(empty).all()]] if len(df) else df
@@ -170,11 +178,11 @@ def doc_ppl_ratio(candidate_nll: float | None, baseline_nll: float | None, token
     return math.exp((candidate_nll - baseline_nll) / tokens)
 
 
-def style_verdicts(df, verdict_cols: dict[str, str]):
+def style_verdicts(df: pd.DataFrame, verdict_cols: dict[str, str]) -> Styler:
     """Colour each displayed column by the verdict in its twin column; the twins are not shown."""
     shown = df.drop(columns=list(set(verdict_cols.values())))
 
-    def colour(frame):
+    def colour(frame: pd.DataFrame) -> pd.DataFrame:
         css = frame.copy().astype(str)
         for c in frame.columns:
             twins = df[verdict_cols[c]] if c in verdict_cols else [""] * len(frame)
@@ -184,11 +192,11 @@ def style_verdicts(df, verdict_cols: dict[str, str]):
     return shown.style.apply(colour, axis=None)
 
 
-def style_verdict_column(df, column: str = "verdict"):
+def style_verdict_column(df: pd.DataFrame, column: str = "verdict") -> Styler:
     return df.style.apply(lambda col: [f"background-color: {VERDICT_COLORS.get(v, '')}" for v in col], subset=[column])
 
 
-def y_domain(values, rel_pad: float = 0.1, min_span: float = 0.01) -> list[float]:
+def y_domain(values: Iterable[float | None], rel_pad: float = 0.1, min_span: float = 0.01) -> list[float]:
     """A chart's y range that shows every value with a margin; a single value (or a flat series)
     gets a span of ±min_span × |value| around it (at least min_span), not an axis of ".309"s."""
     known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
@@ -202,14 +210,14 @@ def y_domain(values, rel_pad: float = 0.1, min_span: float = 0.01) -> list[float
     return [low - span * rel_pad, high + span * rel_pad]
 
 
-def spans_decades(values, factor: float = 3.0) -> bool:
+def spans_decades(values: Iterable[float | None], factor: float = 3.0) -> bool:
     """Positive values whose largest is at least `factor` times the smallest: a linear axis would
     squash all but the largest onto one line (a collapsed config at 7× beside ratios near 1)."""
     known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return bool(known) and min(known) > 0 and max(known) / min(known) >= factor
 
 
-def log_domain(values, pad: float = 1.15) -> list[float]:
+def log_domain(values: Iterable[float | None], pad: float = 1.15) -> list[float]:
     """A log axis' range around positive values: a factor `pad` beyond each end."""
     known = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)) and v > 0]
     return [min(known) / pad, max(known) * pad]
@@ -222,7 +230,7 @@ def label_offsets(xs: list[float], ys: list[float], labels: list[str], x_range: 
     bottom, takes the first of above / below / further above / further below that is clear of
     the labels already placed (boxes estimated from the text's length on axes of the given ranges,
     by default the points' own span, at the chart's size)."""
-    def px(values, size, span):
+    def px(values: list[float], size: float, span: list[float] | None) -> list[float]:
         low, high = span or (min(values), max(values))
         return [size / 2 if high - low < 1e-12 else (v - low) / (high - low) * size for v in values]
 

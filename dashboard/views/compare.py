@@ -5,6 +5,8 @@ lost (with its CI) against speed or memory gained."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import altair as alt
 import pandas as pd
@@ -21,6 +23,9 @@ from dashboard.views.common import (
 )
 from dashboard.views.overview import config_rows, frame, headline
 
+if TYPE_CHECKING:
+    from dashboard.client import Api
+
 SYMLOG_TICKS = [-300, -100, -30, -10, -3, -1, 0, 1, 3, 10, 30, 100, 300, 1000, 3000]
 
 
@@ -31,7 +36,7 @@ def wide_spread(values: list[float], factor: float = 10.0) -> bool:
     return bool(known) and known[-1] >= factor * max(known[len(known) // 2], 1.0)
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("Compare configs")
     runs = [r for r in api.get(f"/projects/{project}/runs", limit=100) if r["status"] == "done"]
     if not runs:
@@ -72,7 +77,7 @@ def render(api, project: str, params) -> None:
         _trade_off(api, project, suite, points)
 
 
-def _trade_off(api, project: str, suite: str, points: list[dict]) -> None:
+def _trade_off(api: Api, project: str, suite: str, points: list[dict]) -> None:
     """The run's configs as quality lost (ppl ratio, with its CI) against speed or memory gained,
     with the project's perplexity thresholds."""
     st.subheader("Quality lost vs speed and memory gained")

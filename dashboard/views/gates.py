@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import pandas as pd
 import streamlit as st
 
 from dashboard.views.common import human_time, parse_time
+
+if TYPE_CHECKING:
+    from dashboard.client import Api
 
 
 def took(gate: dict) -> str:
@@ -17,7 +23,7 @@ def took(gate: dict) -> str:
     return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("CI gates")
     gates = api.get(f"/projects/{project}/gates")
     if not gates:
@@ -35,7 +41,7 @@ def render(api, project: str, params) -> None:
         f"{latest['baseline']}, {human_time(latest['created_at'])}" + (f": {latest['reason']}" if latest.get("reason")
                                                                         else ""))
 
-    def shade(column):
+    def shade(column: pd.Series) -> list[str]:
         return [f"background-color: {colors.get(verdict, '')}" for verdict in column]
 
     st.dataframe(table.style.apply(shade, subset=["verdict"]),

@@ -4,6 +4,9 @@ rationale and faithfulness statements."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import pandas as pd
 import streamlit as st
 
@@ -20,6 +23,11 @@ from dashboard.views.common import (
     worst_first,
     worst_verdict,
 )
+
+if TYPE_CHECKING:
+    from pandas.io.formats.style import Styler
+
+    from dashboard.client import Api
 
 SAMPLE_METRICS = ["nll", "faithfulness", "judge_pairwise", "judge_score"]
 
@@ -201,12 +209,12 @@ def candidates_worst_first(run: dict, metrics: dict[str, dict]) -> list[str]:
     return [r["config"] for r in worst_first(rows)]
 
 
-def _table(rows: list[dict]):
+def _table(rows: list[dict]) -> Styler:
     df = pd.DataFrame(rows).drop(columns=["ppl_ratio"])
     return style_verdict_column(df).hide(axis="index")
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("Run detail")
     runs = api.get(f"/projects/{project}/runs", limit=100)
     if not runs:
@@ -313,7 +321,7 @@ def _examples(run: dict, metrics: dict) -> None:
             col.code(text if text else "(empty answer)", language=None)
 
 
-def _worst_samples(api, project: str, run: dict, candidates: list[str]) -> bool:
+def _worst_samples(api: Api, project: str, run: dict, candidates: list[str]) -> bool:
     """A candidate's worst samples by a per-sample metric, each with both sides' outputs and what
     the judge and faithfulness said; False when it has no paired samples on that metric."""
     st.subheader("Worst samples")

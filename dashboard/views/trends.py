@@ -3,6 +3,9 @@ thresholds that apply to each config, and the alerts that fired (named by config
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
 import altair as alt
 import pandas as pd
 import streamlit as st
@@ -17,6 +20,9 @@ from dashboard.views.common import (
     y_domain,
 )
 from dashboard.views.overview import suite_choice
+
+if TYPE_CHECKING:
+    from dashboard.client import Api
 
 SHAPES = {"ok": "circle", "inconclusive": "diamond", "warn": "triangle-up", "critical": "square",
           "measurement_error": "cross"}  # the verdict as a point's shape: colour is the config's
@@ -69,7 +75,7 @@ def near_threshold(pts: pd.DataFrame, metric: dict, lines: list[dict], bound: fl
         shared = [line["y"] for line in lines if line["level"] == "warn" and line["config"] == "all configs"]
         return (own or shared or [metric.get("warn")])[0]
 
-    def near(row) -> bool:
+    def near(row: pd.Series) -> bool:
         warn = warn_of(row["config"])
         if parity is None or warn is None or row["verdict"] not in ("ok", None):
             return True
@@ -90,7 +96,7 @@ def axis_title(metric: dict) -> str:
     return f"{metric['label']} ({unit})"
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("Trends")
     top = st.columns([1, 1, 2])
     with top[0]:
@@ -178,7 +184,7 @@ def render(api, project: str, params) -> None:
                "scale (beyond twice the highest threshold), labelled with its value at the config's newest run.")
 
 
-def _off_scale_layers(off: pd.DataFrame, x, scale, colour, tooltip) -> list:
+def _off_scale_layers(off: pd.DataFrame, x: alt.X, scale: alt.Scale, colour: alt.Color, tooltip: list[str]) -> list:
     """Points beyond the scale: a marker along the top at each, and one label per config at its
     newest run, the highest first, each a line below the one before."""
     top = scale.to_dict()["domain"][1]
@@ -192,7 +198,7 @@ def _off_scale_layers(off: pd.DataFrame, x, scale, colour, tooltip) -> list:
     return layers
 
 
-def _threshold_layers(lines: list[dict], scale) -> list:
+def _threshold_layers(lines: list[dict], scale: alt.Scale) -> list:
     """One dashed rule and label per threshold, in the threshold's own colour (no second legend)."""
     layers = []
     for line in lines:
@@ -221,7 +227,7 @@ def _alerts_by_run(alerts: pd.DataFrame, pts: pd.DataFrame, shown: list[str]) ->
     return named
 
 
-def run_diff(pts: pd.DataFrame, a: int, b: int, cell) -> pd.DataFrame:
+def run_diff(pts: pd.DataFrame, a: int, b: int, cell: Callable[[pd.Series], str]) -> pd.DataFrame:
     """Run b against run a, per config both measured: each side's estimate with its CI and n (cell:
     how the metric is written, as on the other pages), the change b − a, and both verdicts; the configs
     whose verdict changed first, then by the size of the change."""
@@ -246,8 +252,8 @@ def _run_vs_run(pts: pd.DataFrame, metric: dict) -> None:
     a = left.selectbox("From run", runs, index=len(runs) - 2, key="diff_a")
     b = right.selectbox("To run", runs, index=len(runs) - 1, key="diff_b")
 
-    def cell(row) -> str:
-        def known(v):
+    def cell(row: pd.Series) -> str:
+        def known(v: Any) -> float | None:  # a pandas scalar (NaN where missing)
             return None if pd.isna(v) else float(v)
         return metric_cell(metric["unit"], metric["fmt"], *(known(row[k]) for k in ("estimate", "ci_low", "ci_high")))
     diff = run_diff(pts, int(a), int(b), cell)

@@ -5,12 +5,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Header, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from app import repo
 from app.api.deps import ProjectDep, RowId, SessionDep
 from app.config_base import DB_INT_MAX, NameRef
 from app.dispatch import get_dispatcher
 from app.gates import check_request, find_gate, record_gate
+from app.models import Project
 from app.queries import gate as read_gate
 from app.queries import gate_out
 from app.queries import gates as read_gates
@@ -80,7 +82,7 @@ def create_gate(body: GateIn, project: ProjectDep, session: SessionDep, response
                 raise
 
 
-def _start_gate(session, project, body: GateIn, idempotency_key: str | None) -> dict:
+def _start_gate(session: Session, project: Project, body: GateIn, idempotency_key: str | None) -> dict:
     baseline = check_request(session, project, body.candidate, body.baseline, body.suite)
     run_id, _ = start_run(project.name, body.suite, [body.candidate], get_dispatcher(background=True),
                           samples=body.samples, trigger="gate",

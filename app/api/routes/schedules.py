@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import APIRouter, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
@@ -13,6 +15,9 @@ from app.schedules import latest_slot
 from app.schemas import Time, error_responses
 from app.services import check_project_room
 from app.settings import get_settings
+
+if TYPE_CHECKING:
+    from app.staleness import ScheduleHealth
 
 router = APIRouter(tags=["schedules"], responses=error_responses(404))
 
@@ -51,7 +56,7 @@ class ScheduleOut(BaseModel):
     stale_reason: str | None = None
 
 
-def out(schedule: Schedule, health=None) -> dict:
+def out(schedule: Schedule, health: ScheduleHealth | None = None) -> dict:
     from croniter import croniter
 
     from app.models import utcnow
