@@ -6,8 +6,12 @@ machine itself is app/alerting.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -23,6 +27,7 @@ from app.alerting import (
     should_notify,
 )
 from app.channels import AlertMessage, build, build_group
+from app.dispatch import Dispatcher
 from app.models import Alert, AlertRule, Channel, ComparisonRow, Notification, Run, Silence, Suite, aware, utcnow
 from app.runbooks import alert_runbook
 from app.schemas import ComparisonOut
@@ -60,6 +65,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
     verdicts = _config_verdicts(comparisons, names, {config_run.config.name: config_run.figures or {}
                                                      for config_run in run.config_runs})
+    specs = {config_run.config_id: (config_run.figures or {}).get("config_spec") for config_run in run.config_runs}
     touched: list[tuple[Alert, AlertState, str | None, ComparisonRow]] = []
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or not comparison.gated:
@@ -75,7 +81,9 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             fp = fingerprint(labels)
             row = _latest(session, run.project_id, fp)
             prev = _state(row, labels)
-            verdict, held = _weighed(row, comparison, severity)
+            measured = definition(specs.get(comparison.config_id), specs.get(run.baseline_config_id))
+            edited = _raised_on(row) not in (None, measured) and measured is not None
+            verdict, held = _weighed(row, comparison, severity, edited)
             new, transition = evaluate(prev, verdict, comparison.estimate, rule.for_runs, now)
             if transition in ("pending", "firing") and (row is None or row.state in ("resolved", "inactive")):
                 row = repo.open_alert(session, run.project_id, rule.id, fp, labels, new.state, severity,
@@ -90,7 +98,11 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
             row.state, row.consecutive, row.value = new.state, new.consecutive, new.value
             row.fired_at, row.resolved_at, row.run_id = new.fired_at, new.resolved_at, run.id
             row.annotations = {"rule": comparison.rule, "ci": f"[{comparison.ci_low}, {comparison.ci_high}]",
-                               "n": str(comparison.n), "raised_n": str(_raised_n(row) or comparison.n),
+                               # the evidence that raised it, until a run of a config edited since replaces it
+                               "n": str(comparison.n),
+                               "raised_n": str(comparison.n if edited else _raised_n(row) or comparison.n),
+                               **({"raised_on": on} if (on := measured if edited else _raised_on(row) or measured)
+                                  else {}),
                                **({"fired_run": fired_run} if fired_run else {}), **_step_back(comparison)}
             touched.append((row, new, transition, comparison))
     session.flush()
@@ -148,13 +160,32 @@ def _raised_n(alert: Alert | None) -> int:
     return int((alert.annotations or {}).get("raised_n") or (alert.annotations or {}).get("n") or 0)
 
 
-def _weighed(alert: Alert | None, comparison: ComparisonRow, severity: str) -> tuple[str, str | None]:
+def definition(config_spec: Any, baseline_spec: Any) -> str | None:
+    """A short digest of what a comparison measured: the config and its baseline as their
+    config-runs loaded them (their figures' config_spec); None when a run did not keep them."""
+    if config_spec is None or baseline_spec is None:
+        return None
+    raw = json.dumps({"config": config_spec, "baseline": baseline_spec}, sort_keys=True, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _raised_on(alert: Alert | None) -> str | None:
+    """The definition (`definition`) the evidence that raised an active alert measured."""
+    if alert is None or alert.state not in ACTIVE:
+        return None
+    return (alert.annotations or {}).get("raised_on")
+
+
+def _weighed(alert: Alert | None, comparison: ComparisonRow, severity: str,
+             edited: bool = False) -> tuple[str, str | None]:
     """The verdict the alert's state machine sees, and why it was held. A run with fewer samples
     than the evidence that raised an active alert never resolves or downgrades it (a 12-sample gate
     after a 100-sample nightly): its not-breaching verdict counts as no data, and the alert says so.
-    A breaching verdict always counts."""
+    A breaching verdict always counts, and so does any run of a config (or baseline) `edited` in
+    place since the alert was raised: the larger run's evidence is about a config that no longer
+    exists."""
     raised = _raised_n(alert)
-    if comparison.verdict in SEVERITY_VERDICTS[severity] or not raised or comparison.n >= raised:
+    if comparison.verdict in SEVERITY_VERDICTS[severity] or not raised or comparison.n >= raised or edited:
         return comparison.verdict, None
     return "inconclusive", (f"run {comparison.run_id} said {comparison.verdict} at n={comparison.n}, fewer samples "
                             f"than the n={raised} that raised this alert: kept as it was")
@@ -207,7 +238,8 @@ def _escalations(session: Session, run: Run, touched: list) -> list[tuple[str, l
     return list(by_config.items())
 
 
-def escalate(session_factory, run_id: int, escalations: list[tuple[str, list[int]]], dispatcher) -> list[int]:
+def escalate(session_factory: Callable[[], AbstractContextManager[Session]], run_id: int,
+             escalations: list[tuple[str, list[int]]], dispatcher: Dispatcher) -> list[int]:
     """One immediate run per config with newly firing alerts (trigger 'alert', queued behind
     gates): the suite's first CANARY_ESCALATION_SAMPLES documents, not the whole corpus. Every
     alert of it keeps the run id, so a later evaluation of the same firing never escalates twice."""
@@ -216,21 +248,21 @@ def escalate(session_factory, run_id: int, escalations: list[tuple[str, list[int
     settings = get_settings()
     started = []
     with session_factory() as session:
-        run = session.get(Run, run_id)
-        suite = session.get(Suite, run.suite_id)
+        run = cast(Run, session.get(Run, run_id))  # the run that raised the alerts
+        suite = cast(Suite, session.get(Suite, run.suite_id))  # a foreign key: the row exists
         project = repo.project_name(session, run.project_id)
         full = len(repo.suite_samples(session, suite.id, run.suite_version))
         suite_name = suite.name
     for config, alert_ids in escalations:
         with session_factory() as session:
-            if all(session.get(Alert, alert_id).escalation_run_id is not None for alert_id in alert_ids):
+            if all(cast(Alert, session.get(Alert, alert_id)).escalation_run_id is not None for alert_id in alert_ids):
                 continue
         new_run, _ = start_run(project, suite_name, [config], dispatcher,
                                samples=min(full, settings.escalation_samples, settings.max_samples_per_run),
                                trigger="alert", idempotency_key=f"escalation-{min(alert_ids)}")
         with session_factory() as session:
             for alert_id in alert_ids:
-                alert = session.get(Alert, alert_id)
+                alert = cast(Alert, session.get(Alert, alert_id))  # the alerts this run raised
                 if alert.escalation_run_id is None:
                     alert.escalation_run_id = new_run
         started.append(new_run)

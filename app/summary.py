@@ -204,8 +204,8 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
                     baseline: str | None = None, ablations: Iterable[str] = (),
                     max_lines: int = MAX_LINES, figures: Mapping[str, Mapping[str, Any]] | None = None,
                     decide_with: str | None = None, decide_cap: int | None = None,
-                    drawn: int | None = None, decide_settings_with: Mapping[str, str] | None = None
-                    ) -> VerdictSummaryOut:
+                    drawn: int | None = None, decide_settings_with: Mapping[str, str] | None = None,
+                    edited: Mapping[str, int] | None = None) -> VerdictSummaryOut:
     """The lines by group, the text as printed (at most max_lines), how many configs it leaves
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
     diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
@@ -213,7 +213,10 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     to fill in (app/services.decide_command); `decide_cap`: the most samples it may ask for (the
     suite's documents, the per-run limit), said when it is less than they need; `drawn`: the
     samples the run holds already (no command when the cap gives no more); `decide_settings_with`:
-    a command per suite setting that raises it on its own (the demo's `--prompts`, `{n}` to fill in)."""
+    a command per suite setting that raises it on its own (the demo's `--prompts`, `{n}` to fill in);
+    `edited`: the configs edited in place since the run that measured them (config → that run):
+    undecided whatever that run said, since it said it of an earlier definition, and decided by
+    measuring them again on as many documents."""
     skip = {baseline, *ablations}
     by_config: dict[str, list[ComparisonOut]] = {}
     for c in judged(comparisons):
@@ -226,6 +229,14 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     figures = figures or {}
     lines = [line for config, rows in by_config.items()
              if (line := config_line(config, rows, advice.get(config), figures.get(config), drawn))]
+    edits = edited or {}
+    for i, line in enumerate(lines):
+        if line.config in edits:
+            then = line.findings or "ok"
+            lines[i] = line.model_copy(update={
+                "group": "undecided", "findings": f"edited since run {edits[line.config]} measured it (then: {then})",
+                "text": f"{line.config}: edited since run {edits[line.config]} measured it (then: {then})",
+                "decide_samples": max(c.n for c in by_config[line.config]), "decide_settings": {}})
     lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
     groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}

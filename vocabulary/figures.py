@@ -95,11 +95,15 @@ class RunFigures:
     # sha256 of the model as this config loaded it (engines/fingerprint.weights_digest: weight files and
     # config.json, or a GGUF file); None for a served model, whose weights the canary cannot read
     model_digest: str | None = None
+    # the config's spec as stored when this config-run loaded it: a config edited in place since then
+    # has this run's figures and comparisons as evidence about its earlier definition only
+    config_spec: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
-        for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run", "model_digest"):
+        for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run", "model_digest",
+                        "config_spec"):
             if out[section] is None:
                 del out[section]
         return out

@@ -157,7 +157,7 @@ class ExecuteConfigRun(BaseTask):
             **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
                "concurrency": step, **produced},
             **work.stats.figures(description.kv_cache_usage),
-            inputs_key=key, model_digest=digest,
+            inputs_key=key, model_digest=digest, config_spec=job.config_spec,
         ).to_json()
         if job.earlier is not None:
             figures = with_earlier(figures, job.earlier, documents=job.runs("perplexity"))

@@ -42,6 +42,10 @@ class Job:
     earlier: dict[str, Any] | None = None  # a top-up pass: the figures of the config's pass before it
     # a top-up pass: Σ NLL and Σ tokens of the documents the config holds (its token perplexity counts them)
     recorded_nll: tuple[float, int] = (0.0, 0)
+    # the config's spec as stored when this config-run loaded it (optimization_configs.spec): kept in its
+    # figures, so a reader can tell evidence about the config as it is now from evidence about an
+    # earlier definition (a config edited in place, app/api/routes/views.py)
+    config_spec: dict[str, Any] | None = None
 
     def runs(self, scorer: str) -> bool:
         """Whether this pass runs a scorer's producer: the suite's scorers, less those a top-up pass
@@ -83,6 +87,7 @@ def load_job(session: Session, config_run_id: int) -> Job:
         is_baseline=config_run.config_id == run.baseline_config_id,
         config_id=config_run.config_id,
         spec=spec,
+        config_spec=dict(config_run.config.spec),
         baseline_spec=OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
         calibration=calibration,
         suite_version=run.suite_version,

@@ -5,6 +5,9 @@ threshold state."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import streamlit as st
@@ -25,8 +28,11 @@ from dashboard.views.common import (
     worst_verdict,
 )
 
+if TYPE_CHECKING:
+    from dashboard.client import Api
 
-def suite_choice(api, project: str, params, path: str, **query) -> dict:
+
+def suite_choice(api: Api, project: str, params: Mapping[str, str], path: str, **query: str | int) -> dict:
     """Read `path` for the suite chosen on the page (or ?suite=, else the API's default: the
     scheduled suite) and draw the suite selector; returns the API's answer for that suite."""
     asked = st.session_state.get("suite") or params.get("suite")
@@ -38,7 +44,7 @@ def suite_choice(api, project: str, params, path: str, **query) -> dict:
     return data
 
 
-def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict]:
+def config_rows(configs: list[dict], metrics: list[dict], now: datetime | None = None) -> list[dict]:
     """One row per config (worst first) with a text cell and a verdict per gated metric."""
     rows = []
     for c in configs:
@@ -58,7 +64,8 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
                "ppl trend": sparkline([p["estimate"] for p in c.get("ppl_history") or []])
                if len(c.get("ppl_history") or []) > 1 else "",
                "tok/s": fmt(f.get("tokens_per_second"), ".0f"), "KV B/token": fmt(f.get("kv_bytes_per_token"), "d"),
-               "checked": human_time(c["checked_at"], now, never="never")}
+               "checked": human_time(c["checked_at"], now, never="never")
+               + (" (edited since)" if c.get("edited_since_checked") else "")}
         for m in metrics:
             comp = comps.get(m["name"])
             ci = ("ci_low", "ci_high") if m["comparison"] != "peak" else ()  # a peak has no CI: one reading
@@ -66,6 +73,18 @@ def config_rows(configs: list[dict], metrics: list[dict], now=None) -> list[dict
             row["cells"][m["label"]] = (text, judged_verdict(comp) if comp else "")
         rows.append(row)
     return worst_first(rows)
+
+
+def edited_line(configs: list[dict]) -> str | None:
+    """The configs edited in place since the run that stands for them (the API's
+    edited_since_checked): their row describes the earlier definition until a run measures them."""
+    names = [c["config"] for c in configs if c.get("edited_since_checked")]
+    if not names:
+        return None
+    many = len(names) > 1
+    return (f"{', '.join(names)} {'were' if many else 'was'} edited after {'their' if many else 'its'} last run: "
+            f"{'their rows describe' if many else 'its row describes'} the earlier definition. Run "
+            f"{'them' if many else 'it'} again to measure the config as it is now.")
 
 
 def sample_counts(docs: int | None, prompts: int | None) -> str:
@@ -77,7 +96,7 @@ def _label(metrics: list[dict], name: str | None) -> str:
     return next((m["label"] for m in metrics if m["name"] == name), name or "")
 
 
-def frame(rows: list[dict], metrics: list[dict]):
+def frame(rows: list[dict], metrics: list[dict]) -> tuple[pd.DataFrame, dict[str, str]]:
     """The table as shown (columns empty throughout, or judged on no row, left out) and its verdict
     twins for colouring."""
     table, twins = [], {"verdict": "_verdict"}
@@ -159,14 +178,14 @@ def _md(text: str) -> str:
     return re.sub(r"([\\`*$<~])", r"\\\1", text)
 
 
-def stale_banner(api, project: str) -> None:
+def stale_banner(api: Api, project: str) -> None:
     """The canary itself: a schedule whose runs stopped succeeding makes every verdict below old."""
     for schedule in api.get(f"/projects/{project}/schedules"):
         if schedule.get("stale"):
             st.error(f"The canary is stale: {schedule['stale_reason']} The verdicts on this page may be out of date.")
 
 
-def render(api, project: str, params) -> None:
+def render(api: Api, project: str, params: Mapping[str, str]) -> None:
     st.title("Inference quality overview")
     stale_banner(api, project)
     with st.columns([2, 2])[0]:
@@ -184,6 +203,9 @@ def render(api, project: str, params) -> None:
         st.subheader(f"Model {model}")
         text, worst = headline(model, rows, metrics, (data.get("summaries") or {}).get(model))
         {None: st.success, "warn": st.warning, "measurement_error": st.warning}.get(worst, st.error)(text)
+        edited = edited_line(configs)  # under the verdict it qualifies: those rows describe an earlier definition
+        if edited:
+            st.warning(edited)
         st.markdown(card_html(model_tiles(configs, catalogue_), *check_times(configs, data["next_check_at"])),
                     unsafe_allow_html=True)
         if base and ppl:

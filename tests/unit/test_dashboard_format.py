@@ -218,3 +218,23 @@ def test_trends_opens_on_the_configs_near_a_threshold_by_hand():
     far = pts[pts["config"].isin(["a", "d", "e"])]
     assert near_threshold(far, metric, lines, bound) == ["a", "d", "e"]
     assert near_threshold(pts, {**metric, "comparison": "percentile"}, lines, bound) == list("abcdef")
+
+
+def test_a_config_edited_since_its_run_is_named_under_the_table():
+    """The Overview's API marks a config edited in place after the run that stands for it
+    (edited_since_checked): its row's "checked" says so, and one line under the table names it."""
+    from dashboard.views.overview import config_rows, edited_line
+
+    def config(name: str, edited: bool) -> dict:
+        return {"config": name, "baseline": name == "fp16", "run_id": 4, "comparisons": {}, "figures": {},
+                "checked_at": "2026-12-01T10:00:00+00:00", "edited_since_checked": edited}
+
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    rows = {r["config"]: r["checked"] for r in config_rows([config("fp16", False), config("int4", True)], [], now)}
+    assert rows == {"fp16 (baseline)": "2 hours ago", "int4": "2 hours ago (edited since)"}
+    assert edited_line([config("fp16", False), config("int4", True)]) == (
+        "int4 was edited after its last run: its row describes the earlier definition. Run it again to measure the "
+        "config as it is now.")
+    assert edited_line([config("int4", True), config("kv", True)]).startswith(
+        "int4, kv were edited after their last run: their rows describe")
+    assert edited_line([config("int4", False)]) is None

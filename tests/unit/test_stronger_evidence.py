@@ -28,11 +28,14 @@ def _setup():
         return project.id, model.id, configs["fp16"].id, configs["int4"].id, suite.id
 
 
-def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, str | None]]:
-    """One finished run of int4 against fp16, evaluated; each severity's alert: (state, held note)."""
+def _run(ids, samples: int, ratio: float, verdict: str, *,
+         kept: bool = False) -> dict[str, tuple[str, str | None]]:
+    """One finished run of int4 against fp16, evaluated; each severity's alert: (state, held note).
+    `kept`: each config-run keeps the spec it loaded in its figures, as the worker writes them
+    (workers/execute.py); else the figures have none, as a run stored before they kept it."""
     from app.alert_evaluation import evaluate_run
     from app.db import session_scope
-    from app.models import Alert, ComparisonRow, ConfigRun, Run
+    from app.models import Alert, ComparisonRow, ConfigRun, OptimizationConfig, Run
 
     project, model, base, int4, suite = ids
     with session_scope() as s:
@@ -41,8 +44,11 @@ def _run(ids, samples: int, ratio: float, verdict: str) -> dict[str, tuple[str, 
         s.add(run)
         s.flush()
         # the baseline's tokens/s names its run: a tile compares int4 with the baseline of int4's own run
+        specs = {c: s.get(OptimizationConfig, c).spec for c in (base, int4)}
         s.add_all([ConfigRun(run_id=run.id, config_id=c, status="succeeded",
-                             figures={"tokens_per_second": float(run.id)} if c == base else None) for c in (base, int4)])
+                             figures={**({"tokens_per_second": float(run.id)} if c == base else {}),
+                                      **({"config_spec": dict(specs[c])} if kept else {})} or None)
+                   for c in (base, int4)])
         s.add(ComparisonRow(run_id=run.id, config_id=int4, metric="ppl_ratio", estimate=ratio, ci_low=ratio - 0.01,
                          ci_high=ratio + 0.01, n=samples, verdict=verdict, rule="seeded", details={}))
         s.flush()
@@ -131,3 +137,84 @@ def test_trends_marks_an_alert_at_the_run_it_fired_on(sqlite_env):
         view = jsonable(trends(get_project(s, "p"), s, metric="ppl_ratio", config=None, suite=None, limit=200))
     marks = {(a["severity"], a["run_id"]) for a in view["alerts"]}
     assert marks == {("critical", fired), ("warn", fired)}
+
+
+def _edit(name: str, **spec) -> None:
+    """Edit a config in place, as PUT …/configs does: same name and id, another spec."""
+    from app.db import session_scope
+    from app.models import OptimizationConfig
+
+    with session_scope() as s:
+        config = s.scalar(select(OptimizationConfig).where(OptimizationConfig.name == name))
+        config.spec = {**config.spec, **spec}
+
+
+def _summary() -> dict:
+    from app.api.routes.views import overview
+    from app.db import session_scope
+    from app.repo import get_project
+    from app.schemas import jsonable
+
+    with session_scope() as s:
+        return jsonable(overview(get_project(s, "p"), s, None))["summaries"]["m"]
+
+
+def _shown() -> dict:
+    from app.api.routes.views import overview
+    from app.db import session_scope
+    from app.repo import get_project
+    from app.schemas import jsonable
+
+    with session_scope() as s:
+        view = jsonable(overview(get_project(s, "p"), s, None))
+    return next(c for c in view["models"]["m"] if c["config"] == "int4")
+
+
+def test_a_config_edited_in_place_has_only_the_runs_since_as_evidence(sqlite_env):
+    """A 100-sample run measured int4; then int4 is edited in place (another KV cache). The
+    100-sample run stands for it no longer: until a run measures the new definition, the Overview
+    shows the old run marked edited; then the 12-sample run of the new definition, although
+    smaller. Editing the baseline does the same to every candidate. A run whose config-runs kept no
+    spec (stored before they did) counts as measuring the config as it is."""
+    ids = _setup()
+    _run(ids, *CRITICAL_100, kept=True)
+    first = _shown()
+    assert (first["comparisons"]["ppl_ratio"]["n"], first["edited_since_checked"]) == (100, False)
+    _run(ids, *OK_12, kept=True)
+    assert _shown()["run_id"] == first["run_id"]  # the same definition: the stronger run stands
+    _edit("int4", kv_cache="fp8")
+    stale = _shown()
+    assert stale["edited_since_checked"] is True  # no run measured the new int4: the latest run, marked
+    (line,) = _summary()["groups"]["undecided"]  # whatever that run said, it said it of the old int4
+    assert line["text"] == f"int4: edited since run {stale['run_id']} measured it (then: ok)"
+    assert line["decide_samples"] == 12 and set(_summary()["groups"]) == {"undecided"}
+    assert stale["run_id"] > first["run_id"] and stale["comparisons"]["ppl_ratio"]["n"] == 12
+    _run(ids, *OK_12, kept=True)
+    now = _shown()
+    assert (now["comparisons"]["ppl_ratio"]["n"], now["comparisons"]["ppl_ratio"]["verdict"]) == (12, "ok")
+    assert now["run_id"] > stale["run_id"] and now["edited_since_checked"] is False
+    _run(ids, *WARN_50, kept=True)
+    assert _shown()["comparisons"]["ppl_ratio"]["n"] == 50  # more samples of the new definition: it takes over
+    _edit("fp16", dtype="bfloat16")  # the baseline: every candidate's evidence measured the old one
+    assert _shown()["edited_since_checked"] is True
+    _run(ids, *OK_12)  # figures without a kept spec: as the config is now
+    assert _shown()["edited_since_checked"] is False and _shown()["comparisons"]["ppl_ratio"]["n"] == 12
+
+
+def test_a_smaller_run_of_a_config_edited_since_can_resolve_its_alert(sqlite_env):
+    """A 12-sample run holds a 100-sample critical alert while int4 is as it was; once int4 is
+    edited in place, a 12-sample ok resolves it: the alert's evidence measured a config that no
+    longer exists. A run that breaches again after the edit raises the bar to its own n."""
+    ids = _setup()
+    raised = _run(ids, *CRITICAL_100, kept=True)
+    assert raised["critical"][0] == "firing"
+    held = _run(ids, *OK_12, kept=True)
+    assert held["critical"][0] == "firing" and "fewer samples than the n=100" in held["critical"][1]
+    _edit("int4", kv_cache="fp8")
+    after = _run(ids, *OK_12, kept=True)
+    assert {k: v[0] for k, v in after.items()} == {"warn": "resolved", "critical": "resolved"}
+    # a neighbour: edited again, it breaches at 50 samples; a 12-sample ok of that same definition is held
+    _edit("int4", kv_cache="kivi-2")
+    assert _run(ids, 50, 1.30, "critical", kept=True)["critical"][0] == "firing"
+    again = _run(ids, *OK_12, kept=True)
+    assert again["critical"][0] == "firing" and "fewer samples than the n=50" in again["critical"][1]

@@ -4,11 +4,13 @@ and a run's worst samples. Each is a handful of indexed queries, not a scan of s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import AliasChoices, BaseModel, Field
-from sqlalchemy import and_, func, select
+from sqlalchemy import ColumnElement, Row, and_, func, select
+from sqlalchemy.orm import Session
 
 from app import queries, repo
 from app.api.deps import ProjectDep, RowId, SessionDep
@@ -32,6 +34,9 @@ from app.settings import get_settings
 from app.ssrf import public_spec
 from app.summary import Advice, verdict_summary
 from vocabulary.metrics import METRICS, VERDICT_ORDER
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 router = APIRouter(tags=["views"], responses=error_responses(404))
 if TYPE_CHECKING:  # a Literal built at run time: to a type checker, a str
@@ -66,10 +71,14 @@ class OverviewConfig(BaseModel):
     config: str
     baseline: bool
     spec: dict[str, Any]
-    run_id: int | None = Field(description="the run that stands for the config: of the suite's last 10 done runs, "
-                                           "the one with the most samples, the newest among equals (else its latest "
-                                           "run of the suite); null: never measured on it")
+    run_id: int | None = Field(description="the run that stands for the config: of the suite's last 10 done runs "
+                                           "that measured it (and its baseline) as it is now, the one with the most "
+                                           "samples, the newest among equals (else its latest run of the suite); "
+                                           "null: never measured on it")
     checked_at: Time | None
+    edited_since_checked: bool = Field(False, description=(
+        "the config (or its run's baseline) was edited in place after run_id measured it, and no recent run has "
+        "measured it since: its figures describe the earlier definition; run it again"))
     comparisons: dict[str, ComparisonCell] = Field(description="by metric name")
     figures: FiguresOut
     baseline_figures: FiguresOut | None = Field(None, description=(
@@ -150,7 +159,7 @@ class WorstOut(BaseModel):
     items: list[WorstSample]
 
 
-def iso(t):
+def iso(t: datetime | None) -> str | None:
     return t.isoformat() if t else None
 
 
@@ -161,28 +170,57 @@ HISTORY_RUNS = 100  # how far back "breaching since" and the sparkline look (run
 EVIDENCE_RUNS = 10  # how far back the Overview looks for a config's strongest evidence (runs of the suite)
 
 
-def _strongest_evidence(session, done, rows: Sequence) -> list:
-    """Each (config, latest run id) with the run that stands for it instead: among the suite's last
-    EVIDENCE_RUNS done runs at the newest run's suite version, the config's run with the most
-    samples drawn, the newest among equals. A smaller, later run (a 12-sample gate after a
-    100-sample nightly) never hides stronger evidence; a config none of those runs measured keeps
-    its latest run."""
-    recent = session.execute(select(Run.id, Run.suite_version, Run.sample_keys).where(done)
+def _strongest_evidence(session: Session, done: ColumnElement[bool], rows: Sequence) -> list[tuple]:
+    """Each (config, latest run id) with the run that stands for it instead, and whether that run
+    measured the config as it is now: among the suite's last EVIDENCE_RUNS done runs at the newest
+    run's suite version, the config's run with the most samples drawn, the newest among equals,
+    that measured the config and its run's baseline as they are now (the spec each config-run
+    loaded, in its figures: a config edited in place after a 100-sample nightly has the 12-sample
+    run after the edit as its evidence, not the nightly). A smaller, later run never hides stronger
+    evidence about the same definition. A config none of those runs measured as it is now keeps its
+    latest run, marked edited when that run measured an earlier definition (a run stored before
+    config-runs kept their spec counts as measuring the config as it is)."""
+    recent = session.execute(select(Run.id, Run.suite_version, Run.sample_keys, Run.baseline_config_id).where(done)
                              .order_by(Run.id.desc()).limit(EVIDENCE_RUNS)).all()
-    if not recent:
-        return list(rows)
-    size = {run_id: len(keys or ()) for run_id, version, keys in recent if version == recent[0][1]}
+    latest = [row[1] for row in rows if row[1] is not None]
+    run_ids = {run_id for run_id, *_ in recent} | set(latest)
+    measured: dict[tuple[int, int], object] = {}  # (run, config) → the spec that config-run loaded (None: not kept)
+    for run_id, config_id, figures in session.execute(
+            select(ConfigRun.run_id, ConfigRun.config_id, ConfigRun.figures)
+            .where(ConfigRun.run_id.in_(list(run_ids)), ConfigRun.status == "succeeded")):
+        measured[(run_id, config_id)] = (figures or {}).get("config_spec")
+    baseline_of = {run_id: base for run_id, _, _, base in recent}
+    baseline_of |= dict(session.execute(select(Run.id, Run.baseline_config_id).where(Run.id.in_(latest))).all())
+    spec_now: dict[int, dict[str, Any]]  # config id → its spec now
+    spec_now = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.spec)
+                                    .where(OptimizationConfig.id.in_(list({base for base in baseline_of.values()}
+                                                                          | {cfg.id for cfg, _ in rows}))))
+                    .all())
+
+    def as_now(run_id: int, config_id: int) -> bool:
+        """Whether the run measured the config, and its baseline, as they are now."""
+        return all(measured.get((run_id, c)) in (None, spec_now.get(c)) for c in {config_id, baseline_of.get(run_id)}
+                   if c is not None)
+
+    size = {run_id: len(keys or ()) for run_id, version, keys, _ in recent if version == recent[0][1]} \
+        if recent else {}
     best: dict[int, tuple[int, int]] = {}
-    for config_id, run_id in session.execute(select(ConfigRun.config_id, ConfigRun.run_id).where(
-            ConfigRun.run_id.in_(list(size)), ConfigRun.status == "succeeded")):
-        best[config_id] = max(best.get(config_id, (-1, -1)), (size[run_id], run_id))
-    return [(cfg, best[cfg.id][1] if cfg.id in best else run_id) for cfg, run_id in rows]
+    for run_id, config_id in measured:
+        if run_id in size and as_now(run_id, config_id):
+            best[config_id] = max(best.get(config_id, (-1, -1)), (size[run_id], run_id))
+    out = []
+    for cfg, run_id in rows:
+        if cfg.id in best:
+            out.append((cfg, best[cfg.id][1], False))
+        else:
+            out.append((cfg, run_id, run_id is not None and not as_now(run_id, cfg.id)))
+    return out
 
 
 BREACHING = ("warn", "critical")
 
 
-def _suite(session, project: Project, name: str | None) -> Suite | None:
+def _suite(session: Session, project: Project, name: str | None) -> Suite | None:
     """The suite asked for (404 naming the project's suites), else the daily schedule's, else the last run's."""
     if name:
         return repo.get_suite(session, project, name)
@@ -195,7 +233,7 @@ def _suite(session, project: Project, name: str | None) -> Suite | None:
     return session.get(Suite, suite_id) if suite_id is not None else None
 
 
-def _suite_names(session, project: Project) -> list[str]:
+def _suite_names(session: Session, project: Project) -> list[str]:
     return list(session.scalars(select(Suite.name).where(Suite.project_id == project.id).order_by(Suite.id)))
 
 
@@ -204,7 +242,7 @@ CELL_COLUMNS = tuple(getattr(ComparisonRow, name) for name in (
     "candidate_value", "details", "gated"))
 
 
-def _cell(c) -> dict:
+def _cell(c: ComparisonRow | Row[Unpack[tuple[Any, ...]]]) -> dict:
     """A comparison (a ComparisonRow or a row of CELL_COLUMNS) as the overview's cell."""
     cell = ComparisonCell.model_validate(c, from_attributes=True).model_dump()
     found = (c.details or {}).get("step_back")
@@ -235,7 +273,8 @@ def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int
                  for c in configs for metric in sorted(c["comparisons"]) if c["comparisons"][metric].get("advice")]
     return verdict_summary(comparisons, step_back, figures={c["config"]: c["figures"] for c in configs},
                            decide_with=decide, decide_settings_with=decide_settings_commands(project),
-                           decide_cap=min(documents or limit, limit))
+                           decide_cap=min(documents or limit, limit),
+                           edited={c["config"]: c["run_id"] for c in configs if c.get("edited_since_checked")})
 
 
 @router.get("/projects/{project}/overview", response_model=OverviewOut)
@@ -254,12 +293,14 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     latest = (select(ConfigRun.config_id, func.max(ConfigRun.run_id).label("run_id"))
               .join(Run, Run.id == ConfigRun.run_id).where(done, ConfigRun.status == "succeeded")
               .group_by(ConfigRun.config_id).subquery())
-    rows = session.execute(select(OptimizationConfig, latest.c.run_id)
-                           .join(Model, Model.id == OptimizationConfig.model_id)
-                           .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
-                           .where(Model.project_id == project.id, OptimizationConfig.ablation_of_id.is_(None))
-                           .order_by(Model.name, OptimizationConfig.id)).all()
-    rows = _strongest_evidence(session, done, rows)
+    newest = session.execute(select(OptimizationConfig, latest.c.run_id)
+                             .join(Model, Model.id == OptimizationConfig.model_id)
+                             .outerjoin(latest, latest.c.config_id == OptimizationConfig.id)
+                             .where(Model.project_id == project.id, OptimizationConfig.ablation_of_id.is_(None))
+                             .order_by(Model.name, OptimizationConfig.id)).all()
+    evidence = _strongest_evidence(session, done, newest)
+    edited = {cfg.id for cfg, _, was_edited in evidence if was_edited}
+    rows = [(cfg, run_id) for cfg, run_id, _ in evidence]
     latest_ids = {r for _, r in rows if r is not None}
     older_ids = set(recent) - latest_ids
     # by (config, metric): run id → cell; whole cells for each config's latest run, and only the
@@ -302,7 +343,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
         ppl = history.get((cfg.id, "ppl_ratio"), {})
         models.setdefault(cfg.model.name, []).append({
             "config": cfg.name, "baseline": cfg.is_baseline, "spec": public_spec(cfg.spec), "run_id": run_id,
-            "checked_at": iso(run[1]) if run else None, "comparisons": cells,
+            "checked_at": iso(run[1]) if run else None, "edited_since_checked": cfg.id in edited, "comparisons": cells,
             "figures": figures.get((run_id, cfg.id), {}),
             "baseline_figures": None if cfg.is_baseline or run_id not in baseline_of
             else figures.get((run_id, baseline_of[run_id])),
