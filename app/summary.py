@@ -232,7 +232,7 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     edits = edited or {}
     for i, line in enumerate(lines):
         if line.config in edits:
-            then = line.findings or "ok"
+            then = "; ".join(finding(x) for x in (line.quality, line.speed) if x is not None) or "ok"
             lines[i] = line.model_copy(update={
                 "group": "undecided", "findings": f"edited since run {edits[line.config]} measured it (then: {then})",
                 "text": f"{line.config}: edited since run {edits[line.config]} measured it (then: {then})",

@@ -201,6 +201,20 @@ def test_a_config_edited_in_place_has_only_the_runs_since_as_evidence(sqlite_env
     assert _shown()["edited_since_checked"] is False and _shown()["comparisons"]["ppl_ratio"]["n"] == 12
 
 
+def test_a_config_edited_after_a_critical_run_is_undecided_not_dropped(sqlite_env):
+    """The critical finding was of the old definition: the summary puts int4 among the undecided,
+    saying what that run found, and the command that decides it reruns as many documents."""
+    ids = _setup()
+    _run(ids, *CRITICAL_100, kept=True)
+    assert set(_summary()["groups"]) == {"drop or fix"}
+    _edit("int4", weights="int8")
+    summary = _summary()
+    (line,) = summary["groups"]["undecided"]
+    assert set(summary["groups"]) == {"undecided"} and line["decide_samples"] == 100
+    assert line["text"] == (f"int4: edited since run {_shown()['run_id']} measured it (then: ppl ratio +30.00% "
+                            "[+29.00, +31.00] critical)")
+
+
 def test_a_smaller_run_of_a_config_edited_since_can_resolve_its_alert(sqlite_env):
     """A 12-sample run holds a 100-sample critical alert while int4 is as it was; once int4 is
     edited in place, a 12-sample ok resolves it: the alert's evidence measured a config that no
