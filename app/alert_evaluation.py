@@ -6,12 +6,11 @@ machine itself is app/alerting.py."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -65,7 +64,7 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
     rules = repo.alert_rules(session, run.project_id, run.model_id)  # read once for every comparison
     verdicts = _config_verdicts(comparisons, names, {config_run.config.name: config_run.figures or {}
                                                      for config_run in run.config_runs})
-    specs = {config_run.config_id: (config_run.figures or {}).get("config_spec") for config_run in run.config_runs}
+    specs = {config_run.config_id: (config_run.figures or {}).get("config_digest") for config_run in run.config_runs}
     touched: list[tuple[Alert, AlertState, str | None, ComparisonRow]] = []
     for comparison in comparisons:
         if comparison.config_id == run.baseline_config_id or not comparison.gated:
@@ -101,8 +100,9 @@ def evaluate_run(session: Session, run: Run, now: datetime | None = None) -> dic
                                # the evidence that raised it, until a run of a config edited since replaces it
                                "n": str(comparison.n),
                                "raised_n": str(comparison.n if edited else _raised_n(row) or comparison.n),
-                               **({"raised_on": on} if (on := measured if edited else _raised_on(row) or measured)
-                                  else {}),
+                               # (an alert raised before runs kept their definition stays without one)
+                               **({"raised_on": on} if (on := measured if edited else _raised_on(row) or (
+                                   None if _raised_n(row) else measured)) else {}),
                                **({"fired_run": fired_run} if fired_run else {}), **_step_back(comparison)}
             touched.append((row, new, transition, comparison))
     session.flush()
@@ -160,13 +160,12 @@ def _raised_n(alert: Alert | None) -> int:
     return int((alert.annotations or {}).get("raised_n") or (alert.annotations or {}).get("n") or 0)
 
 
-def definition(config_spec: Any, baseline_spec: Any) -> str | None:
-    """A short digest of what a comparison measured: the config and its baseline as their
-    config-runs loaded them (their figures' config_spec); None when a run did not keep them."""
-    if config_spec is None or baseline_spec is None:
+def definition(config_digest: str | None, baseline_digest: str | None) -> str | None:
+    """What a comparison measured: the config and its baseline as their config-runs loaded them
+    (their figures' config_digest, vocabulary.figures.spec_digest); None when a run did not keep them."""
+    if config_digest is None or baseline_digest is None:
         return None
-    raw = json.dumps({"config": config_spec, "baseline": baseline_spec}, sort_keys=True, default=str)
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return f"{config_digest}/{baseline_digest}"
 
 
 def _raised_on(alert: Alert | None) -> str | None:

@@ -256,7 +256,8 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
         if outcome == "sent":
             notification.status, notification.sent_at = "sent", utcnow()
             counts["sent"] += 1
-            if slow:
+            if slow:  # delivered: a short rest (one strike), not a count that grows while it keeps delivering
+                channel.breaker_strikes = 0
                 strike(channel, ended, None, what="answered slowly")
             else:
                 channel.breaker_strikes, channel.breaker_until = 0, None

@@ -5,6 +5,8 @@ numpy or torch, so the API reads the same figures the workers write."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -95,15 +97,16 @@ class RunFigures:
     # sha256 of the model as this config loaded it (engines/fingerprint.weights_digest: weight files and
     # config.json, or a GGUF file); None for a served model, whose weights the canary cannot read
     model_digest: str | None = None
-    # the config's spec as stored when this config-run loaded it: a config edited in place since then
-    # has this run's figures and comparisons as evidence about its earlier definition only
-    config_spec: dict[str, Any] | None = None
+    # spec_digest of the config's spec as stored when this config-run loaded it: a config edited in
+    # place since then has this run's figures and comparisons as evidence about its earlier
+    # definition only ("mixed": a top-up pass after an edit, its passes of two definitions)
+    config_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
         for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run", "model_digest",
-                        "config_spec"):
+                        "config_digest"):
             if out[section] is None:
                 del out[section]
         return out
@@ -120,3 +123,15 @@ class RunFigures:
         if values["spec"] is not None:
             values["spec"] = SpeculativeFigures(**values["spec"])
         return cls(**values)
+
+
+MIXED = "mixed"  # RunFigures.config_digest of a config-run whose passes loaded two definitions
+
+
+def spec_digest(spec: Mapping[str, Any]) -> str:
+    """A short sha256 of a stored config spec (optimization_configs.spec), the same for the same
+    JSON whatever its key order: what a config-run records of the definition it measured, and
+    what a reader compares with the config as it is now. A digest, not the spec: a spec may carry
+    an engine URL with credentials, and figures are shown to read-only keys."""
+    raw = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]

@@ -89,7 +89,7 @@ def reuse(transaction: Callable[[Callable[[Session], int | None], str], int | No
         repo.copy_sample_results(session, source.run_id, job.run_id, job.config_id, engine_kinds())
         assert source.figures is not None  # reusable_config_run matched the figures' inputs_key
         figures = {**source.figures, "reused_from_run": source.figures.get("reused_from_run") or source.run_id,
-                   "config_spec": job.config_spec}  # the config as this run loaded it (the key says: the same)
+                   "config_digest": job.config_digest}  # the config as this run loaded it (the key says: the same)
         attempt.finish_or_stop(session, "succeeded", figures=figures)
         return figures["reused_from_run"]
 

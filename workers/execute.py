@@ -20,7 +20,7 @@ from app.settings import Settings, get_settings
 from engines.fingerprint import weights_digest
 from engines.protocol import WindowSpec
 from evals.run_stats import RunStats, percentile
-from vocabulary.figures import RunFigures
+from vocabulary.figures import MIXED, RunFigures
 from workers import baseline_reuse, engine_cache
 from workers.base import BaseTask
 from workers.engine_cache import reset_engine_cache
@@ -157,7 +157,7 @@ class ExecuteConfigRun(BaseTask):
             **{"token_ppl": None, "n_documents": len(job.samples), "n_tokens": 0, "baseline_scoring_error": None,
                "concurrency": step, **produced},
             **work.stats.figures(description.kv_cache_usage),
-            inputs_key=key, model_digest=digest, config_spec=job.config_spec,
+            inputs_key=key, model_digest=digest, config_digest=job.config_digest,
         ).to_json()
         if job.earlier is not None:
             figures = with_earlier(figures, job.earlier, documents=job.runs("perplexity"))
@@ -203,8 +203,10 @@ def with_earlier(figures: dict[str, Any], earlier: dict[str, Any], documents: bo
     documents' count and perplexity are the earlier ones when this pass scored no document (the
     documents producer counts its earlier rows itself when it ran)."""
     merged = dict(figures)
+    if earlier.get("config_digest") not in (None, figures.get("config_digest")):
+        merged["config_digest"] = MIXED  # the config was edited between passes: its samples measured two definitions
     for name, value in earlier.items():
-        if name == "pass_scorers" or name not in merged:
+        if name in ("pass_scorers", "config_digest") or name not in merged:
             continue
         if name in PEAKS and value is not None and merged[name] is not None:
             merged[name] = max(merged[name], value)

@@ -14,6 +14,7 @@ from app import repo
 from app.corpus import ITEM_PREFIX
 from app.models import ConfigRun, OptimizationConfig, Project, Run, Suite
 from engines.spec import OptimizationSpec
+from vocabulary.figures import spec_digest
 from vocabulary.labelled import LabelledItem
 from vocabulary.suite import SuiteSpec
 
@@ -42,10 +43,10 @@ class Job:
     earlier: dict[str, Any] | None = None  # a top-up pass: the figures of the config's pass before it
     # a top-up pass: Σ NLL and Σ tokens of the documents the config holds (its token perplexity counts them)
     recorded_nll: tuple[float, int] = (0.0, 0)
-    # the config's spec as stored when this config-run loaded it (optimization_configs.spec): kept in its
-    # figures, so a reader can tell evidence about the config as it is now from evidence about an
-    # earlier definition (a config edited in place, app/api/routes/views.py)
-    config_spec: dict[str, Any] | None = None
+    # vocabulary.figures.spec_digest of the config's spec as stored when this config-run loaded it: kept
+    # in its figures, so a reader can tell evidence about the config as it is now from evidence about
+    # an earlier definition (a config edited in place, app/api/routes/views.py)
+    config_digest: str | None = None
 
     def runs(self, scorer: str) -> bool:
         """Whether this pass runs a scorer's producer: the suite's scorers, less those a top-up pass
@@ -87,7 +88,7 @@ def load_job(session: Session, config_run_id: int) -> Job:
         is_baseline=config_run.config_id == run.baseline_config_id,
         config_id=config_run.config_id,
         spec=spec,
-        config_spec=dict(config_run.config.spec),
+        config_digest=spec_digest(config_run.config.spec),
         baseline_spec=OptimizationSpec.model_validate(baseline.spec) if baseline is not None else spec,
         calibration=calibration,
         suite_version=run.suite_version,

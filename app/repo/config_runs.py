@@ -17,6 +17,7 @@ from app.models import (
     OptimizationConfig,
     Run,
     SampleResult,
+    aware,
     utcnow,
 )
 from app.repo.base import TERMINAL, _insert, _rowcount
@@ -70,7 +71,7 @@ def fair_pick(session: Session, config_run_id: int) -> int:
     the one with the fewest config-runs running, then the one whose last config-run started longest
     ago, then the oldest queued (first come, first served). Within one project nothing changes:
     the message's own config-run runs when its project is that one and it is at that priority (or
-    when it is not queued: running with an expired lease, finished, or gone). A config-run passed
+    when its worker died: running with an expired lease, re-sent by the reconciler). A config-run passed
     over keeps its queued row; the message of the one taken instead is its turn later (the
     reconciler counts such messages, workers/tasks.py)."""
     own = session.get(ConfigRun, config_run_id)
@@ -79,6 +80,9 @@ def fair_pick(session: Session, config_run_id: int) -> int:
     own_run = session.get(Run, own.run_id)
     if own_run is None:
         return config_run_id
+    expired = aware(own.lease_expires_at)
+    if own.status == "running" and expired is not None and expired < utcnow():
+        return config_run_id  # its worker died and the reconciler re-sent it: this message is its own
     queued = session.execute(
         select(ConfigRun.id, ConfigRun.priority, ConfigRun.enqueued_at, Run.trigger, Run.project_id)
         .join(Run, Run.id == ConfigRun.run_id).where(ConfigRun.status == "queued")).all()

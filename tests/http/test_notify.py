@@ -418,3 +418,20 @@ def test_a_slow_but_successful_receiver_rests_for_its_cool_down(db_env, receiver
     assert deliver(now=t + timedelta(milliseconds=1)) == {"sent": 0, "retry": 0, "dead": 0}  # still cooling
     assert deliver(now=until, timeout=1.0) == {"sent": 2, "retry": 0, "dead": 0}  # quick now: closed again
     assert breaker(slow[0]) == (0, None)
+
+
+def test_a_receiver_that_keeps_answering_slowly_keeps_a_short_rest(db_env, receiver, monkeypatch):
+    """Slow but delivering, again and again: each slow answer rests the channel one strike's
+    cool-down (2 s), not a doubling one, so a backlog still drains (a failure's count doubles)."""
+    import app.notify
+
+    monkeypatch.setattr(app.notify.random, "uniform", lambda a, b: 1.0)
+    receiver.script = [{"sleep": 0.6}] * 3
+    _, ids = add("webhook", receiver.url + "/slow", n=3)
+    t = utcnow()
+    for _ in range(3):
+        assert deliver(now=t, timeout=1.0)["sent"] == 1
+        strikes, until = breaker(ids[0])
+        assert strikes == 1 and 2.0 <= (until - t).total_seconds() < 3.5
+        t = until
+    assert [row(i).status for i in ids] == ["sent"] * 3

@@ -97,3 +97,19 @@ def test_a_message_held_behind_runs_a_more_urgent_config_run_queued_since(sqlite
     assert pick(escalation[0]) == noisy[1]
     assert DEFAULT_PRIORITY == 3
     get_settings.cache_clear()
+
+
+def test_a_message_re_sent_for_a_dead_worker_runs_its_own_config_run(sqlite_env):
+    """A config-run whose worker died (running, its lease expired) was re-sent by the reconciler:
+    that message runs it, however much more urgent work is queued. Before, the turn went to the
+    queued work, and a dead gate's config-run waited for the whole backlog."""
+    projects("noisy", "quiet")
+    gate = ids(start_run("quiet", "s", None, Recorder(), trigger="gate")[0])
+    backlog = [i for _ in range(3) for i in ids(start_run("noisy", "s", None, Recorder())[0])]
+    with session_scope() as s:
+        s.execute(update(ConfigRun).where(ConfigRun.id == gate[0]).values(
+            status="running", started_at=utcnow(), lease_expires_at=utcnow() - timedelta(seconds=5)))
+    assert pick(gate[0]) == gate[0]
+    with session_scope() as s:  # a live lease: another worker runs it, and the message is a turn as before
+        s.execute(update(ConfigRun).where(ConfigRun.id == gate[0]).values(lease_expires_at=utcnow() + timedelta(minutes=1)))
+    assert pick(gate[0]) == gate[1] and backlog

@@ -36,6 +36,7 @@ def _run(ids, samples: int, ratio: float, verdict: str, *,
     from app.alert_evaluation import evaluate_run
     from app.db import session_scope
     from app.models import Alert, ComparisonRow, ConfigRun, OptimizationConfig, Run
+    from vocabulary.figures import spec_digest
 
     project, model, base, int4, suite = ids
     with session_scope() as s:
@@ -47,7 +48,7 @@ def _run(ids, samples: int, ratio: float, verdict: str, *,
         specs = {c: s.get(OptimizationConfig, c).spec for c in (base, int4)}
         s.add_all([ConfigRun(run_id=run.id, config_id=c, status="succeeded",
                              figures={**({"tokens_per_second": float(run.id)} if c == base else {}),
-                                      **({"config_spec": dict(specs[c])} if kept else {})} or None)
+                                      **({"config_digest": spec_digest(specs[c])} if kept else {})} or None)
                    for c in (base, int4)])
         s.add(ComparisonRow(run_id=run.id, config_id=int4, metric="ppl_ratio", estimate=ratio, ci_low=ratio - 0.01,
                          ci_high=ratio + 0.01, n=samples, verdict=verdict, rule="seeded", details={}))

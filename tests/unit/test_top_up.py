@@ -163,6 +163,12 @@ def test_a_top_up_pass_keeps_what_it_did_not_measure_by_hand():
         "concurrency": 4}
     scored = {**new, "token_ppl": 2.5, "n_documents": 12, "n_tokens": 220, "kv_cache_usage": 0.7}
     assert with_earlier(scored, earlier, documents=True) == {**scored, "tokens_per_second": 50.0}
+    # the config was edited between the passes: its samples measured two definitions, the run stands for neither
+    same = with_earlier({**scored, "config_digest": "aaaa"}, {**earlier, "config_digest": "aaaa"}, documents=True)
+    assert same["config_digest"] == "aaaa"
+    assert with_earlier({**scored, "config_digest": "bbbb"}, {**earlier, "config_digest": "aaaa"},
+                        documents=True)["config_digest"] == "mixed"
+    assert with_earlier({**scored, "config_digest": "bbbb"}, earlier, documents=True)["config_digest"] == "bbbb"
 
 
 def test_pass_scorers_by_hand():

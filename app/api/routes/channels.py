@@ -3,8 +3,6 @@ it masked, and `${ENV_VAR}` references keep it out of the database altogether.""
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from fastapi import APIRouter, status
 from pydantic import BaseModel, Field
 from sqlalchemy import select
@@ -32,7 +30,7 @@ class ChannelOut(BaseModel):
     send_resolved: bool
     signing_secret_set: bool
     enabled: bool
-    resting_until: datetime | None = Field(
+    resting_until: str | None = Field(
         default=None, description="its receiver failed or answered slowly: nothing is posted to it before "
         "this time (the circuit breaker, app/notify.py); null when it is closed")
     failed_in_a_row: int = Field(default=0, description="failed or slow answers in a row; 0 after a quick success")
@@ -46,9 +44,10 @@ def out(channel: Channel) -> dict:
             "resting_until": resting_until(channel), "failed_in_a_row": channel.breaker_strikes}
 
 
-def resting_until(channel: Channel) -> datetime | None:
+def resting_until(channel: Channel) -> str | None:
+    """When its breaker closes (ISO 8601, as every time the API gives), when that is ahead."""
     until = aware(channel.breaker_until)
-    return until if until is not None and until > utcnow() else None
+    return until.isoformat() if until is not None and until > utcnow() else None
 
 
 @router.put("/projects/{project}/channels", status_code=status.HTTP_200_OK, response_model=ChannelOut,

@@ -33,6 +33,7 @@ from app.services import decide_command, decide_settings_commands
 from app.settings import get_settings
 from app.ssrf import public_spec
 from app.summary import Advice, verdict_summary
+from vocabulary.figures import spec_digest
 from vocabulary.metrics import METRICS, VERDICT_ORDER
 
 if TYPE_CHECKING:
@@ -174,8 +175,8 @@ def _strongest_evidence(session: Session, done: ColumnElement[bool], rows: Seque
     """Each (config, latest run id) with the run that stands for it instead, and whether that run
     measured the config as it is now: among the suite's last EVIDENCE_RUNS done runs at the newest
     run's suite version, the config's run with the most samples drawn, the newest among equals,
-    that measured the config and its run's baseline as they are now (the spec each config-run
-    loaded, in its figures: a config edited in place after a 100-sample nightly has the 12-sample
+    that measured the config and its run's baseline as they are now (the digest of the spec each
+    config-run loaded, in its figures: a config edited in place after a 100-sample nightly has the 12-sample
     run after the edit as its evidence, not the nightly). A smaller, later run never hides stronger
     evidence about the same definition. A config none of those runs measured as it is now keeps its
     latest run, marked edited when that run measured an earlier definition (a run stored before
@@ -184,18 +185,16 @@ def _strongest_evidence(session: Session, done: ColumnElement[bool], rows: Seque
                              .order_by(Run.id.desc()).limit(EVIDENCE_RUNS)).all()
     latest = [row[1] for row in rows if row[1] is not None]
     run_ids = {run_id for run_id, *_ in recent} | set(latest)
-    measured: dict[tuple[int, int], object] = {}  # (run, config) → the spec that config-run loaded (None: not kept)
+    measured: dict[tuple[int, int], str | None] = {}  # (run, config) → its config_digest (None: not kept)
     for run_id, config_id, figures in session.execute(
             select(ConfigRun.run_id, ConfigRun.config_id, ConfigRun.figures)
             .where(ConfigRun.run_id.in_(list(run_ids)), ConfigRun.status == "succeeded")):
-        measured[(run_id, config_id)] = (figures or {}).get("config_spec")
+        measured[(run_id, config_id)] = (figures or {}).get("config_digest")
     baseline_of = {run_id: base for run_id, _, _, base in recent}
     baseline_of |= dict(session.execute(select(Run.id, Run.baseline_config_id).where(Run.id.in_(latest))).all())
-    spec_now: dict[int, dict[str, Any]]  # config id → its spec now
-    spec_now = dict(session.execute(select(OptimizationConfig.id, OptimizationConfig.spec)
-                                    .where(OptimizationConfig.id.in_(list({base for base in baseline_of.values()}
-                                                                          | {cfg.id for cfg, _ in rows}))))
-                    .all())
+    spec_now = {config_id: spec_digest(spec) for config_id, spec in session.execute(  # config id → its digest now
+        select(OptimizationConfig.id, OptimizationConfig.spec).where(OptimizationConfig.id.in_(
+            list({base for base in baseline_of.values()} | {cfg.id for cfg, _ in rows}))))}
 
     def as_now(run_id: int, config_id: int) -> bool:
         """Whether the run measured the config, and its baseline, as they are now."""
