@@ -273,6 +273,12 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
                 log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
                             notification.last_error)
         else:
+            # a final answer (4xx, refused by policy): the receiver is there; only its pace counts
+            if slow:
+                channel.breaker_strikes = 0
+                strike(channel, ended, None, what="answered slowly")
+            else:
+                channel.breaker_strikes, channel.breaker_until = 0, None
             if outcome == "disable":
                 channel.enabled = False
                 what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"

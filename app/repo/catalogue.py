@@ -17,6 +17,7 @@ from app.models import (
     AlertRule,
     Channel,
     Model,
+    Notification,
     OptimizationConfig,
     Project,
     Schedule,
@@ -260,8 +261,10 @@ def upsert_channel(session: Session, project: Project, name: str, kind: str, url
         ch = Channel(project_id=project.id, name=name, kind=kind, url=url, settings=settings)
         session.add(ch)
     else:
-        if (ch.kind, ch.url, ch.settings) != (kind, url, settings):  # another receiver: its breaker starts closed
+        if (ch.kind, ch.url) != (kind, url):  # another receiver: its breaker starts closed, its rows due now
             ch.breaker_strikes, ch.breaker_until = 0, None
+            session.execute(update(Notification).where(Notification.channel_id == ch.id,
+                                                       Notification.status == "pending").values(next_attempt_at=None))
         ch.kind, ch.url, ch.settings = kind, url, settings
     session.flush()
     return ch

@@ -435,3 +435,18 @@ def test_a_receiver_that_keeps_answering_slowly_keeps_a_short_rest(db_env, recei
         assert strikes == 1 and 2.0 <= (until - t).total_seconds() < 3.5
         t = until
     assert [row(i).status for i in ids] == ["sent"] * 3
+
+
+def test_a_final_answer_closes_the_breaker_a_quick_one_at_least(db_env, receiver, monkeypatch):
+    """A 503 opens the breaker; after the cool-down the probe gets a quick 400 (the receiver is up,
+    the message is wrong): the row is dead and the breaker closed, so the next row goes at once."""
+    import app.notify
+
+    monkeypatch.setattr(app.notify.random, "uniform", lambda a, b: 1.0)
+    receiver.script = [{"status": 503}, {"status": 400}]
+    _, ids = add("webhook", receiver.url + "/hook", n=2)
+    t = utcnow()
+    assert deliver(now=t)["retry"] == 1
+    _, until = breaker(ids[0])
+    assert deliver(now=until) == {"sent": 1, "retry": 0, "dead": 1}
+    assert breaker(ids[0]) == (0, None) and [row(i).status for i in ids] == ["dead", "sent"]

@@ -101,6 +101,8 @@ def test_a_resting_channel_says_until_when_and_a_new_url_closes_its_breaker(proj
     (shown,) = project.get("/projects/a/channels").json()
     assert datetime.fromisoformat(shown["resting_until"]) == until and shown["failed_in_a_row"] == 3
     assert datetime.fromisoformat(project.put("/projects/a/channels", json=body).json()["resting_until"]) == until
+    resent = project.put("/projects/a/channels", json={**body, "send_resolved": False}).json()
+    assert datetime.fromisoformat(resent["resting_until"]) == until  # the same receiver: still resting
     moved = project.put("/projects/a/channels", json={**body, "url": "https://hooks.test/two"}).json()
     assert moved["resting_until"] is None and moved["failed_in_a_row"] == 0
     with db.connect() as conn:
