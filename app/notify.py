@@ -256,11 +256,7 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
         if outcome == "sent":
             notification.status, notification.sent_at = "sent", utcnow()
             counts["sent"] += 1
-            if slow:  # delivered: a short rest (one strike), not a count that grows while it keeps delivering
-                channel.breaker_strikes = 0
-                strike(channel, ended, None, what="answered slowly")
-            else:
-                channel.breaker_strikes, channel.breaker_until = 0, None
+            answered(channel, ended, slow)
         elif outcome == "retry":
             cooled = strike(channel, ended, retry_after, attempts=notification.attempts, what=what)
             if notification.attempts < max_attempts:
@@ -273,12 +269,7 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
                 log.warning("notification %s to channel '%s' is dead: %s", notification.id, channel.name,
                             notification.last_error)
         else:
-            # a final answer (4xx, refused by policy): the receiver is there; only its pace counts
-            if slow:
-                channel.breaker_strikes = 0
-                strike(channel, ended, None, what="answered slowly")
-            else:
-                channel.breaker_strikes, channel.breaker_until = 0, None
+            answered(channel, ended, slow)  # a final answer (4xx, refused by policy): the receiver is there
             if outcome == "disable":
                 channel.enabled = False
                 what = f"{what}; channel '{channel.name}' disabled (its webhook is gone)"
@@ -288,6 +279,14 @@ def deliver_due(session: Session, *, now: datetime | None = None, transport: Tra
                         notification.last_error)
         session.commit()  # each outcome is durable before the next post
     return counts
+
+
+def answered(channel: Channel, ended: datetime, slow: bool) -> None:
+    """The receiver answered (a success or a final 4xx): a quick answer closes the breaker; a slow
+    one rests the channel one strike's cool-down, not a count that grows while it keeps answering."""
+    channel.breaker_strikes, channel.breaker_until = 0, None
+    if slow:
+        strike(channel, ended, None, what="answered slowly")
 
 
 def strike(channel: Channel, ended: datetime, retry_after: float | None, *, attempts: int = 0,
