@@ -17,6 +17,7 @@ from engines.spec import OptimizationSpec
 from vocabulary.figures import spec_digest
 from vocabulary.labelled import LabelledItem
 from vocabulary.suite import SuiteSpec
+from workers import top_up
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Job:
     is_baseline: bool
     spec: OptimizationSpec
     baseline_spec: OptimizationSpec  # the run's baseline config (it scores every config's outputs)
-    calibration: list[str] | None  # AWQ calibration text: the suite's documents the run does not score
+    calibration: list[str] | None  # AWQ calibration text: the documents the run keeps aside (top_up.calibration_keys)
     suite_version: str
     model_path: str
     suite: SuiteSpec
@@ -72,10 +73,10 @@ def load_job(session: Session, config_run_id: int) -> Job:
     assert suite is not None  # a foreign key: the row exists
     spec = OptimizationSpec.model_validate(config_run.config.spec)
     calibration = None
-    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the run does not score: no test leakage
-        scored = set(run.sample_keys)
-        calibration = [sample.text for sample in repo.suite_samples(session, suite.id, run.suite_version)
-                       if sample.key not in scored]
+    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the run never scores: no test leakage
+        samples = repo.suite_samples(session, suite.id, run.suite_version)
+        kept = set(top_up.calibration_keys(run, [sample.key for sample in samples]))
+        calibration = [sample.text for sample in samples if sample.key in kept]
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     order = {key: i for i, key in enumerate(run.sample_keys)}
     settings = suite.settings

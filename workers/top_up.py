@@ -28,7 +28,8 @@ ok (docs/scorers.md, "Verdict rule", says what the detection benchmark does and 
 New documents come from those the run has not drawn, by a seed of their own (the run's seed and
 its size), kept in suite order after the samples already drawn, so the prompts of the first pass
 stay the first prompts of the next. When a config of the run quantizes with AWQ (calibrated on
-the documents a run does not score) a quarter of the suite is never drawn by a top-up.
+the documents its first draw did not take) a quarter of the suite is kept for that calibration: the same
+documents in every pass, never drawn by a top-up (calibration_keys).
 """
 
 from __future__ import annotations
@@ -84,14 +85,32 @@ def cap(run: Run, suite: Suite) -> int:
     return settings.max_samples or TOP_UP_FACTOR * run.n_samples
 
 
-def room(run: Run, suite: Suite, documents: int) -> int:
+def calibrates(run: Run) -> bool:
+    """Whether a config of the run quantizes with AWQ on the suite's own documents (not a checkpoint
+    quantized already): then the run keeps documents aside for its calibration (calibration_keys)."""
+    return any((cr.config.spec or {}).get("weights") == "awq-int4" and not (cr.config.spec or {}).get("checkpoint")
+               for cr in run.config_runs)
+
+
+def calibration_keys(run: Run, keys: list[str]) -> list[str]:
+    """The documents a run's AWQ configs calibrate on (workers/job.py): the first quarter of the
+    suite version's `keys` (at least one), in suite order, among those its first draw did not take.
+    The same in every pass of the run, so a top-up pass scores the model the first pass measured,
+    and never drawn by a top-up, so no pass scores a document its model was calibrated on. Empty
+    when no config calibrates."""
+    if not calibrates(run):
+        return []
+    first = set(run.sample_keys[: run.n_samples])
+    return [key for key in keys if key not in first][: max(1, len(keys) // 4)]
+
+
+def room(run: Run, suite: Suite, keys: list[str]) -> int:
     """How many samples the run may hold in all: cap(), within the run's suite version's
-    `documents` (less a quarter kept for AWQ calibration when a config needs it) and the per-run
-    limit."""
+    documents (`keys`, less those kept for AWQ calibration when a config needs them) and the
+    per-run limit."""
     if cap(run, suite) <= len(run.sample_keys):
         return len(run.sample_keys)
-    if any((cr.config.spec or {}).get("weights") == "awq-int4" for cr in run.config_runs):
-        documents -= documents // 4
+    documents = len(keys) - len(calibration_keys(run, keys))
     return max(len(run.sample_keys), min(cap(run, suite), documents, get_settings().max_samples_per_run))
 
 
@@ -131,9 +150,10 @@ def _aware(moment: datetime) -> datetime:
 
 
 def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
-    """n of the run's suite version's `keys` that the run has not drawn: a seed of their own (the
-    run's seed and its size, so each top-up draws afresh), kept in suite order."""
-    drawn = set(run.sample_keys)
+    """n of the run's suite version's `keys` that the run has not drawn, nor keeps for calibration:
+    a seed of their own (the run's seed and its size, so each top-up draws afresh), kept in suite
+    order."""
+    drawn = set(run.sample_keys) | set(calibration_keys(run, keys))
     remaining = [key for key in keys if key not in drawn]
     n = min(n, len(remaining))
     picked = set(random.Random(f"top-up:{run.seed}:{len(run.sample_keys)}").sample(range(len(remaining)), n))
@@ -157,7 +177,7 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
     # a config already critical (or a measurement error) fails the run whatever more samples say
     settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
     keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
-    have, most = len(run.sample_keys), room(run, suite, len(keys))
+    have, most = len(run.sample_keys), room(run, suite, keys)
     asked = [r for r in rows if r.config_id is not None and r.config_id != run.baseline_config_id
              and r.config_id not in settled and undecided(r) and reachable(r, have, most)
              and not step_back.is_ablation(configs[r.config_id].config)]

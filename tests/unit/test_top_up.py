@@ -362,3 +362,47 @@ def test_a_top_up_pass_sends_as_many_prompts_alone_per_prompt_as_the_first_pass_
     assert probes(16, 16) == 8 and probes(32, 48) == 24
     assert probes(16, 5, prompts=16) == 3  # ⌈5 × 8 / 16⌉
     assert probes(16, 16, solo_probes=40) == 16  # never more than the pass's own prompts
+
+
+def test_an_awq_configs_calibration_documents_are_the_same_in_every_pass_and_never_drawn(sqlite_env, tmp_path):
+    """AWQ calibrates on documents the run keeps aside. Two top-ups draw every other document:
+    the calibration text the config-run loads stays the same (a top-up pass scores the model the
+    first pass measured) and none of its documents is ever scored. (Before, the calibration was
+    every document not drawn yet, so it changed with each top-up, and a later pass could score a
+    document the first pass's model was calibrated on.)"""
+    from app.models import Suite
+    from workers.job import load_job
+
+    run_id, _ = start(tmp_path, max_samples=24, weights="awq-int4")
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        suite = s.get(Suite, run.suite_id)
+        awq = next(cr for cr in run.config_runs if cr.config.name == "int4")
+        first = load_job(s, awq.id).calibration
+        keys = [sample.key for sample in repo.suite_samples(s, suite.id, run.suite_version)]
+        kept = top_up.calibration_keys(run, keys)
+        texts = {sample.key: sample.text for sample in repo.suite_samples(s, suite.id, run.suite_version)}
+        # a quarter of the 24, in suite order, among the 18 the first draw left
+        assert kept == [key for key in keys if key not in run.sample_keys][:6]
+        assert first == [texts[key] for key in kept]
+        assert top_up.room(run, suite, keys) == 18
+        for _ in range(2):
+            new = top_up.draw_more(run, keys, 6)  # 6 → 12 → 18
+            assert new and not set(new) & set(kept)
+            repo.top_up_run(s, run, new, [cr.config_id for cr in run.config_runs])
+            assert top_up.calibration_keys(run, keys) == kept and load_job(s, awq.id).calibration == first
+        assert len(run.sample_keys) == 18 and set(run.sample_keys) | set(kept) == set(keys)
+        assert top_up.draw_more(run, keys, 6) == []  # nothing left but the calibration documents
+
+
+def test_a_run_without_awq_keeps_no_calibration_documents_by_hand():
+    run = SimpleNamespace(sample_keys=["a", "c"], n_samples=2,
+                          config_runs=[SimpleNamespace(config=SimpleNamespace(spec={"weights": "rtn-int4"})),
+                                       SimpleNamespace(config=SimpleNamespace(
+                                           spec={"weights": "awq-int4", "checkpoint": "/ckpt"}))])
+    keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    assert top_up.calibration_keys(run, keys) == []  # a quantized checkpoint calibrates nothing
+    run.config_runs.append(SimpleNamespace(config=SimpleNamespace(spec={"weights": "awq-int4"})))
+    assert top_up.calibration_keys(run, keys) == ["b", "d"]
+    run.sample_keys = ["a", "c", "b"]  # a top-up drew b (before this rule): the first draw decides, not the run's size
+    assert top_up.calibration_keys(run, keys) == ["b", "d"]
