@@ -222,6 +222,9 @@ class SummaryLineOut(BaseModel):
         "undecided: the suite settings that count what its other comparisons are over (generation.prompts, "
         "labelled.max_items, perplexity.decode_samples, perplexity.distribution_samples), each with about how "
         "many would decide it"))
+    decide_beyond: list[str] = Field(default_factory=list, description=(
+        "undecided: its comparisons that need more samples than the suite can give, each with about how many "
+        "(no run on this suite decides them; the decide command is not sized for them)"))
 
 
 class VerdictSummaryOut(BaseModel):

@@ -254,10 +254,10 @@ def decide_command(project: str, suite: str, trigger: str) -> str:
 
 
 def decide_settings_commands(project: str) -> dict[str, str]:
-    """The commands that raise a suite setting, by setting (`{n}` and `{samples}` for app/summary to
-    fill in): the demo's `--prompts`, with the documents they are drawn from; elsewhere the setting
-    lives in the team's canary.yaml, so none."""
-    return {"generation.prompts": "canary demo --samples {samples} --prompts {n}"} if project == DEMO_PROJECT else {}
+    """The options of decide_command's command that raise a suite setting, by setting (`{n}` for
+    app/summary to fill in): the demo's `--prompts`; elsewhere the settings live in the team's
+    canary.yaml, so none (the summary names them in words)."""
+    return {"generation.prompts": "--prompts {n}"} if project == DEMO_PROJECT else {}
 
 
 def run_summary(session: Session, run: Run) -> RunOut:

@@ -142,12 +142,27 @@ def severity(c: ComparisonOut) -> float:
     return est / bound if bound else 0.0
 
 
+def reach(setting: str | None, cap: int | None) -> int | None:
+    """The most a suite setting's count can be raised to where the suite can give `cap` documents
+    (None: no bound known): the documents themselves, the prompts (openings of the documents, at
+    most MAX_PROMPTS), or a setting of its own (labelled items, the decode or distribution
+    documents: no bound here)."""
+    if setting is None:
+        return cap
+    if setting == "generation.prompts":
+        return MAX_PROMPTS if cap is None else min(cap, MAX_PROMPTS)
+    return None
+
+
 def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None,
-                figures: Mapping[str, Any] | None = None, drawn: int | None = None) -> SummaryLineOut | None:
+                figures: Mapping[str, Any] | None = None, drawn: int | None = None,
+                cap: int | None = None) -> SummaryLineOut | None:
     """The summary line of one candidate from its judged comparisons (the ship group's when every
     one is ok; None when it has none at all); `figures`, its own, name what a speed finding measured;
     `drawn`, the documents its run drew (a comparison over fewer of them, the documents with domain
-    terms, needs proportionally more drawn to reach the n that decides it)."""
+    terms, needs proportionally more drawn to reach the n that decides it); `cap`, the most
+    documents its suite can give: an undecided comparison that needs more (workers/top_up.py
+    `reachable`, the same rule) is not sized for but named in `decide_beyond`."""
     if not rows:
         return None
     quality = [c for c in rows if METRICS[c.metric].aspect == "quality" and c.verdict != "ok"]
@@ -174,21 +189,25 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
     worst = q if group in ("drop or fix", "watch") else s if group == "slower than the baseline" else q or s
     decide: int | None = None
     settings: dict[str, int] = {}
+    beyond: list[str] = []
     if group == "undecided":  # the most any of its inconclusive gated comparisons needs; twice its n when none says
         for x in rows:
             if x.verdict == "inconclusive" and x.gated:
                 wanted = samples_to_decide(x) or 2 * x.n
                 setting = counted_by(x.metric)
-                if setting is None:
-                    if drawn and 0 < x.n < drawn:  # n counts some of the documents: scale up what to draw
-                        wanted = math.ceil(wanted * drawn / x.n)
+                if setting is None and drawn and 0 < x.n < drawn:  # n counts some of the documents: scale up
+                    wanted = math.ceil(wanted * drawn / x.n)
+                most = reach(setting, cap)
+                if most is not None and wanted > most:
+                    beyond.append(f"{METRICS[x.metric].label} needs about {wanted}")
+                elif setting is None:
                     decide = max(decide or 0, wanted)
                 else:
                     settings[setting] = max(settings.get(setting, 0), wanted)
-        if decide is None and not settings:
+        if decide is None and not settings and not beyond:
             decide = 2 * max(x.n for x in rows)
     return SummaryLineOut(config=config, group=group, text=text, findings=findings, decide_samples=decide,
-                          decide_settings=settings,
+                          decide_settings=settings, decide_beyond=beyond,
                           severity=severity(worst) if worst is not None else 0.0,
                           critical=counts["critical"], warn=counts["warn"], quality=q, speed=s, advice=advice)
 
@@ -210,10 +229,12 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     out, and the configs per group. The baseline and a stacked config's single-layer ablations (a
     diagnosis, not a deploy) get no line of their own. `figures`: each config's (engine, device);
     `decide_with`: the command that decides the undecided configs, with `{configs}` and `{samples}`
-    to fill in (app/services.decide_command); `decide_cap`: the most samples it may ask for (the
-    suite's documents, the per-run limit), said when it is less than they need; `drawn`: the
-    samples the run holds already (no command when the cap gives no more); `decide_settings_with`:
-    a command per suite setting that raises it on its own (the demo's `--prompts`, `{n}` to fill in);
+    to fill in (app/services.decide_command); `decide_settings_with`: the options of that command
+    that raise a suite setting, by setting (the demo's `--prompts {n}`), added to it where a
+    config needs that setting raised (a setting with none is named in words: it lives in the
+    team's canary.yaml); `decide_cap`: the most samples the suite can give (its documents, the
+    per-run limit): a comparison needing more is named apart, not sized for; `drawn`: the samples
+    the run holds already (a command never asks for fewer);
     `edited`: the configs edited in place since the run that measured them (config → that run):
     undecided whatever that run said, since it said it of an earlier definition, and decided by
     measuring them again on as many documents."""
@@ -228,7 +249,7 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
             advice.setdefault(s.config, s.advice)
     figures = figures or {}
     lines = [line for config, rows in by_config.items()
-             if (line := config_line(config, rows, advice.get(config), figures.get(config), drawn))]
+             if (line := config_line(config, rows, advice.get(config), figures.get(config), drawn, decide_cap))]
     edits = edited or {}
     for i, line in enumerate(lines):
         if line.config in edits:
@@ -236,7 +257,8 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
             lines[i] = line.model_copy(update={
                 "group": "undecided", "findings": f"edited since run {edits[line.config]} measured it (then: {then})",
                 "text": f"{line.config}: edited since run {edits[line.config]} measured it (then: {then})",
-                "decide_samples": max(c.n for c in by_config[line.config]), "decide_settings": {}})
+                "decide_samples": max(c.n for c in by_config[line.config]), "decide_settings": {},
+                "decide_beyond": []})
     lines.sort(key=lambda line: (GROUPS.index(line.group), -line.severity, -line.critical, -line.warn, line.config))
     groups = {g: [line for line in lines if line.group == g] for g in GROUPS}
     groups = {g: rows for g, rows in groups.items() if rows}
@@ -250,37 +272,51 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
     if "undecided" in groups:  # never cut: each says what would decide it
         undecided = groups["undecided"]
         text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
-        by_documents = [line for line in undecided if line.decide_samples]
-        settings: dict[str, int] = {}
-        for line in undecided:
-            for setting, wanted in line.decide_settings.items():
-                settings[setting] = max(settings.get(setting, 0), wanted)
-        commands = decide_settings_with or {}
-        wanted = max((line.decide_samples or 0 for line in by_documents), default=0)
-        samples = min(wanted, decide_cap) if decide_cap else wanted
-        if decide_with and "generation.prompts" in settings and "generation.prompts" in commands:
-            # one command for both (the demo's): its prompts are openings of the documents it draws
-            prompts = min(settings.pop("generation.prompts"), MAX_PROMPTS)
-            docs = max(samples, drawn or 0, prompts)
-            docs = min(docs, decide_cap) if decide_cap else docs
-            text.append("  decide: " + commands["generation.prompts"].format(samples=docs, n=min(prompts, docs)))
-        elif decide_with and by_documents:
-            short = f" (the most there are; about {wanted} would decide them)" if samples < wanted else ""
-            if drawn is not None and samples <= drawn:  # more documents cannot be had here
-                if decide_cap is not None and decide_cap <= drawn:
-                    text.append(f"  decide: not on this suite: it can give {decide_cap} documents and the run "
-                                f"drew {drawn}; about {wanted} would decide them (a larger corpus)")
-            else:
-                text.append("  decide: " + decide_with.format(
-                    configs=",".join(line.config for line in by_documents), samples=samples) + short)
-        if decide_with and settings:  # more documents asked would not add these: the suite's own counts would
-            asks = ", ".join(f"{setting} about {wanted}" for setting, wanted in sorted(settings.items()))
-            whose = [line.config for line in undecided if set(line.decide_settings) & set(settings)]
-            text.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")
+        if decide_with:
+            text += decide_lines(undecided, decide_with, decide_settings_with or {}, decide_cap, drawn)
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,
                              counts={g: len(rows) for g, rows in groups.items()})
+
+
+def decide_lines(undecided: list[SummaryLineOut], command: str, options: Mapping[str, str], cap: int | None,
+                 drawn: int | None) -> list[str]:
+    """What decides the undecided configs: one command (`command`, with `{configs}` and `{samples}`)
+    asking for the most documents any of them needs and, through its `options` (by suite setting,
+    `{n}` to fill in), the most of each setting; a setting the command has no option for, in words;
+    and the comparisons no run on this suite could decide (more than `cap` needed), by name. The
+    prompts are openings of the documents drawn, so a command raising them draws at least as
+    many documents. A command never asks for no more than the run drew."""
+    out: list[str] = []
+    settings: dict[str, int] = {}
+    for line in undecided:
+        for setting, wanted in line.decide_settings.items():
+            settings[setting] = max(settings.get(setting, 0), wanted)
+    raised = {setting: wanted for setting, wanted in settings.items() if setting in options}
+    samples = max((line.decide_samples or 0 for line in undecided), default=0)
+    if "generation.prompts" in raised:
+        samples = max(samples, drawn or 0, raised["generation.prompts"])
+    if cap is not None:
+        samples = min(samples, cap)
+    asked = [line.config for line in undecided if line.decide_samples or set(line.decide_settings) & set(raised)]
+    if asked and (raised or drawn is None or samples > drawn):
+        flags = "".join(" " + options[setting].format(n=min(wanted, samples) if setting == "generation.prompts"
+                                                      else wanted) for setting, wanted in sorted(raised.items()))
+        out.append("  decide: " + command.format(configs=",".join(asked), samples=samples) + flags)
+    unraised = {setting: wanted for setting, wanted in settings.items() if setting not in raised}
+    if unraised:  # more documents asked would not add these: the suite's own counts would
+        asks = ", ".join(f"{setting} about {wanted}" for setting, wanted in sorted(unraised.items()))
+        whose = [line.config for line in undecided if set(line.decide_settings) & set(unraised)]
+        out.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")
+    beyond = [f"{line.config}'s {need}" for line in undecided for need in line.decide_beyond]
+    if beyond:
+        timing = {m.label for m in METRICS.values() if m.aspect == "speed"}
+        quieter = any(need.rpartition(" needs about ")[0] in timing for line in undecided
+                      for need in line.decide_beyond)
+        out.append(f"  decide: not on this suite (it can give {cap} documents): {', '.join(beyond)} (a larger corpus"
+                   + ("; a timing ratio also narrows on a quieter host)" if quieter else ")"))
+    return out
 
 
 def _render(groups: Mapping[str, list[SummaryLineOut]], total: int, max_lines: int) -> list[str]:

@@ -123,14 +123,17 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     gate = decide_command("serving", "pydoc-smoke", "gate")
     assert verdict_summary(rows[2:3], decide_with=gate).lines[-1] == (
         "  decide: canary gate --candidate a --suite pydoc-smoke --project serving --samples 80")
-    # a suite of 50 documents cannot give 80: the command asks for what there is, and says so
-    capped = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50).lines[-1]
-    assert capped.endswith("--samples 50 (the most there are; about 80 would decide them)")
+    # a suite of 50 documents cannot give a's 80 (the rule a top-up follows: workers/top_up.py reachable):
+    # the command is sized for b alone, and a is named apart
+    capped = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50).lines[-2:]
+    assert capped == ["  decide: canary run -f canary.yaml --suite pydoc-smoke --configs b --samples 10",
+                      "  decide: not on this suite (it can give 50 documents): a's ppl ratio needs about 80 (a larger "
+                      "corpus)"]
     # …and when the run drew all 50 already, no command can decide them there
     spent = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50, drawn=50).lines[-1]
-    # (a's n, 12, counts 12 of the 50 drawn: about 80 of them means 80 × 50 / 12 = 334 drawn)
-    assert spent == ("  decide: not on this suite: it can give 50 documents and the run drew 50; about 334 would "
-                     "decide them (a larger corpus)")
+    # (a's n, 12, counts 12 of the 50 drawn: about 80 of them means 80 × 50 / 12 = 334 drawn; b's 10 of 4: 125)
+    assert spent == ("  decide: not on this suite (it can give 50 documents): a's ppl ratio needs about 334, b's ppl "
+                     "ratio needs about 125 (a larger corpus)")
     # the demo's case: 100 documents drawn of a larger corpus, and configs undecided on answers (n = the
     # suite's 16 prompts, "about 60 would decide"): more documents add no prompts, so no --samples command
     # for them (it asked for 60, fewer than drawn, and called the suite spent); the suite's
@@ -162,10 +165,20 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     assert demo_lines[-1] == "  decide: canary demo --samples 180 --prompts 60"
     assert verdict_summary(answers, decide_with=demo, decide_cap=1000, drawn=100,
                            decide_settings_with=commands).lines[-1] == "  decide: canary demo --samples 100 --prompts 60"
-    # more prompts than a suite takes (1000) or than the corpus gives: both capped
-    many = [row("kv-fp8", "degenerate_answers", 0.01, 0.0, 0.05, "inconclusive", n=16, rule="… (about 2400 at this effect)")]
+    # more prompts than the corpus gives (600 documents; a suite takes at most 1000): not sized for, named
+    # apart, as is a timing ratio that needs a hundred thousand (kv-fp8's TTFT on a shared CPU, the demo's
+    # case); the command asks only for what int8 needs
+    many = [row("kv-fp8", "degenerate_answers", 0.01, 0.0, 0.05, "inconclusive", n=16, rule="… (about 2400 at this effect)"),
+            row("kv-fp8", "ttft_ratio", 1.2, 1.1, 1.3, "inconclusive", n=16, rule="… (about 102067 at this effect)"),
+            answers[1]]
     assert verdict_summary(many, decide_with=demo, decide_cap=600, drawn=100,
-                           decide_settings_with=commands).lines[-1] == "  decide: canary demo --samples 600 --prompts 600"
+                           decide_settings_with=commands).lines[-2:] == [
+        "  decide: canary demo --samples 100 --prompts 28",
+        "  decide: not on this suite (it can give 600 documents): kv-fp8's degenerate needs about 2400, kv-fp8's TTFT "
+        "ratio needs about 102067 (a larger corpus; a timing ratio also narrows on a quieter host)"]
+    # the same run's user outside the demo: canary.yaml holds the prompts, so they are named in words
+    assert verdict_summary(many, decide_with=run, decide_cap=600, drawn=100).lines[-2] == (
+        "  decide: raise the suite's generation.prompts about 28 (int8: more documents alone would not)")
     assert decide_settings_commands("shop") == {}
     assert decide_command("demo", "pydoc", "manual") == "canary demo --samples {samples}"
     assert decide_command("p", "s", "schedule") == "canary run -f canary.yaml --suite s --configs {configs} --samples {samples}"
