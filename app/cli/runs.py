@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -63,6 +63,19 @@ DEMO_CONFIG: dict[str, Any] = {
     # configs: a tiny model barely notices int4). Printed with the results.
     "thresholds": {"ppl_ratio": {"warn": 1.01, "critical": 1.03}},
 }
+
+
+# How long the demo's run may take with its top-ups (`canary demo --top-up-budget`): the demo's time
+# goal (docs/benchmarks.md), so a top-up pass that would not fit it is refused and the verdict says so.
+DEMO_TOP_UP_BUDGET_S = 120.0
+
+
+def demo_top_up_budget(option: float | None, environ: Mapping[str, str]) -> str:
+    """The demo's CANARY_TOP_UP_BUDGET_S: --top-up-budget, else the variable where it is set, else
+    DEMO_TOP_UP_BUDGET_S (the deployment default, 30 minutes, would let a demo run on for minutes)."""
+    if option is not None:
+        return str(option)
+    return environ.get("CANARY_TOP_UP_BUDGET_S") or str(DEMO_TOP_UP_BUDGET_S)
 
 
 def _ensure_zoo() -> None:
@@ -259,12 +272,18 @@ def demo(
     heartbeat: float = typer.Option(30, min=1, help="without a terminal: seconds between progress lines on stderr"),
     processes: int = typer.Option(min(2, os.cpu_count() or 1), min=1, max=64,
                                   help="config-runs at once, each in a process of its own with its share of the cores"),
+    top_up_budget: float | None = typer.Option(None, min=0, help=(
+        f"seconds the run may take with its top-ups (default: CANARY_TOP_UP_BUDGET_S if set, else "
+        f"{DEMO_TOP_UP_BUDGET_S:.0f}): an undecided config is topped up only while another pass fits; 0: never. "
+        "The verdict's decide line says how to settle what is left undecided")),
 ) -> None:
     """fp16 vs int8 vs int4 vs int2 … on the tiny Python-documentation model, on this machine. Exits 0
     whatever the verdict: some of its configs are broken on purpose."""
     # The demo never follows CANARY_DATABASE_URL: it must not write into a production database.
     os.environ["CANARY_DATABASE_URL"] = database_url
     os.environ["CANARY_EXECUTION"] = "inline"
+    # the demo answers in about two minutes: a top-up pass runs only where it fits them (workers/top_up.py)
+    os.environ["CANARY_TOP_UP_BUDGET_S"] = demo_top_up_budget(top_up_budget, os.environ)
     from app.config_file import parse_config
     from app.settings import get_settings
 

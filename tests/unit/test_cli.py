@@ -166,6 +166,15 @@ def test_demo_json_covers_every_config(run_cli):
     assert "Loading weights" not in r.stderr, r.stderr[-2000:]
 
 
+def test_the_demos_top_up_budget_is_its_option_else_the_variable_else_two_minutes():
+    from app.cli.runs import DEMO_TOP_UP_BUDGET_S, demo_top_up_budget
+
+    assert DEMO_TOP_UP_BUDGET_S == 120  # the demo's time goal (docs/benchmarks.md)
+    assert demo_top_up_budget(None, {}) == "120.0"
+    assert demo_top_up_budget(None, {"CANARY_TOP_UP_BUDGET_S": "600"}) == "600"
+    assert demo_top_up_budget(0, {"CANARY_TOP_UP_BUDGET_S": "600"}) == "0"  # the option wins: 0, never top up
+
+
 def test_worker_processes_share_the_cores():
     from app.cli.admin import worker_threads
 
