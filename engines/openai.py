@@ -418,7 +418,8 @@ class OpenAIEngine:
 
             gauges = tuple(f"vllm:{k}" for k in sampled)
 
-            async def sample():  # gauges while requests are in flight (only theirs parsed: the loop reads streams)
+            async def sample() -> None:
+                # gauges while requests are in flight (only theirs parsed: the loop reads streams)
                 interval = GAUGE_FIRST_S
                 while not done.is_set():
                     snap = await self._scrape(client, gauges)

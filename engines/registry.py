@@ -17,7 +17,8 @@ BACKENDS = {
 }
 
 
-def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None, **options) -> Engine:
+def load_engine(model_path: str, spec: OptimizationSpec, calibration: Sequence[str] | None = None,
+                **options: object) -> Engine:
     """calibration: domain texts for methods that calibrate (AWQ); never the scored samples.
     options: keyword arguments for the backend (openai: transport factories and a secret reader)."""
     spec.check_available()

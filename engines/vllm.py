@@ -17,7 +17,8 @@ adapter below follows the documented API and is exercised only where vLLM is ins
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from engines.protocol import (
     EngineDescription,
@@ -61,7 +62,7 @@ def vllm_args(model: str, spec: OptimizationSpec) -> dict:
     return args
 
 
-def spec_counters(metrics) -> dict[str, float]:
+def spec_counters(metrics: Iterable[Any]) -> dict[str, float]:
     """Sum vLLM's spec-decode counters from llm.get_metrics() (objects with .name, .value)."""
     out: dict[str, float] = {}
     for metric in metrics:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def kernel_mode() -> str:
@@ -18,7 +22,7 @@ def kernel_mode() -> str:
     return mode
 
 
-def use_triton(device) -> bool:
+def use_triton(device: str | torch.device) -> bool:
     """Whether the Triton kernels run for tensors on `device`."""
     mode = kernel_mode()
     if mode == "torch":

@@ -3,6 +3,7 @@ Imported only when a kernel runs. On CUDA the launchers wrap them in @triton.aut
 configurations below (Hopper-sized tiles); the interpreter runs one fixed small configuration."""
 
 import inspect
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -134,7 +135,7 @@ def gemv1_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, N, K,
         tl.atomic_add(ptrs, acc, mask=word_ok[:, None])
 
 
-def gemv1_configs():
+def gemv1_configs() -> list[triton.Config]:
     # (words per program, K tile, split-K, warps, stages). N = 4096 has 512 packed words: 16 words
     # a program and split-K 8 make 256 programs for 132 SMs; N = 14336 (1792 words) needs less
     # split-K. A K tile divides the group size 128 so that its zeros and scales are one row.
@@ -174,7 +175,7 @@ def gemm_stage_bytes(bm: int, bn: int, bk: int, x_bytes: int) -> int:
     return bm * bk * x_bytes + bk * bn * (4 + 4 + x_bytes)
 
 
-def gemm_configs(x_bytes: int = 2):
+def gemm_configs(x_bytes: int = 2) -> list[triton.Config]:
     """Tiles for 2-byte inputs as tuned for Hopper; for fp32 inputs (x_bytes 4) the stages are cut
     until stages × stage bytes fit SMEM_BUDGET, and tiles that do not fit at one stage are left
     out (on an H200 every fp32 configuration with the fp16 stages asked for more shared memory
@@ -190,7 +191,7 @@ def gemm_configs(x_bytes: int = 2):
     return out
 
 
-def gemv_configs():
+def gemv_configs() -> list[triton.Config]:
     # Hopper: 132 SMs. At batch 1 a 4096-wide layer has only 4096 / BLOCK_N column blocks, so
     # split-K multiplies the programs (N=4096, BLOCK_N=128: 32 blocks × SPLIT_K 8 = 256 programs);
     # BLOCK_K divides the group size 128 so that a tile's zeros and scales are one row.
@@ -211,7 +212,7 @@ def m_bucket(M: int) -> int:
     return 1 << (M - 1).bit_length()
 
 
-def autotuned(name: str):
+def autotuned(name: str) -> Any:  # a triton Autotuner (a kernel handle; triton ships no types)
     """The kernel wrapped in @triton.autotune (CUDA only: the tuner times configs on the device),
     keyed on M's bucket (the gemm: M_BUCKET; the gemv: M_PAD), never on the exact M. The gemv's
     split-K accumulates into y, so the tuner zeroes y before each trial. Where this Triton can,

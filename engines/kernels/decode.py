@@ -18,8 +18,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import triton.language as tl
 
 GROUP_ROWS = 16  # query rows of one program: G padded to what a tensor-core product takes
 PROGRAMS_PER_SM = 2  # split-K chunks: about this many programs per SM at batch 1
@@ -42,7 +46,7 @@ def _sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k_chunks(S: int, rows: int, device, block_s: int) -> int:
+def split_k_chunks(S: int, rows: int, device: str | torch.device, block_s: int) -> int:
     """Split-K programs along the sequence for `rows` = B·Hkv programs across: enough that the grid
     holds about PROGRAMS_PER_SM programs per SM, and no more than there are BLOCK_S tiles (each
     chunk writes a [G, D] partial that the merge reads back, so tiny chunks add traffic)."""
@@ -50,7 +54,7 @@ def split_k_chunks(S: int, rows: int, device, block_s: int) -> int:
     return max(1, min(math.ceil(S / block_s), math.ceil(PROGRAMS_PER_SM * sms / rows)))
 
 
-def dot_type(dtype: torch.dtype):
+def dot_type(dtype: torch.dtype) -> tl.dtype:
     """The tensor-core operand type for a query of `dtype`: half types as they are, fp32 as fp32
     with IEEE products (the fp32 reference engine keeps its precision)."""
     import triton.language as tl
@@ -76,9 +80,9 @@ def head_strides(cache: torch.Tensor) -> tuple[int, int]:
     return cache.stride(0), cache.stride(1)
 
 
-def launch(kernel, q: torch.Tensor, Hkv: int, S: int, args: list, consts: dict, tuning: Tuning, *,
-           rotation: torch.Tensor | None = None, chunks: int | None = None, block_s: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def launch(kernel: Any, q: torch.Tensor, Hkv: int, S: int, args: list[torch.Tensor], consts: dict[str, object],
+           tuning: Tuning, *, rotation: torch.Tensor | None = None, chunks: int | None = None,
+           block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Run a grouped decode-attention kernel and the merge: q [B, H, D] → [B, H, D] in q's dtype.
     `args` are the kernel's arguments between the query and the partials' pointers (caches,
     lengths, …), `consts` the rest by name (HKV, S, strides, scale, the format's constexprs); D, G,
@@ -114,7 +118,8 @@ def triton_next_pow2(n: int) -> int:
 FLOAT_TUNING = Tuning(block_s=128, num_warps=4, num_stages=2)  # the fastest fp8 shape in the H200 sweep
 
 
-def float_decode_attention(q, k, v, lengths, chunks: int | None = None, block_s: int | None = None,
+def float_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                           chunks: int | None = None, block_s: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            tuning: Tuning = FLOAT_TUNING) -> torch.Tensor:
     """q [B, H, D]; k, v [B, Hkv, S, D] in a float type (fp16, bf16, fp32, or fp8 e4m3 widened in

@@ -19,7 +19,8 @@ def quantize_reference(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-448, 448).to(FP8)
 
 
-def decode_attention_reference(q, k8, v8, lengths) -> torch.Tensor:
+def decode_attention_reference(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                               lengths: torch.Tensor) -> torch.Tensor:
     """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8; lengths [B] → [B, H, D]."""
     B, H, D = q.shape
     g = H // k8.shape[1]
@@ -39,7 +40,8 @@ def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def decode_attention(q, k8, v8, lengths, **launch_kw) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, lengths: torch.Tensor,
+                     **launch_kw: int | None) -> torch.Tensor:
     """q [B, H, D]; k8, v8 [B, Hkv, S, D] fp8 (a [:, :, :S] slice of a wider cache is read in
     place); lengths [B] (any integer type) → [B, H, D] in q's dtype: decode.float_decode_attention
     at fp8's launch shape (launch_kw: chunks, block_s, num_warps, num_stages to override it)."""

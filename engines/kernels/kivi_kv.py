@@ -42,40 +42,42 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return lanes.reshape(*codes.shape[:-1], codes.shape[-1] * per)
 
 
-def _minmax(x: torch.Tensor, bits: int, dim: int):
+def _minmax(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     scale = (hi - lo).clamp(min=1e-8) / (2**bits - 1)
     return torch.round((x - lo) / scale).clamp(0, 2**bits - 1), scale, lo
 
 
-def quantize_keys_reference(k: torch.Tensor, bits: int):
+def quantize_keys_reference(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k [S, D], S a multiple of G → (codes [S, D·b/32], scale [S/G, D], zero [S/G, D])."""
     S, D = k.shape
     q, scale, lo = _minmax(k.float().reshape(S // GROUP, GROUP, D), bits, 1)
     return pack_codes(q.reshape(S, D), bits), scale[:, 0], lo[:, 0]
 
 
-def quantize_values_reference(v: torch.Tensor, bits: int):
+def quantize_values_reference(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """v [N, D] → (codes [N, D·b/32], scale [N, D/G], zero [N, D/G])."""
     N, D = v.shape
     q, scale, lo = _minmax(v.float().reshape(N, D // GROUP, GROUP), bits, 2)
     return pack_codes(q.reshape(N, D), bits), scale[..., 0], lo[..., 0]
 
 
-def dequantize_keys(codes, scale, zero, bits: int) -> torch.Tensor:
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [.., S, D·b/32], scale/zero [.., ⌈S/G⌉, D] → [.., S, D]."""
     q = unpack_codes(codes, bits).float()
     S = q.shape[-2]
     return q * scale.repeat_interleave(GROUP, -2)[..., :S, :] + zero.repeat_interleave(GROUP, -2)[..., :S, :]
 
 
-def dequantize_values(codes, scale, zero, bits: int) -> torch.Tensor:
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [.., S, D·b/32], scale/zero [.., S, D/G] → [.., S, D]."""
     q = unpack_codes(codes, bits).float()
     return q * scale.repeat_interleave(GROUP, -1) + zero.repeat_interleave(GROUP, -1)
 
 
-def decode_attention_reference(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int) -> torch.Tensor:
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor,
+                               kz: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor,
+                               lengths: torch.Tensor, nk: torch.Tensor, nv: torch.Tensor, bits: int) -> torch.Tensor:
     """q [B, H, D]; k, v [B, Hkv, S, D] full precision; kc/vc codes; ks/kz [B, Hkv, ⌈S/G⌉, D];
     vs/vz [B, Hkv, S, D/G]; lengths, nk, nv [B] → [B, H, D]."""
     B, H, D = q.shape
@@ -98,7 +100,7 @@ def _check(D: int, bits: int) -> None:
                          f"got bits={bits}, D={D}")
 
 
-def quantize_keys(k: torch.Tensor, bits: int):
+def quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k [S, D], S a multiple of G (KIVI flushes whole token groups) → codes, scale, zero."""
     from engines.kernels._kivi_kv_triton import quantize_keys_kernel
 
@@ -113,7 +115,7 @@ def quantize_keys(k: torch.Tensor, bits: int):
     return codes, scale, zero
 
 
-def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
+def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """v [N, D] → codes [N, D·b/32], scale [N, D/G], zero [N, D/G]."""
     from engines.kernels._kivi_kv_triton import quantize_values_kernel
 
@@ -127,7 +129,9 @@ def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16):
     return codes, scale, zero
 
 
-def decode_attention(q, k, v, kc, ks, kz, vc, vs, vz, lengths, nk, nv, bits: int, chunks: int | None = None,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor,
+                     kz: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor, lengths: torch.Tensor,
+                     nk: torch.Tensor, nv: torch.Tensor, bits: int, chunks: int | None = None,
                      block_s: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """Shapes as decode_attention_reference; lengths, nk, nv of any integer type → [B, H, D] in

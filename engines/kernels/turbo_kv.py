@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,8 @@ WRITE_WARPS = 4  # 90 registers, no spills at D = 128 on sm_90 (benchmarks/kerne
 _kernels: dict[str, object] = {}
 
 
-def rotation_and_codebook(d: int, bits: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_and_codebook(d: int, bits: int, seed: int,
+                          device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Π [d, d] and the Lloyd-Max codebook [2^bits] on `device`, made once per device."""
     return rotation_on(d, seed, device), codebook_on(d, bits, device)
 
@@ -52,7 +54,7 @@ def _codebook_polynomial(d: int, bits: int, device: str) -> torch.Tensor:
     return torch.linalg.solve(powers, book[half:]).float().to(device)
 
 
-def codebook_polynomial(d: int, bits: int, device) -> torch.Tensor:
+def codebook_polynomial(d: int, bits: int, device: str | torch.device) -> torch.Tensor:
     """The odd polynomial through the codebook: coefficients a₁, a₃, … [2^(bits−1)] with
     c[j] = Σ_k a_(2k+1)·x^(2k+1), x = j − (2^bits − 1)/2 (the codebook is symmetric, so its
     positive half fixes them; solved in float64). In fp32 it gives the codebook exactly at 1–3
@@ -79,7 +81,7 @@ def unpack_bitplanes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return idx.reshape(*lead, W * 32)  # type: ignore[union-attr]  # bits ≥ 1, so the sum is a tensor
 
 
-def quantize_reference(x: torch.Tensor, bits: int, seed: int = 0):
+def quantize_reference(x: torch.Tensor, bits: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     d = x.shape[-1]
     rot, book = rotation_and_codebook(d, bits, seed, x.device)
     xf = x.float()
@@ -95,7 +97,8 @@ def dequantize_rotated(codes: torch.Tensor, norms: torch.Tensor, bits: int) -> t
     return book[unpack_bitplanes(codes, bits)] * norms[..., None]
 
 
-def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0):
+def decode_attention_reference(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
+                               v_norms: torch.Tensor, lengths: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
     B, H, D = q.shape
     Hkv = k_codes.shape[1]
     rot, _ = rotation_and_codebook(D, bits, seed, q.device)
@@ -111,7 +114,7 @@ def decode_attention_reference(q, k_codes, k_norms, v_codes, v_norms, lengths, b
 
 
 # -- Triton ----------------------------------------------------------------------------------------
-def _get():
+def _get() -> tuple[Any, Any]:  # (write_kernel, attention_kernel): Triton kernel handles
     if not _kernels:
         from engines.kernels import _turbo_kv_triton as k
 
@@ -159,7 +162,8 @@ def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Te
         D=D, BITS=bits, BLOCK_N=block_n, DEQUANT=dequantized is not None, num_warps=WRITE_WARPS)
 
 
-def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 16):
+def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0,
+                      block_n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, D] → (codes [N, bits, D/32] int32, norms [N] fp32). D must be a multiple of 32."""
     N, D = x.shape
     codes = torch.empty(1, 1, 1, N, bits, D // 32, dtype=torch.int32, device=x.device)
@@ -168,7 +172,8 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0, block_n: int = 
     return codes[0, 0, 0], norms[0, 0, 0]
 
 
-def decode_attention(q, k_codes, k_norms, v_codes, v_norms, lengths, bits: int, seed: int = 0,
+def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
+                     v_norms: torch.Tensor, lengths: torch.Tensor, bits: int, seed: int = 0,
                      chunks: int | None = None, block_s: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """q [B, H, D]; codes [B, Hkv, S, bits, D/32]; norms [B, Hkv, S] fp32; lengths [B] → [B, H, D]

@@ -26,13 +26,16 @@ weight in tinygemm's layout too (`TinyGemm`), and `batch1` names which kernel se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engines.kernels import use_triton
 from engines.quant import dequantize_awq_gemm, pack_awq_gemm
 
 
-def w4a16_reference(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
+def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    group_size: int = 128) -> torch.Tensor:
     w = dequantize_awq_gemm(qweight, qzeros, scales.float(), group_size)  # [N, K]
     return (x.float() @ w.T.to(x.device)).to(x.dtype)
 
@@ -42,8 +45,8 @@ DEQUANT_MIN_M = GEMV_MAX_M + 1  # from here: dequantize once, then torch's matmu
 PREFILL_PATHS = ("auto", "tiled", "dequant")
 
 
-def w4a16_dequantize(qweight, qzeros, scales, dtype: torch.dtype, group_size: int = 128,
-                     tune: bool | None = None) -> torch.Tensor:
+def w4a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     group_size: int = 128, tune: bool | None = None) -> torch.Tensor:
     """The weight W [K, N] = (q − z)·s in `dtype`, by one Triton pass over the packed words."""
     from engines.kernels import _w4a16_triton as k
 
@@ -59,8 +62,8 @@ def w4a16_dequantize(qweight, qzeros, scales, dtype: torch.dtype, group_size: in
     return w
 
 
-def w4a16_triton(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128,
-                 tune: bool | None = None, prefill: str = "auto") -> torch.Tensor:
+def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int = 128, tune: bool | None = None, prefill: str = "auto") -> torch.Tensor:
     """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M's power-of-two
     bucket, N, K); without it (the interpreter) a fixed small configuration runs. prefill picks
     the path of more than GEMV_MAX_M rows: 'auto' (dequantize from DEQUANT_MIN_M rows, which is
@@ -135,8 +138,11 @@ class TinyGemm(torch.nn.Module):
     twins, the same arithmetic, which the CPU tests use."""
 
     INNER_K_TILES = 8
+    scales_and_zeros: torch.Tensor  # buffers (registered in __init__)
+    packed: torch.Tensor
 
-    def __init__(self, parts, device, group_size: int = 128):
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: str | torch.device,
+                 group_size: int = 128) -> None:
         super().__init__()
         q = torch.cat([p[0] for p in parts]).to(torch.int32)  # [N, K]
         zero = torch.cat([p[1] for p in parts]).float()  # [N, K/G]
@@ -153,7 +159,7 @@ class TinyGemm(torch.nn.Module):
         self.register_buffer("packed", packed)
 
     @staticmethod
-    def supports(in_features: int, out_features: int, group_size: int, device) -> str | None:
+    def supports(in_features: int, out_features: int, group_size: int, device: str | torch.device) -> str | None:
         """Why tinygemm cannot hold this weight on `device`, or None when it can."""
         if torch.device(device).type != "cuda":
             return "tinygemm's CUDA kernel needs a CUDA device"
@@ -179,7 +185,12 @@ class W4A16Linear(torch.nn.Module):
     'tinygemm' insists (an error naming why it cannot); 'triton' keeps the own kernel. More rows
     (a decode batch, a prefill) always take the Triton kernels."""
 
-    def __init__(self, qweight, qzeros, scales, bias=None, tiny: TinyGemm | None = None):
+    qweight: torch.Tensor  # buffers (registered in __init__)
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None, tiny: TinyGemm | None = None) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
         self.register_buffer("qzeros", qzeros)
@@ -193,7 +204,8 @@ class W4A16Linear(torch.nn.Module):
         return "tinygemm" if self.tiny is not None else "triton"
 
     @classmethod
-    def from_parts(cls, parts, bias, device, batch1: str = "triton") -> W4A16Linear:
+    def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bias: torch.Tensor | None,
+                   device: str | torch.device, batch1: str = "triton") -> W4A16Linear:
         if batch1 not in INT4_GEMV:
             raise ValueError(f"engine_options.int4_gemv: '{batch1}' is not one of {', '.join(INT4_GEMV)}")
         packed = [pack_awq_gemm(q, zero, scale) for q, zero, scale in parts]  # each: [K, N_i/8] …
@@ -217,7 +229,8 @@ class W4A16Linear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def w4a16(x: torch.Tensor, qweight, qzeros, scales, group_size: int = 128) -> torch.Tensor:
+def w4a16(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+          group_size: int = 128) -> torch.Tensor:
     """Dispatch: the Triton kernel where kernels run (CUDA, or CANARY_KERNELS=triton), else torch."""
     if use_triton(x.device):
         return w4a16_triton(x, qweight, qzeros, scales, group_size)

@@ -31,18 +31,21 @@ def _unpack_cols(p: torch.Tensor) -> torch.Tensor:
     return out.reshape(rows, cols * 8)
 
 
-def pack_awq_gemm(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor):
+def pack_awq_gemm(q: torch.Tensor, zero: torch.Tensor,
+                  scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ours (q [out, in] uint8, zero/scale [out, in/g]) → AutoAWQ GEMM tensors:
     qweight int32 [in, out/8], qzeros int32 [in/g, out/8], scales fp16 [in/g, out]."""
     return _pack_cols(q.T), _pack_cols(zero.round().T), scale.T.contiguous().to(torch.float16)
 
 
-def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
+def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor,
+                    scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AutoAWQ GEMM tensors → ours: q [out, in], zero [out, in/g], scale [out, in/g]."""
     return _unpack_cols(qweight).T.to(torch.uint8), _unpack_cols(qzeros).T.float(), scales.T.float()
 
 
-def dequantize_awq_gemm(qweight, qzeros, scales, group_size: int = GROUP_SIZE) -> torch.Tensor:
+def dequantize_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                        group_size: int = GROUP_SIZE) -> torch.Tensor:
     """Weight [out, in] = (q − z)·s."""
     q, zero, scale = unpack_awq_gemm(qweight, qzeros, scales)
     return dequantize_groupwise(q, scale, zero, group_size)

@@ -15,7 +15,8 @@ import torch
 GROUP_SIZE = 128
 
 
-def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int = GROUP_SIZE):
+def quantize_groupwise(w: torch.Tensor, bits: int,
+                       group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: [out, in] → q: uint8 [out, in], scale: [out, in/g], zero: [out, in/g] (float32)."""
     out_f, in_f = w.shape
     if in_f % group_size:
@@ -29,7 +30,8 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int = GROUP_SIZE)
     return q.reshape(out_f, in_f).to(torch.uint8), scale, zero
 
 
-def dequantize_groupwise(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int = GROUP_SIZE):
+def dequantize_groupwise(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                         group_size: int = GROUP_SIZE) -> torch.Tensor:
     out_f, in_f = q.shape
     qg = q.float().reshape(out_f, in_f // group_size, group_size)
     return ((qg - zero[..., None]) * scale[..., None]).reshape(out_f, in_f)

@@ -58,7 +58,7 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
 _on_device: dict[tuple, torch.Tensor] = {}
 
 
-def rotation_on(d: int, seed: int, device) -> torch.Tensor:
+def rotation_on(d: int, seed: int, device: str | torch.device) -> torch.Tensor:
     """Π on `device`, made once per device: a decode step pays no QR and no host-to-device copy
     (a copy from host memory would also break CUDA-graph capture)."""
     key = ("rotation", d, seed, str(device))
@@ -67,7 +67,7 @@ def rotation_on(d: int, seed: int, device) -> torch.Tensor:
     return _on_device[key]
 
 
-def codebook_on(d: int, bits: int, device) -> torch.Tensor:
+def codebook_on(d: int, bits: int, device: str | torch.device) -> torch.Tensor:
     """The Lloyd-Max codebook [2^bits] for dimension d on `device`, made once per device."""
     key = ("codebook", d, bits, str(device))
     if key not in _on_device:

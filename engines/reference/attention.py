@@ -18,15 +18,16 @@ class Causal:
     runs) and no mask is built; a 128K prompt's would be 16 GiB. `shape` reads as the tensor's
     would, so a store's S = mask.shape[-1] holds; `dense()` builds it where a tensor is needed."""
 
-    def __init__(self, T: int):
+    def __init__(self, T: int) -> None:
         self.shape = (1, 1, T, T)
 
-    def dense(self, device) -> torch.Tensor:
+    def dense(self, device: str | torch.device) -> torch.Tensor:
         T = self.shape[-1]
         return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
 
 
-def masked_gqa_attention(q, k, v, mask) -> torch.Tensor:
+def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | Causal | None) -> torch.Tensor:
     """SDPA with a mask under grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D];
     mask: [B, 1, T, S], None where every query attends every slot given, or Causal. The G = H/Hkv query
     heads that share a kv head are folded into the query length ([B, Hkv, G·T, D]), so SDPA sees
@@ -46,7 +47,8 @@ def masked_gqa_attention(q, k, v, mask) -> torch.Tensor:
     return F.scaled_dot_product_attention(folded, k, v, attn_mask=m).reshape(B, H, T, D)
 
 
-def rotated_attention(q, kr, vr, rot, mask) -> torch.Tensor:
+def rotated_attention(q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, rot: torch.Tensor,
+                      mask: torch.Tensor | Causal | None) -> torch.Tensor:
     """q: [B, H, T, D]; kr, vr: [B, Hkv, S, D] rotated-domain codes × norms; rot: Π [D, D].
     ⟨q, Πᵀĉ‖k‖⟩ = ⟨Πq, ĉ‖k‖⟩: rotate the query once and score against the stored codes;
     accumulate Σ pᵢ·ĉᵢ‖vᵢ‖ in the rotated domain and rotate back once."""
@@ -64,7 +66,9 @@ def query_chunk(rows: int, S: int) -> int:
     return max(16, SCORE_BYTES // (4 * rows * max(S, 1)) // 16 * 16)
 
 
-def two_tier_attention(q, k, v, kq, vq, mask, ck, cv, chunk: int | None = None) -> torch.Tensor:
+def two_tier_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
+                       mask: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                       chunk: int | None = None) -> torch.Tensor:
     """Scores read compressed keys where ck, values mix compressed values where cv.
     q: [B, H, T, D]; k, v: raw and kq, vq: dequantized [B, Hkv, S, D]; mask, ck, cv: [B, 1, T, S].
     The G = H/Hkv query heads of a kv head broadcast against it ([B, Hkv, G, T, D] · [B, Hkv, 1, S, D]),
@@ -79,7 +83,8 @@ def two_tier_attention(q, k, v, kq, vq, mask, ck, cv, chunk: int | None = None) 
     scale = 1.0 / D**0.5
     outs = []
     for t0 in range(0, T, chunk):
-        def rows(m, t0=t0):  # [B, 1, T, S] → this chunk's rows as [B, 1, 1, C, S] (a 1-row mask broadcasts)
+        def rows(m: torch.Tensor, t0: int = t0) -> torch.Tensor:
+            # [B, 1, T, S] → this chunk's rows as [B, 1, 1, C, S] (a 1-row mask broadcasts)
             return (m if m.shape[-2] == 1 else m[:, :, t0 : t0 + chunk])[:, :, None]
 
         m, ckc, cvc = rows(mask), rows(ck), rows(cv)
@@ -94,7 +99,7 @@ def two_tier_attention(q, k, v, kq, vq, mask, ck, cv, chunk: int | None = None) 
     return torch.cat(outs, dim=3).reshape(B, H, T, D)
 
 
-def causal_attention_lse(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over equal head counts, q, k, v: [B, H, T, D] → (out [B, H, T, D], each
     query's log-sum-exp of its scaled scores [B, H, T] in fp32, natural log): what two partial
     attentions need to merge. Flash attention's own kernels give both (memory-efficient attention
@@ -114,7 +119,8 @@ def causal_attention_lse(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse[..., :T].float()  # memory-efficient attention pads the query axis of lse
 
 
-def windowed_causal_attention(q, k, v, kq, vq, residual: int) -> torch.Tensor:
+def windowed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
+                              residual: int) -> torch.Tensor:
     """KIVI's two-tier attention for a first pass over slots 0…T−1 with no padding (Causal), with
     no [T, T] mask or scores. q: [B, H, T, D]; k, v raw and kq, vq dequantized: [B, Hkv, T, D];
     R = residual. Query t reads
@@ -131,10 +137,10 @@ def windowed_causal_attention(q, k, v, kq, vq, residual: int) -> torch.Tensor:
     nb = -(-T // R)
     pad = nb * R - T
 
-    def blocks(x):  # [B, Hkv, T, D] → [B, Hkv, nb, R, D], zeros after slot T − 1
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, T, D] → [B, Hkv, nb, R, D], zeros after slot T − 1
         return F.pad(x, (0, 0, 0, pad)).reshape(B, Hkv, nb, R, D)
 
-    def previous(x):  # block b − 1 beside block b (zeros before block 0)
+    def previous(x: torch.Tensor) -> torch.Tensor:  # block b − 1 beside block b (zeros before block 0)
         return F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :nb]
 
     kb, vb = blocks(k), blocks(v)

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import pathlib
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import cast
 
@@ -34,7 +35,7 @@ from engines.fingerprint import model_digest, source_digest
 from engines.quant import GROUP_SIZE, dequantize_groupwise, fake_quantize, pack_awq_gemm, quantize_groupwise
 from engines.reference.cache import KVCache
 from engines.reference.kv import kv_format
-from engines.reference.model import rope_cos_sin
+from engines.reference.model import MLP, Attention, DecoderLayer, Transformer, rope_cos_sin
 
 N_GRID = 20
 MAX_SHRINK = 0.5
@@ -49,7 +50,8 @@ def _quant_error_scales(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def search_scale(block, linears: list[nn.Linear], x: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def search_scale(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn.Linear], x: torch.Tensor,
+                 inp: torch.Tensor) -> torch.Tensor:
     """α grid search. x: block input; inp: the linears' shared input [N, ci]. Returns s [ci]."""
     x_mean = inp.abs().reshape(-1, inp.shape[-1]).float().mean(0)
     original = [lin.weight.data.clone() for lin in linears]
@@ -113,7 +115,8 @@ def apply_clip(lin: nn.Linear, max_val: torch.Tensor, group_size: int = GROUP_SI
 
 
 @torch.no_grad()
-def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[str, tuple]:
+def awq_quantize(model: Transformer, calibration: torch.Tensor,
+                 log: Callable[[str], None] = lambda *_: None) -> dict[str, tuple]:
     """Search AWQ scales and clips layer by layer on `calibration` token ids [N, T], then quantize
     every decoder linear to INT4 g128. Returns {param name: (q, zero, scale)} for checkpoints."""
     a = model.args
@@ -125,11 +128,11 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
     cos, sin = rope_cos_sin(model.inv_freq, pos, dtype)
     h = model.model.embed_tokens(calibration)
     packed: dict[str, tuple] = {}
-    for li, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+    for li, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
+        attn, mlp = layer.self_attn, cast(MLP, layer.mlp)  # a dense MLP: the engine refuses AWQ on a mixture (MOE_AWQ)
         cache = KVCache(1, N, T, a.n_kv_heads, a.head_dim, dtype, h.device, kv_format("auto", dtype))
 
-        def attn_block(x, attn=attn, cache=cache):
+        def attn_block(x: torch.Tensor, attn: Attention = attn, cache: KVCache = cache) -> torch.Tensor:
             return attn(x, cos, sin, 0, cache, slots, mask)
 
         # llm-awq: the next layer's input comes from this layer with its original weights
@@ -178,7 +181,7 @@ def awq_quantize(model, calibration: torch.Tensor, log=lambda *_: None) -> dict[
     return packed
 
 
-def _capture_input(lin: nn.Linear, run) -> torch.Tensor:
+def _capture_input(lin: nn.Linear, run: Callable[[], object]) -> torch.Tensor:
     seen: list[torch.Tensor] = []
     hook = lin.register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
     try:
@@ -188,7 +191,8 @@ def _capture_input(lin: nn.Linear, run) -> torch.Tensor:
     return seen[0]
 
 
-def save_awq_checkpoint(model, packed: dict[str, tuple], out, source_dir, group_size: int = GROUP_SIZE) -> None:
+def save_awq_checkpoint(model: Transformer, packed: dict[str, tuple], out: str | pathlib.Path,
+                        source_dir: str | pathlib.Path, group_size: int = GROUP_SIZE) -> None:
     """Write an HF directory whose decoder linears are in the AutoAWQ GEMM layout
     (`<name>.qweight`, `.qzeros`, `.scales`) with an AWQ quantization_config."""
     import json
@@ -231,7 +235,7 @@ def awq_cache_dir() -> pathlib.Path | None:
     return pathlib.Path(base) / "inference-canary" / "awq"
 
 
-def awq_cache_key(model_dir, calibration: torch.Tensor) -> str:
+def awq_cache_key(model_dir: str | pathlib.Path, calibration: torch.Tensor) -> str:
     """sha256 over what decides awq_quantize's result: the model's weight files and config (by
     content, not path), the calibration token ids [N, T], torch's version and the source of the
     code it runs (the reference model and the quantizers: an edit there is a new entry, so a
@@ -246,7 +250,7 @@ def awq_cache_key(model_dir, calibration: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def load_awq_cache(model, key: str, cache_dir: pathlib.Path | None) -> dict[str, tuple] | None:
+def load_awq_cache(model: Transformer, key: str, cache_dir: pathlib.Path | None) -> dict[str, tuple] | None:
     """The cached outcome of awq_quantize for `key`, loaded into `model` (its weights after
     folding and clipping); None on a miss. An unreadable entry is a miss (and is recomputed)."""
     if cache_dir is None:
@@ -263,7 +267,7 @@ def load_awq_cache(model, key: str, cache_dir: pathlib.Path | None) -> dict[str,
         return None
 
 
-def store_awq_cache(model, packed: dict[str, tuple], key: str, cache_dir: pathlib.Path | None) -> None:
+def store_awq_cache(model: Transformer, packed: dict[str, tuple], key: str, cache_dir: pathlib.Path | None) -> None:
     """Write the entry atomically (a temporary file renamed), so concurrent workers never read half
     of one. A cache that cannot be written costs only the next load's time."""
     if cache_dir is None:

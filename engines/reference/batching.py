@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from engines.reference.host import DecodeHost
 
 
-def unbatchable(engine) -> str | None:
+def unbatchable(engine: Any) -> str | None:  # any engine, probed by attribute (the reference engine's kv and fault)
     """None when `engine` can decode requests in a continuous batch, else why not."""
     if getattr(engine, "kv", None) is None or getattr(engine, "fault", None) is None:
         return "not the reference engine"

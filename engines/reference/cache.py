@@ -69,7 +69,7 @@ class KVCache:
         # read once here, never inside a decode step (a cache on the meta device, sized only, has none)
         self.left_padded = False if value.is_meta else bool(value.any())
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor,
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
         for a first pass over slots 0…T−1 with no padding (causal over the new tokens; Causal: the
@@ -103,7 +103,8 @@ class NoCache:
     def __init__(self, lengths: list[int] | None = None):
         self.lengths = lengths
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | int | None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         if self.lengths is None or len(self.lengths) == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)

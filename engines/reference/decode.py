@@ -29,7 +29,8 @@ Shapes: B batch, P prompt tokens, S cache slots, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from typing import cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -37,8 +38,11 @@ from engines.reference.attention import Causal, query_chunk
 from engines.reference.cache import KVCache
 from engines.reference.kv import KVFormat
 
+if TYPE_CHECKING:
+    from engines.reference.model import Transformer
 
-def _sdpa_backends(device: torch.device):
+
+def _sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """On CUDA, keep SDPA off the cuDNN backend: its per-call plan costs ~1.2 ms of host time
     (docs/reference.md §12); flash and memory-efficient attention take static shapes."""
     if device.type != "cuda":
@@ -51,7 +55,8 @@ def _sdpa_backends(device: torch.device):
 _failed_captures: dict[tuple, str] = {}  # (format, batch, device) → why the capture failed
 
 
-def capture_graph(fn, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_graph(fn: Callable[[], torch.Tensor], device: torch.device,
+                  pool: torch.cuda._POOL_HANDLE | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """fn() run twice on a side stream (Triton autotuning and lazily made buffers happen there),
     then captured as a CUDA graph → (the graph, fn's output tensor, rewritten by each replay).
     fn must write the same values each time it runs. Raises what the capture raised, with the
@@ -83,8 +88,9 @@ class Decoder:
     model: a fused engines.reference.model.Transformer; fmt: the KV format; slots: prompt width +
     new tokens. graphs: capture the decode step as a CUDA graph (default: on CUDA)."""
 
-    def __init__(self, model, fmt: KVFormat, batch: int, slots: int, device, dtype, graphs: bool | None = None,
-                 prefill_chunk: int | None = None, causal_prefill: bool | None = None, graph_pool=None):
+    def __init__(self, model: Transformer, fmt: KVFormat, batch: int, slots: int, device: str | torch.device,
+                 dtype: torch.dtype, graphs: bool | None = None, prefill_chunk: int | None = None,
+                 causal_prefill: bool | None = None, graph_pool: torch.cuda._POOL_HANDLE | None = None) -> None:
         a = model.args
         self.model, self.fmt, self.batch, self.slots = model, fmt, batch, slots
         self.prefill_chunk = prefill_chunk  # queries per masked prefill pass (default: attention.query_chunk)
@@ -249,7 +255,7 @@ class Decoder:
         return logits
 
     @contextlib.contextmanager
-    def prepared_step(self):
+    def prepared_step(self) -> Iterator[None]:
         """A decode step whose host-scheduled work the store did first (before_step, outside any
         graph; KIVI's codes), and whose attention may count on it (steps_prepared). Skipped under
         left padding, where decode steps take the torch path and read no codes. Prefill passes,

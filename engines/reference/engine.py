@@ -127,7 +127,7 @@ class ReferenceEngine:
         self.draft_model: Transformer | None = None
         self.proposer = self._proposer(spec)
 
-    def _proposer(self, spec: OptimizationSpec):
+    def _proposer(self, spec: OptimizationSpec) -> NgramProposer | DraftModelProposer | None:
         sp = spec.speculative
         if sp.method == "off":
             return None

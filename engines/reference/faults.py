@@ -159,14 +159,15 @@ class CorruptedKV(KVFormat):
     def graph_blocker(self) -> str | None:
         return f"kv_cache {self.name} with a kv-corrupt canary drill"
 
-    def calibrate(self, model) -> None:
+    def calibrate(self, model: Transformer) -> None:
         self.inner.calibrate(model)
         a = model.args
         gen = torch.Generator().manual_seed(self.fault.seed)
         self.noise = torch.randn(self.fault.layers, 2, a.n_kv_heads, a.max_seq_len, a.head_dim, generator=gen)
         self.noise[:, :, :, : self.fault.from_slot] = 0  # slots before from_slot stay clean
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.encode(k, v, seq_start, layer) if self.inner.lossy else (k, v)
 
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
@@ -185,7 +186,7 @@ class CorruptedStore(DequantizedStore):
             raise RuntimeError("kv-corrupt: calibrate(model) draws the noise table before a cache is made")
         self.noise = fmt.noise.to(device=k.device, dtype=torch.float32)
 
-    def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)  # [B, Hkv, T, D]
         if layer < self.fmt.fault.layers:
             sigma = self.fmt.fault.sigma

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +121,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv.float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # pos: [B, T] → cos, sin: [B, 1, T, D] (the two halves repeat, HF's rotate_half convention)
     freqs = pos.float()[..., None] * inv_freq.to(pos.device)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
@@ -145,7 +145,8 @@ class RopeTable:
         self.key: tuple | None = None
         self.cos = self.sin = torch.empty(0)
 
-    def lookup(self, inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype, context: int):
+    def lookup(self, inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
+               context: int) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, T] → cos, signed sin: [B, T, 1, D] (broadcast over the heads of a [B, T, heads, D] tensor)."""
         top = int(pos.max())
         key = (dtype, inv_freq.data_ptr())
@@ -178,6 +179,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class AttentionCache(Protocol):
+    """What attention reads the keys and values through, layer by layer (a type only): a KVCache,
+    NoCache, a row store of rows.py, layer_states' read-back."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -203,8 +212,8 @@ class Attention(nn.Module):
         self.qkv_proj = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, layer: int, cache, slots: torch.Tensor, mask: torch.Tensor | Causal | int | None,
-                swapped: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: AttentionCache,
+                slots: torch.Tensor, mask: torch.Tensor | Causal | int | None, swapped: bool = False) -> torch.Tensor:
         """swapped: cos and sin are RopeTable's ([B, T, 1, D], signed sin), applied before the
         heads move ahead of the tokens; else rope_cos_sin's ([B, 1, T, D]), applied after."""
         a = self.args
@@ -331,7 +340,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.rope_table = RopeTable()
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Transformer:
         # RoPE frequencies stay fp32 whatever dtype the weights are cast to: in fp16 they put
         # 0.3 rad of phase error on position 2K and 5 rad on 32K (bf16 ~8× worse)
         super()._apply(fn, recurse)
@@ -357,7 +366,7 @@ class Transformer(nn.Module):
             if isinstance(mod, nn.Linear) and mod.weight.is_contiguous() and mod.weight.dim() == 2:
                 mod.weight.data = mod.weight.data.t().contiguous().t()
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache,
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache: AttentionCache,
                 mask: torch.Tensor | Causal | int | None, last_only: bool = False,
                 hidden: bool = False) -> torch.Tensor:
         """ids, pos: [B, T] tokens and their RoPE positions; slots: [T] cache slots they fill;

@@ -25,12 +25,13 @@ Shapes: L layers, R rows, B active rows, Hkv key/value heads, S slots per row, D
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
-from engines.reference.attention import masked_gqa_attention
+from engines.reference.attention import Causal, masked_gqa_attention
 from engines.reference.cache import KVCache
 from engines.reference.decode import Decoder
 from engines.reference.speculative import causal_mask
@@ -38,6 +39,7 @@ from engines.reference.speculative_verify import StaticVerify
 
 if TYPE_CHECKING:
     from engines.reference.host import DecodeHost
+    from engines.reference.model import Transformer
 
 
 class WaveRows:
@@ -60,7 +62,8 @@ class WaveRows:
     def nbytes(self) -> int:
         return self.decoder.cache.nbytes() if self.decoder is not None else 0
 
-    def prefill_wave(self, prompts: list[list[int]], new_tokens: int, before_prefill) -> tuple[torch.Tensor, float]:
+    def prefill_wave(self, prompts: list[list[int]], new_tokens: int,
+                     before_prefill: Callable[[], None]) -> tuple[torch.Tensor, float]:
         """The wave's prompts (rows 0…B−1) prefilled together → (logits [B, V] of each row's last
         prompt token, when the clock started). The decoder is prepared (on CUDA its step captured)
         before the clock; before_prefill() runs after it (a canary drill's TTFT delay)."""
@@ -85,7 +88,7 @@ class WaveRows:
             self.lengths[b] = len(p)
         return logits, started
 
-    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def decode(self, model: Transformer, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """One token per row of `rows` (tokens [b, 1]) → logits [b, V]. Every row of the wave
         steps: one that has finished is fed its greedy pick from the last pass, and its logits are
         dropped (a finished row's input changes no other row's values, but a mixture of experts
@@ -140,19 +143,20 @@ class RowCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+    def prefill(self, model: Transformer, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
         """Row `row`'s prompt ids [1, T] → the last position's logits [1, V] (`width`, the row's
         prompt + new tokens, is grown into as the row decodes)."""
         pos = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, T]
         self.prefill_row(row, ids.shape[1])
         return model(ids, pos, pos[0], self, None, last_only=True)[:, -1]
 
-    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def decode(self, model: Transformer, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """One token per row of `rows` (tokens [B, 1]) → logits [B, V]."""
         pos = self.decode_rows(rows)  # [B, 1]
         return model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
 
-    def verify(self, model, tokens: torch.Tensor, rows: list[int], widths: list[int] | None = None) -> torch.Tensor:
+    def verify(self, model: Transformer, tokens: torch.Tensor, rows: list[int],
+               widths: list[int] | None = None) -> torch.Tensor:
         """T tokens per row of `rows` (tokens [B, T]: each row's last token and its drafts,
         padded; `widths`, each row's unpadded count, changes nothing here: a padded position is
         written past the row's length and overwritten later) → logits [B, T, V]. The rows'
@@ -225,7 +229,8 @@ class RowCache:
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         self._span = slice(rows[0], rows[0] + len(rows)) if consecutive else None
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D]. `slots` and `mask` are the forward's and unused:
         prefill_row / decode_rows / verify_rows set what this pass writes and reads."""
         if self._mode == "prefill":
@@ -267,7 +272,7 @@ class DecoderRows:
     def nbytes(self) -> int:
         return sum(d.cache.nbytes() for d in self.decoders if d is not None)
 
-    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+    def prefill(self, model: Transformer, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
         decoder = self.engine.decoder(1, width, graphs=False)  # its steps run inside the batch's forward
         decoder.prepare()
         logits = decoder.prefill(ids)
@@ -276,7 +281,7 @@ class DecoderRows:
         self.engine.usage.bytes(self.nbytes())  # every row's cache at once, not the largest row
         return logits
 
-    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def decode(self, model: Transformer, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         decoders = [cast(Decoder, self.decoders[r]) for r in rows]
         for d in decoders:
             if d.next_slot >= d.slots:
@@ -298,7 +303,8 @@ class DecoderRows:
         self.engine.decode_graphs = "off: continuous batching decodes each row's loop eagerly"
         return logits
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         """q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]: row b's new key and value written at its Decoder's
         slot and attended through its cache (the forward's `slots` and `mask` are unused)."""
         return torch.cat([d.cache.attend(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], d.slot, row_mask)
@@ -336,7 +342,7 @@ class SpeculativeRows:
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches if c is not None)
 
-    def prefill(self, model, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
+    def prefill(self, model: Transformer, row: int, ids: torch.Tensor, width: int) -> torch.Tensor:
         engine = self.engine
         cache = engine.new_cache(1, width)
         slots = torch.arange(ids.shape[1], device=ids.device)
@@ -356,11 +362,11 @@ class SpeculativeRows:
         engine.usage.bytes(self.nbytes())  # every row's cache at once, not the largest row
         return logits
 
-    def decode(self, model, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def decode(self, model: Transformer, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """A step in which no row drafted: one token per row → logits [B, V]."""
         return self.verify(model, tokens, rows, [1] * len(rows))[:, 0]
 
-    def verify(self, model, tokens: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
+    def verify(self, model: Transformer, tokens: torch.Tensor, rows: list[int], widths: list[int]) -> torch.Tensor:
         """tokens [B, T]: each row's last token and its widths[b] − 1 drafts, padded → logits
         [B, T, V] (a padded position's are not to be read). Lengths stay until `keep`."""
         at = [self.lengths[r] for r in rows]
@@ -380,7 +386,7 @@ class SpeculativeRows:
         self.engine.usage.bytes(self.nbytes())  # the kernels' code buffers are made on first use
         return logits
 
-    def _one_pass(self, model, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def _one_pass(self, model: Transformer, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """The one row's pass over tokens [T] written from slot `start` → logits [T, V]."""
         if self._static is not None:
             logits = self._static(tokens.tolist(), start)
@@ -394,7 +400,8 @@ class SpeculativeRows:
         mask = start + 1 if n == 1 else causal_mask(slots, start + n)
         return model(tokens[None], slots[None], slots, cache, mask)[0].float()
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D]: row b's first widths[b] tokens written at its
         slots and attended through its cache, causally (the forward's `slots` and `mask` are unused)."""
         out = q.new_zeros(q.shape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,8 +30,15 @@ from engines.protocol import (
 )
 from engines.reference.cache import NoCache
 
+if TYPE_CHECKING:
+    from engines.reference.engine import ReferenceEngine
 
-def windows(engine, requests: Sequence[RollingRequest]):
+Job = tuple[int, list[int], int, list[int]]  # (document index, input ids, scored count n, the n targets)
+Scores = dict[int, tuple[list[float], list[int], list[float]]]  # job → (log p of its targets, argmax, its log p)
+
+
+def windows(engine: ReferenceEngine,
+            requests: Sequence[RollingRequest]) -> tuple[list[Job], list[list[int]], list[tuple[tuple[int, int], ...]]]:
     """Each document's strided windows as (document index, input ids, scored count, targets),
     with the documents' token ids and character spans."""
     jobs, encoded, spans = [], [], []
@@ -49,7 +57,8 @@ def windows(engine, requests: Sequence[RollingRequest]):
     return jobs, encoded, spans
 
 
-def results(engine, requests, jobs, out, encoded, spans) -> list[RollingResult]:
+def results(engine: ReferenceEngine, requests: Sequence[RollingRequest], jobs: list[Job], out: Scores,
+            encoded: list[list[int]], spans: list[tuple[tuple[int, int], ...]]) -> list[RollingResult]:
     """Each document's result from its windows' scores, in the requests' order (a drill's prompt
     log-prob fault applied, engines/reference/faults.py); with each token's text and the greedy
     one's where a request asks for them."""
@@ -71,7 +80,7 @@ def results(engine, requests, jobs, out, encoded, spans) -> list[RollingResult]:
     ]
 
 
-def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
+def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, torch.Tensor] | None = None) -> Scores:
     """{job: (log p of its scored targets, argmax at each, the argmax's log p)}; with keep, also
     each job's log-softmax rows [n, V] on the CPU."""
     order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
@@ -112,7 +121,7 @@ def prefill_windows(engine, jobs, keep: dict[int, torch.Tensor] | None = None):
     return out
 
 
-def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int], list[float]]]:
+def decode_windows(engine: ReferenceEngine, jobs: list[Job]) -> Scores:
     """jobs as `windows` makes them → {job: (log p of its n targets, argmax token at each, its log p)}, each
     token teacher-forced through a decode step. Windows of a batch are
     right-padded: a row's padding comes after its last input, so no real position reads it."""
@@ -146,7 +155,8 @@ def decode_windows(engine, jobs: list) -> dict[int, tuple[list[float], list[int]
     return out
 
 
-def with_distributions(engine, requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, np.ndarray]]:
+def with_distributions(engine: ReferenceEngine,
+                       requests: Sequence[RollingRequest]) -> list[tuple[RollingResult, np.ndarray]]:
     """The rolling pass, and per document the log-softmax rows [T, V] its scored tokens were drawn from."""
     jobs, encoded, spans = windows(engine, requests)
     rows: dict[int, torch.Tensor] = {}

@@ -13,11 +13,16 @@ with q one-hot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.reference.cache import KVCache
+
+if TYPE_CHECKING:
+    from engines.reference.model import Transformer
 
 
 def causal_mask(slots: torch.Tensor, width: int) -> torch.Tensor:
@@ -66,7 +71,8 @@ class NgramProposer:
         """A proposer for another sequence: this one (it keeps no state)."""
         return self
 
-    def propose(self, seq: list[int], temperature: float, gen) -> tuple[list[int], list[torch.Tensor] | None]:
+    def propose(self, seq: list[int], temperature: float,
+                gen: torch.Generator) -> tuple[list[int], list[torch.Tensor] | None]:
         for n in range(min(self.n_max, len(seq) - 1), self.n_min - 1, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n - 1, -1, -1):  # most recent earlier occurrence first
@@ -81,7 +87,7 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    def __init__(self, model, k: int, new_cache):
+    def __init__(self, model: Transformer, k: int, new_cache: Callable[[int], KVCache]):
         self.model, self.k, self.new_cache = model, k, new_cache
 
     def fresh(self) -> DraftModelProposer:
@@ -105,7 +111,8 @@ class DraftModelProposer:
         logits = self.model(ids, slots[None], slots, self.cache, mask, last_only=True)
         return logits[0, -1].float()
 
-    def propose(self, seq: list[int], temperature: float, gen) -> tuple[list[int], list[torch.Tensor] | None]:
+    def propose(self, seq: list[int], temperature: float,
+                gen: torch.Generator) -> tuple[list[int], list[torch.Tensor] | None]:
         k = min(self.k, self.slots_total - len(seq))
         if k <= 0:
             return [], None

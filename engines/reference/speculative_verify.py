@@ -28,11 +28,12 @@ from engines.reference.speculative import (
 from engines.sampling import adjust, pick, sampling_probs, token_logprob
 
 if TYPE_CHECKING:
+    from engines.reference.cache import KVCache
     from engines.reference.host import DecodeHost
 
 
-def verify_drafts(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
-            gen: torch.Generator) -> tuple[list[int], int]:
+def verify_drafts(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor] | None, req: GenerationRequest,
+                  out: list[int], gen: torch.Generator) -> tuple[list[int], int]:
     """The tokens one verification pass yields (the accepted drafts, then a correction or a bonus
     token) and how many drafts it accepted. logits[i] predicts the token after drafts[:i]."""
     new: list[int] = []
@@ -79,8 +80,8 @@ class Verified:
     step: SpeculativeStats | None
 
 
-def accept(logits: torch.Tensor, drafts: list[int], qs, req: GenerationRequest, out: list[int],
-           gen: torch.Generator, counters: SpeculativeCounters, k: int, eos: int | None) -> Verified:
+def accept(logits: torch.Tensor, drafts: list[int], qs: list[torch.Tensor] | None, req: GenerationRequest,
+           out: list[int], gen: torch.Generator, counters: SpeculativeCounters, k: int, eos: int | None) -> Verified:
     """One request's verification: the acceptance rule (verify_drafts), the request's counters,
     and the cuts. Every row of the loop (batching.ContinuousBatch._speculate) takes each step through
     here. logits[i] predicts the token after drafts[:i]."""
@@ -106,7 +107,7 @@ class StaticVerify:
     padding would move their group boundaries. Captured once per request (its cache is the
     request's own); a failed capture is remembered by the engine and not tried again."""
 
-    def __init__(self, engine: DecodeHost, cache, k: int, graphs: bool):
+    def __init__(self, engine: DecodeHost, cache: KVCache, k: int, graphs: bool):
         device = engine.device
         self.engine, self.cache, self.width = engine, cache, k + 1
         self.tokens = torch.zeros(1, k + 1, dtype=torch.long, device=device)

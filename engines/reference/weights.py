@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from engines.quant import dequantize_groupwise, quantize_groupwise, quantized_bytes
 from engines.reference.model import DecoderLayer, Transformer, layer_linears
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 RTN_BITS = {"int8": 8, "rtn-int4": 4, "rtn-int3": 3, "rtn-int2": 2}
 
@@ -59,7 +62,8 @@ def checkpoint_quantized(model: Transformer, bits_per_weight: float) -> Quantize
     return out
 
 
-def calibration_ids(tokenizer, start_id: int, calibration: Sequence[str] | None, n: int, t: int) -> torch.Tensor:
+def calibration_ids(tokenizer: PreTrainedTokenizerBase, start_id: int, calibration: Sequence[str] | None, n: int,
+                    t: int) -> torch.Tensor:
     """[n', t] token ids for AWQ's search: up to n windows of t tokens, cut from the texts joined end
     to end (each after the start token); n' < n when the texts run out."""
     if not calibration:

@@ -16,7 +16,13 @@ import math
 import pathlib
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 
@@ -40,7 +46,7 @@ BATCH = 16
 MAX_POSITIONS = 1024
 
 
-def train_tokenizer(texts: list[str], out: pathlib.Path):
+def train_tokenizer(texts: list[str], out: pathlib.Path) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -60,10 +66,10 @@ def train_tokenizer(texts: list[str], out: pathlib.Path):
     return fast
 
 
-def _token_stream(tokenizer, texts: list[str]):
+def _token_stream(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> torch.Tensor:
     import torch
 
-    eos = tokenizer.convert_tokens_to_ids(EOS)
+    eos = cast(int, tokenizer.convert_tokens_to_ids(EOS))  # one token's id (the signature also takes a list)
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.append(eos)  # every document starts after an end-of-text marker, as at scoring time
@@ -71,7 +77,8 @@ def _token_stream(tokenizer, texts: list[str]):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_model(arch: Arch, stream, eos_id: int, out: pathlib.Path, steps: int | None = None, log=print):
+def train_model(arch: Arch, stream: torch.Tensor, eos_id: int, out: pathlib.Path, steps: int | None = None,
+                log: Callable[[str], None] = print) -> tuple[LlamaForCausalLM, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,7 +124,8 @@ def train_model(arch: Arch, stream, eos_id: int, out: pathlib.Path, steps: int |
     return model, time.time() - t0
 
 
-def heldout_perplexity(model, tokenizer, texts: list[str], window: int = SEQ_LEN) -> float:
+def heldout_perplexity(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, texts: list[str],
+                       window: int = SEQ_LEN) -> float:
     """Token perplexity over disjoint windows; each document is scored after an end-of-text token."""
     import torch
 
@@ -135,7 +143,8 @@ def heldout_perplexity(model, tokenizer, texts: list[str], window: int = SEQ_LEN
     return math.exp(nll / n)
 
 
-def build(out: pathlib.Path, steps: int | None = None, max_docs: int | None = None, log=print) -> dict:
+def build(out: pathlib.Path, steps: int | None = None, max_docs: int | None = None,
+          log: Callable[[str], None] = print) -> dict:
     import tokenizers
     import torch
     import transformers
@@ -152,7 +161,7 @@ def build(out: pathlib.Path, steps: int | None = None, max_docs: int | None = No
     t0 = time.time()
     tokenizer = train_tokenizer([d.text for d in train], out / TARGET.name)
     tokenizer.save_pretrained(out / DRAFT.name)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    eos_id = cast(int, tokenizer.convert_tokens_to_ids(EOS))  # one token's id (the signature also takes a list)
     stream = _token_stream(tokenizer, [d.text for d in train])
     log(f"tokenizer: {VOCAB_SIZE} tokens; train stream {len(stream)} tokens from {len(train)} documents")
     manifest: dict = {

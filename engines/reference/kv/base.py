@@ -3,10 +3,15 @@ slots) and DequantizedStore (dequantized values beside them)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engines.kernels import use_triton
 from engines.reference.attention import Causal, masked_gqa_attention
+
+if TYPE_CHECKING:
+    from engines.reference.model import Transformer
 
 FP16_BITS = 16
 
@@ -16,11 +21,13 @@ class KVFormat:
     lossy = True
     rotated = False  # stored values live in a rotated domain (TurboQuant): attention rotates q once
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [B, Hkv, S, D] raw → what the cache holds for them (same shapes)."""
         raise NotImplementedError
 
-    def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor, layer: int = 0):
+    def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache gives back for raw k, v [B, Hkv, S, D] to the token after them, in their
         own domain (a format that stores a rotated domain rotates back; one that keeps a recent
         window in full precision gives that window raw)."""
@@ -62,7 +69,7 @@ class KVFormat:
         or each slot's dequantized value), so its cache keeps no raw copy."""
         return not self.lossy or self.windowed
 
-    def calibrate(self, model) -> None:
+    def calibrate(self, model: Transformer) -> None:
         """Choices a format makes from the model's weights before use (fractional TurboQuant's outlier channels)."""
 
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
@@ -94,7 +101,7 @@ class KVStore:
         """Why a decode step over this store cannot be captured as a CUDA graph, or None."""
         return self.fmt.graph_blocker
 
-    def fill(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         """Store new slots k, v [B, Hkv, T, D] at `slots` [T] as attend would, without attending
         (decode.Decoder.fill_synthetic): nothing beyond the raw cache here."""
 
@@ -106,8 +113,8 @@ class KVStore:
         """Work a decode step at `slot` (known on the host) needs done first, outside a captured
         graph: nothing here (KIVI flushes whole key groups on the host's schedule)."""
 
-    def attend(self, layer: int, q, k, v, slots: torch.Tensor, mask: torch.Tensor | Causal, seq_start: torch.Tensor,
-               decode_step: bool) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
         mask: [B, 1, T, S] or Causal; seq_start: [B] first real slot per row; decode_step: one new token
         per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
@@ -158,22 +165,24 @@ class DequantizedStore(KVStore):
     def buffers(self) -> list[torch.Tensor]:
         return [self.kq, self.vq] if self.has_shadow else []
 
-    def write(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         kq_new, vq_new = self.fmt.encode(k, v, seq_start, layer)
         self.kq[layer].index_copy_(2, slots, kq_new)
         self.vq[layer].index_copy_(2, slots, vq_new)
 
-    def fill(self, layer: int, k, v, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         """Store new slots as attend does, without attending (a synthetic cache's fill)."""
         self.write(layer, k, v, slots, seq_start)
 
-    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
         self.write(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         return float_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], slots, mask, decode_step)
 
 
-def float_attention(q, keys, values, slots, mask, decode_step: bool) -> torch.Tensor:
+def float_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                    mask: torch.Tensor | Causal | None, decode_step: bool) -> torch.Tensor:
     """Attention over a cache held as floats (raw, or each slot's dequantized value): a decode
     step takes the grouped decode kernel where kernels run (on CUDA: 2 launches instead of
     masked SDPA's, which on H200 took 50 µs a layer at 1K and 1.3 ms at 32K:

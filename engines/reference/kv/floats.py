@@ -27,10 +27,11 @@ class FloatKV(KVFormat):
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[self.dtype]
         self.lossy = self.dtype not in (self.compute_dtype, self.weights_dtype)
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
 
-    def bits_per_element(self, head_dim):
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         bits = torch.finfo(self.dtype).bits
         return float(bits), float(bits)
 
@@ -40,14 +41,15 @@ class Fp8KV(KVFormat):
 
     name = "fp8"
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         f8 = torch.float8_e4m3fn
         return k.float().clamp(-448, 448).to(f8).to(k.dtype), v.float().clamp(-448, 448).to(f8).to(v.dtype)
 
-    def bits_per_element(self, head_dim):
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         return 8.0, 8.0
 
-    def new_store(self, k, v) -> KVStore:
+    def new_store(self, k: torch.Tensor, v: torch.Tensor) -> KVStore:
         return Fp8Store(self, k, v)
 
 
@@ -72,19 +74,20 @@ class Fp8Store(DequantizedStore):
     def shadow_at_start(self) -> bool:
         return not self.kernels
 
-    def dequantized(self, layer, S):
+    def dequantized(self, layer: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k8[layer, :, :, :S].to(self.k.dtype), self.v8[layer, :, :, :S].to(self.v.dtype)
 
-    def buffers(self):
+    def buffers(self) -> list[torch.Tensor]:
         return [self.k8, self.v8, *super().buffers()] if self.kernels else super().buffers()
 
-    def fill(self, layer, k, v, slots, seq_start):
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         if self.kernels:
             self._write_codes(layer, k, v, slots)
         if self.has_shadow:
             self.write(layer, k, v, slots, seq_start)
 
-    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
         self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         if self.kernels and decode_step:
@@ -99,7 +102,7 @@ class Fp8Store(DequantizedStore):
         self.ensure_shadow()
         return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
 
-    def _write_codes(self, layer: int, k, v, slots) -> None:
+    def _write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize-on-write of the new slots into k8, v8 (the cast kernel on CUDA, torch's cast elsewhere)."""
         from engines.kernels.fp8_kv import quantize_on_write, quantize_reference
 
@@ -122,9 +125,10 @@ class IntPerTokenKV(KVFormat):
     def __post_init__(self) -> None:
         self.name = f"int{self.bits}"
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return minmax_quant(k.float(), self.bits, -1).to(k.dtype), minmax_quant(v.float(), self.bits, -1).to(v.dtype)
 
-    def bits_per_element(self, head_dim):
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         b = self.bits + 2 * FP16_BITS / head_dim  # fp16 scale + zero per vector
         return b, b

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +36,14 @@ class KiviKV(KVFormat):
         through one causal flash pass, the near window in blocks (windowed_causal_attention)."""
         return True
 
-    def boundary_k(self, n):
+    def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
         return ((n - 1).clamp(min=0) // self.residual) * self.residual
 
-    def boundary_v(self, n):
+    def boundary_v(self, n: torch.Tensor) -> torch.Tensor:
         return (n - 1 - self.residual).clamp(min=0)
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         kq = k.clone()
         B, H, S, D = k.shape
         G = self.group
@@ -59,7 +61,8 @@ class KiviKV(KVFormat):
             vq = minmax_quant(v.float(), self.bits, -1).to(v.dtype)
         return kq, vq
 
-    def read_back(self, k, v, seq_start, layer=0):
+    def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """What the token after these S reads back: keys coded up to the last multiple of R
         (boundary_k), values up to R before the end (boundary_v); the rest full precision."""
         kq, vq = self.encode(k, v, seq_start, layer)
@@ -68,12 +71,12 @@ class KiviKV(KVFormat):
         kq[:, :, kb:], vq[:, :, vb:] = k[:, :, kb:], v[:, :, vb:]
         return kq, vq
 
-    def bits_per_element(self, head_dim):
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """Quantized part only; the full-precision window (up to R keys, R values) comes on top."""
         per_group = 2 * FP16_BITS / self.group  # scale + zero per G elements, on either axis
         return self.bits + per_group, self.bits + per_group
 
-    def new_store(self, k, v) -> KVStore:
+    def new_store(self, k: torch.Tensor, v: torch.Tensor) -> KVStore:
         return KiviStore(self, k, v)
 
 
@@ -88,7 +91,7 @@ class KiviStore(DequantizedStore):
 
     fmt: KiviKV
 
-    def __init__(self, fmt: KiviKV, k, v):
+    def __init__(self, fmt: KiviKV, k: torch.Tensor, v: torch.Tensor):
         super().__init__(fmt, k, v)
         self.packed: dict[str, torch.Tensor] = {}
         L = k.shape[0]
@@ -100,13 +103,14 @@ class KiviStore(DequantizedStore):
     def shadow_at_start(self) -> bool:
         return False  # and never made: a pass re-encodes the slots it reads from the raw cache
 
-    def buffers(self):
+    def buffers(self) -> list[torch.Tensor]:
         return list(self.packed.values())
 
-    def fill(self, layer, k, v, slots, seq_start):
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         """Nothing beyond the raw cache: codes are written as slots leave the window (before_step)."""
 
-    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
         if decode_step and kernels_fit(q):
             return self._kernel_attend(layer, q, slots)
         S = mask.shape[-1]
@@ -193,7 +197,7 @@ class KiviStore(DequantizedStore):
                            "vz": z(S_max, D // GROUP)}
         return self.packed
 
-    def _kernel_attend(self, layer: int, q, slots):
+    def _kernel_attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The two-tier kernel over the codes written as slots left the full-precision window.
         With steps_prepared (decode.Decoder calls before_step) nothing here reads the host: the
         lengths and boundaries come from `slots` on the device, so the step can be captured."""
@@ -211,7 +215,8 @@ class KiviStore(DequantizedStore):
         return out[:, :, None].to(q.dtype)
 
 
-def _compressed_mask(slots: torch.Tensor, S: int, seq_start: torch.Tensor, boundary) -> torch.Tensor:
+def _compressed_mask(slots: torch.Tensor, S: int, seq_start: torch.Tensor,
+                     boundary: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     # [B, 1, T, S]: query at slot t (sequence length n = t − start + 1) reads j compressed
     # iff (j − start) < boundary(n).
     start = seq_start[:, None, None]  # [B, 1, 1]

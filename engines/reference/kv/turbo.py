@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from engines.quant import qjl_residual, rotation_on, turbo_mse, turbo_mse_rotated
 from engines.reference.attention import Causal, rotated_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
+
+if TYPE_CHECKING:
+    from engines.reference.model import DecoderLayer, Transformer
 
 
 # -- TurboQuant (codebooks and rotation: engines/quant/turbo.py) ----------------------------------
@@ -38,13 +43,13 @@ class TurboKV(KVFormat):
             return f"kv_cache {self.name}: per-channel selection has data-dependent shapes"
         return None
 
-    def calibrate(self, model) -> None:
+    def calibrate(self, model: Transformer) -> None:
         """Outlier channels per layer and head from the weights (data-free, order-free)."""
         if not self.fractional:
             return
         a = model.args
         D, Hkv = a.head_dim, a.n_kv_heads
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
             k_norm = getattr(layer.self_attn, "k_norm", None)
             if k_norm is not None:  # Qwen3: each head's key is normalised, then scaled by k_norm's weight
                 wk = k_norm.weight.detach().float().pow(2)[None].expand(Hkv, D)
@@ -76,17 +81,19 @@ class TurboKV(KVFormat):
             out[:, h][..., ~m] = turbo_mse(x[:, h][..., ~m], lo_bits, self.seed + 2)
         return out
 
-    def rotation(self, d: int, device) -> torch.Tensor:
+    def rotation(self, d: int, device: str | torch.device) -> torch.Tensor:
         return rotation_on(d, self.seed, device)
 
-    def read_back(self, k, v, seq_start, layer=0):
+    def read_back(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         kq, vq = self.encode(k, v, seq_start, layer)
         if not self.rotated:
             return kq, vq
         rot = self.rotation(k.shape[-1], k.device)  # stored Π·x (x @ Πᵀ): back by x = y @ Π
         return (kq.float() @ rot).to(k.dtype), (vq.float() @ rot).to(v.dtype)
 
-    def encode(self, k, v, seq_start, layer=0):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, seq_start: torch.Tensor,
+               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotated:  # stored in the rotated domain: codes × norms (Π·k̂, Π·v̂)
             return (turbo_mse_rotated(k, int(self.bits), self.seed).to(k.dtype),
                     turbo_mse_rotated(v, int(self.bits), self.seed).to(v.dtype))
@@ -97,14 +104,14 @@ class TurboKV(KVFormat):
             kq = self._mse(k, layer, "k", self.bits)
         return kq.to(k.dtype), self._mse(v, layer, "v", self.bits).to(v.dtype)
 
-    def new_store(self, k, v) -> KVStore:
+    def new_store(self, k: torch.Tensor, v: torch.Tensor) -> KVStore:
         return RotatedTurboStore(self, k, v) if self.rotated else DequantizedStore(self, k, v)
 
     def code_bits(self, bits: float) -> float:
         # fractional: D/4 channels at ⌈b⌉, 3D/4 at ⌊b⌋ → ⌊b⌋ + 1/4 code bits per element
         return math.floor(bits) + 0.25 if bits != int(bits) else float(bits)
 
-    def bits_per_element(self, head_dim):
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """Exact, norms included. The nominal width (2.5, 3.5) is the total at head_dim 128
         (docs/reference.md §2: 32 channels at 3 bits + 96 at 2, plus two fp16 norms = 2.5); with a
         smaller head_dim the norms cost more per element."""
@@ -142,23 +149,24 @@ class RotatedTurboStore(DequantizedStore):
     def shadow_at_start(self) -> bool:
         return not self.kernels
 
-    def dequantized(self, layer, S):
+    def dequantized(self, layer: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         from engines.kernels.turbo_kv import dequantize_rotated
 
         bits, c, n = int(self.fmt.bits), self.codes[:, layer, :, :, :S], self.norms[:, layer, :, :, :S]
         return (dequantize_rotated(c[0], n[0], bits).to(self.k.dtype),
                 dequantize_rotated(c[1], n[1], bits).to(self.v.dtype))
 
-    def buffers(self):
+    def buffers(self) -> list[torch.Tensor]:
         return [self.codes, self.norms, *super().buffers()] if self.kernels else super().buffers()
 
-    def fill(self, layer, k, v, slots, seq_start):
+    def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         if self.kernels:
             self._write_codes(layer, k, v, slots)  # the shadow too, once made (the write kernel's DEQUANT)
         else:
             self.write(layer, k, v, slots, seq_start)
 
-    def attend(self, layer, q, k, v, slots, mask, seq_start, decode_step):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
         self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         if self.kernels and decode_step:
@@ -176,7 +184,7 @@ class RotatedTurboStore(DequantizedStore):
         rotation = self.fmt.rotation(q.shape[-1], q.device)
         return rotated_attention(q, kq, vq, rotation.to(q.dtype), mask)
 
-    def _write_codes(self, layer: int, k, v, slots) -> None:
+    def _write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize-on-write of the new slots by the Triton kernel: codes and norms, and the
         rotated-domain values into the shadow once it exists (DEQUANT on only then)."""
         from engines.kernels.turbo_kv import write_slots
