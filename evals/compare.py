@@ -38,16 +38,8 @@ from evals.health import NEAR_TIE_NATS, divergence
 from evals.perplexity import ppl_ratio
 from evals.positions import answer_totals, bucket_label
 from evals.records import DocRecord, FaithfulnessRecord, GenerationRecord, PairwiseRecord, RubricRecord
-from evals.stats import (
-    TOO_FEW,
-    Comparison,
-    Thresholds,
-    Verdict,
-    decide,
-    paired_bootstrap_ci,
-    paired_mean_difference,
-    wilson_interval,
-)
+from evals.stats import TOO_FEW, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference, wilson_interval
+from vocabulary.comparison import Comparison, Verdict
 
 __all__ = [
     "acceptance_comparison",

@@ -27,7 +27,8 @@ from evals.field import (
 from evals.health import NEAR_TIE_NATS
 from evals.perplexity import DocNLL, token_mismatch
 from evals.records import ConfigRecords, GenerationRecord
-from evals.stats import Comparison, Thresholds
+from evals.stats import Thresholds
+from vocabulary.comparison import Comparison
 from vocabulary.figures import RunFigures
 from vocabulary.metrics import METRICS
 

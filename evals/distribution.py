@@ -40,7 +40,7 @@ from evals.records import DocDistribution, DocTopK
 from evals.stats import wilson_interval
 
 if TYPE_CHECKING:
-    from evals.stats import Comparison
+    from vocabulary.comparison import Comparison
 
 # the percentiles llama-perplexity prints for KLD, and for Δp, besides the maximum and minimum
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)

@@ -26,7 +26,8 @@ import numpy as np
 
 from evals.health import NEAR_TIE_NATS, Scored, divergence, is_degenerate, is_empty
 from evals.records import GenerationRecord
-from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
+from evals.stats import Thresholds, decide, paired_bootstrap_ci, paired_mean_difference
+from vocabulary.comparison import Comparison
 
 EXAMPLE_CHARS = 120  # of an example answer shown in a verdict's reason
 # an answer stops early when it ends of its own accord (finish_reason stop) with fewer than this

@@ -24,7 +24,8 @@ import numpy as np
 
 from evals.health import NEAR_TIE_NATS
 from evals.records import ItemRecord
-from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci, wilson_interval
+from evals.stats import Thresholds, decide, paired_bootstrap_ci, wilson_interval
+from vocabulary.comparison import Comparison
 
 
 def mcnemar_exact_p(right_to_wrong: int, wrong_to_right: int) -> float:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.protocol import RollingResult
-from evals.stats import Comparison, Thresholds, decide, paired_bootstrap_ci
+from evals.stats import Thresholds, decide, paired_bootstrap_ci
+from vocabulary.comparison import Comparison
 
 PPL_RATIO_THRESHOLDS = Thresholds.seed("ppl_ratio")
 

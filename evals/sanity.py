@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from evals.records import DocRecord, GenerationRecord
-from evals.stats import Comparison
+from vocabulary.comparison import Comparison
 from vocabulary.metrics import get_metric
 
 MEASUREMENT_ERROR = "measurement_error"

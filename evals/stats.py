@@ -27,8 +27,7 @@ from typing import Literal
 
 import numpy as np
 
-from vocabulary.comparison import Comparison as Comparison  # re-exported: vocabulary.comparison holds it, numpy-free
-from vocabulary.comparison import Verdict as Verdict
+from vocabulary.comparison import Verdict
 
 TOO_FEW = "too few samples to decide"  # the rule of an inconclusive comparison below min_n (run reasons group them)
 

@@ -26,7 +26,8 @@ from evals import compare_targets
 from evals.compare_targets import CompareContext
 from evals.health import NEAR_TIE_NATS
 from evals.records import RunRecords
-from evals.stats import TOO_FEW, Comparison, Thresholds
+from evals.stats import TOO_FEW, Thresholds
+from vocabulary.comparison import Comparison
 from vocabulary.figures import RunFigures
 from vocabulary.metrics import RUN_VERDICT, VERDICT_ORDER, Direction, informational, worst_verdict
 from vocabulary.suite import SuiteSpec

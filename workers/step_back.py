@@ -34,8 +34,8 @@ from engines.spec import (
     lossless_against,
     single_axis_ablation,
 )
-from evals.stats import Comparison
 from evals.step_back import LOSS_METRICS, Layer, StepBack
+from vocabulary.comparison import Comparison
 from vocabulary.metrics import VERDICT_ORDER
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ from sqlalchemy.orm import Session
 from app import repo
 from app.models import Run, Suite, utcnow
 from app.settings import get_settings
-from evals.stats import TOO_FEW, Comparison
+from evals.stats import TOO_FEW
+from vocabulary.comparison import Comparison
 from vocabulary.metrics import counted_by, grows_with_samples, informational, rule_samples
 from vocabulary.suite import TOP_UP_FACTOR
 from workers import step_back

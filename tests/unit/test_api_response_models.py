@@ -10,7 +10,7 @@ import dataclasses
 from app.api.main import app
 from app.schemas import ComparisonOut, FiguresOut
 from engines.protocol import SpeculativeStats
-from evals.stats import Comparison
+from vocabulary.comparison import Comparison
 from vocabulary.figures import RunFigures, ServerFigures, SpeculativeFigures
 
 

@@ -10,7 +10,8 @@ from app.alerting import AlertState, evaluate
 from engines.protocol import SpeculativeStats
 from evals import sanity
 from evals.records import DocRecord, GenerationRecord
-from evals.stats import Comparison, Thresholds
+from evals.stats import Thresholds
+from vocabulary.comparison import Comparison
 from vocabulary.metrics import RUN_VERDICT, worst_verdict
 
 
