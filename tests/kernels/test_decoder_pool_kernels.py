@@ -16,6 +16,8 @@ TARGET = str(resolve_model_path("builtin:pydoc-target"))
 NO_EOS = ((0, -100.0),)
 
 
+# tens of seconds on the Triton interpreter: the full tier (tests/conftest.py)
+@pytest.mark.integration
 # on the interpreter only KIVI (its coded counts are the state a reuse could leave behind); on CUDA both
 @pytest.mark.parametrize("kv", ["kivi-2", pytest.param("turbo-3", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="minutes on the Triton interpreter; the CPU test covers its torch path"))])

@@ -95,6 +95,7 @@ def test_before_step_writes_the_boundaries_kivi_reads_at_that_length(monkeypatch
     assert (cache.store.packed_k[0], cache.store.packed_v[0]) == (keys, values)
 
 
+@pytest.mark.integration  # tens of seconds on the Triton interpreter: the full tier (tests/conftest.py)
 def test_a_one_token_prefill_chunk_codes_what_it_reads(monkeypatch, device):
     # a chunked prefill one query at a time (each chunk reads like a decode step) past the first
     # key group: outside a decode step nothing is prepared, so the store codes inline. The chunked
@@ -114,6 +115,7 @@ def test_a_one_token_prefill_chunk_codes_what_it_reads(monkeypatch, device):
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.integration  # tens of seconds on the Triton interpreter: the full tier (tests/conftest.py)
 def test_a_second_prefill_starts_the_codes_afresh(monkeypatch, device):
     monkeypatch.setenv("CANARY_KERNELS", "triton")
     d = Decoder(small_model(device), kv_format("kivi-2", torch.float32), 1, P + STEPS, device, torch.float32,
