@@ -63,6 +63,13 @@ DEMO_CONFIG: dict[str, Any] = {
     # configs: a tiny model barely notices int4). Printed with the results.
     "thresholds": {"ppl_ratio": {"warn": 1.01, "critical": 1.03}},
 }
+# Generation as a server has it: the reference engine decodes DEMO_CONCURRENCY requests together
+# (engine_options.concurrency), the baseline's paired pass beside each candidate too. A speculative
+# config decodes one request at a time, so its prompts, and the baseline's beside them, go one by one.
+DEMO_CONCURRENCY = 4
+for _config in DEMO_CONFIG["configs"]:
+    if "speculative" not in _config:
+        _config["engine_options"] = {**_config.get("engine_options", {}), "concurrency": DEMO_CONCURRENCY}
 
 
 # How long the demo's run may take with its top-ups (`canary demo --top-up-budget`): the demo's time
