@@ -10,9 +10,11 @@ demo is timed in the same run, alternating with this one's (ours cold, peer cold
 warm, each side in its own HOME), and the two runs' quality comparisons are compared: the
 perplexity ratios must agree to 1e-4 (thread counts move float sums by about 1e-6), and every
 other comparison they share that differs is listed (a greedy answer can flip at a near-tie when
-the thread count changes).
+the thread count changes). Both sides run under the same CANARY_TOP_UP_BUDGET_S (--top-up-budget,
+default 120 s, the demo's own default since it has one), so a peer from before the demo's budget
+tops up by the same rule.
 
-    python benchmarks/demo.py [--repeats 1] [--samples 100] [--peer DIR]
+    python benchmarks/demo.py [--repeats 1] [--samples 100] [--peer DIR] [--top-up-budget 120]
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="cold + warm pairs, each in a fresh HOME (default 1)")
     p.add_argument("--samples", type=int, default=100, help="documents per config, as `make demo` (default 100)")
     p.add_argument("--peer", type=Path, help="a checkout of another commit, timed in the same run")
+    p.add_argument("--top-up-budget", type=float, default=120.0,
+                   help="CANARY_TOP_UP_BUDGET_S for both sides (default 120, the demo's own)")
     args = p.parse_args()
+    budget = {"CANARY_TOP_UP_BUDGET_S": str(args.top_up_budget)}
     sides = {"ours": ROOT, **({"peer": args.peer.resolve()} if args.peer else {})}
     cold: dict[str, list] = {side: [] for side in sides}
     warm: dict[str, list] = {side: [] for side in sides}
@@ -94,15 +99,16 @@ def main() -> None:
             for home in homes.values():
                 home.mkdir()
             for side, root in sides.items():
-                cold[side].append(one(homes[side], Path(tmp), args.samples, root))
+                cold[side].append(one(homes[side], Path(tmp), args.samples, root, **budget))
             for side, root in sides.items():
-                warm[side].append(one(homes[side], Path(tmp), args.samples, root))
+                warm[side].append(one(homes[side], Path(tmp), args.samples, root, **budget))
     load = os.getloadavg()
     out = {"benchmark": "demo", "samples": args.samples, "repeats": args.repeats, "configs": cold["ours"][0]["configs"],
            "cold_s": [r["seconds"] for r in cold["ours"]], "warm_s": [r["seconds"] for r in warm["ours"]],
            "status": warm["ours"][0]["status"], "cold_config_run_s": cold["ours"][0]["config_run_s"],
            "warm_config_run_s": warm["ours"][0]["config_run_s"], "cpu_count": os.cpu_count(),
-           "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S}
+           "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S, "top_up_budget_s": args.top_up_budget,
+           "samples_drawn": warm["ours"][0]["samples_drawn"]}
     if args.peer:
         commit = subprocess.run(["git", "-C", str(args.peer), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=False).stdout.strip() or "unknown"
