@@ -20,7 +20,7 @@ from app.settings import Settings, get_settings
 from engines.fingerprint import weights_digest
 from engines.protocol import WindowSpec
 from evals.run_stats import RunStats, percentile
-from vocabulary.figures import MIXED, RunFigures
+from vocabulary.figures import RunFigures
 from workers import baseline_reuse, engine_cache
 from workers.base import BaseTask
 from workers.engine_cache import reset_engine_cache
@@ -28,6 +28,7 @@ from workers.generation import concurrency
 from workers.job import Job, load_job, loadable_model, served_model_tokenizer
 from workers.lease import Attempt, LeaseKeeper, LostLease, claim
 from workers.producers import Work, producers_for
+from workers.top_up import with_earlier
 
 log = logging.getLogger(__name__)
 
@@ -193,28 +194,6 @@ class ExecuteConfigRun(BaseTask):
         self.transaction(write, f"write results of config-run {attempt.config_run_id}")
 
 
-PEAKS = ("kv_cache_usage", "peak_kv_cache_bytes", "peak_device_bytes")  # the larger of two passes'
-
-
-def with_earlier(figures: dict[str, Any], earlier: dict[str, Any], documents: bool) -> dict[str, Any]:
-    """A top-up pass's figures over its config's earlier passes' (workers/top_up.py): what this pass
-    did not measure (None: a serving figure of a pass that generated nothing, the documents'
-    figures of one that scored none) stays the earlier pass's; a peak is the larger of the two; the
-    documents' count and perplexity are the earlier ones when this pass scored no document (the
-    documents producer counts its earlier rows itself when it ran)."""
-    merged = dict(figures)
-    if earlier.get("config_digest") not in (None, figures.get("config_digest")):
-        merged["config_digest"] = MIXED  # the config was edited between passes: its samples measured two definitions
-    for name, value in earlier.items():
-        if name in ("pass_scorers", "config_digest") or name not in merged:
-            continue
-        if name in PEAKS and value is not None and merged[name] is not None:
-            merged[name] = max(merged[name], value)
-        elif merged[name] is None or (not documents and name in ("token_ppl", "n_documents", "n_tokens")):
-            merged[name] = value
-    return merged
-
-
 execute_config_run = ExecuteConfigRun()
 
-__all__ = ["execute_config_run", "percentile", "reset_engine_cache", "with_earlier"]
+__all__ = ["execute_config_run", "percentile", "reset_engine_cache"]

@@ -38,7 +38,7 @@ import logging
 import math
 import random
 from datetime import datetime, timezone
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -47,6 +47,7 @@ from app.models import Run, Suite, utcnow
 from app.settings import get_settings
 from evals.stats import TOO_FEW
 from vocabulary.comparison import Comparison
+from vocabulary.figures import MIXED
 from vocabulary.metrics import counted_by, grows_with_samples, informational, rule_samples
 from vocabulary.suite import TOP_UP_FACTOR
 from workers import step_back
@@ -220,3 +221,25 @@ def reason(run: Run, suite: Suite | None) -> str:
     settings = suite.settings if suite is not None else None
     limit = f"max_samples {settings.max_samples}" if settings is not None and settings.max_samples else "by default"
     return f"; topped up from {run.n_samples} to {drawn} samples ({limit}) after an inconclusive pass"
+
+
+PEAKS = ("kv_cache_usage", "peak_kv_cache_bytes", "peak_device_bytes")  # the larger of two passes'
+
+
+def with_earlier(figures: dict[str, Any], earlier: dict[str, Any], documents: bool) -> dict[str, Any]:
+    """A top-up pass's figures over its config's earlier passes' (workers/top_up.py): what this pass
+    did not measure (None: a serving figure of a pass that generated nothing, the documents'
+    figures of one that scored none) stays the earlier pass's; a peak is the larger of the two; the
+    documents' count and perplexity are the earlier ones when this pass scored no document (the
+    documents producer counts its earlier rows itself when it ran)."""
+    merged = dict(figures)
+    if earlier.get("config_digest") not in (None, figures.get("config_digest")):
+        merged["config_digest"] = MIXED  # the config was edited between passes: its samples measured two definitions
+    for name, value in earlier.items():
+        if name in ("pass_scorers", "config_digest") or name not in merged:
+            continue
+        if name in PEAKS and value is not None and merged[name] is not None:
+            merged[name] = max(merged[name], value)
+        elif merged[name] is None or (not documents and name in ("token_ppl", "n_documents", "n_tokens")):
+            merged[name] = value
+    return merged

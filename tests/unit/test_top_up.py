@@ -152,7 +152,7 @@ def test_a_top_up_pass_runs_only_the_producers_of_what_is_undecided(sqlite_env, 
 def test_a_top_up_pass_keeps_what_it_did_not_measure_by_hand():
     """A pass that scored no document and generated nothing: its None figures and the documents'
     count and perplexity are the earlier pass's; a peak is the larger; pass_scorers goes."""
-    from workers.execute import with_earlier
+    from workers.top_up import with_earlier
 
     earlier = {"tokens_per_second": 50.0, "kv_cache_usage": 0.4, "token_ppl": 3.0, "n_documents": 6,
                "n_tokens": 100, "concurrency": 4, "pass_scorers": ["perplexity"]}
