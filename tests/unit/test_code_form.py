@@ -29,8 +29,8 @@ def test_ruff_finds_nothing():
 
 def test_mypy_finds_nothing():
     # The files (pyproject.toml [tool.mypy] files) are engines, vocabulary, evals, workers, app and dashboard.
-    # The cache is mypy's own (.mypy_cache in the checkout), the one `make check` fills: .ci/run runs
-    # `make test-fast` (`make check` first) before this, so here it is warm (seconds; minutes cold on a
+    # The cache is mypy's own (.mypy_cache in the checkout), the one `make check` fills: `make test`
+    # runs `make check` before any test, so here it is warm (seconds; minutes cold on a
     # busy 2-core machine). mypy checks every entry against the sources, so a stale one cannot hide an error.
     r = _run("mypy", timeout=900)
     assert r.returncode == 0, f"mypy ({' '.join(CODE)}):\n{r.stdout}{r.stderr}"
