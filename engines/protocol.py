@@ -290,6 +290,26 @@ class ScoresDecode(Protocol):
     def loglikelihood_decode(self, requests: Sequence[RollingRequest]) -> list[RollingResult]: ...
 
 
+@dataclass(frozen=True)
+class ChoiceRequest:
+    """A multiple-choice item for loglikelihood_choices: the choices' texts follow the prompt's."""
+
+    item_id: str
+    prompt: str
+    choices: tuple[str, ...]
+    window: WindowSpec = WindowSpec()
+
+
+@runtime_checkable
+class ScoresChoices(Protocol):
+    """Each choice's Σ log p after its prompt, the prompt's tokens computed once for all its choices
+    (in-process engines): the same tokens and contexts as the rolling pass over prompt + choice
+    (vocabulary/labelled.py continuation_loglikelihood), about a quarter of its tokens at four
+    choices. None for an item it cannot score so (the caller scores prompt + choice rolling)."""
+
+    def loglikelihood_choices(self, requests: Sequence[ChoiceRequest]) -> list[tuple[float, ...] | None]: ...
+
+
 @runtime_checkable
 class GivesDistributions(Protocol):
     """Each scored token's whole next-token distribution (in-process engines: kld_mean against the

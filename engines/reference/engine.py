@@ -11,6 +11,7 @@ import torch
 
 from engines.device import resolve_device
 from engines.protocol import (
+    ChoiceRequest,
     EngineDescription,
     GenerationRequest,
     GenerationResult,
@@ -221,6 +222,11 @@ class ReferenceEngine:
         """Each document's tokens in strided windows, a window per prefill (engines/reference/scoring.py)."""
         jobs, encoded, spans = scoring.windows(self, requests)
         return scoring.results(self, requests, jobs, scoring.prefill_windows(self, jobs), encoded, spans)
+
+    def loglikelihood_choices(self, requests: Sequence[ChoiceRequest]) -> list[tuple[float, ...] | None]:
+        """Multiple-choice items, each prompt's tokens computed once for its choices (engines/reference/scoring.py
+        `choices`; engines/protocol.py ScoresChoices)."""
+        return scoring.choices(self, requests)
 
     @property
     def scores_decode(self) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engines.protocol import (
+    ChoiceRequest,
     RollingRequest,
     RollingResult,
     count_words,
@@ -166,3 +167,88 @@ def with_distributions(engine: ReferenceEngine,
         per_doc[job[0]].append(rows[j])
     return [(r, np.concatenate([x.float().numpy() for x in doc]) if doc else np.zeros((0, engine.args.vocab_size)))
             for r, doc in zip(found, per_doc, strict=True)]
+
+
+Tree = tuple[int, list[list[int]], int, list[tuple[tuple[int, int], ...]]]  # (request, each choice's ids, p, spans)
+
+
+def choice_trees(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[Tree]:
+    """Each item whose choices can share its prompt's pass: (its index, each choice's ids with the
+    start token first, the inputs all choices share, p, each choice's character spans). An item is
+    left out (scored rolling by the caller) where the tokenizer gives no spans, where prompt + a
+    choice would not fit one window of the rolling pass (its scores would come from another
+    context), or where the tree would not fit the model's context."""
+    trees = []
+    for i, req in enumerate(requests):
+        encoded = [tokenize_with_spans(engine.tokenizer, req.prompt + choice) for choice in req.choices]
+        seqs = [[engine.start_id] + ids for ids, _ in encoded]
+        if not req.choices or any(not spans or not ids for ids, spans in encoded):
+            continue
+        if max(len(seq) - 1 for seq in seqs) > min(req.window.max_length, engine.args.max_seq_len):
+            continue
+        inputs = [seq[:-1] for seq in seqs]  # choice j's targets seq[1:] are read at its inputs seq[:-1]
+        p = 0
+        while p < min(map(len, inputs)) and all(x[p] == inputs[0][p] for x in inputs):
+            p += 1
+        if p + sum(len(x) - p for x in inputs) > engine.args.max_seq_len:
+            continue
+        trees.append((i, seqs, p, [spans for _, spans in encoded]))
+    return trees
+
+
+@torch.inference_mode()
+def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[tuple[float, ...] | None]:
+    """Each item's choices scored over one pass of its prompt: a row holds the inputs its choices
+    share (the start token and the prompt's tokens, positions 0…p−1), then each choice's own
+    inputs at positions p…, each attending the shared ones and its own earlier ones (a tree mask).
+    Choice j's log p of its k-th token is read where the rolling pass over prompt + choice reads
+    it (the same token ids, positions and context; a drill's prompt log-prob fault applied to the
+    choice's whole list, as there), and its score sums the tokens past the prompt's characters.
+    None where choice_trees leaves an item out, and for every item under a KV format that reads a
+    slot raw or compressed by its place in the cache (KIVI's window: the tree's slots are not the
+    positions)."""
+    out: list[tuple[float, ...] | None] = [None] * len(requests)
+    if engine.kv.windowed:
+        return out
+    trees = sorted(choice_trees(engine, requests), key=lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1]))
+    for s in range(0, len(trees), engine.batch_size):
+        batch = trees[s : s + engine.batch_size]
+        layouts = []  # per tree: the slot of each choice's first own input
+        width = 0
+        for _, seqs, p, _ in batch:
+            starts, at = [], p
+            for seq in seqs:
+                starts.append(at)
+                at += len(seq) - 1 - p
+            layouts.append(starts)
+            width = max(width, at)
+        B = len(batch)
+        x = torch.full((B, width), engine.start_id, dtype=torch.long)
+        pos = torch.zeros(B, width, dtype=torch.long)
+        mask = torch.eye(width, dtype=torch.bool).repeat(B, 1, 1, 1)  # [B, 1, W, W]; a padding slot sees itself
+        for b, ((_, seqs, p, _), starts) in enumerate(zip(batch, layouts, strict=True)):
+            x[b, :p] = torch.tensor(seqs[0][:p])
+            pos[b, :p] = torch.arange(p)
+            mask[b, 0, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+            for seq, start in zip(seqs, starts, strict=True):
+                m = len(seq) - 1 - p
+                x[b, start : start + m] = torch.tensor(seq[p:-1], dtype=torch.long)
+                pos[b, start : start + m] = torch.arange(p, p + m)
+                mask[b, 0, start : start + m, :p] = True
+                mask[b, 0, start : start + m, start : start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        slots = torch.arange(width, device=engine.device)
+        cache = engine.new_cache(B, width)
+        h = engine.model(x.to(engine.device), pos.to(engine.device), slots, cache, mask.to(engine.device), hidden=True)
+        engine.usage.cache(cache)  # memory, not kv_cache_usage: an item is not a request a server holds
+        for b, ((i, seqs, p, spans), starts) in enumerate(zip(batch, layouts, strict=True)):
+            prompt_chars = len(requests[i].prompt)
+            scores = []
+            for seq, start, span in zip(seqs, starts, spans, strict=True):
+                # the input slot each target seq[k + 1] is read at: a shared one, then the choice's own
+                rows = [k if k < p else start + k - p for k in range(len(seq) - 1)]
+                logits = engine.model.lm_head(h[b, rows]).float()
+                picked = logits.gather(-1, torch.tensor(seq[1:], device=engine.device)[:, None]).squeeze(-1)
+                logprobs = engine.fault.prompt_logprobs((picked - torch.logsumexp(logits, -1)).tolist())
+                scores.append(float(sum(lp for lp, (_, end) in zip(logprobs, span, strict=True) if end > prompt_chars)))
+            out[i] = tuple(scores)
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engines.protocol import Engine, GenerationRequest, RollingRequest, WindowSpec
+from engines.protocol import ChoiceRequest, Engine, GenerationRequest, RollingRequest, ScoresChoices, WindowSpec
 from evals.records import ItemRecord
 from vocabulary.labelled import LabelledItem, choice_correct, continuation_loglikelihood, generated_correct
 from workers.producers.base import Batch, Producer, Work, register_producer
@@ -15,21 +15,31 @@ from workers.producers.documents import DOC_BATCH
 
 
 def answer_choices(engine: Engine, items: Sequence[LabelledItem], window: WindowSpec) -> list[ItemRecord]:
-    """Multiple-choice items answered by log-likelihood, every choice of every item in one engine
-    call (the reference engine packs them into batches): each choice's Σ log p after the prompt
-    (vocabulary/labelled.py continuation_loglikelihood)."""
-    requests = [RollingRequest(f"{item.key}#{j}", item.prompt + choice, window)
-                for item in items for j, choice in enumerate(item.choices)]
-    results = iter(engine.loglikelihood_rolling(requests))
-    rows = [[next(results) for _ in item.choices] for item in items]
-    spanless = [item for item, row in zip(items, rows, strict=True) if any(not r.char_spans for r in row)]
+    """Multiple-choice items answered by log-likelihood: each choice's Σ log p after the prompt
+    (vocabulary/labelled.py continuation_loglikelihood). An engine that scores a prompt's choices
+    over one pass of it (engines/protocol.py ScoresChoices: the reference engine) takes them all
+    first; what it leaves, every choice of every item in one rolling call (the reference engine packs
+    them into batches)."""
+    asked = [ChoiceRequest(item.key, item.prompt, item.choices, window) for item in items]
+    scored: list[list[float] | None] = [
+        list(row) if row is not None else None
+        for row in (engine.loglikelihood_choices(asked) if isinstance(engine, ScoresChoices) and items
+                    else [None] * len(items))]
+    rest = [i for i, row in enumerate(scored) if row is None]
+    requests = [RollingRequest(f"{items[i].key}#{j}", items[i].prompt + choice, window)
+                for i in rest for j, choice in enumerate(items[i].choices)]
+    results = iter(engine.loglikelihood_rolling(requests) if requests else [])
+    rows = {i: [next(results) for _ in items[i].choices] for i in rest}
+    spanless = [i for i in rest if any(not r.char_spans for r in rows[i])]
     # a server's tokens have no place in the text: each choice's whole text less the prompt scored alone
-    prompts = dict(zip((item.key for item in spanless), engine.loglikelihood_rolling(
-        [RollingRequest(f"{item.key}#prompt", item.prompt, window) for item in spanless]), strict=True)) \
+    prompts = dict(zip(spanless, engine.loglikelihood_rolling(
+        [RollingRequest(f"{items[i].key}#prompt", items[i].prompt, window) for i in spanless]), strict=True)) \
         if spanless else {}
+    for i in rest:
+        scored[i] = [continuation_loglikelihood(r, len(items[i].prompt), prompts.get(i)) for r in rows[i]]
     records = []
-    for item, row in zip(items, rows, strict=True):
-        scores = [continuation_loglikelihood(r, len(item.prompt), prompts.get(item.key)) for r in row]
+    for item, scores in zip(items, scored, strict=True):
+        assert scores is not None  # every item scored, shared or rolling
         correct, chosen = choice_correct(item, scores)
         records.append(ItemRecord(item.key, correct, str(chosen), tuple(scores)))
     return records

@@ -1,0 +1,62 @@
+"""Multiple-choice items scored over one pass of their prompt (engines/reference/scoring.py `choices`,
+the reference engine's loglikelihood_choices): each choice's score is, to float rounding, what the
+rolling pass over prompt + choice gives it (vocabulary/labelled.py continuation_loglikelihood), the
+definition the labelled scorer used before; on a real forward pass of the tiny model, for a
+lossless cache, for weights and KV formats that store each slot on its own, and for a speculative
+config (its target scores). KIVI, whose window reads a slot by its place, and an item longer than
+one window are left to the rolling pass (None)."""
+
+from __future__ import annotations
+
+import pytest
+from engines.protocol import ChoiceRequest, RollingRequest, ScoresChoices, WindowSpec
+from engines.registry import load_engine
+from engines.spec import OptimizationSpec
+from engines.zoo import ARTIFACTS
+from vocabulary.labelled import builtin_items, continuation_loglikelihood
+
+WINDOW = WindowSpec(max_length=256, stride=256)
+
+
+def requests() -> list[ChoiceRequest]:
+    items = builtin_items("pydoc-next-word")[:6]
+    return [ChoiceRequest(item.key, item.prompt, item.choices, WINDOW) for item in items] + [
+        # choices of several tokens that share their first ones (the tree parts after them), one
+        # that is a prefix of another, and a choice with no space before it
+        ChoiceRequest("hand", "Return the value of the", (" dictionary", " dictionary keys", " dict", "ionary")),
+    ]
+
+
+def rolling(engine, reqs: list[ChoiceRequest]) -> list[tuple[float, ...]]:
+    out = []
+    for req in reqs:
+        results = engine.loglikelihood_rolling([RollingRequest(f"{req.item_id}#{j}", req.prompt + choice, req.window)
+                                                for j, choice in enumerate(req.choices)])
+        out.append(tuple(continuation_loglikelihood(r, len(req.prompt)) for r in results))
+    return out
+
+
+@pytest.mark.parametrize("spec", [
+    {}, {"weights": "rtn-int4"}, {"kv_cache": "fp8"}, {"kv_cache": "turbo-3.5"}, {"kv_cache": "int2"},
+    {"speculative": {"method": "ngram", "k": 2}},
+], ids=["fp16", "int4", "kv-fp8", "turbo-3.5", "kv-int2", "ngram"])
+def test_each_choice_scores_what_the_rolling_pass_over_prompt_and_choice_gives_it(spec):
+    engine = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference", **spec))
+    assert isinstance(engine, ScoresChoices)
+    reqs = requests()
+    shared = engine.loglikelihood_choices(reqs)
+    assert all(row is not None for row in shared)
+    for got, want, req in zip(shared, rolling(engine, reqs), reqs, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-4), req.item_id
+    # the hand-made item's choices are told apart as the rolling pass tells them apart
+    hand = shared[-1]
+    assert hand is not None and len(set(hand)) == 4
+
+
+def test_kivi_and_an_item_longer_than_a_window_are_left_to_the_rolling_pass():
+    kivi = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference", kv_cache="kivi-2"))
+    assert kivi.loglikelihood_choices(requests()) == [None] * len(requests())
+    engine = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference"))
+    long = ChoiceRequest("long", "word " * 40, (" a", " b"), WindowSpec(max_length=16, stride=16))
+    short = requests()[-1]
+    assert [row is None for row in engine.loglikelihood_choices([long, short])] == [True, False]
