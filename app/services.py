@@ -255,9 +255,11 @@ def decide_command(project: str, suite: str, trigger: str) -> str:
 
 def decide_settings_commands(project: str) -> dict[str, str]:
     """The options of decide_command's command that raise a suite setting, by setting (`{n}` for
-    app/summary to fill in): the demo's `--prompts`; elsewhere the settings live in the team's
-    canary.yaml, so none (the summary names them in words)."""
-    return {"generation.prompts": "--prompts {n}"} if project == DEMO_PROJECT else {}
+    app/summary to fill in): the demo's `--prompts` and `--items`; elsewhere the settings live in
+    the team's canary.yaml, so none (the summary names them in words)."""
+    if project != DEMO_PROJECT:
+        return {}
+    return {"generation.prompts": "--prompts {n}", "labelled.max_items": "--items {n}"}
 
 
 def run_summary(session: Session, run: Run) -> RunOut:

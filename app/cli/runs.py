@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 from app.cli.base import _ago, _log, app, console, fail
 from app.cli.output import _json_out, _print_summary
 
+DEMO_ITEMS = 80  # the demo's labelled items (`canary demo --items`)
 DEMO_CONFIG: dict[str, Any] = {
     "project": "demo",
     # the tiny target with the activation and key outlier channels real LLMs have, at the same
@@ -49,7 +50,10 @@ DEMO_CONFIG: dict[str, Any] = {
     "suites": [
         {"name": "pydoc-daily", "corpus": "builtin:pydoc-heldout", "samples": 100, "seed": 0,
          # layers: where each config's forward pass starts to drift from the baseline's (layer_drift)
-         "scorers": ["perplexity", "generation", "faithfulness", "agreement", "layers"],
+         "scorers": ["perplexity", "generation", "faithfulness", "agreement", "layers", "labelled"],
+         # task accuracy and flips: the next word of a held-out docstring against 3 others (vocabulary/labelled.py),
+         # 80 items, so that no flip reads ok below task_flips' warn of 5 % (its Wilson high at 0 of 80: 4.6 %)
+         "labelled": {"items": "builtin:pydoc-next-word", "max_items": DEMO_ITEMS},
          # dotted names and dunders: the term NLL ratio scores their tokens apart (term_nll_ratio)
          # the first 4 documents also one token per decode step through each lossy KV cache (decode_nll_ratio),
         # the first 8 with every next-token distribution against the baseline's (kld_mean)
@@ -273,6 +277,8 @@ def demo(
     samples: int = typer.Option(100, min=1, help="held-out documents scored per config"),
     prompts: int | None = typer.Option(None, min=1, max=1000, help="generation prompts per config (default 16): "
                                                                    "the count the answers' comparisons are over"),
+    items: int | None = typer.Option(None, min=1, max=20000, help=f"labelled items per config (default {DEMO_ITEMS}): "
+                                                                  "the count task accuracy and flips are over"),
     database_url: str = typer.Option("sqlite:///canary-demo.db",
                                      help="where the demo writes (never CANARY_DATABASE_URL)"),
     wide: bool = typer.Option(False, "--wide", help="every column (TTFT, TBT, weights, acceptance, agreement)"),
@@ -300,6 +306,8 @@ def demo(
     suite = {**DEMO_CONFIG["suites"][0], "samples": samples}
     if prompts is not None:
         suite["generation"] = {**suite["generation"], "prompts": prompts}
+    if items is not None:
+        suite["labelled"] = {**suite["labelled"], "max_items": items}
     canary_file = parse_config({**DEMO_CONFIG, "suites": [suite]}, "demo config")
     try:
         done = _run_and_wait(canary_file, None, None, None, as_json, wait=True, heartbeat=heartbeat,
