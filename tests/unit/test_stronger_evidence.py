@@ -233,3 +233,33 @@ def test_a_smaller_run_of_a_config_edited_since_can_resolve_its_alert(sqlite_env
     assert _run(ids, 50, 1.30, "critical", kept=True)["critical"][0] == "firing"
     again = _run(ids, *OK_12, kept=True)
     assert again["critical"][0] == "firing" and "fewer samples than the n=50" in again["critical"][1]
+
+
+def test_the_overviews_decide_command_asks_for_no_fewer_documents_than_its_run_drew(sqlite_env):
+    """The demo's run drew 100 documents and its candidate is undecided on its answers (n = the 16
+    prompts, about 28 would decide it): the Overview's banner gives the command the CLI gives,
+    `--samples 100 --prompts 28` (the prompts are openings of the documents drawn), never fewer
+    documents than the run drew (it said `--samples 28` when the Overview passed no draw)."""
+    from app.api.routes.views import overview
+    from app.db import session_scope
+    from app.models import ComparisonRow, ConfigRun, Run
+    from app.repo import get_project
+    from app.schemas import jsonable
+
+    from tests.seed import catalogue
+
+    with session_scope() as s:
+        project, model, configs, suite = catalogue(s, "demo", "m", ["fp16", "int8"], n_documents=500)
+        run = Run(project_id=project.id, suite_id=suite.id, suite_version="v1", model_id=model.id,
+                  baseline_config_id=configs["fp16"].id, trigger="manual", status="done", n_samples=100,
+                  sample_keys=[f"d{i}" for i in range(100)])
+        s.add(run)
+        s.flush()
+        s.add_all([ConfigRun(run_id=run.id, config_id=c.id, status="succeeded") for c in configs.values()])
+        s.add(ComparisonRow(run_id=run.id, config_id=configs["int8"].id, metric="degenerate_answers", estimate=0.125,
+                            ci_low=0.0, ci_high=0.312, n=16, verdict="inconclusive",
+                            rule="CI [0, 0.312] straddles warn 0.03: more samples needed (about 28 at this effect)",
+                            details={}))
+    with session_scope() as s:
+        lines = jsonable(overview(get_project(s, "demo"), s, None))["summaries"]["m"]["lines"]
+    assert lines[-1] == "  decide: canary demo --samples 100 --prompts 28", lines

@@ -266,13 +266,14 @@ def _model_summary(configs: list[dict], project: str, suite: str, runs: dict[int
                                                  "gated": cell["judged"]})
                    for c in configs if not c["baseline"] for metric, cell in c["comparisons"].items()]
     run_ids = {c["run_id"] for c in configs if c["run_id"] is not None}
-    decide = decide_command(project, suite, runs[run_ids.pop()][2]) if len(run_ids) == 1 else None
+    one = runs[run_ids.pop()] if len(run_ids) == 1 else None  # its samples drawn: a command never asks for fewer
+    decide = decide_command(project, suite, one[2]) if one is not None else None
     # a stacked config's advice, the first by metric name as the run's own summary takes it (app/services.py)
     step_back = [Advice(c["config"], c["comparisons"][metric]["advice"])
                  for c in configs for metric in sorted(c["comparisons"]) if c["comparisons"][metric].get("advice")]
     return verdict_summary(comparisons, step_back, figures={c["config"]: c["figures"] for c in configs},
                            decide_with=decide, decide_settings_with=decide_settings_commands(project),
-                           decide_cap=min(documents or limit, limit),
+                           decide_cap=min(documents or limit, limit), drawn=one[3] if one is not None else None,
                            edited={c["config"]: c["run_id"] for c in configs if c.get("edited_since_checked")})
 
 
@@ -306,7 +307,7 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
     # estimate and verdict over the suite's recent history (the sparkline, "breaching since")
     history: dict[tuple[int, str], dict[int, dict]] = {}
     figures: dict[tuple[int, int], dict] = {}
-    runs: dict[int, tuple] = {}  # run id → (created_at, finished_at, trigger)
+    runs: dict[int, tuple] = {}  # run id → (created_at, finished_at, trigger, samples drawn)
     if latest_ids:
         # columns, not ComparisonRow objects: no eager join of each row's config, no identity map
         for c in session.execute(select(*CELL_COLUMNS).where(ComparisonRow.run_id.in_(latest_ids))):
@@ -323,10 +324,10 @@ def overview(project: ProjectDep, session: SessionDep, suite: str | None = Suite
                 history.setdefault((config_id, metric), {})[run_id] = {"estimate": estimate, "verdict": verdict}
     baseline_of: dict[int, int] = {}  # run id → its baseline config (what a tile compares a config with)
     if latest_ids or older_ids:
-        for run_id, created, finished, trigger, base in session.execute(
-                select(Run.id, Run.created_at, Run.finished_at, Run.trigger, Run.baseline_config_id)
+        for run_id, created, finished, trigger, base, keys in session.execute(
+                select(Run.id, Run.created_at, Run.finished_at, Run.trigger, Run.baseline_config_id, Run.sample_keys)
                 .where(Run.id.in_(latest_ids | older_ids))):
-            runs[run_id], baseline_of[run_id] = (created, finished, trigger), base
+            runs[run_id], baseline_of[run_id] = (created, finished, trigger, len(keys or [])), base
     models: dict[str, list] = {}
     for cfg, run_id in rows:
         run = runs.get(run_id)
