@@ -45,7 +45,7 @@ from app.schemas import (
     VerdictSummaryOut,
 )
 from vocabulary.metrics import METRICS, VERDICT_ORDER, counted_by, format_estimate, informational, rule_samples
-from vocabulary.suite import GenerationSettings
+from vocabulary.suite import GenerationSettings, LabelledSettings
 
 # `canary gate`'s exit codes by its defaults (--warn-exit-code 0, --error-exit-code 2): what the
 # gate's pull-request comment says happens; the CLI says it again with its own flags
@@ -142,16 +142,26 @@ def severity(c: ComparisonOut) -> float:
     return est / bound if bound else 0.0
 
 
+# labelled.max_items' bound, read from its field (vocabulary/suite.py LabelledSettings)
+MAX_ITEMS = next(m.le for m in LabelledSettings.model_fields["max_items"].metadata if getattr(m, "le", None))
+
+
 def reach(setting: str | None, cap: int | None) -> int | None:
     """The most a suite setting's count can be raised to where the suite can give `cap` documents
     (None: no bound known): the documents themselves, the prompts (openings of the documents, at
-    most MAX_PROMPTS), or a setting of its own (labelled items, the decode or distribution
-    documents: no bound here)."""
+    most MAX_PROMPTS), the labelled items (at most MAX_ITEMS: a task file may hold fewer), or a
+    setting of its own (the decode or distribution documents: no bound here)."""
     if setting is None:
         return cap
     if setting == "generation.prompts":
         return MAX_PROMPTS if cap is None else min(cap, MAX_PROMPTS)
+    if setting == "labelled.max_items":
+        return MAX_ITEMS
     return None
+
+
+UNITS = {None: "documents", "generation.prompts": "prompts", "labelled.max_items": "items"}
+TIMING_RATIOS = ("ttft_ratio", "tpot_ratio")  # wall-clock ratios: a quieter host narrows their CI
 
 
 def config_line(config: str, rows: list[ComparisonOut], advice: str | None = None,
@@ -199,13 +209,20 @@ def config_line(config: str, rows: list[ComparisonOut], advice: str | None = Non
                     wanted = math.ceil(wanted * drawn / x.n)
                 most = reach(setting, cap)
                 if most is not None and wanted > most:
-                    beyond.append(f"{METRICS[x.metric].label} needs about {wanted}")
+                    unit = UNITS.get(setting, setting or "documents")
+                    quieter = "; a quieter host narrows a timing ratio" if x.metric in TIMING_RATIOS else ""
+                    label = METRICS[x.metric].label
+                    beyond.append(f"{label} needs about {wanted} {unit} (at most {most} here{quieter})")
                 elif setting is None:
                     decide = max(decide or 0, wanted)
                 else:
                     settings[setting] = max(settings.get(setting, 0), wanted)
-        if decide is None and not settings and not beyond:
-            decide = 2 * max(x.n for x in rows)
+        if decide is None and not settings and not beyond:  # no comparison says: twice its n, where the suite has them
+            wanted = 2 * max(x.n for x in rows)
+            if cap is not None and wanted > cap:
+                beyond.append(f"about {wanted} documents (at most {cap} here)")
+            else:
+                decide = wanted
     return SummaryLineOut(config=config, group=group, text=text, findings=findings, decide_samples=decide,
                           decide_settings=settings, decide_beyond=beyond,
                           severity=severity(worst) if worst is not None else 0.0,
@@ -273,7 +290,7 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
         undecided = groups["undecided"]
         text += _render({"undecided": undecided}, len(undecided), len(undecided) + 1)
         if decide_with:
-            text += decide_lines(undecided, decide_with, decide_settings_with or {}, decide_cap, drawn)
+            text += decide_lines(undecided, decide_with, decide_settings_with or {}, decide_cap, drawn, edits)
     if "ship" in groups:
         text.append(f"ship ({len(groups['ship'])}): {', '.join(line.config for line in groups['ship'])}")
     return VerdictSummaryOut(groups=groups, lines=text, more=more,
@@ -281,26 +298,29 @@ def verdict_summary(comparisons: Iterable[ComparisonOut], step_back: Iterable[St
 
 
 def decide_lines(undecided: list[SummaryLineOut], command: str, options: Mapping[str, str], cap: int | None,
-                 drawn: int | None) -> list[str]:
+                 drawn: int | None, rerun: Iterable[str] = ()) -> list[str]:
     """What decides the undecided configs: one command (`command`, with `{configs}` and `{samples}`)
     asking for the most documents any of them needs and, through its `options` (by suite setting,
     `{n}` to fill in), the most of each setting; a setting the command has no option for, in words;
-    and the comparisons no run on this suite could decide (more than `cap` needed), by name. The
-    prompts are openings of the documents drawn, so a command raising them draws at least as
-    many documents. A command never asks for no more than the run drew."""
+    and the comparisons no run on this suite could decide (more than `cap` documents, or more of a
+    setting than it takes), by name. A command asks for at least as many documents as the run drew
+    (the prompts are openings of the documents drawn, and fewer would measure less), and for more
+    only where a config needs more, a setting is raised or a config is to be measured again as it
+    now is (`rerun`: edited since its run)."""
     out: list[str] = []
     settings: dict[str, int] = {}
     for line in undecided:
         for setting, wanted in line.decide_settings.items():
             settings[setting] = max(settings.get(setting, 0), wanted)
     raised = {setting: wanted for setting, wanted in settings.items() if setting in options}
+    again = set(rerun)
     samples = max((line.decide_samples or 0 for line in undecided), default=0)
-    if "generation.prompts" in raised:
-        samples = max(samples, drawn or 0, raised["generation.prompts"])
     if cap is not None:
         samples = min(samples, cap)
+    more = drawn is None or samples > drawn
+    samples = max(samples, drawn or 0)
     asked = [line.config for line in undecided if line.decide_samples or set(line.decide_settings) & set(raised)]
-    if asked and (raised or drawn is None or samples > drawn):
+    if asked and samples > 0 and (more or raised or again & set(asked)):
         flags = "".join(" " + options[setting].format(n=min(wanted, samples) if setting == "generation.prompts"
                                                       else wanted) for setting, wanted in sorted(raised.items()))
         out.append("  decide: " + command.format(configs=",".join(asked), samples=samples) + flags)
@@ -311,11 +331,7 @@ def decide_lines(undecided: list[SummaryLineOut], command: str, options: Mapping
         out.append(f"  decide: raise the suite's {asks} ({', '.join(whose)}: more documents alone would not)")
     beyond = [f"{line.config}'s {need}" for line in undecided for need in line.decide_beyond]
     if beyond:
-        timing = {m.label for m in METRICS.values() if m.aspect == "speed"}
-        quieter = any(need.rpartition(" needs about ")[0] in timing for line in undecided
-                      for need in line.decide_beyond)
-        out.append(f"  decide: not on this suite (it can give {cap} documents): {', '.join(beyond)} (a larger corpus"
-                   + ("; a timing ratio also narrows on a quieter host)" if quieter else ")"))
+        out.append(f"  decide: not on this suite (a larger corpus or task would): {', '.join(beyond)}")
     return out
 
 

@@ -214,6 +214,8 @@ def test_a_config_edited_after_a_critical_run_is_undecided_not_dropped(sqlite_en
     assert set(summary["groups"]) == {"undecided"} and line["decide_samples"] == 100
     assert line["text"] == (f"int4: edited since run {_shown()['run_id']} measured it (then: ppl ratio +30.00% "
                             "[+29.00, +31.00] critical)")
+    # the command measures it again as it now is, on the documents its run drew
+    assert summary["lines"][-1] == "  decide: canary run -f canary.yaml --suite daily --configs int4 --samples 100"
 
 
 def test_a_smaller_run_of_a_config_edited_since_can_resolve_its_alert(sqlite_env):

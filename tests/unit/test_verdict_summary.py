@@ -127,13 +127,13 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     # the command is sized for b alone, and a is named apart
     capped = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50).lines[-2:]
     assert capped == ["  decide: canary run -f canary.yaml --suite pydoc-smoke --configs b --samples 10",
-                      "  decide: not on this suite (it can give 50 documents): a's ppl ratio needs about 80 (a larger "
-                      "corpus)"]
+                      "  decide: not on this suite (a larger corpus or task would): a's ppl ratio needs about 80 "
+                      "documents (at most 50 here)"]
     # …and when the run drew all 50 already, no command can decide them there
     spent = verdict_summary(rows, figures=figures, decide_with=run, decide_cap=50, drawn=50).lines[-1]
     # (a's n, 12, counts 12 of the 50 drawn: about 80 of them means 80 × 50 / 12 = 334 drawn; b's 10 of 4: 125)
-    assert spent == ("  decide: not on this suite (it can give 50 documents): a's ppl ratio needs about 334, b's ppl "
-                     "ratio needs about 125 (a larger corpus)")
+    assert spent == ("  decide: not on this suite (a larger corpus or task would): a's ppl ratio needs about 334 "
+                     "documents (at most 50 here), b's ppl ratio needs about 125 documents (at most 50 here)")
     # the demo's case: 100 documents drawn of a larger corpus, and configs undecided on answers (n = the
     # suite's 16 prompts, "about 60 would decide"): more documents add no prompts, so no --samples command
     # for them (it asked for 60, fewer than drawn, and called the suite spent); the suite's
@@ -174,8 +174,16 @@ def test_a_speed_finding_names_its_engine_and_device_and_the_undecided_get_a_com
     assert verdict_summary(many, decide_with=demo, decide_cap=600, drawn=100,
                            decide_settings_with=commands).lines[-2:] == [
         "  decide: canary demo --samples 100 --prompts 28",
-        "  decide: not on this suite (it can give 600 documents): kv-fp8's degenerate needs about 2400, kv-fp8's TTFT "
-        "ratio needs about 102067 (a larger corpus; a timing ratio also narrows on a quieter host)"]
+        "  decide: not on this suite (a larger corpus or task would): kv-fp8's degenerate needs about 2400 prompts (at "
+        "most 600 here), kv-fp8's TTFT ratio needs about 102067 prompts (at most 600 here; a quieter host narrows a "
+        "timing ratio)"]
+    # labelled items only: the demo's command raises --items and draws what the run drew (never --samples 0);
+    # elsewhere the setting is named in words
+    flips = [row("int8", "task_flips", 0.0125, 0.002, 0.0675, "inconclusive", n=80, rule="… (about 172 at this effect)")]
+    assert verdict_summary(flips, decide_with=demo, decide_cap=600, drawn=100, decide_settings_with=commands).lines[-1] \
+        == "  decide: canary demo --samples 100 --items 172"
+    assert verdict_summary(flips, decide_with=run, decide_cap=600, drawn=100).lines[-1] == (
+        "  decide: raise the suite's labelled.max_items about 172 (int8: more documents alone would not)")
     # the same run's user outside the demo: canary.yaml holds the prompts, so they are named in words
     assert verdict_summary(many, decide_with=run, decide_cap=600, drawn=100).lines[-2] == (
         "  decide: raise the suite's generation.prompts about 28 (int8: more documents alone would not)")
