@@ -31,7 +31,7 @@ class Job:
     is_baseline: bool
     spec: OptimizationSpec
     baseline_spec: OptimizationSpec  # the run's baseline config (it scores every config's outputs)
-    calibration: list[str] | None  # AWQ calibration text: the documents the run keeps aside (top_up.calibration_keys)
+    calibration: list[str] | None  # AWQ calibration text: those the first draw left (top_up.calibration_keys)
     suite_version: str
     model_path: str
     suite: SuiteSpec
@@ -73,10 +73,10 @@ def load_job(session: Session, config_run_id: int) -> Job:
     assert suite is not None  # a foreign key: the row exists
     spec = OptimizationSpec.model_validate(config_run.config.spec)
     calibration = None
-    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the run never scores: no test leakage
+    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the first pass does not score
         samples = repo.suite_samples(session, suite.id, run.suite_version)
-        kept = set(top_up.calibration_keys(run, [sample.key for sample in samples]))
-        calibration = [sample.text for sample in samples if sample.key in kept]
+        calibrated = set(top_up.calibration_keys(run, [sample.key for sample in samples]))
+        calibration = [sample.text for sample in samples if sample.key in calibrated]
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     order = {key: i for i, key in enumerate(run.sample_keys)}
     settings = suite.settings

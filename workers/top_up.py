@@ -28,8 +28,8 @@ ok (docs/scorers.md, "Verdict rule", says what the detection benchmark does and 
 New documents come from those the run has not drawn, by a seed of their own (the run's seed and
 its size), kept in suite order after the samples already drawn, so the prompts of the first pass
 stay the first prompts of the next. When a config of the run quantizes with AWQ (calibrated on
-the documents its first draw did not take) a quarter of the suite is kept for that calibration: the same
-documents in every pass, never drawn by a top-up (calibration_keys).
+the documents its first draw did not take: the same in every pass, calibration_keys) the first quarter of
+them is never drawn by a top-up (kept_for_calibration).
 """
 
 from __future__ import annotations
@@ -95,15 +95,22 @@ def calibrates(run: Run) -> bool:
 
 
 def calibration_keys(run: Run, keys: list[str]) -> list[str]:
-    """The documents a run's AWQ configs calibrate on (workers/job.py): the first quarter of the
-    suite version's `keys` (at least one), in suite order, among those its first draw did not take.
-    The same in every pass of the run, so a top-up pass scores the model the first pass measured,
-    and never drawn by a top-up, so no pass scores a document its model was calibrated on. Empty
-    when no config calibrates."""
+    """The documents a run's AWQ configs calibrate on (workers/job.py): the suite version's `keys`
+    its first draw did not take, in suite order. The same in every pass of the run, so a top-up
+    pass scores the model the first pass measured. Empty when no config calibrates."""
     if not calibrates(run):
         return []
     first = set(run.sample_keys[: run.n_samples])
-    return [key for key in keys if key not in first][: max(1, len(keys) // 4)]
+    return [key for key in keys if key not in first]
+
+
+def kept_for_calibration(run: Run, keys: list[str]) -> list[str]:
+    """The first quarter of the suite (at least one document) of calibration_keys, which a top-up
+    never draws: the calibration reads its texts from the front until it has its tokens
+    (engines/reference/weights.py calibration_ids), so on a corpus where a quarter holds them no
+    pass scores a document its model was calibrated on. A calibration that reads further (more
+    calibration tokens than a quarter of the corpus holds) may read documents a top-up drew."""
+    return calibration_keys(run, keys)[: max(1, len(keys) // 4)]
 
 
 def room(run: Run, suite: Suite, keys: list[str]) -> int:
@@ -112,7 +119,7 @@ def room(run: Run, suite: Suite, keys: list[str]) -> int:
     per-run limit."""
     if cap(run, suite) <= len(run.sample_keys):
         return len(run.sample_keys)
-    documents = len(keys) - len(calibration_keys(run, keys))
+    documents = len(keys) - len(kept_for_calibration(run, keys))
     return max(len(run.sample_keys), min(cap(run, suite), documents, get_settings().max_samples_per_run))
 
 
@@ -155,7 +162,7 @@ def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
     """n of the run's suite version's `keys` that the run has not drawn, nor keeps for calibration:
     a seed of their own (the run's seed and its size, so each top-up draws afresh), kept in suite
     order."""
-    drawn = set(run.sample_keys) | set(calibration_keys(run, keys))
+    drawn = set(run.sample_keys) | set(kept_for_calibration(run, keys))
     remaining = [key for key in keys if key not in drawn]
     n = min(n, len(remaining))
     picked = set(random.Random(f"top-up:{run.seed}:{len(run.sample_keys)}").sample(range(len(remaining)), n))

@@ -365,11 +365,12 @@ def test_a_top_up_pass_sends_as_many_prompts_alone_per_prompt_as_the_first_pass_
 
 
 def test_an_awq_configs_calibration_documents_are_the_same_in_every_pass_and_never_drawn(sqlite_env, tmp_path):
-    """AWQ calibrates on documents the run keeps aside. Two top-ups draw every other document:
-    the calibration text the config-run loads stays the same (a top-up pass scores the model the
-    first pass measured) and none of its documents is ever scored. (Before, the calibration was
-    every document not drawn yet, so it changed with each top-up, and a later pass could score a
-    document the first pass's model was calibrated on.)"""
+    """AWQ calibrates on the documents the run's first draw left, in suite order, and a top-up never
+    draws the first quarter of the suite of them (where the calibration reads its tokens). Two
+    top-ups draw every other document: the calibration text the config-run loads stays the same (a
+    top-up pass scores the model the first pass measured) and none of the kept documents is ever
+    scored. (Before, the calibration was every document not drawn yet, so it changed with each
+    top-up, and a later pass could score a document the first pass's model was calibrated on.)"""
     from app.models import Suite
     from workers.job import load_job
 
@@ -379,20 +380,21 @@ def test_an_awq_configs_calibration_documents_are_the_same_in_every_pass_and_nev
         suite = s.get(Suite, run.suite_id)
         awq = next(cr for cr in run.config_runs if cr.config.name == "int4")
         first = load_job(s, awq.id).calibration
-        keys = [sample.key for sample in repo.suite_samples(s, suite.id, run.suite_version)]
-        kept = top_up.calibration_keys(run, keys)
-        texts = {sample.key: sample.text for sample in repo.suite_samples(s, suite.id, run.suite_version)}
-        # a quarter of the 24, in suite order, among the 18 the first draw left
-        assert kept == [key for key in keys if key not in run.sample_keys][:6]
-        assert first == [texts[key] for key in kept]
+        samples = repo.suite_samples(s, suite.id, run.suite_version)
+        keys = [sample.key for sample in samples]
+        left = [key for key in keys if key not in run.sample_keys]
+        assert top_up.calibration_keys(run, keys) == left  # the 18 the first draw left, in suite order
+        assert first == [sample.text for sample in samples if sample.key in set(left)]
+        kept = top_up.kept_for_calibration(run, keys)
+        assert kept == left[:6]  # a quarter of the 24
         assert top_up.room(run, suite, keys) == 18
         for _ in range(2):
             new = top_up.draw_more(run, keys, 6)  # 6 → 12 → 18
             assert new and not set(new) & set(kept)
             repo.top_up_run(s, run, new, [cr.config_id for cr in run.config_runs])
-            assert top_up.calibration_keys(run, keys) == kept and load_job(s, awq.id).calibration == first
+            assert top_up.calibration_keys(run, keys) == left and load_job(s, awq.id).calibration == first
         assert len(run.sample_keys) == 18 and set(run.sample_keys) | set(kept) == set(keys)
-        assert top_up.draw_more(run, keys, 6) == []  # nothing left but the calibration documents
+        assert top_up.draw_more(run, keys, 6) == []  # nothing left but the kept documents
 
 
 def test_a_run_without_awq_keeps_no_calibration_documents_by_hand():
@@ -401,8 +403,9 @@ def test_a_run_without_awq_keeps_no_calibration_documents_by_hand():
                                        SimpleNamespace(config=SimpleNamespace(
                                            spec={"weights": "awq-int4", "checkpoint": "/ckpt"}))])
     keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
-    assert top_up.calibration_keys(run, keys) == []  # a quantized checkpoint calibrates nothing
+    assert top_up.calibration_keys(run, keys) == top_up.kept_for_calibration(run, keys) == []  # a checkpoint
     run.config_runs.append(SimpleNamespace(config=SimpleNamespace(spec={"weights": "awq-int4"})))
-    assert top_up.calibration_keys(run, keys) == ["b", "d"]
+    assert top_up.calibration_keys(run, keys) == ["b", "d", "e", "f", "g", "h"]
+    assert top_up.kept_for_calibration(run, keys) == ["b", "d"]
     run.sample_keys = ["a", "c", "b"]  # a top-up drew b (before this rule): the first draw decides, not the run's size
-    assert top_up.calibration_keys(run, keys) == ["b", "d"]
+    assert top_up.calibration_keys(run, keys) == ["b", "d", "e", "f", "g", "h"]
