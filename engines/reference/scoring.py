@@ -30,6 +30,7 @@ from engines.protocol import (
     tokenize_with_spans,
 )
 from engines.reference.cache import NoCache
+from engines.reference.faults import CorruptedKV
 
 if TYPE_CHECKING:
     from engines.reference.engine import ReferenceEngine
@@ -205,10 +206,10 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     it (the same token ids, positions and context; a drill's prompt log-prob fault applied to the
     choice's whole list, as there), and its score sums the tokens past the prompt's characters.
     None where choice_trees leaves an item out, and for every item under a KV format that reads a
-    slot raw or compressed by its place in the cache (KIVI's window: the tree's slots are not the
-    positions)."""
+    slot by its place in the cache, where the tree's slots are not the positions: KIVI's window
+    (raw or compressed by the slot), and a KV-corruption drill (its noise is drawn per slot)."""
     out: list[tuple[float, ...] | None] = [None] * len(requests)
-    if engine.kv.windowed:
+    if engine.kv.windowed or isinstance(engine.kv, CorruptedKV):
         return out
     trees = sorted(choice_trees(engine, requests), key=lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1]))
     for s in range(0, len(trees), engine.batch_size):

@@ -53,10 +53,34 @@ def test_each_choice_scores_what_the_rolling_pass_over_prompt_and_choice_gives_i
     assert hand is not None and len(set(hand)) == 4
 
 
-def test_kivi_and_an_item_longer_than_a_window_are_left_to_the_rolling_pass():
+def test_kivi_a_kv_drill_and_an_item_longer_than_a_window_are_left_to_the_rolling_pass():
     kivi = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference", kv_cache="kivi-2"))
     assert kivi.loglikelihood_choices(requests()) == [None] * len(requests())
+    # a KV-corruption drill draws its noise per slot: the tree's slots are not the rolling pass's
+    drill = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(
+        engine="reference", kv_cache="fp8", engine_options={"fault": {"kind": "kv-corrupt", "layers": 2}}))
+    assert drill.loglikelihood_choices(requests()) == [None] * len(requests())
     engine = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference"))
     long = ChoiceRequest("long", "word " * 40, (" a", " b"), WindowSpec(max_length=16, stride=16))
     short = requests()[-1]
     assert [row is None for row in engine.loglikelihood_choices([long, short])] == [True, False]
+
+
+def test_the_labelled_producer_maps_shared_and_rolling_scores_back_to_their_items():
+    """answer_choices takes what the engine scores over one pass and the rest (here an item longer
+    than the window) by the rolling pass, each item's record in its place."""
+    from vocabulary.labelled import LabelledItem
+    from workers.producers.labelled import answer_choices
+
+    engine = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference"))
+    window = WindowSpec(max_length=24, stride=24)
+    short = builtin_items("pydoc-next-word")[:3]
+    short = [LabelledItem(i.key, i.prompt[-60:], i.answer, "choice", i.choices) for i in short]  # within 24 tokens
+    long = LabelledItem("long", "the value of the option " * 12, " name", "choice", (" name", " value"))
+    items = [short[0], long, short[1], short[2]]
+    records = answer_choices(engine, items, window)
+    want = rolling(engine, [ChoiceRequest(i.key, i.prompt, i.choices, window) for i in items])
+    assert [r.sample_key for r in records] == [i.key for i in items]
+    for record, scores in zip(records, want, strict=True):
+        assert record.scores == pytest.approx(scores, rel=1e-5, abs=1e-4), record.sample_key
+    assert engine.loglikelihood_choices([ChoiceRequest(long.key, long.prompt, long.choices, window)]) == [None]
