@@ -295,7 +295,7 @@ def demo(
     # The demo never follows CANARY_DATABASE_URL: it must not write into a production database.
     os.environ["CANARY_DATABASE_URL"] = database_url
     os.environ["CANARY_EXECUTION"] = "inline"
-    # the demo answers in about two minutes: a top-up pass runs only where it fits them (workers/top_up.py)
+    # the demo answers in minutes: a top-up pass runs only where it fits its budget (workers/top_up.py)
     os.environ["CANARY_TOP_UP_BUDGET_S"] = demo_top_up_budget(top_up_budget, os.environ)
     from app.config_file import parse_config
     from app.settings import get_settings
