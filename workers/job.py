@@ -73,7 +73,7 @@ def load_job(session: Session, config_run_id: int) -> Job:
     assert suite is not None  # a foreign key: the row exists
     spec = OptimizationSpec.model_validate(config_run.config.spec)
     calibration = None
-    if spec.weights == "awq-int4" and not spec.checkpoint:  # domain text the first pass does not score
+    if top_up.calibrates_on_the_suite(config_run.config.spec):  # domain text the first pass does not score
         samples = repo.suite_samples(session, suite.id, run.suite_version)
         calibrated = set(top_up.calibration_keys(run, [sample.key for sample in samples]))
         calibration = [sample.text for sample in samples if sample.key in calibrated]

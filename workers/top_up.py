@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
@@ -87,11 +88,16 @@ def cap(run: Run, suite: Suite) -> int:
     return settings.max_samples or TOP_UP_FACTOR * run.n_samples
 
 
+def calibrates_on_the_suite(spec: Mapping[str, Any] | None) -> bool:
+    """Whether a config (its stored spec) quantizes with AWQ on the suite's own documents, not a
+    checkpoint quantized already."""
+    return (spec or {}).get("weights") == "awq-int4" and not (spec or {}).get("checkpoint")
+
+
 def calibrates(run: Run) -> bool:
-    """Whether a config of the run quantizes with AWQ on the suite's own documents (not a checkpoint
-    quantized already): then the run keeps documents aside for its calibration (calibration_keys)."""
-    return any((cr.config.spec or {}).get("weights") == "awq-int4" and not (cr.config.spec or {}).get("checkpoint")
-               for cr in run.config_runs)
+    """Whether a config of the run calibrates on the suite: then the run keeps documents aside for
+    its calibration (calibration_keys)."""
+    return any(calibrates_on_the_suite(cr.config.spec) for cr in run.config_runs)
 
 
 def calibration_keys(run: Run, keys: list[str]) -> list[str]:

@@ -82,6 +82,12 @@ def results(engine: ReferenceEngine, requests: Sequence[RollingRequest], jobs: l
     ]
 
 
+def target_logits(logits: torch.Tensor, targets: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's logit of its target, each row's logsumexp) of logits [n, V]: log p = the first less the second."""
+    picked = logits.gather(-1, torch.tensor(list(targets), device=logits.device)[:, None]).squeeze(-1)
+    return picked, torch.logsumexp(logits, -1)
+
+
 def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, torch.Tensor] | None = None) -> Scores:
     """{job: (log p of its scored targets, argmax at each, the argmax's log p)}; with keep, also
     each job's log-softmax rows [n, V] on the CPU."""
@@ -114,8 +120,7 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
             # lm_head only on this window's scored positions (no padding), one window at a
             # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
             logits = engine.model.lm_head(h[row, start + len(inp) - n : start + len(inp)]).float()
-            picked = logits.gather(-1, torch.tensor(tgt, device=engine.device)[:, None]).squeeze(-1)
-            norm = torch.logsumexp(logits, -1)
+            picked, norm = target_logits(logits, tgt)
             best, argmax = logits.max(-1)
             out[j] = ((picked - norm).tolist(), argmax.tolist(), (best - norm).tolist())
             if keep is not None:
@@ -248,8 +253,8 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
                 # the input slot each target seq[k + 1] is read at: a shared one, then the choice's own
                 rows = [k if k < p else start + k - p for k in range(len(seq) - 1)]
                 logits = engine.model.lm_head(h[b, rows]).float()
-                picked = logits.gather(-1, torch.tensor(seq[1:], device=engine.device)[:, None]).squeeze(-1)
-                logprobs = engine.fault.prompt_logprobs((picked - torch.logsumexp(logits, -1)).tolist())
+                picked, norm = target_logits(logits, seq[1:])
+                logprobs = engine.fault.prompt_logprobs((picked - norm).tolist())
                 scores.append(float(sum(lp for lp, (_, end) in zip(logprobs, span, strict=True) if end > prompt_chars)))
             out[i] = tuple(scores)
     return out
