@@ -3,7 +3,9 @@
 embedded default. Cold: a fresh HOME, so the AWQ search's on-disk cache is empty and the search
 runs; warm: the same HOME again, the cache filled by the cold run (what every run after a user's
 first one sees). Each run writes a fresh database. Also printed: each config-run's seconds from
-the database (the slowest first), the thread count and the load average. One JSON object.
+the database (the slowest first), where they went (the engines' loads and each producer, summed
+over the configs), the demo's wall time in phases (start, config-runs, aggregation), the thread
+count and the load average. One JSON object.
 
 With --peer DIR (a checkout of another commit: `git worktree add DIR COMMIT`), that checkout's
 demo is timed in the same run, alternating with this one's (ours cold, peer cold, ours warm, peer
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,21 +45,48 @@ def config_run_seconds(db: Path) -> dict[str, float]:
     return {name: round(s, 1) for name, s in sorted(took.items(), key=lambda kv: -kv[1])}
 
 
+def seconds_by_part(db: Path) -> dict[str, float]:
+    """Where the config-runs' time went (RunFigures.seconds), summed over the configs: the engines'
+    loads ("engine", the AWQ search included) and each producer by its scorer, the largest first."""
+    parts: dict[str, float] = {}
+    with sqlite3.connect(db) as conn:
+        for (figures,) in conn.execute("SELECT figures FROM config_runs WHERE figures IS NOT NULL"):
+            for part, s in (json.loads(figures).get("seconds") or {}).items():
+                parts[part] = parts.get(part, 0.0) + s
+    return {part: round(s, 1) for part, s in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
+def phases(db: Path, began: float, ended: float) -> dict[str, float]:
+    """The demo's wall time in phases, from the database's timestamps (UTC): until the run exists
+    (imports, the database's migrations, the config), until the first config-run starts (the
+    worker processes' start), the config-runs, the aggregation, and what follows (the summary)."""
+    def at(stamp: str) -> float:
+        return datetime.fromisoformat(stamp).replace(tzinfo=timezone.utc).timestamp()
+
+    with sqlite3.connect(db) as conn:
+        created, finished = conn.execute("SELECT created_at, finished_at FROM runs ORDER BY id LIMIT 1").fetchone()
+        first, last = conn.execute("SELECT min(started_at), max(finished_at) FROM config_runs").fetchone()
+    marks = [began, at(created), at(first), at(last), at(finished), ended]
+    names = ("to_run", "to_first_config_run", "config_runs", "aggregation", "after")
+    return {name: round(b - a, 1) for name, a, b in zip(names, marks, marks[1:], strict=False)}
+
+
 def one(home: Path, work: Path, samples: int, root: Path = ROOT, **extra_env: str) -> dict:
     db = work / f"demo-{time.monotonic_ns()}.db"
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": str(root),
            **extra_env}
     env.pop("CANARY_AWQ_CACHE", None)
-    t = time.perf_counter()
+    t, began = time.perf_counter(), time.time()
     r = subprocess.run([sys.executable, "-m", "app.cli", "demo", "--json", "--samples", str(samples),
                         "--database-url", f"sqlite:///{db}"], cwd=root, env=env, capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, timeout=3600, check=False)
-    took = time.perf_counter() - t
+    took, ended = time.perf_counter() - t, time.time()
     if r.returncode != 0:
         raise SystemExit(f"canary demo failed (exit {r.returncode}): {r.stderr[-2000:]}")
     summary = json.loads(r.stdout)
     return {"seconds": round(took, 1), "configs": len(summary["configs"]), "status": summary["status"],
-            "config_run_s": config_run_seconds(db), "comparisons": summary["comparisons"],
+            "config_run_s": config_run_seconds(db),
+            "seconds_by_part": seconds_by_part(db), "phases": phases(db, began, ended), "comparisons": summary["comparisons"],
             "samples_drawn": summary.get("samples_drawn"), "summary": summary.get("summary")}
 
 
@@ -106,7 +135,10 @@ def main() -> None:
     out = {"benchmark": "demo", "samples": args.samples, "repeats": args.repeats, "configs": cold["ours"][0]["configs"],
            "cold_s": [r["seconds"] for r in cold["ours"]], "warm_s": [r["seconds"] for r in warm["ours"]],
            "status": warm["ours"][0]["status"], "cold_config_run_s": cold["ours"][0]["config_run_s"],
-           "warm_config_run_s": warm["ours"][0]["config_run_s"], "cpu_count": os.cpu_count(),
+           "warm_config_run_s": warm["ours"][0]["config_run_s"],
+           "cold_seconds_by_part": cold["ours"][0]["seconds_by_part"],
+           "warm_seconds_by_part": warm["ours"][0]["seconds_by_part"],
+           "cold_phases": cold["ours"][0]["phases"], "warm_phases": warm["ours"][0]["phases"], "cpu_count": os.cpu_count(),
            "load_avg_1m": round(load[0], 2), "goal_s": GOAL_S, "top_up_budget_s": args.top_up_budget,
            "samples_drawn": warm["ours"][0]["samples_drawn"]}
     if args.peer:

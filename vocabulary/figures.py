@@ -101,12 +101,15 @@ class RunFigures:
     # place since then has this run's figures and comparisons as evidence about its earlier
     # definition only ("mixed": a top-up pass after an edit, its passes of two definitions)
     config_digest: str | None = None
+    # where this pass's time went, in wall seconds: "engine" (load, and the AWQ search where it ran)
+    # and each producer by its scorer ("perplexity", "generation", ...); None before it was recorded
+    seconds: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The stored form: a JSON object without the sections a run did not have."""
         out = asdict(self)
         for section in ("server", "spec", "baseline_scoring_error", "inputs_key", "reused_from_run", "model_digest",
-                        "config_digest"):
+                        "config_digest", "seconds"):
             if out[section] is None:
                 del out[section]
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -94,11 +95,9 @@ class ExecuteConfigRun(BaseTask):
                 return "failed"
 
     def _note_interruption(self, attempt: Attempt, settings: Settings, why: str) -> None:
-        """An attempt that lets go of a config-run while its process lives says why, and frees the
-        lease so the reconciler re-sends it without waiting for the lease to run out. The database
-        was just unreachable, so a daemon thread keeps trying for one lease's length; the note is
-        fenced by the attempt (a later claim clears it) and names the cause if the config-run is
-        given up."""
+        """An attempt that lets go of a config-run while its process lives says why and frees the lease,
+        so the reconciler re-sends it at once. The database was just unreachable: a daemon thread keeps
+        trying for one lease's length; the note is fenced by the attempt (a later claim clears it)."""
         def keep_trying() -> None:
             try:
                 self.transaction(lambda session: attempt.release(session, why),
@@ -131,21 +130,22 @@ class ExecuteConfigRun(BaseTask):
         if key is not None and job.trigger == "gate" and job.earlier is None \
                 and baseline_reuse.reuse(self.transaction, attempt, job, key, settings.lease_seconds):
             return
+        loading = time.perf_counter()  # ~0 for a cached engine; a cold AWQ config's search included
         engine = engine_cache.get_engine(model, spec, job.calibration,
                                          served_model_tokenizer(job) if spec.engine == "openai" else None)
+        seconds = {"engine": round(time.perf_counter() - loading, 2)}
         engine.reset_peaks()  # a cached engine's peaks from earlier runs are not this run's
         ppl = job.suite.perplexity
         work = Work(job, engine, WindowSpec(max_length=ppl.window, stride=ppl.stride or ppl.window),
                     attempt.config_run_id, RunStats(dedicated=bool(spec.option("dedicated_server"))),
                     check_lease=lease.check if lease is not None else (lambda: None))
-        # requests in flight at once, had the suite generated (the generation producer's figure when it did);
-        # a serving engine is told so before any producer sends it anything
+        # requests in flight at once (the generation producer's figure when it ran), told before any request
         step = concurrency(engine, spec, job.suite.generation, None)
         if job.recorded:
             work.notes.append(f"a top-up pass: it scored only the samples the run added ({len(job.samples)} in "
                               "all now); the serving figures it measured are this pass's, the rest the earlier "
                               "pass's (peaks the larger)")
-        produced = self._produce(work, attempt, settings)
+        produced = self._produce(work, attempt, settings, seconds)
         description = engine.describe()
         figures = RunFigures(
             engine=description.engine, weights=description.weights, kv_cache=description.kv_cache,
@@ -160,19 +160,19 @@ class ExecuteConfigRun(BaseTask):
             **work.stats.figures(description.kv_cache_usage),
             inputs_key=key, model_digest=digest, config_digest=job.config_digest,
         ).to_json()
-        if job.earlier is not None:
-            figures = with_earlier(figures, job.earlier, documents=job.runs("perplexity"))
+        figures = figures if job.earlier is None else with_earlier(figures, job.earlier, job.runs("perplexity"))
         self.transaction(lambda session: attempt.finish_or_stop(session, "succeeded", figures=figures),
                          f"finish config-run {attempt.config_run_id}")
 
-    def _produce(self, work: Work, attempt: Attempt, settings: Settings) -> dict[str, Any]:
+    def _produce(self, work: Work, attempt: Attempt, settings: Settings, seconds: dict[str, float]) -> dict[str, Any]:
         """Run the suite's producers in order (workers/producers/), each batch written fenced by the
-        attempt after a check of the lease; returns the figures they measured."""
+        attempt after a check of the lease; returns the figures they measured, and in `seconds` (beside
+        the engine's) each producer's wall time, its writes included."""
         producers = producers_for(work)
         work.total = sum(producer.total() for producer in producers)
         figures: dict[str, Any] = {}
         for producer in producers:
-            batches = producer.batches()
+            batches, started = producer.batches(), time.perf_counter()
             while True:
                 work.check_lease()  # before each engine call: a superseded attempt stops here
                 batch = next(batches, None)
@@ -181,7 +181,8 @@ class ExecuteConfigRun(BaseTask):
                 work.done += batch.progress
                 self._write_fenced(work, attempt, batch.rows, settings)
             figures |= producer.figures()
-        return figures
+            seconds[producer.scorer] = round(time.perf_counter() - started, 2)
+        return figures | {"seconds": seconds}
 
     def _write_fenced(self, work: Work, attempt: Attempt, rows: list[dict], settings: Settings) -> None:
         """One transaction: record progress and renew the lease (fenced by the attempt number), then

@@ -243,15 +243,17 @@ def with_earlier(figures: dict[str, Any], earlier: dict[str, Any], documents: bo
     """A top-up pass's figures over its config's earlier passes' (workers/top_up.py): what this pass
     did not measure (None: a serving figure of a pass that generated nothing, the documents'
     figures of one that scored none) stays the earlier pass's; a peak is the larger of the two; the
-    documents' count and perplexity are the earlier ones when this pass scored no document (the
-    documents producer counts its earlier rows itself when it ran)."""
+    seconds are summed; the documents' count and perplexity are the earlier ones when this pass
+    scored no document (the documents producer counts its earlier rows itself when it ran)."""
     merged = dict(figures)
     if earlier.get("config_digest") not in (None, figures.get("config_digest")):
         merged["config_digest"] = MIXED  # the config was edited between passes: its samples measured two definitions
     for name, value in earlier.items():
         if name in ("pass_scorers", "config_digest") or name not in merged:
             continue
-        if name in PEAKS and value is not None and merged[name] is not None:
+        if name == "seconds" and value and merged[name]:  # the config-run's time over its passes
+            merged[name] = {k: round(value.get(k, 0) + merged[name].get(k, 0), 2) for k in {**value, **merged[name]}}
+        elif name in PEAKS and value is not None and merged[name] is not None:
             merged[name] = max(merged[name], value)
         elif merged[name] is None or (not documents and name in ("token_ppl", "n_documents", "n_tokens")):
             merged[name] = value

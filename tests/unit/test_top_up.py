@@ -169,6 +169,10 @@ def test_a_top_up_pass_keeps_what_it_did_not_measure_by_hand():
     assert with_earlier({**scored, "config_digest": "bbbb"}, {**earlier, "config_digest": "aaaa"},
                         documents=True)["config_digest"] == "mixed"
     assert with_earlier({**scored, "config_digest": "bbbb"}, earlier, documents=True)["config_digest"] == "bbbb"
+    # where the time went: each pass's seconds per part, summed over the passes
+    timed = with_earlier({**scored, "seconds": {"engine": 0.5, "perplexity": 2.25}},
+                         {**earlier, "seconds": {"engine": 4.0, "generation": 1.5}}, documents=True)
+    assert timed["seconds"] == {"engine": 4.5, "perplexity": 2.25, "generation": 1.5}
 
 
 def test_pass_scorers_by_hand():
