@@ -208,8 +208,9 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     share (the start token and the prompt's tokens, positions 0…p−1), then each choice's own
     inputs at positions p…, each attending the shared ones and its own earlier ones (a tree mask).
     Choice j's log p of its k-th token is read where the rolling pass over prompt + choice reads
-    it (the same token ids, positions and context; a drill's prompt log-prob fault applied to the
-    choice's whole list, as there), and its score sums the tokens past the prompt's characters.
+    it (the same token ids, positions and context; a drill's prompt log-prob fault, which shifts
+    each log p alike, applied as there), and its score sums the tokens past the prompt's characters,
+    the only rows the lm_head reads.
     None where choice_trees leaves an item out, and for every item under a KV format that reads a
     slot by its place in the cache, where the tree's slots are not the positions: KIVI's window
     (raw or compressed by the slot), and a KV-corruption drill (its noise is drawn per slot)."""
@@ -250,11 +251,16 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
             prompt_chars = len(requests[i].prompt)
             scores = []
             for seq, start, span in zip(seqs, starts, spans, strict=True):
-                # the input slot each target seq[k + 1] is read at: a shared one, then the choice's own
-                rows = [k if k < p else start + k - p for k in range(len(seq) - 1)]
+                # only the tokens past the prompt's characters count: the lm_head reads their rows alone
+                # (the prompt's tokens, most of a row, are scored by no choice)
+                counted = [k for k, (_, end) in enumerate(span) if end > prompt_chars]
+                if not counted:
+                    scores.append(0.0)
+                    continue
+                # the input slot each counted target seq[k + 1] is read at: a shared one, then the choice's own
+                rows = [k if k < p else start + k - p for k in counted]
                 logits = engine.model.lm_head(h[b, rows]).float()
-                picked, norm = target_logits(logits, seq[1:])
-                logprobs = engine.fault.prompt_logprobs((picked - norm).tolist())
-                scores.append(float(sum(lp for lp, (_, end) in zip(logprobs, span, strict=True) if end > prompt_chars)))
+                picked, norm = target_logits(logits, [seq[k + 1] for k in counted])
+                scores.append(float(sum(engine.fault.prompt_logprobs((picked - norm).tolist()))))
             out[i] = tuple(scores)
     return out
