@@ -308,3 +308,35 @@ def test_kld_by_position_by_hand():
     assert got[0]["ci_low"] <= 0.02 <= got[0]["ci_high"]
     # one bucket only (every document shorter than 128 tokens): no table, it is the whole figure again
     assert "by_position" not in kld_comparison([("b", doc([0.03] * 100))]).details
+
+
+def test_a_process_computes_a_baseline_s_distributions_once_for_all_its_candidates(monkeypatch):
+    """compared_with_baseline keeps the baseline engine's rows per request: a second candidate in
+    the same process asks the baseline nothing and compares with the same rows; another request,
+    or another baseline engine, is computed; past KEPT_BYTES the oldest rows go."""
+    from engines.protocol import RollingRequest, RollingResult, WindowSpec
+    from workers.producers import distributions
+
+    class Engine:  # an in-process engine's next_token_logprobs, counted
+        def __init__(self, shift: float):
+            self.shift, self.asked = shift, []
+
+        def next_token_logprobs(self, requests):
+            self.asked += [r.doc_id for r in requests]
+            rows = np.log(np.full((3, 4), 0.25)) - self.shift
+            return [(RollingResult(r.doc_id, (1, 2, 3), (-1.0, -1.0, -1.0), (0, 0, 0), 3, 1, ()), rows)
+                    for r in requests]
+
+    a, b = (RollingRequest(d, "x y", WindowSpec(8, 8)) for d in ("a", "b"))
+    baseline, other, candidate = Engine(0), Engine(1), Engine(0)
+    first = distributions.compared_with_baseline(candidate, baseline, [a])
+    assert distributions.compared_with_baseline(candidate, baseline, [a]) == first
+    assert baseline.asked == ["a"] and candidate.asked == ["a", "a"]
+    distributions.compared_with_baseline(candidate, baseline, [b])
+    distributions.compared_with_baseline(candidate, other, [a])
+    assert baseline.asked == ["a", "b"] and other.asked == ["a"]
+    monkeypatch.setattr(distributions, "KEPT_BYTES", 3 * 4 * 8)  # one [3, 4] float64 array
+    c = RollingRequest("c", "x y", WindowSpec(8, 8))
+    distributions.compared_with_baseline(candidate, baseline, [c])  # kept, and a and b go
+    distributions.compared_with_baseline(candidate, baseline, [c, a])
+    assert baseline.asked == ["a", "b", "c", "a"]

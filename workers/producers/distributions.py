@@ -8,6 +8,8 @@ candidate's aggregation reads it, and a reused baseline carries it."""
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -24,26 +26,52 @@ from workers.producers.documents import DocumentSignal, register_signal
 log = logging.getLogger(__name__)
 
 
+# The baseline engine's distributions of a document, kept in the worker process: every candidate of a
+# run compares with the same ones, and an in-process engine gives the same rows for the same request,
+# so a process that runs several candidates (the demo's two run seven each) computes them once. Keyed
+# by the engine object (an engine the cache lets go takes its rows with it), at most KEPT_BYTES in all.
+KEPT_BYTES = 256 << 20
+_kept: weakref.WeakKeyDictionary[Any, OrderedDict[RollingRequest, tuple[RollingResult, np.ndarray]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def kept_distributions(engine: GivesDistributions, request: RollingRequest) -> tuple[RollingResult, np.ndarray]:
+    """engine.next_token_logprobs([request])'s one answer, from what this process kept if it has it."""
+    rows = _kept.setdefault(engine, OrderedDict())
+    if request in rows:
+        rows.move_to_end(request)
+        return rows[request]
+    [answer] = engine.next_token_logprobs([request])
+    rows[request] = answer
+    while sum(a.nbytes for _, a in rows.values()) > KEPT_BYTES and len(rows) > 1:
+        rows.popitem(last=False)
+    return answer
+
+
 def compared_with_baseline(engine: GivesDistributions, baseline: GivesDistributions,
                            requests: list[RollingRequest]) -> list[DocDistribution | None]:
     """Per document, the candidate's whole next-token distributions against the baseline
-    engine's (both in-process); None for a document the two tokenize differently."""
+    engine's (both in-process; the baseline's as this process kept them); None for a document
+    the two tokenize differently."""
     out: list[DocDistribution | None] = []
     for request in requests:  # one document at a time: two [T, V] arrays live
-        [(r, q)], [(b, p)] = engine.next_token_logprobs([request]), baseline.next_token_logprobs([request])
+        [(r, q)], (b, p) = engine.next_token_logprobs([request]), kept_distributions(baseline, request)
         d = doc_distribution(p, q, r.token_ids) if r.token_ids == b.token_ids else None
         # KLD by position in the window (evals/positions.py), as the perplexity ratio is kept
         out.append(replace(d, positions=position_totals(d.kld, request.window)) if d else None)
     return out
 
 
-def own_topk(engine: GivesDistributions | GivesTopK, requests: list[RollingRequest]) -> list[DocTopK]:
+def own_topk(engine: GivesDistributions | GivesTopK, requests: list[RollingRequest],
+             baseline: bool = False) -> list[DocTopK]:
     """Per document, the config's own top-k table: its whole distributions cut to their top k
-    in-process, or what a server returns (at most 20)."""
+    in-process (a baseline's kept for its candidates in this process), or what a server returns
+    (at most 20)."""
     out = []
     for request in requests:
         if isinstance(engine, GivesDistributions):
-            [(result, rows)] = engine.next_token_logprobs([request])
+            [(result, rows)] = [kept_distributions(engine, request)] if baseline else \
+                engine.next_token_logprobs([request])
             ids, logprobs = topk_rows(rows, TOP_K)
         else:
             [(result, top_ids, top_logprobs)] = engine.next_token_topk([request], TOP_K)
@@ -74,7 +102,7 @@ class Distributions(DocumentSignal):
         compared = compared_with_baseline(work.engine, self.baseline, requests[: max(0, self.n_compared - first)]) \
             if self.baseline is not None else []
         try:
-            tables = own_topk(work.engine, requests[: max(0, self.n_topk - first)])
+            tables = own_topk(work.engine, requests[: max(0, self.n_topk - first)], work.job.is_baseline)
         except NoDistributions as e:  # a server that cannot give them (llama-cpp-python: text prompts only);
             # a server error (5xx) fails the pass as the echo for perplexity would, rather than leave
             # every candidate of the run without kld_mean
