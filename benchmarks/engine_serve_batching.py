@@ -24,9 +24,17 @@ fp32 pair with that speculative decoding (rows draft on their own, one pass veri
 drafts) and leaves out the bf16 server; the serial peer is the same speculative server at
 --max-num-seqs 1. Both together run speculative decoding over that KV format (rows.SpeculativeRows).
 
+--vllm adds the real vLLM (its CPU build, in the environment `make test-vllm` creates) serving the
+same model in fp32 with its own batching defaults: timed in the same rounds as the fp32 pair (the
+three sides' order rotating), its outputs compared with the serial server's at concurrency 1 (sent
+as the reference engine's token ids: vLLM adds no start token to this model's prompts), and
+engine-serve's throughput over vLLM's per round. vLLM runs its compute on every core it finds
+(its OpenMP threads); engine-serve on --threads, or its default.
+
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
     .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3
     .venv/bin/python benchmarks/engine_serve_batching.py --speculative '{"method": "ngram", "k": 4}'
+    .venv/bin/python benchmarks/engine_serve_batching.py --vllm
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
-from benchmarks._common import host, parser, prompts, spread
+from benchmarks._common import TARGET, host, parser, prompts, spread, start_vllm
 
 CONCURRENCY = (1, 8, 32)
 MODEL = "m"
@@ -54,11 +63,12 @@ def start(*flags: str) -> tuple[subprocess.Popen, str]:
     return start_engine_serve("--served-model-name", MODEL, *flags)
 
 
-def run_set(base: str, texts: list[str], concurrency: int, max_tokens: int) -> tuple[float, int, list[tuple]]:
-    """Every prompt through a pool of `concurrency` client threads: (wall seconds, generated
-    tokens, each output as (text, completion_tokens) in prompt order)."""
+def run_set(base: str, texts: list[str] | list[list[int]], concurrency: int,
+            max_tokens: int) -> tuple[float, int, list[tuple]]:
+    """Every prompt (a text, or token ids) through a pool of `concurrency` client threads: (wall
+    seconds, generated tokens, each output as (text, completion_tokens) in prompt order)."""
     with httpx.Client(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
-        def one(prompt: str) -> tuple[str, int]:
+        def one(prompt: str | list[int]) -> tuple[str, int]:
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                                                      "temperature": 0})
             r.raise_for_status()
@@ -80,16 +90,35 @@ def equal(outs: list[tuple], reference: list[tuple]) -> int:
     return sum(a == b for a, b in zip(outs, reference, strict=True))
 
 
-def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, repeats: int) -> dict:
+def start_ids(texts: list[str]) -> list[list[int]]:
+    """The prompts as the reference engine encodes them: its start token, then the tokenizer's ids
+    without special tokens (engines/reference/engine.py). vLLM's tokenizer adds no start token to
+    this model's prompts, so vLLM is sent these ids: both servers then decode from the same ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    return [[start, *tok(text, add_special_tokens=False)["input_ids"]] for text in texts]
+
+
+def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, repeats: int,
+                 vllm: str | None = None) -> dict:
     """Per concurrency: batched and serial throughput (alternating), the speedup per round, and
-    how many batched outputs equal the serial server's at concurrency 1."""
+    how many batched outputs equal the serial server's at concurrency 1; with `vllm`, vLLM's
+    throughput in the same rounds (the three sides' order rotating), engine-serve's over vLLM's
+    per round, and how many of vLLM's outputs equal the serial server's."""
     reference = run_set(serial, texts, 1, max_tokens)[2]
+    bases = {"batched": batched, "serial": serial, **({"vllm": vllm} if vllm else {})}
+    asked: dict[str, list[str] | list[list[int]]] = {"batched": texts, "serial": texts}
+    if vllm:
+        asked["vllm"] = start_ids(texts)
     out: dict = {}
     for c in CONCURRENCY:
-        runs: dict[str, list] = {"batched": [], "serial": []}
+        runs: dict[str, list] = {side: [] for side in bases}
+        order = list(bases)
         for r in range(repeats):
-            for side in (("batched", "serial") if r % 2 == 0 else ("serial", "batched")):
-                runs[side].append(run_set(batched if side == "batched" else serial, texts, c, max_tokens))
+            for side in order[r % len(order):] + order[: r % len(order)]:
+                runs[side].append(run_set(bases[side], asked[side], c, max_tokens))
         out[str(c)] = {
             "batched_tokens_per_s": rates(runs["batched"]),
             "serial_tokens_per_s": rates(runs["serial"]),
@@ -97,6 +126,12 @@ def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, r
             "batched_equal_to_serial": min(equal(o, reference) for _, _, o in runs["batched"]),
             "serial_equal_to_serial": min(equal(o, reference) for _, _, o in runs["serial"]),
         }
+        if vllm:
+            out[str(c)] |= {
+                "vllm_tokens_per_s": rates(runs["vllm"]),
+                "engine_serve_over_vllm": spread([v[0] / b[0] for b, v in zip(runs["batched"], runs["vllm"],
+                                                                              strict=True)], digits=2),
+                "vllm_equal_to_serial": min(equal(o, reference) for _, _, o in runs["vllm"])}
     return out
 
 
@@ -124,7 +159,12 @@ def main() -> None:
     p.add_argument("--speculative", default="off",
                    help='the fp32 servers\' speculative decoding, e.g. \'{"method": "ngram", "k": 4}\' (default off); '
                         'not off: no bf16 server')
+    p.add_argument("--vllm", action="store_true",
+                   help="also vLLM's CPU build (`make test-vllm` installs it) on the same model in fp32, its own "
+                        "defaults for batching, timed in the same rounds; with --kv-cache auto and no --speculative only")
     args = p.parse_args()
+    if args.vllm and (args.kv_cache != "auto" or args.speculative != "off"):
+        raise SystemExit("--vllm: the peer serves the plain fp32 model; leave out --kv-cache and --speculative")
     if args.repeats < 3:
         raise SystemExit("--repeats must be at least 3 (a median and a spread need three)")
     texts = prompts(args.prompts)
@@ -133,11 +173,14 @@ def main() -> None:
     servers = {"batched": start(*threads, *kv), "serial": start(*threads, *kv, "--max-num-seqs", "1")}
     if args.kv_cache == "auto" and args.speculative == "off":
         servers["bf16"] = start(*threads, "--weights", "bf16")
+    if args.vllm:
+        servers["vllm"] = start_vllm(Path(tempfile.mkdtemp(prefix="vllm-")) / "vllm.log", MODEL)
     try:
-        for _, base in servers.values():  # warm-up: first-call allocations stay out of the timings
-            run_set(base, texts[:8], 8, 4)
+        for side, (_, base) in servers.items():  # warm-up: first-call allocations stay out of the timings
+            run_set(base, start_ids(texts[:8]) if side == "vllm" else texts[:8], 8, 4)
         t0 = time.perf_counter()
-        fp32 = fp32_figures(servers["batched"][1], servers["serial"][1], texts, args.max_tokens, args.repeats)
+        fp32 = fp32_figures(servers["batched"][1], servers["serial"][1], texts, args.max_tokens, args.repeats,
+                            servers["vllm"][1] if "vllm" in servers else None)
         bf16 = bf16_figures(servers["bf16"][1], texts, args.max_tokens) if "bf16" in servers else None
         seconds = round(time.perf_counter() - t0, 1)
     finally:

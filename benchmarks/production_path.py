@@ -35,10 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import ARTIFACTS, TARGET, heldout, parser, prompts, spread
+from benchmarks._common import ARTIFACTS, TARGET, VLLM_PYTHON, heldout, parser, prompts, spread, start_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = os.environ.get("CANARY_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 SERVED = "pydoc"
 BENCH = """
 import json, sys
@@ -48,38 +47,6 @@ p = FlexibleArgumentParser()
 add_cli_args(p)
 main(p.parse_args(sys.argv[1:]))
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_vllm(log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--served-model-name", SERVED,
-         "--dtype", "float32", "--max-model-len", "1024", "--enable-tokenizer-info-endpoint",
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("vLLM did not come up in 600 s")
 
 
 def canary_perplexity(base: str, n: int, window: int) -> float:
@@ -165,7 +132,7 @@ def main() -> None:
     if not os.path.exists(VLLM_PYTHON):
         raise SystemExit(f"no vLLM environment at {VLLM_PYTHON}: `make test-vllm` creates it")
     work = Path(tempfile.mkdtemp(prefix="canary-production-path-"))
-    proc, base = start_vllm(work / "vllm.log")
+    proc, base = start_vllm(work / "vllm.log", SERVED, "--enable-tokenizer-info-endpoint")
     try:
         ppl: dict[str, list] = {"canary": [], "lm_eval_process": [], "lm_eval_own": []}
         figures: dict[str, float] = {}
