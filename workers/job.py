@@ -31,7 +31,8 @@ class Job:
     is_baseline: bool
     spec: OptimizationSpec
     baseline_spec: OptimizationSpec  # the run's baseline config (it scores every config's outputs)
-    calibration: list[str] | None  # AWQ calibration text: those the first draw left (top_up.calibration_keys)
+    calibration: list[str] | None  # AWQ calibration text: those the first draw left, less any an item quotes
+    # (top_up.calibration_keys)
     suite_version: str
     model_path: str
     suite: SuiteSpec
@@ -75,7 +76,8 @@ def load_job(session: Session, config_run_id: int) -> Job:
     calibration = None
     if top_up.calibrates_on_the_suite(config_run.config.spec):  # domain text the first pass does not score
         samples = repo.suite_samples(session, suite.id, run.suite_version)
-        calibrated = set(top_up.calibration_keys(run, [sample.key for sample in samples]))
+        quoted = top_up.suite_quotes(session, suite, run.suite_version)  # no text a labelled item is cut from
+        calibrated = set(top_up.calibration_keys(run, [sample.key for sample in samples], quoted))
         calibration = [sample.text for sample in samples if sample.key in calibrated]
     baseline = session.get(OptimizationConfig, run.baseline_config_id)
     order = {key: i for i, key in enumerate(run.sample_keys)}

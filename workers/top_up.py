@@ -28,8 +28,8 @@ ok (docs/scorers.md, "Verdict rule", says what the detection benchmark does and 
 New documents come from those the run has not drawn, by a seed of their own (the run's seed and
 its size), kept in suite order after the samples already drawn, so the prompts of the first pass
 stay the first prompts of the next. When a config of the run quantizes with AWQ (calibrated on
-the documents its first draw did not take: the same in every pass, calibration_keys) the first quarter of
-them is never drawn by a top-up (kept_for_calibration).
+the documents its first draw did not take, less those a labelled item is cut from: the same in every
+pass, calibration_keys) the first quarter of them is never drawn by a top-up (kept_for_calibration).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
@@ -100,32 +100,57 @@ def calibrates(run: Run) -> bool:
     return any(calibrates_on_the_suite(cr.config.spec) for cr in run.config_runs)
 
 
-def calibration_keys(run: Run, keys: list[str]) -> list[str]:
+QUOTE_CHARS = 40  # a labelled item's prompt found in a document this long or longer is a quote of it
+
+
+def quoted_documents(documents: Iterable[tuple[str, str]], prompts: Iterable[str]) -> frozenset[str]:
+    """The keys of the documents (key, text) that hold a labelled item's prompt of QUOTE_CHARS
+    characters or more: an item cut from a suite document (builtin:pydoc-next-word cuts each from
+    a held-out document, its answer the word that follows there) is answered from that text, so a
+    model calibrated on it would have seen the items' answers."""
+    quotes = [prompt for prompt in prompts if len(prompt) >= QUOTE_CHARS]
+    return frozenset(key for key, text in documents if any(quote in text for quote in quotes)) if quotes \
+        else frozenset()
+
+
+def suite_quotes(session: Session, suite: Suite, version: str) -> frozenset[str]:
+    """quoted_documents of the suite version, by the items its labelled scorer asks (none when it
+    does not run)."""
+    settings = suite.settings
+    if not settings.runs("labelled"):
+        return frozenset()
+    items = repo.suite_samples(session, suite.id, version, items=True)[: settings.labelled.max_items]
+    documents = repo.suite_samples(session, suite.id, version)
+    return quoted_documents(((d.key, d.text) for d in documents), (item.text for item in items))
+
+
+def calibration_keys(run: Run, keys: list[str], quoted: frozenset[str] = frozenset()) -> list[str]:
     """The documents a run's AWQ configs calibrate on (workers/job.py): the suite version's `keys`
-    its first draw did not take, in suite order. The same in every pass of the run, so a top-up
-    pass scores the model the first pass measured. Empty when no config calibrates."""
+    its first draw did not take and no labelled item quotes (`quoted`: suite_quotes), in suite
+    order. The same in every pass of the run, so a top-up pass scores the model the first pass
+    measured. Empty when no config calibrates."""
     if not calibrates(run):
         return []
     first = set(run.sample_keys[: run.n_samples])
-    return [key for key in keys if key not in first]
+    return [key for key in keys if key not in first and key not in quoted]
 
 
-def kept_for_calibration(run: Run, keys: list[str]) -> list[str]:
+def kept_for_calibration(run: Run, keys: list[str], quoted: frozenset[str] = frozenset()) -> list[str]:
     """The first quarter of the suite (at least one document) of calibration_keys, which a top-up
     never draws: the calibration reads its texts from the front until it has its tokens
     (engines/reference/weights.py calibration_ids), so on a corpus where a quarter holds them no
     pass scores a document its model was calibrated on. A calibration that reads further (more
     calibration tokens than a quarter of the corpus holds) may read documents a top-up drew."""
-    return calibration_keys(run, keys)[: max(1, len(keys) // 4)]
+    return calibration_keys(run, keys, quoted)[: max(1, len(keys) // 4)]
 
 
-def room(run: Run, suite: Suite, keys: list[str]) -> int:
+def room(run: Run, suite: Suite, keys: list[str], quoted: frozenset[str] = frozenset()) -> int:
     """How many samples the run may hold in all: cap(), within the run's suite version's
     documents (`keys`, less those kept for AWQ calibration when a config needs them) and the
     per-run limit."""
     if cap(run, suite) <= len(run.sample_keys):
         return len(run.sample_keys)
-    documents = len(keys) - len(kept_for_calibration(run, keys))
+    documents = len(keys) - len(kept_for_calibration(run, keys, quoted))
     return max(len(run.sample_keys), min(cap(run, suite), documents, get_settings().max_samples_per_run))
 
 
@@ -164,11 +189,11 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def draw_more(run: Run, keys: list[str], n: int) -> list[str]:
+def draw_more(run: Run, keys: list[str], n: int, quoted: frozenset[str] = frozenset()) -> list[str]:
     """n of the run's suite version's `keys` that the run has not drawn, nor keeps for calibration:
     a seed of their own (the run's seed and its size, so each top-up draws afresh), kept in suite
     order."""
-    drawn = set(run.sample_keys) | set(kept_for_calibration(run, keys))
+    drawn = set(run.sample_keys) | set(kept_for_calibration(run, keys, quoted))
     remaining = [key for key in keys if key not in drawn]
     n = min(n, len(remaining))
     picked = set(random.Random(f"top-up:{run.seed}:{len(run.sample_keys)}").sample(range(len(remaining)), n))
@@ -192,14 +217,15 @@ def plan(session: Session, run: Run, suite: Suite | None, rows: list[Comparison]
     # a config already critical (or a measurement error) fails the run whatever more samples say
     settled = {r.config_id for r in rows if r.verdict in SETTLED and not informational(r)}
     keys = [sample.key for sample in repo.suite_samples(session, suite.id, run.suite_version)]
-    have, most = len(run.sample_keys), room(run, suite, keys)
+    quoted = suite_quotes(session, suite, run.suite_version) if calibrates(run) else frozenset()
+    have, most = len(run.sample_keys), room(run, suite, keys, quoted)
     asked = [r for r in rows if r.config_id is not None and r.config_id != run.baseline_config_id
              and r.config_id not in settled and undecided(r) and reachable(r, have, most)
              and not step_back.is_ablation(configs[r.config_id].config)]
     waiting = sorted({r.config_id for r in asked if r.config_id is not None})
     if not waiting:
         return TopUp([])
-    new_keys = draw_more(run, keys, min(2 * have, most) - have)
+    new_keys = draw_more(run, keys, min(2 * have, most) - have, quoted)
     if not new_keys:
         return TopUp([])
     # a stacked config that breaches steps back once the run is decided: it reruns too, so that it

@@ -68,7 +68,8 @@ def calibration_ids(tokenizer: PreTrainedTokenizerBase, start_id: int, calibrati
     to end (each after the start token); n' < n when the texts run out."""
     if not calibration:
         raise ValueError("weights: 'awq-int4' needs calibration text from the domain; the worker passes the "
-                         "suite's documents that the run's first draw did not take")
+                         "suite's documents that the run's first draw did not take and no labelled item quotes "
+                         "(a suite with more documents than it draws gives some)")
     ids: list[int] = []
     for text in calibration:
         ids += [start_id] + tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -413,3 +413,48 @@ def test_a_run_without_awq_keeps_no_calibration_documents_by_hand():
     assert top_up.kept_for_calibration(run, keys) == ["b", "d"]
     run.sample_keys = ["a", "c", "b"]  # a top-up drew b (before this rule): the first draw decides, not the run's size
     assert top_up.calibration_keys(run, keys) == ["b", "d", "e", "f", "g", "h"]
+
+
+def test_awq_never_calibrates_on_a_document_a_labelled_item_is_cut_from(sqlite_env, tmp_path):
+    """builtin:pydoc-next-word cuts each item from a held-out document, its answer the word that
+    follows there: on a suite whose corpus holds those documents, AWQ calibrates on the documents the
+    first draw left less those (a model calibrated on them would have read the items' answers), the
+    same in every pass, and the kept quarter is of what it calibrates on."""
+    from app.models import Suite
+    from workers.job import load_job
+
+    run_id, _ = start(tmp_path, max_samples=24, weights="awq-int4", scorers=["perplexity", "labelled"],
+                      labelled={"items": "builtin:pydoc-next-word", "max_items": 8})
+    with session_scope() as s:
+        run = s.get(Run, run_id)
+        suite = s.get(Suite, run.suite_id)
+        samples = repo.suite_samples(s, suite.id, run.suite_version)
+        items = repo.suite_samples(s, suite.id, run.suite_version, items=True)[:8]
+        quoted = top_up.suite_quotes(s, suite, run.suite_version)
+        # each item's prompt opens a document of the corpus, and that document is quoted
+        assert len(items) == 8 and all(any(d.text.startswith(i.text) and d.key in quoted for d in samples)
+                                       for i in items)
+        keys = [d.key for d in samples]
+        left = [k for k in keys if k not in run.sample_keys and k not in quoted]
+        awq = next(cr for cr in run.config_runs if cr.config.name == "int4")
+        calibration = load_job(s, awq.id).calibration
+        assert calibration == [d.text for d in samples if d.key in set(left)]
+        assert not any(i.text in text for i in items for text in calibration)
+        kept = top_up.kept_for_calibration(run, keys, quoted)
+        assert kept == left[:6] and top_up.room(run, suite, keys, quoted) == 18
+        new = top_up.draw_more(run, keys, 6, quoted)
+        assert new and not set(new) & set(kept)
+        repo.top_up_run(s, run, new, [cr.config_id for cr in run.config_runs])
+        assert load_job(s, awq.id).calibration == calibration  # the next pass's model is the same
+
+
+def test_a_document_is_quoted_by_an_item_prompt_of_40_characters_or_more_by_hand():
+    prompt = "Return a new list containing all items from"  # 43 characters
+    documents = [("a", prompt + " the iterable in ascending order."), ("b", "Another text. " + prompt + " it."),
+                 ("c", "Return a new list containing all items"), ("d", "short prompt here")]
+    assert top_up.quoted_documents(documents, [prompt, "short prompt"]) == {"a", "b"}
+    assert top_up.quoted_documents(documents, ["short prompt"]) == frozenset()  # too short to be a quote
+    assert top_up.quoted_documents(documents, []) == frozenset()
+    run = SimpleNamespace(sample_keys=["a"], n_samples=1,
+                          config_runs=[SimpleNamespace(config=SimpleNamespace(spec={"weights": "awq-int4"}))])
+    assert top_up.calibration_keys(run, ["a", "b", "c", "d"], frozenset({"b"})) == ["c", "d"]
