@@ -100,7 +100,7 @@ def calibrates(run: Run) -> bool:
     return any(calibrates_on_the_suite(cr.config.spec) for cr in run.config_runs)
 
 
-QUOTE_CHARS = 40  # a labelled item's prompt found in a document this long or longer is a quote of it
+QUOTE_CHARS = 40  # a labelled item's prompt of this many characters or more, found in a document, quotes it
 
 
 def quoted_documents(documents: Iterable[tuple[str, str]], prompts: Iterable[str]) -> frozenset[str]:
