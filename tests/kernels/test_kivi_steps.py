@@ -65,6 +65,7 @@ def decode(monkeypatch, mode: str, device: str):
     return d, torch.stack(out), reads
 
 
+@pytest.mark.integration  # slow for the quick tier's budget: the whole suite runs it
 def test_kivi_kernel_steps_read_nothing_from_the_host_and_match_the_torch_path(monkeypatch, device):
     d, kernel_logits, reads = decode(monkeypatch, "triton", device)
     assert reads == []

@@ -41,6 +41,7 @@ def outputs(engine: ReferenceEngine) -> list[tuple]:
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp8", "kivi-2", "turbo-3"])
+@pytest.mark.integration  # slow for the quick tier's budget: the whole suite runs it
 def test_a_reused_decode_loop_decodes_as_a_fresh_one(kv):
     pooled, fresh = engine_for(kv, True), engine_for(kv, False)
     got, want = outputs(pooled), outputs(fresh)

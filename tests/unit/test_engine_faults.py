@@ -167,6 +167,7 @@ def test_a_kv_fault_from_slot_n_shows_only_in_the_position_buckets_past_n():
     assert rows[1]["estimate"] > 1.05 and rows[1]["ci_low"] > 1.05 and rows[1]["verdict"] == "critical"
 
 
+@pytest.mark.integration  # slow for the quick tier's budget: the whole suite runs it
 def test_a_kv_fault_late_in_the_answers_shows_only_in_gen_nll_ratio_s_late_buckets():
     """kv-corrupt from 16 slots past the longest prompt: every answer's first 16 tokens are
     predicted from clean slots, the rest read noise. Scored by the clean model as a run scores

@@ -73,6 +73,7 @@ def largest_prefill_allocation(monkeypatch, fmt_name: str, P: int, chunk: int | 
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "int4", "kivi-4", "turbo-ip-3"])
+@pytest.mark.integration  # slow for the quick tier's budget: the whole suite runs it
 def test_a_32k_prefill_of_an_8b_layer_allocates_under_4_gib(monkeypatch, fmt):
     largest, op = largest_prefill_allocation(monkeypatch, fmt, 32768, None)
     assert largest < 4 * GiB, f"{fmt}: {largest / GiB:.1f} GiB in {op}"
