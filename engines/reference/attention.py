@@ -66,20 +66,26 @@ def query_chunk(rows: int, S: int) -> int:
     return max(16, SCORE_BYTES // (4 * rows * max(S, 1)) // 16 * 16)
 
 
+CPU_SCORE_BYTES = 2 << 20  # on the CPU, a chunk's fp32 scores stay about cache-sized (2 MiB)
+
+
 def two_tier_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
                        mask: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                        chunk: int | None = None) -> torch.Tensor:
     """Scores read compressed keys where ck, values mix compressed values where cv.
     q: [B, H, T, D]; k, v: raw and kq, vq: dequantized [B, Hkv, S, D]; mask, ck, cv: [B, 1, T, S].
-    The G = H/Hkv query heads of a kv head broadcast against it ([B, Hkv, G, T, D] · [B, Hkv, 1, S, D]),
-    so K and V are never copied per query head; queries run `chunk` at a time (default:
-    query_chunk), so the scores held are [B, Hkv, G, chunk, S], not [B, H, T, S]."""
+    The G = H/Hkv query heads of a kv head are folded into its query rows ([B, Hkv, G·C, D] against
+    [B, Hkv, S, D]), so K and V are never copied per query head; queries run `chunk` at a time
+    (default: query_chunk; on the CPU, chunks of about CPU_SCORE_BYTES of scores), so the scores
+    held are [B, Hkv, G, chunk, S], not [B, H, T, S]. On the CPU a chunk reads only the slots up to
+    the last one any of its queries may see (a causal mask's later slots are never read)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
-    chunk = chunk or query_chunk(B * H, S)
+    cpu = q.device.type == "cpu"
+    chunk = chunk or (max(16, CPU_SCORE_BYTES // (4 * B * H * max(S, 1)) // 16 * 16) if cpu
+                      else query_chunk(B * H, S))
     qg = q.reshape(B, Hkv, G, T, D)  # query head h = kv head h // G, then group member h % G
-    k, v, kq, vq = (x[:, :, None] for x in (k, v, kq, vq))  # [B, Hkv, 1, S, D]
     scale = 1.0 / D**0.5
     outs = []
     for t0 in range(0, T, chunk):
@@ -88,14 +94,22 @@ def two_tier_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: to
             return (m if m.shape[-2] == 1 else m[:, :, t0 : t0 + chunk])[:, :, None]
 
         m, ckc, cvc = rows(mask), rows(ck), rows(cv)
+        # the slots this chunk reads: all of them, or on the CPU up to the last one it may see
+        s1 = int(m.flatten(0, -2).any(0).nonzero().max()) + 1 if cpu and bool(m.any()) else S
+        m, ckc, cvc = m[..., :s1], ckc[..., :s1], cvc[..., :s1]
         qc = qg[:, :, :, t0 : t0 + chunk]  # [B, Hkv, G, C, D]
-        s_raw = (qc @ k.transpose(-1, -2)) * scale
-        s_cmp = (qc @ kq.transpose(-1, -2)) * scale
-        scores = torch.where(ckc, s_cmp, s_raw).float().masked_fill(~m, float("-inf"))
+        C = qc.shape[3]
+        qf = qc.reshape(B, Hkv, G * C, D)
+        s_raw = ((qf @ k[:, :, :s1].transpose(-1, -2)) * scale).reshape(B, Hkv, G, C, s1)
+        s_cmp = ((qf @ kq[:, :, :s1].transpose(-1, -2)) * scale).reshape(B, Hkv, G, C, s1)
+        scores = torch.where(ckc, s_cmp, s_raw).float().masked_fill_(~m, float("-inf"))
         del s_raw, s_cmp
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         del scores
-        outs.append((p * cvc) @ vq + (p * ~cvc) @ v)  # [B, Hkv, G, C, D]
+        compressed = p * cvc  # p where the value is read compressed, else 0; p − it: the rest, exactly
+        out = ((compressed.reshape(B, Hkv, G * C, s1) @ vq[:, :, :s1])
+               + ((p - compressed).reshape(B, Hkv, G * C, s1) @ v[:, :, :s1]))
+        outs.append(out.reshape(B, Hkv, G, C, D))
     return torch.cat(outs, dim=3).reshape(B, H, T, D)
 
 

@@ -88,28 +88,82 @@ def target_logits(logits: torch.Tensor, targets: Sequence[int]) -> tuple[torch.T
     return picked, torch.logsumexp(logits, -1)
 
 
+def slots_free(engine: ReferenceEngine) -> bool:
+    """Whether a pass may lay its sequences at any slots of the cache (several windows end to end
+    in one row, a choice tree): every format whose slots encode on their own. Not KIVI's window
+    (a slot is read raw or compressed by its place) nor a KV-corruption drill (its noise is drawn
+    per slot), whose slots must be the positions."""
+    return not (engine.kv.windowed or isinstance(engine.kv, CorruptedKV))
+
+
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """First-fit decreasing: the indices of sequences of these lengths in rows of at most `width`
+    tokens each (a longer sequence alone in its row), every row's in the order placed."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for r, left in enumerate(room):
+            if lengths[j] <= left:
+                rows[r].append(j)
+                room[r] -= lengths[j]
+                break
+        else:
+            rows.append([j])
+            room.append(width - lengths[j])
+    return rows
+
+
+def _batches(engine: ReferenceEngine, jobs: list[Job]) -> list[list[list[int]]]:
+    """The prefill passes over these windows: per pass its rows, per row the windows it holds end
+    to end. Lossless: one row of batch_size windows (NoCache, no padding). A lossy format's rows
+    are right-padded to the pass's widest row: windows packed end to end where its slots are free
+    (slots_free: fewer padded slots), else one window per row."""
+    lengths = [len(job[1]) for job in jobs]
+    order = sorted(range(len(jobs)), key=lambda j: (lengths[j], j))
+    if not engine.kv.lossy:
+        return [[order[s : s + engine.batch_size]] for s in range(0, len(order), engine.batch_size)]
+    rows = ([[order[i] for i in row] for row in pack_rows([lengths[j] for j in order], max(lengths))]
+            if slots_free(engine) and jobs else [[j] for j in order])
+    return [rows[s : s + engine.batch_size] for s in range(0, len(rows), engine.batch_size)]
+
+
 def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, torch.Tensor] | None = None) -> Scores:
     """{job: (log p of its scored targets, argmax at each, the argmax's log p)}; with keep, also
     each job's log-softmax rows [n, V] on the CPU."""
-    order = sorted(range(len(jobs)), key=lambda j: (len(jobs[j][1]), j))
     out: dict[int, tuple[list[float], list[int], list[float]]] = {}
-    for s in range(0, len(order), engine.batch_size):
-        idx = order[s : s + engine.batch_size]
-        lengths = [len(jobs[j][1]) for j in idx]
+    for batch in _batches(engine, jobs):
         if engine.kv.lossy:
-            width = max(lengths)
-            # right padding: a window's real tokens start at slot 0, so positions equal slots
-            x = torch.tensor([jobs[j][1] + [engine.start_id] * (width - len(jobs[j][1])) for j in idx],
-                             device=engine.device)
+            width = max(sum(len(jobs[j][1]) for j in row) for row in batch)
+            B = len(batch)
+            # right padding: a row's windows end to end from slot 0, each at positions 0…, its
+            # padding after them (in its last window, unread); a query sees its own window's
+            # earlier slots (with one window per row: causal, positions equal slots)
+            x = torch.full((B, width), engine.start_id, dtype=torch.long)
+            pos = torch.zeros(B, width, dtype=torch.long)
+            seg = torch.zeros(B, width, dtype=torch.long)
+            rows = []  # (batch row, first slot) per window
+            for b, row in enumerate(batch):
+                at = 0
+                for w, j in enumerate(row):
+                    n = len(jobs[j][1])
+                    x[b, at : at + n] = torch.tensor(jobs[j][1])
+                    pos[b, at:] = torch.arange(width - at)
+                    seg[b, at:] = w
+                    rows.append((b, at))
+                    at += n
+            tril = torch.ones(width, width, dtype=torch.bool).tril()
+            mask = ((seg[:, :, None] == seg[:, None, :]) & tril)[:, None]  # [B, 1, W, W]
             slots = torch.arange(width, device=engine.device)
-            mask = torch.ones(width, width, dtype=torch.bool, device=engine.device).tril()[None, None]
-            cache = engine.new_cache(len(idx), width)
-            h = engine.model(x, slots[None].expand(len(idx), -1), slots, cache, mask, hidden=True)
+            cache = engine.new_cache(B, width)
+            h = engine.model(x.to(engine.device), pos.to(engine.device), slots, cache, mask.to(engine.device),
+                             hidden=True)
             engine.usage.cache(cache)  # memory, not kv_cache_usage: a scoring window is not a request a server holds
-            rows = [(row, 0) for row in range(len(idx))]  # (batch row, first position) per window
+            idx = [j for row in batch for j in row]
         else:
             # packed: the windows end to end in one row with no padding, positions restarting
             # at each, attention causal within each window (NoCache with their lengths)
+            [idx] = batch
+            lengths = [len(jobs[j][1]) for j in idx]
             x = torch.tensor([[t for j in idx for t in jobs[j][1]]], device=engine.device)
             pos = torch.cat([torch.arange(n, device=engine.device) for n in lengths])[None]
             h = engine.model(x, pos, pos[0], NoCache(lengths), None, hidden=True)
@@ -215,7 +269,7 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     slot by its place in the cache, where the tree's slots are not the positions: KIVI's window
     (raw or compressed by the slot), and a KV-corruption drill (its noise is drawn per slot)."""
     out: list[tuple[float, ...] | None] = [None] * len(requests)
-    if engine.kv.windowed or isinstance(engine.kv, CorruptedKV):
+    if not slots_free(engine):
         return out
     trees = sorted(choice_trees(engine, requests), key=lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1]))
     for s in range(0, len(trees), engine.batch_size):

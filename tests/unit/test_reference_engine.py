@@ -66,6 +66,40 @@ def test_lossy_kv_scores_do_not_depend_on_other_requests():
     assert e.loglikelihood_rolling([b])[0].nll == pytest.approx(alone, abs=1e-6)
 
 
+@pytest.mark.parametrize("kv", ["fp8", "turbo-2.5", "kivi-2"])
+def test_a_lossy_pass_packs_short_windows_end_to_end_and_scores_each_as_alone(kv):
+    """Windows of 9 to 40 tokens in one rolling call: a format whose slots encode on their own
+    lays several end to end in a cache row (first-fit decreasing into the widest window's width),
+    KIVI one per row (its window reads a slot by its place). Either way each document scores as
+    it does alone, and the packed pass holds fewer rows."""
+    from engines.reference import scoring
+
+    e = ref(weights="fp32", kv_cache=kv)
+    words = TEXT.split()
+    docs = [RollingRequest(str(n), " ".join(words[:n]), WindowSpec(64, 64)) for n in (3, 5, 8, 13, 21, 6)]
+    together = e.loglikelihood_rolling(docs)
+    for doc, got in zip(docs, together, strict=True):
+        [alone] = e.loglikelihood_rolling([doc])
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert got.greedy_ids == alone.greedy_ids
+    jobs, _, _ = scoring.windows(e, docs)
+    rows = [row for batch in scoring._batches(e, jobs) for row in batch]
+    assert sorted(j for row in rows for j in row) == list(range(len(jobs)))
+    widest = max(len(job[1]) for job in jobs)
+    assert all(sum(len(jobs[j][1]) for j in row) <= widest for row in rows)
+    assert (len(rows) < len(jobs)) == (kv != "kivi-2")
+
+
+def test_pack_rows_is_first_fit_decreasing():
+    from engines.reference.scoring import pack_rows
+
+    # by hand, longest first: 10 fills row 0; 9 opens row 1 (room 1); 7 row 2 (room 3); 5 row 3
+    # (room 5); 3 → row 2, the first with room (room 0); 2 → row 3 (room 3); 1 → row 1 (room 0)
+    assert pack_rows([3, 9, 1, 7, 5, 2, 10], 10) == [[6], [1, 2], [3, 0], [4, 5]]
+    assert pack_rows([], 10) == []
+    assert pack_rows([12], 10) == [[0]]
+
+
 def test_greedy_speculative_and_batching_hold_under_a_lossy_kv_cache():
     reqs = [GenerationRequest(str(i), p, max_new_tokens=10) for i, p in enumerate(["os.path", "json.dumps()\n\nSerialize obj"])]
     plain = [g.token_ids for g in ref(weights="fp32", kv_cache="int8").generate(reqs)]
