@@ -93,7 +93,9 @@ ENGINE_OPTIONS: dict[str, dict[str, EngineOption]] = {
     },
     "reference": {
         "device": EngineOption(str, "torch device, e.g. 'cpu' or 'cuda:0' (default: cuda when present)"),
-        "batch_size": EngineOption(int, "perplexity windows per forward pass (default 8)", 8),
+        "batch_size": EngineOption(int, "perplexity windows per forward pass (default 8; under a lossy KV "
+                                        "cache, rows as wide as the widest, short windows sharing a row where "
+                                        "the format allows)", 8),
         "concurrency": EngineOption(int, "generation requests decoded together as one batch (default 1)", 1),
         "calibration_samples": EngineOption(int, "AWQ calibration windows (default 128)", 128),
         "calibration_tokens": EngineOption(int, "tokens per AWQ calibration window (default min(512, context))"),

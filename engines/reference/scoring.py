@@ -88,12 +88,15 @@ def target_logits(logits: torch.Tensor, targets: Sequence[int]) -> tuple[torch.T
     return picked, torch.logsumexp(logits, -1)
 
 
-def slots_free(engine: ReferenceEngine) -> bool:
-    """Whether a pass may lay its sequences at any slots of the cache (several windows end to end
-    in one row, a choice tree): every format whose slots encode on their own. Not KIVI's window
-    (a slot is read raw or compressed by its place) nor a KV-corruption drill (its noise is drawn
-    per slot), whose slots must be the positions."""
-    return not (engine.kv.windowed or isinstance(engine.kv, CorruptedKV))
+def slots_free(engine: ReferenceEngine, width: int | None = None) -> bool:
+    """Whether a pass (of `width` slots, where known) may lay its sequences at any slots of the
+    cache (several windows end to end in one row, a choice tree): every format whose slots encode
+    on their own. Not a KV-corruption drill (its noise is drawn per slot), nor KIVI's window (a
+    slot is read raw or compressed by its place) unless the pass is short enough that every slot
+    is read raw (KVFormat.raw_slots): their slots must be the positions."""
+    if isinstance(engine.kv, CorruptedKV):
+        return False
+    return not engine.kv.windowed or (width is not None and width <= engine.kv.raw_slots)
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -265,13 +268,15 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     it (the same token ids, positions and context; a drill's prompt log-prob fault, which shifts
     each log p alike, applied as there), and its score sums the tokens past the prompt's characters,
     the only rows the lm_head reads.
-    None where choice_trees leaves an item out, and for every item under a KV format that reads a
-    slot by its place in the cache, where the tree's slots are not the positions: KIVI's window
-    (raw or compressed by the slot), and a KV-corruption drill (its noise is drawn per slot)."""
+    None where choice_trees leaves an item out, and where the KV format reads a slot by its place
+    in the cache, since the tree's slots are not the positions (slots_free): every item under a
+    KV-corruption drill (its noise is drawn per slot), and under KIVI an item whose tree is wider
+    than the full-precision window (narrower, every slot is read raw wherever it lies)."""
     out: list[tuple[float, ...] | None] = [None] * len(requests)
-    if not slots_free(engine):
+    if isinstance(engine.kv, CorruptedKV):
         return out
-    trees = sorted(choice_trees(engine, requests), key=lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1]))
+    width = lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1])  # noqa: E731 - a tree's slots
+    trees = sorted((t for t in choice_trees(engine, requests) if slots_free(engine, width(t))), key=width)
     for s in range(0, len(trees), engine.batch_size):
         batch = trees[s : s + engine.batch_size]
         layouts = []  # per tree: the slot of each choice's first own input

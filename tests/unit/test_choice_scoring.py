@@ -3,8 +3,9 @@ the reference engine's loglikelihood_choices): each choice's score is, to float 
 rolling pass over prompt + choice gives it (vocabulary/labelled.py continuation_loglikelihood), the
 definition the labelled scorer used before; on a real forward pass of the tiny model, for a
 lossless cache, for weights and KV formats that store each slot on its own, and for a speculative
-config (its target scores). KIVI, whose window reads a slot by its place, and an item longer than
-one window are left to the rolling pass (None)."""
+config (its target scores), and for KIVI where the tree fits its full-precision window (every slot
+read raw, wherever it lies). KIVI past its window (a slot is read by its place), a KV-corruption
+drill, and an item longer than one window are left to the rolling pass (None)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,18 @@ def test_each_choice_scores_what_the_rolling_pass_over_prompt_and_choice_gives_i
     assert hand is not None and len(set(hand)) == 4
 
 
-def test_kivi_a_kv_drill_and_an_item_longer_than_a_window_are_left_to_the_rolling_pass():
+def test_kivi_past_its_window_a_kv_drill_and_an_item_longer_than_a_window_are_left_to_the_rolling_pass():
     kivi = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference", kv_cache="kivi-2"))
-    assert kivi.loglikelihood_choices(requests()) == [None] * len(requests())
+    # a prompt of about 150 tokens: its tree is wider than KIVI's 128-slot window, so the first
+    # keys would be read compressed, by their place; within one rolling window (256) all the same
+    wide = ChoiceRequest("wide", "the value of the option " * 30, (" name", " value"), WINDOW)
+    reqs = [wide, *requests()]
+    shared = kivi.loglikelihood_choices(reqs)
+    assert shared[0] is None and sum(row is not None for row in shared) >= 5
+    for got, want, req in zip(shared, rolling(kivi, reqs), reqs, strict=True):
+        assert got is None or got == pytest.approx(want, rel=1e-5, abs=1e-4), req.item_id
+    fp8 = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(engine="reference", kv_cache="fp8"))
+    assert fp8.loglikelihood_choices([wide])[0] is not None
     # a KV-corruption drill draws its noise per slot: the tree's slots are not the rolling pass's
     drill = load_engine(str(ARTIFACTS / "pydoc-target"), OptimizationSpec(
         engine="reference", kv_cache="fp8", engine_options={"fault": {"kind": "kv-corrupt", "layers": 2}}))

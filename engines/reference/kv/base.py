@@ -46,6 +46,13 @@ class KVFormat:
         return False
 
     @property
+    def raw_slots(self) -> int:
+        """How many slots a pass may hold with every one of them read raw, by any query: none for
+        a format that compresses each slot as it is written; a windowed one's full-precision window
+        (a pass that short is lossless, and its slots may lie anywhere in the cache)."""
+        return 0
+
+    @property
     def causal_prefill(self) -> bool:
         """Whether a first pass with no padding may attend under attention.Causal (SDPA's causal
         kernel over what the cache holds, no mask built): every format whose stored slots read

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.quant import minmax_quant
-from engines.reference.attention import Causal, two_tier_attention, windowed_causal_attention
+from engines.reference.attention import Causal, masked_gqa_attention, two_tier_attention, windowed_causal_attention
 from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
 
 
@@ -35,6 +35,11 @@ class KiviKV(KVFormat):
         """An unpadded first pass knows every query's window from its position alone: far slots
         through one causal flash pass, the near window in blocks (windowed_causal_attention)."""
         return True
+
+    @property
+    def raw_slots(self) -> int:
+        """boundary_k(n) and boundary_v(n) are 0 for n ≤ R: a sequence of up to R tokens reads every key and value raw."""
+        return self.residual
 
     def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
         return ((n - 1).clamp(min=0) // self.residual) * self.residual
@@ -115,6 +120,8 @@ class KiviStore(DequantizedStore):
             return self._kernel_attend(layer, q, slots)
         S = mask.shape[-1]
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        if S <= self.fmt.raw_slots:  # no query of a pass this short reads a slot compressed: nothing to encode
+            return masked_gqa_attention(q, keys, values, mask)
         kq, vq = self.fmt.encode(keys, values, seq_start, layer)
         if isinstance(mask, Causal):  # slots 0…S−1, no padding: no [S, S] mask or scores
             return windowed_causal_attention(q, keys, values, kq, vq, self.fmt.residual)
