@@ -125,8 +125,7 @@ def _batches(engine: ReferenceEngine, jobs: list[Job]) -> list[list[list[int]]]:
     order = sorted(range(len(jobs)), key=lambda j: (lengths[j], j))
     if not engine.kv.lossy:
         return [[order[s : s + engine.batch_size]] for s in range(0, len(order), engine.batch_size)]
-    rows = ([[order[i] for i in row] for row in pack_rows([lengths[j] for j in order], max(lengths))]
-            if slots_free(engine) and jobs else [[j] for j in order])
+    rows = pack_rows(lengths, max(lengths)) if slots_free(engine) and jobs else [[j] for j in order]
     return [rows[s : s + engine.batch_size] for s in range(0, len(rows), engine.batch_size)]
 
 

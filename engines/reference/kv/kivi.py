@@ -38,7 +38,7 @@ class KiviKV(KVFormat):
 
     @property
     def raw_slots(self) -> int:
-        """boundary_k(n) and boundary_v(n) are 0 for n ≤ R: a sequence of up to R tokens reads every key and value raw."""
+        """boundary_k(n) and boundary_v(n) are 0 for n ≤ R: up to R tokens, every key and value is read raw."""
         return self.residual
 
     def boundary_k(self, n: torch.Tensor) -> torch.Tensor:
