@@ -135,7 +135,7 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
     out: dict[int, tuple[list[float], list[int], list[float]]] = {}
     for batch in _batches(engine, jobs):
         if engine.kv.lossy:
-            width = max(sum(len(jobs[j][1]) for j in row) for row in batch)
+            width = max(sum(len(jobs[j][1]) for j in members) for members in batch)
             B = len(batch)
             # right padding: a row's windows end to end from slot 0, each at positions 0…, its
             # padding after them (in its last window, unread); a query sees its own window's
@@ -144,9 +144,9 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
             pos = torch.zeros(B, width, dtype=torch.long)
             seg = torch.zeros(B, width, dtype=torch.long)
             rows = []  # (batch row, first slot) per window
-            for b, row in enumerate(batch):
+            for b, members in enumerate(batch):
                 at = 0
-                for w, j in enumerate(row):
+                for w, j in enumerate(members):
                     n = len(jobs[j][1])
                     x[b, at : at + n] = torch.tensor(jobs[j][1])
                     pos[b, at:] = torch.arange(width - at)
@@ -160,7 +160,7 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
             h = engine.model(x.to(engine.device), pos.to(engine.device), slots, cache, mask.to(engine.device),
                              hidden=True)
             engine.usage.cache(cache)  # memory, not kv_cache_usage: a scoring window is not a request a server holds
-            idx = [j for row in batch for j in row]
+            idx = [j for members in batch for j in members]
         else:
             # packed: the windows end to end in one row with no padding, positions restarting
             # at each, attention causal within each window (NoCache with their lengths)
@@ -274,8 +274,10 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     out: list[tuple[float, ...] | None] = [None] * len(requests)
     if isinstance(engine.kv, CorruptedKV):
         return out
-    width = lambda t: t[2] + sum(len(x) - 1 - t[2] for x in t[1])  # noqa: E731 - a tree's slots
-    trees = sorted((t for t in choice_trees(engine, requests) if slots_free(engine, width(t))), key=width)
+    def tree_slots(tree: Tree) -> int:
+        return tree[2] + sum(len(x) - 1 - tree[2] for x in tree[1])
+
+    trees = sorted((t for t in choice_trees(engine, requests) if slots_free(engine, tree_slots(t))), key=tree_slots)
     for s in range(0, len(trees), engine.batch_size):
         batch = trees[s : s + engine.batch_size]
         layouts = []  # per tree: the slot of each choice's first own input
