@@ -76,9 +76,10 @@ def two_tier_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: to
     q: [B, H, T, D]; k, v: raw and kq, vq: dequantized [B, Hkv, S, D]; mask, ck, cv: [B, 1, T, S].
     The G = H/Hkv query heads of a kv head are folded into its query rows ([B, Hkv, G·C, D] against
     [B, Hkv, S, D]), so K and V are never copied per query head; queries run `chunk` at a time
-    (default: query_chunk; on the CPU, chunks of about CPU_SCORE_BYTES of scores), so the scores
-    held are [B, Hkv, G, chunk, S], not [B, H, T, S]. On the CPU a chunk reads only the slots up to
-    the last one any of its queries may see (a causal mask's later slots are never read)."""
+    (default: query_chunk; on the CPU, chunks of about CPU_SCORE_BYTES of scores over all S slots),
+    so the scores held are [B, Hkv, G, chunk, S] at most, not [B, H, T, S]. On the CPU a chunk reads
+    only the slots up to the last one any of its queries may see (a causal mask's later slots are
+    never read; a host sync per chunk, which the GPU path never makes)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv

@@ -159,6 +159,10 @@ class CorruptedKV(KVFormat):
     def graph_blocker(self) -> str | None:
         return f"kv_cache {self.name} with a kv-corrupt canary drill"
 
+    @property
+    def slots_on_their_own(self) -> bool:
+        return False  # the noise is drawn per slot: a slot must be its position
+
     def calibrate(self, model: Transformer) -> None:
         self.inner.calibrate(model)
         a = model.args

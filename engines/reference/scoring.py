@@ -30,7 +30,6 @@ from engines.protocol import (
     tokenize_with_spans,
 )
 from engines.reference.cache import NoCache
-from engines.reference.faults import CorruptedKV
 
 if TYPE_CHECKING:
     from engines.reference.engine import ReferenceEngine
@@ -88,15 +87,16 @@ def target_logits(logits: torch.Tensor, targets: Sequence[int]) -> tuple[torch.T
     return picked, torch.logsumexp(logits, -1)
 
 
-def slots_free(engine: ReferenceEngine, width: int | None = None) -> bool:
+def slots_movable(engine: ReferenceEngine, width: int | None = None) -> bool:
     """Whether a pass (of `width` slots, where known) may lay its sequences at any slots of the
-    cache (several windows end to end in one row, a choice tree): every format whose slots encode
-    on their own. Not a KV-corruption drill (its noise is drawn per slot), nor KIVI's window (a
-    slot is read raw or compressed by its place) unless the pass is short enough that every slot
-    is read raw (KVFormat.raw_slots): their slots must be the positions."""
-    if isinstance(engine.kv, CorruptedKV):
-        return False
-    return not engine.kv.windowed or (width is not None and width <= engine.kv.raw_slots)
+    cache, not each at slots equal to its positions (several windows end to end in one row, a
+    choice tree): where the KV format stores each slot on its own (KVFormat.slots_on_their_own),
+    or where the pass is short enough that every slot is read raw (KVFormat.raw_slots: KIVI's
+    full-precision window). Never under a KV-corruption drill, whose noise is drawn per slot."""
+    return engine.kv.slots_on_their_own or (width is not None and width <= engine.kv.raw_slots)
+
+
+PACKED_MASK_BYTES = 256 << 20  # a packed pass's mask [B, 1, W, W] stays within this; wider, a window per row
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -119,13 +119,17 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
 def _batches(engine: ReferenceEngine, jobs: list[Job]) -> list[list[list[int]]]:
     """The prefill passes over these windows: per pass its rows, per row the windows it holds end
     to end. Lossless: one row of batch_size windows (NoCache, no padding). A lossy format's rows
-    are right-padded to the pass's widest row: windows packed end to end where its slots are free
-    (slots_free: fewer padded slots), else one window per row."""
+    are right-padded to the pass's widest row: windows packed end to end where its slots may lie
+    anywhere (slots_movable: fewer padded slots) and the pass's mask stays small (PACKED_MASK_BYTES),
+    else one window per row (KIVI's windows of a rolling pass are never all within its raw window
+    on the suites this serves, so it is not asked)."""
     lengths = [len(job[1]) for job in jobs]
     order = sorted(range(len(jobs)), key=lambda j: (lengths[j], j))
     if not engine.kv.lossy:
         return [[order[s : s + engine.batch_size]] for s in range(0, len(order), engine.batch_size)]
-    rows = pack_rows(lengths, max(lengths)) if slots_free(engine) and jobs else [[j] for j in order]
+    widest = max(lengths, default=0)
+    pack = slots_movable(engine) and engine.batch_size * widest**2 <= PACKED_MASK_BYTES
+    rows = pack_rows(lengths, widest) if pack and jobs else [[j] for j in order]
     return [rows[s : s + engine.batch_size] for s in range(0, len(rows), engine.batch_size)]
 
 
@@ -143,7 +147,7 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
             x = torch.full((B, width), engine.start_id, dtype=torch.long)
             pos = torch.zeros(B, width, dtype=torch.long)
             seg = torch.zeros(B, width, dtype=torch.long)
-            rows = []  # (batch row, first slot) per window
+            places = []  # (batch row, first slot) per window
             for b, members in enumerate(batch):
                 at = 0
                 for w, j in enumerate(members):
@@ -151,14 +155,15 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
                     x[b, at : at + n] = torch.tensor(jobs[j][1])
                     pos[b, at:] = torch.arange(width - at)
                     seg[b, at:] = w
-                    rows.append((b, at))
+                    places.append((b, at))
                     at += n
-            tril = torch.ones(width, width, dtype=torch.bool).tril()
-            mask = ((seg[:, :, None] == seg[:, None, :]) & tril)[:, None]  # [B, 1, W, W]
+            mask = torch.ones(width, width, dtype=torch.bool, device=engine.device).tril()[None, None]
+            if any(len(members) > 1 for members in batch):  # and within a window: [B, 1, W, W]
+                seg = seg.to(engine.device)
+                mask = mask & (seg[:, :, None] == seg[:, None, :])[:, None]
             slots = torch.arange(width, device=engine.device)
             cache = engine.new_cache(B, width)
-            h = engine.model(x.to(engine.device), pos.to(engine.device), slots, cache, mask.to(engine.device),
-                             hidden=True)
+            h = engine.model(x.to(engine.device), pos.to(engine.device), slots, cache, mask, hidden=True)
             engine.usage.cache(cache)  # memory, not kv_cache_usage: a scoring window is not a request a server holds
             idx = [j for members in batch for j in members]
         else:
@@ -170,8 +175,8 @@ def prefill_windows(engine: ReferenceEngine, jobs: list[Job], keep: dict[int, to
             pos = torch.cat([torch.arange(n, device=engine.device) for n in lengths])[None]
             h = engine.model(x, pos, pos[0], NoCache(lengths), None, hidden=True)
             starts = [0, *itertools.accumulate(lengths)][:-1]
-            rows = [(0, start) for start in starts]
-        for (row, start), j in zip(rows, idx, strict=True):
+            places = [(0, start) for start in starts]
+        for (row, start), j in zip(places, idx, strict=True):
             _, inp, n, tgt = jobs[j]
             # lm_head only on this window's scored positions (no padding), one window at a
             # time so its [n, V] logits stay cache-sized; log p = logit − logsumexp
@@ -234,6 +239,11 @@ def with_distributions(engine: ReferenceEngine,
 Tree = tuple[int, list[list[int]], int, list[tuple[tuple[int, int], ...]]]  # (request, each choice's ids, p, spans)
 
 
+def tree_slots(tree: Tree) -> int:
+    """The slots a choice tree takes: the p inputs its choices share, then each choice's own."""
+    return tree[2] + sum(len(x) - 1 - tree[2] for x in tree[1])
+
+
 def choice_trees(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[Tree]:
     """Each item whose choices can share its prompt's pass: (its index, each choice's ids with the
     start token first, the inputs all choices share, p, each choice's character spans). An item is
@@ -268,16 +278,13 @@ def choices(engine: ReferenceEngine, requests: Sequence[ChoiceRequest]) -> list[
     each log p alike, applied as there), and its score sums the tokens past the prompt's characters,
     the only rows the lm_head reads.
     None where choice_trees leaves an item out, and where the KV format reads a slot by its place
-    in the cache, since the tree's slots are not the positions (slots_free): every item under a
+    in the cache, since the tree's slots are not the positions (slots_movable): every item under a
     KV-corruption drill (its noise is drawn per slot), and under KIVI an item whose tree is wider
     than the full-precision window (narrower, every slot is read raw wherever it lies)."""
     out: list[tuple[float, ...] | None] = [None] * len(requests)
-    if isinstance(engine.kv, CorruptedKV):
+    if not (engine.kv.slots_on_their_own or engine.kv.raw_slots):
         return out
-    def tree_slots(tree: Tree) -> int:
-        return tree[2] + sum(len(x) - 1 - tree[2] for x in tree[1])
-
-    trees = sorted((t for t in choice_trees(engine, requests) if slots_free(engine, tree_slots(t))), key=tree_slots)
+    trees = sorted((t for t in choice_trees(engine, requests) if slots_movable(engine, tree_slots(t))), key=tree_slots)
     for s in range(0, len(trees), engine.batch_size):
         batch = trees[s : s + engine.batch_size]
         layouts = []  # per tree: the slot of each choice's first own input

@@ -96,3 +96,34 @@ def test_kivi_causal_prefill_attention_on_the_device(device, dtype):
     assert got.dtype == dtype and got.device.type == device
     tol = 2e-3 if dtype == torch.float16 else 1e-4
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_a_kivi_pass_within_its_window_reads_every_slot_raw_as_two_tier_attention_does():
+    """KiviStore.attend over at most R slots (KiviKV.raw_slots) takes attention over the raw slots
+    with nothing encoded: what two-tier attention gives under KIVI's own masks, none of which reads
+    a slot compressed there, a left-padded row included. One slot more and the first keys are
+    read compressed (the two-tier path). A padding query's output is read by nothing (two-tier
+    reads its own slot compressed, the raw path raw): the real queries are compared."""
+    from engines.reference.attention import two_tier_attention
+    from engines.reference.kv.kivi import KiviKV, _compressed_mask
+
+    g = torch.Generator().manual_seed(0)
+    fmt = KiviKV(bits=2, group=8, residual=16)
+    B, H, Hkv, D = 2, 4, 2, 32
+    seq_start = torch.tensor([0, 3])
+    for S in (16, 17):
+        k, v = (torch.randn(1, B, Hkv, S, D, generator=g) for _ in range(2))
+        q = torch.randn(B, H, S, D, generator=g)
+        slots = torch.arange(S)
+        j, t = slots[None, None, :], slots[None, :, None]
+        mask = (((j <= t) & (j >= seq_start[:, None, None])) | (j == t))[:, None]  # [B, 1, S, S]
+        got = fmt.new_store(k, v).attend(0, q, k[0], v[0], slots, mask, seq_start, decode_step=False)
+        kq, vq = fmt.encode(k[0], v[0], seq_start)
+        ck, cv = (_compressed_mask(slots, S, seq_start, b) for b in (fmt.boundary_k, fmt.boundary_v))
+        want = two_tier_attention(q, k[0], v[0], kq, vq, mask, ck, cv)
+        for b in range(B):
+            real = slice(int(seq_start[b]), S)
+            torch.testing.assert_close(got[b, :, real], want[b, :, real], rtol=1e-5, atol=1e-5)
+        read = mask & (t >= seq_start[:, None, None])[:, None]  # the slots a real query reads
+        assert bool((ck & read).any()) == (S > fmt.raw_slots)
+        assert not (cv & read).any()  # a value is read compressed from R + 2 tokens on

@@ -66,17 +66,21 @@ def test_lossy_kv_scores_do_not_depend_on_other_requests():
     assert e.loglikelihood_rolling([b])[0].nll == pytest.approx(alone, abs=1e-6)
 
 
-@pytest.mark.parametrize("kv", ["fp8", "turbo-2.5", "kivi-2"])
-def test_a_lossy_pass_packs_short_windows_end_to_end_and_scores_each_as_alone(kv):
-    """Windows of 9 to 40 tokens in one rolling call: a format whose slots encode on their own
-    lays several end to end in a cache row (first-fit decreasing into the widest window's width),
-    KIVI one per row (its window reads a slot by its place). Either way each document scores as
-    it does alone, and the packed pass holds fewer rows."""
+@pytest.mark.parametrize(("kv", "lengths"), [
+    ("fp8", (3, 5, 8, 13, 21, 6)), ("turbo-2.5", (3, 5, 8, 13, 21, 6)), ("kivi-2", (3, 5, 8, 13, 21, 6)),
+    ("turbo-3.5", (40, 90, 12, 70, 25)), ("kivi-2", (40, 90, 12, 70, 25)),
+], ids=["fp8", "turbo-2.5", "kivi-2", "turbo-3.5-longer", "kivi-2-past-its-window"])
+def test_a_lossy_pass_packs_short_windows_end_to_end_and_scores_each_as_alone(kv, lengths):
+    """Windows of a few to about 200 tokens in one rolling call: a format whose slots encode on
+    their own lays several end to end in a cache row (first-fit decreasing into the widest
+    window's width), KIVI one per row (its window reads a slot by its place; past 128 tokens some
+    keys and values are read compressed). Either way each document scores as it does alone, and
+    the packed pass holds fewer rows."""
     from engines.reference import scoring
 
     e = ref(weights="fp32", kv_cache=kv)
-    words = TEXT.split()
-    docs = [RollingRequest(str(n), " ".join(words[:n]), WindowSpec(64, 64)) for n in (3, 5, 8, 13, 21, 6)]
+    words = (TEXT * 3).split()
+    docs = [RollingRequest(str(n), " ".join(words[:n]), WindowSpec(256, 256)) for n in lengths]
     together = e.loglikelihood_rolling(docs)
     for doc, got in zip(docs, together, strict=True):
         [alone] = e.loglikelihood_rolling([doc])
@@ -88,6 +92,17 @@ def test_a_lossy_pass_packs_short_windows_end_to_end_and_scores_each_as_alone(kv
     widest = max(len(job[1]) for job in jobs)
     assert all(sum(len(jobs[j][1]) for j in row) <= widest for row in rows)
     assert (len(rows) < len(jobs)) == (kv != "kivi-2")
+    if max(lengths) == 90:  # the longest window is past KIVI's 128 raw slots: its lossy path runs
+        assert widest > 128
+
+
+def test_an_uncalibrated_fractional_turbo_format_does_not_pack():
+    """Fractional TurboQuant picks its outlier channels from the weights once calibrated (as every
+    engine does); before, from each call's own keys, so a slot's code would depend on the pass."""
+    from engines.reference.kv.turbo import TurboKV
+
+    assert not TurboKV(3.5).slots_on_their_own and TurboKV(3).slots_on_their_own
+    assert ref(weights="fp32", kv_cache="turbo-3.5").kv.slots_on_their_own  # the engine calibrated it
 
 
 def test_pack_rows_is_first_fit_decreasing():

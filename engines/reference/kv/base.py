@@ -46,6 +46,14 @@ class KVFormat:
         return False
 
     @property
+    def slots_on_their_own(self) -> bool:
+        """Whether each slot is stored from its own key and value alone, whatever else a pass
+        holds and wherever the slot lies: then a pass may lay its sequences at any slots (several
+        windows end to end in a row, a choice tree). Not a windowed format (KIVI reads a slot raw
+        or compressed by its place)."""
+        return not self.windowed
+
+    @property
     def raw_slots(self) -> int:
         """How many slots a pass may hold with every one of them read raw, by any query: none for
         a format that compresses each slot as it is written; a windowed one's full-precision window

@@ -38,6 +38,12 @@ class TurboKV(KVFormat):
         self.outliers: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "k"|"v") → [Hkv, D/4] channel ids
 
     @property
+    def slots_on_their_own(self) -> bool:
+        """Fractional bits pick their outlier channels from the weights once calibrated; before,
+        from the energy of each call's keys (_outlier_mask), so a slot's code depends on the pass."""
+        return not self.fractional or bool(self.outliers)
+
+    @property
     def graph_blocker(self) -> str | None:
         if self.fractional or self.inner_product:
             return f"kv_cache {self.name}: per-channel selection has data-dependent shapes"
