@@ -59,11 +59,11 @@ def rotated_attention(q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, rot: 
 SCORE_BYTES = 1 << 30  # the fp32 scores of one query chunk, [B, H, chunk, S], stay within 1 GiB
 
 
-def query_chunk(rows: int, S: int) -> int:
+def query_chunk(rows: int, S: int, budget: int = SCORE_BYTES) -> int:
     """Queries per chunk so that fp32 scores over S slots for `rows` (= B·H) query heads stay
-    within SCORE_BYTES (a multiple of 16, at least 16): 256 for an 8B model (32 heads) at 32K,
-    64 at 128K. Prefill memory is then O(chunk × S), not O(T × S)."""
-    return max(16, SCORE_BYTES // (4 * rows * max(S, 1)) // 16 * 16)
+    within `budget` bytes (a multiple of 16, at least 16): 256 for an 8B model (32 heads) at 32K,
+    64 at 128K, with SCORE_BYTES. Prefill memory is then O(chunk × S), not O(T × S)."""
+    return max(16, budget // (4 * rows * max(S, 1)) // 16 * 16)
 
 
 CPU_SCORE_BYTES = 2 << 20  # on the CPU, a chunk's fp32 scores stay about cache-sized (2 MiB)
@@ -84,8 +84,7 @@ def two_tier_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: to
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     cpu = q.device.type == "cpu"
-    chunk = chunk or (max(16, CPU_SCORE_BYTES // (4 * B * H * max(S, 1)) // 16 * 16) if cpu
-                      else query_chunk(B * H, S))
+    chunk = chunk or query_chunk(B * H, S, CPU_SCORE_BYTES if cpu else SCORE_BYTES)
     qg = q.reshape(B, Hkv, G, T, D)  # query head h = kv head h // G, then group member h % G
     scale = 1.0 / D**0.5
     outs = []
