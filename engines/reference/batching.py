@@ -2,7 +2,10 @@
 execute → update, in miniature), driven by both front ends:
 
 - engine-serve (workers/engine_server/engine_thread.py): sequences join the running batch
-  between decode steps while it has a free row (`add`) and leave it when they finish (`remove`);
+  between decode steps while it has a free row (`join`) and leave it when they finish (`remove`);
+  over the lossless RowCache a joining prompt is prefilled in the next step's forward, beside the
+  running rows' next tokens (RowCache.mixed, as vLLM's scheduler mixes prefills into a decode
+  step), so a burst of joins costs one pass over the weights, not one each;
 - the engine's own generate() (`waves=True`): up to `concurrency` requests join at once as one
   wave (`add_wave`), prefilled together into a static batch whose decode step is captured as a
   CUDA graph per batch bucket; the next wave joins when the batch is empty. With speculative
@@ -30,6 +33,7 @@ hooks wrap generate(), which serves one request at a time there.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,6 +44,7 @@ import torch
 
 from engines.protocol import SAMPLING_EPS, GenerationRequest, GenerationResult, SpeculativeStats
 from engines.reference.decode import _sdpa_backends
+from engines.reference.packed import PackedLinears
 from engines.reference.rows import DecoderRows, RowCache, SpeculativeRows, WaveRows
 from engines.reference.speculative import DraftModelProposer, NgramProposer, SpeculativeCounters
 from engines.reference.speculative_verify import accept, propose
@@ -47,6 +52,11 @@ from engines.sampling import adjust, pick, token_logprob
 
 if TYPE_CHECKING:
     from engines.reference.host import DecodeHost
+
+# the prompt tokens one step prefills beside its decode rows at most (vLLM's max_num_batched_tokens
+# bounds a step the same way, prefill and decode tokens together): a burst of long prompts joining
+# at once does not stall the running rows' next token for the whole burst
+MIXED_PROMPT_TOKENS = 2048
 
 
 def unbatchable(engine: Any) -> str | None:  # any engine, probed by attribute (the reference engine's kv and fault)
@@ -122,6 +132,12 @@ class ContinuousBatch:
         # the last greedy step's picks, still on the device, and the rows they are for: the next
         # step feeds them back without a copy from the host (the step's one host sync is reading them)
         self._picked: tuple[list[int], torch.Tensor] | None = None
+        # engine-serve's joined rows whose prompts the next step prefills beside the decode rows
+        # (`join`; a lossless RowCache without speculative decoding: RowCache.mixed)
+        self._mixes = isinstance(self.cache, RowCache) and not self.k
+        # the lossless rows' forwards multiply by oneDNN-packed weights (packed.py)
+        self._linears = PackedLinears(engine.model) if isinstance(self.cache, RowCache) else None
+        self._joining: list[Sequence] = []
 
     @property
     def free_rows(self) -> int:
@@ -140,6 +156,33 @@ class ContinuousBatch:
         at once when that token is EOS or max_new_tokens is 1). Its TTFT counts from just before the
         prefill, once the prompt is tokenized and its proposer ready; before_prefill() runs there
         (a canary drill's TTFT delay). ValueError: the input does not fit."""
+        seq = self._admit(request)
+        engine = self.engine
+        ids = torch.tensor([seq.prompt], device=engine.device)  # [1, T]
+        width = len(seq.prompt) + request.max_new_tokens + self.extra
+        before_prefill()
+        with _sdpa_backends(engine.device), self._packed(len(seq.prompt)):
+            logits = cast(RowCache | DecoderRows | SpeculativeRows, self.cache).prefill(engine.model, seq.row, ids,
+                                                                                       width)  # _admit: not WaveRows
+        self.seqs[seq.row] = seq
+        self._take(logits, [seq])
+        return seq
+
+    def join(self, request: GenerationRequest) -> Sequence:
+        """engine-serve's admission: `request` takes a free row now, and where the rows are a
+        lossless RowCache without speculative decoding its prompt is prefilled by the next `step`,
+        in the same forward as the running rows' decode step (RowCache.mixed), which also picks its
+        first token; elsewhere it is prefilled at once, as `add` does. ValueError: the input does
+        not fit."""
+        if not self._mixes:
+            return self.add(request)
+        seq = self._admit(request)
+        self.seqs[seq.row] = seq
+        self._joining.append(seq)
+        return seq
+
+    def _admit(self, request: GenerationRequest) -> Sequence:
+        """A free row's sequence for `request`, its prompt tokenized and its width checked (not yet in the batch)."""
         engine = self.engine
         request = greedy_below_eps(request)
         prompt = engine.prompt_token_ids(request)
@@ -154,20 +197,12 @@ class ContinuousBatch:
             raise RuntimeError("ContinuousBatch.add: a batch of waves admits requests with add_wave")
         if not self.free_rows:
             raise RuntimeError("ContinuousBatch.add: every row is taken")
-        row = self._free_row()
         generator = torch.Generator(device=engine.device).manual_seed(request.seed)
         proposer = engine.proposer.fresh() if engine.proposer is not None else None
         if proposer is not None:
             proposer.reset(width)
-        ids = torch.tensor([prompt], device=engine.device)  # [1, T]
-        seq = Sequence(request, row, prompt, generator, time.perf_counter(), proposer=proposer,
-                       counters=SpeculativeCounters() if proposer is not None else None)
-        before_prefill()
-        with _sdpa_backends(engine.device):
-            logits = self.cache.prefill(engine.model, row, ids, width)
-        self.seqs[row] = seq
-        self._take(logits, [seq])
-        return seq
+        return Sequence(request, self._free_row(), prompt, generator, time.perf_counter(), proposer=proposer,
+                        counters=SpeculativeCounters() if proposer is not None else None)
 
     @torch.inference_mode()
     def add_wave(self, requests: list[GenerationRequest],
@@ -198,23 +233,46 @@ class ContinuousBatch:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One decode step over every unfinished row: each gets its next token. Returns them."""
-        active = [s for _, s in sorted(self.seqs.items()) if not s.done]
-        if not active:
+        """One decode step over every unfinished row: each gets its next token, and each row that
+        joined since the last step (`join`) its prefill and first token, in the same forward.
+        Returns them: the decode rows, then the joining ones."""
+        joining = self._next_joining()
+        active = [s for _, s in sorted(self.seqs.items()) if not s.done and s.tokens]
+        if not active and not joining:
             return []
         device = self.engine.device
         if self.k:
             self._speculate(active)
             return active
         rows = [s.row for s in active]
+        tokens: torch.Tensor | None = None  # [B, 1]
         if self._picked is not None and self._picked[0] == rows:  # last step's greedy picks, on the device
             tokens = self._picked[1][:, None]
-        else:
-            tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)  # [B, 1]
-        with _sdpa_backends(device):
-            logits = self.cache.decode(self.engine.model, tokens, rows)  # [B, V]
-        self._take(logits, active)
-        return active
+        elif active:
+            tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)
+        with _sdpa_backends(device), self._packed(len(rows) + sum(len(s.prompt) for s in joining)):
+            if joining:
+                logits = cast(RowCache, self.cache).mixed(self.engine.model, tokens, rows,
+                                                          [(s.row, s.prompt) for s in joining])  # [B + J, V]
+            else:
+                logits = self.cache.decode(self.engine.model, cast(torch.Tensor, tokens), rows)  # [B, V]
+        self._take(logits, active + joining)
+        return active + joining
+
+    def _packed(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The packed weights for a forward of `tokens` tokens (one token: the plain weights' GEMV)."""
+        return self._linears.active() if self._linears is not None and tokens > 1 else contextlib.nullcontext()
+
+    def _next_joining(self) -> list[Sequence]:
+        """The joined rows this step prefills: the oldest first, while their prompts total at most
+        MIXED_PROMPT_TOKENS (the first always goes, whatever its length); the rest wait a step."""
+        taken, total = 0, 0
+        for s in self._joining:
+            if taken and total + len(s.prompt) > MIXED_PROMPT_TOKENS:
+                break
+            taken, total = taken + 1, total + len(s.prompt)
+        out, self._joining = self._joining[:taken], self._joining[taken:]
+        return out
 
     def _speculate(self, active: list[Sequence]) -> None:
         """One speculative step over the active rows: each proposes (at most what its answer has
@@ -228,7 +286,7 @@ class ContinuousBatch:
                                for s, (d, _) in zip(active, proposed, strict=True)], device=self.engine.device)
         cache = cast(RowCache | SpeculativeRows, self.cache)
         rows = [s.row for s in active]
-        with _sdpa_backends(self.engine.device):
+        with _sdpa_backends(self.engine.device), self._packed(tokens.numel()):
             # no row drafted (n-gram lookup found nothing): a plain decode step
             logits = (cache.verify(self.engine.model, tokens, rows, [1 + len(d) for d, _ in proposed]) if width > 1
                       else cache.decode(self.engine.model, tokens, rows)[:, None]).float()  # [B, T, V]
@@ -263,8 +321,10 @@ class ContinuousBatch:
             s.done = token == self.eos or len(s.tokens) >= s.request.max_new_tokens
 
     def remove(self, seq: Sequence) -> None:
-        """Free the sequence's row (finished, or its client left)."""
+        """Free the sequence's row (finished, or its client left, perhaps before its prefill)."""
         del self.seqs[seq.row]
+        if seq in self._joining:
+            self._joining.remove(seq)
         self.cache.release(seq.row)
         if isinstance(seq.proposer, DraftModelProposer):  # the draft model's own cache counts as one more
             self.engine.usage.tokens(seq.proposer.held, seq.proposer.cache, seq.proposer.model.args.max_seq_len)

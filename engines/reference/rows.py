@@ -8,7 +8,8 @@ slots a row holds), `prefill`, `decode`, `release` and `nbytes`.
   graph per batch bucket (ReferenceEngine.pooled_decoder). A row that has finished keeps being fed
   its greedy pick, unread, so every step has the shapes the graph was captured with.
 - RowCache: engine-serve's rows of a lossless format: k, v [L, R, Hkv, S, D], one sequence per row
-  with its own length, joining and leaving between steps.
+  with its own length, joining and leaving between steps; a step may prefill joining rows' prompts
+  in the same forward as the others' next tokens (`mixed`).
 - DecoderRows: the same rows for a lossy KV format, whose store (codes, token groups, kernels) is
   made for one batch: each row is its own decode.Decoder of batch 1, sized as a wave of one
   request sizes it, so a row's prefill, its codes and its attention are a lone request's own; a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from itertools import accumulate
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -139,6 +141,8 @@ class RowCache:
         self._mask: torch.Tensor | None = None  # decode: [B, 1, 1, W] slot j visible to row b iff j ≤ _at[b]
         self._slots = torch.zeros(0, dtype=torch.long)  # verify: [B, T] the slot each row's token t writes
         self._width = 0  # decode: slots read per row
+        self._joining: list[tuple[int, int]] = []  # mixed: (row, prompt tokens) of each row joining
+        self._decoding = 0  # mixed: the decode rows ahead of the joining prompts
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -154,6 +158,24 @@ class RowCache:
         """One token per row of `rows` (tokens [B, 1]) → logits [B, V]."""
         pos = self.decode_rows(rows)  # [B, 1]
         return model(tokens, pos, pos[:, 0], self, None, last_only=True)[:, -1]
+
+    def mixed(self, model: Transformer, tokens: torch.Tensor | None, rows: list[int],
+              joining: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """One forward over the decode rows' next tokens (tokens [B, 1] for `rows`, or none) and
+        the prompts of rows joining the batch ((row, prompt ids) each, written at slots 0…T−1), laid
+        end to end as one sequence of N tokens, as vLLM's scheduler mixes prefills into a decode
+        step: the linear layers multiply the weights once for every token, and attention runs per
+        part (the decode rows together, as `decode` runs them; each prompt causally over itself,
+        as `prefill`). → logits [B + J, V]: each decode row's, then each joining row's last prompt
+        token's."""
+        device = self.k.device
+        pos = self.mixed_rows(rows, [(row, len(ids)) for row, ids in joining])  # [1, N]
+        prompts = torch.tensor([t for _, ids in joining for t in ids], device=device)
+        ids = torch.cat([tokens.reshape(-1), prompts]) if tokens is not None else prompts
+        h = model(ids[None], pos, pos[0], self, None, hidden=True)[0]  # [N, dim]
+        ends = torch.tensor(list(accumulate(len(ids) for _, ids in joining)), device=device) + len(rows) - 1
+        last = torch.cat([torch.arange(len(rows), device=device), ends])
+        return model.lm_head(h.index_select(0, last))
 
     def verify(self, model: Transformer, tokens: torch.Tensor, rows: list[int],
                widths: list[int] | None = None) -> torch.Tensor:
@@ -209,6 +231,21 @@ class RowCache:
             self.lengths[r] += 1
         return self._at[:, None]
 
+    def mixed_rows(self, rows: list[int], joining: list[tuple[int, int]]) -> torch.Tensor:
+        """The next forward is one token per row of `rows` (as decode_rows sets it up), then the
+        prompt of each joining (row, n), written at that row's slots 0…n−1. Returns every token's
+        position [1, N]."""
+        if not joining:
+            raise ValueError("RowCache.mixed_rows: no row joins (a plain step is decode_rows)")
+        self._fit(max(n for _, n in joining))
+        parts = [self.decode_rows(rows)[:, 0]] if rows else []
+        for row, n in joining:
+            self.lengths[row] = n
+            parts.append(torch.arange(n, device=self.k.device))
+        self._joining, self._decoding = joining, len(rows)
+        self._mode = "mixed"
+        return torch.cat(parts)[None]
+
     def verify_rows(self, rows: list[int], width: int) -> torch.Tensor:
         """The next forward is `width` tokens per row of `rows`: token t of row b written at slot
         lengths[r] + t, seeing its row's slots up to that one (causal within the new tokens).
@@ -234,13 +271,34 @@ class RowCache:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D]. `slots` and `mask` are the forward's and unused:
         prefill_row / decode_rows / verify_rows set what this pass writes and reads."""
         if self._mode == "prefill":
-            # q, k, v: [1, ·, T, ·] — the prompt attends itself causally, as the engine's prefill does
-            T = k.shape[2]
-            self.k[layer, self._row, :, :T] = k[0]
-            self.v[layer, self._row, :, :T] = v[0]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self._attend_prompt(layer, self._row, q, k, v)
+        if self._mode == "mixed":  # q: [1, H, N, D]: the decode rows' B tokens, then each joining prompt
+            B, outs = self._decoding, []
+            if B:  # the decode rows as [B, ·, 1, D], as a decode step gives them
+                rows_q, rows_k, rows_v = (x[0, :, :B].transpose(0, 1)[:, :, None] for x in (q, k, v))
+                outs.append(self._attend_rows(layer, rows_q, rows_k, rows_v)[:, :, 0].transpose(0, 1)[None])
+            at = B
+            for row, n in self._joining:
+                outs.append(self._attend_prompt(layer, row, q[:, :, at:at + n], k[:, :, at:at + n],
+                                                v[:, :, at:at + n]))
+                at += n
+            return torch.cat(outs, 2)
         if self._mode not in ("decode", "verify"):
-            raise RuntimeError("RowCache.attend: call prefill_row, decode_rows or verify_rows before the forward")
+            raise RuntimeError("RowCache.attend: call prefill_row, decode_rows, mixed_rows or verify_rows before "
+                               "the forward")
+        return self._attend_rows(layer, q, k, v)
+
+    def _attend_prompt(self, layer: int, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [1, ·, T, ·] — row `row`'s prompt written at slots 0…T−1, attending itself
+        causally, as the engine's prefill does."""
+        T = k.shape[2]
+        self.k[layer, row, :, :T] = k[0]
+        self.v[layer, row, :, :T] = v[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def _attend_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The decode or verify rows' new keys and values written at their slots, and their
+        queries [B, H, T, D] over each row's slots up to their own."""
         kl, vl = self.k[layer], self.v[layer]  # [R, Hkv, S, D]
         if self._mode == "verify":  # row b's token t at slot _slots[b, t]: [B, T, Hkv, D]
             kl[self._rows[:, None], :, self._slots] = k.transpose(1, 2)

@@ -164,3 +164,54 @@ def test_a_full_row_cache_is_refused_not_overrun():
     batch.cache.decode(engine.model, torch.tensor([[1]]), [0])  # the last slot, as the row allows
     with pytest.raises(ValueError, match=r"cache of \d+ slots is full"):
         batch.cache.decode(engine.model, torch.tensor([[1]]), [0])
+
+
+def test_rows_that_join_are_prefilled_in_the_running_rows_decode_step_and_pick_what_they_pick_alone(monkeypatch):
+    """engine-serve's admission (ContinuousBatch.join) over the lossless RowCache: a joining
+    row's prompt goes through the same forward as the running rows' next tokens (one forward per
+    step, no prefill pass of its own), at most MIXED_PROMPT_TOKENS prompt tokens a step (the
+    oldest first, the first whatever its length), and every request's tokens and log-probs are
+    those of generate() alone; a row whose client leaves before its prefill frees its row."""
+    import engines.reference.batching as batching
+
+    engine = engine_for("fp32")
+    reqs = requests()
+    alone = {g.request_id: g for g in (engine.generate([r])[0] for r in reqs)}
+    forwards = []
+    real = type(engine.model).forward
+    monkeypatch.setattr(type(engine.model), "forward", lambda self, ids, *a, **k: forwards.append(ids.shape)
+                        or real(self, ids, *a, **k))
+    monkeypatch.setattr(batching, "MIXED_PROMPT_TOKENS", 50)  # the prompts are 15 to 65 tokens
+    batch = ContinuousBatch(engine, 3)
+    first = [batch.join(r) for r in (reqs[0], reqs[1], reqs[3])]
+    lengths = [len(s.prompt) for s in first]
+    assert not any(s.tokens for s in first) and batch.free_rows == 0 and batch.cache.lengths == [0, 0, 0]
+    # the first two are over the budget together: the first goes alone, the next two a step later
+    assert lengths[0] + lengths[1] > 50 >= lengths[1] + lengths[2]
+    assert batch.step() == first[:1] and forwards[-1] == (1, lengths[0])
+    stepped = batch.step()  # row 0's second token beside rows 1 and 2's prompts: one forward
+    assert stepped == first and forwards[-1] == (1, 1 + lengths[1] + lengths[2])
+    assert batch.cache.lengths == [lengths[0] + 1, lengths[1], lengths[2]]
+    done: dict[str, tuple] = {}
+    waiting = [reqs[2], reqs[4]]  # reqs[2]'s prompt alone is over the budget: it goes all the same
+    assert len(batch.engine.prompt_token_ids(reqs[2])) > 50
+    running = list(first)
+    while waiting or running:
+        for seq in [s for s in running if s.done]:
+            result = batch.result(seq)
+            done[result.request_id] = (result.token_ids, [lp for lp, _ in result.token_logprobs])
+            batch.remove(seq)
+            running.remove(seq)
+        while waiting and batch.free_rows:  # later requests join rows that are decoding
+            running.append(batch.join(waiting.pop(0)))
+        n = len(forwards)
+        batch.step()
+        assert len(forwards) <= n + 1
+    for r in reqs:
+        ids, lps = done[r.request_id]
+        assert ids == alone[r.request_id].token_ids, r.request_id
+        assert lps == pytest.approx([lp for lp, _ in alone[r.request_id].token_logprobs], abs=1e-4)
+    # a row whose client leaves before its prefill: its row is free, and no step prefills it
+    left = batch.join(reqs[0])
+    batch.remove(left)
+    assert batch.step() == [] and batch.free_rows == 3 and batch.held() == 0

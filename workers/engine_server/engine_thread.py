@@ -238,10 +238,12 @@ class EngineServer:
             self.metrics.running.set(1)
             self._generate(job, started, n_prompt)
             return
-        seq = self.batch.add(job.request)  # the prefill and the first token
+        seq = self.batch.join(job.request)  # a row now; its prefill now or with the next step (batching.join)
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         run = self.rows[seq.row] = Running(job, seq, started)
         self.metrics.running.set(len(self.rows))
+        if not seq.tokens:  # the next step prefills it beside the running rows and picks its first token
+            return
         self._deliver(run, prefill_tokens=len(seq.prompt))
         self.metrics.kv_usage.set(self._kv_usage())
         if seq.done:
@@ -264,20 +266,24 @@ class EngineServer:
                 self._retire(run, emit=False, count=False)
             self._flush()
             return
-        # the step's tokens: one per row, or each row's accepted drafts and its correction or bonus token
-        self.metrics.iteration_tokens.observe(sum(len(seq.tokens) - self.rows[seq.row].sent for seq in stepped))
+        # the step's tokens: one per row, or each row's accepted drafts and its correction or bonus
+        # token, and the prompts it prefilled (rows that joined: nothing sent yet)
+        joined = [seq for seq in stepped if self.rows[seq.row].sent == 0]
+        self.metrics.iteration_tokens.observe(sum(len(seq.tokens) - self.rows[seq.row].sent for seq in stepped)
+                                              + sum(len(seq.prompt) for seq in joined))
         for seq in stepped:
             if seq.last_spec is not None:
                 self.metrics.speculative_step(seq.last_spec)
-            self._deliver(self.rows[seq.row])
+            self._deliver(self.rows[seq.row], prefill_tokens=None)
         self.metrics.kv_usage.set(self._kv_usage())
         for seq in stepped:
             if seq.done:
                 self._retire(self.rows[seq.row])
         self._flush()
 
-    def _deliver(self, run: Running, prefill_tokens: int = 0) -> None:
-        """Emit the row's new token with its metrics (TTFT at the first, inter-token gaps after)."""
+    def _deliver(self, run: Running, prefill_tokens: int | None = 0) -> None:
+        """Emit the row's new token with its metrics (TTFT at the first, inter-token gaps after;
+        prefill_tokens None: the step's tokens are counted by the step)."""
         job = run.job
         new = run.seq.tokens[run.sent:]
         run.sent = len(run.seq.tokens)

@@ -120,12 +120,14 @@ class ServeMetrics:
     def accepted_at(self, position: int) -> Counter:
         return self._accepted_pos.labels(self.model, ENGINE, str(position))
 
-    def tokens_delivered(self, job: ServeRequest, now: float, n_new: int, prefill_tokens: int) -> None:
-        """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens),
-        the gap since its last delivery after."""
+    def tokens_delivered(self, job: ServeRequest, now: float, n_new: int, prefill_tokens: int | None) -> None:
+        """A request's new tokens in the metrics: TTFT at its first (with its prefill step's tokens,
+        unless None: a step shared with other rows, which the caller counts once), the gap since its
+        last delivery after."""
         if not job.stamps:
             self.ttft.observe(now - job.arrived)
-            self.iteration_tokens.observe(prefill_tokens + n_new)  # the prefill step
+            if prefill_tokens is not None:
+                self.iteration_tokens.observe(prefill_tokens + n_new)  # the prefill step
         else:
             self.itl.observe(now - job.stamps[-1])
             self.tpot.observe((now - job.stamps[-1]) / max(1, n_new))
