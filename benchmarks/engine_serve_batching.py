@@ -31,10 +31,14 @@ as the reference engine's token ids: vLLM adds no start token to this model's pr
 engine-serve's throughput over vLLM's per round. vLLM runs its compute on every core it finds
 (its OpenMP threads); engine-serve on --threads, or its default.
 
+--peer DIR adds engine-serve from another checkout (`git worktree add DIR COMMIT`), batched with the
+same flags, as one more side of the same rounds: its throughput, this checkout's over it per
+round, and its outputs against this checkout's serial server at concurrency 1.
+
     .venv/bin/python benchmarks/engine_serve_batching.py [--repeats 3] [--prompts 64] [--max-tokens 32] [--threads 1]
     .venv/bin/python benchmarks/engine_serve_batching.py --kv-cache turbo-3
     .venv/bin/python benchmarks/engine_serve_batching.py --speculative '{"method": "ngram", "k": 4}'
-    .venv/bin/python benchmarks/engine_serve_batching.py --vllm
+    .venv/bin/python benchmarks/engine_serve_batching.py --vllm [--peer DIR]
 """
 
 from __future__ import annotations
@@ -56,11 +60,12 @@ CONCURRENCY = (1, 8, 32)
 MODEL = "m"
 
 
-def start(*flags: str) -> tuple[subprocess.Popen, str]:
-    """An engine-serve process with these flags, once /health answers (the tests' launcher)."""
+def start(*flags: str, root: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """An engine-serve process with these flags (from the checkout at `root`, default this one),
+    once /health answers (the tests' launcher)."""
     from tests.http.conftest import start_engine_serve
 
-    return start_engine_serve("--served-model-name", MODEL, *flags)
+    return start_engine_serve("--served-model-name", MODEL, *flags, **({"root": root} if root else {}))
 
 
 def run_set(base: str, texts: list[str] | list[list[int]], concurrency: int,
@@ -102,14 +107,16 @@ def start_ids(texts: list[str]) -> list[list[int]]:
 
 
 def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, repeats: int,
-                 vllm: str | None = None) -> dict:
+                 vllm: str | None = None, peer: str | None = None) -> dict:
     """Per concurrency: batched and serial throughput (alternating), the speedup per round, and
     how many batched outputs equal the serial server's at concurrency 1; with `vllm`, vLLM's
-    throughput in the same rounds (the three sides' order rotating), engine-serve's over vLLM's
-    per round, and how many of vLLM's outputs equal the serial server's."""
+    throughput in the same rounds (the sides' order rotating), engine-serve's over vLLM's
+    per round, and how many of vLLM's outputs equal the serial server's; with `peer` (another
+    checkout's batched engine-serve) the same for it."""
     reference = run_set(serial, texts, 1, max_tokens)[2]
-    bases = {"batched": batched, "serial": serial, **({"vllm": vllm} if vllm else {})}
-    asked: dict[str, list[str] | list[list[int]]] = {"batched": texts, "serial": texts}
+    bases = {"batched": batched, "serial": serial, **({"vllm": vllm} if vllm else {}),
+             **({"peer": peer} if peer else {})}
+    asked: dict[str, list[str] | list[list[int]]] = {"batched": texts, "serial": texts, "peer": texts}
     if vllm:
         asked["vllm"] = start_ids(texts)
     out: dict = {}
@@ -132,6 +139,12 @@ def fp32_figures(batched: str, serial: str, texts: list[str], max_tokens: int, r
                 "engine_serve_over_vllm": spread([v[0] / b[0] for b, v in zip(runs["batched"], runs["vllm"],
                                                                               strict=True)], digits=2),
                 "vllm_equal_to_serial": min(equal(o, reference) for _, _, o in runs["vllm"])}
+        if peer:
+            out[str(c)] |= {
+                "peer_tokens_per_s": rates(runs["peer"]),
+                "batched_over_peer": spread([p[0] / b[0] for b, p in zip(runs["batched"], runs["peer"], strict=True)],
+                                            digits=2),
+                "peer_equal_to_serial": min(equal(o, reference) for _, _, o in runs["peer"])}
     return out
 
 
@@ -151,6 +164,11 @@ def bf16_figures(base: str, texts: list[str], max_tokens: int) -> dict:
     return out
 
 
+def peer_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--prompts", type=int, default=64, help="prompts from the held-out docs (default 64)")
@@ -162,6 +180,8 @@ def main() -> None:
     p.add_argument("--vllm", action="store_true",
                    help="also vLLM's CPU build (`make test-vllm` installs it) on the same model in fp32, its own "
                         "defaults for batching, timed in the same rounds; with --kv-cache auto and no --speculative only")
+    p.add_argument("--peer", type=Path, help="a checkout of another commit: its batched engine-serve, the same flags, "
+                                             "timed in the same rounds")
     args = p.parse_args()
     if args.vllm and (args.kv_cache != "auto" or args.speculative != "off"):
         raise SystemExit("--vllm: the peer serves the plain fp32 model; leave out --kv-cache and --speculative")
@@ -173,6 +193,8 @@ def main() -> None:
     servers = {"batched": start(*threads, *kv), "serial": start(*threads, *kv, "--max-num-seqs", "1")}
     if args.kv_cache == "auto" and args.speculative == "off":
         servers["bf16"] = start(*threads, "--weights", "bf16")
+    if args.peer:
+        servers["peer"] = start(*threads, *kv, root=args.peer.resolve())
     if args.vllm:
         servers["vllm"] = start_vllm(Path(tempfile.mkdtemp(prefix="vllm-")) / "vllm.log", MODEL)
     try:
@@ -180,7 +202,8 @@ def main() -> None:
             run_set(base, start_ids(texts[:8]) if side == "vllm" else texts[:8], 8, 4)
         t0 = time.perf_counter()
         fp32 = fp32_figures(servers["batched"][1], servers["serial"][1], texts, args.max_tokens, args.repeats,
-                            servers["vllm"][1] if "vllm" in servers else None)
+                            servers["vllm"][1] if "vllm" in servers else None,
+                            servers["peer"][1] if "peer" in servers else None)
         bf16 = bf16_figures(servers["bf16"][1], texts, args.max_tokens) if "bf16" in servers else None
         seconds = round(time.perf_counter() - t0, 1)
     finally:
@@ -194,7 +217,8 @@ def main() -> None:
                       "max_tokens": args.max_tokens,
                       "repeats": args.repeats, "fp32": fp32, "bf16": bf16, "fp32_batched_equals_serial": fp32_equal,
                       "speedup_at_8_median": fp32["8"]["speedup"]["median"], "target_at_8": 3.0,
-                      "server_threads": args.threads or "engine-serve default (cores - 1)", "seconds": seconds, **host()}))
+                      "server_threads": args.threads or "engine-serve default (cores - 1)", "seconds": seconds,
+                      **({"peer": peer_commit(args.peer)} if args.peer else {}), **host()}))
     sys.exit(0 if fp32_equal else 1)
 
 

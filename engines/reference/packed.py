@@ -2,8 +2,9 @@
 
 A decode step of a batch of B > 1 rows multiplies [B, K] activations by every [N, K] weight once.
 MKL's GEMM repacks the weight into its panel layout on every such call, so a step of the tiny
-model at 8 rows reads and writes its 22 MB of weights twice over (about 4.3 ms of a 6.6 ms step on
-a 2-core machine, against 2.2 ms with the weights packed once: benchmarks/engine_serve_batching.py).
+model reads and writes its 22 MB of weights once more than it needs to. Every linear of that
+model, one thread of a 2-core AMD EPYC (benchmarks/packed_linears.py): at 8 rows 3.1 ms against
+2.2 ms packed once (1.48×), at 32 rows 8.0 against 4.9 ms (1.62×).
 vLLM's CPU backend packs its linear weights for oneDNN at load for the same reason. Here the packed
 copy is made with engine-serve's batch (batching.ContinuousBatch over rows.RowCache, the lossless
 rows) and used only inside `active()`, which the batch enters around its forwards: a
@@ -14,6 +15,10 @@ prompt log-probs) never sees the packed weights, so their figures are unchanged 
 oneDNN sums in another order than MKL: a batched step's logits differ from the plain weights' by
 a few ulps (2e-6 relative on random inputs), of the same kind as a batch of 8 rows against one
 row alone already differs.
+
+The packed copy is taken when the batch is made: a weight changed after that is not seen inside
+`active()` (engine-serve's weights are fixed once it has loaded; a fault drill, which does change
+what the model computes, does not batch).
 
 Only exact nn.Linear modules with fp32 or bf16 weights on the CPU are packed (a quantized layer
 keeps its own forward), and only while their weights total at most PACKED_LINEAR_BYTES: the packed

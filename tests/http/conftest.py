@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +15,11 @@ from tests.conftest import ROOT
 from tests.loopback import free_port, serve_in_thread
 
 
-def start_engine_serve(*args: str) -> tuple[subprocess.Popen, str]:
+def start_engine_serve(*args: str, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`canary engine-serve *args` from the checkout at `root` (another commit's, for a benchmark's
+    peer), once /health answers."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "engine-serve", "--port", str(port), *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "engine-serve", "--port", str(port), *args], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
