@@ -74,6 +74,15 @@ def greedy_below_eps(request: GenerationRequest) -> GenerationRequest:
     return replace(request, temperature=0.0) if request.temperature < SAMPLING_EPS else request
 
 
+class PrefillFailed(Exception):
+    """A step that prefilled joining rows failed: those rows have left the batch (their rows are
+    free; `seqs` names them, `__cause__` says why), and the running rows are as before the step."""
+
+    def __init__(self, seqs: list[Sequence], cause: Exception):
+        super().__init__(str(cause))
+        self.seqs = seqs
+
+
 @dataclass
 class Sequence:
     """One request in a row: its prompt, the tokens picked so far and their stamps."""
@@ -250,12 +259,23 @@ class ContinuousBatch:
             tokens = self._picked[1][:, None]
         elif active:
             tokens = torch.tensor([[s.tokens[-1]] for s in active], device=device)
-        with _sdpa_backends(device), self._packed(len(rows) + sum(len(s.prompt) for s in joining)):
-            if joining:
-                logits = cast(RowCache, self.cache).mixed(self.engine.model, tokens, rows,
-                                                          [(s.row, s.prompt) for s in joining])  # [B + J, V]
-            else:
-                logits = self.cache.decode(self.engine.model, cast(torch.Tensor, tokens), rows)  # [B, V]
+        lengths = list(self.cache.lengths)
+        try:
+            with _sdpa_backends(device), self._packed(len(rows) + sum(len(s.prompt) for s in joining)):
+                if joining:
+                    logits = cast(RowCache, self.cache).mixed(self.engine.model, tokens, rows,
+                                                              [(s.row, s.prompt) for s in joining])  # [B + J, V]
+                else:
+                    logits = self.cache.decode(self.engine.model, cast(torch.Tensor, tokens), rows)  # [B, V]
+        except Exception as e:
+            if not joining:
+                raise
+            # the prompts' step failed (memory for a long one, say): they leave the batch, and the
+            # running rows are as before it (the slots it wrote are rewritten by the next step)
+            self.cache.lengths[:] = lengths
+            for s in joining:
+                del self.seqs[s.row]
+            raise PrefillFailed(joining, e) from e
         self._take(logits, active + joining)
         return active + joining
 
@@ -308,7 +328,11 @@ class ContinuousBatch:
         if all(s.greedy for s in seqs):  # one argmax over the batch: the step's one host sync
             picked = logits.argmax(-1)
             picks = cast(list[int], picked.tolist())
-            self._picked = ([s.row for s in seqs], picked)
+            # kept in row order, as the next step lists its rows (a mixed step's joiners came last)
+            order = sorted(range(len(seqs)), key=lambda b: seqs[b].row)
+            if order != list(range(len(seqs))):
+                picked = picked[torch.tensor(order, device=picked.device)]
+            self._picked = ([seqs[b].row for b in order], picked)
         else:
             picks = [pick(adjust(logits[b], s.request, s.tokens), s.request, s.generator)
                      for b, s in enumerate(seqs)]

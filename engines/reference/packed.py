@@ -7,14 +7,17 @@ model, one thread of a 2-core AMD EPYC (benchmarks/packed_linears.py): at 8 rows
 2.2 ms packed once (1.48×), at 32 rows 8.0 against 4.9 ms (1.62×).
 vLLM's CPU backend packs its linear weights for oneDNN at load for the same reason. Here the packed
 copy is made with engine-serve's batch (batching.ContinuousBatch over rows.RowCache, the lossless
-rows) and used only inside `active()`, which the batch enters around its forwards: a
-forward of one token keeps the plain weights (a GEMV, as fast as it is, and the serial server's
-decode step as it was), and everything outside the batch (generate(), the scorers' passes, the
-prompt log-probs) never sees the packed weights, so their figures are unchanged to the bit.
+rows) and used only inside `active()`, which the batch enters around its forwards of more than
+one token. A one-token forward (a decode step of one row) keeps the plain weights: a GEMV, as
+fast as it is. Everything outside the batch (generate(), the scorers' passes, the prompt
+log-probs) never sees the packed weights, so the in-process figures are unchanged to the bit.
+engine-serve's own passes do change in the last bits, its serial server (`--max-num-seqs 1`, a
+batch of one row) included: its prefill is a forward of many tokens.
 
-oneDNN sums in another order than MKL: a batched step's logits differ from the plain weights' by
-a few ulps (2e-6 relative on random inputs), of the same kind as a batch of 8 rows against one
-row alone already differs.
+oneDNN sums in another order than MKL: a batched forward's outputs differ from the plain
+weights' by a few ulps (at most 9e-7 of the largest output on the tiny model's linears,
+benchmarks/packed_linears.py), of the same kind as a batch of 8 rows against one row alone
+already differs.
 
 The packed copy is taken when the batch is made: a weight changed after that is not seen inside
 `active()` (engine-serve's weights are fixed once it has loaded; a fault drill, which does change

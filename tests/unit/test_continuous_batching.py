@@ -215,3 +215,37 @@ def test_rows_that_join_are_prefilled_in_the_running_rows_decode_step_and_pick_w
     left = batch.join(reqs[0])
     batch.remove(left)
     assert batch.step() == [] and batch.free_rows == 3 and batch.held() == 0
+
+
+def test_a_failed_prefill_step_fails_only_the_joining_rows_and_the_running_rows_go_on(monkeypatch):
+    """A step that prefills joining prompts and fails (a long prompt out of memory, say) raises
+    PrefillFailed naming those rows, frees their rows, and leaves the running rows as before the
+    step: their next steps give what they give alone."""
+    from engines.reference.batching import PrefillFailed
+    from engines.reference.rows import RowCache
+
+    engine = engine_for("fp32")
+    reqs = requests()
+    alone = engine.generate([reqs[0]])[0].token_ids
+    batch = ContinuousBatch(engine, 3)
+    running = batch.join(reqs[0])
+    batch.step()
+    batch.step()
+    held = list(batch.cache.lengths)
+    joiner = batch.join(reqs[2])
+    real = RowCache._attend_prompt
+
+    def out_of_memory(self, layer, row, q, k, v):
+        if layer == 3:
+            raise RuntimeError("out of memory (a test's)")
+        return real(self, layer, row, q, k, v)
+
+    monkeypatch.setattr(RowCache, "_attend_prompt", out_of_memory)
+    with pytest.raises(PrefillFailed, match="out of memory") as failed:
+        batch.step()
+    assert failed.value.seqs == [joiner]
+    assert batch.cache.lengths == held and batch.free_rows == 2 and len(running.tokens) == 2
+    monkeypatch.setattr(RowCache, "_attend_prompt", real)
+    while not running.done:
+        batch.step()
+    assert tuple(running.tokens) == alone

@@ -139,3 +139,46 @@ def test_speculative_generate_runs_one_request_at_a_time_through_its_own_cache()
         batch.add_wave([GenerationRequest("a", "import os", max_new_tokens=3)])
     with pytest.raises(ValueError, match="one_request takes one row"):
         SpeculativeRows(engine, 2, one_request=True)
+
+
+def test_engine_serve_fails_only_the_request_whose_prefill_step_fails(monkeypatch):
+    """A prompt that joins a running batch and whose step fails (out of memory, say) gets an
+    error event; the request already decoding goes on to the tokens it gets alone, and the server
+    serves the next request."""
+    from engines.reference.rows import RowCache
+
+    engine = engine_for("fp32", "off", 1)
+    running, after = (GenerationRequest(n, "def parse(text):", max_new_tokens=24, logit_bias=NO_EOS)
+                      for n in ("running", "after"))
+    failing = GenerationRequest("failing", "import os and sys " * 8, max_new_tokens=4)  # its own prompt length
+    alone = engine.generate([running])[0].token_ids
+    fail_at = len(engine.prompt_token_ids(failing))
+    real = RowCache._attend_prompt
+
+    def out_of_memory(self, layer, row, q, k, v):
+        if k.shape[2] == fail_at:
+            raise RuntimeError("out of memory (a test's)")
+        return real(self, layer, row, q, k, v)
+
+    monkeypatch.setattr(RowCache, "_attend_prompt", out_of_memory)
+
+    async def scenario():
+        server = EngineServer(engine, "pydoc-target", max_num_seqs=4)
+        try:
+            first = server.submit_all([running])[0]
+            kind, _ = await asyncio.wait_for(first.events.get(), 60)
+            assert kind == "tokens"  # decoding: the next prompt joins a running batch
+            second = server.submit_all([failing])[0]
+            kind, payload = await asyncio.wait_for(second.events.get(), 60)
+            assert (kind, payload) == ("error", "out of memory (a test's)")
+            while (event := await asyncio.wait_for(first.events.get(), 60))[0] != "done":
+                assert event[0] == "tokens"
+            third = server.submit_all([after], stream=False)[0]
+            kind, result = await asyncio.wait_for(third.events.get(), 60)
+            return event[1], kind, result
+        finally:
+            server.request_stop()
+            server.thread.join(10)
+
+    done, kind, result = asyncio.run(scenario())
+    assert done.token_ids == alone and kind == "done" and len(result.token_ids) == 24

@@ -7,12 +7,15 @@ Continuous batching (engines/reference/batching.py), as vLLM schedules: generati
 in a bounded queue (`max_queue` sequences, whichever requests they came in; a request that does
 not fit is refused whole with ServeQueueFull, a 429), join the running batch between decode steps
 while it has a free row (`max_num_seqs`; a request of many prompts takes turns with later ones,
-_take_fairly, where vLLM serves first come first served: their prompt is prefilled,
-then they take part in the next batched step) and leave it when they finish or their client goes
-(ServeRequest.cancel). Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a
-step verifies every row's drafts in one pass and a row may gain several tokens at once, as in
-vLLM. An engine that cannot batch (a fault drill: batching.unbatchable) decodes one request at
-a time with engine.generate, as before."""
+_take_fairly, where vLLM serves first come first served). Over the lossless cache their prompts
+are prefilled in the next step's forward, beside the running rows' next tokens (batching.join);
+a prompt whose step fails fails alone (batching.PrefillFailed), the running rows go on. Elsewhere
+(a lossy or speculative cache) a prompt is prefilled as it joins, then takes part in the next
+batched step. Rows leave the batch when they finish or their client goes (ServeRequest.cancel).
+Echo jobs (prompt log-probs) run between decode steps. With speculative decoding a step verifies
+every row's drafts in one pass and a row may gain several tokens at once, as in vLLM. An engine
+that cannot batch (a fault drill: batching.unbatchable) decodes one request at a time with
+engine.generate, as before."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.protocol import GenerationRequest, SpeculativeStats
-from engines.reference.batching import ContinuousBatch, unbatchable
+from engines.reference.batching import ContinuousBatch, PrefillFailed, unbatchable
 from workers.engine_server.jobs import (
     SHUTTING_DOWN,
     Cancelled,
@@ -239,11 +242,11 @@ class EngineServer:
             self._generate(job, started, n_prompt)
             return
         seq = self.batch.join(job.request)  # a row now; its prefill now or with the next step (batching.join)
-        self.metrics.prompt_tokens.inc(len(seq.prompt))
         run = self.rows[seq.row] = Running(job, seq, started)
         self.metrics.running.set(len(self.rows))
         if not seq.tokens:  # the next step prefills it beside the running rows and picks its first token
             return
+        self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._deliver(run, prefill_tokens=len(seq.prompt))
         self.metrics.kv_usage.set(self._kv_usage())
         if seq.done:
@@ -260,6 +263,13 @@ class EngineServer:
             return
         try:
             stepped = self.batch.step()
+        except PrefillFailed as e:  # the joining prompts' step: they fail, the running rows go on
+            for seq in e.seqs:
+                run = self.rows.pop(seq.row)
+                self._emit(run.job, ("error", str(e)))
+            self.metrics.running.set(len(self.rows))
+            self._flush()
+            return
         except Exception as e:  # noqa: BLE001 — the batch's requests fail, the server stays up
             for run in list(self.rows.values()):
                 self._emit(run.job, ("error", str(e)))
@@ -269,6 +279,7 @@ class EngineServer:
         # the step's tokens: one per row, or each row's accepted drafts and its correction or bonus
         # token, and the prompts it prefilled (rows that joined: nothing sent yet)
         joined = [seq for seq in stepped if self.rows[seq.row].sent == 0]
+        self.metrics.prompt_tokens.inc(sum(len(seq.prompt) for seq in joined))
         self.metrics.iteration_tokens.observe(sum(len(seq.tokens) - self.rows[seq.row].sent for seq in stepped)
                                               + sum(len(seq.prompt) for seq in joined))
         for seq in stepped:
