@@ -129,7 +129,7 @@ test-llmcompressor: $(VENV)/.installed $(LLMC_VENV)/.installed $(VLLM_VENV)/.ins
 serve: $(VENV)/.installed
 	$(VENV)/bin/canary serve
 
-# The GPU report (docs/benchmarks.md "GPU report"): the kernel tests on CUDA, then benchmarks/kernels.py one
+# The GPU report (docs/benchmarks.md "GPU report"): the kernel tests on CUDA, then benchmarks/kernel_bench.py one
 # section at a time, each section's JSON written to benchmarks/results/gpu/ as it ends
 # (BENCH_ARGS="--section decode" runs one). No .venv needed: it runs on .venv's python when there
 # is one, else python3 (a GPU image with torch, Triton, transformers and pytest); `make gpu-report

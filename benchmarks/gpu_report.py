@@ -4,11 +4,11 @@ ends, so that a device call cut off at its time limit still brings back what fin
     make gpu-report                                   # every section in turn, each written as it ends
     make gpu-report PY=python3 BENCH_ARGS="--section decode --long-context 0 --repeats 3"
     python3 benchmarks/gpu_report.py --section tests [--out DIR] [--section-timeout 540]
-    python3 benchmarks/gpu_report.py --section w4a16 attention [benchmarks/kernels.py flags ...]
+    python3 benchmarks/gpu_report.py --section w4a16 attention [benchmarks/kernel_bench.py flags ...]
     python3 benchmarks/gpu_report.py --device cpu --smoke     # rehearse every section here (no GPU)
 
 Sections: tests (pytest tests/kernels on this host's device, --continue-on-collection-errors,
-its JUnit XML beside the JSON), then w4a16, attention, decode and tiny (benchmarks/kernels.py
+its JUnit XML beside the JSON), then w4a16, attention, decode and tiny (benchmarks/kernel_bench.py
 with only that section; every one also measures the copy bandwidth its fractions divide by).
 Each writes DIR/<section>.json (default DIR: benchmarks/results/gpu; with --smoke out/gpu-smoke)
 and prints a progress line on stderr as it starts and ends; the end prints one JSON object
@@ -35,8 +35,8 @@ from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "benchmarks" / "kernels.py"
-BENCH_SECTIONS = ("w4a16", "attention", "decode", "tiny")  # benchmarks/kernels.py's own section names
+KERNELS = ROOT / "benchmarks" / "kernel_bench.py"
+BENCH_SECTIONS = ("w4a16", "attention", "decode", "tiny")  # benchmarks/kernel_bench.py's own section names
 SECTIONS = ("tests", *BENCH_SECTIONS)
 SMOKE_TESTS = ["tests/kernels/test_fp8_kv.py", "tests/kernels/test_collect_without_pydantic.py"]
 
@@ -48,7 +48,7 @@ def progress(msg: str) -> None:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="benchmarks/gpu_report.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Any other flag goes to benchmarks/kernels.py (its --help lists them).")
+                                 epilog="Any other flag goes to benchmarks/kernel_bench.py (its --help lists them).")
     ap.add_argument("--section", nargs="+", choices=(*SECTIONS, "all"), default=["all"],
                     help="sections to run, in the order given (default: all, in the order above)")
     ap.add_argument("--out", type=Path, default=None,
@@ -57,8 +57,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="seconds a section may run before it is stopped, its JSON saying so (default: none)")
     ap.add_argument("--tests", nargs="+", default=None,
                     help="what the tests section gives pytest (default tests/kernels; two small files with --smoke)")
-    ap.add_argument("--device", default="cuda", help="passed to benchmarks/kernels.py (cpu needs --smoke)")
-    ap.add_argument("--smoke", action="store_true", help="to benchmarks/kernels.py: tiny shapes, measures nothing")
+    ap.add_argument("--device", default="cuda", help="passed to benchmarks/kernel_bench.py (cpu needs --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="to benchmarks/kernel_bench.py: tiny shapes, measures nothing")
     args, rest = ap.parse_known_args(argv)
     sections = list(SECTIONS) if "all" in args.section else list(dict.fromkeys(args.section))
     args.section = sections
@@ -127,7 +127,7 @@ def benchmark(args, section: str, passthrough: list[str]) -> dict:
     cmd = [sys.executable, str(KERNELS), "--device", args.device, *(["--smoke"] if args.smoke else []),
            *passthrough, "--skip", *others]
     rc, out, timed_out = run_streamed(cmd, args.section_timeout, echo_stdout=False)
-    res: dict = {"command": " ".join(["python", "benchmarks/kernels.py", *cmd[2:]]), "exit_code": rc}
+    res: dict = {"command": " ".join(["python", "benchmarks/kernel_bench.py", *cmd[2:]]), "exit_code": rc}
     if timed_out:
         res["error"] = f"stopped after {args.section_timeout:g} s (--section-timeout): see the progress lines on stderr"
     for line in reversed(out.strip().splitlines()):
@@ -135,7 +135,7 @@ def benchmark(args, section: str, passthrough: list[str]) -> dict:
             return {**res, "benchmark": json.loads(line)}
         except json.JSONDecodeError:
             continue
-    return {**res, "error": res.get("error", "benchmarks/kernels.py printed no JSON"), "stdout_tail": out[-2000:]}
+    return {**res, "error": res.get("error", "benchmarks/kernel_bench.py printed no JSON"), "stdout_tail": out[-2000:]}
 
 
 def main(argv: list[str]) -> int:

@@ -97,16 +97,16 @@ class StageFile:
 
 # -- the stages (each runs in its own process) ----------------------------------------------------------
 def kernel_args(args, **more):
-    """The namespace benchmarks/kernels.py's sections read."""
+    """The namespace benchmarks/kernel_bench.py's sections read."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import kernels
+    import kernel_bench as bench
     from _yardstick import l2_bytes
 
-    ns = kernels.parse_args(["--device", args.device, "--repeats", str(args.repeats), *(["--smoke"] if args.smoke else [])])
+    ns = bench.parse_args(["--device", args.device, "--repeats", str(args.repeats), *(["--smoke"] if args.smoke else [])])
     ns.l2_bytes = l2_bytes(args.device, None)
     for k, v in more.items():
         setattr(ns, k, v)
-    return kernels, ns
+    return bench, ns
 
 
 def read_bw(args) -> float:
@@ -160,14 +160,14 @@ def stage_s1(args, f: StageFile) -> bool:
 
 
 def kernel_stage(args, f: StageFile, points, run_one) -> bool:
-    """A kernel stage: run_one(kernels, clock, ns, peak, point) → (rows, checks) for each point in
+    """A kernel stage: run_one(bench, clock, ns, peak, point) → (rows, checks) for each point in
     turn, the stage's JSON rewritten after each; True when every output equals its reference."""
-    kernels, ns = kernel_args(args)
-    clock = kernels.Clock(args.device, warmup=0 if args.smoke else 2)
+    bench, ns = kernel_args(args)
+    clock = bench.Clock(args.device, warmup=0 if args.smoke else 2)
     peak = read_bw(args)
     rows, checks = [], []
     for point in points:
-        r, c = run_one(kernels, clock, ns, peak, point)
+        r, c = run_one(bench, clock, ns, peak, point)
         rows += r
         checks += c
         f.save(read_GBps=peak, l2_bytes=ns.l2_bytes, rows=rows, checks=checks, timing_fallbacks=clock.fallbacks)
@@ -178,17 +178,17 @@ def kernel_stage(args, f: StageFile, points, run_one) -> bool:
 
 def stage_s2(args, f: StageFile) -> bool:
     shapes = ((128, 64),) if args.smoke else ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336))
-    return kernel_stage(args, f, shapes, lambda kernels, clock, ns, peak, shape: kernels.w4a16_section(
+    return kernel_stage(args, f, shapes, lambda bench, clock, ns, peak, shape: bench.w4a16_section(
         clock, args.device, ns, peak, shapes=(shape,), prefill_rows=()))
 
 
 def stage_s3(args, f: StageFile) -> bool:
     points = ((64, 1), (64, 2)) if args.smoke else ((32768, 1), (131072, 1), (32768, 16))
-    return kernel_stage(args, f, points, lambda kernels, clock, ns, peak, point: kernels.attention_section(
+    return kernel_stage(args, f, points, lambda bench, clock, ns, peak, point: bench.attention_section(
         clock, args.device, ns, peak, points=(point,)))
 
 
-def synthetic_row(kernels, clock, model, kv: str, batch: int, length: int, new: int, args, weight_bytes: int,
+def synthetic_row(bench, clock, model, kv: str, batch: int, length: int, new: int, args, weight_bytes: int,
                   peak_gbps: float) -> dict:
     """Decode tok/s over a synthetic cache of `length` tokens per row: a fresh Decoder per repeat,
     prepare() (graph capture), fill_synthetic and one untimed step (KIVI codes its whole cache on
@@ -220,11 +220,11 @@ def synthetic_row(kernels, clock, model, kv: str, batch: int, length: int, new: 
             tps.append(batch * new / (t1 - t0))
             step_ms.append((t1 - t0) * 1000 / new)
         del dec
-        kernels._free(args.device)
+        bench._free(args.device)
     bound = peak_gbps * 1e9 / (weight_bytes + kv_read) * batch
     return {"kv_cache": kv, "batch": batch, "context": length, "new_tokens": new, "cuda_graphs": graphs,
             "kv_cache_bytes": nbytes, "kv_bytes_read_per_step": kv_read, "weight_bytes": weight_bytes,
-            "decode_tok_s": kernels.spread(tps, 1), "step_ms": kernels.spread(step_ms, 3),
+            "decode_tok_s": bench.spread(tps, 1), "step_ms": bench.spread(step_ms, 3),
             "bytes_bound_tok_s": round(bound, 1), "fraction_of_bound": round(statistics.median(tps) / bound, 3)}
 
 
@@ -244,11 +244,11 @@ def kv_bytes_read(cache, tokens: int) -> int:
 def stage_s4(args, f: StageFile) -> bool:
     import torch
 
-    kernels, ns = kernel_args(args)
-    clock = kernels.Clock(args.device, warmup=0)
+    bench, ns = kernel_args(args)
+    clock = bench.Clock(args.device, warmup=0)
     peak = read_bw(args)
-    a = kernels.llama8b_args(32, 16384 + 64, args.smoke)
-    model, _ = kernels.build_models(a, args.device, with_hf=False)
+    a = bench.llama8b_args(32, 16384 + 64, args.smoke)
+    model, _ = bench.build_models(a, args.device, with_hf=False)
     weight_bytes = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" not in n)
     new = 4 if args.smoke else 32
     short, long_, wide = (16, 48, 2) if args.smoke else (1024, 16384, 16)
@@ -257,11 +257,11 @@ def stage_s4(args, f: StageFile) -> bool:
     def run(name: str, kv: str, batch: int, length: int, wb: int) -> dict | None:
         progress(f"S4 {name} {kv} batch {batch} x {length}: start")
         try:
-            row = {"weights": name, **synthetic_row(kernels, clock, model, kv, batch, length, new, args, wb, peak)}
+            row = {"weights": name, **synthetic_row(bench, clock, model, kv, batch, length, new, args, wb, peak)}
         except Exception as e:  # noqa: BLE001 - one row's failure (an OOM) is recorded; the others run
             errors[f"{name}/{kv}/{batch}x{length}"] = f"{type(e).__name__}: {e}"[:400]
             row = {"weights": name, "kv_cache": kv, "batch": batch, "context": length, "error": errors[f"{name}/{kv}/{batch}x{length}"]}
-            kernels._free(args.device)
+            bench._free(args.device)
         rows.append(row)
         f.save(read_GBps=peak, rows=rows, errors=errors)
         progress(f"S4 {name} {kv} batch {batch} x {length}: {row.get('decode_tok_s', row.get('error'))}")
@@ -275,24 +275,24 @@ def stage_s4(args, f: StageFile) -> bool:
             r = run("fp16", kv, wide, long_, weight_bytes)
             if r and base_wide:
                 x = r["decode_tok_s"]["median"] / base_wide["decode_tok_s"]["median"]
-                want = kernels.kv_target(kv, long_, wide)
+                want = bench.kv_target(kv, long_, wide)
                 ceiling = (weight_bytes + base_wide["kv_bytes_read_per_step"]) / (weight_bytes + r["kv_bytes_read_per_step"])
-                r["vs_fp16"] = kernels.verdict(round(x, 2), x >= want, f">= {want:g}x fp16 KV at batch {wide} x {long_}", args.smoke)
+                r["vs_fp16"] = bench.verdict(round(x, 2), x >= want, f">= {want:g}x fp16 KV at batch {wide} x {long_}", args.smoke)
                 r["bytes_model_ceiling_vs_fp16"] = round(ceiling, 2)
         try:
-            note = kernels.quantize_int4(model, args.device)
+            note = bench.quantize_int4(model, args.device)
             int4_bytes = sum(t.nbytes for n, t in list(model.named_parameters()) + list(model.named_buffers()) if "embed_tokens" not in n)
             r = run("rtn-int4", "fp16", 1, short, int4_bytes)
             if r:
                 r["int4_gemv"] = note
                 if base_1k:
                     x = r["decode_tok_s"]["median"] / base_1k["decode_tok_s"]["median"]
-                    r["vs_fp16"] = kernels.verdict(round(x, 2), x >= 1.6, ">= 1.6x fp16 tok/s (stretch 2.0x)", args.smoke)
+                    r["vs_fp16"] = bench.verdict(round(x, 2), x >= 1.6, ">= 1.6x fp16 tok/s (stretch 2.0x)", args.smoke)
         except Exception as e:  # noqa: BLE001 - recorded
             errors["rtn-int4"] = f"{type(e).__name__}: {e}"[:400]
     if base_1k:
         fr = base_1k["fraction_of_bound"]
-        base_1k["target"] = kernels.verdict(fr, fr >= 0.7, ">= 0.70 of the read-bandwidth bound", args.smoke)
+        base_1k["target"] = bench.verdict(fr, fr >= 0.7, ">= 0.70 of the read-bandwidth bound", args.smoke)
     f.save(rows=rows, errors=errors, complete=True)
     return not errors
 
@@ -300,15 +300,15 @@ def stage_s4(args, f: StageFile) -> bool:
 def stage_s5(args, f: StageFile) -> bool:
     import torch
 
-    kernels, ns = kernel_args(args)
+    bench, ns = kernel_args(args)
     if not args.device.startswith("cuda"):
-        f.save(skipped="the profile reads CUDA kernels; nothing to profile on the CPU", complete=True)
+        f.save(skipped="the profile reads CUDA bench; nothing to profile on the CPU", complete=True)
         return True
     from engines.reference.decode import Decoder
     from engines.reference.kv import kv_format
 
-    a = kernels.llama8b_args(32, 2048, args.smoke)
-    model, _ = kernels.build_models(a, args.device, with_hf=False)
+    a = bench.llama8b_args(32, 2048, args.smoke)
+    model, _ = bench.build_models(a, args.device, with_hf=False)
     with torch.inference_mode():
         model.fuse()
         dec = Decoder(model, kv_format("fp16", torch.float16), 1, 1024 + 16, torch.device(args.device), torch.float16)
@@ -321,7 +321,7 @@ def stage_s5(args, f: StageFile) -> bool:
             tok = dec.step(tok).argmax(-1)
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t) * 1e6 / 3
-        prof = kernels.profile_steps(dec, tok, 3, top=20)
+        prof = bench.profile_steps(dec, tok, 3, top=20)
     prof["wall_us_per_step"] = round(wall_us, 1)
     prof["gap_us_per_step"] = round(wall_us - prof["gpu_us_per_step"], 1)  # host and inter-node time
     prof["launches_per_step"] = round(sum(r["launches_per_step"] for r in prof["top"]), 1)

@@ -9,7 +9,7 @@ import sys
 
 from tests.conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # last: a script never shadows an installed module here
 
 import detection
 

@@ -84,7 +84,9 @@ def test_a_lossy_pass_packs_short_windows_end_to_end_and_scores_each_as_alone(kv
     together = e.loglikelihood_rolling(docs)
     for doc, got in zip(docs, together, strict=True):
         [alone] = e.loglikelihood_rolling([doc])
-        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        # packed, the products have other shapes and their sums another order: on an AVX2-only
+        # CPU one log-prob in 15 moved 1.05e-5 (fp8), within float reassociation of a 64-wide sum
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=5e-5)
         assert got.greedy_ids == alone.greedy_ids
     jobs, _, _ = scoring.windows(e, docs)
     rows = [row for batch in scoring._batches(e, jobs) for row in batch]

@@ -1,8 +1,8 @@
 """GPU kernel and decode figures, each checked and timed against its peer in the same run.
 
-    python benchmarks/kernels.py [--repeats 5] [--prompt 1024] [--new-tokens 64] [--layers 32]
+    python benchmarks/kernel_bench.py [--repeats 5] [--prompt 1024] [--new-tokens 64] [--layers 32]
                                  [--long-context 32768] [--no-hf-static] [--skip ...]
-    python benchmarks/kernels.py --device cpu --smoke    # tiny shapes on CPU (Triton interpreter)
+    python benchmarks/kernel_bench.py --device cpu --smoke    # tiny shapes on CPU (Triton interpreter)
     make gpu-report                                      # kernel tests on CUDA + this, a JSON file per section
 
 Run from the repository root (the script puts the root on sys.path itself; no install needed,
@@ -71,7 +71,7 @@ SECTIONS = ("w4a16", "attention", "decode", "tiny")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="benchmarks/kernels.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/kernel_bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="See the module docstring (top of this file) for every figure and target.")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --smoke: correctness on the Triton interpreter)")
@@ -1048,12 +1048,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
         if not args.smoke:
-            print("benchmarks/kernels.py: --device cpu runs the tiny --smoke shapes only (the Triton interpreter is "
+            print("benchmarks/kernel_bench.py: --device cpu runs the tiny --smoke shapes only (the Triton interpreter is "
                   "far too slow for the real ones)", file=sys.stderr)
             return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
     if args.new_tokens < 3:
-        print("benchmarks/kernels.py: --new-tokens must be at least 3", file=sys.stderr)
+        print("benchmarks/kernel_bench.py: --new-tokens must be at least 3", file=sys.stderr)
         return 2
     import torch
 

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py without a GPU: `--help` runs nothing; without CUDA it says why and exits 0;
+"""benchmarks/kernel_bench.py without a GPU: `--help` runs nothing; without CUDA it says why and exits 0;
 the CPU smoke run (tiny shapes, kernels on the Triton interpreter, 1 repeat) prints one JSON
 object whose kernel-vs-reference checks all hold, whose decode matches transformers' generate on
 the same weights, and whose every timed figure carries its spread; a failed check exits 1."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration  # subprocess runs of benchmarks/kernels.py
+pytestmark = pytest.mark.integration  # subprocess runs of benchmarks/kernel_bench.py
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernels.py"
+SCRIPT = ROOT / "benchmarks" / "kernel_bench.py"
 
 
 def run(*argv: str, code: str | None = None) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_help_prints_usage_and_runs_nothing():
             "assert 'torch' not in sys.modules, '--help imported torch'\nprint('HELP-ONLY')")
     p = run(code=code)
     assert p.returncode == 0, p.stderr
-    assert "usage: benchmarks/kernels.py" in p.stdout and "--repeats" in p.stdout and "--long-context" in p.stdout
+    assert "usage: benchmarks/kernel_bench.py" in p.stdout and "--repeats" in p.stdout and "--long-context" in p.stdout
     assert p.stdout.strip().endswith("HELP-ONLY")  # no JSON: nothing was measured
 
 
@@ -98,7 +98,7 @@ def test_cpu_smoke_checks_hold_and_figures_have_spread():
 
 
 def test_a_failed_check_exits_1_after_printing_the_json():
-    code = (f"import sys\nsys.argv = ['kernels.py', '--device', 'cpu', '--smoke', '--skip', 'attention', 'decode', 'tiny']\n"
+    code = (f"import sys\nsys.argv = ['kernel_bench.py', '--device', 'cpu', '--smoke', '--skip', 'attention', 'decode', 'tiny']\n"
             "import importlib.util\n"
             f"spec = importlib.util.spec_from_file_location('bench_kernels', {str(SCRIPT)!r})\n"
             "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
@@ -112,7 +112,7 @@ def test_a_failed_check_exits_1_after_printing_the_json():
 def test_a_failing_decode_config_costs_its_row_only():
     # an OOM in one config (KIVI's 32K prefill on the card, say) must not discard the section:
     # that row records the error, the others are measured, the run exits 1 with the JSON printed
-    code = (f"import sys\nsys.argv = ['kernels.py', '--device', 'cpu', '--smoke', '--no-hf', '--skip', 'w4a16', 'attention', 'tiny']\n"
+    code = (f"import sys\nsys.argv = ['kernel_bench.py', '--device', 'cpu', '--smoke', '--no-hf', '--skip', 'w4a16', 'attention', 'tiny']\n"
             "import importlib.util\n"
             f"spec = importlib.util.spec_from_file_location('bench_kernels', {str(SCRIPT)!r})\n"
             "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
