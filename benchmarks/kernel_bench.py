@@ -405,10 +405,10 @@ def attention_point(clock: Clock, device: str, args, S: int, peak_gbps: float, b
     refs["grouped_fp16"] = lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)[:, :, 0]
     nbytes["sdpa_fp16"] = nbytes["grouped_fp16"] = k16.nbytes + v16.nbytes
 
-    # TurboQuant 3-bit: 3 bit-planes per 32 channels + a norm per vector
+    # TurboQuant 3-bit: a nibble per channel (8 to a word, read by byte permutes) + a norm per vector
     kc, kn = turbo_kv.quantize_on_write(k16.reshape(-1, D), 3)
     vc, vn = turbo_kv.quantize_on_write(v16.reshape(-1, D), 3)
-    kc, vc = kc.reshape(B, Hkv, S, 3, D // 32), vc.reshape(B, Hkv, S, 3, D // 32)
+    kc, vc = kc.reshape(B, Hkv, S, -1), vc.reshape(B, Hkv, S, -1)
     kn, vn = kn.reshape(B, Hkv, S), vn.reshape(B, Hkv, S)
     inputs["turbo3"] = (q, kc, kn, vc, vn, lengths)
     kernels["turbo3"] = lambda *a, **kw: turbo_kv.decode_attention(*a, 3, **kw)

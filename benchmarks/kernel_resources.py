@@ -103,6 +103,7 @@ def main() -> int:
             kw = c.kwargs
             compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
                         f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
+    import torch
     import triton.language as tl
     from engines.kernels import _decode_triton as dec
     from engines.kernels import fp8_kv, kivi_kv, turbo_kv
@@ -116,9 +117,10 @@ def main() -> int:
     split = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", HKV="i32", S="i32")
     attn_sig = dict(q_ptr="*fp16", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i64",
                     poly_ptr="*fp32", rot_ptr="*fp32", **split, code_sb="i32", code_sh="i32", norm_sb="i32",
-                    norm_sh="i32", scale="fp32")
+                    norm_sh="i32", scale="fp32", la="i32", lb="i32", ha="i32", hb="i32")
     for bits in (2, 3, 4):
-        compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits))
+        compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits, F=turbo_kv.field_bits(bits),
+                                                                 LUT=turbo_kv.byte_lookup(bits, torch.float16, "cuda")))
         if args.only == "all":
             strides = {name: "i32" for name in ("x_sb", "x_sh", "x_st", "y_sb", "y_sh", "y_st", "c_kv", "c_sb", "c_sh",
                                                   "c_ss", "n_kv", "n_sb", "n_sh", "n_ss", "d_sb", "d_sh", "d_ss")}

@@ -25,12 +25,13 @@ def _codebook(idx, poly_ptr, BITS: tl.constexpr):
 @triton.jit
 def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dx_ptr, dy_ptr, N, T, HKV,
                  x_sb, x_sh, x_st, y_sb, y_sh, y_st, c_kv, c_sb, c_sh, c_ss, n_kv, n_sb, n_sh, n_ss, d_sb, d_sh, d_ss,
-                 D: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
+                 D: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DEQUANT: tl.constexpr):
     # quantize-on-write straight into the cache, keys and values in one launch: program (i, w, z)
     # takes rows of x (z = 0) or y (z = 1), both [B, HKV, T, D] (any strides, channels contiguous),
-    # and writes them at slots[t] of codes [2, B, HKV, S, BITS, D/32] and norms [2, B, HKV, S] (index
+    # and writes them at slots[t] of codes [2, B, HKV, S, D·F/32] and norms [2, B, HKV, S] (index
     # z) and, with DEQUANT, the rotated-domain value ĉ·‖x‖ into dx or dy [B, HKV, S, D] (dq's dtype).
-    # It takes BLOCK_N rows and the 32 rotated channels of word w: one word per bit-plane
+    # It takes BLOCK_N rows and the 32 rotated channels 32w…32w + 31: F words of 32/F F-bit fields
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets can pass 2^31
     w = tl.program_id(1)
     z = tl.program_id(2)
@@ -69,9 +70,9 @@ def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr
         val = tl.where(better, c, val)
     slot = tl.load(slot_ptr + t, mask=valid, other=0)
     c_off = z * c_kv + b * c_sb + h * c_sh + slot * c_ss
-    for k in tl.static_range(BITS):
-        word = tl.sum(((idx >> k) & 1) << lane[None, :], axis=1)  # [BLOCK_N]: bit j is channel 32w + j
-        tl.store(codes_ptr + c_off + k * (D // 32) + w, word, mask=valid)
+    fields = tl.reshape(idx, (BLOCK_N, F, 32 // F))  # channel 32w + (32/F)·i + j: field j of word F·w + i
+    words = tl.sum(fields << (F * tl.arange(0, 32 // F))[None, None, :], axis=2)
+    tl.store(codes_ptr + c_off[:, None] + w * F + tl.arange(0, F)[None, :], words, mask=valid[:, None])
     first_word = (tl.zeros((BLOCK_N,), tl.int32) + w) == 0  # the norm once per row
     tl.store(norms_ptr + z * n_kv + b * n_sb + h * n_sh + slot * n_ss, norm, mask=valid & first_word)
     if DEQUANT:
@@ -80,22 +81,69 @@ def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr
 
 
 @triton.jit
-def _unpack(codes_ptr, row_off, rs, mask_s, D: tl.constexpr, BITS: tl.constexpr):
-    # rows rs of a [.., S, BITS, D/32] code tensor → code indices [BLOCK_S, D]
-    rw = tl.arange(0, D // 32)
-    lane = tl.arange(0, 32)
-    idx = tl.zeros((rs.shape[0], D // 32, 32), dtype=tl.int32)
-    for k in tl.static_range(BITS):
-        words = tl.load(codes_ptr + row_off + rs[:, None] * (BITS * (D // 32)) + k * (D // 32) + rw[None, :],
-                        mask=mask_s[:, None], other=0)
-        idx += ((words[:, :, None] >> lane[None, None, :]) & 1) << k
+def _lookup8(w, la, lb, ha, hb):
+    # one code word (8 nibbles, channel 8i + j at bits 4j, codes < 8) → the 16-bit codebook values
+    # of its 8 channels in channel order, by byte permutes: a PRMT selects one byte of the 8
+    # entries per selector nibble (bit 3 clear: codes < 8; bits 16-31 unread), so two pick the low
+    # and the high bytes of four entries (la, lb: low bytes of entries 0-3, 4-7; ha, hb: high) and
+    # two more interleave them into four 16-bit values. One element is one word: the outputs do not
+    # depend on how Triton groups elements (an asm that read a pack's first element for all four
+    # was hoisted above a broadcast by Triton and gave each channel its neighbour's value)
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 s, t, l, h;
+        prmt.b32 l, $9, $10, $8;
+        prmt.b32 h, $11, $12, $8;
+        prmt.b32 t, l, h, 0x5140; mov.b32 {$0, $1}, t;
+        prmt.b32 t, l, h, 0x7362; mov.b32 {$2, $3}, t;
+        shr.u32 s, $8, 16;
+        prmt.b32 l, $9, $10, s;
+        prmt.b32 h, $11, $12, s;
+        prmt.b32 t, l, h, 0x5140; mov.b32 {$4, $5}, t;
+        prmt.b32 t, l, h, 0x7362; mov.b32 {$6, $7}, t; }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+        args=[w, tl.zeros(w.shape, tl.int32) + la, tl.zeros(w.shape, tl.int32) + lb,
+              tl.zeros(w.shape, tl.int32) + ha, tl.zeros(w.shape, tl.int32) + hb],
+        dtype=(tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _lookup_tile(codes_ptr, row_off, rs, mask_s, la, lb, ha, hb, D: tl.constexpr, DOT: tl.constexpr):
+    # rows rs of a [.., S, D/8] nibble code tensor → codebook values [BLOCK_S, D] in DOT (16-bit)
+    W: tl.constexpr = D // 8
+    words = tl.load(codes_ptr + row_off + rs[:, None] * W + tl.arange(0, W)[None, :], mask=mask_s[:, None], other=0)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _lookup8(words, la, lb, ha, hb)
+    # [S, W, 2, 2, 2] with element (j0, j1, j2) = v[4·j0 + 2·j1 + j2]: channel order once reshaped
+    vals = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(vals, (rs.shape[0], D)).to(DOT, bitcast=True)
+
+
+@triton.jit
+def _unpack(codes_ptr, row_off, rs, mask_s, D: tl.constexpr, F: tl.constexpr):
+    # rows rs of a [.., S, D·F/32] code tensor (F-bit fields, 32/F to a word, channel c at bits
+    # F·(c mod 32/F) of word c // (32/F)) → code indices [BLOCK_S, D]
+    W: tl.constexpr = D * F // 32
+    PER: tl.constexpr = 32 // F
+    words = tl.load(codes_ptr + row_off + rs[:, None] * W + tl.arange(0, W)[None, :], mask=mask_s[:, None], other=0)
+    idx = (words[:, :, None] >> (F * tl.arange(0, PER))[None, None, :]) & ((1 << F) - 1)
     return tl.reshape(idx, (rs.shape[0], D))
+
+
+@triton.jit
+def _values(codes_ptr, row_off, rs, mask_s, poly_ptr, la, lb, ha, hb, D: tl.constexpr, BITS: tl.constexpr,
+            F: tl.constexpr, DOT: tl.constexpr, LUT: tl.constexpr):
+    # the codebook values [BLOCK_S, D] of rows rs in DOT: byte permutes on a GPU (LUT: 3-bit codes
+    # in nibbles, a 16-bit DOT), the odd polynomial otherwise (the interpreter runs no inline PTX)
+    if LUT:
+        return _lookup_tile(codes_ptr, row_off, rs, mask_s, la, lb, ha, hb, D, DOT)
+    idx = _unpack(codes_ptr, row_off, rs, mask_s, D, F)
+    return _codebook(idx, poly_ptr, BITS).to(DOT)
+
 
 @triton.jit
 def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, poly_ptr, rot_ptr,
-                     m_ptr, l_ptr, acc_ptr, HKV, S, code_sb, code_sh, norm_sb, norm_sh, scale,
+                     m_ptr, l_ptr, acc_ptr, HKV, S, code_sb, code_sh, norm_sb, norm_sh, scale, la, lb, ha, hb,
                      D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
-                     DOT: tl.constexpr, BITS: tl.constexpr):
+                     DOT: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr):
     # the G query heads of one KV head, rotated here (Π·q) and scored against codebook values in
     # the rotated domain: s = (Π·q)·ĉ_k·‖k‖, acc += p·‖v‖·ĉ_v (rotated back in the merge)
     bk, chunk, b, kvh, rg, rows = _grouped_program(HKV, G, GP)
@@ -114,11 +162,11 @@ def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, poly_ptr, r
     for s0 in range(chunk * BLOCK_S, length, tl.num_programs(1) * BLOCK_S):
         rs = s0 + tl.arange(0, BLOCK_S)
         valid = rs < length
-        kv = _codebook(_unpack(kc_ptr, code_off, rs, valid, D, BITS), poly_ptr, BITS).to(DOT)
+        kv = _values(kc_ptr, code_off, rs, valid, poly_ptr, la, lb, ha, hb, D, BITS, F, DOT, LUT)
         kn = tl.load(kn_ptr + norm_off + rs, mask=valid, other=0.0)
         s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv), input_precision="ieee") * kn[None, :], float("-inf"))
         m_i, l_i, p, alpha = _softmax_update(s, m_i, l_i)
-        vv = _codebook(_unpack(vc_ptr, code_off, rs, valid, D, BITS), poly_ptr, BITS).to(DOT)
+        vv = _values(vc_ptr, code_off, rs, valid, poly_ptr, la, lb, ha, hb, D, BITS, F, DOT, LUT)
         vn = tl.load(vn_ptr + norm_off + rs, mask=valid, other=0.0)
         acc = acc * alpha[:, None] + tl.dot((p * vn[None, :]).to(DOT), vv, input_precision="ieee")
     _store_partials(m_ptr, l_ptr, acc_ptr, rows, rg, chunk, m_i, l_i, acc, G, D)

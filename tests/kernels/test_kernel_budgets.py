@@ -19,9 +19,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUDGETS = {
     "float_attention_kernel cache=fp8e4nv": 6.0,  # 4.4 at 128-slot tiles: memory-bound
     "float_attention_kernel cache=fp16": 6.0,
-    "attention_kernel BITS=2 D=128": 20.0,  # TurboQuant, 17.3
-    "attention_kernel BITS=3 D=128": 26.0,  # TurboQuant, 23.5 (32.6 with the 8-way select before)
-    "attention_kernel BITS=4 D=128": 36.0,  # TurboQuant, 32.7
+    # TurboQuant: 3-bit codes as nibbles read by byte permutes, 4.3 (23.5 with bit-planes and the
+    # codebook polynomial before, 32.6 with an 8-way select before that: the GPU review's budget is 7);
+    # 2 and 4 bits in 2- and 4-bit fields through the polynomial, 13.0 and 20.4 (17.3 and 32.7 as planes)
+    "attention_kernel BITS=2 F=2 LUT=False D=128": 15.0,
+    "attention_kernel BITS=3 F=4 LUT=True D=128": 7.0,
+    "attention_kernel BITS=4 F=4 LUT=False D=128": 23.0,
     "attention_kernel GROUP=32 BITS=2": 24.0,  # KIVI, ~21
     "attention_kernel GROUP=32 BITS=4": 24.0,
 }

@@ -39,13 +39,13 @@ CASES = {
             ints(B, dtype=torch.int64), ints(B, dtype=torch.int64), ints(B, dtype=torch.int64), 2),
         (B, H, D)),
     # TurboQuant
-    "turbo.pack_bitplanes": (lambda: turbo_kv.pack_bitplanes(ints(S, D, dtype=torch.int64), 3), (S, 3, D // 32)),
-    "turbo.unpack_bitplanes": (lambda: turbo_kv.unpack_bitplanes(ints(S, 3, D // 32), 3), (S, D)),
-    "turbo.quantize_reference": (lambda: turbo_kv.quantize_reference(m(S, D), 3)[0], (S, 3, D // 32)),
-    "turbo.dequantize_rotated": (lambda: turbo_kv.dequantize_rotated(ints(S, 3, D // 32), m(S), 3), (S, D)),
+    "turbo.pack_codes": (lambda: turbo_kv.pack_codes(ints(S, D, dtype=torch.int64), 3), (S, D // 8)),
+    "turbo.unpack_codes": (lambda: turbo_kv.unpack_codes(ints(S, D // 8), 3), (S, D)),
+    "turbo.quantize_reference": (lambda: turbo_kv.quantize_reference(m(S, D), 3)[0], (S, D // 8)),
+    "turbo.dequantize_rotated": (lambda: turbo_kv.dequantize_rotated(ints(S, D // 8), m(S), 3), (S, D)),
     "turbo.decode_attention_reference": (
-        lambda: turbo_kv.decode_attention_reference(m(B, H, D), ints(B, HKV, S, 3, D // 32), m(B, HKV, S),
-                                                    ints(B, HKV, S, 3, D // 32), m(B, HKV, S), ints(B, dtype=torch.int64), 3),
+        lambda: turbo_kv.decode_attention_reference(m(B, H, D), ints(B, HKV, S, D // 8), m(B, HKV, S),
+                                                    ints(B, HKV, S, D // 8), m(B, HKV, S), ints(B, dtype=torch.int64), 3),
         (B, H, D)),
     "decode.merge_split_k": (lambda: decode.merge_split_k(m(H, 4), m(H, 4), m(H, 4, D)), (H, D)),
     # fp8

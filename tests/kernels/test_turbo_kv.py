@@ -8,22 +8,93 @@ from engines.kernels.turbo_kv import (
     decode_attention,
     decode_attention_reference,
     dequantize_rotated,
-    pack_bitplanes,
+    field_bits,
+    lookup_bytes,
+    pack_codes,
     quantize_on_write,
     quantize_reference,
-    unpack_bitplanes,
+    unpack_codes,
     write_slots,
 )
 from engines.quant import turbo_mse_rotated
 
 
-def test_bitplane_packing_by_hand():
-    # channel j holds code j % 8 at 3 bits: plane k has bit j set iff bit k of (j % 8) is set
+def test_code_packing_by_hand():
+    # channel j holds code j % 8 at 3 bits, a nibble each: word w holds channels 8w … 8w + 7, the
+    # first lowest, so every word reads 0x76543210
     idx = (torch.arange(32) % 8)[None]
-    codes = pack_bitplanes(idx, 3)
-    expected = [sum(1 << j for j in range(32) if (j % 8) >> k & 1) for k in range(3)]
-    assert [c if c >= 0 else c + 2**32 for c in codes[0, :, 0].tolist()] == expected
-    assert torch.equal(unpack_bitplanes(codes, 3), idx)
+    codes = pack_codes(idx, 3)
+    assert codes.shape == (1, 4) and codes[0].tolist() == [0x76543210] * 4
+    assert torch.equal(unpack_codes(codes, 3), idx)
+    # 2 bits: 2-bit fields, 16 to a word; channel j holds j % 4, so a word reads 0b11100100 repeated
+    idx = (torch.arange(32) % 4)[None]
+    assert pack_codes(idx, 2)[0].tolist() == [int("11100100" * 4, 2) - 2**32] * 2
+    assert torch.equal(unpack_codes(pack_codes(idx, 2), 2), idx)
+    # 4 bits: code 15 in the top nibble sets the sign bit of the int32 word
+    idx = torch.tensor([[15, 0, 0, 0, 0, 0, 0, 15]])
+    assert pack_codes(idx, 4)[0].tolist() == [0xF000000F - 2**32]
+    assert torch.equal(unpack_codes(pack_codes(idx, 4), 4), idx)
+    assert [field_bits(b) for b in (2, 3, 4)] == [2, 4, 4]
+
+
+def prmt(a: int, b: int, c: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (c >> 4i) & 7 of the eight bytes
+    b:a (a the low four), sign-replicated when bit 3 of that selector nibble is set."""
+    src = (b & 0xFFFFFFFF) << 32 | (a & 0xFFFFFFFF)
+    out = 0
+    for i in range(4):
+        sel = (c >> 4 * i) & 0xF
+        byte = (src >> 8 * (sel & 7)) & 0xFF
+        out |= (0xFF if byte & 0x80 else 0) << 8 * i if sel & 8 else byte << 8 * i
+    return out
+
+
+def run_lookup_asm(word: int, la: int, lb: int, ha: int, hb: int) -> list[int]:
+    """The kernel's own PTX text for the byte-permute lookup (_turbo_kv_triton._lookup8), run
+    instruction by instruction on one word: the 8 16-bit outputs $0 … $7."""
+    import ast
+    import inspect
+
+    from engines.kernels import _turbo_kv_triton as k
+
+    fn = next(n for n in ast.walk(ast.parse(inspect.getsource(k))) if isinstance(n, ast.FunctionDef) and n.name == "_lookup8")
+    asm = next(kw.value.value for n in ast.walk(fn) if isinstance(n, ast.Call) for kw in n.keywords if kw.arg == "asm")
+    reg = {"$8": word & 0xFFFFFFFF, "$9": la, "$10": lb, "$11": ha, "$12": hb}
+    val = lambda x: reg[x] if x in reg else int(x, 0)  # noqa: E731
+    for ins in (i.strip() for i in asm.strip("{} \n").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op == "mov.b32":
+            lo_hi, src = (x.strip() for x in rest.split("},"))
+            lo, hi = (x.strip() for x in lo_hi.strip("{").split(","))
+            reg[lo], reg[hi] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        d, *srcs = (x.strip() for x in rest.split(","))
+        if op == "prmt.b32":
+            reg[d] = prmt(*(val(x) for x in srcs))
+        elif op == "shr.u32":
+            reg[d] = val(srcs[0]) >> val(srcs[1])
+        else:
+            raise AssertionError(f"the lookup's PTX uses {op}, which this test does not run")
+    return [reg[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_byte_permute_lookup_gives_each_channel_its_own_codebook_value(dtype):
+    # on a GPU the 3-bit decode reads codebook values by PRMT (inline PTX the interpreter cannot run):
+    # its PTX text run here on every code in every position of a word gives the codebook in dtype
+    from engines.quant import codebook_on
+
+    book = codebook_on(128, 3, "cpu").to(dtype)
+    want = book.view(torch.int16).to(torch.int64) & 0xFFFF
+    bytes_ = lookup_bytes(128, 3, dtype)
+    g = torch.Generator().manual_seed(0)
+    words = [0x76543210, 0x01234567, 0] + [int(w) for w in torch.randint(0, 2**31, (20,), generator=g)]
+    for word in words:
+        idx = [(word >> 4 * j) & 7 for j in range(8)]
+        word = sum(i << 4 * j for j, i in enumerate(idx))  # codes < 8: every nibble's top bit clear
+        assert run_lookup_asm(word, *bytes_) == [int(want[i]) for i in idx], hex(word)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -33,7 +104,7 @@ def test_quantize_on_write_matches_reference(device, bits, D):
     codes, norms = quantize_on_write(x, bits)
     ref_codes, ref_norms = quantize_reference(x, bits)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-5)
-    agree = (unpack_bitplanes(codes.cpu(), bits) == unpack_bitplanes(ref_codes.cpu(), bits)).float().mean()
+    agree = (unpack_codes(codes.cpu(), bits) == unpack_codes(ref_codes.cpu(), bits)).float().mean()
     assert agree > 0.999  # a coordinate exactly between two centroids may round either way
     # and the layout decodes to what the CPU engine's cache holds
     torch.testing.assert_close(dequantize_rotated(ref_codes, ref_norms, bits), turbo_mse_rotated(x, bits, 0), rtol=1e-4, atol=1e-5)
@@ -50,7 +121,7 @@ def test_write_slots_fills_codes_norms_and_values_at_the_slots_only(device, bits
     k = torch.randn(B, T, Hkv, D, generator=g).transpose(1, 2).to(device)
     v = torch.randn(T, B, Hkv, D, generator=g).permute(1, 2, 0, 3).to(device)
     slots = torch.tensor([5, 2], device=device)
-    codes = torch.full((2, B, Hkv, S, bits, D // 32), 7, dtype=torch.int32, device=device)
+    codes = torch.full((2, B, Hkv, S, D * field_bits(bits) // 32), 7, dtype=torch.int32, device=device)
     norms = torch.full((2, B, Hkv, S), -1.0, device=device)
     values = [torch.full((B, Hkv, S, D), -3.0, dtype=torch.float16, device=device) for _ in range(2)]
     write_slots([k, v], slots, codes, norms, values, bits)
@@ -59,7 +130,7 @@ def test_write_slots_fills_codes_norms_and_values_at_the_slots_only(device, bits
     for i, x in enumerate((k, v)):
         ref_codes, ref_norms = quantize_reference(x.cpu(), bits)
         got_codes = codes[i].cpu()[:, :, [5, 2]]
-        differ = (unpack_bitplanes(got_codes, bits) != unpack_bitplanes(ref_codes, bits)).sum()
+        differ = (unpack_codes(got_codes, bits) != unpack_codes(ref_codes, bits)).sum()
         assert differ <= 2  # of 768: a coordinate (almost) between two centroids may round either way
         torch.testing.assert_close(norms[i].cpu()[:, :, [5, 2]], ref_norms, rtol=1e-5, atol=1e-5)
         want = turbo_mse_rotated(x.cpu(), bits, 0).half()
@@ -110,11 +181,11 @@ def test_codebook_polynomial_gives_the_codebook(bits, tol):
 
 def test_write_slots_refuses_buffers_that_do_not_fit(device):
     x = torch.randn(1, 2, 3, 32).to(device)
-    codes = torch.zeros(1, 1, 2, 8, 3, 1, dtype=torch.int32, device=device)
+    codes = torch.zeros(1, 1, 2, 8, 4, dtype=torch.int32, device=device)
     norms = torch.zeros(1, 1, 2, 8, device=device)
     with pytest.raises(ValueError, match="slots"):
         write_slots([x], torch.tensor([0, 1], device=device), codes, norms, None, 3)
     with pytest.raises(ValueError, match="int32 codes"):
-        write_slots([x], torch.tensor([0, 1, 2], device=device), codes[..., :2, :], norms, None, 3)
+        write_slots([x], torch.tensor([0, 1, 2], device=device), codes[..., :3], norms, None, 3)
     with pytest.raises(ValueError, match="dequantized"):
         write_slots([x], torch.tensor([0, 1, 2], device=device), codes, norms, [torch.zeros(1, 2, 9, 32, device=device)], 3)

@@ -131,7 +131,7 @@ class TurboKV(KVFormat):
 class RotatedTurboStore(DequantizedStore):
     """TurboQuant at whole bits keeps each slot in the rotated domain (codes × norms, Π·k̂, Π·v̂):
     attention rotates the query once (rotated_attention). Where the kernels run it starts with only
-    the packed codes [2 (k, v), L, B, Hkv, S, bits, D/32] int32 (bit-planes,
+    the packed codes [2 (k, v), L, B, Hkv, S, D·F/32] int32 (F-bit fields, a nibble at 3 bits:
     engines/kernels/turbo_kv.py) and norms [2, L, B, Hkv, S] fp32: one kernel launch for the keys
     and the values writes a slot's codes and norm; decode steps read the codes with the TurboQuant
     decode kernel, and an unpadded first pass dequantizes the slots it reads, one layer at a time
@@ -146,9 +146,11 @@ class RotatedTurboStore(DequantizedStore):
         self.kernels = kernels_fit(k)
         super().__init__(fmt, k, v)
         if self.kernels:
+            from engines.kernels.turbo_kv import code_words
+
             L, B, Hkv, S_max, D = k.shape
-            bits = int(fmt.bits)
-            self.codes = torch.zeros(2, L, B, Hkv, S_max, bits, D // 32, dtype=torch.int32, device=k.device)
+            self.codes = torch.zeros(2, L, B, Hkv, S_max, code_words(D, int(fmt.bits)), dtype=torch.int32,
+                                     device=k.device)
             self.norms = torch.zeros(2, L, B, Hkv, S_max, device=k.device)
 
     @property
