@@ -29,9 +29,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh")  # multiples of 16 at 8B shapes
 
 
-def main_loop_instructions(sass: str) -> int:
+def main_loop_instructions(sass: str, first: bool = False) -> int:
     """SASS instructions of a kernel's main loop: the longest span that a backward branch closes
-    (where the loop body has branches of its own, both sides count)."""
+    (where the loop body has branches of its own, both sides count); first: the loop that starts
+    first in the code instead (KIVI's loop over its wholly compressed tiles, which comes before the
+    longer one over the few tiles that mix tiers)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", line)
@@ -44,7 +46,8 @@ def main_loop_instructions(sass: str) -> int:
             loops.append((int(t.group(1), 16), addr))
     if not loops:
         return 0
-    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    outer = [s for s in loops if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in loops)]
+    lo, hi = min(outer) if first else max(loops, key=lambda span: span[1] - span[0])
     return sum(lo <= addr <= hi for addr, _, _ in ins)
 
 
@@ -65,7 +68,8 @@ def main() -> int:
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     out: dict = {"benchmark": "kernel_resources", "triton": triton.__version__, "arch": f"sm_{args.arch}", "kernels": []}
 
-    def compile_one(fn, sig: dict, consts: dict, options: dict, label: str, elements: int | None = None) -> None:
+    def compile_one(fn, sig: dict, consts: dict, options: dict, label: str, elements: int | None = None,
+                    first_loop: bool = False) -> None:
         """Compile as a launch would: pointers (torch allocations) and the ints named in DIV16
         specialized as multiples of 16. elements: what one trip of the kernel's main loop
         processes; the row then gets the loop's SASS instructions per element per lane."""
@@ -83,8 +87,12 @@ def main() -> int:
             m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
             row.update(registers=int(m.group(1)), stack_bytes=int(m.group(2)), shared_bytes=int(m.group(3)) + int(k.metadata.shared))
             if elements:
-                n = main_loop_instructions(sass)
+                n = main_loop_instructions(sass, first_loop)
                 row.update(loop_instructions=n, lane_instructions_per_element=round(n * options["num_warps"] * 32 / elements, 1))
+                if first_loop:
+                    m = main_loop_instructions(sass)
+                    row.update(longest_loop_instructions=m,
+                               longest_loop_lane_instructions_per_element=round(m * options["num_warps"] * 32 / elements, 1))
         except Exception as e:  # noqa: BLE001 — a config that does not compile is a finding, not a crash
             row["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
         out["kernels"].append(row)
@@ -137,8 +145,10 @@ def main() -> int:
     kivi_sig = dict(q_ptr="*fp16", kc_ptr="*i32", ks_ptr="*fp32", kz_ptr="*fp32", vc_ptr="*i32", vs_ptr="*fp32",
                     vz_ptr="*fp32", k_ptr="*fp16", v_ptr="*fp16", len_ptr="*i64", nk_ptr="*i64", nv_ptr="*i64",
                     **split, SG="i32", scale="fp32")
-    for bits in (2, 4):
-        compile_one(kivi.attention_kernel, kivi_sig, *launch_of(kivi_kv.TUNING, GROUP=32, BITS=bits))
+    for bits in (2, 4):  # per element in the loop over wholly compressed tiles; the mixed tiles' loop beside it
+        compile_one(kivi.attention_kernel, kivi_sig, *launch_of(kivi_kv.TUNING, GROUP=32, BITS=bits,
+                                                                PAIRS=kivi_kv.pair_codes(torch.float16, "cuda")),
+                    first_loop=True)
     compile_one(dec.merge_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", rot_ptr="*fp32", out_ptr="*fp16",
                                        NC="i32"), dict(D=128, NCP=64, ROTATE=True), {"num_warps": 4}, "D=128 NCP=64 ROTATE")
     rows = out["kernels"]

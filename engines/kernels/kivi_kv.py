@@ -9,7 +9,10 @@ Dequantized x̂ = q·scale + zero (zero is the group minimum), as engines.quant.
 
 decode_attention reads slot j's key compressed iff j < nk[b] and its value iff j < nv[b] (the
 boundaries of kv.KiviKV), otherwise the full-precision residual k / v [B, Hkv, S, D]; grouped
-split-K over the sequence (decode.py).
+split-K over the sequence (decode.py). Tiles wholly below both boundaries (nearly all, at long
+context) fold the scales instead of dequantizing each element: a key group's per-channel scale
+into the query and its zero into one offset, a value channel group's per-token scale into the
+softmax weights and its zero into one offset per group; the codes go to the products as they are.
 """
 
 from __future__ import annotations
@@ -20,8 +23,19 @@ import torch
 
 from engines.kernels.decode import Tuning, launch
 
-# the fastest in the H200 sweep (benchmarks/results/gpu): with 2 pipeline stages every shape was ~4x slower
-TUNING = Tuning(block_s=64, num_warps=4, num_stages=1)
+# one token group a tile, so that nearly every tile takes the loop that folds the scales into the
+# query and the weights; 2 warps: 6.0 (2 bits) and 6.9 (4 bits) lane-instructions per element in that
+# loop on sm_90, against 9.0 at 4 warps (benchmarks/kernel_resources.py). Before, 64-slot tiles at 4
+# warps were the H200 sweep's fastest, and 2 pipeline stages made every shape ~4x slower (its loop
+# had a data-dependent branch then); the 32-slot tile measured the same. Not yet timed on a GPU
+TUNING = Tuning(block_s=32, num_warps=2, num_stages=1)
+
+
+def pair_codes(dtype: torch.dtype, device: str | torch.device) -> bool:
+    """Whether the decode kernel turns codes into floats two an instruction (inline PTX: a LOP3
+    makes an fp16 pair 2^10 + q, a subtraction leaves q): on a CUDA device, for a 16-bit query.
+    Elsewhere (the interpreter, an fp32 model) one code at a time by its bits."""
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 GROUP = 32
 
@@ -143,5 +157,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torc
     _check(D, bits)
     caches = [t.contiguous() for t in (kc, ks, kz, vc, vs, vz, k, v)]
     return launch(attention_kernel, q, Hkv, S, [*caches, lengths, nk, nv],
-                  dict(HKV=Hkv, S=S, SG=ks.shape[2], scale=1.0 / math.sqrt(D), GROUP=GROUP, BITS=bits), TUNING,
+                  dict(HKV=Hkv, S=S, SG=ks.shape[2], scale=1.0 / math.sqrt(D), GROUP=GROUP, BITS=bits,
+                       PAIRS=pair_codes(q.dtype, q.device)), TUNING,
                   chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)

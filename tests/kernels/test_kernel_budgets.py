@@ -25,9 +25,13 @@ BUDGETS = {
     "attention_kernel BITS=2 F=2 LUT=False D=128": 15.0,
     "attention_kernel BITS=3 F=4 LUT=True D=128": 7.0,
     "attention_kernel BITS=4 F=4 LUT=False D=128": 23.0,
-    "attention_kernel GROUP=32 BITS=2": 24.0,  # KIVI, ~21
-    "attention_kernel GROUP=32 BITS=4": 24.0,
+    # KIVI, in its loop over wholly compressed tiles (scales folded into the query and the weights,
+    # codes made fp16 two a LOP3): 6.0 and 6.9 (14.6 and 14.7 before, dequantizing each element;
+    # the GPU review's budget is 7). Its loop over the tiles that mix tiers keeps the old bound
+    "attention_kernel GROUP=32 BITS=2": 7.0,
+    "attention_kernel GROUP=32 BITS=4": 7.0,
 }
+MIXED_TILES = 24.0  # KIVI's loop over the few tiles at its window that mix compressed and raw slots
 
 
 @pytest.fixture(scope="module")
@@ -49,4 +53,6 @@ def test_decode_attention_kernels_compile_for_sm90_within_their_instruction_budg
         name = f"{row['kernel']} {row['config']}"
         budget = next(b for key, b in BUDGETS.items() if name.startswith(key))
         assert 0 < row["lane_instructions_per_element"] <= budget, (name, row)
+        if "longest_loop_lane_instructions_per_element" in row:
+            assert row["longest_loop_lane_instructions_per_element"] <= MIXED_TILES, (name, row)
         assert row["shared_bytes"] <= 232448, name  # an H100/H200 SM's limit

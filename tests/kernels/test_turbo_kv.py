@@ -16,7 +16,10 @@ from engines.kernels.turbo_kv import (
     unpack_codes,
     write_slots,
 )
+from engines.kernels import _turbo_kv_triton
 from engines.quant import turbo_mse_rotated
+
+from tests.kernels import ptx_emulation
 
 
 def test_code_packing_by_hand():
@@ -37,49 +40,6 @@ def test_code_packing_by_hand():
     assert [field_bits(b) for b in (2, 3, 4)] == [2, 4, 4]
 
 
-def prmt(a: int, b: int, c: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte (c >> 4i) & 7 of the eight bytes
-    b:a (a the low four), sign-replicated when bit 3 of that selector nibble is set."""
-    src = (b & 0xFFFFFFFF) << 32 | (a & 0xFFFFFFFF)
-    out = 0
-    for i in range(4):
-        sel = (c >> 4 * i) & 0xF
-        byte = (src >> 8 * (sel & 7)) & 0xFF
-        out |= (0xFF if byte & 0x80 else 0) << 8 * i if sel & 8 else byte << 8 * i
-    return out
-
-
-def run_lookup_asm(word: int, la: int, lb: int, ha: int, hb: int) -> list[int]:
-    """The kernel's own PTX text for the byte-permute lookup (_turbo_kv_triton._lookup8), run
-    instruction by instruction on one word: the 8 16-bit outputs $0 … $7."""
-    import ast
-    import inspect
-
-    from engines.kernels import _turbo_kv_triton as k
-
-    fn = next(n for n in ast.walk(ast.parse(inspect.getsource(k))) if isinstance(n, ast.FunctionDef) and n.name == "_lookup8")
-    asm = next(kw.value.value for n in ast.walk(fn) if isinstance(n, ast.Call) for kw in n.keywords if kw.arg == "asm")
-    reg = {"$8": word & 0xFFFFFFFF, "$9": la, "$10": lb, "$11": ha, "$12": hb}
-    val = lambda x: reg[x] if x in reg else int(x, 0)  # noqa: E731
-    for ins in (i.strip() for i in asm.strip("{} \n").split(";")):
-        if not ins or ins.startswith(".reg"):
-            continue
-        op, rest = ins.split(None, 1)
-        if op == "mov.b32":
-            lo_hi, src = (x.strip() for x in rest.split("},"))
-            lo, hi = (x.strip() for x in lo_hi.strip("{").split(","))
-            reg[lo], reg[hi] = val(src) & 0xFFFF, val(src) >> 16
-            continue
-        d, *srcs = (x.strip() for x in rest.split(","))
-        if op == "prmt.b32":
-            reg[d] = prmt(*(val(x) for x in srcs))
-        elif op == "shr.u32":
-            reg[d] = val(srcs[0]) >> val(srcs[1])
-        else:
-            raise AssertionError(f"the lookup's PTX uses {op}, which this test does not run")
-    return [reg[f"${i}"] for i in range(8)]
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_byte_permute_lookup_gives_each_channel_its_own_codebook_value(dtype):
     # on a GPU the 3-bit decode reads codebook values by PRMT (inline PTX the interpreter cannot run):
@@ -88,13 +48,15 @@ def test_the_byte_permute_lookup_gives_each_channel_its_own_codebook_value(dtype
 
     book = codebook_on(128, 3, "cpu").to(dtype)
     want = book.view(torch.int16).to(torch.int64) & 0xFFFF
-    bytes_ = lookup_bytes(128, 3, dtype)
+    la, lb, ha, hb = lookup_bytes(128, 3, dtype)
+    asm = ptx_emulation.asm_of(_turbo_kv_triton, "_lookup8")
     g = torch.Generator().manual_seed(0)
     words = [0x76543210, 0x01234567, 0] + [int(w) for w in torch.randint(0, 2**31, (20,), generator=g)]
     for word in words:
         idx = [(word >> 4 * j) & 7 for j in range(8)]
         word = sum(i << 4 * j for j, i in enumerate(idx))  # codes < 8: every nibble's top bit clear
-        assert run_lookup_asm(word, *bytes_) == [int(want[i]) for i in idx], hex(word)
+        reg = ptx_emulation.run(asm, {"$8": word, "$9": la, "$10": lb, "$11": ha, "$12": hb})
+        assert [reg[f"${i}"] for i in range(8)] == [int(want[i]) for i in idx], hex(word)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
