@@ -81,8 +81,9 @@ def test_decode_attention_matches_reference(device, bits, block_s):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits,block_s,chunks", [(2, 16, 3), (4, 32, 2), (2, 32, 1)])
 def test_half_precision_decode_attention_matches_reference(device, dtype, bits, block_s, chunks):
-    # a 16-bit query: codes become fp16 by their bits (2^10 + q, less 2^10); 3 wholly compressed 16-slot tiles dealt over 3 programs, or 1 over 2, before the mixed
-    # tiles (keys < 48, values < 60 compressed); sequence 1 has no wholly compressed tile at all
+    # a 16-bit query: codes become fp16 by their bits (2^10 + q, less 2^10); 3 wholly compressed
+    # 16-slot tiles dealt over 3 programs, or 1 over 2, before the mixed tiles (keys < 48, values
+    # < 60 compressed); sequence 1 has no wholly compressed tile at all
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter computes bf16 wrongly (any kernel here, this one before its rewrite too)")
     g = torch.Generator().manual_seed(5)

@@ -3,6 +3,7 @@ Codes must match exactly (ties aside) and norms to 1e-5; attention outputs to 1e
 
 import pytest
 import torch
+from engines.kernels import _turbo_kv_triton
 from engines.kernels.turbo_kv import (
     codebook_polynomial,
     decode_attention,
@@ -16,7 +17,6 @@ from engines.kernels.turbo_kv import (
     unpack_codes,
     write_slots,
 )
-from engines.kernels import _turbo_kv_triton
 from engines.quant import turbo_mse_rotated
 
 from tests.kernels import ptx_emulation
