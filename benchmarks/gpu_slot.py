@@ -44,7 +44,10 @@ ESTIMATE_S = {"S0": 5, "S1": 20, "S2": 60, "S3": 90, "S4": 150, "S5": 30}  # on 
 NAMES = {"S0": "capacity", "S1": "yardstick", "S2": "w4a16", "S3": "attention", "S4": "decode", "S5": "profile"}
 PREDICTED = {  # the round-3 GPU review (§6.2), written before the run
     "S1": {"eager_copy_TBps": "4.2-4.3", "read_stream_TBps": "4.4-4.7", "graph_copy_TBps": "~2.7"},
-    "S2": {"gemv1 4096x14336 batch 1 (us)": "30-35", "tinygemm (us)": "19-22", "fp16 (us)": "30-31"},
+    # gemv_mma (now w4a16's decode GEMV on CUDA; gemv1 is its "w4a16_simt" peer): 58.7M weights at 3.9
+    # lane-instructions each and ~60 % issue, against 30.3 MB at 4.4 TB/s (6.9 us)
+    "S2": {"gemv1 4096x14336 batch 1 (us)": "30-35", "gemv_mma 4096x14336 batch 1 (us)": "11-15",
+           "tinygemm (us)": "19-22", "fp16 (us)": "30-31"},
     # turbo3 and kivi2 as the kernels now are (nibbles read by byte permutes, 4.3 lane-instructions an
     # element; KIVI's scales folded, 6.0): the review's issue model at ~60 % issue, over their bytes
     # (the old kernels: turbo3 95-106, kivi2 115-128)

@@ -265,7 +265,9 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float, shapes=None
             moved16 = w16.nbytes + x.nbytes + M * N * 2
             sets4 = clones((x, qw, qz, sc), cold_sets(moved, args.l2_bytes))
             sets16 = clones((x, w16), cold_sets(moved16, args.l2_bytes))
+            # w4a16 takes the tensor-core GEMV on CUDA (gemv="auto"); the CUDA-core GEMV before it is a peer
             fns = {"w4a16": [lambda a=a: w4a16_triton(*a) for a in sets4],
+                   "w4a16_simt": [lambda a=a: w4a16_triton(*a, gemv="simt") for a in sets4],
                    "fp16": [lambda a=a: F.linear(*a) for a in sets16]}
             tiny = tinygemm_peer(w16, x, args.l2_bytes) if device.startswith("cuda") and not args.smoke else None
             if tiny and "fns" in tiny:
@@ -274,7 +276,11 @@ def w4a16_section(clock: Clock, device: str, args, peak_gbps: float, shapes=None
             bw = moved / (t["w4a16"]["median"] / 1000) / 1e9 / peak_gbps
             bw16 = moved16 / (t["fp16"]["median"] / 1000) / 1e9 / peak_gbps
             speedup = t["fp16"]["median"] / t["w4a16"]["median"]
+            simt = w4a16_triton(x, qw, qz, sc, gemv="simt")
+            checks.append({"check": f"{name} (simt GEMV)", **check(simt, want, rtol=1e-2, atol=1e-3)})
             row = {"K": K, "N": N, "batch": M, "equal_to_reference": c["equal"], "w4a16_ms": t["w4a16"], "torch_fp16_ms": t["fp16"],
+                   "w4a16_simt_ms": t["w4a16_simt"],
+                   "speedup_vs_simt_gemv": round(t["w4a16_simt"]["median"] / t["w4a16"]["median"], 2),
                    "w4a16_bytes": moved, "torch_fp16_bytes": moved16, "torch_fp16_bandwidth_fraction": round(bw16, 3),
                    "cold_l2": {"l2_bytes": args.l2_bytes, "w4a16_sets": len(sets4), "fp16_sets": len(sets16)}}
             if tiny is not None:

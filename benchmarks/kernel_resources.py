@@ -26,7 +26,7 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
-DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh")  # multiples of 16 at 8B shapes
+DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh", "N", "K")  # multiples of 16 at 8B shapes
 
 
 def main_loop_instructions(sass: str, first: bool = False) -> int:
@@ -54,8 +54,9 @@ def main_loop_instructions(sass: str, first: bool = False) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90 = H100/H200, 80 = A100)")
-    ap.add_argument("--only", choices=("all", "decode-attention"), default="all",
-                    help="decode-attention: just those kernels at their launch shapes (what the budget test compiles)")
+    ap.add_argument("--only", choices=("all", "decode-attention", "w4a16"), default="all",
+                    help="decode-attention: just those kernels at their launch shapes; w4a16: the tensor-core decode "
+                         "GEMV's configurations (what the budget tests compile)")
     args = ap.parse_args()
     import triton
     from engines.kernels import _kivi_kv_triton as kivi
@@ -106,11 +107,22 @@ def main() -> int:
                             dict(num_warps=c.num_warps, num_stages=c.num_stages),
                             f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
                             f"warps={c.num_warps} stages={c.num_stages}")
+    if args.only in ("all", "w4a16"):  # the tensor-core decode GEMV: lane-instructions per weight in its loop
+        mma_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
+        for c in w4a16.gemv_mma_configs():
+            kw = c.kwargs
+            compile_one(w4a16.gemv_mma_kernel, mma_sig, dict(GROUP=128, PAIRS=True, **kw),
+                        dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                        f"BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
+                        f"warps={c.num_warps} stages={c.num_stages}", elements=kw["BLOCK_N"] * kw["BLOCK_K"])
+    if args.only == "all":
         gemv1_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", N="i32", K="i32")
         for c in w4a16.gemv1_configs():
             kw = c.kwargs
             compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
                         f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
+    if args.only == "w4a16":
+        return finish(out)
     import torch
     import triton.language as tl
     from engines.kernels import _decode_triton as dec
@@ -151,9 +163,14 @@ def main() -> int:
                     first_loop=True)
     compile_one(dec.merge_kernel, dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", rot_ptr="*fp32", out_ptr="*fp16",
                                        NC="i32"), dict(D=128, NCP=64, ROTATE=True), {"num_warps": 4}, "D=128 NCP=64 ROTATE")
+    return finish(out)
+
+
+def finish(out: dict) -> int:
+    """The summary beside the rows, and the one JSON object printed."""
     rows = out["kernels"]
     out["summary"] = {"compiled": sum("error" not in r for r in rows), "failed": sum("error" in r for r in rows),
-                      "decode_attention_lane_instructions_per_element": {
+                      "lane_instructions_per_element": {
                           f"{r['kernel']} {r['config']}": r["lane_instructions_per_element"]
                           for r in rows if "lane_instructions_per_element" in r},
                       "spilling": [f"{r['kernel']} {r['config']} ({r['stack_bytes']} B)" for r in rows if r.get("stack_bytes")]}

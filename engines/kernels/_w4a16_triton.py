@@ -135,6 +135,87 @@ def gemv1_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, N, K,
         tl.atomic_add(ptrs, acc, mask=word_ok[:, None])
 
 
+@triton.jit
+def _awq_pairs(w):
+    # one AWQ-packed word (nibble i holds column AWQ_ORDER[i] = 2(i%4) + i//4 of its 8) → 2^10 plus
+    # each of its 8 codes as fp16, natural column order, two a LOP3: nibbles k and k + 4 are
+    # columns 2k and 2k + 1, so (w >> 4k) & 0x000F000F | 0x64006400 is that fp16 pair
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 t, m;
+        lop3.b32 t, $8, 0x000F000F, 0x64006400, 0xea; mov.b32 {$0, $1}, t;
+        shr.u32 m, $8, 4; lop3.b32 t, m, 0x000F000F, 0x64006400, 0xea; mov.b32 {$2, $3}, t;
+        shr.u32 m, $8, 8; lop3.b32 t, m, 0x000F000F, 0x64006400, 0xea; mov.b32 {$4, $5}, t;
+        shr.u32 m, $8, 12; lop3.b32 t, m, 0x000F000F, 0x64006400, 0xea; mov.b32 {$6, $7}, t; }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _biased_codes(words, PAIRS: tl.constexpr):
+    # AWQ-packed words [R, W] → 2^10 + their codes [R, 8W] as fp16 (exact) in natural column order:
+    # by _awq_pairs on a GPU (PAIRS), by shifts elsewhere (the interpreter runs no inline PTX). The
+    # bias cancels exactly in q − z (both in [1024, 1039])
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    if PAIRS:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _awq_pairs(words)
+        # element (j0, j1, j2) = v[4·j0 + 2·j1 + j2]: natural order once reshaped
+        vals = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        return tl.reshape(vals, (R, 8 * W))
+    j = tl.arange(0, 8)
+    shift = ((j % 2) * 4 + j // 2) * 4  # column j of a word sits in nibble (j % 2)·4 + j // 2
+    return tl.reshape(((words[:, :, None] >> shift[None, None, :]) & 0xF) + 1024, (R, 8 * W)).to(tl.float16)
+
+
+@triton.jit
+def gemv_mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K,
+                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    PAIRS: tl.constexpr):
+    # decode (M ≤ 16 rows, padded to the 16 a tensor-core product takes): each program streams a
+    # [K/SPLIT_K, BLOCK_N/8] slab of packed words once; a word's codes become fp16 (2^10 + q) two an
+    # instruction (PAIRS), the tile W = (q − z)·s in x's type goes to a tensor-core dot with the
+    # 16 rows of x, and columns are in natural order (the pairs put them there), so scales, zeros
+    # and the output are read and written contiguously. A BLOCK_K tile lies inside one group.
+    W: tl.constexpr = BLOCK_N // 8
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, 16)
+    rw = pid_n * W + tl.arange(0, W)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    word_ok = rw < N // 8
+    col_ok = rn < N
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    k_per = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * k_per, tl.minimum((pid_k + 1) * k_per, K), BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        packed = tl.load(qw_ptr + rk[:, None].to(tl.int64) * (N // 8) + rw[None, :],
+                         mask=(rk[:, None] < K) & word_ok[None, :], other=0)
+        g = k0 // GROUP
+        zp = tl.load(qz_ptr + g * (N // 8) + rw, mask=word_ok, other=0)
+        sc = tl.load(s_ptr + g * N + rn, mask=col_ok, other=0.0)
+        q = _biased_codes(packed, PAIRS)  # [BLOCK_K, BLOCK_N]
+        z = tl.reshape(_biased_codes(zp[None, :], PAIRS), (BLOCK_N,))
+        if x.dtype == tl.float32:
+            acc += tl.dot(x, (q - z[None, :]).to(tl.float32) * sc.to(tl.float32)[None, :], input_precision="ieee")
+        else:
+            acc += tl.dot(x, ((q - z[None, :]) * sc[None, :]).to(x.dtype))
+    ptrs = y_ptr + rm[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+
+
+def gemv_mma_configs() -> list[triton.Config]:
+    # (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): Appendix B of the GPU review compiled 256 × 64 × 4
+    # stages at 4.5 lane-instructions a weight; split-K fills the SMs at N = 4096 (16 column blocks).
+    # Each compiled for sm_90 at 3.9-4.4 lane-instructions a weight, none spilling
+    # (benchmarks/kernel_resources.py; 128 × 64 took 5.1, 256 × 128 at 8 warps spilled)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+            for bn, bk, sk, w, st in ((256, 64, 8, 4, 4), (256, 64, 4, 4, 4), (256, 64, 16, 4, 3), (128, 128, 8, 4, 3),
+                                      (128, 128, 16, 4, 3), (256, 64, 2, 4, 4))]
+
+
 def gemv1_configs() -> list[triton.Config]:
     # (words per program, K tile, split-K, warps, stages). N = 4096 has 512 packed words: 16 words
     # a program and split-K 8 make 256 programs for 132 SMs; N = 14336 (1792 words) needs less
@@ -223,6 +304,9 @@ def autotuned(name: str) -> Any:  # a triton Autotuner (a kernel handle; triton 
         if name in ("gemm", "gemm_fp32"):
             configs = gemm_configs(4 if name == "gemm_fp32" else 2)
             _autotuned[name] = triton.autotune(configs, key=["M_BUCKET", "N", "K"], **extra)(gemm_kernel)
+        elif name == "gemv_mma":
+            _autotuned[name] = triton.autotune(gemv_mma_configs(), key=["N", "K"], reset_to_zero=["y_ptr"],
+                                               **extra)(gemv_mma_kernel)
         elif name == "gemv1":
             _autotuned[name] = triton.autotune(gemv1_configs(), key=["N", "K"], reset_to_zero=["y_ptr"],
                                                **extra)(gemv1_kernel)

@@ -5,7 +5,10 @@ packed 8 per int32 along N in the order [0, 2, 4, 6, 1, 3, 5, 7], scales fp16 pe
 Shapes: x [M, K] (fp16 / bf16 / fp32), qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
 scales [K/G, N] → y [M, N] in x's dtype.
 
-Four kernels (_w4a16_triton.py): a batch-1 GEMV (the nibbles of a word kept as a tile axis,
+Five kernels (_w4a16_triton.py). On CUDA with 16-bit activations every decode batch (M ≤ 16) takes
+gemv_mma: the rows padded to 16 for a tensor-core dot, each tile dequantized as fp16 pairs (a LOP3
+makes two codes, 2^10 + q, of adjacent columns; the bias cancels in q − z), natural column order.
+Elsewhere, or asked for (gemv="simt"): a batch-1 GEMV (the nibbles of a word kept as a tile axis,
 zero point and scale taken out of each tile's sum), a skinny GEMV for decode batches (M ≤ 16: each packed word read
 once and unpacked in registers, columns kept in the packed order; CUDA-core reduction below 16
 rows, tensor cores at 16; split-K so that a 4096-wide layer fills the SMs) and
@@ -41,6 +44,7 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
 
 
 GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) dequantize, or take the tiled GEMM
+GEMV_PATHS = ("auto", "mma", "simt")  # the decode GEMV: tensor cores on fp16 pairs, or CUDA-core arithmetic
 DEQUANT_MIN_M = GEMV_MAX_M + 1  # from here: dequantize once, then torch's matmul (measured from 24: see above)
 PREFILL_PATHS = ("auto", "tiled", "dequant")
 
@@ -62,13 +66,23 @@ def w4a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     return w
 
 
+def gemv_pairs(x: torch.Tensor) -> bool:
+    """Whether gemv_mma_kernel makes codes fp16 two an instruction (inline PTX): on CUDA for a
+    16-bit x; elsewhere (the interpreter) by shifts, the same values."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int = 128, tune: bool | None = None, prefill: str = "auto") -> torch.Tensor:
+                 group_size: int = 128, tune: bool | None = None, prefill: str = "auto",
+                 gemv: str = "auto") -> torch.Tensor:
     """The Triton path. tune (default: on CUDA) autotunes tile sizes per (M's power-of-two
     bucket, N, K); without it (the interpreter) a fixed small configuration runs. prefill picks
     the path of more than GEMV_MAX_M rows: 'auto' (dequantize from DEQUANT_MIN_M rows, which is
     every such input today; the check stays should the bound move again), 'tiled' or 'dequant'
-    (the benchmark measures both)."""
+    (the benchmark measures both). gemv picks the kernel of up to GEMV_MAX_M rows: 'mma' (the
+    rows padded to 16 for a tensor-core dot with the tile dequantized in fp16 pairs, natural
+    column order: 3.9 lane-instructions a weight on sm_90 against gemv1's 6.6-12.4), 'simt'
+    (gemv1 at one row, the skinny GEMV beyond), or 'auto': 'mma' on CUDA for a 16-bit x."""
     from engines.kernels import _w4a16_triton as k
 
     M, K = x.shape
@@ -82,9 +96,20 @@ def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
     if M <= GEMV_MAX_M and group_size % (128 if tune or (tune is None and x.is_cuda) else 32):
         raise ValueError(f"the W4A16 GEMV reads a tile's zeros and scales once: group size {group_size} "
                          "must be a multiple of its K tile (128 when tuned)")
+    if gemv not in GEMV_PATHS:
+        raise ValueError(f"gemv: '{gemv}' is not one of {', '.join(GEMV_PATHS)}")
     tune = x.is_cuda if tune is None else tune
     x = x.contiguous()
     args = (qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
+    if M <= GEMV_MAX_M and (gemv == "mma" or (gemv == "auto" and gemv_pairs(x))):
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
+        if tune:
+            grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+            k.autotuned("gemv_mma")[grid](x, *args, y, M, N, K, GROUP=group_size, PAIRS=gemv_pairs(x))
+        else:
+            k.gemv_mma_kernel[(triton_cdiv(N, 32), 2)](x, *args, y, M, N, K, GROUP=group_size, BLOCK_N=32, BLOCK_K=32,
+                                                       SPLIT_K=2, PAIRS=gemv_pairs(x))
+        return y.to(x.dtype)
     if M == 1:
         y = torch.zeros(1, N, dtype=torch.float32, device=x.device)  # split-K adds into it
         if tune:

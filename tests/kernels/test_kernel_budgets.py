@@ -56,3 +56,24 @@ def test_decode_attention_kernels_compile_for_sm90_within_their_instruction_budg
         if "longest_loop_lane_instructions_per_element" in row:
             assert row["longest_loop_lane_instructions_per_element"] <= MIXED_TILES, (name, row)
         assert row["shared_bytes"] <= 232448, name  # an H100/H200 SM's limit
+
+
+W4A16_BUDGET = 4.5  # lane-instructions per weight, the GPU review's budget (gemv1: 6.6-12.4)
+
+
+@pytest.mark.integration
+def test_the_tensor_core_w4a16_gemv_compiles_for_sm90_within_its_budget_in_every_configuration():
+    # every autotune configuration of gemv_mma_kernel (the decode GEMV on CUDA), as a launch
+    # compiles it: 3.9 a weight at 256 x 64, 4.4 at 128 x 128; none spills
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "benchmarks/kernel_resources.py", "--only", "w4a16"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["kernels"]
+    from engines.kernels._w4a16_triton import gemv_mma_configs
+
+    assert len(rows) == len(gemv_mma_configs()) and not [r for r in rows if "error" in r]
+    for row in rows:
+        assert 0 < row["lane_instructions_per_element"] <= W4A16_BUDGET, row
+        assert row["stack_bytes"] == 0 and row["shared_bytes"] <= 232448, row

@@ -17,14 +17,15 @@ def make(N, K, seed=0):
     return pack_awq_gemm(q, z, s)
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 33])  # batch-1 GEMV, GEMV up to 16 rows, GEMM above
+@pytest.mark.parametrize(("M", "gemv"), [(1, "simt"), (3, "simt"), (16, "simt"), (1, "mma"), (3, "mma"), (16, "mma"),
+                                         (33, "auto")])  # batch-1 GEMV, GEMV up to 16 rows (either kernel), GEMM above
 @pytest.mark.parametrize("N,K", [(64, 128), (96, 384)])
 # bf16 dots are wrong under the Triton interpreter (REFERENCE §11): bf16 is checked on CUDA only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []))
-def test_kernel_matches_reference(device, M, N, K, dtype):
+def test_kernel_matches_reference(device, M, gemv, N, K, dtype):
     qweight, qzeros, scales = (t.to(device) for t in make(N, K))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    got = w4a16_triton(x, qweight, qzeros, scales).float()
+    got = w4a16_triton(x, qweight, qzeros, scales, gemv=gemv).float()
     want = w4a16_reference(x, qweight, qzeros, scales).float()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -112,3 +113,22 @@ def test_auto_dispatch_follows_this_host(monkeypatch):
     monkeypatch.setenv("CANARY_KERNELS", "auto")
     device = resolve_device(OptimizationSpec(engine="reference"))
     assert use_triton(device) == torch.cuda.is_available() == (device.type == "cuda")
+
+
+def test_the_pairwise_dequantization_gives_every_column_its_own_code():
+    # on CUDA the decode GEMV makes an AWQ word's codes fp16 two a LOP3 (inline PTX the interpreter
+    # cannot run): its PTX text run here gives output j 2^10 + the code of column j (natural order)
+    import numpy as np
+    from engines.kernels import _w4a16_triton
+    from engines.quant import AWQ_ORDER
+
+    from tests.kernels import ptx_emulation
+
+    asm = ptx_emulation.asm_of(_w4a16_triton, "_awq_pairs")
+    g = torch.Generator().manual_seed(2)
+    for codes in [torch.arange(8), torch.arange(8).flip(0) + 8, torch.full((8,), 15), *torch.randint(0, 16, (20, 8), generator=g)]:
+        word = sum(int(codes[AWQ_ORDER[i]]) << 4 * i for i in range(8))  # nibble i holds column AWQ_ORDER[i]
+        reg = ptx_emulation.run(asm, {"$8": word})
+        got = np.array([reg[f"${j}"] for j in range(8)], np.uint16).view(np.float16)
+        assert got.tolist() == (codes + 1024).tolist(), hex(word)
+

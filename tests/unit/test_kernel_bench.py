@@ -106,7 +106,7 @@ def test_a_failed_check_exits_1_after_printing_the_json():
     p = run(code=code)
     assert p.returncode == 1, p.stderr[-4000:]
     d = last_json(p)
-    assert d["all_checks_equal"] is False and len(d["checks"]) == 4  # batch 1, batch 16, both prefill paths
+    assert d["all_checks_equal"] is False and len(d["checks"]) == 6  # batch 1 and 16 (each GEMV), both prefill paths
 
 
 def test_a_failing_decode_config_costs_its_row_only():
