@@ -26,7 +26,8 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
-DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh", "N", "K")  # multiples of 16 at 8B shapes
+DIV16 = ("S", "SG", "stride_b", "stride_h", "code_sb", "code_sh", "norm_sb", "norm_sh")  # multiples of 16 at 8B shapes
+DIV16_W4A16 = (*DIV16, "N", "K")  # a W4A16 launch at the 8B shapes specializes its N and K too
 
 
 def main_loop_instructions(sass: str, first: bool = False) -> int:
@@ -70,13 +71,13 @@ def main() -> int:
     out: dict = {"benchmark": "kernel_resources", "triton": triton.__version__, "arch": f"sm_{args.arch}", "kernels": []}
 
     def compile_one(fn, sig: dict, consts: dict, options: dict, label: str, elements: int | None = None,
-                    first_loop: bool = False) -> None:
+                    first_loop: bool = False, div16: tuple[str, ...] = DIV16) -> None:
         """Compile as a launch would: pointers (torch allocations) and the ints named in DIV16
         specialized as multiples of 16. elements: what one trip of the kernel's main loop
         processes; the row then gets the loop's SASS instructions per element per lane."""
         full = {name: ("constexpr" if name in consts else sig[name]) for name in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-                 if n not in consts and (t.startswith("*") or n in DIV16)}
+                 if n not in consts and (t.startswith("*") or n in div16)}
         row: dict = {"kernel": fn.__name__, "config": label}
         try:
             k = triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=options)
@@ -106,7 +107,7 @@ def main() -> int:
                 compile_one(w4a16.gemv_kernel, gemv_sig, dict(GROUP=128, M_PAD=m_pad, **kw),
                             dict(num_warps=c.num_warps, num_stages=c.num_stages),
                             f"M_PAD={m_pad} BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
-                            f"warps={c.num_warps} stages={c.num_stages}")
+                            f"warps={c.num_warps} stages={c.num_stages}", div16=DIV16_W4A16)
     if args.only in ("all", "w4a16"):  # the tensor-core decode GEMV: lane-instructions per weight in its loop
         mma_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", M="i32", N="i32", K="i32")
         for c in w4a16.gemv_mma_configs():
@@ -114,13 +115,14 @@ def main() -> int:
             compile_one(w4a16.gemv_mma_kernel, mma_sig, dict(GROUP=128, PAIRS=True, **kw),
                         dict(num_warps=c.num_warps, num_stages=c.num_stages),
                         f"BLOCK_N={kw['BLOCK_N']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} "
-                        f"warps={c.num_warps} stages={c.num_stages}", elements=kw["BLOCK_N"] * kw["BLOCK_K"])
+                        f"warps={c.num_warps} stages={c.num_stages}", elements=kw["BLOCK_N"] * kw["BLOCK_K"], div16=DIV16_W4A16)
     if args.only == "all":
         gemv1_sig = dict(x_ptr="*fp16", qw_ptr="*i32", qz_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32", N="i32", K="i32")
         for c in w4a16.gemv1_configs():
             kw = c.kwargs
             compile_one(w4a16.gemv1_kernel, gemv1_sig, dict(GROUP=128, **kw), dict(num_warps=c.num_warps, num_stages=c.num_stages),
-                        f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}")
+                        f"W={kw['W']} BLOCK_K={kw['BLOCK_K']} SPLIT_K={kw['SPLIT_K']} warps={c.num_warps} stages={c.num_stages}",
+                        div16=DIV16_W4A16)
     if args.only == "w4a16":
         return finish(out)
     import torch
@@ -147,8 +149,8 @@ def main() -> int:
             write_sig = dict(x_ptr="*fp16", y_ptr="*fp16", slot_ptr="*i64", rot_ptr="*fp32", book_ptr="*fp32",
                              codes_ptr="*i32", norms_ptr="*fp32", dx_ptr="*fp16", dy_ptr="*fp16", N="i32", T="i32",
                              HKV="i32", **strides)
-            compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, BLOCK_N=16, DEQUANT=True), {"num_warps": turbo_kv.WRITE_WARPS},
-                        f"D=128 bits={bits} BLOCK_N=16 DEQUANT warps={turbo_kv.WRITE_WARPS}")
+            compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, F=turbo_kv.field_bits(bits), BLOCK_N=16, DEQUANT=True),
+                        {"num_warps": turbo_kv.WRITE_WARPS}, f"D=128 bits={bits} BLOCK_N=16 DEQUANT warps={turbo_kv.WRITE_WARPS}")
     for cache, tuning in (("fp8e4nv", fp8_kv.TUNING), ("fp16", FLOAT_TUNING)):
         consts, options, label, elements = launch_of(tuning)
         compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", len_ptr="*i64",
