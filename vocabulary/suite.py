@@ -45,7 +45,12 @@ def register_scorer(scorer: Scorer) -> Scorer:
 
 
 def scorer(name: str) -> Scorer:
-    """The table's row for a scorer; a name not in it is an error naming the choices."""
+    """The table's row for a scorer (installed plugins' scorers too: vocabulary/plugins.py); a name
+    not in it is an error naming the choices."""
+    if name not in SCORER_TABLE:
+        from vocabulary import plugins
+
+        plugins.load(plugins.VOCABULARY)
     try:
         return SCORER_TABLE[name]
     except KeyError:

@@ -64,10 +64,12 @@ def _settings_error(e: Exception) -> str | None:
 
 def main() -> None:
     from app.repo import NotFound
+    from vocabulary import plugins
 
     try:
+        plugins.load(plugins.VOCABULARY)  # installed plugins' scorers and metric rows (vocabulary/plugins.py)
         app()
-    except NotFound as e:  # a project, run, gate or config named on the command line that is not there
+    except (NotFound, plugins.PluginError) as e:  # a name on the command line that is not there; a broken plugin
         console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except Exception as e:  # a bad setting or an unreachable service is one line; the rest re-raises

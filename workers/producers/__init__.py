@@ -18,10 +18,14 @@ The document signals (workers/producers/terms.py, positions.py, decode.py, distr
 read beside each batch of documents and stored on the document's row; a signal that needs a row
 of its own is a producer of its own. A new producer is a module here (or anywhere) that calls
 `register_producer`; the aggregation finds its records in `ConfigRecords.kinds` and a metric's
-compare target reads them (vocabulary/metrics.py).
+compare target reads them (vocabulary/metrics.py). A package installed beside the service adds
+producers through its entry points (vocabulary/plugins.py), which every worker loads here.
 """
 
+from vocabulary import plugins
 from workers.producers import documents, generation, labelled, layer_drift  # noqa: F401 - each registers itself
 from workers.producers.base import PRODUCERS, Batch, Producer, Work, producers_for, register_producer
+
+plugins.load(plugins.PRODUCERS)  # installed producers (and their scorers and metric rows), after the built-in ones
 
 __all__ = ["PRODUCERS", "Batch", "Producer", "Work", "producers_for", "register_producer"]
