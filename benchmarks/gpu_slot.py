@@ -309,7 +309,7 @@ def stage_s5(args, f: StageFile) -> bool:
 
     bench, ns = kernel_args(args)
     if not args.device.startswith("cuda"):
-        f.save(skipped="the profile reads CUDA bench; nothing to profile on the CPU", complete=True)
+        f.save(skipped="the profile reads CUDA kernels; nothing to profile on the CPU", complete=True)
         return True
     from engines.reference.decode import Decoder
     from engines.reference.kv import kv_format

@@ -20,24 +20,30 @@ from __future__ import annotations
 import importlib.metadata
 import threading
 
-VOCABULARY = "inference_canary.vocabulary"
-PRODUCERS = "inference_canary.producers"
-GROUPS = (VOCABULARY, PRODUCERS)
-
-_loaded: dict[str, list[str]] = {}
-_lock = threading.RLock()
-
 
 class PluginError(RuntimeError):
     """An installed plugin that does not load."""
 
 
+VOCABULARY = "inference_canary.vocabulary"
+PRODUCERS = "inference_canary.producers"
+GROUPS = (VOCABULARY, PRODUCERS)
+
+_loaded: dict[str, list[str]] = {}
+_failed: dict[str, PluginError] = {}  # a group whose plugin failed: the same error each time it is loaded
+_lock = threading.RLock()
+
+
 def load(group: str) -> list[str]:
-    """Import every entry point of `group` (once per process; VOCABULARY before PRODUCERS) →
-    the entry points loaded, as "name = value (distribution)"."""
+    """Import every entry point of `group` (once per process, in entry-point name order;
+    VOCABULARY before PRODUCERS) → the entry points loaded, as "name = value (distribution)". A
+    plugin that fails raises PluginError, and the same one again at each later load in this process
+    (a second import of a half-registered plugin would fail on what it registered, hiding why)."""
     if group not in GROUPS:
         raise ValueError(f"unknown plugin group '{group}'; choose from {', '.join(GROUPS)}")
     with _lock:
+        if group in _failed:
+            raise _failed[group]
         if group in _loaded:
             return _loaded[group]
         if group == PRODUCERS:
@@ -49,9 +55,11 @@ def load(group: str) -> list[str]:
             try:
                 ep.load()
             except Exception as e:
-                del _loaded[group]  # the next load tries again, once the plugin is fixed
-                raise PluginError(f"plugin '{ep.name}' ({ep.value}, from {dist}) in entry-point group {group} "
-                                  f"failed to load: {type(e).__name__}: {e}; fix or uninstall {dist}") from e
+                del _loaded[group]
+                _failed[group] = PluginError(
+                    f"plugin '{ep.name}' ({ep.value}, from {dist}) in entry-point group {group} "
+                    f"failed to load: {type(e).__name__}: {e}; fix or uninstall {dist}")
+                raise _failed[group] from e
             done.append(f"{ep.name} = {ep.value} ({dist})")
         _loaded[group] = done
         return done

@@ -28,7 +28,6 @@ from app.repo import Conflict, NotFound, QueueFull
 from app.schemas import error_responses
 from app.settings import get_settings
 from app.ssrf import hide_url_logs
-from vocabulary import plugins
 
 log = logging.getLogger(__name__)
 hide_url_logs()
@@ -70,8 +69,6 @@ async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     yield
     stop.set()
 
-
-plugins.load(plugins.VOCABULARY)  # installed plugins' scorers and metric rows (vocabulary/plugins.py)
 
 app = FastAPI(title="inference-canary", version=__version__, lifespan=lifespan,
               description="Quality canary for optimized LLM inference: configs vs an fp16 baseline, with paired "

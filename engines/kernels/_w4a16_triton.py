@@ -278,7 +278,9 @@ def gemv_configs() -> list[triton.Config]:
     # BLOCK_K divides the group size 128 so that a tile's zeros and scales are one row.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=w, num_stages=st)
             # Each compiled for sm_90 without register spills at M_PAD 2, 4, 8 and 16 (cuobjdump
-            # -res-usage); 128×128, 256×128 and 512×64 tiles spilled at some M_PAD: left out.
+            # -res-usage) with N and K unspecialized; specialized as multiples of 16, as an 8B launch
+            # is, four spill at M_PAD 8 (benchmarks/kernel_resources.py). 128×128, 256×128 and 512×64
+            # tiles spilled at some M_PAD: left out. On CUDA with 16-bit x, gemv_mma serves instead.
             for bn, bk, sk, w, st in ((128, 64, 1, 8, 4), (64, 128, 1, 4, 3), (128, 64, 4, 8, 4), (64, 128, 4, 4, 3),
                                       (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (64, 128, 16, 4, 3), (128, 64, 16, 8, 3),
                                       (256, 32, 16, 8, 4), (128, 32, 32, 4, 4))]

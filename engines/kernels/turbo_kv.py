@@ -35,7 +35,7 @@ from engines.quant import codebook_on, rotation_on
 # the fastest in the H200 sweep at 3 bits (benchmarks/results/gpu); 4 bits spill at 128-slot tiles
 TUNING = {2: Tuning(128, 8), 3: Tuning(128, 8), 4: Tuning(64, 8)}
 
-WRITE_WARPS = 4  # 90 registers, no spills at D = 128 on sm_90 (benchmarks/kernel_resources.py)
+WRITE_WARPS = 4  # 106 registers, no spills at D = 128 on sm_90 (benchmarks/kernel_resources.py, Triton 3.9)
 
 _kernels: dict[str, object] = {}
 
@@ -230,7 +230,7 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tens
     rot = rotation_on(D, seed, q.device)
     csb, csh = head_strides(k_codes)
     nsb, nsh = head_strides(k_norms)
-    if k_codes.shape[-1] != code_words(D, bits) or k_codes.stride(-1) != 1:
+    if any(c.shape[-1] != code_words(D, bits) or c.stride(-1) != 1 for c in (k_codes, v_codes)):
         raise ValueError(f"decode_attention needs codes [B, Hkv, S, {code_words(D, bits)}] with whole code rows "
                          f"at {bits} bits, head_dim {D}")
     poly = codebook_polynomial(D, bits, q.device)

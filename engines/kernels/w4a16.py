@@ -43,7 +43,8 @@ def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
     return (x.float() @ w.T.to(x.device)).to(x.dtype)
 
 
-GEMV_MAX_M = 16  # decode batches take the skinny kernel; longer inputs (prefill) dequantize, or take the tiled GEMM
+# decode batches take a GEMV (gemv_mma; or gemv1 and the skinny one); longer inputs dequantize, or take the tiled GEMM
+GEMV_MAX_M = 16
 GEMV_PATHS = ("auto", "mma", "simt")  # the decode GEMV: tensor cores on fp16 pairs, or CUDA-core arithmetic
 DEQUANT_MIN_M = GEMV_MAX_M + 1  # from here: dequantize once, then torch's matmul (measured from 24: see above)
 PREFILL_PATHS = ("auto", "tiled", "dequant")

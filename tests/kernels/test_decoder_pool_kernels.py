@@ -1,5 +1,5 @@
 """A generation decode loop reused per batch bucket (ReferenceEngine.pooled_decoder) over the
-kernels' code buffers: KIVI's key groups and coded counts, TurboQuant's bit planes. A second,
+kernels' code buffers: KIVI's key groups and coded counts, TurboQuant's code words. A second,
 shorter sequence in the same bucket decodes as a fresh loop would, over what the first one coded
 and left. On CUDA the step is captured and replayed; here, on the Triton interpreter, eager."""
 

@@ -103,7 +103,10 @@ def test_write_slots_fills_codes_norms_and_values_at_the_slots_only(device, bits
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-def test_decode_attention_matches_reference(device, bits):
+# a 16-bit query takes the byte-permute lookup on CUDA at 3 bits (the polynomial here); bf16 is
+# checked on CUDA only (the Triton interpreter computes bf16 wrongly)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else []))
+def test_decode_attention_matches_reference(device, bits, dtype):
     g = torch.Generator().manual_seed(7)
     B, H, Hkv, S, D = 2, 4, 2, 70, 32
     k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
@@ -112,9 +115,13 @@ def test_decode_attention_matches_reference(device, bits):
     q = torch.randn(B, H, D, generator=g)
     lengths = torch.tensor([70, 33])  # the second sequence is shorter: its tail slots are ignored
     args = [t.to(device) for t in (q, kc, kn, vc, vn, lengths)]
-    got = decode_attention(*args, bits=bits, chunks=2, block_s=16)
-    want = decode_attention_reference(*args, bits=bits)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter computes bf16 wrongly")
+    got = decode_attention(args[0].to(dtype), *args[1:], bits=bits, chunks=2, block_s=16)
+    want = decode_attention_reference(*args, bits=bits)  # fp32
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 def test_default_split_matches_reference(device):

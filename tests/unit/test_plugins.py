@@ -76,8 +76,9 @@ def test_a_fresh_worker_process_runs_an_installed_producer_after_the_built_in_on
 
 
 def test_the_api_process_checks_a_suite_against_an_installed_scorer_without_importing_workers(tmp_path):
-    # the API's own module loads the vocabulary group; a suite listing the plugin's scorer is accepted,
-    # one listing a scorer nobody installed is refused naming the plugin's among the choices
+    # the API package loads the vocabulary group before its routes: a suite listing the plugin's
+    # scorer is accepted, one listing a scorer nobody installed is refused naming the plugin's among
+    # the choices, and the trends route accepts the plugin's metric
     p = fresh("""
         import sys
         import app.api.main
@@ -90,25 +91,30 @@ def test_the_api_process_checks_a_suite_against_an_installed_scorer_without_impo
             parse_config({**base, "suites": [{**base["suites"][0], "scorers": ["perplexity", "nobody"]}]})
         except Exception as e:
             print("REFUSED", "toy_plugin" in str(e))
+        from typing import get_args
+        from app.api.routes import views
+        print("TRENDS", "toy_plugin_delta" in get_args(views.MetricName))  # a route's accepted metric names
         print("WORKERS", any(m == "workers" or m.startswith("workers.") for m in sys.modules))
     """, install(tmp_path))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "REFUSED True" in p.stdout and "WORKERS False" in p.stdout
+    assert "REFUSED True" in p.stdout and "TRENDS True" in p.stdout and "WORKERS False" in p.stdout
 
 
 def test_a_plugin_that_fails_to_load_is_one_error_naming_it_and_the_fix(tmp_path):
     path = install(tmp_path, vocab="raise ImportError('no module named toy_dependency')\n")
     p = fresh("""
         from vocabulary import plugins
-        try:
-            plugins.load(plugins.VOCABULARY)
-        except plugins.PluginError as e:
-            print(e)
+        for attempt in range(2):  # the second load raises the same error, not the plugin's second import's
+            try:
+                plugins.load(plugins.VOCABULARY)
+            except plugins.PluginError as e:
+                print(e)
     """, path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert ("plugin 'toy' (toy_canary_plugin.vocab, from toy-canary-plugin) in entry-point group "
             "inference_canary.vocabulary failed to load: ImportError: no module named toy_dependency; "
             "fix or uninstall toy-canary-plugin") in p.stdout
+    assert len(set(p.stdout.strip().splitlines())) == 1 and len(p.stdout.strip().splitlines()) == 2
     # and the CLI says it in one line, exit 2
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), str(ROOT)])}
     cli = subprocess.run([sys.executable, "-c", "from app.cli import main; main()", "--help"], cwd=ROOT, env=env,
