@@ -61,6 +61,7 @@ def fresh(code: str, path) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.integration  # fresh Python processes
 def test_a_fresh_worker_process_runs_an_installed_producer_after_the_built_in_ones(tmp_path):
     p = fresh("""
         from workers.producers import PRODUCERS
@@ -75,6 +76,7 @@ def test_a_fresh_worker_process_runs_an_installed_producer_after_the_built_in_on
     assert "toy = toy_canary_plugin.vocab (toy-canary-plugin)" in loaded
 
 
+@pytest.mark.integration  # fresh Python processes
 def test_the_api_process_checks_a_suite_against_an_installed_scorer_without_importing_workers(tmp_path):
     # the API package loads the vocabulary group before its routes: a suite listing the plugin's
     # scorer is accepted, one listing a scorer nobody installed is refused naming the plugin's among
@@ -100,6 +102,7 @@ def test_the_api_process_checks_a_suite_against_an_installed_scorer_without_impo
     assert "REFUSED True" in p.stdout and "TRENDS True" in p.stdout and "WORKERS False" in p.stdout
 
 
+@pytest.mark.integration  # fresh Python processes
 def test_a_plugin_that_fails_to_load_is_one_error_naming_it_and_the_fix(tmp_path):
     path = install(tmp_path, vocab="raise ImportError('no module named toy_dependency')\n")
     p = fresh("""
