@@ -16,32 +16,34 @@ def _pack(q, BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr):
-    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] as fp32. Each packed word
-    # is loaded once and split by shifts along a third axis (channel c is lane c % PER of word
-    # c // PER). The integer becomes a float by its bits: 2^23 + q has q in the low mantissa bits,
-    # so OR-ing q into 0x4B000000 and subtracting 2^23 is exact, with no conversion instruction
+def _code_ints(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr):
+    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] as int32. Each packed word
+    # is loaded once and split by shifts along a third axis (channel c is lane c % PER of word c // PER)
     PER: tl.constexpr = 32 // BITS
     rw = tl.arange(0, D // PER)
     words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + rw[None, :], mask=mask_s[:, None], other=0)
     lanes = (words[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & (2**BITS - 1)
-    codes = tl.reshape(lanes, (rs.shape[0], D))
+    return tl.reshape(lanes, (rs.shape[0], D))
+
+
+@triton.jit
+def _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr):
+    # the codes of rows rs as fp32 [BLOCK_S, D]. The integer becomes a float by its bits: 2^23 + q
+    # has q in the low mantissa bits, so OR-ing q into 0x4B000000 and subtracting 2^23 is exact,
+    # with no conversion instruction
+    codes = _code_ints(codes_ptr, row_off, rs, mask_s, BITS, D)
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _codes_as(codes_ptr, row_off, rs, mask_s, BITS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
-    # rows rs of a [.., S, D·BITS/32] code tensor → codes [BLOCK_S, D] in DOT, exact. In a 16-bit
-    # DOT the code becomes an fp16 by its bits: OR-ing q into the bits of 2^10 gives 2^10 + q, and
-    # one subtraction leaves q, with no conversion instruction (bf16 converts that fp16: the
-    # interpreter's bf16 bitcast is wrong, so the same trick in bf16 could not be tested here)
-    PER: tl.constexpr = 32 // BITS
-    rw = tl.arange(0, D // PER)
-    words = tl.load(codes_ptr + row_off + rs[:, None] * (D // PER) + rw[None, :], mask=mask_s[:, None], other=0)
-    lanes = tl.reshape((words[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & (2**BITS - 1),
-                       (rs.shape[0], D))
+    # the codes of rows rs in DOT [BLOCK_S, D], exact. In a 16-bit DOT the code becomes an fp16 by
+    # its bits: OR-ing q into the bits of 2^10 gives 2^10 + q, and one subtraction leaves q, with no
+    # conversion instruction (bf16 converts that fp16: the interpreter's bf16 bitcast is wrong, so
+    # the same trick in bf16 could not be tested here)
     if DOT == tl.float32:
-        return (lanes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return _unpack_rows(codes_ptr, row_off, rs, mask_s, BITS, D)
+    lanes = _code_ints(codes_ptr, row_off, rs, mask_s, BITS, D)
     return ((lanes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0).to(DOT)
 
 
