@@ -713,6 +713,7 @@ def profile_steps(dec, tok, n: int, top: int = 12) -> dict:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
     return {"steps": n, "gpu_us_per_step": round(total / n, 1), "kernels": len(events),
+            "launches_per_step_all": round(sum(e.count for e in events) / n, 1),
             "top": [{"name": e.key[:90], "us_per_step": round(e.self_device_time_total / n, 1),
                      "launches_per_step": round(e.count / n, 1)} for e in events[:top]]}
 

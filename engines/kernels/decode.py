@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engines.kernels import on_kernel_path
+
 if TYPE_CHECKING:
     import triton.language as tl
 
@@ -89,6 +91,7 @@ def launch(kernel: Any, q: torch.Tensor, Hkv: int, S: int, args: list[torch.Tens
     GP, BLOCK_S and DOT are set here. rotation: Π [D, D], applied to the merged output. chunks,
     block_s, num_warps, num_stages: the format's `tuning` and split_k_chunks unless given."""
     from engines.kernels._decode_triton import merge_kernel
+    from engines.kernels.launches import run
 
     B, H, D = q.shape
     if H % Hkv:
@@ -96,18 +99,17 @@ def launch(kernel: Any, q: torch.Tensor, Hkv: int, S: int, args: list[torch.Tens
     G = H // Hkv
     if G > GROUP_ROWS:
         raise ValueError(f"at most {GROUP_ROWS} query heads per KV head; got {G}")
-    block_s = block_s or (tuning.block_s if q.is_cuda else 16)
+    block_s = block_s or (tuning.block_s if on_kernel_path(q) else 16)
     n = chunks or split_k_chunks(S, B * Hkv, q.device, block_s)
     q = q.contiguous()
     m = torch.empty(B * H, n, device=q.device)
     l = torch.empty(B * H, n, device=q.device)
     acc = torch.empty(B * H, n, D, device=q.device)
-    kernel[(B * Hkv, n)](q, *args, m, l, acc, **consts, D=D, G=G, GP=GROUP_ROWS, BLOCK_S=block_s,
-                         DOT=dot_type(q.dtype), num_warps=num_warps or tuning.num_warps,
-                         num_stages=num_stages or tuning.num_stages)
+    run(kernel, (B * Hkv, n), q, *args, m, l, acc, **consts, D=D, G=G, GP=GROUP_ROWS, BLOCK_S=block_s,
+        DOT=dot_type(q.dtype), num_warps=num_warps or tuning.num_warps, num_stages=num_stages or tuning.num_stages)
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    merge_kernel[(B * H,)](m, l, acc, rotation if rotation is not None else m, out, n, D=D,
-                           NCP=triton_next_pow2(n), ROTATE=rotation is not None, num_warps=4)
+    run(merge_kernel, (B * H,), m, l, acc, rotation if rotation is not None else m, out, n, D=D,
+        NCP=triton_next_pow2(n), ROTATE=rotation is not None, num_warps=4)
     return out
 
 

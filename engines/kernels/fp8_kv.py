@@ -33,10 +33,11 @@ def decode_attention_reference(q: torch.Tensor, k8: torch.Tensor, v8: torch.Tens
 
 def quantize_on_write(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     from engines.kernels._decode_triton import fp8_quantize_kernel
+    from engines.kernels.launches import run
 
     flat = x.contiguous().reshape(-1)
     out = torch.empty(flat.shape, dtype=FP8, device=x.device)
-    fp8_quantize_kernel[(math.ceil(flat.numel() / block),)](flat, out, flat.numel(), BLOCK=block)
+    run(fp8_quantize_kernel, (math.ceil(flat.numel() / block),), flat, out, flat.numel(), BLOCK=block)
     return out.reshape(x.shape)
 
 

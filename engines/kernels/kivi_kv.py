@@ -22,6 +22,7 @@ import math
 import torch
 
 from engines.kernels.decode import Tuning, launch
+from engines.kernels.launches import run
 
 # one token group a tile, so that nearly every tile takes the loop that folds the scales into the
 # query and the weights; 2 warps: 6.0 (2 bits) and 6.9 (4 bits) lane-instructions per element in that
@@ -125,7 +126,7 @@ def quantize_keys(k: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     codes = torch.empty(S, D * bits // 32, dtype=torch.int32, device=k.device)
     scale = torch.empty(S // GROUP, D, device=k.device)
     zero = torch.empty(S // GROUP, D, device=k.device)
-    quantize_keys_kernel[(S // GROUP,)](k.contiguous(), codes, scale, zero, D=D, G=GROUP, BITS=bits)
+    run(quantize_keys_kernel, (S // GROUP,), k.contiguous(), codes, scale, zero, D=D, G=GROUP, BITS=bits)
     return codes, scale, zero
 
 
@@ -138,8 +139,8 @@ def quantize_values(v: torch.Tensor, bits: int, block_n: int = 16) -> tuple[torc
     codes = torch.empty(N, D * bits // 32, dtype=torch.int32, device=v.device)
     scale = torch.empty(N, D // GROUP, device=v.device)
     zero = torch.empty(N, D // GROUP, device=v.device)
-    quantize_values_kernel[(math.ceil(N / block_n),)](v.contiguous(), codes, scale, zero, N,
-                                                      D=D, G=GROUP, BITS=bits, BLOCK_N=block_n)
+    run(quantize_values_kernel, (math.ceil(N / block_n),), v.contiguous(), codes, scale, zero, N,
+        D=D, G=GROUP, BITS=bits, BLOCK_N=block_n)
     return codes, scale, zero
 
 

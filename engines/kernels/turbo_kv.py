@@ -198,7 +198,9 @@ def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Te
     dq = list(dequantized) if dequantized is not None else [norms, norms]  # pointers the kernel never stores to
     x, y = xs[0], xs[-1]
     N = B * Hkv * T
-    write[(math.ceil(N / block_n), D // 32, len(xs))](
+    from engines.kernels.launches import run
+
+    run(write, (math.ceil(N / block_n), D // 32, len(xs)),
         x, y, slots, rot, book, codes, norms, dq[0], dq[-1], N, T, Hkv, *x.stride()[:3], *y.stride()[:3],
         *codes.stride()[:4], *norms.stride()[:4],
         *(dequantized[0].stride()[:3] if dequantized is not None else (0, 0, 0)),

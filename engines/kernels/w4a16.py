@@ -54,6 +54,7 @@ def w4a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
                      group_size: int = 128, tune: bool | None = None) -> torch.Tensor:
     """The weight W [K, N] = (q − z)·s in `dtype`, by one Triton pass over the packed words."""
     from engines.kernels import _w4a16_triton as k
+    from engines.kernels.launches import run
 
     K, N = qweight.shape[0], qweight.shape[1] * 8
     tune = qweight.is_cuda if tune is None else tune
@@ -62,8 +63,8 @@ def w4a16_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.
     # and a partial tile along N at the tests' N = 96
     block_k, block_n = (2, 1024) if tune else (32, 64)
     grid = (triton_cdiv(K, block_k), triton_cdiv(N, block_n))
-    k.dequant_kernel[grid](qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), w, N, K,
-                           GROUP=group_size, BLOCK_K=block_k, BLOCK_N=block_n, **({"num_warps": 2} if tune else {}))
+    run(k.dequant_kernel, grid, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), w, N, K,
+        GROUP=group_size, BLOCK_K=block_k, BLOCK_N=block_n, **({"num_warps": 2} if tune else {}))
     return w
 
 
@@ -85,6 +86,7 @@ def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
     column order: 3.9 lane-instructions a weight on sm_90 against gemv1's 6.6-12.4), 'simt'
     (gemv1 at one row, the skinny GEMV beyond), or 'auto': 'mma' on CUDA for a 16-bit x."""
     from engines.kernels import _w4a16_triton as k
+    from engines.kernels.launches import run
 
     M, K = x.shape
     N = qweight.shape[1] * 8
@@ -106,41 +108,42 @@ def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
         if tune:
             grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-            k.autotuned("gemv_mma")[grid](x, *args, y, M, N, K, GROUP=group_size, PAIRS=gemv_pairs(x))
+            run(k.autotuned("gemv_mma"), grid, x, *args, y, M, N, K, GROUP=group_size, PAIRS=gemv_pairs(x))
         else:
-            k.gemv_mma_kernel[(triton_cdiv(N, 32), 2)](x, *args, y, M, N, K, GROUP=group_size, BLOCK_N=32, BLOCK_K=32,
-                                                       SPLIT_K=2, PAIRS=gemv_pairs(x))
+            run(k.gemv_mma_kernel, (triton_cdiv(N, 32), 2), x, *args, y, M, N, K, GROUP=group_size, BLOCK_N=32,
+                BLOCK_K=32, SPLIT_K=2, PAIRS=gemv_pairs(x))
         return y.to(x.dtype)
     if M == 1:
         y = torch.zeros(1, N, dtype=torch.float32, device=x.device)  # split-K adds into it
         if tune:
             grid = lambda meta: (triton_cdiv(N // 8, meta["W"]), meta["SPLIT_K"])  # noqa: E731
-            k.autotuned("gemv1")[grid](x, *args, y, N, K, GROUP=group_size)
+            run(k.autotuned("gemv1"), grid, x, *args, y, N, K, GROUP=group_size)
         else:
-            k.gemv1_kernel[(triton_cdiv(N // 8, 4), 2)](x, *args, y, N, K, GROUP=group_size, W=4, BLOCK_K=32, SPLIT_K=2)
+            run(k.gemv1_kernel, (triton_cdiv(N // 8, 4), 2), x, *args, y, N, K, GROUP=group_size, W=4, BLOCK_K=32,
+                SPLIT_K=2)
         return y.to(x.dtype)
     if M <= GEMV_MAX_M:
         m_pad = 1 << (M - 1).bit_length()  # 2 … 16: batch 1 took gemv1 above
         y = torch.zeros(M, N, dtype=torch.float32, device=x.device)  # split-K adds into it
         if tune:
             grid = lambda meta: (triton_cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-            k.autotuned("gemv")[grid](x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad)
+            run(k.autotuned("gemv"), grid, x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad)
         else:
-            k.gemv_kernel[(triton_cdiv(N, 32), 2)](x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad,
-                                                   BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)
+            run(k.gemv_kernel, (triton_cdiv(N, 32), 2), x, *args, y, M, N, K, GROUP=group_size, M_PAD=m_pad,
+                BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)
         return y.to(x.dtype)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     fp32 = x.dtype == torch.float32
     if tune:
         grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]), triton_cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        k.autotuned("gemm_fp32" if fp32 else "gemm")[grid](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
-                                                            FP32=fp32)
+        run(k.autotuned("gemm_fp32" if fp32 else "gemm"), grid, x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
+            FP32=fp32)
     else:
         # the interpreter pays per program and per loop step, not per element: tiles of 32 × 64 × 64
         # run a 6-layer model's prefill ~7× faster than 16 × 32 × 32 and still mask a partial tile
         # on every axis at the tests' shapes (M 33, N 96, K 384)
-        k.gemm_kernel[(triton_cdiv(M, 32), triton_cdiv(N, 64))](x, *args, y, M, N, K, k.m_bucket(M), GROUP=group_size,
-                                                                 BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, FP32=fp32)
+        run(k.gemm_kernel, (triton_cdiv(M, 32), triton_cdiv(N, 64)), x, *args, y, M, N, K, k.m_bucket(M),
+            GROUP=group_size, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, FP32=fp32)
     return y
 
 

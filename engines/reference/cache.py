@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engines.reference.attention import Causal
 from engines.reference.kv import KVFormat
-from engines.reference.kv.base import float_attention
+from engines.reference.kv.base import decode_lengths, float_attention
 
 
 class KVCache:
@@ -35,6 +35,7 @@ class KVCache:
         self.fmt = fmt
         self.store = fmt.new_store(self.k, self.v)
         self.seq_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, lengths) of the pass at layer 0
 
     def nbytes(self) -> int:
         """Bytes held: the raw cache where the format keeps one, and every buffer of the format's
@@ -69,21 +70,31 @@ class KVCache:
         # read once here, never inside a decode step (a cache on the meta device, sized only, has none)
         self.left_padded = False if value.is_meta else bool(value.any())
 
+    def rope_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a fused RoPE kernel may store a decode step's new keys and values itself
+        (engines/kernels/fused.rope_store), the step then attending with stored=True: the raw
+        cache where one is kept (lossless formats, KIVI), or the store's codes where it keeps them
+        in a type the kernel writes (fp8); None for a store that encodes its own way (TurboQuant,
+        the int formats)."""
+        if self.keeps_raw:  # the raw cache: a lossless format's, or KIVI's (its store reads it and codes from it)
+            return self.k[layer], self.v[layer]
+        return self.store.code_destination(layer)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
+               mask: torch.Tensor | Causal | int | None, stored: bool = False) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
         for a first pass over slots 0…T−1 with no padding (causal over the new tokens; Causal: the
         same, read through a lossy format's store, as decode.Decoder's CUDA prefill asks), or an int
         n for one new token per row that attends all of slots 0…n−1 (an eager decode step with no
         left padding: a lossless format reads just those slots with no mask; a lossy one gets the
-        all-True mask as wide)."""
-        if self.keeps_raw:
+        all-True mask as wide). stored: k and v are already where rope_destination said."""
+        if self.keeps_raw and not stored:
             self.k[layer].index_copy_(2, slots, k)
             self.v[layer].index_copy_(2, slots, v)
         if isinstance(mask, int):
             if not self.fmt.lossy and not self.left_padded:
-                return float_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], slots, None,
-                                       q.shape[2] == 1)
+                lengths = self._step_lengths(layer, q, slots) if q.shape[2] == 1 else None
+                return float_attention(q, self.k[layer, :, :, :mask], self.v[layer, :, :, :mask], None, lengths)
             mask = torch.ones(q.shape[0], 1, q.shape[2], mask, dtype=torch.bool, device=q.device)
         S = mask.shape[-1] if mask is not None else len(slots)
         if mask is None and not self.fmt.lossy:  # prefill: causal flash / memory-efficient SDPA, no mask
@@ -91,8 +102,15 @@ class KVCache:
         if mask is None:
             mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[None, None]
         # a decode step: one new token per row, no left padding (the decode kernels' case)
-        decode_step = q.shape[2] == 1 and not self.left_padded
-        return self.store.attend(layer, q, k, v, slots, mask, self.seq_start, decode_step)
+        lengths = self._step_lengths(layer, q, slots) if q.shape[2] == 1 and not self.left_padded else None
+        return self.store.attend(layer, q, k, v, slots, mask, self.seq_start, lengths, stored)
+
+    def _step_lengths(self, layer: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A decode step's [B] sequence lengths, made once per pass (at layer 0, which every
+        forward pass starts with) and read by every later layer: one launch a step, not one a layer."""
+        if layer == 0 or self._lengths is None or self._lengths[0] is not slots:
+            self._lengths = (slots, decode_lengths(q, slots))
+        return self._lengths[1]
 
 
 class NoCache:

@@ -4,6 +4,11 @@ remapping. Qwen3 differs from Llama by an RMSNorm over each head's query and key
 k_norm, one weight per head channel shared by the heads), applied before RoPE; Qwen3-MoE adds a
 sparse MLP (SparseMoE: a router picks each token's top-k experts, each a SwiGLU MLP).
 
+On the kernel path (engines.kernels.use_triton: CUDA, or meta under launches.planning()) a
+one-token step takes the fused operators of engines/kernels/fused.py: the residual add with the
+next RMSNorm, RoPE with the KV store, SiLU·mul; 9 launches a layer for an fp16 cache instead of
+39 (engines/reference/step_plan.py counts them). Elsewhere the operators below, unfused.
+
 Shapes: B batch, T new tokens, S cache slots, H query heads, Hkv key/value heads, D head dim.
 """
 
@@ -14,12 +19,13 @@ import math
 import pathlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.kernels import fused, fused_step_enabled, use_triton
 from engines.quant import dequantize_awq_gemm
 from engines.quant.compressed_tensors import dequantize_state as dequantize_compressed_tensors
 from engines.reference.attention import Causal
@@ -187,6 +193,16 @@ class AttentionCache(Protocol):
                mask: torch.Tensor | Causal | int | None) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class RopeStoreCache(Protocol):
+    """A cache that lets the fused RoPE kernel store a step's new keys and values itself (KVCache)."""
+
+    def rope_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               mask: torch.Tensor | Causal | int | None, stored: bool = False) -> torch.Tensor: ...
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -239,6 +255,26 @@ class Attention(nn.Module):
         out = cache.attend(layer, q, k, v, slots, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
 
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: AttentionCache,
+                      slots: torch.Tensor, mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
+        """forward on the kernel path: RoPE of q (into a new tensor) and k (in place in the fused q/k/v output), and the
+        new keys and values stored where the cache lets the same kernel put them (fused.rope_store).
+        cos, sin: rope_cos_sin's. A Qwen3 query/key norm or unfused projections take forward."""
+        if self.qkv_proj is None or self.q_norm is not None:
+            return self.forward(x, cos, sin, layer, cache, slots, mask)
+        a = self.args
+        B, T, _ = x.shape
+        H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+        dst = cache.rope_destination(layer) if isinstance(cache, RopeStoreCache) else None
+        q = fused.rope_store(qkv, cos, sin, H, Hkv, slots, dst)
+        q, k, v = (t.transpose(1, 2) for t in (q, qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]))
+        if dst is not None:
+            out = cast(RopeStoreCache, cache).attend(layer, q, k, v, slots, mask, stored=True)
+        else:
+            out = cache.attend(layer, q, k, v, slots, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
+
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, width: int | None = None):
@@ -255,7 +291,10 @@ class MLP(nn.Module):
         self.gate_up_proj.weight.data = w
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused_step: bool = False) -> torch.Tensor:
+        """fused_step: SiLU·mul in one kernel launch (fused.silu_mul; the kernel path's one-token steps)."""
+        if self.gate_up_proj is not None and fused_step:
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             gate, up = gate_up.chunk(2, dim=-1)
@@ -375,6 +414,8 @@ class Transformer(nn.Module):
         query attends all of slots 0…n−1 (one new token per row, no padding; the cache decides
         how, see KVCache.attend). Returns logits [B, T, V]."""
         h = self.model.embed_tokens(ids)
+        if self.fused_step(h):
+            return self._forward_fused(h, pos, slots, cache, mask, last_only, hidden)
         swapped = h.device.type == "cpu" and pos.numel() > 0
         if swapped:
             cos, sin = self.rope_table.lookup(self.inv_freq, pos, h.dtype, self.args.max_seq_len)
@@ -387,6 +428,34 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         return h if hidden else self.lm_head(h)  # hidden=True: the caller applies lm_head where needed
+
+    def fused_step(self, h: torch.Tensor) -> bool:
+        """Whether a pass over embeddings h [B, T, dim] takes the fused operators: one new token
+        per row, no autograd, on the kernel path, with the projections fused (after fuse()), and no
+        hook watching the norms (layer_states' hooks: the fused pass calls no norm module), unless
+        CANARY_FUSED_STEP=off."""
+        return (h.shape[1] == 1 and not torch.is_grad_enabled() and use_triton(h.device)
+                and cast(DecoderLayer, self.model.layers[0]).self_attn.qkv_proj is not None
+                and not self.model.norm._forward_pre_hooks and fused_step_enabled())
+
+    def _forward_fused(self, h: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache: AttentionCache,
+                       mask: torch.Tensor | Causal | int | None, last_only: bool, hidden: bool) -> torch.Tensor:
+        """forward with each residual add folded into the RMSNorm after it (fused.add_rms_norm): a
+        layer is add+norm, q/k/v, RoPE+store, attention, o, add+norm, gate/up, SiLU·mul, down."""
+        cos, sin = rope_cos_sin(self.inv_freq, pos, h.dtype)
+        layers = list(cast("Iterable[DecoderLayer]", self.model.layers))
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        first = layers[0].input_layernorm
+        x, res = fused.add_rms_norm(h, None, first.weight, first.eps)
+        for i, (layer, after) in enumerate(zip(layers, norms, strict=True)):
+            a = layer.self_attn.forward_fused(x, cos, sin, i, cache, slots, mask)
+            post = layer.post_attention_layernorm
+            x, res = fused.add_rms_norm(a, res, post.weight, post.eps)
+            m = layer.mlp(x, fused_step=True) if isinstance(layer.mlp, MLP) else layer.mlp(x)
+            x, res = fused.add_rms_norm(m, res, after.weight, after.eps)
+        if last_only:
+            x = x[:, -1:]
+        return x if hidden else self.lm_head(x)
 
 
 def _dequantize_awq_state(state: dict, qcfg: dict) -> dict:

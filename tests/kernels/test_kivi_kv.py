@@ -141,7 +141,7 @@ def test_a_kivi_pass_within_its_window_reads_every_slot_raw_as_two_tier_attentio
         slots = torch.arange(S)
         j, t = slots[None, None, :], slots[None, :, None]
         mask = (((j <= t) & (j >= seq_start[:, None, None])) | (j == t))[:, None]  # [B, 1, S, S]
-        got = fmt.new_store(k, v).attend(0, q, k[0], v[0], slots, mask, seq_start, decode_step=False)
+        got = fmt.new_store(k, v).attend(0, q, k[0], v[0], slots, mask, seq_start, lengths=None)
         kq, vq = fmt.encode(k[0], v[0], seq_start)
         ck, cv = (_compressed_mask(slots, S, seq_start, b) for b in (fmt.boundary_k, fmt.boundary_v))
         want = two_tier_attention(q, k[0], v[0], kq, vq, mask, ck, cv)

@@ -129,12 +129,21 @@ class KVStore:
         graph: nothing here (KIVI flushes whole key groups on the host's schedule)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
+               stored: bool = False) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
-        mask: [B, 1, T, S] or Causal; seq_start: [B] first real slot per row; decode_step: one new token
-        per row and no left padding (where a decode kernel may run) → [B, H, T, D]."""
+        mask: [B, 1, T, S] or Causal; seq_start: [B] first real slot per row; lengths: [B] sequence
+        lengths on the device for a decode step (one new token per row, no left padding: where a
+        decode kernel may run), else None; stored: the new slots' codes are already in the store
+        (written by the fused RoPE kernel at code_destination) → [B, H, T, D]."""
         S = mask.shape[-1]
-        return float_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], slots, mask, decode_step)
+        return float_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], mask, lengths)
+
+    def code_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a fused RoPE kernel may write a step's new keys and values itself, as this store
+        holds them (engines/kernels/fused.rope_store: a float type, or fp8 e4m3 saturated), or None
+        when the store encodes them its own way. Then attend is called with stored=True."""
+        return None
 
 
 class DequantizedStore(KVStore):
@@ -190,22 +199,23 @@ class DequantizedStore(KVStore):
         self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
+               stored: bool = False) -> torch.Tensor:
         self.write(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        return float_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], slots, mask, decode_step)
+        return float_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask, lengths)
 
 
-def float_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                    mask: torch.Tensor | Causal | None, decode_step: bool) -> torch.Tensor:
+def float_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor | Causal | None, lengths: torch.Tensor | None) -> torch.Tensor:
     """Attention over a cache held as floats (raw, or each slot's dequantized value): a decode
     step takes the grouped decode kernel where kernels run (on CUDA: 2 launches instead of
     masked SDPA's, which on H200 took 50 µs a layer at 1K and 1.3 ms at 32K:
-    benchmarks/results/gpu), else masked GQA attention."""
-    if decode_step and kernels_fit(q):
+    benchmarks/results/gpu), else masked GQA attention. lengths: [B] for a decode step, else None."""
+    if lengths is not None and kernels_fit(q):
         from engines.kernels.decode import float_decode_attention
 
-        return float_decode_attention(q[:, :, 0], keys, values, decode_lengths(q, slots))[:, :, None]
+        return float_decode_attention(q[:, :, 0], keys, values, lengths)[:, :, None]
     return masked_gqa_attention(q, keys, values, mask)
 
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.kernels import fp8_native
+from engines.kernels import fp8_native, on_kernel_path
 from engines.quant import minmax_quant
 from engines.reference.attention import Causal, masked_gqa_attention
-from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
+from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
 
 
 @dataclass
@@ -87,14 +87,16 @@ class Fp8Store(DequantizedStore):
             self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
-        self.fill(layer, k, v, slots, seq_start)
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
+               stored: bool = False) -> torch.Tensor:
+        if not stored:
+            self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        if self.kernels and decode_step:
+        if self.kernels and lengths is not None:
             from engines.kernels.fp8_kv import decode_attention
 
             out = decode_attention(q[:, :, 0], self.k8[layer, :, :, :S], self.v8[layer, :, :, :S],
-                                   decode_lengths(q, slots))
+                                   lengths)
             return out[:, :, None].to(q.dtype)
         if self.kernels and not self.has_shadow and isinstance(mask, Causal):  # once per sequence: widen, keep nothing
             kq, vq = self.dequantized(layer, S)
@@ -102,13 +104,22 @@ class Fp8Store(DequantizedStore):
         self.ensure_shadow()
         return masked_gqa_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask)
 
+    def code_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp8 codes, where the kernels run on CUDA (or are planned on meta) and no shadow is
+        kept beside them (a shadow is filled by write, which the fused kernel does not do). Not
+        under the interpreter: its e4m3 cast rounds ties away and drops rounding carries, so
+        there the codes are torch's cast (_write_codes)."""
+        if self.kernels and not self.has_shadow and on_kernel_path(self.k8):
+            return self.k8[layer], self.v8[layer]
+        return None
+
     def _write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Quantize-on-write of the new slots into k8, v8 (the cast kernel on CUDA, torch's cast elsewhere)."""
         from engines.kernels.fp8_kv import quantize_on_write, quantize_reference
 
         # The Triton interpreter flushes e4m3 subnormals to zero where GPUs and torch round them:
         # off CUDA the cast is torch's, so both paths hold the same codes.
-        to_fp8 = quantize_on_write if k.is_cuda else quantize_reference
+        to_fp8 = quantize_on_write if on_kernel_path(k) else quantize_reference
         # index_copy_ has no fp8 kernels: write the codes' bytes
         self.k8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(k).view(torch.uint8))
         self.v8[layer].view(torch.uint8).index_copy_(2, slots, to_fp8(v).view(torch.uint8))

@@ -99,6 +99,7 @@ class KiviStore(DequantizedStore):
     def __init__(self, fmt: KiviKV, k: torch.Tensor, v: torch.Tensor):
         super().__init__(fmt, k, v)
         self.packed: dict[str, torch.Tensor] = {}
+        self._bounds: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (lengths, nk, nv) of a pass
         L = k.shape[0]
         self.packed_k, self.packed_v = [0] * L, [0] * L  # per layer: leading slots whose codes are written
         if kernels_fit(k):
@@ -115,9 +116,10 @@ class KiviStore(DequantizedStore):
         """Nothing beyond the raw cache: codes are written as slots leave the window (before_step)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
-        if decode_step and kernels_fit(q):
-            return self._kernel_attend(layer, q, slots)
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
+               stored: bool = False) -> torch.Tensor:
+        if lengths is not None and kernels_fit(q):
+            return self._kernel_attend(layer, q, slots, lengths)
         S = mask.shape[-1]
         keys, values = self.k[layer, :, :, :S], self.v[layer, :, :, :S]
         if S <= self.fmt.raw_slots:  # no query of a pass this short reads a slot compressed: nothing to encode
@@ -204,21 +206,23 @@ class KiviStore(DequantizedStore):
                            "vz": z(S_max, D // GROUP)}
         return self.packed
 
-    def _kernel_attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _kernel_attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The two-tier kernel over the codes written as slots left the full-precision window.
         With steps_prepared (decode.Decoder calls before_step) nothing here reads the host: the
-        lengths and boundaries come from `slots` on the device, so the step can be captured."""
+        lengths [B] (the cache's, made once per pass) and the boundaries are on the device, so the
+        step can be captured. The boundaries too are made once per pass (for its first layer's
+        lengths tensor) and read by every layer."""
         from engines.kernels.kivi_kv import decode_attention
 
         if not self.steps_prepared:
             self._flush(layer, int(slots[-1]))
         c = self._packed()
-        B = q.shape[0]
-        n = (slots[-1:] + 1).expand(B)  # [B] the query's sequence length, on the device
-        nk, nv = self.fmt.boundary_k(n), self.fmt.boundary_v(n)
+        if self._bounds is None or self._bounds[0] is not lengths:
+            self._bounds = (lengths, self.fmt.boundary_k(lengths), self.fmt.boundary_v(lengths))
+        _, nk, nv = self._bounds
         out = decode_attention(q[:, :, 0], self.k[layer], self.v[layer],
                                c["kc"][layer], c["ks"][layer], c["kz"][layer], c["vc"][layer], c["vs"][layer],
-                               c["vz"][layer], n.contiguous(), nk.contiguous(), nv.contiguous(), self.fmt.bits)
+                               c["vz"][layer], lengths, nk, nv, self.fmt.bits)
         return out[:, :, None].to(q.dtype)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engines.quant import qjl_residual, rotation_on, turbo_mse, turbo_mse_rotated
 from engines.reference.attention import Causal, rotated_attention
-from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, decode_lengths, kernels_fit
+from engines.reference.kv.base import FP16_BITS, DequantizedStore, KVFormat, KVStore, kernels_fit
 
 if TYPE_CHECKING:
     from engines.reference.model import DecoderLayer, Transformer
@@ -174,15 +174,16 @@ class RotatedTurboStore(DequantizedStore):
             self.write(layer, k, v, slots, seq_start)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal, seq_start: torch.Tensor, decode_step: bool) -> torch.Tensor:
+               mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
+               stored: bool = False) -> torch.Tensor:
         self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
-        if self.kernels and decode_step:
+        if self.kernels and lengths is not None:
             from engines.kernels.turbo_kv import decode_attention
 
             out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S],
                                    self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S],
-                                   decode_lengths(q, slots), int(self.fmt.bits), self.fmt.seed)
+                                   lengths, int(self.fmt.bits), self.fmt.seed)
             return out[:, :, None].to(q.dtype)
         if self.kernels and not self.has_shadow and isinstance(mask, Causal):  # once per sequence: keep nothing
             kq, vq = self.dequantized(layer, S)
