@@ -16,6 +16,8 @@ from engines.zoo import ARTIFACTS, resolve_model_path
 from evals.health import NEAR_TIE_NATS
 from workers.generation import BaselineScorer
 
+pytestmark = pytest.mark.integration  # both engines' greedy answers scored whole: about 18 s
+
 TARGET = str(resolve_model_path("builtin:pydoc-target"))
 WINDOW = WindowSpec(max_length=256, stride=256)
 

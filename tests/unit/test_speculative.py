@@ -179,6 +179,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling_with_a_forced_pr
     assert chi2 < 27.88  # 0.999 quantile of χ²(8)
 
 
+@pytest.mark.integration  # four engine loads and decodes each way: about 25 s of the quick tier's 240
 @pytest.mark.parametrize(("speculative", "kv"), [
     ({"method": "ngram", "k": 4, "prompt_lookup_max": 3}, "fp32"),
     ({"method": "draft", "draft_model": "builtin:pydoc-draft", "k": 3}, "fp32"),
