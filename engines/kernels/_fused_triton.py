@@ -41,7 +41,7 @@ def silu_mul_kernel(gu_ptr, out_ptr, n, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rope_store_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, slot_ptr, k_dst, v_dst, T, cos_sb, cos_st,
+def rope_store_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, slot_ptr, k_dst, v_dst, T, S, cos_sb, cos_st,
                       dst_sb, dst_sh, dst_ss, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       HALF: tl.constexpr, HB: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr):
     # qkv [N = B·T, H + 2·Hkv, D] (one token's heads contiguous): the query heads rotated into
@@ -85,8 +85,10 @@ def rope_store_kernel(qkv_ptr, q_ptr, cos_ptr, sin_ptr, slot_ptr, k_dst, v_dst, 
             z2 = tl.minimum(tl.maximum(z2, -448.0), 448.0)
         z1 = z1.to(k_dst.dtype.element_ty)
         z2 = z2.to(k_dst.dtype.element_ty)
-        kmask = is_k[:, None] & ok
-        vmask = is_v[:, None] & ok
+        at_slot = tl.zeros((HB,), tl.int64) + slot
+        inside = (at_slot >= 0) & (at_slot < S)  # never past this row and head's slots
+        kmask = (is_k & inside)[:, None] & ok
+        vmask = (is_v & inside)[:, None] & ok
         tl.store(k_dst + at, z1, mask=kmask)
         tl.store(k_dst + at + D // 2, z2, mask=kmask)
         tl.store(v_dst + at, z1, mask=vmask)

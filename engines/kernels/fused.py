@@ -82,7 +82,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
     (a new contiguous tensor, which the decode kernels read without a copy), the key heads rotated
     in place (rope_reference with cos, sin [B, 1, T, D], as model.rope_cos_sin makes them); with
     dst = (k_cache, v_cache) [B, Hkv, S, D] (slots of one head contiguous; fp16/bf16/fp32, or fp8
-    e4m3 saturated to ±448), the rotated keys and the values also stored at `slots` [T]. One launch."""
+    e4m3 saturated to ±448), the rotated keys and the values also stored at `slots` [T] (a slot
+    past the cache's S is not stored: the unfused index_copy_ would raise there). One launch."""
     from engines.kernels._fused_triton import rope_store_kernel
 
     B, T, heads, D = qkv.shape
@@ -91,10 +92,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
                          f"got {tuple(qkv.shape)}")
     if cos.shape != (B, 1, T, D) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError(f"rope_store needs cos and sin [{B}, 1, {T}, {D}] of one layout; got {tuple(cos.shape)}")
-    if slots.shape != (T,):
-        raise ValueError(f"rope_store needs slots [{T}]; got {tuple(slots.shape)}")
     fp8 = False
     if dst is not None:
+        if slots.shape != (T,):  # read only to store: a row cache's step passes each row's own positions
+            raise ValueError(f"rope_store needs slots [{T}] to store at; got {tuple(slots.shape)}")
+        slots = slots.contiguous()
         k_dst, v_dst = dst
         if (k_dst.shape[:2] != (B, n_kv_heads) or k_dst.shape[-1] != D or k_dst.stride() != v_dst.stride()
                 or k_dst.dtype != v_dst.dtype or k_dst.stride(-1) != 1):
@@ -104,6 +106,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
     q = torch.empty(B, T, n_heads, D, dtype=qkv.dtype, device=qkv.device)
     hb = 8
     run(rope_store_kernel, (B * T, math.ceil(heads / hb)), qkv, q, cos, sin, slots, k_dst, v_dst, T,
+        k_dst.shape[2] if dst is not None else 0,
         cos.stride(0), cos.stride(2), *(k_dst.stride()[:3] if dst is not None else (0, 0, 0)),
         H=n_heads, HKV=n_kv_heads, D=D, HALF=triton_pow2(D // 2), HB=hb, STORE=dst is not None, FP8=fp8)
     return q

@@ -5,8 +5,8 @@ the H200 profile of benchmarks/results/gpu: about 1,000 launches a step). How ma
 is a property of the code, not of the GPU, so it is counted here without one:
 
 - `count()` opens a ledger. Every aten operator that does device work is one launch (views,
-  aliases and bare allocations are none: torch launches nothing for them), and every Triton
-  kernel started through `run` is one.
+  aliases, bare allocations and operators on CPU tensors are none: nothing is launched for them),
+  and every Triton kernel started through `run` is one.
 - `planning()` runs the kernel path on `meta` tensors: `use_triton("meta")` is true inside it,
   and `run` records a Triton launch on meta tensors without starting it. A meta forward pass then
   takes the branches a CUDA one takes (engines.kernels.on_kernel_path), allocates nothing, and
@@ -29,7 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _planning: contextvars.ContextVar[bool] = contextvars.ContextVar("canary_planning", default=False)
-_ledgers: list[Ledger] = []
+# the open ledgers of this thread and context (a dispatch mode is per thread too)
+_ledgers: contextvars.ContextVar[tuple[Ledger, ...]] = contextvars.ContextVar("canary_ledgers", default=())
 
 # operators that launch nothing: allocations (their memory is the caching allocator's), and
 # bookkeeping that changes no element
@@ -74,8 +75,10 @@ class _AtenCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
-        # an operator that returns no tensor (promote_types, a size) computes on the host
-        made = any(isinstance(t, torch.Tensor) for t in (out if isinstance(out, (tuple, list)) else (out,)))
+        # an operator that returns no tensor (promote_types, a size) or only CPU tensors (a host
+        # index's arithmetic) launches nothing on the device
+        made = any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                   for t in (out if isinstance(out, (tuple, list)) else (out,)))
         if made and not (func.is_view or name in _NO_LAUNCH):
             self.ledger.note(f"aten.{name}")
         return out
@@ -87,12 +90,12 @@ def count() -> Iterator[Ledger]:
     under no_grad, not inference_mode: there the dispatch mode sees composite operators (to,
     contiguous) before they decompose, whether or not they copy."""
     ledger = Ledger()
-    _ledgers.append(ledger)
+    token = _ledgers.set((*_ledgers.get(), ledger))
     try:
         with _AtenCounter(ledger):
             yield ledger
     finally:
-        _ledgers.remove(ledger)
+        _ledgers.reset(token)
 
 
 def _kernel_name(kernel: Any) -> str:
@@ -108,7 +111,7 @@ def _kernel_name(kernel: Any) -> str:
 def run(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
     """kernel[grid](*args, **kwargs), counted in every open ledger. On meta tensors (planning())
     the launch is counted and not started: there is no device to run it."""
-    for ledger in _ledgers:
+    for ledger in _ledgers.get():
         ledger.note(_kernel_name(kernel))
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         if not planning_active():

@@ -6,8 +6,8 @@ sparse MLP (SparseMoE: a router picks each token's top-k experts, each a SwiGLU 
 
 On the kernel path (engines.kernels.use_triton: CUDA, or meta under launches.planning()) a
 one-token step takes the fused operators of engines/kernels/fused.py: the residual add with the
-next RMSNorm, RoPE with the KV store, SiLU·mul; 9 launches a layer for an fp16 cache instead of
-39 (engines/reference/step_plan.py counts them). Elsewhere the operators below, unfused.
+next RMSNorm, RoPE with the KV store, SiLU·mul; 10 launches a layer for an fp16 cache instead of
+38 (engines/reference/step_plan.py counts them). Elsewhere the operators below, unfused.
 
 Shapes: B batch, T new tokens, S cache slots, H query heads, Hkv key/value heads, D head dim.
 """
@@ -256,21 +256,23 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache: AttentionCache,
-                      slots: torch.Tensor, mask: torch.Tensor | Causal | int | None) -> torch.Tensor:
+                      slots: torch.Tensor, mask: torch.Tensor | Causal | int | None,
+                      stores: RopeStoreCache | None = None) -> torch.Tensor:
         """forward on the kernel path: RoPE of q (into a new tensor) and k (in place in the fused q/k/v output), and the
         new keys and values stored where the cache lets the same kernel put them (fused.rope_store).
-        cos, sin: rope_cos_sin's. A Qwen3 query/key norm or unfused projections take forward."""
+        cos, sin: rope_cos_sin's; stores: `cache` when it is a RopeStoreCache (decided once a pass).
+        A Qwen3 query/key norm or unfused projections take forward."""
         if self.qkv_proj is None or self.q_norm is not None:
             return self.forward(x, cos, sin, layer, cache, slots, mask)
         a = self.args
         B, T, _ = x.shape
         H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
-        dst = cache.rope_destination(layer) if isinstance(cache, RopeStoreCache) else None
+        dst = stores.rope_destination(layer) if stores is not None else None
         q = fused.rope_store(qkv, cos, sin, H, Hkv, slots, dst)
         q, k, v = (t.transpose(1, 2) for t in (q, qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]))
-        if dst is not None:
-            out = cast(RopeStoreCache, cache).attend(layer, q, k, v, slots, mask, stored=True)
+        if stores is not None and dst is not None:
+            out = stores.attend(layer, q, k, v, slots, mask, stored=True)
         else:
             out = cache.attend(layer, q, k, v, slots, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
@@ -432,11 +434,22 @@ class Transformer(nn.Module):
     def fused_step(self, h: torch.Tensor) -> bool:
         """Whether a pass over embeddings h [B, T, dim] takes the fused operators: one new token
         per row, no autograd, on the kernel path, with the projections fused (after fuse()), and no
-        hook watching the norms (layer_states' hooks: the fused pass calls no norm module), unless
-        CANARY_FUSED_STEP=off."""
+        hook on a module the fused pass does not call (layer_states hooks the norms and attention),
+        unless CANARY_FUSED_STEP=off."""
         return (h.shape[1] == 1 and not torch.is_grad_enabled() and use_triton(h.device)
                 and cast(DecoderLayer, self.model.layers[0]).self_attn.qkv_proj is not None
-                and not self.model.norm._forward_pre_hooks and fused_step_enabled())
+                and not self._hooked() and fused_step_enabled())
+
+    def _hooked(self) -> bool:
+        """Whether a forward hook watches a module that _forward_fused does not call as a module."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        skipped: list[nn.Module] = [self.model.norm]
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
+            skipped += [layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn]
+        return any(m._forward_hooks or m._forward_pre_hooks for m in skipped)
 
     def _forward_fused(self, h: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cache: AttentionCache,
                        mask: torch.Tensor | Causal | int | None, last_only: bool, hidden: bool) -> torch.Tensor:
@@ -447,8 +460,9 @@ class Transformer(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         first = layers[0].input_layernorm
         x, res = fused.add_rms_norm(h, None, first.weight, first.eps)
+        stores = cache if isinstance(cache, RopeStoreCache) else None  # a Protocol check: once a pass
         for i, (layer, after) in enumerate(zip(layers, norms, strict=True)):
-            a = layer.self_attn.forward_fused(x, cos, sin, i, cache, slots, mask)
+            a = layer.self_attn.forward_fused(x, cos, sin, i, cache, slots, mask, stores)
             post = layer.post_attention_layernorm
             x, res = fused.add_rms_norm(a, res, post.weight, post.eps)
             m = layer.mlp(x, fused_step=True) if isinstance(layer.mlp, MLP) else layer.mlp(x)

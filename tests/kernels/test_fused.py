@@ -111,3 +111,10 @@ def test_rope_store_names_a_wrong_layout(device):
     with pytest.raises(ValueError, match="caches"):
         bad = torch.zeros(2, 2, 10, 32, dtype=torch.float16, device=device)  # head_dim 32, not 64
         fused.rope_store(qkv, cos, sin, 4, 2, torch.arange(1, device=device), (bad, bad))
+
+
+def test_rope_store_writes_nothing_past_the_caches_slots(device):
+    qkv, cos, sin = rope_inputs(device, torch.float16)
+    big = torch.zeros(2, 3, 10, 64, dtype=torch.float16, device=device)  # 3 heads: head 2 follows head 1's slots
+    fused.rope_store(qkv, cos, sin, 4, 2, torch.tensor([10], device=device), (big[:, :2], big[:, :2]))
+    assert not big.any()  # slot 10 of a 10-slot cache would have landed on the next head's slot 0

@@ -57,3 +57,34 @@ def test_the_fused_step_gives_the_unfused_steps_logits_and_cache(monkeypatch, dt
         # rounding step of the stored type (fp16, e4m3, a code): at most one in a thousand do
         off = (a != b) if a.dtype == torch.int32 else ~torch.isclose(a.float(), b.float(), rtol=tol, atol=tol)
         assert off.float().mean() < 1e-3
+
+
+def row_cache_decode(model, steps=3):
+    from engines.reference.rows import RowCache
+
+    cache = RowCache(ARGS.n_layers, 2, ARGS.n_kv_heads, ARGS.head_dim, ARGS.max_seq_len, torch.float32,
+                     torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        firsts = [cache.prefill(model, row, torch.randint(0, ARGS.vocab_size, (1, n), generator=g), n + steps + 1)
+                  for row, n in ((0, 7), (1, 11))]  # rows of two lengths: each token has its own slot
+        tokens = torch.cat(firsts).argmax(-1)[:, None]
+        out = []
+        for _ in range(steps):
+            out.append(cache.decode(model, tokens, [0, 1]))
+            tokens = out[-1].argmax(-1)[:, None]
+    return torch.stack(out)
+
+
+def test_a_row_cache_step_of_two_rows_takes_the_fused_operators(monkeypatch):
+    # engine-serve's rows pass each row's own position as its slot ([B] for one token a row): the RoPE
+    # kernel rotates them and leaves the storing to the row cache, which has no rope_destination
+    monkeypatch.setenv("CANARY_KERNELS", "triton")
+    model = tiny_model(torch.float32)
+    calls = []
+    real = Transformer._forward_fused
+    monkeypatch.setattr(Transformer, "_forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    fused_logits = row_cache_decode(model)
+    assert len(calls) == 3
+    monkeypatch.setattr(Transformer, "fused_step", lambda self, h: False)
+    torch.testing.assert_close(fused_logits, row_cache_decode(model), rtol=1e-4, atol=1e-4)

@@ -28,6 +28,7 @@ def test_the_ledger_counts_device_work_and_not_views():
         z = torch.empty(3, device="meta")  # an allocation: none
         z.zero_()  # a fill: one
         (y @ y.t()).sum()  # a matmul and a reduction: two
+        torch.arange(3) + 1  # host arithmetic (CPU tensors): none
     assert ledger.total == 4, ledger.by_name
     assert ledger.by_name == {"aten._to_copy": 1, "aten.zero_": 1, "aten.mm": 1, "aten.sum": 1}
 
