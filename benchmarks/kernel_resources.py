@@ -138,19 +138,23 @@ def main() -> int:
 
     split = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", HKV="i32", S="i32")
     attn_sig = dict(q_ptr="*fp16", kc_ptr="*i32", kn_ptr="*fp32", vc_ptr="*i32", vn_ptr="*fp32", len_ptr="*i64",
-                    poly_ptr="*fp32", rot_ptr="*fp32", **split, code_sb="i32", code_sh="i32", norm_sb="i32",
-                    norm_sh="i32", scale="fp32", la="i32", lb="i32", ha="i32", hb="i32")
-    for bits in (2, 3, 4):
+                    poly_ptr="*fp32", rot_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16", **split, code_sb="i32",
+                    code_sh="i32", norm_sb="i32", norm_sh="i32", scale="fp32", la="i32", lb="i32", ha="i32", hb="i32",
+                    q_sb="i32", cos_sb="i32")
+    for bits in (2, 3, 4):  # as the fused decode step launches it: the query's RoPE in the kernel (ROPE)
         compile_one(turbo.attention_kernel, attn_sig, *launch_of(turbo_kv.TUNING[bits], BITS=bits, F=turbo_kv.field_bits(bits),
-                                                                 LUT=turbo_kv.byte_lookup(bits, torch.float16, "cuda")))
+                                                                 LUT=turbo_kv.byte_lookup(bits, torch.float16, "cuda"), ROPE=True))
         if args.only == "all":
             strides = {name: "i32" for name in ("x_sb", "x_sh", "x_st", "y_sb", "y_sh", "y_st", "c_kv", "c_sb", "c_sh",
-                                                  "c_ss", "n_kv", "n_sb", "n_sh", "n_ss", "d_sb", "d_sh", "d_ss")}
+                                                  "c_ss", "n_kv", "n_sb", "n_sh", "n_ss", "d_sb", "d_sh", "d_ss",
+                                                  "cos_sb", "cos_st")}
             write_sig = dict(x_ptr="*fp16", y_ptr="*fp16", slot_ptr="*i64", rot_ptr="*fp32", book_ptr="*fp32",
-                             codes_ptr="*i32", norms_ptr="*fp32", dx_ptr="*fp16", dy_ptr="*fp16", N="i32", T="i32",
-                             HKV="i32", **strides)
-            compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, F=turbo_kv.field_bits(bits), BLOCK_N=16, DEQUANT=True),
-                        {"num_warps": turbo_kv.WRITE_WARPS}, f"D=128 bits={bits} BLOCK_N=16 DEQUANT warps={turbo_kv.WRITE_WARPS}")
+                             codes_ptr="*i32", norms_ptr="*fp32", dx_ptr="*fp16", dy_ptr="*fp16", cos_ptr="*fp16",
+                             sin_ptr="*fp16", N="i32", T="i32", HKV="i32", **strides)
+            # the fused decode step's launch: RoPE of the keys as they are read (ROPE), no shadow
+            compile_one(turbo.write_kernel, write_sig, dict(D=128, BITS=bits, F=turbo_kv.field_bits(bits), BLOCK_N=16,
+                                                            DEQUANT=False, ROPE=True),
+                        {"num_warps": turbo_kv.WRITE_WARPS}, f"D=128 bits={bits} BLOCK_N=16 ROPE warps={turbo_kv.WRITE_WARPS}")
     for cache, tuning in (("fp8e4nv", fp8_kv.TUNING), ("fp16", FLOAT_TUNING)):
         consts, options, label, elements = launch_of(tuning)
         compile_one(dec.float_attention_kernel, dict(q_ptr="*fp16", k_ptr=f"*{cache}", v_ptr=f"*{cache}", len_ptr="*i64",

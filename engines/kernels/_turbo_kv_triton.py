@@ -4,7 +4,7 @@ Imported only when a kernel runs, so that the engine never needs Triton otherwis
 import triton
 import triton.language as tl
 
-from engines.kernels._decode_triton import _grouped_program, _load_queries, _softmax_update, _store_partials
+from engines.kernels._decode_triton import _grouped_program, _softmax_update, _store_partials
 
 
 @triton.jit
@@ -23,15 +23,18 @@ def _codebook(idx, poly_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dx_ptr, dy_ptr, N, T, HKV,
-                 x_sb, x_sh, x_st, y_sb, y_sh, y_st, c_kv, c_sb, c_sh, c_ss, n_kv, n_sb, n_sh, n_ss, d_sb, d_sh, d_ss,
+def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr, dx_ptr, dy_ptr, cos_ptr, sin_ptr,
+                 N, T, HKV, x_sb, x_sh, x_st, y_sb, y_sh, y_st, c_kv, c_sb, c_sh, c_ss, n_kv, n_sb, n_sh, n_ss,
+                 d_sb, d_sh, d_ss, cos_sb, cos_st,
                  D: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DEQUANT: tl.constexpr):
+                 DEQUANT: tl.constexpr, ROPE: tl.constexpr):
     # quantize-on-write straight into the cache, keys and values in one launch: program (i, w, z)
     # takes rows of x (z = 0) or y (z = 1), both [B, HKV, T, D] (any strides, channels contiguous),
     # and writes them at slots[t] of codes [2, B, HKV, S, D·F/32] and norms [2, B, HKV, S] (index
     # z) and, with DEQUANT, the rotated-domain value ĉ·‖x‖ into dx or dy [B, HKV, S, D] (dq's dtype).
-    # It takes BLOCK_N rows and the 32 rotated channels 32w…32w + 31: F words of 32/F F-bit fields
+    # It takes BLOCK_N rows and the 32 rotated channels 32w…32w + 31: F words of 32/F F-bit fields.
+    # ROPE: x (the keys) is rotated by RoPE as it is read, x·cos + cat(−x2, x1)·sin with cos, sin
+    # [B, 1, T, D] (model.rope_cos_sin's), rounded to x's type as model.apply_rope rounds it
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # offsets can pass 2^31
     w = tl.program_id(1)
     z = tl.program_id(2)
@@ -52,7 +55,11 @@ def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr
     rx = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in tl.static_range(0, D, 32):
-        xk = tl.load(x_row[:, None] + k0 + lane[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        xk = tl.load(x_row[:, None] + k0 + lane[None, :], mask=valid[:, None], other=0.0)
+        if ROPE:
+            if z == 0:
+                xk = _rope_chunk(xk, x_row, cos_ptr, sin_ptr, b * cos_sb + t * cos_st, valid, k0, lane, D)
+        xk = xk.to(tl.float32)
         sq += tl.sum(xk * xk, axis=1)
         rot_t = tl.load(rot_ptr + rc[None, :] * D + k0 + lane[:, None])  # Πᵀ[k0 + i, rc_j] = Π[rc_j, k0 + i]
         rx += tl.dot(xk, rot_t, input_precision="ieee")
@@ -78,6 +85,20 @@ def write_kernel(x_ptr, y_ptr, slot_ptr, rot_ptr, book_ptr, codes_ptr, norms_ptr
     if DEQUANT:
         dq = dq_ptr + (b * d_sb + h * d_sh + slot * d_ss)[:, None] + rc[None, :]
         tl.store(dq, (val * norm[:, None]).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _rope_chunk(xk, x_row, cos_ptr, sin_ptr, cs_off, valid, k0: tl.constexpr, lane, D: tl.constexpr):
+    # channels k0…k0 + 31 of rows x_row after RoPE: x·cos + partner·sin, the partner −x[c + D/2] in
+    # the first half and x[c − D/2] in the second; products and the sum rounded to x's type
+    # (a chunk may span both halves: at D = 32 it is the whole vector)
+    ty = xk.dtype
+    ch = k0 + lane
+    part = tl.load(x_row[:, None] + ((ch + D // 2) % D)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    part = tl.where((ch < D // 2)[None, :], -part, part)
+    c = tl.load(cos_ptr + cs_off[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs_off[:, None] + ch[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    return ((xk.to(tl.float32) * c).to(ty).to(tl.float32) + (part * s).to(ty).to(tl.float32)).to(ty)
 
 
 @triton.jit
@@ -140,16 +161,28 @@ def _values(codes_ptr, row_off, rs, mask_s, poly_ptr, la, lb, ha, hb, D: tl.cons
 
 
 @triton.jit
-def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, poly_ptr, rot_ptr,
+def attention_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, len_ptr, poly_ptr, rot_ptr, cos_ptr, sin_ptr,
                      m_ptr, l_ptr, acc_ptr, HKV, S, code_sb, code_sh, norm_sb, norm_sh, scale, la, lb, ha, hb,
-                     D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
-                     DOT: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr):
+                     q_sb, cos_sb, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+                     DOT: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr, LUT: tl.constexpr, ROPE: tl.constexpr):
     # the G query heads of one KV head, rotated here (Π·q) and scored against codebook values in
-    # the rotated domain: s = (Π·q)·ĉ_k·‖k‖, acc += p·‖v‖·ĉ_v (rotated back in the merge)
+    # the rotated domain: s = (Π·q)·ĉ_k·‖k‖, acc += p·‖v‖·ĉ_v (rotated back in the merge). q [B, H, D]
+    # with row b at b·q_sb (a view of the fused q/k/v output is read in place); ROPE: q is rotated by
+    # RoPE first, cos, sin [B, 1, 1, D] (row b at b·cos_sb), rounded as model.apply_rope rounds it
     bk, chunk, b, kvh, rg, rows = _grouped_program(HKV, G, GP)
     length = tl.minimum(tl.load(len_ptr + b), S)
     rd = tl.arange(0, D)
-    q = _load_queries(q_ptr, rows, rg, scale, G, D).to(DOT)
+    q_row = q_ptr + b * q_sb + (kvh * G + rg) * D
+    live = (rg < G)[:, None]
+    q = tl.load(q_row[:, None] + rd[None, :], mask=live, other=0.0)
+    if ROPE:
+        ty = q.dtype
+        part = tl.load(q_row[:, None] + ((rd + D // 2) % D)[None, :], mask=live, other=0.0).to(tl.float32)
+        part = tl.where((rd < D // 2)[None, :], -part, part)
+        c = tl.load(cos_ptr + b * cos_sb + rd).to(tl.float32)[None, :]
+        s_ = tl.load(sin_ptr + b * cos_sb + rd).to(tl.float32)[None, :]
+        q = ((q.to(tl.float32) * c).to(ty).to(tl.float32) + (part * s_).to(ty).to(tl.float32)).to(ty)
+    q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(DOT)  # · log2 e, as _load_queries
     rot_t = tl.load(rot_ptr + rd[None, :] * D + rd[:, None]).to(DOT)  # Πᵀ: element (i, j) is Π[j, i]
     q = tl.dot(q, rot_t, input_precision="ieee").to(DOT)
     code_off = b * code_sb + kvh * code_sh

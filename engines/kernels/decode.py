@@ -84,12 +84,15 @@ def head_strides(cache: torch.Tensor) -> tuple[int, int]:
 
 def launch(kernel: Any, q: torch.Tensor, Hkv: int, S: int, args: list[torch.Tensor], consts: dict[str, object],
            tuning: Tuning, *, rotation: torch.Tensor | None = None, chunks: int | None = None,
-           block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+           block_s: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+           strided_q: bool = False) -> torch.Tensor:
     """Run a grouped decode-attention kernel and the merge: q [B, H, D] → [B, H, D] in q's dtype.
     `args` are the kernel's arguments between the query and the partials' pointers (caches,
     lengths, …), `consts` the rest by name (HKV, S, strides, scale, the format's constexprs); D, G,
     GP, BLOCK_S and DOT are set here. rotation: Π [D, D], applied to the merged output. chunks,
-    block_s, num_warps, num_stages: the format's `tuning` and split_k_chunks unless given."""
+    block_s, num_warps, num_stages: the format's `tuning` and split_k_chunks unless given.
+    strided_q: the kernel reads q's rows by its batch stride (its `q_sb`), so a view of the fused
+    q/k/v output ([B, H, D] with heads and channels contiguous) is passed without a copy."""
     from engines.kernels._decode_triton import merge_kernel
     from engines.kernels.launches import run
 
@@ -101,7 +104,10 @@ def launch(kernel: Any, q: torch.Tensor, Hkv: int, S: int, args: list[torch.Tens
         raise ValueError(f"at most {GROUP_ROWS} query heads per KV head; got {G}")
     block_s = block_s or (tuning.block_s if on_kernel_path(q) else 16)
     n = chunks or split_k_chunks(S, B * Hkv, q.device, block_s)
-    q = q.contiguous()
+    if not strided_q or q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    if strided_q:
+        consts = {**consts, "q_sb": q.stride(0)}
     m = torch.empty(B * H, n, device=q.device)
     l = torch.empty(B * H, n, device=q.device)
     acc = torch.empty(B * H, n, D, device=q.device)

@@ -166,12 +166,15 @@ def _get() -> tuple[Any, Any]:  # (write_kernel, attention_kernel): Triton kerne
 
 
 def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor,
-                dequantized: Sequence[torch.Tensor] | None, bits: int, seed: int = 0, block_n: int = 16) -> None:
+                dequantized: Sequence[torch.Tensor] | None, bits: int, seed: int = 0, block_n: int = 16,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Quantize-on-write of new cache entries in one launch: xs, the keys and the values (or one
     tensor), each [B, Hkv, T, D] (channels contiguous), at `slots` [T] (on the device: no host
     sync, capturable) of codes [len(xs), B, Hkv, S, D·F/32] int32, norms [len(xs), B, Hkv, S]
     fp32 and, if given, dequantized (one [B, Hkv, S, D] tensor per x, one layout: the
-    rotated-domain value ĉ·‖x‖ that the torch attention reads, in its dtype). All written in place."""
+    rotated-domain value ĉ·‖x‖ that the torch attention reads, in its dtype). All written in place.
+    rope: (cos, sin) [B, 1, T, D] (model.rope_cos_sin's): the keys, xs[0], are rotated by RoPE as the
+    kernel reads them (the fused decode step's RoPE + quantize-on-write), as model.apply_rope would."""
     B, Hkv, T, D = xs[0].shape
     if D % 32 or D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two ≥ 32 for the packed TurboQuant layout")
@@ -193,18 +196,24 @@ def write_slots(xs: Sequence[torch.Tensor], slots: torch.Tensor, codes: torch.Te
     if dequantized is not None and (len(dequantized) != len(xs) or any(
             d.stride() != dequantized[0].stride() or d.stride(-1) != 1 for d in dequantized)):
         raise ValueError("write_slots needs one dequantized buffer per tensor, all of one layout, channels contiguous")
+    if rope is not None and (rope[0].shape != (B, 1, T, D) or rope[1].stride() != rope[0].stride()
+                             or rope[0].stride(-1) != 1):
+        raise ValueError(f"write_slots needs rope's cos and sin [{B}, 1, {T}, {D}] of one layout")
     write, _ = _get()
     rot, book = rotation_and_codebook(D, bits, seed, xs[0].device)
+    cos, sin = rope if rope is not None else (norms, norms)  # pointers the kernel never reads without ROPE
     dq = list(dequantized) if dequantized is not None else [norms, norms]  # pointers the kernel never stores to
     x, y = xs[0], xs[-1]
     N = B * Hkv * T
     from engines.kernels.launches import run
 
     run(write, (math.ceil(N / block_n), D // 32, len(xs)),
-        x, y, slots, rot, book, codes, norms, dq[0], dq[-1], N, T, Hkv, *x.stride()[:3], *y.stride()[:3],
+        x, y, slots, rot, book, codes, norms, dq[0], dq[-1], cos, sin, N, T, Hkv, *x.stride()[:3], *y.stride()[:3],
         *codes.stride()[:4], *norms.stride()[:4],
         *(dequantized[0].stride()[:3] if dequantized is not None else (0, 0, 0)),
-        D=D, BITS=bits, F=field_bits(bits), BLOCK_N=block_n, DEQUANT=dequantized is not None, num_warps=WRITE_WARPS)
+        *((cos.stride(0), cos.stride(2)) if rope is not None else (0, 0)),
+        D=D, BITS=bits, F=field_bits(bits), BLOCK_N=block_n, DEQUANT=dequantized is not None, ROPE=rope is not None,
+        num_warps=WRITE_WARPS)
 
 
 def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0,
@@ -220,10 +229,13 @@ def quantize_on_write(x: torch.Tensor, bits: int, seed: int = 0,
 def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
                      v_norms: torch.Tensor, lengths: torch.Tensor, bits: int, seed: int = 0,
                      chunks: int | None = None, block_s: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
-    """q [B, H, D]; codes [B, Hkv, S, D·F/32]; norms [B, Hkv, S] fp32; lengths [B] → [B, H, D]
-    in q's dtype. A [:, :, :S] slice of a wider cache is read in place. chunks, block_s,
-    num_warps: decode.launch's defaults unless given."""
+                     num_stages: int | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B, H, D] (heads and channels contiguous: a view of the fused q/k/v output is read in
+    place); codes [B, Hkv, S, D·F/32]; norms [B, Hkv, S] fp32; lengths [B] → [B, H, D] in q's
+    dtype. A [:, :, :S] slice of a wider cache is read in place. chunks, block_s, num_warps:
+    decode.launch's defaults unless given. rope: (cos, sin) [B, 1, 1, D] (model.rope_cos_sin's):
+    q is rotated by RoPE in the kernel first (the fused decode step), as model.apply_rope would."""
     B, H, D = q.shape
     Hkv, S = k_codes.shape[1], k_codes.shape[2]
     if k_codes.stride() != v_codes.stride() or k_norms.stride() != v_norms.stride():
@@ -238,7 +250,13 @@ def decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tens
     poly = codebook_polynomial(D, bits, q.device)
     lut = byte_lookup(bits, q.dtype, q.device)
     la, lb, ha, hb = lookup_bytes(D, bits, q.dtype) if lut else (0, 0, 0, 0)
-    return launch(attention, q, Hkv, S, [k_codes, k_norms, v_codes, v_norms, lengths, poly, rot],
+    if rope is not None and (rope[0].shape != (B, 1, 1, D) or rope[1].stride() != rope[0].stride()
+                             or rope[0].stride(-1) != 1):
+        raise ValueError(f"decode_attention needs rope's cos and sin [{B}, 1, 1, {D}] of one layout")
+    cos, sin = rope if rope is not None else (rot, rot)  # pointers the kernel never reads without ROPE
+    return launch(attention, q, Hkv, S, [k_codes, k_norms, v_codes, v_norms, lengths, poly, rot, cos, sin],
                   dict(HKV=Hkv, S=S, code_sb=csb, code_sh=csh, norm_sb=nsb, norm_sh=nsh, scale=1.0 / math.sqrt(D),
-                       la=la, lb=lb, ha=ha, hb=hb, BITS=bits, F=field_bits(bits), LUT=lut), TUNING[bits],
-                  rotation=rot, chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages)
+                       la=la, lb=lb, ha=ha, hb=hb, cos_sb=cos.stride(0) if rope is not None else 0, BITS=bits,
+                       F=field_bits(bits), LUT=lut, ROPE=rope is not None), TUNING[bits],
+                  rotation=rot, chunks=chunks, block_s=block_s, num_warps=num_warps, num_stages=num_stages,
+                  strided_q=True)

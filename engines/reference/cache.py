@@ -80,14 +80,23 @@ class KVCache:
             return self.k[layer], self.v[layer]
         return self.store.code_destination(layer)
 
+    def rope_in_store(self) -> bool:
+        """Whether a decode step may pass q and k before RoPE with attend's rope=(cos, sin): the
+        store's kernels rotate them as they read them (TurboQuant: KVStore.rope_in_kernels)."""
+        return not self.left_padded and self.store.rope_in_kernels()
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal | int | None, stored: bool = False) -> torch.Tensor:
+               mask: torch.Tensor | Causal | int | None, stored: bool = False,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] for `slots` [T]; mask: [B, 1, T, S], or None
         for a first pass over slots 0…T−1 with no padding (causal over the new tokens; Causal: the
         same, read through a lossy format's store, as decode.Decoder's CUDA prefill asks), or an int
         n for one new token per row that attends all of slots 0…n−1 (an eager decode step with no
         left padding: a lossless format reads just those slots with no mask; a lossy one gets the
-        all-True mask as wide). stored: k and v are already where rope_destination said."""
+        all-True mask as wide). stored: k and v are already where rope_destination said. rope:
+        (cos, sin), q and k come before RoPE, for a decode step where rope_in_store()."""
+        if rope is not None and self.keeps_raw:
+            raise ValueError("KVCache.attend: rope (keys before RoPE) where the raw cache would store them unrotated")
         if self.keeps_raw and not stored:
             self.k[layer].index_copy_(2, slots, k)
             self.v[layer].index_copy_(2, slots, v)
@@ -103,7 +112,7 @@ class KVCache:
             mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()[None, None]
         # a decode step: one new token per row, no left padding (the decode kernels' case)
         lengths = self._step_lengths(layer, q, slots) if q.shape[2] == 1 and not self.left_padded else None
-        return self.store.attend(layer, q, k, v, slots, mask, self.seq_start, lengths, stored)
+        return self.store.attend(layer, q, k, v, slots, mask, self.seq_start, lengths, stored, rope)
 
     def _step_lengths(self, layer: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """A decode step's [B] sequence lengths, made once per pass (at layer 0, which every

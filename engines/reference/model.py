@@ -199,8 +199,11 @@ class RopeStoreCache(Protocol):
 
     def rope_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
+    def rope_in_store(self) -> bool: ...
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               mask: torch.Tensor | Causal | int | None, stored: bool = False) -> torch.Tensor: ...
+               mask: torch.Tensor | Causal | int | None, stored: bool = False,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -259,7 +262,8 @@ class Attention(nn.Module):
                       slots: torch.Tensor, mask: torch.Tensor | Causal | int | None,
                       stores: RopeStoreCache | None = None) -> torch.Tensor:
         """forward on the kernel path: RoPE of q (into a new tensor) and k (in place in the fused q/k/v output), and the
-        new keys and values stored where the cache lets the same kernel put them (fused.rope_store).
+        new keys and values stored where the cache lets the same kernel put them (fused.rope_store);
+        where the store's kernels apply RoPE themselves (TurboQuant), no RoPE launch at all.
         cos, sin: rope_cos_sin's; stores: `cache` when it is a RopeStoreCache (decided once a pass).
         A Qwen3 query/key norm or unfused projections take forward."""
         if self.qkv_proj is None or self.q_norm is not None:
@@ -268,6 +272,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D)
+        if stores is not None and stores.rope_in_store():  # the store's kernels rotate q and k as they read them
+            q, k, v = (t.transpose(1, 2) for t in (qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]))
+            out = stores.attend(layer, q, k, v, slots, mask, rope=(cos, sin))
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))
         dst = stores.rope_destination(layer) if stores is not None else None
         q = fused.rope_store(qkv, cos, sin, H, Hkv, slots, dst)
         q, k, v = (t.transpose(1, 2) for t in (q, qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]))

@@ -26,7 +26,10 @@ def tiny_model(dtype):
 
 
 def decode(model, kv, dtype, steps=4, prompt=20):
-    dec = Decoder(model, kv_format(kv, dtype, dtype), 2, prompt + steps + 1, "cpu", dtype, graphs=False)
+    # the unpadded causal prefill a CUDA decoder takes: a lossy store then keeps no dequantized shadow,
+    # so TurboQuant's decode steps take RoPE in its own kernels, as on a GPU
+    dec = Decoder(model, kv_format(kv, dtype, dtype), 2, prompt + steps + 1, "cpu", dtype, graphs=False,
+                  causal_prefill=True)
     dec.prepare()
     ids = torch.randint(0, ARGS.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -44,8 +47,15 @@ def test_the_fused_step_gives_the_unfused_steps_logits_and_cache(monkeypatch, dt
     calls = []
     real = Transformer._forward_fused
     monkeypatch.setattr(Transformer, "_forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    import engines.kernels.turbo_kv as turbo_kv
+
+    ropes = []
+    real_write = turbo_kv.write_slots
+    monkeypatch.setattr(turbo_kv, "write_slots", lambda *a, **k: ropes.append(k.get("rope")) or real_write(*a, **k))
     fused_logits, fused_cache = decode(model, kv, dtype)
     assert len(calls) == 4  # every decode step took it; the prefill did not
+    if kv == "turbo-3":  # RoPE in TurboQuant's own kernels: each decode step's writes took cos and sin
+        assert sum(r is not None for r in ropes) == 4 * ARGS.n_layers
     monkeypatch.setattr(Transformer, "fused_step", lambda self, h: False)
     plain_logits, plain_cache = decode(model, kv, dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

@@ -21,10 +21,11 @@ BUDGETS = {
     "float_attention_kernel cache=fp16": 6.0,
     # TurboQuant: 3-bit codes as nibbles read by byte permutes, 4.3 (23.5 with bit-planes and the
     # codebook polynomial before, 32.6 with an 8-way select before that: the GPU review's budget is 7);
-    # 2 and 4 bits in 2- and 4-bit fields through the polynomial, 13.0 and 20.4 (17.3 and 32.7 as planes)
-    "attention_kernel BITS=2 F=2 LUT=False D=128": 15.0,
-    "attention_kernel BITS=3 F=4 LUT=True D=128": 7.0,
-    "attention_kernel BITS=4 F=4 LUT=False D=128": 23.0,
+    # 2 and 4 bits in 2- and 4-bit fields through the polynomial, 13.0 and 20.4 (17.3 and 32.7 as planes);
+    # compiled as the fused decode step launches them, the query's RoPE in the prologue (ROPE)
+    "attention_kernel BITS=2 F=2 LUT=False ROPE=True D=128": 15.0,
+    "attention_kernel BITS=3 F=4 LUT=True ROPE=True D=128": 7.0,
+    "attention_kernel BITS=4 F=4 LUT=False ROPE=True D=128": 23.0,
     # KIVI, in its loop over wholly compressed tiles (scales folded into the query and the weights,
     # codes made fp16 two a LOP3): 6.0 and 6.9 (14.6 and 14.7 before, dequantizing each element;
     # the GPU review's budget is 7). Its loop over the tiles that mix tiers keeps the old bound

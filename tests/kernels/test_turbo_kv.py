@@ -158,3 +158,55 @@ def test_write_slots_refuses_buffers_that_do_not_fit(device):
         write_slots([x], torch.tensor([0, 1, 2], device=device), codes[..., :3], norms, None, 3)
     with pytest.raises(ValueError, match="dequantized"):
         write_slots([x], torch.tensor([0, 1, 2], device=device), codes, norms, [torch.zeros(1, 2, 9, 32, device=device)], 3)
+
+
+def rope_of(B, T, D, dtype, device):
+    from engines.reference.model import rope_cos_sin
+
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    pos = torch.tensor([[40 + t for t in range(T)], [7 + t for t in range(T)]][:B])
+    return tuple(x.to(device) for x in rope_cos_sin(inv, pos, dtype))  # [B, 1, T, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D", [32, 64])  # at 32 one 32-channel chunk holds both halves RoPE pairs
+def test_write_slots_with_rope_stores_what_the_keys_after_rope_would(device, dtype, D):
+    # the fused decode step hands the write kernel its keys before RoPE (a view of the fused q/k/v
+    # output): the codes and norms are those of the keys rotated first, as model.apply_rope rotates them
+    from engines.kernels.fused import rope_reference
+
+    g = torch.Generator().manual_seed(11)
+    B, Hkv, T, S, bits = 2, 3, 1, 9, 3
+    qkv = torch.randn(B, T, 4 + 2 * Hkv, D, generator=g).to(dtype).to(device)
+    k, v = qkv[:, :, 4:4 + Hkv].transpose(1, 2), qkv[:, :, 4 + Hkv:].transpose(1, 2)
+    cos, sin = rope_of(B, T, D, dtype, device)
+    slots = torch.tensor([6], device=device)
+    W = D * field_bits(bits) // 32
+    fused_codes, plain_codes = (torch.zeros(2, B, Hkv, S, W, dtype=torch.int32, device=device) for _ in range(2))
+    fused_norms, plain_norms = (torch.zeros(2, B, Hkv, S, device=device) for _ in range(2))
+    write_slots([k, v], slots, fused_codes, fused_norms, None, bits, rope=(cos, sin))
+    write_slots([rope_reference(k, cos, sin), v], slots, plain_codes, plain_norms, None, bits)
+    assert fused_codes[:, :, :, 6].ne(0).any()
+    assert torch.equal(fused_codes, plain_codes)  # the same rounded keys, the same codes
+    torch.testing.assert_close(fused_norms, plain_norms, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused_codes[1], plain_codes[1])  # values are not rotated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention_with_rope_reads_a_strided_query_and_rotates_it_first(device, dtype):
+    from engines.kernels.fused import rope_reference
+
+    g = torch.Generator().manual_seed(12)
+    B, H, Hkv, S, D, bits = 2, 4, 2, 40, 32, 3
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    (kc, kn), (vc, vn) = quantize_reference(k, bits), quantize_reference(v, bits)
+    qkv = torch.randn(B, 1, H + 2 * Hkv, D, generator=g).to(dtype).to(device)
+    q = qkv[:, :, :H].transpose(1, 2)[:, :, 0]  # [B, H, D], batch stride (H + 2·Hkv)·D: not contiguous
+    assert not q.is_contiguous()
+    cos, sin = rope_of(B, 1, D, dtype, device)
+    caches = [t.to(device) for t in (kc, kn, vc, vn, torch.tensor([40, 23]))]
+    got = decode_attention(q, *caches, bits=bits, chunks=2, block_s=16, rope=(cos, sin))
+    rotated = rope_reference(q[:, :, None], cos, sin)[:, :, 0]  # [B, H, D]
+    want = decode_attention(rotated.contiguous(), *caches, bits=bits, chunks=2, block_s=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

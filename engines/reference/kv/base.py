@@ -130,14 +130,22 @@ class KVStore:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
-               stored: bool = False) -> torch.Tensor:
+               stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [B, H, T, D]; k, v: [B, Hkv, T, D] new, already in the raw cache at `slots` [T];
         mask: [B, 1, T, S] or Causal; seq_start: [B] first real slot per row; lengths: [B] sequence
         lengths on the device for a decode step (one new token per row, no left padding: where a
         decode kernel may run), else None; stored: the new slots' codes are already in the store
-        (written by the fused RoPE kernel at code_destination) → [B, H, T, D]."""
+        (written by the fused RoPE kernel at code_destination); rope: (cos, sin) [B, 1, 1, D] when q
+        and k come unrotated and the store's kernels apply RoPE themselves (rope_in_kernels) →
+        [B, H, T, D]."""
         S = mask.shape[-1]
         return float_attention(q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], mask, lengths)
+
+    def rope_in_kernels(self) -> bool:
+        """Whether a decode step may hand this store its queries and keys before RoPE, with cos and
+        sin (attend's rope): its write and attention kernels rotate them as they read them, so the
+        fused step makes no RoPE launch of its own (TurboQuant's quantize-on-write). None here."""
+        return False
 
     def code_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where a fused RoPE kernel may write a step's new keys and values itself, as this store
@@ -200,7 +208,7 @@ class DequantizedStore(KVStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
-               stored: bool = False) -> torch.Tensor:
+               stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         self.write(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         return float_attention(q, self.kq[layer, :, :, :S], self.vq[layer, :, :, :S], mask, lengths)

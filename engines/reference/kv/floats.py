@@ -88,7 +88,7 @@ class Fp8Store(DequantizedStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
-               stored: bool = False) -> torch.Tensor:
+               stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if not stored:
             self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]

@@ -117,7 +117,7 @@ class KiviStore(DequantizedStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
-               stored: bool = False) -> torch.Tensor:
+               stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if lengths is not None and kernels_fit(q):
             return self._kernel_attend(layer, q, slots, lengths)
         S = mask.shape[-1]

@@ -167,6 +167,12 @@ class RotatedTurboStore(DequantizedStore):
     def buffers(self) -> list[torch.Tensor]:
         return [self.codes, self.norms, *super().buffers()] if self.kernels else super().buffers()
 
+    def rope_in_kernels(self) -> bool:
+        """Where the kernels run and no shadow is kept (the write kernel would fill it from the rotated
+        keys; a pass that made it reads it with torch attention): RoPE in the write kernel for the
+        keys and in the attention kernel for the queries."""
+        return self.kernels and not self.has_shadow
+
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, seq_start: torch.Tensor) -> None:
         if self.kernels:
             self._write_codes(layer, k, v, slots)  # the shadow too, once made (the write kernel's DEQUANT)
@@ -175,15 +181,21 @@ class RotatedTurboStore(DequantizedStore):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                mask: torch.Tensor | Causal, seq_start: torch.Tensor, lengths: torch.Tensor | None,
-               stored: bool = False) -> torch.Tensor:
-        self.fill(layer, k, v, slots, seq_start)
+               stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if rope is not None and (lengths is None or not self.rope_in_kernels()):
+            raise ValueError("RotatedTurboStore.attend: RoPE in the kernels is for a decode step where they run "
+                             "and no shadow is kept (rope_in_kernels)")
+        if rope is not None:
+            self._write_codes(layer, k, v, slots, rope)
+        else:
+            self.fill(layer, k, v, slots, seq_start)
         S = mask.shape[-1]
         if self.kernels and lengths is not None:
             from engines.kernels.turbo_kv import decode_attention
 
             out = decode_attention(q[:, :, 0], self.codes[0, layer, :, :, :S], self.norms[0, layer, :, :, :S],
                                    self.codes[1, layer, :, :, :S], self.norms[1, layer, :, :, :S],
-                                   lengths, int(self.fmt.bits), self.fmt.seed)
+                                   lengths, int(self.fmt.bits), self.fmt.seed, rope=rope)
             return out[:, :, None].to(q.dtype)
         if self.kernels and not self.has_shadow and isinstance(mask, Causal):  # once per sequence: keep nothing
             kq, vq = self.dequantized(layer, S)
@@ -193,11 +205,14 @@ class RotatedTurboStore(DequantizedStore):
         rotation = self.fmt.rotation(q.shape[-1], q.device)
         return rotated_attention(q, kq, vq, rotation.to(q.dtype), mask)
 
-    def _write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def _write_codes(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Quantize-on-write of the new slots by the Triton kernel: codes and norms, and the
-        rotated-domain values into the shadow once it exists (DEQUANT on only then)."""
+        rotated-domain values into the shadow once it exists (DEQUANT on only then); rope: the
+        keys come before RoPE, which the kernel applies as it reads them."""
         from engines.kernels.turbo_kv import write_slots
 
         xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (k, v)]
         shadow = [self.kq[layer], self.vq[layer]] if self.has_shadow else None
-        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], shadow, int(self.fmt.bits), self.fmt.seed)
+        write_slots(xs, slots, self.codes[:, layer], self.norms[:, layer], shadow, int(self.fmt.bits), self.fmt.seed,
+                    rope=rope)
