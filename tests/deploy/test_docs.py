@@ -214,7 +214,7 @@ def test_canary_commands_in_docs_exist():
 
 KNOWN_CLIENT_VARIABLES = {
     "CANARY_API_URL", "CANARY_API_KEY", "CANARY_DASHBOARD_WRITE_KEY",  # the gate CLI and the dashboard
-    "CANARY_GATE_KEY", "CANARY_KERNELS",  # canary gate's idempotency key; engines/kernels
+    "CANARY_GATE_KEY", "CANARY_KERNELS", "CANARY_FUSED_STEP",  # canary gate's idempotency key; engines/kernels
     "CANARY_AWQ_CACHE",  # engines/reference/awq.py: where AWQ search results are cached
     "CANARY_ENGINE_API_KEY",  # canary engine-serve's --api-key default (workers/engine_server/app.py API_KEY_ENV)
     "CANARY_TEST_DATABASE_URL", "CANARY_TEST_REDIS_URL", "CANARY_PG_BINDIR", "CANARY_REDIS_SERVER",  # the test suite
