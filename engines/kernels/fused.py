@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from engines.kernels.decode import triton_next_pow2
 from engines.kernels.launches import run
 
 
@@ -60,7 +61,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     h = torch.empty_like(x) if residual is not None else x
     rows = x.numel() // dim
     run(add_rms_norm_kernel, (rows,), x, res, weight, out, h, dim, eps, HAS_RES=residual is not None,
-        BLOCK=triton_pow2(dim), num_warps=4 if dim <= 4096 else 8)
+        BLOCK=triton_next_pow2(dim), num_warps=4 if dim <= 4096 else 8)
     return out, h
 
 
@@ -108,9 +109,5 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
     run(rope_store_kernel, (B * T, math.ceil(heads / hb)), qkv, q, cos, sin, slots, k_dst, v_dst, T,
         k_dst.shape[2] if dst is not None else 0,
         cos.stride(0), cos.stride(2), *(k_dst.stride()[:3] if dst is not None else (0, 0, 0)),
-        H=n_heads, HKV=n_kv_heads, D=D, HALF=triton_pow2(D // 2), HB=hb, STORE=dst is not None, FP8=fp8)
+        H=n_heads, HKV=n_kv_heads, D=D, HALF=triton_next_pow2(D // 2), HB=hb, STORE=dst is not None, FP8=fp8)
     return q
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
